@@ -1,0 +1,101 @@
+"""Input checks shared by every op. Each error names the function, the argument, what it got
+and what was expected, and is raised before anything is allocated, launched or written.
+
+`is_device_array` and `check_device` are module-level so the CPU test tier can swap them
+(tests/conftest.py `fake_device`) and exercise every shape/dtype check with NumPy arrays.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+try:  # bfloat16 reaches NumPy and CuPy 14 through ml_dtypes
+    import ml_dtypes
+
+    BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover - ml_dtypes is a dependency
+    BFLOAT16 = None
+
+FLOAT_DTYPES = tuple(d for d in (np.dtype(np.float32), np.dtype(np.float16), BFLOAT16) if d is not None)
+
+# dtype -> C++ type used in template name expressions
+_CTYPES = {np.dtype(np.float32): "float", np.dtype(np.float16): "__half"}
+if BFLOAT16 is not None:
+    _CTYPES[BFLOAT16] = "__nv_bfloat16"
+
+
+def ctype(dtype) -> str:
+    """The kernels' C++ element type for a supported float dtype."""
+    return _CTYPES[np.dtype(dtype)]
+
+
+def dtype_name(dtype) -> str:
+    return str(np.dtype(dtype))
+
+
+def _names(dtypes) -> str:
+    return ", ".join(dtype_name(d) for d in dtypes)
+
+
+def is_device_array(x) -> bool:
+    import cupy
+
+    return isinstance(x, cupy.ndarray)
+
+
+def check_device(fn: str, name: str, x) -> None:
+    import cupy
+
+    cur = cupy.cuda.Device().id
+    if x.device.id != cur:
+        raise ValueError(f"{fn}(): {name} is on device {x.device.id} but the current device is {cur}")
+
+
+def check_array(fn: str, name: str, x, *, dtypes=FLOAT_DTYPES, ndim=None, min_ndim=None):
+    """A CuPy array on the current device, with a supported dtype and rank."""
+    if not is_device_array(x):
+        kind = "a NumPy array" if isinstance(x, np.ndarray) else type(x).__name__
+        raise TypeError(f"{fn}(): {name} must be a cupy.ndarray on the current device, got {kind}"
+                        + (" (move it with cupy.asarray)" if isinstance(x, np.ndarray) else ""))
+    check_device(fn, name, x)
+    if dtypes is not None and np.dtype(x.dtype) not in dtypes:
+        raise TypeError(f"{fn}(): {name} has dtype {dtype_name(x.dtype)}, expected one of {_names(dtypes)}")
+    if ndim is not None and x.ndim not in (ndim if isinstance(ndim, tuple) else (ndim,)):
+        raise ValueError(f"{fn}(): {name} must have {ndim} dimensions, got shape {tuple(x.shape)}")
+    if min_ndim is not None and x.ndim < min_ndim:
+        raise ValueError(f"{fn}(): {name} must have at least {min_ndim} dimensions, got shape {tuple(x.shape)}")
+    return x
+
+
+def check_same_dtype(fn: str, name: str, x, ref_name: str, ref) -> None:
+    if np.dtype(x.dtype) != np.dtype(ref.dtype):
+        raise TypeError(f"{fn}(): {name} has dtype {dtype_name(x.dtype)} but {ref_name} has {dtype_name(ref.dtype)}")
+
+
+def check_last_contiguous(fn: str, name: str, x) -> None:
+    """The kernels read rows as contiguous vectors: last dimension must have unit stride."""
+    if x.ndim and x.shape[-1] > 1 and x.strides[-1] != x.itemsize:
+        raise ValueError(f"{fn}(): {name} must be contiguous in its last dimension "
+                         f"(stride {x.strides[-1] // x.itemsize} elements); pass x.copy() or cupy.ascontiguousarray(x)")
+
+
+def check_out(fn: str, out, shape, dtype, name: str = "out"):
+    """A caller-supplied output: right shape and dtype, C-contiguous, on the current device."""
+    check_array(fn, name, out, dtypes=None)
+    if tuple(out.shape) != tuple(shape):
+        raise ValueError(f"{fn}(): {name} has shape {tuple(out.shape)}, expected {tuple(shape)}")
+    if np.dtype(out.dtype) != np.dtype(dtype):
+        raise TypeError(f"{fn}(): {name} has dtype {dtype_name(out.dtype)}, expected {dtype_name(dtype)}")
+    if not out.flags.c_contiguous:
+        raise ValueError(f"{fn}(): {name} must be C-contiguous")
+    return out
+
+
+def check_choice(fn: str, name: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"{fn}(): {name}={value!r} is not supported; expected one of {', '.join(map(repr, choices))}")
+
+
+def check_positive_int(fn: str, name: str, value, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"{fn}(): {name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)

@@ -1,0 +1,141 @@
+"""Offline compile check: every registered kernel spec, every instantiation, for sm_80 and sm_90,
+with no GPU. Uses the same spec objects, source string and options as the runtime loader, and
+reads registers / shared memory / stack / spills from ptxas' ``-v`` log.
+
+NVRTC is reached through CuPy's private ``_NVRTCProgram`` (it compiles for an explicit arch with
+no device); the check asserts it exists so a CuPy upgrade that removes it fails loudly here.
+"""
+from __future__ import annotations
+
+import io
+import re
+from dataclasses import asdict, dataclass
+
+from ._loader import KernelSpec, all_specs
+
+ARCHES = ("80", "90")
+
+_ENTRY_RE = re.compile(r"Compiling entry function '([^']+)' for '(sm_\w+)'")
+_FRAME_RE = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_REGS_RE = re.compile(r"Used (\d+) registers")
+_SMEM_RE = re.compile(r"(\d+) bytes smem")
+
+
+@dataclass
+class KernelReport:
+    spec: str
+    kernel: str  # name expression, e.g. gemm_nt_kernel<__half, 64, 64>
+    arch: str
+    registers: int
+    smem_bytes: int
+    stack_bytes: int
+    spill_stores: int
+    spill_loads: int
+    hot: bool
+
+    @property
+    def spills(self) -> bool:
+        return self.spill_stores > 0 or self.spill_loads > 0
+
+
+def rawmodule_options(spec: KernelSpec, arch: str) -> tuple[str, ...]:
+    """What cupy.RawModule hands NVRTC for this spec on an sm_<arch> device, plus ptxas -v."""
+    from cupy._core import core
+
+    opts = core.assemble_cupy_compiler_options(spec.options_for(arch))
+    if not any(o.startswith("-arch") for o in opts):
+        opts += (f"-arch=sm_{arch}",)
+    return opts + ("-ftz=true", "--device-as-default-execution-space", "-Xptxas", "-v")
+
+
+def parse_ptxas_log(log: str, mangled_to_expr: dict[str, str]):
+    """Yield (name_expression, arch, regs, smem, stack, spill_st, spill_ld) per entry function."""
+    cur = None
+    stats: dict = {}
+    for line in log.splitlines():
+        m = _ENTRY_RE.search(line)
+        if m:
+            if cur:
+                yield cur + tuple(stats.get(k, 0) for k in ("regs", "smem", "stack", "st", "ld"))
+            cur, stats = (mangled_to_expr.get(m.group(1), m.group(1)), m.group(2)), {}
+            continue
+        if cur is None:
+            continue
+        if (m := _FRAME_RE.search(line)):
+            stats["stack"], stats["st"], stats["ld"] = map(int, m.groups())
+        if (m := _REGS_RE.search(line)):
+            stats["regs"] = int(m.group(1))
+            if (s := _SMEM_RE.search(line)):
+                stats["smem"] = int(s.group(1))
+    if cur:
+        yield cur + tuple(stats.get(k, 0) for k in ("regs", "smem", "stack", "st", "ld"))
+
+
+def compile_spec(spec: KernelSpec, arch: str) -> list[KernelReport]:
+    """Compile one spec for one arch; raise RuntimeError with NVRTC's log on failure."""
+    from cupy.cuda import compiler
+
+    if not hasattr(compiler, "_NVRTCProgram"):
+        raise RuntimeError("this CuPy has no cupy.cuda.compiler._NVRTCProgram; pin cupy 14.x for the check")
+    prog = compiler._NVRTCProgram(spec.code(), f"{spec.name}.cu",
+                                  name_expressions=list(spec.name_expressions), method="cubin")
+    log = io.StringIO()
+    try:
+        _, mapping = prog.compile(rawmodule_options(spec, arch), log_stream=log)
+    except compiler.CompileException as e:
+        raise RuntimeError(f"kernel spec {spec.name!r} ({spec.source}) failed for sm_{arch}:\n"
+                           f"{e.get_message()}") from e
+    mangled = {v: k for k, v in mapping.items()}
+    reports = [KernelReport(spec.name, expr, a, *vals, hot=spec.hot)
+               for expr, a, *vals in parse_ptxas_log(log.getvalue(), mangled)]
+    missing = set(spec.name_expressions) - {r.kernel for r in reports}
+    if missing:
+        raise RuntimeError(f"kernel spec {spec.name!r}: no ptxas report for {sorted(missing)}")
+    return reports
+
+
+def run_check(only: str | None = None, arches=ARCHES):
+    """Compile every spec (or the one named ``only``) -> (reports, errors)."""
+    import cupyattn  # noqa: F401  (importing the package registers every op module's specs)
+
+    reports, errors = [], []
+    specs = [s for s in all_specs() if only is None or s.name == only]
+    if only is not None and not specs:
+        errors.append(f"no kernel spec named {only!r}; known: {', '.join(s.name for s in all_specs())}")
+    for spec in specs:
+        for arch in arches:
+            if spec.sm90a and arch != "90":
+                continue  # Hopper-only spec: built once, as sm_90a
+            try:
+                reports.extend(compile_spec(spec, arch))
+            except RuntimeError as e:
+                errors.append(str(e))
+    return reports, errors
+
+
+def main(argv=None) -> int:
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(prog="python -m cupyattn check",
+                                description="Compile every kernel instantiation for sm_80 and sm_90 "
+                                            "with NVRTC (no GPU needed); fail on errors or spills.")
+    p.add_argument("--only", help="check one kernel spec by name")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--arch", action="append", choices=ARCHES, help="restrict to these arches")
+    args = p.parse_args(argv)
+    reports, errors = run_check(args.only, tuple(args.arch) if args.arch else ARCHES)
+    spills = [r for r in reports if r.spills]
+    if args.json:
+        print(json.dumps({"kernels": [asdict(r) for r in reports], "errors": errors,
+                          "spills": [f"{r.kernel} sm_{r.arch}" for r in spills]}, indent=1))
+    else:
+        from tabulate import tabulate
+
+        rows = [(r.kernel, r.arch, r.registers, r.smem_bytes, r.stack_bytes,
+                 f"{r.spill_stores}/{r.spill_loads}") for r in reports]
+        print(tabulate(rows, headers=["kernel", "arch", "regs", "smem B", "stack B", "spill st/ld"]))
+        print(f"{len(reports)} kernel builds, {len(errors)} errors, {len(spills)} with spills")
+        for e in errors:
+            print("ERROR:", e)
+    return 1 if errors or spills else 0

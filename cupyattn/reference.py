@@ -1,0 +1,232 @@
+"""NumPy float64 references for every op in cupyattn. These are what the kernels are held to.
+
+Everything here takes NumPy (or anything ``np.asarray`` accepts, e.g. ml_dtypes bfloat16),
+computes in float64 and returns float64. Layouts match the kernels: attention is
+``[B, H, S, D]``; causal masks for Sq != Sk are aligned bottom-right (query i sees keys
+``j <= i + Sk - Sq``), and a row that sees no key produces zeros (its log-sum-exp is -inf).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def _f64(x):
+    return np.asarray(x).astype(np.float64)
+
+
+# --- GEMM -----------------------------------------------------------------------------------
+def gemm_nt(a, b):
+    """``a @ b^T`` over the last two dims: a [..., M, K], b [..., N, K] -> [..., M, N]."""
+    return _f64(a) @ np.swapaxes(_f64(b), -1, -2)
+
+
+def gemm_nn(a, b):
+    """``a @ b``: a [..., M, K], b [..., K, N] -> [..., M, N]."""
+    return _f64(a) @ _f64(b)
+
+
+# --- softmax and masks ----------------------------------------------------------------------
+def causal_allowed(sq: int, sk: int):
+    """Bool [sq, sk]: True where query i may see key j (bottom-right aligned)."""
+    i = np.arange(sq)[:, None]
+    j = np.arange(sk)[None, :]
+    return j <= i + (sk - sq)
+
+
+def softmax(x, axis=-1, scale=1.0, causal=False, mask=None):
+    """``softmax(x * scale + mask)`` along ``axis``, max-subtracted; fully masked rows -> 0.
+
+    ``causal`` masks the last two dims as [..., Sq, Sk] (requires axis = -1).
+    """
+    s = _f64(x) * scale
+    if mask is not None:
+        s = s + _f64(mask)
+    if causal:
+        if axis not in (-1, s.ndim - 1):
+            raise ValueError("causal softmax needs axis=-1")
+        s = np.where(causal_allowed(s.shape[-2], s.shape[-1]), s, -np.inf)
+    m = np.max(s, axis=axis, keepdims=True)
+    m_safe = np.where(np.isfinite(m), m, 0.0)
+    e = np.exp(s - m_safe)  # exp(-inf) = 0 for masked entries
+    denom = np.sum(e, axis=axis, keepdims=True)
+    return np.where(denom > 0, e / np.where(denom > 0, denom, 1.0), 0.0)
+
+
+# --- attention ------------------------------------------------------------------------------
+def _expand_kv(q, k, v):
+    """Repeat K/V heads for GQA/MQA: query head h uses kv head h // (Hq // Hkv)."""
+    hq, hkv = q.shape[1], k.shape[1]
+    if hq % hkv:
+        raise ValueError(f"Hq={hq} is not a multiple of Hkv={hkv}")
+    g = hq // hkv
+    return np.repeat(k, g, axis=1), np.repeat(v, g, axis=1)
+
+
+def attention_bias(b, h, sq, sk, causal=False, mask=None, key_lengths=None):
+    """Additive float64 bias [B, H, Sq, Sk] (0 or -inf, plus ``mask``) for the options."""
+    bias = np.zeros((b, h, sq, sk))
+    if mask is not None:
+        bias = bias + _f64(mask)
+    if causal:
+        bias = np.where(causal_allowed(sq, sk), bias, -np.inf)
+    if key_lengths is not None:
+        kl = np.asarray(key_lengths).reshape(b, 1, 1, 1)
+        bias = np.where(np.arange(sk)[None, None, None, :] < kl, bias, -np.inf)
+    return bias
+
+
+def attention(q, k, v, causal=False, scale=None, mask=None, key_lengths=None, return_lse=False):
+    """``softmax(q k^T * scale + bias) v`` with S materialised. q [B,Hq,Sq,D], k/v [B,Hkv,Sk,D].
+
+    ``mask`` is additive, broadcastable to [B, Hq, Sq, Sk]; ``key_lengths`` [B] hides keys
+    j >= key_lengths[b]. Returns out [B,Hq,Sq,D] (and lse [B,Hq,Sq], natural log, -inf for
+    rows that see no key).
+    """
+    q, k, v = _f64(q), _f64(k), _f64(v)
+    k, v = _expand_kv(q, k, v)
+    b, h, sq, d = q.shape
+    sk = k.shape[2]
+    scale = 1.0 / np.sqrt(d) if scale is None else scale
+    s = q @ np.swapaxes(k, -1, -2) * scale + attention_bias(b, h, sq, sk, causal, mask, key_lengths)
+    m = np.max(s, axis=-1, keepdims=True)
+    m_safe = np.where(np.isfinite(m), m, 0.0)
+    e = np.exp(s - m_safe)
+    l = np.sum(e, axis=-1, keepdims=True)
+    out = np.where(l > 0, (e @ v) / np.where(l > 0, l, 1.0), 0.0)
+    if not return_lse:
+        return out
+    with np.errstate(divide="ignore"):
+        lse = np.where(l[..., 0] > 0, m_safe[..., 0] + np.log(l[..., 0]), -np.inf)
+    return out, lse
+
+
+def flash_attention_tiled(q, k, v, causal=False, scale=None, mask=None, key_lengths=None,
+                          block_m=64, block_n=64, return_lse=False):
+    """FlashAttention-2 forward (Algorithm 1) in NumPy, tile by tile, never forming full S.
+
+    For each query tile Q_i and key tile K_j: S_ij = Q_i K_j^T * scale + bias, m_new =
+    max(m_i, rowmax S_ij), P = exp(S_ij - m_new), l_i = exp(m_i - m_new) l_i + rowsum P,
+    O_i = exp(m_i - m_new) O_i + P V_j; at the end O_i / l_i and lse = m_i + log l_i.
+    With causal, key tiles entirely above the (bottom-right) diagonal are skipped.
+    """
+    q, k, v = _f64(q), _f64(k), _f64(v)
+    k, v = _expand_kv(q, k, v)
+    b, h, sq, d = q.shape
+    sk = k.shape[2]
+    scale = 1.0 / np.sqrt(d) if scale is None else scale
+    bias_full = attention_bias(b, h, sq, sk, False, mask, key_lengths)  # causal handled by tiles
+    out = np.zeros((b, h, sq, d))
+    lse = np.full((b, h, sq), -np.inf)
+    for i0 in range(0, sq, block_m):
+        i1 = min(i0 + block_m, sq)
+        qi = q[:, :, i0:i1]
+        m_i = np.full((b, h, i1 - i0, 1), -np.inf)
+        l_i = np.zeros((b, h, i1 - i0, 1))
+        o_i = np.zeros((b, h, i1 - i0, d))
+        # last key any row of this tile may see under the bottom-right causal mask
+        k_end = min(sk, i1 - 1 + sk - sq + 1) if causal else sk
+        for j0 in range(0, max(k_end, 0), block_n):
+            j1 = min(j0 + block_n, sk)
+            s_ij = qi @ np.swapaxes(k[:, :, j0:j1], -1, -2) * scale + bias_full[:, :, i0:i1, j0:j1]
+            if causal:
+                s_ij = np.where(causal_allowed(sq, sk)[i0:i1, j0:j1], s_ij, -np.inf)
+            m_new = np.maximum(m_i, np.max(s_ij, axis=-1, keepdims=True))
+            m_safe = np.where(np.isfinite(m_new), m_new, 0.0)  # rows with nothing seen yet
+            p = np.exp(s_ij - m_safe)
+            alpha = np.exp(np.where(np.isfinite(m_i), m_i - m_safe, -np.inf))  # rescale old O, l
+            l_i = alpha * l_i + np.sum(p, axis=-1, keepdims=True)
+            o_i = alpha * o_i + p @ v[:, :, j0:j1]
+            m_i = m_new
+        ok = l_i > 0
+        out[:, :, i0:i1] = np.where(ok, o_i / np.where(ok, l_i, 1.0), 0.0)
+        with np.errstate(divide="ignore"):
+            lse[:, :, i0:i1] = np.where(ok, m_i + np.log(np.where(ok, l_i, 1.0)), -np.inf)[..., 0]
+    return (out, lse) if return_lse else out
+
+
+# --- decode with a KV cache, split-KV ------------------------------------------------------
+def decode_attention(q, k_cache, v_cache, lengths, scale=None):
+    """One query token per sequence. q [B,Hq,1,D]; caches [B,Hkv,max_seq,D]; lengths [B]."""
+    return attention(q, k_cache, v_cache, causal=False, scale=scale, key_lengths=lengths)
+
+
+def decode_split_partials(q, k_cache, v_cache, lengths, num_splits, scale=None):
+    """Flash-decoding step 1: attention over each of ``num_splits`` chunks of every sequence.
+
+    Chunk c of sequence b covers keys [c*chunk, (c+1)*chunk) with chunk = ceil(len_b / splits).
+    Returns o [splits, B, Hq, 1, D] and lse [splits, B, Hq, 1] (-inf for empty chunks).
+    """
+    lengths = np.asarray(lengths)
+    b = q.shape[0]
+    outs, lses = [], []
+    for c in range(num_splits):
+        lo = np.zeros(b, dtype=np.int64)
+        hi = np.zeros(b, dtype=np.int64)
+        for bi in range(b):
+            chunk = -(-int(lengths[bi]) // num_splits)
+            lo[bi], hi[bi] = min(c * chunk, lengths[bi]), min((c + 1) * chunk, lengths[bi])
+        j = np.arange(k_cache.shape[2])[None, None, None, :]
+        inside = (j >= lo.reshape(b, 1, 1, 1)) & (j < hi.reshape(b, 1, 1, 1))
+        o, lse = attention(q, k_cache, v_cache, scale=scale, mask=np.where(inside, 0.0, -np.inf),
+                           return_lse=True)
+        outs.append(o)
+        lses.append(lse)
+    return np.stack(outs), np.stack(lses)
+
+
+def merge_partials(o_parts, lse_parts):
+    """Flash-decoding step 2: O = sum_c exp(lse_c - lse) O_c with lse = logsumexp_c lse_c."""
+    o_parts, lse_parts = _f64(o_parts), _f64(lse_parts)
+    m = np.max(lse_parts, axis=0)
+    m_safe = np.where(np.isfinite(m), m, 0.0)
+    w = np.exp(lse_parts - m_safe)  # [splits, ...]
+    total = np.sum(w, axis=0)
+    out = np.sum(w[..., None] * o_parts, axis=0) / np.where(total > 0, total, 1.0)[..., None]
+    with np.errstate(divide="ignore"):
+        lse = np.where(total > 0, m_safe + np.log(np.where(total > 0, total, 1.0)), -np.inf)
+    return np.where(total[..., None] > 0, out, 0.0), lse
+
+
+# --- layer ops of a Llama-style model -------------------------------------------------------
+def rmsnorm(x, weight, eps=1e-5):
+    """``x / sqrt(mean(x^2) + eps) * weight`` over the last dim."""
+    x = _f64(x)
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * _f64(weight)
+
+
+def rope(x, positions, base=10000.0, style="adjacent"):
+    """Rotary embedding of x [B, H, T, D] at integer positions [B, T].
+
+    ``adjacent`` rotates pairs (x[2i], x[2i+1]) (GGUF / llama.cpp "normal"); ``neox`` rotates
+    (x[i], x[i + D/2]). Pair i turns by angle ``pos * base**(-2i/D)``.
+    """
+    x = _f64(x)
+    d = x.shape[-1]
+    inv = base ** (-np.arange(0, d, 2, dtype=np.float64) / d)  # [D/2]
+    ang = np.asarray(positions, dtype=np.float64)[:, None, :, None] * inv  # [B,1,T,D/2]
+    c, s = np.cos(ang), np.sin(ang)
+    if style == "adjacent":
+        x0, x1 = x[..., 0::2], x[..., 1::2]
+        out = np.empty_like(x)
+        out[..., 0::2] = x0 * c - x1 * s
+        out[..., 1::2] = x0 * s + x1 * c
+        return out
+    if style == "neox":
+        x0, x1 = x[..., : d // 2], x[..., d // 2:]
+        return np.concatenate([x0 * c - x1 * s, x0 * s + x1 * c], axis=-1)
+    raise ValueError(f"unknown rope style {style!r}")
+
+
+def silu(x):
+    x = _f64(x)
+    return x / (1.0 + np.exp(-x))
+
+
+def swiglu(gate, up):
+    """``silu(gate) * up``."""
+    return silu(gate) * _f64(up)
+
+
+def embedding(ids, table):
+    """Rows of table [V, D] picked by integer ids [...] -> [..., D]."""
+    return _f64(table)[np.asarray(ids)]

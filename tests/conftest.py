@@ -1,0 +1,88 @@
+"""Shared test helpers: the `gpu` marker, the `fake_device` fixture, inputs and tolerances."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cupyattn import _checks
+
+
+def _has_gpu() -> bool:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+HAS_GPU = _has_gpu()
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_GPU:
+        return
+    skip = pytest.mark.skip(reason="no CUDA device on this machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def fake_device(monkeypatch):
+    """Let the argument checks accept NumPy arrays, to test them on a machine with no GPU.
+
+    Only invalid inputs make sense under this fixture: a valid call would go on to launch.
+    """
+    monkeypatch.setattr(_checks, "is_device_array", lambda x: isinstance(x, np.ndarray))
+    monkeypatch.setattr(_checks, "check_device", lambda fn, name, x: None)
+
+
+DTYPES = ("float32", "float16", "bfloat16")
+TOL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}
+
+
+def np_dtype(name: str):
+    return np.dtype(_checks.BFLOAT16 if name == "bfloat16" else name)
+
+
+def rand_with_outliers(rng, shape, scale=1.0, outliers=3, outlier_value=30.0):
+    """Normal(0, scale) with a few large entries, so a wrong max-subtraction shows."""
+    x = rng.standard_normal(shape) * scale
+    if x.size:
+        idx = rng.integers(0, x.size, size=min(outliers, x.size))
+        x.reshape(-1)[idx] = outlier_value * np.sign(rng.standard_normal(len(idx)) + 1e-9)
+    return x
+
+
+def to_device(x, dtype: str):
+    """float64 NumPy -> CuPy array of ``dtype`` (bfloat16 via ml_dtypes), plus the rounded
+    float64 copy the reference should see (so input rounding is not counted as kernel error)."""
+    import cupy
+
+    xd = np.asarray(x).astype(np_dtype(dtype))
+    return cupy.asarray(xd), xd.astype(np.float64)
+
+
+def to_host(x):
+    import cupy
+
+    return cupy.asnumpy(x).astype(np.float64)
+
+
+def nan_like(shape, dtype: str):
+    import cupy
+
+    return cupy.full(shape, np.nan, dtype=np_dtype(dtype))
+
+
+def assert_close(out, ref, dtype: str, tol: float | None = None):
+    """Relative Frobenius error within the dtype's tolerance, and no NaN anywhere."""
+    out = to_host(out) if not isinstance(out, np.ndarray) else np.asarray(out, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    assert not np.isnan(out).any(), "output has NaN (unwritten or invalid elements)"
+    tol = TOL[dtype] if tol is None else tol
+    denom = max(np.linalg.norm(ref), 1e-30)
+    err = np.linalg.norm(out - ref) / denom
+    assert err <= tol, f"relative error {err:.3e} > {tol:.1e} ({dtype})"
