@@ -1,0 +1,100 @@
+"""CPU tier: the loader's spec handling and the offline compile check (NVRTC, no GPU)."""
+import json
+
+import pytest
+
+import cupyattn
+from cupyattn import _compile_check as cc
+from cupyattn import _loader
+from cupyattn._loader import KERNELS_DIR, KernelSpec
+
+
+def test_headers_are_inlined_once(tmp_path, monkeypatch):
+    (tmp_path / "a.cuh").write_text('#include "b.cuh"\nint a;\n')
+    (tmp_path / "b.cuh").write_text("int b;\n")
+    (tmp_path / "k.cu").write_text('#include "a.cuh"\n#include "b.cuh"\n#include <cuda_fp16.h>\nint k;\n')
+    monkeypatch.setattr(_loader, "KERNELS_DIR", tmp_path)
+    code = _loader.inline_headers("k.cu")
+    assert code.count("int b;") == 1 and "int a;" in code and "#include <cuda_fp16.h>" in code
+    assert '#include "' not in code  # CuPy's cache key now covers every project header
+
+
+def test_spec_registry_rejects_conflicting_names():
+    KernelSpec("test_dup", "common.cuh", ("k<float>",))
+    KernelSpec("test_dup", "common.cuh", ("k<float>",))  # identical re-declaration is fine
+    with pytest.raises(ValueError, match="registered twice"):
+        KernelSpec("test_dup", "common.cuh", ("k<double>",))
+    with pytest.raises(TypeError, match="tuples"):
+        KernelSpec("test_list", "common.cuh", ["k<float>"])
+    _loader._REGISTRY.pop("test_dup")
+
+
+def test_sm90a_options_need_sm90():
+    spec = KernelSpec("test_sm90a", "common.cuh", ("k",), sm90a=True)
+    try:
+        assert "-arch=sm_90a" in spec.options_for("90")
+        with pytest.raises(RuntimeError, match="sm_90 device"):
+            spec.options_for("80")
+    finally:
+        _loader._REGISTRY.pop("test_sm90a")
+
+
+def test_parse_ptxas_log_reads_every_field():
+    log = """ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function '_Z1kIfEvv' for 'sm_80'
+ptxas info    : Function properties for _Z1kIfEvv
+ptxas         .     24 bytes stack frame, 8 bytes spill stores, 12 bytes spill loads
+ptxas info    : Used 40 registers, used 1 barriers, 4096 bytes smem, 364 bytes cmem[0]
+ptxas info    : Compiling entry function '_Z1kIdEvv' for 'sm_80'
+ptxas info    : Function properties for _Z1kIdEvv
+ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 8 registers, used 0 barriers, 364 bytes cmem[0]
+"""
+    rows = list(cc.parse_ptxas_log(log, {"_Z1kIfEvv": "k<float>"}))
+    assert rows == [("k<float>", "sm_80", 40, 4096, 24, 8, 12), ("_Z1kIdEvv", "sm_80", 8, 0, 0, 0, 0)]
+
+
+def test_compile_error_names_spec_and_shows_log(tmp_path, monkeypatch):
+    (tmp_path / "bad.cu").write_text("template <typename T> __global__ void k(T* x) { x[0] = undefined_name; }\n")
+    monkeypatch.setattr(_loader, "KERNELS_DIR", tmp_path)
+    spec = KernelSpec("test_bad", "bad.cu", ("k<float>",))
+    try:
+        with pytest.raises(RuntimeError) as e:
+            cc.compile_spec(spec, "80")
+        assert "test_bad" in str(e.value) and "undefined_name" in str(e.value)
+    finally:
+        _loader._REGISTRY.pop("test_bad")
+
+
+def test_spill_is_reported(tmp_path, monkeypatch):
+    # a kernel with a large dynamically indexed local array must use local memory (stack)
+    (tmp_path / "stack.cu").write_text(
+        "__global__ void k(float* x, int i) { float a[256];"
+        " for (int j = 0; j < 256; ++j) a[j] = x[j]; x[0] = a[i]; }\n")
+    monkeypatch.setattr(_loader, "KERNELS_DIR", tmp_path)
+    spec = KernelSpec("test_stack", "stack.cu", ("k",))
+    try:
+        (r,) = cc.compile_spec(spec, "80")
+        assert r.kernel == "k" and r.arch == "sm_80" and r.stack_bytes >= 1024
+    finally:
+        _loader._REGISTRY.pop("test_stack")
+
+
+def test_every_kernel_file_has_a_spec():
+    specs = cupyattn.all_specs()
+    used = {s.source for s in specs}
+    for f in KERNELS_DIR.glob("*.cu"):
+        assert f.name in used, f"kernels_cu/{f.name} is not compiled by any KernelSpec"
+
+
+def test_offline_check_compiles_every_instantiation_without_spills(capsys):
+    """The CI gate: every spec x instantiation for sm_80 and sm_90, no errors, no spills."""
+    rc = cc.main(["--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert out["errors"] == [] and out["spills"] == []
+    built = {(k["spec"], k["kernel"], k["arch"]) for k in out["kernels"]}
+    for spec in cupyattn.all_specs():
+        for expr in spec.name_expressions:
+            for arch in ("sm_80", "sm_90"):
+                assert (spec.name, expr, arch) in built
+    assert rc == 0 and len(built) > 0
