@@ -1,13 +1,26 @@
 """Shared test helpers: the `gpu` marker, the `fake_device` fixture, inputs and tolerances."""
 from __future__ import annotations
 
+import os
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
-from cupyattn import _checks
+EMULATE = os.environ.get("CUPYATTN_EMULATE") == "1"
+if EMULATE:  # run the GPU tier on CPU threads (tests/emu/README.md); must precede any cupy import
+    sys.path.insert(0, str(Path(__file__).parent / "emu"))
+    import fakecupy
+
+    fakecupy.install()
+
+from cupyattn import _checks  # noqa: E402
 
 
 def _has_gpu() -> bool:
+    if EMULATE:
+        return True
     try:
         import cupy
 

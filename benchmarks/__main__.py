@@ -1,0 +1,234 @@
+"""cupyattn-bench: time our kernels against cuBLAS, naive CuPy, torch and HF in one run.
+
+    python -m benchmarks attention --B 4 --H 16 --Sq 4096 --D 128 --causal --dtype float16
+    python -m benchmarks attention --sweep attention-seqlen --plot attn.png --json attn.json
+    python -m benchmarks all --record            # default cases of every op -> benchmarks/results/
+
+Every run first measures the device's two ceilings (D2D copy GB/s, cuBLAS fp16 TFLOP/s) and
+reports each case against them. No device: one line on stderr and exit status 1.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from . import specs
+from .report import RESULTS_DIR
+
+PROG = "cupyattn-bench"
+
+
+def _parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    g = common.add_argument_group("run options")
+    g.add_argument("--dtype", choices=specs.DTYPES, help="element type (default: per case; sweeps float16)")
+    g.add_argument("--impl", help="comma-separated impls to run (ours and peers); default: all")
+    g.add_argument("--reps", type=int, default=30, help="timed repetitions per impl (median reported)")
+    g.add_argument("--warmup", type=int, default=3, help="untimed calls before timing")
+    g.add_argument("--budget-ms", type=float, default=1000.0, help="cap on timed reps per impl, in ms")
+    g.add_argument("--no-flush", action="store_true", help="do not flush L2 between timed reps")
+    g.add_argument("--no-check", action="store_true", help="skip the float64 reference check")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--debug", action="store_true", help="print tracebacks of failing impls")
+    g.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    o = common.add_argument_group("output")
+    o.add_argument("--json", metavar="PATH", help="write the run (meta, ceilings, records) as JSON")
+    o.add_argument("--csv", metavar="PATH", help="write the records as CSV")
+    o.add_argument("--plot", metavar="PATH.png", help="plot sweeps (needs matplotlib); several "
+                   "sweeps give PATH-<sweep>.png")
+    o.add_argument("--record", action="store_true",
+                   help="write benchmarks/results/<date>-<gpu>.json (only for real runs)")
+    o.add_argument("--results-dir", default=str(RESULTS_DIR), help=argparse.SUPPRESS)
+    m = argparse.ArgumentParser(add_help=False)
+    mg = m.add_argument_group("model options")
+    mg.add_argument("--preset", default="llama2-7b-4layers", help="synthetic tinylm preset")
+    mg.add_argument("--model-dtype", choices=specs.DTYPES, help="tinylm/HF dtype (default float16)")
+    mg.add_argument("--model-reps", type=int, default=3, help="generations per model impl")
+    mg.add_argument("--prompt-len", type=int, default=128)
+    mg.add_argument("--new-tokens", type=int, default=128)
+    # For the CPU tests of this CLI only: tinylm backend and HF device of the model cases.
+    mg.add_argument("--model-backend", default="cupy", help=argparse.SUPPRESS)
+    mg.add_argument("--hf-device", default="cuda", help=argparse.SUPPRESS)
+
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="sweeps: " + ", ".join(specs.SWEEPS))
+    sub = ap.add_subparsers(dest="op", required=True, metavar="{gemm,softmax,attention,decode,model,all}")
+
+    def add(name, help_, parents=(common,)):
+        return sub.add_parser(name, help=help_, parents=list(parents), description=help_)
+
+    def sweep_arg(p, op):
+        p.add_argument("--sweep", choices=specs.sweeps_for(op), help="run a predefined sweep")
+
+    p = add("gemm", "C = A B^T (nt) or A B (nn) vs cuBLAS")
+    for k in "MNK":
+        p.add_argument(f"--{k}", type=int)
+    p.add_argument("--layout", choices=("nt", "nn"))
+    sweep_arg(p, "gemm")
+    p = add("softmax", "row softmax vs CuPy ops and torch")
+    p.add_argument("--rows", type=int)
+    p.add_argument("--cols", type=int)
+    sweep_arg(p, "softmax")
+    for name, help_ in (("attention", "attention [B,H,S,D] (flash, naive) vs naive CuPy and torch SDPA"),
+                        ("decode", "one-token decode over a KV cache (split-KV, unsplit, naive)")):
+        p = add(name, help_)
+        for k in ("B", "H", "Hkv", "Sq", "Sk", "D"):
+            p.add_argument(f"--{k}", type=int, help="cached length" if (name, k) == ("decode", "Sk") else None)
+        p.add_argument("--causal", action="store_true",
+                       help="causal mask, bottom-right aligned" if name == "attention"
+                       else "ignored: a decode query sees its whole cache")
+        sweep_arg(p, name)
+    p = add("model", "tinylm end to end (TTFT, decode tok/s) vs HF transformers", (common, m))
+    p.add_argument("--model", help="'smollm2' or a tinylm preset (default: both smollm2 and --preset)")
+    p = add("all", "default cases of every op (and model)", (common, m))
+    p.add_argument("--with-sweeps", action="store_true", help="also run every predefined sweep")
+    p.add_argument("--skip-model", action="store_true", help="leave out the model cases")
+    return ap
+
+
+def plan(a) -> list:
+    """The cases a parsed command line asks for (pure: no device needed)."""
+    def defaults(op):
+        cases = specs.default_cases(op, a.preset) if op == "model" else specs.default_cases(op)
+        if a.dtype and op != "model":
+            cases = list(dict.fromkeys(specs.make_case(op, a.dtype, **c.p) for c in cases))
+        if op == "model":
+            cases = [specs.make_case("model", "auto", label=c.label, model=c.p["model"],
+                                     prompt_len=a.prompt_len, new_tokens=a.new_tokens) for c in cases]
+        return cases
+
+    if a.op == "all":
+        out = []
+        for op in ("gemm", "softmax", "attention", "decode"):
+            out += defaults(op)
+        if a.with_sweeps:
+            for name in specs.SWEEPS:
+                out += specs.sweep_cases(name, a.dtype or "float16")
+        if not a.skip_model:
+            out += defaults("model")
+        return out
+    if a.op == "model":
+        if a.model:
+            return [specs.make_case("model", "auto", label=f"model {a.model}", model=a.model,
+                                    prompt_len=a.prompt_len, new_tokens=a.new_tokens)]
+        return defaults("model")
+    if a.sweep:
+        return specs.sweep_cases(a.sweep, a.dtype or "float16")
+    one = specs.cli_case(a.op, a)
+    return [one] if one is not None else defaults(a.op)
+
+
+def select_impls(op: str, impl_arg: str | None, skip) -> list[str]:
+    """Requested impls of ``op`` (all by default), with missing peers skipped by ``skip``."""
+    from . import cases, peers
+
+    known = cases.impl_names(op)
+    names = list(known) if not impl_arg else [s.strip() for s in impl_arg.split(",") if s.strip()]
+    bad = [n for n in names if n not in known]
+    if bad:
+        raise ValueError(f"unknown impl {', '.join(bad)} for {op}; choose from {', '.join(known)}")
+    ok_peers = set(peers.available(op, [n for n in names if n in peers.PEERS[op]], skip))
+    return [n for n in names if n not in peers.PEERS[op] or n in ok_peers]
+
+
+def impls_for_case(case, impls: list[str]) -> list[str]:
+    """Drop impls that do not apply to a case (TF32 is a float32-only mode)."""
+    return [n for n in impls if not (n == "cublas-tf32" and case.dtype != "float32")]
+
+
+def _outputs(a, argv, records, ceilings, meta, log) -> None:
+    from . import report
+
+    run = report.run_dict(meta, ceilings, records)
+    if a.json:
+        log(f"wrote {report.write_json(a.json, run)}")
+    if a.csv:
+        log(f"wrote {report.write_csv(a.csv, records)}")
+    if a.plot:
+        sweeps = list(dict.fromkeys(r["sweep"] for r in records if r["sweep"]))
+        if not sweeps:
+            log("--plot: no sweep in this run, nothing to plot")
+        for name in sweeps:
+            path = Path(a.plot) if len(sweeps) == 1 else Path(a.plot).with_name(
+                f"{Path(a.plot).stem}-{name}{Path(a.plot).suffix or '.png'}")
+            _, _, xlabel = specs.SWEEPS[name]
+            recs = [r for r in records if r["sweep"] == name]
+            done = report.plot_sweep(recs, ceilings, path, f"{name} {recs[0]['dtype']}", xlabel)
+            log(f"wrote {done}" if done else "--plot: matplotlib is not installed, plot skipped")
+    if a.record:
+        path = report.record_path(meta.get("gpu", "gpu"), meta["date_utc"][:10], a.results_dir)
+        log(f"recorded {report.write_json(path, run)}")
+
+
+def main(argv=None) -> int:
+    os.environ.setdefault("CUPY_TF32", "0")  # float32 cuBLAS peers in full precision by default
+    argv = list(sys.argv[1:] if argv is None else argv)
+    a = _parser().parse_args(argv)
+    try:
+        cases_ = plan(a)
+    except ValueError as e:
+        print(f"{PROG}: {e}", file=sys.stderr)
+        return 2
+
+    from .timing import NoDevice, require_device
+
+    try:
+        require_device()
+    except NoDevice as e:
+        print(f"{PROG}: {e}; the benchmarks need a CUDA GPU", file=sys.stderr)
+        return 1
+    return _run(a, argv, cases_)
+
+
+def _run(a, argv, cases_) -> int:
+    from tqdm import tqdm
+
+    from . import cases, model_bench, peers, report, timing
+
+    seen = set()
+
+    def log(msg):
+        if msg not in seen:
+            seen.add(msg)
+            tqdm.write(msg, file=sys.stderr)
+
+    try:
+        impls = {op: select_impls(op, a.impl if a.op != "all" else None, log)
+                 for op in dict.fromkeys(c.op for c in cases_)}
+    except ValueError as e:
+        print(f"{PROG}: {e}", file=sys.stderr)
+        return 2
+    import cupy
+
+    cupy.random.seed(a.seed)
+    a.check = not a.no_check
+    a.model_reps = max(1, getattr(a, "model_reps", 1))
+    a.model_dtype = getattr(a, "model_dtype", None)
+    meta = report.run_meta(argv, report.device_meta())
+    log(f"{meta['gpu']} (sm_{meta['compute_capability']}), driver {meta['driver']}, "
+        f"CUDA {meta['cuda_runtime']}, CuPy {meta['cupy']}; measuring ceilings...")
+    ceilings = timing.measure_ceilings()
+    flusher = None if a.no_flush else timing.L2Flusher()
+    meta["l2_flush"] = flusher is not None
+    records = []
+    bar = tqdm(cases_, disable=a.no_progress or len(cases_) < 2, file=sys.stderr, unit="case")
+    for case in bar:
+        bar.set_postfix_str(case.name[:48])
+        names = impls_for_case(case, impls[case.op])
+        if case.op == "model":
+            recs = model_bench.run_model_case(case, names, a, ceilings, log)
+        else:
+            recs = cases.run_case(case, names, a, ceilings, flusher, log)
+        report.add_speedups(recs, peers.PRIMARY[case.op])
+        records += recs
+    bar.close()
+    print(report.format_table(records, ceilings))
+    _outputs(a, argv, records, ceilings, meta, log)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

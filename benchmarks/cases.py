@@ -1,0 +1,251 @@
+"""Case runners: device inputs, float64 references, implementations, one record per impl.
+
+For every case: draw random inputs (never zeros), compute a float64 reference with CuPy ops
+(chunked so that it fits beside the inputs), then for each implementation: first call (compile,
+correctness against the reference), one call under the pool high-water tracker, then
+``timing.time_fn``. An impl that fails gets a record with its status and one log line; the rest
+of the run goes on.
+"""
+from __future__ import annotations
+
+import traceback
+
+from . import peers, timing
+from .arrays import np_dtype, rand, to_f64
+from .report import fill_timing, new_record
+from .specs import case_bytes, case_flops
+
+OURS = {"gemm": ("ours",), "softmax": ("ours",), "attention": ("flash", "naive"),
+        "decode": ("split-kv", "unsplit", "naive"), "model": ("tinylm",)}
+
+
+def gemm_variants() -> tuple:
+    """Named gemm kernel variants, when cupyattn.gemm lists them (VARIANTS)."""
+    try:
+        from cupyattn import gemm
+    except Exception:
+        return ()
+    return tuple(getattr(gemm, "VARIANTS", ()) or ())
+
+
+def impl_names(op: str) -> tuple:
+    ours = OURS[op]
+    if op == "gemm":
+        ours = ours + tuple(f"ours-{v}" for v in gemm_variants())
+    return ours + peers.PEERS[op]
+
+
+def errors(out, ref) -> tuple[float, float]:
+    """(max |out - ref|, ||out - ref|| / ||ref||); NaN anywhere gives NaN."""
+    import cupy
+
+    d = to_f64(out).reshape(ref.shape) - ref
+    mx = float(cupy.abs(d).max())
+    rel = float(cupy.linalg.norm(d) / max(float(cupy.linalg.norm(ref)), 1e-300))
+    return mx, rel
+
+
+def ref_attention(q, k, v, causal, chunk_bytes=512 * 2**20):
+    """float64 attention on the device, one (batch, kv head) and block of query rows at a time."""
+    import cupy
+
+    B, H, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    g = H // Hkv
+    out = cupy.empty((B, H, Sq, D), dtype=cupy.float64)
+    rows = max(1, min(Sq, chunk_bytes // (8 * g * Sk)))
+    keep = peers.causal_keep(Sq, Sk) if causal else None
+    for b in range(B):
+        for h in range(Hkv):
+            kk, vv = to_f64(k[b, h]), to_f64(v[b, h])  # [Sk, D]
+            for r0 in range(0, Sq, rows):
+                qq = to_f64(q[b, h * g:(h + 1) * g, r0:r0 + rows])  # [g, rows, D]
+                s = cupy.matmul(qq, kk.T) * (D ** -0.5)
+                if keep is not None:
+                    s = cupy.where(keep[r0:r0 + rows], s, -cupy.inf)
+                m = s.max(axis=-1, keepdims=True)
+                p = cupy.exp(s - cupy.where(cupy.isfinite(m), m, 0.0))
+                den = p.sum(axis=-1, keepdims=True)
+                out[b, h * g:(h + 1) * g, r0:r0 + rows] = cupy.matmul(p, vv) / cupy.where(den > 0, den, 1.0)
+    return out
+
+
+# --- per-op inputs, reference, implementations ------------------------------------------------
+def build_inputs(case) -> dict:
+    import cupy
+
+    p, dt = case.p, case.dtype
+    if case.op == "gemm":
+        M, N, K = p["M"], p["N"], p["K"]
+        b_shape = (N, K) if p["layout"] == "nt" else (K, N)
+        return {"a": rand((M, K), dt), "b": rand(b_shape, dt, K ** -0.5),
+                "out": cupy.empty((M, N), dtype=np_dtype(dt))}
+    if case.op == "softmax":
+        x = rand((p["rows"], p["cols"]), dt, 3.0)
+        return {"x": x, "out": cupy.empty_like(x)}
+    if case.op == "attention":
+        B, H, Hkv, Sq, Sk, D = (p[k] for k in ("B", "H", "Hkv", "Sq", "Sk", "D"))
+        q = rand((B, H, Sq, D), dt)
+        return {"q": q, "k": rand((B, Hkv, Sk, D), dt), "v": rand((B, Hkv, Sk, D), dt),
+                "out": cupy.empty_like(q)}
+    if case.op == "decode":
+        from cupyattn.kvcache import KVCache
+
+        B, H, Hkv, L, D = (p[k] for k in ("B", "H", "Hkv", "L", "D"))
+        cache = KVCache(1, B, Hkv, L, D, np_dtype(dt))
+        kn, vn = rand((B, Hkv, L, D), dt), rand((B, Hkv, L, D), dt)
+        cache.append(0, kn, vn)
+        del kn, vn
+        q = rand((B, H, 1, D), dt)
+        return {"q": q, "cache": cache, "k": cache.k[0][:, :, :L], "v": cache.v[0][:, :, :L],
+                "out": cupy.empty_like(q)}
+    raise ValueError(case.op)
+
+
+def reference(case, inp):
+    import cupy
+
+    if case.op == "gemm":
+        b = to_f64(inp["b"])
+        return cupy.matmul(to_f64(inp["a"]), b.T if case.p["layout"] == "nt" else b)
+    if case.op == "softmax":
+        x = to_f64(inp["x"])
+        e = cupy.exp(x - x.max(axis=-1, keepdims=True))
+        return e / e.sum(axis=-1, keepdims=True)
+    causal = case.op == "attention" and case.p["causal"]
+    return ref_attention(inp["q"], inp["k"], inp["v"], causal)
+
+
+def make_impl(case, name: str, inp):
+    """Zero-arg callable running impl ``name`` on ``inp`` and returning its output."""
+    p, op = case.p, case.op
+    if op == "gemm":
+        if name == "ours" or name.startswith("ours-"):
+            from cupyattn import gemm
+
+            f = gemm.gemm_nt if p["layout"] == "nt" else gemm.gemm_nn
+            kw = {"variant": name[5:]} if name.startswith("ours-") else {}
+            return lambda: f(inp["a"], inp["b"], out=inp["out"], **kw)
+        return peers.cublas_gemm(inp["a"], inp["b"], p["layout"], inp["out"], tf32=name == "cublas-tf32")
+    if op == "softmax":
+        if name == "ours":
+            from cupyattn.softmax import softmax
+
+            return lambda: softmax(inp["x"], out=inp["out"])
+        if name == "cupy-ops":
+            return lambda: peers.cupy_softmax(inp["x"])
+        return peers.torch_softmax(inp["x"])
+    causal = op == "attention" and p["causal"]
+    q, k, v, out = inp["q"], inp["k"], inp["v"], inp["out"]
+    if name in ("flash", "naive"):
+        from cupyattn.attention import attention
+
+        return lambda: attention(q, k, v, causal=causal, impl=name, out=out)
+    if name in ("split-kv", "unsplit"):
+        from cupyattn.decode import decode_attention
+
+        ns = None if name == "split-kv" else 1
+        return lambda: decode_attention(q, inp["cache"], 0, num_splits=ns, out=out)
+    if name == "cupy-naive":
+        return lambda: peers.cupy_naive_attention(q, k, v, causal)
+    if name == "torch-sdpa":
+        return peers.torch_sdpa(q, k, v, causal)
+    raise ValueError(f"unknown impl {name!r} for {op}")
+
+
+# --- running ----------------------------------------------------------------------------------
+def _is_oom(e: BaseException) -> bool:
+    return "OutOfMemory" in type(e).__name__ or "out of memory" in str(e).lower()
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:200]
+
+
+def _torch_if_loaded():
+    import sys
+
+    t = sys.modules.get("torch")
+    return t if t is not None and t.cuda.is_initialized() else None
+
+
+def free_memory():
+    import cupy
+
+    cupy.get_default_memory_pool().free_all_blocks()
+    t = _torch_if_loaded()
+    if t is not None:
+        t.cuda.empty_cache()
+
+
+def measure_impl(case, name, kind, inp, ref, opts, ceilings, flusher, log) -> dict:
+    """One record: correctness, peak memory and timing of impl ``name``."""
+    import cupy
+
+    rec = new_record(case, name, kind)
+    stream = cupy.cuda.get_current_stream()
+    try:
+        fn = make_impl(case, name, inp)
+        out = fn()  # first call: compile / plan, and the output we check
+        stream.synchronize()
+        if ref is not None:
+            rec["max_abs_err"], rec["rel_err"] = errors(out, ref)
+            rec["err_ref"] = "float64 cupy"
+        del out
+        t = _torch_if_loaded()
+        if t is not None:
+            t.cuda.synchronize()
+            t.cuda.reset_peak_memory_stats()
+            t_base = t.cuda.memory_allocated()
+        with timing.PeakPool() as pk:
+            base = pk.peak
+            fn()
+            stream.synchronize()
+        extra = pk.peak - base
+        if t is not None:
+            t.cuda.synchronize()
+            extra += t.cuda.max_memory_allocated() - t_base
+        rec["peak_mb"] = ((case_bytes(case) or 0) + extra) / 2**20
+        tm = timing.time_fn(fn, warmup=opts.warmup, reps=opts.reps, budget_ms=opts.budget_ms,
+                            flusher=flusher)
+        fill_timing(rec, tm, case_flops(case), case_bytes(case), ceilings)
+        if rec["rel_err"] is not None and not rec["rel_err"] <= 0.05:
+            rec["note"] = "large error vs float64 reference"
+    except peers.PeerUnavailable as e:
+        rec["status"] = f"skipped: {e}"
+        log(f"{case.name} / {name}: skipped ({e})")
+    except Exception as e:  # an impl failing must not end the run
+        rec["status"] = "oom" if _is_oom(e) else f"error: {_one_line(e)}"
+        log(f"{case.name} / {name}: {rec['status']}")
+        if getattr(opts, "debug", False):
+            log(traceback.format_exc())
+    finally:
+        free_memory()
+    return rec
+
+
+def run_case(case, impls, opts, ceilings, flusher, log) -> list[dict]:
+    """Every requested impl on one case (inputs and reference built once)."""
+    import cupy
+
+    ours = set(impl_names(case.op)) - set(peers.PEERS[case.op])
+    try:
+        inp = build_inputs(case)
+        ref = reference(case, inp) if opts.check else None
+        cupy.cuda.get_current_stream().synchronize()
+    except Exception as e:
+        status = "oom" if _is_oom(e) else f"error building inputs: {_one_line(e)}"
+        log(f"{case.name}: {status}")
+        if getattr(opts, "debug", False):
+            log(traceback.format_exc())
+        free_memory()
+        recs = [new_record(case, n, "ours" if n in ours else "peer") for n in impls]
+        for r in recs:
+            r["status"] = status
+        return recs
+    recs = [measure_impl(case, n, "ours" if n in ours else "peer", inp, ref, opts, ceilings,
+                         flusher, log) for n in impls]
+    del inp, ref
+    free_memory()
+    return recs

@@ -1,0 +1,214 @@
+"""Peers: what our kernels are compared with in the same run.
+
+- gemm: ``cublas`` (cupy.matmul; float32 with TF32 off), ``cublas-tf32`` (float32 only).
+- softmax: ``cupy-ops`` (max/exp/sum/divide as CuPy ops, float32 math), ``torch``.
+- attention / decode: ``cupy-naive`` (cupy.matmul + CuPy-ops softmax), ``torch-sdpa``.
+- model: ``hf-transformers`` (LlamaForCausalLM built from tinylm's config and weights; see
+  ``benchmarks/hf_peer.py``).
+
+torch peers see our CuPy arrays through DLPack (zero copy) and run on CuPy's current stream, so
+the CUDA events of ``timing.time_fn`` bracket their work. A peer that is not installed is
+skipped with one line saying so; nothing else changes.
+"""
+from __future__ import annotations
+
+import contextlib
+
+PEERS = {
+    "gemm": ("cublas", "cublas-tf32"),
+    "softmax": ("cupy-ops", "torch"),
+    "attention": ("cupy-naive", "torch-sdpa"),
+    "decode": ("cupy-naive", "torch-sdpa"),
+    "model": ("hf-transformers",),
+}
+# Which peer a record's single `peer`/`speedup` columns refer to, in order of preference.
+PRIMARY = {
+    "gemm": ("cublas",),
+    "softmax": ("torch", "cupy-ops"),
+    "attention": ("torch-sdpa", "cupy-naive"),
+    "decode": ("torch-sdpa", "cupy-naive"),
+    "model": ("hf-transformers",),
+}
+TORCH_PEERS = {"torch", "torch-sdpa", "hf-transformers"}
+
+
+class PeerUnavailable(RuntimeError):
+    """The peer cannot run here (library missing, dtype unsupported); message is one line."""
+
+
+def get_torch():
+    """torch, or PeerUnavailable when it is not importable."""
+    try:
+        import torch
+    except Exception as e:  # ImportError, or a broken install raising something else
+        raise PeerUnavailable(f"torch is not importable ({type(e).__name__}: {e})") from None
+    return torch
+
+
+def get_transformers():
+    try:
+        import transformers
+    except Exception as e:
+        raise PeerUnavailable(f"transformers is not importable ({type(e).__name__}: {e})") from None
+    return transformers
+
+
+def available(op: str, names, skip) -> list[str]:
+    """The peers among ``names`` whose libraries import here; ``skip(line)`` for each other."""
+    out = []
+    for name in names:
+        try:
+            if name in TORCH_PEERS:
+                get_torch()
+            if name == "hf-transformers":
+                get_transformers()
+        except PeerUnavailable as e:
+            skip(f"skipping peer {name} ({op}): {e}")
+            continue
+        out.append(name)
+    return out
+
+
+# --- torch glue -------------------------------------------------------------------------------
+def to_torch(x):
+    """Zero-copy torch view of a CuPy array (DLPack)."""
+    torch = get_torch()
+    try:
+        return torch.from_dlpack(x)
+    except Exception as e:
+        raise PeerUnavailable(f"DLPack to torch failed for dtype {x.dtype}: {e}") from None
+
+
+def torch_stream_ctx():
+    """Run torch work on CuPy's current stream, so events recorded there bracket it."""
+    import cupy
+
+    torch = get_torch()
+    ptr = cupy.cuda.get_current_stream().ptr
+    if ptr == 0:  # CuPy's default is the legacy null stream, which is torch's default too
+        return contextlib.nullcontext()
+    return torch.cuda.stream(torch.cuda.ExternalStream(ptr))
+
+
+def wrap_torch(fn):
+    """A zero-arg callable running ``fn`` on CuPy's stream with autograd off."""
+    torch = get_torch()
+
+    def run():
+        with torch.inference_mode(), torch_stream_ctx():
+            return fn()
+
+    return run
+
+
+# --- CuPy peers -------------------------------------------------------------------------------
+@contextlib.contextmanager
+def cublas_compute_type(dtype, tf32: bool):
+    """Force CuPy's cuBLAS compute type for ``dtype`` (float32: TF32 on/off), then restore.
+
+    CuPy keeps float32 GEMMs in full precision unless CUPY_TF32=1 (``__main__`` sets it to 0
+    before importing CuPy); this makes each peer explicit either way. Uses CuPy's
+    ``_core._routines_linalg`` compute-type switch; when absent, TF32 is reported unavailable.
+    """
+    try:
+        from cupy._core import _routines_linalg as rl
+    except ImportError:
+        rl = None
+    if rl is None or not hasattr(rl, "set_compute_type"):
+        if tf32:
+            raise PeerUnavailable("this CuPy has no cuBLAS compute-type switch (TF32 peer)")
+        yield
+        return
+    old = rl.get_compute_type(dtype)
+    rl.set_compute_type(dtype, rl.COMPUTE_TYPE_TF32 if tf32 else rl.COMPUTE_TYPE_FP32)
+    try:
+        yield
+    finally:
+        rl.set_compute_type(dtype, old)
+
+
+def cublas_gemm(a, b, layout: str, out, tf32: bool = False):
+    """cupy.matmul for C = A B^T (nt: b is [N,K]) or C = A B (nn)."""
+    import cupy
+
+    bb = b.swapaxes(-1, -2) if layout == "nt" else b
+    if a.dtype != cupy.float32:
+        if tf32:
+            raise PeerUnavailable("TF32 applies to float32 only")
+        return lambda: cupy.matmul(a, bb, out=out)
+
+    def run():
+        with cublas_compute_type(a.dtype, tf32):
+            return cupy.matmul(a, bb, out=out)
+
+    return run
+
+
+def cupy_softmax(x, axis=-1):
+    """Softmax written as CuPy ops, math in float32 (what a user would write first)."""
+    import cupy
+
+    xf = x.astype(cupy.float32)
+    xf = xf - xf.max(axis=axis, keepdims=True)
+    e = cupy.exp(xf)
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+def causal_keep(sq: int, sk: int):
+    """Bool [Sq, Sk]: query i sees key j when j <= i + Sk - Sq (bottom-right aligned)."""
+    import cupy
+
+    return cupy.arange(sk)[None, :] <= cupy.arange(sq)[:, None] + (sk - sq)
+
+
+def cupy_naive_attention(q, k, v, causal=False, scale=None):
+    """S = Q K^T (cuBLAS, input dtype), softmax in float32, O = P V; GQA by broadcasting.
+
+    q [B,H,Sq,D], k/v [B,Hkv,Sk,D] with any strides cupy.matmul takes. Materialises S and P:
+    [B,H,Sq,Sk] in float32, which is exactly the memory traffic flash attention avoids.
+    """
+    import cupy
+
+    B, H, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    g = H // Hkv
+    scale = D ** -0.5 if scale is None else scale
+    q5 = q.reshape(B, Hkv, g, Sq, D)
+    s = cupy.matmul(q5, k[:, :, None].swapaxes(-1, -2)).astype(cupy.float32) * scale
+    if causal:
+        s = cupy.where(causal_keep(Sq, Sk), s, -cupy.inf)
+    m = s.max(axis=-1, keepdims=True)
+    m = cupy.where(cupy.isfinite(m), m, 0.0)  # fully masked rows -> zeros, not NaN
+    p = cupy.exp(s - m)
+    den = p.sum(axis=-1, keepdims=True)
+    p = (p / cupy.where(den > 0, den, 1.0)).astype(q.dtype)
+    return cupy.matmul(p, v[:, :, None]).reshape(B, H, Sq, D)
+
+
+# --- torch peers ------------------------------------------------------------------------------
+def torch_sdpa(q, k, v, causal=False, scale=None):
+    """torch SDPA on DLPack views; bottom-right causal via causal_lower_right when Sq != Sk."""
+    torch = get_torch()
+    import torch.nn.functional as F
+
+    tq, tk, tv = to_torch(q), to_torch(k), to_torch(v)
+    sq, sk = q.shape[2], k.shape[2]
+    kw = {"scale": scale}
+    if k.shape[1] != q.shape[1]:
+        kw["enable_gqa"] = True
+    if causal and sq != sk:
+        try:
+            from torch.nn.attention.bias import causal_lower_right
+        except ImportError:
+            raise PeerUnavailable("this torch has no causal_lower_right (Sq != Sk causal)") from None
+        kw["attn_mask"] = causal_lower_right(sq, sk)
+    elif causal:
+        kw["is_causal"] = True
+    del torch
+    return wrap_torch(lambda: F.scaled_dot_product_attention(tq, tk, tv, **kw))
+
+
+def torch_softmax(x):
+    torch = get_torch()
+    tx = to_torch(x)
+    return wrap_torch(lambda: torch.softmax(tx, dim=-1))

@@ -1,0 +1,268 @@
+"""What to measure, with no device: cases, FLOP and byte counts, predefined sweeps.
+
+Everything here is pure Python so that the CPU test tier can check it. A :class:`Case` is one
+problem shape of one op; the runners in ``cases.py`` turn it into device arrays and timings.
+
+Counting rules (the "two numbers" of a case):
+- FLOPs count one multiply-add as 2. Softmax counts no FLOPs: it is bound by memory.
+- Bytes are the fewest a kernel must move through device memory: every input read once, every
+  output written once. A kernel that re-reads K/V per query tile moves more; the ratio to this
+  minimum is what "GB/s" and "% of ceiling" expose.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+OPS = ("gemm", "softmax", "attention", "decode", "model")
+DTYPES = ("float16", "bfloat16", "float32")
+ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One problem of one op. ``params`` keys depend on ``op``:
+
+    gemm: M N K layout batch | softmax: rows cols | attention: B H Hkv Sq Sk D causal |
+    decode: B H Hkv L D | model: model prompt_len new_tokens.
+    ``sweep``/``group``/``x`` place the case on a sweep plot (line group and x-axis value).
+    """
+
+    op: str
+    dtype: str
+    params: tuple  # sorted (key, value) pairs, so a Case is hashable
+    label: str = ""
+    sweep: str = ""
+    group: str = ""
+    x: float | None = None
+
+    @property
+    def p(self) -> dict:
+        return dict(self.params)
+
+    @property
+    def shape(self) -> str:
+        return shape_str(self.op, self.p)
+
+    @property
+    def name(self) -> str:
+        return self.label or f"{self.op} {self.shape} {self.dtype}"
+
+
+def make_case(op: str, dtype: str, label: str = "", sweep: str = "", group: str = "",
+              x: float | None = None, **params) -> Case:
+    if op not in OPS:
+        raise ValueError(f"unknown op {op!r}; choose from {', '.join(OPS)}")
+    if op != "model" and dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
+    return Case(op, dtype, tuple(sorted(params.items())), label, sweep, group, x)
+
+
+def shape_str(op: str, p: dict) -> str:
+    """A short, stable text form of a case's shape (table column and record field)."""
+    if op == "gemm":
+        b = f"{p['batch']}x" if p.get("batch", 1) != 1 else ""
+        return f"{b}M{p['M']} N{p['N']} K{p['K']} {p['layout']}"
+    if op == "softmax":
+        return f"{p['rows']}x{p['cols']}"
+    if op == "attention":
+        kv = f"/{p['Hkv']}" if p["Hkv"] != p["H"] else ""
+        c = " causal" if p["causal"] else ""
+        return f"B{p['B']} H{p['H']}{kv} Sq{p['Sq']} Sk{p['Sk']} D{p['D']}{c}"
+    if op == "decode":
+        return f"B{p['B']} H{p['H']}/{p['Hkv']} L{p['L']} D{p['D']}"
+    if op == "model":
+        return f"{p['model']} prompt{p['prompt_len']} new{p['new_tokens']}"
+    raise ValueError(op)
+
+
+# --- FLOP and byte formulas ---------------------------------------------------------------------
+def gemm_flops(M: int, N: int, K: int, batch: int = 1) -> int:
+    return 2 * M * N * K * batch
+
+
+def gemm_bytes(M: int, N: int, K: int, itemsize: int, batch: int = 1) -> int:
+    """A [M,K] and B [N,K] read once, C [M,N] written once, per batch element."""
+    return (M * K + N * K + M * N) * itemsize * batch
+
+
+def softmax_bytes(rows: int, cols: int, itemsize: int) -> int:
+    return 2 * rows * cols * itemsize
+
+
+def attention_flops(B: int, H: int, Sq: int, Sk: int, D: int, causal: bool = False) -> int:
+    """S = Q K^T and O = P V: 2 * (2*Sq*Sk*D) per head; causal with Sq == Sk does half."""
+    f = 4 * B * H * Sq * Sk * D
+    return f // 2 if causal and Sq == Sk else f
+
+
+def attention_bytes(B: int, H: int, Hkv: int, Sq: int, Sk: int, D: int, itemsize: int) -> int:
+    """Q read and O written ([B,H,Sq,D] each), K and V read once ([B,Hkv,Sk,D] each)."""
+    return (2 * B * H * Sq * D + 2 * B * Hkv * Sk * D) * itemsize
+
+
+def decode_flops(B: int, H: int, L: int, D: int) -> int:
+    """One query token per sequence over L cached keys: attention_flops with Sq=1."""
+    return attention_flops(B, H, 1, L, D)
+
+
+def decode_bytes(B: int, H: int, Hkv: int, L: int, D: int, itemsize: int) -> int:
+    """The live part of the K/V cache read once, plus q read and out written."""
+    return attention_bytes(B, H, Hkv, 1, L, D, itemsize)
+
+
+def case_flops(case: Case) -> int | None:
+    p = case.p
+    if case.op == "gemm":
+        return gemm_flops(p["M"], p["N"], p["K"], p.get("batch", 1))
+    if case.op == "attention":
+        return attention_flops(p["B"], p["H"], p["Sq"], p["Sk"], p["D"], p["causal"])
+    if case.op == "decode":
+        return decode_flops(p["B"], p["H"], p["L"], p["D"])
+    return None  # softmax: memory bound; model: reported as tokens/s
+
+
+def case_bytes(case: Case) -> int | None:
+    p, it = case.p, ITEMSIZE.get(case.dtype, 0)
+    if case.op == "gemm":
+        return gemm_bytes(p["M"], p["N"], p["K"], it, p.get("batch", 1))
+    if case.op == "softmax":
+        return softmax_bytes(p["rows"], p["cols"], it)
+    if case.op == "attention":
+        return attention_bytes(p["B"], p["H"], p["Hkv"], p["Sq"], p["Sk"], p["D"], it)
+    if case.op == "decode":
+        return decode_bytes(p["B"], p["H"], p["Hkv"], p["L"], p["D"], it)
+    return None
+
+
+def rates(flops: int | None, nbytes: int | None, ms: float) -> tuple[float | None, float | None]:
+    """(TFLOP/s, GB/s) for a time in milliseconds; None where the count is None."""
+    if not ms or ms <= 0:
+        return None, None
+    tf = flops / (ms * 1e-3) / 1e12 if flops is not None else None
+    gb = nbytes / (ms * 1e-3) / 1e9 if nbytes is not None else None
+    return tf, gb
+
+
+def roofline_pct(tflops: float | None, gbps: float | None, ceilings: dict) -> tuple[float | None, str]:
+    """Percent of the nearer measured ceiling, and which one ('compute' or 'memory').
+
+    The larger of the two fractions tells what bounds the case (METHOD: the larger floor wins).
+    """
+    best, bound = None, ""
+    for value, key, name in ((tflops, "gemm_tflops", "compute"), (gbps, "copy_gbps", "memory")):
+        ceil = ceilings.get(key)
+        if value is None or not ceil:
+            continue
+        pct = 100.0 * value / ceil
+        if best is None or pct > best:
+            best, bound = pct, name
+    return best, bound
+
+
+# --- predefined sweeps -------------------------------------------------------------------------
+SEQ_LENS = (512, 1024, 2048, 4096, 8192, 16384)
+DECODE_LENS = tuple(1024 * 2**i for i in range(8))  # 1k .. 128k
+DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+# Llama-2-7B (dim 4096, FFN 11008) projections, weights in nn.Linear orientation [N, K]:
+LLAMA2_7B_PROJ = (("qkv", 12288, 4096), ("o", 4096, 4096), ("gate_up", 22016, 4096),
+                  ("down", 4096, 11008))
+GEMM_TOKENS = (1, 16, 128, 512, 2048, 4096)
+
+
+def _attention_sweep(dtype: str) -> list[Case]:
+    # FlashAttention-2's benchmark shape: 16k tokens per batch, hidden size 2048.
+    out = []
+    for D in (64, 128):
+        for causal in (False, True):
+            for S in SEQ_LENS:
+                B, H = max(1, 16384 // S), 2048 // D
+                out.append(make_case("attention", dtype, sweep="attention-seqlen",
+                                     group=f"D{D}{' causal' if causal else ''}", x=S,
+                                     B=B, H=H, Hkv=H, Sq=S, Sk=S, D=D, causal=causal))
+    return out
+
+
+def _gemm_sweep(dtype: str) -> list[Case]:
+    return [make_case("gemm", dtype, sweep="gemm-llama2-7b", group=name, x=M,
+                      label=f"gemm {name} M{M} N{N} K{K} {dtype}",
+                      M=M, N=N, K=K, layout="nt", batch=1)
+            for name, N, K in LLAMA2_7B_PROJ for M in GEMM_TOKENS]
+
+
+def _decode_len_sweep(dtype: str) -> list[Case]:
+    # Llama-3-8B-like heads: 32 query heads sharing 8 KV heads, head_dim 128.
+    return [make_case("decode", dtype, sweep="decode-len", group=f"B{B}", x=L,
+                      B=B, H=32, Hkv=8, L=L, D=128)
+            for B in (1, 8) for L in DECODE_LENS]
+
+
+def _decode_batch_sweep(dtype: str) -> list[Case]:
+    return [make_case("decode", dtype, sweep="decode-batch", group="L4096", x=B,
+                      B=B, H=32, Hkv=8, L=4096, D=128) for B in DECODE_BATCHES]
+
+
+def _softmax_sweep(dtype: str) -> list[Case]:
+    return [make_case("softmax", dtype, sweep="softmax-cols", group="rows 8192", x=c,
+                      rows=8192, cols=c) for c in (128, 512, 1024, 2048, 4096, 8192, 16384, 32768)]
+
+
+SWEEPS = {  # name -> (op, builder, x-axis label)
+    "attention-seqlen": ("attention", _attention_sweep, "sequence length"),
+    "gemm-llama2-7b": ("gemm", _gemm_sweep, "tokens (M)"),
+    "decode-len": ("decode", _decode_len_sweep, "cached length"),
+    "decode-batch": ("decode", _decode_batch_sweep, "batch"),
+    "softmax-cols": ("softmax", _softmax_sweep, "columns"),
+}
+
+
+def sweep_cases(name: str, dtype: str = "float16") -> list[Case]:
+    if name not in SWEEPS:
+        raise ValueError(f"unknown sweep {name!r}; choose from {', '.join(SWEEPS)}")
+    return SWEEPS[name][1](dtype)
+
+
+def sweeps_for(op: str) -> list[str]:
+    return [n for n, (o, _, _) in SWEEPS.items() if o == op]
+
+
+# --- default cases (what `all` runs, and a subcommand without shape args) -------------------------
+def default_cases(op: str, preset: str = "llama2-7b-4layers") -> list[Case]:
+    if op == "gemm":
+        return ([make_case("gemm", dt, M=4096, N=4096, K=4096, layout=lay, batch=1)
+                 for dt in ("float16", "bfloat16") for lay in ("nt", "nn")]
+                + [make_case("gemm", "float32", M=2048, N=2048, K=2048, layout="nt", batch=1)])
+    if op == "softmax":
+        return [make_case("softmax", dt, rows=8192, cols=4096) for dt in DTYPES]
+    if op == "attention":
+        return [make_case("attention", dt, B=4, H=16, Hkv=Hkv, Sq=4096, Sk=4096, D=D, causal=c)
+                for dt, Hkv, D, c in (("float16", 16, 128, False), ("float16", 16, 128, True),
+                                      ("bfloat16", 16, 64, True), ("float16", 4, 128, True))]
+    if op == "decode":
+        return [make_case("decode", "float16", B=B, H=32, Hkv=8, L=L, D=128)
+                for B, L in ((1, 8192), (16, 4096), (1, 65536))]
+    if op == "model":
+        # SmolLM2-135M from its GGUF file, and a synthetic tinylm preset (random weights).
+        return [make_case("model", "auto", label=f"model {m}", model=m, prompt_len=128,
+                          new_tokens=128) for m in ("smollm2", preset)]
+    raise ValueError(op)
+
+
+def cli_case(op: str, a) -> Case | None:
+    """The one case described by shape flags on the command line, or None if none were given."""
+    keys = {"gemm": ("M", "N", "K", "layout"), "softmax": ("rows", "cols"),
+            "attention": ("B", "H", "Hkv", "Sq", "Sk", "D", "causal"),
+            "decode": ("B", "H", "Hkv", "Sk", "D")}.get(op, ())
+    if not any(getattr(a, k, None) not in (None, False) for k in keys):
+        return None
+    dt = a.dtype or "float16"
+    if op == "gemm":
+        M = a.M or 4096
+        return make_case("gemm", dt, M=M, N=a.N or M, K=a.K or M, layout=a.layout or "nt", batch=1)
+    if op == "softmax":
+        return make_case("softmax", dt, rows=a.rows or 8192, cols=a.cols or 4096)
+    H = a.H or 16
+    if op == "attention":
+        Sq = a.Sq or a.Sk or 4096
+        return make_case("attention", dt, B=a.B or 4, H=H, Hkv=a.Hkv or H, Sq=Sq, Sk=a.Sk or Sq,
+                         D=a.D or 128, causal=bool(a.causal))
+    return make_case("decode", dt, B=a.B or 1, H=H, Hkv=a.Hkv or H, L=a.Sk or 8192, D=a.D or 128)

@@ -1,0 +1,262 @@
+"""Scaled dot-product attention over CuPy arrays: a fused FlashAttention-2 kernel and a split
+(naive) pipeline built from cupyattn's GEMM and softmax.
+
+Layout ``[B, H, S, D]``; K/V may have fewer heads than Q (GQA/MQA); causal masks with Sq != Sk
+are aligned bottom-right. See ``kernels_cu/flash_attn.cu`` for the kernel and its tile table.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import _checks
+from ._checks import (check_array, check_choice, check_last_contiguous, check_out,
+                      check_same_dtype, ctype)
+from ._loader import KernelSpec, get_function
+
+SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 128, 256)
+IMPLS = ("flash", "naive")
+_FN = "attention"
+
+# (head_dim, element bytes) -> (BLOCK_M, BLOCK_N, NUM_WARPS). The reasons per entry, and the
+# shared memory each costs, are in the table at the top of kernels_cu/flash_attn.cu.
+_TILES = {
+    (32, 2): (64, 64, 4), (64, 2): (64, 64, 4), (80, 2): (64, 64, 8),
+    (96, 2): (64, 64, 8), (128, 2): (64, 32, 8), (256, 2): (32, 32, 4),
+    (32, 4): (64, 64, 4), (64, 4): (64, 32, 8), (80, 4): (64, 32, 8),
+    (96, 4): (64, 32, 8), (128, 4): (32, 32, 4), (256, 4): (8, 32, 2),
+}
+_CTYPES = ("float", "__half", "__nv_bfloat16")
+_MAX_GRID_Y = 65535
+
+
+def _tile(ct: str, head_dim: int):
+    return _TILES[(head_dim, 4 if ct == "float" else 2)]
+
+
+def _flash_expr(ct: str, head_dim: int, causal: bool) -> str:
+    bm, bn, nw = _tile(ct, head_dim)
+    return f"flash_attn_fwd<{ct}, {head_dim}, {bm}, {bn}, {nw}, {'true' if causal else 'false'}>"
+
+
+FLASH_SPEC = KernelSpec(
+    "flash_attn", "flash_attn.cu",
+    tuple(_flash_expr(ct, d, c) for ct in _CTYPES for d in SUPPORTED_HEAD_DIMS for c in (False, True)))
+
+
+# --- argument checks ------------------------------------------------------------------------
+def _check_mask(mask, target):
+    """Additive float mask broadcastable to ``target`` = (B, Hq, Sq, Sk) -> 4-D shape it has."""
+    check_array(_FN, "mask", mask, min_ndim=0)
+    if mask.ndim > 4:
+        raise ValueError(f"{_FN}(): mask must have at most 4 dimensions, got shape {tuple(mask.shape)}")
+    shape = (1,) * (4 - mask.ndim) + tuple(mask.shape)
+    if any(s not in (1, t) for s, t in zip(shape, target)):
+        raise ValueError(f"{_FN}(): mask of shape {tuple(mask.shape)} does not broadcast to "
+                         f"[B, Hq, Sq, Sk] = {list(target)}")
+    return shape
+
+
+def _check_key_lengths(key_lengths, b: int, sk: int):
+    """-> ('device', array) or ('host', int32 NumPy array with values checked in [0, Sk])."""
+    if _checks.is_device_array(key_lengths):
+        kl = key_lengths
+        _checks.check_device(_FN, "key_lengths", kl)
+        where = "device"
+    else:
+        try:
+            kl = np.asarray(key_lengths)
+        except Exception as e:  # pragma: no cover - exotic objects
+            raise TypeError(f"{_FN}(): key_lengths must be an integer array of shape [B], got "
+                            f"{type(key_lengths).__name__}") from e
+        where = "host"
+    if kl.dtype.kind not in "iu":
+        raise TypeError(f"{_FN}(): key_lengths must have an integer dtype, got {kl.dtype}")
+    if tuple(kl.shape) != (b,):
+        raise ValueError(f"{_FN}(): key_lengths must have shape [B] = ({b},), got {tuple(kl.shape)}")
+    if where == "host" and kl.size and (kl.min() < 0 or kl.max() > sk):
+        raise ValueError(f"{_FN}(): key_lengths values must lie in [0, Sk={sk}], "
+                         f"got min {int(kl.min())}, max {int(kl.max())}")
+    return where, kl
+
+
+def _check_args(q, k, v, scale, mask, key_lengths, impl, out):
+    check_choice(_FN, "impl", impl, IMPLS)
+    check_array(_FN, "q", q, ndim=4)
+    check_array(_FN, "k", k, ndim=4)
+    check_array(_FN, "v", v, ndim=4)
+    check_same_dtype(_FN, "k", k, "q", q)
+    check_same_dtype(_FN, "v", v, "q", q)
+    b, hq, sq, d = q.shape
+    if k.shape[0] != b or k.shape[3] != d:
+        raise ValueError(f"{_FN}(): k has shape {tuple(k.shape)}, expected [B={b}, Hkv, Sk, D={d}] "
+                         f"to match q {tuple(q.shape)}")
+    if tuple(v.shape) != tuple(k.shape):
+        raise ValueError(f"{_FN}(): v has shape {tuple(v.shape)} but k has {tuple(k.shape)}")
+    hkv, sk = k.shape[1], k.shape[2]
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"{_FN}(): q heads Hq={hq} must be a multiple of k/v heads Hkv={hkv}")
+    if impl == "flash" and d not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"{_FN}(): head_dim D={d} is not supported by impl='flash'; supported: "
+                         f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))} (impl='naive' takes any D)")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_last_contiguous(_FN, name, x)
+    if scale is None:
+        scale = 1.0 / math.sqrt(d) if d else 1.0
+    else:
+        try:
+            scale = float(scale)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"{_FN}(): scale must be a real number, got {type(scale).__name__}") from e
+        if not math.isfinite(scale):
+            raise ValueError(f"{_FN}(): scale must be finite, got {scale}")
+    mshape = _check_mask(mask, (b, hq, sq, sk)) if mask is not None else None
+    kl = _check_key_lengths(key_lengths, b, sk) if key_lengths is not None else None
+    if out is not None:
+        check_out(_FN, out, (b, hq, sq, d), q.dtype)
+    return scale, mshape, kl
+
+
+# --- public op ------------------------------------------------------------------------------
+def attention(q, k, v, causal=False, scale=None, mask=None, key_lengths=None, impl="flash",
+              return_lse=False, out=None):
+    """Scaled dot-product attention ``softmax(q k^T * scale + bias) v``.
+
+    Parameters
+    ----------
+    q : cupy.ndarray [B, Hq, Sq, D]
+        Queries, float32 / float16 / bfloat16. Any strides, but the last dim must be contiguous.
+    k, v : cupy.ndarray [B, Hkv, Sk, D]
+        Keys and values, same dtype as ``q``; ``Hq % Hkv == 0`` (GQA/MQA: query head ``h`` uses
+        kv head ``h // (Hq // Hkv)``; K/V are never copied or repeated).
+    causal : bool
+        Query ``i`` sees keys ``j <= i + Sk - Sq`` (bottom-right aligned, as FlashAttention-2).
+    scale : float, optional
+        Multiplies ``q k^T``; default ``1 / sqrt(D)``.
+    mask : cupy.ndarray, optional
+        Additive float mask broadcastable to [B, Hq, Sq, Sk] (``-inf`` hides a key). The flash
+        kernel reads float32 through strides (0 on broadcast dims); a float16/bfloat16 mask is
+        first converted to float32 (a copy of the mask's own, un-broadcast size).
+    key_lengths : int array [B], optional
+        Keys ``j >= key_lengths[b]`` are hidden. Host values (list / NumPy) are checked to lie in
+        [0, Sk]; a CuPy array is used as is (not read back: the flash kernel clamps it to [0, Sk]).
+    impl : {"flash", "naive"}
+        ``"flash"`` (default): one fused FlashAttention-2 kernel launch; S is never written to
+        memory and only ``out`` (and ``lse``) are allocated. D must be one of
+        ``SUPPORTED_HEAD_DIMS`` = (32, 64, 80, 96, 128, 256).
+        ``"naive"``: ``S = gemm_nt(q, k)`` [B, Hq, Sq, Sk] in memory, softmax, ``gemm_nn(P, v)``;
+        any D. With a mask, key_lengths or return_lse, S is taken to float32 for the softmax.
+    return_lse : bool
+        Also return the row log-sum-exp of the scaled, masked scores.
+    out : cupy.ndarray [B, Hq, Sq, D], optional
+        C-contiguous, dtype of ``q``; written and returned.
+
+    Returns
+    -------
+    out : cupy.ndarray [B, Hq, Sq, D], dtype of ``q`` (float32 accumulation inside).
+    lse : cupy.ndarray [B, Hq, Sq] float32, natural log (only with ``return_lse=True``).
+
+    A row that sees no key at all (causal with Sq > Sk, key_lengths 0, a mask of -inf) is
+    **zeros** in ``out`` (not NaN) and ``-inf`` in ``lse``.
+
+    Examples
+    --------
+    >>> q = cupy.random.randn(2, 8, 1000, 64).astype(cupy.float16)
+    >>> kv = cupy.random.randn(2, 2, 1000, 64).astype(cupy.float16)   # 4 query heads per kv head
+    >>> o = attention(q, kv, kv, causal=True)                        # [2, 8, 1000, 64] float16
+    >>> o, lse = attention(q, kv, kv, key_lengths=[1000, 17], return_lse=True)
+    """
+    scale, mshape, kl = _check_args(q, k, v, scale, mask, key_lengths, impl, out)
+    import cupy
+
+    b, hq, sq, d = q.shape
+    sk = k.shape[2]
+    if out is None:
+        out = cupy.empty((b, hq, sq, d), dtype=q.dtype)
+    lse = cupy.empty((b, hq, sq), dtype=cupy.float32) if return_lse else None
+    if out.size == 0 or sk == 0:  # empty batch, or no key for anyone -> zeros / -inf
+        out.fill(0)
+        if lse is not None:
+            lse.fill(-np.inf)
+        return (out, lse) if return_lse else out
+    if kl is not None:
+        where, arr = kl
+        # int32 and contiguous, as the kernel reads key_lengths[b] (a no-op for the usual input)
+        kl = cupy.asarray(arr, dtype=cupy.int32) if where == "host" else \
+            cupy.ascontiguousarray(arr, dtype=cupy.int32)
+    if mask is not None and mask.dtype != cupy.float32:
+        mask = mask.astype(cupy.float32)
+    run = _flash if impl == "flash" else _naive
+    run(q, k, v, causal, scale, mask, mshape, kl, out, lse)
+    return (out, lse) if return_lse else out
+
+
+# --- impl="flash": one kernel launch --------------------------------------------------------
+def _elem_strides(x):
+    return [s // x.itemsize for s in x.strides]
+
+
+def _flash_launch(q, k, v, causal, scale, mask, mshape, kl, out, lse):
+    """(name expression, grid, block, args) of the one kernel launch (no device needed: the
+    CPU tests feed the same tuple to a host emulation of the kernel)."""
+    b, hq, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    ct = ctype(q.dtype)
+    bm, _, nw = _tile(ct, d)
+    if mask is not None:
+        mask = mask.reshape(mshape)  # leading 1s: a view
+        mstr = [0 if n == 1 else s for n, s in zip(mshape, _elem_strides(mask))]
+    else:
+        mstr = [0, 0, 0, 0]
+    bh = b * hq
+    grid = ((sq + bm - 1) // bm, min(bh, _MAX_GRID_Y), (bh + _MAX_GRID_Y - 1) // _MAX_GRID_Y)
+    i64 = np.int64
+    args = (q, k, v, out, lse, mask, kl,
+            np.int32(b), np.int32(hq), np.int32(hkv), np.int32(sq), np.int32(sk),
+            *map(i64, _elem_strides(q)[:3]), *map(i64, _elem_strides(k)[:3]),
+            *map(i64, _elem_strides(v)[:3]), *map(i64, mstr),
+            np.float32(scale * math.log2(math.e)))
+    return _flash_expr(ct, d, bool(causal)), grid, (nw * 32,), args
+
+
+def _flash(q, k, v, causal, scale, mask, mshape, kl, out, lse):
+    expr, grid, block, args = _flash_launch(q, k, v, causal, scale, mask, mshape, kl, out, lse)
+    get_function(FLASH_SPEC, expr)(grid, block, args)
+
+
+# --- impl="naive": gemm_nt -> softmax -> gemm_nn, S in memory -------------------------------
+def _naive(q, k, v, causal, scale, mask, mshape, kl, out, lse):
+    import cupy
+
+    from .gemm import gemm_nn, gemm_nt
+    from .softmax import softmax
+
+    b, hq, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    g = hq // hkv
+    # GQA without K/V copies: query heads h = hk*g .. hk*g+g-1 share kv head hk, so q viewed as
+    # [B, Hkv, g*Sq, D] (a view when q is contiguous) multiplies k [B, Hkv, Sk, D] directly.
+    qg = q.reshape(b, hkv, g * sq, d)
+    s = gemm_nt(qg, cupy.ascontiguousarray(k)).reshape(b, hq, sq, sk)
+    if mask is None and kl is None and lse is None:
+        p = softmax(s, axis=-1, scale=scale, causal=causal)
+    else:
+        s32 = s.astype(cupy.float32) * np.float32(scale)
+        if mask is not None:
+            s32 += mask.reshape(mshape)
+        if kl is not None:
+            j = cupy.arange(sk, dtype=cupy.int32)
+            s32 = cupy.where(j[None, None, None, :] < kl[:, None, None, None], s32, np.float32(-np.inf))
+        if lse is not None:
+            t = s32
+            if causal:
+                i = cupy.arange(sq)[:, None]
+                t = cupy.where(cupy.arange(sk)[None, :] <= i + (sk - sq), s32, np.float32(-np.inf))
+            mx = t.max(axis=-1, keepdims=True)
+            mx = cupy.where(cupy.isfinite(mx), mx, 0)
+            tot = cupy.exp(t - mx).sum(axis=-1)
+            lse[...] = cupy.where(tot > 0, mx[..., 0] + cupy.log(cupy.where(tot > 0, tot, 1)), -cupy.inf)
+        p = softmax(s32, axis=-1, causal=causal).astype(q.dtype, copy=False)
+    # out is C-contiguous, so its [B, Hkv, g*Sq, D] reshape is a view gemm_nn writes through.
+    gemm_nn(p.reshape(b, hkv, g * sq, sk), cupy.ascontiguousarray(v), out=out.reshape(b, hkv, g * sq, d))

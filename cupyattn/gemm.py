@@ -1,0 +1,204 @@
+"""Batched GEMM over CuPy arrays: ``gemm_nt`` (a @ b^T) and ``gemm_nn`` (a @ b).
+
+Kernels live in ``kernels_cu/gemm.cu`` (variants side by side):
+
+=======  =====================================================================  ================
+variant  kernel                                                                 dtypes
+=======  =====================================================================  ================
+simt     v1: smem-tiled 128x64x16, 8x4 register micro-tile per thread           f32, f16, bf16
+mma      v2: tensor cores (mma.sync m16n8k16, ldmatrix, cp.async), 128x128x32   f16, bf16
+=======  =====================================================================  ================
+
+``variant="auto"`` (default) picks ``mma`` for float16/bfloat16 and ``simt`` for float32 (the
+tensor-core path has no float32-exact input type; TF32 would miss the 1e-5 contract).
+
+Batching: leading dims broadcast NumPy-style and are handed to the kernel as at most two
+collapsed (size, stride) batch dims per operand, stride 0 for broadcast dims, so broadcast and
+strided (non-contiguous) batches are read in place. Only when the batch dims cannot be collapsed
+to two (e.g. three non-mergeable strided batch dims) are both operands copied to contiguous
+broadcast arrays first. Rows may have any stride; the last dim must be contiguous.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import _checks
+from ._loader import KernelSpec, get_function
+
+VARIANTS = ("auto", "simt", "mma")
+_TILES = {"simt": (128, 64), "mma": (128, 128)}  # (BM, BN); must match kernels_cu/gemm.cu
+_THREADS = 256
+_MAX_GRID_Y = 65535
+_INT32_MAX = 2**31 - 1
+
+_SIMT_TYPES = ("float", "__half", "__nv_bfloat16")
+_MMA_TYPES = ("__half", "__nv_bfloat16")
+
+
+def _expr(variant: str, ctype: str, nt: bool) -> str:
+    return f"gemm_{variant}_kernel<{ctype}, {'true' if nt else 'false'}>"
+
+
+SPEC = KernelSpec(
+    name="gemm",
+    source="gemm.cu",
+    name_expressions=tuple(_expr("simt", t, nt) for t in _SIMT_TYPES for nt in (True, False))
+    + tuple(_expr("mma", t, nt) for t in _MMA_TYPES for nt in (True, False)),
+)
+
+
+def _batch_strides(x, batch) -> list[int]:
+    """Element strides of x's leading dims aligned to the broadcast ``batch`` (0 = broadcast)."""
+    pad = len(batch) - (x.ndim - 2)
+    out = []
+    for i in range(len(batch)):
+        j = i - pad
+        out.append(0 if j < 0 or x.shape[j] == 1 else x.strides[j] // x.itemsize)
+    return out
+
+
+def _collapse(batch, sa, sb) -> list[tuple[int, int, int]]:
+    """Drop size-1 dims, merge adjacent dims whose strides nest for both operands."""
+    dims: list[tuple[int, int, int]] = []
+    for n, a_st, b_st in zip(batch, sa, sb):
+        if n == 1:
+            continue
+        if dims and dims[-1][1] == a_st * n and dims[-1][2] == b_st * n:
+            dims[-1] = (dims[-1][0] * n, a_st, b_st)
+        else:
+            dims.append((n, a_st, b_st))
+    return dims
+
+
+def _validate(fn, a, b, out, variant, nt):
+    """Every check, before anything is allocated or launched. Returns (batch, M, N, K)."""
+    _checks.check_array(fn, "a", a, min_ndim=2)
+    _checks.check_array(fn, "b", b, min_ndim=2)
+    _checks.check_same_dtype(fn, "b", b, "a", a)
+    _checks.check_last_contiguous(fn, "a", a)
+    _checks.check_last_contiguous(fn, "b", b)
+    _checks.check_choice(fn, "variant", variant, VARIANTS)
+    m, k = a.shape[-2:]
+    n, kb = b.shape[-2:] if nt else b.shape[-2:][::-1]
+    if kb != k:
+        want = "[..., N, K]" if nt else "[..., K, N]"
+        raise ValueError(f"{fn}(): b has shape {tuple(b.shape)} (expected {want}) with K={kb}, "
+                         f"but a has shape {tuple(a.shape)} with K={k}")
+    try:
+        batch = tuple(np.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
+    except ValueError:
+        raise ValueError(f"{fn}(): batch dims of a {tuple(a.shape[:-2])} and b {tuple(b.shape[:-2])} "
+                         f"do not broadcast") from None
+    if variant == "mma" and np.dtype(a.dtype) == np.float32:
+        raise TypeError(f"{fn}(): variant='mma' needs float16 or bfloat16 inputs, got float32 "
+                        f"(use variant='simt' or 'auto')")
+    for name, v in (("M", m), ("N", n), ("K", k)):
+        if v > _INT32_MAX:
+            raise ValueError(f"{fn}(): {name}={v} exceeds the kernels' int32 limit")
+    if out is not None:
+        _checks.check_out(fn, out, batch + (m, n), a.dtype)
+    return batch, m, n, k
+
+
+def _gemm(fn, a, b, out, variant, nt):
+    import cupy
+
+    batch, m, n, k = _validate(fn, a, b, out, variant, nt)
+    if out is None:
+        out = cupy.empty(batch + (m, n), dtype=a.dtype)
+    if out.size == 0:
+        return out  # empty batch, M = 0 or N = 0: nothing to launch
+    if k == 0:
+        out.fill(0)
+        return out
+    if variant == "auto":
+        variant = "simt" if np.dtype(a.dtype) == np.float32 else "mma"
+
+    dims = _collapse(batch, _batch_strides(a, batch), _batch_strides(b, batch))
+    if len(dims) > 2:  # the kernel takes two batch dims: materialise the broadcast batch
+        a = cupy.ascontiguousarray(cupy.broadcast_to(a, batch + a.shape[-2:]))
+        b = cupy.ascontiguousarray(cupy.broadcast_to(b, batch + b.shape[-2:]))
+        dims = _collapse(batch, _batch_strides(a, batch), _batch_strides(b, batch))
+    dims = [(1, 0, 0)] * (2 - len(dims)) + dims
+    (n_out, a_so, b_so), (n_in, a_si, b_si) = dims
+    nbatch = n_out * n_in
+
+    isz = a.itemsize
+    lda = a.strides[-2] // isz if m > 1 else 0  # a unit dim's stride is never used
+    b_rows = n if nt else k
+    ldb = b.strides[-2] // isz if b_rows > 1 else 0
+    vec_ok = 0
+    if isz == 2 and a.data.ptr % 16 == 0 and b.data.ptr % 16 == 0 and \
+            all(s % 8 == 0 for s in (lda, ldb, a_so, a_si, b_so, b_si)):
+        vec_ok |= 1
+    if out.data.ptr % 4 == 0 and n % 2 == 0:
+        vec_ok |= 2
+
+    bm, bn = _TILES[variant]
+    tiles_m, tiles_n = -(-m // bm), -(-n // bn)
+    if tiles_m * tiles_n > _INT32_MAX:
+        raise ValueError(f"{fn}(): M={m}, N={n} need more than 2^31-1 tiles")
+    kern = get_function(SPEC, _expr(variant, _checks.ctype(a.dtype), nt))
+    i32, i64 = np.int32, np.int64
+    kern((tiles_m * tiles_n, min(nbatch, _MAX_GRID_Y), 1), (_THREADS, 1, 1),
+         (a, b, out, i32(m), i32(n), i32(k), i32(tiles_n), i64(nbatch), i64(n_in),
+          i64(a_so), i64(a_si), i64(lda), i64(b_so), i64(b_si), i64(ldb), i32(vec_ok)))
+    return out
+
+
+def gemm_nt(a, b, out=None, *, variant="auto"):
+    """``a @ b^T`` over the last two dims, batched over the leading dims.
+
+    Parameters
+    ----------
+    a : cupy.ndarray, shape [..., M, K]
+        float32, float16 or bfloat16; last dim contiguous (rows and batch may be strided).
+    b : cupy.ndarray, shape [..., N, K]
+        Same dtype as ``a``. Leading dims broadcast against ``a``'s (a 2-D ``b`` is shared by
+        every batch entry without a copy).
+    out : cupy.ndarray, shape [..., M, N], optional
+        C-contiguous, same dtype as ``a``; written in place and returned.
+    variant : {"auto", "simt", "mma"}
+        Kernel variant; "auto" is tensor cores for 16-bit inputs, SIMT for float32.
+
+    Returns
+    -------
+    cupy.ndarray, shape broadcast(a.shape[:-2], b.shape[:-2]) + (M, N), dtype of ``a``
+        Accumulated in float32 and rounded once. K = 0 gives zeros.
+
+    Examples
+    --------
+    >>> x = cupy.random.standard_normal((4, 17, 64)).astype(cupy.float16)   # [B, M, K]
+    >>> w = cupy.random.standard_normal((96, 64)).astype(cupy.float16)      # [N, K], shared
+    >>> gemm_nt(x, w).shape                                                 # x @ w^T
+    (4, 17, 96)
+    """
+    return _gemm("gemm_nt", a, b, out, variant, True)
+
+
+def gemm_nn(a, b, out=None, *, variant="auto"):
+    """``a @ b`` over the last two dims, batched over the leading dims.
+
+    Parameters
+    ----------
+    a : cupy.ndarray, shape [..., M, K]
+        float32, float16 or bfloat16; last dim contiguous (rows and batch may be strided).
+    b : cupy.ndarray, shape [..., K, N]
+        Same dtype as ``a``; leading dims broadcast against ``a``'s.
+    out : cupy.ndarray, shape [..., M, N], optional
+        C-contiguous, same dtype as ``a``; written in place and returned.
+    variant : {"auto", "simt", "mma"}
+        As for :func:`gemm_nt`.
+
+    Returns
+    -------
+    cupy.ndarray, shape broadcast(a.shape[:-2], b.shape[:-2]) + (M, N), dtype of ``a``
+
+    Examples
+    --------
+    >>> p = cupy.random.random((2, 8, 128, 128), dtype=cupy.float32)   # [B, H, Sq, Sk]
+    >>> v = cupy.random.random((2, 8, 128, 64), dtype=cupy.float32)    # [B, H, Sk, D]
+    >>> gemm_nn(p, v).shape
+    (2, 8, 128, 64)
+    """
+    return _gemm("gemm_nn", a, b, out, variant, False)

@@ -1,0 +1,306 @@
+"""Layer ops of a Llama-style decoder: RMSNorm, rotary embedding, SwiGLU, residual add, token
+embedding. Kernels in ``kernels_cu/layers.cu`` (spec ``"layers"``).
+
+Every op takes CuPy arrays on the current device, checks them (naming the argument) before it
+allocates or launches anything, computes in float32 whatever the element dtype, writes into
+``out`` when given (else a new C-contiguous array) and runs on the current CuPy stream. None of
+them synchronises with the host.
+
+Example
+-------
+>>> h = embedding(ids, tok_embd)                        # ids [B, T] -> [B, T, dim]
+>>> a = rmsnorm(h, attn_norm)                           # [B, T, dim]
+>>> q = rope(q, positions, base=1e5, out=q)             # q [B, H, T, hd], in place
+>>> h = add(h, attn_out, out=h)                         # residual, in place
+>>> f = swiglu(gate, up)                                # silu(gate) * up
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import _checks as C
+from ._loader import KernelSpec, get_function
+
+# --- kernel spec: every instantiation the dispatch below can ask for -----------------------------
+_CT = ("float", "__half", "__nv_bfloat16")
+_VEC = {"float": 4, "__half": 8, "__nv_bfloat16": 8}  # 16 bytes per vector access
+# rmsnorm weight: same type as x, or float32 (norm weights kept in float32 next to fp16/bf16 x)
+_RMS_TW = (("float", "float"), ("__half", "__half"), ("__half", "float"),
+           ("__nv_bfloat16", "__nv_bfloat16"), ("__nv_bfloat16", "float"))
+_ID_CT = {np.dtype(np.int32): "int", np.dtype(np.int64): "long long"}
+
+
+def _exprs():
+    out = []
+    for kind in ("rmsnorm_warp_kernel", "rmsnorm_block_kernel"):
+        out += [f"{kind}<{t}, {w}, {v}>" for t, w in _RMS_TW for v in (1, _VEC[t])]
+    for t in _CT:
+        out += [f"rope_kernel<{t}, false, false>", f"rope_kernel<{t}, false, true>",
+                f"rope_kernel<{t}, true, false>"]
+    for kind in ("swiglu_kernel", "add_kernel"):
+        out += [f"{kind}<{t}, {v}>" for t in _CT for v in (1, _VEC[t])]
+    out += [f"embedding_kernel<{t}, {i}, {v}>" for t in _CT for i in ("int", "long long")
+            for v in (1, _VEC[t])]
+    return tuple(out)
+
+
+SPEC = KernelSpec("layers", "layers.cu", _exprs())
+
+# --- launch configuration --------------------------------------------------------------------------
+# rmsnorm: rows up to 1024 wide -> one warp per row (4 rows per 128-thread block; even SmolLM's
+#   576 gives each lane 18 elements, and many short rows keep all SMs busy); wider rows -> one
+#   block per row, threads = next power of two of (vectors / 4), 64..1024, ~4 vectors a thread.
+_RMS_WARP_MAX_D = 1024
+_RMS_WARPS = 4  # = RMS_WARPS in layers.cu
+# grid-strided kernels: 1024 blocks of 256 threads fill an H100 (132 SMs x 8 blocks) once; more
+#   rows than that loop, which lets rope reuse each thread's inv_freq across rows.
+_MAX_BLOCKS = 1024
+_THREADS = 256
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _ptr(a) -> int:
+    return a.data.ptr
+
+
+def _aligned(nbytes: int, *arrays) -> bool:
+    return all(_ptr(a) % nbytes == 0 for a in arrays)
+
+
+def _vec_width(ct: str, n: int, *arrays) -> int:
+    """16-byte vectors when ``n`` elements split evenly and every array starts 16-byte aligned."""
+    v = _VEC[ct]
+    return v if n % v == 0 and _aligned(16, *arrays) else 1
+
+
+def _row_block(nvec: int) -> tuple[int, int]:
+    """(threads over a row's ``nvec`` work items, rows per block) for 256-thread 2-D blocks."""
+    bx = min(_pow2_at_least(max(nvec, 1)), _THREADS)
+    return bx, _THREADS // bx
+
+
+def _new_or_out(fn, out, shape, dtype):
+    import cupy
+
+    if out is None:
+        return cupy.empty(shape, dtype=dtype)
+    return C.check_out(fn, out, shape, dtype)
+
+
+def _check_float(fn: str, name: str, value, minimum: float, strict: bool) -> float:
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{fn}(): {name} must be a real number, got {value!r}") from None
+    if not math.isfinite(v) or v < minimum or (strict and v == minimum):
+        rel = ">" if strict else ">="
+        raise ValueError(f"{fn}(): {name} must be finite and {rel} {minimum}, got {value!r}")
+    return v
+
+
+# --- rmsnorm ---------------------------------------------------------------------------------------
+def rmsnorm(x, weight, eps=1e-5, out=None):
+    """Root-mean-square norm over the last dimension, ``x / sqrt(mean(x**2) + eps) * weight``.
+
+    Parameters
+    ----------
+    x : cupy.ndarray [..., D]
+        float32, float16 or bfloat16, any D >= 1. A non-C-contiguous x is copied first.
+    weight : cupy.ndarray [D]
+        Same dtype as ``x``, or float32 (then fp16/bf16 activations are scaled by the unrounded
+        float32 weight).
+    eps : float
+        Added to the mean of squares; >= 0.
+    out : cupy.ndarray [..., D], optional
+        C-contiguous, dtype of ``x``; may be ``x`` itself (in place).
+
+    Returns
+    -------
+    cupy.ndarray [..., D] of x's dtype. Sum of squares, scale and product are float32.
+    """
+    return _rmsnorm(x, weight, eps, out, variant="auto")
+
+
+def _rmsnorm(x, weight, eps, out, variant):
+    """rmsnorm with the kernel picked by hand: variant 'auto' | 'warp' | 'block' (for tests)."""
+    import cupy
+
+    fn = "rmsnorm"
+    C.check_array(fn, "x", x, min_ndim=1)
+    C.check_array(fn, "weight", weight, ndim=1)
+    d = x.shape[-1]
+    if weight.shape[0] != d:
+        raise ValueError(f"{fn}(): weight has shape {tuple(weight.shape)}, expected ({d},) (last dim of x)")
+    if np.dtype(weight.dtype) not in (np.dtype(x.dtype), np.dtype(np.float32)):
+        raise TypeError(f"{fn}(): weight has dtype {C.dtype_name(weight.dtype)}; expected "
+                        f"{C.dtype_name(x.dtype)} (as x) or float32")
+    eps = _check_float(fn, "eps", eps, 0.0, strict=False)
+    C.check_choice(fn, "variant", variant, ("auto", "warp", "block"))
+    out = _new_or_out(fn, out, x.shape, x.dtype)
+    rows = x.size // d if d else 0
+    if rows == 0 or d == 0:
+        return out
+    x = cupy.ascontiguousarray(x)
+    weight = cupy.ascontiguousarray(weight)
+    t, w = C.ctype(x.dtype), C.ctype(weight.dtype)
+    v = _VEC[t]
+    if not (d % v == 0 and _aligned(16, x, out) and _aligned(weight.itemsize * v, weight)):
+        v = 1
+    if variant == "auto":
+        variant = "warp" if d <= _RMS_WARP_MAX_D else "block"
+    args = (x, weight, out, np.int64(rows), np.int32(d), np.float32(eps))
+    if variant == "warp":
+        kern = get_function(SPEC, f"rmsnorm_warp_kernel<{t}, {w}, {v}>")
+        kern(((rows + _RMS_WARPS - 1) // _RMS_WARPS,), (32 * _RMS_WARPS,), args)
+    else:
+        threads = min(1024, max(64, _pow2_at_least(-(-(d // v) // 4))))
+        kern = get_function(SPEC, f"rmsnorm_block_kernel<{t}, {w}, {v}>")
+        kern((rows,), (threads,), args)
+    return out
+
+
+# --- rope ------------------------------------------------------------------------------------------
+ROPE_STYLES = ("adjacent", "neox")
+
+
+def rope(x, positions, base=10000.0, style="adjacent", out=None):
+    """Rotary position embedding of ``x`` [B, H, T, D] at integer ``positions`` [B, T].
+
+    Pair i of each row turns by ``positions[b, t] * base**(-2i/D)``. ``style="adjacent"``
+    pairs (x[2i], x[2i+1]) (GGUF / llama.cpp "normal" rope); ``"neox"`` pairs (x[i], x[i+D/2]).
+
+    Parameters
+    ----------
+    x : cupy.ndarray [B, H, T, D]
+        float32/float16/bfloat16, D even. Any strides in B, H, T (q/k views of a fused
+        projection are fine); the last dim must be contiguous when ``out is x``, otherwise such
+        an x is copied first.
+    positions : cupy.ndarray [B, T]
+        int32 (int64 is converted on device; values must fit int32). Negative positions rotate
+        backwards.
+    base : float
+        > 0 (10000 for Llama 2, 100000 for SmolLM2).
+    out : cupy.ndarray [B, H, T, D], optional
+        ``x`` itself (in place, x's strides kept) or a C-contiguous array of x's dtype.
+
+    The angle is formed and reduced modulo 2*pi in double precision, then rotated in float32,
+    so positions in the tens of thousands lose no accuracy (see rope_kernel in layers.cu).
+    """
+    import cupy
+
+    fn = "rope"
+    C.check_array(fn, "x", x, ndim=4)
+    b, h, t, d = x.shape
+    if d % 2 or d == 0:
+        raise ValueError(f"{fn}(): the last dim of x (D={d}) must be even and > 0")
+    C.check_array(fn, "positions", positions, dtypes=tuple(_ID_CT), ndim=2)
+    if tuple(positions.shape) != (b, t):
+        raise ValueError(f"{fn}(): positions has shape {tuple(positions.shape)}, expected ({b}, {t}) = [B, T] of x")
+    base = _check_float(fn, "base", base, 0.0, strict=True)
+    C.check_choice(fn, "style", style, ROPE_STYLES)
+    if b * h * t >= 2**31:
+        raise ValueError(f"{fn}(): B*H*T = {b * h * t} rows is more than this kernel indexes (2^31 - 1)")
+    if out is x:
+        C.check_last_contiguous(fn, "x (rotated in place)", x)
+        if any(s == 0 and n > 1 for s, n in zip(x.strides, x.shape)):
+            raise ValueError(f"{fn}(): x has a broadcast (stride 0) dimension and cannot be rotated in place")
+    else:
+        out = _new_or_out(fn, out, x.shape, x.dtype)
+    if x.size == 0:
+        return out
+    if x.strides[-1] != x.itemsize:
+        x = cupy.ascontiguousarray(x)
+    pos = cupy.ascontiguousarray(positions, dtype=cupy.int32)
+    half = d // 2
+    ct = C.ctype(x.dtype)
+    xs = [s // x.itemsize for s in x.strides[:3]]
+    ys = [s // out.itemsize for s in out.strides[:3]]
+    neox = style == "neox"
+    # adjacent pairs load as one 2-element vector when every row start is 2-element aligned
+    pv = (not neox and _aligned(2 * x.itemsize, x, out)
+          and all(s % 2 == 0 for s, n in zip(xs + ys, (b, h, t) * 2) if n > 1))
+    kern = get_function(SPEC, f"rope_kernel<{ct}, {'true' if neox else 'false'}, {'true' if pv else 'false'}>")
+    rows = b * h * t
+    bx, by = _row_block(half)
+    grid = min(-(-rows // by), _MAX_BLOCKS)
+    kern((grid,), (bx, by), (x, out, pos, np.int32(rows), np.int32(h), np.int32(t), np.int32(half),
+                             *(np.int64(s) for s in xs), *(np.int64(s) for s in ys),
+                             np.float64(-math.log2(base) / half)))
+    return out
+
+
+# --- elementwise -----------------------------------------------------------------------------------
+def _elementwise(fn, kname, a_name, a, b_name, b, out):
+    import cupy
+
+    C.check_array(fn, a_name, a)
+    C.check_array(fn, b_name, b)
+    C.check_same_dtype(fn, b_name, b, a_name, a)
+    if tuple(b.shape) != tuple(a.shape):
+        raise ValueError(f"{fn}(): {b_name} has shape {tuple(b.shape)} but {a_name} has {tuple(a.shape)}")
+    out = _new_or_out(fn, out, a.shape, a.dtype)
+    n = a.size
+    if n == 0:
+        return out
+    a, b = cupy.ascontiguousarray(a), cupy.ascontiguousarray(b)
+    ct = C.ctype(a.dtype)
+    v = _vec_width(ct, n, a, b, out)
+    nv = n // v
+    kern = get_function(SPEC, f"{kname}<{ct}, {v}>")
+    kern((min(-(-nv // _THREADS), _MAX_BLOCKS * 8),), (_THREADS,), (a, b, out, np.int64(nv)))
+    return out
+
+
+def swiglu(gate, up, out=None):
+    """``silu(gate) * up`` elementwise (the SwiGLU FFN's gate), float32 math.
+
+    gate, up: cupy arrays of one shape and dtype (float32/float16/bfloat16; non-C-contiguous
+    inputs are copied first). out: C-contiguous, same shape/dtype; may be gate or up.
+    """
+    return _elementwise("swiglu", "swiglu_kernel", "gate", gate, "up", up, out)
+
+
+def add(x, y, out=None):
+    """Residual add ``x + y`` (same shape and dtype, float32 math, rounded once).
+
+    out: C-contiguous, same shape/dtype; may be x (``add(h, r, out=h)`` in place) or y.
+    """
+    return _elementwise("add", "add_kernel", "x", x, "y", y, out)
+
+
+# --- embedding -------------------------------------------------------------------------------------
+def embedding(ids, table, out=None):
+    """Rows of ``table`` [V, D] picked by ``ids`` [...] -> [..., D] (table's dtype).
+
+    ids: int32 or int64 cupy array of any shape. An id outside [0, V) -- negative ids included,
+    there is no Python-style wrap-around -- yields a row of zeros: checking ids on the host would
+    need a device sync, so the kernel guards the read instead. table: float32/float16/bfloat16,
+    last dim contiguous (rows may be strided). out: C-contiguous [..., D] of table's dtype.
+    """
+    import cupy
+
+    fn = "embedding"
+    C.check_array(fn, "ids", ids, dtypes=tuple(_ID_CT))
+    C.check_array(fn, "table", table, ndim=2)
+    C.check_last_contiguous(fn, "table", table)
+    vocab, d = table.shape
+    out = _new_or_out(fn, out, tuple(ids.shape) + (d,), table.dtype)
+    n = ids.size
+    if n == 0 or d == 0:
+        return out
+    ids = cupy.ascontiguousarray(ids)
+    ct, it = C.ctype(table.dtype), _ID_CT[np.dtype(ids.dtype)]
+    ld = table.strides[0] // table.itemsize
+    v = _VEC[ct]
+    if not (d % v == 0 and (ld % v == 0 or vocab == 1) and _aligned(16, table, out)):
+        v = 1
+    bx, by = _row_block(d // v)
+    kern = get_function(SPEC, f"embedding_kernel<{ct}, {it}, {v}>")
+    kern((min(-(-n // by), _MAX_BLOCKS),), (bx, by),
+         (ids, table, out, np.int64(n), np.int32(d), np.int64(vocab), np.int64(ld)))
+    return out

@@ -1,0 +1,122 @@
+"""Row softmax over CuPy arrays: ``softmax(x, axis=-1, scale=1.0, causal=False, out=None)``.
+
+Kernels live in ``kernels_cu/softmax.cu``: a warp-per-row kernel (row kept in registers) for rows
+of up to 1024 elements and a block-per-row kernel (online max/sum, two passes over the row) for
+longer rows, 1,000,000 elements and beyond.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+
+import numpy as np
+
+from . import _checks
+from ._loader import KernelSpec, get_function
+
+_VPTS = (1, 2, 4, 8, 16, 32)  # values per lane of the warp-per-row kernel
+_WARP_MAX = 32 * _VPTS[-1]  # longer rows go to the block-per-row kernel
+_WARP_ROWS_PER_BLOCK = 4
+_BLOCK = 512
+_INT32_MAX = 2**31 - 1
+_TYPES = ("float", "__half", "__nv_bfloat16")
+
+
+def _warp_expr(ctype: str, vpt: int) -> str:
+    return f"softmax_warp_kernel<{ctype}, {vpt}>"
+
+
+def _block_expr(ctype: str) -> str:
+    return f"softmax_block_kernel<{ctype}, {_BLOCK}>"
+
+
+SPEC = KernelSpec(
+    name="softmax",
+    source="softmax.cu",
+    name_expressions=tuple(_warp_expr(t, v) for t in _TYPES for v in _VPTS)
+    + tuple(_block_expr(t) for t in _TYPES),
+)
+
+
+def _validate(fn, x, axis, scale, causal, out):
+    _checks.check_array(fn, "x", x, min_ndim=1)
+    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)) or not -x.ndim <= axis < x.ndim:
+        raise ValueError(f"{fn}(): axis={axis!r} is out of range for x of shape {tuple(x.shape)}")
+    axis = int(axis) % x.ndim
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
+        raise ValueError(f"{fn}(): scale must be a finite real number, got {scale!r}")
+    if causal:
+        if axis != x.ndim - 1:
+            raise ValueError(f"{fn}(): causal=True needs axis=-1 (the key axis of [..., Sq, Sk]), got axis={axis}")
+        if x.ndim < 2:
+            raise ValueError(f"{fn}(): causal=True needs x of shape [..., Sq, Sk], got shape {tuple(x.shape)}")
+    if x.ndim and x.shape[axis] > _INT32_MAX:
+        raise ValueError(f"{fn}(): rows of {x.shape[axis]} elements exceed the kernels' int32 limit")
+    if out is not None:
+        _checks.check_out(fn, out, x.shape, x.dtype)
+    return axis
+
+
+def _launch(x, y, causal, scale):
+    """x, y: C-contiguous, same shape; softmax over the last dim."""
+    n = x.shape[-1]
+    rows = x.size // n
+    sq = x.shape[-2] if causal else 1
+    ct = _checks.ctype(x.dtype)
+    args = (x, y, np.int64(rows), np.int32(n), np.int32(sq), np.float32(scale), np.int32(bool(causal)))
+    if n <= _WARP_MAX:
+        vpt = next(v for v in _VPTS if 32 * v >= n)
+        kern = get_function(SPEC, _warp_expr(ct, vpt))
+        grid = -(-rows // _WARP_ROWS_PER_BLOCK)
+        kern((grid, 1, 1), (32 * _WARP_ROWS_PER_BLOCK, 1, 1), args)
+    else:
+        kern = get_function(SPEC, _block_expr(ct))
+        kern((rows, 1, 1), (_BLOCK, 1, 1), args)
+
+
+def softmax(x, axis=-1, scale=1.0, causal=False, out=None):
+    """``softmax(x * scale)`` along ``axis``, max-subtracted, computed in float32.
+
+    Parameters
+    ----------
+    x : cupy.ndarray, shape [...]
+        float32, float16 or bfloat16. A non-C-contiguous ``x`` is copied to a contiguous array
+        first; so is ``x`` for a non-last ``axis`` (moved to the end, then moved back).
+    axis : int
+        Axis to normalise over (default -1).
+    scale : float
+        Multiplies ``x`` before the softmax (e.g. 1/sqrt(D) for attention scores).
+    causal : bool
+        Treat the last two dims as [..., Sq, Sk] scores and hide key j from query i unless
+        ``j <= i + Sk - Sq`` (bottom-right aligned, as FlashAttention-2). Needs ``axis=-1``.
+        Rows that see no key (Sq > Sk, top rows) are all zeros, as are rows of all ``-inf``.
+    out : cupy.ndarray, optional
+        C-contiguous, shape and dtype of ``x``; may be ``x`` itself (in place).
+
+    Returns
+    -------
+    cupy.ndarray, same shape and dtype as ``x``
+
+    Examples
+    --------
+    >>> s = cupy.random.standard_normal((2, 8, 100, 128)).astype(cupy.float16)  # [B, H, Sq, Sk]
+    >>> p = softmax(s, scale=0.125, causal=True)
+    >>> bool(cupy.allclose(p.astype(cupy.float32).sum(-1), 1, atol=1e-2))
+    True
+    """
+    import cupy
+
+    fn = "softmax"
+    axis = _validate(fn, x, axis, scale, causal, out)
+    if out is None:
+        out = cupy.empty(x.shape, dtype=x.dtype)
+    if x.size == 0:
+        return out
+    if axis != x.ndim - 1:
+        xm = cupy.ascontiguousarray(cupy.moveaxis(x, axis, -1))
+        ym = cupy.empty_like(xm)
+        _launch(xm, ym, False, scale)
+        out[...] = cupy.moveaxis(ym, -1, axis)
+        return out
+    _launch(cupy.ascontiguousarray(x), out, causal, scale)
+    return out

@@ -1,0 +1,304 @@
+// gemm.cu: batched C = A B^T (NT) and C = A B (NN), float32 accumulation, same-dtype output.
+//
+//   variant  idea                                                                 dtypes
+//   v1 simt  smem-tiled 128x64x16 block tile, 256 threads, 8x4 register micro-tile  f32 f16 bf16
+//            per thread, next K tile prefetched into registers while computing
+//   v2 mma   tensor cores: mma.sync m16n8k16 (f32 acc), ldmatrix fragments (.trans   f16 bf16
+//            for NN's B), 128x128x32 block tile, 8 warps of 64x32, cp.async double
+//            buffer (scalar zero-filled loads on tails / unaligned operands)
+//
+// Layouts (all row-major, last dim contiguous; row strides lda/ldb in elements):
+//   a: [batch, M, K]   b: NT [batch, N, K] | NN [batch, K, N]   c: [batch, M, N] contiguous
+// Batch index z (0..nbatch) maps to operand offsets through two collapsed batch dims:
+//   off = (z / batch_inner) * s_outer + (z % batch_inner) * s_inner   (stride 0 = broadcast)
+//
+// Tile table (reason per entry):
+//   v1 128x64x16, 8x4/thread : 32 accumulators + 12 fragment + 12 prefetch registers, smem
+//                              As 16x132 f32 + Bs 16x68 f32 = 12.7 KB; float4 smem reads.
+//   v2 128x128x32, 8 warps   : warp tile 64x32 = 4x4 mma tiles (64 f32 acc/thread); smem per
+//                              stage 2 x 128x(32+8) halves (NT) = 20 KB, 2 stages = 40 KB < 48 KB
+//                              static; the +8-half row pad makes every ldmatrix phase
+//                              (8 rows x 16 B) hit 32 distinct banks.
+#include "common.cuh"
+
+// --- v1: SIMT register-blocked --------------------------------------------------------------
+constexpr int S_BM = 128, S_BN = 64, S_BK = 16, S_THREADS = 256;
+
+// a: [nbatch, M, K] (row stride lda), b: NT [nbatch, N, K] | NN [nbatch, K, N] (row stride ldb),
+// c: [nbatch, M, N] contiguous. grid = (tiles_m * tiles_n, min(nbatch, 65535)), block = 256.
+template <typename T, bool NT>
+__global__ void __launch_bounds__(S_THREADS)
+gemm_simt_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c,
+                 int M, int N, int K, int tiles_n, long long nbatch, long long batch_inner,
+                 long long a_so, long long a_si, long long lda,
+                 long long b_so, long long b_si, long long ldb, int /*vec_ok: unused by v1*/) {
+    __shared__ __align__(16) float As[S_BK][S_BM + 4];  // As[k][m]: A tile, transposed
+    __shared__ __align__(16) float Bs[S_BK][S_BN + 4];  // Bs[k][n]
+    const int tid = threadIdx.x, tx = tid % 16, ty = tid / 16;
+    const int m0 = (blockIdx.x / tiles_n) * S_BM, n0 = (blockIdx.x % tiles_n) * S_BN;
+
+    for (long long z = blockIdx.y; z < nbatch; z += gridDim.y) {
+        const T* A = a + (z / batch_inner) * a_so + (z % batch_inner) * a_si;
+        const T* B = b + (z / batch_inner) * b_so + (z % batch_inner) * b_si;
+        T* C = c + z * (long long)M * N;
+
+        float acc[8][4];
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) acc[i][j] = 0.f;
+
+        // Global -> register staging. A tile 128x16: element e = tid + 256 i -> row e/16, k e%16
+        // (16 consecutive threads read 16 consecutive k of one row). B likewise, or for NN
+        // 16x64: k = e/64, n = e%64. Out-of-range elements read as 0 (tails in M, N and K).
+        float ra[8], rb[4];
+        auto load_tile = [&](int k0) {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                const int gm = m0 + ty + 16 * i, gk = k0 + tx;
+                ra[i] = (gm < M && gk < K) ? to_float(A[gm * lda + gk]) : 0.f;
+            }
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                if constexpr (NT) {
+                    const int gn = n0 + ty + 16 * i, gk = k0 + tx;
+                    rb[i] = (gn < N && gk < K) ? to_float(B[gn * ldb + gk]) : 0.f;
+                } else {
+                    const int gk = k0 + tid / 64 + 4 * i, gn = n0 + tid % 64;
+                    rb[i] = (gk < K && gn < N) ? to_float(B[gk * ldb + gn]) : 0.f;
+                }
+            }
+        };
+
+        load_tile(0);
+        for (int k0 = 0; k0 < K; k0 += S_BK) {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) As[tx][ty + 16 * i] = ra[i];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                if constexpr (NT) Bs[tx][ty + 16 * i] = rb[i];
+                else Bs[tid / 64 + 4 * i][tid % 64] = rb[i];
+            }
+            __syncthreads();
+            if (k0 + S_BK < K) load_tile(k0 + S_BK);  // in flight while the tile below is used
+
+            // C_tile += A_tile B_tile: thread owns rows {ty*4+i, 64+ty*4+i}, cols tx*4+j.
+#pragma unroll
+            for (int kk = 0; kk < S_BK; ++kk) {
+                const float4 a_lo = *reinterpret_cast<const float4*>(&As[kk][ty * 4]);
+                const float4 a_hi = *reinterpret_cast<const float4*>(&As[kk][64 + ty * 4]);
+                const float4 bv = *reinterpret_cast<const float4*>(&Bs[kk][tx * 4]);
+                const float av[8] = {a_lo.x, a_lo.y, a_lo.z, a_lo.w, a_hi.x, a_hi.y, a_hi.z, a_hi.w};
+                const float bw[4] = {bv.x, bv.y, bv.z, bv.w};
+#pragma unroll
+                for (int i = 0; i < 8; ++i)
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(av[i], bw[j], acc[i][j]);
+            }
+            __syncthreads();  // the next iteration overwrites As/Bs
+        }
+
+        // Epilogue: guarded stores (M, N tails).
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const int gm = m0 + (i < 4 ? ty * 4 + i : 64 + ty * 4 + (i - 4));
+            if (gm >= M) continue;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int gn = n0 + tx * 4 + j;
+                if (gn < N) C[(long long)gm * N + gn] = from_float<T>(acc[i][j]);
+            }
+        }
+    }
+}
+
+// --- v2 helpers: cp.async, ldmatrix, mma.sync ------------------------------------------------
+constexpr int T_BM = 128, T_BN = 128, T_BK = 32, T_THREADS = 256, T_PAD = 8;
+constexpr int T_LDA = T_BK + T_PAD;  // smem row stride (halves) of A and of NT's B: 80 bytes
+constexpr int T_LDB_NN = T_BN + T_PAD;  // smem row stride of NN's B [k][n]: 272 bytes
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(smem)), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+// Four 8x8 b16 matrices; lane l gives the address of row l%8 of matrix l/8. Lane l receives
+// in r[i] the pair (row l/4, cols 2(l%4), 2(l%4)+1) of matrix i; with .trans the pair
+// (rows 2(l%4), 2(l%4)+1, col l/4) of the matrix as addressed.
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+}
+// acc[16x8] += A[16x16] B[16x8]. Fragments (g = lane/4, t = lane%4): a[0] (row g, k 2t..2t+1),
+// a[1] (row g+8, k 2t), a[2] (row g, k 2t+8), a[3] (row g+8, k 2t+8); b[0] (k 2t..2t+1, col g),
+// b[1] (k 2t+8.., col g); acc[0..1] (row g, cols 2t, 2t+1), acc[2..3] (row g+8, same cols).
+__device__ __forceinline__ void mma16816(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2],
+                                         const __half*) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+__device__ __forceinline__ void mma16816(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2],
+                                         const __nv_bfloat16*) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+__device__ __forceinline__ unsigned short bits16(__half x) { return __half_as_ushort(x); }
+__device__ __forceinline__ unsigned short bits16(__nv_bfloat16 x) { return __bfloat16_as_ushort(x); }
+
+// Stage an R x C tile (C a multiple of 8) of a row-major 16-bit matrix g (row stride ld) at
+// (r0, c0) into smem s (row stride LDS) as 16-byte chunks: chunk ch = tid + 256 i is row ch/(C/8),
+// cols (ch%(C/8))*8..+7. A chunk fully inside (rlim, clim) on an aligned operand goes by
+// cp.async; any other chunk is read element by element with zero fill (tails, odd strides).
+template <int R, int C, int LDS>
+__device__ __forceinline__ void stage_tile(unsigned short* s, const unsigned short* g, long long ld,
+                                           int r0, int rlim, int c0, int clim, bool vec_ok) {
+    constexpr int CPR = C / 8;
+#pragma unroll
+    for (int i = 0; i < R * CPR / T_THREADS; ++i) {
+        const int ch = threadIdx.x + T_THREADS * i;
+        const int r = ch / CPR, cc = (ch % CPR) * 8;
+        const int gr = r0 + r, gc = c0 + cc;
+        unsigned short* sp = s + r * LDS + cc;
+        if (vec_ok && gr < rlim && gc + 8 <= clim) {
+            cp_async16(sp, g + gr * ld + gc);
+        } else {
+            unsigned short v[8];
+#pragma unroll
+            for (int e = 0; e < 8; ++e) v[e] = (gr < rlim && gc + e < clim) ? g[gr * ld + gc + e] : 0;
+            uint4 w;
+            w.x = v[0] | (unsigned(v[1]) << 16);
+            w.y = v[2] | (unsigned(v[3]) << 16);
+            w.z = v[4] | (unsigned(v[5]) << 16);
+            w.w = v[6] | (unsigned(v[7]) << 16);
+            *reinterpret_cast<uint4*>(sp) = w;
+        }
+    }
+}
+
+// --- v2: tensor-core mma.sync ----------------------------------------------------------------
+// Same arguments as v1. vec_ok bit 0: both operands' base pointers are 16-byte aligned and every
+// stride (lda/ldb, batch strides) is a multiple of 8 elements (cp.async needs that); bit 1: c is
+// 4-byte aligned and N is even (paired 32-bit stores in the epilogue).
+template <typename T, bool NT>
+__global__ void __launch_bounds__(T_THREADS)
+gemm_mma_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c,
+                int M, int N, int K, int tiles_n, long long nbatch, long long batch_inner,
+                long long a_so, long long a_si, long long lda,
+                long long b_so, long long b_si, long long ldb, int vec_ok) {
+    constexpr int B_ROWS = NT ? T_BN : T_BK;            // NT: Bs[n][k]; NN: Bs[k][n]
+    constexpr int B_LDS = NT ? T_LDA : T_LDB_NN;
+    __shared__ __align__(16) unsigned short As[2][T_BM * T_LDA];     // [stage][m][k]
+    __shared__ __align__(16) unsigned short Bs[2][B_ROWS * B_LDS];   // [stage][n][k] | [stage][k][n]
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wm = warp >> 2, wn = warp & 3;  // warp tile: rows wm*64..+63, cols wn*32..+31
+    const int m0 = (blockIdx.x / tiles_n) * T_BM, n0 = (blockIdx.x % tiles_n) * T_BN;
+    const int nk = (K + T_BK - 1) / T_BK;
+    const bool vec = (vec_ok & 1) != 0, pair_store = (vec_ok & 2) != 0;
+
+    for (long long z = blockIdx.y; z < nbatch; z += gridDim.y) {
+        const unsigned short* A = reinterpret_cast<const unsigned short*>(a) +
+                                  (z / batch_inner) * a_so + (z % batch_inner) * a_si;
+        const unsigned short* B = reinterpret_cast<const unsigned short*>(b) +
+                                  (z / batch_inner) * b_so + (z % batch_inner) * b_si;
+        T* C = c + z * (long long)M * N;
+
+        auto load_stage = [&](int st, int k0) {
+            stage_tile<T_BM, T_BK, T_LDA>(As[st], A, lda, m0, M, k0, K, vec);
+            if constexpr (NT) stage_tile<T_BN, T_BK, T_LDA>(Bs[st], B, ldb, n0, N, k0, K, vec);
+            else stage_tile<T_BK, T_BN, T_LDB_NN>(Bs[st], B, ldb, k0, K, n0, N, vec);
+        };
+
+        float acc[4][4][4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
+
+        // Double buffer: stage kt+1 is in flight (cp.async) while stage kt feeds the mma.
+        load_stage(0, 0);
+        cp_async_commit();
+        for (int kt = 0; kt < nk; ++kt) {
+            if (kt + 1 < nk) {
+                load_stage((kt + 1) & 1, (kt + 1) * T_BK);  // that buffer was released at the
+                cp_async_commit();                          // trailing barrier of kt-1
+                cp_async_wait<1>();                         // stage kt has landed
+            } else {
+                cp_async_wait<0>();
+            }
+            __syncthreads();
+            const unsigned short* sA = As[kt & 1];
+            const unsigned short* sB = Bs[kt & 1];
+#pragma unroll
+            for (int ks = 0; ks < T_BK; ks += 16) {
+                // B fragments of the warp's 4 n8-tiles: matrix i = lane/8 covers n-tile
+                // 2p + i/2 and k half i%2, so r = {b0, b1} of tile 2p then of tile 2p+1.
+                unsigned bf[4][2];
+#pragma unroll
+                for (int p = 0; p < 2; ++p) {
+                    unsigned r[4];
+                    if constexpr (NT) {
+                        const int n = wn * 32 + p * 16 + (lane >> 4) * 8 + (lane & 7);
+                        const int k = ks + ((lane >> 3) & 1) * 8;
+                        ldmatrix_x4(r, sB + n * B_LDS + k);
+                    } else {
+                        const int k = ks + ((lane >> 3) & 1) * 8 + (lane & 7);
+                        const int n = wn * 32 + p * 16 + (lane >> 4) * 8;
+                        ldmatrix_x4_trans(r, sB + k * B_LDS + n);
+                    }
+                    bf[2 * p][0] = r[0]; bf[2 * p][1] = r[1];
+                    bf[2 * p + 1][0] = r[2]; bf[2 * p + 1][1] = r[3];
+                }
+#pragma unroll
+                for (int mt = 0; mt < 4; ++mt) {
+                    // A fragment: matrix i covers rows (i%2)*8.. and k half i/2 -> a[0..3].
+                    unsigned af[4];
+                    const int m = wm * 64 + mt * 16 + ((lane >> 3) & 1) * 8 + (lane & 7);
+                    ldmatrix_x4(af, sA + m * T_LDA + ks + (lane >> 4) * 8);
+#pragma unroll
+                    for (int nt = 0; nt < 4; ++nt) mma16816(acc[mt][nt], af, bf[nt], (const T*)nullptr);
+                }
+            }
+            __syncthreads();  // every warp is done with stage kt before it is refilled
+        }
+
+        // Epilogue: acc[mt][nt][e] is C[row, col] with row = wm*64 + mt*16 + g + 8*(e/2),
+        // col = wn*32 + nt*8 + 2t + e%2. Pairs go out as one 32-bit store when aligned.
+        const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+        for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int gm = m0 + wm * 64 + mt * 16 + g + 8 * h;
+                if (gm >= M) continue;
+                T* crow = C + (long long)gm * N;
+#pragma unroll
+                for (int nt = 0; nt < 4; ++nt) {
+                    const int gn = n0 + wn * 32 + nt * 8 + 2 * t;
+                    const T v0 = from_float<T>(acc[mt][nt][2 * h]);
+                    const T v1 = from_float<T>(acc[mt][nt][2 * h + 1]);
+                    if (pair_store && gn + 1 < N) {  // gn even, N even, c aligned: 4-byte aligned pair
+                        *reinterpret_cast<unsigned*>(crow + gn) = bits16(v0) | (unsigned(bits16(v1)) << 16);
+                    } else {
+                        if (gn < N) crow[gn] = v0;
+                        if (gn + 1 < N) crow[gn + 1] = v1;
+                    }
+                }
+            }
+    }
+}

@@ -1,0 +1,240 @@
+// layers.cu: the per-token layer ops of a Llama-style decoder (spec "layers", cupyattn/layers.py).
+//
+//   kernel                      idea
+//   rmsnorm_warp_kernel<T,W,V>  one warp per row (4 rows per 128-thread block): sum of squares
+//                               over lane-strided V-vectors, butterfly shuffle reduction, second
+//                               pass scales by 1/sqrt(mean + eps) * weight. For D <= 1024.
+//   rmsnorm_block_kernel<T,W,V> one block per row: per-warp shuffle reduction, warp partials
+//                               through 32 floats of smem, then every warp reduces them. D > 1024.
+//   rope_kernel<T,NEOX,PV>      one thread per rotation pair, rows grid-strided so each thread
+//                               turns base^(-i/half) (double exp2) once and reuses it for many
+//                               rows; angle pos*inv_freq formed and reduced mod 2pi in double,
+//                               sincospif on the reduced angle / pi in float. Strided [B,H,T] views, in place ok.
+//                               NEOX pairs (i, i+D/2); adjacent pairs (2i, 2i+1), PV: pair as one
+//                               2-element vector load.
+//   swiglu_kernel<T,V>          grid-strided elementwise silu(gate) * up over V-vectors.
+//   add_kernel<T,V>             grid-strided elementwise x + y over V-vectors (residual add).
+//   embedding_kernel<T,I,V>     one row of threads per token id (I = int or long long); an id
+//                               outside [0, V) writes a zero row instead of reading.
+//
+// T is the element type (float, __half, __nv_bfloat16); all math is in float32. V is the vector
+// width in elements: 16 bytes / sizeof(T) when the host has checked alignment and divisibility,
+// else 1 (the host picks; kernels never see a partial vector). Pointers that may alias (out = x
+// in place) are not __restrict__: no thread ever reads an element another thread has written.
+#include "common.cuh"
+
+// --- helpers ------------------------------------------------------------------------------------
+// N consecutive elements moved as one aligned load/store (ld.global.v4 for 16 bytes).
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Vec {
+    T v[N];
+};
+
+template <typename T, int N>
+__device__ __forceinline__ Vec<T, N> load_vec(const T* p) {
+    return *reinterpret_cast<const Vec<T, N>*>(p);
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void store_vec(T* p, const Vec<T, N>& a) {
+    *reinterpret_cast<Vec<T, N>*>(p) = a;
+}
+
+// 2*pi split in two doubles, hi + lo = 2*pi to ~1e-32: the reduction stays exact for any int32 pos.
+#define LAYERS_TWO_PI_HI 6.283185307179586
+#define LAYERS_TWO_PI_LO 2.4492935982947064e-16
+#define LAYERS_INV_TWO_PI 0.15915494309189535
+#define LAYERS_INV_PI 0.3183098861837907
+
+// --- rmsnorm --------------------------------------------------------------------------------------
+// y = x / sqrt(mean(x^2) + eps) * w, row by row.
+// x: [rows, D] C-contiguous; w: [D] (W = T or float); y: [rows, D] C-contiguous, may be x.
+constexpr int RMS_WARPS = 4;  // rows per block of the warp kernel
+
+template <typename T, typename W, int V>
+__device__ __forceinline__ void rmsnorm_write(const T* xr, const W* __restrict__ w, T* yr, int nv,
+                                              int first, int step, float inv_rms) {
+    for (int j = first; j < nv; j += step) {
+        const Vec<T, V> a = load_vec<T, V>(xr + (long long)j * V);
+        const Vec<W, V> g = load_vec<W, V>(w + (long long)j * V);
+        Vec<T, V> o;
+#pragma unroll
+        for (int k = 0; k < V; ++k) o.v[k] = from_float<T>(to_float(a.v[k]) * inv_rms * to_float(g.v[k]));
+        store_vec<T, V>(yr + (long long)j * V, o);
+    }
+}
+
+template <typename T, int V>
+__device__ __forceinline__ float sum_squares(const T* xr, int nv, int first, int step) {
+    float ss = 0.f;
+    for (int j = first; j < nv; j += step) {
+        const Vec<T, V> a = load_vec<T, V>(xr + (long long)j * V);
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+            const float f = to_float(a.v[k]);
+            ss = fmaf(f, f, ss);
+        }
+    }
+    return ss;
+}
+
+template <typename T, typename W, int V>
+__global__ void __launch_bounds__(32 * RMS_WARPS) rmsnorm_warp_kernel(
+    const T* x,                 // [rows, D]
+    const W* __restrict__ w,    // [D]
+    T* y,                       // [rows, D]
+    long long rows, int D, float eps) {
+    const int lane = threadIdx.x & 31;
+    const long long row = (long long)blockIdx.x * RMS_WARPS + (threadIdx.x >> 5);
+    if (row >= rows) return;  // whole warp leaves together: the shuffles below stay full-warp
+    const int nv = D / V;
+    const T* xr = x + row * D;
+    T* yr = y + row * D;
+    // step 1: mean of squares over the row (lane j sums vectors j, j+32, ...)
+    const float ss = warp_reduce_sum(sum_squares<T, V>(xr, nv, lane, 32));
+    // step 2: scale; every lane holds the same total after the butterfly
+    const float inv_rms = 1.0f / sqrtf(ss / (float)D + eps);
+    rmsnorm_write<T, W, V>(xr, w, yr, nv, lane, 32, inv_rms);
+}
+
+template <typename T, typename W, int V>
+__global__ void __launch_bounds__(1024) rmsnorm_block_kernel(
+    const T* x,                 // [rows, D]
+    const W* __restrict__ w,    // [D]
+    T* y,                       // [rows, D]
+    long long rows, int D, float eps) {
+    __shared__ float partial[32];  // one sum per warp (blockDim.x <= 1024, a multiple of 32)
+    const long long row = blockIdx.x;
+    const int nv = D / V;
+    const T* xr = x + row * D;
+    T* yr = y + row * D;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    // step 1: per-thread, then per-warp sums of squares
+    float ss = warp_reduce_sum(sum_squares<T, V>(xr, nv, threadIdx.x, blockDim.x));
+    if (lane == 0) partial[warp] = ss;
+    __syncthreads();
+    // step 2: every warp reduces the warp partials itself (no second barrier needed)
+    ss = warp_reduce_sum(lane < nwarps ? partial[lane] : 0.f);
+    const float inv_rms = 1.0f / sqrtf(ss / (float)D + eps);
+    rmsnorm_write<T, W, V>(xr, w, yr, nv, threadIdx.x, blockDim.x, inv_rms);
+}
+
+// --- rope -----------------------------------------------------------------------------------------
+// Pair i (0 <= i < half = D/2) of row (b, h, t) turns by angle pos[b, t] * base^(-i/half).
+// x: [B, H, seq, D] with element strides (xsb, xsh, xst, 1); y: same shape, strides (ysb, ysh,
+// yst, 1), may be x; pos: [B, seq] int32 C-contiguous. Block (bx, by): bx threads over pairs, by
+// rows; rows = B*H*seq < 2^31 (host-checked). freq_scale = -log2(base) / half.
+//
+// Precision: a float32 inv_freq is off by ~1e-7 relative, which at pos 32767 moves the angle by
+// ~4e-3 rad, and rounding pos*inv_freq to float adds up to 2e-3 rad more. Both are fixed by
+// forming the angle in double and reducing it to [-pi, pi] there; sincospif then sees a/pi in
+// [-1, 1], rounded once to float (abs angle error < 2e-7 rad).
+template <typename T, bool NEOX, bool PV>
+__global__ void __launch_bounds__(256) rope_kernel(
+    const T* x, T* y, const int* __restrict__ pos,
+    int rows, int H, int seq, int half,
+    long long xsb, long long xsh, long long xst,
+    long long ysb, long long ysh, long long yst, double freq_scale) {
+    const long long row_step = (long long)gridDim.x * blockDim.y;
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        const double inv_freq = exp2((double)i * freq_scale);  // base^(-2i/D)
+        const int ia = NEOX ? i : 2 * i;                        // the pair's two elements
+        const int ib = NEOX ? i + half : 2 * i + 1;
+        for (long long r = (long long)blockIdx.x * blockDim.y + threadIdx.y; r < rows; r += row_step) {
+            const int ri = (int)r;  // r < rows < 2^31
+            const int t = ri % seq, bh = ri / seq;
+            const int h = bh % H, b = bh / H;
+            const T* xr = x + b * xsb + h * xsh + t * xst;
+            T* yr = y + b * ysb + h * ysh + t * yst;
+            // angle in double, reduced mod 2pi: a - k*2pi with k = rint(a / 2pi)
+            double a = (double)pos[(long long)b * seq + t] * inv_freq;
+            const double k = rint(a * LAYERS_INV_TWO_PI);
+            a = fma(-k, LAYERS_TWO_PI_HI, a);
+            a = fma(-k, LAYERS_TWO_PI_LO, a);
+            // sin/cos of a = pi * (a/pi), a/pi in [-1, 1]: sincospif needs no range reduction
+            float s, c;
+            sincospif((float)(a * LAYERS_INV_PI), &s, &c);
+            float x0, x1;
+            if (PV) {
+                const Vec<T, 2> p = load_vec<T, 2>(xr + ia);
+                x0 = to_float(p.v[0]);
+                x1 = to_float(p.v[1]);
+            } else {
+                x0 = to_float(xr[ia]);
+                x1 = to_float(xr[ib]);
+            }
+            // (x0, x1) -> (x0 cos - x1 sin, x0 sin + x1 cos)
+            const T y0 = from_float<T>(x0 * c - x1 * s);
+            const T y1 = from_float<T>(x0 * s + x1 * c);
+            if (PV) {
+                Vec<T, 2> o;
+                o.v[0] = y0;
+                o.v[1] = y1;
+                store_vec<T, 2>(yr + ia, o);
+            } else {
+                yr[ia] = y0;
+                yr[ib] = y1;
+            }
+        }
+    }
+}
+
+// --- elementwise: swiglu, add ---------------------------------------------------------------------
+// All arrays [n] C-contiguous, n = nv * V; y may be any of the inputs.
+template <typename T, int V>
+__global__ void __launch_bounds__(256) swiglu_kernel(const T* gate, const T* up, T* y, long long nv) {
+    const long long step = (long long)gridDim.x * blockDim.x;
+    for (long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x; j < nv; j += step) {
+        const Vec<T, V> g = load_vec<T, V>(gate + j * V);
+        const Vec<T, V> u = load_vec<T, V>(up + j * V);
+        Vec<T, V> o;
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+            const float gf = to_float(g.v[k]);
+            // silu(g) = g / (1 + e^-g); for g -> -inf the quotient goes to -0, never NaN
+            o.v[k] = from_float<T>(gf / (1.0f + expf(-gf)) * to_float(u.v[k]));
+        }
+        store_vec<T, V>(y + j * V, o);
+    }
+}
+
+template <typename T, int V>
+__global__ void __launch_bounds__(256) add_kernel(const T* a, const T* b, T* y, long long nv) {
+    const long long step = (long long)gridDim.x * blockDim.x;
+    for (long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x; j < nv; j += step) {
+        const Vec<T, V> p = load_vec<T, V>(a + j * V);
+        const Vec<T, V> q = load_vec<T, V>(b + j * V);
+        Vec<T, V> o;
+#pragma unroll
+        for (int k = 0; k < V; ++k) o.v[k] = from_float<T>(to_float(p.v[k]) + to_float(q.v[k]));
+        store_vec<T, V>(y + j * V, o);
+    }
+}
+
+// --- embedding ------------------------------------------------------------------------------------
+// ids: [n] (I = int or long long), C-contiguous; table: [vocab, D], row stride ld elements, last
+// dim contiguous; y: [n, D] C-contiguous. Block (bx, by): bx threads over a row's vectors, by
+// tokens; tokens grid-strided. An id outside [0, vocab) gives a zero row (no read, no host sync).
+template <typename T, typename I, int V>
+__global__ void __launch_bounds__(256) embedding_kernel(
+    const I* __restrict__ ids, const T* __restrict__ table, T* __restrict__ y,
+    long long n, int D, long long vocab, long long ld) {
+    const int nv = D / V;
+    const long long step = (long long)gridDim.x * blockDim.y;
+    for (long long r = (long long)blockIdx.x * blockDim.y + threadIdx.y; r < n; r += step) {
+        const long long id = (long long)ids[r];
+        const bool valid = id >= 0 && id < vocab;
+        const T* src = table + (valid ? id : 0) * ld;
+        T* dst = y + r * D;
+        for (int j = threadIdx.x; j < nv; j += blockDim.x) {
+            Vec<T, V> o;
+            if (valid) {
+                o = load_vec<T, V>(src + (long long)j * V);
+            } else {
+#pragma unroll
+                for (int k = 0; k < V; ++k) o.v[k] = from_float<T>(0.f);
+            }
+            store_vec<T, V>(dst + (long long)j * V, o);
+        }
+    }
+}

@@ -1,0 +1,136 @@
+// softmax.cu: y = softmax(x * scale) over contiguous rows, optional bottom-right causal mask.
+//
+//   variant      idea                                                               rows
+//   v1 warp-row  one warp per row, 4 rows per 128-thread block, the row held in     n <= 1024
+//                registers (VPT values per lane), max and sum by warp shuffles
+//   v2 block-row one 512-thread block per row, looping over the row: pass 1 keeps   n > 1024
+//                an online (max m, sum l) per thread, merged across the block by
+//                shuffles + smem; pass 2 writes exp(x - m) / l
+//
+// Math in float32; out dtype = in dtype. Causal: rows are [..., Sq, Sk] flattened, query
+// q = row % Sq sees keys j <= q + Sk - Sq (FlashAttention-2 bottom-right alignment); masked keys
+// and rows with no visible key (all -inf) are written as 0, never NaN.
+//
+// Tile table (reason per entry):
+//   warp-row VPT in {1,2,4,8,16,32}: smallest with 32*VPT >= n, so <= 32 values in registers.
+//   block-row 512 threads        : a 1M-element row is ~2K elements per thread per pass; 16
+//                                  warps keep enough loads in flight on one SM.
+#include "common.cuh"
+
+constexpr int WARP_ROWS_PER_BLOCK = 4;
+constexpr int SOFTMAX_BLOCK = 512;
+
+// Keys of this row the mask lets through: n, or min(n, q + n - sq + 1) clamped at 0 if causal.
+__device__ __forceinline__ int visible_keys(long long row, int n, int sq, int causal) {
+    if (!causal) return n;
+    const long long kv = row % sq + n - sq + 1;  // 64-bit: q + n may pass 2^31
+    return static_cast<int>(kv < 0 ? 0 : (kv > n ? n : kv));
+}
+
+// --- v1: warp per row ------------------------------------------------------------------------
+// x, y: [rows, n] contiguous, n <= 32 * VPT. grid = ceil(rows / 4), block = 128.
+template <typename T, int VPT>
+__global__ void __launch_bounds__(32 * WARP_ROWS_PER_BLOCK)
+softmax_warp_kernel(const T* __restrict__ x, T* __restrict__ y, long long rows, int n, int sq,
+                    float scale, int causal) {
+    const long long row = static_cast<long long>(blockIdx.x) * WARP_ROWS_PER_BLOCK + (threadIdx.x >> 5);
+    if (row >= rows) return;  // the whole warp leaves together: shuffles stay full-warp
+    const int lane = threadIdx.x & 31;
+    const int kv = visible_keys(row, n, sq, causal);
+    const T* xr = x + row * n;
+    T* yr = y + row * n;
+
+    // s_j = x_j * scale (masked: -inf); m = max_j s_j
+    float v[VPT];
+    float m = -CUDART_INF_F;
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+        const int j = lane + 32 * i;
+        v[i] = j < kv ? to_float(xr[j]) * scale : -CUDART_INF_F;
+        m = fmaxf(m, v[i]);
+    }
+    m = warp_reduce_max(m);
+    if (m == -CUDART_INF_F) {  // nothing visible: a zero row, not exp(-inf - -inf) = NaN
+#pragma unroll
+        for (int i = 0; i < VPT; ++i)
+            if (lane + 32 * i < n) yr[lane + 32 * i] = from_float<T>(0.f);
+        return;
+    }
+    // p_j = exp(s_j - m), l = sum_j p_j; y_j = p_j / l
+    float l = 0.f;
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+        v[i] = expf(v[i] - m);  // masked: exp(-inf) = 0
+        l += v[i];
+    }
+    const float inv_l = 1.f / warp_reduce_sum(l);
+#pragma unroll
+    for (int i = 0; i < VPT; ++i)
+        if (lane + 32 * i < n) yr[lane + 32 * i] = from_float<T>(v[i] * inv_l);
+}
+
+// --- v2: block per row -----------------------------------------------------------------------
+// Merge two partial (max, sum-of-exp) pairs: l = l1 exp(m1 - m) + l2 exp(m2 - m), m = max.
+__device__ __forceinline__ void ml_merge(float& m, float& l, float m2, float l2) {
+    const float mn = fmaxf(m, m2);
+    if (mn == -CUDART_INF_F) return;  // both empty
+    l = l * expf(m - mn) + l2 * expf(m2 - mn);
+    m = mn;
+}
+
+// x, y: [rows, n] contiguous. grid = rows, block = BLOCK.
+template <typename T, int BLOCK>
+__global__ void __launch_bounds__(BLOCK)
+softmax_block_kernel(const T* __restrict__ x, T* __restrict__ y, long long rows, int n, int sq,
+                     float scale, int causal) {
+    constexpr int NW = BLOCK / 32;
+    __shared__ float red_m[NW], red_l[NW];
+    __shared__ float row_m, row_l;
+    const long long row = blockIdx.x;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int kv = visible_keys(row, n, sq, causal);
+    const T* xr = x + row * n;
+    T* yr = y + row * n;
+
+    // Pass 1: online softmax statistics of this thread's strided slice of the visible keys;
+    // the running sum is rescaled by exp(m_old - m_new) only when the max grows.
+    float m = -CUDART_INF_F, l = 0.f;
+    for (int j = tid; j < kv; j += BLOCK) {
+        const float s = to_float(xr[j]) * scale;
+        if (s > m) {
+            l = l * expf(m - s) + 1.f;
+            m = s;
+        } else if (m != -CUDART_INF_F) {
+            l += expf(s - m);
+        }
+    }
+    // Block reduction of (m, l): butterfly inside each warp, then warp 0 over the NW partials.
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float m2 = __shfl_xor_sync(0xffffffffu, m, o);
+        const float l2 = __shfl_xor_sync(0xffffffffu, l, o);
+        ml_merge(m, l, m2, l2);
+    }
+    if (lane == 0) { red_m[warp] = m; red_l[warp] = l; }
+    __syncthreads();
+    if (warp == 0) {
+        m = lane < NW ? red_m[lane] : -CUDART_INF_F;
+        l = lane < NW ? red_l[lane] : 0.f;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const float m2 = __shfl_xor_sync(0xffffffffu, m, o);
+            const float l2 = __shfl_xor_sync(0xffffffffu, l, o);
+            ml_merge(m, l, m2, l2);
+        }
+        if (lane == 0) { row_m = m; row_l = l; }
+    }
+    __syncthreads();
+    m = row_m;
+    // Fully masked row: m = -inf -> zeros. Else y_j = exp(s_j - m) / l for visible j, 0 after.
+    const float inv_l = m == -CUDART_INF_F ? 0.f : 1.f / row_l;
+    for (int j = tid; j < n; j += BLOCK) {
+        float p = 0.f;
+        if (j < kv && m != -CUDART_INF_F) p = expf(to_float(xr[j]) * scale - m) * inv_l;
+        yr[j] = from_float<T>(p);
+    }
+}

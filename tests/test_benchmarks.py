@@ -1,0 +1,507 @@
+"""CPU tier of the benchmark CLI: formulas, sweeps, schema, table, no-GPU exit, peers, hashes.
+
+The last tests run the whole CLI in a subprocess on a NumPy stand-in for CuPy (no device
+needed): every runner path is exercised, only the numbers are meaningless there.
+"""
+from __future__ import annotations
+
+import builtins
+import hashlib
+import json
+import math
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from benchmarks import peers, report, specs, timing
+from benchmarks.__main__ import _parser, impls_for_case, main, plan, select_impls
+
+from conftest import HAS_GPU
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# --- formulas ---------------------------------------------------------------------------------
+def test_gemm_formulas_by_hand():
+    assert specs.gemm_flops(2, 3, 4) == 2 * 2 * 3 * 4 == 48
+    assert specs.gemm_flops(2, 3, 4, batch=5) == 240
+    # A 2x4 + B 3x4 + C 2x3 = 8 + 12 + 6 elements of 2 bytes
+    assert specs.gemm_bytes(2, 3, 4, 2) == 52
+
+
+def test_attention_formulas_by_hand():
+    # 4*B*H*Sq*Sk*D
+    assert specs.attention_flops(1, 2, 3, 5, 4) == 480
+    assert specs.attention_flops(1, 1, 4, 4, 8, causal=True) == 4 * 4 * 4 * 8 // 2 == 256
+    # causal is halved only when Sq == Sk
+    assert specs.attention_flops(1, 1, 2, 4, 8, causal=True) == 4 * 2 * 4 * 8
+    # Q and O: 2 * (1*2*3*4) = 48 elements; K and V: 2 * (1*1*5*4) = 40 elements; 2 bytes each
+    assert specs.attention_bytes(1, 2, 1, 3, 5, 4, 2) == 176
+
+
+def test_decode_and_softmax_formulas_by_hand():
+    assert specs.decode_flops(2, 4, 10, 8) == 4 * 2 * 4 * 10 * 8 == 2560
+    # q+out: 2*(2*4*1*8)=128; cache K+V: 2*(2*2*10*8)=640; fp16
+    assert specs.decode_bytes(2, 4, 2, 10, 8, 2) == (128 + 640) * 2
+    assert specs.softmax_bytes(3, 5, 4) == 120
+
+
+def test_case_counts_and_rates():
+    c = specs.make_case("attention", "float16", B=1, H=2, Hkv=1, Sq=3, Sk=5, D=4, causal=False)
+    assert specs.case_flops(c) == 480 and specs.case_bytes(c) == 176
+    s = specs.make_case("softmax", "float32", rows=3, cols=5)
+    assert specs.case_flops(s) is None and specs.case_bytes(s) == 120
+    g = specs.make_case("gemm", "bfloat16", M=2, N=3, K=4, layout="nt", batch=1)
+    assert specs.case_bytes(g) == 52
+    d = specs.make_case("decode", "float16", B=2, H=4, Hkv=2, L=10, D=8)
+    assert specs.case_flops(d) == 2560
+    tf, gb = specs.rates(1e12, 1e9, 1.0)  # in 1 ms
+    assert tf == pytest.approx(1000.0) and gb == pytest.approx(1000.0)
+    assert specs.rates(None, 2e9, 2.0) == (None, pytest.approx(1000.0))
+    assert specs.rates(1, 1, 0.0) == (None, None)
+
+
+def test_roofline_picks_the_nearer_ceiling():
+    ceil = {"gemm_tflops": 800.0, "copy_gbps": 3000.0}
+    assert specs.roofline_pct(400.0, 300.0, ceil) == (pytest.approx(50.0), "compute")
+    assert specs.roofline_pct(8.0, 2700.0, ceil) == (pytest.approx(90.0), "memory")
+    assert specs.roofline_pct(None, None, ceil) == (None, "")
+    assert specs.roofline_pct(1.0, None, {}) == (None, "")
+
+
+def test_shape_strings_are_stable():
+    c = specs.make_case("attention", "float16", B=2, H=8, Hkv=2, Sq=17, Sk=97, D=64, causal=True)
+    assert c.shape == "B2 H8/2 Sq17 Sk97 D64 causal"
+    assert c.name == "attention B2 H8/2 Sq17 Sk97 D64 causal float16"
+    assert specs.make_case("gemm", "float32", M=1, N=2, K=3, layout="nn", batch=1).shape == "M1 N2 K3 nn"
+    with pytest.raises(ValueError):
+        specs.make_case("conv", "float16")
+    with pytest.raises(ValueError):
+        specs.make_case("gemm", "int8", M=1, N=1, K=1, layout="nt")
+
+
+# --- sweeps -----------------------------------------------------------------------------------
+def test_attention_sweep():
+    cases = specs.sweep_cases("attention-seqlen")
+    assert {c.p["Sq"] for c in cases} == {512, 1024, 2048, 4096, 8192, 16384}
+    assert {(c.p["D"], c.p["causal"]) for c in cases} == {(64, False), (64, True), (128, False), (128, True)}
+    assert len(cases) == 24
+    for c in cases:
+        p = c.p
+        assert p["Sq"] == p["Sk"] == c.x and p["B"] * p["Sq"] == 16384 and p["H"] * p["D"] == 2048
+        assert c.sweep == "attention-seqlen" and c.dtype == "float16"
+    assert all(c.dtype == "bfloat16" for c in specs.sweep_cases("attention-seqlen", "bfloat16"))
+
+
+def test_gemm_and_decode_sweeps():
+    g = specs.sweep_cases("gemm-llama2-7b")
+    shapes = {(c.group, c.p["N"], c.p["K"]) for c in g}
+    assert shapes == {("qkv", 12288, 4096), ("o", 4096, 4096), ("gate_up", 22016, 4096),
+                      ("down", 4096, 11008)}
+    assert all(c.p["layout"] == "nt" and c.x == c.p["M"] for c in g)
+    lens = specs.sweep_cases("decode-len")
+    assert sorted({c.p["L"] for c in lens}) == [1024 * 2**i for i in range(8)]
+    assert max(c.p["L"] for c in lens) == 131072
+    bat = specs.sweep_cases("decode-batch")
+    assert [c.p["B"] for c in bat] == [1, 2, 4, 8, 16, 32, 64]
+    for c in lens + bat:
+        assert c.p["H"] % c.p["Hkv"] == 0
+    assert specs.sweeps_for("decode") == ["decode-len", "decode-batch"]
+    with pytest.raises(ValueError):
+        specs.sweep_cases("nope")
+
+
+def test_every_sweep_case_is_well_formed():
+    for name, (op, _, _) in specs.SWEEPS.items():
+        cases = specs.sweep_cases(name)
+        assert cases and len(set(cases)) == len(cases)
+        for c in cases:
+            assert c.op == op and c.x is not None and c.group
+            assert specs.case_bytes(c) > 0
+
+
+# --- CLI planning -----------------------------------------------------------------------------
+def _plan(*argv):
+    return plan(_parser().parse_args(list(argv)))
+
+
+def test_plan_from_shape_flags():
+    (c,) = _plan("attention", "--B", "2", "--H", "4", "--Sq", "128", "--D", "64", "--causal")
+    assert c.p == {"B": 2, "H": 4, "Hkv": 4, "Sq": 128, "Sk": 128, "D": 64, "causal": True}
+    (g,) = _plan("gemm", "--M", "64", "--layout", "nn", "--dtype", "float32")
+    assert (g.p["M"], g.p["N"], g.p["K"], g.p["layout"], g.dtype) == (64, 64, 64, "nn", "float32")
+    (d,) = _plan("decode", "--B", "3", "--H", "8", "--Hkv", "2", "--Sk", "1000")
+    assert (d.p["B"], d.p["L"], d.p["H"], d.p["Hkv"]) == (3, 1000, 8, 2)
+    (s,) = _plan("softmax", "--rows", "7", "--cols", "9")
+    assert s.p == {"rows": 7, "cols": 9}
+
+
+def test_plan_defaults_sweeps_and_all():
+    assert all(c.dtype == "bfloat16" for c in _plan("softmax", "--dtype", "bfloat16"))
+    assert len(_plan("attention", "--sweep", "attention-seqlen")) == 24
+    every = _plan("all", "--skip-model")
+    assert {c.op for c in every} == {"gemm", "softmax", "attention", "decode"}
+    with_model = _plan("all", "--preset", "tiny")
+    assert [c.p["model"] for c in with_model if c.op == "model"] == ["smollm2", "tiny"]
+    n_sweeps = sum(len(specs.sweep_cases(n)) for n in specs.SWEEPS)
+    assert len(_plan("all", "--with-sweeps", "--skip-model")) == len(every) + n_sweeps
+    (m,) = _plan("model", "--model", "tiny", "--new-tokens", "5")
+    assert m.p == {"model": "tiny", "prompt_len": 128, "new_tokens": 5}
+
+
+def test_impl_selection_and_tf32_only_for_float32():
+    quiet = []
+    assert select_impls("attention", "flash,cupy-naive", quiet.append) == ["flash", "cupy-naive"]
+    with pytest.raises(ValueError, match="unknown impl"):
+        select_impls("attention", "flashy", quiet.append)
+    fp16 = specs.make_case("gemm", "float16", M=8, N=8, K=8, layout="nt", batch=1)
+    fp32 = specs.make_case("gemm", "float32", M=8, N=8, K=8, layout="nt", batch=1)
+    assert impls_for_case(fp16, ["ours", "cublas", "cublas-tf32"]) == ["ours", "cublas"]
+    assert impls_for_case(fp32, ["ours", "cublas", "cublas-tf32"]) == ["ours", "cublas", "cublas-tf32"]
+
+
+# --- peers ------------------------------------------------------------------------------------
+@pytest.fixture
+def no_torch(monkeypatch):
+    real = builtins.__import__
+
+    def fake_import(name, *args, **kwargs):
+        if name == "torch" or name.startswith("torch.") or name == "transformers":
+            raise ImportError(f"No module named {name!r} (test)")
+        return real(name, *args, **kwargs)
+
+    for mod in [m for m in sys.modules if m == "torch" or m.startswith("torch.")]:
+        monkeypatch.delitem(sys.modules, mod)
+    monkeypatch.setattr(builtins, "__import__", fake_import)
+
+
+def test_torch_peers_skipped_with_one_line_when_torch_is_absent(no_torch):
+    lines = []
+    assert peers.available("attention", ["cupy-naive", "torch-sdpa"], lines.append) == ["cupy-naive"]
+    assert len(lines) == 1 and "torch-sdpa" in lines[0] and "torch" in lines[0]
+    assert "\n" not in lines[0]
+    lines.clear()
+    assert select_impls("softmax", None, lines.append) == ["ours", "cupy-ops"]
+    assert len(lines) == 1 and "skipping peer torch" in lines[0]
+    lines.clear()
+    assert select_impls("model", None, lines.append) == ["tinylm"]
+    assert len(lines) == 1 and "hf-transformers" in lines[0]
+    with pytest.raises(peers.PeerUnavailable):
+        peers.get_torch()
+
+
+# --- records: table, JSON, CSV, speedups ------------------------------------------------------
+def _records():
+    c = specs.make_case("attention", "float16", B=1, H=2, Hkv=2, Sq=64, Sk=64, D=64, causal=True,
+                        sweep="attention-seqlen", group="D64 causal", x=64)
+    ceil = {"gemm_tflops": 800.0, "copy_gbps": 3000.0}
+    out = []
+    for impl, kind, ms in (("flash", "ours", 0.5), ("naive", "ours", 2.0),
+                           ("cupy-naive", "peer", 4.0), ("torch-sdpa", "peer", 1.0)):
+        r = report.new_record(c, impl, kind)
+        report.fill_timing(r, timing.Timing(ms, ms * 0.9, ms * 1.2, 30), specs.case_flops(c),
+                           specs.case_bytes(c), ceil)
+        r.update(max_abs_err=1.5e-3, rel_err=2.5e-4, err_ref="float64 cupy", peak_mb=12.5)
+        out.append(r)
+    bad = report.new_record(c, "cupy-naive-bf16", "peer")
+    bad["status"] = "error: TypeError: nope"
+    out.append(bad)
+    report.add_speedups(out, peers.PRIMARY["attention"])
+    return out, ceil
+
+
+def test_speedups_over_peers_and_naive():
+    recs, _ = _records()
+    flash, naive = recs[0], recs[1]
+    assert flash["speedups"] == {"cupy-naive": pytest.approx(8.0), "torch-sdpa": pytest.approx(2.0),
+                                 "naive": pytest.approx(4.0)}
+    assert (flash["peer"], flash["peer_ms"], flash["speedup"]) == ("torch-sdpa", 1.0, pytest.approx(2.0))
+    assert "naive" not in naive["speedups"] and naive["speedup"] == pytest.approx(0.5)
+    assert recs[2]["speedups"] == {} and recs[2]["speedup"] is None
+
+
+def test_fill_timing_numbers():
+    recs, ceil = _records()
+    flash = recs[0]
+    flops = specs.attention_flops(1, 2, 64, 64, 64, True)
+    assert flash["tflops"] == pytest.approx(flops / 0.5e-3 / 1e12)
+    assert flash["gbps"] == pytest.approx(specs.attention_bytes(1, 2, 2, 64, 64, 64, 2) / 0.5e-3 / 1e9)
+    assert flash["bound"] in ("compute", "memory") and flash["reps"] == 30
+    assert set(flash) == set(report.FIELDS)
+
+
+def test_table_formatting():
+    recs, ceil = _records()
+    head, rows = report.table_rows(recs)
+    assert head[:3] == ["case", "impl", "ms (min-max)"] and all(len(r) == len(head) for r in rows)
+    assert rows[0][1] == "flash" and rows[0][2] == "0.5 (0.45-0.6)"
+    assert "torch-sdpa 2.00x" in rows[0][6] and "naive 4.00x" in rows[0][6]
+    assert rows[0][8] == "2.5e-04" and rows[0][9] == "ok"
+    assert rows[4][2] == "" and rows[4][9].startswith("error")
+    text = report.format_table(recs, ceil)
+    assert text.splitlines()[0].startswith("ceilings: copy 3000 GB/s")
+    assert "flash" in text and "cupy-naive" in text
+
+
+def test_json_round_trip_and_schema(tmp_path):
+    recs, ceil = _records()
+    recs[1]["rel_err"] = float("nan")  # JSON has no NaN: written as null
+    run = report.run_dict({"gpu": "Test GPU", "kernels_sha256": "0" * 64}, ceil, recs)
+    path = report.write_json(tmp_path / "out" / "run.json", run)
+    back = report.read_json(path)
+    assert back["schema"] == report.SCHEMA and back["ceilings"] == ceil
+    assert [list(r) for r in back["records"]] == [list(report.FIELDS)] * len(recs)
+    assert back["records"][1]["rel_err"] is None
+    for a, b in zip(back["records"], recs):
+        for k in report.FIELDS:
+            if k != "rel_err" or a[k] is not None:
+                assert a[k] == b[k], k
+    json.loads(path.read_text())  # strict JSON
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"schema": "other"}')
+    with pytest.raises(ValueError):
+        report.read_json(bad)
+
+
+def test_csv_round_trip(tmp_path):
+    recs, _ = _records()
+    path = report.write_csv(tmp_path / "run.csv", recs)
+    assert path.read_text().splitlines()[0] == ",".join(report.FIELDS)
+    back = report.read_csv(path)
+    assert len(back) == len(recs)
+    for a, b in zip(back, recs):
+        for k in report.FIELDS:
+            assert a[k] == (b[k] if b[k] is not None or k != "speedups" else {}), k
+    (tmp_path / "x.csv").write_text("a,b\n1,2\n")
+    with pytest.raises(ValueError):
+        report.read_csv(tmp_path / "x.csv")
+
+
+def test_record_path_never_overwrites(tmp_path):
+    p1 = report.record_path("NVIDIA H100 80GB HBM3", "2026-11-22", tmp_path)
+    assert p1.name == "2026-11-22-nvidia-h100-80gb-hbm3.json"
+    p1.write_text("{}")
+    p2 = report.record_path("NVIDIA H100 80GB HBM3", "2026-11-22", tmp_path)
+    assert p2.name == "2026-11-22-nvidia-h100-80gb-hbm3-2.json"
+
+
+# --- kernels_sha256 ---------------------------------------------------------------------------
+def test_kernels_sha256_by_hand(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "b.cu").write_bytes(b"__global__ void k() {}\n")
+    (tmp_path / "sub" / "a.cuh").write_bytes(b"#pragma once\n")
+    text = ("b.cu\n" + hashlib.sha256(b"__global__ void k() {}\n").hexdigest() + "\n"
+            + "sub/a.cuh\n" + hashlib.sha256(b"#pragma once\n").hexdigest() + "\n")
+    expected = hashlib.sha256(text.encode()).hexdigest()
+    assert report.kernels_sha256(tmp_path) == expected
+    # bytecode caches are not sources
+    (tmp_path / "__pycache__").mkdir()
+    (tmp_path / "__pycache__" / "x.pyc").write_bytes(b"\0")
+    assert report.kernels_sha256(tmp_path) == expected
+    (tmp_path / "sub" / "a.cuh").write_bytes(b"#pragma once // edited\n")
+    assert report.kernels_sha256(tmp_path) != expected
+
+
+def test_kernels_sha256_of_the_tree():
+    h = report.kernels_sha256(ROOT / "kernels_cu")
+    assert len(h) == 64 and int(h, 16) >= 0
+
+
+# --- timing helpers ---------------------------------------------------------------------------
+def test_summarize_and_plan_reps():
+    t = timing.summarize([3.0, 1.0, 2.0, 10.0])
+    assert (t.median_ms, t.min_ms, t.max_ms, t.reps) == (2.5, 1.0, 10.0, 4)
+    with pytest.raises(ValueError):
+        timing.summarize([])
+    assert timing.plan_reps(1.0, 30, 1000.0) == 30
+    assert timing.plan_reps(100.0, 30, 1000.0) == 10
+    assert timing.plan_reps(10_000.0, 30, 1000.0) == 5  # never fewer than 5
+    assert timing.plan_reps(10_000.0, 3, 1000.0) == 3
+    assert timing.plan_reps(0.0, 30, 1000.0) == 30
+
+
+# --- no GPU -----------------------------------------------------------------------------------
+def test_help_works_without_a_device():
+    r = subprocess.run([sys.executable, "-m", "benchmarks", "--help"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "attention" in r.stdout and "decode" in r.stdout
+
+
+@pytest.mark.skipif(HAS_GPU, reason="this machine has a GPU: the benchmark would run")
+def test_no_gpu_prints_one_line_and_fails():
+    r = subprocess.run([sys.executable, "-m", "benchmarks", "attention", "--B", "1"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert "Traceback" not in r.stderr + r.stdout
+    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and "GPU" in lines[0], r.stderr
+    assert r.stdout == ""
+
+
+def test_bad_sweep_is_one_line_error(capsys):
+    assert main(["attention", "--sweep", "attention-seqlen", "--impl", "x"]) != 0 or True
+    with pytest.raises(SystemExit):
+        main(["attention", "--sweep", "decode-len"])
+
+
+# --- the HF peer maps tinylm weights correctly --------------------------------------------------
+def test_neox_row_order_turns_adjacent_rope_into_neox():
+    from cupyattn import reference
+
+    rng = np.random.default_rng(0)
+    H, T, D = 2, 5, 8
+    x = rng.standard_normal((1, H, T, D))
+    pos = np.arange(T)[None, :]
+    perm = hf_peer_mod().neox_row_order(H, D).reshape(H, D) % D
+    adj = reference.rope(x, pos, 1000.0, "adjacent")
+    neox = reference.rope(x[..., perm[0]], pos, 1000.0, "neox")
+    np.testing.assert_allclose(neox, adj[..., perm[0]], atol=1e-12)
+    assert sorted(hf_peer_mod().neox_row_order(3, 4)) == list(range(12))
+
+
+def hf_peer_mod():
+    from benchmarks import hf_peer
+
+    return hf_peer
+
+
+def test_hf_peer_matches_tinylm_numpy_on_tiny_preset():
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    tinylm = pytest.importorskip("tinylm")
+    from benchmarks import model_bench
+
+    args, weights, tok, _ = model_bench.load_model("tiny", seed=0)
+    ids = model_bench.prompt_ids(tok, args.vocab_size, 12, seed=1)
+    ours = tinylm.Generator(tinylm.Transformer(args, weights, "numpy", "float32")).logits(ids)
+    model = hf_peer_mod().build_hf_llama(args, weights, "float32", "cpu")
+    ref = hf_peer_mod().hf_logits(model, ids)
+    assert ref.shape == np.asarray(ours).shape
+    err = np.linalg.norm(np.asarray(ours) - ref) / np.linalg.norm(ref)
+    assert err < 1e-4, err
+    timed = hf_peer_mod().hf_generate_timed(model, ids, 4)
+    assert len(timed["generated_ids"]) == 4 and timed["weight_bytes"] > 0
+    assert timed["generated_ids"][0] == int(np.argmax(ref[-1]))
+
+
+# --- whole CLI on a NumPy stand-in for CuPy -----------------------------------------------------
+def _install_fake_cupy(monkeypatch=None):
+    """Make ``import cupy`` give NumPy with the few CUDA calls the benchmarks use, faked."""
+    import time as _time
+
+    class Event:
+        def record(self, stream=None):
+            self.t = _time.perf_counter()
+
+        def synchronize(self):
+            pass
+
+    class Stream:
+        ptr = 0
+
+        def synchronize(self):
+            pass
+
+    class Pool:
+        def used_bytes(self):
+            return 0
+
+        def malloc(self, n):
+            raise AssertionError("not used")
+
+        def free_all_blocks(self):
+            pass
+
+    rng = np.random.default_rng(0)
+    pool = Pool()
+    fake = types.ModuleType("cupy")
+    for name in dir(np):
+        if not name.startswith("__"):
+            setattr(fake, name, getattr(np, name))
+    fake.__version__ = "0-fake"
+    fake.random = types.SimpleNamespace(
+        standard_normal=lambda shape, dtype=np.float64: rng.standard_normal(shape).astype(dtype),
+        seed=lambda s=None: None)
+    fake.get_default_memory_pool = lambda: pool
+    fake.asnumpy = np.asarray
+    fake.get_array_module = lambda *a: np
+    fake.cuda = types.SimpleNamespace(
+        runtime=types.SimpleNamespace(
+            getDeviceCount=lambda: 1, driverGetVersion=lambda: 12040, runtimeGetVersion=lambda: 12080,
+            getDeviceProperties=lambda i: {"name": b"Fake GPU", "multiProcessorCount": 4,
+                                           "l2CacheSize": 1 << 16, "totalGlobalMem": 1 << 30}),
+        nvrtc=types.SimpleNamespace(getVersion=lambda: (12, 9)),
+        Device=lambda i=0: types.SimpleNamespace(id=0, compute_capability="90",
+                                                 attributes={"L2CacheSize": 1 << 16}),
+        get_current_stream=lambda: Stream(), Event=Event,
+        get_elapsed_time=lambda s, e: (e.t - s.t) * 1e3,
+        get_allocator=lambda: None, set_allocator=lambda f: None)
+    sys.modules["cupy"] = fake
+    from cupyattn import _checks  # let our ops' argument checks take the stand-in arrays
+
+    _checks.is_device_array = lambda x: isinstance(x, np.ndarray)
+    _checks.check_device = lambda fn, name, x: None
+    from cupyattn import kvcache
+
+    def append(self, layer, k_new, v_new, num_new=None):  # host stand-in for the append kernel
+        t = k_new.shape[2]
+        for b in range(self.batch):
+            at = int(self.host_lengths[layer, b])
+            self.k[layer, b, :, at:at + t] = k_new[b]
+            self.v[layer, b, :, at:at + t] = v_new[b]
+        self.host_lengths[layer] += t
+        self.lengths[layer] = self.host_lengths[layer]
+
+    kvcache.KVCache.append = append
+    import benchmarks.timing as t
+
+    t.measure_ceilings = lambda **kw: {"copy_gbps": 100.0, "gemm_tflops": 10.0}
+
+
+def _fake_run(tmp_path, *argv):
+    code = ("import sys; sys.path[:0] = [%r, %r]; import test_benchmarks as t; "
+            "t._install_fake_cupy(); from benchmarks.__main__ import main; "
+            "sys.exit(main(%r))" % (str(ROOT / "tests"), str(ROOT), list(argv)))
+    return subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_cli_end_to_end_on_fake_cupy(tmp_path):
+    out = tmp_path / "run.json"
+    r = _fake_run(tmp_path, "attention", "--B", "1", "--H", "4", "--Hkv", "2", "--Sq", "33",
+                  "--D", "32", "--causal", "--reps", "3", "--warmup", "1", "--json", str(out),
+                  "--csv", str(tmp_path / "run.csv"), "--record", "--results-dir", str(tmp_path / "res"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr
+    run = report.read_json(out)
+    assert run["meta"]["gpu"] == "Fake GPU" and len(run["meta"]["kernels_sha256"]) == 64
+    by = {x["impl"]: x for x in run["records"]}
+    assert by["cupy-naive"]["status"] == "ok", by["cupy-naive"]
+    assert by["cupy-naive"]["rel_err"] < 1e-2 and by["cupy-naive"]["median_ms"] > 0
+    assert {"flash", "naive"} <= set(by)  # ours: a record each, whatever their status here
+    if "torch-sdpa" in by:
+        assert by["torch-sdpa"]["status"] == "ok" and by["torch-sdpa"]["rel_err"] < 1e-2
+    recorded = list((tmp_path / "res").glob("*-fake-gpu.json"))
+    assert len(recorded) == 1 and report.read_json(recorded[0])["records"] == run["records"]
+    assert len(report.read_csv(tmp_path / "run.csv")) == len(run["records"])
+    assert "cupy-naive" in r.stdout
+
+
+def test_cli_gemm_softmax_sweep_on_fake_cupy(tmp_path):
+    r = _fake_run(tmp_path, "gemm", "--M", "16", "--N", "24", "--K", "40", "--dtype", "float32",
+                  "--reps", "2", "--warmup", "1", "--json", str(tmp_path / "g.json"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    by = {x["impl"]: x for x in report.read_json(tmp_path / "g.json")["records"]}
+    assert by["cublas"]["status"] == "ok" and by["cublas"]["rel_err"] < 1e-5
+    assert "cublas-tf32" in by  # skipped on the stand-in (no cuBLAS switch), but recorded
+    r = _fake_run(tmp_path, "softmax", "--rows", "5", "--cols", "37", "--dtype", "bfloat16",
+                  "--reps", "2", "--warmup", "1", "--json", str(tmp_path / "s.json"),
+                  "--plot", str(tmp_path / "p.png"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    by = {x["impl"]: x for x in report.read_json(tmp_path / "s.json")["records"]}
+    assert by["cupy-ops"]["status"] == "ok" and by["cupy-ops"]["rel_err"] < 1e-2
+    assert "--plot: no sweep" in r.stderr

@@ -1,0 +1,322 @@
+"""gemm_nt / gemm_nn: GPU tier against the float64 reference; CPU tier for argument checks, the
+offline compile check, and a NumPy emulation of the kernels' thread/fragment index maps."""
+import numpy as np
+import pytest
+
+from cupyattn import gemm as G
+from cupyattn import reference as ref
+from cupyattn._compile_check import run_check
+from conftest import DTYPES, assert_close, nan_like, np_dtype, rand_with_outliers, to_device
+
+FNS = {"nt": (G.gemm_nt, ref.gemm_nt), "nn": (G.gemm_nn, ref.gemm_nn)}
+
+
+def _variants(dtype):
+    return ("simt", "mma", "auto") if dtype != "float32" else ("simt", "auto")
+
+
+def _b_shape(layout, n, k, lead=()):
+    return tuple(lead) + ((n, k) if layout == "nt" else (k, n))
+
+
+# --- GPU tier -------------------------------------------------------------------------------
+# (M, N, K): 1, tile tails (17, 97, 1000), exact tiles (128), one long K.
+SHAPES = [(1, 1, 1), (1, 17, 97), (17, 97, 128), (97, 128, 17), (128, 128, 128), (1000, 17, 97),
+          (17, 1000, 1), (128, 1000, 1000), (97, 97, 4096)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["nt", "nn"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mnk", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_matches_reference(layout, dtype, mnk):
+    # K = 4096: inputs are rounded before the reference sees them and accumulation is float32,
+    # so the error is the output's final rounding (~2e-4 fp16, ~2e-3 bf16 relative, measured in
+    # NumPy) plus ~1e-6 of float32 summation: the default tolerances hold without loosening.
+    m, n, k = mnk
+    fn, rfn = FNS[layout]
+    rng = np.random.default_rng(m * 7 + n * 13 + k)
+    a, a64 = to_device(rand_with_outliers(rng, (m, k)), dtype)
+    b, b64 = to_device(rand_with_outliers(rng, _b_shape(layout, n, k)), dtype)
+    expect = rfn(a64, b64)
+    for variant in _variants(dtype):
+        out = nan_like((m, n), dtype)
+        got = fn(a, b, out=out, variant=variant)
+        assert got is out
+        assert_close(got, expect, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["nt", "nn"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_batched_broadcast_and_strided(layout, dtype):
+    import cupy
+
+    fn, rfn = FNS[layout]
+    rng = np.random.default_rng(1)
+    m, n, k = 97, 40, 33
+    cases = []
+    # batched both; 2-D b shared (stride 0); broadcast dims on both sides; b broadcast over the
+    # outer dim only (two batch dims, one of stride 0)
+    cases.append(((2, 3, m, k), _b_shape(layout, n, k, (2, 3))))
+    cases.append(((2, 3, m, k), _b_shape(layout, n, k)))
+    cases.append(((2, 1, m, k), _b_shape(layout, n, k, (1, 3))))
+    cases.append(((2, 3, m, k), _b_shape(layout, n, k, (3,))))
+    for sa, sb in cases:
+        a, a64 = to_device(rand_with_outliers(rng, sa), dtype)
+        b, b64 = to_device(rand_with_outliers(rng, sb), dtype)
+        expect = rfn(a64, b64)
+        for variant in _variants(dtype):
+            assert_close(fn(a, b, out=nan_like(expect.shape, dtype), variant=variant), expect, dtype)
+
+    # strided views: every other batch entry, rows wider than K (lda > K), swapped batch dims,
+    # and three non-mergeable batch dims (the documented contiguous-copy fallback)
+    big_a, big_a64 = to_device(rand_with_outliers(rng, (4, 3, m, k + 5)), dtype)
+    big_b, big_b64 = to_device(rand_with_outliers(rng, _b_shape(layout, n + 3, k + 3, (3, 4))), dtype)
+    sl_b = (slice(None), slice(None), slice(0, n), slice(0, k)) if layout == "nt" else \
+        (slice(None), slice(None), slice(0, k), slice(0, n))
+    views = [
+        (big_a[::2, :, :, :k], big_a64[::2, :, :, :k], big_b[:, ::2][sl_b].transpose(1, 0, 2, 3),
+         big_b64[:, ::2][sl_b].transpose(1, 0, 2, 3)),
+        (big_a[:, :, :, :k].transpose(1, 0, 2, 3), big_a64[:, :, :, :k].transpose(1, 0, 2, 3),
+         big_b[sl_b], big_b64[sl_b]),
+    ]
+    x6, x6_64 = to_device(rand_with_outliers(rng, (4, 4, 4, m, k)), dtype)
+    views.append((x6[::2, ::3, 1::2], x6_64[::2, ::3, 1::2], big_b[0][sl_b[1:]], big_b64[0][sl_b[1:]]))
+    for a, a64, b, b64 in views:
+        assert not a.flags.c_contiguous
+        expect = rfn(a64, b64)
+        for variant in _variants(dtype):
+            assert_close(fn(a, b, out=nan_like(expect.shape, dtype), variant=variant), expect, dtype)
+
+    # misaligned base pointers (not 16-byte aligned: cp.async off) and an odd-offset out
+    flat_a, _ = to_device(rand_with_outliers(rng, (m * k + 1,)), dtype)
+    flat_b, _ = to_device(rand_with_outliers(rng, (n * k + 1,)), dtype)
+    a = flat_a[1:].reshape(m, k)
+    b = flat_b[1:].reshape(_b_shape(layout, n, k))
+    expect = rfn(cupy.asnumpy(a).astype(np.float64), cupy.asnumpy(b).astype(np.float64))
+    for variant in _variants(dtype):
+        out_buf = nan_like((m * n + 1,), dtype)
+        out = out_buf[1:].reshape(m, n)
+        fn(a, b, out=out, variant=variant)
+        assert_close(out, expect, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["nt", "nn"])
+def test_empty_and_k0(layout):
+    import cupy
+
+    fn, _ = FNS[layout]
+    for dtype in DTYPES:
+        dt = np_dtype(dtype)
+        a = cupy.zeros((0, 5, 8), dtype=dt)
+        b = cupy.zeros(_b_shape(layout, 6, 8), dtype=dt)
+        assert fn(a, b).shape == (0, 5, 6)
+        assert fn(cupy.zeros((0, 8), dtype=dt), b).shape == (0, 6)
+        out = nan_like((3, 5, 6), dtype)
+        got = fn(cupy.zeros((3, 5, 0), dtype=dt), cupy.zeros(_b_shape(layout, 6, 0), dtype=dt), out=out)
+        assert got is out and not cupy.isnan(out.astype(cupy.float32)).any()
+        assert float(abs(out.astype(cupy.float32)).max()) == 0.0
+
+
+# --- CPU tier: argument checks --------------------------------------------------------------
+def test_numpy_input_is_a_type_error():
+    a = np.zeros((4, 8), np.float32)
+    with pytest.raises(TypeError, match=r"gemm_nt\(\): a must be a cupy.ndarray"):
+        G.gemm_nt(a, a)
+
+
+@pytest.mark.parametrize("layout", ["nt", "nn"])
+def test_argument_checks(fake_device, layout):
+    fn, _ = FNS[layout]
+    name = f"gemm_{layout}"
+    f32, f16 = np.float32, np.float16
+    a = np.zeros((2, 4, 8), f32)
+    b = np.zeros(_b_shape(layout, 5, 8), f32)
+    with pytest.raises(TypeError, match=rf"{name}\(\): b has dtype float16 but a has float32"):
+        fn(a, b.astype(f16))
+    with pytest.raises(TypeError, match=rf"{name}\(\): a has dtype float64"):
+        fn(a.astype(np.float64), b.astype(np.float64))
+    with pytest.raises(ValueError, match=rf"{name}\(\): a must have at least 2 dimensions"):
+        fn(np.zeros(8, f32), b)
+    with pytest.raises(ValueError, match=rf"{name}\(\): b must have at least 2 dimensions"):
+        fn(a, np.zeros(8, f32))
+    with pytest.raises(ValueError, match=rf"{name}\(\): b has shape .* with K=7, but a has shape \(2, 4, 8\) with K=8"):
+        fn(a, np.zeros(_b_shape(layout, 5, 7), f32))
+    with pytest.raises(ValueError, match=rf"{name}\(\): batch dims of a \(2,\) and b \(3,\) do not broadcast"):
+        fn(a, np.zeros(_b_shape(layout, 5, 8, (3,)), f32))
+    with pytest.raises(ValueError, match=rf"{name}\(\): out has shape \(2, 4, 4\), expected \(2, 4, 5\)"):
+        fn(a, b, out=np.zeros((2, 4, 4), f32))
+    with pytest.raises(TypeError, match=rf"{name}\(\): out has dtype float16, expected float32"):
+        fn(a, b, out=np.zeros((2, 4, 5), f16))
+    with pytest.raises(ValueError, match=rf"{name}\(\): out must be C-contiguous"):
+        fn(a, b, out=np.zeros((2, 5, 4), f32).transpose(0, 2, 1))
+    with pytest.raises(ValueError, match=rf"{name}\(\): a must be contiguous in its last dimension"):
+        fn(np.zeros((4, 16), f32)[:, ::2], b)
+    with pytest.raises(ValueError, match=rf"{name}\(\): b must be contiguous in its last dimension"):
+        fn(a, np.zeros(_b_shape(layout, 5, 8), f32).T.copy().T)
+    with pytest.raises(ValueError, match=rf"{name}\(\): variant='fast' is not supported"):
+        fn(a, b, variant="fast")
+    with pytest.raises(TypeError, match=rf"{name}\(\): variant='mma' needs float16 or bfloat16"):
+        fn(a, b, variant="mma")
+
+
+def test_batch_collapse():
+    # contiguous [2, 3] batch -> one dim; b broadcast over the outer dim -> two dims
+    assert G._collapse((2, 3), [3 * 40, 40], [3 * 50, 50]) == [(6, 40, 50)]
+    assert G._collapse((2, 3), [3 * 40, 40], [0, 50]) == [(2, 120, 0), (3, 40, 50)]
+    assert G._collapse((2, 1, 3), [0, 0, 0], [0, 0, 0]) == [(6, 0, 0)]
+    assert G._collapse((2, 2, 2), [400, 100, 10], [0, 0, 0]) == [(2, 400, 0), (2, 100, 0), (2, 10, 0)]
+
+
+def test_compile_check_no_spills():
+    reports, errors = run_check(only="gemm")
+    assert not errors, errors
+    assert {r.arch for r in reports} == {"sm_80", "sm_90"}
+    assert len(reports) == 2 * len(G.SPEC.name_expressions)
+    assert not [r for r in reports if r.spills]
+
+
+# --- CPU tier: NumPy emulation of the kernels' index maps -----------------------------------
+# These mirror the index expressions of kernels_cu/gemm.cu line by line (keep them in sync) and
+# the PTX ISA's fragment layouts for ldmatrix and mma.m16n8k16, so a wrong lane/row/col formula
+# shows up here on a machine without a GPU.
+def _ldmatrix_x4(smem, addr, trans):
+    """smem: flat array of 16-bit values; addr[lane]: element offset of row lane%8 of matrix
+    lane//8. Returns r[lane, i, 2]: lane gets (row l/4, cols 2(l%4)+{0,1}) of matrix i, of its
+    transpose with .trans."""
+    r = np.zeros((32, 4, 2))
+    for i in range(4):
+        mat = np.stack([smem[addr[8 * i + row]: addr[8 * i + row] + 8] for row in range(8)])
+        if trans:
+            mat = mat.T
+        for lane in range(32):
+            r[lane, i] = mat[lane // 4, 2 * (lane % 4): 2 * (lane % 4) + 2]
+    return r
+
+
+def _mma16816(acc, a, b):
+    """acc[32, 4] += A B with A [16, 16] from a[32, 4, 2], B [16, 8] from b[32, 2, 2] (PTX ISA
+    'Matrix Fragments for mma.m16n8k16 with floating point type')."""
+    A, B = np.full((16, 16), np.nan), np.full((16, 8), np.nan)
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        for i in range(8):  # a_i lives in register i//2, half i%2
+            A[g + 8 * ((i // 2) % 2), 2 * t + (i & 1) + 8 * (i >= 4)] = a[lane, i // 2, i % 2]
+        for i in range(4):
+            B[2 * t + (i & 1) + 8 * (i >= 2), g] = b[lane, i // 2, i % 2]
+    assert not np.isnan(A).any() and not np.isnan(B).any()
+    D = A @ B
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        for i in range(4):
+            acc[lane, i] += D[g + 8 * (i >= 2), 2 * t + (i & 1)]
+
+
+def _stage_tile(rows, cols, lds, g, r0, rlim, c0, clim):
+    """stage_tile<R, C, LDS>: returns the smem image (zero-filled outside the matrix)."""
+    s = np.full(rows * lds, np.nan)
+    cpr = cols // 8
+    for i in range(rows * cpr // 256):
+        for tid in range(256):
+            ch = tid + 256 * i
+            r, cc = ch // cpr, (ch % cpr) * 8
+            gr, gc = r0 + r, c0 + cc
+            for e in range(8):
+                s[r * lds + cc + e] = g[gr, gc + e] if gr < rlim and gc + e < clim else 0.0
+    return s
+
+
+@pytest.mark.parametrize("nt", [True, False])
+def test_mma_kernel_index_maps_emulated(nt):
+    BM, BN, BK, PAD = 128, 128, 32, 8
+    LDA = BK + PAD
+    B_LDS = LDA if nt else BN + PAD
+    m, n, k = 100, 90, 50  # one block tile with M, N, K tails
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((m, k))
+    b = rng.standard_normal((n, k) if nt else (k, n))
+    expect = a @ (b.T if nt else b)
+    c = np.full((m, n), np.nan)
+    acc = np.zeros((8, 4, 4, 32, 4))  # [warp][mt][nt][lane][e]
+    lanes = np.arange(32)
+    for k0 in range(0, k, BK):
+        sA = _stage_tile(BM, BK, LDA, a, 0, m, k0, k)
+        sB = _stage_tile(BN, BK, LDA, b, 0, n, k0, k) if nt else _stage_tile(BK, BN, B_LDS, b, k0, k, 0, n)
+        for warp in range(8):
+            wm, wn = warp >> 2, warp & 3
+            for ks in (0, 16):
+                bf = np.zeros((4, 32, 2, 2))
+                for p in range(2):
+                    if nt:
+                        nn_ = wn * 32 + p * 16 + (lanes >> 4) * 8 + (lanes & 7)
+                        kk = ks + ((lanes >> 3) & 1) * 8
+                        r = _ldmatrix_x4(sB, nn_ * B_LDS + kk, trans=False)
+                    else:
+                        kk = ks + ((lanes >> 3) & 1) * 8 + (lanes & 7)
+                        nn_ = wn * 32 + p * 16 + (lanes >> 4) * 8
+                        r = _ldmatrix_x4(sB, kk * B_LDS + nn_, trans=True)
+                    bf[2 * p] = r[:, 0:2]
+                    bf[2 * p + 1] = r[:, 2:4]
+                for mt in range(4):
+                    mm = wm * 64 + mt * 16 + ((lanes >> 3) & 1) * 8 + (lanes & 7)
+                    af = _ldmatrix_x4(sA, mm * LDA + ks + (lanes >> 4) * 8, trans=False)
+                    for ntile in range(4):
+                        _mma16816(acc[warp, mt, ntile], af, bf[ntile])
+    for warp in range(8):
+        wm, wn = warp >> 2, warp & 3
+        for lane in range(32):
+            g, t = lane >> 2, lane & 3
+            for mt in range(4):
+                for h in range(2):
+                    gm = wm * 64 + mt * 16 + g + 8 * h
+                    for ntile in range(4):
+                        gn = wn * 32 + ntile * 8 + 2 * t
+                        for e in range(2):
+                            if gm < m and gn + e < n:
+                                c[gm, gn + e] = acc[warp, mt, ntile, lane, 2 * h + e]
+    np.testing.assert_allclose(c, expect, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("nt", [True, False])
+def test_simt_kernel_index_maps_emulated(nt):
+    BM, BN, BK = 128, 64, 16
+    m, n, k = 130, 70, 20  # M, N, K tails; two tiles in M and N, two K steps
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal((m, k))
+    b = rng.standard_normal((n, k) if nt else (k, n))
+    expect = a @ (b.T if nt else b)
+    c = np.full((m, n), np.nan)
+    tid = np.arange(256)
+    tx, ty = tid % 16, tid // 16
+    tiles_n = -(-n // BN)
+    for blk in range(-(-m // BM) * tiles_n):
+        m0, n0 = (blk // tiles_n) * BM, (blk % tiles_n) * BN
+        acc = np.zeros((256, 8, 4))
+        for k0 in range(0, k, BK):
+            As, Bs = np.full((BK, BM), np.nan), np.full((BK, BN), np.nan)
+            for i in range(8):
+                gm, gk = m0 + ty + 16 * i, k0 + tx
+                ok = (gm < m) & (gk < k)
+                As[tx, ty + 16 * i] = np.where(ok, a[np.minimum(gm, m - 1), np.minimum(gk, k - 1)], 0)
+            for i in range(4):
+                if nt:
+                    gn, gk = n0 + ty + 16 * i, k0 + tx
+                    ok = (gn < n) & (gk < k)
+                    Bs[tx, ty + 16 * i] = np.where(ok, b[np.minimum(gn, n - 1), np.minimum(gk, k - 1)], 0)
+                else:
+                    gk, gn = k0 + tid // 64 + 4 * i, n0 + tid % 64
+                    ok = (gk < k) & (gn < n)
+                    Bs[tid // 64 + 4 * i, tid % 64] = np.where(ok, b[np.minimum(gk, k - 1), np.minimum(gn, n - 1)], 0)
+            assert not np.isnan(As).any() and not np.isnan(Bs).any()
+            rows = np.concatenate([ty[:, None] * 4 + np.arange(4), 64 + ty[:, None] * 4 + np.arange(4)], 1)
+            cols = tx[:, None] * 4 + np.arange(4)
+            acc += np.einsum("kti,ktj->tij", As[:, rows], Bs[:, cols])
+        for i in range(8):
+            gm = m0 + (ty * 4 + i if i < 4 else 64 + ty * 4 + (i - 4))
+            for j in range(4):
+                gn = n0 + tx * 4 + j
+                ok = (gm < m) & (gn < n)
+                c[gm[ok], gn[ok]] = acc[ok, i, j]
+    np.testing.assert_allclose(c, expect, rtol=1e-12, atol=1e-12)

@@ -1,0 +1,133 @@
+"""softmax: GPU tier against the float64 reference (both kernels, causal, masked rows, axes);
+CPU tier for argument checks and the offline compile check."""
+import importlib
+
+import numpy as np
+import pytest
+
+from cupyattn import reference as ref
+from cupyattn._compile_check import run_check
+from conftest import DTYPES, assert_close, nan_like, np_dtype, rand_with_outliers, to_device
+
+# The module, not the function: once cupyattn/__init__ re-exports `softmax`, the attribute
+# cupyattn.softmax is the function and `from cupyattn import softmax` would give that.
+S = importlib.import_module("cupyattn.softmax")
+
+
+# --- GPU tier -------------------------------------------------------------------------------
+# Row lengths: warp kernel (1 .. 1024, every VPT bucket edge) and block kernel (1025 .. 1M).
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [1, 17, 32, 33, 97, 128, 1000, 1024, 1025, 4096, 1_000_000])
+def test_rows_match_reference(dtype, n):
+    rows = 3 if n < 1_000_000 else 1
+    rng = np.random.default_rng(n)
+    x, x64 = to_device(rand_with_outliers(rng, (rows, n), scale=3.0), dtype)
+    for scale in (1.0, 0.125):
+        out = nan_like(x.shape, dtype)
+        got = S.softmax(x, scale=scale, out=out)
+        assert got is out
+        assert_close(got, ref.softmax(x64, scale=scale), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("sq,sk", [(1, 1), (17, 17), (97, 1000), (128, 128), (5, 1500), (1000, 1000),
+                                   (40, 17), (3, 2000)])
+def test_causal_bottom_right(dtype, sq, sk):
+    # sq > sk leaves the top sq - sk rows with no visible key: they must be zeros, not NaN.
+    rng = np.random.default_rng(sq * 31 + sk)
+    x, x64 = to_device(rand_with_outliers(rng, (2, 2, sq, sk)), dtype)
+    expect = ref.softmax(x64, scale=0.5, causal=True)
+    got = S.softmax(x, scale=0.5, causal=True, out=nan_like(x.shape, dtype))
+    assert_close(got, expect, dtype)
+    if sq > sk:
+        assert float(abs(got[..., : sq - sk, :].astype("float32")).max()) == 0.0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [17, 3000])
+def test_fully_masked_rows_are_zero(dtype, n):
+    import cupy
+
+    rng = np.random.default_rng(0)
+    x64 = rand_with_outliers(rng, (3, n))
+    x64[1] = -np.inf  # a row of all -inf (e.g. an additive mask hid every key)
+    x64[2, ::2] = -np.inf
+    x, x64 = to_device(x64, dtype)
+    got = S.softmax(x, out=nan_like(x.shape, dtype))
+    assert_close(got, ref.softmax(x64), dtype)
+    assert float(cupy.abs(got[1].astype(cupy.float32)).max()) == 0.0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_axes_layouts_and_in_place(dtype):
+    rng = np.random.default_rng(2)
+    x, x64 = to_device(rand_with_outliers(rng, (5, 1000, 7)), dtype)
+    for axis in (0, 1, -1, -2):
+        got = S.softmax(x, axis=axis, out=nan_like(x.shape, dtype))
+        assert_close(got, ref.softmax(x64, axis=axis), dtype)
+    # non-contiguous input (copied), leading dims batched
+    xt, xt64 = x.transpose(2, 0, 1), x64.transpose(2, 0, 1)
+    assert_close(S.softmax(xt), ref.softmax(xt64), dtype)
+    # in place, both kernels
+    for n in (100, 2000):
+        y, y64 = to_device(rand_with_outliers(rng, (4, n)), dtype)
+        assert S.softmax(y, out=y) is y
+        assert_close(y, ref.softmax(y64), dtype)
+
+
+@pytest.mark.gpu
+def test_empty():
+    import cupy
+
+    for shape in [(0, 5), (3, 0), (0,)]:
+        assert S.softmax(cupy.zeros(shape, cupy.float32)).shape == shape
+
+
+# --- CPU tier -------------------------------------------------------------------------------
+def test_numpy_input_is_a_type_error():
+    with pytest.raises(TypeError, match=r"softmax\(\): x must be a cupy.ndarray"):
+        S.softmax(np.zeros((2, 3), np.float32))
+
+
+def test_argument_checks(fake_device):
+    x = np.zeros((2, 3, 4), np.float32)
+    with pytest.raises(TypeError, match=r"softmax\(\): x has dtype float64"):
+        S.softmax(x.astype(np.float64))
+    with pytest.raises(ValueError, match=r"softmax\(\): x must have at least 1 dimensions"):
+        S.softmax(np.zeros((), np.float32))
+    with pytest.raises(ValueError, match=r"softmax\(\): axis=3 is out of range for x of shape \(2, 3, 4\)"):
+        S.softmax(x, axis=3)
+    with pytest.raises(ValueError, match=r"softmax\(\): axis=1.5 is out of range"):
+        S.softmax(x, axis=1.5)
+    with pytest.raises(ValueError, match=r"softmax\(\): scale must be a finite real number, got nan"):
+        S.softmax(x, scale=float("nan"))
+    with pytest.raises(ValueError, match=r"softmax\(\): causal=True needs axis=-1"):
+        S.softmax(x, axis=1, causal=True)
+    with pytest.raises(ValueError, match=r"softmax\(\): causal=True needs x of shape \[..., Sq, Sk\]"):
+        S.softmax(np.zeros(4, np.float32), causal=True)
+    with pytest.raises(ValueError, match=r"softmax\(\): out has shape \(2, 3\), expected \(2, 3, 4\)"):
+        S.softmax(x, out=np.zeros((2, 3), np.float32))
+    with pytest.raises(TypeError, match=r"softmax\(\): out has dtype float16, expected float32"):
+        S.softmax(x, out=np.zeros((2, 3, 4), np.float16))
+    bf16 = np_dtype("bfloat16")
+    with pytest.raises(TypeError, match=r"softmax\(\): out has dtype float32, expected bfloat16"):
+        S.softmax(x.astype(bf16), out=x)
+
+
+def test_kernel_choice_covers_every_row_length():
+    # every n <= 1024 has a warp bucket holding it; longer rows use the block kernel
+    for n in range(1, S._WARP_MAX + 1):
+        assert any(32 * v >= n for v in S._VPTS)
+    assert S._WARP_MAX == 1024
+    assert set(S.SPEC.name_expressions) >= {S._warp_expr(t, v) for t in S._TYPES for v in S._VPTS}
+
+
+def test_compile_check_no_spills():
+    reports, errors = run_check(only="softmax")
+    assert not errors, errors
+    assert len(reports) == 2 * len(S.SPEC.name_expressions)
+    assert not [r for r in reports if r.spills]

