@@ -24,7 +24,8 @@ def _parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     g = common.add_argument_group("run options")
     g.add_argument("--dtype", choices=specs.DTYPES, help="element type (default: per case; sweeps float16)")
-    g.add_argument("--impl", help="comma-separated impls to run (ours and peers); default: all")
+    g.add_argument("--impl", help="comma-separated impls to run (ours and peers); default: all "
+                   "(`all` runs every impl)")
     g.add_argument("--reps", type=int, default=30, help="timed repetitions per impl (median reported)")
     g.add_argument("--warmup", type=int, default=3, help="untimed calls before timing")
     g.add_argument("--budget-ms", type=float, default=1000.0, help="cap on timed reps per impl, in ms")
@@ -135,8 +136,10 @@ def select_impls(op: str, impl_arg: str | None, skip) -> list[str]:
 
 
 def impls_for_case(case, impls: list[str]) -> list[str]:
-    """Drop impls that do not apply to a case (TF32 is a float32-only mode)."""
-    return [n for n in impls if not (n == "cublas-tf32" and case.dtype != "float32")]
+    """Drop impls that do not apply to a case: TF32 is a float32 mode; our tensor-core
+    ("mma") variants take 16-bit inputs only."""
+    fp32 = case.dtype == "float32"
+    return [n for n in impls if not ((n == "cublas-tf32" and not fp32) or ("mma" in n and fp32))]
 
 
 def _outputs(a, argv, records, ceilings, meta, log) -> None:

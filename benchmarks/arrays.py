@@ -23,11 +23,21 @@ def from_f32(x32, dtype: str):
     CuPy's bfloat16 casts)."""
     import cupy
 
+    dtype = str(dtype)
     if dtype != "bfloat16":
-        return x32.astype(dtype)
+        return x32.astype(dtype, copy=False)
     bits = x32.view(cupy.uint32)
     r = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
     return r.astype(cupy.uint16).view(_bf16())
+
+
+def to_f32(x):
+    """CuPy array of a float dtype -> float32 (bfloat16 through its bits)."""
+    import cupy
+
+    if x.dtype == _bf16():
+        return (x.view(cupy.uint16).astype(cupy.uint32) << 16).view(cupy.float32)
+    return x.astype(cupy.float32, copy=False)
 
 
 def to_f64(x):
@@ -36,9 +46,7 @@ def to_f64(x):
 
     if not isinstance(x, cupy.ndarray):  # torch tensor from a peer
         x = cupy.from_dlpack(x.float().contiguous())
-    if x.dtype == _bf16():
-        x = (x.view(cupy.uint16).astype(cupy.uint32) << 16).view(cupy.float32)
-    return x.astype(cupy.float64)
+    return to_f32(x).astype(cupy.float64)
 
 
 def rand(shape, dtype: str, scale: float = 1.0):

@@ -8,6 +8,7 @@ of the run goes on.
 """
 from __future__ import annotations
 
+import math
 import traceback
 
 from . import peers, timing
@@ -19,20 +20,28 @@ OURS = {"gemm": ("ours",), "softmax": ("ours",), "attention": ("flash", "naive")
         "decode": ("split-kv", "unsplit", "naive"), "model": ("tinylm",)}
 
 
-def gemm_variants() -> tuple:
-    """Named gemm kernel variants, when cupyattn.gemm lists them (VARIANTS)."""
+def _attr(module: str, name: str) -> tuple:
+    """A tuple attribute of one of our op modules, or () when it cannot be imported yet."""
+    import importlib
+
     try:
-        from cupyattn import gemm
+        return tuple(getattr(importlib.import_module(module), name, ()) or ())
     except Exception:
         return ()
-    return tuple(getattr(gemm, "VARIANTS", ()) or ())
+
+
+def ours_names(op: str) -> tuple:
+    """Our impls of ``op``: every gemm VARIANTS entry, every attention IMPLS entry."""
+    if op == "gemm":
+        return ("ours",) + tuple(f"ours-{v}" for v in _attr("cupyattn.gemm", "VARIANTS")
+                                 if v not in ("auto", "default"))
+    if op == "attention":
+        return _attr("cupyattn.attention", "IMPLS") or OURS[op]
+    return OURS[op]
 
 
 def impl_names(op: str) -> tuple:
-    ours = OURS[op]
-    if op == "gemm":
-        ours = ours + tuple(f"ours-{v}" for v in gemm_variants())
-    return ours + peers.PEERS[op]
+    return ours_names(op) + peers.PEERS[op]
 
 
 def errors(out, ref) -> tuple[float, float]:
@@ -126,6 +135,8 @@ def make_impl(case, name: str, inp):
             f = gemm.gemm_nt if p["layout"] == "nt" else gemm.gemm_nn
             kw = {"variant": name[5:]} if name.startswith("ours-") else {}
             return lambda: f(inp["a"], inp["b"], out=inp["out"], **kw)
+        if name == "torch-matmul":
+            return peers.torch_matmul(inp["a"], inp["b"], p["layout"], inp["out"])
         return peers.cublas_gemm(inp["a"], inp["b"], p["layout"], inp["out"], tf32=name == "cublas-tf32")
     if op == "softmax":
         if name == "ours":
@@ -137,7 +148,7 @@ def make_impl(case, name: str, inp):
         return peers.torch_softmax(inp["x"])
     causal = op == "attention" and p["causal"]
     q, k, v, out = inp["q"], inp["k"], inp["v"], inp["out"]
-    if name in ("flash", "naive"):
+    if name == "naive" or (op == "attention" and name in ours_names(op)):
         from cupyattn.attention import attention
 
         return lambda: attention(q, k, v, causal=causal, impl=name, out=out)
@@ -210,7 +221,9 @@ def measure_impl(case, name, kind, inp, ref, opts, ceilings, flusher, log) -> di
         tm = timing.time_fn(fn, warmup=opts.warmup, reps=opts.reps, budget_ms=opts.budget_ms,
                             flusher=flusher)
         fill_timing(rec, tm, case_flops(case), case_bytes(case), ceilings)
-        if rec["rel_err"] is not None and not rec["rel_err"] <= 0.05:
+        if rec["rel_err"] is not None and math.isnan(rec["rel_err"]):
+            rec["note"] = "output has NaN"
+        elif rec["rel_err"] is not None and rec["rel_err"] > 0.05:
             rec["note"] = "large error vs float64 reference"
     except peers.PeerUnavailable as e:
         rec["status"] = f"skipped: {e}"

@@ -1,6 +1,7 @@
 """Peers: what our kernels are compared with in the same run.
 
-- gemm: ``cublas`` (cupy.matmul; float32 with TF32 off), ``cublas-tf32`` (float32 only).
+- gemm: ``cublas`` (cupy.matmul; float32 with TF32 off), ``cublas-tf32`` (float32 only),
+  ``torch-matmul`` (cuBLAS through torch; its float32 default is TF32 off too).
 - softmax: ``cupy-ops`` (max/exp/sum/divide as CuPy ops, float32 math), ``torch``.
 - attention / decode: ``cupy-naive`` (cupy.matmul + CuPy-ops softmax), ``torch-sdpa``.
 - model: ``hf-transformers`` (LlamaForCausalLM built from tinylm's config and weights; see
@@ -15,7 +16,7 @@ from __future__ import annotations
 import contextlib
 
 PEERS = {
-    "gemm": ("cublas", "cublas-tf32"),
+    "gemm": ("cublas", "cublas-tf32", "torch-matmul"),
     "softmax": ("cupy-ops", "torch"),
     "attention": ("cupy-naive", "torch-sdpa"),
     "decode": ("cupy-naive", "torch-sdpa"),
@@ -23,13 +24,13 @@ PEERS = {
 }
 # Which peer a record's single `peer`/`speedup` columns refer to, in order of preference.
 PRIMARY = {
-    "gemm": ("cublas",),
+    "gemm": ("cublas", "torch-matmul"),
     "softmax": ("torch", "cupy-ops"),
     "attention": ("torch-sdpa", "cupy-naive"),
     "decode": ("torch-sdpa", "cupy-naive"),
     "model": ("hf-transformers",),
 }
-TORCH_PEERS = {"torch", "torch-sdpa", "hf-transformers"}
+TORCH_PEERS = {"torch", "torch-sdpa", "torch-matmul", "hf-transformers"}
 
 
 class PeerUnavailable(RuntimeError):
@@ -148,10 +149,12 @@ def cupy_softmax(x, axis=-1):
     """Softmax written as CuPy ops, math in float32 (what a user would write first)."""
     import cupy
 
-    xf = x.astype(cupy.float32)
+    from .arrays import from_f32, to_f32
+
+    xf = to_f32(x)
     xf = xf - xf.max(axis=axis, keepdims=True)
     e = cupy.exp(xf)
-    return e / e.sum(axis=axis, keepdims=True)
+    return from_f32(e / e.sum(axis=axis, keepdims=True), x.dtype)
 
 
 def causal_keep(sq: int, sk: int):
@@ -164,25 +167,32 @@ def causal_keep(sq: int, sk: int):
 def cupy_naive_attention(q, k, v, causal=False, scale=None):
     """S = Q K^T (cuBLAS, input dtype), softmax in float32, O = P V; GQA by broadcasting.
 
-    q [B,H,Sq,D], k/v [B,Hkv,Sk,D] with any strides cupy.matmul takes. Materialises S and P:
-    [B,H,Sq,Sk] in float32, which is exactly the memory traffic flash attention avoids.
+    q [B,H,Sq,D], k/v [B,Hkv,Sk,D] with any strides cupy.matmul takes. Materialises S and P,
+    [B,H,Sq,Sk] in float32: exactly the memory traffic flash attention avoids. The softmax
+    works in place on S, so the peak is about one float32 S plus one P in the input dtype.
     """
     import cupy
+
+    from .arrays import from_f32, to_f32
 
     B, H, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     g = H // Hkv
     scale = D ** -0.5 if scale is None else scale
-    q5 = q.reshape(B, Hkv, g, Sq, D)
-    s = cupy.matmul(q5, k[:, :, None].swapaxes(-1, -2)).astype(cupy.float32) * scale
+    if g > 1:  # GQA: [B, Hkv, g, Sq, D] against K/V broadcast over the group axis
+        q, k, v = q.reshape(B, Hkv, g, Sq, D), k[:, :, None], v[:, :, None]
+    s = to_f32(cupy.matmul(q, k.swapaxes(-1, -2)))
+    s *= scale
     if causal:
-        s = cupy.where(causal_keep(Sq, Sk), s, -cupy.inf)
+        s += cupy.where(causal_keep(Sq, Sk), 0.0, -cupy.inf).astype(cupy.float32)
     m = s.max(axis=-1, keepdims=True)
-    m = cupy.where(cupy.isfinite(m), m, 0.0)  # fully masked rows -> zeros, not NaN
-    p = cupy.exp(s - m)
-    den = p.sum(axis=-1, keepdims=True)
-    p = (p / cupy.where(den > 0, den, 1.0)).astype(q.dtype)
-    return cupy.matmul(p, v[:, :, None]).reshape(B, H, Sq, D)
+    s -= cupy.where(cupy.isfinite(m), m, 0.0)  # fully masked rows -> zeros, not NaN
+    cupy.exp(s, out=s)
+    den = s.sum(axis=-1, keepdims=True)
+    s /= cupy.where(den > 0, den, 1.0)
+    p = from_f32(s, q.dtype)
+    del s
+    return cupy.matmul(p, v).reshape(B, H, Sq, D)
 
 
 # --- torch peers ------------------------------------------------------------------------------
@@ -212,3 +222,11 @@ def torch_softmax(x):
     torch = get_torch()
     tx = to_torch(x)
     return wrap_torch(lambda: torch.softmax(tx, dim=-1))
+
+
+def torch_matmul(a, b, layout: str, out):
+    """torch.matmul (cuBLAS) on DLPack views, writing into our output buffer."""
+    torch = get_torch()
+    ta, tb, tout = to_torch(a), to_torch(b), to_torch(out)
+    tb = tb.t() if layout == "nt" else tb
+    return wrap_torch(lambda: torch.matmul(ta, tb, out=tout))

@@ -105,7 +105,7 @@ def table_rows(records: list[dict]) -> tuple[list[str], list[list[str]]]:
             ms = f"{r['median_ms']:.4g} ({r['min_ms']:.4g}-{r['max_ms']:.4g})"
         else:
             ms = ""
-        vs = " ".join(f"{k} {v:.2f}x" for k, v in (r.get("speedups") or {}).items())
+        vs = " ".join(f"{k} {v:.3g}x" for k, v in (r.get("speedups") or {}).items())
         pct = _f(r["pct_ceiling"], ".1f") + (f" {r['bound'][0]}" if r.get("bound") else "")
         peak = _f(r["peak_mb"], ".0f")
         status = r["status"] or ""
@@ -263,12 +263,13 @@ def run_meta(argv, device: dict | None = None) -> dict:
             "python": platform.python_version(), "numpy": numpy.__version__,
             "kernels_sha256": kernels_sha256(ROOT / "kernels_cu")}
     meta.update(git_commit())
-    try:
-        import torch  # noqa: F401 -- version only, when present
+    from importlib import metadata
 
-        meta["torch"] = torch.__version__
-    except Exception:
-        meta["torch"] = None
+    for dist in ("torch", "transformers"):  # peers' versions, without importing them
+        try:
+            meta[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            meta[dist] = None
     meta.update(device or {})
     return meta
 

@@ -83,7 +83,10 @@ def time_fn(fn, warmup: int = 3, reps: int = 30, budget_ms: float = 2000.0, flus
     stream = cupy.cuda.get_current_stream()
     for _ in range(max(1, warmup)):
         fn()
-    # One timed estimate decides how many reps fit in the budget.
+    # One timed estimate (queue drained first) decides how many reps fit in the budget.
+    if sync:
+        sync()
+    stream.synchronize()
     t0 = time.perf_counter()
     fn()
     if sync:

@@ -1,5 +1,6 @@
-"""Scaled dot-product attention over CuPy arrays: a fused FlashAttention-2 kernel and a split
-(naive) pipeline built from cupyattn's GEMM and softmax.
+"""Scaled dot-product attention over CuPy arrays: fused FlashAttention-2 kernels (SIMT for every
+dtype, tensor-core mma.sync for fp16/bf16) and a split (naive) pipeline built from cupyattn's GEMM
+and softmax.
 
 Layout ``[B, H, S, D]``; K/V may have fewer heads than Q (GQA/MQA); causal masks with Sq != Sk
 are aligned bottom-right. See ``kernels_cu/flash_attn.cu`` for the kernel and its tile table.
@@ -16,7 +17,7 @@ from ._checks import (check_array, check_choice, check_last_contiguous, check_ou
 from ._loader import KernelSpec, get_function
 
 SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 128, 256)
-IMPLS = ("flash", "naive")
+IMPLS = ("flash", "flash_mma", "naive")
 _FN = "attention"
 
 # (head_dim, element bytes) -> (BLOCK_M, BLOCK_N, NUM_WARPS). The reasons per entry, and the
@@ -27,6 +28,8 @@ _TILES = {
     (32, 4): (64, 64, 4), (64, 4): (64, 32, 8), (80, 4): (64, 32, 8),
     (96, 4): (64, 32, 8), (128, 4): (32, 32, 4), (256, 4): (8, 32, 2),
 }
+# impl="flash_mma" (fp16/bf16 only): head_dim -> (BLOCK_N, NUM_WARPS); BLOCK_M = 16 * NUM_WARPS.
+_MMA_TILES = {32: (64, 4), 64: (64, 4), 80: (64, 4), 96: (64, 4), 128: (64, 4), 256: (32, 2)}
 _CTYPES = ("float", "__half", "__nv_bfloat16")
 _MAX_GRID_Y = 65535
 
@@ -40,9 +43,15 @@ def _flash_expr(ct: str, head_dim: int, causal: bool) -> str:
     return f"flash_attn_fwd<{ct}, {head_dim}, {bm}, {bn}, {nw}, {'true' if causal else 'false'}>"
 
 
+def _mma_expr(ct: str, head_dim: int, causal: bool) -> str:
+    bn, nw = _MMA_TILES[head_dim]
+    return f"flash_attn_mma<{ct}, {head_dim}, {bn}, {nw}, {'true' if causal else 'false'}>"
+
+
 FLASH_SPEC = KernelSpec(
     "flash_attn", "flash_attn.cu",
-    tuple(_flash_expr(ct, d, c) for ct in _CTYPES for d in SUPPORTED_HEAD_DIMS for c in (False, True)))
+    tuple(_flash_expr(ct, d, c) for ct in _CTYPES for d in SUPPORTED_HEAD_DIMS for c in (False, True))
+    + tuple(_mma_expr(ct, d, c) for ct in _CTYPES[1:] for d in SUPPORTED_HEAD_DIMS for c in (False, True)))
 
 
 # --- argument checks ------------------------------------------------------------------------
@@ -97,9 +106,12 @@ def _check_args(q, k, v, scale, mask, key_lengths, impl, out):
     hkv, sk = k.shape[1], k.shape[2]
     if hkv == 0 or hq % hkv:
         raise ValueError(f"{_FN}(): q heads Hq={hq} must be a multiple of k/v heads Hkv={hkv}")
-    if impl == "flash" and d not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"{_FN}(): head_dim D={d} is not supported by impl='flash'; supported: "
+    if impl != "naive" and d not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"{_FN}(): head_dim D={d} is not supported by impl={impl!r}; supported: "
                          f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))} (impl='naive' takes any D)")
+    if impl == "flash_mma" and np.dtype(q.dtype) == np.float32:
+        raise TypeError(f"{_FN}(): impl='flash_mma' needs float16 or bfloat16 inputs, got float32 "
+                        f"(use impl='flash')")
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_last_contiguous(_FN, name, x)
     if scale is None:
@@ -141,10 +153,13 @@ def attention(q, k, v, causal=False, scale=None, mask=None, key_lengths=None, im
     key_lengths : int array [B], optional
         Keys ``j >= key_lengths[b]`` are hidden. Host values (list / NumPy) are checked to lie in
         [0, Sk]; a CuPy array is used as is (not read back: the flash kernel clamps it to [0, Sk]).
-    impl : {"flash", "naive"}
-        ``"flash"`` (default): one fused FlashAttention-2 kernel launch; S is never written to
-        memory and only ``out`` (and ``lse``) are allocated. D must be one of
+    impl : {"flash", "flash_mma", "naive"}
+        ``"flash"`` (default): one fused FlashAttention-2 kernel launch (SIMT, fp32 FMA); S is
+        never written to memory and only ``out`` (and ``lse``, and a B-element int32 copy of
+        host key_lengths) are allocated. D must be one of
         ``SUPPORTED_HEAD_DIMS`` = (32, 64, 80, 96, 128, 256).
+        ``"flash_mma"``: the same algorithm on tensor cores (mma.sync m16n8k16, fp32
+        accumulation, P rounded to the input dtype before P V); float16/bfloat16 only.
         ``"naive"``: ``S = gemm_nt(q, k)`` [B, Hq, Sq, Sk] in memory, softmax, ``gemm_nn(P, v)``;
         any D. With a mask, key_lengths or return_lse, S is taken to float32 for the softmax.
     return_lse : bool
@@ -187,8 +202,10 @@ def attention(q, k, v, causal=False, scale=None, mask=None, key_lengths=None, im
             cupy.ascontiguousarray(arr, dtype=cupy.int32)
     if mask is not None and mask.dtype != cupy.float32:
         mask = mask.astype(cupy.float32)
-    run = _flash if impl == "flash" else _naive
-    run(q, k, v, causal, scale, mask, mshape, kl, out, lse)
+    if impl == "naive":
+        _naive(q, k, v, causal, scale, mask, mshape, kl, out, lse)
+    else:
+        _flash(q, k, v, causal, scale, mask, mshape, kl, out, lse, mma=impl == "flash_mma")
     return (out, lse) if return_lse else out
 
 
@@ -197,13 +214,18 @@ def _elem_strides(x):
     return [s // x.itemsize for s in x.strides]
 
 
-def _flash_launch(q, k, v, causal, scale, mask, mshape, kl, out, lse):
+def _flash_launch(q, k, v, causal, scale, mask, mshape, kl, out, lse, mma=False):
     """(name expression, grid, block, args) of the one kernel launch (no device needed: the
     CPU tests feed the same tuple to a host emulation of the kernel)."""
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     ct = ctype(q.dtype)
-    bm, _, nw = _tile(ct, d)
+    if mma:
+        nw = _MMA_TILES[d][1]
+        bm, expr = 16 * nw, _mma_expr(ct, d, bool(causal))
+    else:
+        bm, _, nw = _tile(ct, d)
+        expr = _flash_expr(ct, d, bool(causal))
     if mask is not None:
         mask = mask.reshape(mshape)  # leading 1s: a view
         mstr = [0 if n == 1 else s for n, s in zip(mshape, _elem_strides(mask))]
@@ -217,11 +239,11 @@ def _flash_launch(q, k, v, causal, scale, mask, mshape, kl, out, lse):
             *map(i64, _elem_strides(q)[:3]), *map(i64, _elem_strides(k)[:3]),
             *map(i64, _elem_strides(v)[:3]), *map(i64, mstr),
             np.float32(scale * math.log2(math.e)))
-    return _flash_expr(ct, d, bool(causal)), grid, (nw * 32,), args
+    return expr, grid, (nw * 32,), args
 
 
-def _flash(q, k, v, causal, scale, mask, mshape, kl, out, lse):
-    expr, grid, block, args = _flash_launch(q, k, v, causal, scale, mask, mshape, kl, out, lse)
+def _flash(q, k, v, causal, scale, mask, mshape, kl, out, lse, mma=False):
+    expr, grid, block, args = _flash_launch(q, k, v, causal, scale, mask, mshape, kl, out, lse, mma)
     get_function(FLASH_SPEC, expr)(grid, block, args)
 
 

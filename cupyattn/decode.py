@@ -86,8 +86,8 @@ def _check(fn, q, cache, layer, scale, num_splits, out):
             raise ValueError(f"{fn}(): num_splits must be None or an integer in [1, {MAX_SPLITS}], "
                              f"got {num_splits!r}")
         num_splits = int(num_splits)
-    if cache.num_kv_heads * -(-(hq // cache.num_kv_heads) // HEAD_TILE) > 65535:
-        raise ValueError(f"{fn}(): too many heads ({hq}) for one launch")
+    if cache.num_kv_heads * -(-(hq // cache.num_kv_heads) // HEAD_TILE) > 65535 or b > 65535:
+        raise ValueError(f"{fn}(): batch {b} x {hq} heads exceed one launch's grid (65535 blocks in y, z)")
     if out is not None:
         check_out(fn, out, (b, hq, 1, d), q.dtype)
     return layer, b, hq, d, float(scale), num_splits

@@ -169,7 +169,7 @@ class KVCache:
         check_array(fn, "v_new", v_new, ndim=4)
         check_same_dtype(fn, "k_new", k_new, "the cache", self.k)
         check_same_dtype(fn, "v_new", v_new, "the cache", self.k)
-        b, hkv, t, d = k_new.shape
+        t = k_new.shape[2]
         want = (self.batch, self.num_kv_heads, t, self.head_dim)
         if tuple(k_new.shape) != want:
             raise ValueError(f"{fn}(): k_new has shape {tuple(k_new.shape)}, expected "

@@ -137,8 +137,9 @@ def _rmsnorm(x, weight, eps, out, variant):
     if weight.shape[0] != d:
         raise ValueError(f"{fn}(): weight has shape {tuple(weight.shape)}, expected ({d},) (last dim of x)")
     if np.dtype(weight.dtype) not in (np.dtype(x.dtype), np.dtype(np.float32)):
+        also = "" if np.dtype(x.dtype) == np.float32 else " or float32"
         raise TypeError(f"{fn}(): weight has dtype {C.dtype_name(weight.dtype)}; expected "
-                        f"{C.dtype_name(x.dtype)} (as x) or float32")
+                        f"{C.dtype_name(x.dtype)} (as x){also}")
     eps = _check_float(fn, "eps", eps, 0.0, strict=False)
     C.check_choice(fn, "variant", variant, ("auto", "warp", "block"))
     out = _new_or_out(fn, out, x.shape, x.dtype)
@@ -200,7 +201,8 @@ def rope(x, positions, base=10000.0, style="adjacent", out=None):
         raise ValueError(f"{fn}(): the last dim of x (D={d}) must be even and > 0")
     C.check_array(fn, "positions", positions, dtypes=tuple(_ID_CT), ndim=2)
     if tuple(positions.shape) != (b, t):
-        raise ValueError(f"{fn}(): positions has shape {tuple(positions.shape)}, expected ({b}, {t}) = [B, T] of x")
+        raise ValueError(f"{fn}(): positions has shape {tuple(positions.shape)}, "
+                         f"expected ({b}, {t}) = [B, T] of x")
     base = _check_float(fn, "base", base, 0.0, strict=True)
     C.check_choice(fn, "style", style, ROPE_STYLES)
     if b * h * t >= 2**31:
@@ -224,7 +226,7 @@ def rope(x, positions, base=10000.0, style="adjacent", out=None):
     # adjacent pairs load as one 2-element vector when every row start is 2-element aligned
     pv = (not neox and _aligned(2 * x.itemsize, x, out)
           and all(s % 2 == 0 for s, n in zip(xs + ys, (b, h, t) * 2) if n > 1))
-    kern = get_function(SPEC, f"rope_kernel<{ct}, {'true' if neox else 'false'}, {'true' if pv else 'false'}>")
+    kern = get_function(SPEC, f"rope_kernel<{ct}, {str(neox).lower()}, {str(pv).lower()}>")
     rows = b * h * t
     bx, by = _row_block(half)
     grid = min(-(-rows // by), _MAX_BLOCKS)

@@ -139,6 +139,8 @@ __global__ void kv_advance_lengths_kernel(
 //   m_new = max(m, max_j S_j);  P_j = exp2(S_j - m_new);  alpha = exp2(m - m_new)
 //   l     = alpha * l + sum_j P_j;  O = alpha * O + sum_j P_j V_j;  m = m_new
 // At the end O / l (0 when l = 0: empty range) and lse = (m + log2 l) * ln 2.
+// Launch bounds (128 threads, 4 blocks/SM) cap registers at 128: 4 blocks of <= 46 KB smem
+// fit an SM, and ptxas keeps every instantiation spill-free (80-126 registers).
 template <typename T, int D>
 __global__ void __launch_bounds__(DEC_THREADS, 4) decode_kernel(
     const T* __restrict__ q,            // [B, Hq, 1, D], element (b,h,d) at b*q_sb + h*q_sh + d
@@ -185,7 +187,7 @@ __global__ void __launch_bounds__(DEC_THREADS, 4) decode_kernel(
         q_s[i] = to_float(q[b * q_sb + (long long)(h0 + g) * q_sh + d]) * scale_log2;
     }
 
-    // Score role: thread -> (key kj, part kp) of the tile; part kp handles chunks kp + i*TPK.
+    // Score role: thread -> (key kj, part kpart) of the tile; a part reads chunks kpart + i*TPK.
     const int kj = tid / TPK, kpart = tid - kj * TPK;
     // Softmax role: warp w owns heads w and w + DEC_WARPS; m, l live in its lanes' registers.
     constexpr int HPW = GT / DEC_WARPS;
@@ -193,7 +195,7 @@ __global__ void __launch_bounds__(DEC_THREADS, 4) decode_kernel(
 #pragma unroll
     for (int i = 0; i < HPW; ++i) { m_i[i] = -CUDART_INF_F; l_i[i] = 0.f; }
     // PV role: slot v = tid + s*NT -> (key part, head, chunk). With few (head, chunk) pairs the
-    // keys of a tile are also split KP ways (v = kpv * n_pairs + pair); partial O's are summed
+    // keys of a tile are also split KP ways (v = kp * n_pairs + pair); partial O's are summed
     // at the end, which is exact because every part of a head is rescaled by the same alpha.
     const int n_pairs = g_tile * NC;
     const int KP = n_pairs >= NT ? 1 : NT / n_pairs;
@@ -256,8 +258,10 @@ __global__ void __launch_bounds__(DEC_THREADS, 4) decode_kernel(
             // sum the TPK partial dots of a key (its lanes are adjacent; all lanes take part)
 #pragma unroll
             for (int g = 0; g < GT; ++g) {
+                if (g < g_tile) {  // block-uniform, so every lane shuffles or none does
 #pragma unroll
-                for (int o = TPK / 2; o > 0; o >>= 1) s_acc[g] += __shfl_xor_sync(0xffffffffu, s_acc[g], o);
+                    for (int o = TPK / 2; o > 0; o >>= 1) s_acc[g] += __shfl_xor_sync(0xffffffffu, s_acc[g], o);
+                }
             }
             if (kpart == 0 && kj < tile_n) {
 #pragma unroll

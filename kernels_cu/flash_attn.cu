@@ -10,6 +10,10 @@
 //                       and O_i += P_ij V_j are mma.sync.m16n8k16 (fp32 accumulate); P_ij goes
 //                       from the S accumulator layout straight into A fragments (no smem trip);
 //                       same tiling, masking and online softmax as v1. impl="flash_mma".
+//                       Fragments come from padded smem by plain 32-bit loads (no ldmatrix, no
+//                       cp.async pipelining yet: those are the next steps for speed).
+// Both run on the CPU in tests/test_attention.py under a host emulation (one fiber per thread;
+// mma.sync rebuilt from the PTX ISA fragment tables), which is how they were checked without a GPU.
 //
 // Tile table (cupyattn/attention.py `_TILES` holds the same numbers and instantiates them; a CPU
 // test checks the two agree). Shared memory per CTA = Q_i tile (BLOCK_M x D elements) + one K_j/V_j
@@ -259,50 +263,58 @@ flash_attn_fwd(const T* __restrict__ q,          // [B, Hq, Sq, D], strides q_sb
 //   C/D 16x8 fp32:     c0,c1 (g, 2t..2t+1), c2,c3 (g+8, 2t..2t+1)
 template <typename T> struct MmaType;
 template <> struct MmaType<__half> {
-    static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+    static __device__ __forceinline__ unsigned pack(float lo, float hi) {
         __half2 h = __floats2half2_rn(lo, hi);
-        return *reinterpret_cast<uint32_t*>(&h);
+        return *reinterpret_cast<unsigned*>(&h);
     }
 };
 template <> struct MmaType<__nv_bfloat16> {
-    static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+    static __device__ __forceinline__ unsigned pack(float lo, float hi) {
         __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-        return *reinterpret_cast<uint32_t*>(&h);
+        return *reinterpret_cast<unsigned*>(&h);
     }
 };
 
 // Two 16-bit elements at p (4-byte aligned) as one fragment register.
-template <typename T> __device__ __forceinline__ uint32_t ld_pair(const T* p) {
-    return *reinterpret_cast<const uint32_t*>(p);
+template <typename T> __device__ __forceinline__ unsigned ld_pair(const T* p) {
+    return *reinterpret_cast<const unsigned*>(p);
 }
 // Two 16-bit elements from different rows (lo = *p0, hi = *p1) as one register.
-template <typename T> __device__ __forceinline__ uint32_t ld_split(const T* p0, const T* p1) {
-    return (uint32_t)*reinterpret_cast<const unsigned short*>(p0)
-           | ((uint32_t)*reinterpret_cast<const unsigned short*>(p1) << 16);
+template <typename T> __device__ __forceinline__ unsigned ld_split(const T* p0, const T* p1) {
+    return (unsigned)*reinterpret_cast<const unsigned short*>(p0)
+           | ((unsigned)*reinterpret_cast<const unsigned short*>(p1) << 16);
 }
 
 #if defined(__CUDA_ARCH__)
 // D = A B + D on one warp: A 16x16, B 16x8 (T), D 16x8 fp32.
 template <typename T>
-__device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]);
-template <> __device__ __forceinline__ void mma_m16n8k16<__half>(float (&d)[4], const uint32_t (&a)[4],
-                                                                 const uint32_t (&b)[2]) {
+__device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]);
+template <> __device__ __forceinline__ void mma_m16n8k16<__half>(float (&d)[4], const unsigned (&a)[4],
+                                                                 const unsigned (&b)[2]) {
+#if __CUDA_ARCH__ >= 800
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
                  "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+    __trap();  // mma.m16n8k16 needs sm_80; impl="flash" still works on older GPUs
+#endif
 }
-template <> __device__ __forceinline__ void mma_m16n8k16<__nv_bfloat16>(float (&d)[4], const uint32_t (&a)[4],
-                                                                        const uint32_t (&b)[2]) {
+template <> __device__ __forceinline__ void mma_m16n8k16<__nv_bfloat16>(float (&d)[4], const unsigned (&a)[4],
+                                                                        const unsigned (&b)[2]) {
+#if __CUDA_ARCH__ >= 800
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
                  "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+    __trap();  // mma.m16n8k16 needs sm_80; impl="flash" still works on older GPUs
+#endif
 }
 #else
 // Host builds (the CPU tests' emulation of this file) provide mma_m16n8k16 themselves.
 template <typename T>
-void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]);
+void mma_m16n8k16(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]);
 #endif
 
 // Max / sum over the 4 lanes of a quad (the lanes that share a row of a C fragment).
@@ -385,13 +397,13 @@ flash_attn_mma(const T* __restrict__ q,          // [B, Hq, Sq, D], strides q_s*
             for (int e = 0; e < 4; ++e) s[nt][e] = 0.0f;
 #pragma unroll
         for (int kk = 0; kk < HEAD_DIM; kk += 16) {
-            const uint32_t a[4] = {ld_pair(&q_s[rA * STRIDE + kk + 2 * tq]), ld_pair(&q_s[rB * STRIDE + kk + 2 * tq]),
+            const unsigned a[4] = {ld_pair(&q_s[rA * STRIDE + kk + 2 * tq]), ld_pair(&q_s[rB * STRIDE + kk + 2 * tq]),
                                    ld_pair(&q_s[rA * STRIDE + kk + 2 * tq + 8]),
                                    ld_pair(&q_s[rB * STRIDE + kk + 2 * tq + 8])};
 #pragma unroll
             for (int nt = 0; nt < NT_S; ++nt) {
                 const T* kr = &kv_s[(nt * 8 + g) * STRIDE + kk + 2 * tq];
-                const uint32_t bb[2] = {ld_pair(kr), ld_pair(kr + 8)};
+                const unsigned bb[2] = {ld_pair(kr), ld_pair(kr + 8)};
                 mma_m16n8k16<T>(s[nt], a, bb);
             }
         }
@@ -444,7 +456,7 @@ flash_attn_mma(const T* __restrict__ q,          // [B, Hq, Sq, D], strides q_s*
         // registers are exactly the A registers of a 16x16 tile (P rounded to T here).
 #pragma unroll
         for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-            const uint32_t a[4] = {MmaType<T>::pack(s[2 * kk][0], s[2 * kk][1]),
+            const unsigned a[4] = {MmaType<T>::pack(s[2 * kk][0], s[2 * kk][1]),
                                    MmaType<T>::pack(s[2 * kk][2], s[2 * kk][3]),
                                    MmaType<T>::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]),
                                    MmaType<T>::pack(s[2 * kk + 1][2], s[2 * kk + 1][3])};
@@ -452,7 +464,7 @@ flash_attn_mma(const T* __restrict__ q,          // [B, Hq, Sq, D], strides q_s*
 #pragma unroll
             for (int nt = 0; nt < NT_O; ++nt) {
                 const T* vp = v0 + nt * 8;
-                const uint32_t bb[2] = {ld_split(vp, vp + STRIDE), ld_split(vp + 8 * STRIDE, vp + 9 * STRIDE)};
+                const unsigned bb[2] = {ld_split(vp, vp + STRIDE), ld_split(vp + 8 * STRIDE, vp + 9 * STRIDE)};
                 mma_m16n8k16<T>(o[nt], a, bb);
             }
         }

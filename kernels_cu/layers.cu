@@ -6,20 +6,20 @@
 //                               pass scales by 1/sqrt(mean + eps) * weight. For D <= 1024.
 //   rmsnorm_block_kernel<T,W,V> one block per row: per-warp shuffle reduction, warp partials
 //                               through 32 floats of smem, then every warp reduces them. D > 1024.
-//   rope_kernel<T,NEOX,PV>      one thread per rotation pair, rows grid-strided so each thread
-//                               turns base^(-i/half) (double exp2) once and reuses it for many
-//                               rows; angle pos*inv_freq formed and reduced mod 2pi in double,
-//                               sincospif on the reduced angle / pi in float. Strided [B,H,T] views, in place ok.
-//                               NEOX pairs (i, i+D/2); adjacent pairs (2i, 2i+1), PV: pair as one
-//                               2-element vector load.
+//   rope_kernel<T,NEOX,PV>      one thread per rotation pair; rows grid-strided, so a thread
+//                               forms its pair's base^(-i/half) (double exp2) once and reuses it
+//                               for many rows. Angle pos*inv_freq made and reduced mod 2pi in
+//                               double, sincospif on (reduced angle)/pi in float. Any [B,H,T]
+//                               strides, in place ok. NEOX pairs (i, i+D/2); adjacent pairs
+//                               (2i, 2i+1), PV: the pair moves as one 2-element vector.
 //   swiglu_kernel<T,V>          grid-strided elementwise silu(gate) * up over V-vectors.
 //   add_kernel<T,V>             grid-strided elementwise x + y over V-vectors (residual add).
 //   embedding_kernel<T,I,V>     one row of threads per token id (I = int or long long); an id
-//                               outside [0, V) writes a zero row instead of reading.
+//                               outside [0, vocab) writes a zero row instead of reading.
 //
-// T is the element type (float, __half, __nv_bfloat16); all math is in float32. V is the vector
-// width in elements: 16 bytes / sizeof(T) when the host has checked alignment and divisibility,
-// else 1 (the host picks; kernels never see a partial vector). Pointers that may alias (out = x
+// T is the element type (float, __half, __nv_bfloat16); math is float32 (rope's angle: double).
+// V is the vector width in elements: 16 bytes / sizeof(T) when the host has checked alignment and
+// divisibility, else 1 (the host picks; kernels never see a partial vector). Pointers that may alias (out = x
 // in place) are not __restrict__: no thread ever reads an element another thread has written.
 #include "common.cuh"
 
@@ -40,7 +40,7 @@ __device__ __forceinline__ void store_vec(T* p, const Vec<T, N>& a) {
     *reinterpret_cast<Vec<T, N>*>(p) = a;
 }
 
-// 2*pi split in two doubles, hi + lo = 2*pi to ~1e-32: the reduction stays exact for any int32 pos.
+// 2*pi as hi + lo doubles (~106 bits): reducing k turns costs no accuracy even for k ~ 3e8 (pos 2^31).
 #define LAYERS_TWO_PI_HI 6.283185307179586
 #define LAYERS_TWO_PI_LO 2.4492935982947064e-16
 #define LAYERS_INV_TWO_PI 0.15915494309189535
@@ -125,10 +125,11 @@ __global__ void __launch_bounds__(1024) rmsnorm_block_kernel(
 // yst, 1), may be x; pos: [B, seq] int32 C-contiguous. Block (bx, by): bx threads over pairs, by
 // rows; rows = B*H*seq < 2^31 (host-checked). freq_scale = -log2(base) / half.
 //
-// Precision: a float32 inv_freq is off by ~1e-7 relative, which at pos 32767 moves the angle by
-// ~4e-3 rad, and rounding pos*inv_freq to float adds up to 2e-3 rad more. Both are fixed by
-// forming the angle in double and reducing it to [-pi, pi] there; sincospif then sees a/pi in
-// [-1, 1], rounded once to float (abs angle error < 2e-7 rad).
+// Precision: an all-float32 angle (powf inv_freq ~1 ulp off, product rounded to a float near
+// 32767 whose ulp is 2^-9) is off by up to ~2e-3 rad at pos 32767, i.e. ~2e-4 relative output
+// error (20x the fp32 tolerance; modelled in tests/test_layers.py). Forming the angle in double
+// and reducing it to [-pi, pi] there leaves one float rounding of a/pi in [-1, 1] for sincospif:
+// angle error ~1e-7 rad (plus pos * 1e-16 from the double product) at any position.
 template <typename T, bool NEOX, bool PV>
 __global__ void __launch_bounds__(256) rope_kernel(
     const T* x, T* y, const int* __restrict__ pos,

@@ -17,7 +17,9 @@ from cupyattn import _loader
 from cupyattn import attention as A
 from cupyattn import reference as ref
 
-IMPLS = ("flash", "naive")
+IMPLS = ("flash", "flash_mma", "naive")
+# flash_mma is fp16/bf16 only: fp32 cases pair it with float16 instead
+IMPL_DTYPE_F32 = [("flash", "float32"), ("naive", "float32"), ("flash_mma", "float16")]
 
 
 @pytest.fixture
@@ -68,12 +70,19 @@ def test_tile_table_matches_kernel_file_and_fits_static_smem():
         smem = (bm * d + bn * (d + (1 if es == 4 else 2))) * es + bm * bn * 4
         assert smem <= 48 * 1024 and abs(smem / 1024 - float(kb)) < 0.06, (d, es, smem)
         assert bm % int(nw) == 0 and bn % 32 == 0
+    mma = re.findall(r"^//\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+([\d.]+) KB", text, re.M)
+    assert {int(d): (int(bn), int(nw)) for d, _, bn, nw, _ in mma} == A._MMA_TILES
+    for d, bm, bn, nw, kb in mma:
+        smem = (int(bm) + int(bn)) * (int(d) + 8) * 2
+        assert int(bm) == 16 * int(nw) and smem <= 48 * 1024 and abs(smem / 1024 - float(kb)) < 0.06
     exprs = set(A.FLASH_SPEC.name_expressions)
-    assert len(exprs) == 36
-    for ct in ("float", "__half", "__nv_bfloat16"):
-        for d in A.SUPPORTED_HEAD_DIMS:
-            for c in (False, True):
+    assert len(exprs) == 36 + 24
+    for d in A.SUPPORTED_HEAD_DIMS:
+        for c in (False, True):
+            for ct in ("float", "__half", "__nv_bfloat16"):
                 assert A._flash_expr(ct, d, c) in exprs
+            for ct in ("__half", "__nv_bfloat16"):
+                assert A._mma_expr(ct, d, c) in exprs
 
 
 def test_compile_check_flash_attn_no_errors_no_spills():
@@ -81,7 +90,7 @@ def test_compile_check_flash_attn_no_errors_no_spills():
 
     reports, errors = run_check("flash_attn")
     assert not errors, errors
-    assert len(reports) == 72  # 36 instantiations x sm_80, sm_90
+    assert len(reports) == 2 * len(A.FLASH_SPEC.name_expressions)  # sm_80 and sm_90
     assert not [f"{r.kernel} sm_{r.arch}" for r in reports if r.spills]
     assert all(r.smem_bytes <= 48 * 1024 for r in reports)
 
@@ -99,6 +108,10 @@ def test_rejects_host_arrays():
 
 @pytest.mark.parametrize("change,exc,pattern", [
     (dict(impl="fast"), ValueError, r"impl='fast'"),
+    (dict(q=_np((1, 2, 4, 64), np.float32), k=_np((1, 2, 5, 64), np.float32), v=_np((1, 2, 5, 64), np.float32),
+          impl="flash_mma"), TypeError, r"impl='flash_mma' needs float16 or bfloat16"),
+    (dict(q=_np((1, 2, 4, 40)), k=_np((1, 2, 5, 40)), v=_np((1, 2, 5, 40)), impl="flash_mma"), ValueError,
+     r"D=40 is not supported by impl='flash_mma'"),
     (dict(q=_np((2, 4, 64))), ValueError, r"q must have 4 dimensions"),
     (dict(k=_np((1, 2, 5, 64), np.float32)), TypeError, r"k has dtype float32 but q has float16"),
     (dict(q=_np((1, 2, 4, 64), np.int32)), TypeError, r"q has dtype int32"),
@@ -215,6 +228,7 @@ struct __half2 { __half x, y; };
 inline float __half2float(__half h) { return (float)h.v; }
 inline __half __float2half_rn(float f) { return {(_Float16)f}; }
 inline float2 __half22float2(__half2 h) { return {(float)h.x.v, (float)h.y.v}; }
+inline __half2 __floats2half2_rn(float a, float b) { return {__float2half_rn(a), __float2half_rn(b)}; }
 """,
     "cuda_bf16.h": """#pragma once
 struct __nv_bfloat16 { uint16_t b; };
@@ -227,25 +241,73 @@ inline __nv_bfloat16 __float2bfloat16_rn(float f) {
     u += 0x7fffu + ((u >> 16) & 1u); return {(uint16_t)(u >> 16)}; }
 inline float2 __bfloat1622float2(__nv_bfloat162 h) {
     return {__bfloat162float(h.x), __bfloat162float(h.y)}; }
+inline __nv_bfloat162 __floats2bfloat162_rn(float a, float b) {
+    return {__float2bfloat16_rn(a), __float2bfloat16_rn(b)}; }
 """,
     "math_constants.h": "#pragma once\n#define CUDART_INF_F INFINITY\n",
 }
+# mma.sync m16n8k16 for one warp, written from the PTX ISA fragment tables (independently of
+# the kernel's comments): every lane posts its registers, then computes its own D elements.
+_MMA_EMU = r"""
+namespace emu { inline unsigned frag[1024][6]; }
+template <typename T> float emu_elem(unsigned reg, int hi) {
+    unsigned short bits = hi ? (unsigned short)(reg >> 16) : (unsigned short)(reg & 0xffffu);
+    T x; memcpy(&x, &bits, 2); return to_float(x);
+}
+template <typename T>
+void mma_m16n8k16(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+    const unsigned tid = emu::cur->tid, w0 = tid & ~31u, lane = tid & 31u;
+    for (int i = 0; i < 4; ++i) emu::frag[tid][i] = a[i];
+    emu::frag[tid][4] = b[0]; emu::frag[tid][5] = b[1];
+    emu::sync(2);
+    float A[16][16], Bm[16][8];
+    for (unsigned L = 0; L < 32; ++L) {
+        const int g = L >> 2, t = L % 4;
+        for (int i = 0; i < 8; ++i) {  // a_i: row g for i<2 or 4<=i<6 else g+8; col 2t+(i&1) (+8 for i>=4)
+            const int row = (i < 2 || (i >= 4 && i < 6)) ? g : g + 8;
+            const int col = t * 2 + (i & 1) + (i >= 4 ? 8 : 0);
+            A[row][col] = emu_elem<T>(emu::frag[w0 + L][i / 2], i & 1);
+        }
+        for (int i = 0; i < 4; ++i)  // b_i: row 2t+(i&1) (+8 for i>=2), col g
+            Bm[t * 2 + (i & 1) + (i >= 2 ? 8 : 0)][g] = emu_elem<T>(emu::frag[w0 + L][4 + i / 2], i & 1);
+    }
+    emu::sync(2);
+    const int g = lane >> 2, t = lane % 4;
+    for (int i = 0; i < 4; ++i) {  // c_i: row g for i<2 else g+8, col 2t+(i&1)
+        const int row = i < 2 ? g : g + 8, col = t * 2 + (i & 1);
+        float acc = 0.0f;
+        for (int kk = 0; kk < 16; ++kk) acc += A[row][kk] * Bm[kk][col];
+        d[i] += acc;
+    }
+}
+"""
 _PARAMS = ("const void* q, const void* k, const void* v, void* out, float* lse, const float* mask, "
            "const int* kl, int B, int Hq, int Hkv, int Sq, int Sk, "
            + ", ".join(f"long long s{i}" for i in range(13)) + ", float sl2")
 _ARGS = ("(const T*)q, (const T*)k, (const T*)v, (T*)out, lse, mask, kl, B, Hq, Hkv, Sq, Sk, "
          + ", ".join(f"s{i}" for i in range(13)) + ", sl2")
 
-# (dtype, D, causal, B, Hq, Hkv, Sq, Sk, extras): every head_dim; GQA; Sq != Sk both ways;
-# masks with broadcast dims; key_lengths incl. 0; strided q; tails at 1, 17, 97.
+# (impl, dtype, D, causal, B, Hq, Hkv, Sq, Sk, extra): every head_dim; GQA; Sq != Sk both
+# ways; masks with broadcast dims; key_lengths incl. 0; strided q/k; tails at 1, 17, 97.
 _EMU_CASES = [
-    ("float32", 32, False, 2, 2, 2, 97, 97, ""), ("float16", 32, True, 1, 4, 1, 17, 70, "lse"),
-    ("float32", 64, True, 2, 2, 1, 70, 37, "lse"), ("bfloat16", 64, False, 1, 3, 1, 1, 97, "mask"),
-    ("float16", 80, True, 1, 3, 1, 20, 90, "keylen"), ("float32", 80, False, 1, 2, 2, 65, 33, "mask"),
-    ("bfloat16", 96, True, 1, 4, 2, 33, 33, "stride"), ("float32", 96, True, 2, 2, 2, 40, 70, "keylen"),
-    ("float16", 128, False, 2, 2, 1, 17, 40, "mask"), ("float32", 128, True, 1, 2, 1, 97, 17, "lse"),
-    ("float16", 256, True, 1, 2, 2, 40, 40, "keylen"), ("float32", 256, False, 1, 2, 1, 17, 9, "mask"),
+    ("flash", "float32", 32, False, 2, 2, 2, 97, 97, ""), ("flash", "float16", 32, True, 1, 4, 1, 17, 70, "lse"),
+    ("flash", "float32", 64, True, 2, 2, 1, 70, 37, "lse"), ("flash", "bfloat16", 64, False, 1, 3, 1, 1, 97, "mask"),
+    ("flash", "float16", 80, True, 1, 3, 1, 20, 90, "keylen"), ("flash", "float32", 80, False, 1, 2, 2, 65, 33, "mask"),
+    ("flash", "bfloat16", 96, True, 1, 4, 2, 33, 33, "stride"), ("flash", "float32", 96, True, 2, 2, 2, 40, 70, "keylen"),
+    ("flash", "float16", 128, False, 2, 2, 1, 17, 40, "mask"), ("flash", "float32", 128, True, 1, 2, 1, 97, 17, "lse"),
+    ("flash", "float16", 256, True, 1, 2, 2, 40, 40, "keylen"), ("flash", "float32", 256, False, 1, 2, 1, 17, 9, "mask"),
+    ("flash_mma", "float16", 32, False, 1, 2, 1, 97, 97, "lse"), ("flash_mma", "bfloat16", 32, True, 2, 2, 2, 17, 70, "keylen"),
+    ("flash_mma", "float16", 64, True, 1, 3, 1, 70, 37, "lse"), ("flash_mma", "bfloat16", 64, False, 1, 2, 2, 1, 97, "mask"),
+    ("flash_mma", "float16", 80, True, 1, 2, 1, 20, 90, "mask"), ("flash_mma", "bfloat16", 96, True, 1, 4, 2, 33, 33, "stride"),
+    ("flash_mma", "float16", 128, True, 2, 2, 1, 80, 130, "keylen"), ("flash_mma", "bfloat16", 128, False, 1, 2, 2, 17, 40, ""),
+    ("flash_mma", "float16", 256, True, 1, 2, 2, 40, 40, "lse"), ("flash_mma", "bfloat16", 256, False, 1, 2, 1, 17, 9, "mask"),
 ]
+
+
+def _emu_expr(case):
+    impl, dtype, d, causal = case[:4]
+    make = A._mma_expr if impl == "flash_mma" else A._flash_expr
+    return make(A._checks.ctype(np_dtype(dtype)), d, causal)
 
 
 @pytest.fixture(scope="module")
@@ -256,15 +318,15 @@ def emu_kernels(tmp_path_factory):
     for name, text in _HEADERS.items():
         (work / name).write_text(text)
     (work / "emu_prelude.h").write_text(_PRELUDE)
-    exprs = sorted({A._flash_expr(A._checks.ctype(np_dtype(c[0])), c[1], c[2]) for c in _EMU_CASES})
-    src = ['#include "emu_prelude.h"', _loader.inline_headers("flash_attn.cu")]
+    exprs = sorted({_emu_expr(c) for c in _EMU_CASES})
+    src = ['#include "emu_prelude.h"', _loader.inline_headers("flash_attn.cu"), _MMA_EMU]
     for n, e in enumerate(exprs):
-        targs = e[e.index("<") + 1:-1]
+        kname, targs = e[:e.index("<")], e[e.index("<") + 1:-1]
         src.append(f'extern "C" void run_{n}(unsigned gx, unsigned gy, unsigned gz, int threads, {_PARAMS}) {{\n'
                    f'  using T = {targs.split(",")[0]};\n  emu::grid_dim = {{gx, gy, gz}};\n'
                    f'  for (unsigned z = 0; z < gz; ++z) for (unsigned y = 0; y < gy; ++y)\n'
                    f'    for (unsigned x = 0; x < gx; ++x) {{\n      emu::block_idx = {{x, y, z}};\n'
-                   f'      emu::run_block(threads, [&] {{ flash_attn_fwd<{targs}>({_ARGS}); }});\n    }}\n}}')
+                   f'      emu::run_block(threads, [&] {{ {kname}<{targs}>({_ARGS}); }});\n    }}\n}}')
     code = "\n".join(src)
     cpp = work / f"flash_{hashlib.sha1(code.encode()).hexdigest()[:10]}.cpp"
     cpp.write_text(code)
@@ -289,7 +351,7 @@ def _emu_launch(fn, grid, block, args):
 
 @pytest.mark.parametrize("case", _EMU_CASES, ids=lambda c: "-".join(map(str, c)))
 def test_kernel_source_on_host_emulation(emu_kernels, rng, case):
-    dtype, d, causal, b, hq, hkv, sq, sk, extra = case
+    impl, dtype, d, causal, b, hq, hkv, sq, sk, extra = case
     dt = np_dtype(dtype)
     q, k, v = (x.astype(dt) for x in _qkv(rng, b, hq, hkv, sq, sk, d))
     if extra == "stride":  # q, k as views of [B, S, H, D] buffers: head and seq strides swapped
@@ -306,7 +368,9 @@ def test_kernel_source_on_host_emulation(emu_kernels, rng, case):
     out = np.full((b, hq, sq, d), np.nan, dtype=dt)
     lse = np.full((b, hq, sq), np.nan, dtype=np.float32)
     mshape = None if mask is None else (1,) * (4 - mask.ndim) + mask.shape
-    expr, grid, block, args = A._flash_launch(q, k, v, causal, scale, mask, mshape, kl, out, lse)
+    expr, grid, block, args = A._flash_launch(q, k, v, causal, scale, mask, mshape, kl, out, lse,
+                                              mma=impl == "flash_mma")
+    assert expr == _emu_expr(case)
     _emu_launch(emu_kernels[expr], grid, block, args)
     f64 = lambda x: np.asarray(x, dtype=np.float64)  # noqa: E731
     want, wl = ref.attention(f64(q), f64(k), f64(v), causal=causal, scale=scale, mask=mask,
@@ -346,9 +410,10 @@ def _run(rng, dtype, b, hq, hkv, sq, sk, d, impl, causal=False, mask=None, key_l
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", A.SUPPORTED_HEAD_DIMS)
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_gpu_flash_every_head_dim_and_dtype(rng, dtype, d, causal):
-    _run(rng, dtype, 2, 4, 2, 97, 97, d, "flash", causal=causal)
+@pytest.mark.parametrize("impl,dtype", [("flash", dt) for dt in DTYPES]
+                         + [("flash_mma", "float16"), ("flash_mma", "bfloat16")])
+def test_gpu_flash_every_head_dim_and_dtype(rng, impl, dtype, d, causal):
+    _run(rng, dtype, 2, 4, 2, 97, 97, d, impl, causal=causal)
 
 
 @pytest.mark.gpu
@@ -368,8 +433,7 @@ def test_gpu_sizes(rng, s, causal, impl):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl,dtype", IMPL_DTYPE_F32[:2] + [(i, "bfloat16") for i in IMPLS])
 def test_gpu_size_1000_other_dtypes(rng, impl, dtype):
     _run(rng, dtype, 1, 2, 1, 1000, 1000, 128, impl, causal=True)
 
@@ -382,11 +446,11 @@ def test_gpu_gqa(rng, ratio, impl):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl,dtype", IMPL_DTYPE_F32)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("sq,sk", [(17, 100), (100, 17), (1, 1000), (1000, 1), (64, 97)])
-def test_gpu_sq_ne_sk(rng, sq, sk, causal, impl):
-    _run(rng, "float32", 1, 4, 2, sq, sk, 64, impl, causal=causal, return_lse=True)
+def test_gpu_sq_ne_sk(rng, sq, sk, causal, impl, dtype):
+    _run(rng, dtype, 1, 4, 2, sq, sk, 64, impl, causal=causal, return_lse=True)
 
 
 @pytest.mark.gpu
@@ -416,12 +480,12 @@ def test_gpu_key_lengths_with_zero_length(rng, on_device, impl):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", IMPLS)
-def test_gpu_mask_key_lengths_causal_together(rng, impl):
+@pytest.mark.parametrize("impl,dtype", IMPL_DTYPE_F32)
+def test_gpu_mask_key_lengths_causal_together(rng, impl, dtype):
     import cupy
 
     mask = cupy.asarray(np.where(rng.random((1, 1, 40, 70)) < 0.3, -np.inf, 0.5).astype(np.float32))
-    _run(rng, "float32", 3, 6, 2, 40, 70, 96, impl, causal=True, mask=mask,
+    _run(rng, dtype, 3, 6, 2, 40, 70, 96, impl, causal=True, mask=mask,
          key_lengths=[70, 33, 0], return_lse=True, scale=0.3)
 
 
@@ -439,14 +503,15 @@ def test_gpu_empty_and_default_out(impl):
     q = cupy.zeros((0, 2, 5, 64), dtype=cupy.float16)
     o, lse = A.attention(q, q, q, impl=impl, return_lse=True)
     assert o.shape == (0, 2, 5, 64) and lse.shape == (0, 2, 5)
-    q = cupy.ones((1, 2, 5, 64), dtype=cupy.float32)
-    k = cupy.ones((1, 2, 0, 64), dtype=cupy.float32)
+    q = cupy.ones((1, 2, 5, 64), dtype=cupy.float16)
+    k = cupy.ones((1, 2, 0, 64), dtype=cupy.float16)
     o, lse = A.attention(q, k, k, impl=impl, return_lse=True)  # no keys at all: zeros, -inf
     assert float(cupy.abs(o).max()) == 0.0 and bool(cupy.all(lse == -cupy.inf))
 
 
 @pytest.mark.gpu
-def test_gpu_flash_memory_is_linear_in_sequence_length():
+@pytest.mark.parametrize("impl", ["flash", "flash_mma"])
+def test_gpu_flash_memory_is_linear_in_sequence_length(impl):
     """Causal S=32768, B*H=8, D=64 fp16: naive S would be 8*32768^2*2 B = 16 GiB in fp16
     (32 GiB in fp32); flash allocates only out (32 MiB)."""
     import cupy
@@ -458,7 +523,7 @@ def test_gpu_flash_memory_is_linear_in_sequence_length():
     cupy.cuda.Device().synchronize()
     pool.free_all_blocks()
     before = pool.total_bytes()
-    out = A.attention(q, k, v, causal=True)
+    out = A.attention(q, k, v, causal=True, impl=impl)
     cupy.cuda.Device().synchronize()
     grown = pool.total_bytes() - before
     assert grown <= out.nbytes + (1 << 20), f"flash grew the pool by {grown} bytes"

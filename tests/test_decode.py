@@ -13,7 +13,6 @@ GPU tier (`gpu` marker): the same checks on the device, plus long caches.
 from __future__ import annotations
 
 import ctypes
-import math
 import re
 import shutil
 import subprocess
@@ -567,6 +566,7 @@ def test_decode_split_partials_match_reference(backend, rng):
 
 # --- GPU only: long caches ------------------------------------------------------------------
 @pytest.mark.gpu
+@pytest.mark.no_emu  # too large for the CPU emulator of the GPU tier (CUPYATTN_EMULATE=1)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("splits", [1, 4, None])
 def test_decode_32768_gpu(rng, dtype, splits):

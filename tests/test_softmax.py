@@ -1,6 +1,7 @@
 """softmax: GPU tier against the float64 reference (both kernels, causal, masked rows, axes);
 CPU tier for argument checks and the offline compile check."""
 import importlib
+import os
 
 import numpy as np
 import pytest
@@ -18,7 +19,8 @@ S = importlib.import_module("cupyattn.softmax")
 # Row lengths: warp kernel (1 .. 1024, every VPT bucket edge) and block kernel (1025 .. 1M).
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n", [1, 17, 32, 33, 97, 128, 1000, 1024, 1025, 4096, 1_000_000])
+@pytest.mark.parametrize("n", [1, 17, 32, 33, 97, 128, 1000, 1024, 1025, 4096,
+                               pytest.param(1_000_000, marks=pytest.mark.no_emu)])
 def test_rows_match_reference(dtype, n):
     rows = 3 if n < 1_000_000 else 1
     rng = np.random.default_rng(n)
@@ -126,6 +128,8 @@ def test_kernel_choice_covers_every_row_length():
     assert set(S.SPEC.name_expressions) >= {S._warp_expr(t, v) for t in S._TYPES for v in S._VPTS}
 
 
+@pytest.mark.skipif(os.environ.get("CUPYATTN_EMULATE") == "1",
+                    reason="the offline compile check needs the real CuPy and NVRTC")
 def test_compile_check_no_spills():
     reports, errors = run_check(only="softmax")
     assert not errors, errors

@@ -74,6 +74,8 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.max_new_tokens < 0:
         return _fail("--max-new-tokens must be >= 0")
+    if args.system is not None and not args.chat:
+        return _fail("--system needs --chat")
     from . import load
     from .gguf_io import GGUFError
 
@@ -82,8 +84,6 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         gen = load(args.preset or args.model, backend=args.backend, dtype=args.dtype)
         load_s = time.perf_counter() - t0
-        if args.system is not None and not args.chat:
-            return _fail("--system needs --chat")
         ids = gen.encode(args.prompt, chat=args.chat, system=args.system)
         streamer = None if args.json else _Streamer(gen, sys.stdout)
         res = gen.generate(ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,

@@ -4,6 +4,11 @@ Speed comes from three choices: projections are single 2-D float32 BLAS calls (`
 with W kept in its [N, K] layout), the KV cache is preallocated once and written in place,
 and RoPE reads cos/sin from tables built once per (head_dim, base). Attention handles GQA by
 folding the query heads of one KV group into the row dimension, so K and V are never repeated.
+
+Threads: NumPy's BLAS picks its own thread count (all cores). A decode step is many short
+matmuls, and on a machine whose cores are busy with other work, BLAS threads waiting on each
+other can make it several times slower than one thread: there, set OPENBLAS_NUM_THREADS=1
+(or OMP_NUM_THREADS=1) before starting Python.
 """
 from __future__ import annotations
 
@@ -42,6 +47,7 @@ class NumpyOps:
                              " (use --backend cupy for float16/bfloat16)")
         self.dtype = F32
         self._rope_tables = {}
+        self._rope_last = None  # (positions, dim, base, (cos, sin)) of the last rope call
 
     # --- weights, cache, host transfers ---------------------------------------------------
     def upload(self, a):
@@ -64,7 +70,8 @@ class NumpyOps:
         return np.broadcast_to(np.arange(start, start + count, dtype=np.int64), (batch, count))
 
     def to_numpy(self, x):
-        return np.asarray(x, dtype=F32)
+        """A float32 copy (never a view of a scratch buffer the next step overwrites)."""
+        return np.array(x, dtype=F32, copy=True)
 
     def synchronize(self):
         pass
@@ -107,9 +114,14 @@ class NumpyOps:
         ``adjacent`` turns pairs (x[2i], x[2i+1]) (GGUF layout), ``neox`` pairs (x[i], x[i+D/2]).
         """
         d = x.shape[-1]
-        cos_t, sin_t = self._tables(d, base, int(positions.max()) + 1)
-        c = cos_t[positions][:, None]  # [B, 1, T, D/2]
-        s = sin_t[positions][:, None]
+        key = (positions, d, float(base))
+        if self._rope_last is not None and self._rope_last[0] is positions and self._rope_last[1:3] == key[1:]:
+            c, s = self._rope_last[3]  # same positions as the previous call (q then k, every layer)
+        else:
+            cos_t, sin_t = self._tables(d, base, int(positions.max()) + 1)
+            c = cos_t[positions][:, None]  # [B, 1, T, D/2]
+            s = sin_t[positions][:, None]
+            self._rope_last = (*key, (c, s))  # holds `positions`, so its id cannot be reused
         if out is None:
             out = np.empty_like(x)
         if style == "adjacent":

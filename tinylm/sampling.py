@@ -12,12 +12,12 @@ import numpy as np
 
 
 def _xp(a):
-    try:
-        import cupy
-
-        return cupy.get_array_module(a)
-    except ImportError:  # pragma: no cover - cupy is a dependency
+    """numpy for host arrays (NumPy's own classes), else cupy."""
+    if isinstance(a, np.ndarray) and type(a).__module__.startswith("numpy"):
         return np
+    import cupy
+
+    return cupy
 
 
 class Sampler:
@@ -57,7 +57,7 @@ class Sampler:
     def sample(self, logits) -> int:
         """logits [vocab] (any float dtype, NumPy or CuPy) -> token id (host int)."""
         xp = _xp(logits)
-        logits = logits.reshape(-1)
+        logits = logits.reshape(-1).astype(xp.float32, copy=False)  # reductions on bf16 vary
         if self.greedy:
             return int(xp.argmax(logits))
         u = self.rng.random()  # one uniform per token, drawn whatever the backend
@@ -68,7 +68,7 @@ class Sampler:
 
         Stays on the device: returns a 0-d array (no host transfer here).
         """
-        z = logits.astype(xp.float32) / np.float32(self.temperature)
+        z = logits / np.float32(self.temperature)
         v = z.shape[0]
         cand = None  # candidate token ids, most likely first (None: all tokens in id order)
         if 0 < self.top_k < v:

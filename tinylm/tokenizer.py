@@ -91,6 +91,12 @@ class Tokenizer:
             else:
                 self._bytes.append(bytes(_UNICODE_TO_BYTE[c] for c in tok))
         self._special = frozenset(special)
+        # Byte values with no token of their own. BPE (here, in HF and in llama.cpp alike) drops
+        # them silently; SmolLM2 lacks 21: six ASCII controls (0x04 0x06 0x13 0x14 0x16 0x1d),
+        # bytes never valid in UTF-8 (0xc0 0xc1 0xf5-0xff) and the lead bytes 0xf1 0xf2 of code
+        # points U+40000-U+BFFFF. Text without them round-trips exactly.
+        b2u = _byte_to_unicode()
+        self.missing_bytes = frozenset(b for b in range(256) if b2u[b] not in vocab)
         self.tokens = list(tokens)
         self.token_types = token_types
         self.vocab_size = n
@@ -100,8 +106,7 @@ class Tokenizer:
         self.chat_template = chat_template
         # Control tokens by text, e.g. {"<|im_start|>": 1, "<|im_end|>": 2, ...}
         self.special_ids = {tokens[i]: i for i in special}
-        m = _SYSTEM_RE.search(chat_template or "")
-        self.default_system = m.group(1) if m else None
+        self.default_system = default_system_message(chat_template)
 
     # --- construction ---------------------------------------------------------------------
 
@@ -134,7 +139,11 @@ class Tokenizer:
     # --- encode / decode -------------------------------------------------------------------
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``; control-token text like ``<|im_end|>`` becomes its one id."""
+        """Token ids of ``text``; control-token text like ``<|im_end|>`` becomes its one id.
+
+        ``decode(encode(text)) == text`` unless the UTF-8 of ``text`` holds one of
+        ``missing_bytes``, which are dropped (as every BPE implementation of this vocabulary does).
+        """
         ids = self._hf.encode(text, add_special_tokens=False).ids
         if self.add_bos and self.bos_id is not None:
             ids = [self.bos_id, *ids]
@@ -177,13 +186,28 @@ class Tokenizer:
         when the conversation has no system message); pass a string for another one. The text
         equals the template rendered with add_generation_prompt=True.
         """
-        if system is None:
-            system = self.default_system
-        head = "" if system is None else f"<|im_start|>system\n{system}<|im_end|>\n"
-        return f"{head}<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
+        return render_chat(prompt, self.default_system if system is None else system)
 
     def stream(self, skip_special: bool = False) -> "StreamDecoder":
         return StreamDecoder(self, skip_special=skip_special)
+
+
+def default_system_message(chat_template: str | None) -> str | None:
+    """The system line a ChatML template inserts when the conversation has none, or None."""
+    m = _SYSTEM_RE.search(chat_template or "")
+    return m.group(1) if m else None
+
+
+def render_chat(prompt: str, system: str | None = None, chat_template: str | None = None) -> str:
+    """One user turn in ChatML followed by the assistant header (add_generation_prompt).
+
+    ``system=None`` takes the default system line of ``chat_template`` (none when the template
+    has none or is not given); a string, even "", is used as the system message.
+    """
+    if system is None:
+        system = default_system_message(chat_template)
+    head = "" if system is None else f"<|im_start|>system\n{system}<|im_end|>\n"
+    return f"{head}<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
 
 
 class StreamDecoder:

@@ -5,7 +5,8 @@
 // exited thread does on the GPU. Inline PTX is replaced by a call that aborts (not emulated).
 #pragma once
 #include <atomic>
-#include <barrier>
+#include <functional>
+#include <ucontext.h>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -28,7 +29,7 @@
 #define __noinline__
 #define __restrict__ __restrict
 #define __shared__ static
-#define __align__(n) alignas(n)
+#define __align__(n) __attribute__((aligned(n)))
 #define __launch_bounds__(...)
 #define __constant__ static
 
@@ -42,32 +43,65 @@ struct alignas(16) int4 { int x, y, z, w; };
 inline float2 make_float2(float x, float y) { return {x, y}; }
 inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
 
-// --- per-thread identity and the barriers of the running block ------------------------------
-struct EmuWarp {
-    std::barrier<>* bar;
-    alignas(8) unsigned char slot[32][8];
+// --- fibers: every CUDA thread of a block is a ucontext fiber on one OS thread -----------------
+// A fiber runs until it reaches a barrier (__syncthreads, or the warp barrier inside a shuffle)
+// or returns; the scheduler resumes waiting fibers once every live member has arrived. A thread
+// that returns stops counting, as an exited thread does on the GPU. No progress = deadlock.
+enum EmuState { EMU_RUN, EMU_WAIT_BLOCK, EMU_WAIT_WARP, EMU_DONE };
+struct EmuFiber { ucontext_t ctx; EmuState state; unsigned gen; uint3 tid; };
+struct EmuWarp { int live, arrived; unsigned gen; alignas(8) unsigned char slot[32][8]; unsigned xchg[32][16]; };
+struct EmuSched {
+    ucontext_t main;
+    std::vector<EmuFiber> f;
+    std::vector<EmuWarp> warps;
+    int cur = 0, live = 0, block_arrived = 0;
+    unsigned block_gen = 0;
+    std::function<void()> call;
+    bool failed = false;
+    std::string msg;
 };
-struct EmuBlock {
-    std::barrier<>* bar;
-    std::vector<EmuWarp>* warps;
-};
-inline thread_local uint3 threadIdx, blockIdx;
+inline EmuSched* emu_s = nullptr;
+inline uint3 threadIdx, blockIdx;
 inline dim3 blockDim, gridDim;
-inline thread_local EmuBlock* emu_block = nullptr;
-inline thread_local int emu_lane = 0, emu_warp = 0;
+inline int emu_lane = 0, emu_warp = 0;
 inline unsigned char* emu_dyn_smem = nullptr;
 constexpr int warpSize = 32;
 
-inline void __syncthreads() { emu_block->bar->arrive_and_wait(); }
-inline void __syncwarp(unsigned = 0xffffffffu) { (*emu_block->warps)[emu_warp].bar->arrive_and_wait(); }
-inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
-inline void __threadfence_block() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+inline void emu_yield(EmuState st, unsigned gen) {
+    EmuFiber& me = emu_s->f[emu_s->cur];
+    me.state = st; me.gen = gen;
+    swapcontext(&me.ctx, &emu_s->main);
+}
+inline void emu_block_arrive_check() {
+    EmuSched& S = *emu_s;
+    if (S.live > 0 && S.block_arrived == S.live) { S.block_arrived = 0; ++S.block_gen; }
+}
+inline void emu_warp_arrive_check(EmuWarp& w) {
+    if (w.live > 0 && w.arrived == w.live) { w.arrived = 0; ++w.gen; }
+}
+inline void __syncthreads() {
+    EmuSched& S = *emu_s;
+    unsigned g = S.block_gen;
+    ++S.block_arrived;
+    emu_block_arrive_check();
+    if (S.block_gen == g) emu_yield(EMU_WAIT_BLOCK, g);
+}
+inline void emu_warp_barrier() {
+    EmuWarp& w = emu_s->warps[emu_warp];
+    unsigned g = w.gen;
+    ++w.arrived;
+    emu_warp_arrive_check(w);
+    if (w.gen == g) emu_yield(EMU_WAIT_WARP, g);
+}
+inline void __syncwarp(unsigned = 0xffffffffu) { emu_warp_barrier(); }
+inline void __threadfence() {}
+inline void __threadfence_block() {}
 
 template <typename T> T emu_shfl(T v, int src_of_lane_fn_kind, int arg, int width) {
     static_assert(sizeof(T) <= 8, "shuffle of a type larger than 8 bytes");
-    EmuWarp& w = (*emu_block->warps)[emu_warp];
+    EmuWarp& w = emu_s->warps[emu_warp];
     std::memcpy(w.slot[emu_lane], &v, sizeof(T));
-    w.bar->arrive_and_wait();
+    emu_warp_barrier();
     int base = emu_lane & ~(width - 1), lane = emu_lane - base, src = lane;
     if (src_of_lane_fn_kind == 0) src = lane ^ arg;                           // xor
     else if (src_of_lane_fn_kind == 1) src = arg % width;                     // idx
@@ -75,7 +109,7 @@ template <typename T> T emu_shfl(T v, int src_of_lane_fn_kind, int arg, int widt
     else src = lane - arg >= 0 ? lane - arg : lane;                           // up
     T r;
     std::memcpy(&r, w.slot[base + (src < width ? src : lane)], sizeof(T));
-    w.bar->arrive_and_wait();
+    emu_warp_barrier();
     return r;
 }
 template <typename T> T __shfl_xor_sync(unsigned, T v, int m, int width = 32) { return emu_shfl(v, 0, m, width); }
@@ -91,13 +125,9 @@ inline int __any_sync(unsigned m, int p) { return __ballot_sync(m, p) != 0; }
 inline int __all_sync(unsigned m, int p) { return __ballot_sync(m, p) == 0xffffffffu; }
 
 // --- atomics ---------------------------------------------------------------------------------
-template <typename T> T atomicAdd(T* p, T v) { return std::atomic_ref<T>(*p).fetch_add(v); }
-template <typename T> T atomicMax(T* p, T v) {
-    std::atomic_ref<T> a(*p); T old = a.load();
-    while (old < v && !a.compare_exchange_weak(old, v)) {}
-    return old;
-}
-template <typename T> T atomicExch(T* p, T v) { return std::atomic_ref<T>(*p).exchange(v); }
+template <typename T> T atomicAdd(T* p, T v) { T old = *p; *p = old + v; return old; }
+template <typename T> T atomicMax(T* p, T v) { T old = *p; if (v > old) *p = v; return old; }
+template <typename T> T atomicExch(T* p, T v) { T old = *p; *p = v; return old; }
 
 // --- math intrinsics -------------------------------------------------------------------------
 inline float __expf(float x) { return std::exp(x); }
@@ -112,12 +142,22 @@ inline unsigned __float_as_uint(float f) { unsigned i; std::memcpy(&i, &f, 4); r
 inline int __float_as_int(float f) { int i; std::memcpy(&i, &f, 4); return i; }
 inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
 inline void sincosf(float x, float* s, float* c) { *s = std::sin(x); *c = std::cos(x); }
+inline void sincospif(float x, float* s, float* c) { *s = (float)std::sin(M_PI * x); *c = (float)std::cos(M_PI * x); }
+inline float sinpif(float x) { return (float)std::sin(M_PI * x); }
+inline float cospif(float x) { return (float)std::cos(M_PI * x); }
 inline void sincos(double x, double* s, double* c) { *s = std::sin(x); *c = std::cos(x); }
 template <typename T> T min(T a, T b) { return a < b ? a : b; }
 template <typename T> T max(T a, T b) { return a > b ? a : b; }
 inline long long min(long long a, int b) { return a < b ? a : b; }
 inline long long max(long long a, int b) { return a > b ? a : b; }
-inline unsigned __cvta_generic_to_shared(const void* p) { return (unsigned)(uintptr_t)p; }
+// Shared memory (static locals, the dynamic buffer) lives in this library's .bss, so a 32-bit
+// offset from one origin addresses all of it, as a .shared address does on the GPU.
+alignas(128) inline unsigned char emu_shared_origin[128];
+alignas(128) inline unsigned char emu_dyn_smem_buf[228 * 1024];
+inline size_t __cvta_generic_to_shared(const void* p) {
+    return (size_t)(unsigned)((const unsigned char*)p - emu_shared_origin);
+}
+inline unsigned char* emu_shared_ptr(unsigned addr) { return emu_shared_origin + (int)addr; }
 
 #define CUDART_INF_F __int_as_float(0x7f800000)
 #define CUDART_NAN_F __int_as_float(0x7fffffff)
@@ -175,47 +215,80 @@ void emu_call(void (*k)(A...), const long long* iv, const double* dv, std::index
     k(emu_arg<std::remove_cv_t<A>>(iv[I], dv[I])...);
 }
 
+inline void emu_fiber_entry() {
+    EmuSched& S = *emu_s;
+    try {
+        S.call();
+    } catch (const std::exception& e) {
+        if (!S.failed) { S.failed = true; S.msg = e.what(); }
+    }
+    // leave the block and the warp: barriers now wait for one thread fewer
+    S.f[S.cur].state = EMU_DONE;
+    --S.live;
+    emu_block_arrive_check();
+    EmuWarp& w = S.warps[emu_warp];
+    --w.live;
+    emu_warp_arrive_check(w);
+}  // returns to S.main through uc_link
+
+constexpr size_t EMU_STACK = 256 * 1024;
+inline std::vector<char*> emu_stacks;  // reused by every launch; pages are touched lazily
+
 template <typename... A>
 int emu_launch(void (*k)(A...), dim3 g, dim3 b, size_t smem, const long long* iv, const double* dv,
                char* err, int errlen) {
     gridDim = g; blockDim = b;
-    const int nthreads = (int)(b.x * b.y * b.z);
-    std::vector<unsigned char> dyn(smem + 16);
-    emu_dyn_smem = dyn.data();
-    std::atomic<bool> failed{false};
-    std::string msg;
-    std::mutex mu;
-    for (unsigned bz = 0; bz < g.z && !failed; ++bz)
-    for (unsigned by = 0; by < g.y && !failed; ++by)
-    for (unsigned bx = 0; bx < g.x && !failed; ++bx) {
-        std::barrier<> block_bar(nthreads);
-        std::vector<EmuWarp> warps((nthreads + 31) / 32);
-        std::vector<std::unique_ptr<std::barrier<>>> wb;
-        for (size_t w = 0; w < warps.size(); ++w) {
-            wb.emplace_back(new std::barrier<>(std::min(32, nthreads - (int)w * 32)));
-            warps[w].bar = wb.back().get();
-        }
-        EmuBlock blk{&block_bar, &warps};
-        std::vector<std::thread> th;
-        th.reserve(nthreads);
-        for (int t = 0; t < nthreads; ++t) {
-            th.emplace_back([&, t] {
-                threadIdx = {t % b.x, (t / b.x) % b.y, t / (b.x * b.y)};
-                blockIdx = {bx, by, bz};
-                emu_block = &blk; emu_lane = t % 32; emu_warp = t / 32;
-                try {
-                    emu_call(k, iv, dv, std::index_sequence_for<A...>{});
-                } catch (const std::exception& e) {
-                    std::lock_guard<std::mutex> l(mu);
-                    failed = true; msg = e.what();
-                }  // the thread leaves its barriers below, so the others finish (with garbage)
-                warps[emu_warp].bar->arrive_and_drop();
-                block_bar.arrive_and_drop();
-            });
-        }
-        for (auto& x : th) x.join();
+    const int n = (int)(b.x * b.y * b.z);
+    if (smem > sizeof(emu_dyn_smem_buf)) {
+        std::snprintf(err, errlen, "dynamic shared memory %zu B exceeds 228 KB", smem);
+        return 1;
     }
-    if (failed) { std::snprintf(err, errlen, "%s", msg.c_str()); return 1; }
+    emu_dyn_smem = emu_dyn_smem_buf;
+    while ((int)emu_stacks.size() < n) emu_stacks.push_back((char*)std::malloc(EMU_STACK));
+    EmuSched S;
+    S.f.resize(n);
+    S.warps.resize((n + 31) / 32);
+    S.call = [&] { emu_call(k, iv, dv, std::index_sequence_for<A...>{}); };
+    emu_s = &S;
+    for (unsigned bz = 0; bz < g.z && !S.failed; ++bz)
+    for (unsigned by = 0; by < g.y && !S.failed; ++by)
+    for (unsigned bx = 0; bx < g.x && !S.failed; ++bx) {
+        blockIdx = {bx, by, bz};
+        S.live = n; S.block_arrived = 0;
+        for (size_t w = 0; w < S.warps.size(); ++w) S.warps[w] = {std::min(32, n - (int)w * 32), 0, 0, {}, {}};
+        for (int t = 0; t < n; ++t) {
+            EmuFiber& f = S.f[t];
+            f.tid = {t % b.x, (t / b.x) % b.y, t / (b.x * b.y)};
+            f.state = EMU_RUN;
+            getcontext(&f.ctx);
+            f.ctx.uc_stack.ss_sp = emu_stacks[t];
+            f.ctx.uc_stack.ss_size = EMU_STACK;
+            f.ctx.uc_link = &S.main;
+            makecontext(&f.ctx, emu_fiber_entry, 0);
+        }
+        while (S.live > 0) {
+            bool progress = false;
+            for (int t = 0; t < n; ++t) {
+                EmuFiber& f = S.f[t];
+                bool ready = f.state == EMU_RUN ||
+                             (f.state == EMU_WAIT_BLOCK && f.gen != S.block_gen) ||
+                             (f.state == EMU_WAIT_WARP && f.gen != S.warps[t / 32].gen);
+                if (!ready) continue;
+                progress = true;
+                f.state = EMU_RUN;
+                S.cur = t; threadIdx = f.tid; emu_lane = t % 32; emu_warp = t / 32;
+                swapcontext(&S.main, &f.ctx);
+            }
+            if (!progress) {
+                std::snprintf(err, errlen, "deadlock in block (%u,%u,%u): threads wait at a barrier that "
+                              "other threads of the block or warp never reach", bx, by, bz);
+                emu_s = nullptr;
+                return 1;
+            }
+        }
+    }
+    emu_s = nullptr;
+    if (S.failed) { std::snprintf(err, errlen, "%s", S.msg.c_str()); return 1; }
     return 0;
 }
 
@@ -224,4 +297,81 @@ template <typename... A> int emu_params(void (*)(A...), char* kinds, int* sizes)
     const int s[] = {(int)sizeof(A)..., 0};
     for (size_t i = 0; i < sizeof...(A); ++i) { kinds[i] = k[i]; sizes[i] = s[i]; }
     return (int)sizeof...(A);
+}
+
+// --- inline PTX the kernels use, emulated from the PTX ISA's definitions -------------------------
+// cp.async: copies synchronously (so commit/wait are no-ops); src_size < n zero-fills the rest.
+inline void emu_cp_async(unsigned dst, const void* src, int n, int src_size) {
+    unsigned char* d = emu_shared_ptr(dst);
+    std::memcpy(d, src, (size_t)std::min(n, src_size));
+    if (src_size < n) std::memset(d + src_size, 0, (size_t)(n - src_size));
+}
+
+// ldmatrix.m8n8.xNUM(.trans).b16: lanes 8i..8i+7 give the row addresses of matrix i. Without
+// .trans lane l gets (row l/4, cols 2(l%4), 2(l%4)+1) of matrix i in r[i]; with .trans it gets
+// (rows 2(l%4), 2(l%4)+1 of the rows as addressed, col l/4). Low 16 bits hold the first element.
+template <int NUM, bool TRANS>
+void emu_ldmatrix(unsigned* const (&r)[NUM], unsigned addr) {
+    EmuWarp& w = emu_s->warps[emu_warp];
+    w.xchg[emu_lane][8] = addr;
+    emu_warp_barrier();
+    const int g = emu_lane / 4, t = emu_lane % 4;
+    unsigned vals[NUM];
+    for (int i = 0; i < NUM; ++i) {
+        unsigned v;
+        if (!TRANS) {
+            std::memcpy(&v, emu_shared_ptr(w.xchg[8 * i + g][8]) + 4 * t, 4);
+        } else {
+            uint16_t lo, hi;
+            std::memcpy(&lo, emu_shared_ptr(w.xchg[8 * i + 2 * t][8]) + 2 * g, 2);
+            std::memcpy(&hi, emu_shared_ptr(w.xchg[8 * i + 2 * t + 1][8]) + 2 * g, 2);
+            v = (unsigned)lo | ((unsigned)hi << 16);
+        }
+        vals[i] = v;
+    }
+    emu_warp_barrier();
+    for (int i = 0; i < NUM; ++i) {
+        unsigned v = vals[i];
+        *r[i] = v;
+    }
+}
+
+// mma.sync.m16n8k16.row.col.f32.{f16,bf16}: D = A (16x16) B (16x8) + C, with g = lane/4,
+// t = lane%4: a0 = A[g][2t..2t+1], a1 = A[g+8][2t..], a2 = A[g][2t+8..], a3 = A[g+8][2t+8..];
+// b0 = B[2t..2t+1][g], b1 = B[2t+8..2t+9][g]; c/d 0,1 = [g][2t..2t+1], c/d 2,3 = [g+8][2t..].
+template <bool BF16> inline float emu_b16(unsigned bits) {
+    if (BF16) return __bfloat162float(__nv_bfloat16{(uint16_t)bits});
+    return __half2float(__half{(uint16_t)bits});
+}
+template <bool BF16>
+void emu_mma16816(float* const (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2], const float (&c)[4]) {
+    // one exchange: every lane publishes its fragments, then each rebuilds A and B from all 32
+    EmuWarp& w = emu_s->warps[emu_warp];
+    for (int i = 0; i < 4; ++i) w.xchg[emu_lane][i] = a[i];
+    for (int i = 0; i < 2; ++i) w.xchg[emu_lane][4 + i] = b[i];
+    emu_warp_barrier();
+    float A[16][16], B[16][8];
+    for (int src = 0; src < 32; ++src) {
+        const int g = src / 4, t = src % 4;
+        const unsigned* ra = w.xchg[src];
+        const unsigned* rb = w.xchg[src] + 4;
+        for (int h = 0; h < 2; ++h) {
+            A[g][2 * t + h] = emu_b16<BF16>(ra[0] >> (16 * h) & 0xffff);
+            A[g + 8][2 * t + h] = emu_b16<BF16>(ra[1] >> (16 * h) & 0xffff);
+            A[g][2 * t + 8 + h] = emu_b16<BF16>(ra[2] >> (16 * h) & 0xffff);
+            A[g + 8][2 * t + 8 + h] = emu_b16<BF16>(ra[3] >> (16 * h) & 0xffff);
+            B[2 * t + h][g] = emu_b16<BF16>(rb[0] >> (16 * h) & 0xffff);
+            B[2 * t + 8 + h][g] = emu_b16<BF16>(rb[1] >> (16 * h) & 0xffff);
+        }
+    }
+    emu_warp_barrier();  // nobody overwrites xchg before all have read it
+    const int g = emu_lane / 4, t = emu_lane % 4;
+    float out[4];
+    for (int i = 0; i < 4; ++i) {
+        const int row = g + 8 * (i / 2), col = 2 * t + (i % 2);
+        float acc = c[i];
+        for (int k = 0; k < 16; ++k) acc += A[row][k] * B[k][col];
+        out[i] = acc;
+    }
+    for (int i = 0; i < 4; ++i) *d[i] = out[i];
 }

@@ -54,11 +54,69 @@ def _wrap(f):
     return g
 
 
+# --- guarded allocations: each array sits between guard bytes that every launch re-checks ------
+_GUARD = 256  # bytes each side; 0xFF is NaN for float16/bfloat16/float32 and -1 for integers
+_LIVE: list = []  # (weakref to the array, its buffer)
+
+
+def _guarded(x) -> "ndarray":
+    """A C-contiguous copy of ``x`` placed between guard zones; out-of-bounds writes are caught
+    after the next launch, out-of-bounds reads see NaN/-1 and spoil the result."""
+    import weakref
+
+    x = np.asarray(x)
+    buf = np.full(x.nbytes + 2 * _GUARD, 0xFF, dtype=np.uint8)
+    a = buf[_GUARD:_GUARD + x.nbytes].view(x.dtype).reshape(x.shape).view(ndarray)
+    a[...] = x
+    _LIVE.append((weakref.ref(a), buf))
+    return a
+
+
+def _check_guards(where: str):
+    alive = []
+    for ref, buf in _LIVE:
+        if ref() is None:
+            continue
+        alive.append((ref, buf))
+        if (buf[:_GUARD] != 0xFF).any() or (buf[len(buf) - _GUARD:] != 0xFF).any():
+            buf[:_GUARD] = buf[len(buf) - _GUARD:] = 0xFF  # report once
+            raise RuntimeError(f"{where}: wrote outside an allocation of shape {ref().shape}")
+    _LIVE[:] = alive
+
+
 def asarray(x, dtype=None, order=None):
-    return np.array(x, dtype=dtype, order=order or "K", copy=True).view(ndarray)
+    return _guarded(np.array(x, dtype=dtype, copy=True))
 
 
 array = asarray
+
+
+def empty(shape, dtype=float, order="C"):
+    return _guarded(np.full(shape, np.nan if np.dtype(dtype).kind == "f" else -1, dtype=dtype))
+
+
+def zeros(shape, dtype=float, order="C"):
+    return _guarded(np.zeros(shape, dtype=dtype))
+
+
+def ones(shape, dtype=float, order="C"):
+    return _guarded(np.ones(shape, dtype=dtype))
+
+
+def full(shape, fill_value, dtype=None, order="C"):
+    return _guarded(np.full(shape, fill_value, dtype=dtype))
+
+
+def empty_like(a, dtype=None, shape=None):
+    return empty(a.shape if shape is None else shape, a.dtype if dtype is None else dtype)
+
+
+def zeros_like(a, dtype=None, shape=None):
+    return zeros(a.shape if shape is None else shape, a.dtype if dtype is None else dtype)
+
+
+def full_like(a, fill_value, dtype=None, shape=None):
+    return full(a.shape if shape is None else shape, fill_value, a.dtype if dtype is None else dtype)
 
 
 def asnumpy(x, *a, **k):
@@ -66,7 +124,9 @@ def asnumpy(x, *a, **k):
 
 
 def ascontiguousarray(x, dtype=None):
-    return np.ascontiguousarray(x, dtype=dtype).view(ndarray)
+    if isinstance(x, np.ndarray) and x.flags.c_contiguous and (dtype is None or np.dtype(dtype) == x.dtype):
+        return x.view(ndarray)
+    return _guarded(np.ascontiguousarray(x, dtype=dtype))
 
 
 def __getattr__(name):  # every other cupy.<function> is NumPy's, returning device-typed arrays
@@ -156,8 +216,67 @@ cuda.Stream.null = _Stream()
 _ASM_RE = re.compile(r"\basm\s+(volatile\s*)?\(")
 
 
+def _split_top(text: str, sep: str) -> list[str]:
+    """Split at ``sep`` outside parentheses, brackets and string literals."""
+    parts, depth, cur, i = [], 0, [], 0
+    while i < len(text):
+        c = text[i]
+        if c == '"':
+            j = i + 1
+            while text[j] != '"' or text[j - 1] == "\\":
+                j += 1
+            cur.append(text[i:j + 1])
+            i = j + 1
+            continue
+        depth += c in "([{"
+        depth -= c in ")]}"
+        if c == sep and depth == 0:
+            parts.append("".join(cur))
+            cur = []
+        else:
+            cur.append(c)
+        i += 1
+    parts.append("".join(cur))
+    return parts
+
+
+_CP_ASYNC = re.compile(r"cp\.async\.c[ag]\.shared\.global(?:\.L2::\d+B)?\s*\[%(\d+)\],\s*\[%(\d+)\],\s*(\d+)(?:,\s*%(\d+))?\s*;")
+_LDMATRIX = re.compile(r"ldmatrix\.sync\.aligned\.m8n8\.x([124])(\.trans)?\.shared\.b16\s*\{([^}]*)\},\s*\[%(\d+)\]\s*;")
+_MMA = re.compile(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.(f16|bf16)\.(?:f16|bf16)\.f32\s*"
+                  r"\{([^}]*)\},\s*\{([^}]*)\},\s*\{([^}]*)\},\s*\{([^}]*)\}\s*;")
+
+
+def _asm_to_call(body: str) -> str:
+    """One ``asm volatile(...)`` statement -> a call of its emulation in emu_runtime.h."""
+    segs = _split_top(body, ":")
+    template = "".join(re.findall(r'"((?:[^"\\]|\\.)*)"', segs[0])).replace("\\n", " ").replace("\\t", " ").strip()
+    ops = []
+    for seg in segs[1:3]:
+        for op in _split_top(seg, ","):
+            if op.strip():
+                ops.append(re.match(r'\s*"[^"]*"\s*\((.*)\)\s*$', op, re.S).group(1))
+    ref = lambda s: ops[int(s.strip().lstrip("%"))]
+    regs = lambda s: [ref(x) for x in s.split(",")]
+    if re.fullmatch(r"cp\.async\.(commit_group|wait_all|wait_group\s+%?\d+)\s*;", template):
+        return "((void)0)"
+    if (m := _CP_ASYNC.fullmatch(template)):
+        n = m.group(3)
+        src = f"(int)({ref(m.group(4))})" if m.group(4) else n
+        return f"emu_cp_async((unsigned)({ref(m.group(1))}), (const void*)({ref(m.group(2))}), {n}, {src})"
+    if (m := _LDMATRIX.fullmatch(template)):
+        outs = ", ".join(f"(unsigned*)&({r})" for r in regs(m.group(3)))
+        return f"emu_ldmatrix<{m.group(1)}, {'true' if m.group(2) else 'false'}>({{{outs}}}, (unsigned)({ref(m.group(4))}))"
+    if (m := _MMA.fullmatch(template)):
+        d = ", ".join(f"(float*)&({r})" for r in regs(m.group(2)))
+        a = ", ".join(f"(unsigned)({r})" for r in regs(m.group(3)))
+        b = ", ".join(f"(unsigned)({r})" for r in regs(m.group(4)))
+        c = ", ".join(f"(float)({r})" for r in regs(m.group(5)))
+        return f"emu_mma16816<{'true' if m.group(1) == 'bf16' else 'false'}>({{{d}}}, {{{a}}}, {{{b}}}, {{{c}}})"
+    return 'emu_unsupported_asm("%s")' % template[:60].replace('"', "'")
+
+
 def _strip_asm(code: str) -> str:
-    """Replace each inline-PTX statement by a call that throws (balanced-parenthesis scan)."""
+    """Replace each inline-PTX statement by its emulation (or a call that throws)."""
     out, i = [], 0
     while (m := _ASM_RE.search(code, i)):
         out.append(code[i:m.start()])
@@ -165,12 +284,12 @@ def _strip_asm(code: str) -> str:
         while depth:
             c = code[j]
             if c == '"':
-                j = code.index('"', j + 1)
-                while code[j - 1] == "\\":
-                    j = code.index('"', j + 1)
+                j += 1
+                while code[j] != '"' or code[j - 1] == "\\":
+                    j += 1
             depth += (c == "(") - (c == ")")
             j += 1
-        out.append('emu_unsupported_asm("%s")' % code[m.start():m.start() + 40].replace('"', "'").replace("\n", " "))
+        out.append(_asm_to_call(code[m.end():j - 1]))
         i = j
     out.append(code[i:])
     return "".join(out)
@@ -263,6 +382,7 @@ class _Kernel:
         err = ctypes.create_string_buffer(512)
         if self._launch(*map(int, grid), *map(int, block), int(shared_mem), iv, dv, err, 512):
             raise RuntimeError(f"{self.expr}: {err.value.decode()}")
+        _check_guards(self.expr)
 
 
 RawKernel = None  # not used by cupyattn

@@ -134,14 +134,17 @@ def main(argv=None) -> int:
         ids = hf_ids(rendered)
         first = logits_of(ids)[-1]
         top = torch.topk(first, 10)
-        seq = list(ids)
+        seq, margins = list(ids), []
         for _ in range(NEW_TOKENS):  # greedy, no cache: a full forward per step, EOS ignored
-            seq.append(int(torch.argmax(logits_of(seq)[-1])))
+            best = torch.topk(logits_of(seq)[-1], 2)
+            seq.append(int(best.indices[0]))
+            margins.append(float(best.values[0] - best.values[1]))
         new = seq[len(ids):]
         generations.append({
             "name": name, "chat": chat, "prompt": text, "rendered": rendered, "prompt_ids": ids,
             "greedy_ids": new, "greedy_text": tok.decode(new),
             "first_eos_index": new.index(2) if 2 in new else None,
+            "greedy_margins": margins,  # top-1 minus top-2 logit at each step (tie risk)
             "top10_ids": top.indices.tolist(), "top10_logits": top.values.tolist(),
             "probe_ids": PROBE_IDS, "probe_logits": first[PROBE_IDS].tolist(),
         })

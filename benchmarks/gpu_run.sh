@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# One command on a GPU machine: GPU tests, the benchmark run (recorded) and the sweeps (plotted).
+# Runs from the source tree (PYTHONPATH=., no pip install); everything it writes goes under $OUT.
+#
+#   OUT=/path/to/out bash benchmarks/gpu_run.sh [all|tests|bench|sweeps|sweep NAME|quick]
+#
+# Stages (run them one per call where a call is capped at 10 minutes; `sweeps` may need more,
+# then run `sweep NAME` for each of the five names instead):
+#   tests   pytest -m gpu                              -> $OUT/pytest-gpu.log, pytest-gpu.xml
+#   bench   benchmarks all --record (default cases + model)
+#                                                      -> $OUT/bench-all.{txt,json,csv},
+#                                                         $OUT/results/<date>-<gpu>.json
+#   sweeps  every predefined sweep with --plot          -> $OUT/sweep-<name>.{txt,json,csv,png}
+#   sweep NAME  one of them: attention-seqlen gemm-llama2-7b decode-len decode-batch softmax-cols
+#   quick   one small case per op, few reps (smoke test of the CLI on this machine)
+#   all     tests, bench, sweeps (the default)
+# The recorded file lands in $OUT/results/: copy it into benchmarks/results/ and commit it.
+# Set CUPYATTN_GIT_COMMIT to the commit the tree was copied from (a copy has no .git).
+# Exit status: non-zero when any step failed; the rest still runs.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+OUT="${OUT:-$PWD/gpu-out}"
+PY="${PYTHON:-python3}"
+STAGE="${1:-all}"
+case "$STAGE" in
+    all | tests | bench | sweeps | sweep | quick) ;;
+    *) echo "usage: $0 [all|tests|bench|sweeps|sweep NAME|quick]" >&2; exit 2 ;;
+esac
+mkdir -p "$OUT/results"
+status=0
+
+step() {  # step NAME LOGFILE CMD...: run, keep the log, report the exit code, never stop
+    local name="$1" log="$2"
+    shift 2
+    echo "=== $name: $*" | tee -a "$OUT/steps.log"
+    local t0=$SECONDS
+    "$@" >"$log" 2>&1
+    local rc=$?
+    echo "=== $name: exit $rc after $((SECONDS - t0)) s (log: $log)" | tee -a "$OUT/steps.log"
+    tail -n 40 "$log"
+    [ "$rc" -ne 0 ] && status=1
+    return 0
+}
+
+{
+    date -u +"%Y-%m-%dT%H:%M:%SZ"
+    nvidia-smi || true
+    "$PY" -c "import sys, cupy, numpy; print(sys.version); print('cupy', cupy.__version__, 'numpy', numpy.__version__)"
+    "$PY" -c "import torch; print('torch', torch.__version__, torch.version.cuda)" || true
+    "$PY" -c "import transformers; print('transformers', transformers.__version__)" || true
+} >"$OUT/env.txt" 2>&1
+
+run_tests() {
+    step "gpu tests" "$OUT/pytest-gpu.log" \
+        "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider --junitxml "$OUT/pytest-gpu.xml"
+}
+
+run_bench() {
+    step "benchmarks all" "$OUT/bench-all.txt" \
+        "$PY" -m benchmarks all --record --results-dir "$OUT/results" --debug --no-progress \
+        --json "$OUT/bench-all.json" --csv "$OUT/bench-all.csv"
+}
+
+SWEEPS="attention:attention-seqlen gemm:gemm-llama2-7b decode:decode-len decode:decode-batch softmax:softmax-cols"
+
+run_sweep() {  # run_sweep NAME
+    local spec op name
+    for spec in $SWEEPS; do
+        op="${spec%%:*}"
+        name="${spec#*:}"
+        [ "$name" = "$1" ] || continue
+        step "sweep $name" "$OUT/sweep-$name.txt" \
+            "$PY" -m benchmarks "$op" --sweep "$name" --budget-ms 400 --reps 20 --debug \
+            --no-progress --plot "$OUT/sweep-$name.png" --json "$OUT/sweep-$name.json" \
+            --csv "$OUT/sweep-$name.csv"
+        return 0
+    done
+    echo "unknown sweep '$1'; choose from (op:name): $SWEEPS" >&2
+    status=2
+}
+
+run_sweeps() {
+    local spec
+    for spec in $SWEEPS; do
+        run_sweep "${spec#*:}"
+    done
+}
+
+run_quick() {
+    local q=(--reps 5 --warmup 2 --debug --no-progress)
+    step "quick gemm" "$OUT/quick-gemm.txt" "$PY" -m benchmarks gemm --M 1024 "${q[@]}"
+    step "quick softmax" "$OUT/quick-softmax.txt" "$PY" -m benchmarks softmax --rows 1024 --cols 1000 "${q[@]}"
+    step "quick attention" "$OUT/quick-attention.txt" \
+        "$PY" -m benchmarks attention --B 2 --H 8 --Hkv 2 --Sq 1000 --D 64 --causal "${q[@]}"
+    step "quick decode" "$OUT/quick-decode.txt" \
+        "$PY" -m benchmarks decode --B 4 --H 8 --Hkv 2 --Sk 5000 --D 128 "${q[@]}"
+    step "quick model" "$OUT/quick-model.txt" \
+        "$PY" -m benchmarks model --model tiny --prompt-len 16 --new-tokens 16 "${q[@]}" \
+        --json "$OUT/quick.json"
+}
+
+case "$STAGE" in
+    tests) run_tests ;;
+    bench) run_bench ;;
+    sweeps) run_sweeps ;;
+    sweep) run_sweep "${2:-}" ;;
+    quick) run_quick ;;
+    all) run_tests; run_bench; run_sweeps ;;
+esac
+echo "=== done: status $status; outputs in $OUT" | tee -a "$OUT/steps.log"
+exit "$status"
