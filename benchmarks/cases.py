@@ -36,7 +36,7 @@ def ours_names(op: str) -> tuple:
         return ("ours",) + tuple(f"ours-{v}" for v in _attr("cupyattn.gemm", "VARIANTS")
                                  if v not in ("auto", "default"))
     if op == "attention":
-        return _attr("cupyattn.attention", "IMPLS") or OURS[op]
+        return _attr("cupyattn.attention_op", "IMPLS") or OURS[op]
     return OURS[op]
 
 
@@ -140,7 +140,7 @@ def make_impl(case, name: str, inp):
         return peers.cublas_gemm(inp["a"], inp["b"], p["layout"], inp["out"], tf32=name == "cublas-tf32")
     if op == "softmax":
         if name == "ours":
-            from cupyattn.softmax import softmax
+            from cupyattn.softmax_op import softmax
 
             return lambda: softmax(inp["x"], out=inp["out"])
         if name == "cupy-ops":
@@ -149,7 +149,7 @@ def make_impl(case, name: str, inp):
     causal = op == "attention" and p["causal"]
     q, k, v, out = inp["q"], inp["k"], inp["v"], inp["out"]
     if name == "naive" or (op == "attention" and name in ours_names(op)):
-        from cupyattn.attention import attention
+        from cupyattn.attention_op import attention
 
         return lambda: attention(q, k, v, causal=causal, impl=name, out=out)
     if name in ("split-kv", "unsplit"):

@@ -16,6 +16,8 @@ import re
 import threading
 from pathlib import Path
 
+import numpy as np
+
 KERNELS_DIR = Path(__file__).resolve().parent.parent / "kernels_cu"
 
 # Options every spec gets; the arch is chosen per device by CuPy (runtime) or by the check.
@@ -25,6 +27,16 @@ _INCLUDE_RE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
 _REGISTRY: dict[str, "KernelSpec"] = {}
 _MODULES: dict[tuple[str, int], object] = {}
 _LOCK = threading.Lock()
+
+
+# A null pointer kernel argument. Never pass None: CuPy turns it into an empty argument slot,
+# not a zero pointer value; an 8-byte zero is exactly what a `T*` parameter expects.
+NULL = np.uint64(0)
+
+
+def ptr_or_null(x):
+    """``x`` as a kernel argument, or :data:`NULL` when ``x`` is None (optional buffers)."""
+    return NULL if x is None else x
 
 
 class KernelCompileError(RuntimeError):

@@ -12,8 +12,8 @@
 //                       same tiling, masking and online softmax as v1. impl="flash_mma".
 //                       Fragments come from padded smem by plain 32-bit loads (no ldmatrix, no
 //                       cp.async pipelining yet: those are the next steps for speed).
-// Both run on the CPU in tests/test_attention.py under a host emulation (one fiber per thread;
-// mma.sync rebuilt from the PTX ISA fragment tables), which is how they were checked without a GPU.
+// Both also run on the CPU emulator of the GPU test tier (tests/emu: one fiber per thread, mma.sync
+// rebuilt from the PTX ISA fragment tables), which checks their logic on machines without a GPU.
 //
 // Tile table (cupyattn/attention.py `_TILES` holds the same numbers and instantiates them; a CPU
 // test checks the two agree). Shared memory per CTA = Q_i tile (BLOCK_M x D elements) + one K_j/V_j
@@ -285,37 +285,23 @@ template <typename T> __device__ __forceinline__ unsigned ld_split(const T* p0, 
            | ((unsigned)*reinterpret_cast<const unsigned short*>(p1) << 16);
 }
 
-#if defined(__CUDA_ARCH__)
 // D = A B + D on one warp: A 16x16, B 16x8 (T), D 16x8 fp32.
 template <typename T>
 __device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]);
 template <> __device__ __forceinline__ void mma_m16n8k16<__half>(float (&d)[4], const unsigned (&a)[4],
                                                                  const unsigned (&b)[2]) {
-#if __CUDA_ARCH__ >= 800
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
                  "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-#else
-    __trap();  // mma.m16n8k16 needs sm_80; impl="flash" still works on older GPUs
-#endif
 }
 template <> __device__ __forceinline__ void mma_m16n8k16<__nv_bfloat16>(float (&d)[4], const unsigned (&a)[4],
                                                                         const unsigned (&b)[2]) {
-#if __CUDA_ARCH__ >= 800
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
                  "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-#else
-    __trap();  // mma.m16n8k16 needs sm_80; impl="flash" still works on older GPUs
-#endif
 }
-#else
-// Host builds (the CPU tests' emulation of this file) provide mma_m16n8k16 themselves.
-template <typename T>
-void mma_m16n8k16(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]);
-#endif
 
 // Max / sum over the 4 lanes of a quad (the lanes that share a row of a C fragment).
 __device__ __forceinline__ float quad_max(float v) {

@@ -639,8 +639,11 @@ def _emulator_timing(monkeypatch):
 @pytest.mark.parametrize("argv", [
     ["gemm", "--M", "64", "--N", "48", "--K", "40"],
     ["softmax", "--rows", "17", "--cols", "300"],
-    ["attention", "--B", "1", "--H", "4", "--Hkv", "2", "--Sq", "97", "--D", "64", "--causal"],
-    ["decode", "--B", "2", "--H", "8", "--Hkv", "2", "--Sk", "1000", "--D", "64"],
+    # minutes each on the CPU emulator: GPU only
+    pytest.param(["attention", "--B", "1", "--H", "4", "--Hkv", "2", "--Sq", "97", "--D", "64",
+                  "--causal"], marks=pytest.mark.no_emu),
+    pytest.param(["decode", "--B", "2", "--H", "8", "--Hkv", "2", "--Sk", "1000", "--D", "64"],
+                 marks=pytest.mark.no_emu),
 ], ids=lambda a: a[0])
 def test_cli_smoke_on_device(argv, tmp_path, monkeypatch):
     import conftest

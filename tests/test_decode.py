@@ -1,21 +1,12 @@
 """KV cache + decode attention (split-KV).
 
 CPU tier: reference split/merge identities, the split-count rule, argument checks (fake_device,
-NumPy-backed cache), the offline compile check, and a *host emulation* of kernels_cu/decode.cu:
-the real kernel source is compiled by g++ with a small CUDA shim (every CUDA thread a ucontext
-fiber; __syncthreads and warp shuffles are barriers; fibers run in a random order between
-barriers; a barrier some threads skip is reported as a deadlock) and driven through the real
-Python launch code with NumPy arrays. It checks index math, tails and synchronisation structure,
-not timing or memory-model details (cp.async becomes a plain copy). Skipped without g++.
+NumPy-backed cache), the offline compile check.
 
-GPU tier (`gpu` marker): the same checks on the device, plus long caches.
+GPU tier (`gpu` marker): append and decode against the float64 reference, plus long caches; all
+but the longest also run on the CPU emulator (tests/emu).
 """
 from __future__ import annotations
-
-import ctypes
-import re
-import shutil
-import subprocess
 
 import numpy as np
 import pytest
@@ -181,10 +172,8 @@ def test_decode_checks(fake_device, numpy_cache):
 
 
 def test_supported_head_dims_match_attention():
-    try:
-        from cupyattn.attention import SUPPORTED_HEAD_DIMS
-    except ImportError:
-        pytest.skip("cupyattn.attention not present yet")
+    from cupyattn.attention_op import SUPPORTED_HEAD_DIMS
+
     assert decode.SUPPORTED_HEAD_DIMS == tuple(SUPPORTED_HEAD_DIMS) == kvcache._HEAD_DIMS
 
 
@@ -200,221 +189,27 @@ def test_decode_spec_compiles_without_spills():
     assert all(r.smem_bytes <= 48 * 1024 for r in reports)  # static smem, no opt-in needed
 
 
-# --- host emulation of decode.cu ------------------------------------------------------------
-_SHIM = r"""
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstdio>
-#include <cstring>
-#include <functional>
-#include <numeric>
-#include <random>
-#include <vector>
-#include <ucontext.h>
-#define __global__
-#define __device__
-#define __host__
-#define __forceinline__ inline
-#define __shared__ static
-#define __align__(n) __attribute__((aligned(n)))
-#define __launch_bounds__(...)
-#define CUDART_INF_F __builtin_huge_valf()
-struct dim3 { unsigned x = 1, y = 1, z = 1; };
-static dim3 threadIdx, blockIdx, blockDim, gridDim;
-struct alignas(16) uint4 { unsigned x, y, z, w; };
-struct alignas(16) float4 { float x, y, z, w; };
-struct alignas(8) float2 { float x, y; };
-inline int min(int a, int b) { return a < b ? a : b; }
-inline int max(int a, int b) { return a > b ? a : b; }
-inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
-struct __half { unsigned short x; };
-struct alignas(4) __half2 { __half x, y; };
-struct __nv_bfloat16 { unsigned short x; };
-struct alignas(4) __nv_bfloat162 { __nv_bfloat16 x, y; };
-inline float __half2float(__half h) { _Float16 f; std::memcpy(&f, &h.x, 2); return (float)f; }
-inline __half __float2half_rn(float x) { _Float16 f = (_Float16)x; __half h; std::memcpy(&h.x, &f, 2); return h; }
-inline float __bfloat162float(__nv_bfloat16 b) { unsigned u = (unsigned)b.x << 16; float f; std::memcpy(&f, &u, 4); return f; }
-inline __nv_bfloat16 __float2bfloat16_rn(float x) {
-    unsigned u; std::memcpy(&u, &x, 4);
-    if (std::isnan(x)) return {0x7fc0};
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return {(unsigned short)(u >> 16)};
-}
-inline float2 __half22float2(__half2 h) { return {__half2float(h.x), __half2float(h.y)}; }
-inline float2 __bfloat1622float2(__nv_bfloat162 h) { return {__bfloat162float(h.x), __bfloat162float(h.y)}; }
-
-namespace emu {
-struct Fiber { ucontext_t ctx; bool done = false; std::vector<char> stack; };
-static std::vector<Fiber> fibers;
-static ucontext_t sched;
-static int cur = 0;
-static bool progress = false;
-static std::function<void()>* body = nullptr;
-static std::mt19937 rng(12345);
-inline void yield() { swapcontext(&fibers[cur].ctx, &sched); }
-struct Barrier {
-    int n = 0, count = 0, gen = 0;
-    void wait() {
-        const int g = gen;
-        progress = true;
-        if (++count == n) { count = 0; ++gen; return; }
-        while (gen == g) yield();
-    }
-};
-static Barrier block_bar;
-static std::vector<Barrier> warp_bar;
-static std::vector<float> shfl_buf;
-static void entry() { (*body)(); fibers[cur].done = true; progress = true; }
-template <class F> int launch(dim3 grid, dim3 block, F f) {
-    std::function<void()> fn = f;
-    body = &fn;
-    gridDim = grid; blockDim = block;
-    const int nt = (int)(block.x * block.y * block.z);
-    for (unsigned z = 0; z < grid.z; ++z) for (unsigned y = 0; y < grid.y; ++y) for (unsigned x = 0; x < grid.x; ++x) {
-        blockIdx = dim3{x, y, z};
-        fibers.clear(); fibers.resize(nt);
-        block_bar = Barrier{nt, 0, 0};
-        warp_bar.assign((nt + 31) / 32, Barrier{32, 0, 0});
-        warp_bar.back().n = nt - 32 * ((nt - 1) / 32);
-        shfl_buf.assign(nt, 0.f);
-        for (int i = 0; i < nt; ++i) {
-            Fiber& fb = fibers[i];
-            fb.stack.resize(128 * 1024);
-            getcontext(&fb.ctx);
-            fb.ctx.uc_stack.ss_sp = fb.stack.data();
-            fb.ctx.uc_stack.ss_size = fb.stack.size();
-            fb.ctx.uc_link = &sched;
-            makecontext(&fb.ctx, entry, 0);
-        }
-        std::vector<int> order(nt);
-        std::iota(order.begin(), order.end(), 0);
-        for (;;) {
-            progress = false;
-            std::shuffle(order.begin(), order.end(), rng);
-            int live = 0;
-            for (int i : order) {
-                if (fibers[i].done) continue;
-                cur = i;
-                threadIdx = dim3{(unsigned)i, 0, 0};
-                swapcontext(&sched, &fibers[i].ctx);
-                live += !fibers[i].done;
-            }
-            if (!live) break;
-            if (!progress) {
-                std::fprintf(stderr, "emulation deadlock in block (%u,%u,%u): a barrier not reached by all threads\n", x, y, z);
-                fibers.clear();
-                return 1;
-            }
-        }
-    }
-    fibers.clear();
-    return 0;
-}
-}  // namespace emu
-inline void __syncthreads() { emu::block_bar.wait(); }
-inline float __shfl_xor_sync(unsigned, float v, int o) {
-    const int t = (int)threadIdx.x, w = t >> 5;
-    emu::shfl_buf[t] = v;
-    emu::warp_bar[w].wait();
-    const float r = emu::shfl_buf[(w << 5) | ((t & 31) ^ o)];
-    emu::warp_bar[w].wait();
-    return r;
-}
-"""
-
-# Parameter types of each kernel (T = the template's element type); must follow decode.cu.
-_PARAMS = {
-    "kv_append_kernel": ["T*", "T*", "const T*", "const T*", "const int*", "const int*"]
-    + ["long long"] * 6 + ["int"] * 6,
-    "kv_advance_lengths_kernel": ["int*", "const int*", "int", "int", "int"],
-    "decode_kernel": ["const T*"] * 3 + ["const int*", "T*", "float*", "float*", "long long", "long long"]
-    + ["int"] * 5 + ["float", "int"],
-    "decode_combine_kernel": ["const float*", "const float*", "T*", "int", "int", "int"],
-}
-_CTYPES = {"long long": ctypes.c_longlong, "int": ctypes.c_int, "float": ctypes.c_float}
-
-
-def _emulation_source():
-    src = DECODE_SPEC.code()
-    src = re.sub(r"#include <(cuda_fp16|cuda_bf16|math_constants)\.h>", "", src)
-    # cp.async -> a plain 16-byte copy (stronger ordering than the hardware gives)
-    src, n1 = re.subn(r"(void cp_async_16\(void\* smem, const void\* gmem\) \{).*?\n\}",
-                      r"\1 std::memcpy(smem, gmem, 16); }", src, flags=re.S)
-    src, n2 = re.subn(r"asm volatile\(\"cp\.async\.\w+[^\n]*\);", "", src)
-    assert n1 == 1 and n2 == 2, "decode.cu's cp.async helpers changed; update the emulation"
-    wrappers = []
-    for i, expr in enumerate(DECODE_SPEC.name_expressions):
-        name, targs = re.fullmatch(r"(\w+)(?:<(.*)>)?", expr).groups()
-        t = targs.split(",")[0].strip() if targs else "float"
-        types = [p.replace("T", t) if p.endswith("*") else p for p in _PARAMS[name]]
-        params = ", ".join(f"{ty} a{j}" for j, ty in enumerate(types))
-        args = ", ".join(f"a{j}" for j in range(len(types)))
-        wrappers.append(f'extern "C" int emu_{i}(unsigned gx, unsigned gy, unsigned gz, unsigned bx, {params}) '
-                        f"{{ return emu::launch(dim3{{gx, gy, gz}}, dim3{{bx, 1, 1}}, [&] {{ {expr}({args}); }}); }}")
-    return _SHIM + src + "\n" + "\n".join(wrappers) + "\n"
-
-
-class _EmuKernel:
-    def __init__(self, fn, types):
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_uint] * 4 + [ctypes.c_void_p if t.endswith("*") else _CTYPES[t] for t in types]
-        self.fn = fn
-
-    def __call__(self, grid, block, args):
-        grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
-        conv = [a.ctypes.data if isinstance(a, np.ndarray) else a.item() for a in args]
-        assert self.fn(*grid, int(block[0]), *conv) == 0, "emulated kernel deadlocked"
-
-
-@pytest.fixture(scope="module")
-def emu_lib(tmp_path_factory):
-    cxx = shutil.which("g++")
-    if cxx is None:
-        pytest.skip("g++ not found: no host emulation of decode.cu")
-    d = tmp_path_factory.mktemp("decode_emu")
-    (d / "emu.cpp").write_text(_emulation_source())
-    res = subprocess.run([cxx, "-std=c++20", "-O0", "-fno-strict-aliasing", "-w", "-shared", "-fPIC",
-                          "-o", str(d / "emu.so"), str(d / "emu.cpp")], capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr[-4000:]
-    lib = ctypes.CDLL(str(d / "emu.so"))
-    return {expr: _EmuKernel(getattr(lib, f"emu_{i}"), _PARAMS[re.match(r"\w+", expr).group()])
-            for i, expr in enumerate(DECODE_SPEC.name_expressions)}
-
-
-# --- backends: the emulation (NumPy arrays) and the GPU (CuPy arrays) ------------------------
+# --- GPU tier helpers (the CPU emulator, tests/emu, runs these too) ---------------------------
 class _Backend:
-    def __init__(self, name):
-        self.name = name
+    @staticmethod
+    def asarray(x):
+        import cupy
 
-    def asarray(self, x):
-        if self.name == "gpu":
-            import cupy
+        return cupy.asarray(x)
 
-            return cupy.asarray(x)
-        return np.ascontiguousarray(x)
+    @staticmethod
+    def host(x):
+        import cupy
 
-    def host(self, x):
-        if self.name == "gpu":
-            import cupy
-
-            return cupy.asnumpy(x)
-        return np.array(x)
+        return cupy.asnumpy(x)
 
     def nan(self, shape, dtype):
         return self.asarray(np.full(shape, np.nan, dtype=np_dtype(dtype)))
 
 
-@pytest.fixture(params=["emu", pytest.param("gpu", marks=pytest.mark.gpu)])
-def backend(request, monkeypatch):
-    if request.param == "emu":
-        kernels = request.getfixturevalue("emu_lib")
-        request.getfixturevalue("fake_device")
-        request.getfixturevalue("numpy_cache")
-        for mod in (kvcache, decode):
-            monkeypatch.setattr(mod, "get_function", lambda spec, expr: kernels[expr])
-        monkeypatch.setattr(decode, "_sm_count", lambda: 132)
-    return _Backend(request.param)
+@pytest.fixture(params=[pytest.param("gpu", marks=pytest.mark.gpu)])
+def backend(request):
+    return _Backend()
 
 
 def _filled_cache(be, rng, dtype, lengths, hkv, d, max_seq=None, chunks=2):
@@ -445,7 +240,7 @@ def _filled_cache(be, rng, dtype, lengths, hkv, d, max_seq=None, chunks=2):
     return cache, kf, vf
 
 
-# --- append: both backends ------------------------------------------------------------------
+# --- append ------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_append_matches_numpy(backend, rng, dtype):
     be = backend
@@ -495,7 +290,7 @@ def test_append_overflow_leaves_cache_unchanged(backend, rng):
     np.testing.assert_array_equal(be.host(cache.lengths)[0], [8, 5])
 
 
-# --- decode: both backends ------------------------------------------------------------------
+# --- decode ------------------------------------------------------------------
 def _check_decode(be, rng, dtype, lengths, hkv, group, d, splits, tol=None, max_seq=None):
     cache, kf, vf = _filled_cache(be, rng, dtype, lengths, hkv, d, max_seq=max_seq)
     hq = hkv * group
@@ -534,8 +329,7 @@ def test_decode_gqa(backend, rng, group):
 @pytest.mark.parametrize("splits", [1, 4, 9, None])
 def test_decode_1000_and_split_equals_unsplit(backend, rng, splits):
     lengths = [1000, 333, 1]
-    cache, q, out = _check_decode(backend, rng, "float32", lengths, hkv=1, group=2, d=128, splits=splits,
-                                  tol=1e-4 if backend.name == "emu" else None)
+    cache, q, out = _check_decode(backend, rng, "float32", lengths, hkv=1, group=2, d=128, splits=splits)
     ref_out = backend.host(decode_attention(q, cache, 1, num_splits=1))
     np.testing.assert_allclose(out, ref_out, rtol=1e-4, atol=2e-5)
 
@@ -570,7 +364,7 @@ def test_decode_split_partials_match_reference(backend, rng):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("splits", [1, 4, None])
 def test_decode_32768_gpu(rng, dtype, splits):
-    be = _Backend("gpu")
+    be = _Backend()
     _check_decode(be, rng, dtype, [32768, 20000], hkv=1, group=4, d=128, splits=splits,
                   tol=1e-4 if dtype == "float32" else None)
 
@@ -579,14 +373,14 @@ def test_decode_32768_gpu(rng, dtype, splits):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("group", [1, 3, 4, 8])
 def test_decode_gqa_every_dtype_gpu(rng, dtype, group):
-    be = _Backend("gpu")
+    be = _Backend()
     _check_decode(be, rng, dtype, [1, 17, 1000, 0], hkv=2, group=group, d=128, splits=None,
                   max_seq=4096)
 
 
 @pytest.mark.gpu
 def test_decode_auto_splits_independent_of_max_seq_gpu(rng):
-    be = _Backend("gpu")
+    be = _Backend()
     outs = []
     for max_seq in (3000, 40000):
         r = np.random.default_rng(7)

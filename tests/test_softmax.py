@@ -11,8 +11,8 @@ from cupyattn._compile_check import run_check
 from conftest import DTYPES, assert_close, nan_like, np_dtype, rand_with_outliers, to_device
 
 # The module, not the function: once cupyattn/__init__ re-exports `softmax`, the attribute
-# cupyattn.softmax is the function and `from cupyattn import softmax` would give that.
-S = importlib.import_module("cupyattn.softmax")
+# the op module; `cupyattn.softmax` is the function itself
+S = importlib.import_module("cupyattn.softmax_op")
 
 
 # --- GPU tier -------------------------------------------------------------------------------

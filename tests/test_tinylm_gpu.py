@@ -17,11 +17,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import EMULATE
 from tinylm import Sampler, load
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parent.parent
-EMULATE = os.environ.get("CUPYATTN_EMULATE") == "1"
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 
@@ -43,10 +43,6 @@ def _model_source():
 def pair():
     """(numpy float32 generator, loader for a cupy generator of a given dtype)."""
     src = _model_source()
-    if EMULATE:  # the flash kernel's inline PTX (mma.sync) cannot run on the CPU emulator
-        from tinylm.ops_cupy import CupyOps
-
-        CupyOps.prefill_impl = "naive"
     ref = load(src, backend="numpy", max_seq=512)
     cache = {}
 
@@ -55,7 +51,7 @@ def pair():
             cache[dtype] = load(src, backend="cupy", dtype=dtype, max_seq=512)
         return cache[dtype]
 
-    return ref, gpu
+    yield ref, gpu
 
 
 def _prompt_ids(gen, text):

@@ -19,13 +19,12 @@ class CupyOps:
     """The ops interface (see tinylm.model) over CuPy arrays and cupyattn kernels."""
 
     name = "cupy"
-    prefill_impl = "flash"  # cupyattn.attention impl for prefill ("naive" for the CPU emulator)
 
     def __init__(self, dtype="float16"):
         import cupy
 
         from cupyattn import layers
-        from cupyattn.attention import attention
+        from cupyattn.attention_op import attention
         from cupyattn.decode import decode_attention
         from cupyattn.gemm import gemm_nt
         from cupyattn.kvcache import KVCache
@@ -102,7 +101,7 @@ class CupyOps:
         if start > 0:
             s = start + q.shape[2]
             k_new, v_new = cache.k[layer, :, :, :s], cache.v[layer, :, :, :s]
-        return self._attention(q, k_new, v_new, causal=True, impl=self.prefill_impl, out=out)
+        return self._attention(q, k_new, v_new, causal=True, impl="flash", out=out)
 
     def attend_decode(self, q, cache, layer, out=None):
         return self._decode(q, cache, layer, out=out)

@@ -6,6 +6,7 @@
 #pragma once
 #include <atomic>
 #include <functional>
+#include <random>
 #include <ucontext.h>
 #include <cmath>
 #include <cstdint>
@@ -250,6 +251,11 @@ int emu_launch(void (*k)(A...), dim3 g, dim3 b, size_t smem, const long long* iv
     S.warps.resize((n + 31) / 32);
     S.call = [&] { emu_call(k, iv, dv, std::index_sequence_for<A...>{}); };
     emu_s = &S;
+    // Fibers run in a seeded random order between barriers, so a missing __syncthreads that
+    // lets one thread read shared data before another wrote it can show up as a wrong result.
+    std::vector<int> order(n);
+    for (int t = 0; t < n; ++t) order[t] = t;
+    std::mt19937 rng(12345u + g.x * 7u + b.x);
     for (unsigned bz = 0; bz < g.z && !S.failed; ++bz)
     for (unsigned by = 0; by < g.y && !S.failed; ++by)
     for (unsigned bx = 0; bx < g.x && !S.failed; ++bx) {
@@ -268,7 +274,8 @@ int emu_launch(void (*k)(A...), dim3 g, dim3 b, size_t smem, const long long* iv
         }
         while (S.live > 0) {
             bool progress = false;
-            for (int t = 0; t < n; ++t) {
+            std::shuffle(order.begin(), order.end(), rng);  // a fresh interleaving every pass
+            for (int t : order) {
                 EmuFiber& f = S.f[t];
                 bool ready = f.state == EMU_RUN ||
                              (f.state == EMU_WAIT_BLOCK && f.gen != S.block_gen) ||

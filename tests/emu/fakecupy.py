@@ -357,9 +357,13 @@ class _Kernel:
         for j, (a, (kind, size)) in enumerate(zip(args, self.params)):
             where = f"{self.expr}: argument {j}"
             if kind == "p":
-                if not isinstance(a, np.ndarray):
-                    raise TypeError(f"{where} expects a device array, got {type(a).__name__}")
-                iv[j] = a.__array_interface__["data"][0]
+                if isinstance(a, np.ndarray):
+                    iv[j] = a.__array_interface__["data"][0]
+                elif isinstance(a, np.integer) and a.dtype.itemsize == 8:
+                    iv[j] = int(a)  # a pointer value, e.g. NULL = numpy.uint64(0)
+                else:
+                    raise TypeError(f"{where} expects a device array or an 8-byte pointer value, "
+                                    f"got {type(a).__name__}")
                 continue
             if isinstance(a, np.ndarray):
                 raise TypeError(f"{where} expects a scalar, got an array")

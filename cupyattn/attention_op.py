@@ -14,7 +14,7 @@ import numpy as np
 from . import _checks
 from ._checks import (check_array, check_choice, check_last_contiguous, check_out,
                       check_same_dtype, ctype)
-from ._loader import KernelSpec, get_function
+from ._loader import KernelSpec, get_function, ptr_or_null
 
 SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 128, 256)
 IMPLS = ("flash", "flash_mma", "naive")
@@ -234,7 +234,7 @@ def _flash_launch(q, k, v, causal, scale, mask, mshape, kl, out, lse, mma=False)
     bh = b * hq
     grid = ((sq + bm - 1) // bm, min(bh, _MAX_GRID_Y), (bh + _MAX_GRID_Y - 1) // _MAX_GRID_Y)
     i64 = np.int64
-    args = (q, k, v, out, lse, mask, kl,
+    args = (q, k, v, out, ptr_or_null(lse), ptr_or_null(mask), ptr_or_null(kl),
             np.int32(b), np.int32(hq), np.int32(hkv), np.int32(sq), np.int32(sk),
             *map(i64, _elem_strides(q)[:3]), *map(i64, _elem_strides(k)[:3]),
             *map(i64, _elem_strides(v)[:3]), *map(i64, mstr),
@@ -252,7 +252,7 @@ def _naive(q, k, v, causal, scale, mask, mshape, kl, out, lse):
     import cupy
 
     from .gemm import gemm_nn, gemm_nt
-    from .softmax import softmax
+    from .softmax_op import softmax
 
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
