@@ -73,7 +73,7 @@ def check_same_dtype(fn: str, name: str, x, ref_name: str, ref) -> None:
 
 def check_last_contiguous(fn: str, name: str, x) -> None:
     """The kernels read rows as contiguous vectors: last dimension must have unit stride."""
-    if x.ndim and x.shape[-1] > 1 and x.strides[-1] != x.itemsize:
+    if x.size and x.shape[-1] > 1 and x.strides[-1] != x.itemsize:  # empty arrays have any strides
         raise ValueError(f"{fn}(): {name} must be contiguous in its last dimension "
                          f"(stride {x.strides[-1] // x.itemsize} elements); pass x.copy() or cupy.ascontiguousarray(x)")
 
