@@ -214,9 +214,8 @@ def _elem_strides(x):
     return [s // x.itemsize for s in x.strides]
 
 
-def _flash_launch(q, k, v, causal, scale, mask, mshape, kl, out, lse, mma=False):
-    """(name expression, grid, block, args) of the one kernel launch (no device needed: the
-    CPU tests feed the same tuple to a host emulation of the kernel)."""
+def _flash(q, k, v, causal, scale, mask, mshape, kl, out, lse, mma=False):
+    """The one launch of the fused kernel (v1 SIMT or v2 tensor cores)."""
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     ct = ctype(q.dtype)
@@ -239,12 +238,7 @@ def _flash_launch(q, k, v, causal, scale, mask, mshape, kl, out, lse, mma=False)
             *map(i64, _elem_strides(q)[:3]), *map(i64, _elem_strides(k)[:3]),
             *map(i64, _elem_strides(v)[:3]), *map(i64, mstr),
             np.float32(scale * math.log2(math.e)))
-    return expr, grid, (nw * 32,), args
-
-
-def _flash(q, k, v, causal, scale, mask, mshape, kl, out, lse, mma=False):
-    expr, grid, block, args = _flash_launch(q, k, v, causal, scale, mask, mshape, kl, out, lse, mma)
-    get_function(FLASH_SPEC, expr)(grid, block, args)
+    get_function(FLASH_SPEC, expr)(grid, (nw * 32,), args)
 
 
 # --- impl="naive": gemm_nt -> softmax -> gemm_nn, S in memory -------------------------------

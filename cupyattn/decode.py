@@ -42,7 +42,7 @@ def choose_num_splits(batch: int, kv_heads: int, max_len: int, sm_count: int) ->
 
 
 def _empty(shape, dtype):
-    """Device allocation (a seam, like kvcache._zeros, for the CPU emulation tests)."""
+    """Device allocation (a seam, like kvcache._zeros, for the CPU argument-check tests)."""
     import cupy
 
     return cupy.empty(shape, dtype=dtype)

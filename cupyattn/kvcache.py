@@ -41,7 +41,7 @@ _APPEND_THREADS = 128
 
 
 # Device allocation and host->device copy go through these two seams, so the CPU tests can
-# swap in NumPy (argument checks; the host emulation of decode.cu in tests/test_decode.py).
+# swap in NumPy (the argument-check tests in tests/test_decode.py).
 def _zeros(shape, dtype):
     import cupy
 
