@@ -7,9 +7,9 @@ from __future__ import annotations
 
 
 def _bf16():
-    from cupyattn._checks import BFLOAT16
+    from cupyattn import bfloat16
 
-    return BFLOAT16
+    return bfloat16
 
 
 def np_dtype(name: str):

@@ -20,23 +20,15 @@ OURS = {"gemm": ("ours",), "softmax": ("ours",), "attention": ("flash", "naive")
         "decode": ("split-kv", "unsplit", "naive"), "model": ("tinylm",)}
 
 
-def _attr(module: str, name: str) -> tuple:
-    """A tuple attribute of one of our op modules, or () when it cannot be imported yet."""
-    import importlib
-
-    try:
-        return tuple(getattr(importlib.import_module(module), name, ()) or ())
-    except Exception:
-        return ()
-
-
 def ours_names(op: str) -> tuple:
-    """Our impls of ``op``: every gemm VARIANTS entry, every attention IMPLS entry."""
+    """Our impls of ``op``: "ours" (the default) and every explicit gemm impl; every attention impl."""
+    from cupyattn import ATTENTION_IMPLS
+    from cupyattn.config import GEMM_IMPLS
+
     if op == "gemm":
-        return ("ours",) + tuple(f"ours-{v}" for v in _attr("cupyattn.gemm", "VARIANTS")
-                                 if v not in ("auto", "default"))
+        return ("ours",) + tuple(f"ours-{v}" for v in GEMM_IMPLS if v != "auto")
     if op == "attention":
-        return _attr("cupyattn.attention_op", "IMPLS") or OURS[op]
+        return ATTENTION_IMPLS
     return OURS[op]
 
 
@@ -133,14 +125,14 @@ def make_impl(case, name: str, inp):
             from cupyattn import gemm
 
             f = gemm.gemm_nt if p["layout"] == "nt" else gemm.gemm_nn
-            kw = {"variant": name[5:]} if name.startswith("ours-") else {}
+            kw = {"impl": name[5:]} if name.startswith("ours-") else {}
             return lambda: f(inp["a"], inp["b"], out=inp["out"], **kw)
         if name == "torch-matmul":
             return peers.torch_matmul(inp["a"], inp["b"], p["layout"], inp["out"])
         return peers.cublas_gemm(inp["a"], inp["b"], p["layout"], inp["out"], tf32=name == "cublas-tf32")
     if op == "softmax":
         if name == "ours":
-            from cupyattn.softmax_op import softmax
+            from cupyattn import softmax
 
             return lambda: softmax(inp["x"], out=inp["out"])
         if name == "cupy-ops":
@@ -149,7 +141,7 @@ def make_impl(case, name: str, inp):
     causal = op == "attention" and p["causal"]
     q, k, v, out = inp["q"], inp["k"], inp["v"], inp["out"]
     if name == "naive" or (op == "attention" and name in ours_names(op)):
-        from cupyattn.attention_op import attention
+        from cupyattn import attention
 
         return lambda: attention(q, k, v, causal=causal, impl=name, out=out)
     if name in ("split-kv", "unsplit"):

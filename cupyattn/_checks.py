@@ -1,31 +1,13 @@
 """Input checks shared by every op. Each error names the function, the argument, what it got
 and what was expected, and is raised before anything is allocated, launched or written.
-
-`is_device_array` and `check_device` are module-level so the CPU test tier can swap them
-(tests/conftest.py `fake_device`) and exercise every shape/dtype check with NumPy arrays.
+Every op module calls them from one function of its own, ``_check_args``.
 """
 from __future__ import annotations
 
+import cupy
 import numpy as np
 
-try:  # bfloat16 reaches NumPy and CuPy 14 through ml_dtypes
-    import ml_dtypes
-
-    BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
-except ImportError:  # pragma: no cover - ml_dtypes is a dependency
-    BFLOAT16 = None
-
-FLOAT_DTYPES = tuple(d for d in (np.dtype(np.float32), np.dtype(np.float16), BFLOAT16) if d is not None)
-
-# dtype -> C++ type used in template name expressions
-_CTYPES = {np.dtype(np.float32): "float", np.dtype(np.float16): "__half"}
-if BFLOAT16 is not None:
-    _CTYPES[BFLOAT16] = "__nv_bfloat16"
-
-
-def ctype(dtype) -> str:
-    """The kernels' C++ element type for a supported float dtype."""
-    return _CTYPES[np.dtype(dtype)]
+from .config import DTYPES as FLOAT_DTYPES
 
 
 def dtype_name(dtype) -> str:
@@ -37,14 +19,10 @@ def _names(dtypes) -> str:
 
 
 def is_device_array(x) -> bool:
-    import cupy
-
     return isinstance(x, cupy.ndarray)
 
 
 def check_device(fn: str, name: str, x) -> None:
-    import cupy
-
     cur = cupy.cuda.Device().id
     if x.device.id != cur:
         raise ValueError(f"{fn}(): {name} is on device {x.device.id} but the current device is {cur}")

@@ -4,16 +4,22 @@ reads registers / shared memory / stack / spills from ptxas' ``-v`` log.
 
 NVRTC is reached through CuPy's private ``_NVRTCProgram`` (it compiles for an explicit arch with
 no device); the check asserts it exists so a CuPy upgrade that removes it fails loudly here.
+The work is cut into jobs of a few instantiations (one NVRTC program each) that run on a thread
+per CPU core (NVRTC releases the GIL); each job's rows are printed as soon as it finishes.
 """
 from __future__ import annotations
 
 import io
+import os
 import re
+import sys
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 
 from ._loader import KernelSpec, all_specs
 
 ARCHES = ("80", "90")
+JOB_SIZE = 6  # instantiations per NVRTC program: small enough to spread over the cores
 
 _ENTRY_RE = re.compile(r"Compiling entry function '([^']+)' for '(sm_\w+)'")
 _FRAME_RE = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
@@ -71,14 +77,15 @@ def parse_ptxas_log(log: str, mangled_to_expr: dict[str, str]):
         yield cur + tuple(stats.get(k, 0) for k in ("regs", "smem", "stack", "st", "ld"))
 
 
-def compile_spec(spec: KernelSpec, arch: str) -> list[KernelReport]:
-    """Compile one spec for one arch; raise RuntimeError with NVRTC's log on failure."""
+def compile_spec(spec: KernelSpec, arch: str, name_expressions=None) -> list[KernelReport]:
+    """Compile ``name_expressions`` (default: all) of one spec for one arch in one NVRTC program;
+    raise RuntimeError with NVRTC's log on failure."""
     from cupy.cuda import compiler
 
     if not hasattr(compiler, "_NVRTCProgram"):
         raise RuntimeError("this CuPy has no cupy.cuda.compiler._NVRTCProgram; pin cupy 14.x for the check")
-    prog = compiler._NVRTCProgram(spec.code(), f"{spec.name}.cu",
-                                  name_expressions=list(spec.name_expressions), method="cubin")
+    exprs = list(spec.name_expressions if name_expressions is None else name_expressions)
+    prog = compiler._NVRTCProgram(spec.code(), f"{spec.name}.cu", name_expressions=exprs, method="cubin")
     log = io.StringIO()
     try:
         _, mapping = prog.compile(rawmodule_options(spec, arch), log_stream=log)
@@ -88,54 +95,103 @@ def compile_spec(spec: KernelSpec, arch: str) -> list[KernelReport]:
     mangled = {v: k for k, v in mapping.items()}
     reports = [KernelReport(spec.name, expr, a, *vals, hot=spec.hot)
                for expr, a, *vals in parse_ptxas_log(log.getvalue(), mangled)]
-    missing = set(spec.name_expressions) - {r.kernel for r in reports}
+    missing = set(exprs) - {r.kernel for r in reports}
     if missing:
         raise RuntimeError(f"kernel spec {spec.name!r}: no ptxas report for {sorted(missing)}")
     return reports
 
 
-def run_check(only: str | None = None, arches=ARCHES):
-    """Compile every spec (or the one named ``only``) -> (reports, errors)."""
-    import cupyattn  # noqa: F401  (importing the package registers every op module's specs)
-
-    reports, errors = [], []
-    specs = [s for s in all_specs() if only is None or s.name == only]
-    if only is not None and not specs:
-        errors.append(f"no kernel spec named {only!r}; known: {', '.join(s.name for s in all_specs())}")
+def _jobs(specs, arches):
+    """(spec, arch, name expressions) jobs of at most JOB_SIZE instantiations each."""
+    jobs = []
     for spec in specs:
         for arch in arches:
             if spec.sm90a and arch != "90":
                 continue  # Hopper-only spec: built once, as sm_90a
+            exprs = spec.name_expressions
+            jobs += [(spec, arch, exprs[i:i + JOB_SIZE]) for i in range(0, len(exprs), JOB_SIZE)]
+    return jobs
+
+
+def run_check(only: str | None = None, arches=ARCHES, on_reports=None, workers: int | None = None):
+    """Compile every spec (or the one named ``only``) -> (reports, errors).
+
+    ``on_reports(reports, done, total)`` is called after each finished job (progress output).
+    Reports come back in spec, arch and instantiation order whatever order the jobs finish in.
+    """
+    import cupyattn  # noqa: F401  (importing the package registers every op module's specs)
+
+    specs = [s for s in all_specs() if only is None or s.name == only]
+    if only is not None and not specs:
+        return [], [f"no kernel spec named {only!r}; known: {', '.join(s.name for s in all_specs())}"]
+    jobs = _jobs(specs, arches)
+    results: dict[int, list] = {}
+    errors = []
+    with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:
+        futures = {pool.submit(compile_spec, spec, arch, exprs): i for i, (spec, arch, exprs) in enumerate(jobs)}
+        for n, fut in enumerate(as_completed(futures), 1):
             try:
-                reports.extend(compile_spec(spec, arch))
+                results[futures[fut]] = fut.result()
             except RuntimeError as e:
-                errors.append(str(e))
+                results[futures[fut]] = []
+                if str(e) not in errors:
+                    errors.append(str(e))
+            if on_reports is not None:
+                on_reports(results[futures[fut]], n, len(jobs))
+    order = {(s.name, a, e): i for i, s in enumerate(specs) for a in arches
+             for e in s.name_expressions}
+    reports = sorted((r for rs in results.values() for r in rs),
+                     key=lambda r: order.get((r.spec, r.arch[3:], r.kernel), len(order)))
     return reports, errors
+
+
+_COLS = (("kernel", 64), ("arch", 6), ("regs", 5), ("smem B", 7), ("stack B", 8), ("spill st/ld", 11))
+
+
+def _row(values) -> str:
+    return "  ".join(str(v).ljust(w) if i == 0 else str(v).rjust(w)
+                     for i, (v, (_, w)) in enumerate(zip(values, _COLS)))
 
 
 def main(argv=None) -> int:
     import argparse
     import json
+    import time
 
     p = argparse.ArgumentParser(prog="python -m cupyattn check",
                                 description="Compile every kernel instantiation for sm_80 and sm_90 "
                                             "with NVRTC (no GPU needed); fail on errors or spills.")
     p.add_argument("--only", help="check one kernel spec by name")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--json", action="store_true", help="print the report as JSON (progress on stderr)")
     p.add_argument("--arch", action="append", choices=ARCHES, help="restrict to these arches")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr with --json")
     args = p.parse_args(argv)
-    reports, errors = run_check(args.only, tuple(args.arch) if args.arch else ARCHES)
+    t0 = time.perf_counter()
+
+    def progress(reports, done, total):
+        if args.json:
+            if not args.quiet:
+                print(f"[{done}/{total}] compiled {len(reports)} kernels", file=sys.stderr, flush=True)
+            return
+        for r in reports:
+            print(_row((r.kernel, r.arch, r.registers, r.smem_bytes, r.stack_bytes,
+                        f"{r.spill_stores}/{r.spill_loads}")), flush=True)
+
+    if not args.json:
+        print("compiling every kernel instantiation with NVRTC (rows appear as each batch finishes)",
+              flush=True)
+        print(_row([c for c, _ in _COLS]), flush=True)
+    reports, errors = run_check(args.only, tuple(args.arch) if args.arch else ARCHES, progress)
     spills = [r for r in reports if r.spills]
     if args.json:
         print(json.dumps({"kernels": [asdict(r) for r in reports], "errors": errors,
-                          "spills": [f"{r.kernel} sm_{r.arch}" for r in spills]}, indent=1))
+                          "spills": [f"{r.kernel} {r.arch}" for r in spills],
+                          "seconds": round(time.perf_counter() - t0, 1)}, indent=1))
     else:
-        from tabulate import tabulate
-
-        rows = [(r.kernel, r.arch, r.registers, r.smem_bytes, r.stack_bytes,
-                 f"{r.spill_stores}/{r.spill_loads}") for r in reports]
-        print(tabulate(rows, headers=["kernel", "arch", "regs", "smem B", "stack B", "spill st/ld"]))
-        print(f"{len(reports)} kernel builds, {len(errors)} errors, {len(spills)} with spills")
+        print(f"{len(reports)} kernel builds, {len(errors)} errors, {len(spills)} with spills "
+              f"({time.perf_counter() - t0:.0f} s)")
+        for r in spills:
+            print(f"SPILL: {r.kernel} {r.arch}: {r.spill_stores} B stored, {r.spill_loads} B loaded")
         for e in errors:
             print("ERROR:", e)
     return 1 if errors or spills else 0

@@ -1,31 +1,43 @@
-"""The one kernel loader: a spec says *what* to compile, `get_function` builds and caches it.
+"""The one kernel loader: a spec says *what* can be compiled, `get_function` builds and caches
+one instantiation at a time.
 
-A :class:`KernelSpec` names a ``.cu`` file in ``kernels_cu/``, the template instantiations to
-compile from it (CuPy ``name_expressions``) and extra NVRTC options. Every op module declares
-its specs at import time (which registers them, so ``python -m cupyattn check`` sees them all)
-and asks :func:`get_function` for a kernel; nothing else in the package builds a module.
+A :class:`KernelSpec` names a ``.cu`` file in ``kernels_cu/``, every template instantiation the
+op module may launch from it (CuPy ``name_expressions``) and extra NVRTC options. Every op module
+declares its specs at import time (which registers them, so ``python -m cupyattn check`` sees
+them all) and asks :func:`get_function` for a kernel; nothing else in the package builds a
+module. A call compiles only the instantiation it launches (one NVRTC program with one name
+expression), memoised per device; CuPy's disk cache (``CUPY_CACHE_DIR``) makes the next process
+fast. A compile that takes more than a second prints one line to stderr saying what is being
+compiled (``CUPYATTN_QUIET=1`` silences it).
 
 CuPy's on-disk cache key covers the source text but not headers found through ``-I``, so the
 project's own ``#include "x.cuh"`` lines are inlined here before compiling: a header edit then
-changes the source string and recompiles.
+changes the source string and recompiles. Each inlined header is framed by the lines
+``// ---- begin x.cuh`` and ``// ---- end x.cuh`` (the CPU emulator of the tests relies on
+them to swap ``ptx.cuh`` for its own implementation).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
 import re
+import sys
 import threading
 from pathlib import Path
 
+import cupy
 import numpy as np
 
 KERNELS_DIR = Path(__file__).resolve().parent.parent / "kernels_cu"
 
 # Options every spec gets; the arch is chosen per device by CuPy (runtime) or by the check.
 BASE_OPTIONS = ("-std=c++17",)
+ANNOUNCE_AFTER_S = 1.0  # a compile still running after this long is announced on stderr
 
 _INCLUDE_RE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
 _REGISTRY: dict[str, "KernelSpec"] = {}
-_MODULES: dict[tuple[str, int], object] = {}
+_FUNCTIONS: dict[tuple[str, str, int], object] = {}
 _LOCK = threading.Lock()
 
 
@@ -68,7 +80,7 @@ class KernelSpec:
 
     def code(self) -> str:
         """The source string handed to NVRTC, with the project's own headers inlined."""
-        return inline_headers(self.source)
+        return _code(self.source)
 
     def options_for(self, arch: str) -> tuple[str, ...]:
         """Options for a compute capability string such as '80' or '90'."""
@@ -85,54 +97,75 @@ def all_specs() -> list[KernelSpec]:
     return sorted(_REGISTRY.values(), key=lambda s: s.name)
 
 
-def inline_headers(filename: str, _seen: set | None = None) -> str:
-    """Read kernels_cu/<filename> and replace each ``#include "x.cuh"`` by that file, once."""
+def inline_source(text: str, _seen: set | None = None) -> str:
+    """``text`` with each ``#include "x.cuh"`` replaced by kernels_cu/x.cuh (itself inlined),
+    each header once, framed by ``// ---- begin x.cuh`` / ``// ---- end x.cuh`` lines."""
     seen = set() if _seen is None else _seen
-    text = (KERNELS_DIR / filename).read_text()
 
     def repl(m):
         name = m.group(1)
         if name in seen:
             return f"// (already inlined: {name})"
         seen.add(name)
-        return f"// ---- begin {name}\n{inline_headers(name, seen)}\n// ---- end {name}"
+        body = inline_source((KERNELS_DIR / name).read_text(), seen)
+        return f"// ---- begin {name}\n{body}\n// ---- end {name}"
 
     return _INCLUDE_RE.sub(repl, text)
 
 
-def _device_arch() -> tuple[int, str]:
-    import cupy
+def inline_headers(filename: str) -> str:
+    """kernels_cu/<filename> with the project's headers inlined (:func:`inline_source`)."""
+    return inline_source((KERNELS_DIR / filename).read_text())
 
+
+@functools.lru_cache(maxsize=None)
+def _code(filename: str) -> str:
+    return inline_headers(filename)
+
+
+def _device_arch() -> tuple[int, str]:
     dev = cupy.cuda.Device()
     return dev.id, dev.compute_capability
 
 
-def get_module(spec: KernelSpec):
-    """The compiled ``cupy.RawModule`` of ``spec`` for the current device (memoised)."""
-    import cupy
+def _announce(spec: KernelSpec, name_expression: str, arch: str) -> None:
+    print(f"cupyattn: compiling {name_expression} (kernels_cu/{spec.source}) for sm_{arch} with "
+          f"NVRTC; once per kernel, then cached on disk (CUPYATTN_QUIET=1 hides this line)",
+          file=sys.stderr, flush=True)
 
-    dev_id, arch = _device_arch()
-    key = (spec.name, dev_id)
-    mod = _MODULES.get(key)
-    if mod is not None:
-        return mod
-    with _LOCK:
-        mod = _MODULES.get(key)
-        if mod is None:
-            try:
-                mod = cupy.RawModule(code=spec.code(), options=spec.options_for(arch),
-                                     name_expressions=spec.name_expressions)
-                mod.compile()
-            except cupy.cuda.compiler.CompileException as e:
-                raise KernelCompileError(
-                    f"compiling kernel spec {spec.name!r} ({spec.source}) for sm_{arch} failed; "
-                    f"instantiations: {', '.join(spec.name_expressions)}\n{e.get_message()}") from e
-            _MODULES[key] = mod
-    return mod
+
+def _compile(spec: KernelSpec, name_expression: str, arch: str):
+    """Build one instantiation; announce it on stderr if it takes over ANNOUNCE_AFTER_S."""
+    timer = None
+    if os.environ.get("CUPYATTN_QUIET", "") in ("", "0"):
+        timer = threading.Timer(ANNOUNCE_AFTER_S, _announce, (spec, name_expression, arch))
+        timer.daemon = True
+        timer.start()
+    try:
+        mod = cupy.RawModule(code=spec.code(), options=spec.options_for(arch),
+                             name_expressions=(name_expression,))
+        return mod.get_function(name_expression)
+    except cupy.cuda.compiler.CompileException as e:
+        raise KernelCompileError(
+            f"compiling {name_expression} from kernel spec {spec.name!r} ({spec.source}) for "
+            f"sm_{arch} failed:\n{e.get_message()}") from e
+    finally:
+        if timer is not None:
+            timer.cancel()
 
 
 def get_function(spec: KernelSpec, name_expression: str):
-    """One kernel of ``spec`` (a name expression it declares) for the current device."""
+    """One kernel of ``spec`` (a name expression it declares) for the current device, compiled
+    on first use (only that instantiation) and memoised per device."""
+    dev_id, arch = _device_arch()
+    key = (spec.name, name_expression, dev_id)
+    fn = _FUNCTIONS.get(key)
+    if fn is not None:
+        return fn
     if name_expression not in spec.name_expressions:
         raise KeyError(f"{name_expression!r} is not an instantiation of kernel spec {spec.name!r}")
-    return get_module(spec).get_function(name_expression)
+    with _LOCK:
+        fn = _FUNCTIONS.get(key)
+        if fn is None:
+            fn = _FUNCTIONS[key] = _compile(spec, name_expression, arch)
+    return fn

@@ -13,44 +13,44 @@ from __future__ import annotations
 
 import math
 
+import cupy
 import numpy as np
 
-from ._checks import check_array, check_last_contiguous, check_out, check_same_dtype, ctype
-from ._loader import get_function
-from .kvcache import DECODE_SPEC, KVCache
+from ._checks import check_array, check_last_contiguous, check_out, check_same_dtype
+from ._loader import KernelSpec, get_function
+from .config import (DECODE_COMBINE_THREADS, DECODE_HEAD_TILE, DECODE_MAX_AUTO_SPLITS,
+                     DECODE_MAX_SPLITS, DECODE_MIN_KEYS_PER_SPLIT, DECODE_THREADS, DECODE_WAVES,
+                     DTYPES, HEAD_DIMS, MAX_GRID_YZ, ctype)
+from .kvcache import KVCache
 
-SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 128, 256)  # = attention.SUPPORTED_HEAD_DIMS
-HEAD_TILE = 8            # query heads per block (DEC_GT in decode.cu)
-MAX_SPLITS = 256         # DEC_MAX_SPLITS in decode.cu (combine kernel's smem weights)
-MAX_AUTO_SPLITS = 64     # cap of the automatic choice
-MIN_KEYS_PER_SPLIT = 256  # an automatic split never gets fewer keys than this
-WAVES = 2                # automatic splits aim at this many blocks per SM
-_THREADS = 128           # DEC_THREADS in decode.cu
+
+def _decode_expr(dtype, d: int) -> str:
+    return f"decode_kernel<{ctype(dtype)}, {d}, {DECODE_THREADS}, {DECODE_HEAD_TILE}>"
+
+
+def _combine_expr(dtype) -> str:
+    return f"decode_combine_kernel<{ctype(dtype)}, {DECODE_MAX_SPLITS}, {DECODE_COMBINE_THREADS}>"
+
+
+SPEC = KernelSpec(
+    "decode", "decode.cu",
+    tuple(_decode_expr(t, d) for t in DTYPES for d in HEAD_DIMS) + tuple(_combine_expr(t) for t in DTYPES))
 
 _SM_COUNT: dict[int, int] = {}
 
 
 def choose_num_splits(batch: int, kv_heads: int, max_len: int, sm_count: int) -> int:
     """Split count for a decode step: enough blocks (``batch * kv_heads * splits``) to fill
-    about ``WAVES`` blocks per SM, but at least ``MIN_KEYS_PER_SPLIT`` keys per split and at
-    most ``MAX_AUTO_SPLITS`` splits. ``max_len`` is the longest *live* length (not max_seq);
+    about ``DECODE_WAVES`` blocks per SM, but at least ``DECODE_MIN_KEYS_PER_SPLIT`` keys per
+    split and at most ``DECODE_MAX_AUTO_SPLITS`` splits (cupyattn.config). ``max_len`` is the longest *live* length (not max_seq);
     ``kv_heads`` counts blocks per sequence and split (kv heads times head tiles)."""
     blocks = max(1, batch * kv_heads)
-    by_fill = -(-WAVES * max(1, sm_count) // blocks)          # ceil
-    by_len = max(1, max_len // MIN_KEYS_PER_SPLIT)
-    return max(1, min(by_fill, by_len, MAX_AUTO_SPLITS))
-
-
-def _empty(shape, dtype):
-    """Device allocation (a seam, like kvcache._zeros, for the CPU argument-check tests)."""
-    import cupy
-
-    return cupy.empty(shape, dtype=dtype)
+    by_fill = -(-DECODE_WAVES * max(1, sm_count) // blocks)          # ceil
+    by_len = max(1, max_len // DECODE_MIN_KEYS_PER_SPLIT)
+    return max(1, min(by_fill, by_len, DECODE_MAX_AUTO_SPLITS))
 
 
 def _sm_count() -> int:
-    import cupy
-
     dev = cupy.cuda.Device()
     n = _SM_COUNT.get(dev.id)
     if n is None:
@@ -58,7 +58,7 @@ def _sm_count() -> int:
     return n
 
 
-def _check(fn, q, cache, layer, scale, num_splits, out):
+def _check_args(fn, q, cache, layer, scale, num_splits, out):
     """Validate everything; return (layer, B, Hq, D, scale, num_splits or None)."""
     if not isinstance(cache, KVCache):
         raise TypeError(f"{fn}(): cache must be a cupyattn.KVCache, got {type(cache).__name__}")
@@ -72,8 +72,8 @@ def _check(fn, q, cache, layer, scale, num_splits, out):
     if hq % cache.num_kv_heads:
         raise ValueError(f"{fn}(): q has {hq} heads, not a multiple of the cache's "
                          f"{cache.num_kv_heads} kv heads")
-    if d not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"{fn}(): head_dim {d} is not supported; expected one of {SUPPORTED_HEAD_DIMS}")
+    if d not in HEAD_DIMS:
+        raise ValueError(f"{fn}(): head_dim {d} is not supported; expected one of {HEAD_DIMS}")
     check_last_contiguous(fn, "q", q)
     if scale is None:
         scale = 1.0 / math.sqrt(d)
@@ -82,12 +82,12 @@ def _check(fn, q, cache, layer, scale, num_splits, out):
         raise ValueError(f"{fn}(): scale must be a finite number, got {scale!r}")
     if num_splits is not None:
         if isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer)) \
-                or not 1 <= num_splits <= MAX_SPLITS:
-            raise ValueError(f"{fn}(): num_splits must be None or an integer in [1, {MAX_SPLITS}], "
+                or not 1 <= num_splits <= DECODE_MAX_SPLITS:
+            raise ValueError(f"{fn}(): num_splits must be None or an integer in [1, {DECODE_MAX_SPLITS}], "
                              f"got {num_splits!r}")
         num_splits = int(num_splits)
-    if cache.num_kv_heads * -(-(hq // cache.num_kv_heads) // HEAD_TILE) > 65535 or b > 65535:
-        raise ValueError(f"{fn}(): batch {b} x {hq} heads exceed one launch's grid (65535 blocks in y, z)")
+    if cache.num_kv_heads * -(-(hq // cache.num_kv_heads) // DECODE_HEAD_TILE) > MAX_GRID_YZ or b > MAX_GRID_YZ:
+        raise ValueError(f"{fn}(): batch {b} x {hq} heads exceed one launch's grid ({MAX_GRID_YZ} blocks in y, z)")
     if out is not None:
         check_out(fn, out, (b, hq, 1, d), q.dtype)
     return layer, b, hq, d, float(scale), num_splits
@@ -98,25 +98,24 @@ def _launch(q, cache, layer, scale, num_splits, out, partials=None):
     (o_part, lse_part) to keep the workspace (tests read it)."""
     b, hq, _, d = q.shape
     hkv = cache.num_kv_heads
-    n_ht = -(-(hq // hkv) // HEAD_TILE)
-    t = ctype(cache.dtype)
+    n_ht = -(-(hq // hkv) // DECODE_HEAD_TILE)
     split = num_splits > 1 or partials is not None
     if split:
         o_part, lse_part = partials if partials is not None else (
-            _empty((num_splits, b, hq, d), np.float32), _empty((num_splits, b, hq), np.float32))
+            cupy.empty((num_splits, b, hq, d), dtype=np.float32), cupy.empty((num_splits, b, hq), dtype=np.float32))
         out_arg = o_part            # the kernel writes only the partials: any pointer will do
     else:
         out_arg = o_part = lse_part = out  # the kernel writes only out
     i32, i64 = np.int32, np.int64
-    kern = get_function(DECODE_SPEC, f"decode_kernel<{t}, {d}>")
-    kern((num_splits, hkv * n_ht, b), (_THREADS,),
+    kern = get_function(SPEC, _decode_expr(cache.dtype, d))
+    kern((num_splits, hkv * n_ht, b), (DECODE_THREADS,),
          (q, cache.k[layer], cache.v[layer], cache.lengths[layer], out_arg, o_part, lse_part,
           i64(q.strides[0] // q.itemsize), i64(q.strides[1] // q.itemsize),
           i32(b), i32(hq), i32(hkv), i32(cache.max_seq), i32(num_splits),
           np.float32(scale * math.log2(math.e)), i32(1 if split else 0)))
     if split and partials is None:
-        combine = get_function(DECODE_SPEC, f"decode_combine_kernel<{t}>")
-        combine((b * hq,), (128,), (o_part, lse_part, out, i32(num_splits), i32(b * hq), i32(d)))
+        combine = get_function(SPEC, _combine_expr(cache.dtype))
+        combine((b * hq,), (DECODE_COMBINE_THREADS,), (o_part, lse_part, out, i32(num_splits), i32(b * hq), i32(d)))
     return out
 
 
@@ -127,7 +126,7 @@ def decode_attention(q, cache, layer, scale=None, num_splits=None, out=None):
     ----------
     q : cupy.ndarray [B, Hq, 1, D], the cache's dtype (float32, float16 or bfloat16)
         Last dim contiguous. ``Hq`` must be a multiple of the cache's kv heads (GQA/MQA: query
-        head h reads kv head ``h // (Hq // Hkv)``). D in ``SUPPORTED_HEAD_DIMS``.
+        head h reads kv head ``h // (Hq // Hkv)``). D in ``cupyattn.config.HEAD_DIMS``.
     cache : KVCache
         Keys ``[0, lengths[layer, b])`` of sequence b are attended (append the new token's K/V
         first if it should see itself). Lengths may differ across the batch; a sequence of
@@ -151,13 +150,13 @@ def decode_attention(q, cache, layer, scale=None, num_splits=None, out=None):
     >>> o = decode_attention(q_tok, cache, layer)         # [B, Hq, 1, D]
     """
     fn = "decode_attention"
-    layer, b, hq, d, scale, num_splits = _check(fn, q, cache, layer, scale, num_splits, out)
+    layer, b, hq, d, scale, num_splits = _check_args(fn, q, cache, layer, scale, num_splits, out)
     if num_splits is None:
-        n_ht = -(-(hq // cache.num_kv_heads) // HEAD_TILE)
+        n_ht = -(-(hq // cache.num_kv_heads) // DECODE_HEAD_TILE)
         num_splits = choose_num_splits(b, cache.num_kv_heads * n_ht,
                                        int(cache.host_lengths[layer].max()), _sm_count())
     if out is None:
-        out = _empty((b, hq, 1, d), q.dtype)
+        out = cupy.empty((b, hq, 1, d), dtype=q.dtype)
     return _launch(q, cache, layer, scale, num_splits, out)
 
 
@@ -166,13 +165,13 @@ def decode_split_partials(q, cache, layer, num_splits, scale=None):
     float32 [splits, B, Hq], natural log, -inf for empty chunks), as
     ``reference.decode_split_partials`` (whose arrays carry an extra length-1 query axis)."""
     fn = "decode_split_partials"
-    layer, b, hq, d, scale, num_splits = _check(fn, q, cache, layer, scale, num_splits, None)
+    layer, b, hq, d, scale, num_splits = _check_args(fn, q, cache, layer, scale, num_splits, None)
     if num_splits is None:
         raise ValueError(f"{fn}(): num_splits is required")
-    o_part = _empty((num_splits, b, hq, d), np.float32)
-    lse_part = _empty((num_splits, b, hq), np.float32)
+    o_part = cupy.empty((num_splits, b, hq, d), dtype=np.float32)
+    lse_part = cupy.empty((num_splits, b, hq), dtype=np.float32)
     _launch(q, cache, layer, scale, num_splits, None, partials=(o_part, lse_part))
     return o_part, lse_part
 
 
-__all__ = ["decode_attention", "choose_num_splits", "SUPPORTED_HEAD_DIMS", "KVCache"]
+__all__ = ["decode_attention", "choose_num_splits", "KVCache"]

@@ -3,13 +3,13 @@
 Kernels live in ``kernels_cu/gemm.cu`` (variants side by side):
 
 =======  =====================================================================  ================
-variant  kernel                                                                 dtypes
+impl     kernel                                                                 dtypes
 =======  =====================================================================  ================
 simt     v1: smem-tiled 128x64x16, 8x4 register micro-tile per thread           f32, f16, bf16
 mma      v2: tensor cores (mma.sync m16n8k16, ldmatrix, cp.async), 128x128x32   f16, bf16
 =======  =====================================================================  ================
 
-``variant="auto"`` (default) picks ``mma`` for float16/bfloat16 and ``simt`` for float32 (the
+``impl="auto"`` (default) picks ``mma`` for float16/bfloat16 and ``simt`` for float32 (the
 tensor-core path has no float32-exact input type; TF32 would miss the 1e-5 contract).
 
 Batching: leading dims broadcast NumPy-style and are handed to the kernel as at most two
@@ -20,30 +20,26 @@ broadcast arrays first. Rows may have any stride; the last dim must be contiguou
 """
 from __future__ import annotations
 
+import cupy
 import numpy as np
 
 from . import _checks
 from ._loader import KernelSpec, get_function
-
-VARIANTS = ("auto", "simt", "mma")
-_TILES = {"simt": (128, 64), "mma": (128, 128)}  # (BM, BN); must match kernels_cu/gemm.cu
-_THREADS = 256
-_MAX_GRID_Y = 65535
-_INT32_MAX = 2**31 - 1
-
-_SIMT_TYPES = ("float", "__half", "__nv_bfloat16")
-_MMA_TYPES = ("__half", "__nv_bfloat16")
+from .config import (DTYPES, GEMM_IMPLS, GEMM_MMA_PAD, GEMM_TILES, INT32_MAX, MAX_GRID_YZ,
+                     MMA_DTYPES, cbool, ctype)
 
 
-def _expr(variant: str, ctype: str, nt: bool) -> str:
-    return f"gemm_{variant}_kernel<{ctype}, {'true' if nt else 'false'}>"
+def _expr(impl: str, dtype, nt: bool) -> str:
+    t = GEMM_TILES[impl]
+    pad = f", {GEMM_MMA_PAD}" if impl == "mma" else ""
+    return f"gemm_{impl}_kernel<{ctype(dtype)}, {cbool(nt)}, {t.bm}, {t.bn}, {t.bk}, {t.threads}{pad}>"
 
 
 SPEC = KernelSpec(
     name="gemm",
     source="gemm.cu",
-    name_expressions=tuple(_expr("simt", t, nt) for t in _SIMT_TYPES for nt in (True, False))
-    + tuple(_expr("mma", t, nt) for t in _MMA_TYPES for nt in (True, False)),
+    name_expressions=tuple(_expr("simt", d, nt) for d in DTYPES for nt in (True, False))
+    + tuple(_expr("mma", d, nt) for d in MMA_DTYPES for nt in (True, False)),
 )
 
 
@@ -70,14 +66,14 @@ def _collapse(batch, sa, sb) -> list[tuple[int, int, int]]:
     return dims
 
 
-def _validate(fn, a, b, out, variant, nt):
+def _check_args(fn, a, b, out, impl, nt):
     """Every check, before anything is allocated or launched. Returns (batch, M, N, K)."""
     _checks.check_array(fn, "a", a, min_ndim=2)
     _checks.check_array(fn, "b", b, min_ndim=2)
     _checks.check_same_dtype(fn, "b", b, "a", a)
     _checks.check_last_contiguous(fn, "a", a)
     _checks.check_last_contiguous(fn, "b", b)
-    _checks.check_choice(fn, "variant", variant, VARIANTS)
+    _checks.check_choice(fn, "impl", impl, GEMM_IMPLS)
     m, k = a.shape[-2:]
     n, kb = b.shape[-2:] if nt else b.shape[-2:][::-1]
     if kb != k:
@@ -89,21 +85,19 @@ def _validate(fn, a, b, out, variant, nt):
     except ValueError:
         raise ValueError(f"{fn}(): batch dims of a {tuple(a.shape[:-2])} and b {tuple(b.shape[:-2])} "
                          f"do not broadcast") from None
-    if variant == "mma" and np.dtype(a.dtype) == np.float32:
-        raise TypeError(f"{fn}(): variant='mma' needs float16 or bfloat16 inputs, got float32 "
-                        f"(use variant='simt' or 'auto')")
+    if impl == "mma" and np.dtype(a.dtype) not in MMA_DTYPES:
+        raise TypeError(f"{fn}(): impl='mma' needs float16 or bfloat16 inputs, got float32 "
+                        f"(use impl='simt' or 'auto')")
     for name, v in (("M", m), ("N", n), ("K", k)):
-        if v > _INT32_MAX:
+        if v > INT32_MAX:
             raise ValueError(f"{fn}(): {name}={v} exceeds the kernels' int32 limit")
     if out is not None:
         _checks.check_out(fn, out, batch + (m, n), a.dtype)
     return batch, m, n, k
 
 
-def _gemm(fn, a, b, out, variant, nt):
-    import cupy
-
-    batch, m, n, k = _validate(fn, a, b, out, variant, nt)
+def _gemm(fn, a, b, out, impl, nt):
+    batch, m, n, k = _check_args(fn, a, b, out, impl, nt)
     if out is None:
         out = cupy.empty(batch + (m, n), dtype=a.dtype)
     if out.size == 0:
@@ -111,8 +105,8 @@ def _gemm(fn, a, b, out, variant, nt):
     if k == 0:
         out.fill(0)
         return out
-    if variant == "auto":
-        variant = "simt" if np.dtype(a.dtype) == np.float32 else "mma"
+    if impl == "auto":
+        impl = "mma" if np.dtype(a.dtype) in MMA_DTYPES else "simt"
 
     dims = _collapse(batch, _batch_strides(a, batch), _batch_strides(b, batch))
     if len(dims) > 2:  # the kernel takes two batch dims: materialise the broadcast batch
@@ -134,19 +128,19 @@ def _gemm(fn, a, b, out, variant, nt):
     if out.data.ptr % 4 == 0 and n % 2 == 0:
         vec_ok |= 2
 
-    bm, bn = _TILES[variant]
-    tiles_m, tiles_n = -(-m // bm), -(-n // bn)
-    if tiles_m * tiles_n > _INT32_MAX:
+    tile = GEMM_TILES[impl]
+    tiles_m, tiles_n = -(-m // tile.bm), -(-n // tile.bn)
+    if tiles_m * tiles_n > INT32_MAX:
         raise ValueError(f"{fn}(): M={m}, N={n} need more than 2^31-1 tiles")
-    kern = get_function(SPEC, _expr(variant, _checks.ctype(a.dtype), nt))
+    kern = get_function(SPEC, _expr(impl, a.dtype, nt))
     i32, i64 = np.int32, np.int64
-    kern((tiles_m * tiles_n, min(nbatch, _MAX_GRID_Y), 1), (_THREADS, 1, 1),
+    kern((tiles_m * tiles_n, min(nbatch, MAX_GRID_YZ), 1), (tile.threads, 1, 1),
          (a, b, out, i32(m), i32(n), i32(k), i32(tiles_n), i64(nbatch), i64(n_in),
           i64(a_so), i64(a_si), i64(lda), i64(b_so), i64(b_si), i64(ldb), i32(vec_ok)))
     return out
 
 
-def gemm_nt(a, b, out=None, *, variant="auto"):
+def gemm_nt(a, b, out=None, *, impl="auto"):
     """``a @ b^T`` over the last two dims, batched over the leading dims.
 
     Parameters
@@ -158,8 +152,8 @@ def gemm_nt(a, b, out=None, *, variant="auto"):
         every batch entry without a copy).
     out : cupy.ndarray, shape [..., M, N], optional
         C-contiguous, same dtype as ``a``; written in place and returned.
-    variant : {"auto", "simt", "mma"}
-        Kernel variant; "auto" is tensor cores for 16-bit inputs, SIMT for float32.
+    impl : {"auto", "simt", "mma"}
+        Which kernel; "auto" is tensor cores for 16-bit inputs, SIMT for float32.
 
     Returns
     -------
@@ -173,10 +167,10 @@ def gemm_nt(a, b, out=None, *, variant="auto"):
     >>> gemm_nt(x, w).shape                                                 # x @ w^T
     (4, 17, 96)
     """
-    return _gemm("gemm_nt", a, b, out, variant, True)
+    return _gemm("gemm_nt", a, b, out, impl, True)
 
 
-def gemm_nn(a, b, out=None, *, variant="auto"):
+def gemm_nn(a, b, out=None, *, impl="auto"):
     """``a @ b`` over the last two dims, batched over the leading dims.
 
     Parameters
@@ -187,7 +181,7 @@ def gemm_nn(a, b, out=None, *, variant="auto"):
         Same dtype as ``a``; leading dims broadcast against ``a``'s.
     out : cupy.ndarray, shape [..., M, N], optional
         C-contiguous, same dtype as ``a``; written in place and returned.
-    variant : {"auto", "simt", "mma"}
+    impl : {"auto", "simt", "mma"}
         As for :func:`gemm_nt`.
 
     Returns
@@ -201,4 +195,4 @@ def gemm_nn(a, b, out=None, *, variant="auto"):
     >>> gemm_nn(p, v).shape
     (2, 8, 128, 64)
     """
-    return _gemm("gemm_nn", a, b, out, variant, False)
+    return _gemm("gemm_nn", a, b, out, impl, False)

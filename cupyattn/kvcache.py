@@ -1,4 +1,4 @@
-"""A preallocated KV cache for incremental decoding, and its append kernel.
+"""A preallocated KV cache for incremental decoding, and its append kernels (kernels_cu/kvcache.cu).
 
 Memory layout: ``k`` and ``v`` are ``[num_layers, batch, num_kv_heads, max_seq, head_dim]``,
 C-contiguous. Every (layer, sequence, kv head) owns one contiguous ``[max_seq, head_dim]`` slab,
@@ -19,39 +19,18 @@ mirror before either launch: an append that would pass ``max_seq`` raises and wr
 """
 from __future__ import annotations
 
+import cupy
 import numpy as np
 
 from . import _checks
-from ._checks import FLOAT_DTYPES, check_array, check_last_contiguous, check_same_dtype, ctype
+from ._checks import check_array, check_last_contiguous, check_same_dtype
 from ._loader import KernelSpec, get_function
+from .config import (DTYPES, KV_ADVANCE_THREADS, KV_APPEND_ELEMS_PER_BLOCK, KV_APPEND_THREADS,
+                     ctype)
 
-_DTYPES = ("float", "__half", "__nv_bfloat16")
-_HEAD_DIMS = (32, 64, 80, 96, 128, 256)  # = attention.SUPPORTED_HEAD_DIMS (decode kernels)
-
-# One spec for kernels_cu/decode.cu: append, advance, decode and combine kernels.
-DECODE_SPEC = KernelSpec(
-    "decode", "decode.cu",
-    tuple(f"kv_append_kernel<{t}>" for t in _DTYPES)
-    + ("kv_advance_lengths_kernel",)
-    + tuple(f"decode_kernel<{t}, {d}>" for t in _DTYPES for d in _HEAD_DIMS)
-    + tuple(f"decode_combine_kernel<{t}>" for t in _DTYPES),
-)
-
-_APPEND_THREADS = 128
-
-
-# Device allocation and host->device copy go through these two seams, so the CPU tests can
-# swap in NumPy (the argument-check tests in tests/test_decode.py).
-def _zeros(shape, dtype):
-    import cupy
-
-    return cupy.zeros(shape, dtype=dtype)
-
-
-def _to_device(x):
-    import cupy
-
-    return cupy.asarray(x)
+SPEC = KernelSpec(
+    "kvcache", "kvcache.cu",
+    tuple(f"kv_append_kernel<{ctype(t)}>" for t in DTYPES) + ("kv_advance_lengths_kernel",))
 
 
 class KVCache:
@@ -91,14 +70,14 @@ class KVCache:
             dt = np.dtype(dtype)
         except TypeError:
             dt = None
-        if dt not in FLOAT_DTYPES:
+        if dt not in DTYPES:
             raise TypeError(f"{fn}(): dtype {dtype!r} is not supported; expected one of "
-                            f"{', '.join(map(str, FLOAT_DTYPES))}")
+                            f"{', '.join(map(str, DTYPES))}")
         self.dtype = dt
         shape = (self.num_layers, self.batch, self.num_kv_heads, self.max_seq, self.head_dim)
-        self.k = _zeros(shape, dt)
-        self.v = _zeros(shape, dt)
-        self.lengths = _zeros((self.num_layers, self.batch), np.int32)
+        self.k = cupy.zeros(shape, dtype=dt)
+        self.v = cupy.zeros(shape, dtype=dt)
+        self.lengths = cupy.zeros((self.num_layers, self.batch), dtype=np.int32)
         self.host_lengths = np.zeros((self.num_layers, self.batch), dtype=np.int64)
 
     def __repr__(self):
@@ -130,7 +109,7 @@ class KVCache:
         """Per-sequence counts as int64 [batch], each in [0, T]."""
         if num_new is None:
             return np.full(self.batch, t, dtype=np.int64)
-        if not isinstance(num_new, np.ndarray) and hasattr(num_new, "__cuda_array_interface__"):
+        if _checks.is_device_array(num_new):
             raise TypeError(f"{fn}(): num_new must be host integers (list or NumPy array), "
                             "not a device array: the host checks capacity without a sync")
         counts = np.asarray(num_new)
@@ -194,9 +173,9 @@ class KVCache:
     def _launch(self, layer, k_new, v_new, counts, t):
         uniform = bool(np.all(counts == counts[0]))
         lengths = self.lengths[layer]                     # int32 [B] view
-        dev_counts = lengths if uniform else _to_device(counts.astype(np.int32))  # dummy if uniform
+        dev_counts = lengths if uniform else cupy.asarray(counts.astype(np.int32))  # dummy if uniform
         d = self.head_dim
-        tok_per_block = max(1, 2048 // d)
+        tok_per_block = max(1, KV_APPEND_ELEMS_PER_BLOCK // d)
         n_max = int(counts.max())
         grid = ((n_max + tok_per_block - 1) // tok_per_block, self.num_kv_heads, self.batch)
         ks = [s // k_new.itemsize for s in k_new.strides[:3]]
@@ -204,12 +183,12 @@ class KVCache:
         i32, i64 = np.int32, np.int64
         use_counts = i32(0 if uniform else 1)
         n_uniform = i32(counts[0])
-        append = get_function(DECODE_SPEC, f"kv_append_kernel<{ctype(self.dtype)}>")
-        append(grid, (_APPEND_THREADS,),
+        append = get_function(SPEC, f"kv_append_kernel<{ctype(self.dtype)}>")
+        append(grid, (KV_APPEND_THREADS,),
                (self.k[layer], self.v[layer], k_new, v_new, lengths, dev_counts,
                 *map(i64, ks), *map(i64, vs),
                 i32(self.num_kv_heads), i32(self.max_seq), i32(d), i32(tok_per_block),
                 n_uniform, use_counts))
-        advance = get_function(DECODE_SPEC, "kv_advance_lengths_kernel")
-        advance(((self.batch + 255) // 256,), (256,),
+        advance = get_function(SPEC, "kv_advance_lengths_kernel")
+        advance((-(-self.batch // KV_ADVANCE_THREADS),), (KV_ADVANCE_THREADS,),
                 (lengths, dev_counts, i32(self.batch), n_uniform, use_counts))

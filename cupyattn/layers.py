@@ -18,46 +18,34 @@ from __future__ import annotations
 
 import math
 
+import cupy
 import numpy as np
 
 from . import _checks as C
 from ._loader import KernelSpec, get_function
+from .config import (DTYPES, INDEX_CTYPES, INT32_MAX, LAYERS_MAX_BLOCKS, LAYERS_THREADS,
+                     RMSNORM_IMPLS, RMSNORM_WARP_MAX_D, RMSNORM_WARPS, RMSNORM_WEIGHT_CTYPES, VEC16,
+                     cbool, ctype, defines)
+
 
 # --- kernel spec: every instantiation the dispatch below can ask for -----------------------------
-_CT = ("float", "__half", "__nv_bfloat16")
-_VEC = {"float": 4, "__half": 8, "__nv_bfloat16": 8}  # 16 bytes per vector access
-# rmsnorm weight: same type as x, or float32 (norm weights kept in float32 next to fp16/bf16 x)
-_RMS_TW = (("float", "float"), ("__half", "__half"), ("__half", "float"),
-           ("__nv_bfloat16", "__nv_bfloat16"), ("__nv_bfloat16", "float"))
-_ID_CT = {np.dtype(np.int32): "int", np.dtype(np.int64): "long long"}
-
-
 def _exprs():
+    cts = [ctype(d) for d in DTYPES]
     out = []
     for kind in ("rmsnorm_warp_kernel", "rmsnorm_block_kernel"):
-        out += [f"{kind}<{t}, {w}, {v}>" for t, w in _RMS_TW for v in (1, _VEC[t])]
-    for t in _CT:
-        out += [f"rope_kernel<{t}, false, false>", f"rope_kernel<{t}, false, true>",
-                f"rope_kernel<{t}, true, false>"]
+        out += [f"{kind}<{t}, {w}, {v}>" for t in cts for w in RMSNORM_WEIGHT_CTYPES[t] for v in (1, VEC16[t])]
+    for t in cts:
+        out += [f"rope_kernel<{t}, {cbool(neox)}, {cbool(pv)}>" for neox, pv in
+                ((False, False), (False, True), (True, False))]
     for kind in ("swiglu_kernel", "add_kernel"):
-        out += [f"{kind}<{t}, {v}>" for t in _CT for v in (1, _VEC[t])]
-    out += [f"embedding_kernel<{t}, {i}, {v}>" for t in _CT for i in ("int", "long long")
-            for v in (1, _VEC[t])]
+        out += [f"{kind}<{t}, {v}>" for t in cts for v in (1, VEC16[t])]
+    out += [f"embedding_kernel<{t}, {i}, {v}>" for t in cts for i in INDEX_CTYPES.values()
+            for v in (1, VEC16[t])]
     return tuple(out)
 
 
-SPEC = KernelSpec("layers", "layers.cu", _exprs())
-
-# --- launch configuration --------------------------------------------------------------------------
-# rmsnorm: rows up to 1024 wide -> one warp per row (4 rows per 128-thread block; even SmolLM's
-#   576 gives each lane 18 elements, and many short rows keep all SMs busy); wider rows -> one
-#   block per row, threads = next power of two of (vectors / 4), 64..1024, ~4 vectors a thread.
-_RMS_WARP_MAX_D = 1024
-_RMS_WARPS = 4  # = RMS_WARPS in layers.cu
-# grid-strided kernels: 1024 blocks of 256 threads fill an H100 (132 SMs x 8 blocks) once; more
-#   rows than that loop, which lets rope reuse each thread's inv_freq across rows.
-_MAX_BLOCKS = 1024
-_THREADS = 256
+SPEC = KernelSpec("layers", "layers.cu", _exprs(),
+                  options=defines(RMSNORM_WARPS=RMSNORM_WARPS, LAYERS_THREADS=LAYERS_THREADS))
 
 
 def _pow2_at_least(n: int) -> int:
@@ -74,19 +62,17 @@ def _aligned(nbytes: int, *arrays) -> bool:
 
 def _vec_width(ct: str, n: int, *arrays) -> int:
     """16-byte vectors when ``n`` elements split evenly and every array starts 16-byte aligned."""
-    v = _VEC[ct]
+    v = VEC16[ct]
     return v if n % v == 0 and _aligned(16, *arrays) else 1
 
 
 def _row_block(nvec: int) -> tuple[int, int]:
     """(threads over a row's ``nvec`` work items, rows per block) for 256-thread 2-D blocks."""
-    bx = min(_pow2_at_least(max(nvec, 1)), _THREADS)
-    return bx, _THREADS // bx
+    bx = min(_pow2_at_least(max(nvec, 1)), LAYERS_THREADS)
+    return bx, LAYERS_THREADS // bx
 
 
 def _new_or_out(fn, out, shape, dtype):
-    import cupy
-
     if out is None:
         return cupy.empty(shape, dtype=dtype)
     return C.check_out(fn, out, shape, dtype)
@@ -104,7 +90,7 @@ def _check_float(fn: str, name: str, value, minimum: float, strict: bool) -> flo
 
 
 # --- rmsnorm ---------------------------------------------------------------------------------------
-def rmsnorm(x, weight, eps=1e-5, out=None):
+def rmsnorm(x, weight, eps=1e-5, out=None, impl="auto"):
     """Root-mean-square norm over the last dimension, ``x / sqrt(mean(x**2) + eps) * weight``.
 
     Parameters
@@ -118,18 +104,14 @@ def rmsnorm(x, weight, eps=1e-5, out=None):
         Added to the mean of squares; >= 0.
     out : cupy.ndarray [..., D], optional
         C-contiguous, dtype of ``x``; may be ``x`` itself (in place).
+    impl : {"auto", "warp", "block"}
+        Which kernel: one warp per row, or one block per row; "auto" takes the warp kernel for
+        D <= 1024.
 
     Returns
     -------
     cupy.ndarray [..., D] of x's dtype. Sum of squares, scale and product are float32.
     """
-    return _rmsnorm(x, weight, eps, out, variant="auto")
-
-
-def _rmsnorm(x, weight, eps, out, variant):
-    """rmsnorm with the kernel picked by hand: variant 'auto' | 'warp' | 'block' (for tests)."""
-    import cupy
-
     fn = "rmsnorm"
     C.check_array(fn, "x", x, min_ndim=1)
     C.check_array(fn, "weight", weight, ndim=1)
@@ -141,23 +123,23 @@ def _rmsnorm(x, weight, eps, out, variant):
         raise TypeError(f"{fn}(): weight has dtype {C.dtype_name(weight.dtype)}; expected "
                         f"{C.dtype_name(x.dtype)} (as x){also}")
     eps = _check_float(fn, "eps", eps, 0.0, strict=False)
-    C.check_choice(fn, "variant", variant, ("auto", "warp", "block"))
+    C.check_choice(fn, "impl", impl, RMSNORM_IMPLS)
     out = _new_or_out(fn, out, x.shape, x.dtype)
     rows = x.size // d if d else 0
     if rows == 0 or d == 0:
         return out
     x = cupy.ascontiguousarray(x)
     weight = cupy.ascontiguousarray(weight)
-    t, w = C.ctype(x.dtype), C.ctype(weight.dtype)
-    v = _VEC[t]
+    t, w = ctype(x.dtype), ctype(weight.dtype)
+    v = VEC16[t]
     if not (d % v == 0 and _aligned(16, x, out) and _aligned(weight.itemsize * v, weight)):
         v = 1
-    if variant == "auto":
-        variant = "warp" if d <= _RMS_WARP_MAX_D else "block"
+    if impl == "auto":
+        impl = "warp" if d <= RMSNORM_WARP_MAX_D else "block"
     args = (x, weight, out, np.int64(rows), np.int32(d), np.float32(eps))
-    if variant == "warp":
+    if impl == "warp":
         kern = get_function(SPEC, f"rmsnorm_warp_kernel<{t}, {w}, {v}>")
-        kern(((rows + _RMS_WARPS - 1) // _RMS_WARPS,), (32 * _RMS_WARPS,), args)
+        kern(((rows + RMSNORM_WARPS - 1) // RMSNORM_WARPS,), (32 * RMSNORM_WARPS,), args)
     else:
         threads = min(1024, max(64, _pow2_at_least(-(-(d // v) // 4))))
         kern = get_function(SPEC, f"rmsnorm_block_kernel<{t}, {w}, {v}>")
@@ -192,20 +174,18 @@ def rope(x, positions, base=10000.0, style="adjacent", out=None):
     The angle is formed and reduced modulo 2*pi in double precision, then rotated in float32,
     so positions in the tens of thousands lose no accuracy (see rope_kernel in layers.cu).
     """
-    import cupy
-
     fn = "rope"
     C.check_array(fn, "x", x, ndim=4)
     b, h, t, d = x.shape
     if d % 2 or d == 0:
         raise ValueError(f"{fn}(): the last dim of x (D={d}) must be even and > 0")
-    C.check_array(fn, "positions", positions, dtypes=tuple(_ID_CT), ndim=2)
+    C.check_array(fn, "positions", positions, dtypes=tuple(INDEX_CTYPES), ndim=2)
     if tuple(positions.shape) != (b, t):
         raise ValueError(f"{fn}(): positions has shape {tuple(positions.shape)}, "
                          f"expected ({b}, {t}) = [B, T] of x")
     base = _check_float(fn, "base", base, 0.0, strict=True)
     C.check_choice(fn, "style", style, ROPE_STYLES)
-    if b * h * t >= 2**31:
+    if b * h * t > INT32_MAX:
         raise ValueError(f"{fn}(): B*H*T = {b * h * t} rows is more than this kernel indexes (2^31 - 1)")
     if out is x:
         C.check_last_contiguous(fn, "x (rotated in place)", x)
@@ -219,17 +199,17 @@ def rope(x, positions, base=10000.0, style="adjacent", out=None):
         x = cupy.ascontiguousarray(x)
     pos = cupy.ascontiguousarray(positions, dtype=cupy.int32)
     half = d // 2
-    ct = C.ctype(x.dtype)
+    ct = ctype(x.dtype)
     xs = [s // x.itemsize for s in x.strides[:3]]
     ys = [s // out.itemsize for s in out.strides[:3]]
     neox = style == "neox"
     # adjacent pairs load as one 2-element vector when every row start is 2-element aligned
     pv = (not neox and _aligned(2 * x.itemsize, x, out)
           and all(s % 2 == 0 for s, n in zip(xs + ys, (b, h, t) * 2) if n > 1))
-    kern = get_function(SPEC, f"rope_kernel<{ct}, {str(neox).lower()}, {str(pv).lower()}>")
+    kern = get_function(SPEC, f"rope_kernel<{ct}, {cbool(neox)}, {cbool(pv)}>")
     rows = b * h * t
     bx, by = _row_block(half)
-    grid = min(-(-rows // by), _MAX_BLOCKS)
+    grid = min(-(-rows // by), LAYERS_MAX_BLOCKS)
     kern((grid,), (bx, by), (x, out, pos, np.int32(rows), np.int32(h), np.int32(t), np.int32(half),
                              *(np.int64(s) for s in xs), *(np.int64(s) for s in ys),
                              np.float64(-math.log2(base) / half)))
@@ -238,8 +218,6 @@ def rope(x, positions, base=10000.0, style="adjacent", out=None):
 
 # --- elementwise -----------------------------------------------------------------------------------
 def _elementwise(fn, kname, a_name, a, b_name, b, out):
-    import cupy
-
     C.check_array(fn, a_name, a)
     C.check_array(fn, b_name, b)
     C.check_same_dtype(fn, b_name, b, a_name, a)
@@ -250,11 +228,11 @@ def _elementwise(fn, kname, a_name, a, b_name, b, out):
     if n == 0:
         return out
     a, b = cupy.ascontiguousarray(a), cupy.ascontiguousarray(b)
-    ct = C.ctype(a.dtype)
+    ct = ctype(a.dtype)
     v = _vec_width(ct, n, a, b, out)
     nv = n // v
     kern = get_function(SPEC, f"{kname}<{ct}, {v}>")
-    kern((min(-(-nv // _THREADS), _MAX_BLOCKS * 8),), (_THREADS,), (a, b, out, np.int64(nv)))
+    kern((min(-(-nv // LAYERS_THREADS), LAYERS_MAX_BLOCKS * 8),), (LAYERS_THREADS,), (a, b, out, np.int64(nv)))
     return out
 
 
@@ -284,10 +262,8 @@ def embedding(ids, table, out=None):
     need a device sync, so the kernel guards the read instead. table: float32/float16/bfloat16,
     last dim contiguous (rows may be strided). out: C-contiguous [..., D] of table's dtype.
     """
-    import cupy
-
     fn = "embedding"
-    C.check_array(fn, "ids", ids, dtypes=tuple(_ID_CT))
+    C.check_array(fn, "ids", ids, dtypes=tuple(INDEX_CTYPES))
     C.check_array(fn, "table", table, ndim=2)
     C.check_last_contiguous(fn, "table", table)
     vocab, d = table.shape
@@ -296,13 +272,13 @@ def embedding(ids, table, out=None):
     if n == 0 or d == 0:
         return out
     ids = cupy.ascontiguousarray(ids)
-    ct, it = C.ctype(table.dtype), _ID_CT[np.dtype(ids.dtype)]
+    ct, it = ctype(table.dtype), INDEX_CTYPES[np.dtype(ids.dtype)]
     ld = table.strides[0] // table.itemsize
-    v = _VEC[ct]
+    v = VEC16[ct]
     if not (d % v == 0 and (ld % v == 0 or vocab == 1) and _aligned(16, table, out)):
         v = 1
     bx, by = _row_block(d // v)
     kern = get_function(SPEC, f"embedding_kernel<{ct}, {it}, {v}>")
-    kern((min(-(-n // by), _MAX_BLOCKS),), (bx, by),
+    kern((min(-(-n // by), LAYERS_MAX_BLOCKS),), (bx, by),
          (ids, table, out, np.int64(n), np.int32(d), np.int64(vocab), np.int64(ld)))
     return out

@@ -1,9 +1,13 @@
-// common.cuh: element conversions and warp reductions shared by every kernel file.
+// common.cuh: element conversions, math constants and warp reductions shared by every kernel file.
 // Inlined into each .cu by cupyattn/_loader.py (so CuPy's cache sees header edits).
 #pragma once
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include <math_constants.h>
+
+// --- constants -------------------------------------------------------------------------------
+#define LOG2E_F 1.4426950408889634f   // log2(e): exp(x) = exp2(x * LOG2E_F)
+#define LN2_F 0.6931471805599453f     // ln(2): log(x) = log2(x) * LN2_F
 
 // --- element <-> float ---------------------------------------------------------------------
 __device__ __forceinline__ float to_float(float x) { return x; }
@@ -15,6 +19,14 @@ template <> __device__ __forceinline__ float from_float<float>(float x) { return
 template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
     return __float2bfloat16_rn(x);
+}
+
+// Raw 16 bits of a 16-bit element, and two floats rounded to T packed in one 32-bit register
+// (lo in the low half), the layout of an mma.sync A/B fragment register.
+__device__ __forceinline__ unsigned short bits16(__half x) { return __half_as_ushort(x); }
+__device__ __forceinline__ unsigned short bits16(__nv_bfloat16 x) { return __bfloat16_as_ushort(x); }
+template <typename T> __device__ __forceinline__ unsigned pack2(float lo, float hi) {
+    return (unsigned)bits16(from_float<T>(lo)) | ((unsigned)bits16(from_float<T>(hi)) << 16);
 }
 
 // --- warp reductions (full 32-lane warp) ---------------------------------------------------

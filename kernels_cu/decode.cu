@@ -1,13 +1,12 @@
-// decode.cu: KV-cache append and single-token decode attention with split-KV (flash-decoding).
+// decode.cu: single-token decode attention over a KV cache, with split-KV (flash-decoding).
+// The cache and its append kernels: kernels_cu/kvcache.cu.
 //
-// Variants (all reached from cupyattn/kvcache.py and cupyattn/decode.py):
-//   kv_append_kernel<T>          copy T new tokens of K and V into the cache at lengths[b] + t
-//   kv_advance_lengths_kernel    lengths[b] += num_new[b]; launched after the append, same stream
-//   decode_kernel<T, D>          one block per (split, kv head, head tile, sequence): K/V chunk
+// Variants (reached from cupyattn/decode.py):
+//   decode_kernel<T, D, ...>          one block per (split, kv head, head tile, sequence): K/V chunk
 //                                staged in smem by cp.async, every query head of the kv head
 //                                (up to GT = 8) scored against each staged key, online softmax;
 //                                writes O directly (1 split) or a float32 partial O and lse
-//   decode_combine_kernel<T>     merges the per-split partials: O = sum_c exp(lse_c - lse) O_c
+//   decode_combine_kernel<T,..>  merges the per-split partials: O = sum_c exp(lse_c - lse) O_c
 //
 // Layouts (row-major, last dim contiguous):
 //   cache (one layer)  k, v: [B, Hkv, max_seq, D]   lengths: int32 [B]
@@ -17,15 +16,10 @@
 // Split-KV chunking (the same as reference.decode_split_partials): for a sequence of live length
 // len, chunk = ceil(len / splits) and split c covers keys [c*chunk, min((c+1)*chunk, len)); a
 // chunk may be empty (its lse is -inf, its O is 0, and the combine gives it weight 0).
+// Block size, head tile and the combine kernel's split limit come from cupyattn/config.py
+// (DECODE_*) as template arguments: THREADS threads per block, GT query heads per block.
 #include "common.cuh"
-
-// --- configuration -------------------------------------------------------------------------
-constexpr int DEC_THREADS = 128;   // 4 warps per decode block
-constexpr int DEC_WARPS = DEC_THREADS / 32;
-constexpr int DEC_GT = 8;          // query heads per block (head tile); more heads -> more tiles
-constexpr int DEC_MAX_SPLITS = 256;
-constexpr float DEC_LOG2E = 1.4426950408889634f;
-constexpr float DEC_LN2 = 0.6931471805599453f;
+#include "ptx.cuh"
 
 // Tile table, chosen by the byte size of one K row (D * sizeof(T)) so that the K and V tiles
 // together take at most 32 KB of smem (plus padding), under the 48 KB static limit and
@@ -35,7 +29,7 @@ constexpr float DEC_LN2 = 0.6931471805599453f;
 //   row  = 1024 B (fp32 D = 256)                      -> BN 16 keys, 8 threads per key
 // Rows are padded so that the 8 lanes of a quarter-warp, which read 16-byte chunks
 // (key, part) = (lane / TPK, lane % TPK), land on 8 distinct 16-byte bank groups.
-template <typename T, int D>
+template <typename T, int D, int DEC_THREADS, int DEC_GT>
 struct DecodeCfg {
     static constexpr int VEC = 16 / sizeof(T);          // elements per 16-byte chunk
     static constexpr int ROW_BYTES = D * (int)sizeof(T);
@@ -55,15 +49,6 @@ struct DecodeCfg {
 };
 
 // --- helpers -------------------------------------------------------------------------------
-// 16 bytes global -> shared without staging through registers (sm_80+), grouped and waited on.
-__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem) {
-    unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
-
 // One 16-byte chunk of T elements -> VEC floats.
 __device__ __forceinline__ void chunk_to_float(const uint4& u, float (&f)[4], float) {
     f[0] = __uint_as_float(u.x); f[1] = __uint_as_float(u.y);
@@ -86,52 +71,9 @@ __device__ __forceinline__ void chunk_to_float(const uint4& u, float (&f)[8], __
     }
 }
 
-// --- append --------------------------------------------------------------------------------
-// Grid (ceil(T / tok_per_block), Hkv, B), any block size. Token t of sequence b, kv head h goes
-// to cache row lengths[b] + t for t < n_b (n_b = num_new[b] if use_counts else uniform_n).
-// The positions come from the device lengths; this kernel never writes them (other blocks of
-// the same sequence read them), kv_advance_lengths_kernel does, after it, in stream order.
-// The host has checked lengths[b] + n_b <= max_seq (from its mirror) before launching.
-template <typename T>
-__global__ void kv_append_kernel(
-    T* __restrict__ k_cache,            // [B, Hkv, max_seq, D] (one layer), contiguous
-    T* __restrict__ v_cache,            // [B, Hkv, max_seq, D]
-    const T* __restrict__ k_new,        // [B, Hkv, T, D], element (b,h,t,d) at b*sb+h*sh+t*st+d
-    const T* __restrict__ v_new,        // [B, Hkv, T, D], its own strides
-    const int* __restrict__ lengths,    // [B] tokens already cached (before this append)
-    const int* __restrict__ num_new,    // [B] tokens to take from each sequence (if use_counts)
-    long long k_sb, long long k_sh, long long k_st,
-    long long v_sb, long long v_sh, long long v_st,
-    int Hkv, int max_seq, int D, int tok_per_block, int uniform_n, int use_counts) {
-    const int b = blockIdx.z, h = blockIdx.y;
-    const int n = use_counts ? num_new[b] : uniform_n;
-    const int t0 = blockIdx.x * tok_per_block;
-    if (t0 >= n) return;  // whole block past this sequence's count (uniform per block)
-    const int ntok = min(tok_per_block, n - t0);
-    const long long base = lengths[b];
-    const size_t row0 = ((size_t)b * Hkv + h) * (size_t)max_seq + (size_t)(base + t0);
-    T* kd = k_cache + row0 * D;                                  // [ntok, D] destination rows
-    T* vd = v_cache + row0 * D;
-    const T* ks = k_new + b * k_sb + h * k_sh + (long long)t0 * k_st;  // [ntok, D] source rows
-    const T* vs = v_new + b * v_sb + h * v_sh + (long long)t0 * v_st;
-    for (int i = threadIdx.x; i < ntok * D; i += blockDim.x) {
-        const int t = i / D, d = i - t * D;
-        kd[(size_t)t * D + d] = ks[t * k_st + d];
-        vd[(size_t)t * D + d] = vs[t * v_st + d];
-    }
-}
-
-// One thread per sequence: lengths[b] += n_b. Runs after kv_append_kernel on the same stream.
-__global__ void kv_advance_lengths_kernel(
-    int* __restrict__ lengths,          // [B] of the appended layer
-    const int* __restrict__ num_new,    // [B] (if use_counts)
-    int B, int uniform_n, int use_counts) {
-    for (int b = blockIdx.x * blockDim.x + threadIdx.x; b < B; b += gridDim.x * blockDim.x)
-        lengths[b] += use_counts ? num_new[b] : uniform_n;
-}
-
 // --- decode --------------------------------------------------------------------------------
-// Grid (splits, Hkv * n_head_tiles, B), DEC_THREADS threads. The block owns sequence b, kv head
+// Grid (splits, Hkv * n_head_tiles, B), DEC_THREADS threads (a multiple of 32 that divides
+// DEC_GT * 32, so each warp owns DEC_GT / warps heads in the softmax step). The block owns sequence b, kv head
 // kvh, query heads kvh*G + ht*GT + g for g < g_tile, and keys [lo, hi) of its split. It streams
 // those keys in tiles of BN: for each tile (FlashAttention-2 Algorithm 1 with one query row per
 // head, in the log2 domain: q is pre-scaled by scale * log2(e) so exp becomes exp2):
@@ -141,7 +83,7 @@ __global__ void kv_advance_lengths_kernel(
 // At the end O / l (0 when l = 0: empty range) and lse = (m + log2 l) * ln 2.
 // Launch bounds (128 threads, 4 blocks/SM) cap registers at 128: 4 blocks of <= 46 KB smem
 // fit an SM, and ptxas keeps every instantiation spill-free (80-126 registers).
-template <typename T, int D>
+template <typename T, int D, int DEC_THREADS, int DEC_GT>
 __global__ void __launch_bounds__(DEC_THREADS, 4) decode_kernel(
     const T* __restrict__ q,            // [B, Hq, 1, D], element (b,h,d) at b*q_sb + h*q_sh + d
     const T* __restrict__ k_cache,      // [B, Hkv, max_seq, D] (one layer), contiguous
@@ -152,7 +94,9 @@ __global__ void __launch_bounds__(DEC_THREADS, 4) decode_kernel(
     float* __restrict__ lse_part,       // [splits, B, Hq]
     long long q_sb, long long q_sh,
     int B, int Hq, int Hkv, int max_seq, int num_splits, float scale_log2, int write_partials) {
-    using Cfg = DecodeCfg<T, D>;
+    using Cfg = DecodeCfg<T, D, DEC_THREADS, DEC_GT>;
+    constexpr int DEC_WARPS = DEC_THREADS / 32;
+    static_assert(DEC_THREADS % 32 == 0 && DEC_GT % DEC_WARPS == 0, "heads per warp must be whole");
     constexpr int VEC = Cfg::VEC, NC = Cfg::NC, BN = Cfg::BN, TPK = Cfg::TPK, PITCH = Cfg::PITCH;
     constexpr int GT = DEC_GT, NT = DEC_THREADS;
 
@@ -218,12 +162,12 @@ __global__ void __launch_bounds__(DEC_THREADS, 4) decode_kernel(
         // ---- load K tile (group 0) and V tile (group 1); rows >= tile_n are never read
         for (int i = tid; i < BN * NC; i += NT) {
             const int j = i / NC, c = i - j * NC;
-            if (j < tile_n) cp_async_16(k_s + j * PITCH + c * 16, kg + (size_t)(t0 + j) * D + c * VEC);
+            if (j < tile_n) cp_async<16>(k_s + j * PITCH + c * 16, kg + (size_t)(t0 + j) * D + c * VEC);
         }
         cp_async_commit();
         for (int i = tid; i < BN * NC; i += NT) {
             const int j = i / NC, c = i - j * NC;
-            if (j < tile_n) cp_async_16(v_s + j * PITCH + c * 16, vg + (size_t)(t0 + j) * D + c * VEC);
+            if (j < tile_n) cp_async<16>(v_s + j * PITCH + c * 16, vg + (size_t)(t0 + j) * D + c * VEC);
         }
         cp_async_commit();
         cp_async_wait<1>();  // this thread's K copies are done (V may still be in flight)
@@ -359,15 +303,15 @@ __global__ void __launch_bounds__(DEC_THREADS, 4) decode_kernel(
     if (write_partials && tid < g_tile) {
         const float l = l_fin[tid];
         lse_part[((size_t)split * B + b) * Hq + h0 + tid] =
-            l > 0.f ? (m_fin[tid] + log2f(l)) * DEC_LN2 : -CUDART_INF_F;
+            l > 0.f ? (m_fin[tid] + log2f(l)) * LN2_F : -CUDART_INF_F;
     }
 }
 
 // --- combine -------------------------------------------------------------------------------
-// Grid (B * Hq), 128 threads. Row r = (b, h): lse = logsumexp_c lse_c, w_c = exp(lse_c - max),
+// Grid (B * Hq), THREADS threads. Row r = (b, h): lse = logsumexp_c lse_c, w_c = exp(lse_c - max),
 // out = sum_c w_c O_c / sum_c w_c (zeros when every chunk was empty), as reference.merge_partials.
-template <typename T>
-__global__ void __launch_bounds__(128) decode_combine_kernel(
+template <typename T, int DEC_MAX_SPLITS, int THREADS>
+__global__ void __launch_bounds__(THREADS) decode_combine_kernel(
     const float* __restrict__ o_part,   // [splits, B*Hq, D]
     const float* __restrict__ lse_part, // [splits, B*Hq]
     T* __restrict__ out,                // [B*Hq, D] contiguous

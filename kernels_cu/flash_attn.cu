@@ -15,35 +15,9 @@
 // Both also run on the CPU emulator of the GPU test tier (tests/emu: one fiber per thread, mma.sync
 // rebuilt from the PTX ISA fragment tables), which checks their logic on machines without a GPU.
 //
-// Tile table (cupyattn/attention.py `_TILES` holds the same numbers and instantiates them; a CPU
-// test checks the two agree). Shared memory per CTA = Q_i tile (BLOCK_M x D elements) + one K_j/V_j
-// tile (BLOCK_N x (D + pad) elements, K then V in the same buffer) + P_ij (BLOCK_M x BLOCK_N fp32).
-// Every entry stays within the 48 KB of static shared memory, so no opt-in attribute is needed.
-// registers: O_i takes ROWS x ceil(D/32) fp32 per lane, S_ij takes ROWS x BLOCK_N/32.
-//   elem  head_dim  BLOCK_M BLOCK_N warps  smem     reason
-//   16b   32        64      64      4      24.2 KB  tiny rows: 16 rows/warp, O 16 + S 32 regs
-//   16b   64        64      64      4      32.2 KB  16 rows/warp, O 32 + S 32 regs
-//   16b   80        64      64      8      36.2 KB  D/32 = 2.5 -> 3 O cols; 8 rows/warp keeps O at 24
-//   16b   96        64      64      8      40.2 KB  same as 80; Q + K/V + P still under 48 KB
-//   16b   128       64      32      8      32.1 KB  BLOCK_N 64 would need 48.3 KB; O 32 regs
-//   16b   256       32      32      4      36.1 KB  Q tile 16 KB, K/V tile 16 KB; O 64 regs
-//   32b   32        64      64      4      32.2 KB  fp32 tiles are twice as large per element
-//   32b   64        64      32      8      32.1 KB  BLOCK_N 64 would need 48.3 KB
-//   32b   80        64      32      8      38.1 KB  8 rows/warp, O 24 regs
-//   32b   96        64      32      8      44.1 KB  largest fp32 entry under 48 KB
-//   32b   128       32      32      4      36.1 KB  BLOCK_M 64 would need 56.1 KB
-//   32b   256       8       32      2      41.1 KB  one K/V tile alone is 32.1 KB: BLOCK_M 16 -> 50.1 KB
-//
-// v2 tile table (BLOCK_M = 16 x warps; smem = (BLOCK_M + BLOCK_N) x (D + 8) x 2 B, rows padded by
-// 16 B so the 8 rows a fragment load touches fall in distinct banks). O_i takes D/2 fp32 registers
-// per lane, S_ij BLOCK_N/2.
-//   head_dim  BLOCK_M BLOCK_N warps  smem     reason
-//   32        64      64      4      10.0 KB  small tiles, 4 warps to hide latency
-//   64        64      64      4      18.0 KB  O 32 + S 32 registers
-//   80        64      64      4      22.0 KB  D = 5 k-steps of 16 for S, 10 n-tiles of 8 for O
-//   96        64      64      4      26.0 KB  O 48 registers
-//   128       64      64      4      34.0 KB  O 64 + S 32 registers
-//   256       32      32      2      33.0 KB  O alone is 128 registers: BLOCK_N 32 keeps S at 16
+// Tile tables: cupyattn/config.py FLASH_SIMT_TILES and FLASH_MMA_TILES, with the reason for each
+// entry; the op module (cupyattn/flash_attn.py) instantiates them as template arguments. The
+// static_asserts below check that each entry fits the 48 KB of static shared memory.
 //
 // Masking, all applied to S_ij before the row max (so hidden keys get P = 0 exactly):
 //   - keys j >= Sk or j >= key_lengths[b] (clamped to [0, Sk]) and, with CAUSAL, j > i + Sk - Sq
@@ -51,11 +25,9 @@
 //   - `mask` is an additive fp32 tensor read through 4 element strides (0 for broadcast dims);
 //   - a row that sees no key keeps m_i = -inf, l_i = 0 and is written as zeros, lse = -inf.
 #include "common.cuh"
+#include "ptx.cuh"
 
 // --- helpers -------------------------------------------------------------------------------
-#define FA_LOG2E 1.4426950408889634f
-#define FA_LN2 0.6931471805599453f
-
 // Two adjacent elements of a shared tile as floats (16-bit types: one 32-bit load).
 __device__ __forceinline__ float2 ld2(const float* p) { return make_float2(p[0], p[1]); }
 __device__ __forceinline__ float2 ld2(const __half* p) {
@@ -186,7 +158,7 @@ flash_attn_fwd(const T* __restrict__ q,          // [B, Hq, Sq, D], strides q_sb
             for (int jj = 0; jj < KEYS; ++jj) {
                 const int j = n0 + lane + 32 * jj;
                 float x = s[r][jj] * scale_log2;
-                if (mask && i < Sq && j < k_end) x = fmaf(mask[i * m_sq + j * m_sk], FA_LOG2E, x);
+                if (mask && i < Sq && j < k_end) x = fmaf(mask[i * m_sq + j * m_sk], LOG2E_F, x);
                 if (j >= k_end || (CAUSAL && j > i + diag)) x = -CUDART_INF_F;
                 s[r][jj] = x;
                 mx = fmaxf(mx, x);
@@ -251,7 +223,7 @@ flash_attn_fwd(const T* __restrict__ q,          // [B, Hq, Sq, D], strides q_sb
             const int d = lane + 32 * c;
             if (d < HEAD_DIM) orow[d] = from_float<T>(o[r][c] * inv);
         }
-        if (lse && lane == 0) lse[obase + i] = lsum > 0.0f ? m[r] * FA_LN2 + logf(lsum) : -CUDART_INF_F;
+        if (lse && lane == 0) lse[obase + i] = lsum > 0.0f ? m[r] * LN2_F + logf(lsum) : -CUDART_INF_F;
     }
 }
 
@@ -261,20 +233,6 @@ flash_attn_fwd(const T* __restrict__ q,          // [B, Hq, Sq, D], strides q_sb
 //   A 16x16 row-major: reg0 (g, 2t..2t+1), reg1 (g+8, 2t..), reg2 (g, 2t+8..), reg3 (g+8, 2t+8..)
 //   B 16x8 (k x n):    reg0 (k = 2t..2t+1, n = g), reg1 (k = 2t+8..2t+9, n = g)
 //   C/D 16x8 fp32:     c0,c1 (g, 2t..2t+1), c2,c3 (g+8, 2t..2t+1)
-template <typename T> struct MmaType;
-template <> struct MmaType<__half> {
-    static __device__ __forceinline__ unsigned pack(float lo, float hi) {
-        __half2 h = __floats2half2_rn(lo, hi);
-        return *reinterpret_cast<unsigned*>(&h);
-    }
-};
-template <> struct MmaType<__nv_bfloat16> {
-    static __device__ __forceinline__ unsigned pack(float lo, float hi) {
-        __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-        return *reinterpret_cast<unsigned*>(&h);
-    }
-};
-
 // Two 16-bit elements at p (4-byte aligned) as one fragment register.
 template <typename T> __device__ __forceinline__ unsigned ld_pair(const T* p) {
     return *reinterpret_cast<const unsigned*>(p);
@@ -283,24 +241,6 @@ template <typename T> __device__ __forceinline__ unsigned ld_pair(const T* p) {
 template <typename T> __device__ __forceinline__ unsigned ld_split(const T* p0, const T* p1) {
     return (unsigned)*reinterpret_cast<const unsigned short*>(p0)
            | ((unsigned)*reinterpret_cast<const unsigned short*>(p1) << 16);
-}
-
-// D = A B + D on one warp: A 16x16, B 16x8 (T), D 16x8 fp32.
-template <typename T>
-__device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]);
-template <> __device__ __forceinline__ void mma_m16n8k16<__half>(float (&d)[4], const unsigned (&a)[4],
-                                                                 const unsigned (&b)[2]) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-template <> __device__ __forceinline__ void mma_m16n8k16<__nv_bfloat16>(float (&d)[4], const unsigned (&a)[4],
-                                                                        const unsigned (&b)[2]) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
 // Max / sum over the 4 lanes of a quad (the lanes that share a row of a C fragment).
@@ -404,7 +344,7 @@ flash_attn_mma(const T* __restrict__ q,          // [B, Hq, Sq, D], strides q_s*
                 const int i = m0 + (e < 2 ? rA : rB);
                 const int j = n0 + nt * 8 + 2 * tq + (e & 1);
                 float x = s[nt][e] * scale_log2;
-                if (mask && i < Sq && j < k_end) x = fmaf(mask[i * m_sq + j * m_sk], FA_LOG2E, x);
+                if (mask && i < Sq && j < k_end) x = fmaf(mask[i * m_sq + j * m_sk], LOG2E_F, x);
                 if (j >= k_end || (CAUSAL && j > i + diag)) x = -CUDART_INF_F;
                 s[nt][e] = x;
                 mx[e >> 1] = fmaxf(mx[e >> 1], x);
@@ -442,10 +382,10 @@ flash_attn_mma(const T* __restrict__ q,          // [B, Hq, Sq, D], strides q_s*
         // registers are exactly the A registers of a 16x16 tile (P rounded to T here).
 #pragma unroll
         for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-            const unsigned a[4] = {MmaType<T>::pack(s[2 * kk][0], s[2 * kk][1]),
-                                   MmaType<T>::pack(s[2 * kk][2], s[2 * kk][3]),
-                                   MmaType<T>::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                                   MmaType<T>::pack(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+            const unsigned a[4] = {pack2<T>(s[2 * kk][0], s[2 * kk][1]),
+                                   pack2<T>(s[2 * kk][2], s[2 * kk][3]),
+                                   pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                                   pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
             const T* v0 = &kv_s[(16 * kk + 2 * tq) * STRIDE + g];   // B[k][n] = V[key k][d n]
 #pragma unroll
             for (int nt = 0; nt < NT_O; ++nt) {
@@ -470,6 +410,6 @@ flash_attn_mma(const T* __restrict__ q,          // [B, Hq, Sq, D], strides q_s*
             orow[nt * 8] = from_float<T>(o[nt][2 * r] * inv);
             orow[nt * 8 + 1] = from_float<T>(o[nt][2 * r + 1] * inv);
         }
-        if (lse && tq == 0) lse[obase + i] = lsum > 0.0f ? m[r] * FA_LN2 + logf(lsum) : -CUDART_INF_F;
+        if (lse && tq == 0) lse[obase + i] = lsum > 0.0f ? m[r] * LN2_F + logf(lsum) : -CUDART_INF_F;
     }
 }

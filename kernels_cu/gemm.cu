@@ -1,6 +1,6 @@
 // gemm.cu: batched C = A B^T (NT) and C = A B (NN), float32 accumulation, same-dtype output.
 //
-//   variant  idea                                                                 dtypes
+//   impl     idea                                                                 dtypes
 //   v1 simt  smem-tiled 128x64x16 block tile, 256 threads, 8x4 register micro-tile  f32 f16 bf16
 //            per thread, next K tile prefetched into registers while computing
 //   v2 mma   tensor cores: mma.sync m16n8k16 (f32 acc), ldmatrix fragments (.trans   f16 bf16
@@ -12,26 +12,23 @@
 // Batch index z (0..nbatch) maps to operand offsets through two collapsed batch dims:
 //   off = (z / batch_inner) * s_outer + (z % batch_inner) * s_inner   (stride 0 = broadcast)
 //
-// Tile table (reason per entry):
-//   v1 128x64x16, 8x4/thread : 32 accumulators + 12 fragment + 12 prefetch registers, smem
-//                              As 16x132 f32 + Bs 16x68 f32 = 12.7 KB; float4 smem reads.
-//   v2 128x128x32, 8 warps   : warp tile 64x32 = 4x4 mma tiles (64 f32 acc/thread); smem per
-//                              stage 2 x 128x(32+8) halves (NT) = 20 KB, 2 stages = 40 KB < 48 KB
-//                              static; the +8-half row pad makes every ldmatrix phase
-//                              (8 rows x 16 B) hit 32 distinct banks.
+// Tile shapes (BM x BN x BK, threads) come from cupyattn/config.py GEMM_TILES (with the reason
+// for each) as template arguments; the thread mappings below are written for those shapes and
+// static_assert them.
 #include "common.cuh"
+#include "ptx.cuh"
 
 // --- v1: SIMT register-blocked --------------------------------------------------------------
-constexpr int S_BM = 128, S_BN = 64, S_BK = 16, S_THREADS = 256;
-
 // a: [nbatch, M, K] (row stride lda), b: NT [nbatch, N, K] | NN [nbatch, K, N] (row stride ldb),
 // c: [nbatch, M, N] contiguous. grid = (tiles_m * tiles_n, min(nbatch, 65535)), block = 256.
-template <typename T, bool NT>
+template <typename T, bool NT, int S_BM, int S_BN, int S_BK, int S_THREADS>
 __global__ void __launch_bounds__(S_THREADS)
 gemm_simt_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c,
                  int M, int N, int K, int tiles_n, long long nbatch, long long batch_inner,
                  long long a_so, long long a_si, long long lda,
                  long long b_so, long long b_si, long long ldb, int /*vec_ok: unused by v1*/) {
+    static_assert(S_BM == 128 && S_BN == 64 && S_BK == 16 && S_THREADS == 256,
+                  "the 16x16-thread, 8x4-per-thread mapping below is written for 128x64x16");
     __shared__ __align__(16) float As[S_BK][S_BM + 4];  // As[k][m]: A tile, transposed
     __shared__ __align__(16) float Bs[S_BK][S_BN + 4];  // Bs[k][n]
     const int tid = threadIdx.x, tx = tid % 16, ty = tid / 16;
@@ -112,68 +109,24 @@ gemm_simt_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict
     }
 }
 
-// --- v2 helpers: cp.async, ldmatrix, mma.sync ------------------------------------------------
-constexpr int T_BM = 128, T_BN = 128, T_BK = 32, T_THREADS = 256, T_PAD = 8;
-constexpr int T_LDA = T_BK + T_PAD;  // smem row stride (halves) of A and of NT's B: 80 bytes
-constexpr int T_LDB_NN = T_BN + T_PAD;  // smem row stride of NN's B [k][n]: 272 bytes
-
-__device__ __forceinline__ unsigned smem_addr(const void* p) {
-    return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(smem)), "l"(gmem));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N> __device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-// Four 8x8 b16 matrices; lane l gives the address of row l%8 of matrix l/8. Lane l receives
-// in r[i] the pair (row l/4, cols 2(l%4), 2(l%4)+1) of matrix i; with .trans the pair
-// (rows 2(l%4), 2(l%4)+1, col l/4) of the matrix as addressed.
-__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
-}
-// acc[16x8] += A[16x16] B[16x8]. Fragments (g = lane/4, t = lane%4): a[0] (row g, k 2t..2t+1),
-// a[1] (row g+8, k 2t), a[2] (row g, k 2t+8), a[3] (row g+8, k 2t+8); b[0] (k 2t..2t+1, col g),
-// b[1] (k 2t+8.., col g); acc[0..1] (row g, cols 2t, 2t+1), acc[2..3] (row g+8, same cols).
-__device__ __forceinline__ void mma16816(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2],
-                                         const __half*) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-__device__ __forceinline__ void mma16816(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2],
-                                         const __nv_bfloat16*) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-__device__ __forceinline__ unsigned short bits16(__half x) { return __half_as_ushort(x); }
-__device__ __forceinline__ unsigned short bits16(__nv_bfloat16 x) { return __bfloat16_as_ushort(x); }
-
+// --- v2 helpers -----------------------------------------------------------------------------
 // Stage an R x C tile (C a multiple of 8) of a row-major 16-bit matrix g (row stride ld) at
 // (r0, c0) into smem s (row stride LDS) as 16-byte chunks: chunk ch = tid + 256 i is row ch/(C/8),
 // cols (ch%(C/8))*8..+7. A chunk fully inside (rlim, clim) on an aligned operand goes by
 // cp.async; any other chunk is read element by element with zero fill (tails, odd strides).
-template <int R, int C, int LDS>
+template <int R, int C, int LDS, int THREADS>
 __device__ __forceinline__ void stage_tile(unsigned short* s, const unsigned short* g, long long ld,
                                            int r0, int rlim, int c0, int clim, bool vec_ok) {
     constexpr int CPR = C / 8;
+    static_assert(R * CPR % THREADS == 0, "every thread stages the same number of chunks");
 #pragma unroll
-    for (int i = 0; i < R * CPR / T_THREADS; ++i) {
-        const int ch = threadIdx.x + T_THREADS * i;
+    for (int i = 0; i < R * CPR / THREADS; ++i) {
+        const int ch = threadIdx.x + THREADS * i;
         const int r = ch / CPR, cc = (ch % CPR) * 8;
         const int gr = r0 + r, gc = c0 + cc;
         unsigned short* sp = s + r * LDS + cc;
         if (vec_ok && gr < rlim && gc + 8 <= clim) {
-            cp_async16(sp, g + gr * ld + gc);
+            cp_async<16>(sp, g + gr * ld + gc);
         } else {
             unsigned short v[8];
 #pragma unroll
@@ -192,12 +145,16 @@ __device__ __forceinline__ void stage_tile(unsigned short* s, const unsigned sho
 // Same arguments as v1. vec_ok bit 0: both operands' base pointers are 16-byte aligned and every
 // stride (lda/ldb, batch strides) is a multiple of 8 elements (cp.async needs that); bit 1: c is
 // 4-byte aligned and N is even (paired 32-bit stores in the epilogue).
-template <typename T, bool NT>
+template <typename T, bool NT, int T_BM, int T_BN, int T_BK, int T_THREADS, int T_PAD>
 __global__ void __launch_bounds__(T_THREADS)
 gemm_mma_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c,
                 int M, int N, int K, int tiles_n, long long nbatch, long long batch_inner,
                 long long a_so, long long a_si, long long lda,
                 long long b_so, long long b_si, long long ldb, int vec_ok) {
+    static_assert(T_BM == 128 && T_BN == 128 && T_BK == 32 && T_THREADS == 256,
+                  "the 2x4 warps of 64x32 below are written for a 128x128x32 tile and 8 warps");
+    constexpr int T_LDA = T_BK + T_PAD;     // smem row stride (halves) of A and of NT's B
+    constexpr int T_LDB_NN = T_BN + T_PAD;  // smem row stride of NN's B [k][n]
     constexpr int B_ROWS = NT ? T_BN : T_BK;            // NT: Bs[n][k]; NN: Bs[k][n]
     constexpr int B_LDS = NT ? T_LDA : T_LDB_NN;
     __shared__ __align__(16) unsigned short As[2][T_BM * T_LDA];     // [stage][m][k]
@@ -217,9 +174,9 @@ gemm_mma_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict_
         T* C = c + z * (long long)M * N;
 
         auto load_stage = [&](int st, int k0) {
-            stage_tile<T_BM, T_BK, T_LDA>(As[st], A, lda, m0, M, k0, K, vec);
-            if constexpr (NT) stage_tile<T_BN, T_BK, T_LDA>(Bs[st], B, ldb, n0, N, k0, K, vec);
-            else stage_tile<T_BK, T_BN, T_LDB_NN>(Bs[st], B, ldb, k0, K, n0, N, vec);
+            stage_tile<T_BM, T_BK, T_LDA, T_THREADS>(As[st], A, lda, m0, M, k0, K, vec);
+            if constexpr (NT) stage_tile<T_BN, T_BK, T_LDA, T_THREADS>(Bs[st], B, ldb, n0, N, k0, K, vec);
+            else stage_tile<T_BK, T_BN, T_LDB_NN, T_THREADS>(Bs[st], B, ldb, k0, K, n0, N, vec);
         };
 
         float acc[4][4][4];
@@ -255,11 +212,11 @@ gemm_mma_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict_
                     if constexpr (NT) {
                         const int n = wn * 32 + p * 16 + (lane >> 4) * 8 + (lane & 7);
                         const int k = ks + ((lane >> 3) & 1) * 8;
-                        ldmatrix_x4(r, sB + n * B_LDS + k);
+                        ldmatrix<4>(r, sB + n * B_LDS + k);
                     } else {
                         const int k = ks + ((lane >> 3) & 1) * 8 + (lane & 7);
                         const int n = wn * 32 + p * 16 + (lane >> 4) * 8;
-                        ldmatrix_x4_trans(r, sB + k * B_LDS + n);
+                        ldmatrix<4, true>(r, sB + k * B_LDS + n);
                     }
                     bf[2 * p][0] = r[0]; bf[2 * p][1] = r[1];
                     bf[2 * p + 1][0] = r[2]; bf[2 * p + 1][1] = r[3];
@@ -269,9 +226,9 @@ gemm_mma_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict_
                     // A fragment: matrix i covers rows (i%2)*8.. and k half i/2 -> a[0..3].
                     unsigned af[4];
                     const int m = wm * 64 + mt * 16 + ((lane >> 3) & 1) * 8 + (lane & 7);
-                    ldmatrix_x4(af, sA + m * T_LDA + ks + (lane >> 4) * 8);
+                    ldmatrix<4>(af, sA + m * T_LDA + ks + (lane >> 4) * 8);
 #pragma unroll
-                    for (int nt = 0; nt < 4; ++nt) mma16816(acc[mt][nt], af, bf[nt], (const T*)nullptr);
+                    for (int nt = 0; nt < 4; ++nt) mma_m16n8k16<T>(acc[mt][nt], af, bf[nt]);
                 }
             }
             __syncthreads();  // every warp is done with stage kt before it is refilled

@@ -19,9 +19,14 @@
 //
 // T is the element type (float, __half, __nv_bfloat16); math is float32 (rope's angle: double).
 // V is the vector width in elements: 16 bytes / sizeof(T) when the host has checked alignment and
-// divisibility, else 1 (the host picks; kernels never see a partial vector). Pointers that may alias (out = x
+// divisibility, else 1 (the host picks; kernels never see a partial vector).
+// Launch constants come from cupyattn/config.py as -D options: RMSNORM_WARPS (rows per block of
+// the warp-per-row rmsnorm) and LAYERS_THREADS (block size of the grid-strided kernels). Pointers that may alias (out = x
 // in place) are not __restrict__: no thread ever reads an element another thread has written.
 #include "common.cuh"
+#if !defined(RMSNORM_WARPS) || !defined(LAYERS_THREADS)
+#error "compile with the -D options of cupyattn/config.py (the layers KernelSpec passes them)"
+#endif
 
 // --- helpers ------------------------------------------------------------------------------------
 // N consecutive elements moved as one aligned load/store (ld.global.v4 for 16 bytes).
@@ -49,7 +54,6 @@ __device__ __forceinline__ void store_vec(T* p, const Vec<T, N>& a) {
 // --- rmsnorm --------------------------------------------------------------------------------------
 // y = x / sqrt(mean(x^2) + eps) * w, row by row.
 // x: [rows, D] C-contiguous; w: [D] (W = T or float); y: [rows, D] C-contiguous, may be x.
-constexpr int RMS_WARPS = 4;  // rows per block of the warp kernel
 
 template <typename T, typename W, int V>
 __device__ __forceinline__ void rmsnorm_write(const T* xr, const W* __restrict__ w, T* yr, int nv,
@@ -79,13 +83,13 @@ __device__ __forceinline__ float sum_squares(const T* xr, int nv, int first, int
 }
 
 template <typename T, typename W, int V>
-__global__ void __launch_bounds__(32 * RMS_WARPS) rmsnorm_warp_kernel(
+__global__ void __launch_bounds__(32 * RMSNORM_WARPS) rmsnorm_warp_kernel(
     const T* x,                 // [rows, D]
     const W* __restrict__ w,    // [D]
     T* y,                       // [rows, D]
     long long rows, int D, float eps) {
     const int lane = threadIdx.x & 31;
-    const long long row = (long long)blockIdx.x * RMS_WARPS + (threadIdx.x >> 5);
+    const long long row = (long long)blockIdx.x * RMSNORM_WARPS + (threadIdx.x >> 5);
     if (row >= rows) return;  // whole warp leaves together: the shuffles below stay full-warp
     const int nv = D / V;
     const T* xr = x + row * D;
@@ -131,7 +135,7 @@ __global__ void __launch_bounds__(1024) rmsnorm_block_kernel(
 // and reducing it to [-pi, pi] there leaves one float rounding of a/pi in [-1, 1] for sincospif:
 // angle error ~1e-7 rad (plus pos * 1e-16 from the double product) at any position.
 template <typename T, bool NEOX, bool PV>
-__global__ void __launch_bounds__(256) rope_kernel(
+__global__ void __launch_bounds__(LAYERS_THREADS) rope_kernel(
     const T* x, T* y, const int* __restrict__ pos,
     int rows, int H, int seq, int half,
     long long xsb, long long xsh, long long xst,
@@ -183,7 +187,7 @@ __global__ void __launch_bounds__(256) rope_kernel(
 // --- elementwise: swiglu, add ---------------------------------------------------------------------
 // All arrays [n] C-contiguous, n = nv * V; y may be any of the inputs.
 template <typename T, int V>
-__global__ void __launch_bounds__(256) swiglu_kernel(const T* gate, const T* up, T* y, long long nv) {
+__global__ void __launch_bounds__(LAYERS_THREADS) swiglu_kernel(const T* gate, const T* up, T* y, long long nv) {
     const long long step = (long long)gridDim.x * blockDim.x;
     for (long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x; j < nv; j += step) {
         const Vec<T, V> g = load_vec<T, V>(gate + j * V);
@@ -200,7 +204,7 @@ __global__ void __launch_bounds__(256) swiglu_kernel(const T* gate, const T* up,
 }
 
 template <typename T, int V>
-__global__ void __launch_bounds__(256) add_kernel(const T* a, const T* b, T* y, long long nv) {
+__global__ void __launch_bounds__(LAYERS_THREADS) add_kernel(const T* a, const T* b, T* y, long long nv) {
     const long long step = (long long)gridDim.x * blockDim.x;
     for (long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x; j < nv; j += step) {
         const Vec<T, V> p = load_vec<T, V>(a + j * V);
@@ -217,7 +221,7 @@ __global__ void __launch_bounds__(256) add_kernel(const T* a, const T* b, T* y, 
 // dim contiguous; y: [n, D] C-contiguous. Block (bx, by): bx threads over a row's vectors, by
 // tokens; tokens grid-strided. An id outside [0, vocab) gives a zero row (no read, no host sync).
 template <typename T, typename I, int V>
-__global__ void __launch_bounds__(256) embedding_kernel(
+__global__ void __launch_bounds__(LAYERS_THREADS) embedding_kernel(
     const I* __restrict__ ids, const T* __restrict__ table, T* __restrict__ y,
     long long n, int D, long long vocab, long long ld) {
     const int nv = D / V;

@@ -1,4 +1,9 @@
-"""Shared test helpers: the `gpu` marker, the `fake_device` fixture, inputs and tolerances."""
+"""Shared test helpers: the `gpu` marker, the compile-report fixture, inputs and tolerances.
+
+Tests that need device arrays (kernel runs and the argument checks, which take CuPy arrays) are
+marked `gpu`: they run on a CUDA device, or on the CPU emulator (CUPYATTN_EMULATE=1, tests/emu),
+which the CPU tier drives in a subprocess (tests/test_emulated_gpu_tier.py).
+"""
 from __future__ import annotations
 
 import os
@@ -15,7 +20,7 @@ if EMULATE:  # run the GPU tier on CPU threads (tests/emu/README.md); must prece
 
     fakecupy.install()
 
-from cupyattn import _checks  # noqa: E402
+from cupyattn import config  # noqa: E402
 
 
 def _has_gpu() -> bool:
@@ -46,14 +51,24 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture
-def fake_device(monkeypatch):
-    """Let the argument checks accept NumPy arrays, to test them on a machine with no GPU.
+@pytest.fixture(scope="session")
+def compile_report():
+    """``compile_report(spec_name=None) -> (reports, errors)``: the offline NVRTC compile check
+    (sm_80 and sm_90) of one spec, or of all, run at most once per spec per test session."""
+    import cupyattn
+    from cupyattn._compile_check import run_check
 
-    Only invalid inputs make sense under this fixture: a valid call would go on to launch.
-    """
-    monkeypatch.setattr(_checks, "is_device_array", lambda x: isinstance(x, np.ndarray))
-    monkeypatch.setattr(_checks, "check_device", lambda fn, name, x: None)
+    done: dict = {}
+
+    def get(spec_name=None):
+        if spec_name is None:
+            parts = [get(s.name) for s in cupyattn.all_specs()]
+            return [r for p in parts for r in p[0]], [e for p in parts for e in p[1]]
+        if spec_name not in done:
+            done[spec_name] = run_check(spec_name)
+        return done[spec_name]
+
+    return get
 
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -61,7 +76,7 @@ TOL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}
 
 
 def np_dtype(name: str):
-    return np.dtype(_checks.BFLOAT16 if name == "bfloat16" else name)
+    return np.dtype(config.BFLOAT16 if name == "bfloat16" else name)
 
 
 def rand_with_outliers(rng, shape, scale=1.0, outliers=3, outlier_value=30.0):

@@ -1,18 +1,19 @@
-"""attention(): CPU tier (tiled reference, tile table, argument checks, compile check) and GPU
-tier (every impl against the float64 reference; also run on the CPU emulator, tests/emu)."""
+"""attention(): CPU tier (tiled reference, instantiations, compile check, host-array rejection)
+and GPU tier (argument checks on device arrays, every impl against the float64 reference; also
+run on the CPU emulator, tests/emu)."""
 import math
-import re
 
 import numpy as np
 import pytest
 
 from conftest import (DTYPES, assert_close, nan_like, np_dtype, rand_with_outliers, to_device,
                       to_host)
-from cupyattn import _loader
-from cupyattn import attention_op as A
+from cupyattn import config
+from cupyattn import flash_attn as FA
 from cupyattn import reference as ref
 
-IMPLS = ("flash", "flash_mma", "naive")
+IMPLS = FA.IMPLS  # ("flash", "flash_mma", "naive")
+ARCHES = ("sm_80", "sm_90")
 # flash_mma is fp16/bf16 only: fp32 cases pair it with float16 instead
 IMPL_DTYPE_F32 = [("flash", "float32"), ("naive", "float32"), ("flash_mma", "float16")]
 
@@ -54,93 +55,113 @@ def test_tiled_reference_matches_attention(rng, bm, bn, causal, hq, hkv, sq, sk)
             assert np.all(got[0] == 0.0)  # a sequence with no keys gives zeros, not NaN
 
 
-# --- CPU: tile table and instantiations -------------------------------------------------------
-def test_tile_table_matches_kernel_file_and_fits_static_smem():
-    text = (_loader.KERNELS_DIR / "flash_attn.cu").read_text()
-    rows = re.findall(r"^//\s+(16|32)b\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+([\d.]+) KB", text, re.M)
-    table = {(int(d), int(bits) // 8): (int(bm), int(bn), int(nw)) for bits, d, bm, bn, nw, _ in rows}
-    assert table == A._TILES
-    for bits, d, bm, bn, nw, kb in rows:
-        d, bm, bn, es = int(d), int(bm), int(bn), int(bits) // 8
-        smem = (bm * d + bn * (d + (1 if es == 4 else 2))) * es + bm * bn * 4
-        assert smem <= 48 * 1024 and abs(smem / 1024 - float(kb)) < 0.06, (d, es, smem)
-        assert bm % int(nw) == 0 and bn % 32 == 0
-    mma = re.findall(r"^//\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+([\d.]+) KB", text, re.M)
-    assert {int(d): (int(bn), int(nw)) for d, _, bn, nw, _ in mma} == A._MMA_TILES
-    for d, bm, bn, nw, kb in mma:
-        smem = (int(bm) + int(bn)) * (int(d) + 8) * 2
-        assert int(bm) == 16 * int(nw) and smem <= 48 * 1024 and abs(smem / 1024 - float(kb)) < 0.06
-    exprs = set(A.FLASH_SPEC.name_expressions)
-    assert len(exprs) == 36 + 24
-    for d in A.SUPPORTED_HEAD_DIMS:
-        for c in (False, True):
-            for ct in ("float", "__half", "__nv_bfloat16"):
-                assert A._flash_expr(ct, d, c) in exprs
-            for ct in ("__half", "__nv_bfloat16"):
-                assert A._mma_expr(ct, d, c) in exprs
+# --- CPU: instantiations and the compile check -------------------------------------------------
+def _config_exprs():
+    """Name expressions of every (impl, dtype, head dim, causal) that config says is built."""
+    return ([FA._expr("flash", dt, d, c) for dt in config.DTYPES for d in config.HEAD_DIMS
+             for c in (False, True)]
+            + [FA._expr("flash_mma", dt, d, c) for dt in config.MMA_DTYPES for d in config.HEAD_DIMS
+               for c in (False, True)])
 
 
-def test_compile_check_flash_attn_no_errors_no_spills():
-    from cupyattn._compile_check import run_check
+def _assert_one_report_per_build(reports, exprs):
+    assert sorted((r.kernel, r.arch) for r in reports) == sorted((e, a) for e in exprs for a in ARCHES)
 
-    reports, errors = run_check("flash_attn")
+
+def test_spec_builds_every_config_instantiation_within_static_smem(compile_report):
+    # every tile the kernels can be asked for exists and has a shape the kernels take
+    assert set(config.FLASH_SIMT_TILES) == {(d, dt.itemsize) for d in config.HEAD_DIMS for dt in config.DTYPES}
+    assert set(config.FLASH_MMA_TILES) == set(config.HEAD_DIMS)
+    for t in config.FLASH_SIMT_TILES.values():
+        assert t.block_m % t.warps == 0 and t.block_n % 32 == 0, t
+    for t in config.FLASH_MMA_TILES.values():
+        assert t.block_m == 16 * t.warps, t  # the mma kernel's block_m; _flash sizes the grid by it
+    want = _config_exprs()
+    assert len(set(want)) == len(want) == 2 * len(config.HEAD_DIMS) * (len(config.DTYPES) + len(config.MMA_DTYPES))
+    assert sorted(FA.SPEC.name_expressions) == sorted(want)
+    reports, errors = compile_report("flash_attn")
     assert not errors, errors
-    assert len(reports) == 2 * len(A.FLASH_SPEC.name_expressions)  # sm_80 and sm_90
-    assert not [f"{r.kernel} sm_{r.arch}" for r in reports if r.spills]
-    assert all(r.smem_bytes <= 48 * 1024 for r in reports)
+    _assert_one_report_per_build(reports, want)
+    over = [(r.kernel, r.arch, r.smem_bytes) for r in reports if r.smem_bytes > config.STATIC_SMEM_BYTES]
+    assert not over, f"static shared memory over {config.STATIC_SMEM_BYTES} B: {over}"
 
 
-# --- CPU: argument checks ---------------------------------------------------------------------
-def _np(shape, dtype=np.float16):
-    return np.zeros(shape, dtype=dtype)
+def test_compile_check_flash_attn_no_errors_no_spills(compile_report):
+    reports, errors = compile_report("flash_attn")
+    assert not errors, errors
+    _assert_one_report_per_build(reports, FA.SPEC.name_expressions)  # sm_80 and sm_90
+    assert not [f"{r.kernel} {r.arch}" for r in reports if r.spills]
+    assert all(r.smem_bytes <= config.STATIC_SMEM_BYTES for r in reports)
 
 
+# --- CPU: host arrays are rejected --------------------------------------------------------------
 def test_rejects_host_arrays():
-    q = _np((1, 2, 4, 64))
+    q = np.zeros((1, 2, 4, 64), dtype=np.float16)
     with pytest.raises(TypeError, match=r"attention\(\): q must be a cupy.ndarray"):
-        A.attention(q, q, q)
+        FA.attention(q, q, q)
 
 
+# --- GPU: argument checks (device arrays; nothing is launched) -------------------------------------
+class _Dev:
+    """A device array made when the test runs, not at collection (where there may be no device):
+    zeros of ``shape`` and ``dtype``, then ``view`` (a strided or transposed view) applied."""
+
+    def __init__(self, shape, dtype=np.float16, view=None):
+        self.shape, self.dtype, self.view = shape, dtype, view
+
+    def make(self):
+        import cupy
+
+        x = cupy.zeros(self.shape, dtype=self.dtype)
+        return x if self.view is None else self.view(x)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("change,exc,pattern", [
     (dict(impl="fast"), ValueError, r"impl='fast'"),
-    (dict(q=_np((1, 2, 4, 64), np.float32), k=_np((1, 2, 5, 64), np.float32), v=_np((1, 2, 5, 64), np.float32),
+    (dict(q=_Dev((1, 2, 4, 64), np.float32), k=_Dev((1, 2, 5, 64), np.float32), v=_Dev((1, 2, 5, 64), np.float32),
           impl="flash_mma"), TypeError, r"impl='flash_mma' needs float16 or bfloat16"),
-    (dict(q=_np((1, 2, 4, 40)), k=_np((1, 2, 5, 40)), v=_np((1, 2, 5, 40)), impl="flash_mma"), ValueError,
+    (dict(q=_Dev((1, 2, 4, 40)), k=_Dev((1, 2, 5, 40)), v=_Dev((1, 2, 5, 40)), impl="flash_mma"), ValueError,
      r"D=40 is not supported by impl='flash_mma'"),
-    (dict(q=_np((2, 4, 64))), ValueError, r"q must have 4 dimensions"),
-    (dict(k=_np((1, 2, 5, 64), np.float32)), TypeError, r"k has dtype float32 but q has float16"),
-    (dict(q=_np((1, 2, 4, 64), np.int32)), TypeError, r"q has dtype int32"),
-    (dict(k=_np((2, 2, 5, 64))), ValueError, r"k has shape \(2, 2, 5, 64\)"),
-    (dict(k=_np((1, 2, 5, 32))), ValueError, r"k has shape"),
-    (dict(v=_np((1, 2, 6, 64))), ValueError, r"v has shape \(1, 2, 6, 64\) but k"),
-    (dict(k=_np((1, 3, 5, 64)), v=_np((1, 3, 5, 64))), ValueError, r"Hq=2 .* Hkv=3"),
-    (dict(q=_np((1, 2, 4, 48)), k=_np((1, 2, 5, 48)), v=_np((1, 2, 5, 48))), ValueError,
+    (dict(q=_Dev((2, 4, 64))), ValueError, r"q must have 4 dimensions"),
+    (dict(k=_Dev((1, 2, 5, 64), np.float32)), TypeError, r"k has dtype float32 but q has float16"),
+    (dict(q=_Dev((1, 2, 4, 64), np.int32)), TypeError, r"q has dtype int32"),
+    (dict(k=_Dev((2, 2, 5, 64))), ValueError, r"k has shape \(2, 2, 5, 64\)"),
+    (dict(k=_Dev((1, 2, 5, 32))), ValueError, r"k has shape"),
+    (dict(v=_Dev((1, 2, 6, 64))), ValueError, r"v has shape \(1, 2, 6, 64\) but k"),
+    (dict(k=_Dev((1, 3, 5, 64)), v=_Dev((1, 3, 5, 64))), ValueError, r"Hq=2 .* Hkv=3"),
+    (dict(q=_Dev((1, 2, 4, 48)), k=_Dev((1, 2, 5, 48)), v=_Dev((1, 2, 5, 48))), ValueError,
      r"head_dim D=48 .* 32, 64, 80, 96, 128, 256"),
-    (dict(q=_np((1, 2, 4, 128))[..., ::2]), ValueError, r"q must be contiguous in its last"),
+    (dict(q=_Dev((1, 2, 4, 128), view=lambda x: x[..., ::2])), ValueError, r"q must be contiguous in its last"),
     (dict(scale=float("nan")), ValueError, r"scale must be finite"),
     (dict(scale="x"), TypeError, r"scale must be a real number"),
-    (dict(mask=_np((4, 6), np.float32)), ValueError, r"mask of shape \(4, 6\) does not broadcast"),
-    (dict(mask=_np((1, 1, 1, 4, 5), np.float32)), ValueError, r"mask must have at most 4"),
-    (dict(mask=_np((4, 5), np.int32)), TypeError, r"mask has dtype int32"),
+    (dict(mask=_Dev((4, 6), np.float32)), ValueError, r"mask of shape \(4, 6\) does not broadcast"),
+    (dict(mask=_Dev((1, 1, 1, 4, 5), np.float32)), ValueError, r"mask must have at most 4"),
+    (dict(mask=_Dev((4, 5), np.int32)), TypeError, r"mask has dtype int32"),
     (dict(key_lengths=[5, 5]), ValueError, r"key_lengths must have shape \[B\] = \(1,\)"),
     (dict(key_lengths=[6]), ValueError, r"key_lengths values must lie in \[0, Sk=5\]"),
     (dict(key_lengths=[-1]), ValueError, r"key_lengths values must lie in"),
     (dict(key_lengths=[2.5]), TypeError, r"key_lengths must have an integer dtype"),
-    (dict(out=_np((1, 2, 4, 32))), ValueError, r"out has shape"),
-    (dict(out=_np((1, 2, 4, 64), np.float32)), TypeError, r"out has dtype float32"),
-    (dict(out=_np((1, 4, 2, 64)).transpose(0, 2, 1, 3)), ValueError, r"out must be C-contiguous"),
+    (dict(out=_Dev((1, 2, 4, 32))), ValueError, r"out has shape"),
+    (dict(out=_Dev((1, 2, 4, 64), np.float32)), TypeError, r"out has dtype float32"),
+    (dict(out=_Dev((1, 4, 2, 64), view=lambda x: x.transpose(0, 2, 1, 3))), ValueError, r"out must be C-contiguous"),
 ])
-def test_argument_checks(fake_device, change, exc, pattern):
-    kw = dict(q=_np((1, 2, 4, 64)), k=_np((1, 2, 5, 64)), v=_np((1, 2, 5, 64)))
+def test_argument_checks(change, exc, pattern):
+    kw = dict(q=_Dev((1, 2, 4, 64)), k=_Dev((1, 2, 5, 64)), v=_Dev((1, 2, 5, 64)))
     kw.update(change)
+    kw = {name: x.make() if isinstance(x, _Dev) else x for name, x in kw.items()}
     with pytest.raises(exc, match=pattern) as e:
-        A.attention(**kw)
+        FA.attention(**kw)
     assert str(e.value).startswith("attention(): ")
 
 
-def test_naive_accepts_any_head_dim_in_checks(fake_device):
-    q = _np((1, 2, 4, 48))
-    scale, mshape, kl = A._check_args(q, q, q, None, None, None, "naive", None)
+@pytest.mark.gpu
+def test_naive_accepts_any_head_dim_in_checks():
+    import cupy
+
+    q = cupy.zeros((1, 2, 4, 48), dtype=cupy.float16)
+    impl, scale, mshape, kl = FA._check_args(q, q, q, None, None, None, "naive", None)
+    assert impl == "naive"
     assert scale == pytest.approx(1 / math.sqrt(48)) and mshape is None and kl is None
 
 
@@ -156,7 +177,7 @@ def _run(rng, dtype, b, hq, hkv, sq, sk, d, impl, causal=False, mask=None, key_l
         q, k, v = (cupy.ascontiguousarray(x.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3) for x in (q, k, v))
     out = nan_like((b, hq, sq, d), dtype)
     mask_h = None if mask is None else to_host(mask)
-    res = A.attention(q, k, v, causal=causal, scale=scale, mask=mask, key_lengths=key_lengths,
+    res = FA.attention(q, k, v, causal=causal, scale=scale, mask=mask, key_lengths=key_lengths,
                       impl=impl, return_lse=return_lse, out=out)
     want = ref.attention(qr, kr, vr, causal=causal, scale=scale, mask=mask_h,
                          key_lengths=None if key_lengths is None else to_host(cupy.asarray(key_lengths)),
@@ -173,7 +194,7 @@ def _run(rng, dtype, b, hq, hkv, sq, sk, d, impl, causal=False, mask=None, key_l
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("d", A.SUPPORTED_HEAD_DIMS)
+@pytest.mark.parametrize("d", config.HEAD_DIMS)
 @pytest.mark.parametrize("impl,dtype", [("flash", dt) for dt in DTYPES]
                          + [("flash_mma", "float16"), ("flash_mma", "bfloat16")])
 def test_gpu_flash_every_head_dim_and_dtype(rng, impl, dtype, d, causal):
@@ -267,11 +288,11 @@ def test_gpu_empty_and_default_out(impl):
     import cupy
 
     q = cupy.zeros((0, 2, 5, 64), dtype=cupy.float16)
-    o, lse = A.attention(q, q, q, impl=impl, return_lse=True)
+    o, lse = FA.attention(q, q, q, impl=impl, return_lse=True)
     assert o.shape == (0, 2, 5, 64) and lse.shape == (0, 2, 5)
     q = cupy.ones((1, 2, 5, 64), dtype=cupy.float16)
     k = cupy.ones((1, 2, 0, 64), dtype=cupy.float16)
-    o, lse = A.attention(q, k, k, impl=impl, return_lse=True)  # no keys at all: zeros, -inf
+    o, lse = FA.attention(q, k, k, impl=impl, return_lse=True)  # no keys at all: zeros, -inf
     assert float(cupy.abs(o).max()) == 0.0 and bool(cupy.all(lse == -cupy.inf))
 
 
@@ -290,7 +311,7 @@ def test_gpu_flash_memory_is_linear_in_sequence_length(impl):
     cupy.cuda.Device().synchronize()
     pool.free_all_blocks()
     before = pool.total_bytes()
-    out = A.attention(q, k, v, causal=True, impl=impl)
+    out = FA.attention(q, k, v, causal=True, impl=impl)
     cupy.cuda.Device().synchronize()
     grown = pool.total_bytes() - before
     assert grown <= out.nbytes + (1 << 20), f"flash grew the pool by {grown} bytes"

@@ -11,7 +11,6 @@ import json
 import math
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import numpy as np
@@ -375,111 +374,47 @@ def test_neox_row_order_turns_adjacent_rope_into_neox():
     assert sorted(hf_peer.neox_row_order(3, 4)) == list(range(12))
 
 
-# --- NumPy stand-in for CuPy -------------------------------------------------------------------
-def _numpy_as_cupy():
-    """A module that looks like CuPy to the benchmarks' array code but is NumPy."""
-    import time as _time
+# --- GPU tier (also on the CPU emulator, whose tests/emu/fakecupy is the one CuPy stand-in) ---
+def _no_ceilings_on_the_emulator(monkeypatch):
+    """The emulator runs kernels on the CPU: skip the GB-sized ceiling measurements there."""
+    import conftest
 
-    class Event:
-        def record(self, stream=None):
-            self.t = _time.perf_counter()
-
-        def synchronize(self):
-            pass
-
-    class Stream:
-        ptr = 0
-
-        def synchronize(self):
-            pass
-
-    class Pool:
-        def used_bytes(self):
-            return 0
-
-        def malloc(self, n):
-            raise AssertionError("not used")
-
-        def free_all_blocks(self):
-            pass
-
-    rng = np.random.default_rng(0)
-    pool = Pool()
-    fake = types.ModuleType("cupy")
-    for name in dir(np):
-        if not name.startswith("__"):
-            setattr(fake, name, getattr(np, name))
-    fake.__version__ = "0-fake"
-    fake.random = types.SimpleNamespace(
-        standard_normal=lambda shape, dtype=np.float64: rng.standard_normal(shape).astype(dtype),
-        seed=lambda s=None: None)
-    fake.get_default_memory_pool = lambda: pool
-    fake.asnumpy = np.asarray
-    fake.get_array_module = lambda *a: np
-    fake.cuda = types.SimpleNamespace(
-        runtime=types.SimpleNamespace(
-            getDeviceCount=lambda: 1, driverGetVersion=lambda: 12040, runtimeGetVersion=lambda: 12080,
-            getDeviceProperties=lambda i: {"name": b"Fake GPU", "multiProcessorCount": 4,
-                                           "l2CacheSize": 1 << 16, "totalGlobalMem": 1 << 30}),
-        nvrtc=types.SimpleNamespace(getVersion=lambda: (12, 9)),
-        Device=lambda i=0: types.SimpleNamespace(id=0, compute_capability="90",
-                                                 attributes={"L2CacheSize": 1 << 16}),
-        get_current_stream=lambda: Stream(), Event=Event,
-        get_elapsed_time=lambda s, e: (e.t - s.t) * 1e3,
-        get_allocator=lambda: None, set_allocator=lambda f: None)
-    return fake
+    if conftest.EMULATE:
+        monkeypatch.setattr(timing, "measure_ceilings", lambda **kw: {"copy_gbps": 1.0, "gemm_tflops": 1.0})
 
 
-def _install_fake_cupy():
-    """Make ``import cupy`` give the stand-in in this (sub)process, and let our ops accept it."""
-    sys.modules["cupy"] = _numpy_as_cupy()
-    from cupyattn import _checks  # let our ops' argument checks take the stand-in arrays
+def _device_name() -> str:
+    import cupy
 
-    _checks.is_device_array = lambda x: isinstance(x, np.ndarray)
-    _checks.check_device = lambda fn, name, x: None
-    from cupyattn import kvcache
-
-    def append(self, layer, k_new, v_new, num_new=None):  # host stand-in for the append kernel
-        t = k_new.shape[2]
-        for b in range(self.batch):
-            at = int(self.host_lengths[layer, b])
-            self.k[layer, b, :, at:at + t] = k_new[b]
-            self.v[layer, b, :, at:at + t] = v_new[b]
-        self.host_lengths[layer] += t
-        self.lengths[layer] = self.host_lengths[layer]
-
-    kvcache.KVCache.append = append
-    import benchmarks.timing as t
-
-    t.measure_ceilings = lambda **kw: {"copy_gbps": 100.0, "gemm_tflops": 10.0}
+    name = cupy.cuda.runtime.getDeviceProperties(0)["name"]
+    return name.decode() if isinstance(name, bytes) else name
 
 
-@pytest.fixture
-def np_cupy(monkeypatch):
-    fake = _numpy_as_cupy()
-    monkeypatch.setitem(sys.modules, "cupy", fake)
-    return fake
+@pytest.mark.gpu
+def test_bfloat16_helpers_round_to_nearest_even():
+    import cupy
 
-
-def test_bfloat16_helpers_round_to_nearest_even(np_cupy):
     from benchmarks import arrays
-    from cupyattn._checks import BFLOAT16
+    from cupyattn import bfloat16
 
     rng = np.random.default_rng(1)
     x = np.concatenate([rng.standard_normal(1000) * 10.0 ** rng.integers(-3, 4, 1000),
                         [1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8, -2.5, 0.0]]).astype(np.float32)
-    got = arrays.from_f32(x, "bfloat16")
-    assert got.dtype == BFLOAT16
-    np.testing.assert_array_equal(got.view(np.uint16), x.astype(BFLOAT16).view(np.uint16))
-    np.testing.assert_array_equal(arrays.to_f64(got), x.astype(BFLOAT16).astype(np.float64))
+    got = arrays.from_f32(cupy.asarray(x), "bfloat16")
+    assert got.dtype == bfloat16
+    np.testing.assert_array_equal(cupy.asnumpy(got).view(np.uint16), x.astype(bfloat16).view(np.uint16))
+    np.testing.assert_array_equal(cupy.asnumpy(arrays.to_f64(got)), x.astype(bfloat16).astype(np.float64))
     assert arrays.to_f32(got).dtype == np.float32
-    assert arrays.from_f32(x, "float16").dtype == np.float16
+    assert arrays.from_f32(cupy.asarray(x), "float16").dtype == np.float16
     r = arrays.rand((3, 4), "bfloat16")
-    assert r.shape == (3, 4) and np.all(arrays.to_f64(r) != 0)
+    assert r.shape == (3, 4) and np.all(cupy.asnumpy(arrays.to_f64(r)) != 0)
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("sq,sk,causal", [(5, 5, True), (3, 9, True), (9, 3, True), (7, 11, False)])
-def test_naive_cupy_peer_and_chunked_reference_match_float64(np_cupy, sq, sk, causal):
+def test_naive_cupy_peer_and_chunked_reference_match_float64(sq, sk, causal):
+    import cupy
+
     from benchmarks import cases
     from cupyattn import reference
 
@@ -488,84 +423,90 @@ def test_naive_cupy_peer_and_chunked_reference_match_float64(np_cupy, sq, sk, ca
     k = rng.standard_normal((2, 2, sk, 16)).astype(np.float32)
     v = rng.standard_normal((2, 2, sk, 16)).astype(np.float32)
     want = reference.attention(q, k, v, causal=causal)
-    got = cases.ref_attention(q, k, v, causal, chunk_bytes=256)  # forces row chunks
-    np.testing.assert_allclose(got, want, atol=1e-12)
-    peer = peers.cupy_naive_attention(q, k, v, causal)
-    assert peer.dtype == np.float32 and not np.isnan(peer).any()
-    np.testing.assert_allclose(peer, want, atol=1e-5)
-    mx, rel = cases.errors(peer, want)
+    qd, kd, vd = map(cupy.asarray, (q, k, v))
+    got = cases.ref_attention(qd, kd, vd, causal, chunk_bytes=256)  # forces row chunks
+    np.testing.assert_allclose(cupy.asnumpy(got), want, atol=1e-12)
+    peer = peers.cupy_naive_attention(qd, kd, vd, causal)
+    assert peer.dtype == np.float32 and not np.isnan(cupy.asnumpy(peer)).any()
+    np.testing.assert_allclose(cupy.asnumpy(peer), want, atol=1e-5)
+    mx, rel = cases.errors(peer, cupy.asarray(want))
     assert mx < 1e-5 and rel < 1e-5
 
 
-def test_softmax_peer_and_errors(np_cupy):
+@pytest.mark.gpu
+def test_softmax_peer_and_errors():
+    import cupy
+
     from benchmarks import cases
     from cupyattn import reference
 
     x = np.random.default_rng(2).standard_normal((7, 33)).astype(np.float16) * 4
-    out = peers.cupy_softmax(x)
+    out = peers.cupy_softmax(cupy.asarray(x))
     assert out.dtype == np.float16
-    mx, rel = cases.errors(out, reference.softmax(x))
+    want = cupy.asarray(reference.softmax(x))
+    mx, rel = cases.errors(out, want)
     assert rel < 2e-3
     bad = out.copy()
     bad[0, 0] = np.nan
-    assert math.isnan(cases.errors(bad, reference.softmax(x))[1])
+    assert math.isnan(cases.errors(bad, want)[1])
 
 
-def _fake_run(tmp_path, *argv):
-    code = ("import sys; sys.path[:0] = [%r, %r]; import test_benchmarks as t; "
-            "t._install_fake_cupy(); from benchmarks.__main__ import main; "
-            "sys.exit(main(%r))" % (str(ROOT / "tests"), str(ROOT), list(argv)))
-    return subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=600)
-
-
-def test_cli_end_to_end_on_fake_cupy(tmp_path):
+@pytest.mark.gpu
+def test_cli_end_to_end_small_attention(tmp_path, monkeypatch, capsys):
+    _no_ceilings_on_the_emulator(monkeypatch)
     out = tmp_path / "run.json"
-    r = _fake_run(tmp_path, "attention", "--B", "1", "--H", "4", "--Hkv", "2", "--Sq", "33",
-                  "--D", "32", "--causal", "--reps", "3", "--warmup", "1", "--json", str(out),
-                  "--csv", str(tmp_path / "run.csv"), "--record", "--results-dir", str(tmp_path / "res"))
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "Traceback" not in r.stderr
+    rc = main(["attention", "--B", "1", "--H", "4", "--Hkv", "2", "--Sq", "33", "--D", "32", "--causal",
+               "--reps", "3", "--warmup", "1", "--no-progress", "--json", str(out),
+               "--csv", str(tmp_path / "run.csv"), "--record", "--results-dir", str(tmp_path / "res")])
+    stdout, stderr = capsys.readouterr()
+    assert rc == 0, stderr[-3000:]
+    assert "Traceback" not in stderr
     run = report.read_json(out)
-    assert run["meta"]["gpu"] == "Fake GPU" and len(run["meta"]["kernels_sha256"]) == 64
+    assert run["meta"]["gpu"] == _device_name() and len(run["meta"]["kernels_sha256"]) == 64
     by = {x["impl"]: x for x in run["records"]}
-    assert by["cupy-naive"]["status"] == "ok", by["cupy-naive"]
-    assert by["cupy-naive"]["rel_err"] < 1e-2 and by["cupy-naive"]["median_ms"] > 0
-    assert {"flash", "naive"} <= set(by)  # ours: a record each, whatever their status here
+    for impl in ("cupy-naive", "flash", "flash_mma", "naive"):  # ours run on the device (or emulator)
+        assert by[impl]["status"] == "ok", by[impl]
+        assert by[impl]["rel_err"] < 1e-2 and by[impl]["median_ms"] > 0
     if "torch-sdpa" in by:
         assert by["torch-sdpa"]["status"] == "ok" and by["torch-sdpa"]["rel_err"] < 1e-2
-    recorded = list((tmp_path / "res").glob("*-fake-gpu.json"))
+    recorded = list((tmp_path / "res").glob("*.json"))
     assert len(recorded) == 1 and report.read_json(recorded[0])["records"] == run["records"]
     assert len(report.read_csv(tmp_path / "run.csv")) == len(run["records"])
-    assert "cupy-naive" in r.stdout
+    assert "cupy-naive" in stdout
 
 
-def test_cli_gemm_softmax_sweep_on_fake_cupy(tmp_path):
-    r = _fake_run(tmp_path, "gemm", "--M", "16", "--N", "24", "--K", "40", "--dtype", "float32",
-                  "--reps", "2", "--warmup", "1", "--json", str(tmp_path / "g.json"))
-    assert r.returncode == 0, r.stderr[-3000:]
+@pytest.mark.gpu
+def test_cli_gemm_softmax_sweep_small(tmp_path, monkeypatch, capsys):
+    _no_ceilings_on_the_emulator(monkeypatch)
+    rc = main(["gemm", "--M", "16", "--N", "24", "--K", "40", "--dtype", "float32", "--no-progress",
+               "--reps", "2", "--warmup", "1", "--json", str(tmp_path / "g.json")])
+    assert rc == 0, capsys.readouterr().err[-3000:]
     by = {x["impl"]: x for x in report.read_json(tmp_path / "g.json")["records"]}
     assert by["cublas"]["status"] == "ok" and by["cublas"]["rel_err"] < 1e-5
-    if "torch-matmul" in by:  # torch on CPU behind the stand-in
+    assert by["ours"]["status"] == "ok" and by["ours"]["rel_err"] < 1e-5
+    if "torch-matmul" in by:
         assert by["torch-matmul"]["status"] == "ok" and by["torch-matmul"]["rel_err"] < 1e-5
-    assert "cublas-tf32" in by  # skipped on the stand-in (no cuBLAS switch), but recorded
-    r = _fake_run(tmp_path, "softmax", "--rows", "5", "--cols", "37", "--dtype", "bfloat16",
-                  "--impl", "ours,cupy-ops",
-                  "--reps", "2", "--warmup", "1", "--json", str(tmp_path / "s.json"),
-                  "--plot", str(tmp_path / "p.png"))
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert "cublas-tf32" in by  # recorded: run on a GPU, skipped (no cuBLAS switch) on the emulator
+    rc = main(["softmax", "--rows", "5", "--cols", "37", "--dtype", "bfloat16", "--impl", "ours,cupy-ops",
+               "--reps", "2", "--warmup", "1", "--no-progress", "--json", str(tmp_path / "s.json"),
+               "--plot", str(tmp_path / "p.png")])
+    err = capsys.readouterr().err
+    assert rc == 0, err[-3000:]
     by = {x["impl"]: x for x in report.read_json(tmp_path / "s.json")["records"]}
     assert by["cupy-ops"]["status"] == "ok" and by["cupy-ops"]["rel_err"] < 1e-2
-    assert "--plot: no sweep" in r.stderr
+    assert by["ours"]["status"] == "ok" and by["ours"]["rel_err"] < 1e-2
+    assert "--plot: no sweep" in err
 
 
-def test_cli_model_on_fake_cupy(tmp_path):
+@pytest.mark.gpu
+def test_cli_model_small(tmp_path, monkeypatch, capsys):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    r = _fake_run(tmp_path, "model", "--model", "tiny", "--new-tokens", "5", "--prompt-len", "7",
-                  "--model-backend", "numpy", "--hf-device", "cpu", "--model-dtype", "float32",
-                  "--model-reps", "1", "--json", str(tmp_path / "m.json"))
-    assert r.returncode == 0, r.stderr[-3000:]
+    _no_ceilings_on_the_emulator(monkeypatch)
+    rc = main(["model", "--model", "tiny", "--new-tokens", "5", "--prompt-len", "7",
+               "--model-backend", "numpy", "--hf-device", "cpu", "--model-dtype", "float32",
+               "--model-reps", "1", "--no-progress", "--json", str(tmp_path / "m.json")])
+    assert rc == 0, capsys.readouterr().err[-3000:]
     by = {x["impl"]: x for x in report.read_json(tmp_path / "m.json")["records"]}
     ours, hf = by["tinylm"], by["hf-transformers"]
     assert ours["status"] == "ok" and hf["status"] == "ok", (ours, hf)
@@ -610,31 +551,6 @@ def test_gpu_run_script_is_valid_bash_and_runs_everything():
 
 
 # --- GPU tier: the CLI end to end on small cases (also runs under CUPYATTN_EMULATE=1) ----------
-def _emulator_timing(monkeypatch):
-    """The CPU emulator (tests/emu) has no events, allocator hooks or device properties."""
-    import time as _time
-
-    import cupy
-
-    class Event:
-        def record(self, stream=None):
-            self.t = _time.perf_counter()
-
-        def synchronize(self):
-            pass
-
-    for name, value in (("Event", Event), ("get_elapsed_time", lambda s, e: (e.t - s.t) * 1e3),
-                        ("get_allocator", lambda: None), ("set_allocator", lambda f: None)):
-        monkeypatch.setattr(cupy.cuda, name, value, raising=False)
-    monkeypatch.setattr(cupy.cuda, "nvrtc", types.SimpleNamespace(getVersion=lambda: (0, 0)), raising=False)
-    rt = cupy.cuda.runtime
-    for name, value in (("getDeviceCount", lambda: 1), ("driverGetVersion", lambda: 0),
-                        ("runtimeGetVersion", lambda: 0),
-                        ("getDeviceProperties", lambda i: {"name": b"CPU emulator"})):
-        monkeypatch.setattr(rt, name, value, raising=False)
-    monkeypatch.setattr(timing, "measure_ceilings", lambda **kw: {"copy_gbps": 1.0, "gemm_tflops": 1.0})
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("argv", [
     ["gemm", "--M", "64", "--N", "48", "--K", "40"],
@@ -646,10 +562,7 @@ def _emulator_timing(monkeypatch):
                  marks=pytest.mark.no_emu),
 ], ids=lambda a: a[0])
 def test_cli_smoke_on_device(argv, tmp_path, monkeypatch):
-    import conftest
-
-    if conftest.EMULATE:
-        _emulator_timing(monkeypatch)
+    _no_ceilings_on_the_emulator(monkeypatch)
     out = tmp_path / "run.json"
     assert main(argv + ["--reps", "3", "--warmup", "1", "--no-progress", "--json", str(out)]) == 0
     recs = report.read_json(out)["records"]

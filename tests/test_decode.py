@@ -1,10 +1,11 @@
 """KV cache + decode attention (split-KV).
 
-CPU tier: reference split/merge identities, the split-count rule, argument checks (fake_device,
-NumPy-backed cache), the offline compile check.
+CPU tier: reference split/merge identities, the split-count rule, the offline compile check of
+the decode and kvcache specs.
 
-GPU tier (`gpu` marker): append and decode against the float64 reference, plus long caches; all
-but the longest also run on the CPU emulator (tests/emu).
+GPU tier (`gpu` marker): argument checks on a real KVCache and device arrays, append and decode
+against the float64 reference, plus long caches; all but the longest also run on the CPU
+emulator (tests/emu).
 """
 from __future__ import annotations
 
@@ -12,10 +13,10 @@ import numpy as np
 import pytest
 
 from conftest import TOL, assert_close, np_dtype, rand_with_outliers
-from cupyattn import decode, kvcache
+from cupyattn import config, decode, kvcache
 from cupyattn import reference as ref
 from cupyattn.decode import choose_num_splits, decode_attention
-from cupyattn.kvcache import DECODE_SPEC, KVCache
+from cupyattn.kvcache import KVCache
 
 DTYPES = ("float32", "float16", "bfloat16")
 
@@ -66,39 +67,38 @@ def test_choose_num_splits_rule():
     # long: enough blocks for ~2 waves of SMs (batch * kv_heads * splits >= 2 * sm)
     s = choose_num_splits(1, 8, 32768, sm)
     assert 8 * s >= 2 * sm and 8 * (s - 1) < 2 * sm
-    assert choose_num_splits(1, 1, 10**6, sm) == decode.MAX_AUTO_SPLITS  # capped
+    assert choose_num_splits(1, 1, 10**6, sm) == config.DECODE_MAX_AUTO_SPLITS  # capped
     assert choose_num_splits(64, 32, 10**6, sm) == 1          # the batch already fills the GPU
     for batch, heads, length, sms in [(1, 1, 1, 1), (3, 5, 999, 7), (2, 8, 4096, 132), (1, 2, 10**7, 200)]:
         n = choose_num_splits(batch, heads, length, sms)
-        assert 1 <= n <= decode.MAX_AUTO_SPLITS
-        assert n == 1 or length // n >= decode.MIN_KEYS_PER_SPLIT
+        assert 1 <= n <= config.DECODE_MAX_AUTO_SPLITS
+        assert n == 1 or length // n >= config.DECODE_MIN_KEYS_PER_SPLIT
     # monotone in the live length, never in max_seq (which it does not take)
     seq = [choose_num_splits(2, 4, n, 108) for n in range(0, 40000, 777)]
     assert seq == sorted(seq)
 
 
-def test_auto_splits_follow_live_length_not_max_seq(fake_device, numpy_cache, monkeypatch):
+@pytest.mark.gpu
+def test_auto_splits_follow_live_length_not_max_seq(monkeypatch):
+    import cupy
+
     seen = []
     monkeypatch.setattr(decode, "_sm_count", lambda: 132)
     monkeypatch.setattr(decode, "_launch", lambda q, cache, layer, scale, n, out: seen.append(n))
     for max_seq in (4096, 65536):
         cache = KVCache(1, 1, 2, max_seq, 64, np.float16)
-        cache.host_lengths[0] = 3000
-        decode_attention(np.zeros((1, 4, 1, 64), np.float16), cache, 0)
+        cache.host_lengths[0] = 3000  # the host mirror is all the split rule reads
+        decode_attention(cupy.zeros((1, 4, 1, 64), dtype=cupy.float16), cache, 0)
     assert seen[0] == seen[1] == choose_num_splits(1, 2, 3000, 132)
 
 
-# --- CPU tier: argument checks --------------------------------------------------------------
-@pytest.fixture
-def numpy_cache(monkeypatch):
-    """KVCache allocations go to NumPy (with fake_device the checks accept NumPy arrays)."""
-    monkeypatch.setattr(kvcache, "_zeros", lambda shape, dtype: np.zeros(shape, dtype))
-    monkeypatch.setattr(kvcache, "_to_device", np.asarray)
-    monkeypatch.setattr(decode, "_empty", lambda shape, dtype: np.empty(shape, dtype))
+# --- GPU tier: argument checks (a real KVCache; a failing call launches nothing) --------------
+@pytest.mark.gpu
+def test_kvcache_constructor_checks():
+    import cupy
 
-
-def test_kvcache_constructor_checks(numpy_cache):
     c = KVCache(2, 3, 4, 16, 8, np.float32)
+    assert isinstance(c.k, cupy.ndarray) and isinstance(c.lengths, cupy.ndarray)
     assert c.k.shape == c.v.shape == (2, 3, 4, 16, 8) and c.k.flags.c_contiguous
     assert c.lengths.dtype == np.int32 and c.lengths.shape == (2, 3)
     assert c.host_lengths.dtype == np.int64 and not c.host_lengths.any()
@@ -110,18 +110,21 @@ def test_kvcache_constructor_checks(numpy_cache):
         KVCache(0, 1, 1, 8, 8, np.float32)
 
 
-def test_append_checks_write_nothing(fake_device, numpy_cache):
+@pytest.mark.gpu
+def test_append_checks_write_nothing():
+    import cupy
+
     c = KVCache(2, 2, 2, 8, 32, np.float16)
     c.host_lengths[1] = [6, 3]
-    c.lengths[1] = [6, 3]
-    k = np.ones((2, 2, 3, 32), np.float16)
-    nc = np.ones((2, 2, 3, 64), np.float16)[..., ::2]  # right shape, last dim strided
-    before = (c.k.copy(), c.v.copy(), c.lengths.copy(), c.host_lengths.copy())
+    c.lengths[1] = cupy.asarray([6, 3], dtype=cupy.int32)
+    k = cupy.ones((2, 2, 3, 32), dtype=cupy.float16)
+    nc = cupy.ones((2, 2, 3, 64), dtype=cupy.float16)[..., ::2]  # right shape, last dim strided
+    before = (cupy.asnumpy(c.k), cupy.asnumpy(c.v), cupy.asnumpy(c.lengths), c.host_lengths.copy())
     cases = [
         (dict(layer=2), IndexError, "layer 2 is out of range"),
         (dict(layer=-1), IndexError, "out of range"),
         (dict(layer=1.0), TypeError, "layer must be an int"),
-        (dict(k_new=k.astype(np.float32)), TypeError, "k_new has dtype float32"),
+        (dict(k_new=k.astype(cupy.float32)), TypeError, "k_new has dtype float32"),
         (dict(v_new=k[:1]), ValueError, "v_new has shape"),
         (dict(k_new=k[:, :1], v_new=k[:, :1]), ValueError, "k_new has shape"),
         (dict(k_new=k[..., :16], v_new=k[..., :16]), ValueError, "head_dim=32"),
@@ -138,29 +141,34 @@ def test_append_checks_write_nothing(fake_device, numpy_cache):
         args = dict(layer=1, k_new=k, v_new=k, num_new=None) | kw
         with pytest.raises(exc, match=msg):
             c.append(**args)
-    for a, b in zip(before, (c.k, c.v, c.lengths, c.host_lengths)):
+    after = (cupy.asnumpy(c.k), cupy.asnumpy(c.v), cupy.asnumpy(c.lengths), c.host_lengths)
+    for a, b in zip(before, after):
         np.testing.assert_array_equal(a, b)
 
 
-def test_decode_checks(fake_device, numpy_cache):
+@pytest.mark.gpu
+def test_decode_checks():
+    import cupy
+
     c = KVCache(2, 2, 2, 8, 64, np.float16)
-    q = np.zeros((2, 6, 1, 64), np.float16)
+    q = cupy.zeros((2, 6, 1, 64), dtype=cupy.float16)
+    f16, f32 = cupy.float16, cupy.float32
     cases = [
         (dict(cache="cache"), TypeError, "must be a cupyattn.KVCache"),
         (dict(layer=5), IndexError, "layer 5"),
-        (dict(q=q.astype(np.float32)), TypeError, "q has dtype float32 but the cache has float16"),
+        (dict(q=q.astype(f32)), TypeError, "q has dtype float32 but the cache has float16"),
         (dict(q=q[:1]), ValueError, "batch=2"),
-        (dict(q=np.zeros((2, 6, 2, 64), np.float16)), ValueError, "q has shape"),
-        (dict(q=np.zeros((2, 6, 1, 32), np.float16)), ValueError, "head_dim=64"),
-        (dict(q=np.zeros((2, 5, 1, 64), np.float16)), ValueError, "not a multiple"),
-        (dict(q=np.zeros((2, 6, 1, 128), np.float16)[..., ::2]), ValueError, "contiguous"),
+        (dict(q=cupy.zeros((2, 6, 2, 64), dtype=f16)), ValueError, "q has shape"),
+        (dict(q=cupy.zeros((2, 6, 1, 32), dtype=f16)), ValueError, "head_dim=64"),
+        (dict(q=cupy.zeros((2, 5, 1, 64), dtype=f16)), ValueError, "not a multiple"),
+        (dict(q=cupy.zeros((2, 6, 1, 128), dtype=f16)[..., ::2]), ValueError, "contiguous"),
         (dict(num_splits=0), ValueError, "num_splits"),
         (dict(num_splits=257), ValueError, "num_splits"),
         (dict(num_splits=2.0), ValueError, "num_splits"),
         (dict(scale=float("nan")), ValueError, "scale"),
-        (dict(out=np.zeros((2, 6, 1, 64), np.float32)), TypeError, "out has dtype"),
-        (dict(out=np.zeros((2, 6, 64), np.float16)), ValueError, "out has shape"),
-        (dict(out=np.zeros((2, 6, 1, 128), np.float16)[..., ::2]), ValueError, "C-contiguous"),
+        (dict(out=cupy.zeros((2, 6, 1, 64), dtype=f32)), TypeError, "out has dtype"),
+        (dict(out=cupy.zeros((2, 6, 64), dtype=f16)), ValueError, "out has shape"),
+        (dict(out=cupy.zeros((2, 6, 1, 128), dtype=f16)[..., ::2]), ValueError, "C-contiguous"),
     ]
     for kw, exc, msg in cases:
         args = dict(q=q, cache=c, layer=1) | kw
@@ -168,25 +176,19 @@ def test_decode_checks(fake_device, numpy_cache):
             decode_attention(**args)
     c96 = KVCache(1, 1, 1, 8, 48, np.float32)
     with pytest.raises(ValueError, match="head_dim 48 is not supported"):
-        decode_attention(np.zeros((1, 1, 1, 48), np.float32), c96, 0)
-
-
-def test_supported_head_dims_match_attention():
-    from cupyattn.attention_op import SUPPORTED_HEAD_DIMS
-
-    assert decode.SUPPORTED_HEAD_DIMS == tuple(SUPPORTED_HEAD_DIMS) == kvcache._HEAD_DIMS
+        decode_attention(cupy.zeros((1, 1, 1, 48), dtype=f32), c96, 0)
 
 
 # --- CPU tier: compile check ----------------------------------------------------------------
-def test_decode_spec_compiles_without_spills():
-    from cupyattn._compile_check import run_check
-
-    reports, errors = run_check("decode")
-    assert not errors, errors
-    assert {(r.kernel, r.arch) for r in reports} == {(e, a) for e in DECODE_SPEC.name_expressions
-                                                      for a in ("sm_80", "sm_90")}
-    assert not [r for r in reports if r.spills]
-    assert all(r.smem_bytes <= 48 * 1024 for r in reports)  # static smem, no opt-in needed
+def test_decode_spec_compiles_without_spills(compile_report):
+    """The decode kernels and the KV-cache append kernels they read from."""
+    for spec in (decode.SPEC, kvcache.SPEC):
+        reports, errors = compile_report(spec.name)
+        assert not errors, errors
+        assert sorted((r.kernel, r.arch) for r in reports) == sorted(
+            (e, a) for e in spec.name_expressions for a in ("sm_80", "sm_90"))
+        assert not [f"{r.kernel} {r.arch}" for r in reports if r.spills]
+        assert all(r.smem_bytes <= config.STATIC_SMEM_BYTES for r in reports)  # no opt-in needed
 
 
 # --- GPU tier helpers (the CPU emulator, tests/emu, runs these too) ---------------------------
@@ -315,7 +317,7 @@ def test_decode_small(backend, rng, dtype, splits):
     _check_decode(backend, rng, dtype, [1, 17, 0, 70], hkv=2, group=3, d=64, splits=splits)
 
 
-@pytest.mark.parametrize("d", decode.SUPPORTED_HEAD_DIMS)
+@pytest.mark.parametrize("d", config.HEAD_DIMS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_head_dims(backend, rng, dtype, d):
     _check_decode(backend, rng, dtype, [33, 5], hkv=1, group=4, d=d, splits=3)

@@ -1,12 +1,13 @@
-"""CPU tier: the CPU emulator of the GPU tier (tests/emu) catches what it claims to catch.
+"""CPU tier: the CPU emulator of the GPU tier (tests/emu) catches what it claims to catch: out
+of bounds writes, barrier deadlocks, wrong argument sizes, reads of a cp.async stage before its
+wait, misaligned cp.async, inline PTX it does not emulate, and launches a GPU refuses. (Its PTX
+functions are checked against NumPy by tests/test_ptx.py, on the emulator and on a GPU.)
 
 Runs in a subprocess because the emulator replaces the `cupy` module for the whole process.
 """
-import os
 import shutil
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ import fakecupy
 fakecupy.install()
 import cupy
 import numpy as np
+from cupyattn import _loader
 
 def module(src, *exprs):
     m = cupy.RawModule(code=src, name_expressions=exprs)
@@ -30,7 +32,7 @@ def module(src, *exprs):
 def expect(fn, text):
     try:
         fn()
-    except (RuntimeError, TypeError) as e:
+    except (RuntimeError, TypeError, ValueError, cupy.cuda.compiler.CompileException) as e:
         assert text in str(e), (text, str(e))
         return
     raise AssertionError("no error, expected: " + text)
@@ -54,29 +56,41 @@ __global__ void divergent(float* y) {  // half a warp at a block barrier, half i
     if (threadIdx.x < 16) __syncthreads(); else v = __shfl_xor_sync(0xffffffffu, v, 1);
     y[threadIdx.x] = v;
 }
-// D[16x8] = A[16x16] B[16x8]: fragments loaded per the PTX ISA layout (g = lane/4, t = lane%4)
-__global__ void mma(const __half* a, const __half* b, float* d) {
-    int l = threadIdx.x, g = l / 4, t = l % 4;
-    __shared__ __half sa[16 * 16], sbt[8 * 16];  // A row-major; B stored as B^T (col-major B)
-    for (int i = l; i < 256; i += 32) sa[i] = a[i];
-    for (int i = l; i < 128; i += 32) sbt[i] = b[(i % 16) * 8 + i / 16];
-    __syncthreads();
-    unsigned ra[4], rb[2];
-    // ldmatrix x4 of A: matrices (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15), (rows 8-15, k 8-15)
-    const __half* p = sa + (l % 8 + 8 * ((l / 8) % 2)) * 16 + 8 * (l / 16);
-    unsigned addr = (unsigned)__cvta_generic_to_shared(p);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(ra[0]), "=r"(ra[1]), "=r"(ra[2]), "=r"(ra[3]) : "r"(addr));
-    rb[0] = *(const unsigned*)(sbt + g * 16 + 2 * t);
-    rb[1] = *(const unsigned*)(sbt + g * 16 + 2 * t + 8);
-    float c[4] = {0, 0, 0, 0};
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(ra[0]), "r"(ra[1]), "r"(ra[2]), "r"(ra[3]), "r"(rb[0]), "r"(rb[1]));
-    for (int i = 0; i < 4; ++i) d[(g + 8 * (i / 2)) * 8 + 2 * t + i % 2] = c[i];
-}
 """
-warp_sum, block_rev, oob, divergent, mma = module(SRC, "warp_sum", "block_rev", "oob", "divergent", "mma")
+ASM_SRC = """__global__ void raw_asm(float* y) { asm volatile("membar.gl;"); y[0] = 1.0f; }"""
+# ptx.cuh kernels go through the loader's inlining, as the op modules' kernels do
+PTX_SRC = _loader.inline_source(r"""
+#include "ptx.cuh"
+// reads its stage before waiting for the cp.async group: stale data on the emulator (and,
+// timing permitting, on a GPU)
+__global__ void no_wait(const float* x, float* y) {
+    __shared__ __align__(16) float s[128];
+    s[threadIdx.x * 4] = -1.0f;
+    __syncthreads();
+    cp_async<16>(s + threadIdx.x * 4, x + threadIdx.x * 4);
+    cp_async_commit();
+    __syncthreads();                       // a barrier is not a wait: the copy may be in flight
+    y[threadIdx.x] = s[((threadIdx.x + 1) % 32) * 4];
+    __syncthreads();
+    cp_async_wait<0>();
+}
+__global__ void waits(const float* x, float* y) {
+    __shared__ __align__(16) float s[128];
+    cp_async<16>(s + threadIdx.x * 4, x + threadIdx.x * 4);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    y[threadIdx.x] = s[((threadIdx.x + 1) % 32) * 4];
+}
+__global__ void misaligned(const float* x, float* y) {
+    __shared__ __align__(16) float s[128];
+    cp_async<16>(s + 1, x);
+    cp_async_commit();
+    cp_async_wait<0>();
+    y[0] = s[1];
+}
+""")
+warp_sum, block_rev, oob, divergent = module(SRC, "warp_sum", "block_rev", "oob", "divergent")
 x = cupy.asarray(np.arange(32, dtype=np.float32))
 y = cupy.empty(32, dtype=np.float32)
 warp_sum((1,), (32,), (x, y))
@@ -91,11 +105,29 @@ expect(lambda: block_rev((3,), (97,), (x, y, 97)), "passed i64 but the kernel ta
 expect(lambda: oob((1,), (1,), (y, np.int32(y.size))), "wrote outside an allocation")
 expect(lambda: divergent((1,), (32,), (y,)), "deadlock")
 
-rng = np.random.default_rng(1)
-a, b = rng.standard_normal((16, 16)).astype(np.float16), rng.standard_normal((16, 8)).astype(np.float16)
-d = cupy.empty((16, 8), dtype=np.float32)
-mma((1,), (32,), (cupy.asarray(a), cupy.asarray(b), d))
-np.testing.assert_allclose(cupy.asnumpy(d), a.astype(np.float64) @ b.astype(np.float64), rtol=1e-5, atol=1e-5)
+# inline PTX outside kernels_cu/ptx.cuh is refused at build time, not silently mis-emulated
+expect(lambda: module(ASM_SRC, "raw_asm"), "inline PTX outside kernels_cu/ptx.cuh")
+
+no_wait, waits, misaligned = module(PTX_SRC, "no_wait", "waits", "misaligned")
+x = cupy.asarray(np.arange(128, dtype=np.float32))
+y = cupy.empty(32, dtype=np.float32)
+waits((1,), (32,), (x, y))
+assert np.array_equal(cupy.asnumpy(y), (np.arange(32) + 1) % 32 * 4.0)
+no_wait((1,), (32,), (x, y))
+assert np.all(cupy.asnumpy(y) == -1.0), "a read before cp.async.wait_group must see stale data"
+expect(lambda: misaligned((1,), (1,), (x, y)), "not aligned to 16 bytes")
+
+# launches a GPU refuses
+expect(lambda: warp_sum((1, 65536), (32,), (x, y)), "grid dimension y=65536 exceeds")
+expect(lambda: warp_sum((0,), (32,), (x, y)), "empty or negative launch grid")
+expect(lambda: warp_sum((1,), (1025,), (x, y)), "block dimension x=1025 exceeds")
+expect(lambda: warp_sum((1,), (64, 32), (x, y)), "2048 threads per block exceed 1024")
+expect(lambda: warp_sum((1,), (32,), (x, y), shared_mem=64 * 1024), "max_dynamic_shared_size_bytes raised")
+warp_sum.max_dynamic_shared_size_bytes = 64 * 1024
+warp_sum((1,), (32,), (x, y), shared_mem=64 * 1024)  # allowed once the attribute is raised
+def too_much():
+    warp_sum.max_dynamic_shared_size_bytes = 300 * 1024
+expect(too_much, "opt-in limit")
 print("EMULATOR-OK")
 '''
 

@@ -1,5 +1,6 @@
-"""gemm_nt / gemm_nn: GPU tier against the float64 reference; CPU tier for argument checks, the
-offline compile check, and a NumPy emulation of the kernels' thread/fragment index maps."""
+"""gemm_nt / gemm_nn: GPU tier against the float64 reference and argument checks on device
+arrays; CPU tier for host-array rejection, the offline compile check, and a NumPy emulation of
+the kernels' thread/fragment index maps."""
 import os
 
 import numpy as np
@@ -7,17 +8,16 @@ import pytest
 
 from cupyattn import gemm as G
 from cupyattn import reference as ref
-from cupyattn._compile_check import run_check
 from conftest import DTYPES, assert_close, nan_like, np_dtype, rand_with_outliers, to_device
 
 FNS = {"nt": (G.gemm_nt, ref.gemm_nt), "nn": (G.gemm_nn, ref.gemm_nn)}
 
 
-def _variants(dtype):
+def _impls(dtype):
     return ("simt", "mma", "auto") if dtype != "float32" else ("simt", "auto")
 
 
-DV = [pytest.param(d, v, id=f"{d}-{v}") for d in DTYPES for v in _variants(d)]
+DV = [pytest.param(d, v, id=f"{d}-{v}") for d in DTYPES for v in _impls(d)]
 
 
 def _b_shape(layout, n, k, lead=()):
@@ -34,9 +34,9 @@ SHAPES = [(1, 1, 1), (1, 17, 97), (17, 97, 128), (97, 128, 17), (128, 128, 128),
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["nt", "nn"])
-@pytest.mark.parametrize("dtype,variant", DV)
+@pytest.mark.parametrize("dtype,impl", DV)
 @pytest.mark.parametrize("mnk", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_matches_reference(layout, dtype, variant, mnk):
+def test_matches_reference(layout, dtype, impl, mnk):
     # K = 4096: inputs are rounded before the reference sees them and accumulation is float32,
     # so the error is the output's final rounding (~2e-4 fp16, ~2e-3 bf16 relative, measured in
     # NumPy) plus ~1e-6 of float32 summation: the default tolerances hold without loosening.
@@ -46,15 +46,15 @@ def test_matches_reference(layout, dtype, variant, mnk):
     a, a64 = to_device(rand_with_outliers(rng, (m, k)), dtype)
     b, b64 = to_device(rand_with_outliers(rng, _b_shape(layout, n, k)), dtype)
     out = nan_like((m, n), dtype)
-    got = fn(a, b, out=out, variant=variant)
+    got = fn(a, b, out=out, impl=impl)
     assert got is out
     assert_close(got, rfn(a64, b64), dtype)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["nt", "nn"])
-@pytest.mark.parametrize("dtype,variant", DV)
-def test_batched_broadcast_and_strided(layout, dtype, variant):
+@pytest.mark.parametrize("dtype,impl", DV)
+def test_batched_broadcast_and_strided(layout, dtype, impl):
     import cupy
 
     fn, rfn = FNS[layout]
@@ -71,7 +71,7 @@ def test_batched_broadcast_and_strided(layout, dtype, variant):
         a, a64 = to_device(rand_with_outliers(rng, sa), dtype)
         b, b64 = to_device(rand_with_outliers(rng, sb), dtype)
         expect = rfn(a64, b64)
-        assert_close(fn(a, b, out=nan_like(expect.shape, dtype), variant=variant), expect, dtype)
+        assert_close(fn(a, b, out=nan_like(expect.shape, dtype), impl=impl), expect, dtype)
 
     # strided views: every other batch entry, rows wider than K (lda > K), swapped batch dims,
     # and three non-mergeable batch dims (the documented contiguous-copy fallback)
@@ -90,7 +90,7 @@ def test_batched_broadcast_and_strided(layout, dtype, variant):
     for a, a64, b, b64 in views:
         assert not a.flags.c_contiguous
         expect = rfn(a64, b64)
-        assert_close(fn(a, b, out=nan_like(expect.shape, dtype), variant=variant), expect, dtype)
+        assert_close(fn(a, b, out=nan_like(expect.shape, dtype), impl=impl), expect, dtype)
 
     # misaligned base pointers (not 16-byte aligned: cp.async off) and an odd-offset out
     flat_a, _ = to_device(rand_with_outliers(rng, (m * k + 1,)), dtype)
@@ -99,7 +99,7 @@ def test_batched_broadcast_and_strided(layout, dtype, variant):
     b = flat_b[1:].reshape(_b_shape(layout, n, k))
     expect = rfn(cupy.asnumpy(a).astype(np.float64), cupy.asnumpy(b).astype(np.float64))
     out = nan_like((m * n + 1,), dtype)[1:].reshape(m, n)
-    fn(a, b, out=out, variant=variant)
+    fn(a, b, out=out, impl=impl)
     assert_close(out, expect, dtype)
 
 
@@ -121,46 +121,50 @@ def test_empty_and_k0(layout):
         assert float(abs(out.astype(cupy.float32)).max()) == 0.0
 
 
-# --- CPU tier: argument checks --------------------------------------------------------------
+# --- CPU tier: host arrays are rejected ------------------------------------------------------
 def test_numpy_input_is_a_type_error():
     a = np.zeros((4, 8), np.float32)
     with pytest.raises(TypeError, match=r"gemm_nt\(\): a must be a cupy.ndarray"):
         G.gemm_nt(a, a)
 
 
+# --- GPU tier: argument checks (device arrays; nothing is launched) --------------------------
+@pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["nt", "nn"])
-def test_argument_checks(fake_device, layout):
+def test_argument_checks(layout):
+    import cupy
+
     fn, _ = FNS[layout]
     name = f"gemm_{layout}"
-    f32, f16 = np.float32, np.float16
-    a = np.zeros((2, 4, 8), f32)
-    b = np.zeros(_b_shape(layout, 5, 8), f32)
+    f32, f16 = cupy.float32, cupy.float16
+    a = cupy.zeros((2, 4, 8), f32)
+    b = cupy.zeros(_b_shape(layout, 5, 8), f32)
     with pytest.raises(TypeError, match=rf"{name}\(\): b has dtype float16 but a has float32"):
         fn(a, b.astype(f16))
     with pytest.raises(TypeError, match=rf"{name}\(\): a has dtype float64"):
-        fn(a.astype(np.float64), b.astype(np.float64))
+        fn(a.astype(cupy.float64), b.astype(cupy.float64))
     with pytest.raises(ValueError, match=rf"{name}\(\): a must have at least 2 dimensions"):
-        fn(np.zeros(8, f32), b)
+        fn(cupy.zeros(8, f32), b)
     with pytest.raises(ValueError, match=rf"{name}\(\): b must have at least 2 dimensions"):
-        fn(a, np.zeros(8, f32))
+        fn(a, cupy.zeros(8, f32))
     with pytest.raises(ValueError, match=rf"{name}\(\): b has shape .* with K=7, but a has shape \(2, 4, 8\) with K=8"):
-        fn(a, np.zeros(_b_shape(layout, 5, 7), f32))
+        fn(a, cupy.zeros(_b_shape(layout, 5, 7), f32))
     with pytest.raises(ValueError, match=rf"{name}\(\): batch dims of a \(2,\) and b \(3,\) do not broadcast"):
-        fn(a, np.zeros(_b_shape(layout, 5, 8, (3,)), f32))
+        fn(a, cupy.zeros(_b_shape(layout, 5, 8, (3,)), f32))
     with pytest.raises(ValueError, match=rf"{name}\(\): out has shape \(2, 4, 4\), expected \(2, 4, 5\)"):
-        fn(a, b, out=np.zeros((2, 4, 4), f32))
+        fn(a, b, out=cupy.zeros((2, 4, 4), f32))
     with pytest.raises(TypeError, match=rf"{name}\(\): out has dtype float16, expected float32"):
-        fn(a, b, out=np.zeros((2, 4, 5), f16))
+        fn(a, b, out=cupy.zeros((2, 4, 5), f16))
     with pytest.raises(ValueError, match=rf"{name}\(\): out must be C-contiguous"):
-        fn(a, b, out=np.zeros((2, 5, 4), f32).transpose(0, 2, 1))
+        fn(a, b, out=cupy.zeros((2, 5, 4), f32).transpose(0, 2, 1))
     with pytest.raises(ValueError, match=rf"{name}\(\): a must be contiguous in its last dimension"):
-        fn(np.zeros((4, 16), f32)[:, ::2], b)
+        fn(cupy.zeros((4, 16), f32)[:, ::2], b)
     with pytest.raises(ValueError, match=rf"{name}\(\): b must be contiguous in its last dimension"):
-        fn(a, np.zeros(_b_shape(layout, 5, 8), f32).T.copy().T)
-    with pytest.raises(ValueError, match=rf"{name}\(\): variant='fast' is not supported"):
-        fn(a, b, variant="fast")
-    with pytest.raises(TypeError, match=rf"{name}\(\): variant='mma' needs float16 or bfloat16"):
-        fn(a, b, variant="mma")
+        fn(a, cupy.zeros(_b_shape(layout, 5, 8), f32).T.copy().T)
+    with pytest.raises(ValueError, match=rf"{name}\(\): impl='fast' is not supported"):
+        fn(a, b, impl="fast")
+    with pytest.raises(TypeError, match=rf"{name}\(\): impl='mma' needs float16 or bfloat16"):
+        fn(a, b, impl="mma")
 
 
 def test_batch_collapse():
@@ -173,12 +177,13 @@ def test_batch_collapse():
 
 @pytest.mark.skipif(os.environ.get("CUPYATTN_EMULATE") == "1",
                     reason="the offline compile check needs the real CuPy and NVRTC")
-def test_compile_check_no_spills():
-    reports, errors = run_check(only="gemm")
+def test_compile_check_no_spills(compile_report):
+    reports, errors = compile_report("gemm")
     assert not errors, errors
     assert {r.arch for r in reports} == {"sm_80", "sm_90"}
-    assert len(reports) == 2 * len(G.SPEC.name_expressions)
-    assert not [r for r in reports if r.spills]
+    assert sorted((r.kernel, r.arch) for r in reports) == sorted(
+        (e, a) for e in G.SPEC.name_expressions for a in ("sm_80", "sm_90"))
+    assert not [f"{r.kernel} {r.arch}" for r in reports if r.spills]
 
 
 # --- CPU tier: NumPy emulation of the kernels' index maps -----------------------------------

@@ -1,6 +1,6 @@
-"""CPU tier: the loader's spec handling and the offline compile check (NVRTC, no GPU)."""
-import json
-
+"""The loader: spec handling and the offline compile check (NVRTC, no GPU: CPU tier);
+compile-on-demand of one instantiation per call and its stderr line (GPU tier, also emulated)."""
+import numpy as np
 import pytest
 
 import cupyattn
@@ -87,14 +87,68 @@ def test_every_kernel_file_has_a_spec():
         assert f.name in used, f"kernels_cu/{f.name} is not compiled by any KernelSpec"
 
 
-def test_offline_check_compiles_every_instantiation_without_spills(capsys):
+def test_offline_check_compiles_every_instantiation_without_spills(compile_report):
     """The CI gate: every spec x instantiation for sm_80 and sm_90, no errors, no spills."""
-    rc = cc.main(["--json"])
-    out = json.loads(capsys.readouterr().out)
-    assert out["errors"] == [] and out["spills"] == []
-    built = {(k["spec"], k["kernel"], k["arch"]) for k in out["kernels"]}
-    for spec in cupyattn.all_specs():
-        for expr in spec.name_expressions:
-            for arch in ("sm_80", "sm_90"):
-                assert (spec.name, expr, arch) in built
-    assert rc == 0 and len(built) > 0
+    reports, errors = compile_report()
+    assert errors == [] and [f"{r.kernel} {r.arch}" for r in reports if r.spills] == []
+    built = {(r.spec, r.kernel, r.arch) for r in reports}
+    want = {(s.name, e, a) for s in cupyattn.all_specs() for e in s.name_expressions for a in ("sm_80", "sm_90")}
+    assert built == want and len(built) == len(reports)
+
+
+def test_check_cli_prints_rows_as_it_goes_and_fails_on_unknown_spec(capsys):
+    assert cc.main(["--only", "kvcache", "--arch", "80"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("compiling every kernel") and out[1].split()[:2] == ["kernel", "arch"]
+    assert any(l.startswith("kv_append_kernel<__half>") and "sm_80" in l for l in out)
+    assert out[-1].startswith("4 kernel builds, 0 errors, 0 with spills")
+    assert cc.main(["--only", "nosuch"]) == 1
+    assert "ERROR: no kernel spec named 'nosuch'" in capsys.readouterr().out
+
+
+# --- GPU tier (also on the CPU emulator): compile on demand ------------------------------------
+@pytest.mark.gpu
+def test_a_call_compiles_only_the_instantiation_it_launches(monkeypatch):
+    import cupy
+
+    from cupyattn import flash_attn
+
+    monkeypatch.setattr(_loader, "_FUNCTIONS", {})
+    q = cupy.asarray(np.random.default_rng(0).standard_normal((1, 2, 5, 128)).astype(np.float16))
+    cupyattn.attention(q, q, q, causal=True)
+    cupyattn.attention(q, q, q, causal=True)  # memoised: no second build
+    built = [key for key in _loader._FUNCTIONS if key[0] == "flash_attn"]
+    assert built == [("flash_attn", flash_attn._expr(flash_attn.DEFAULT_IMPL[np.dtype(np.float16)],
+                                                     np.float16, 128, True), cupy.cuda.Device().id)]
+    with pytest.raises(KeyError, match="not an instantiation of kernel spec 'flash_attn'"):
+        _loader.get_function(flash_attn.SPEC, "flash_attn_fwd<double, 7>")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quiet", [False, True])
+def test_a_slow_compile_is_announced_on_stderr(monkeypatch, capfd, quiet):
+    """A compile still running after ANNOUNCE_AFTER_S prints one line naming the kernel."""
+    import time
+
+    import cupy
+
+    from cupyattn import kvcache
+
+    real = cupy.RawModule
+
+    class SlowModule(real):  # stands in for a long NVRTC run
+        def get_function(self, name):
+            time.sleep(0.5)
+            return super().get_function(name)
+
+    monkeypatch.setattr(cupy, "RawModule", SlowModule)
+    monkeypatch.setattr(_loader, "_FUNCTIONS", {})
+    monkeypatch.setattr(_loader, "ANNOUNCE_AFTER_S", 0.05)
+    monkeypatch.setenv("CUPYATTN_QUIET", "1" if quiet else "")
+    _loader.get_function(kvcache.SPEC, "kv_advance_lengths_kernel")
+    err = capfd.readouterr().err
+    if quiet:
+        assert err == ""
+    else:
+        assert err.count("\n") == 1 and err.startswith("cupyattn: compiling kv_advance_lengths_kernel "
+                                                        "(kernels_cu/kvcache.cu) for sm_")

@@ -1,18 +1,15 @@
-"""softmax: GPU tier against the float64 reference (both kernels, causal, masked rows, axes);
-CPU tier for argument checks and the offline compile check."""
-import importlib
+"""softmax: GPU tier against the float64 reference (both kernels, causal, masked rows, axes) and
+argument checks on device arrays; CPU tier for host-array rejection, the kernel choice and the
+offline compile check."""
 import os
 
 import numpy as np
 import pytest
 
+from cupyattn import config
 from cupyattn import reference as ref
-from cupyattn._compile_check import run_check
+from cupyattn import row_softmax as S  # the op module (cupyattn.softmax is the function)
 from conftest import DTYPES, assert_close, nan_like, np_dtype, rand_with_outliers, to_device
-
-# The module, not the function: once cupyattn/__init__ re-exports `softmax`, the attribute
-# the op module; `cupyattn.softmax` is the function itself
-S = importlib.import_module("cupyattn.softmax_op")
 
 
 # --- GPU tier -------------------------------------------------------------------------------
@@ -89,18 +86,16 @@ def test_empty():
         assert S.softmax(cupy.zeros(shape, cupy.float32)).shape == shape
 
 
-# --- CPU tier -------------------------------------------------------------------------------
-def test_numpy_input_is_a_type_error():
-    with pytest.raises(TypeError, match=r"softmax\(\): x must be a cupy.ndarray"):
-        S.softmax(np.zeros((2, 3), np.float32))
+# --- GPU tier: argument checks (device arrays; nothing is launched) --------------------------
+@pytest.mark.gpu
+def test_argument_checks():
+    import cupy
 
-
-def test_argument_checks(fake_device):
-    x = np.zeros((2, 3, 4), np.float32)
+    x = cupy.zeros((2, 3, 4), cupy.float32)
     with pytest.raises(TypeError, match=r"softmax\(\): x has dtype float64"):
-        S.softmax(x.astype(np.float64))
+        S.softmax(x.astype(cupy.float64))
     with pytest.raises(ValueError, match=r"softmax\(\): x must have at least 1 dimensions"):
-        S.softmax(np.zeros((), np.float32))
+        S.softmax(cupy.zeros((), cupy.float32))
     with pytest.raises(ValueError, match=r"softmax\(\): axis=3 is out of range for x of shape \(2, 3, 4\)"):
         S.softmax(x, axis=3)
     with pytest.raises(ValueError, match=r"softmax\(\): axis=1.5 is out of range"):
@@ -110,28 +105,36 @@ def test_argument_checks(fake_device):
     with pytest.raises(ValueError, match=r"softmax\(\): causal=True needs axis=-1"):
         S.softmax(x, axis=1, causal=True)
     with pytest.raises(ValueError, match=r"softmax\(\): causal=True needs x of shape \[..., Sq, Sk\]"):
-        S.softmax(np.zeros(4, np.float32), causal=True)
+        S.softmax(cupy.zeros(4, cupy.float32), causal=True)
     with pytest.raises(ValueError, match=r"softmax\(\): out has shape \(2, 3\), expected \(2, 3, 4\)"):
-        S.softmax(x, out=np.zeros((2, 3), np.float32))
+        S.softmax(x, out=cupy.zeros((2, 3), cupy.float32))
     with pytest.raises(TypeError, match=r"softmax\(\): out has dtype float16, expected float32"):
-        S.softmax(x, out=np.zeros((2, 3, 4), np.float16))
+        S.softmax(x, out=cupy.zeros((2, 3, 4), cupy.float16))
     bf16 = np_dtype("bfloat16")
     with pytest.raises(TypeError, match=r"softmax\(\): out has dtype float32, expected bfloat16"):
         S.softmax(x.astype(bf16), out=x)
 
 
+# --- CPU tier -------------------------------------------------------------------------------
+def test_numpy_input_is_a_type_error():
+    with pytest.raises(TypeError, match=r"softmax\(\): x must be a cupy.ndarray"):
+        S.softmax(np.zeros((2, 3), np.float32))
+
+
 def test_kernel_choice_covers_every_row_length():
     # every n <= 1024 has a warp bucket holding it; longer rows use the block kernel
-    for n in range(1, S._WARP_MAX + 1):
-        assert any(32 * v >= n for v in S._VPTS)
-    assert S._WARP_MAX == 1024
-    assert set(S.SPEC.name_expressions) >= {S._warp_expr(t, v) for t in S._TYPES for v in S._VPTS}
+    for n in range(1, config.SOFTMAX_WARP_MAX + 1):
+        assert any(32 * v >= n for v in config.SOFTMAX_VPTS)
+    assert config.SOFTMAX_WARP_MAX == 1024
+    assert set(S.SPEC.name_expressions) >= {S._warp_expr(t, v) for t in config.DTYPES for v in config.SOFTMAX_VPTS}
+    assert set(S.SPEC.name_expressions) >= {S._block_expr(t) for t in config.DTYPES}
 
 
 @pytest.mark.skipif(os.environ.get("CUPYATTN_EMULATE") == "1",
                     reason="the offline compile check needs the real CuPy and NVRTC")
-def test_compile_check_no_spills():
-    reports, errors = run_check(only="softmax")
+def test_compile_check_no_spills(compile_report):
+    reports, errors = compile_report("row_softmax")
     assert not errors, errors
-    assert len(reports) == 2 * len(S.SPEC.name_expressions)
-    assert not [r for r in reports if r.spills]
+    assert sorted((r.kernel, r.arch) for r in reports) == sorted(
+        (e, a) for e in S.SPEC.name_expressions for a in ("sm_80", "sm_90"))
+    assert not [f"{r.kernel} {r.arch}" for r in reports if r.spills]

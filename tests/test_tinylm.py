@@ -21,7 +21,7 @@ from tinylm.ops_numpy import NumpyOps
 from tinylm.sampling import allowed_tokens
 
 ROOT = Path(__file__).resolve().parent.parent
-GOLDEN = ROOT / "tinylm" / "data" / "smollm2_golden.json"
+GOLDEN = ROOT / "tests" / "golden" / "smollm2_golden.json"
 
 
 @pytest.fixture(scope="module")
@@ -310,92 +310,6 @@ def smollm2():
     if reason:
         pytest.skip(reason)
     return load(None, backend="numpy"), json.loads(GOLDEN.read_text())
-
-
-# --- the cupy backend's glue, run on NumPy stand-ins (no GPU needed) --------------------------
-class _FakeKVCache:
-    """NumPy stand-in with the contract's KVCache interface (k, v, host lengths, append, reset)."""
-
-    def __init__(self, num_layers, batch, num_kv_heads, max_seq, head_dim, dtype):
-        shape = (num_layers, batch, num_kv_heads, max_seq, head_dim)
-        self.k, self.v = np.zeros(shape, dtype), np.zeros(shape, dtype)
-        self.lengths = np.zeros((num_layers, batch), np.int32)
-
-    def append(self, layer, k_new, v_new):
-        assert k_new.shape == v_new.shape and k_new.dtype == self.k.dtype
-        n, t = int(self.lengths[layer, 0]), k_new.shape[2]
-        self.k[layer, :, :, n:n + t], self.v[layer, :, :, n:n + t] = k_new, v_new
-        self.lengths[layer] += t
-
-    def reset(self):
-        self.lengths[...] = 0
-
-
-def _fake_cupy_ops():
-    """CupyOps with NumPy for cupy and the float64 references (rounded to float32) for the
-    cupyattn kernels, checking the arguments the real kernels require."""
-    from types import SimpleNamespace
-
-    from tinylm.ops_cupy import CupyOps
-
-    f32 = np.float32
-
-    def put(r, out):
-        r = np.asarray(r, dtype=f32)
-        if out is None:
-            return r
-        assert out.flags.c_contiguous and out.shape == r.shape
-        out[...] = r
-        return out
-
-    def rope(x, positions, base, style, out=None):
-        assert positions.dtype == np.int32 and positions.shape == (x.shape[0], x.shape[2])
-        return put(ref.rope(x, positions, base, style), out)
-
-    def attention(q, k, v, causal, impl, out=None):
-        assert causal and impl == "flash" and k.strides[-1] == k.itemsize
-        return put(ref.attention(q, k, v, causal=True), out)
-
-    def decode(q, cache, layer, out=None):
-        return put(ref.decode_attention(q, cache.k[layer], cache.v[layer], cache.lengths[layer]), out)
-
-    layers = SimpleNamespace(
-        rmsnorm=lambda x, w, eps, out=None: put(ref.rmsnorm(x, w, eps), out),
-        rope=rope, swiglu=lambda g, u, out=None: put(ref.swiglu(g, u), out),
-        add=lambda x, y, out=None: put(np.add(x, y, dtype=np.float64), out),
-        embedding=lambda ids, t, out=None: put(ref.embedding(ids, t), out))
-    fake_cp = SimpleNamespace(
-        int32=np.int32, full=np.full, arange=np.arange, broadcast_to=np.broadcast_to,
-        ascontiguousarray=np.ascontiguousarray, asarray=np.asarray, empty=np.empty,
-        asnumpy=np.asarray)
-    ops = CupyOps.__new__(CupyOps)
-    ops.dtype, ops.xp, ops._cp, ops._layers = np.dtype(f32), np, fake_cp, layers
-    ops._attention, ops._decode, ops._KVCache = attention, decode, _FakeKVCache
-    ops._gemm_nt = lambda a, b, out=None: put(ref.gemm_nt(a, b), out)
-    return ops
-
-
-def test_cupy_backend_glue_on_numpy_stand_ins(tiny):
-    """ops_cupy's own code (ids, positions, cache use, prefill after cached tokens, decode)
-    gives the NumPy backend's logits when its kernels are replaced by the references."""
-    from tinylm import Transformer
-    from tinylm.config import PRESETS
-    from tinylm.weights import synthetic
-
-    args = PRESETS["tiny"]
-    w = synthetic(args, seed=0)
-    fake = Transformer(args, w, backend=_fake_cupy_ops())
-    assert fake.backend == "cupy" and fake.dtype == "float32"
-    ids = [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 100]
-    want = tiny.logits(ids)
-    np.testing.assert_allclose(fake.logits(ids), want, atol=1e-4)
-    state = fake.new_state(1, 32)
-    fake.forward(fake.ops.ids(np.array([ids[:4]])), state)
-    got = fake.forward(fake.ops.ids(np.array([ids[4:8]])), state, all_logits=True)[0]
-    np.testing.assert_allclose(got, want[4:8], atol=1e-4)
-    for i in range(8, len(ids)):
-        got = decode_one(fake, state, ids[i])[0]
-        np.testing.assert_allclose(got, want[i], atol=1e-4)
 
 
 # --- the real model (continued): golden values from HF transformers (see the file's "about") --

@@ -87,6 +87,25 @@ def test_cupy_float32_logits_close_to_numpy(pair):
         assert np.abs(a - b).max() <= 1e-3 * max(1.0, np.abs(b).max())
 
 
+def test_cupy_chunked_prefill_and_decode_equal_recompute(pair):
+    """Prefill in two chunks (the second attends to cached keys read in place from the KV
+    cache), then decode steps: float32 logits of every step equal the NumPy full recompute."""
+    from tinylm.generate import decode_one
+
+    ref, gpu = pair
+    g = gpu("float32")
+    ids = _prompt_ids(ref, PROMPTS[2])[:11]
+    want = ref.logits(ids)
+    model, ops = g.model, g.model.ops
+    state = model.new_state(1, 32)
+    model.forward(ops.ids(np.array([ids[:4]])), state)
+    got = ops.to_numpy(model.forward(ops.ids(np.array([ids[4:8]])), state, all_logits=True))[0]
+    np.testing.assert_allclose(got, want[4:8], atol=1e-3 * max(1.0, np.abs(want).max()))
+    for i in range(8, len(ids)):
+        got = ops.to_numpy(decode_one(model, state, ids[i]))[0]
+        np.testing.assert_allclose(got, want[i], atol=1e-3 * max(1.0, np.abs(want[i]).max()))
+
+
 @pytest.mark.parametrize("dtype,tol", [("float16", 2e-2), ("bfloat16", 5e-2)])
 def test_half_precision_logits_within_tolerance(pair, dtype, tol):
     """Relative Frobenius error of all-position logits vs NumPy float32.

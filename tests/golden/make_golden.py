@@ -1,4 +1,4 @@
-"""Write tinylm/data/smollm2_golden.json: reference values for SmolLM2-135M-Instruct (Q4_1 GGUF)
+"""Write tests/golden/smollm2_golden.json: reference values for SmolLM2-135M-Instruct (Q4_1 GGUF)
 computed by an implementation independent of tinylm: Hugging Face transformers on CPU torch,
 which parses the GGUF itself, dequantizes with its own torch code to float32, undoes llama.cpp's
 Q/K row permutation and runs its own Llama model (NeoX-style RoPE on the un-permuted weights).
@@ -88,7 +88,7 @@ def smollm_variant(hf_tok):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, default=None)
-    ap.add_argument("--out", type=Path, default=Path("tinylm/data/smollm2_golden.json"))
+    ap.add_argument("--out", type=Path, default=Path("tests/golden/smollm2_golden.json"))
     args = ap.parse_args(argv)
 
     import torch

@@ -1,6 +1,6 @@
 """Row softmax over CuPy arrays: ``softmax(x, axis=-1, scale=1.0, causal=False, out=None)``.
 
-Kernels live in ``kernels_cu/softmax.cu``: a warp-per-row kernel (row kept in registers) for rows
+Kernels live in ``kernels_cu/row_softmax.cu``: a warp-per-row kernel (row kept in registers) for rows
 of up to 1024 elements and a block-per-row kernel (online max/sum, two passes over the row) for
 longer rows, 1,000,000 elements and beyond.
 """
@@ -9,36 +9,32 @@ from __future__ import annotations
 import math
 import numbers
 
+import cupy
 import numpy as np
 
 from . import _checks
 from ._loader import KernelSpec, get_function
-
-_VPTS = (1, 2, 4, 8, 16, 32)  # values per lane of the warp-per-row kernel
-_WARP_MAX = 32 * _VPTS[-1]  # longer rows go to the block-per-row kernel
-_WARP_ROWS_PER_BLOCK = 4
-_BLOCK = 512
-_INT32_MAX = 2**31 - 1
-_TYPES = ("float", "__half", "__nv_bfloat16")
+from .config import (DTYPES, INT32_MAX, SOFTMAX_BLOCK, SOFTMAX_ROWS_PER_BLOCK, SOFTMAX_VPTS,
+                     SOFTMAX_WARP_MAX, ctype)
 
 
-def _warp_expr(ctype: str, vpt: int) -> str:
-    return f"softmax_warp_kernel<{ctype}, {vpt}>"
+def _warp_expr(dtype, vpt: int) -> str:
+    return f"softmax_warp_kernel<{ctype(dtype)}, {vpt}, {SOFTMAX_ROWS_PER_BLOCK}>"
 
 
-def _block_expr(ctype: str) -> str:
-    return f"softmax_block_kernel<{ctype}, {_BLOCK}>"
+def _block_expr(dtype) -> str:
+    return f"softmax_block_kernel<{ctype(dtype)}, {SOFTMAX_BLOCK}>"
 
 
 SPEC = KernelSpec(
-    name="softmax",
-    source="softmax.cu",
-    name_expressions=tuple(_warp_expr(t, v) for t in _TYPES for v in _VPTS)
-    + tuple(_block_expr(t) for t in _TYPES),
+    name="row_softmax",
+    source="row_softmax.cu",
+    name_expressions=tuple(_warp_expr(t, v) for t in DTYPES for v in SOFTMAX_VPTS)
+    + tuple(_block_expr(t) for t in DTYPES),
 )
 
 
-def _validate(fn, x, axis, scale, causal, out):
+def _check_args(fn, x, axis, scale, causal, out):
     _checks.check_array(fn, "x", x, min_ndim=1)
     if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)) or not -x.ndim <= axis < x.ndim:
         raise ValueError(f"{fn}(): axis={axis!r} is out of range for x of shape {tuple(x.shape)}")
@@ -50,7 +46,7 @@ def _validate(fn, x, axis, scale, causal, out):
             raise ValueError(f"{fn}(): causal=True needs axis=-1 (the key axis of [..., Sq, Sk]), got axis={axis}")
         if x.ndim < 2:
             raise ValueError(f"{fn}(): causal=True needs x of shape [..., Sq, Sk], got shape {tuple(x.shape)}")
-    if x.ndim and x.shape[axis] > _INT32_MAX:
+    if x.ndim and x.shape[axis] > INT32_MAX:
         raise ValueError(f"{fn}(): rows of {x.shape[axis]} elements exceed the kernels' int32 limit")
     if out is not None:
         _checks.check_out(fn, out, x.shape, x.dtype)
@@ -62,16 +58,15 @@ def _launch(x, y, causal, scale):
     n = x.shape[-1]
     rows = x.size // n
     sq = x.shape[-2] if causal else 1
-    ct = _checks.ctype(x.dtype)
     args = (x, y, np.int64(rows), np.int32(n), np.int32(sq), np.float32(scale), np.int32(bool(causal)))
-    if n <= _WARP_MAX:
-        vpt = next(v for v in _VPTS if 32 * v >= n)
-        kern = get_function(SPEC, _warp_expr(ct, vpt))
-        grid = -(-rows // _WARP_ROWS_PER_BLOCK)
-        kern((grid, 1, 1), (32 * _WARP_ROWS_PER_BLOCK, 1, 1), args)
+    if n <= SOFTMAX_WARP_MAX:
+        vpt = next(v for v in SOFTMAX_VPTS if 32 * v >= n)
+        kern = get_function(SPEC, _warp_expr(x.dtype, vpt))
+        grid = -(-rows // SOFTMAX_ROWS_PER_BLOCK)
+        kern((grid, 1, 1), (32 * SOFTMAX_ROWS_PER_BLOCK, 1, 1), args)
     else:
-        kern = get_function(SPEC, _block_expr(ct))
-        kern((rows, 1, 1), (_BLOCK, 1, 1), args)
+        kern = get_function(SPEC, _block_expr(x.dtype))
+        kern((rows, 1, 1), (SOFTMAX_BLOCK, 1, 1), args)
 
 
 def softmax(x, axis=-1, scale=1.0, causal=False, out=None):
@@ -104,10 +99,8 @@ def softmax(x, axis=-1, scale=1.0, causal=False, out=None):
     >>> bool(cupy.allclose(p.astype(cupy.float32).sum(-1), 1, atol=1e-2))
     True
     """
-    import cupy
-
     fn = "softmax"
-    axis = _validate(fn, x, axis, scale, causal, out)
+    axis = _check_args(fn, x, axis, scale, causal, out)
     if out is None:
         out = cupy.empty(x.shape, dtype=x.dtype)
     if x.size == 0:

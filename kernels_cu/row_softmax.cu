@@ -1,4 +1,4 @@
-// softmax.cu: y = softmax(x * scale) over contiguous rows, optional bottom-right causal mask.
+// row_softmax.cu: y = softmax(x * scale) over contiguous rows, optional bottom-right causal mask.
 //
 //   variant      idea                                                               rows
 //   v1 warp-row  one warp per row, 4 rows per 128-thread block, the row held in     n <= 1024
@@ -11,14 +11,10 @@
 // q = row % Sq sees keys j <= q + Sk - Sq (FlashAttention-2 bottom-right alignment); masked keys
 // and rows with no visible key (all -inf) are written as 0, never NaN.
 //
-// Tile table (reason per entry):
-//   warp-row VPT in {1,2,4,8,16,32}: smallest with 32*VPT >= n, so <= 32 values in registers.
-//   block-row 512 threads        : a 1M-element row is ~2K elements per thread per pass; 16
-//                                  warps keep enough loads in flight on one SM.
+// Launch shapes (VPT list, rows per warp-row block, block-row threads) and their reasons:
+// cupyattn/config.py SOFTMAX_*; they arrive here as template arguments. The host picks the
+// smallest VPT with 32 * VPT >= n, so a lane holds at most 32 values in registers.
 #include "common.cuh"
-
-constexpr int WARP_ROWS_PER_BLOCK = 4;
-constexpr int SOFTMAX_BLOCK = 512;
 
 // Keys of this row the mask lets through: n, or min(n, q + n - sq + 1) clamped at 0 if causal.
 __device__ __forceinline__ int visible_keys(long long row, int n, int sq, int causal) {
@@ -28,12 +24,12 @@ __device__ __forceinline__ int visible_keys(long long row, int n, int sq, int ca
 }
 
 // --- v1: warp per row ------------------------------------------------------------------------
-// x, y: [rows, n] contiguous, n <= 32 * VPT. grid = ceil(rows / 4), block = 128.
-template <typename T, int VPT>
-__global__ void __launch_bounds__(32 * WARP_ROWS_PER_BLOCK)
+// x, y: [rows, n] contiguous, n <= 32 * VPT. grid = ceil(rows / ROWS), block = 32 * ROWS.
+template <typename T, int VPT, int ROWS>
+__global__ void __launch_bounds__(32 * ROWS)
 softmax_warp_kernel(const T* __restrict__ x, T* __restrict__ y, long long rows, int n, int sq,
                     float scale, int causal) {
-    const long long row = static_cast<long long>(blockIdx.x) * WARP_ROWS_PER_BLOCK + (threadIdx.x >> 5);
+    const long long row = static_cast<long long>(blockIdx.x) * ROWS + (threadIdx.x >> 5);
     if (row >= rows) return;  // the whole warp leaves together: shuffles stay full-warp
     const int lane = threadIdx.x & 31;
     const int kv = visible_keys(row, n, sq, causal);

@@ -9,49 +9,43 @@ from __future__ import annotations
 
 import math
 
+import cupy
 import numpy as np
 
 from . import _checks
-from ._checks import (check_array, check_choice, check_last_contiguous, check_out,
-                      check_same_dtype, ctype)
+from ._checks import check_array, check_choice, check_last_contiguous, check_out, check_same_dtype
 from ._loader import KernelSpec, get_function, ptr_or_null
+from .config import (DTYPES, FLASH_MMA_TILES, FLASH_SIMT_TILES, HEAD_DIMS, MAX_GRID_YZ, MMA_DTYPES,
+                     cbool, ctype)
+from .gemm import gemm_nn, gemm_nt
+from .row_softmax import softmax
 
-SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 128, 256)
 IMPLS = ("flash", "flash_mma", "naive")
+# What impl=None runs for each dtype: the fastest correct kernel.
+DEFAULT_IMPL = {d: "flash" for d in DTYPES}
 _FN = "attention"
 
-# (head_dim, element bytes) -> (BLOCK_M, BLOCK_N, NUM_WARPS). The reasons per entry, and the
-# shared memory each costs, are in the table at the top of kernels_cu/flash_attn.cu.
-_TILES = {
-    (32, 2): (64, 64, 4), (64, 2): (64, 64, 4), (80, 2): (64, 64, 8),
-    (96, 2): (64, 64, 8), (128, 2): (64, 32, 8), (256, 2): (32, 32, 4),
-    (32, 4): (64, 64, 4), (64, 4): (64, 32, 8), (80, 4): (64, 32, 8),
-    (96, 4): (64, 32, 8), (128, 4): (32, 32, 4), (256, 4): (8, 32, 2),
-}
-# impl="flash_mma" (fp16/bf16 only): head_dim -> (BLOCK_N, NUM_WARPS); BLOCK_M = 16 * NUM_WARPS.
-_MMA_TILES = {32: (64, 4), 64: (64, 4), 80: (64, 4), 96: (64, 4), 128: (64, 4), 256: (32, 2)}
-_CTYPES = ("float", "__half", "__nv_bfloat16")
-_MAX_GRID_Y = 65535
+
+def _tile(impl: str, dtype, head_dim: int):
+    """The config tile of a fused impl ("flash" or "flash_mma") for a dtype and head dim."""
+    if impl == "flash_mma":
+        return FLASH_MMA_TILES[head_dim]
+    return FLASH_SIMT_TILES[(head_dim, np.dtype(dtype).itemsize)]
 
 
-def _tile(ct: str, head_dim: int):
-    return _TILES[(head_dim, 4 if ct == "float" else 2)]
+def _expr(impl: str, dtype, head_dim: int, causal: bool) -> str:
+    """Template name expression of the fused kernel that ``impl`` launches."""
+    t = _tile(impl, dtype, head_dim)
+    if impl == "flash_mma":
+        return f"flash_attn_mma<{ctype(dtype)}, {head_dim}, {t.block_n}, {t.warps}, {cbool(causal)}>"
+    return (f"flash_attn_fwd<{ctype(dtype)}, {head_dim}, {t.block_m}, {t.block_n}, {t.warps}, "
+            f"{cbool(causal)}>")
 
 
-def _flash_expr(ct: str, head_dim: int, causal: bool) -> str:
-    bm, bn, nw = _tile(ct, head_dim)
-    return f"flash_attn_fwd<{ct}, {head_dim}, {bm}, {bn}, {nw}, {'true' if causal else 'false'}>"
-
-
-def _mma_expr(ct: str, head_dim: int, causal: bool) -> str:
-    bn, nw = _MMA_TILES[head_dim]
-    return f"flash_attn_mma<{ct}, {head_dim}, {bn}, {nw}, {'true' if causal else 'false'}>"
-
-
-FLASH_SPEC = KernelSpec(
+SPEC = KernelSpec(
     "flash_attn", "flash_attn.cu",
-    tuple(_flash_expr(ct, d, c) for ct in _CTYPES for d in SUPPORTED_HEAD_DIMS for c in (False, True))
-    + tuple(_mma_expr(ct, d, c) for ct in _CTYPES[1:] for d in SUPPORTED_HEAD_DIMS for c in (False, True)))
+    tuple(_expr("flash", dt, d, c) for dt in DTYPES for d in HEAD_DIMS for c in (False, True))
+    + tuple(_expr("flash_mma", dt, d, c) for dt in MMA_DTYPES for d in HEAD_DIMS for c in (False, True)))
 
 
 # --- argument checks ------------------------------------------------------------------------
@@ -91,12 +85,16 @@ def _check_key_lengths(key_lengths, b: int, sk: int):
 
 
 def _check_args(q, k, v, scale, mask, key_lengths, impl, out):
-    check_choice(_FN, "impl", impl, IMPLS)
+    """Every check of attention(), before anything is allocated or launched."""
+    if impl is not None:
+        check_choice(_FN, "impl", impl, IMPLS)
     check_array(_FN, "q", q, ndim=4)
     check_array(_FN, "k", k, ndim=4)
     check_array(_FN, "v", v, ndim=4)
     check_same_dtype(_FN, "k", k, "q", q)
     check_same_dtype(_FN, "v", v, "q", q)
+    if impl is None:
+        impl = DEFAULT_IMPL[np.dtype(q.dtype)]
     b, hq, sq, d = q.shape
     if k.shape[0] != b or k.shape[3] != d:
         raise ValueError(f"{_FN}(): k has shape {tuple(k.shape)}, expected [B={b}, Hkv, Sk, D={d}] "
@@ -106,10 +104,10 @@ def _check_args(q, k, v, scale, mask, key_lengths, impl, out):
     hkv, sk = k.shape[1], k.shape[2]
     if hkv == 0 or hq % hkv:
         raise ValueError(f"{_FN}(): q heads Hq={hq} must be a multiple of k/v heads Hkv={hkv}")
-    if impl != "naive" and d not in SUPPORTED_HEAD_DIMS:
+    if impl != "naive" and d not in HEAD_DIMS:
         raise ValueError(f"{_FN}(): head_dim D={d} is not supported by impl={impl!r}; supported: "
-                         f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))} (impl='naive' takes any D)")
-    if impl == "flash_mma" and np.dtype(q.dtype) == np.float32:
+                         f"{', '.join(map(str, HEAD_DIMS))} (impl='naive' takes any D)")
+    if impl == "flash_mma" and np.dtype(q.dtype) not in MMA_DTYPES:
         raise TypeError(f"{_FN}(): impl='flash_mma' needs float16 or bfloat16 inputs, got float32 "
                         f"(use impl='flash')")
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -127,11 +125,11 @@ def _check_args(q, k, v, scale, mask, key_lengths, impl, out):
     kl = _check_key_lengths(key_lengths, b, sk) if key_lengths is not None else None
     if out is not None:
         check_out(_FN, out, (b, hq, sq, d), q.dtype)
-    return scale, mshape, kl
+    return impl, scale, mshape, kl
 
 
 # --- public op ------------------------------------------------------------------------------
-def attention(q, k, v, causal=False, scale=None, mask=None, key_lengths=None, impl="flash",
+def attention(q, k, v, causal=False, scale=None, mask=None, key_lengths=None, impl=None,
               return_lse=False, out=None):
     """Scaled dot-product attention ``softmax(q k^T * scale + bias) v``.
 
@@ -153,11 +151,12 @@ def attention(q, k, v, causal=False, scale=None, mask=None, key_lengths=None, im
     key_lengths : int array [B], optional
         Keys ``j >= key_lengths[b]`` are hidden. Host values (list / NumPy) are checked to lie in
         [0, Sk]; a CuPy array is used as is (not read back: the flash kernel clamps it to [0, Sk]).
-    impl : {"flash", "flash_mma", "naive"}
-        ``"flash"`` (default): one fused FlashAttention-2 kernel launch (SIMT, fp32 FMA); S is
+    impl : {None, "flash", "flash_mma", "naive"}
+        None (default): the fastest correct kernel for the dtype, ``DEFAULT_IMPL[q.dtype]``.
+        ``"flash"``: one fused FlashAttention-2 kernel launch (SIMT, fp32 FMA); S is
         never written to memory and only ``out`` (and ``lse``, and a B-element int32 copy of
         host key_lengths) are allocated. D must be one of
-        ``SUPPORTED_HEAD_DIMS`` = (32, 64, 80, 96, 128, 256).
+        ``cupyattn.config.HEAD_DIMS`` = (32, 64, 80, 96, 128, 256).
         ``"flash_mma"``: the same algorithm on tensor cores (mma.sync m16n8k16, fp32
         accumulation, P rounded to the input dtype before P V); float16/bfloat16 only.
         ``"naive"``: ``S = gemm_nt(q, k)`` [B, Hq, Sq, Sk] in memory, softmax, ``gemm_nn(P, v)``;
@@ -182,9 +181,7 @@ def attention(q, k, v, causal=False, scale=None, mask=None, key_lengths=None, im
     >>> o = attention(q, kv, kv, causal=True)                        # [2, 8, 1000, 64] float16
     >>> o, lse = attention(q, kv, kv, key_lengths=[1000, 17], return_lse=True)
     """
-    scale, mshape, kl = _check_args(q, k, v, scale, mask, key_lengths, impl, out)
-    import cupy
-
+    impl, scale, mshape, kl = _check_args(q, k, v, scale, mask, key_lengths, impl, out)
     b, hq, sq, d = q.shape
     sk = k.shape[2]
     if out is None:
@@ -205,7 +202,7 @@ def attention(q, k, v, causal=False, scale=None, mask=None, key_lengths=None, im
     if impl == "naive":
         _naive(q, k, v, causal, scale, mask, mshape, kl, out, lse)
     else:
-        _flash(q, k, v, causal, scale, mask, mshape, kl, out, lse, mma=impl == "flash_mma")
+        _flash(impl, q, k, v, causal, scale, mask, mshape, kl, out, lse)
     return (out, lse) if return_lse else out
 
 
@@ -214,40 +211,30 @@ def _elem_strides(x):
     return [s // x.itemsize for s in x.strides]
 
 
-def _flash(q, k, v, causal, scale, mask, mshape, kl, out, lse, mma=False):
+def _flash(impl, q, k, v, causal, scale, mask, mshape, kl, out, lse):
     """The one launch of the fused kernel (v1 SIMT or v2 tensor cores)."""
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
-    ct = ctype(q.dtype)
-    if mma:
-        nw = _MMA_TILES[d][1]
-        bm, expr = 16 * nw, _mma_expr(ct, d, bool(causal))
-    else:
-        bm, _, nw = _tile(ct, d)
-        expr = _flash_expr(ct, d, bool(causal))
+    tile = _tile(impl, q.dtype, d)
+    bm = tile.block_m
     if mask is not None:
         mask = mask.reshape(mshape)  # leading 1s: a view
         mstr = [0 if n == 1 else s for n, s in zip(mshape, _elem_strides(mask))]
     else:
         mstr = [0, 0, 0, 0]
     bh = b * hq
-    grid = ((sq + bm - 1) // bm, min(bh, _MAX_GRID_Y), (bh + _MAX_GRID_Y - 1) // _MAX_GRID_Y)
+    grid = ((sq + bm - 1) // bm, min(bh, MAX_GRID_YZ), (bh + MAX_GRID_YZ - 1) // MAX_GRID_YZ)
     i64 = np.int64
     args = (q, k, v, out, ptr_or_null(lse), ptr_or_null(mask), ptr_or_null(kl),
             np.int32(b), np.int32(hq), np.int32(hkv), np.int32(sq), np.int32(sk),
             *map(i64, _elem_strides(q)[:3]), *map(i64, _elem_strides(k)[:3]),
             *map(i64, _elem_strides(v)[:3]), *map(i64, mstr),
             np.float32(scale * math.log2(math.e)))
-    get_function(FLASH_SPEC, expr)(grid, (nw * 32,), args)
+    get_function(SPEC, _expr(impl, q.dtype, d, causal))(grid, (tile.warps * 32,), args)
 
 
 # --- impl="naive": gemm_nt -> softmax -> gemm_nn, S in memory -------------------------------
 def _naive(q, k, v, causal, scale, mask, mshape, kl, out, lse):
-    import cupy
-
-    from .gemm import gemm_nn, gemm_nt
-    from .softmax_op import softmax
-
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     g = hq // hkv
