@@ -29,6 +29,8 @@ from pathlib import Path
 import cupy
 import numpy as np
 
+from .config import STATIC_SMEM_BYTES
+
 KERNELS_DIR = Path(__file__).resolve().parent.parent / "kernels_cu"
 
 # Options every spec gets; the arch is chosen per device by CuPy (runtime) or by the check.
@@ -38,6 +40,7 @@ ANNOUNCE_AFTER_S = 1.0  # a compile still running after this long is announced o
 _INCLUDE_RE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
 _REGISTRY: dict[str, "KernelSpec"] = {}
 _FUNCTIONS: dict[tuple[str, str, int], object] = {}
+_SMEM_RAISED: dict[tuple[str, str, int], int] = {}  # dynamic shared memory opted in per kernel
 _LOCK = threading.Lock()
 
 
@@ -154,18 +157,30 @@ def _compile(spec: KernelSpec, name_expression: str, arch: str):
             timer.cancel()
 
 
-def get_function(spec: KernelSpec, name_expression: str):
+def get_function(spec: KernelSpec, name_expression: str, dynamic_smem: int = 0):
     """One kernel of ``spec`` (a name expression it declares) for the current device, compiled
-    on first use (only that instantiation) and memoised per device."""
+    on first use (only that instantiation) and memoised per device.
+
+    ``dynamic_smem``: bytes of dynamic shared memory the caller will launch it with
+    (``kernel(grid, block, args, shared_mem=dynamic_smem)``); above 48 KB the kernel's opt-in
+    attribute is raised here first (once per kernel and size), and a request beyond the
+    device's opt-in limit is a clear error instead of a failed launch.
+    """
     dev_id, arch = _device_arch()
     key = (spec.name, name_expression, dev_id)
     fn = _FUNCTIONS.get(key)
-    if fn is not None:
-        return fn
-    if name_expression not in spec.name_expressions:
-        raise KeyError(f"{name_expression!r} is not an instantiation of kernel spec {spec.name!r}")
-    with _LOCK:
-        fn = _FUNCTIONS.get(key)
-        if fn is None:
-            fn = _FUNCTIONS[key] = _compile(spec, name_expression, arch)
+    if fn is None:
+        if name_expression not in spec.name_expressions:
+            raise KeyError(f"{name_expression!r} is not an instantiation of kernel spec {spec.name!r}")
+        with _LOCK:
+            fn = _FUNCTIONS.get(key)
+            if fn is None:
+                fn = _FUNCTIONS[key] = _compile(spec, name_expression, arch)
+    if dynamic_smem > STATIC_SMEM_BYTES and _SMEM_RAISED.get(key, 0) < dynamic_smem:
+        limit = int(cupy.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"])
+        if dynamic_smem > limit:
+            raise ValueError(f"{name_expression} needs {dynamic_smem} B of shared memory per block; "
+                             f"this device allows {limit} B")
+        fn.max_dynamic_shared_size_bytes = dynamic_smem
+        _SMEM_RAISED[key] = dynamic_smem
     return fn

@@ -152,3 +152,25 @@ def test_a_slow_compile_is_announced_on_stderr(monkeypatch, capfd, quiet):
     else:
         assert err.count("\n") == 1 and err.startswith("cupyattn: compiling kv_advance_lengths_kernel "
                                                         "(kernels_cu/kvcache.cu) for sm_")
+
+
+@pytest.mark.gpu
+def test_dynamic_shared_memory_is_opted_in_once_and_checked(monkeypatch):
+    import cupy
+
+    from cupyattn import kvcache
+
+    monkeypatch.setattr(_loader, "_FUNCTIONS", {})
+    monkeypatch.setattr(_loader, "_SMEM_RAISED", {})
+    expr = "kv_advance_lengths_kernel"
+    fn = _loader.get_function(kvcache.SPEC, expr, dynamic_smem=1024)  # under 48 KB: untouched
+    assert fn.max_dynamic_shared_size_bytes == 0
+    fn = _loader.get_function(kvcache.SPEC, expr, dynamic_smem=100 * 1024)
+    assert fn.max_dynamic_shared_size_bytes == 100 * 1024
+    lengths = cupy.zeros(3, dtype=np.int32)
+    fn((1,), (32,), (lengths, lengths, np.int32(3), np.int32(2), np.int32(0)), shared_mem=100 * 1024)
+    assert cupy.asnumpy(lengths).tolist() == [2, 2, 2]
+    limit = int(cupy.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"])
+    with pytest.raises(ValueError, match=f"needs {limit + 16} B of shared memory per block; this device "
+                                         f"allows {limit} B"):
+        _loader.get_function(kvcache.SPEC, expr, dynamic_smem=limit + 16)
