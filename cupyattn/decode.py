@@ -93,15 +93,15 @@ def _check_args(fn, q, cache, layer, scale, num_splits, out):
     return layer, b, hq, d, float(scale), num_splits
 
 
-def _launch(q, cache, layer, scale, num_splits, out, partials=None):
-    """Run the decode kernel (and the combine kernel when split); ``partials`` =
-    (o_part, lse_part) to keep the workspace (tests read it)."""
+def _launch(q, cache, layer, scale, num_splits, out, workspace=None, combine=True):
+    """Run the decode kernel, and the combine kernel when split (``combine=False`` keeps only the
+    split partials in ``workspace``, for tests)."""
     b, hq, _, d = q.shape
     hkv = cache.num_kv_heads
     n_ht = -(-(hq // hkv) // DECODE_HEAD_TILE)
-    split = num_splits > 1 or partials is not None
+    split = num_splits > 1 or not combine
     if split:
-        o_part, lse_part = partials if partials is not None else (
+        o_part, lse_part = workspace if workspace is not None else (
             cupy.empty((num_splits, b, hq, d), dtype=np.float32), cupy.empty((num_splits, b, hq), dtype=np.float32))
         out_arg = o_part            # the kernel writes only the partials: any pointer will do
     else:
@@ -113,13 +113,13 @@ def _launch(q, cache, layer, scale, num_splits, out, partials=None):
           i64(q.strides[0] // q.itemsize), i64(q.strides[1] // q.itemsize),
           i32(b), i32(hq), i32(hkv), i32(cache.max_seq), i32(num_splits),
           np.float32(scale * math.log2(math.e)), i32(1 if split else 0)))
-    if split and partials is None:
-        combine = get_function(SPEC, _combine_expr(cache.dtype))
-        combine((b * hq,), (DECODE_COMBINE_THREADS,), (o_part, lse_part, out, i32(num_splits), i32(b * hq), i32(d)))
+    if split and combine:
+        merge = get_function(SPEC, _combine_expr(cache.dtype))
+        merge((b * hq,), (DECODE_COMBINE_THREADS,), (o_part, lse_part, out, i32(num_splits), i32(b * hq), i32(d)))
     return out
 
 
-def decode_attention(q, cache, layer, scale=None, num_splits=None, out=None):
+def decode_attention(q, cache, layer, scale=None, num_splits=None, out=None, workspace=None):
     """Attention of one new query token per sequence over the cached keys/values of ``layer``.
 
     Parameters
@@ -139,6 +139,10 @@ def decode_attention(q, cache, layer, scale=None, num_splits=None, out=None):
         live length and the SM count (:func:`choose_num_splits`), with no device sync.
     out : cupy.ndarray [B, Hq, 1, D], optional
         C-contiguous, q's dtype.
+    workspace : (o_part, lse_part), optional
+        Preallocated split-KV partials, float32 C-contiguous ``[S, B, Hq, D]`` and ``[S, B, Hq]``
+        with ``S >= num_splits``: with ``out`` given the call allocates nothing, so it can be
+        captured in a CUDA graph. Without it a split call allocates them.
 
     Returns
     -------
@@ -155,9 +159,22 @@ def decode_attention(q, cache, layer, scale=None, num_splits=None, out=None):
         n_ht = -(-(hq // cache.num_kv_heads) // DECODE_HEAD_TILE)
         num_splits = choose_num_splits(b, cache.num_kv_heads * n_ht,
                                        int(cache.host_lengths[layer].max()), _sm_count())
+    if workspace is not None:
+        _check_workspace(fn, workspace, num_splits, b, hq, d)
     if out is None:
         out = cupy.empty((b, hq, 1, d), dtype=q.dtype)
-    return _launch(q, cache, layer, scale, num_splits, out)
+    return _launch(q, cache, layer, scale, num_splits, out, workspace)
+
+
+def _check_workspace(fn, workspace, num_splits, b, hq, d):
+    if not isinstance(workspace, tuple) or len(workspace) != 2:
+        raise TypeError(f"{fn}(): workspace must be a tuple (o_part, lse_part), got {type(workspace).__name__}")
+    o_part, lse_part = workspace
+    for name, x, tail in (("workspace[0]", o_part, (b, hq, d)), ("workspace[1]", lse_part, (b, hq))):
+        check_array(fn, name, x, dtypes=(np.dtype(np.float32),), ndim=len(tail) + 1)
+        if tuple(x.shape[1:]) != tail or x.shape[0] < num_splits or not x.flags.c_contiguous:
+            raise ValueError(f"{fn}(): {name} must be C-contiguous float32 of shape [S >= {num_splits}, "
+                             f"{', '.join(map(str, tail))}], got {tuple(x.shape)}")
 
 
 def decode_split_partials(q, cache, layer, num_splits, scale=None):
@@ -170,7 +187,7 @@ def decode_split_partials(q, cache, layer, num_splits, scale=None):
         raise ValueError(f"{fn}(): num_splits is required")
     o_part = cupy.empty((num_splits, b, hq, d), dtype=np.float32)
     lse_part = cupy.empty((num_splits, b, hq), dtype=np.float32)
-    _launch(q, cache, layer, scale, num_splits, None, partials=(o_part, lse_part))
+    _launch(q, cache, layer, scale, num_splits, None, (o_part, lse_part), combine=False)
     return o_part, lse_part
 
 

@@ -317,6 +317,25 @@ def test_decode_small(backend, rng, dtype, splits):
     _check_decode(backend, rng, dtype, [1, 17, 0, 70], hkv=2, group=3, d=64, splits=splits)
 
 
+def test_decode_with_preallocated_workspace(backend, rng):
+    """workspace= gives the same output as the call's own partials, and bad ones are refused."""
+    import cupy
+
+    cache, q, want = _check_decode(backend, rng, "float16", [40, 3, 0], hkv=2, group=4, d=64, splits=3)
+    ws = (cupy.full((5, 3, 8, 64), np.nan, dtype=cupy.float32), cupy.full((5, 3, 8), np.nan, dtype=cupy.float32))
+    out = backend.nan((3, 8, 1, 64), "float16")
+    decode_attention(q, cache, 1, num_splits=3, out=out, workspace=ws)
+    np.testing.assert_array_equal(backend.host(out), want)
+    for bad, exc, msg in [((ws[0],), TypeError, "workspace must be a tuple"),
+                          ((ws[0][:2], ws[1][:2]), ValueError, r"workspace\[0\] must be .* \[S >= 3, 3, 8, 64\]"),
+                          ((ws[0], ws[1].astype(cupy.float16)), TypeError, r"workspace\[1\] has dtype float16"),
+                          ((ws[0], ws[1][:, :, :4]), ValueError, r"workspace\[1\] must be")]:
+        before = backend.host(out).copy()
+        with pytest.raises(exc, match=msg):
+            decode_attention(q, cache, 1, num_splits=3, out=out, workspace=bad)
+        np.testing.assert_array_equal(backend.host(out), before)
+
+
 @pytest.mark.parametrize("d", config.HEAD_DIMS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_head_dims(backend, rng, dtype, d):
