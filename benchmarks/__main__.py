@@ -17,7 +17,10 @@ from pathlib import Path
 from . import specs
 from .report import RESULTS_DIR
 
-PROG = "cupyattn-bench"
+def _prog() -> str:
+    """The command the user typed: the console script, or ``python -m benchmarks``."""
+    name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    return "cupyattn-bench" if name.startswith("cupyattn-bench") else "python -m benchmarks"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -53,7 +56,7 @@ def _parser() -> argparse.ArgumentParser:
     mg.add_argument("--model-backend", default="cupy", help=argparse.SUPPRESS)
     mg.add_argument("--hf-device", default="cuda", help=argparse.SUPPRESS)
 
-    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog=_prog(), description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="sweeps: " + ", ".join(specs.SWEEPS))
     sub = ap.add_subparsers(dest="op", required=True, metavar="{gemm,softmax,attention,decode,model,all}")
@@ -173,7 +176,7 @@ def main(argv=None) -> int:
     try:
         cases_ = plan(a)
     except ValueError as e:
-        print(f"{PROG}: {e}", file=sys.stderr)
+        print(f"{_prog()}: {e}", file=sys.stderr)
         return 2
 
     from .timing import NoDevice, require_device
@@ -181,7 +184,7 @@ def main(argv=None) -> int:
     try:
         require_device()
     except NoDevice as e:
-        print(f"{PROG}: {e}; the benchmarks need a CUDA GPU", file=sys.stderr)
+        print(f"{_prog()}: {e}", file=sys.stderr)
         return 1
     return _run(a, argv, cases_)
 
@@ -202,7 +205,7 @@ def _run(a, argv, cases_) -> int:
         impls = {op: select_impls(op, a.impl if a.op != "all" else None, log)
                  for op in dict.fromkeys(c.op for c in cases_)}
     except ValueError as e:
-        print(f"{PROG}: {e}", file=sys.stderr)
+        print(f"{_prog()}: {e}", file=sys.stderr)
         return 2
     import cupy
 

@@ -18,16 +18,13 @@ class NoDevice(RuntimeError):
 def require_device() -> None:
     """Raise NoDevice with a one-line reason when CuPy cannot reach a CUDA device."""
     try:
-        import cupy
-
-        n = cupy.cuda.runtime.getDeviceCount()
+        from cupyattn import gpu_unavailable_reason
     except ImportError as e:
         raise NoDevice(f"CuPy is not importable ({e})") from None
-    except Exception as e:  # CUDARuntimeError, driver missing, ...
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise NoDevice(f"no CUDA device available ({msg})") from None
-    if n < 1:
-        raise NoDevice("no CUDA device available (device count is 0)")
+    reason = gpu_unavailable_reason()
+    if reason:
+        raise NoDevice(f"{reason}; the benchmarks need a CUDA GPU (without one, tinylm --backend "
+                       "numpy and python -m cupyattn check still work)")
 
 
 @dataclasses.dataclass

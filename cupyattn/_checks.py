@@ -77,3 +77,35 @@ def check_positive_int(fn: str, name: str, value, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise ValueError(f"{fn}(): {name} must be an integer >= {minimum}, got {value!r}")
     return int(value)
+
+
+# --- is there a GPU at all? -----------------------------------------------------------------
+WITHOUT_GPU = "without one, tinylm --backend numpy and python -m cupyattn check still work"
+
+
+def gpu_unavailable_reason() -> str | None:
+    """None when CuPy can use a CUDA device, else one plain sentence saying what is missing."""
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except cupy.cuda.runtime.CUDARuntimeError as e:
+        import ctypes
+
+        try:
+            ctypes.CDLL("libcuda.so.1")
+        except OSError:
+            return "no NVIDIA GPU driver was found (libcuda.so.1 cannot be loaded)"
+        if getattr(e, "status", None) == 35:  # cudaErrorInsufficientDriver
+            v = cupy.cuda.runtime.runtimeGetVersion()
+            return (f"the NVIDIA driver is older than the CUDA {v // 1000}.{v % 1000 // 10} runtime "
+                    f"this CuPy was built for ({e})")
+        return f"no usable NVIDIA GPU was found ({e})"
+    if n < 1:
+        return "no NVIDIA GPU was found (the driver reports 0 devices)"
+    return None
+
+
+def require_gpu(fn: str) -> None:
+    """RuntimeError naming ``fn`` when no CUDA device can be used, before CuPy fails deeper."""
+    reason = gpu_unavailable_reason()
+    if reason:
+        raise RuntimeError(f"{fn}() needs a CUDA GPU: {reason}; {WITHOUT_GPU}")

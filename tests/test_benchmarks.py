@@ -349,8 +349,19 @@ def test_no_gpu_prints_one_line_and_fails():
     assert r.returncode != 0
     assert "Traceback" not in r.stderr + r.stdout
     lines = [l for l in r.stderr.splitlines() if l.strip()]
-    assert len(lines) == 1 and "GPU" in lines[0], r.stderr
+    assert len(lines) == 1 and lines[0].startswith("python -m benchmarks: "), r.stderr
+    # what is missing in plain words (not CUDA's "driver version is insufficient"), what still works
+    assert "NVIDIA" in lines[0] and "need a CUDA GPU" in lines[0] and "--backend numpy" in lines[0]
     assert r.stdout == ""
+
+
+def test_usage_names_the_command_the_user_typed():
+    r = subprocess.run([sys.executable, "-m", "benchmarks", "--help"], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.startswith("usage: python -m benchmarks ")
+    script = Path(sys.executable).parent / "cupyattn-bench"
+    if script.exists():  # the console script of an installed package
+        r = subprocess.run([str(script), "--help"], cwd=ROOT, capture_output=True, text=True)
+        assert r.returncode == 0 and r.stdout.startswith("usage: cupyattn-bench "), r.stdout[:200]
 
 
 def test_sweep_of_another_op_is_a_usage_error(capsys):

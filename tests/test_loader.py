@@ -174,3 +174,17 @@ def test_dynamic_shared_memory_is_opted_in_once_and_checked(monkeypatch):
     with pytest.raises(ValueError, match=f"needs {limit + 16} B of shared memory per block; this device "
                                          f"allows {limit} B"):
         _loader.get_function(kvcache.SPEC, expr, dynamic_smem=limit + 16)
+
+
+# --- CPU tier without a GPU: the error says what is missing and what still works ---------------
+def test_without_a_gpu_the_error_says_so_plainly():
+    from conftest import EMULATE, HAS_GPU
+
+    if HAS_GPU or EMULATE:
+        pytest.skip("this machine has a GPU (or emulates one)")
+    from cupyattn import kvcache
+
+    reason = cupyattn.gpu_unavailable_reason()
+    assert reason and "NVIDIA" in reason and "insufficient" not in reason
+    with pytest.raises(RuntimeError, match=r"needs a CUDA GPU: .*NVIDIA.*tinylm --backend numpy"):
+        _loader.get_function(kvcache.SPEC, "kv_advance_lengths_kernel")
