@@ -34,7 +34,7 @@ def _one(new_tokens: int, prompt: str, threads: str) -> dict:
         torch.set_num_threads(int(threads))
     path = default_model_path()
     gen = load(None, backend="numpy")
-    prompt_ids = gen.encode(gen.tokenizer.render_chat(prompt))
+    prompt_ids = gen.encode(prompt, chat=True)
     n = new_tokens
     ours = gen.generate(prompt_ids, n, ignore_eos=True)
 

@@ -309,7 +309,7 @@ def test_real_model_truncated_copy(tmp_path):
     cut = tmp_path / "first_mb.gguf"
     with open(path, "rb") as f:
         cut.write_bytes(f.read(1 << 20))
-    with pytest.raises(GGUFError, match="first_mb.gguf: cannot read GGUF"):
+    with pytest.raises(GGUFError, match="first_mb.gguf: .*(past the end of the file|more than the file can hold)"):
         load_gguf(cut)
 
 

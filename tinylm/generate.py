@@ -138,13 +138,22 @@ class Generator:
             s = self._state = self.model.new_state(batch, cap)
         return s
 
-    def encode(self, text: str, chat: bool = False, system: str | None = None) -> list:
-        """Prompt text -> ids (ChatML when chat). Without a tokenizer: UTF-8 bytes mod vocab."""
+    def encode(self, text: str, chat: bool = False, system: str | None = None,
+               allow_special: bool = False) -> list:
+        """Prompt text -> ids (ChatML when chat). Without a tokenizer: UTF-8 bytes mod vocab.
+
+        User text (``text``, ``system``) is encoded as plain text: control tokens such as
+        ``<|im_start|>`` come only from the chat template. ``allow_special=True`` lets a raw
+        (non-chat) prompt contain control tokens written as text.
+        """
         if self.tokenizer is None:
             return [b % self.args.vocab_size for b in text.encode("utf-8")] or [0]
         if chat:
-            text = self.tokenizer.render_chat(text, system=system)
-        return self.tokenizer.encode(text)
+            if allow_special:
+                raise ValueError("Generator.encode(): allow_special applies to raw prompts, not chat=True "
+                                 "(the chat template alone adds control tokens)")
+            return self.tokenizer.encode_chat(text, system=system)
+        return self.tokenizer.encode(text, allow_special=allow_special)
 
     def decode(self, ids) -> str:
         """Text of ids, special tokens left out (the ids themselves without a tokenizer)."""

@@ -157,6 +157,109 @@ def _reader_class():
     return _Reader
 
 
+# GGUF value types (gguf.GGUFValueType) -> bytes of one value; STRING (8) and ARRAY (9) vary
+_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY = 8, 9
+_MAX_DIMS = 4  # GGML_MAX_DIMS
+
+
+class _Scan:
+    """A cursor over a memory-mapped GGUF file that refuses to read past its end."""
+
+    def __init__(self, path: Path, buf):
+        self.path, self.buf, self.pos, self.size, self.order = path, buf, 0, len(buf), "<"
+
+    def fail(self, msg):
+        raise GGUFError(f"{self.path}: {msg} (at byte {self.pos} of {self.size})")
+
+    def take(self, n: int, what: str):
+        if n > self.size - self.pos:
+            self.fail(f"{what} ({n} bytes) runs past the end of the file")
+        self.pos += n
+        return self.buf[self.pos - n:self.pos]
+
+    def u32(self, what) -> int:
+        return int.from_bytes(self.take(4, what), "little" if self.order == "<" else "big")
+
+    def u64(self, what) -> int:
+        return int.from_bytes(self.take(8, what), "little" if self.order == "<" else "big")
+
+    def string(self, what) -> bytes:
+        b = self.take(self.u64(what + " length"), what)
+        try:
+            bytes(b).decode("utf-8")
+        except UnicodeDecodeError:
+            self.fail(f"{what} is not valid UTF-8")
+        return b
+
+    def value(self, vtype: int, what: str, depth: int = 0):
+        if vtype in _SCALAR_BYTES:
+            return self.take(_SCALAR_BYTES[vtype], what)
+        if vtype == _STRING:
+            return self.string(what)
+        if vtype != _ARRAY or depth > 1:
+            self.fail(f"{what} has value type {vtype}, which GGUF does not define here")
+        etype, count = self.u32(what + " item type"), self.u64(what + " item count")
+        least = _SCALAR_BYTES.get(etype, 8 if etype == _STRING else 12)
+        if count * least > self.size - self.pos:
+            self.fail(f"{what} claims {count} items, more than the file can hold")
+        if etype in _SCALAR_BYTES:
+            return self.take(count * least, what)
+        for _ in range(count):
+            self.value(etype, what, depth + 1)
+
+
+def _prescan(path: Path) -> None:
+    """Walk the header, metadata and tensor table of a GGUF file checking every count, length and
+    offset against the bytes that are really there, before gguf's reader sees it: a corrupt
+    count (a string of 2^60 bytes, an array of 2^40 items, a tensor past the end) becomes a
+    GGUFError naming the field, never a hang or a huge allocation in the reader."""
+    import mmap
+
+    import gguf
+
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        sc = _Scan(path, buf)
+        sc.take(4, "the magic")
+        version = sc.u32("the version")
+        if not version & 0xFFFF:  # written on a machine of the other byte order
+            sc.order, version = ">", int.from_bytes(version.to_bytes(4, "little"), "big")
+        if version not in (2, 3):
+            sc.fail(f"GGUF version {version} is not supported (2 or 3)")
+        n_tensors, n_kv = sc.u64("the tensor count"), sc.u64("the metadata count")
+        if n_kv * 13 > sc.size or n_tensors * 28 > sc.size:  # the least bytes each can take
+            sc.fail(f"the header claims {n_kv} metadata entries and {n_tensors} tensors, more than "
+                    f"the file can hold")
+        alignment = 32
+        for i in range(n_kv):
+            key = bytes(sc.string(f"metadata key {i}")).decode("utf-8", "replace")
+            vtype = sc.u32(f"the type of metadata {key!r}")
+            raw = sc.value(vtype, f"metadata {key!r}")
+            if key == "general.alignment":
+                alignment = int.from_bytes(raw, "little" if sc.order == "<" else "big") if vtype == 4 else 0
+                if alignment == 0 or alignment & (alignment - 1):
+                    sc.fail("general.alignment must be a uint32 power of two")
+        infos = []
+        for i in range(n_tensors):
+            name = bytes(sc.string(f"tensor {i}'s name")).decode("utf-8", "replace")
+            n_dims = sc.u32(f"tensor {name!r}'s dimension count")
+            if not 1 <= n_dims <= _MAX_DIMS:
+                sc.fail(f"tensor {name!r} has {n_dims} dimensions (1 to {_MAX_DIMS})")
+            dims = [sc.u64(f"tensor {name!r}'s dims") for _ in range(n_dims)]
+            infos.append((name, dims, sc.u32(f"tensor {name!r}'s type"), sc.u64(f"tensor {name!r}'s offset")))
+        data_start = -(-sc.pos // alignment) * alignment
+        for name, dims, ttype, offset in infos:
+            try:
+                block, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ttype)]
+            except (ValueError, KeyError):
+                sc.fail(f"tensor {name!r} has unknown type {ttype}")
+            n = int(np.prod(dims, dtype=object))
+            nbytes = n // block * block_bytes
+            if n == 0 or n % block or data_start + offset + nbytes > sc.size:
+                sc.fail(f"tensor {name!r} of dims {dims} and type {ttype} ({nbytes} bytes at data offset "
+                        f"{offset}) does not fit the file")
+
+
 def _open(path: Path):
     """GGUFReader over ``path``, with every failure turned into a GGUFError naming the file."""
     if not path.is_file():
@@ -165,6 +268,7 @@ def _open(path: Path):
         magic = f.read(4)
     if magic != GGUF_MAGIC:
         raise GGUFError(f"{path}: not a GGUF file (starts with {magic!r}, expected {GGUF_MAGIC!r})")
+    _prescan(path)
     try:
         return _reader_class()(str(path))
     except Exception as e:  # the reader raises bare ValueError/IndexError on short files
@@ -173,27 +277,38 @@ def _open(path: Path):
                         f"{type(e).__name__}: {e}") from e
 
 
-def read_metadata(reader) -> dict:
+def read_metadata(reader, path="<gguf>") -> dict:
     """Every metadata field as a plain Python value (str, int, float, bool, list)."""
     meta = {}
     for key, fld in reader.fields.items():
         if key.startswith("GGUF."):
             continue  # header counts, not metadata
-        meta[key] = fld.contents()
+        try:
+            meta[key] = fld.contents()
+        except Exception as e:  # what _prescan lets through and gguf still cannot decode
+            raise GGUFError(f"{path}: metadata {key!r} cannot be decoded ({type(e).__name__}: {e})") from None
     return meta
 
 
-def _f32(value) -> float:
-    """A float32 metadata value as the shortest decimal that round-trips (1e-05, not 9.99e-06)."""
+def _f32(meta, key, path, default: float) -> float:
+    """A positive finite float metadata value, as the shortest decimal that round-trips its
+    float32 (1e-05, not 9.99e-06)."""
+    value = meta.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise GGUFError(f"{path}: metadata {key!r} must be a positive finite number, got {value!r}")
     return float(str(np.float32(value)))
 
 
-def _int(meta, key, path, default=None):
-    if key in meta:
-        return int(meta[key])
-    if default is not None:
-        return default
-    raise GGUFError(f"{path}: metadata key {key!r} is missing")
+def _int(meta, key, path, default=None, limit=2**31 - 1):
+    """A positive integer metadata value (at most ``limit``), or ``default`` when absent."""
+    if key not in meta:
+        if default is not None:
+            return default
+        raise GGUFError(f"{path}: metadata key {key!r} is missing")
+    value = meta[key]
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
+        raise GGUFError(f"{path}: metadata {key!r} must be an integer in [1, {limit}], got {value!r}")
+    return value
 
 
 def args_from_metadata(meta: dict, path="<gguf>") -> ModelArgs:
@@ -204,23 +319,24 @@ def args_from_metadata(meta: dict, path="<gguf>") -> ModelArgs:
     p = "llama."
     dim = _int(meta, p + "embedding_length", path)
     n_heads = _int(meta, p + "attention.head_count", path)
-    head_dim = _int(meta, p + "attention.key_length", path, default=dim // n_heads)
+    head_dim = _int(meta, p + "attention.key_length", path, default=max(dim // n_heads, 1))
     rope_dims = _int(meta, p + "rope.dimension_count", path, default=head_dim)
     if rope_dims != head_dim:
         raise GGUFError(f"{path}: RoPE over {rope_dims} of {head_dim} head dims is not supported")
     if _int(meta, p + "attention.value_length", path, default=head_dim) != head_dim:
         raise GGUFError(f"{path}: value heads of another size than key heads are not supported")
-    n_vocab = meta.get(p + "vocab_size") or len(meta.get("tokenizer.ggml.tokens", ()))
+    tokens = meta.get("tokenizer.ggml.tokens", ())
+    n_vocab = _int(meta, p + "vocab_size", path, default=len(tokens) if isinstance(tokens, list) else 0)
     if not n_vocab:
         raise GGUFError(f"{path}: cannot tell the vocabulary size (no llama.vocab_size, no tokens)")
     try:
         return ModelArgs(
-            dim=dim, n_layers=_int(meta, p + "block_count", path), n_heads=n_heads,
+            dim=dim, n_layers=_int(meta, p + "block_count", path, limit=4096), n_heads=n_heads,
             n_kv_heads=_int(meta, p + "attention.head_count_kv", path, default=n_heads),
             head_dim=head_dim, ffn_dim=_int(meta, p + "feed_forward_length", path),
-            vocab_size=int(n_vocab),
-            norm_eps=_f32(meta.get(p + "attention.layer_norm_rms_epsilon", 1e-5)),
-            rope_base=_f32(meta.get(p + "rope.freq_base", 10000.0)),
+            vocab_size=n_vocab,
+            norm_eps=_f32(meta, p + "attention.layer_norm_rms_epsilon", path, 1e-5),
+            rope_base=_f32(meta, p + "rope.freq_base", path, 10000.0),
             rope_style="adjacent",
             max_seq=_int(meta, p + "context_length", path, default=2048),
             tie_embeddings=True)  # corrected by load_gguf when output.weight is present
@@ -246,7 +362,7 @@ def load_gguf(path, dtype=np.float32):
     """
     path = Path(os.fspath(path))
     reader = _open(path)
-    meta = read_metadata(reader)
+    meta = read_metadata(reader, path)
     args = args_from_metadata(meta, path)
     tensors = {t.name: t for t in reader.tensors}
 
@@ -286,4 +402,4 @@ def load_gguf(path, dtype=np.float32):
 def load_metadata(path) -> dict:
     """Only the metadata of a GGUF file (for the tokenizer), with load_gguf's error handling."""
     path = Path(os.fspath(path))
-    return read_metadata(_open(path))
+    return read_metadata(_open(path), path)

@@ -6,9 +6,13 @@ back the bytes of a UTF-8 character that is not complete yet.
 
 Pre-tokenization reproduces llama.cpp's ``smollm`` pre-tokenizer: every digit is its own piece
 (so the space before a number is a piece of its own), then GPT-2's regex split, then the
-byte-to-unicode mapping (ByteLevel, no prefix space). Control tokens (``<|im_start|>`` ...) are
-matched as whole tokens wherever they appear in the text. No BOS is added unless the file's
+byte-to-unicode mapping (ByteLevel, no prefix space). No BOS is added unless the file's
 ``tokenizer.ggml.add_bos_token`` asks for it.
+
+Control tokens (``<|im_start|>``, ``<|im_end|>``, ...) come only from the chat template
+(``encode_chat``): text is encoded as plain text, so a user who types ``<|im_start|>system`` gets
+those characters, not a forged turn. ``encode(text, allow_special=True)`` is the explicit opt-in
+that matches control-token text as control tokens (for raw prompts written by the developer).
 """
 from __future__ import annotations
 
@@ -43,13 +47,19 @@ _UNICODE_TO_BYTE = {c: b for b, c in _byte_to_unicode().items()}
 _SYSTEM_RE = re.compile(r"<\|im_start\|>system\n(.*?)<\|im_end\|>", re.DOTALL)
 
 
+def _short(value, n: int = 60) -> str:
+    """repr of a metadata value, cut to ``n`` characters (a bad vocabulary can be huge)."""
+    r = repr(value)
+    return r if len(r) <= n else r[:n] + "..."
+
+
 class Tokenizer:
     """Encode text to token ids and back for a GGUF ``gpt2``-model (byte-level BPE) vocabulary.
 
     Example::
 
         tok = Tokenizer.from_gguf(path)
-        ids = tok.encode(tok.render_chat("What is 2+2?"))
+        ids = tok.encode_chat("What is 2+2?")       # ChatML; the user text stays plain text
         text = tok.decode(ids)
     """
 
@@ -77,10 +87,13 @@ class Tokenizer:
         hf.decoder = decoders.ByteLevel()
         special = [i for i, ty in enumerate(token_types) if ty == CONTROL]
         user = [i for i, ty in enumerate(token_types) if ty == USER_DEFINED]
-        hf.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in special])
         if user:
             hf.add_tokens([AddedToken(tokens[i], special=False, normalized=False) for i in user])
-        self._hf = hf
+        # Two encoders: plain text (control-token text is just text) and, for the explicit
+        # opt-in, one that also matches control tokens.
+        self._hf_plain = hf
+        self._hf = _HFTokenizer.from_str(hf.to_str())
+        self._hf.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in special])
 
         # Bytes of every token: byte-level tokens undo the byte->unicode map; control and
         # user-defined tokens are their own UTF-8 text.
@@ -111,43 +124,88 @@ class Tokenizer:
     # --- construction ---------------------------------------------------------------------
 
     @classmethod
-    def from_gguf_metadata(cls, meta: dict) -> "Tokenizer":
-        """Build from the metadata dict ``tinylm.gguf_io.load_gguf`` returns."""
+    def from_gguf_metadata(cls, meta: dict, path="<gguf>") -> "Tokenizer":
+        """Build from the metadata dict ``tinylm.gguf_io.load_gguf`` returns; metadata that is
+        absent or of the wrong type or range raises GGUFError naming ``path`` and the key."""
+        from .gguf_io import GGUFError
+
+        def bad(key, want):
+            return GGUFError(f"{path}: metadata {key!r} must be {want}, got {_short(meta.get(key))}")
+
         model = meta.get(_KEY + "model")
         if model != "gpt2":
-            raise ValueError(f"Tokenizer: tokenizer.ggml.model is {model!r}; only byte-level BPE "
-                             "('gpt2') is supported")
-        if _KEY + "tokens" not in meta or _KEY + "merges" not in meta:
-            raise ValueError("Tokenizer: metadata lacks tokenizer.ggml.tokens or .merges")
+            raise GGUFError(f"{path}: tokenizer.ggml.model is {_short(model)}; only byte-level BPE "
+                            "('gpt2') is supported")
+        tokens, merges = meta.get(_KEY + "tokens"), meta.get(_KEY + "merges")
+        if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) and t for t in tokens):
+            raise bad(_KEY + "tokens", "a list of non-empty strings")
+        if not isinstance(merges, list) or not all(isinstance(m, str) and m.count(" ") == 1 for m in merges):
+            raise bad(_KEY + "merges", "a list of strings 'left right'")
+        n = len(tokens)
+        types = meta.get(_KEY + "token_type")
+        if types is not None and (not isinstance(types, list) or len(types) != n or not all(
+                isinstance(t, int) and not isinstance(t, bool) and NORMAL <= t <= BYTE for t in types)):
+            raise bad(_KEY + "token_type", f"{n} token types in [{NORMAL}, {BYTE}] (one per token)")
 
-        def opt_int(key):
-            return int(meta[key]) if key in meta else None
+        def opt_id(key):
+            v = meta.get(key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < n):
+                raise bad(key, f"a token id in [0, {n})")
+            return v
 
-        return cls(tokens=list(meta[_KEY + "tokens"]), merges=list(meta[_KEY + "merges"]),
-                   token_types=meta.get(_KEY + "token_type"),
-                   eos_id=opt_int(_KEY + "eos_token_id"), bos_id=opt_int(_KEY + "bos_token_id"),
-                   add_bos=bool(meta.get(_KEY + "add_bos_token", False)),
-                   chat_template=meta.get("tokenizer.chat_template"))
+        add_bos = meta.get(_KEY + "add_bos_token", False)
+        if not isinstance(add_bos, bool):
+            raise bad(_KEY + "add_bos_token", "a bool")
+        template = meta.get("tokenizer.chat_template")
+        if template is not None and not isinstance(template, str):
+            raise bad("tokenizer.chat_template", "a string")
+        try:
+            return cls(tokens=tokens, merges=merges, token_types=types, eos_id=opt_id(_KEY + "eos_token_id"),
+                       bos_id=opt_id(_KEY + "bos_token_id"), add_bos=add_bos, chat_template=template)
+        except Exception as e:  # duplicate tokens, merges of unknown tokens (tokenizers' own errors)
+            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise GGUFError(f"{path}: cannot build the tokenizer from its metadata: {msg}") from None
 
     @classmethod
     def from_gguf(cls, path) -> "Tokenizer":
         """Read only the metadata of a GGUF file (errors as tinylm.gguf_io.GGUFError)."""
         from .gguf_io import load_metadata
 
-        return cls.from_gguf_metadata(load_metadata(path))
+        return cls.from_gguf_metadata(load_metadata(path), path)
 
     # --- encode / decode -------------------------------------------------------------------
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``; control-token text like ``<|im_end|>`` becomes its one id.
+    def encode(self, text: str, allow_special: bool = False) -> list[int]:
+        """Token ids of ``text``, encoded as plain text: ``"<|im_end|>"`` in the text is those
+        characters, never the control token. ``allow_special=True`` (an explicit opt-in for
+        raw prompts) matches control-token text as control tokens.
 
         ``decode(encode(text)) == text`` unless the UTF-8 of ``text`` holds one of
         ``missing_bytes``, which are dropped (as every BPE implementation of this vocabulary does).
         """
-        ids = self._hf.encode(text, add_special_tokens=False).ids
+        if not isinstance(allow_special, bool):
+            raise TypeError(f"Tokenizer.encode(): allow_special must be a bool, got {allow_special!r}")
+        hf = self._hf if allow_special else self._hf_plain
+        ids = hf.encode(text, add_special_tokens=False).ids
         if self.add_bos and self.bos_id is not None:
             ids = [self.bos_id, *ids]
         return ids
+
+    def encode_chat(self, prompt: str, system: str | None = None) -> list[int]:
+        """Ids of one user turn in ChatML followed by the assistant header (what
+        ``encode(render_chat(prompt, system), allow_special=True)`` gives for text without
+        control tokens), with ``prompt`` and ``system`` encoded as plain text: the control
+        tokens come from the template only. ``system=None`` uses the template's default line."""
+        start, end = self.special_ids.get("<|im_start|>"), self.special_ids.get("<|im_end|>")
+        if start is None or end is None:
+            raise ValueError("Tokenizer.encode_chat(): this vocabulary has no ChatML control tokens "
+                             "<|im_start|> / <|im_end|>")
+        plain = lambda text: self._hf_plain.encode(text, add_special_tokens=False).ids  # noqa: E731
+        system = self.default_system if system is None else system
+        ids = [self.bos_id] if self.add_bos and self.bos_id is not None else []
+        if system is not None:
+            ids += [start, *plain("system\n" + system), end, *plain("\n")]
+        return ids + [start, *plain("user\n" + prompt), end, *plain("\n"), start, *plain("assistant\n")]
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for (a token may hold part of a UTF-8 character)."""
