@@ -4,6 +4,17 @@ Everything here takes NumPy (or anything ``np.asarray`` accepts, e.g. ml_dtypes 
 computes in float64 and returns float64. Layouts match the kernels: attention is
 ``[B, H, S, D]``; causal masks for Sq != Sk are aligned bottom-right (query i sees keys
 ``j <= i + Sk - Sq``), and a row that sees no key produces zeros (its log-sum-exp is -inf).
+
+Non-finite values (the semantics every kernel follows; README "Errors and edge cases"):
+- a hidden score (causal, key_lengths, an additive mask of -inf) is -inf whatever q . k is, so a
+  NaN in a hidden key's K never matters, and softmax gives hidden positions exactly 0;
+- keys hidden by ``key_lengths`` (or a KV cache's length) never contribute at all: their V rows
+  are not read (the kernels zero-fill them), so even NaN there changes nothing;
+- a NaN in a visible score (or a +inf, whose exp is undefined against the others) makes that
+  row NaN at its visible positions (softmax) / in its whole output (attention, lse NaN);
+- a NaN in a visible V row reaches the outputs of the rows that see it. (A V row hidden from a
+  row only by the causal or additive mask may still reach it as 0 * NaN, as in FlashAttention
+  and PyTorch: the row is visible to other queries.)
 """
 from __future__ import annotations
 
@@ -33,23 +44,38 @@ def causal_allowed(sq: int, sk: int):
     return j <= i + (sk - sq)
 
 
+def _normalise(s, hidden, axis):
+    """exp(s - max) / sum over ``axis`` with the module's semantics: hidden -> 0, a row that
+    sees nothing -> 0, a NaN or +inf among the visible scores -> NaN at the visible positions.
+    Returns (p, m_safe, l): probabilities, the max used, and the row sums (NaN for NaN rows)."""
+    s = np.where(hidden, -np.inf, s)
+    m = np.max(s, axis=axis, keepdims=True)  # NaN if a visible score is NaN
+    m_safe = np.where(m == -np.inf, 0.0, m)  # nothing visible: exp(-inf - 0) = 0
+    with np.errstate(invalid="ignore"):
+        e = np.where(hidden, 0.0, np.exp(s - m_safe))  # +inf - +inf = NaN, as on the device
+    l = np.sum(e, axis=axis, keepdims=True)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        p = np.where(l > 0, e / np.where(l > 0, l, 1.0), np.where(np.isnan(l), np.nan, 0.0))
+    return np.where(hidden, 0.0, p), m_safe, l
+
+
 def softmax(x, axis=-1, scale=1.0, causal=False, mask=None):
     """``softmax(x * scale + mask)`` along ``axis``, max-subtracted; fully masked rows -> 0.
 
-    ``causal`` masks the last two dims as [..., Sq, Sk] (requires axis = -1).
+    ``causal`` masks the last two dims as [..., Sq, Sk] (requires axis = -1). A mask entry of
+    -inf hides its position whatever ``x`` holds there.
     """
     s = _f64(x) * scale
+    hidden = np.zeros(s.shape, dtype=bool)
     if mask is not None:
-        s = s + _f64(mask)
+        mask = _f64(mask)
+        hidden = hidden | (mask == -np.inf)
+        s = np.where(hidden, -np.inf, s + mask)
     if causal:
         if axis not in (-1, s.ndim - 1):
             raise ValueError("causal softmax needs axis=-1")
-        s = np.where(causal_allowed(s.shape[-2], s.shape[-1]), s, -np.inf)
-    m = np.max(s, axis=axis, keepdims=True)
-    m_safe = np.where(np.isfinite(m), m, 0.0)
-    e = np.exp(s - m_safe)  # exp(-inf) = 0 for masked entries
-    denom = np.sum(e, axis=axis, keepdims=True)
-    return np.where(denom > 0, e / np.where(denom > 0, denom, 1.0), 0.0)
+        hidden = hidden | ~causal_allowed(s.shape[-2], s.shape[-1])
+    return _normalise(s, hidden, axis)[0]
 
 
 # --- attention ------------------------------------------------------------------------------
@@ -63,7 +89,8 @@ def _expand_kv(q, k, v):
 
 
 def attention_bias(b, h, sq, sk, causal=False, mask=None, key_lengths=None):
-    """Additive float64 bias [B, H, Sq, Sk] (0 or -inf, plus ``mask``) for the options."""
+    """Additive float64 bias [B, H, Sq, Sk] (0 or -inf, plus ``mask``) for the options; -inf
+    marks a hidden key (whatever its score)."""
     bias = np.zeros((b, h, sq, sk))
     if mask is not None:
         bias = bias + _f64(mask)
@@ -75,28 +102,34 @@ def attention_bias(b, h, sq, sk, causal=False, mask=None, key_lengths=None):
     return bias
 
 
+def _live_values(v, key_lengths):
+    """V with the rows hidden by key_lengths zeroed: those keys are never read."""
+    if key_lengths is None:
+        return v
+    kl = np.asarray(key_lengths).reshape(v.shape[0], 1, 1, 1)
+    return np.where(np.arange(v.shape[2])[None, None, :, None] < kl, v, 0.0)
+
+
 def attention(q, k, v, causal=False, scale=None, mask=None, key_lengths=None, return_lse=False):
     """``softmax(q k^T * scale + bias) v`` with S materialised. q [B,Hq,Sq,D], k/v [B,Hkv,Sk,D].
 
     ``mask`` is additive, broadcastable to [B, Hq, Sq, Sk]; ``key_lengths`` [B] hides keys
     j >= key_lengths[b]. Returns out [B,Hq,Sq,D] (and lse [B,Hq,Sq], natural log, -inf for
-    rows that see no key).
+    rows that see no key, NaN for rows with a NaN among their visible scores).
     """
     q, k, v = _f64(q), _f64(k), _f64(v)
     k, v = _expand_kv(q, k, v)
     b, h, sq, d = q.shape
     sk = k.shape[2]
     scale = 1.0 / np.sqrt(d) if scale is None else scale
-    s = q @ np.swapaxes(k, -1, -2) * scale + attention_bias(b, h, sq, sk, causal, mask, key_lengths)
-    m = np.max(s, axis=-1, keepdims=True)
-    m_safe = np.where(np.isfinite(m), m, 0.0)
-    e = np.exp(s - m_safe)
-    l = np.sum(e, axis=-1, keepdims=True)
-    out = np.where(l > 0, (e @ v) / np.where(l > 0, l, 1.0), 0.0)
+    bias = attention_bias(b, h, sq, sk, causal, mask, key_lengths)
+    p, m_safe, l = _normalise(q @ np.swapaxes(k, -1, -2) * scale + bias, bias == -np.inf, -1)
+    out = p @ _live_values(v, key_lengths)
     if not return_lse:
         return out
-    with np.errstate(divide="ignore"):
-        lse = np.where(l[..., 0] > 0, m_safe[..., 0] + np.log(l[..., 0]), -np.inf)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        lse = np.where(l[..., 0] > 0, m_safe[..., 0] + np.log(np.where(l[..., 0] > 0, l[..., 0], 1.0)),
+                       np.where(np.isnan(l[..., 0]), np.nan, -np.inf))
     return out, lse
 
 
@@ -115,6 +148,7 @@ def flash_attention_tiled(q, k, v, causal=False, scale=None, mask=None, key_leng
     sk = k.shape[2]
     scale = 1.0 / np.sqrt(d) if scale is None else scale
     bias_full = attention_bias(b, h, sq, sk, False, mask, key_lengths)  # causal handled by tiles
+    v = _live_values(v, key_lengths)
     out = np.zeros((b, h, sq, d))
     lse = np.full((b, h, sq), -np.inf)
     for i0 in range(0, sq, block_m):
@@ -127,20 +161,24 @@ def flash_attention_tiled(q, k, v, causal=False, scale=None, mask=None, key_leng
         k_end = min(sk, i1 - 1 + sk - sq + 1) if causal else sk
         for j0 in range(0, max(k_end, 0), block_n):
             j1 = min(j0 + block_n, sk)
-            s_ij = qi @ np.swapaxes(k[:, :, j0:j1], -1, -2) * scale + bias_full[:, :, i0:i1, j0:j1]
+            bias = bias_full[:, :, i0:i1, j0:j1]
             if causal:
-                s_ij = np.where(causal_allowed(sq, sk)[i0:i1, j0:j1], s_ij, -np.inf)
-            m_new = np.maximum(m_i, np.max(s_ij, axis=-1, keepdims=True))
-            m_safe = np.where(np.isfinite(m_new), m_new, 0.0)  # rows with nothing seen yet
-            p = np.exp(s_ij - m_safe)
-            alpha = np.exp(np.where(np.isfinite(m_i), m_i - m_safe, -np.inf))  # rescale old O, l
+                bias = np.where(causal_allowed(sq, sk)[i0:i1, j0:j1], bias, -np.inf)
+            hidden = bias == -np.inf  # hidden whatever the score (NaN in K included)
+            s_ij = np.where(hidden, -np.inf, qi @ np.swapaxes(k[:, :, j0:j1], -1, -2) * scale + bias)
+            m_new = np.maximum(m_i, np.max(s_ij, axis=-1, keepdims=True))  # NaN propagates
+            m_safe = np.where(m_new == -np.inf, 0.0, m_new)  # rows with nothing seen yet
+            with np.errstate(invalid="ignore"):
+                p = np.where(hidden, 0.0, np.exp(s_ij - m_safe))
+                alpha = np.exp(np.where(m_i == -np.inf, -np.inf, m_i - m_safe))  # rescale old O, l
             l_i = alpha * l_i + np.sum(p, axis=-1, keepdims=True)
             o_i = alpha * o_i + p @ v[:, :, j0:j1]
             m_i = m_new
-        ok = l_i > 0
-        out[:, :, i0:i1] = np.where(ok, o_i / np.where(ok, l_i, 1.0), 0.0)
+        ok, nan = l_i > 0, np.isnan(l_i)
+        out[:, :, i0:i1] = np.where(ok, o_i / np.where(ok, l_i, 1.0), np.where(nan, np.nan, 0.0))
         with np.errstate(divide="ignore"):
-            lse[:, :, i0:i1] = np.where(ok, m_i + np.log(np.where(ok, l_i, 1.0)), -np.inf)[..., 0]
+            lse[:, :, i0:i1] = np.where(ok, m_i + np.log(np.where(ok, l_i, 1.0)),
+                                        np.where(nan, np.nan, -np.inf))[..., 0]
     return (out, lse) if return_lse else out
 
 

@@ -9,7 +9,9 @@
 //
 // Math in float32; out dtype = in dtype. Causal: rows are [..., Sq, Sk] flattened, query
 // q = row % Sq sees keys j <= q + Sk - Sq (FlashAttention-2 bottom-right alignment); masked keys
-// and rows with no visible key (all -inf) are written as 0, never NaN.
+// and rows with no visible key (all -inf) are written as 0. A NaN or +inf among a row's visible
+// scores makes its visible outputs NaN (masked ones stay 0): fmaxf would skip a NaN, so each
+// kernel carries an explicit "bad" flag (cupyattn/reference.py states the semantics).
 //
 // Launch shapes (VPT list, rows per warp-row block, block-row threads) and their reasons:
 // cupyattn/config.py SOFTMAX_*; they arrive here as template arguments. The host picks the
@@ -22,6 +24,9 @@ __device__ __forceinline__ int visible_keys(long long row, int n, int sq, int ca
     const long long kv = row % sq + n - sq + 1;  // 64-bit: q + n may pass 2^31
     return static_cast<int>(kv < 0 ? 0 : (kv > n ? n : kv));
 }
+
+// A score that poisons its row: NaN, or +inf (exp(inf - inf) has no value).
+__device__ __forceinline__ bool bad_score(float s) { return s != s || s == CUDART_INF_F; }
 
 // --- v1: warp per row ------------------------------------------------------------------------
 // x, y: [rows, n] contiguous, n <= 32 * VPT. grid = ceil(rows / ROWS), block = 32 * ROWS.
@@ -39,17 +44,24 @@ softmax_warp_kernel(const T* __restrict__ x, T* __restrict__ y, long long rows, 
     // s_j = x_j * scale (masked: -inf); m = max_j s_j
     float v[VPT];
     float m = -CUDART_INF_F;
+    bool bad = false;
 #pragma unroll
     for (int i = 0; i < VPT; ++i) {
         const int j = lane + 32 * i;
         v[i] = j < kv ? to_float(xr[j]) * scale : -CUDART_INF_F;
+        bad |= bad_score(v[i]);
         m = fmaxf(m, v[i]);
     }
     m = warp_reduce_max(m);
-    if (m == -CUDART_INF_F) {  // nothing visible: a zero row, not exp(-inf - -inf) = NaN
+    if (__any_sync(0xffffffffu, bad) || m == -CUDART_INF_F) {
+        // NaN / +inf among the visible scores: NaN there; nothing visible: a zero row (not
+        // exp(-inf - -inf) = NaN). Masked positions are 0 either way.
+        const float fill = m == -CUDART_INF_F && !__any_sync(0xffffffffu, bad) ? 0.f : CUDART_NAN_F;
 #pragma unroll
-        for (int i = 0; i < VPT; ++i)
-            if (lane + 32 * i < n) yr[lane + 32 * i] = from_float<T>(0.f);
+        for (int i = 0; i < VPT; ++i) {
+            const int j = lane + 32 * i;
+            if (j < n) yr[j] = from_float<T>(j < kv ? fill : 0.f);
+        }
         return;
     }
     // p_j = exp(s_j - m), l = sum_j p_j; y_j = p_j / l
@@ -89,11 +101,15 @@ softmax_block_kernel(const T* __restrict__ x, T* __restrict__ y, long long rows,
     T* yr = y + row * n;
 
     // Pass 1: online softmax statistics of this thread's strided slice of the visible keys;
-    // the running sum is rescaled by exp(m_old - m_new) only when the max grows.
+    // the running sum is rescaled by exp(m_old - m_new) only when the max grows. A NaN / +inf
+    // score only raises the row's "bad" flag (reduced with the barrier below).
     float m = -CUDART_INF_F, l = 0.f;
+    bool bad = false;
     for (int j = tid; j < kv; j += BLOCK) {
         const float s = to_float(xr[j]) * scale;
-        if (s > m) {
+        if (bad_score(s)) {
+            bad = true;
+        } else if (s > m) {
             l = l * expf(m - s) + 1.f;
             m = s;
         } else if (m != -CUDART_INF_F) {
@@ -108,7 +124,7 @@ softmax_block_kernel(const T* __restrict__ x, T* __restrict__ y, long long rows,
         ml_merge(m, l, m2, l2);
     }
     if (lane == 0) { red_m[warp] = m; red_l[warp] = l; }
-    __syncthreads();
+    bad = __syncthreads_or(bad);  // also the barrier before warp 0 reads red_m / red_l
     if (warp == 0) {
         m = lane < NW ? red_m[lane] : -CUDART_INF_F;
         l = lane < NW ? red_l[lane] : 0.f;
@@ -122,11 +138,13 @@ softmax_block_kernel(const T* __restrict__ x, T* __restrict__ y, long long rows,
     }
     __syncthreads();
     m = row_m;
-    // Fully masked row: m = -inf -> zeros. Else y_j = exp(s_j - m) / l for visible j, 0 after.
+    // Fully masked row: m = -inf -> zeros. Else y_j = exp(s_j - m) / l for visible j, 0 after;
+    // a bad row is NaN at its visible positions.
     const float inv_l = m == -CUDART_INF_F ? 0.f : 1.f / row_l;
     for (int j = tid; j < n; j += BLOCK) {
         float p = 0.f;
-        if (j < kv && m != -CUDART_INF_F) p = expf(to_float(xr[j]) * scale - m) * inv_l;
+        if (j < kv && bad) p = CUDART_NAN_F;
+        else if (j < kv && m != -CUDART_INF_F) p = expf(to_float(xr[j]) * scale - m) * inv_l;
         yr[j] = from_float<T>(p);
     }
 }

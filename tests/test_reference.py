@@ -135,3 +135,58 @@ def test_rope_rotation_properties(rng):
     y = ref.rope(x, np.full((1, 5), 2), base=100.0)
     ang = 2 * 100.0 ** (-2 / 8)
     np.testing.assert_allclose(y[..., 2], x[..., 2] * np.cos(ang) - x[..., 3] * np.sin(ang), rtol=1e-12)
+
+
+# --- non-finite inputs: the semantics every kernel follows (README "Errors and edge cases") ------
+def test_softmax_nan_propagates_to_visible_and_hidden_positions_stay_zero():
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((3, 5, 7))
+    clean = ref.softmax(x, causal=True)
+    x[0, 4, 2] = np.nan                      # visible to row 4 (sq = 5, sk = 7: row 4 sees keys 0..6)
+    x[1, 0, 6] = np.nan                      # hidden from row 0 (it sees keys 0..2)
+    y = ref.softmax(x, causal=True)
+    assert np.isnan(y[0, 4]).all()           # the whole visible row
+    np.testing.assert_array_equal(np.delete(y[0], 4, axis=0), np.delete(clean[0], 4, axis=0))
+    np.testing.assert_array_equal(y[1], clean[1])  # a hidden NaN changes nothing
+    assert np.all(y[2] == clean[2])
+    m = np.zeros((5, 7))
+    m[3, 1] = -np.inf                        # a -inf mask hides a NaN score too
+    x2 = rng.standard_normal((5, 7))
+    x2[3, 1] = np.nan
+    y2 = ref.softmax(x2, mask=m)
+    assert np.isfinite(y2).all() and y2[3, 1] == 0.0
+    np.testing.assert_allclose(y2.sum(-1), 1.0)
+    inf_row = ref.softmax(np.array([[np.inf, 1.0, 2.0]]))
+    assert np.isnan(inf_row).all()           # exp(inf - inf) is undefined: NaN, as on the device
+
+
+@pytest.mark.parametrize("tiled", [False, True])
+def test_attention_hidden_keys_never_contribute_and_visible_nan_propagates(tiled):
+    rng = np.random.default_rng(12)
+    b, hq, hkv, sq, sk, d = 2, 4, 2, 6, 9, 8
+    q, k, v = (rng.standard_normal(s) for s in ((b, hq, sq, d), (b, hkv, sk, d), (b, hkv, sk, d)))
+    kl = np.array([9, 5])
+
+    def run(q, k, v, **kw):
+        f = ref.flash_attention_tiled if tiled else ref.attention
+        extra = dict(block_m=4, block_n=3) if tiled else {}
+        return f(q, k, v, return_lse=True, **kw, **extra)
+
+    clean, clean_lse = run(q, k, v, causal=True, key_lengths=kl)
+    k2, v2 = k.copy(), v.copy()
+    k2[1, :, 5:] = np.nan                    # keys past key_lengths[1]: K and V garbage, NaN
+    v2[1, :, 5:] = np.nan
+    k2[0, :, 8] = np.nan                     # key 8 of batch 0: causally hidden from rows < 5 ...
+    out, lse = run(q, k2, v2, causal=True, key_lengths=kl)
+    np.testing.assert_array_equal(out[1], clean[1])
+    np.testing.assert_array_equal(lse[1], clean_lse[1])
+    # ... and visible to row 5 (sq = 6, sk = 9: row i sees j <= i + 3): its NaN score -> NaN row
+    assert np.isnan(out[0, :, 5]).all() and np.isnan(lse[0, :, 5]).all()
+    np.testing.assert_array_equal(out[0, :, :5], clean[0, :, :5])
+    q2 = q.copy()
+    q2[0, 1, 2, 3] = np.nan                  # a NaN query touches only its own row
+    out, lse = run(q2, k, v, causal=True, key_lengths=kl)
+    assert np.isnan(out[0, 1, 2]).all() and np.isnan(lse[0, 1, 2])
+    nan_rows = np.zeros(out.shape[:3], dtype=bool)
+    nan_rows[0, 1, 2] = True
+    np.testing.assert_array_equal(out[~nan_rows], clean[~nan_rows])

@@ -9,7 +9,7 @@ import pytest
 from cupyattn import config
 from cupyattn import reference as ref
 from cupyattn import row_softmax as S  # the op module (cupyattn.softmax is the function)
-from conftest import DTYPES, assert_close, nan_like, np_dtype, rand_with_outliers, to_device
+from conftest import DTYPES, TOL, assert_close, nan_like, np_dtype, rand_with_outliers, to_device
 
 
 # --- GPU tier -------------------------------------------------------------------------------
@@ -58,6 +58,33 @@ def test_fully_masked_rows_are_zero(dtype, n):
     got = S.softmax(x, out=nan_like(x.shape, dtype))
     assert_close(got, ref.softmax(x64), dtype)
     assert float(cupy.abs(got[1].astype(cupy.float32)).max()) == 0.0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [33, 1500])  # warp kernel, block kernel
+def test_nan_and_inf_follow_the_reference(dtype, n):
+    """A NaN (or +inf) among a row's visible scores makes its visible outputs NaN and leaves the
+    other rows alone; a NaN at a causally hidden position changes nothing (the block kernel used
+    to drop a NaN that came first in a thread's slice)."""
+    from conftest import to_host
+
+    rng = np.random.default_rng(n)
+    x64 = rand_with_outliers(rng, (2, 6, n))  # [B, Sq, Sk]: causal rows see n - 5 + i keys
+    x64[0, 5, 0] = np.nan                     # first element: visible to every row
+    x64[0, 2, n - 1] = np.nan                 # hidden from row 2 (sees keys < n - 3)
+    x64[1, 3, 7] = np.inf                     # +inf visible
+    x64[1, 1, :] = -np.inf                    # nothing visible
+    x64[1, 1, 4] = np.nan                     # ... but a NaN: NaN, not zeros
+    x, x64 = to_device(x64, dtype)
+    for causal in (False, True):
+        want = ref.softmax(x64, causal=causal)
+        got = to_host(S.softmax(x, causal=causal, out=nan_like(x.shape, dtype)))
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+        fin = ~np.isnan(want)
+        np.testing.assert_allclose(got[fin], want[fin], atol=2 * TOL[dtype])
+        assert np.isnan(want[0, 5]).all() and np.isnan(want[1, 1]).sum() == (n if not causal else n - 4)
+        assert np.isnan(want[0, 2]).all() != causal
 
 
 @pytest.mark.gpu

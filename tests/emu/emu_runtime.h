@@ -68,6 +68,7 @@ struct EmuSched {
     std::vector<EmuWarp> warps;
     int cur = 0, live = 0, block_arrived = 0;
     unsigned block_gen = 0;
+    int red[3] = {0, 0, 0};        // __syncthreads_count/or/and tallies, one slot per barrier mod 3
     std::function<void()> call;
     bool failed = false;
     std::string msg;
@@ -106,6 +107,20 @@ inline void emu_warp_barrier() {
     emu_warp_arrive_check(w);
     if (w.gen == g) emu_yield(EMU_WAIT_WARP, g);
 }
+// __syncthreads_count/or/and: a barrier that also tallies a predicate. Barrier g uses slot g % 3;
+// a thread arriving at barrier g clears slot (g + 1) % 3 = (g - 2) % 3, whose readers all passed
+// barrier g - 1 (so they read it already).
+inline int emu_sync_count(int pred) {
+    EmuSched& S = *emu_s;
+    const unsigned g = S.block_gen;
+    S.red[(g + 1) % 3] = 0;
+    S.red[g % 3] += pred != 0;
+    __syncthreads();
+    return S.red[g % 3];
+}
+inline int __syncthreads_count(int pred) { return emu_sync_count(pred); }
+inline int __syncthreads_or(int pred) { return emu_sync_count(pred) != 0; }
+inline int __syncthreads_and(int pred) { return emu_sync_count(!pred) == 0; }
 inline void __syncwarp(unsigned = 0xffffffffu) { emu_warp_barrier(); }
 inline void __threadfence() {}
 inline void __threadfence_block() {}
@@ -271,6 +286,7 @@ int emu_launch(void (*k)(A...), dim3 g, dim3 b, size_t smem, const long long* iv
     for (unsigned bx = 0; bx < g.x && !S.failed; ++bx) {
         blockIdx = {bx, by, bz};
         S.live = n; S.block_arrived = 0;
+        S.red[0] = S.red[1] = S.red[2] = 0;
         for (size_t w = 0; w < S.warps.size(); ++w) S.warps[w] = {std::min(32, n - (int)w * 32), 0, 0, {}, {}};
         for (int t = 0; t < n; ++t) {
             EmuFiber& f = S.f[t];
