@@ -4,10 +4,14 @@ Every op module calls them from one function of its own, ``_check_args``.
 """
 from __future__ import annotations
 
+import math
+import numbers
+
 import cupy
 import numpy as np
 
 from .config import DTYPES as FLOAT_DTYPES
+from .config import INT32_MAX
 
 
 def dtype_name(dtype) -> str:
@@ -74,9 +78,84 @@ def check_choice(fn: str, name: str, value, choices) -> None:
 
 
 def check_positive_int(fn: str, name: str, value, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"{fn}(): {name} must be an integer >= {minimum}, got {value!r}")
+    return check_int(fn, name, value, minimum)
+
+
+def check_int(fn: str, name: str, value, minimum: int | None = None, maximum: int | None = None) -> int:
+    """An int (Python or NumPy, not bool) in [minimum, maximum] -> int; TypeError / ValueError."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{fn}(): {name} must be an integer, got {value!r}")
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        lo = "" if minimum is None else f">= {minimum}"
+        hi = "" if maximum is None else f"<= {maximum}"
+        raise ValueError(f"{fn}(): {name} must be an integer {' and '.join(x for x in (lo, hi) if x)}, "
+                         f"got {value!r}")
     return int(value)
+
+
+def check_bool(fn: str, name: str, value) -> bool:
+    """A bool (Python or NumPy): a string such as "False" is an error, not a true value."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{fn}(): {name} must be True or False, got {value!r}")
+    return bool(value)
+
+
+def check_real(fn: str, name: str, value, *, minimum: float | None = None, strict: bool = False,
+               finite: bool = True) -> float:
+    """A real number (not bool, not a string), finite, and >= (> with strict) ``minimum``."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Real, np.floating, np.integer)):
+        raise TypeError(f"{fn}(): {name} must be a real number, got {value!r}")
+    v = float(value)
+    if finite and not math.isfinite(v):
+        raise ValueError(f"{fn}(): {name} must be finite, got {value!r}")
+    if minimum is not None and (v < minimum or (strict and v == minimum) or math.isnan(v)):
+        raise ValueError(f"{fn}(): {name} must be {'>' if strict else '>='} {minimum}, got {value!r}")
+    return v
+
+
+def check_int32(fn: str, what: str, value: int) -> int:
+    """A size or position the kernels take as int32 (ValueError naming it when it does not fit)."""
+    if not -INT32_MAX - 1 <= value <= INT32_MAX:
+        raise ValueError(f"{fn}(): {what} = {value} does not fit the kernels' 32-bit integers "
+                         f"(at most {INT32_MAX})")
+    return value
+
+
+# --- output aliasing ---------------------------------------------------------------------------
+def byte_span(x) -> tuple[int, int] | None:
+    """[first, last) device bytes an array's elements occupy, or None when it is empty."""
+    if x.size == 0:
+        return None
+    lo = hi = x.data.ptr
+    for n, st in zip(x.shape, x.strides):
+        ext = (n - 1) * st
+        lo, hi = (lo + ext, hi) if ext < 0 else (lo, hi + ext)
+    return lo, hi + x.itemsize
+
+
+def same_view(a, b) -> bool:
+    return (a.data.ptr == b.data.ptr and tuple(a.shape) == tuple(b.shape)
+            and tuple(a.strides) == tuple(b.strides) and np.dtype(a.dtype) == np.dtype(b.dtype))
+
+
+def check_no_overlap(fn: str, out, inputs: dict, in_place: tuple = (), out_name: str = "out") -> None:
+    """``out`` must not share memory with any of ``inputs`` ({name: array or None}), judged by
+    the byte ranges they span; it may be exactly one of the ``in_place`` inputs (same pointer,
+    shape, strides and dtype), where the op documents in-place support."""
+    span = byte_span(out)
+    if span is None:
+        return
+    for name, x in inputs.items():
+        if x is None or not is_device_array(x):
+            continue
+        other = byte_span(x)
+        if other is None or other[1] <= span[0] or span[1] <= other[0]:
+            continue
+        if name in in_place and same_view(out, x):
+            continue
+        allowed = f" (exactly {out_name}={' or '.join(in_place)} is allowed: in place)" if in_place else ""
+        raise ValueError(f"{fn}(): {out_name} overlaps {name} in memory; the kernel would read "
+                         f"what it already overwrote: pass a separate {out_name}{allowed}")
 
 
 # --- is there a GPU at all? -----------------------------------------------------------------

@@ -6,15 +6,12 @@ longer rows, 1,000,000 elements and beyond.
 """
 from __future__ import annotations
 
-import math
-import numbers
-
 import cupy
 import numpy as np
 
 from . import _checks
 from ._loader import KernelSpec, get_function
-from .config import (DTYPES, INT32_MAX, SOFTMAX_BLOCK, SOFTMAX_ROWS_PER_BLOCK, SOFTMAX_VPTS,
+from .config import (DTYPES, MAX_GRID_X, SOFTMAX_BLOCK, SOFTMAX_ROWS_PER_BLOCK, SOFTMAX_VPTS,
                      SOFTMAX_WARP_MAX, ctype)
 
 
@@ -36,21 +33,29 @@ SPEC = KernelSpec(
 
 def _check_args(fn, x, axis, scale, causal, out):
     _checks.check_array(fn, "x", x, min_ndim=1)
-    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)) or not -x.ndim <= axis < x.ndim:
-        raise ValueError(f"{fn}(): axis={axis!r} is out of range for x of shape {tuple(x.shape)}")
-    axis = int(axis) % x.ndim
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
-        raise ValueError(f"{fn}(): scale must be a finite real number, got {scale!r}")
+    axis = _checks.check_int(fn, "axis", axis)
+    if not -x.ndim <= axis < x.ndim:
+        raise ValueError(f"{fn}(): axis={axis} is out of range for x of shape {tuple(x.shape)}")
+    axis %= x.ndim
+    scale = _checks.check_real(fn, "scale", scale)
+    causal = _checks.check_bool(fn, "causal", causal)
     if causal:
         if axis != x.ndim - 1:
             raise ValueError(f"{fn}(): causal=True needs axis=-1 (the key axis of [..., Sq, Sk]), got axis={axis}")
         if x.ndim < 2:
             raise ValueError(f"{fn}(): causal=True needs x of shape [..., Sq, Sk], got shape {tuple(x.shape)}")
-    if x.ndim and x.shape[axis] > INT32_MAX:
-        raise ValueError(f"{fn}(): rows of {x.shape[axis]} elements exceed the kernels' int32 limit")
+        _checks.check_int32(fn, "Sq (x.shape[-2])", x.shape[-2])
+    n = x.shape[axis]
+    _checks.check_int32(fn, f"the row length (x.shape[{axis}])", n)
+    rows = x.size // n if n else 0
+    grid = rows if n > SOFTMAX_WARP_MAX else -(-rows // SOFTMAX_ROWS_PER_BLOCK)
+    if grid > MAX_GRID_X:
+        raise ValueError(f"{fn}(): {rows} rows of {n} need {grid} blocks, more than one launch's "
+                         f"grid holds ({MAX_GRID_X})")
     if out is not None:
         _checks.check_out(fn, out, x.shape, x.dtype)
-    return axis
+        _checks.check_no_overlap(fn, out, {"x": x}, in_place=("x",))
+    return axis, scale, causal
 
 
 def _launch(x, y, causal, scale):
@@ -86,7 +91,8 @@ def softmax(x, axis=-1, scale=1.0, causal=False, out=None):
         ``j <= i + Sk - Sq`` (bottom-right aligned, as FlashAttention-2). Needs ``axis=-1``.
         Rows that see no key (Sq > Sk, top rows) are all zeros, as are rows of all ``-inf``.
     out : cupy.ndarray, optional
-        C-contiguous, shape and dtype of ``x``; may be ``x`` itself (in place).
+        C-contiguous, shape and dtype of ``x``; may be ``x`` itself (in place), but must not
+        otherwise overlap ``x`` in memory (ValueError).
 
     Returns
     -------
@@ -100,7 +106,7 @@ def softmax(x, axis=-1, scale=1.0, causal=False, out=None):
     True
     """
     fn = "softmax"
-    axis = _check_args(fn, x, axis, scale, causal, out)
+    axis, scale, causal = _check_args(fn, x, axis, scale, causal, out)
     if out is None:
         out = cupy.empty(x.shape, dtype=x.dtype)
     if x.size == 0:

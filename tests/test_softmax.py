@@ -125,10 +125,14 @@ def test_argument_checks():
         S.softmax(cupy.zeros((), cupy.float32))
     with pytest.raises(ValueError, match=r"softmax\(\): axis=3 is out of range for x of shape \(2, 3, 4\)"):
         S.softmax(x, axis=3)
-    with pytest.raises(ValueError, match=r"softmax\(\): axis=1.5 is out of range"):
+    with pytest.raises(TypeError, match=r"softmax\(\): axis must be an integer, got 1.5"):
         S.softmax(x, axis=1.5)
-    with pytest.raises(ValueError, match=r"softmax\(\): scale must be a finite real number, got nan"):
+    with pytest.raises(ValueError, match=r"softmax\(\): scale must be finite, got nan"):
         S.softmax(x, scale=float("nan"))
+    with pytest.raises(TypeError, match=r"softmax\(\): scale must be a real number, got '2'"):
+        S.softmax(x, scale="2")
+    with pytest.raises(TypeError, match=r"softmax\(\): causal must be True or False, got 'False'"):
+        S.softmax(x, causal="False")
     with pytest.raises(ValueError, match=r"softmax\(\): causal=True needs axis=-1"):
         S.softmax(x, axis=1, causal=True)
     with pytest.raises(ValueError, match=r"softmax\(\): causal=True needs x of shape \[..., Sq, Sk\]"):
