@@ -16,6 +16,9 @@
 #   all     tests, bench, sweeps (the default)
 # The recorded file lands in $OUT/results/: copy it into benchmarks/results/ and commit it.
 # Set CUPYATTN_GIT_COMMIT to the commit the tree was copied from (a copy has no .git).
+# What the GPU machine lacks comes from .carry/ (made by benchmarks/carry.sh on a machine with
+# network, carried with the tree): wheels installed into /tmp/cupyattn-site, and a reduced
+# SmolLM2 GGUF used as TINYLM_TEST_MODEL.
 # Exit status: non-zero when any step failed; the rest still runs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -29,6 +32,14 @@ case "$STAGE" in
 esac
 mkdir -p "$OUT/results"
 status=0
+
+if ls .carry/wheels/*.whl >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/cupyattn-site .carry/wheels/*.whl \
+        && export PYTHONPATH="/tmp/cupyattn-site:$PYTHONPATH"
+fi
+if [ -f .carry/smollm2-4layers.gguf ]; then
+    export TINYLM_TEST_MODEL="${TINYLM_TEST_MODEL:-$PWD/.carry/smollm2-4layers.gguf}"
+fi
 
 step() {  # step NAME LOGFILE CMD...: run, keep the log, report the exit code, never stop
     local name="$1" log="$2"
