@@ -147,22 +147,22 @@ def _simt_tile(d: int, itemsize: int, block_n: int, stages: int, blocks: int, wh
 
 # impl="simt" (decode_kernel, any dtype): (head_dim, element bytes) -> tile. 128 threads; a key's
 # dot products are shared by 128 / block_n adjacent lanes, so block_n shrinks as rows grow. 3
-# stages keep two K/V tiles in flight per block. blocks_per_sm 4 caps registers at 128 (the
-# per-lane O slots and scores fit: 80-126 registers with no spills) and the ring is sized so that
-# 2-4 blocks fit an SM's 228 KB.
+# stages keep two K/V tiles in flight per block. blocks_per_sm is what fits an SM's 228 KB (ring +
+# q tile and scores + 1 KB reserve; tests check it against ptxas' numbers), at most 4, which caps
+# registers at 128 (the kernels use 80-128 with no spills).
 DECODE_SIMT_TILES = {
     (32, 2): _simt_tile(32, 2, 64, 3, 4, "2 lanes per key, 2 chunks each"),
     (64, 2): _simt_tile(64, 2, 64, 3, 3, "2 lanes per key, 4 chunks each"),
-    (80, 2): _simt_tile(80, 2, 32, 3, 4, "4 lanes per key; 160 B rows padded to 192"),
+    (80, 2): _simt_tile(80, 2, 32, 3, 4, "4 lanes per key, 3 chunks each (the last partial)"),
     (96, 2): _simt_tile(96, 2, 32, 3, 4, "4 lanes per key, 3 chunks each"),
     (128, 2): _simt_tile(128, 2, 32, 3, 3, "4 lanes per key, 4 chunks each"),
-    (256, 2): _simt_tile(256, 2, 16, 3, 4, "8 lanes per key: one key per quarter-warp, no pad needed"),
+    (256, 2): _simt_tile(256, 2, 16, 3, 3, "8 lanes per key: one key per quarter-warp, no pad needed"),
     (32, 4): _simt_tile(32, 4, 64, 3, 3, "fp32 rows twice as long: as fp16 D=64"),
     (64, 4): _simt_tile(64, 4, 32, 3, 3, "as fp16 D=128"),
-    (80, 4): _simt_tile(80, 4, 16, 3, 4, "8 lanes per key, 40 chunks per row"),
+    (80, 4): _simt_tile(80, 4, 16, 3, 4, "8 lanes per key, 20 chunks per row"),
     (96, 4): _simt_tile(96, 4, 16, 3, 4, "8 lanes per key; block_n 32 would need a 448 B pitch"),
     (128, 4): _simt_tile(128, 4, 16, 3, 4, "8 lanes per key, 4 chunks each"),
-    (256, 4): _simt_tile(256, 4, 8, 3, 4, "1 KB rows: 16 lanes per key, 4 chunks each"),
+    (256, 4): _simt_tile(256, 4, 8, 3, 3, "1 KB rows: 16 lanes per key, 4 chunks each"),
 }
 
 
@@ -178,15 +178,15 @@ def _mma_tile(d: int, m_tiles: int, warps: int, block_n: int, stages: int, block
 # its own online-softmax state and O (head_dim / 2 fp32 registers per lane), and the slices are
 # merged once at the end. blocks_per_sm follows from smem (ring + q tile + 1 KB reserve) on 228 KB.
 DECODE_MMA_TILES = {
-    (32, 1): _mma_tile(32, 1, 4, 64, 3, 4, "O 16 registers"),
+    (32, 1): _mma_tile(32, 1, 4, 64, 3, 6, "O 16 registers; 6 blocks cap registers at 85"),
     (64, 1): _mma_tile(64, 1, 4, 64, 3, 3, "O 32 registers; 4 blocks would need 231 KB"),
     (80, 1): _mma_tile(80, 1, 4, 64, 3, 3, "O 40 registers"),
     (96, 1): _mma_tile(96, 1, 4, 64, 3, 2, "O 48 registers"),
     (128, 1): _mma_tile(128, 1, 4, 64, 3, 2, "O 64 registers; 2 blocks = 221 KB"),
     (256, 1): _mma_tile(256, 1, 2, 32, 3, 2, "O 128 registers: 2 warps of 16 keys"),
-    (32, 2): _mma_tile(32, 2, 4, 64, 3, 4, "2 head tiles x 2 key slices"),
+    (32, 2): _mma_tile(32, 2, 4, 64, 3, 6, "2 head tiles x 2 key slices"),
     (64, 2): _mma_tile(64, 2, 4, 64, 3, 3, "2 head tiles x 2 key slices"),
-    (80, 2): _mma_tile(80, 2, 4, 64, 3, 2, "2 head tiles x 2 key slices"),
+    (80, 2): _mma_tile(80, 2, 4, 64, 3, 3, "2 head tiles x 2 key slices"),
     (96, 2): _mma_tile(96, 2, 4, 64, 3, 2, "2 head tiles x 2 key slices"),
     (128, 2): _mma_tile(128, 2, 4, 64, 3, 2, "2 head tiles x 2 key slices; 224 KB for 2 blocks"),
     (256, 2): _mma_tile(256, 2, 4, 32, 2, 2, "O 128 registers, 17 KB q tile: 2 stages keep 2 blocks/SM"),
