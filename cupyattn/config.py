@@ -51,6 +51,9 @@ MAX_GRID_X = 2**31 - 1      # gridDim.x
 MAX_GRID_YZ = 65535         # gridDim.y and gridDim.z
 MAX_BLOCK_THREADS = 1024
 STATIC_SMEM_BYTES = 48 * 1024   # static __shared__ per block without the opt-in attribute
+SMEM_PER_SM_BY_ARCH = {"sm_80": 164 * 1024, "sm_90": 228 * 1024}  # shared memory per SM (A100, H100) ...
+SMEM_PER_SM = SMEM_PER_SM_BY_ARCH["sm_90"]
+SMEM_PER_BLOCK_RESERVED = 1024  # ... of which the driver reserves 1 KB per resident block
 
 # --- fused attention (kernels_cu/flash_attn.cu) and decode (kernels_cu/decode.cu) ------------
 HEAD_DIMS = (32, 64, 80, 96, 128, 256)   # head dims of the fused attention and decode kernels
@@ -96,10 +99,6 @@ FLASH_MMA_TILES = {
 }
 
 # --- decode (kernels_cu/decode.cu) ------------------------------------------------------------
-SMEM_PER_SM = 228 * 1024    # H100 shared memory per SM; the driver reserves 1 KB of it per block
-SMEM_PER_BLOCK_RESERVED = 1024
-
-
 def conflict_free_pitch(row_bytes: int, threads_per_row: int) -> int:
     """Smallest smem row pitch >= ``row_bytes`` (a multiple of 16 B) at which the 8 lanes of a
     quarter-warp reading 16-byte chunks (row lane // tpr, chunk lane % tpr) hit 8 distinct
@@ -117,7 +116,8 @@ class DecodeTile:
     block_n: int        # keys per cp.async ring slot (each slot holds that many K rows and V rows)
     stages: int         # ring depth: tiles t+1 .. t+stages-1 are in flight while tile t is computed
     warps: int
-    blocks_per_sm: int  # __launch_bounds__ minimum (caps registers) and the split rule's occupancy
+    blocks_per_sm: int  # __launch_bounds__ minimum (caps registers), and the occupancy on an H100
+                        # that the split rule assumes (an A100's smaller smem may hold fewer)
     pitch: int          # smem bytes per K/V row
     reason: str
 

@@ -270,7 +270,7 @@ def test_mma_ring_fits_its_blocks_per_sm(compile_report):
             nt = ", true," in r.kernel
             blocks = tile.min_blocks[0 if nt else 1]
             per_block = config.gemm_mma_smem_bytes(tile, nt) + r.smem_bytes + config.SMEM_PER_BLOCK_RESERVED
-            assert per_block * blocks <= (config.SMEM_PER_SM if r.arch == "sm_90" else 164 * 1024), r.kernel
+            assert per_block * blocks <= config.SMEM_PER_SM_BY_ARCH[r.arch], r.kernel
             assert r.registers * tile.threads * blocks <= 65536, r.kernel
         elif r.kernel.startswith("gemm_skinny_kernel"):
             assert r.smem_bytes <= config.STATIC_SMEM_BYTES
