@@ -72,6 +72,33 @@ __device__ __forceinline__ void load_kv_tile(unsigned char* slot, const T* kg, c
     }
 }
 
+// The block's share of the cache, and the ring prologue. Keys [lo, hi) of split `split` for a
+// sequence of live length lengths[b] (chunk = ceil(len / splits), as
+// reference.decode_split_partials); kg, vg: [max_seq, D] rows of kv head kvh. Tiles 0 .. STAGES-2
+// are put in flight (one commit group each, empty past the end).
+template <typename T, int D, int BN, int PITCH, int NT, int STAGES>
+struct KvStream {
+    int lo, hi, ntiles;
+    const T* kg;
+    const T* vg;
+    __device__ __forceinline__ KvStream(unsigned char* ring, const T* k_cache, const T* v_cache, const int* lengths,
+                                        int b, int kvh, int Hkv, int max_seq, int num_splits, int split) {
+        const int len = min(max(lengths[b], 0), max_seq);
+        const int chunk = (len + num_splits - 1) / num_splits;
+        lo = min(split * chunk, len);
+        hi = min(lo + chunk, len);
+        ntiles = (hi - lo + BN - 1) / BN;
+        const size_t kv_off = ((size_t)b * Hkv + kvh) * (size_t)max_seq * D;
+        kg = k_cache + kv_off;
+        vg = v_cache + kv_off;
+#pragma unroll
+        for (int s = 0; s < STAGES - 1; ++s) {
+            if (s < ntiles) load_kv_tile<T, D, BN, PITCH, NT>(ring + s * 2 * BN * PITCH, kg, vg, lo + s * BN, hi);
+            cp_async_commit();
+        }
+    }
+};
+
 // --- v1: SIMT -----------------------------------------------------------------------------
 // Grid (splits, Hkv * n_head_tiles, B), NT threads (a multiple of 32 that divides GT * 32, so each
 // warp owns GT / warps heads in the softmax step). The block owns sequence b, kv head kvh, query
@@ -123,23 +150,12 @@ __global__ void __launch_bounds__(NT, MINB) decode_kernel(
     const int g_tile = min(GT, G - ht * GT);               // heads in this tile (>= 1)
     const int h0 = kvh * G + ht * GT;                      // first query head of the tile
 
-    // key range of this split (same chunking as reference.decode_split_partials)
-    const int len = min(max(lengths[b], 0), max_seq);
-    const int chunk = (len + num_splits - 1) / num_splits;
-    const int lo = min(split * chunk, len);
-    const int hi = min(lo + chunk, len);
-    const int ntiles = (hi - lo + BN - 1) / BN;
-
-    const size_t kv_off = ((size_t)b * Hkv + kvh) * (size_t)max_seq * D;
-    const T* kg = k_cache + kv_off;                        // [max_seq, D] this kv head
-    const T* vg = v_cache + kv_off;
-
-    // ring prologue: tiles 0 .. STAGES-2 in flight before anything else
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-        if (s < ntiles) load_kv_tile<T, D, BN, PITCH, NT>(ring + s * SLOT_BYTES, kg, vg, lo + s * BN, hi);
-        cp_async_commit();
-    }
+    // this split's keys; tiles 0 .. STAGES-2 in flight before anything else
+    const KvStream<T, D, BN, PITCH, NT, STAGES> kv(ring, k_cache, v_cache, lengths, b, kvh, Hkv, max_seq,
+                                                   num_splits, split);
+    const int lo = kv.lo, hi = kv.hi, ntiles = kv.ntiles;
+    const T* kg = kv.kg;
+    const T* vg = kv.vg;
 
     // q tile -> smem, pre-scaled (made visible by the first tile's barrier)
     for (int i = tid; i < g_tile * D; i += NT) {
@@ -363,21 +379,12 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) decode_mma_kernel(
     const int g_tile = min(ROWS, G - ht * ROWS);
     const int h0 = kvh * G + ht * ROWS;
 
-    const int len = min(max(lengths[b], 0), max_seq);
-    const int chunk = (len + num_splits - 1) / num_splits;
-    const int lo = min(split * chunk, len);
-    const int hi = min(lo + chunk, len);
-    const int ntiles = (hi - lo + BN - 1) / BN;
-
-    const size_t kv_off = ((size_t)b * Hkv + kvh) * (size_t)max_seq * D;
-    const T* kg = k_cache + kv_off;
-    const T* vg = v_cache + kv_off;
-
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-        if (s < ntiles) load_kv_tile<T, D, BN, PITCH, NT>(ring + s * SLOT_BYTES, kg, vg, lo + s * BN, hi);
-        cp_async_commit();
-    }
+    // this split's keys; tiles 0 .. STAGES-2 in flight before anything else
+    const KvStream<T, D, BN, PITCH, NT, STAGES> kv(ring, k_cache, v_cache, lengths, b, kvh, Hkv, max_seq,
+                                                   num_splits, split);
+    const int lo = kv.lo, hi = kv.hi, ntiles = kv.ntiles;
+    const T* kg = kv.kg;
+    const T* vg = kv.vg;
 
     // q tile -> smem; padded rows are zeros. Negation is exact, so c = |scale| log2(e) >= 0.
     const bool neg = scale_log2 < 0.f;
