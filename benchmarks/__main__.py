@@ -140,9 +140,13 @@ def select_impls(op: str, impl_arg: str | None, skip) -> list[str]:
 
 def impls_for_case(case, impls: list[str]) -> list[str]:
     """Drop impls that do not apply to a case: TF32 is a float32 mode; our tensor-core
-    ("mma") variants take 16-bit inputs only."""
+    ("mma") variants take 16-bit inputs only; "skinny" is a gemm_nt kernel for small M."""
+    from cupyattn.config import GEMM_SKINNY_MAX_M
+
     fp32 = case.dtype == "float32"
-    return [n for n in impls if not ((n == "cublas-tf32" and not fp32) or ("mma" in n and fp32))]
+    skinny = case.op == "gemm" and case.p["layout"] == "nt" and case.p["M"] <= GEMM_SKINNY_MAX_M
+    return [n for n in impls if not ((n == "cublas-tf32" and not fp32) or ("mma" in n and fp32)
+                                     or ("skinny" in n and not skinny))]
 
 
 def _outputs(a, argv, records, ceilings, meta, log) -> None:

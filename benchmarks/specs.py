@@ -228,9 +228,13 @@ def sweeps_for(op: str) -> list[str]:
 # --- default cases (what `all` runs, and a subcommand without shape args) -------------------------
 def default_cases(op: str, preset: str = "llama2-7b-4layers") -> list[Case]:
     if op == "gemm":
+        # 4096^3 against cuBLAS (compute-bound); decode-sized M = 1, 8, 16 rows times a 4096 x 4096
+        # weight (memory-bound: the skinny kernel, read W once) against cupy.matmul
         return ([make_case("gemm", dt, M=4096, N=4096, K=4096, layout=lay, batch=1)
                  for dt in ("float16", "bfloat16") for lay in ("nt", "nn")]
-                + [make_case("gemm", "float32", M=2048, N=2048, K=2048, layout="nt", batch=1)])
+                + [make_case("gemm", "float32", M=2048, N=2048, K=2048, layout="nt", batch=1)]
+                + [make_case("gemm", "float16", label=f"gemm skinny M{m} N4096 K4096 float16",
+                             M=m, N=4096, K=4096, layout="nt", batch=1) for m in (1, 8, 16)])
     if op == "softmax":
         return [make_case("softmax", dt, rows=8192, cols=4096) for dt in DTYPES]
     if op == "attention":
@@ -238,8 +242,11 @@ def default_cases(op: str, preset: str = "llama2-7b-4layers") -> list[Case]:
                 for dt, Hkv, D, c in (("float16", 16, 128, False), ("float16", 16, 128, True),
                                       ("bfloat16", 16, 64, True), ("float16", 4, 128, True))]
     if op == "decode":
-        return [make_case("decode", "float16", B=B, H=32, Hkv=8, L=L, D=128)
-                for B, L in ((1, 8192), (16, 4096), (1, 65536))]
+        # the bandwidth goals (fp16, 32 query heads on 8 kv heads, D=128): B=8 at 32k and B=1 at
+        # 128k, reported as GB/s and % of the measured copy ceiling; a short batch; MQA at B=1
+        return ([make_case("decode", "float16", B=B, H=32, Hkv=8, L=L, D=128)
+                 for B, L in ((8, 32768), (1, 131072), (16, 4096))]
+                + [make_case("decode", "float16", B=1, H=32, Hkv=1, L=131072, D=128)])
     if op == "model":
         # SmolLM2-135M from its GGUF file, and a synthetic tinylm preset (random weights).
         return [make_case("model", "auto", label=f"model {m}", model=m, prompt_len=128,

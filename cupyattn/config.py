@@ -51,6 +51,9 @@ MAX_GRID_X = 2**31 - 1      # gridDim.x
 MAX_GRID_YZ = 65535         # gridDim.y and gridDim.z
 MAX_BLOCK_THREADS = 1024
 STATIC_SMEM_BYTES = 48 * 1024   # static __shared__ per block without the opt-in attribute
+SMEM_PER_SM_BY_ARCH = {"sm_80": 164 * 1024, "sm_90": 228 * 1024}  # shared memory per SM (A100, H100) ...
+SMEM_PER_SM = SMEM_PER_SM_BY_ARCH["sm_90"]
+SMEM_PER_BLOCK_RESERVED = 1024  # ... of which the driver reserves 1 KB per resident block
 
 # --- fused attention (kernels_cu/flash_attn.cu) and decode (kernels_cu/decode.cu) ------------
 HEAD_DIMS = (32, 64, 80, 96, 128, 256)   # head dims of the fused attention and decode kernels
@@ -96,14 +99,105 @@ FLASH_MMA_TILES = {
 }
 
 # --- decode (kernels_cu/decode.cu) ------------------------------------------------------------
-DECODE_THREADS = 128        # 4 warps per decode block
-DECODE_HEAD_TILE = 8        # query heads per block (GQA groups above 8 take several head tiles)
-DECODE_MAX_SPLITS = 256     # combine kernel's per-split weights live in smem
+def conflict_free_pitch(row_bytes: int, threads_per_row: int) -> int:
+    """Smallest smem row pitch >= ``row_bytes`` (a multiple of 16 B) at which the 8 lanes of a
+    quarter-warp reading 16-byte chunks (row lane // tpr, chunk lane % tpr) hit 8 distinct
+    16-byte bank groups: the SIMT decode kernel's score loop reads K that way."""
+    pitch = -(-row_bytes // 16) * 16
+    while True:
+        groups = {((lane // threads_per_row) * pitch // 16 + lane % threads_per_row) % 8 for lane in range(8)}
+        if len(groups) == 8:
+            return pitch
+        pitch += 16
+
+
+@dataclass(frozen=True)
+class DecodeTile:
+    block_n: int        # keys per cp.async ring slot (each slot holds that many K rows and V rows)
+    stages: int         # ring depth: tiles t+1 .. t+stages-1 are in flight while tile t is computed
+    warps: int
+    blocks_per_sm: int  # __launch_bounds__ minimum (caps registers), and the occupancy on an H100
+                        # that the split rule assumes (an A100's smaller smem may hold fewer)
+    pitch: int          # smem bytes per K/V row
+    reason: str
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    @property
+    def ring_bytes(self) -> int:
+        """Dynamic shared memory of the kernel: the K/V ring, [stages][K, V][block_n][pitch]."""
+        return self.stages * 2 * self.block_n * self.pitch
+
+
+DECODE_HEAD_TILE = 8        # impl="simt": query heads per block (larger groups take several tiles)
+DECODE_MMA_MIN_GROUP = 4    # impl="auto" uses the tensor cores from this GQA group size on (fp16/bf16)
+DECODE_MMA_ROWS = 16        # impl="mma": query heads per m16n8k16 A tile (padded with zero rows)
+DECODE_MMA_MAX_MTILES = 2   # impl="mma": up to 32 heads per block, so MQA with 32 heads reads K/V once
+DECODE_IMPLS = ("auto", "simt", "mma")
+
+
+def _simt_tile(d: int, itemsize: int, block_n: int, stages: int, blocks: int, why: str) -> DecodeTile:
+    row = d * itemsize
+    pitch = conflict_free_pitch(row, 128 // block_n)
+    kb = stages * 2 * block_n * pitch / 1024
+    return DecodeTile(block_n, stages, 4, blocks, pitch, f"{why}; row {row} B, pitch {pitch} B, ring {kb:.1f} KB")
+
+
+# impl="simt" (decode_kernel, any dtype): (head_dim, element bytes) -> tile. 128 threads; a key's
+# dot products are shared by 128 / block_n adjacent lanes, so block_n shrinks as rows grow. 3
+# stages keep two K/V tiles in flight per block. blocks_per_sm is what fits an SM's 228 KB (ring +
+# q tile and scores + 1 KB reserve; tests check it against ptxas' numbers), at most 4, which caps
+# registers at 128 (the kernels use 80-128 with no spills).
+DECODE_SIMT_TILES = {
+    (32, 2): _simt_tile(32, 2, 64, 3, 4, "2 lanes per key, 2 chunks each"),
+    (64, 2): _simt_tile(64, 2, 64, 3, 3, "2 lanes per key, 4 chunks each"),
+    (80, 2): _simt_tile(80, 2, 32, 3, 4, "4 lanes per key, 3 chunks each (the last partial)"),
+    (96, 2): _simt_tile(96, 2, 32, 3, 4, "4 lanes per key, 3 chunks each"),
+    (128, 2): _simt_tile(128, 2, 32, 3, 3, "4 lanes per key, 4 chunks each"),
+    (256, 2): _simt_tile(256, 2, 16, 3, 3, "8 lanes per key: one key per quarter-warp, no pad needed"),
+    (32, 4): _simt_tile(32, 4, 64, 3, 3, "fp32 rows twice as long: as fp16 D=64"),
+    (64, 4): _simt_tile(64, 4, 32, 3, 3, "as fp16 D=128"),
+    (80, 4): _simt_tile(80, 4, 16, 3, 4, "8 lanes per key, 20 chunks per row"),
+    (96, 4): _simt_tile(96, 4, 16, 3, 4, "8 lanes per key; block_n 32 would need a 448 B pitch"),
+    (128, 4): _simt_tile(128, 4, 16, 3, 4, "8 lanes per key, 4 chunks each"),
+    (256, 4): _simt_tile(256, 4, 8, 3, 3, "1 KB rows: 16 lanes per key, 4 chunks each"),
+}
+
+
+def _mma_tile(d: int, m_tiles: int, warps: int, block_n: int, stages: int, blocks: int, why: str) -> DecodeTile:
+    pitch = 2 * d + 16   # +16 B: the 8 rows of an ldmatrix phase fall in distinct bank groups
+    kb = stages * 2 * block_n * pitch / 1024
+    return DecodeTile(block_n, stages, warps, blocks, pitch,
+                      f"{why}; {m_tiles * 16} head rows, {block_n * m_tiles // warps} keys per warp, ring {kb:.1f} KB")
+
+
+# impl="mma" (decode_mma_kernel, fp16/bf16): (head_dim, m-tiles) -> tile. The block's warps are
+# m_tiles x (warps / m_tiles): a warp scores its own keys of the tile for one 16-head A tile, keeps
+# its own online-softmax state and O (head_dim / 2 fp32 registers per lane), and the slices are
+# merged once at the end. blocks_per_sm follows from smem (ring + q tile + 1 KB reserve) on 228 KB.
+DECODE_MMA_TILES = {
+    (32, 1): _mma_tile(32, 1, 4, 64, 3, 6, "O 16 registers; 6 blocks cap registers at 85"),
+    (64, 1): _mma_tile(64, 1, 4, 64, 3, 3, "O 32 registers; 4 blocks would need 231 KB"),
+    (80, 1): _mma_tile(80, 1, 4, 64, 3, 3, "O 40 registers"),
+    (96, 1): _mma_tile(96, 1, 4, 64, 3, 2, "O 48 registers"),
+    (128, 1): _mma_tile(128, 1, 4, 64, 3, 2, "O 64 registers; 2 blocks = 221 KB"),
+    (256, 1): _mma_tile(256, 1, 2, 32, 3, 2, "O 128 registers: 2 warps of 16 keys"),
+    (32, 2): _mma_tile(32, 2, 4, 64, 3, 6, "2 head tiles x 2 key slices"),
+    (64, 2): _mma_tile(64, 2, 4, 64, 3, 3, "2 head tiles x 2 key slices"),
+    (80, 2): _mma_tile(80, 2, 4, 64, 3, 3, "2 head tiles x 2 key slices"),
+    (96, 2): _mma_tile(96, 2, 4, 64, 3, 2, "2 head tiles x 2 key slices"),
+    (128, 2): _mma_tile(128, 2, 4, 64, 3, 2, "2 head tiles x 2 key slices; 224 KB for 2 blocks"),
+    (256, 2): _mma_tile(256, 2, 4, 32, 2, 2, "O 128 registers, 17 KB q tile: 2 stages keep 2 blocks/SM"),
+}
+DECODE_MAX_SPLITS = 512     # bound of the combine kernel (its per-split weights live in smem)
 DECODE_COMBINE_THREADS = 128
 # automatic split count (decode.choose_num_splits)
-DECODE_MAX_AUTO_SPLITS = 64
 DECODE_MIN_KEYS_PER_SPLIT = 256   # an automatic split never gets fewer keys than this
-DECODE_WAVES = 2                  # automatic splits aim at this many blocks per SM
+DECODE_SPLIT_OVERHEAD_KEYS = 64   # fixed cost of one split (prologue, epilogue, its share of the
+                                  # combine) in keys: stops the rule from trading a whole wave
+                                  # for a few percent less wave quantisation
 
 # --- KV-cache append (kernels_cu/kvcache.cu) ------------------------------------------------
 KV_APPEND_THREADS = 128
@@ -120,17 +214,47 @@ class GemmTile:
     bk: int
     threads: int
     reason: str
+    stages: int = 1       # mma: depth of the cp.async ring (simt prefetches one tile into registers)
+    min_blocks: tuple = (1, 1)  # mma: __launch_bounds__ minimum blocks per SM (caps registers), (NT, NN)
 
 
+GEMM_MMA_PAD = 8   # halves of padding per smem row of the mma kernel
+GEMM_GROUP_M = 8   # mma: tile rows per raster group (a group's B tiles stay in L2)
 GEMM_TILES = {
     "simt": GemmTile(128, 64, 16, 256, "8x4 register micro-tile per thread: 32 accumulators + 12 "
                      "fragment + 12 prefetch registers; As 16x132 + Bs 16x68 fp32 = 12.7 KB smem"),
     "mma": GemmTile(128, 128, 32, 256, "8 warps of 64x32 = 4x4 mma tiles (64 fp32 acc/thread); "
-                    "2 stages x 2 x 128x(32+8) halves = 40 KB static smem; +8-half row pad makes "
-                    "every ldmatrix phase hit 32 distinct banks"),
+                    "4 stages x 2 x 128x(32+8) halves = 80 KB dynamic smem (NN 74 KB): three k-tiles "
+                    "in flight, one barrier per k-tile; NT at 2 blocks/SM (162 KB fits an A100's "
+                    "164 KB and an H100's 228 KB) caps registers at 128 with no spills, NN needs ~190 "
+                    "and stays at 1 block/SM; the +8-half row pad makes every ldmatrix phase hit 32 "
+                    "distinct banks", stages=4, min_blocks=(2, 1)),
 }
-GEMM_IMPLS = ("auto",) + tuple(GEMM_TILES)
-GEMM_MMA_PAD = 8   # halves of padding per smem row of the mma kernel
+
+
+def gemm_mma_smem_bytes(tile: GemmTile, nt: bool) -> int:
+    """Dynamic shared memory of gemm_mma_kernel: per stage an A tile [bm][bk+pad] and a B tile,
+    NT [bn][bk+pad] or NN [bk][bn+pad], 16-bit elements (the kernel's own layout)."""
+    b_elems = tile.bn * (tile.bk + GEMM_MMA_PAD) if nt else tile.bk * (tile.bn + GEMM_MMA_PAD)
+    return tile.stages * (tile.bm * (tile.bk + GEMM_MMA_PAD) + b_elems) * 2
+
+
+@dataclass(frozen=True)
+class SkinnyTile:
+    warps: int     # split K; their partial C tiles are summed through smem
+    n_tiles: int   # 8-row groups of W per block: each A fragment feeds this many mma's
+    chunks: int    # 16-byte chunks a lane loads per W row per step (bytes in flight)
+    reason: str
+
+
+# impl="skinny" (gemm_nt with M <= 16, the decode projections x @ W^T): memory-bound on W, so the
+# tile is sized for bytes in flight, not data reuse.
+GEMM_SKINNY = SkinnyTile(8, 2, 4, "256 threads; a warp step reads 16 rows x 256 B of W (4 KB in "
+                         "flight per warp, 32 KB per block) and 2 x 256 B of x per lane; 16 rows per "
+                         "block keep 256 blocks for N = 4096 (about 2 per SM) while each x fragment "
+                         "serves 2 mma's; 8 KB static smem for the cross-warp sum")
+GEMM_SKINNY_MAX_M = 16   # impl="auto" takes skinny for gemm_nt when the (batch-folded) M is at most this
+GEMM_IMPLS = ("auto", "simt", "mma", "skinny")
 
 # --- row softmax (kernels_cu/row_softmax.cu) --------------------------------------------------
 SOFTMAX_VPTS = (1, 2, 4, 8, 16, 32)     # values per lane of the warp-per-row kernel

@@ -1,31 +1,57 @@
 """Single-token decode attention over a :class:`~cupyattn.kvcache.KVCache`, with split-KV.
 
-One CUDA block handles one (sequence, kv head, split) and every query head of that kv head (up
-to 8 per block; larger groups take several head tiles), so each K/V element is read from
-global memory once per kv head. With ``num_splits == 1`` the block writes the output itself;
-otherwise each split writes a float32 partial O and log-sum-exp to a workspace and a combine
-kernel merges them (flash-decoding): ``O = sum_c exp(lse_c - lse) O_c``.
+One CUDA block handles one (sequence, kv head, head tile, split), so each K/V element is read
+from global memory once per kv head (and split): every query head of the tile is scored against
+the same staged keys. K/V tiles stream through a cp.async ring of a few stages (config
+``DECODE_*_TILES``) so that the next tiles load while one is computed. Two kernels
+(``kernels_cu/decode.cu``), chosen by ``impl``:
 
-Sequence b's live length ``len_b`` is split into chunks of ``ceil(len_b / num_splits)`` keys, as
-``reference.decode_split_partials`` does, so results do not depend on ``max_seq``.
+=====  ======================================================================  =============
+impl   kernel                                                                  dtypes
+=====  ======================================================================  =============
+simt   v1: float FMAs; up to 8 query heads per block                           f32 f16 bf16
+mma    v2: tensor cores; the group's heads are the rows of a 16- or 32-row     f16 bf16
+       mma A tile, S = Q K^T and O += P V by mma.sync
+=====  ======================================================================  =============
+
+``impl="auto"`` takes ``mma`` for fp16/bf16 when a kv head serves at least
+``DECODE_MMA_MIN_GROUP`` (4) query heads, as FlashInfer does: below that most of the 16 rows of
+an A tile would be padding, and the SIMT kernel's FMAs keep up with memory anyway.
+
+With ``num_splits == 1`` a block writes the output itself; otherwise each split writes a float32
+partial O and log-sum-exp to a workspace and a combine kernel merges them (flash-decoding):
+``O = sum_c exp(lse_c - lse) O_c``. Sequence b's live length ``len_b`` is split into chunks of
+``ceil(len_b / num_splits)`` keys, as ``reference.decode_split_partials`` does, so results do not
+depend on ``max_seq``; the automatic split count is :func:`choose_num_splits`.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 
 import cupy
 import numpy as np
 
-from ._checks import check_array, check_last_contiguous, check_out, check_same_dtype
+from ._checks import check_array, check_choice, check_last_contiguous, check_out, check_same_dtype
 from ._loader import KernelSpec, get_function
-from .config import (DECODE_COMBINE_THREADS, DECODE_HEAD_TILE, DECODE_MAX_AUTO_SPLITS,
-                     DECODE_MAX_SPLITS, DECODE_MIN_KEYS_PER_SPLIT, DECODE_THREADS, DECODE_WAVES,
-                     DTYPES, HEAD_DIMS, MAX_GRID_YZ, ctype)
+from .config import (DECODE_COMBINE_THREADS, DECODE_HEAD_TILE, DECODE_IMPLS, DECODE_MAX_SPLITS,
+                     DECODE_MIN_KEYS_PER_SPLIT, DECODE_MMA_MAX_MTILES, DECODE_MMA_MIN_GROUP,
+                     DECODE_MMA_ROWS, DECODE_MMA_TILES, DECODE_SIMT_TILES, DECODE_SPLIT_OVERHEAD_KEYS,
+                     DTYPES, HEAD_DIMS, MAX_GRID_YZ, MMA_DTYPES, DecodeTile, ctype)
 from .kvcache import KVCache
 
 
-def _decode_expr(dtype, d: int) -> str:
-    return f"decode_kernel<{ctype(dtype)}, {d}, {DECODE_THREADS}, {DECODE_HEAD_TILE}>"
+def _simt_expr(dtype, d: int) -> str:
+    t = DECODE_SIMT_TILES[(d, np.dtype(dtype).itemsize)]
+    return (f"decode_kernel<{ctype(dtype)}, {d}, {t.threads}, {DECODE_HEAD_TILE}, {t.block_n}, "
+            f"{t.stages}, {t.pitch}, {t.blocks_per_sm}>")
+
+
+def _mma_expr(dtype, d: int, m_tiles: int) -> str:
+    t = DECODE_MMA_TILES[(d, m_tiles)]
+    return (f"decode_mma_kernel<{ctype(dtype)}, {d}, {m_tiles}, {t.warps}, {t.block_n}, {t.stages}, "
+            f"{t.pitch}, {t.blocks_per_sm}>")
 
 
 def _combine_expr(dtype) -> str:
@@ -34,20 +60,65 @@ def _combine_expr(dtype) -> str:
 
 SPEC = KernelSpec(
     "decode", "decode.cu",
-    tuple(_decode_expr(t, d) for t in DTYPES for d in HEAD_DIMS) + tuple(_combine_expr(t) for t in DTYPES))
+    tuple(_simt_expr(t, d) for t in DTYPES for d in HEAD_DIMS)
+    + tuple(_mma_expr(t, d, m) for t in MMA_DTYPES for d in HEAD_DIMS for m in range(1, DECODE_MMA_MAX_MTILES + 1))
+    + tuple(_combine_expr(t) for t in DTYPES))
 
 _SM_COUNT: dict[int, int] = {}
 
 
-def choose_num_splits(batch: int, kv_heads: int, max_len: int, sm_count: int) -> int:
-    """Split count for a decode step: enough blocks (``batch * kv_heads * splits``) to fill
-    about ``DECODE_WAVES`` blocks per SM, but at least ``DECODE_MIN_KEYS_PER_SPLIT`` keys per
-    split and at most ``DECODE_MAX_AUTO_SPLITS`` splits (cupyattn.config). ``max_len`` is the longest *live* length (not max_seq);
-    ``kv_heads`` counts blocks per sequence and split (kv heads times head tiles)."""
-    blocks = max(1, batch * kv_heads)
-    by_fill = -(-DECODE_WAVES * max(1, sm_count) // blocks)          # ceil
-    by_len = max(1, max_len // DECODE_MIN_KEYS_PER_SPLIT)
-    return max(1, min(by_fill, by_len, DECODE_MAX_AUTO_SPLITS))
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Which kernel a decode call launches and how its grid covers the heads."""
+    impl: str
+    expr: str
+    tile: DecodeTile
+    head_tiles: int   # blocks per kv head (and split)
+
+
+def _plan(impl: str, dtype, d: int, group: int) -> _Plan:
+    if impl == "auto":
+        impl = "mma" if np.dtype(dtype) in MMA_DTYPES and group >= DECODE_MMA_MIN_GROUP else "simt"
+    if impl == "mma":
+        m_tiles = min(-(-group // DECODE_MMA_ROWS), DECODE_MMA_MAX_MTILES)
+        rows = DECODE_MMA_ROWS * m_tiles
+        return _Plan(impl, _mma_expr(dtype, d, m_tiles), DECODE_MMA_TILES[(d, m_tiles)], -(-group // rows))
+    return _Plan(impl, _simt_expr(dtype, d), DECODE_SIMT_TILES[(d, np.dtype(dtype).itemsize)],
+                 -(-group // DECODE_HEAD_TILE))
+
+
+@functools.lru_cache(maxsize=4096)
+def choose_num_splits(batch: int, kv_heads: int, max_len: int, sm_count: int, blocks_per_sm: int = 1) -> int:
+    """Split count for a decode step, from the live length, the SM count and wave quantisation.
+
+    A launch of ``blocks = batch * kv_heads`` blocks per split (``kv_heads`` counts blocks per
+    sequence: kv heads times head tiles) runs ``slots = sm_count * blocks_per_sm`` blocks at a
+    time, so ``s`` splits take ``ceil(blocks * s / slots)`` waves, each as long as one split's
+    work, ``ceil(max_len / s) + DECODE_SPLIT_OVERHEAD_KEYS`` key-times. The result is the ``s`` in
+    ``[1, s_max]`` of least cost (the fewest splits among equals), where ``s_max =
+    min(DECODE_MAX_SPLITS, max_len // DECODE_MIN_KEYS_PER_SPLIT)`` (at least 1). There is no
+    other cap: a single sequence with one kv head (MQA, batch 1) gets enough splits to fill every
+    SM when its length allows. ``max_len`` is the longest *live* length (not ``max_seq``).
+
+    Pure and cheap: it visits one candidate per wave count (the fewest splits that reach the
+    wave's best per-split length) and stops once no later wave can beat the best found.
+    """
+    blocks, slots, n = max(1, batch * kv_heads), max(1, sm_count * blocks_per_sm), max(0, max_len)
+    s_max = max(1, min(DECODE_MAX_SPLITS, n // DECODE_MIN_KEYS_PER_SPLIT))
+    over = DECODE_SPLIT_OVERHEAD_KEYS
+    best, best_cost = 1, -(-blocks // slots) * (n + over)
+    w = 1
+    while (w - 1) * slots // blocks + 1 <= s_max:
+        s_lo, s_hi = (w - 1) * slots // blocks + 1, min(s_max, w * slots // blocks)
+        if s_hi >= s_lo:  # every s in [s_lo, s_hi] runs in exactly w waves
+            k = -(-n // s_hi)                           # least keys per split in this wave count
+            s = max(s_lo, -(-n // k) if k else s_lo)    # fewest splits with that many keys
+            if w * (k + over) < best_cost:
+                best, best_cost = s, w * (k + over)
+        w += 1
+        if n * blocks / slots + w * over >= best_cost:  # a lower bound on every later wave count
+            break
+    return best
 
 
 def _sm_count() -> int:
@@ -58,8 +129,8 @@ def _sm_count() -> int:
     return n
 
 
-def _check_args(fn, q, cache, layer, scale, num_splits, out):
-    """Validate everything; return (layer, B, Hq, D, scale, num_splits or None)."""
+def _check_args(fn, q, cache, layer, scale, num_splits, out, impl):
+    """Validate everything; return (layer, B, Hq, D, scale, num_splits or None, plan)."""
     if not isinstance(cache, KVCache):
         raise TypeError(f"{fn}(): cache must be a cupyattn.KVCache, got {type(cache).__name__}")
     layer = cache.check_layer(fn, layer)
@@ -86,19 +157,23 @@ def _check_args(fn, q, cache, layer, scale, num_splits, out):
             raise ValueError(f"{fn}(): num_splits must be None or an integer in [1, {DECODE_MAX_SPLITS}], "
                              f"got {num_splits!r}")
         num_splits = int(num_splits)
-    if cache.num_kv_heads * -(-(hq // cache.num_kv_heads) // DECODE_HEAD_TILE) > MAX_GRID_YZ or b > MAX_GRID_YZ:
+    check_choice(fn, "impl", impl, DECODE_IMPLS)
+    if impl == "mma" and np.dtype(q.dtype) not in MMA_DTYPES:
+        raise TypeError(f"{fn}(): impl='mma' needs float16 or bfloat16, got {np.dtype(q.dtype)} "
+                        f"(use impl='simt' or 'auto')")
+    plan = _plan(impl, q.dtype, d, hq // cache.num_kv_heads)
+    if cache.num_kv_heads * plan.head_tiles > MAX_GRID_YZ or b > MAX_GRID_YZ:
         raise ValueError(f"{fn}(): batch {b} x {hq} heads exceed one launch's grid ({MAX_GRID_YZ} blocks in y, z)")
     if out is not None:
         check_out(fn, out, (b, hq, 1, d), q.dtype)
-    return layer, b, hq, d, float(scale), num_splits
+    return layer, b, hq, d, float(scale), num_splits, plan
 
 
-def _launch(q, cache, layer, scale, num_splits, out, workspace=None, combine=True):
+def _launch(q, cache, layer, scale, num_splits, out, plan, workspace=None, combine=True):
     """Run the decode kernel, and the combine kernel when split (``combine=False`` keeps only the
     split partials in ``workspace``, for tests)."""
     b, hq, _, d = q.shape
     hkv = cache.num_kv_heads
-    n_ht = -(-(hq // hkv) // DECODE_HEAD_TILE)
     split = num_splits > 1 or not combine
     if split:
         o_part, lse_part = workspace if workspace is not None else (
@@ -107,19 +182,20 @@ def _launch(q, cache, layer, scale, num_splits, out, workspace=None, combine=Tru
     else:
         out_arg = o_part = lse_part = out  # the kernel writes only out
     i32, i64 = np.int32, np.int64
-    kern = get_function(SPEC, _decode_expr(cache.dtype, d))
-    kern((num_splits, hkv * n_ht, b), (DECODE_THREADS,),
+    smem = plan.tile.ring_bytes
+    kern = get_function(SPEC, plan.expr, dynamic_smem=smem)
+    kern((num_splits, hkv * plan.head_tiles, b), (plan.tile.threads,),
          (q, cache.k[layer], cache.v[layer], cache.lengths[layer], out_arg, o_part, lse_part,
           i64(q.strides[0] // q.itemsize), i64(q.strides[1] // q.itemsize),
           i32(b), i32(hq), i32(hkv), i32(cache.max_seq), i32(num_splits),
-          np.float32(scale * math.log2(math.e)), i32(1 if split else 0)))
+          np.float32(scale * math.log2(math.e)), i32(1 if split else 0)), shared_mem=smem)
     if split and combine:
         merge = get_function(SPEC, _combine_expr(cache.dtype))
         merge((b * hq,), (DECODE_COMBINE_THREADS,), (o_part, lse_part, out, i32(num_splits), i32(b * hq), i32(d)))
     return out
 
 
-def decode_attention(q, cache, layer, scale=None, num_splits=None, out=None, workspace=None):
+def decode_attention(q, cache, layer, scale=None, num_splits=None, out=None, workspace=None, impl="auto"):
     """Attention of one new query token per sequence over the cached keys/values of ``layer``.
 
     Parameters
@@ -130,19 +206,23 @@ def decode_attention(q, cache, layer, scale=None, num_splits=None, out=None, wor
     cache : KVCache
         Keys ``[0, lengths[layer, b])`` of sequence b are attended (append the new token's K/V
         first if it should see itself). Lengths may differ across the batch; a sequence of
-        length 0 gets zeros.
+        length 0 gets zeros. Cache rows at or past a sequence's length are never read.
     layer : int
     scale : float, optional
         Softmax scale, default ``1/sqrt(D)``.
     num_splits : int, optional
-        Key-range splits per sequence (1 = unsplit, up to 256). None picks it from the longest
-        live length and the SM count (:func:`choose_num_splits`), with no device sync.
+        Key-range splits per sequence (1 = unsplit, up to ``DECODE_MAX_SPLITS`` = 512). None picks
+        it from the longest live length, the SM count and wave quantisation
+        (:func:`choose_num_splits`), with no device sync.
     out : cupy.ndarray [B, Hq, 1, D], optional
         C-contiguous, q's dtype.
     workspace : (o_part, lse_part), optional
         Preallocated split-KV partials, float32 C-contiguous ``[S, B, Hq, D]`` and ``[S, B, Hq]``
         with ``S >= num_splits``: with ``out`` given the call allocates nothing, so it can be
         captured in a CUDA graph. Without it a split call allocates them.
+    impl : {"auto", "simt", "mma"}
+        Kernel (module docstring): "auto" is tensor cores for fp16/bf16 with a GQA group of 4 or
+        more, SIMT otherwise; "mma" needs fp16/bf16.
 
     Returns
     -------
@@ -154,16 +234,16 @@ def decode_attention(q, cache, layer, scale=None, num_splits=None, out=None, wor
     >>> o = decode_attention(q_tok, cache, layer)         # [B, Hq, 1, D]
     """
     fn = "decode_attention"
-    layer, b, hq, d, scale, num_splits = _check_args(fn, q, cache, layer, scale, num_splits, out)
+    layer, b, hq, d, scale, num_splits, plan = _check_args(fn, q, cache, layer, scale, num_splits, out, impl)
     if num_splits is None:
-        n_ht = -(-(hq // cache.num_kv_heads) // DECODE_HEAD_TILE)
-        num_splits = choose_num_splits(b, cache.num_kv_heads * n_ht,
-                                       int(cache.host_lengths[layer].max()), _sm_count())
+        num_splits = choose_num_splits(b, cache.num_kv_heads * plan.head_tiles,
+                                       int(cache.host_lengths[layer].max()), _sm_count(),
+                                       plan.tile.blocks_per_sm)
     if workspace is not None:
         _check_workspace(fn, workspace, num_splits, b, hq, d)
     if out is None:
         out = cupy.empty((b, hq, 1, d), dtype=q.dtype)
-    return _launch(q, cache, layer, scale, num_splits, out, workspace)
+    return _launch(q, cache, layer, scale, num_splits, out, plan, workspace)
 
 
 def _check_workspace(fn, workspace, num_splits, b, hq, d):
@@ -177,17 +257,17 @@ def _check_workspace(fn, workspace, num_splits, b, hq, d):
                              f"{', '.join(map(str, tail))}], got {tuple(x.shape)}")
 
 
-def decode_split_partials(q, cache, layer, num_splits, scale=None):
+def decode_split_partials(q, cache, layer, num_splits, scale=None, impl="auto"):
     """The split kernel's workspace, for tests: (o_part float32 [splits, B, Hq, D], lse_part
     float32 [splits, B, Hq], natural log, -inf for empty chunks), as
     ``reference.decode_split_partials`` (whose arrays carry an extra length-1 query axis)."""
     fn = "decode_split_partials"
-    layer, b, hq, d, scale, num_splits = _check_args(fn, q, cache, layer, scale, num_splits, None)
+    layer, b, hq, d, scale, num_splits, plan = _check_args(fn, q, cache, layer, scale, num_splits, None, impl)
     if num_splits is None:
         raise ValueError(f"{fn}(): num_splits is required")
     o_part = cupy.empty((num_splits, b, hq, d), dtype=np.float32)
     lse_part = cupy.empty((num_splits, b, hq), dtype=np.float32)
-    _launch(q, cache, layer, scale, num_splits, None, (o_part, lse_part), combine=False)
+    _launch(q, cache, layer, scale, num_splits, None, plan, (o_part, lse_part), combine=False)
     return o_part, lse_part
 
 

@@ -6,17 +6,28 @@ Kernels live in ``kernels_cu/gemm.cu`` (variants side by side):
 impl     kernel                                                                 dtypes
 =======  =====================================================================  ================
 simt     v1: smem-tiled 128x64x16, 8x4 register micro-tile per thread           f32, f16, bf16
-mma      v2: tensor cores (mma.sync m16n8k16, ldmatrix, cp.async), 128x128x32   f16, bf16
+mma      v2: tensor cores (mma.sync m16n8k16, ldmatrix), 128x128x32, 4-stage    f16, bf16
+         cp.async ring with one barrier per k-tile
+skinny   v3: M <= 16, gemm_nt only: streams each row of b once with 16-byte     f32, f16, bf16
+         loads straight into registers (mma.sync for f16/bf16), split-K
 =======  =====================================================================  ================
 
-``impl="auto"`` (default) picks ``mma`` for float16/bfloat16 and ``simt`` for float32 (the
-tensor-core path has no float32-exact input type; TF32 would miss the 1e-5 contract).
+``impl="auto"`` (default) picks ``skinny`` for ``gemm_nt`` when M (after folding, below) is at
+most ``GEMM_SKINNY_MAX_M`` = 16: a decode projection reads a whole weight for a few rows of x,
+so it is bound by reading the weight, which skinny does once at full width while a 128-row tile
+leaves most of its work idle and too few blocks to keep memory busy. Otherwise ``mma`` for
+float16/bfloat16 and ``simt`` for float32 (the tensor-core path has no float32-exact input type;
+TF32 would miss the 1e-5 contract).
 
 Batching: leading dims broadcast NumPy-style and are handed to the kernel as at most two
 collapsed (size, stride) batch dims per operand, stride 0 for broadcast dims, so broadcast and
-strided (non-contiguous) batches are read in place. Only when the batch dims cannot be collapsed
-to two (e.g. three non-mergeable strided batch dims) are both operands copied to contiguous
-broadcast arrays first. Rows may have any stride; the last dim must be contiguous.
+strided (non-contiguous) batches are read in place. When one ``b`` serves the whole batch (a 2-D
+weight, ``x [B, T, K] @ W^T``) and a's rows over (batch, M) are evenly strided, the batch is
+folded into M: one GEMM of ``B*T`` rows that reads W once, not B GEMMs that stream it B times.
+Only when the batch dims cannot be collapsed to two (e.g. three non-mergeable strided batch
+dims) are both operands copied to contiguous broadcast arrays first. Rows may have any stride;
+the last dim must be contiguous. With ``out`` given, a call allocates nothing (outside that
+copy fallback) and never synchronises, so it can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
@@ -25,21 +36,25 @@ import numpy as np
 
 from . import _checks
 from ._loader import KernelSpec, get_function
-from .config import (DTYPES, GEMM_IMPLS, GEMM_MMA_PAD, GEMM_TILES, INT32_MAX, MAX_GRID_YZ,
-                     MMA_DTYPES, cbool, ctype)
+from .config import (DTYPES, GEMM_GROUP_M, GEMM_IMPLS, GEMM_MMA_PAD, GEMM_SKINNY, GEMM_SKINNY_MAX_M,
+                     GEMM_TILES, INT32_MAX, MAX_GRID_YZ, MMA_DTYPES, cbool, ctype, gemm_mma_smem_bytes)
 
 
 def _expr(impl: str, dtype, nt: bool) -> str:
+    if impl == "skinny":
+        s = GEMM_SKINNY
+        return f"gemm_skinny_kernel<{ctype(dtype)}, {s.warps}, {s.n_tiles}, {s.chunks}>"
     t = GEMM_TILES[impl]
-    pad = f", {GEMM_MMA_PAD}" if impl == "mma" else ""
-    return f"gemm_{impl}_kernel<{ctype(dtype)}, {cbool(nt)}, {t.bm}, {t.bn}, {t.bk}, {t.threads}{pad}>"
+    extra = f", {GEMM_MMA_PAD}, {t.stages}, {t.min_blocks[0 if nt else 1]}, {GEMM_GROUP_M}" if impl == "mma" else ""
+    return f"gemm_{impl}_kernel<{ctype(dtype)}, {cbool(nt)}, {t.bm}, {t.bn}, {t.bk}, {t.threads}{extra}>"
 
 
 SPEC = KernelSpec(
     name="gemm",
     source="gemm.cu",
     name_expressions=tuple(_expr("simt", d, nt) for d in DTYPES for nt in (True, False))
-    + tuple(_expr("mma", d, nt) for d in MMA_DTYPES for nt in (True, False)),
+    + tuple(_expr("mma", d, nt) for d in MMA_DTYPES for nt in (True, False))
+    + tuple(_expr("skinny", d, True) for d in DTYPES),
 )
 
 
@@ -66,6 +81,30 @@ def _collapse(batch, sa, sb) -> list[tuple[int, int, int]]:
     return dims
 
 
+def _fold_batch(m: int, lda: int, dims):
+    """Fold the batch into M when b is shared by every batch entry: ``(m, lda, dims)`` after.
+
+    ``dims`` are the collapsed batch dims [(size, a_stride, b_stride)]. With one dim whose b
+    stride is 0 and a's rows evenly strided across it (its a stride is ``m * lda``, or M = 1),
+    the ``size * m`` rows of a form one matrix of row stride lda (C's rows always do: it is
+    C-contiguous), so one GEMM replaces ``size`` of them.
+    """
+    if len(dims) == 1 and dims[0][2] == 0:
+        size, a_st, _ = dims[0]
+        if (m == 1 or a_st == m * lda) and size * m <= INT32_MAX:
+            return size * m, (a_st if m == 1 else lda), []
+    return m, lda, dims
+
+
+def _pick_impl(impl: str, dtype, nt: bool, m: int) -> str:
+    """The kernel ``impl="auto"`` means for this call (M after folding)."""
+    if impl != "auto":
+        return impl
+    if nt and m <= GEMM_SKINNY_MAX_M:
+        return "skinny"
+    return "mma" if np.dtype(dtype) in MMA_DTYPES else "simt"
+
+
 def _check_args(fn, a, b, out, impl, nt):
     """Every check, before anything is allocated or launched. Returns (batch, M, N, K)."""
     _checks.check_array(fn, "a", a, min_ndim=2)
@@ -88,6 +127,9 @@ def _check_args(fn, a, b, out, impl, nt):
     if impl == "mma" and np.dtype(a.dtype) not in MMA_DTYPES:
         raise TypeError(f"{fn}(): impl='mma' needs float16 or bfloat16 inputs, got float32 "
                         f"(use impl='simt' or 'auto')")
+    if impl == "skinny" and not nt:
+        raise ValueError(f"{fn}(): impl='skinny' is a gemm_nt kernel (b rows are the weight rows it "
+                         f"streams); use impl='mma', 'simt' or 'auto'")
     for name, v in (("M", m), ("N", n), ("K", k)):
         if v > INT32_MAX:
             raise ValueError(f"{fn}(): {name}={v} exceeds the kernels' int32 limit")
@@ -105,38 +147,44 @@ def _gemm(fn, a, b, out, impl, nt):
     if k == 0:
         out.fill(0)
         return out
-    if impl == "auto":
-        impl = "mma" if np.dtype(a.dtype) in MMA_DTYPES else "simt"
 
     dims = _collapse(batch, _batch_strides(a, batch), _batch_strides(b, batch))
     if len(dims) > 2:  # the kernel takes two batch dims: materialise the broadcast batch
         a = cupy.ascontiguousarray(cupy.broadcast_to(a, batch + a.shape[-2:]))
         b = cupy.ascontiguousarray(cupy.broadcast_to(b, batch + b.shape[-2:]))
         dims = _collapse(batch, _batch_strides(a, batch), _batch_strides(b, batch))
-    dims = [(1, 0, 0)] * (2 - len(dims)) + dims
-    (n_out, a_so, b_so), (n_in, a_si, b_si) = dims
-    nbatch = n_out * n_in
-
     isz = a.itemsize
     lda = a.strides[-2] // isz if m > 1 else 0  # a unit dim's stride is never used
     b_rows = n if nt else k
     ldb = b.strides[-2] // isz if b_rows > 1 else 0
-    vec_ok = 0
-    if isz == 2 and a.data.ptr % 16 == 0 and b.data.ptr % 16 == 0 and \
-            all(s % 8 == 0 for s in (lda, ldb, a_so, a_si, b_so, b_si)):
+    m, lda, dims = _fold_batch(m, lda, dims)
+    impl = _pick_impl(impl, a.dtype, nt, m)
+    dims = [(1, 0, 0)] * (2 - len(dims)) + dims
+    (n_out, a_so, b_so), (n_in, a_si, b_si) = dims
+    nbatch = n_out * n_in
+
+    vec_ok = 0  # bit 0: 16-byte vector / cp.async loads of a and b; bit 1: paired 16-bit stores
+    per16 = 16 // isz
+    if a.data.ptr % 16 == 0 and b.data.ptr % 16 == 0 and \
+            all(s % per16 == 0 for s in (lda, ldb, a_so, a_si, b_so, b_si)):
         vec_ok |= 1
     if out.data.ptr % 4 == 0 and n % 2 == 0:
         vec_ok |= 2
 
-    tile = GEMM_TILES[impl]
-    tiles_m, tiles_n = -(-m // tile.bm), -(-n // tile.bn)
+    if impl == "skinny":
+        rows_m, rows_n, threads, smem = 16, 8 * GEMM_SKINNY.n_tiles, 32 * GEMM_SKINNY.warps, 0
+    else:
+        tile = GEMM_TILES[impl]
+        rows_m, rows_n, threads = tile.bm, tile.bn, tile.threads
+        smem = gemm_mma_smem_bytes(tile, nt) if impl == "mma" else 0
+    tiles_m, tiles_n = -(-m // rows_m), -(-n // rows_n)
     if tiles_m * tiles_n > INT32_MAX:
         raise ValueError(f"{fn}(): M={m}, N={n} need more than 2^31-1 tiles")
-    kern = get_function(SPEC, _expr(impl, a.dtype, nt))
+    kern = get_function(SPEC, _expr(impl, a.dtype, nt), dynamic_smem=smem)
     i32, i64 = np.int32, np.int64
-    kern((tiles_m * tiles_n, min(nbatch, MAX_GRID_YZ), 1), (tile.threads, 1, 1),
+    kern((tiles_m * tiles_n, min(nbatch, MAX_GRID_YZ), 1), (threads, 1, 1),
          (a, b, out, i32(m), i32(n), i32(k), i32(tiles_n), i64(nbatch), i64(n_in),
-          i64(a_so), i64(a_si), i64(lda), i64(b_so), i64(b_si), i64(ldb), i32(vec_ok)))
+          i64(a_so), i64(a_si), i64(lda), i64(b_so), i64(b_si), i64(ldb), i32(vec_ok)), shared_mem=smem)
     return out
 
 
@@ -152,8 +200,9 @@ def gemm_nt(a, b, out=None, *, impl="auto"):
         every batch entry without a copy).
     out : cupy.ndarray, shape [..., M, N], optional
         C-contiguous, same dtype as ``a``; written in place and returned.
-    impl : {"auto", "simt", "mma"}
-        Which kernel; "auto" is tensor cores for 16-bit inputs, SIMT for float32.
+    impl : {"auto", "simt", "mma", "skinny"}
+        Which kernel (module docstring); "auto" is skinny for M <= 16 (after folding a batch
+        that shares ``b`` into M), else tensor cores for 16-bit inputs, SIMT for float32.
 
     Returns
     -------
@@ -182,7 +231,8 @@ def gemm_nn(a, b, out=None, *, impl="auto"):
     out : cupy.ndarray, shape [..., M, N], optional
         C-contiguous, same dtype as ``a``; written in place and returned.
     impl : {"auto", "simt", "mma"}
-        As for :func:`gemm_nt`.
+        As for :func:`gemm_nt`; "auto" is tensor cores for 16-bit inputs, SIMT for float32
+        (skinny is a gemm_nt kernel).
 
     Returns
     -------

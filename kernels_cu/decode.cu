@@ -1,12 +1,18 @@
 // decode.cu: single-token decode attention over a KV cache, with split-KV (flash-decoding).
 // The cache and its append kernels: kernels_cu/kvcache.cu.
 //
-// Variants (reached from cupyattn/decode.py):
-//   decode_kernel<T, D, ...>          one block per (split, kv head, head tile, sequence): K/V chunk
-//                                staged in smem by cp.async, every query head of the kv head
-//                                (up to GT = 8) scored against each staged key, online softmax;
-//                                writes O directly (1 split) or a float32 partial O and lse
-//   decode_combine_kernel<T,..>  merges the per-split partials: O = sum_c exp(lse_c - lse) O_c
+// Variants (reached from cupyattn/decode.py, impl=):
+//   v1 simt  decode_kernel<T, D, ...>      any dtype. 128 threads; every query head of the tile
+//            (up to GT = 8) is scored against each staged key with float FMAs, online softmax
+//            per head by one warp, O accumulated in per-thread (head, chunk) slots
+//   v2 mma   decode_mma_kernel<T, D, ...>  fp16/bf16, for GQA groups >= 4 (FlashInfer's idea):
+//            the group's query heads are the rows of an m16n8k16 A tile (zero-padded to 16 or
+//            32), S = Q K^T and O += P V run on tensor cores; each warp owns a slice of every
+//            key tile with its own softmax state, and the slices are merged at the end
+//   decode_combine_kernel<T, ...>          merges split partials: O = sum_c exp(lse_c - lse) O_c
+// Both decode kernels stream K/V through the same cp.async ring (load_kv_tile) of STAGES slots
+// in dynamic shared memory, with one block barrier per tile: wait for tile t, barrier, issue the
+// load of tile t + STAGES - 1 into the slot everyone finished with, compute tile t.
 //
 // Layouts (row-major, last dim contiguous):
 //   cache (one layer)  k, v: [B, Hkv, max_seq, D]   lengths: int32 [B]
@@ -15,38 +21,16 @@
 //
 // Split-KV chunking (the same as reference.decode_split_partials): for a sequence of live length
 // len, chunk = ceil(len / splits) and split c covers keys [c*chunk, min((c+1)*chunk, len)); a
-// chunk may be empty (its lse is -inf, its O is 0, and the combine gives it weight 0).
-// Block size, head tile and the combine kernel's split limit come from cupyattn/config.py
-// (DECODE_*) as template arguments: THREADS threads per block, GT query heads per block.
+// chunk may be empty (its lse is -inf, its O is 0, and the combine gives it weight 0). Keys at
+// or past the split's end are never read from global memory: their ring rows are zero-filled
+// and their probabilities set to 0 (not computed and multiplied by 0), so a cache row past a
+// sequence's length may hold anything, NaN included.
+//
+// Tiles (keys per ring slot BN, STAGES, warps, row pitch in bytes, blocks per SM) come from
+// cupyattn/config.py (DECODE_SIMT_TILES, DECODE_MMA_TILES, with the reason for each) as template
+// arguments; the dynamic shared memory the host launches with is exactly STAGES * 2 * BN * PITCH.
 #include "common.cuh"
 #include "ptx.cuh"
-
-// Tile table, chosen by the byte size of one K row (D * sizeof(T)) so that the K and V tiles
-// together take at most 32 KB of smem (plus padding), under the 48 KB static limit and
-// small enough for 5+ blocks per SM to overlap one block's loads with another's math:
-//   row <= 256 B  (fp16/bf16 D <= 128, fp32 D <= 64)  -> BN 64 keys, 2 threads per key
-//   row <= 512 B  (fp16/bf16 D = 256,  fp32 D 80-128) -> BN 32 keys, 4 threads per key
-//   row  = 1024 B (fp32 D = 256)                      -> BN 16 keys, 8 threads per key
-// Rows are padded so that the 8 lanes of a quarter-warp, which read 16-byte chunks
-// (key, part) = (lane / TPK, lane % TPK), land on 8 distinct 16-byte bank groups.
-template <typename T, int D, int DEC_THREADS, int DEC_GT>
-struct DecodeCfg {
-    static constexpr int VEC = 16 / sizeof(T);          // elements per 16-byte chunk
-    static constexpr int ROW_BYTES = D * (int)sizeof(T);
-    static constexpr int NC = ROW_BYTES / 16;           // 16-byte chunks per row
-    static constexpr int BN = ROW_BYTES <= 256 ? 64 : (ROW_BYTES <= 512 ? 32 : 16);
-    static constexpr int TPK = DEC_THREADS / BN;        // threads sharing one key's dot products
-    static constexpr int CPT = (NC + TPK - 1) / TPK;    // chunks per thread in a dot product
-    static constexpr int PITCH = ROW_BYTES + ((TPK * 16 - ROW_BYTES % 128) % 128 + 128) % 128;
-    static constexpr int SLOTS = (DEC_GT * NC + DEC_THREADS - 1) / DEC_THREADS;  // O slots/thread
-    static_assert(ROW_BYTES % 16 == 0, "D * sizeof(T) must be a multiple of 16 bytes");
-    static_assert(ROW_BYTES <= 1024, "head dim too large for the decode tile table");
-    static_assert(PITCH % 16 == 0 && PITCH >= ROW_BYTES, "bad smem row pitch");
-    static_assert(32 % TPK == 0, "a key's thread group must not straddle warps");
-    // The end-of-kernel O reduction reuses the K tile: it needs max(NT, GT*NC) * VEC floats.
-    static_assert(BN * PITCH >= 4 * VEC * (DEC_THREADS > DEC_GT * NC ? DEC_THREADS : DEC_GT * NC),
-                  "K tile too small to hold the O reduction");
-};
 
 // --- helpers -------------------------------------------------------------------------------
 // One 16-byte chunk of T elements -> VEC floats.
@@ -71,20 +55,64 @@ __device__ __forceinline__ void chunk_to_float(const uint4& u, float (&f)[8], __
     }
 }
 
-// --- decode --------------------------------------------------------------------------------
-// Grid (splits, Hkv * n_head_tiles, B), DEC_THREADS threads (a multiple of 32 that divides
-// DEC_GT * 32, so each warp owns DEC_GT / warps heads in the softmax step). The block owns sequence b, kv head
-// kvh, query heads kvh*G + ht*GT + g for g < g_tile, and keys [lo, hi) of its split. It streams
-// those keys in tiles of BN: for each tile (FlashAttention-2 Algorithm 1 with one query row per
-// head, in the log2 domain: q is pre-scaled by scale * log2(e) so exp becomes exp2):
+// Ring slot `slot` ([K, V][BN][PITCH] bytes) <- keys [t0, t0 + BN) of one kv head (kg, vg:
+// [max_seq, D]). Rows at or past `hi` are zero-filled without reading global memory.
+template <typename T, int D, int BN, int PITCH, int NT>
+__device__ __forceinline__ void load_kv_tile(unsigned char* slot, const T* kg, const T* vg, int t0, int hi) {
+    constexpr int VEC = 16 / sizeof(T), NC = D / VEC, PER_KV = BN * NC;
+#pragma unroll
+    for (int it = 0; it < (2 * PER_KV + NT - 1) / NT; ++it) {
+        const int i = threadIdx.x + it * NT;
+        if (2 * PER_KV % NT == 0 || i < 2 * PER_KV) {
+            const int kv = i >= PER_KV, r = i - kv * PER_KV, j = r / NC, c = r - j * NC;
+            unsigned char* dst = slot + (kv * BN + j) * PITCH + c * 16;
+            if (t0 + j < hi) cp_async<16>(dst, (kv ? vg : kg) + (size_t)(t0 + j) * D + c * VEC);
+            else cp_async_zfill<16>(dst, kg, 0);
+        }
+    }
+}
+
+// The block's share of the cache, and the ring prologue. Keys [lo, hi) of split `split` for a
+// sequence of live length lengths[b] (chunk = ceil(len / splits), as
+// reference.decode_split_partials); kg, vg: [max_seq, D] rows of kv head kvh. Tiles 0 .. STAGES-2
+// are put in flight (one commit group each, empty past the end).
+template <typename T, int D, int BN, int PITCH, int NT, int STAGES>
+struct KvStream {
+    int lo, hi, ntiles;
+    const T* kg;
+    const T* vg;
+    __device__ __forceinline__ KvStream(unsigned char* ring, const T* k_cache, const T* v_cache, const int* lengths,
+                                        int b, int kvh, int Hkv, int max_seq, int num_splits, int split) {
+        const int len = min(max(lengths[b], 0), max_seq);
+        const int chunk = (len + num_splits - 1) / num_splits;
+        lo = min(split * chunk, len);
+        hi = min(lo + chunk, len);
+        ntiles = (hi - lo + BN - 1) / BN;
+        const size_t kv_off = ((size_t)b * Hkv + kvh) * (size_t)max_seq * D;
+        kg = k_cache + kv_off;
+        vg = v_cache + kv_off;
+#pragma unroll
+        for (int s = 0; s < STAGES - 1; ++s) {
+            if (s < ntiles) load_kv_tile<T, D, BN, PITCH, NT>(ring + s * 2 * BN * PITCH, kg, vg, lo + s * BN, hi);
+            cp_async_commit();
+        }
+    }
+};
+
+// --- v1: SIMT -----------------------------------------------------------------------------
+// Grid (splits, Hkv * n_head_tiles, B), NT threads (a multiple of 32 that divides GT * 32, so each
+// warp owns GT / warps heads in the softmax step). The block owns sequence b, kv head kvh, query
+// heads kvh*G + ht*GT + g for g < g_tile, and keys [lo, hi) of its split, streamed in tiles of
+// BN through the ring. Per tile (FlashAttention-2 Algorithm 1 with one query row per head, in the
+// log2 domain: q is pre-scaled once by scale * log2(e), in fp32, so exp becomes exp2):
 //   S_j   = q_g . K_j                    (all heads g share one smem read of K_j)
 //   m_new = max(m, max_j S_j);  P_j = exp2(S_j - m_new);  alpha = exp2(m - m_new)
 //   l     = alpha * l + sum_j P_j;  O = alpha * O + sum_j P_j V_j;  m = m_new
 // At the end O / l (0 when l = 0: empty range) and lse = (m + log2 l) * ln 2.
-// Launch bounds (128 threads, 4 blocks/SM) cap registers at 128: 4 blocks of <= 46 KB smem
-// fit an SM, and ptxas keeps every instantiation spill-free (80-126 registers).
-template <typename T, int D, int DEC_THREADS, int DEC_GT>
-__global__ void __launch_bounds__(DEC_THREADS, 4) decode_kernel(
+// Roles: a key's dot products are split over TPK = NT / BN adjacent lanes; warp w runs the
+// softmax of heads w, w + warps, ...; PV slot v = tid + s*NT -> (key part, head, 16-byte chunk).
+template <typename T, int D, int NT, int GT, int BN, int STAGES, int PITCH, int MINB>
+__global__ void __launch_bounds__(NT, MINB) decode_kernel(
     const T* __restrict__ q,            // [B, Hq, 1, D], element (b,h,d) at b*q_sb + h*q_sh + d
     const T* __restrict__ k_cache,      // [B, Hkv, max_seq, D] (one layer), contiguous
     const T* __restrict__ v_cache,      // [B, Hkv, max_seq, D]
@@ -94,59 +122,60 @@ __global__ void __launch_bounds__(DEC_THREADS, 4) decode_kernel(
     float* __restrict__ lse_part,       // [splits, B, Hq]
     long long q_sb, long long q_sh,
     int B, int Hq, int Hkv, int max_seq, int num_splits, float scale_log2, int write_partials) {
-    using Cfg = DecodeCfg<T, D, DEC_THREADS, DEC_GT>;
-    constexpr int DEC_WARPS = DEC_THREADS / 32;
-    static_assert(DEC_THREADS % 32 == 0 && DEC_GT % DEC_WARPS == 0, "heads per warp must be whole");
-    constexpr int VEC = Cfg::VEC, NC = Cfg::NC, BN = Cfg::BN, TPK = Cfg::TPK, PITCH = Cfg::PITCH;
-    constexpr int GT = DEC_GT, NT = DEC_THREADS;
+    constexpr int WARPS = NT / 32, VEC = 16 / sizeof(T), ROW = D * (int)sizeof(T), NC = ROW / 16;
+    constexpr int TPK = NT / BN;                        // lanes sharing one key's dot products
+    constexpr int CPT = (NC + TPK - 1) / TPK;           // chunks per lane in a dot product
+    constexpr int SLOTS = (GT * NC + NT - 1) / NT;      // PV slots per thread
+    constexpr int HPW = GT / WARPS;                     // softmax heads per warp
+    constexpr int SLOT_BYTES = 2 * BN * PITCH;
+    static_assert(NT % 32 == 0 && GT % WARPS == 0, "heads per warp must be whole");
+    static_assert(ROW % 16 == 0 && PITCH % 16 == 0 && PITCH >= ROW, "bad smem row pitch");
+    static_assert(NT % BN == 0 && 32 % TPK == 0, "a key's lane group must not straddle warps");
+    static_assert(STAGES >= 2, "the ring needs at least two slots");
+    // The end-of-kernel O reduction reuses the ring: [KP, n_pairs, VEC] floats, KP*n_pairs <= max(NT, GT*NC).
+    static_assert(STAGES * SLOT_BYTES >= 4 * VEC * (NT > GT * NC ? NT : GT * NC), "ring too small for the O reduction");
 
-    __shared__ __align__(16) unsigned char k_s[BN * PITCH];  // K tile [BN, D] (rows PITCH bytes)
-    __shared__ __align__(16) unsigned char v_s[BN * PITCH];  // V tile [BN, D]
-    __shared__ __align__(16) float q_s[GT * D];              // [GT, D] q * scale * log2(e)
-    __shared__ float p_s[GT * BN];                           // [GT, BN] scores, then P
-    __shared__ float alpha_s[GT];                            // per-head rescale of this tile
-    __shared__ float m_fin[GT], l_fin[GT];                   // final m, l per head
+    extern __shared__ uint4 ring_u4[];                     // dynamic smem, 16-byte aligned
+    unsigned char* ring = reinterpret_cast<unsigned char*>(ring_u4);  // [STAGES][K, V][BN][PITCH]
+    __shared__ __align__(16) float q_s[GT * D];            // [GT, D] q * scale * log2(e)
+    __shared__ float p_s[GT * BN];                         // [GT, BN] scores, then P
+    __shared__ float alpha_s[GT];                          // per-head rescale of this tile
+    __shared__ float m_fin[GT], l_fin[GT];                 // final m, l per head
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int split = blockIdx.x, b = blockIdx.z;
     const int G = Hq / Hkv;
     const int n_ht = (G + GT - 1) / GT;
     const int kvh = blockIdx.y / n_ht, ht = blockIdx.y - kvh * n_ht;
-    const int g_tile = min(GT, G - ht * GT);                 // heads in this tile (>= 1)
-    const int h0 = kvh * G + ht * GT;                        // first query head of the tile
+    const int g_tile = min(GT, G - ht * GT);               // heads in this tile (>= 1)
+    const int h0 = kvh * G + ht * GT;                      // first query head of the tile
 
-    // key range of this split (same chunking as reference.decode_split_partials)
-    const int len = min(max(lengths[b], 0), max_seq);
-    const int chunk = (len + num_splits - 1) / num_splits;
-    const int lo = min(split * chunk, len);
-    const int hi = min(lo + chunk, len);
+    // this split's keys; tiles 0 .. STAGES-2 in flight before anything else
+    const KvStream<T, D, BN, PITCH, NT, STAGES> kv(ring, k_cache, v_cache, lengths, b, kvh, Hkv, max_seq,
+                                                   num_splits, split);
+    const int lo = kv.lo, hi = kv.hi, ntiles = kv.ntiles;
+    const T* kg = kv.kg;
+    const T* vg = kv.vg;
 
-    const size_t kv_off = ((size_t)b * Hkv + kvh) * (size_t)max_seq * D;
-    const T* kg = k_cache + kv_off;                          // [max_seq, D] this kv head
-    const T* vg = v_cache + kv_off;
-
-    // q tile -> smem, pre-scaled
+    // q tile -> smem, pre-scaled (made visible by the first tile's barrier)
     for (int i = tid; i < g_tile * D; i += NT) {
         const int g = i / D, d = i - g * D;
         q_s[i] = to_float(q[b * q_sb + (long long)(h0 + g) * q_sh + d]) * scale_log2;
     }
 
-    // Score role: thread -> (key kj, part kpart) of the tile; a part reads chunks kpart + i*TPK.
-    const int kj = tid / TPK, kpart = tid - kj * TPK;
-    // Softmax role: warp w owns heads w and w + DEC_WARPS; m, l live in its lanes' registers.
-    constexpr int HPW = GT / DEC_WARPS;
-    float m_i[HPW], l_i[HPW];
+    const int kj = tid / TPK, kpart = tid - kj * TPK;      // score role: key kj, chunk part kpart
+    float m_i[HPW], l_i[HPW];                              // softmax role: heads warp + i*WARPS
 #pragma unroll
     for (int i = 0; i < HPW; ++i) { m_i[i] = -CUDART_INF_F; l_i[i] = 0.f; }
-    // PV role: slot v = tid + s*NT -> (key part, head, chunk). With few (head, chunk) pairs the
-    // keys of a tile are also split KP ways (v = kp * n_pairs + pair); partial O's are summed
-    // at the end, which is exact because every part of a head is rescaled by the same alpha.
+    // PV role. With few (head, chunk) pairs the keys of a tile are also split KP ways (v = kp *
+    // n_pairs + pair); partial O's are summed at the end, which is exact because every part of a
+    // head is rescaled by the same alpha.
     const int n_pairs = g_tile * NC;
     const int KP = n_pairs >= NT ? 1 : NT / n_pairs;
-    float acc[Cfg::SLOTS][VEC];                              // O (unnormalised), per slot
-    int slot_g[Cfg::SLOTS], slot_c[Cfg::SLOTS], slot_kp[Cfg::SLOTS];
+    float acc[SLOTS][VEC];                                 // O (unnormalised), per slot
+    int slot_g[SLOTS], slot_c[SLOTS], slot_kp[SLOTS];
 #pragma unroll
-    for (int s = 0; s < Cfg::SLOTS; ++s) {
+    for (int s = 0; s < SLOTS; ++s) {
         const int v = tid + s * NT;
         const int pair = v % n_pairs;
         slot_kp[s] = v < n_pairs * KP ? v / n_pairs : KP;  // KP marks an idle slot
@@ -156,22 +185,16 @@ __global__ void __launch_bounds__(DEC_THREADS, 4) decode_kernel(
         for (int e = 0; e < VEC; ++e) acc[s][e] = 0.f;
     }
 
-    for (int t0 = lo; t0 < hi; t0 += BN) {
-        const int tile_n = min(BN, hi - t0);                 // valid keys in this tile (>= 1)
-
-        // ---- load K tile (group 0) and V tile (group 1); rows >= tile_n are never read
-        for (int i = tid; i < BN * NC; i += NT) {
-            const int j = i / NC, c = i - j * NC;
-            if (j < tile_n) cp_async<16>(k_s + j * PITCH + c * 16, kg + (size_t)(t0 + j) * D + c * VEC);
-        }
-        cp_async_commit();
-        for (int i = tid; i < BN * NC; i += NT) {
-            const int j = i / NC, c = i - j * NC;
-            if (j < tile_n) cp_async<16>(v_s + j * PITCH + c * 16, vg + (size_t)(t0 + j) * D + c * VEC);
-        }
-        cp_async_commit();
-        cp_async_wait<1>();  // this thread's K copies are done (V may still be in flight)
-        __syncthreads();     // ... and everyone's; also orders the q_s writes before first use
+    for (int t = 0; t < ntiles; ++t) {
+        const int tile_n = min(BN, hi - lo - t * BN);       // valid keys in this tile (>= 1)
+        cp_async_wait<STAGES - 2>();  // this thread's copies of tile t have landed
+        __syncthreads();              // everyone's have; everyone is done with tile t-1's slot and p_s
+        if (t + STAGES - 1 < ntiles)
+            load_kv_tile<T, D, BN, PITCH, NT>(ring + (t + STAGES - 1) % STAGES * SLOT_BYTES, kg, vg,
+                                              lo + (t + STAGES - 1) * BN, hi);
+        cp_async_commit();            // (an empty group past the end keeps the wait count uniform)
+        const unsigned char* k_s = ring + t % STAGES * SLOT_BYTES;
+        const unsigned char* v_s = k_s + BN * PITCH;
 
         // ---- S_j = q_g . K_j for every head g of the tile (K chunk read once, used g_tile times)
         {
@@ -180,7 +203,7 @@ __global__ void __launch_bounds__(DEC_THREADS, 4) decode_kernel(
             for (int g = 0; g < GT; ++g) s_acc[g] = 0.f;
             if (kj < tile_n) {
 #pragma unroll
-                for (int i = 0; i < Cfg::CPT; ++i) {
+                for (int i = 0; i < CPT; ++i) {
                     const int c = kpart + i * TPK;
                     if (c < NC) {
                         float kf[VEC];
@@ -218,12 +241,12 @@ __global__ void __launch_bounds__(DEC_THREADS, 4) decode_kernel(
         // ---- online softmax per head: m_new, P = exp2(S - m_new), alpha = exp2(m - m_new), l
 #pragma unroll
         for (int i = 0; i < HPW; ++i) {
-            const int g = warp + i * DEC_WARPS;
+            const int g = warp + i * WARPS;
             if (g < g_tile) {  // warp-uniform
                 float mx = -CUDART_INF_F;
                 for (int j = lane; j < tile_n; j += 32) mx = fmaxf(mx, p_s[g * BN + j]);
                 mx = warp_reduce_max(mx);
-                const float m_new = fmaxf(m_i[i], mx);  // finite: the tile has a valid key
+                const float m_new = fmaxf(m_i[i], mx);      // finite: the tile has a valid key
                 const float alpha = exp2f(m_i[i] - m_new);  // m = -inf on the first tile -> 0
                 float sum = 0.f;
                 for (int j = lane; j < BN; j += 32) {
@@ -237,12 +260,11 @@ __global__ void __launch_bounds__(DEC_THREADS, 4) decode_kernel(
                 if (lane == 0) alpha_s[g] = alpha;
             }
         }
-        cp_async_wait<0>();  // V tile landed (this thread's part)
-        __syncthreads();     // P, alpha and everyone's V visible
+        __syncthreads();  // P and alpha visible
 
         // ---- O = alpha * O + sum_j P_j V_j   (rescale O by exp(m_old - m_new), then accumulate)
 #pragma unroll
-        for (int s = 0; s < Cfg::SLOTS; ++s) {
+        for (int s = 0; s < SLOTS; ++s) {
             if (slot_kp[s] < KP) {
                 const int g = slot_g[s], c = slot_c[s];
                 const float alpha = alpha_s[g];
@@ -257,20 +279,21 @@ __global__ void __launch_bounds__(DEC_THREADS, 4) decode_kernel(
                 }
             }
         }
-        __syncthreads();  // the next tile overwrites k_s, v_s, p_s, alpha_s
     }
+    cp_async_wait<0>();
+    __syncthreads();  // every thread is done with the ring: it becomes the O reduction buffer
 
-    // ---- finalise: sum the KP partial O's (through the K tile's smem), divide by l, write
+    // ---- finalise: sum the KP partial O's (through the ring), divide by l, write
     if (lane == 0) {
 #pragma unroll
         for (int i = 0; i < HPW; ++i) {
-            const int g = warp + i * DEC_WARPS;
+            const int g = warp + i * WARPS;
             if (g < g_tile) { m_fin[g] = m_i[i]; l_fin[g] = l_i[i]; }
         }
     }
-    float* red = reinterpret_cast<float*>(k_s);  // [KP, n_pairs, VEC]; free after the loop's sync
+    float* red = reinterpret_cast<float*>(ring);  // [KP, n_pairs, VEC]
 #pragma unroll
-    for (int s = 0; s < Cfg::SLOTS; ++s) {
+    for (int s = 0; s < SLOTS; ++s) {
         if (slot_kp[s] < KP) {
             const int v = tid + s * NT;  // == kp * n_pairs + pair
 #pragma unroll
@@ -304,6 +327,203 @@ __global__ void __launch_bounds__(DEC_THREADS, 4) decode_kernel(
         const float l = l_fin[tid];
         lse_part[((size_t)split * B + b) * Hq + h0 + tid] =
             l > 0.f ? (m_fin[tid] + log2f(l)) * LN2_F : -CUDART_INF_F;
+    }
+}
+
+// --- v2: tensor cores ----------------------------------------------------------------------
+// Grid (splits, Hkv * n_head_tiles, B), WARPS * 32 threads. The block owns up to ROWS = 16 * MT
+// query heads of one kv head (rows >= g_tile of the A tiles are zero) and keys [lo, hi) of its
+// split. Warp w takes A tile mt = w % MT and key slice ks = w / MT: keys [ks*KPW, (ks+1)*KPW) of
+// every ring tile. Per tile, for its 16 heads x KPW keys (FlashAttention-2 Algorithm 1, one query
+// row per head; the scale is folded into the exp2 FMA: c = |scale| * log2(e), q negated on load
+// when scale < 0, so m is kept in the scaled log2 domain while S stays raw fp32 from the mma):
+//   S      = Q K_w^T                                  (mma, fp32 accumulators)
+//   m_new  = max(m, c * max_j S_j);  P = exp2(c * S - m_new);  alpha = exp2(m - m_new)
+//   l      = alpha * l + rowsum(P);  O = alpha * O + P V_w    (P rounded to T for the mma)
+// Keys at or past the split's end get P = 0 (selected, never multiplied). At the end the KS =
+// WARPS / MT slices of each head are merged: O = sum_s exp2(m_s - m) O_s / sum_s exp2(m_s - m) l_s.
+// Fragment layouts are the PTX ISA's (ptx.cuh); g = lane / 4 and tq = lane % 4 below.
+template <typename T, int D, int MT, int WARPS, int BN, int STAGES, int PITCH, int MINB>
+__global__ void __launch_bounds__(WARPS * 32, MINB) decode_mma_kernel(
+    const T* __restrict__ q,            // [B, Hq, 1, D], element (b,h,d) at b*q_sb + h*q_sh + d
+    const T* __restrict__ k_cache,      // [B, Hkv, max_seq, D] (one layer), contiguous
+    const T* __restrict__ v_cache,      // [B, Hkv, max_seq, D]
+    const int* __restrict__ lengths,    // [B] live length of each sequence
+    T* __restrict__ out,                // [B, Hq, 1, D] contiguous (when write_partials == 0)
+    float* __restrict__ o_part,         // [splits, B, Hq, D] (when write_partials == 1)
+    float* __restrict__ lse_part,       // [splits, B, Hq]
+    long long q_sb, long long q_sh,
+    int B, int Hq, int Hkv, int max_seq, int num_splits, float scale_log2, int write_partials) {
+    constexpr int NT = WARPS * 32, ROWS = 16 * MT, KS = WARPS / MT, KPW = BN / KS;
+    constexpr int QP = D + 8;                 // q tile row pitch (elements): conflict-free ldmatrix
+    constexpr int SLOT_BYTES = 2 * BN * PITCH;
+    constexpr int ES = sizeof(T);
+    static_assert(ES == 2, "tensor-core decode takes fp16 / bf16");
+    static_assert(WARPS % MT == 0 && BN % KS == 0 && KPW % 16 == 0 && D % 16 == 0, "bad mma decode tile");
+    static_assert(PITCH % 16 == 0 && PITCH >= D * ES, "bad smem row pitch");
+    static_assert(STAGES >= 2, "the ring needs at least two slots");
+    static_assert(STAGES * SLOT_BYTES >= KS * ROWS * D * 4, "ring too small for the O merge");
+
+    extern __shared__ uint4 ring_u4[];                     // dynamic smem, 16-byte aligned
+    unsigned char* ring = reinterpret_cast<unsigned char*>(ring_u4);  // [STAGES][K, V][BN][PITCH]
+    __shared__ __align__(16) T q_s[ROWS * QP];             // [ROWS, D] (pitch QP), unscaled
+    __shared__ float m_s[KS][ROWS], l_s[KS][ROWS];         // per-slice softmax state at the end
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, tq = lane & 3;
+    const int mt = warp % MT, ks = warp / MT;
+    const int split = blockIdx.x, b = blockIdx.z;
+    const int G = Hq / Hkv;
+    const int n_ht = (G + ROWS - 1) / ROWS;
+    const int kvh = blockIdx.y / n_ht, ht = blockIdx.y - kvh * n_ht;
+    const int g_tile = min(ROWS, G - ht * ROWS);
+    const int h0 = kvh * G + ht * ROWS;
+
+    // this split's keys; tiles 0 .. STAGES-2 in flight before anything else
+    const KvStream<T, D, BN, PITCH, NT, STAGES> kv(ring, k_cache, v_cache, lengths, b, kvh, Hkv, max_seq,
+                                                   num_splits, split);
+    const int lo = kv.lo, hi = kv.hi, ntiles = kv.ntiles;
+    const T* kg = kv.kg;
+    const T* vg = kv.vg;
+
+    // q tile -> smem; padded rows are zeros. Negation is exact, so c = |scale| log2(e) >= 0.
+    const bool neg = scale_log2 < 0.f;
+    const float c = fabsf(scale_log2);
+    for (int i = tid; i < ROWS * D; i += NT) {
+        const int r = i / D, d = i - r * D;
+        const float x = r < g_tile ? to_float(q[b * q_sb + (long long)(h0 + r) * q_sh + d]) : 0.f;
+        q_s[r * QP + d] = from_float<T>(neg ? -x : x);
+    }
+
+    float o[D / 8][4];                  // O of rows g, g+8 (e / 2) and cols dn*8 + 2tq + e % 2
+    float m_r[2] = {-CUDART_INF_F, -CUDART_INF_F}, l_r[2] = {0.f, 0.f};  // rows g, g+8; l per lane
+#pragma unroll
+    for (int dn = 0; dn < D / 8; ++dn)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[dn][e] = 0.f;
+
+    // per-lane ldmatrix row offsets (see ptx.cuh): A tile of q, non-trans B of K, trans B of V
+    const int a_row = mt * 16 + (lane & 7) + 8 * ((lane >> 3) & 1), a_col = 8 * (lane >> 4);
+    const int kb_row = (lane & 7) + 8 * (lane >> 4), kb_col = 8 * ((lane >> 3) & 1);
+    const int vb_row = (lane & 7) + 8 * ((lane >> 3) & 1), vb_col = 8 * (lane >> 4);
+
+    for (int t = 0; t < ntiles; ++t) {
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();  // tile t visible to all; tile t-1's slot is free
+        if (t + STAGES - 1 < ntiles)
+            load_kv_tile<T, D, BN, PITCH, NT>(ring + (t + STAGES - 1) % STAGES * SLOT_BYTES, kg, vg,
+                                              lo + (t + STAGES - 1) * BN, hi);
+        cp_async_commit();
+
+        const int nvalid = min(KPW, hi - lo - t * BN - ks * KPW);  // this warp's live keys
+        if (nvalid <= 0) continue;  // warp-uniform; the next barrier is at the loop head
+        const unsigned char* k_w = ring + t % STAGES * SLOT_BYTES + ks * KPW * PITCH;  // [KPW][PITCH]
+        const unsigned char* v_w = k_w + BN * PITCH;
+
+        // ---- S = Q K_w^T: KPW / 8 n-tiles of 8 keys, D / 16 k-steps
+        float s[KPW / 8][4];
+#pragma unroll
+        for (int n = 0; n < KPW / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[n][e] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            unsigned a[4];
+            ldmatrix<4>(a, q_s + a_row * QP + kk * 16 + a_col);
+#pragma unroll
+            for (int j = 0; j < KPW / 16; ++j) {
+                unsigned r[4];  // matrices: keys 0-7 / 8-15 (lane / 16) x d halves (lane / 8 % 2)
+                ldmatrix<4>(r, k_w + (j * 16 + kb_row) * PITCH + (kk * 16 + kb_col) * ES);
+                const unsigned b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
+                mma_m16n8k16<T>(s[2 * j], a, b0);
+                mma_m16n8k16<T>(s[2 * j + 1], a, b1);
+            }
+        }
+
+        // ---- online softmax of rows g (h = 0) and g+8 (h = 1); a row's 4 lanes share m
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float mx = -CUDART_INF_F;
+#pragma unroll
+            for (int n = 0; n < KPW / 8; ++n)
+#pragma unroll
+                for (int e = 0; e < 2; ++e)
+                    if (n * 8 + 2 * tq + e < nvalid) mx = fmaxf(mx, s[n][2 * h + e]);
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float m_new = fmaxf(m_r[h], c * mx);    // finite: key 0 of the slice is live
+            const float alpha = exp2f(m_r[h] - m_new);    // 0 on the first tile (m = -inf)
+            float sum = 0.f;
+#pragma unroll
+            for (int n = 0; n < KPW / 8; ++n)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const float p = n * 8 + 2 * tq + e < nvalid ? exp2f(fmaf(s[n][2 * h + e], c, -m_new)) : 0.f;
+                    s[n][2 * h + e] = p;
+                    sum += p;
+                }
+            l_r[h] = alpha * l_r[h] + sum;  // this lane's columns only; summed over the quad at the end
+            m_r[h] = m_new;
+#pragma unroll
+            for (int dn = 0; dn < D / 8; ++dn) { o[dn][2 * h] *= alpha; o[dn][2 * h + 1] *= alpha; }
+        }
+
+        // ---- O += P V_w: the S accumulators of n-tiles 2j, 2j+1 are the A fragment of keys 16j..16j+15
+#pragma unroll
+        for (int j = 0; j < KPW / 16; ++j) {
+            const unsigned pa[4] = {pack2<T>(s[2 * j][0], s[2 * j][1]), pack2<T>(s[2 * j][2], s[2 * j][3]),
+                                    pack2<T>(s[2 * j + 1][0], s[2 * j + 1][1]),
+                                    pack2<T>(s[2 * j + 1][2], s[2 * j + 1][3])};
+#pragma unroll
+            for (int dp = 0; dp < D / 16; ++dp) {
+                unsigned r[4];  // .trans: matrices keys 0-7 / 8-15 (lane / 8 % 2) x d 0-7 / 8-15 (lane / 16)
+                ldmatrix<4, true>(r, v_w + (j * 16 + vb_row) * PITCH + (dp * 16 + vb_col) * ES);
+                const unsigned b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
+                mma_m16n8k16<T>(o[2 * dp], pa, b0);
+                mma_m16n8k16<T>(o[2 * dp + 1], pa, b1);
+            }
+        }
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // the ring is free: it holds the slices' O for the merge
+
+    // ---- merge the KS key slices of each head
+    float* red = reinterpret_cast<float*>(ring);  // [KS][ROWS][D]
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        l_r[h] += __shfl_xor_sync(0xffffffffu, l_r[h], 1);
+        l_r[h] += __shfl_xor_sync(0xffffffffu, l_r[h], 2);
+        const int row = mt * 16 + g + 8 * h;
+        if (tq == 0) { m_s[ks][row] = m_r[h]; l_s[ks][row] = l_r[h]; }
+#pragma unroll
+        for (int dn = 0; dn < D / 8; ++dn)
+            *reinterpret_cast<float2*>(red + (ks * ROWS + row) * D + dn * 8 + 2 * tq) =
+                make_float2(o[dn][2 * h], o[dn][2 * h + 1]);
+    }
+    __syncthreads();
+    for (int i = tid; i < g_tile * D; i += NT) {
+        const int row = i / D, d = i - row * D;
+        float m = -CUDART_INF_F;
+#pragma unroll
+        for (int sl = 0; sl < KS; ++sl) m = fmaxf(m, m_s[sl][row]);
+        float l = 0.f, acc = 0.f;
+        if (m != -CUDART_INF_F) {  // some slice saw a key
+#pragma unroll
+            for (int sl = 0; sl < KS; ++sl) {
+                const float w = exp2f(m_s[sl][row] - m);  // 0 for a slice that saw none
+                l += w * l_s[sl][row];
+                acc += w * red[(sl * ROWS + row) * D + d];
+            }
+        }
+        const float inv_l = l > 0.f ? 1.f / l : 0.f;
+        const int hq = h0 + row;
+        if (write_partials) {
+            o_part[(((size_t)split * B + b) * Hq + hq) * D + d] = acc * inv_l;
+            if (d == 0)
+                lse_part[((size_t)split * B + b) * Hq + hq] = l > 0.f ? (m + log2f(l)) * LN2_F : -CUDART_INF_F;
+        } else {
+            out[((size_t)b * Hq + hq) * D + d] = from_float<T>(acc * inv_l);
+        }
     }
 }
 

@@ -1,19 +1,25 @@
 // gemm.cu: batched C = A B^T (NT) and C = A B (NN), float32 accumulation, same-dtype output.
 //
-//   impl     idea                                                                 dtypes
-//   v1 simt  smem-tiled 128x64x16 block tile, 256 threads, 8x4 register micro-tile  f32 f16 bf16
-//            per thread, next K tile prefetched into registers while computing
-//   v2 mma   tensor cores: mma.sync m16n8k16 (f32 acc), ldmatrix fragments (.trans   f16 bf16
-//            for NN's B), 128x128x32 block tile, 8 warps of 64x32, cp.async double
-//            buffer (scalar zero-filled loads on tails / unaligned operands)
+//   impl       idea                                                                dtypes
+//   v1 simt    smem-tiled 128x64x16 block tile, 256 threads, 8x4 register micro-tile  f32 f16 bf16
+//              per thread, next K tile prefetched into registers while computing
+//   v2 mma     tensor cores: mma.sync m16n8k16 (f32 acc), ldmatrix fragments (.trans   f16 bf16
+//              for NN's B), 128x128x32 block tile, 8 warps of 64x32, a STAGES-deep
+//              cp.async ring in dynamic smem with one barrier per k-tile (scalar
+//              zero-filled loads on tails / unaligned operands), grouped tile raster
+//   v3 skinny  M <= 16 (decode projections), NT only: streams each row of B (a weight  f32 f16 bf16
+//              W [N, K]) once with 16-byte loads straight into registers; A's rows
+//              are the m16 tile of mma.sync (fp16/bf16) or FMA rows (fp32); the
+//              block's warps split K and meet in smem
 //
 // Layouts (all row-major, last dim contiguous; row strides lda/ldb in elements):
 //   a: [batch, M, K]   b: NT [batch, N, K] | NN [batch, K, N]   c: [batch, M, N] contiguous
 // Batch index z (0..nbatch) maps to operand offsets through two collapsed batch dims:
 //   off = (z / batch_inner) * s_outer + (z % batch_inner) * s_inner   (stride 0 = broadcast)
+// (cupyattn/gemm.py folds a batch that shares one b into M before launching: one GEMM, not B.)
 //
-// Tile shapes (BM x BN x BK, threads) come from cupyattn/config.py GEMM_TILES (with the reason
-// for each) as template arguments; the thread mappings below are written for those shapes and
+// Tile shapes come from cupyattn/config.py (GEMM_TILES, GEMM_SKINNY, with the reason for each)
+// as template arguments; the thread mappings below are written for those shapes and
 // static_assert them.
 #include "common.cuh"
 #include "ptx.cuh"
@@ -145,8 +151,12 @@ __device__ __forceinline__ void stage_tile(unsigned short* s, const unsigned sho
 // Same arguments as v1. vec_ok bit 0: both operands' base pointers are 16-byte aligned and every
 // stride (lda/ldb, batch strides) is a multiple of 8 elements (cp.async needs that); bit 1: c is
 // 4-byte aligned and N is even (paired 32-bit stores in the epilogue).
-template <typename T, bool NT, int T_BM, int T_BN, int T_BK, int T_THREADS, int T_PAD>
-__global__ void __launch_bounds__(T_THREADS)
+// Dynamic shared memory: STAGES x (A [BM][BK+PAD] + B [BN][BK+PAD] | [BK][BN+PAD]) halves, the
+// size cupyattn/gemm.py launches with. Tiles are rastered in groups of GROUP_M tile rows (all
+// tile columns of a group before the next), so the B tiles a group reads stay in L2.
+template <typename T, bool NT, int T_BM, int T_BN, int T_BK, int T_THREADS, int T_PAD, int STAGES, int MINB,
+          int GROUP_M>
+__global__ void __launch_bounds__(T_THREADS, MINB)
 gemm_mma_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c,
                 int M, int N, int K, int tiles_n, long long nbatch, long long batch_inner,
                 long long a_so, long long a_si, long long lda,
@@ -157,12 +167,18 @@ gemm_mma_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict_
     constexpr int T_LDB_NN = T_BN + T_PAD;  // smem row stride of NN's B [k][n]
     constexpr int B_ROWS = NT ? T_BN : T_BK;            // NT: Bs[n][k]; NN: Bs[k][n]
     constexpr int B_LDS = NT ? T_LDA : T_LDB_NN;
-    __shared__ __align__(16) unsigned short As[2][T_BM * T_LDA];     // [stage][m][k]
-    __shared__ __align__(16) unsigned short Bs[2][B_ROWS * B_LDS];   // [stage][n][k] | [stage][k][n]
+    constexpr int A_ELEMS = T_BM * T_LDA, B_ELEMS = B_ROWS * B_LDS;  // per stage
+    static_assert(STAGES >= 2 && A_ELEMS % 8 == 0, "ring of >= 2 stages, 16-byte aligned B slots");
+    extern __shared__ uint4 smem_u4[];
+    unsigned short* As = reinterpret_cast<unsigned short*>(smem_u4);  // [STAGES][m][k]
+    unsigned short* Bs = As + STAGES * A_ELEMS;                        // [STAGES][n][k] | [STAGES][k][n]
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wm = warp >> 2, wn = warp & 3;  // warp tile: rows wm*64..+63, cols wn*32..+31
-    const int m0 = (blockIdx.x / tiles_n) * T_BM, n0 = (blockIdx.x % tiles_n) * T_BN;
+    const int tiles_m = (M + T_BM - 1) / T_BM;
+    const int grp = blockIdx.x / (GROUP_M * tiles_n), first_m = grp * GROUP_M;
+    const int grp_m = min(tiles_m - first_m, GROUP_M), in_grp = blockIdx.x - grp * GROUP_M * tiles_n;
+    const int m0 = (first_m + in_grp % grp_m) * T_BM, n0 = (in_grp / grp_m) * T_BN;
     const int nk = (K + T_BK - 1) / T_BK;
     const bool vec = (vec_ok & 1) != 0, pair_store = (vec_ok & 2) != 0;
 
@@ -174,9 +190,9 @@ gemm_mma_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict_
         T* C = c + z * (long long)M * N;
 
         auto load_stage = [&](int st, int k0) {
-            stage_tile<T_BM, T_BK, T_LDA, T_THREADS>(As[st], A, lda, m0, M, k0, K, vec);
-            if constexpr (NT) stage_tile<T_BN, T_BK, T_LDA, T_THREADS>(Bs[st], B, ldb, n0, N, k0, K, vec);
-            else stage_tile<T_BK, T_BN, T_LDB_NN, T_THREADS>(Bs[st], B, ldb, k0, K, n0, N, vec);
+            stage_tile<T_BM, T_BK, T_LDA, T_THREADS>(As + st * A_ELEMS, A, lda, m0, M, k0, K, vec);
+            if constexpr (NT) stage_tile<T_BN, T_BK, T_LDA, T_THREADS>(Bs + st * B_ELEMS, B, ldb, n0, N, k0, K, vec);
+            else stage_tile<T_BK, T_BN, T_LDB_NN, T_THREADS>(Bs + st * B_ELEMS, B, ldb, k0, K, n0, N, vec);
         };
 
         float acc[4][4][4];
@@ -187,20 +203,21 @@ gemm_mma_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict_
 #pragma unroll
                 for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
 
-        // Double buffer: stage kt+1 is in flight (cp.async) while stage kt feeds the mma.
-        load_stage(0, 0);
-        cp_async_commit();
+        // Ring: k-tiles kt+1 .. kt+STAGES-1 are in flight (cp.async) while k-tile kt feeds the mma.
+        // One barrier per k-tile: wait for tile kt, barrier (tile kt visible to all, and every warp
+        // is done with tile kt-1), refill tile kt-1's slot with tile kt+STAGES-1, compute kt.
+#pragma unroll
+        for (int s = 0; s < STAGES - 1; ++s) {
+            if (s < nk) load_stage(s, s * T_BK);
+            cp_async_commit();
+        }
         for (int kt = 0; kt < nk; ++kt) {
-            if (kt + 1 < nk) {
-                load_stage((kt + 1) & 1, (kt + 1) * T_BK);  // that buffer was released at the
-                cp_async_commit();                          // trailing barrier of kt-1
-                cp_async_wait<1>();                         // stage kt has landed
-            } else {
-                cp_async_wait<0>();
-            }
+            cp_async_wait<STAGES - 2>();
             __syncthreads();
-            const unsigned short* sA = As[kt & 1];
-            const unsigned short* sB = Bs[kt & 1];
+            if (kt + STAGES - 1 < nk) load_stage((kt + STAGES - 1) % STAGES, (kt + STAGES - 1) * T_BK);
+            cp_async_commit();  // (empty past the end: keeps the group count uniform)
+            const unsigned short* sA = As + kt % STAGES * A_ELEMS;
+            const unsigned short* sB = Bs + kt % STAGES * B_ELEMS;
 #pragma unroll
             for (int ks = 0; ks < T_BK; ks += 16) {
                 // B fragments of the warp's 4 n8-tiles: matrix i = lane/8 covers n-tile
@@ -231,8 +248,8 @@ gemm_mma_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict_
                     for (int nt = 0; nt < 4; ++nt) mma_m16n8k16<T>(acc[mt][nt], af, bf[nt]);
                 }
             }
-            __syncthreads();  // every warp is done with stage kt before it is refilled
         }
+        __syncthreads();  // a next batch entry's prologue refills slots the last k-tiles still read
 
         // Epilogue: acc[mt][nt][e] is C[row, col] with row = wm*64 + mt*16 + g + 8*(e/2),
         // col = wn*32 + nt*8 + 2t + e%2. Pairs go out as one 32-bit store when aligned.
@@ -257,5 +274,148 @@ gemm_mma_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict_
                     }
                 }
             }
+    }
+}
+
+// --- v3 helpers -------------------------------------------------------------------------------
+// The 16 bytes at row `row`, columns k..k+16/sizeof(T)-1 of a row-major matrix p (row stride ld),
+// as raw bits: one vector load when `vec` (p 16-byte aligned, ld a multiple of the chunk) and the
+// chunk lies inside [0, K); else element by element, zero outside the matrix (rows >= rows or
+// columns >= K are never read).
+template <typename T>
+__device__ __forceinline__ uint4 load_chunk(const T* p, int row, int rows, long long ld, long long k, int K, bool vec) {
+    constexpr int VEC = 16 / sizeof(T);
+    uint4 r = {0u, 0u, 0u, 0u};
+    if (row >= rows) return r;
+    const T* src = p + row * ld + k;
+    if (vec && k + VEC <= K) return *reinterpret_cast<const uint4*>(src);
+    unsigned w[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+        if (k + e < K) {
+            if constexpr (sizeof(T) == 2)
+                w[e / 2] |= (unsigned)reinterpret_cast<const unsigned short*>(src)[e] << (16 * (e % 2));
+            else
+                w[e] = reinterpret_cast<const unsigned*>(src)[e];
+        }
+    }
+    r.x = w[0]; r.y = w[1]; r.z = w[2]; r.w = w[3];
+    return r;
+}
+
+__device__ __forceinline__ float dot4(const uint4& x, const uint4& y) {
+    return __uint_as_float(x.x) * __uint_as_float(y.x) + __uint_as_float(x.y) * __uint_as_float(y.y) +
+           __uint_as_float(x.z) * __uint_as_float(y.z) + __uint_as_float(x.w) * __uint_as_float(y.w);
+}
+
+// --- v3: skinny M (GEMV-like), NT ----------------------------------------------------------------
+// Same arguments as v1 (NT only; vec_ok bit 0: both operands 16-byte aligned, every stride a
+// multiple of 16 bytes). grid = (tiles_m * tiles_n, min(nbatch, 65535)), tiles_m = ceil(M / 16),
+// tiles_n = ceil(N / NR): a block owns C rows m0..m0+15 and columns n0..n0+NR-1, NR = 8 * S_NT.
+// Its S_WARPS warps split K in steps of KSTEP elements (warp w takes steps w, w + S_WARPS, ...),
+// so one block round reads S_WARPS * KSTEP contiguous elements of each of its NR rows of B.
+// Lane (g, tq) = (lane / 4, lane % 4) loads, per step, S_CH 16-byte chunks k = k0 + (4u + tq) * VEC
+// of B rows n0 + 8 nt + g, and (fp16/bf16) the same chunks of A rows m0 + g and m0 + g + 8:
+//   fp16/bf16: a dot product does not depend on the order of k, so the 8 elements of a chunk
+//     become two m16n8k16 k-steps without any shuffle: 32-bit pair i of the A chunks and of
+//     the B chunk are fragment registers a[.] / b[.] (pairs 0, 1 -> first mma, 2, 3 -> second),
+//     the same k permutation on both sides;
+//   fp32: FMAs of the B chunk with the same chunk of each of the 16 A rows; the 4 lanes of a
+//     row (tq) are summed by shuffles.
+// The warps' partial C tiles meet in smem, one thread per output element sums and rounds once.
+template <typename T, int S_WARPS, int S_NT, int S_CH>
+__global__ void __launch_bounds__(S_WARPS * 32)
+gemm_skinny_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c,
+                   int M, int N, int K, int tiles_n, long long nbatch, long long batch_inner,
+                   long long a_so, long long a_si, long long lda,
+                   long long b_so, long long b_si, long long ldb, int vec_ok) {
+    constexpr int VEC = 16 / sizeof(T), NR = 8 * S_NT, KSTEP = 4 * S_CH * VEC, NT = S_WARPS * 32;
+    constexpr bool MMA = sizeof(T) == 2;
+    __shared__ float red[S_WARPS][16][NR];  // per-warp partial C tile [m][n]
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tq = lane & 3;
+    const int m0 = (blockIdx.x / tiles_n) * 16, n0 = (blockIdx.x % tiles_n) * NR;
+    const bool vec = (vec_ok & 1) != 0;
+
+    for (long long z = blockIdx.y; z < nbatch; z += gridDim.y) {
+        const T* A = a + (z / batch_inner) * a_so + (z % batch_inner) * a_si;
+        const T* B = b + (z / batch_inner) * b_so + (z % batch_inner) * b_si;
+        T* C = c + z * (long long)M * N;
+
+        if constexpr (MMA) {
+            float acc[S_NT][4];  // C fragment: rows g (e < 2), g + 8, cols nt*8 + 2tq + e % 2
+#pragma unroll
+            for (int nt = 0; nt < S_NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[nt][e] = 0.f;
+            for (long long k0 = (long long)warp * KSTEP; k0 < K; k0 += (long long)S_WARPS * KSTEP) {
+                uint4 xa[S_CH][2], wb[S_CH][S_NT];  // all loads of the step issued before any math
+#pragma unroll
+                for (int u = 0; u < S_CH; ++u) {
+                    const long long k = k0 + (4 * u + tq) * VEC;
+                    xa[u][0] = load_chunk(A, m0 + g, M, lda, k, K, vec);
+                    xa[u][1] = load_chunk(A, m0 + g + 8, M, lda, k, K, vec);
+#pragma unroll
+                    for (int nt = 0; nt < S_NT; ++nt) wb[u][nt] = load_chunk(B, n0 + 8 * nt + g, N, ldb, k, K, vec);
+                }
+#pragma unroll
+                for (int u = 0; u < S_CH; ++u) {
+                    const unsigned af0[4] = {xa[u][0].x, xa[u][1].x, xa[u][0].y, xa[u][1].y};
+                    const unsigned af1[4] = {xa[u][0].z, xa[u][1].z, xa[u][0].w, xa[u][1].w};
+#pragma unroll
+                    for (int nt = 0; nt < S_NT; ++nt) {
+                        const unsigned bf0[2] = {wb[u][nt].x, wb[u][nt].y}, bf1[2] = {wb[u][nt].z, wb[u][nt].w};
+                        mma_m16n8k16<T>(acc[nt], af0, bf0);
+                        mma_m16n8k16<T>(acc[nt], af1, bf1);
+                    }
+                }
+            }
+#pragma unroll
+            for (int nt = 0; nt < S_NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) red[warp][g + 8 * (e / 2)][nt * 8 + 2 * tq + e % 2] = acc[nt][e];
+        } else {
+            float acc[S_NT][16];  // rows m0 + m of C, column n0 + 8 nt + g (this lane's k part)
+#pragma unroll
+            for (int nt = 0; nt < S_NT; ++nt)
+#pragma unroll
+                for (int m = 0; m < 16; ++m) acc[nt][m] = 0.f;
+            for (long long k0 = (long long)warp * KSTEP; k0 < K; k0 += (long long)S_WARPS * KSTEP) {
+                uint4 wb[S_CH][S_NT];
+#pragma unroll
+                for (int u = 0; u < S_CH; ++u)
+#pragma unroll
+                    for (int nt = 0; nt < S_NT; ++nt)
+                        wb[u][nt] = load_chunk(B, n0 + 8 * nt + g, N, ldb, k0 + (4 * u + tq) * VEC, K, vec);
+#pragma unroll
+                for (int u = 0; u < S_CH; ++u)
+#pragma unroll
+                    for (int m = 0; m < 16; ++m) {
+                        if (m0 + m < M) {  // block-uniform
+                            const uint4 xv = load_chunk(A, m0 + m, M, lda, k0 + (4 * u + tq) * VEC, K, vec);
+#pragma unroll
+                            for (int nt = 0; nt < S_NT; ++nt) acc[nt][m] += dot4(xv, wb[u][nt]);
+                        }
+                    }
+            }
+#pragma unroll
+            for (int nt = 0; nt < S_NT; ++nt)
+#pragma unroll
+                for (int m = 0; m < 16; ++m) {
+                    acc[nt][m] += __shfl_xor_sync(0xffffffffu, acc[nt][m], 1);
+                    acc[nt][m] += __shfl_xor_sync(0xffffffffu, acc[nt][m], 2);
+                    if (tq == 0) red[warp][m][nt * 8 + g] = acc[nt][m];
+                }
+        }
+        __syncthreads();
+        for (int i = tid; i < 16 * NR; i += NT) {
+            const int m = i / NR, n = i - m * NR;
+            if (m0 + m < M && n0 + n < N) {
+                float sum = 0.f;
+#pragma unroll
+                for (int w = 0; w < S_WARPS; ++w) sum += red[w][m][n];
+                C[(long long)(m0 + m) * N + n0 + n] = from_float<T>(sum);
+            }
+        }
+        __syncthreads();  // red is rewritten by the next batch entry
     }
 }

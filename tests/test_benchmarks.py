@@ -163,6 +163,10 @@ def test_impl_selection_and_tf32_only_for_float32():
     assert impls_for_case(fp32, ["ours", "cublas", "cublas-tf32"]) == ["ours", "cublas", "cublas-tf32"]
     assert impls_for_case(fp32, ["ours-simt", "ours-mma"]) == ["ours-simt"]
     assert impls_for_case(fp16, ["ours-simt", "ours-mma"]) == ["ours-simt", "ours-mma"]
+    big = specs.make_case("gemm", "float16", M=17, N=8, K=8, layout="nt", batch=1)
+    nn = specs.make_case("gemm", "float16", M=1, N=8, K=8, layout="nn", batch=1)
+    assert impls_for_case(fp16, ["ours", "ours-skinny"]) == ["ours", "ours-skinny"]  # M = 8
+    assert impls_for_case(big, ["ours", "ours-skinny"]) == impls_for_case(nn, ["ours", "ours-skinny"]) == ["ours"]
 
 
 def test_our_impl_names_follow_the_op_modules():

@@ -4,8 +4,9 @@ CPU tier: reference split/merge identities, the split-count rule, the offline co
 the decode and kvcache specs.
 
 GPU tier (`gpu` marker): argument checks on a real KVCache and device arrays, append and decode
-against the float64 reference, plus long caches; all but the longest also run on the CPU
-emulator (tests/emu).
+against the float64 reference (every impl, split and unsplit, every head dim and dtype, ragged
+lengths, GQA groups 1 to 40 and MQA, cache rows past each length filled with NaN), plus long
+caches; all but the longest also run on the CPU emulator (tests/emu).
 """
 from __future__ import annotations
 
@@ -59,23 +60,52 @@ def test_reference_split_chunks_cover_each_key_once():
 
 
 # --- CPU tier: split-count rule -------------------------------------------------------------
-def test_choose_num_splits_rule():
+def _split_cost(blocks, length, slots, s):
+    """The cost choose_num_splits minimises (its docstring): waves x (keys per split + overhead)."""
+    return -(-blocks * s // slots) * (-(-length // s) + config.DECODE_SPLIT_OVERHEAD_KEYS)
+
+
+def _s_max(length):
+    return max(1, min(config.DECODE_MAX_SPLITS, length // config.DECODE_MIN_KEYS_PER_SPLIT))
+
+
+def test_choose_num_splits_is_the_least_cost_split():
+    """The fast search equals a brute-force argmin over every allowed count (fewest on ties)."""
+    for blocks, sms, per_sm in [(1, 132, 2), (8, 132, 2), (64, 132, 2), (3, 7, 1), (9, 108, 3),
+                                (300, 132, 1), (1000, 132, 4), (16, 1, 1)]:
+        for length in list(range(0, 3000, 97)) + list(range(3000, 300000, 9973)):
+            costs = [_split_cost(blocks, length, sms * per_sm, s) for s in range(1, _s_max(length) + 1)]
+            assert choose_num_splits(1, blocks, length, sms, per_sm) == costs.index(min(costs)) + 1, \
+                (blocks, sms, per_sm, length)
+
+
+def test_choose_num_splits_properties():
     sm = 132
-    assert choose_num_splits(1, 8, 0, sm) == 1
-    assert choose_num_splits(1, 8, 255, sm) == 1              # too short to split
-    assert choose_num_splits(1, 8, 1024, sm) == 4             # >= 256 keys per split
-    # long: enough blocks for ~2 waves of SMs (batch * kv_heads * splits >= 2 * sm)
-    s = choose_num_splits(1, 8, 32768, sm)
-    assert 8 * s >= 2 * sm and 8 * (s - 1) < 2 * sm
-    assert choose_num_splits(1, 1, 10**6, sm) == config.DECODE_MAX_AUTO_SPLITS  # capped
-    assert choose_num_splits(64, 32, 10**6, sm) == 1          # the batch already fills the GPU
-    for batch, heads, length, sms in [(1, 1, 1, 1), (3, 5, 999, 7), (2, 8, 4096, 132), (1, 2, 10**7, 200)]:
-        n = choose_num_splits(batch, heads, length, sms)
-        assert 1 <= n <= config.DECODE_MAX_AUTO_SPLITS
-        assert n == 1 or length // n >= config.DECODE_MIN_KEYS_PER_SPLIT
-    # monotone in the live length, never in max_seq (which it does not take)
-    seq = [choose_num_splits(2, 4, n, 108) for n in range(0, 40000, 777)]
-    assert seq == sorted(seq)
+    assert choose_num_splits(1, 8, 0, sm, 2) == 1
+    assert choose_num_splits(1, 8, 255, sm, 2) == 1              # too short to split
+    assert choose_num_splits(1, 8, 1024, sm, 2) == 4             # >= 256 keys per split
+    # the headline shapes fill one wave: B=1 (8 kv heads) at 128k, B=8 at 32k, MQA at B=1
+    assert 8 * choose_num_splits(1, 8, 131072, sm, 2) == 2 * sm
+    assert 2 * sm - 8 <= 64 * choose_num_splits(8, 8, 32768, sm, 2) <= 2 * sm
+    assert choose_num_splits(1, 1, 131072, sm, 2) == 2 * sm      # no cap leaves SMs idle for MQA
+    assert choose_num_splits(66, 8, 10**6, sm, 2) == 1           # 528 blocks: exactly 2 full waves
+    assert choose_num_splits(64, 8, 10**6, sm, 2) > 1            # 512 of 528: splitting gains ~3%
+    for batch, heads, length, sms, per_sm in [(1, 1, 1, 1, 1), (3, 5, 999, 7, 2), (2, 8, 4096, 132, 2),
+                                              (1, 2, 10**7, 200, 4), (1, 1, 10**8, 132, 4)]:
+        n = choose_num_splits(batch, heads, length, sms, per_sm)
+        assert 1 <= n <= config.DECODE_MAX_SPLITS                 # the combine kernel's bound
+        assert n == 1 or length // n >= config.DECODE_MIN_KEYS_PER_SPLIT  # never more than keys allow
+    for blocks, sms, per_sm in [(1, 132, 1), (1, 132, 2), (3, 132, 3), (8, 108, 2), (40, 132, 4)]:
+        slots = sms * per_sm
+        seq = [choose_num_splits(1, blocks, n, sms, per_sm) for n in range(0, 400000, 997)]
+        for n, s in zip(range(0, 400000, 997), seq):
+            # fills every SM once the length allows a block per SM
+            if _s_max(n) * blocks >= sms:
+                assert s * blocks >= sms, (blocks, sms, per_sm, n, s)
+            # until one wave is full, as many splits as the keys allow: monotone in the length
+            if _s_max(n) * blocks <= slots:
+                assert s == _s_max(n)
+        assert seq[-1] * blocks >= slots - blocks  # long enough: a whole wave
 
 
 @pytest.mark.gpu
@@ -84,12 +114,30 @@ def test_auto_splits_follow_live_length_not_max_seq(monkeypatch):
 
     seen = []
     monkeypatch.setattr(decode, "_sm_count", lambda: 132)
-    monkeypatch.setattr(decode, "_launch", lambda q, cache, layer, scale, n, out: seen.append(n))
+    monkeypatch.setattr(decode, "_launch", lambda *a, **k: seen.append((a[4], a[6])))
     for max_seq in (4096, 65536):
         cache = KVCache(1, 1, 2, max_seq, 64, np.float16)
         cache.host_lengths[0] = 3000  # the host mirror is all the split rule reads
         decode_attention(cupy.zeros((1, 4, 1, 64), dtype=cupy.float16), cache, 0)
-    assert seen[0] == seen[1] == choose_num_splits(1, 2, 3000, 132)
+    (n0, plan0), (n1, plan1) = seen
+    assert plan0.impl == "simt" and n0 == n1 == choose_num_splits(1, 2, 3000, 132, plan0.tile.blocks_per_sm)
+
+
+@pytest.mark.gpu
+def test_auto_impl_and_head_tiles(monkeypatch):
+    """impl="auto": tensor cores for fp16/bf16 from a GQA group of 4; 16 or 32 heads per block."""
+    import cupy
+
+    seen = []
+    monkeypatch.setattr(decode, "_launch", lambda *a, **k: seen.append(a[6]))
+    for dtype, hkv, hq, impl, want, tiles in [
+            (np.float16, 2, 6, "auto", "simt", 1), (np.float16, 2, 8, "auto", "mma", 1),
+            (config.BFLOAT16, 1, 32, "auto", "mma", 1), (np.float16, 1, 40, "auto", "mma", 2),
+            (np.float32, 1, 32, "auto", "simt", 4), (np.float16, 2, 2, "mma", "mma", 1),
+            (np.float16, 1, 12, "simt", "simt", 2)]:
+        cache = KVCache(1, 1, hkv, 8, 64, dtype)
+        decode_attention(cupy.zeros((1, hq, 1, 64), dtype=dtype), cache, 0, num_splits=1, impl=impl)
+        assert (seen[-1].impl, seen[-1].head_tiles) == (want, tiles), (dtype, hkv, hq, impl)
 
 
 # --- GPU tier: argument checks (a real KVCache; a failing call launches nothing) --------------
@@ -163,12 +211,13 @@ def test_decode_checks():
         (dict(q=cupy.zeros((2, 5, 1, 64), dtype=f16)), ValueError, "not a multiple"),
         (dict(q=cupy.zeros((2, 6, 1, 128), dtype=f16)[..., ::2]), ValueError, "contiguous"),
         (dict(num_splits=0), ValueError, "num_splits"),
-        (dict(num_splits=257), ValueError, "num_splits"),
+        (dict(num_splits=config.DECODE_MAX_SPLITS + 1), ValueError, "num_splits"),
         (dict(num_splits=2.0), ValueError, "num_splits"),
         (dict(scale=float("nan")), ValueError, "scale"),
         (dict(out=cupy.zeros((2, 6, 1, 64), dtype=f32)), TypeError, "out has dtype"),
         (dict(out=cupy.zeros((2, 6, 64), dtype=f16)), ValueError, "out has shape"),
         (dict(out=cupy.zeros((2, 6, 1, 128), dtype=f16)[..., ::2]), ValueError, "C-contiguous"),
+        (dict(impl="fast"), ValueError, "impl='fast' is not supported"),
     ]
     for kw, exc, msg in cases:
         args = dict(q=q, cache=c, layer=1) | kw
@@ -177,9 +226,12 @@ def test_decode_checks():
     c96 = KVCache(1, 1, 1, 8, 48, np.float32)
     with pytest.raises(ValueError, match="head_dim 48 is not supported"):
         decode_attention(cupy.zeros((1, 1, 1, 48), dtype=f32), c96, 0)
+    c32 = KVCache(1, 1, 1, 8, 64, np.float32)
+    with pytest.raises(TypeError, match="impl='mma' needs float16 or bfloat16"):
+        decode_attention(cupy.zeros((1, 4, 1, 64), dtype=f32), c32, 0, impl="mma")
 
 
-# --- CPU tier: compile check ----------------------------------------------------------------
+# --- CPU tier: compile check and tile tables --------------------------------------------------
 def test_decode_spec_compiles_without_spills(compile_report):
     """The decode kernels and the KV-cache append kernels they read from."""
     for spec in (decode.SPEC, kvcache.SPEC):
@@ -188,7 +240,45 @@ def test_decode_spec_compiles_without_spills(compile_report):
         assert sorted((r.kernel, r.arch) for r in reports) == sorted(
             (e, a) for e in spec.name_expressions for a in ("sm_80", "sm_90"))
         assert not [f"{r.kernel} {r.arch}" for r in reports if r.spills]
-        assert all(r.smem_bytes <= config.STATIC_SMEM_BYTES for r in reports)  # no opt-in needed
+        assert all(r.smem_bytes <= config.STATIC_SMEM_BYTES for r in reports)  # the ring is dynamic
+
+
+def _tiles():
+    """(name expression, tile) of every decode kernel instantiation."""
+    for dt in config.DTYPES:
+        for d in config.HEAD_DIMS:
+            yield decode._simt_expr(dt, d), config.DECODE_SIMT_TILES[(d, dt.itemsize)]
+            if dt in config.MMA_DTYPES:
+                for mt in range(1, config.DECODE_MMA_MAX_MTILES + 1):
+                    yield decode._mma_expr(dt, d, mt), config.DECODE_MMA_TILES[(d, mt)]
+
+
+def test_decode_tiles_fit_their_blocks_per_sm(compile_report):
+    """blocks_per_sm (the split rule's occupancy) holds on an H100 for every instantiation:
+    registers by __launch_bounds__, shared memory (ring + static + the 1 KB the driver reserves)
+    by the table's arithmetic, checked here against ptxas' own numbers."""
+    reports, _ = compile_report(decode.SPEC.name)
+    by_kernel = {r.kernel: r for r in reports if r.arch == "sm_90"}
+    for expr, tile in _tiles():
+        r = by_kernel[expr]
+        assert r.registers * tile.threads * tile.blocks_per_sm <= 65536, expr
+        per_block = tile.ring_bytes + r.smem_bytes + config.SMEM_PER_BLOCK_RESERVED
+        assert per_block * tile.blocks_per_sm <= config.SMEM_PER_SM, (expr, per_block)
+        assert tile.ring_bytes + r.smem_bytes <= 227 * 1024, expr
+
+
+def test_decode_smem_pitches_are_conflict_free():
+    """SIMT: the 8 lanes of a quarter-warp read K chunks (key lane // tpk, chunk lane % tpk) from
+    8 distinct 16-byte bank groups; mma: the 8 row addresses of an ldmatrix phase do too."""
+    for (d, isz), t in config.DECODE_SIMT_TILES.items():
+        tpk = t.threads // t.block_n
+        assert t.pitch % 16 == 0 and t.pitch >= d * isz and 32 % tpk == 0
+        assert len({((lane // tpk) * t.pitch // 16 + lane % tpk) % 8 for lane in range(8)}) == 8, (d, isz)
+    for (d, mt), t in config.DECODE_MMA_TILES.items():
+        assert t.pitch % 16 == 0 and t.pitch >= 2 * d
+        assert len({(row * t.pitch // 16) % 8 for row in range(8)}) == 8, (d, mt)
+        keys_per_warp = t.block_n * mt // t.warps
+        assert t.warps % mt == 0 and keys_per_warp % 16 == 0
 
 
 # --- GPU tier helpers (the CPU emulator, tests/emu, runs these too) ---------------------------
@@ -239,6 +329,9 @@ def _filled_cache(be, rng, dtype, lengths, hkv, d, max_seq=None, chunks=2):
     for i, n in enumerate(lengths):
         kf[i, :, :n] = k_all[i, :, :n].astype(np.float64)
         vf[i, :, :n] = v_all[i, :, :n].astype(np.float64)
+        # rows past the length may hold anything: the kernels must never read them into the math
+        cache.k[1, i, :, n:] = np.nan
+        cache.v[1, i, :, n:] = np.nan
     return cache, kf, vf
 
 
@@ -293,13 +386,17 @@ def test_append_overflow_leaves_cache_unchanged(backend, rng):
 
 
 # --- decode ------------------------------------------------------------------
-def _check_decode(be, rng, dtype, lengths, hkv, group, d, splits, tol=None, max_seq=None):
+IMPL_DTYPES = [pytest.param(i, d, id=f"{i}-{d}") for i in ("simt", "mma") for d in DTYPES
+               if i == "simt" or d != "float32"]
+
+
+def _check_decode(be, rng, dtype, lengths, hkv, group, d, splits, tol=None, max_seq=None, impl="auto"):
     cache, kf, vf = _filled_cache(be, rng, dtype, lengths, hkv, d, max_seq=max_seq)
     hq = hkv * group
     q64 = rand_with_outliers(rng, (len(lengths), hq, 1, d)).astype(np_dtype(dtype))
     q = be.asarray(q64)
     out = be.nan((len(lengths), hq, 1, d), dtype)
-    res = decode_attention(q, cache, 1, num_splits=splits, out=out)
+    res = decode_attention(q, cache, 1, num_splits=splits, out=out, impl=impl)
     assert res is out
     want = ref.decode_attention(q64.astype(np.float64), kf, vf, lengths)
     tol = tol or (1e-5 if dtype == "float32" else TOL[dtype])
@@ -310,11 +407,12 @@ def _check_decode(be, rng, dtype, lengths, hkv, group, d, splits, tol=None, max_
     return cache, q, be.host(out)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("splits", [1, 4, None])
-def test_decode_small(backend, rng, dtype, splits):
-    """Lengths 1, 17, 0 and 70 (a tail tile) in one batch, GQA group 3."""
-    _check_decode(backend, rng, dtype, [1, 17, 0, 70], hkv=2, group=3, d=64, splits=splits)
+@pytest.mark.parametrize("impl,dtype", IMPL_DTYPES)
+@pytest.mark.parametrize("splits", [1, 3, None])
+def test_decode_ragged_lengths(backend, rng, impl, dtype, splits):
+    """Lengths 1, 17, 0, 97 and 1000 in one batch (tails of every tile size, an empty sequence,
+    several tiles per split so the ring wraps), GQA group 4, rows past each length NaN."""
+    _check_decode(backend, rng, dtype, [1, 17, 0, 97, 1000], hkv=2, group=4, d=64, splits=splits, impl=impl)
 
 
 def test_decode_with_preallocated_workspace(backend, rng):
@@ -336,63 +434,95 @@ def test_decode_with_preallocated_workspace(backend, rng):
         np.testing.assert_array_equal(backend.host(out), before)
 
 
+def test_decode_step_allocates_nothing(backend, rng, monkeypatch):
+    """With out and workspace given, a decode step makes no allocation and no device-to-host
+    copy (what CUDA graph capture needs), on both kernels."""
+    import cupy
+
+    for impl in ("simt", "mma"):
+        cache, q, want = _check_decode(backend, rng, "float16", [40, 300], hkv=1, group=4, d=64, splits=3, impl=impl)
+        ws = (cupy.empty((3, 2, 4, 64), dtype=cupy.float32), cupy.empty((3, 2, 4), dtype=cupy.float32))
+        out, out_auto = backend.nan((2, 4, 1, 64), "float16"), backend.nan((2, 4, 1, 64), "float16")
+        with monkeypatch.context() as m:
+            for name in ("empty", "zeros", "full", "empty_like", "zeros_like", "asarray", "ascontiguousarray", "asnumpy"):
+                m.setattr(cupy, name, lambda *a, _n=name, **k: pytest.fail(f"decode step called cupy.{_n}"))
+            decode_attention(q, cache, 1, num_splits=3, out=out, workspace=ws, impl=impl)
+            decode_attention(q, cache, 1, out=out_auto, workspace=ws, impl=impl)  # auto split count
+        np.testing.assert_array_equal(backend.host(out), want)
+        assert_close(backend.host(out_auto), want.astype(np.float64), "float16")
+
+
 @pytest.mark.parametrize("d", config.HEAD_DIMS)
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_decode_head_dims(backend, rng, dtype, d):
-    _check_decode(backend, rng, dtype, [33, 5], hkv=1, group=4, d=d, splits=3)
+@pytest.mark.parametrize("impl,dtype", IMPL_DTYPES)
+def test_decode_head_dims(backend, rng, impl, dtype, d):
+    _check_decode(backend, rng, dtype, [70, 5], hkv=1, group=4, d=d, splits=2, impl=impl)
 
 
-@pytest.mark.parametrize("group", [1, 3, 4, 8, 12])  # 12: two head tiles (8 + 4)
-def test_decode_gqa(backend, rng, group):
-    _check_decode(backend, rng, "float32", [40, 9], hkv=2, group=group, d=128, splits=2)
+# (group, kv heads): 1, 3, 4, 8; 12 = two SIMT head tiles (8 + 4); MQA with 8, 32 (one 32-row mma
+# block) and 40 query heads (mma: 32 + 8 rows; SIMT: five head tiles)
+GROUPS = [(1, 2), (3, 2), (4, 2), (8, 2), (12, 1), (8, 1), (32, 1), (40, 1)]
 
 
+@pytest.mark.parametrize("group,hkv", GROUPS, ids=[f"g{g}-kv{h}" for g, h in GROUPS])
+@pytest.mark.parametrize("impl,dtype", [("simt", "float32"), ("simt", "bfloat16"), ("mma", "float16")])
+def test_decode_gqa(backend, rng, impl, dtype, group, hkv):
+    _check_decode(backend, rng, dtype, [90, 9], hkv=hkv, group=group, d=128, splits=2, impl=impl)
+
+
+@pytest.mark.parametrize("impl,dtype", [("simt", "float32"), ("mma", "float16")])
 @pytest.mark.parametrize("splits", [1, 4, 9, None])
-def test_decode_1000_and_split_equals_unsplit(backend, rng, splits):
+def test_decode_1000_and_split_equals_unsplit(backend, rng, impl, dtype, splits):
     lengths = [1000, 333, 1]
-    cache, q, out = _check_decode(backend, rng, "float32", lengths, hkv=1, group=2, d=128, splits=splits)
-    ref_out = backend.host(decode_attention(q, cache, 1, num_splits=1))
-    np.testing.assert_allclose(out, ref_out, rtol=1e-4, atol=2e-5)
+    cache, q, out = _check_decode(backend, rng, dtype, lengths, hkv=1, group=4, d=128, splits=splits, impl=impl)
+    ref_out = backend.host(decode_attention(q, cache, 1, num_splits=1, impl=impl))
+    tol = (1e-4, 2e-5) if dtype == "float32" else (2e-3, 2e-3)
+    np.testing.assert_allclose(out, ref_out, rtol=tol[0], atol=tol[1])
 
 
-def test_decode_scale_and_strided_q(backend, rng):
+@pytest.mark.parametrize("impl,dtype", [("simt", "float32"), ("mma", "float16"), ("mma", "bfloat16")])
+@pytest.mark.parametrize("scale", [0.3, -0.7, 0.0])
+def test_decode_scale_and_strided_q(backend, rng, impl, dtype, scale):
+    """A q view with strided heads; positive, negative (mma: q negated on load) and zero scale."""
     be = backend
-    cache, kf, vf = _filled_cache(be, rng, "float32", [50, 7], 2, 64)
-    q4 = rng.standard_normal((2, 1, 4, 64)).astype(np.float32)   # [B, 1, Hq, D] buffer
-    q = be.asarray(q4).transpose(0, 2, 1, 3)                       # [B, Hq, 1, D] view, strided
-    out = decode_attention(q, cache, 1, scale=0.3, num_splits=2)
-    want = ref.decode_attention(q4.transpose(0, 2, 1, 3).astype(np.float64), kf, vf, [50, 7], scale=0.3)
-    assert_close(be.host(out), want, "float32")
+    cache, kf, vf = _filled_cache(be, rng, dtype, [50, 7], 1, 64)
+    q4 = rand_with_outliers(rng, (2, 1, 4, 64)).astype(np_dtype(dtype))   # [B, 1, Hq, D] buffer
+    q = be.asarray(q4).transpose(0, 2, 1, 3)                                # [B, Hq, 1, D] view, strided
+    out = decode_attention(q, cache, 1, scale=scale, num_splits=2, impl=impl)
+    want = ref.decode_attention(q4.transpose(0, 2, 1, 3).astype(np.float64), kf, vf, [50, 7], scale=scale)
+    assert_close(be.host(out), want, dtype)
 
 
-def test_decode_split_partials_match_reference(backend, rng):
+@pytest.mark.parametrize("impl,dtype", [("simt", "float32"), ("mma", "float16")])
+def test_decode_split_partials_match_reference(backend, rng, impl, dtype):
     be = backend
-    lengths = [45, 3, 0]
-    cache, kf, vf = _filled_cache(be, rng, "float32", lengths, 1, 32)
-    q64 = rng.standard_normal((3, 3, 1, 32)).astype(np.float32)
-    o, lse = decode.decode_split_partials(be.asarray(q64), cache, 1, 4)
+    lengths = [45, 3, 0, 300]
+    cache, kf, vf = _filled_cache(be, rng, dtype, lengths, 1, 32)
+    q64 = rng.standard_normal((4, 4, 1, 32)).astype(np_dtype(dtype))
+    o, lse = decode.decode_split_partials(be.asarray(q64), cache, 1, 4, impl=impl)
     o_ref, lse_ref = ref.decode_split_partials(q64.astype(np.float64), kf, vf, lengths, 4)
     o, lse = be.host(o), be.host(lse)
     np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(lse_ref[..., 0]))
     fin = np.isfinite(lse_ref[..., 0])
-    np.testing.assert_allclose(lse[fin], lse_ref[..., 0][fin], rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(o, o_ref[..., 0, :], rtol=1e-5, atol=1e-5)
+    tol = 1e-5 if dtype == "float32" else 2e-3
+    np.testing.assert_allclose(lse[fin], lse_ref[..., 0][fin], rtol=tol, atol=tol)
+    np.testing.assert_allclose(o, o_ref[..., 0, :], rtol=tol, atol=tol)
 
 
 # --- GPU only: long caches ------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.no_emu  # too large for the CPU emulator of the GPU tier (CUPYATTN_EMULATE=1)
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("impl,dtype", IMPL_DTYPES)
 @pytest.mark.parametrize("splits", [1, 4, None])
-def test_decode_32768_gpu(rng, dtype, splits):
+def test_decode_32768_gpu(rng, impl, dtype, splits):
     be = _Backend()
     _check_decode(be, rng, dtype, [32768, 20000], hkv=1, group=4, d=128, splits=splits,
-                  tol=1e-4 if dtype == "float32" else None)
+                  tol=1e-4 if dtype == "float32" else None, impl=impl)
 
 
 @pytest.mark.gpu
+@pytest.mark.emu_slow
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("group", [1, 3, 4, 8])
+@pytest.mark.parametrize("group", [1, 3, 4, 8, 32])
 def test_decode_gqa_every_dtype_gpu(rng, dtype, group):
     be = _Backend()
     _check_decode(be, rng, dtype, [1, 17, 1000, 0], hkv=2, group=group, d=128, splits=None,

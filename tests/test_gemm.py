@@ -1,11 +1,13 @@
 """gemm_nt / gemm_nn: GPU tier against the float64 reference and argument checks on device
-arrays; CPU tier for host-array rejection, the offline compile check, and a NumPy emulation of
-the kernels' thread/fragment index maps."""
+arrays (every impl: simt, the multi-stage mma ring, skinny; batch folding); CPU tier for
+host-array rejection, the offline compile check, the fold / dispatch rules, and a NumPy
+emulation of the kernels' thread/fragment index maps."""
 import os
 
 import numpy as np
 import pytest
 
+from cupyattn import config
 from cupyattn import gemm as G
 from cupyattn import reference as ref
 from conftest import DTYPES, assert_close, nan_like, np_dtype, rand_with_outliers, to_device
@@ -13,11 +15,14 @@ from conftest import DTYPES, assert_close, nan_like, np_dtype, rand_with_outlier
 FNS = {"nt": (G.gemm_nt, ref.gemm_nt), "nn": (G.gemm_nn, ref.gemm_nn)}
 
 
-def _impls(dtype):
-    return ("simt", "mma", "auto") if dtype != "float32" else ("simt", "auto")
+def _impls(dtype, layout):
+    mma = ("mma",) if dtype != "float32" else ()
+    skinny = ("skinny",) if layout == "nt" else ()
+    return ("simt",) + mma + skinny + ("auto",)
 
 
-DV = [pytest.param(d, v, id=f"{d}-{v}") for d in DTYPES for v in _impls(d)]
+# (layout, dtype, impl): every kernel each layout has, for every dtype it takes
+LDV = [pytest.param(lay, d, v, id=f"{lay}-{d}-{v}") for lay in ("nt", "nn") for d in DTYPES for v in _impls(d, lay)]
 
 
 def _b_shape(layout, n, k, lead=()):
@@ -25,16 +30,17 @@ def _b_shape(layout, n, k, lead=()):
 
 
 # --- GPU tier -------------------------------------------------------------------------------
-# (M, N, K): 1, tile tails (17, 97, 1000), exact tiles (128), one long K.
-# The two largest are skipped on the CPU emulator (minutes there), never on a GPU.
+# (M, N, K): 1, tile tails (17, 97, 1000), exact tiles (128), one long K; (17, 33, 300) has 10
+# k-tiles, so the mma ring (4 stages) wraps twice, and 16 / 33 rows are one and three skinny
+# m-tiles. The two largest are skipped on the CPU emulator (minutes there), never on a GPU.
 SHAPES = [(1, 1, 1), (1, 17, 97), (17, 97, 128), (97, 128, 17), (128, 128, 128), (1000, 17, 97),
-          (17, 1000, 1), pytest.param((128, 1000, 1000), marks=pytest.mark.no_emu),
+          (17, 1000, 1), (17, 33, 300), (16, 100, 264), (33, 20, 130),
+          pytest.param((128, 1000, 1000), marks=pytest.mark.no_emu),
           pytest.param((97, 97, 4096), marks=pytest.mark.no_emu)]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout", ["nt", "nn"])
-@pytest.mark.parametrize("dtype,impl", DV)
+@pytest.mark.parametrize("layout,dtype,impl", LDV)
 @pytest.mark.parametrize("mnk", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_matches_reference(layout, dtype, impl, mnk):
     # K = 4096: inputs are rounded before the reference sees them and accumulation is float32,
@@ -52,8 +58,7 @@ def test_matches_reference(layout, dtype, impl, mnk):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout", ["nt", "nn"])
-@pytest.mark.parametrize("dtype,impl", DV)
+@pytest.mark.parametrize("layout,dtype,impl", LDV)
 def test_batched_broadcast_and_strided(layout, dtype, impl):
     import cupy
 
@@ -165,6 +170,110 @@ def test_argument_checks(layout):
         fn(a, b, impl="fast")
     with pytest.raises(TypeError, match=rf"{name}\(\): impl='mma' needs float16 or bfloat16"):
         fn(a, b, impl="mma")
+    if layout == "nn":
+        with pytest.raises(ValueError, match=r"gemm_nn\(\): impl='skinny' is a gemm_nt kernel"):
+            fn(a, b, impl="skinny")
+
+
+# --- batch folding and dispatch -------------------------------------------------------------
+def test_fold_batch_rule():
+    """A batch sharing b folds into M when a's rows are evenly strided across it."""
+    k = 64
+    assert G._fold_batch(1, 0, [(8, k, 0)]) == (8, k, [])                  # x [8, 1, K] @ W^T
+    assert G._fold_batch(1, 0, [(8, 3 * k, 0)]) == (8, 3 * k, [])          # rows of a strided view
+    assert G._fold_batch(5, k, [(6, 5 * k, 0)]) == (30, k, [])             # x [6, 5, K] contiguous
+    assert G._fold_batch(5, k, [(6, 7 * k, 0)]) == (5, k, [(6, 7 * k, 0)])  # gaps between batches
+    assert G._fold_batch(5, k, [(6, 5 * k, 40)]) == (5, k, [(6, 5 * k, 40)])  # b differs per batch
+    two = [(2, 15 * k, 0), (3, 5 * k, 0)]
+    assert G._fold_batch(5, k, two) == (5, k, two)                          # two dims: not one stride
+    assert G._fold_batch(5, k, []) == (5, k, [])
+
+
+def test_auto_impl_rule():
+    f16, f32 = np.dtype(np.float16), np.dtype(np.float32)
+    assert G._pick_impl("auto", f16, True, config.GEMM_SKINNY_MAX_M) == "skinny"
+    assert G._pick_impl("auto", f32, True, 1) == "skinny"
+    assert G._pick_impl("auto", f16, True, config.GEMM_SKINNY_MAX_M + 1) == "mma"
+    assert G._pick_impl("auto", f32, True, 17) == "simt"
+    assert G._pick_impl("auto", f16, False, 1) == "mma"                    # skinny is NT only
+    assert G._pick_impl("simt", f16, True, 1) == "simt"
+
+
+class _LaunchLog:
+    """Wraps the loader's get_function so each launch's kernel, grid and M are recorded."""
+
+    def __init__(self, monkeypatch):
+        self.launches = []
+        real = G.get_function
+
+        def get_function(spec, expr, dynamic_smem=0):
+            kern = real(spec, expr, dynamic_smem)
+
+            def launch(grid, block, args, **kw):
+                self.launches.append((expr, tuple(grid), int(args[3])))
+                return kern(grid, block, args, **kw)
+            return launch
+        monkeypatch.setattr(G, "get_function", get_function)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_shared_weight_batch_is_one_gemm(dtype, monkeypatch):
+    """x [B, T, K] @ W^T with a 2-D W: one launch over M = B*T rows (W read once), auto picks
+    skinny while B*T <= 16; a batch that cannot fold still gives the right answer."""
+    rng = np.random.default_rng(3)
+    log = _LaunchLog(monkeypatch)
+    w, w64 = to_device(rand_with_outliers(rng, (40, 72)), dtype)
+    for lead, t, kernel in [((5,), 1, "skinny"), ((2, 3), 2, "skinny"), ((3,), 9, "mma" if dtype != "float32" else "simt")]:
+        x, x64 = to_device(rand_with_outliers(rng, lead + (t, 72)), dtype)
+        out = nan_like(lead + (t, 40), dtype)
+        G.gemm_nt(x, w, out=out)
+        assert_close(out, ref.gemm_nt(x64, w64), dtype)
+        expr, grid, m = log.launches[-1]
+        assert expr.startswith(f"gemm_{kernel}_kernel") and grid[1] == 1 and m == int(np.prod(lead)) * t
+    big, big64 = to_device(rand_with_outliers(rng, (4, 3, 72)), dtype)
+    out = nan_like((4, 1, 40), dtype)
+    G.gemm_nt(big[:, 1:2], w, out=out)              # one row per batch entry, 3*72 apart: folds
+    assert_close(out, ref.gemm_nt(big64[:, 1:2], w64), dtype)
+    assert log.launches[-1][1][1] == 1 and log.launches[-1][2] == 4
+    out = nan_like((4, 2, 40), dtype)
+    G.gemm_nt(big[:, :2], w, out=out)               # rows 72 apart, batches 216: four GEMMs of M = 2
+    assert_close(out, ref.gemm_nt(big64[:, :2], w64), dtype)
+    assert log.launches[-1][1][1] == 4 and log.launches[-1][2] == 2
+
+
+@pytest.mark.gpu
+def test_decode_projection_allocates_nothing(monkeypatch):
+    """gemm_nt(x, W, out=...) as tinylm's decode step calls it: no allocation, no device-to-host
+    copy (CUDA graph capture)."""
+    import cupy
+
+    rng = np.random.default_rng(4)
+    x, x64 = to_device(rand_with_outliers(rng, (3, 1, 96)), "float16")
+    w, w64 = to_device(rand_with_outliers(rng, (50, 96)), "float16")
+    out = nan_like((3, 1, 50), "float16")
+    with monkeypatch.context() as m:
+        for name in ("empty", "zeros", "full", "empty_like", "zeros_like", "asarray", "ascontiguousarray", "asnumpy"):
+            m.setattr(cupy, name, lambda *a, _n=name, **k: pytest.fail(f"gemm_nt called cupy.{_n}"))
+        G.gemm_nt(x, w, out=out)
+    assert_close(out, ref.gemm_nt(x64, w64), "float16")
+
+
+def test_mma_ring_fits_its_blocks_per_sm(compile_report):
+    """The mma tile's dynamic smem ring and registers allow min_blocks per SM on an H100 (228 KB)
+    and an A100 (164 KB), checked against ptxas; skinny's static smem fits without opt-in."""
+    reports, errors = compile_report("gemm")
+    assert not errors
+    tile = config.GEMM_TILES["mma"]
+    for r in reports:
+        if r.kernel.startswith("gemm_mma_kernel"):
+            nt = ", true," in r.kernel
+            blocks = tile.min_blocks[0 if nt else 1]
+            per_block = config.gemm_mma_smem_bytes(tile, nt) + r.smem_bytes + config.SMEM_PER_BLOCK_RESERVED
+            assert per_block * blocks <= config.SMEM_PER_SM_BY_ARCH[r.arch], r.kernel
+            assert r.registers * tile.threads * blocks <= 65536, r.kernel
+        elif r.kernel.startswith("gemm_skinny_kernel"):
+            assert r.smem_bytes <= config.STATIC_SMEM_BYTES
 
 
 def test_batch_collapse():

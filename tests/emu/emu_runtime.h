@@ -270,6 +270,9 @@ int emu_launch(void (*k)(A...), dim3 g, dim3 b, size_t smem, const long long* iv
         return 1;
     }
     emu_dyn_smem = emu_dyn_smem_buf;
+    // Poison the whole dynamic buffer: a read of shared memory nobody wrote sees NaN / -1, and a
+    // write past the `smem` bytes the host launched with is reported after the launch.
+    std::memset(emu_dyn_smem_buf, 0xFF, sizeof(emu_dyn_smem_buf));
     while ((int)emu_stacks.size() < n) emu_stacks.push_back((char*)std::malloc(EMU_STACK));
     EmuSched S;
     S.f.resize(n);
@@ -328,6 +331,12 @@ int emu_launch(void (*k)(A...), dim3 g, dim3 b, size_t smem, const long long* iv
     }
     emu_s = nullptr;
     if (S.failed) { std::snprintf(err, errlen, "%s", S.msg.c_str()); return 1; }
+    for (size_t i = smem; i < sizeof(emu_dyn_smem_buf); ++i)
+        if (emu_dyn_smem_buf[i] != 0xFF) {
+            std::snprintf(err, errlen, "wrote dynamic shared memory at byte %zu, past the %zu B the launch "
+                          "asked for (shared_mem=)", i, smem);
+            return 1;
+        }
     return 0;
 }
 
