@@ -240,8 +240,8 @@ def _flash(impl, q, k, v, causal, scale, mask, mshape, kl, out, lse):
     bm = tile.block_m
     if mask is not None:
         mask = mask.reshape(mshape)  # leading 1s: a view
-        if impl == "flash_mma" and mshape[3] != 1 and mask.strides[3] != mask.itemsize:
-            mask = cupy.ascontiguousarray(mask)  # v2 reads a mask row as one run of keys
+        if impl == "flash_mma" and mshape[3] != 1 and mask.strides[3] not in (0, mask.itemsize):
+            mask = cupy.ascontiguousarray(mask)  # v2 reads a mask row as one run of keys (or one)
         mstr = [0 if n == 1 else s for n, s in zip(mshape, _elem_strides(mask))]
     else:
         mstr = [0, 0, 0, 0]

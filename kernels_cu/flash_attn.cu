@@ -296,8 +296,8 @@ __device__ __forceinline__ void stage_rows(T* __restrict__ dst, const T* __restr
 //             accumulators as A fragments, V through ldmatrix.x4.trans)
 //   epilogue  O_i / l_i -> shared (the dead Q_i tile) -> 16-byte coalesced stores; lse
 // So V_j loads while S_ij and the softmax run, and K_{j+1} while S_ij, softmax and P_ij V_j run.
-// Shared rows are padded by FLASH_MMA_PAD = 8 elements (16 B): with D a multiple of 16 the row
-// stride is an odd number of 16-byte units, so the 8 row addresses of one ldmatrix phase fall in
+// Shared rows are padded by FLASH_MMA_PAD elements (one 16-byte unit): with D a multiple of 16
+// the row stride is an odd number of 16-byte units, so the 8 row addresses of one ldmatrix phase fall in
 // 8 distinct 16-byte bank groups (no conflicts), and every row start stays 16-byte aligned.
 //
 // vec bits: 1 q, 2 k, 4 v may be staged by 16-byte cp.async (base 16-byte aligned, every stride

