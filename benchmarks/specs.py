@@ -238,9 +238,12 @@ def default_cases(op: str, preset: str = "llama2-7b-4layers") -> list[Case]:
     if op == "softmax":
         return [make_case("softmax", dt, rows=8192, cols=4096) for dt in DTYPES]
     if op == "attention":
-        return [make_case("attention", dt, B=4, H=16, Hkv=Hkv, Sq=4096, Sk=4096, D=D, causal=c)
-                for dt, Hkv, D, c in (("float16", 16, 128, False), ("float16", 16, 128, True),
-                                      ("bfloat16", 16, 64, True), ("float16", 4, 128, True))]
+        # The goal shapes (B=4, H=32, S=4096, fp16, D=128 and 64, causal and not; peers:
+        # torch SDPA, naive CuPy, our naive path), then bf16 and GQA (8 KV heads).
+        return [make_case("attention", dt, B=4, H=32, Hkv=Hkv, Sq=4096, Sk=4096, D=D, causal=c)
+                for dt, Hkv, D, c in (("float16", 32, 128, False), ("float16", 32, 128, True),
+                                      ("float16", 32, 64, False), ("float16", 32, 64, True),
+                                      ("bfloat16", 32, 128, True), ("float16", 8, 128, True))]
     if op == "decode":
         # the bandwidth goals (fp16, 32 query heads on 8 kv heads, D=128): B=8 at 32k and B=1 at
         # 128k, reported as GB/s and % of the measured copy ceiling; a short batch; MQA at B=1

@@ -182,6 +182,7 @@ def get_function(spec: KernelSpec, name_expression: str, dynamic_smem: int = 0):
             fn = _FUNCTIONS.get(key)
             if fn is None:
                 fn = _FUNCTIONS[key] = _compile(spec, name_expression, arch)
+                _SMEM_RAISED.pop(key, None)  # a new function object starts at the 48 KB default
     if dynamic_smem > STATIC_SMEM_BYTES and _SMEM_RAISED.get(key, 0) < dynamic_smem:
         limit = int(cupy.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"])
         if dynamic_smem > limit:

@@ -86,17 +86,34 @@ FLASH_SIMT_TILES = {
     (256, 4): FlashTile(8, 32, 2, "one K/V tile alone is 32.1 KB: block_m 16 -> 50.1 KB; 41.1 KB"),
 }
 
-# impl="flash_mma" (tensor cores, flash_attn_mma, fp16/bf16): head_dim -> tile, block_m = 16 x
-# warps. smem = (block_m + block_n) x (D + 8) x 2 B (rows padded by 16 B so the 8 rows a
-# fragment load touches fall in distinct banks). O takes D/2 fp32 registers per lane, S block_n/2.
+# impl="flash_mma" (tensor cores, flash_attn_mma, fp16/bf16; the default for them): head_dim ->
+# tile. Each warp owns block_m / warps = 16 or 32 query rows (1 or 2 m16 tiles, MT). Registers per
+# lane: Q fragments MT x D/4 (kept for the whole key loop), O accumulators MT x D/2, S MT x
+# block_n/2 (fp32). Dynamic shared memory (flash_mma_smem_bytes): Q tile + FLASH_MMA_K_STAGES K
+# tiles + one V tile, rows of D + FLASH_MMA_PAD elements. 128 x 64 wherever registers allow.
+FLASH_MMA_PAD = 8        # elements per shared row: an odd number of 16 B units -> no ldmatrix conflicts
+FLASH_MMA_K_STAGES = 2   # K_{j+1} loads while S_ij and P_ij V_j run (V_j: one buffer, FA2 order)
 FLASH_MMA_TILES = {
-    32: FlashTile(64, 64, 4, "small tiles, 4 warps to hide latency; 10.0 KB"),
-    64: FlashTile(64, 64, 4, "O 32 + S 32 registers; 18.0 KB"),
-    80: FlashTile(64, 64, 4, "D = 5 k-steps of 16 for S, 10 n-tiles of 8 for O; 22.0 KB"),
-    96: FlashTile(64, 64, 4, "O 48 registers; 26.0 KB"),
-    128: FlashTile(64, 64, 4, "O 64 + S 32 registers; 34.0 KB"),
-    256: FlashTile(32, 32, 2, "O alone is 128 registers: block_n 32 keeps S at 16; 33.0 KB"),
+    32: FlashTile(128, 64, 4, "4 warps x 32 rows: Q 16 + O 32 + S 64 regs (~200 used); each K/V "
+                  "ldmatrix feeds 2 m16 tiles (half the smem reads per mma); 25 KB smem"),
+    64: FlashTile(128, 64, 8, "8 warps x 16 rows: Q 16 + O 32 + S 32 regs (~160 used; 32 rows/warp "
+                  "compiles to ~250, too close to spilling); 45 KB smem"),
+    80: FlashTile(128, 64, 8, "8 warps x 16 rows: Q 20 + O 40 + S 32 regs; D = 5 k-steps, 10 n8 "
+                  "tiles (each x4 load covers 16 columns); 55 KB smem"),
+    96: FlashTile(128, 64, 8, "8 warps x 16 rows: Q 24 + O 48 + S 32 regs (~185 used); 65 KB smem"),
+    128: FlashTile(128, 64, 8, "8 warps x 16 rows: Q 32 + O 64 + S 32 regs (~210 used; 32 rows/warp "
+                   "would need 256 before addresses); 85 KB smem, 1 CTA/SM by registers"),
+    256: FlashTile(64, 16, 4, "Q 64 + O 128 regs leave room for 16 keys only (32 keys spill a few "
+                   "bytes); 4 warps x 16 rows, 2 CTAs/SM by registers; 58 KB smem"),
 }
+
+
+def flash_mma_smem_bytes(head_dim: int) -> int:
+    """Dynamic shared memory of the flash_mma kernel for ``head_dim`` (16-bit elements): Q_i tile,
+    FLASH_MMA_K_STAGES K_j tiles and one V_j tile, each row padded by FLASH_MMA_PAD elements."""
+    t = FLASH_MMA_TILES[head_dim]
+    return (t.block_m + (FLASH_MMA_K_STAGES + 1) * t.block_n) * (head_dim + FLASH_MMA_PAD) * 2
+
 
 # --- decode (kernels_cu/decode.cu) ------------------------------------------------------------
 def conflict_free_pitch(row_bytes: int, threads_per_row: int) -> int:

@@ -15,14 +15,15 @@ import numpy as np
 from . import _checks
 from ._checks import check_array, check_choice, check_last_contiguous, check_out, check_same_dtype
 from ._loader import KernelSpec, get_function, ptr_or_null
-from .config import (DTYPES, FLASH_MMA_TILES, FLASH_SIMT_TILES, HEAD_DIMS, MAX_GRID_YZ, MMA_DTYPES,
-                     cbool, ctype)
+from .config import (DTYPES, FLASH_MMA_K_STAGES, FLASH_MMA_PAD, FLASH_MMA_TILES, FLASH_SIMT_TILES,
+                     HEAD_DIMS, MAX_GRID_YZ, MMA_DTYPES, cbool, ctype, defines,
+                     flash_mma_smem_bytes)
 from .gemm import gemm_nn, gemm_nt
 from .row_softmax import softmax
 
 IMPLS = ("flash", "flash_mma", "naive")
-# What impl=None runs for each dtype: the fastest correct kernel.
-DEFAULT_IMPL = {d: "flash" for d in DTYPES}
+# What impl=None runs for each dtype: the fastest correct kernel (tensor cores where they apply).
+DEFAULT_IMPL = {d: "flash_mma" if d in MMA_DTYPES else "flash" for d in DTYPES}
 _FN = "attention"
 
 
@@ -37,7 +38,8 @@ def _expr(impl: str, dtype, head_dim: int, causal: bool) -> str:
     """Template name expression of the fused kernel that ``impl`` launches."""
     t = _tile(impl, dtype, head_dim)
     if impl == "flash_mma":
-        return f"flash_attn_mma<{ctype(dtype)}, {head_dim}, {t.block_n}, {t.warps}, {cbool(causal)}>"
+        return (f"flash_attn_mma<{ctype(dtype)}, {head_dim}, {t.block_m}, {t.block_n}, {t.warps}, "
+                f"{cbool(causal)}>")
     return (f"flash_attn_fwd<{ctype(dtype)}, {head_dim}, {t.block_m}, {t.block_n}, {t.warps}, "
             f"{cbool(causal)}>")
 
@@ -45,7 +47,8 @@ def _expr(impl: str, dtype, head_dim: int, causal: bool) -> str:
 SPEC = KernelSpec(
     "flash_attn", "flash_attn.cu",
     tuple(_expr("flash", dt, d, c) for dt in DTYPES for d in HEAD_DIMS for c in (False, True))
-    + tuple(_expr("flash_mma", dt, d, c) for dt in MMA_DTYPES for d in HEAD_DIMS for c in (False, True)))
+    + tuple(_expr("flash_mma", dt, d, c) for dt in MMA_DTYPES for d in HEAD_DIMS for c in (False, True)),
+    defines(FLASH_MMA_PAD=FLASH_MMA_PAD, FLASH_MMA_K_STAGES=FLASH_MMA_K_STAGES))
 
 
 # --- argument checks ------------------------------------------------------------------------
@@ -146,8 +149,9 @@ def attention(q, k, v, causal=False, scale=None, mask=None, key_lengths=None, im
         Multiplies ``q k^T``; default ``1 / sqrt(D)``.
     mask : cupy.ndarray, optional
         Additive float mask broadcastable to [B, Hq, Sq, Sk] (``-inf`` hides a key). The flash
-        kernel reads float32 through strides (0 on broadcast dims); a float16/bfloat16 mask is
-        first converted to float32 (a copy of the mask's own, un-broadcast size).
+        kernels read float32 through strides (0 on broadcast dims); a float16/bfloat16 mask is
+        first converted to float32, and for ``flash_mma`` a mask whose key dim is strided is
+        made contiguous (each a copy of the mask's own, un-broadcast size).
     key_lengths : int array [B], optional
         Keys ``j >= key_lengths[b]`` are hidden. Host values (list / NumPy) are checked to lie in
         [0, Sk]; a CuPy array is used as is (not read back: the flash kernel clamps it to [0, Sk]).
@@ -157,10 +161,15 @@ def attention(q, k, v, causal=False, scale=None, mask=None, key_lengths=None, im
         never written to memory and only ``out`` (and ``lse``, and a B-element int32 copy of
         host key_lengths) are allocated. D must be one of
         ``cupyattn.config.HEAD_DIMS`` = (32, 64, 80, 96, 128, 256).
-        ``"flash_mma"``: the same algorithm on tensor cores (mma.sync m16n8k16, fp32
-        accumulation, P rounded to the input dtype before P V); float16/bfloat16 only.
+        ``"flash_mma"``: FlashAttention-2 on tensor cores (mma.sync m16n8k16, fp32
+        accumulation, P rounded to the input dtype before P V; K/V staged by cp.async);
+        float16/bfloat16 only, and their default. Inputs whose base or strides are not
+        16-byte aligned (e.g. ``x[..., 3:67]``) take a slower element-wise staging path.
         ``"naive"``: ``S = gemm_nt(q, k)`` [B, Hq, Sq, Sk] in memory, softmax, ``gemm_nn(P, v)``;
-        any D. With a mask, key_lengths or return_lse, S is taken to float32 for the softmax.
+        any D. S is in the input dtype; for float16/bfloat16 q is first multiplied by the
+        power-of-two part of ``scale`` (exactly), so S holds scaled logits and |q.k| beyond
+        float16's range does not overflow. With a mask, key_lengths or return_lse, S is taken
+        to float32 for the softmax.
     return_lse : bool
         Also return the row log-sum-exp of the scaled, masked scores.
     out : cupy.ndarray [B, Hq, Sq, D], optional
@@ -206,9 +215,21 @@ def attention(q, k, v, causal=False, scale=None, mask=None, key_lengths=None, im
     return (out, lse) if return_lse else out
 
 
-# --- impl="flash": one kernel launch --------------------------------------------------------
+# --- impl="flash" / "flash_mma": one kernel launch -----------------------------------------
 def _elem_strides(x):
     return [s // x.itemsize for s in x.strides]
+
+
+def _vec_flags(q, k, v, out) -> int:
+    """flash_mma's ``vec`` bits: 1 q, 2 k, 4 v can be staged by 16-byte cp.async (base 16-byte
+    aligned, every stride a multiple of 8 elements, so every row starts 16-byte aligned); 8 out
+    takes 16-byte stores. A clear bit makes the kernel take its element-by-element path (views
+    such as ``x[..., 3:67]`` of a wider array)."""
+    flags = 0
+    for bit, x in ((1, q), (2, k), (4, v)):
+        if x.data.ptr % 16 == 0 and all(s % 8 == 0 for s in _elem_strides(x)[:3]):
+            flags |= bit
+    return flags | (8 if out.data.ptr % 16 == 0 else 0)
 
 
 def _flash(impl, q, k, v, causal, scale, mask, mshape, kl, out, lse):
@@ -219,6 +240,8 @@ def _flash(impl, q, k, v, causal, scale, mask, mshape, kl, out, lse):
     bm = tile.block_m
     if mask is not None:
         mask = mask.reshape(mshape)  # leading 1s: a view
+        if impl == "flash_mma" and mshape[3] != 1 and mask.strides[3] not in (0, mask.itemsize):
+            mask = cupy.ascontiguousarray(mask)  # v2 reads a mask row as one run of keys (or one)
         mstr = [0 if n == 1 else s for n, s in zip(mshape, _elem_strides(mask))]
     else:
         mstr = [0, 0, 0, 0]
@@ -230,14 +253,32 @@ def _flash(impl, q, k, v, causal, scale, mask, mshape, kl, out, lse):
             *map(i64, _elem_strides(q)[:3]), *map(i64, _elem_strides(k)[:3]),
             *map(i64, _elem_strides(v)[:3]), *map(i64, mstr),
             np.float32(scale * math.log2(math.e)))
-    get_function(SPEC, _expr(impl, q.dtype, d, causal))(grid, (tile.warps * 32,), args)
+    expr = _expr(impl, q.dtype, d, causal)
+    if impl == "flash_mma":
+        smem = flash_mma_smem_bytes(d)
+        kern = get_function(SPEC, expr, dynamic_smem=smem)
+        kern(grid, (tile.warps * 32,), args + (np.int32(_vec_flags(q, k, v, out)),), shared_mem=smem)
+    else:
+        get_function(SPEC, expr)(grid, (tile.warps * 32,), args)
 
 
 # --- impl="naive": gemm_nt -> softmax -> gemm_nn, S in memory -------------------------------
+def _pow2_part(scale: float) -> float:
+    """The power of two 2**e with 1 <= |scale| / 2**e < 2 (1.0 for scale 0)."""
+    return 1.0 if scale == 0 else 2.0 ** (math.frexp(scale)[1] - 1)
+
+
 def _naive(q, k, v, causal, scale, mask, mshape, kl, out, lse):
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     g = hq // hkv
+    # S is written in the input dtype: unscaled, |q.k| can pass float16's 65504 (-> inf -> NaN)
+    # while the scaled logits are ordinary. So q first takes the power-of-two part of the scale
+    # (exact: only exponents change) and the softmax the rest, a factor in [1, 2).
+    p2 = _pow2_part(scale)
+    if q.dtype != cupy.float32 and p2 != 1.0:
+        q = (q.astype(cupy.float32) * np.float32(p2)).astype(q.dtype)
+        scale /= p2
     # GQA without K/V copies: query heads h = hk*g .. hk*g+g-1 share kv head hk, so q viewed as
     # [B, Hkv, g*Sq, D] (a view when q is contiguous) multiplies k [B, Hkv, Sk, D] directly.
     qg = q.reshape(b, hkv, g * sq, d)

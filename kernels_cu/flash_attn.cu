@@ -6,18 +6,24 @@
 //                       takes keys t, t+32, ..; for O_i += P_ij V_j lane t takes columns t, t+32, ..
 //                       Online softmax in the log2 domain (scores pre-multiplied by log2(e)), S and
 //                       P never leave the chip, one division by l_i at the end. impl="flash".
-//   v2 flash_attn_mma   tensor cores, fp16/bf16 only: each warp owns 16 query rows; S_ij = Q_i K_j^T
-//                       and O_i += P_ij V_j are mma.sync.m16n8k16 (fp32 accumulate); P_ij goes
-//                       from the S accumulator layout straight into A fragments (no smem trip);
-//                       same tiling, masking and online softmax as v1. impl="flash_mma".
-//                       Fragments come from padded smem by plain 32-bit loads (no ldmatrix, no
-//                       cp.async pipelining yet: those are the next steps for speed).
+//   v2 flash_attn_mma   tensor cores, fp16/bf16 only (the default for them): FlashAttention-2's
+//                       design on mma.sync.m16n8k16 (fp32 accumulate). Each warp owns 16 or 32
+//                       query rows; Q_i's fragments stay in registers for the whole key loop (one
+//                       ldmatrix.x4 pass); K_j and V_j arrive by 16-byte cp.async in separate
+//                       padded shared buffers (two K stages), V_j in flight during S_ij, K_{j+1}
+//                       during S_ij and P_ij V_j; K fragments by ldmatrix.x4, V by
+//                       ldmatrix.x4.trans; P_ij goes from the S accumulators straight into A
+//                       fragments; the scale is folded into the exp2 FMA; masking runs only on
+//                       tiles that cross the causal diagonal, k_end or carry a mask tensor; causal
+//                       grids start with the heaviest query tiles. impl="flash_mma".
 // Both also run on the CPU emulator of the GPU test tier (tests/emu: one fiber per thread, mma.sync
 // rebuilt from the PTX ISA fragment tables), which checks their logic on machines without a GPU.
 //
 // Tile tables: cupyattn/config.py FLASH_SIMT_TILES and FLASH_MMA_TILES, with the reason for each
-// entry; the op module (cupyattn/flash_attn.py) instantiates them as template arguments. The
-// static_asserts below check that each entry fits the 48 KB of static shared memory.
+// entry; the op module (cupyattn/flash_attn.py) instantiates them as template arguments. v1 uses
+// static shared memory (a static_assert checks each entry fits 48 KB); v2 dynamic shared memory
+// (config.flash_mma_smem_bytes; above 48 KB the loader raises the kernel's limit) and the -D
+// constants FLASH_MMA_PAD and FLASH_MMA_K_STAGES from config.
 //
 // Masking, all applied to S_ij before the row max (so hidden keys get P = 0 exactly):
 //   - keys j >= Sk or j >= key_lengths[b] (clamped to [0, Sk]) and, with CAUSAL, j > i + Sk - Sq
@@ -227,23 +233,8 @@ flash_attn_fwd(const T* __restrict__ q,          // [B, Hq, Sq, D], strides q_sb
     }
 }
 
-// --- v2: tensor-core (mma.sync m16n8k16) FlashAttention-2 forward, fp16 / bf16 -------------
-// Fragment layouts (PTX ISA, "Matrix Fragments for mma.m16n8k16 with floating point type"),
-// g = lane / 4, t = lane % 4, each register holds 2 consecutive elements (low half first):
-//   A 16x16 row-major: reg0 (g, 2t..2t+1), reg1 (g+8, 2t..), reg2 (g, 2t+8..), reg3 (g+8, 2t+8..)
-//   B 16x8 (k x n):    reg0 (k = 2t..2t+1, n = g), reg1 (k = 2t+8..2t+9, n = g)
-//   C/D 16x8 fp32:     c0,c1 (g, 2t..2t+1), c2,c3 (g+8, 2t..2t+1)
-// Two 16-bit elements at p (4-byte aligned) as one fragment register.
-template <typename T> __device__ __forceinline__ unsigned ld_pair(const T* p) {
-    return *reinterpret_cast<const unsigned*>(p);
-}
-// Two 16-bit elements from different rows (lo = *p0, hi = *p1) as one register.
-template <typename T> __device__ __forceinline__ unsigned ld_split(const T* p0, const T* p1) {
-    return (unsigned)*reinterpret_cast<const unsigned short*>(p0)
-           | ((unsigned)*reinterpret_cast<const unsigned short*>(p1) << 16);
-}
-
-// Max / sum over the 4 lanes of a quad (the lanes that share a row of a C fragment).
+// --- v2 helpers ------------------------------------------------------------------------------
+// Max / sum over the 4 lanes of a quad (the lanes that share a row of an mma C fragment).
 __device__ __forceinline__ float quad_max(float v) {
     v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
     return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
@@ -253,8 +244,68 @@ __device__ __forceinline__ float quad_sum(float v) {
     return v + __shfl_xor_sync(0xffffffffu, v, 2);
 }
 
-// grid and arguments as flash_attn_fwd; block NUM_WARPS * 32, BLOCK_M = 16 * NUM_WARPS.
-template <typename T, int HEAD_DIM, int BLOCK_N, int NUM_WARPS, bool CAUSAL>
+// Stage ROWS x HEAD_DIM 16-bit elements (global row stride gstride elements) into a shared tile
+// with row stride LDS, in 16-byte chunks. Thread t takes row t / TPR and the chunks
+// t % TPR + TPR * i of it (TPR = THREADS / ROWS threads per row read TPR * 16 contiguous bytes
+// per instruction), so each thread keeps one row pointer and its chunks are constant offsets
+// from it (no per-chunk 64-bit address held across the key loop). Rows >= valid are
+// zero-filled (cp.async with src-size 0 reads nothing): whatever lies past the end of a
+// sequence (an unwritten KV cache, NaN) never reaches the mma. vec = false (a base or a stride
+// not 16-byte aligned) reads element by element and stores synchronously; either way the
+// caller's cp_async_wait + __syncthreads publish the tile.
+template <typename T, int ROWS, int HEAD_DIM, int LDS, int THREADS>
+__device__ __forceinline__ void stage_rows(T* __restrict__ dst, const T* __restrict__ src,
+                                           long long gstride, int valid, bool vec) {
+    static_assert(THREADS % ROWS == 0, "every row gets the same number of threads");
+    constexpr int TPR = THREADS / ROWS, CPR = HEAD_DIM / 8;
+    const int r = threadIdx.x / TPR, c0 = threadIdx.x % TPR;
+    const bool live = r < valid;
+    T* srow = dst + r * LDS;
+    const T* grow = src + (long long)r * gstride;
+#pragma unroll
+    for (int i = 0; i < (CPR + TPR - 1) / TPR; ++i) {
+        const int col = (c0 + TPR * i) * 8;
+        if (CPR % TPR != 0 && col >= HEAD_DIM) break;
+        if (vec) {
+            cp_async_zfill<16>(srow + col, live ? grow + col : src, live ? 16 : 0);
+        } else {
+            const unsigned short* g16 = reinterpret_cast<const unsigned short*>(grow + col);
+            unsigned w[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                w[e] = live ? (unsigned)g16[2 * e] | ((unsigned)g16[2 * e + 1] << 16) : 0u;
+            uint4 u;
+            u.x = w[0]; u.y = w[1]; u.z = w[2]; u.w = w[3];
+            *reinterpret_cast<uint4*>(srow + col) = u;
+        }
+    }
+}
+
+// --- v2: tensor-core FlashAttention-2 forward (mma.sync m16n8k16), fp16 / bf16 ---------------
+// grid (ceil(Sq / BLOCK_M), min(B*Hq, 65535), ceil(B*Hq / 65535)); block NUM_WARPS * 32;
+// dynamic shared memory (BLOCK_M + (FLASH_MMA_K_STAGES + 1) * BLOCK_N) * (D + FLASH_MMA_PAD) * 2 B
+// (cupyattn.config.flash_mma_smem_bytes). Warp w owns query rows w*WROWS .. +WROWS-1 of the tile,
+// WROWS = BLOCK_M / NUM_WARPS = 16 * MT (MT m16 row tiles).
+//
+// Per CTA (FlashAttention-2 Algorithm 1 for one Q_i, with its load schedule):
+//   prologue  cp.async Q_i and K_0; wait; Q_i's A fragments -> registers (ldmatrix.x4), kept for
+//             the whole key loop
+//   tile j    wait K_j; barrier | cp.async V_j -> V buffer, K_{j+1} -> the other K stage |
+//             S_ij = Q_i K_j^T (ldmatrix.x4 B fragments) | online softmax on the S accumulators |
+//             wait V_j (K_{j+1} stays in flight); barrier | O_i += P_ij V_j (P from the S
+//             accumulators as A fragments, V through ldmatrix.x4.trans)
+//   epilogue  O_i / l_i -> shared (the dead Q_i tile) -> 16-byte coalesced stores; lse
+// So V_j loads while S_ij and the softmax run, and K_{j+1} while S_ij, softmax and P_ij V_j run.
+// Shared rows are padded by FLASH_MMA_PAD elements (one 16-byte unit): with D a multiple of 16
+// the row stride is an odd number of 16-byte units, so the 8 row addresses of one ldmatrix phase fall in
+// 8 distinct 16-byte bank groups (no conflicts), and every row start stays 16-byte aligned.
+//
+// vec bits: 1 q, 2 k, 4 v may be staged by 16-byte cp.async (base 16-byte aligned, every stride
+// a multiple of 8 elements); 8 out may take 16-byte stores. A clear bit takes the scalar path.
+// scale_log2 = scale * log2(e) is folded into the exp2 argument: p = exp2(s * scale_log2 - m)
+// with m kept in the same scaled units. Tiles with no masking to do (no mask tensor, scale >= 0,
+// every key below the causal diagonal of the tile's first row and inside k_end) skip it.
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, bool CAUSAL>
 __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
 flash_attn_mma(const T* __restrict__ q,          // [B, Hq, Sq, D], strides q_s*, last dim contiguous
                const T* __restrict__ k,          // [B, Hkv, Sk, D], strides k_s*
@@ -268,148 +319,248 @@ flash_attn_mma(const T* __restrict__ q,          // [B, Hq, Sq, D], strides q_s*
                long long k_sb, long long k_sh, long long k_ss,
                long long v_sb, long long v_sh, long long v_ss,
                long long m_sb, long long m_sh, long long m_sq, long long m_sk,
-               float scale_log2) {
+               float scale_log2, int vec) {
     constexpr int THREADS = NUM_WARPS * 32;
-    constexpr int BLOCK_M = 16 * NUM_WARPS;
-    constexpr int STRIDE = HEAD_DIM + 8;           // smem row stride (elements)
-    constexpr int NT_S = BLOCK_N / 8;              // n-tiles of S_ij (keys)
-    constexpr int NT_O = HEAD_DIM / 8;             // n-tiles of O_i (head dim)
-    static_assert(HEAD_DIM % 16 == 0 && BLOCK_N % 16 == 0, "mma tile shape");
-    static_assert((BLOCK_M + BLOCK_N) * STRIDE * 2 <= 48 * 1024, "tile exceeds 48 KB of static smem");
+    constexpr int WROWS = BLOCK_M / NUM_WARPS;   // query rows per warp
+    constexpr int MT = WROWS / 16;               // m16 tiles per warp
+    constexpr int LDS = HEAD_DIM + FLASH_MMA_PAD;  // shared row stride (elements)
+    constexpr int KSTEPS = HEAD_DIM / 16;        // k-steps of S_ij = Q_i K_j^T
+    constexpr int NT_S = BLOCK_N / 8;            // n8 tiles of S_ij (keys)
+    constexpr int NT_O = HEAD_DIM / 8;           // n8 tiles of O_i (head dim)
+    constexpr int KV_TILE = BLOCK_N * LDS;       // elements of one K or V stage
+    static_assert(WROWS % 16 == 0 && BLOCK_M == WROWS * NUM_WARPS, "warps own whole m16 tiles");
+    static_assert(HEAD_DIM % 16 == 0 && BLOCK_N % 16 == 0, "x4 fragment loads cover 16 x 16");
+    static_assert(FLASH_MMA_PAD % 8 == 0 && (LDS / 8) % 2 == 1, "pad: odd number of 16 B per row");
+    static_assert(FLASH_MMA_K_STAGES == 2, "the schedule above prefetches exactly one K tile");
 
-    __shared__ __align__(16) T q_s[BLOCK_M * STRIDE];    // Q_i  [BLOCK_M, D (+8)]
-    __shared__ __align__(16) T kv_s[BLOCK_N * STRIDE];   // K_j, then V_j [BLOCK_N, D (+8)]
+    extern __shared__ __align__(16) uint4 flash_smem[];
+    T* q_s = reinterpret_cast<T*>(flash_smem);   // Q_i [BLOCK_M][LDS]; O_i staging at the end
+    T* k_s = q_s + BLOCK_M * LDS;                // K_j [K_STAGES][BLOCK_N][LDS]
+    T* v_s = k_s + FLASH_MMA_K_STAGES * KV_TILE; // V_j [BLOCK_N][LDS]
 
     const long long bh = (long long)blockIdx.z * gridDim.y + blockIdx.y;
     if (bh >= (long long)B * Hq) return;
     const int b = (int)(bh / Hq), h = (int)(bh % Hq);
-    const int hk = h / (Hq / Hkv);
+    const int hk = h / (Hq / Hkv);               // GQA: K/V read in place, never repeated
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int g = lane >> 2, tq = lane & 3;
-    const int m0 = blockIdx.x * BLOCK_M;
-    const int rA = warp * 16 + g, rB = rA + 8;   // tile rows of c0,c1 and of c2,c3
+    const int g = lane >> 2, tq = lane & 3;      // fragment row group and column pair
+    // Causal: the last query tiles see the most keys; blockIdx.x = 0 takes the last one so the
+    // heaviest tiles of each head start first and the light ones fill the tail of the grid.
+    const int m_blk = CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    const int m0 = m_blk * BLOCK_M;
+    const int wrow0 = warp * WROWS;              // first tile row of this warp
 
     q += b * q_sb + h * q_sh + (long long)m0 * q_ss;
     k += b * k_sb + hk * k_sh;
     v += b * v_sb + hk * v_sh;
     if (mask) mask += b * m_sb + h * m_sh;
 
+    // Keys this tile may see: [0, k_end); causal (bottom-right) row i sees j <= i + diag.
     const int diag = Sk - Sq;
     int k_end = Sk;
     if (key_lengths) k_end = min(k_end, max(key_lengths[b], 0));
     if (CAUSAL) k_end = min(k_end, m0 + BLOCK_M + diag);
+    const int n_tiles = k_end > 0 ? (k_end + BLOCK_N - 1) / BLOCK_N : 0;
+    // Every tile needs the masking step when a mask tensor is given or the scale is negative
+    // (the fast path takes the row max of unscaled S, which only a scale >= 0 preserves).
+    const bool mask_all = mask != nullptr || scale_log2 < 0.0f;
 
-    // Load Q_i from HBM to SRAM.
-    load_tile<T, HEAD_DIM, STRIDE, BLOCK_M, THREADS>(q_s, q, q_ss, Sq - m0);
+    // Prologue: load Q_i and K_0 from HBM to SRAM (one cp.async group each).
+    stage_rows<T, BLOCK_M, HEAD_DIM, LDS, THREADS>(q_s, q, q_ss, Sq - m0, vec & 1);
+    cp_async_commit();
+    if (n_tiles > 0) stage_rows<T, BLOCK_N, HEAD_DIM, LDS, THREADS>(k_s, k, k_ss, k_end, vec & 2);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
 
-    // O_i = 0, l_i = 0 (this lane's partial sums), m_i = -inf, for rows rA (index 0) and rB (1).
-    float o[NT_O][4], m[2] = {-CUDART_INF_F, -CUDART_INF_F}, l[2] = {0.0f, 0.0f};
+    // Q_i's A fragments, once: matrix i of ldmatrix.x4 = rows (i % 2) * 8.., k half i / 2.
+    unsigned qf[MT][KSTEPS][4];
 #pragma unroll
-    for (int nt = 0; nt < NT_O; ++nt)
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) o[nt][e] = 0.0f;
+        for (int kk = 0; kk < KSTEPS; ++kk)
+            ldmatrix<4>(qf[mt][kk], q_s + (wrow0 + mt * 16 + (lane & 15)) * LDS + kk * 16 + (lane >> 4) * 8);
 
-    for (int n0 = 0; n0 < k_end; n0 += BLOCK_N) {
-        // Load K_j from HBM to SRAM.
-        __syncthreads();
-        load_tile<T, HEAD_DIM, STRIDE, BLOCK_N, THREADS>(kv_s, k + (long long)n0 * k_ss, k_ss, k_end - n0);
-        __syncthreads();
-
-        // S_ij = Q_i K_j^T: D/16 k-steps; B[k][n] = K[n][k], so a B register is 2 adjacent d of a key row.
-        float s[NT_S][4];
+    // On chip: O_i = 0, l_i = 0 (this lane's partial row sums), m_i = -inf (scaled log2 units),
+    // for rows g (r = 0) and g + 8 (r = 1) of each m16 tile.
+    float o[MT][NT_O][4], m[MT][2], l[MT][2];
 #pragma unroll
-        for (int nt = 0; nt < NT_S; ++nt)
+    for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) s[nt][e] = 0.0f;
+        for (int r = 0; r < 2; ++r) { m[mt][r] = -CUDART_INF_F; l[mt][r] = 0.0f; }
 #pragma unroll
-        for (int kk = 0; kk < HEAD_DIM; kk += 16) {
-            const unsigned a[4] = {ld_pair(&q_s[rA * STRIDE + kk + 2 * tq]), ld_pair(&q_s[rB * STRIDE + kk + 2 * tq]),
-                                   ld_pair(&q_s[rA * STRIDE + kk + 2 * tq + 8]),
-                                   ld_pair(&q_s[rB * STRIDE + kk + 2 * tq + 8])};
+        for (int nt = 0; nt < NT_O; ++nt)
 #pragma unroll
-            for (int nt = 0; nt < NT_S; ++nt) {
-                const T* kr = &kv_s[(nt * 8 + g) * STRIDE + kk + 2 * tq];
-                const unsigned bb[2] = {ld_pair(kr), ld_pair(kr + 8)};
-                mma_m16n8k16<T>(s[nt], a, bb);
-            }
-        }
-
-        // Scale to log2 units, add the mask, hide invisible keys; element e of n-tile nt is
-        // row (e < 2 ? rA : rB), key n0 + nt*8 + 2*tq + (e & 1).
-        float mx[2] = {-CUDART_INF_F, -CUDART_INF_F};
-#pragma unroll
-        for (int nt = 0; nt < NT_S; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int i = m0 + (e < 2 ? rA : rB);
-                const int j = n0 + nt * 8 + 2 * tq + (e & 1);
-                float x = s[nt][e] * scale_log2;
-                if (mask && i < Sq && j < k_end) x = fmaf(mask[i * m_sq + j * m_sk], LOG2E_F, x);
-                if (j >= k_end || (CAUSAL && j > i + diag)) x = -CUDART_INF_F;
-                s[nt][e] = x;
-                mx[e >> 1] = fmaxf(mx[e >> 1], x);
-            }
-        float alpha[2], m_use[2];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const float m_new = fmaxf(m[r], quad_max(mx[r]));   // m_i^(j)
-            m_use[r] = m_new == -CUDART_INF_F ? 0.0f : m_new;  // nothing seen yet: exp2 -> 0
-            alpha[r] = exp2f(m[r] - m_use[r]);                  // exp(m_i^(j-1) - m_i^(j))
-            m[r] = m_new;
-            l[r] *= alpha[r];
-        }
-        // P_ij = exp(S_ij - m_i^(j)) kept in the accumulator registers; l_i += rowsum(P_ij).
-#pragma unroll
-        for (int nt = 0; nt < NT_S; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                s[nt][e] = exp2f(s[nt][e] - m_use[e >> 1]);
-                l[e >> 1] += s[nt][e];
-            }
-        // Rescale O_i by exp(m_old - m_new).
-#pragma unroll
-        for (int nt = 0; nt < NT_O; ++nt) {
-            o[nt][0] *= alpha[0]; o[nt][1] *= alpha[0];
-            o[nt][2] *= alpha[1]; o[nt][3] *= alpha[1];
-        }
-
-        // Load V_j from HBM to SRAM into the K_j buffer.
-        __syncthreads();
-        load_tile<T, HEAD_DIM, STRIDE, BLOCK_N, THREADS>(kv_s, v + (long long)n0 * v_ss, v_ss, k_end - n0);
-        __syncthreads();
-
-        // O_i += P_ij V_j: k-step kk covers keys 16kk..16kk+15 = S n-tiles 2kk and 2kk+1, whose C
-        // registers are exactly the A registers of a 16x16 tile (P rounded to T here).
-#pragma unroll
-        for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-            const unsigned a[4] = {pack2<T>(s[2 * kk][0], s[2 * kk][1]),
-                                   pack2<T>(s[2 * kk][2], s[2 * kk][3]),
-                                   pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                                   pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-            const T* v0 = &kv_s[(16 * kk + 2 * tq) * STRIDE + g];   // B[k][n] = V[key k][d n]
-#pragma unroll
-            for (int nt = 0; nt < NT_O; ++nt) {
-                const T* vp = v0 + nt * 8;
-                const unsigned bb[2] = {ld_split(vp, vp + STRIDE), ld_split(vp + 8 * STRIDE, vp + 9 * STRIDE)};
-                mma_m16n8k16<T>(o[nt], a, bb);
-            }
-        }
+            for (int e = 0; e < 4; ++e) o[mt][nt][e] = 0.0f;
     }
 
-    // O_i = O_i / l_i, L_i = m_i + log(l_i); rows that saw no key -> zeros, -inf.
+    for (int jt = 0; jt < n_tiles; ++jt) {
+        const int n0 = jt * BLOCK_N;
+        if (jt > 0) {  // K_j has landed for every thread; every warp is done with P V_{j-1}
+            cp_async_wait<0>();
+            __syncthreads();
+        }
+        // Issue V_j (into the V buffer P V_{j-1} released) and K_{j+1} (into the K stage S_{j-1}
+        // released); two groups, so that the V wait below can leave K_{j+1} in flight.
+        stage_rows<T, BLOCK_N, HEAD_DIM, LDS, THREADS>(v_s, v + (long long)n0 * v_ss, v_ss, k_end - n0,
+                                                       vec & 4);
+        cp_async_commit();
+        if (jt + 1 < n_tiles)
+            stage_rows<T, BLOCK_N, HEAD_DIM, LDS, THREADS>(k_s + ((jt + 1) % FLASH_MMA_K_STAGES) * KV_TILE,
+                                                           k + (long long)(n0 + BLOCK_N) * k_ss, k_ss,
+                                                           k_end - n0 - BLOCK_N, vec & 2);
+        cp_async_commit();
+
+        // S_ij = Q_i K_j^T. B[k][n] = K[key n][d k]: ldmatrix.x4 matrix i = keys (i / 2) * 8..,
+        // d half i % 2, i.e. {b0, b1} of n8 tile 2np, then of 2np + 1.
+        const T* kt = k_s + (jt % FLASH_MMA_K_STAGES) * KV_TILE;
+        float s[MT][NT_S][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < KSTEPS; ++kk)
+#pragma unroll
+            for (int np = 0; np < NT_S / 2; ++np) {
+                unsigned bf[4];
+                ldmatrix<4>(bf, kt + (np * 16 + (lane >> 4) * 8 + (lane & 7)) * LDS + kk * 16
+                                    + ((lane >> 3) & 1) * 8);
+                const unsigned b0[2] = {bf[0], bf[1]}, b1[2] = {bf[2], bf[3]};
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma_m16n8k16<T>(s[mt][2 * np], qf[mt][kk], b0);
+                    mma_m16n8k16<T>(s[mt][2 * np + 1], qf[mt][kk], b1);
+                }
+            }
+
+        // Masking, only on tiles that need it: a mask tensor, keys past k_end, or keys above the
+        // causal diagonal of the tile's first row. S becomes scaled log2 units (mul = 1); keys
+        // j >= lim (row i's visible limit) get -inf, so P is exactly 0 there. Element 2r + h of
+        // n8 tile nt: row g + 8r of m16 tile mt, key n0 + nt * 8 + 2 tq + h. The mask's key
+        // stride m_sk is 0 or 1 (the op module guarantees it), so a row's mask reads are
+        // constant offsets from one row pointer.
+        float mul = scale_log2;
+        if (mask_all || n0 + BLOCK_N > k_end || (CAUSAL && n0 + BLOCK_N - 1 > m0 + diag)) {
+            mul = 1.0f;
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const int i = m0 + wrow0 + mt * 16 + g + 8 * r;
+                    const int lim = CAUSAL ? min(k_end, i + diag + 1) : k_end;
+                    const float* mrow = mask && i < Sq ? mask + i * m_sq + (m_sk ? n0 + 2 * tq : 0) : nullptr;
+#pragma unroll
+                    for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+                        for (int hh = 0; hh < 2; ++hh) {
+                            const int j = n0 + nt * 8 + 2 * tq + hh;
+                            float x = s[mt][nt][2 * r + hh] * scale_log2;
+                            if (mrow && j < lim) x = fmaf(mrow[m_sk ? nt * 8 + hh : 0], LOG2E_F, x);
+                            s[mt][nt][2 * r + hh] = j < lim ? x : -CUDART_INF_F;
+                        }
+                }
+        }
+
+        // Online softmax (mul >= 0, so max(S) * mul is the max of the scaled row):
+        //   m_i^(j) = max(m_i^(j-1), rowmax(S_ij));  P_ij = exp2(S_ij * mul - m_i^(j)) (one FMA
+        //   into exp2); l_i^(j) = exp(m_i^(j-1) - m_i^(j)) l_i^(j-1) + rowsum(P_ij); O_i rescaled
+        //   by the same factor. P_ij is rounded to T into A fragments: S n8 tiles 2kk, 2kk+1 are
+        //   exactly the A registers of the 16 x 16 tile kk of P_ij.
+        unsigned pf[MT][BLOCK_N / 16][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            float mx[2] = {-CUDART_INF_F, -CUDART_INF_F};
+#pragma unroll
+            for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[mt][nt][e]);
+            float m_use[2], alpha[2];
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const float m_new = fmaxf(m[mt][r], quad_max(mx[r]) * mul);
+                m_use[r] = m_new == -CUDART_INF_F ? 0.0f : m_new;  // nothing seen yet: exp2 -> 0
+                alpha[r] = exp2f(m[mt][r] - m_use[r]);              // exp(m_i^(j-1) - m_i^(j))
+                m[mt][r] = m_new;
+                l[mt][r] *= alpha[r];
+            }
+#pragma unroll
+            for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    s[mt][nt][e] = exp2f(fmaf(s[mt][nt][e], mul, -m_use[e >> 1]));
+                    l[mt][e >> 1] += s[mt][nt][e];
+                }
+#pragma unroll
+            for (int nt = 0; nt < NT_O; ++nt) {
+                o[mt][nt][0] *= alpha[0]; o[mt][nt][1] *= alpha[0];
+                o[mt][nt][2] *= alpha[1]; o[mt][nt][3] *= alpha[1];
+            }
+#pragma unroll
+            for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+                pf[mt][kk][0] = pack2<T>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+                pf[mt][kk][1] = pack2<T>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+                pf[mt][kk][2] = pack2<T>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+                pf[mt][kk][3] = pack2<T>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+            }
+        }
+
+        // V_j has landed (K_{j+1}, the newest group, may still be in flight).
+        cp_async_wait<1>();
+        __syncthreads();
+
+        // O_i += P_ij V_j. B[k][n] = V[key k][d n]: ldmatrix.x4.trans matrix i = keys (i % 2) * 8..,
+        // d (i / 2) * 8.., i.e. {b0, b1} of d n8 tile 2dp, then of 2dp + 1.
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_N / 16; ++kk)
+#pragma unroll
+            for (int dp = 0; dp < NT_O / 2; ++dp) {
+                unsigned bf[4];
+                ldmatrix<4, true>(bf, v_s + (kk * 16 + (lane & 15)) * LDS + dp * 16 + (lane >> 4) * 8);
+                const unsigned b0[2] = {bf[0], bf[1]}, b1[2] = {bf[2], bf[3]};
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma_m16n8k16<T>(o[mt][2 * dp], pf[mt][kk], b0);
+                    mma_m16n8k16<T>(o[mt][2 * dp + 1], pf[mt][kk], b1);
+                }
+            }
+    }
+
+    // Epilogue: O_i = diag(l_i)^-1 O_i, L_i = m_i + log(l_i) (natural log; m is in log2 units);
+    // rows that saw no key (l_i = 0) give zeros and -inf. Each warp rounds its rows into its own
+    // rows of the Q_i tile (no other warp reads them again), then stores them as 16-byte chunks.
     const long long obase = bh * Sq;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const float lsum = quad_sum(l[r]);
-        const int i = m0 + (r ? rB : rA);
-        if (i >= Sq) continue;
-        const float inv = lsum > 0.0f ? 1.0f / lsum : 0.0f;
-        T* orow = out + (obase + i) * HEAD_DIM + 2 * tq;
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int nt = 0; nt < NT_O; ++nt) {
-            orow[nt * 8] = from_float<T>(o[nt][2 * r] * inv);
-            orow[nt * 8 + 1] = from_float<T>(o[nt][2 * r + 1] * inv);
+        for (int r = 0; r < 2; ++r) {
+            const float lsum = quad_sum(l[mt][r]);
+            const float inv = lsum > 0.0f ? 1.0f / lsum : 0.0f;
+            const int row = wrow0 + mt * 16 + g + 8 * r;
+            unsigned* srow = reinterpret_cast<unsigned*>(q_s + row * LDS + 2 * tq);
+#pragma unroll
+            for (int nt = 0; nt < NT_O; ++nt)
+                srow[nt * 4] = pack2<T>(o[mt][nt][2 * r] * inv, o[mt][nt][2 * r + 1] * inv);
+            if (lse && tq == 0 && m0 + row < Sq)
+                lse[obase + m0 + row] = lsum > 0.0f ? m[mt][r] * LN2_F + logf(lsum) : -CUDART_INF_F;
         }
-        if (lse && tq == 0) lse[obase + i] = lsum > 0.0f ? m[r] * LN2_F + logf(lsum) : -CUDART_INF_F;
+    __syncwarp();
+    constexpr int CPR = HEAD_DIM / 8;
+#pragma unroll
+    for (int c = lane; c < WROWS * CPR; c += 32) {
+        const int row = wrow0 + c / CPR, col = (c % CPR) * 8;
+        if (m0 + row >= Sq) continue;
+        const uint4 w = *reinterpret_cast<const uint4*>(q_s + row * LDS + col);
+        T* op = out + (obase + m0 + row) * HEAD_DIM + col;
+        if (vec & 8) {
+            *reinterpret_cast<uint4*>(op) = w;
+        } else {
+            unsigned short* o16 = reinterpret_cast<unsigned short*>(op);
+            const unsigned ws[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+            for (int e = 0; e < 4; ++e) { o16[2 * e] = ws[e] & 0xffffu; o16[2 * e + 1] = ws[e] >> 16; }
+        }
     }
 }

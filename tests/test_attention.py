@@ -74,8 +74,12 @@ def test_spec_builds_every_config_instantiation_within_static_smem(compile_repor
     assert set(config.FLASH_MMA_TILES) == set(config.HEAD_DIMS)
     for t in config.FLASH_SIMT_TILES.values():
         assert t.block_m % t.warps == 0 and t.block_n % 32 == 0, t
-    for t in config.FLASH_MMA_TILES.values():
-        assert t.block_m == 16 * t.warps, t  # the mma kernel's block_m; _flash sizes the grid by it
+    for d, t in config.FLASH_MMA_TILES.items():
+        # warps own whole m16 tiles; each K/V row gets the same number of staging threads
+        assert t.block_m // t.warps in (16, 32) and t.block_m % t.warps == 0, t
+        assert (32 * t.warps) % t.block_m == 0 and (32 * t.warps) % t.block_n == 0, t
+        assert t.block_n % 16 == 0 and d % 16 == 0, t
+        assert config.flash_mma_smem_bytes(d) <= 163 * 1024, t  # an A100's opt-in limit per block
     want = _config_exprs()
     assert len(set(want)) == len(want) == 2 * len(config.HEAD_DIMS) * (len(config.DTYPES) + len(config.MMA_DTYPES))
     assert sorted(FA.SPEC.name_expressions) == sorted(want)
@@ -92,6 +96,29 @@ def test_compile_check_flash_attn_no_errors_no_spills(compile_report):
     _assert_one_report_per_build(reports, FA.SPEC.name_expressions)  # sm_80 and sm_90
     assert not [f"{r.kernel} {r.arch}" for r in reports if r.spills]
     assert all(r.smem_bytes <= config.STATIC_SMEM_BYTES for r in reports)
+
+
+def test_default_impl_is_tensor_cores_for_16_bit_dtypes():
+    assert FA.DEFAULT_IMPL == {config.FLOAT32: "flash", config.FLOAT16: "flash_mma",
+                               config.BFLOAT16: "flash_mma"}
+
+
+@pytest.mark.parametrize("scale,p2", [(0.125, 0.125), (1 / math.sqrt(128), 0.0625), (1.0, 1.0),
+                                      (3.0, 2.0), (-0.3, 0.25), (0.0, 1.0), (1e-30, 2.0 ** -100)])
+def test_naive_scale_split_is_a_power_of_two(scale, p2):
+    assert FA._pow2_part(scale) == p2
+    assert scale == 0 or 1 <= abs(scale) / p2 < 2
+
+
+def test_benchmark_defaults_hold_the_goal_shapes_with_their_peers():
+    from benchmarks import cases, specs
+
+    shapes = {(c.dtype, c.p["B"], c.p["H"], c.p["Hkv"], c.p["Sq"], c.p["Sk"], c.p["D"], c.p["causal"])
+              for c in specs.default_cases("attention")}
+    for d in (128, 64):
+        for causal in (False, True):
+            assert ("float16", 4, 32, 32, 4096, 4096, d, causal) in shapes
+    assert {"flash", "flash_mma", "naive", "cupy-naive", "torch-sdpa"} <= set(cases.impl_names("attention"))
 
 
 # --- CPU: host arrays are rejected --------------------------------------------------------------
@@ -166,16 +193,32 @@ def test_naive_accepts_any_head_dim_in_checks():
 
 
 # --- GPU: both impls against the float64 reference -------------------------------------------
+def _misaligned(x, how: str):
+    """The values of x [B, H, S, D] as a view cp.async cannot take: "offset", base 6 bytes past an
+    aligned address (``big[..., 3:3 + D]``); "stride", rows D + 4 elements apart (not 16 B)."""
+    import cupy
+
+    lo, extra = (3, 8) if how == "offset" else (0, 4)
+    big = cupy.zeros(x.shape[:3] + (x.shape[3] + extra,), dtype=x.dtype)
+    big[..., lo:lo + x.shape[3]] = x
+    return big[..., lo:lo + x.shape[3]]
+
+
 def _run(rng, dtype, b, hq, hkv, sq, sk, d, impl, causal=False, mask=None, key_lengths=None,
-         return_lse=False, scale=None, layout="bhsd"):
-    """Inputs with outliers on the device, NaN-poisoned out; checks out (and lse) vs reference."""
+         return_lse=False, scale=None, layout="bhsd", misaligned=None):
+    """Inputs with outliers on the device, NaN-poisoned out; checks out (and lse) vs reference.
+    ``misaligned``: {"q" | "k" | "v": "offset" | "stride", "out": "offset"} views to pass instead."""
     import cupy
 
     qh, kh, vh = _qkv(rng, b, hq, hkv, sq, sk, d)
     (q, qr), (k, kr), (v, vr) = (to_device(x, dtype) for x in (qh, kh, vh))
     if layout == "bshd":  # views of [B, S, H, D] buffers (what a fused QKV projection gives)
         q, k, v = (cupy.ascontiguousarray(x.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3) for x in (q, k, v))
+    misaligned = misaligned or {}
+    q, k, v = (_misaligned(x, misaligned[n]) if n in misaligned else x for n, x in zip("qkv", (q, k, v)))
     out = nan_like((b, hq, sq, d), dtype)
+    if "out" in misaligned:  # C-contiguous, one element past an aligned address
+        out = nan_like((out.size + 1,), dtype)[1:].reshape(out.shape)
     mask_h = None if mask is None else to_host(mask)
     res = FA.attention(q, k, v, causal=causal, scale=scale, mask=mask, key_lengths=key_lengths,
                       impl=impl, return_lse=return_lse, out=out)
@@ -199,6 +242,98 @@ def _run(rng, dtype, b, hq, hkv, sq, sk, d, impl, causal=False, mask=None, key_l
                          + [("flash_mma", "float16"), ("flash_mma", "bfloat16")])
 def test_gpu_flash_every_head_dim_and_dtype(rng, impl, dtype, d, causal):
     _run(rng, dtype, 2, 4, 2, 97, 97, d, impl, causal=causal)
+
+
+def _mma_size(d: int) -> int:
+    """Sq = Sk for head dim d's flash_mma tile: 1.5 query tiles plus an odd tail, so a grid of
+    several query tiles (causal: heaviest first), key tiles with and without masking, and partial
+    last tiles of queries and keys."""
+    bm = config.FLASH_MMA_TILES[d].block_m
+    return bm + bm // 2 + 7
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", config.HEAD_DIMS)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_flash_mma_every_tile_entry(rng, dtype, d, causal):
+    s = _mma_size(d)
+    _run(rng, dtype, 1, 2, 1, s, s, d, "flash_mma", causal=causal, return_lse=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sq,sk", [(150, 333), (333, 150)])
+def test_gpu_flash_mma_causal_multi_tile_sq_ne_sk(rng, sq, sk):
+    _run(rng, "bfloat16", 1, 2, 1, sq, sk, 64, "flash_mma", causal=True, return_lse=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl,misaligned", [
+    ("flash_mma", {"q": "offset"}), ("flash_mma", {"k": "stride"}), ("flash_mma", {"v": "offset"}),
+    ("flash_mma", {"v": "stride"}), ("flash_mma", {"out": "offset"}),
+    *[(i, {"q": "stride", "k": "offset", "v": "stride", "out": "offset"}) for i in IMPLS]])
+def test_gpu_unaligned_views(rng, impl, misaligned):
+    """Views whose base or row stride is not 16-byte aligned take the element-wise staging path
+    (a cp.async from them would fault; the emulator refuses it too)."""
+    _run(rng, "float16", 1, 4, 2, 77, 150, 64, impl, causal=True, misaligned=misaligned)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["flash", "flash_mma"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_hidden_keys_never_contribute_whatever_they_hold(rng, impl, dtype):
+    """K/V rows past key_lengths hold NaN / inf (an unwritten cache): the fused kernels neither
+    weigh them (P = 0) nor multiply them in (0 * NaN), so out matches the clean reference."""
+    import cupy
+
+    b, hq, hkv, sq, sk, d = 3, 4, 2, 70, 150, 64
+    kl = np.array([sk, 61, 0])
+    (q, qr), (k, kr), (v, vr) = (to_device(x, dtype) for x in _qkv(rng, b, hq, hkv, sq, sk, d))
+    want, wl = ref.attention(qr, kr, vr, key_lengths=kl, return_lse=True)
+    for bb in range(b):
+        k[bb, :, kl[bb]:] = np.nan
+        v[bb, :, kl[bb]:] = np.inf if bb == 1 else np.nan
+    out, lse = FA.attention(q, k, v, key_lengths=cupy.asarray(kl), impl=impl, return_lse=True,
+                            out=nan_like((b, hq, sq, d), dtype))
+    assert_close(out, want, dtype)
+    _assert_lse(to_host(lse), wl, 2e-2)
+    assert np.all(to_host(out)[2] == 0.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("scale", [-0.2, 0.0])
+def test_gpu_negative_and_zero_scale(rng, impl, scale):
+    """A negative scale reverses which key is the row max: flash_mma masks (scales S explicitly)
+    on every tile then, as its unmasked path takes the max of unscaled S."""
+    _run(rng, "float16", 1, 2, 2, 150, 150, 64, impl, causal=True, scale=scale, return_lse=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", IMPLS)
+def test_gpu_mask_with_strided_key_dim(rng, impl):
+    import cupy
+
+    m = np.where(rng.random((4, 97, 240)) < 0.2, -np.inf, rng.standard_normal((4, 97, 240)))
+    mask = cupy.asarray(m.astype(np.float32))[..., ::2]  # key stride 2 elements
+    _run(rng, "float16", 2, 4, 2, 97, 120, 64, impl, mask=mask, return_lse=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("return_lse", [False, True])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_gpu_fp16_scores_beyond_fp16_range(rng, impl, return_lse):
+    """Each query equals one key of +-60 entries: q.k = 64 * 3600 = 230400 > 65504 (fp16's max),
+    the scaled logit 28800 is fine. An unscaled fp16 S (the old naive path) gives inf -> NaN."""
+    b, h, sq, sk, d = 1, 2, 17, 33, 64
+    kh = 60.0 * np.sign(rng.standard_normal((b, h, sk, d)) + 1e-9)
+    qh = kh[:, :, rng.integers(0, sk, size=sq)]
+    (q, qr), (k, kr), (v, vr) = (to_device(x, "float16") for x in (qh, kh, rand_with_outliers(rng, kh.shape)))
+    want, wl = ref.attention(qr, kr, vr, return_lse=True)
+    res = FA.attention(q, k, v, impl=impl, return_lse=return_lse, out=nan_like((b, h, sq, d), "float16"))
+    assert_close(res[0] if return_lse else res, want, "float16")
+    if return_lse:
+        _assert_lse(to_host(res[1]), wl, 2e-3)
 
 
 @pytest.mark.gpu
