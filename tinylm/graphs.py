@@ -58,7 +58,7 @@ class DecodeRunner:
         """One decode step for every sequence; returns the sampled ids (host int64 [B])."""
         model, state, ops = self.model, self.state, self.model.ops
         cache = state.cache
-        cache.check_room(1, "decode step")  # before the replay: a replay cannot fail later
+        cache.check_room(1, "DecodeRunner.step")  # before the replay: a replay cannot fail later
         bucket = context_bucket(state.length + 1)
         with ops.stream():
             if self.use_graphs and bucket in state.warm:

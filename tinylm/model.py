@@ -13,7 +13,7 @@ Every sequence of a batch has its own cache length: a prompt batch is right-padd
 real token count of each sequence given as ``num_new`` (its logits are taken at its last real
 token), and decode steps place each sequence's token at its own position. A decode step (T = 1)
 writes only into RunState's buffers and reads its input ids from ``state.tokens``, so it can be
-captured in a CUDA graph and replayed (tinylm.generate).
+captured in a CUDA graph and replayed (tinylm.graphs).
 
 The backends (tinylm.ops_numpy.NumpyOps, tinylm.ops_cupy.CupyOps) implement the ops interface
 below; the model never looks at which one it has. Weights live in `Params` (uploaded once, in
@@ -157,7 +157,7 @@ class RunState:
         self.logits = e((b, 1, a.vocab_size))  # last position's logits
         self.workspace = ops.decode_workspace(b, a.n_heads, a.head_dim)  # split-KV partials or None
         self.sampling = ops.sampling_params(b) if hasattr(ops, "sampling_params") else None
-        self.graphs = {}  # context bucket -> captured decode step (tinylm.generate)
+        self.graphs = {}  # context bucket -> captured decode step (tinylm.graphs)
         self.warm = set()  # buckets whose kernels an eager step has loaded
 
     @property
