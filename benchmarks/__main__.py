@@ -52,6 +52,8 @@ def _parser() -> argparse.ArgumentParser:
     mg.add_argument("--model-reps", type=int, default=3, help="generations per model impl")
     mg.add_argument("--prompt-len", type=int, default=128)
     mg.add_argument("--new-tokens", type=int, default=128)
+    mg.add_argument("--batch", default=None, metavar="B[,B...]",
+                    help="model batch sizes, comma-separated (default: 1 and 8 for smollm2, 1 otherwise)")
     # For the CPU tests of this CLI only: tinylm backend and HF device of the model cases.
     mg.add_argument("--model-backend", default="cupy", help=argparse.SUPPRESS)
     mg.add_argument("--hf-device", default="cuda", help=argparse.SUPPRESS)
@@ -100,9 +102,13 @@ def plan(a) -> list:
         if a.dtype and op != "model":
             cases = list(dict.fromkeys(specs.make_case(op, a.dtype, **c.p) for c in cases))
         if op == "model":
-            cases = [specs.make_case("model", "auto", label=c.label, model=c.p["model"],
-                                     prompt_len=a.prompt_len, new_tokens=a.new_tokens) for c in cases]
+            pairs = [(c.p["model"], c.p["batch"]) for c in cases]
+            if batches:
+                pairs = list(dict.fromkeys((m, b) for m, _ in pairs for b in batches))
+            cases = [specs.model_case(m, a.prompt_len, a.new_tokens, b) for m, b in pairs]
         return cases
+
+    batches = _batches(getattr(a, "batch", None))
 
     if a.op == "all":
         out = []
@@ -116,13 +122,25 @@ def plan(a) -> list:
         return out
     if a.op == "model":
         if a.model:
-            return [specs.make_case("model", "auto", label=f"model {a.model}", model=a.model,
-                                    prompt_len=a.prompt_len, new_tokens=a.new_tokens)]
+            return [specs.model_case(a.model, a.prompt_len, a.new_tokens, b) for b in batches or [1]]
         return defaults("model")
     if a.sweep:
         return specs.sweep_cases(a.sweep, a.dtype or "float16")
     one = specs.cli_case(a.op, a)
     return [one] if one is not None else defaults(a.op)
+
+
+def _batches(text) -> list[int]:
+    """``--batch 1,8`` -> [1, 8] (ValueError for anything but positive ints)."""
+    if not text:
+        return []
+    try:
+        out = [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        out = []
+    if not out or min(out) < 1:
+        raise ValueError(f"--batch must be positive integers separated by commas, got {text!r}")
+    return out
 
 
 def select_impls(op: str, impl_arg: str | None, skip) -> list[str]:

@@ -17,7 +17,7 @@ from .report import fill_timing, new_record
 from .specs import case_bytes, case_flops
 
 OURS = {"gemm": ("ours",), "softmax": ("ours",), "attention": ("flash", "naive"),
-        "decode": ("split-kv", "unsplit", "naive"), "model": ("tinylm",)}
+        "decode": ("split-kv", "unsplit", "naive"), "model": ("tinylm", "tinylm-eager")}
 
 
 def ours_names(op: str) -> tuple:

@@ -89,33 +89,38 @@ def hf_logits(model, ids) -> np.ndarray:
 def hf_generate_timed(model, prompt_ids, new_tokens: int) -> dict:
     """Greedy generation with the KV cache, timed like tinylm: TTFT and decode tokens/s.
 
-    TTFT covers the prompt forward and choosing the first token; decode tokens/s covers the
-    remaining ``new_tokens - 1`` single-token steps. Synchronizes around each region.
+    prompt_ids: one prompt (ids) or a batch of prompts of equal length (no padding needed).
+    TTFT covers the prompt forward and choosing the first tokens; decode tokens/s counts the
+    remaining ``new_tokens - 1`` single-token steps of every sequence (aggregate over the batch).
+    Synchronizes around each region.
     """
     torch = get_torch()
     dev = next(model.parameters()).device
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    ids = torch.tensor([list(prompt_ids)], device=dev)
-    out_ids = []
+    rows = [list(p) for p in prompt_ids] if np.ndim(prompt_ids[0]) else [list(prompt_ids)]
+    if len({len(r) for r in rows}) != 1:
+        raise ValueError("hf_generate_timed: batched prompts must have equal lengths")
+    ids = torch.tensor(rows, device=dev)
+    steps = []
     with torch.inference_mode():
         sync()
         t0 = time.perf_counter()
         out = model(input_ids=ids, use_cache=True)
         tok = out.logits[:, -1].argmax(-1, keepdim=True)
-        out_ids.append(int(tok.item()))  # .item() waits for the token, as a user would
+        first = tok.cpu()  # waits for the tokens, as a user would
         t1 = time.perf_counter()
         past = out.past_key_values
         for _ in range(new_tokens - 1):
             out = model(input_ids=tok, past_key_values=past, use_cache=True)
             past = out.past_key_values
             tok = out.logits[:, -1].argmax(-1, keepdim=True)
-            out_ids.append(tok)
+            steps.append(tok)
         sync()
         t2 = time.perf_counter()
-    ids_out = [out_ids[0]] + [int(t.item()) for t in out_ids[1:]]
-    n_dec = max(new_tokens - 1, 0)
+    gen = torch.cat([first.to(dev)] + steps, dim=1).cpu().tolist()  # [B, new_tokens]
+    n_dec = max(new_tokens - 1, 0) * len(rows)
     return {"ttft_ms": (t1 - t0) * 1e3,
             "decode_tok_s": n_dec / (t2 - t1) if n_dec and t2 > t1 else None,
-            "prefill_tok_s": len(prompt_ids) / (t1 - t0) if t1 > t0 else None,
-            "generated_ids": ids_out,
+            "prefill_tok_s": len(rows) * len(rows[0]) / (t1 - t0) if t1 > t0 else None,
+            "generated_ids": gen[0], "all_generated_ids": gen,
             "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}

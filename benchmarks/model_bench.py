@@ -1,11 +1,16 @@
 """End-to-end model cases: tinylm on the cupy backend vs HF transformers on the same weights.
 
-Each side generates ``new_tokens`` greedy tokens after a ``prompt_len`` prompt, EOS ignored;
-after one short warm-up, ``reps`` generations are run and the medians of TTFT and decode
-tokens/s kept. ``median_ms`` of a model record is the time per decode token (1000 / tok/s), so
-speedups compare decode throughput; GB/s is weight bytes x tok/s (each decode step streams all
-weights once). Correctness: ours vs HF last-position logits of the prompt, and how many greedy
-tokens agree.
+Each side generates ``new_tokens`` greedy tokens after ``batch`` prompts of ``prompt_len``
+tokens (different text, one batch), EOS ignored. ``tinylm`` replays each decode step as a CUDA
+graph, ``tinylm-eager`` launches every kernel from Python; both run one warm-up generation of the
+full length first (it compiles the kernels and captures the graphs of every context bucket the
+timed runs meet, as gpt-fast compiles before timing), then ``reps`` generations, keeping the
+medians of TTFT and decode tokens/s (aggregate over the batch). ``median_ms`` of a model record
+is the time per decode token (1000 / tok/s), so speedups compare decode throughput; GB/s is the
+achieved weight bandwidth, weight bytes x decode steps/s (each step streams all weights once for
+the whole batch). ``launches_per_step`` counts the kernel nodes of a captured decode step.
+Correctness: the first-step logits of the first prompt against tinylm's NumPy float32 backend
+(``rel_err``, for ours and for HF), and how many greedy tokens agree with HF's.
 """
 from __future__ import annotations
 
@@ -42,32 +47,60 @@ def load_model(name: str, seed: int = 0):
     return PRESETS[name], tinylm.synthetic(PRESETS[name], seed), None, name
 
 
-def prompt_ids(tokenizer, vocab_size: int, n: int, seed: int = 0) -> list[int]:
-    """``n`` prompt ids: repeated English text for a real tokenizer, random ids otherwise."""
+def prompt_ids(tokenizer, vocab_size: int, n: int, seed: int = 0, index: int = 0) -> list[int]:
+    """``n`` prompt ids: repeated English text (starting ``7 * index`` tokens in, so the prompts
+    of a batch differ) for a real tokenizer, random ids otherwise."""
     if tokenizer is None:
-        return [int(i) for i in np.random.default_rng(seed).integers(0, vocab_size, n)]
+        return [int(i) for i in np.random.default_rng((seed, index)).integers(0, vocab_size, n)]
     ids = tokenizer.encode(SMOLLM2_PROMPT)
-    return (ids * (n // max(len(ids), 1) + 1))[:n]
+    start = 7 * index
+    return (ids * ((start + n) // max(len(ids), 1) + 1))[start:start + n]
 
 
-def _fill(rec, ttfts, toks, prefills, weight_bytes, ceilings):
+def _fill(rec, ttfts, toks, prefills, weight_bytes, ceilings, batch=1):
     if not toks or min(toks) <= 0:
         raise ValueError("no decode throughput (fewer than 2 new tokens?)")
     tok_s = statistics.median(toks)
     rec.update(ttft_ms=statistics.median(ttfts), decode_tok_s=tok_s,
                prefill_tok_s=statistics.median(prefills) if prefills else None,
                median_ms=1e3 / tok_s, min_ms=1e3 / max(toks), max_ms=1e3 / min(toks),
-               reps=len(toks), gbps=weight_bytes * tok_s / 1e9)
+               reps=len(toks), gbps=weight_bytes * tok_s / batch / 1e9)
     rec["pct_ceiling"], bound = roofline_pct(None, rec["gbps"], ceilings)
     rec["bound"] = bound or None
+
+
+def _errors(logits, ref):
+    d = np.asarray(logits, dtype=np.float64) - ref
+    return float(np.abs(d).max()), float(np.linalg.norm(d) / max(np.linalg.norm(ref), 1e-300))
+
+
+def _run_tinylm(rec, gen, prompts, n, opts, ceilings):
+    """Warm-up, timed generations and the record of one tinylm impl; returns seq 0's ids."""
+    from .timing import PeakPool
+
+    gen.generate_batch(prompts, max_new_tokens=n, ignore_eos=True)  # compile, capture every bucket
+    with PeakPool() as pk:
+        runs = [gen.generate_batch(prompts, max_new_tokens=n, ignore_eos=True)]
+    runs += [gen.generate_batch(prompts, max_new_tokens=n, ignore_eos=True) for _ in range(opts.model_reps - 1)]
+    rec["peak_mb"] = pk.peak / 2**20
+    _fill(rec, [r[0].ttft_ms for r in runs], [r[0].extra["batch_decode_tokens_per_s"] for r in runs],
+          [r[0].prefill_tokens_per_s for r in runs], gen.weight_bytes, ceilings, len(prompts))
+    graphs = gen._state.graphs if gen._state is not None else {}
+    if graphs:
+        from tinylm.graphs import graph_kernel_count
+
+        rec["launches_per_step"] = graph_kernel_count(graphs[max(graphs)])
+    rec["note"] = (f"backend {gen.backend}, weights {gen.weight_bytes / 2**20:.0f} MiB, batch {len(prompts)}, "
+                   + (f"{runs[0][0].extra['graph_replays']} graph replays/run" if gen.graphs and graphs
+                      else "eager launches"))
+    return [list(r.generated_ids) for r in runs[0]]
 
 
 def run_model_case(case, impls, opts, ceilings, log) -> list[dict]:
     import cupy
 
-    from .timing import PeakPool
-
     p = case.p
+    batch = p.get("batch", 1)
     recs = {n: new_record(case, n, "peer" if n in peers.PEERS["model"] else "ours") for n in impls}
     try:
         args, weights, tok, source = load_model(p["model"], opts.seed)
@@ -76,75 +109,92 @@ def run_model_case(case, impls, opts, ceilings, log) -> list[dict]:
             r["status"] = f"skipped: {_one_line(e)}"
         log(f"skipping model {p['model']}: {_one_line(e)}")
         return list(recs.values())
-    ids = prompt_ids(tok, args.vocab_size, p["prompt_len"], opts.seed)
+    prompts = [prompt_ids(tok, args.vocab_size, p["prompt_len"], opts.seed, i) for i in range(batch)]
     n = p["new_tokens"]
-    ours_logits = ours_ids = None
-    if "tinylm" in recs:
-        rec = recs["tinylm"]
+    ours_ids = None
+    ref_logits = None  # NumPy float32 first-step logits of prompt 0: the correctness reference
+    try:
+        import tinylm
+
+        ref_logits = tinylm.Transformer(args, weights, "numpy").logits(prompts[0])[-1].astype(np.float64)
+    except Exception as e:
+        log(f"{case.name}: no NumPy reference logits ({_one_line(e)})")
+    ours = [name for name in ("tinylm", "tinylm-eager") if name in recs]
+    model = None
+    if ours:
         try:
             import tinylm
 
             backend = getattr(opts, "model_backend", "cupy")
-            gen = tinylm.Generator(tinylm.Transformer(args, weights, backend, opts.model_dtype), tok, source)
+            model = tinylm.Transformer(args, weights, backend, opts.model_dtype)
+        except Exception as e:
+            for name in ours:
+                recs[name]["status"] = "oom" if "OutOfMemory" in type(e).__name__ else f"error: {_one_line(e)}"
+            log(f"{case.name} / tinylm: {_one_line(e)}")
+    for name in ours if model is not None else ():
+        rec = recs[name]
+        try:
+            gen = tinylm.Generator(model, tok, source, graphs=name == "tinylm")
             rec["dtype"] = gen.dtype
-            gen.generate(ids, max_new_tokens=min(n, 8), ignore_eos=True)  # warm-up: compile kernels
-            with PeakPool() as pk:
-                runs = [gen.generate(ids, max_new_tokens=n, ignore_eos=True)]
-            runs += [gen.generate(ids, max_new_tokens=n, ignore_eos=True) for _ in range(opts.model_reps - 1)]
-            rec["peak_mb"] = pk.peak / 2**20
-            _fill(rec, [r.ttft_ms for r in runs], [r.decode_tokens_per_s for r in runs],
-                  [r.prefill_tokens_per_s for r in runs], gen.weight_bytes, ceilings)
-            ours_ids = list(runs[0].generated_ids)
-            ours_logits = np.asarray(gen.logits(ids), dtype=np.float32).reshape(len(ids), -1)[-1]
-            rec["note"] = f"backend {gen.backend}, weights {gen.weight_bytes / 2**20:.0f} MiB"
+            ids = _run_tinylm(rec, gen, prompts, n, opts, ceilings)
+            ours_ids = ours_ids or ids
+            if ref_logits is not None:
+                rec["max_abs_err"], rec["rel_err"] = _errors(gen.logits(prompts[0])[-1], ref_logits)
+                rec["err_ref"] = "tinylm numpy float32 first-step logits"
             del gen
         except Exception as e:
             rec["status"] = "oom" if "OutOfMemory" in type(e).__name__ else f"error: {_one_line(e)}"
-            log(f"{case.name} / tinylm: {rec['status']}")
+            log(f"{case.name} / {name}: {rec['status']}")
             if opts.debug:
                 log(traceback.format_exc())
-        cupy.get_default_memory_pool().free_all_blocks()
+    del model
+    cupy.get_default_memory_pool().free_all_blocks()
     if "hf-transformers" in recs:
-        rec = recs["hf-transformers"]
-        dt = recs.get("tinylm", {}).get("dtype")
-        dt = dt if dt in ("float16", "bfloat16", "float32") else (opts.model_dtype or "float16")
-        rec["dtype"] = dt
-        model = None
-        try:
-            torch = peers.get_torch()
-            device = getattr(opts, "hf_device", "cuda")
-            model = hf_peer.build_hf_llama(args, weights, dt, device)
-            hf_peer.hf_generate_timed(model, ids, min(n, 8))  # warm-up
-            if device == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-            runs = [hf_peer.hf_generate_timed(model, ids, n) for _ in range(opts.model_reps)]
-            if device == "cuda":
-                rec["peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
-            _fill(rec, [r["ttft_ms"] for r in runs], [r["decode_tok_s"] for r in runs],
-                  [r["prefill_tok_s"] for r in runs], runs[0]["weight_bytes"], ceilings)
-            if ours_logits is not None:
-                ref = hf_peer.hf_logits(model, ids)[-1].astype(np.float64)
-                d = ours_logits.astype(np.float64) - ref
-                mx, rel = float(np.abs(d).max()), float(np.linalg.norm(d) / max(np.linalg.norm(ref), 1e-300))
-                same = 0  # greedy runs agree up to the first differing token
-                for a, b in zip(ours_ids, runs[0]["generated_ids"]):
-                    if a != b:
-                        break
-                    same += 1
-                for r in recs.values():
-                    r.update(max_abs_err=mx, rel_err=rel, err_ref="tinylm vs HF last logits")
-                rec["note"] = f"first {same}/{n} greedy tokens equal to tinylm's"
-        except peers.PeerUnavailable as e:
-            rec["status"] = f"skipped: {e}"
-            log(f"{case.name} / hf-transformers: skipped ({e})")
-        except Exception as e:
-            rec["status"] = "oom" if "OutOfMemory" in type(e).__name__ else f"error: {_one_line(e)}"
-            log(f"{case.name} / hf-transformers: {rec['status']}")
-            if opts.debug:
-                log(traceback.format_exc())
-        finally:
-            del model
-            t = peers.get_torch() if "torch" in __import__("sys").modules else None
-            if t is not None and t.cuda.is_initialized():
-                t.cuda.empty_cache()
+        _run_hf(recs, case, args, weights, prompts, n, ours_ids, ref_logits, opts, ceilings, log)
     return list(recs.values())
+
+
+def _run_hf(recs, case, args, weights, prompts, n, ours_ids, ref_logits, opts, ceilings, log):
+    rec = recs["hf-transformers"]
+    dt = next((r["dtype"] for r in recs.values() if r["kind"] == "ours" and r["dtype"] in
+               ("float16", "bfloat16", "float32")), None) or opts.model_dtype or "float16"
+    rec["dtype"] = dt
+    model = None
+    try:
+        torch = peers.get_torch()
+        device = getattr(opts, "hf_device", "cuda")
+        model = hf_peer.build_hf_llama(args, weights, dt, device)
+        hf_peer.hf_generate_timed(model, prompts, min(n, 8))  # warm-up
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        runs = [hf_peer.hf_generate_timed(model, prompts, n) for _ in range(opts.model_reps)]
+        if device == "cuda":
+            rec["peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
+        _fill(rec, [r["ttft_ms"] for r in runs], [r["decode_tok_s"] for r in runs],
+              [r["prefill_tok_s"] for r in runs], runs[0]["weight_bytes"], ceilings, len(prompts))
+        if ref_logits is not None:
+            rec["max_abs_err"], rec["rel_err"] = _errors(hf_peer.hf_logits(model, prompts[0])[-1], ref_logits)
+            rec["err_ref"] = "tinylm numpy float32 first-step logits"
+        if ours_ids is not None:
+            theirs = runs[0]["all_generated_ids"]
+            same = 0  # greedy runs of sequence 0 agree up to the first differing token
+            for a, b in zip(ours_ids[0], theirs[0]):
+                if a != b:
+                    break
+                same += 1
+            equal = sum(a == b for a, b in zip(ours_ids, theirs))
+            rec["note"] = (f"first {same}/{n} greedy tokens equal to tinylm's"
+                           + (f"; {equal}/{len(theirs)} sequences identical" if len(theirs) > 1 else ""))
+    except peers.PeerUnavailable as e:
+        rec["status"] = f"skipped: {e}"
+        log(f"{case.name} / hf-transformers: skipped ({e})")
+    except Exception as e:
+        rec["status"] = "oom" if "OutOfMemory" in type(e).__name__ else f"error: {_one_line(e)}"
+        log(f"{case.name} / hf-transformers: {rec['status']}")
+        if opts.debug:
+            log(traceback.format_exc())
+    finally:
+        del model
+        t = peers.get_torch() if "torch" in __import__("sys").modules else None
+        if t is not None and t.cuda.is_initialized():
+            t.cuda.empty_cache()

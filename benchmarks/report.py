@@ -30,6 +30,7 @@ FIELD_TYPES = {
     "max_abs_err": float, "rel_err": float, "err_ref": str,
     "peer": str, "peer_ms": float, "speedup": float, "speedups": dict,
     "ttft_ms": float, "decode_tok_s": float, "prefill_tok_s": float, "note": str,
+    "launches_per_step": int,
 }
 FIELDS = tuple(FIELD_TYPES)
 
@@ -101,6 +102,8 @@ def table_rows(records: list[dict]) -> tuple[list[str], list[list[str]]]:
     for r in records:
         if r["op"] == "model" and r["status"] == "ok":
             ms = f"TTFT {_f(r['ttft_ms'], '.1f')} | {_f(r['decode_tok_s'], '.1f')} tok/s"
+            if r.get("launches_per_step"):
+                ms += f" | {r['launches_per_step']} kernels/step"
         elif r["median_ms"] is not None:
             ms = f"{r['median_ms']:.4g} ({r['min_ms']:.4g}-{r['max_ms']:.4g})"
         else:

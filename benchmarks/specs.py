@@ -23,7 +23,7 @@ class Case:
     """One problem of one op. ``params`` keys depend on ``op``:
 
     gemm: M N K layout batch | softmax: rows cols | attention: B H Hkv Sq Sk D causal |
-    decode: B H Hkv L D | model: model prompt_len new_tokens.
+    decode: B H Hkv L D | model: model prompt_len new_tokens batch.
     ``sweep``/``group``/``x`` place the case on a sweep plot (line group and x-axis value).
     """
 
@@ -71,7 +71,7 @@ def shape_str(op: str, p: dict) -> str:
     if op == "decode":
         return f"B{p['B']} H{p['H']}/{p['Hkv']} L{p['L']} D{p['D']}"
     if op == "model":
-        return f"{p['model']} prompt{p['prompt_len']} new{p['new_tokens']}"
+        return f"{p['model']} B{p.get('batch', 1)} prompt{p['prompt_len']} new{p['new_tokens']}"
     raise ValueError(op)
 
 
@@ -251,10 +251,15 @@ def default_cases(op: str, preset: str = "llama2-7b-4layers") -> list[Case]:
                  for B, L in ((8, 32768), (1, 131072), (16, 4096))]
                 + [make_case("decode", "float16", B=1, H=32, Hkv=1, L=131072, D=128)])
     if op == "model":
-        # SmolLM2-135M from its GGUF file, and a synthetic tinylm preset (random weights).
-        return [make_case("model", "auto", label=f"model {m}", model=m, prompt_len=128,
-                          new_tokens=128) for m in ("smollm2", preset)]
+        # SmolLM2-135M from its GGUF file at batch 1 and 8, and a synthetic preset (random weights).
+        return [model_case(m, 128, 128, b) for m, b in (("smollm2", 1), ("smollm2", 8), (preset, 1))]
     raise ValueError(op)
+
+
+def model_case(model: str, prompt_len: int, new_tokens: int, batch: int = 1) -> Case:
+    """tinylm end to end: ``batch`` prompts of ``prompt_len`` tokens, ``new_tokens`` each."""
+    return make_case("model", "auto", label=f"model {model} B{batch}", model=model, prompt_len=prompt_len,
+                     new_tokens=new_tokens, batch=batch)
 
 
 def cli_case(op: str, a) -> Case | None:

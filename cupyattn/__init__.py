@@ -19,11 +19,13 @@ from .flash_attn import IMPLS as ATTENTION_IMPLS
 from .flash_attn import attention
 from .gemm import gemm_nn, gemm_nt
 from .kvcache import KVCache
-from .layers import add, embedding, rmsnorm, rope, swiglu
+from .layers import add, add_rmsnorm, embedding, rmsnorm, rope, swiglu
 from .row_softmax import softmax
+from .sampling import SamplingParams, sample
 
 __version__ = "0.1.0"
 
 __all__ = ["attention", "softmax", "gemm_nt", "gemm_nn", "KVCache", "decode_attention", "choose_num_splits",
-           "rmsnorm", "rope", "swiglu", "add", "embedding", "reference", "config", "bfloat16", "HEAD_DIMS",
-           "ATTENTION_IMPLS", "KernelSpec", "KernelCompileError", "all_specs", "gpu_unavailable_reason"]
+           "rmsnorm", "add_rmsnorm", "rope", "swiglu", "add", "embedding", "sample", "SamplingParams",
+           "reference", "config", "bfloat16", "HEAD_DIMS", "ATTENTION_IMPLS", "KernelSpec",
+           "KernelCompileError", "all_specs", "gpu_unavailable_reason"]

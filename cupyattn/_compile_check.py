@@ -93,8 +93,9 @@ def compile_spec(spec: KernelSpec, arch: str, name_expressions=None) -> list[Ker
         raise RuntimeError(f"kernel spec {spec.name!r} ({spec.source}) failed for sm_{arch}:\n"
                            f"{e.get_message()}") from e
     mangled = {v: k for k, v in mapping.items()}
+    # a non-template kernel is compiled by every program of its file: keep only what was asked
     reports = [KernelReport(spec.name, expr, a, *vals, hot=spec.hot)
-               for expr, a, *vals in parse_ptxas_log(log.getvalue(), mangled)]
+               for expr, a, *vals in parse_ptxas_log(log.getvalue(), mangled) if expr in exprs]
     missing = set(exprs) - {r.kernel for r in reports}
     if missing:
         raise RuntimeError(f"kernel spec {spec.name!r}: no ptxas report for {sorted(missing)}")

@@ -220,6 +220,13 @@ DECODE_SPLIT_OVERHEAD_KEYS = 64   # fixed cost of one split (prologue, epilogue,
 KV_APPEND_THREADS = 128
 KV_APPEND_ELEMS_PER_BLOCK = 2048  # tokens per block = this // head_dim
 KV_ADVANCE_THREADS = 256
+# fused rope + append (KVCache.append_qkv): one item = one rotation pair of one head of one token.
+# A decode token of SmolLM2 is (9 + 2*3) heads x 32 pairs = 480 items: one block per sequence, which
+# then advances its own length (no second launch). Prefill tokens are grouped so that a block has
+# about KV_ROPE_APPEND_ITEMS_PER_BLOCK items (16 per thread), enough to amortise the double-precision
+# angle setup without leaving SMs idle for prompts of a few hundred tokens.
+KV_ROPE_APPEND_THREADS = 256
+KV_ROPE_APPEND_ITEMS_PER_BLOCK = 4096
 
 # --- GEMM (kernels_cu/gemm.cu) ----------------------------------------------------------------
 
@@ -279,6 +286,12 @@ SOFTMAX_WARP_MAX = 32 * SOFTMAX_VPTS[-1]  # longer rows go to the block-per-row 
 SOFTMAX_ROWS_PER_BLOCK = 4             # warp-per-row: 4 rows per 128-thread block
 SOFTMAX_BLOCK = 512                    # block-per-row: a 1M-element row is ~2K elements per
                                        # thread per pass; 16 warps keep loads in flight
+
+# --- sampling (kernels_cu/sampling.cu) -------------------------------------------------------
+SAMPLING_THREADS = 1024     # one block per sequence: at batch 1 it is the only block, so it takes
+                            # the most threads a block may have (49152 logits = 48 per thread)
+SAMPLING_MASS_BITS = 40     # fixed-point probability mass of the most likely token (2^40)
+SAMPLING_MAX_VOCAB = 2**23  # V masses of at most 2^40 sum below 2^63: no 64-bit overflow
 
 # --- layer ops (kernels_cu/layers.cu) ---------------------------------------------------------
 LAYERS_THREADS = 256        # block size of the grid-strided kernels (rope, swiglu, add, embedding)

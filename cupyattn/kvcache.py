@@ -9,15 +9,26 @@ the kernels take.
 Lengths live twice, updated in lockstep: ``lengths`` (int32 on the device) is what the kernels
 read, so decode never needs the host; ``host_lengths`` (int64 NumPy) is the host's mirror, used
 for bounds checks and the auto split count with no device synchronisation (the host knows what
-it appends). Change lengths only through :meth:`append` and :meth:`reset`.
+it appends). Change lengths only through :meth:`append`, :meth:`append_qkv` and :meth:`reset`;
+when a replayed CUDA graph advances the device lengths (its captured appends run again with no
+Python involved), tell the mirror with :meth:`record_advance`, after checking room with
+:meth:`check_room` before the replay.
 
 Append design: ``kv_append_kernel`` reads the write position ``lengths[layer, b] + t`` from the
 device lengths and never writes them (other blocks of the same sequence are still reading);
 ``kv_advance_lengths_kernel`` then adds the counts, launched right after on the same stream, so
 stream order makes every copy finish before a length moves. Capacity is checked on the host
 mirror before either launch: an append that would pass ``max_seq`` raises and writes nothing.
+
+:meth:`append_qkv` is the fused decoder step after the packed QKV projection
+(``qkv_rope_append_kernel``): RoPE on q and k at positions ``lengths[b] + t`` read on the
+device, k and v written to the cache, q to its own buffer. When the whole sequence fits one
+block (every decode step), that block advances the length itself: a single launch per layer,
+which needs no position or length input from the host and so can be captured and replayed.
 """
 from __future__ import annotations
+
+import math
 
 import cupy
 import numpy as np
@@ -26,11 +37,16 @@ from . import _checks
 from ._checks import check_array, check_last_contiguous, check_same_dtype
 from ._loader import KernelSpec, get_function
 from .config import (DTYPES, KV_ADVANCE_THREADS, KV_APPEND_ELEMS_PER_BLOCK, KV_APPEND_THREADS,
-                     ctype)
+                     KV_ROPE_APPEND_ITEMS_PER_BLOCK, KV_ROPE_APPEND_THREADS, MAX_GRID_YZ, cbool,
+                     ctype, defines)
+
+ROPE_STYLES = ("adjacent", "neox")
 
 SPEC = KernelSpec(
     "kvcache", "kvcache.cu",
-    tuple(f"kv_append_kernel<{ctype(t)}>" for t in DTYPES) + ("kv_advance_lengths_kernel",))
+    tuple(f"kv_append_kernel<{ctype(t)}>" for t in DTYPES) + ("kv_advance_lengths_kernel",)
+    + tuple(f"qkv_rope_append_kernel<{ctype(t)}, {cbool(neox)}>" for t in DTYPES for neox in (False, True)),
+    options=defines(KV_ROPE_APPEND_THREADS=KV_ROPE_APPEND_THREADS))
 
 
 class KVCache:
@@ -104,9 +120,39 @@ class KVCache:
         self.lengths.fill(0)
         self.host_lengths[...] = 0
 
+    def check_room(self, num_new=1, fn: str = "KVCache.check_room") -> np.ndarray:
+        """Raise ValueError (naming ``fn``) unless every layer can take ``num_new`` more tokens
+        per sequence (an int, or ``batch`` host ints); returns the counts as int64 [batch].
+        Call it before replaying a graph that appends, so that a replay never overflows."""
+        counts = self._counts(fn, num_new, None)
+        self._check_capacity(fn, counts, range(self.num_layers))
+        return counts
+
+    def _check_capacity(self, fn: str, counts, layers) -> None:
+        for layer in layers:
+            over = np.flatnonzero(self.host_lengths[layer] + counts > self.max_seq)
+            if over.size:
+                i = int(over[0])
+                raise ValueError(f"{fn}(): cache is full: sequence {i} of layer {layer} holds "
+                                 f"{int(self.host_lengths[layer, i])} tokens, appending {int(counts[i])} "
+                                 f"would exceed the cache capacity max_seq={self.max_seq}")
+
+    def record_advance(self, num_new=1, layers=None) -> None:
+        """Record on the host mirror that device kernels advanced ``lengths`` by ``num_new``
+        tokens per sequence (int or ``batch`` host ints) in ``layers`` (None: all): what a
+        replayed CUDA graph of :meth:`append_qkv` calls did on the device. Launches nothing.
+        Raises ValueError, changing nothing, if that would pass ``max_seq``: check with
+        :meth:`check_room` before the replay, since the device has already moved by then."""
+        fn = "KVCache.record_advance"
+        counts = self._counts(fn, num_new, None)
+        sel = range(self.num_layers) if layers is None else [self.check_layer(fn, i) for i in layers]
+        self._check_capacity(fn, counts, sel)
+        for layer in sel:
+            self.host_lengths[layer] += counts
+
     # --- append -----------------------------------------------------------------------------
-    def _counts(self, fn: str, num_new, t: int) -> np.ndarray:
-        """Per-sequence counts as int64 [batch], each in [0, T]."""
+    def _counts(self, fn: str, num_new, t) -> np.ndarray:
+        """Per-sequence counts as int64 [batch], each in [0, T] (T None: any count >= 0)."""
         if num_new is None:
             return np.full(self.batch, t, dtype=np.int64)
         if _checks.is_device_array(num_new):
@@ -119,10 +165,11 @@ class KVCache:
             raise ValueError(f"{fn}(): num_new must be {self.batch} integers (one per sequence), "
                              f"got {num_new!r}")
         counts = counts.astype(np.int64)
-        bad = np.flatnonzero((counts < 0) | (counts > t))
+        bad = np.flatnonzero((counts < 0) | (counts > (t if t is not None else np.inf)))
         if bad.size:
             i = int(bad[0])
-            raise ValueError(f"{fn}(): num_new[{i}]={int(counts[i])} is outside [0, T={t}]")
+            raise ValueError(f"{fn}(): num_new[{i}]={int(counts[i])} is outside [0, T={t}]"
+                             if t is not None else f"{fn}(): num_new[{i}]={int(counts[i])} is negative")
         return counts
 
     def append(self, layer, k_new, v_new, num_new=None) -> None:
@@ -158,17 +205,11 @@ class KVCache:
         check_last_contiguous(fn, "k_new", k_new)
         check_last_contiguous(fn, "v_new", v_new)
         counts = self._counts(fn, num_new, t)
-        new_len = self.host_lengths[layer] + counts
-        over = np.flatnonzero(new_len > self.max_seq)
-        if over.size:
-            i = int(over[0])
-            raise ValueError(f"{fn}(): cache is full: sequence {i} of layer {layer} holds "
-                             f"{int(self.host_lengths[layer, i])} tokens, appending {int(counts[i])} "
-                             f"would exceed the cache capacity max_seq={self.max_seq}")
+        self._check_capacity(fn, counts, (layer,))
         if not counts.any():
             return
         self._launch(layer, k_new, v_new, counts, t)
-        self.host_lengths[layer] = new_len
+        self.host_lengths[layer] += counts
 
     def _launch(self, layer, k_new, v_new, counts, t):
         uniform = bool(np.all(counts == counts[0]))
@@ -189,6 +230,98 @@ class KVCache:
                 *map(i64, ks), *map(i64, vs),
                 i32(self.num_kv_heads), i32(self.max_seq), i32(d), i32(tok_per_block),
                 n_uniform, use_counts))
+        self._advance(lengths, dev_counts, counts, uniform)
+
+    # --- fused rope + append ------------------------------------------------------------------
+    def append_qkv(self, layer, qkv, num_heads, rope_base=10000.0, rope_style="adjacent",
+                   num_new=None, q_out=None):
+        """RoPE and cache append straight from a packed QKV projection, in one kernel.
+
+        Token t of sequence b is at position ``p = lengths[layer, b] + t`` (read on the device):
+        its q heads turn by p (``rope_style`` as :func:`cupyattn.rope`) into ``q_out``, its k
+        heads turn by p into cache row p, its v heads are copied to cache row p; then the
+        layer's lengths advance by the counts. Equivalent to splitting the heads, ``rope`` on q
+        and k at those positions and :meth:`append`, without the copies or the position input.
+
+        Parameters
+        ----------
+        layer : int
+        qkv : cupy.ndarray [batch, T, (num_heads + 2 * num_kv_heads) * head_dim], cache dtype
+            Heads packed as q | k | v (the output of one x @ [Wq; Wk; Wv]^T). Last dim
+            contiguous; batch and token strides are free.
+        num_heads : int
+            Query heads in ``qkv``.
+        rope_base : float
+            > 0 (10000 for Llama 2, 100000 for SmolLM2).
+        rope_style : {"adjacent", "neox"}
+            Pairs (x[2i], x[2i+1]) (GGUF) or (x[i], x[i + D/2]).
+        num_new : None or ``batch`` host ints in [0, T]
+            Tokens of each sequence to append (right-padded ragged batch); None: all T. Queries
+            of padding tokens are still rotated (at the positions they would have).
+        q_out : cupy.ndarray [batch, num_heads, T, head_dim], optional
+            C-contiguous, cache dtype.
+
+        Returns
+        -------
+        q_out : [batch, num_heads, T, head_dim], rotated queries.
+
+        Raises
+        ------
+        ValueError
+            If a sequence would pass ``max_seq``: nothing is launched or written.
+        """
+        fn = "KVCache.append_qkv"
+        layer = self.check_layer(fn, layer)
+        check_array(fn, "qkv", qkv, ndim=3)
+        check_same_dtype(fn, "qkv", qkv, "the cache", self.k)
+        hq = _checks.check_positive_int(fn, "num_heads", num_heads)
+        b, t, width = qkv.shape
+        d, hkv = self.head_dim, self.num_kv_heads
+        if b != self.batch or width != (hq + 2 * hkv) * d:
+            raise ValueError(f"{fn}(): qkv has shape {tuple(qkv.shape)}, expected [batch={self.batch}, T, "
+                             f"(num_heads + 2 * num_kv_heads) * head_dim = {(hq + 2 * hkv) * d}]")
+        if d % 2:
+            raise ValueError(f"{fn}(): RoPE needs an even head_dim, the cache has {d}")
+        check_last_contiguous(fn, "qkv", qkv)
+        try:
+            base = float(rope_base)
+        except (TypeError, ValueError):
+            raise TypeError(f"{fn}(): rope_base must be a real number, got {rope_base!r}") from None
+        if not (math.isfinite(base) and base > 0):
+            raise ValueError(f"{fn}(): rope_base must be finite and > 0, got {rope_base!r}")
+        _checks.check_choice(fn, "rope_style", rope_style, ROPE_STYLES)
+        if q_out is not None:
+            _checks.check_out(fn, q_out, (b, hq, t, d), self.dtype, name="q_out")
+        counts = self._counts(fn, num_new, t)
+        self._check_capacity(fn, counts, (layer,))
+        half = d // 2
+        tok_per_block = max(1, KV_ROPE_APPEND_ITEMS_PER_BLOCK // ((hq + 2 * hkv) * half))
+        n_tiles = -(-t // tok_per_block)
+        if b > MAX_GRID_YZ:
+            raise ValueError(f"{fn}(): batch {b} exceeds one launch's grid ({MAX_GRID_YZ} blocks in y)")
+        if q_out is None:
+            q_out = cupy.empty((b, hq, t, d), dtype=self.dtype)
+        if t == 0:
+            return q_out
+        uniform = bool(np.all(counts == counts[0]))
+        lengths = self.lengths[layer]                     # int32 [B] view
+        dev_counts = lengths if uniform else cupy.asarray(counts.astype(np.int32))  # dummy if uniform
+        i32, i64 = np.int32, np.int64
+        advance_here = n_tiles == 1  # one block per sequence: it can move its own length
+        kern = get_function(SPEC, f"qkv_rope_append_kernel<{ctype(self.dtype)}, {cbool(rope_style == 'neox')}>")
+        kern((n_tiles, b), (KV_ROPE_APPEND_THREADS,),
+             (qkv, q_out, self.k[layer], self.v[layer], lengths, dev_counts,
+              i64(qkv.strides[0] // qkv.itemsize), i64(qkv.strides[1] // qkv.itemsize),
+              i32(t), i32(hq), i32(hkv), i32(d), i32(self.max_seq), i32(tok_per_block),
+              i32(counts[0]), i32(0 if uniform else 1), np.float64(-math.log2(base) / half),
+              i32(1 if advance_here else 0)))
+        if not advance_here:
+            self._advance(lengths, dev_counts, counts, uniform)
+        self.host_lengths[layer] += counts
+        return q_out
+
+    def _advance(self, lengths, dev_counts, counts, uniform):
+        """lengths[b] += counts[b] on the device, after the kernels that read them (stream order)."""
         advance = get_function(SPEC, "kv_advance_lengths_kernel")
         advance((-(-self.batch // KV_ADVANCE_THREADS),), (KV_ADVANCE_THREADS,),
-                (lengths, dev_counts, i32(self.batch), n_uniform, use_counts))
+                (lengths, dev_counts, np.int32(self.batch), np.int32(counts[0]), np.int32(0 if uniform else 1)))

@@ -1,5 +1,6 @@
-"""Layer ops of a Llama-style decoder: RMSNorm, rotary embedding, SwiGLU, residual add, token
-embedding. Kernels in ``kernels_cu/layers.cu`` (spec ``"layers"``).
+"""Layer ops of a Llama-style decoder: RMSNorm (alone or fused with the residual add before
+it), rotary embedding, SwiGLU, residual add, token embedding. Kernels in
+``kernels_cu/layers.cu`` (spec ``"layers"``).
 
 Every op takes CuPy arrays on the current device, checks them (naming the argument) before it
 allocates or launches anything, computes in float32 whatever the element dtype, writes into
@@ -10,9 +11,10 @@ Example
 -------
 >>> h = embedding(ids, tok_embd)                        # ids [B, T] -> [B, T, dim]
 >>> a = rmsnorm(h, attn_norm)                           # [B, T, dim]
+>>> h, a = add_rmsnorm(h, attn_out, ffn_norm, out=a)    # h += attn_out; a = rmsnorm(h)
 >>> q = rope(q, positions, base=1e5, out=q)             # q [B, H, T, hd], in place
 >>> h = add(h, attn_out, out=h)                         # residual, in place
->>> f = swiglu(gate, up)                                # silu(gate) * up
+>>> f = swiglu(gu[..., :F], gu[..., F:])                # silu(gate) * up, halves read in place
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import cupy
 import numpy as np
 
 from . import _checks as C
-from ._loader import KernelSpec, get_function
+from ._loader import KernelSpec, get_function, ptr_or_null
 from .config import (DTYPES, INDEX_CTYPES, INT32_MAX, LAYERS_MAX_BLOCKS, LAYERS_THREADS,
                      RMSNORM_IMPLS, RMSNORM_WARP_MAX_D, RMSNORM_WARPS, RMSNORM_WEIGHT_CTYPES, VEC16,
                      cbool, ctype, defines)
@@ -33,7 +35,8 @@ def _exprs():
     cts = [ctype(d) for d in DTYPES]
     out = []
     for kind in ("rmsnorm_warp_kernel", "rmsnorm_block_kernel"):
-        out += [f"{kind}<{t}, {w}, {v}>" for t in cts for w in RMSNORM_WEIGHT_CTYPES[t] for v in (1, VEC16[t])]
+        out += [f"{kind}<{t}, {w}, {v}, {cbool(add)}>" for t in cts for w in RMSNORM_WEIGHT_CTYPES[t]
+                for v in (1, VEC16[t]) for add in (False, True)]
     for t in cts:
         out += [f"rope_kernel<{t}, {cbool(neox)}, {cbool(pv)}>" for neox, pv in
                 ((False, False), (False, True), (True, False))]
@@ -113,6 +116,67 @@ def rmsnorm(x, weight, eps=1e-5, out=None, impl="auto"):
     cupy.ndarray [..., D] of x's dtype. Sum of squares, scale and product are float32.
     """
     fn = "rmsnorm"
+    _check_norm(fn, x, weight, impl)
+    eps = _check_float(fn, "eps", eps, 0.0, strict=False)
+    out = _new_or_out(fn, out, x.shape, x.dtype)
+    _launch_norm(x, None, weight, out, eps, impl)
+    return out
+
+
+def add_rmsnorm(x, r, weight, eps=1e-5, out=None, impl="auto"):
+    """Residual add then RMSNorm in one kernel: ``x += r; out = rmsnorm(x, weight, eps)``.
+
+    The pre-norm block boundary of a Llama-style decoder (``x = x + branch; h = norm(x)``): one
+    launch instead of two, and the residual stream is read once. The sum is rounded to x's dtype
+    and stored in ``x`` before it is normalised, so the results equal :func:`add` followed by
+    :func:`rmsnorm` with the same ``impl`` bit for bit (the norm reads the rounded sum, as the
+    two-op sequence does).
+
+    Parameters
+    ----------
+    x : cupy.ndarray [..., D], C-contiguous
+        The residual stream, updated in place. float32, float16 or bfloat16.
+    r : cupy.ndarray [..., D]
+        The branch output added to ``x``; same shape and dtype (copied first if not C-contiguous).
+    weight, eps, impl
+        As for :func:`rmsnorm`.
+    out : cupy.ndarray [..., D], optional
+        C-contiguous, dtype of ``x``; must not overlap ``x`` or ``r``.
+
+    Returns
+    -------
+    (x, out) : the updated residual stream and the normalised rows.
+
+    Example
+    -------
+    >>> x, h = add_rmsnorm(x, attn_out, ffn_norm, eps=1e-5, out=h)   # x [B, T, dim]
+    """
+    fn = "add_rmsnorm"
+    _check_norm(fn, x, weight, impl)
+    C.check_array(fn, "r", r)
+    C.check_same_dtype(fn, "r", r, "x", x)
+    if tuple(r.shape) != tuple(x.shape):
+        raise ValueError(f"{fn}(): r has shape {tuple(r.shape)} but x has {tuple(x.shape)}")
+    if not x.flags.c_contiguous:
+        raise ValueError(f"{fn}(): x is updated in place and must be C-contiguous")
+    eps = _check_float(fn, "eps", eps, 0.0, strict=False)
+    out = _new_or_out(fn, out, x.shape, x.dtype)
+    for name, other in (("x", x), ("r", r)):
+        if out.size and _overlap(out, other):
+            raise ValueError(f"{fn}(): out overlaps {name}; pass a separate buffer")
+    _launch_norm(x, cupy.ascontiguousarray(r), weight, out, eps, impl)
+    return x, out
+
+
+def _overlap(a, b) -> bool:
+    """Whether the byte ranges spanned by two arrays intersect (conservative for strided views)."""
+    lo_a, lo_b = _ptr(a), _ptr(b)
+    hi_a = lo_a + sum((n - 1) * abs(st) for n, st in zip(a.shape, a.strides)) + a.itemsize
+    hi_b = lo_b + sum((n - 1) * abs(st) for n, st in zip(b.shape, b.strides)) + b.itemsize
+    return lo_a < hi_b and lo_b < hi_a
+
+
+def _check_norm(fn, x, weight, impl):
     C.check_array(fn, "x", x, min_ndim=1)
     C.check_array(fn, "weight", weight, ndim=1)
     d = x.shape[-1]
@@ -122,29 +186,33 @@ def rmsnorm(x, weight, eps=1e-5, out=None, impl="auto"):
         also = "" if np.dtype(x.dtype) == np.float32 else " or float32"
         raise TypeError(f"{fn}(): weight has dtype {C.dtype_name(weight.dtype)}; expected "
                         f"{C.dtype_name(x.dtype)} (as x){also}")
-    eps = _check_float(fn, "eps", eps, 0.0, strict=False)
     C.check_choice(fn, "impl", impl, RMSNORM_IMPLS)
-    out = _new_or_out(fn, out, x.shape, x.dtype)
+
+
+def _launch_norm(x, r, weight, out, eps, impl):
+    """rmsnorm (r None) or add + rmsnorm (r: the residual branch, x updated in place)."""
+    d = x.shape[-1]
     rows = x.size // d if d else 0
     if rows == 0 or d == 0:
-        return out
+        return
     x = cupy.ascontiguousarray(x)
     weight = cupy.ascontiguousarray(weight)
     t, w = ctype(x.dtype), ctype(weight.dtype)
     v = VEC16[t]
-    if not (d % v == 0 and _aligned(16, x, out) and _aligned(weight.itemsize * v, weight)):
+    vec_arrays = (x, out) if r is None else (x, r, out)
+    if not (d % v == 0 and _aligned(16, *vec_arrays) and _aligned(weight.itemsize * v, weight)):
         v = 1
     if impl == "auto":
         impl = "warp" if d <= RMSNORM_WARP_MAX_D else "block"
-    args = (x, weight, out, np.int64(rows), np.int32(d), np.float32(eps))
+    add = cbool(r is not None)
+    args = (x, ptr_or_null(r), weight, out, np.int64(rows), np.int32(d), np.float32(eps))
     if impl == "warp":
-        kern = get_function(SPEC, f"rmsnorm_warp_kernel<{t}, {w}, {v}>")
+        kern = get_function(SPEC, f"rmsnorm_warp_kernel<{t}, {w}, {v}, {add}>")
         kern(((rows + RMSNORM_WARPS - 1) // RMSNORM_WARPS,), (32 * RMSNORM_WARPS,), args)
     else:
         threads = min(1024, max(64, _pow2_at_least(-(-(d // v) // 4))))
-        kern = get_function(SPEC, f"rmsnorm_block_kernel<{t}, {w}, {v}>")
+        kern = get_function(SPEC, f"rmsnorm_block_kernel<{t}, {w}, {v}, {add}>")
         kern((rows,), (threads,), args)
-    return out
 
 
 # --- rope ------------------------------------------------------------------------------------------
@@ -217,32 +285,70 @@ def rope(x, positions, base=10000.0, style="adjacent", out=None):
 
 
 # --- elementwise -----------------------------------------------------------------------------------
-def _elementwise(fn, kname, a_name, a, b_name, b, out):
+def _check_pair(fn, a_name, a, b_name, b, out):
+    """Two same-shape, same-dtype inputs; returns the output array (given or new)."""
     C.check_array(fn, a_name, a)
     C.check_array(fn, b_name, b)
     C.check_same_dtype(fn, b_name, b, a_name, a)
     if tuple(b.shape) != tuple(a.shape):
         raise ValueError(f"{fn}(): {b_name} has shape {tuple(b.shape)} but {a_name} has {tuple(a.shape)}")
-    out = _new_or_out(fn, out, a.shape, a.dtype)
-    n = a.size
-    if n == 0:
-        return out
-    a, b = cupy.ascontiguousarray(a), cupy.ascontiguousarray(b)
-    ct = ctype(a.dtype)
-    v = _vec_width(ct, n, a, b, out)
-    nv = n // v
-    kern = get_function(SPEC, f"{kname}<{ct}, {v}>")
-    kern((min(-(-nv // LAYERS_THREADS), LAYERS_MAX_BLOCKS * 8),), (LAYERS_THREADS,), (a, b, out, np.int64(nv)))
-    return out
+    return _new_or_out(fn, out, a.shape, a.dtype)
+
+
+def _rows(x):
+    """(rows, ld): x [..., C] seen as rows of C contiguous elements ``ld`` apart, or None when
+    its leading dims do not collapse to one row stride (then the caller copies it)."""
+    c = x.shape[-1]
+    if c > 1 and x.strides[-1] != x.itemsize:
+        return None
+    dims = [(n, st // x.itemsize) for n, st in zip(x.shape[:-1], x.strides[:-1]) if n != 1]
+    if not dims:
+        return 1, c
+    rows, ld = dims[-1]
+    for n, st in reversed(dims[:-1]):
+        if st != ld * rows:
+            return None
+        rows *= n
+    return (rows, ld) if ld >= c else None
 
 
 def swiglu(gate, up, out=None):
     """``silu(gate) * up`` elementwise (the SwiGLU FFN's gate), float32 math.
 
-    gate, up: cupy arrays of one shape and dtype (float32/float16/bfloat16; non-C-contiguous
-    inputs are copied first). out: C-contiguous, same shape/dtype; may be gate or up.
+    gate, up: cupy arrays of one shape [..., F] and dtype (float32/float16/bfloat16). Rows may
+    be strided: views whose leading dims collapse to one row stride, such as the two halves
+    ``gu[..., :F]``, ``gu[..., F:]`` of a packed gate|up projection, are read in place (no copy,
+    no allocation); other layouts are copied first. out: C-contiguous, same shape/dtype; may be
+    gate or up when those are C-contiguous.
     """
-    return _elementwise("swiglu", "swiglu_kernel", "gate", gate, "up", up, out)
+    fn = "swiglu"
+    out = _check_pair(fn, "gate", gate, "up", up, out)
+    if out.size == 0:
+        return out
+    ct = ctype(gate.dtype)
+    if gate.flags.c_contiguous and up.flags.c_contiguous:
+        geo = [(1, gate.size)] * 3  # one row of n: the widest vectors
+        cols = gate.size
+    else:
+        geo = [_rows(gate), _rows(up)]
+        if geo[0] is None:
+            gate = cupy.ascontiguousarray(gate)
+            geo[0] = _rows(gate)
+        if geo[1] is None:
+            up = cupy.ascontiguousarray(up)
+            geo[1] = _rows(up)
+        cols = gate.shape[-1]
+        geo.append((out.size // cols, cols))
+    rows = geo[0][0]
+    lds = [g[1] for g in geo]
+    v = VEC16[ct]
+    if not (cols % v == 0 and all(ld % v == 0 for ld in lds) and _aligned(16, gate, up, out)):
+        v = 1
+    nv = rows * (cols // v)
+    kern = get_function(SPEC, f"swiglu_kernel<{ct}, {v}>")
+    kern((min(-(-nv // LAYERS_THREADS), LAYERS_MAX_BLOCKS * 8),), (LAYERS_THREADS,),
+         (gate, up, out, np.int64(rows), np.int64(cols // v), *map(np.int64, lds)))
+    return out
 
 
 def add(x, y, out=None):
@@ -250,7 +356,18 @@ def add(x, y, out=None):
 
     out: C-contiguous, same shape/dtype; may be x (``add(h, r, out=h)`` in place) or y.
     """
-    return _elementwise("add", "add_kernel", "x", x, "y", y, out)
+    fn = "add"
+    out = _check_pair(fn, "x", x, "y", y, out)
+    n = x.size
+    if n == 0:
+        return out
+    x, y = cupy.ascontiguousarray(x), cupy.ascontiguousarray(y)
+    ct = ctype(x.dtype)
+    v = _vec_width(ct, n, x, y, out)
+    nv = n // v
+    kern = get_function(SPEC, f"add_kernel<{ct}, {v}>")
+    kern((min(-(-nv // LAYERS_THREADS), LAYERS_MAX_BLOCKS * 8),), (LAYERS_THREADS,), (x, y, out, np.int64(nv)))
+    return out
 
 
 # --- embedding -------------------------------------------------------------------------------------

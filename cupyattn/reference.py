@@ -18,6 +18,8 @@ Non-finite values (the semantics every kernel follows; README "Errors and edge c
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 
@@ -268,3 +270,119 @@ def swiglu(gate, up):
 def embedding(ids, table):
     """Rows of table [V, D] picked by integer ids [...] -> [..., D]."""
     return _f64(table)[np.asarray(ids)]
+
+
+def add_rmsnorm(x, r, weight, eps=1e-5):
+    """Residual add then RMSNorm: returns (x + r, rmsnorm(x + r, weight, eps))."""
+    s = _f64(x) + _f64(r)
+    return s, rmsnorm(s, weight, eps)
+
+
+def qkv_rope_append(qkv, k_cache, v_cache, lengths, num_heads, base=10000.0, style="adjacent",
+                    num_new=None):
+    """The fused RoPE + KV-cache append of one layer (``KVCache.append_qkv``).
+
+    qkv [B, T, (Hq + 2 Hkv) D] packs q | k | v heads; caches [B, Hkv, S, D]; lengths [B]. Token t
+    of sequence b sits at position lengths[b] + t; tokens t < num_new[b] (default all T) are
+    appended. Returns (q [B, Hq, T, D] rotated, k_cache, v_cache, lengths) as new float64 arrays.
+    """
+    qkv = _f64(qkv)
+    b, t, _ = qkv.shape
+    hkv, d = k_cache.shape[1], k_cache.shape[3]
+    heads = qkv.reshape(b, t, num_heads + 2 * hkv, d).transpose(0, 2, 1, 3)  # [B, heads, T, D]
+    lengths = np.asarray(lengths, dtype=np.int64)
+    counts = np.full(b, t) if num_new is None else np.asarray(num_new, dtype=np.int64)
+    pos = lengths[:, None] + np.arange(t)[None, :]
+    q = rope(heads[:, :num_heads], pos, base, style)
+    k = rope(heads[:, num_heads:num_heads + hkv], pos, base, style)
+    v = heads[:, num_heads + hkv:]
+    kc, vc = _f64(k_cache).copy(), _f64(v_cache).copy()
+    for i in range(b):
+        n, p0 = int(counts[i]), int(lengths[i])
+        kc[i, :, p0:p0 + n] = k[i, :, :n]
+        vc[i, :, p0:p0 + n] = v[i, :, :n]
+    return q, kc, vc, lengths + counts
+
+
+# --- sampling (cupyattn.sampling) -------------------------------------------------------------
+PHILOX_M = (0xD2511F53, 0xCD9E8D57)   # Philox-4x32 multipliers
+PHILOX_W = (0x9E3779B9, 0xBB67AE85)   # key schedule increments (Weyl sequence)
+
+
+def philox4x32(counter, key, rounds=10):
+    """Philox-4x32-R (Salmon et al., SC'11, as in Random123): counter [..., 4], key [..., 2]
+    uint32 -> [..., 4] uint32."""
+    m32 = np.uint64(0xFFFFFFFF)
+    c = [np.asarray(counter, dtype=np.uint64)[..., j] for j in range(4)]
+    k0, k1 = (np.asarray(key, dtype=np.uint64)[..., j] for j in range(2))
+    for r in range(rounds):
+        if r:
+            k0, k1 = (k0 + np.uint64(PHILOX_W[0])) & m32, (k1 + np.uint64(PHILOX_W[1])) & m32
+        p0, p1 = np.uint64(PHILOX_M[0]) * c[0], np.uint64(PHILOX_M[1]) * c[2]
+        c = [(p1 >> np.uint64(32)) ^ c[1] ^ k0, p1 & m32, (p0 >> np.uint64(32)) ^ c[3] ^ k1, p0 & m32]
+    return np.stack(c, axis=-1).astype(np.uint32)
+
+
+def sampling_uniform(seed, step):
+    """The device sampler's uniform in [0, 1) for a 64-bit seed at a step: 53 bits from the
+    first two words of Philox-4x32-10(counter=(step, 0, 0, 0), key=(seed lo, seed hi))."""
+    x, y = (int(w) for w in philox4x32([step, 0, 0, 0], [seed & 0xFFFFFFFF, seed >> 32])[:2])
+    return ((x >> 5) * 67108864.0 + (y >> 6)) / 9007199254740992.0
+
+
+def _keep_mask(z, weights, top_k, top_p, exact):
+    """Bool mask of the device sampler's cuts (ties kept) on values z with masses ``weights``
+    (Python ints when ``exact``: the kernel's integer cut ``ceil(top_p * total)``)."""
+    keep = ~np.isnan(z)
+    if 0 < top_k < z.size and keep.sum() >= top_k:  # else the k-th largest is NaN: no cut
+        keep &= z >= np.sort(z[keep])[::-1][top_k - 1]
+    if top_p < 1.0:
+        total = weights[keep].sum()
+        need = max(1, min(total, math.ceil(top_p * total))) if exact else top_p * total
+        cum = 0
+        for value in np.unique(z[keep])[::-1]:  # distinct values, largest first
+            cum += weights[keep & (z == value)].sum()
+            if cum >= need:
+                keep &= z >= value
+                break
+    return keep
+
+
+def sampling_probs(logits, temperature, top_k=0, top_p=1.0):
+    """float64 [V]: the distribution the device sampler draws from (before its 40-bit fixed
+    point): softmax(logits / temperature) cut to the top-k logits (ties at the k-th value kept)
+    and then to the smallest most-likely set reaching top_p (ties at the cut kept whole).
+    temperature <= 0: all mass on the first argmax."""
+    z = _f64(logits).reshape(-1)
+    p = np.zeros_like(z)
+    if temperature <= 0:
+        p[int(np.argmax(np.where(np.isnan(z), -np.inf, z)))] = 1.0
+        return p
+    w = np.where(np.isnan(z), 0.0, np.exp((z - np.nanmax(z)) / temperature))
+    keep = _keep_mask(z, w, top_k, top_p, exact=False)
+    p[keep] = w[keep] / w[keep].sum()
+    return p
+
+
+def sample_token(logits, temperature, top_k=0, top_p=1.0, seed=0, step=0, mass_bits=40):
+    """The device sampler's exact choice for one row, re-implemented on the host: float32
+    logits and masses as the kernel forms them (``floor(exp((l - l_max) * (1/T)) * 2^bits)``
+    in float32), integer cuts, the Philox uniform of (seed, step), inverse CDF in id order."""
+    l = np.asarray(logits).astype(np.float32).reshape(-1)
+    safe = np.where(np.isnan(l), np.float32(-np.inf), l)
+    if temperature <= 0:
+        return int(np.argmax(safe))
+    lmax = safe.max()
+    inv_t = np.float32(1.0) / np.float32(temperature)
+    with np.errstate(over="ignore", invalid="ignore"):
+        e = np.exp((l - lmax) * inv_t).astype(np.float32) * np.float32(2.0 ** mass_bits)
+    w = np.where(l >= lmax, 2 ** mass_bits, np.where(np.isnan(l), 0, np.floor(np.nan_to_num(e))))
+    w = w.astype(np.uint64)
+    keep = _keep_mask(l.astype(np.float64), w.astype(object), top_k, float(np.float32(top_p)), exact=True)
+    mass = np.where(keep, w, np.uint64(0))
+    total = int(mass.astype(object).sum())
+    if total == 0:
+        return int(np.argmax(safe))
+    r = min(int(sampling_uniform(seed, step) * float(total)), total - 1)
+    cum = np.cumsum(mass.astype(object))
+    return int(np.argmax(cum > r))

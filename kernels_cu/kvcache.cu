@@ -2,10 +2,21 @@
 //
 //   kv_append_kernel<T>          copy T new tokens of K and V into the cache at lengths[b] + t
 //   kv_advance_lengths_kernel    lengths[b] += num_new[b]; launched after the append, same stream
+//   qkv_rope_append_kernel<T,NEOX>  fused step right after the packed QKV projection: rotate q
+//                                into its own [B, Hq, T, D] buffer, rotate k and copy v into the
+//                                cache rows lengths[b] + t, all at positions lengths[b] + t (no
+//                                position input), and, when one block holds the whole sequence
+//                                (decode), advance lengths[b] itself: one launch instead of rope q,
+//                                rope k, head-split copies, append and advance.
 //
 // Layouts (row-major, last dim contiguous): cache (one layer) k, v [B, Hkv, max_seq, D],
-// lengths int32 [B]. Launch shapes: cupyattn/config.py KV_APPEND_* / KV_ADVANCE_THREADS.
+// lengths int32 [B]. Launch shapes: cupyattn/config.py KV_APPEND_* / KV_ADVANCE_THREADS /
+// KV_ROPE_APPEND_* (KV_ROPE_APPEND_THREADS arrives as a -D option).
 #include "common.cuh"
+#include "rope.cuh"
+#ifndef KV_ROPE_APPEND_THREADS
+#error "compile with the -D options of cupyattn/config.py (the kvcache KernelSpec passes them)"
+#endif
 
 // --- append --------------------------------------------------------------------------------
 // Grid (ceil(T / tok_per_block), Hkv, B), any block size. Token t of sequence b, kv head h goes
@@ -49,4 +60,66 @@ __global__ void kv_advance_lengths_kernel(
     int B, int uniform_n, int use_counts) {
     for (int b = blockIdx.x * blockDim.x + threadIdx.x; b < B; b += gridDim.x * blockDim.x)
         lengths[b] += use_counts ? num_new[b] : uniform_n;
+}
+
+// --- fused rope + append ---------------------------------------------------------------------
+// Grid (ceil(T / tok_per_block), B), any block size. One work item = one rotation pair (or one
+// element pair of v) of one head of one token: items (t, head, i) with head in [0, Hq + 2 Hkv)
+// over the packed q|k|v heads and i in [0, D/2). Pair i is (i, i + D/2) for NEOX, else
+// (2i, 2i+1); v is copied pair by pair in the same layout. Token t < n_b of sequence b (n_b =
+// num_new[b] if use_counts else uniform_n) sits at position p = lengths[b] + t: q turns by p into
+// q_out, k turns by p into k_cache row p, v goes to v_cache row p. Tokens t >= n_b (right padding
+// of a ragged batch) rotate q only, so q_out has no unwritten rows. With `advance` (host: only when
+// gridDim.x == 1, i.e. every token of sequence b is in this block) the block moves lengths[b] to
+// lengths[b] + n_b after a barrier: no other block reads it, and every thread of this one has read
+// it already. Otherwise the host launches kv_advance_lengths_kernel after this kernel.
+// The host has checked lengths[b] + n_b <= max_seq on its mirror before launching.
+template <typename T, bool NEOX>
+__global__ void __launch_bounds__(KV_ROPE_APPEND_THREADS) qkv_rope_append_kernel(
+    const T* __restrict__ qkv,          // [B, T, (Hq + 2 Hkv) * D]: token (b, t) at b*qkv_sb + t*qkv_st
+    T* __restrict__ q_out,              // [B, Hq, T, D] contiguous
+    T* __restrict__ k_cache,            // [B, Hkv, max_seq, D] (one layer), contiguous
+    T* __restrict__ v_cache,            // [B, Hkv, max_seq, D]
+    int* __restrict__ lengths,          // [B] tokens cached before this append (advanced if `advance`)
+    const int* __restrict__ num_new,    // [B] tokens to append per sequence (if use_counts)
+    long long qkv_sb, long long qkv_st,
+    int T_, int Hq, int Hkv, int D, int max_seq, int tok_per_block, int uniform_n, int use_counts,
+    double freq_scale, int advance) {
+    const int b = blockIdx.y;
+    const int base = lengths[b];
+    const int n = use_counts ? num_new[b] : uniform_n;
+    const int t0 = blockIdx.x * tok_per_block;
+    const int ntok = min(tok_per_block, T_ - t0);
+    const int half = D / 2, heads = Hq + 2 * Hkv;
+    const int items = ntok * heads * half;
+    for (int it = threadIdx.x; it < items; it += blockDim.x) {
+        const int i = it % half, rest = it / half;
+        const int h = rest % heads, t = t0 + rest / heads;
+        const int ia = NEOX ? i : 2 * i, ib = NEOX ? i + half : 2 * i + 1;
+        const T* src = qkv + b * qkv_sb + t * qkv_st + (long long)h * D;
+        if (h >= Hq && t >= n) continue;  // padding token: nothing goes to the cache
+        T* dst;
+        if (h < Hq) {
+            dst = q_out + (((long long)b * Hq + h) * T_ + t) * D;
+        } else {
+            const int hk = h < Hq + Hkv ? h - Hq : h - Hq - Hkv;
+            const size_t row = ((size_t)b * Hkv + hk) * (size_t)max_seq + (size_t)(base + t);
+            dst = (h < Hq + Hkv ? k_cache : v_cache) + row * D;
+            if (h >= Hq + Hkv) {  // v: copied as it is
+                dst[ia] = src[ia];
+                dst[ib] = src[ib];
+                continue;
+            }
+        }
+        // q and k: (x0, x1) -> (x0 cos - x1 sin, x0 sin + x1 cos) at position base + t
+        float s, c;
+        rope_sincos(base + t, rope_inv_freq(i, freq_scale), &s, &c);
+        const float x0 = to_float(src[ia]), x1 = to_float(src[ib]);
+        dst[ia] = from_float<T>(x0 * c - x1 * s);
+        dst[ib] = from_float<T>(x0 * s + x1 * c);
+    }
+    if (advance) {
+        __syncthreads();  // every thread has read lengths[b] (base) before it moves
+        if (threadIdx.x == 0) lengths[b] = base + n;
+    }
 }

@@ -1,18 +1,22 @@
 // layers.cu: the per-token layer ops of a Llama-style decoder (spec "layers", cupyattn/layers.py).
 //
 //   kernel                      idea
-//   rmsnorm_warp_kernel<T,W,V>  one warp per row (4 rows per 128-thread block): sum of squares
-//                               over lane-strided V-vectors, butterfly shuffle reduction, second
-//                               pass scales by 1/sqrt(mean + eps) * weight. For D <= 1024.
-//   rmsnorm_block_kernel<T,W,V> one block per row: per-warp shuffle reduction, warp partials
+//   rmsnorm_warp_kernel<T,W,V,ADD>  one warp per row (4 rows per 128-thread block): sum of
+//                               squares over lane-strided V-vectors, butterfly shuffle reduction,
+//                               second pass scales by 1/sqrt(mean + eps) * weight. For D <= 1024.
+//                               ADD: the residual add x += r is done in the pass that sums the
+//                               squares (add_rmsnorm), one launch instead of two and x read once.
+//   rmsnorm_block_kernel<T,W,V,ADD> one block per row: per-warp shuffle reduction, warp partials
 //                               through 32 floats of smem, then every warp reduces them. D > 1024.
 //   rope_kernel<T,NEOX,PV>      one thread per rotation pair; rows grid-strided, so a thread
 //                               forms its pair's base^(-i/half) (double exp2) once and reuses it
 //                               for many rows. Angle pos*inv_freq made and reduced mod 2pi in
-//                               double, sincospif on (reduced angle)/pi in float. Any [B,H,T]
+//                               double, sincospif on (reduced angle)/pi in float (rope.cuh). Any [B,H,T]
 //                               strides, in place ok. NEOX pairs (i, i+D/2); adjacent pairs
 //                               (2i, 2i+1), PV: the pair moves as one 2-element vector.
-//   swiglu_kernel<T,V>          grid-strided elementwise silu(gate) * up over V-vectors.
+//   swiglu_kernel<T,V>          grid-strided silu(gate) * up over V-vectors of [rows, cols] with
+//                               a row stride per operand: gate and up may be the two halves of a
+//                               packed [.., 2F] gate|up projection, read in place (no copies).
 //   add_kernel<T,V>             grid-strided elementwise x + y over V-vectors (residual add).
 //   embedding_kernel<T,I,V>     one row of threads per token id (I = int or long long); an id
 //                               outside [0, vocab) writes a zero row instead of reading.
@@ -21,9 +25,11 @@
 // V is the vector width in elements: 16 bytes / sizeof(T) when the host has checked alignment and
 // divisibility, else 1 (the host picks; kernels never see a partial vector).
 // Launch constants come from cupyattn/config.py as -D options: RMSNORM_WARPS (rows per block of
-// the warp-per-row rmsnorm) and LAYERS_THREADS (block size of the grid-strided kernels). Pointers that may alias (out = x
-// in place) are not __restrict__: no thread ever reads an element another thread has written.
+// the warp-per-row rmsnorm) and LAYERS_THREADS (block size of the grid-strided kernels). Pointers
+// that may alias (out = x in place) are not __restrict__: no thread ever reads an element another
+// thread has written.
 #include "common.cuh"
+#include "rope.cuh"
 #if !defined(RMSNORM_WARPS) || !defined(LAYERS_THREADS)
 #error "compile with the -D options of cupyattn/config.py (the layers KernelSpec passes them)"
 #endif
@@ -45,15 +51,11 @@ __device__ __forceinline__ void store_vec(T* p, const Vec<T, N>& a) {
     *reinterpret_cast<Vec<T, N>*>(p) = a;
 }
 
-// 2*pi as hi + lo doubles (~106 bits): reducing k turns costs no accuracy even for k ~ 3e8 (pos 2^31).
-#define LAYERS_TWO_PI_HI 6.283185307179586
-#define LAYERS_TWO_PI_LO 2.4492935982947064e-16
-#define LAYERS_INV_TWO_PI 0.15915494309189535
-#define LAYERS_INV_PI 0.3183098861837907
-
 // --- rmsnorm --------------------------------------------------------------------------------------
 // y = x / sqrt(mean(x^2) + eps) * w, row by row.
 // x: [rows, D] C-contiguous; w: [D] (W = T or float); y: [rows, D] C-contiguous, may be x.
+// ADD: x is the residual stream, r [rows, D] the branch output: x <- x + r (rounded to T, as the
+// unfused add writes it), then y = rmsnorm(new x) * w; y must then not alias x or r.
 
 template <typename T, typename W, int V>
 __device__ __forceinline__ void rmsnorm_write(const T* xr, const W* __restrict__ w, T* yr, int nv,
@@ -68,11 +70,20 @@ __device__ __forceinline__ void rmsnorm_write(const T* xr, const W* __restrict__
     }
 }
 
-template <typename T, int V>
-__device__ __forceinline__ float sum_squares(const T* xr, int nv, int first, int step) {
+// Sum of squares of this thread's vectors j = first, first + step, ... of row xr. With ADD the
+// vectors are first replaced by x + r (stored back to xr): rmsnorm_write then reads back only what
+// this same thread wrote (same j sequence), so no barrier is needed between the two passes.
+template <typename T, int V, bool ADD>
+__device__ __forceinline__ float sum_squares(T* xr, const T* rr, int nv, int first, int step) {
     float ss = 0.f;
     for (int j = first; j < nv; j += step) {
-        const Vec<T, V> a = load_vec<T, V>(xr + (long long)j * V);
+        Vec<T, V> a = load_vec<T, V>(xr + (long long)j * V);
+        if (ADD) {
+            const Vec<T, V> b = load_vec<T, V>(rr + (long long)j * V);
+#pragma unroll
+            for (int k = 0; k < V; ++k) a.v[k] = from_float<T>(to_float(a.v[k]) + to_float(b.v[k]));
+            store_vec<T, V>(xr + (long long)j * V, a);
+        }
 #pragma unroll
         for (int k = 0; k < V; ++k) {
             const float f = to_float(a.v[k]);
@@ -82,9 +93,10 @@ __device__ __forceinline__ float sum_squares(const T* xr, int nv, int first, int
     return ss;
 }
 
-template <typename T, typename W, int V>
+template <typename T, typename W, int V, bool ADD>
 __global__ void __launch_bounds__(32 * RMSNORM_WARPS) rmsnorm_warp_kernel(
-    const T* x,                 // [rows, D]
+    T* x,                       // [rows, D] (written only when ADD)
+    const T* r,                 // [rows, D] residual branch (ADD), else unused
     const W* __restrict__ w,    // [D]
     T* y,                       // [rows, D]
     long long rows, int D, float eps) {
@@ -92,29 +104,31 @@ __global__ void __launch_bounds__(32 * RMSNORM_WARPS) rmsnorm_warp_kernel(
     const long long row = (long long)blockIdx.x * RMSNORM_WARPS + (threadIdx.x >> 5);
     if (row >= rows) return;  // whole warp leaves together: the shuffles below stay full-warp
     const int nv = D / V;
-    const T* xr = x + row * D;
+    T* xr = x + row * D;
     T* yr = y + row * D;
-    // step 1: mean of squares over the row (lane j sums vectors j, j+32, ...)
-    const float ss = warp_reduce_sum(sum_squares<T, V>(xr, nv, lane, 32));
+    // step 1: (residual add and) mean of squares over the row (lane j sums vectors j, j+32, ...)
+    const float ss = warp_reduce_sum(sum_squares<T, V, ADD>(xr, r + (ADD ? row * D : 0), nv, lane, 32));
     // step 2: scale; every lane holds the same total after the butterfly
     const float inv_rms = 1.0f / sqrtf(ss / (float)D + eps);
     rmsnorm_write<T, W, V>(xr, w, yr, nv, lane, 32, inv_rms);
 }
 
-template <typename T, typename W, int V>
+template <typename T, typename W, int V, bool ADD>
 __global__ void __launch_bounds__(1024) rmsnorm_block_kernel(
-    const T* x,                 // [rows, D]
+    T* x,                       // [rows, D] (written only when ADD)
+    const T* r,                 // [rows, D] residual branch (ADD), else unused
     const W* __restrict__ w,    // [D]
     T* y,                       // [rows, D]
     long long rows, int D, float eps) {
     __shared__ float partial[32];  // one sum per warp (blockDim.x <= 1024, a multiple of 32)
     const long long row = blockIdx.x;
     const int nv = D / V;
-    const T* xr = x + row * D;
+    T* xr = x + row * D;
     T* yr = y + row * D;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-    // step 1: per-thread, then per-warp sums of squares
-    float ss = warp_reduce_sum(sum_squares<T, V>(xr, nv, threadIdx.x, blockDim.x));
+    // step 1: (residual add and) per-thread, then per-warp sums of squares
+    float ss = warp_reduce_sum(
+        sum_squares<T, V, ADD>(xr, r + (ADD ? row * D : 0), nv, threadIdx.x, blockDim.x));
     if (lane == 0) partial[warp] = ss;
     __syncthreads();
     // step 2: every warp reduces the warp partials itself (no second barrier needed)
@@ -127,13 +141,8 @@ __global__ void __launch_bounds__(1024) rmsnorm_block_kernel(
 // Pair i (0 <= i < half = D/2) of row (b, h, t) turns by angle pos[b, t] * base^(-i/half).
 // x: [B, H, seq, D] with element strides (xsb, xsh, xst, 1); y: same shape, strides (ysb, ysh,
 // yst, 1), may be x; pos: [B, seq] int32 C-contiguous. Block (bx, by): bx threads over pairs, by
-// rows; rows = B*H*seq < 2^31 (host-checked). freq_scale = -log2(base) / half.
-//
-// Precision: an all-float32 angle (powf inv_freq ~1 ulp off, product rounded to a float near
-// 32767 whose ulp is 2^-9) is off by up to ~2e-3 rad at pos 32767, i.e. ~2e-4 relative output
-// error (20x the fp32 tolerance; modelled in tests/test_layers.py). Forming the angle in double
-// and reducing it to [-pi, pi] there leaves one float rounding of a/pi in [-1, 1] for sincospif:
-// angle error ~1e-7 rad (plus pos * 1e-16 from the double product) at any position.
+// rows; rows = B*H*seq < 2^31 (host-checked). freq_scale = -log2(base) / half; the angle and its
+// precision: rope.cuh.
 template <typename T, bool NEOX, bool PV>
 __global__ void __launch_bounds__(LAYERS_THREADS) rope_kernel(
     const T* x, T* y, const int* __restrict__ pos,
@@ -142,7 +151,7 @@ __global__ void __launch_bounds__(LAYERS_THREADS) rope_kernel(
     long long ysb, long long ysh, long long yst, double freq_scale) {
     const long long row_step = (long long)gridDim.x * blockDim.y;
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
-        const double inv_freq = exp2((double)i * freq_scale);  // base^(-2i/D)
+        const double inv_freq = rope_inv_freq(i, freq_scale);  // base^(-2i/D)
         const int ia = NEOX ? i : 2 * i;                        // the pair's two elements
         const int ib = NEOX ? i + half : 2 * i + 1;
         for (long long r = (long long)blockIdx.x * blockDim.y + threadIdx.y; r < rows; r += row_step) {
@@ -151,14 +160,8 @@ __global__ void __launch_bounds__(LAYERS_THREADS) rope_kernel(
             const int h = bh % H, b = bh / H;
             const T* xr = x + b * xsb + h * xsh + t * xst;
             T* yr = y + b * ysb + h * ysh + t * yst;
-            // angle in double, reduced mod 2pi: a - k*2pi with k = rint(a / 2pi)
-            double a = (double)pos[(long long)b * seq + t] * inv_freq;
-            const double k = rint(a * LAYERS_INV_TWO_PI);
-            a = fma(-k, LAYERS_TWO_PI_HI, a);
-            a = fma(-k, LAYERS_TWO_PI_LO, a);
-            // sin/cos of a = pi * (a/pi), a/pi in [-1, 1]: sincospif needs no range reduction
             float s, c;
-            sincospif((float)(a * LAYERS_INV_PI), &s, &c);
+            rope_sincos(pos[(long long)b * seq + t], inv_freq, &s, &c);
             float x0, x1;
             if (PV) {
                 const Vec<T, 2> p = load_vec<T, 2>(xr + ia);
@@ -185,13 +188,18 @@ __global__ void __launch_bounds__(LAYERS_THREADS) rope_kernel(
 }
 
 // --- elementwise: swiglu, add ---------------------------------------------------------------------
-// All arrays [n] C-contiguous, n = nv * V; y may be any of the inputs.
+// swiglu: gate, up, y are [rows, nvc * V] with row strides ldg, ldu, ldy (elements, multiples of
+// V), last dim contiguous; a C-contiguous array is one row. y may be gate or up (same strides).
 template <typename T, int V>
-__global__ void __launch_bounds__(LAYERS_THREADS) swiglu_kernel(const T* gate, const T* up, T* y, long long nv) {
+__global__ void __launch_bounds__(LAYERS_THREADS) swiglu_kernel(
+    const T* gate, const T* up, T* y, long long rows, long long nvc,
+    long long ldg, long long ldu, long long ldy) {
     const long long step = (long long)gridDim.x * blockDim.x;
+    const long long nv = rows * nvc;
     for (long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x; j < nv; j += step) {
-        const Vec<T, V> g = load_vec<T, V>(gate + j * V);
-        const Vec<T, V> u = load_vec<T, V>(up + j * V);
+        const long long r = j / nvc, c = (j - r * nvc) * V;
+        const Vec<T, V> g = load_vec<T, V>(gate + r * ldg + c);
+        const Vec<T, V> u = load_vec<T, V>(up + r * ldu + c);
         Vec<T, V> o;
 #pragma unroll
         for (int k = 0; k < V; ++k) {
@@ -199,10 +207,11 @@ __global__ void __launch_bounds__(LAYERS_THREADS) swiglu_kernel(const T* gate, c
             // silu(g) = g / (1 + e^-g); for g -> -inf the quotient goes to -0, never NaN
             o.v[k] = from_float<T>(gf / (1.0f + expf(-gf)) * to_float(u.v[k]));
         }
-        store_vec<T, V>(y + j * V, o);
+        store_vec<T, V>(y + r * ldy + c, o);
     }
 }
 
+// add: all arrays [n] C-contiguous, n = nv * V; y may be any of the inputs.
 template <typename T, int V>
 __global__ void __launch_bounds__(LAYERS_THREADS) add_kernel(const T* a, const T* b, T* y, long long nv) {
     const long long step = (long long)gridDim.x * blockDim.x;

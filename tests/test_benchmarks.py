@@ -145,11 +145,16 @@ def test_plan_defaults_sweeps_and_all():
     every = _plan("all", "--skip-model")
     assert {c.op for c in every} == {"gemm", "softmax", "attention", "decode"}
     with_model = _plan("all", "--preset", "tiny")
-    assert [c.p["model"] for c in with_model if c.op == "model"] == ["smollm2", "tiny"]
+    assert [(c.p["model"], c.p["batch"]) for c in with_model if c.op == "model"] == [
+        ("smollm2", 1), ("smollm2", 8), ("tiny", 1)]
     n_sweeps = sum(len(specs.sweep_cases(n)) for n in specs.SWEEPS)
     assert len(_plan("all", "--with-sweeps", "--skip-model")) == len(every) + n_sweeps
     (m,) = _plan("model", "--model", "tiny", "--new-tokens", "5")
-    assert m.p == {"model": "tiny", "prompt_len": 128, "new_tokens": 5}
+    assert m.p == {"model": "tiny", "prompt_len": 128, "new_tokens": 5, "batch": 1}
+    assert m.name == "model tiny B1" and m.shape == "tiny B1 prompt128 new5"
+    assert [c.p["batch"] for c in _plan("model", "--model", "tiny", "--batch", "1,8")] == [1, 8]
+    assert [(c.p["model"], c.p["batch"]) for c in _plan("model", "--preset", "tiny", "--batch", "4")] == [
+        ("smollm2", 4), ("tiny", 4)]
 
 
 def test_impl_selection_and_tf32_only_for_float32():
@@ -203,7 +208,7 @@ def test_torch_peers_skipped_with_one_line_when_torch_is_absent(no_torch):
     assert select_impls("softmax", None, lines.append) == ["ours", "cupy-ops"]
     assert len(lines) == 1 and "skipping peer torch" in lines[0]
     lines.clear()
-    assert select_impls("model", None, lines.append) == ["tinylm"]
+    assert select_impls("model", None, lines.append) == ["tinylm", "tinylm-eager"]
     assert len(lines) == 1 and "hf-transformers" in lines[0]
     with pytest.raises(peers.PeerUnavailable):
         peers.get_torch()
@@ -529,6 +534,25 @@ def test_cli_model_small(tmp_path, monkeypatch, capsys):
     assert ours["median_ms"] == pytest.approx(1e3 / ours["decode_tok_s"])
     assert "hf-transformers" in ours["speedups"] and "/5 greedy tokens" in hf["note"]
     assert ours["peer"] == "hf-transformers" and ours["gbps"] > 0
+
+
+@pytest.mark.gpu
+def test_cli_model_graphs_and_eager_on_device(tmp_path, monkeypatch, capsys):
+    """The model case end to end on the device (or emulator), tiny preset in float32 at batch 1
+    and 2: both impls run, agree with the NumPy float32 logits, and the graph impl reports the
+    kernels of one captured decode step (embedding, first norm, 9 per layer, logits, sampling)."""
+    _no_ceilings_on_the_emulator(monkeypatch)
+    rc = main(["model", "--model", "tiny", "--new-tokens", "6", "--prompt-len", "5", "--batch", "1,2",
+               "--model-dtype", "float32", "--impl", "tinylm,tinylm-eager", "--model-reps", "1",
+               "--no-progress", "--json", str(tmp_path / "m.json")])
+    assert rc == 0, capsys.readouterr().err[-3000:]
+    recs = report.read_json(tmp_path / "m.json")["records"]
+    assert [(r["case"], r["impl"]) for r in recs] == [(f"model tiny B{b}", i) for b in (1, 2)
+                                                      for i in ("tinylm", "tinylm-eager")]
+    for r in recs:
+        assert r["status"] == "ok" and r["rel_err"] < 1e-4 and r["decode_tok_s"] > 0 and r["gbps"] > 0, r
+        assert r["launches_per_step"] == (4 + 9 * 2 if r["impl"] == "tinylm" else None), r
+    assert "graph replays/run" in recs[0]["note"] and "batch 2" in recs[2]["note"]
 
 
 def test_plot_of_a_sweep(tmp_path):

@@ -16,7 +16,7 @@ import tinylm
 from cupyattn import reference as ref
 from tinylm import Sampler, load
 from tinylm.__main__ import main as cli_main
-from tinylm.generate import decode_one, generate, prefill
+from tinylm.generate import decode_one, generate, generate_batch, prefill
 from tinylm.ops_numpy import NumpyOps
 from tinylm.sampling import allowed_tokens
 
@@ -48,14 +48,42 @@ def test_attention_matches_reference_with_gqa_and_offset(start, t):
     k = rng.standard_normal((2, 2, start + t, 32)).astype(np.float32)
     v = rng.standard_normal((2, 2, start + t, 32)).astype(np.float32)
     cache = ops.new_cache(1, 2, 2, 64, 32)
-    if start:
-        ops.cache_append(cache, 0, k[:, :, :start], v[:, :, :start])
-    ops.cache_append(cache, 0, k[:, :, start:], v[:, :, start:])
+    cache.k[0, :, :, :start + t], cache.v[0, :, :, :start + t] = k, v
+    cache.lengths[0] = start + t
     if t == 1:
         got = ops.attend_decode(q, cache, 0)
     else:
-        got = ops.attend_prefill(q, k[:, :, start:], v[:, :, start:], cache, 0, start)
+        got = ops.attend_prefill(q, cache, 0, start)
     np.testing.assert_allclose(got, ref.attention(q, k, v, causal=True), atol=1e-5)
+
+
+def test_ragged_attention_and_qkv_rope_append_match_reference():
+    """Per-sequence lengths: prefill with key_lengths (padding rows are zeros) and decode over
+    caches of different lengths; the fused rope + append against its float64 reference."""
+    rng = np.random.default_rng(5)
+    ops = NumpyOps()
+    b, hq, hkv, d, t = 3, 4, 2, 16, 6
+    cache = ops.new_cache(1, b, hkv, 32, d)
+    qkv = rng.standard_normal((b, t, (hq + 2 * hkv) * d)).astype(np.float32)
+    counts = np.array([6, 2, 4])
+    want = ref.qkv_rope_append(qkv, cache.k[0], cache.v[0], cache.lengths[0], hq, 1e4, "neox", counts)
+    q = ops.qkv_rope_append(qkv, cache, 0, hq, 1e4, "neox", num_new=counts)
+    np.testing.assert_allclose(q, want[0], atol=1e-5)
+    np.testing.assert_allclose(cache.k[0], want[1], atol=1e-5)
+    np.testing.assert_allclose(cache.v[0], want[2], atol=1e-6)
+    assert cache.lengths[0].tolist() == want[3].tolist() == counts.tolist()
+    got = ops.attend_prefill(q, cache, 0, 0, key_lengths=counts)
+    for i, n in enumerate(counts):
+        sl = slice(i, i + 1)
+        np.testing.assert_allclose(got[sl, :, :n], ref.attention(q[sl, :, :n], cache.k[0][sl, :, :n],
+                                                                 cache.v[0][sl, :, :n], causal=True), atol=1e-5)
+        assert not got[i, :, n:].any()
+    q1 = rng.standard_normal((b, hq, 1, d)).astype(np.float32)
+    got = ops.attend_decode(q1, cache, 0)
+    for i, n in enumerate(counts):
+        sl = slice(i, i + 1)
+        np.testing.assert_allclose(got[sl], ref.attention(q1[sl], cache.k[0][sl, :, :n], cache.v[0][sl, :, :n]),
+                                   atol=1e-5)
 
 
 def test_small_ops_match_reference():
@@ -174,6 +202,47 @@ def test_generate_stops_at_eos_and_streams(tiny):
     assert len(res.generated_ids) == 10 and seen[1:] == res.generated_ids
 
 
+# --- batched prompts ----------------------------------------------------------------------------
+BATCH_PROMPTS = [[10, 20, 30, 40, 50], [7], [200, 1, 2, 150, 3, 4, 99, 98, 0, 5, 6], [42, 42, 42]]
+
+
+def test_batched_greedy_equals_one_at_a_time(tiny):
+    """Prompts of different lengths in one batch (right-padded prefill, per-sequence positions)
+    give the tokens each prompt gives alone; one of them stops early on its own stop id."""
+    alone = [tiny.generate(p, 10).generated_ids for p in BATCH_PROMPTS]
+    eos = alone[2][3]  # prompt 2 stops at its 4th token; the others may meet it too, or not
+    want = [a[:a.index(eos) + 1] if eos in a else a for a in alone]
+    seen = []
+    got = generate_batch(tiny.model, tiny.model.new_state(4, 64), BATCH_PROMPTS, 10, eos_id=eos,
+                         on_token=lambda i, t: seen.append((i, t)))
+    assert [r.generated_ids for r in got] == want
+    assert [r.stop_reason for r in got] == ["eos" if eos in a else "length" for a in alone]
+    assert [r.prompt_ids for r in got] == BATCH_PROMPTS and got[2].stop_reason == "eos"
+    assert [[t for i, t in seen if i == b] for b in range(4)] == want  # streamed per sequence
+    assert got[0].extra["batch"] == 4 and got[0].extra["batch_decode_tokens_per_s"] > 0
+    via_api = tiny.generate_batch(BATCH_PROMPTS, 10)
+    assert [r.generated_ids for r in via_api] == alone
+
+
+def test_batched_sampling_seed_semantics(tiny):
+    """Sequence b of a sampled batch with seed s draws like its prompt alone with seed s + b."""
+    kw = dict(temperature=0.9, top_k=40, top_p=0.95)
+    got = tiny.generate_batch(BATCH_PROMPTS[:3], 8, seed=11, **kw)
+    for b, p in enumerate(BATCH_PROMPTS[:3]):
+        assert got[b].generated_ids == tiny.generate(p, 8, seed=11 + b, **kw).generated_ids
+
+
+def test_batched_prefill_checks(tiny):
+    m = tiny.model
+    with pytest.raises(ValueError, match="3 prompts but the state was made for batch 2"):
+        generate_batch(m, m.new_state(2, 32), BATCH_PROMPTS[:3], 4)
+    with pytest.raises(ValueError, match="empty"):
+        tiny.generate_batch([[1, 2], []], 4)
+    with pytest.raises(ValueError, match="does not fit the context of 16"):
+        generate_batch(m, m.new_state(2, 16), [[1] * 12, [2]], 6)
+    assert tiny.generate_batch([], 4) == []
+
+
 # --- sampling ---------------------------------------------------------------------------------
 def _logits(seed, v=300, spread=3.0):
     return (np.random.default_rng(seed).standard_normal(v) * spread).astype(np.float32)
@@ -251,7 +320,8 @@ def test_cli_help():
     r = _run_cli("--help")
     assert r.returncode == 0
     for opt in ("--chat", "--system", "--max-new-tokens", "--temperature", "--top-k", "--top-p",
-                "--seed", "--backend", "--dtype", "--ignore-eos", "--model", "--preset", "--json"):
+                "--seed", "--backend", "--dtype", "--ignore-eos", "--model", "--preset", "--json",
+                "--prompt", "--prompts-file", "--no-graph"):
         assert opt in r.stdout
 
 
@@ -263,6 +333,24 @@ def test_cli_json_on_tiny_preset():
         assert key in out
     assert out["prompt_ids"] == list(b"hello") and len(out["generated_ids"]) == 6
     assert out["backend"] == "numpy" and out["dtype"] == "float32"
+
+
+def test_cli_batch_of_prompts_one_json_line_each(tmp_path, capsys):
+    """--prompt repeated and --prompts-file run as one batch; each JSON line equals the
+    single-prompt run of that prompt (greedy)."""
+    (tmp_path / "p.txt").write_text("second prompt\n\nx\n")
+    argv = ["--preset", "tiny", "--max-new-tokens", "5", "--backend", "numpy", "--json"]
+    assert cli_main(["first", "--prompt", "hi", "--prompts-file", str(tmp_path / "p.txt"), *argv]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [x["index"] for x in lines] == [0, 1, 2, 3] and all(x["batch"] == 4 for x in lines)
+    for text, got in zip(["first", "hi", "second prompt", "x"], lines):
+        assert cli_main([text, *argv]) == 0
+        alone = json.loads(capsys.readouterr().out)
+        assert got["prompt_ids"] == list(text.encode()) and got["generated_ids"] == alone["generated_ids"]
+    assert cli_main(["--prompt", "a", "--prompt", "bc", "--preset", "tiny", "--max-new-tokens", "3",
+                     "--backend", "numpy"]) == 0
+    cap = capsys.readouterr()
+    assert cap.out.startswith("[0] ") and "\n[1] " in cap.out and "2 prompt(s)" in cap.err
 
 
 def test_cli_streams_then_prints_stats(capsys):
@@ -277,6 +365,8 @@ def test_cli_streams_then_prints_stats(capsys):
     (["x", "--model", "/nonexistent/model.gguf"], "not found"),
     (["x", "--preset", "tiny", "--dtype", "float16", "--backend", "numpy"], "float32 only"),
     (["x", "--preset", "tiny", "--max-new-tokens", "-1"], "max-new-tokens"),
+    (["--preset", "tiny"], "no prompt"),
+    (["--prompts-file", "/nonexistent/prompts.txt", "--preset", "tiny"], "No such file"),
 ])
 def test_cli_errors_are_one_line_exit_2(argv, needle, capsys):
     assert cli_main(argv) == 2
@@ -325,6 +415,15 @@ def test_smollm2_greedy_matches_golden(smollm2):
     for case in golden["generation"]:
         res = gen.generate(case["prompt_ids"], len(case["greedy_ids"]), ignore_eos=True)
         assert res.generated_ids == case["greedy_ids"], case["name"]
+
+
+def test_smollm2_batched_greedy_matches_golden(smollm2):
+    """All golden prompts (5 to 39 tokens) in one right-padded batch: each sequence's 24 greedy
+    tokens equal the golden ones (and so what that prompt gives alone)."""
+    gen, golden = smollm2
+    cases = golden["generation"]
+    got = gen.generate_batch([c["prompt_ids"] for c in cases], 24, ignore_eos=True)
+    assert [r.generated_ids for r in got] == [c["greedy_ids"] for c in cases]
 
 
 def test_smollm2_first_step_logits_match_golden(smollm2, record_property):

@@ -5,11 +5,13 @@
     >>> ids = g.encode("What is 2+2?", chat=True)
     >>> r = g.generate(ids, max_new_tokens=32)
     >>> print(r.text, r.decode_tokens_per_s)
+    >>> rs = g.generate_batch([ids, g.encode("Name a color.", chat=True)], max_new_tokens=32)
 
 `tinylm.load("tiny")` builds a synthetic preset with random weights and no file. The CLI is
 `python -m tinylm "prompt" [--chat] [--backend auto|numpy|cupy] ...` (see --help).
 """
-from .generate import GenerationResult, Generator, decode_one, generate, load, prefill
+from .generate import GenerationResult, Generator, decode_one, generate, generate_batch, load, prefill
+from .graphs import DecodeRunner, decode_step
 from .model import RunState, Transformer, has_cuda_device, resolve_backend
 from .sampling import Sampler
 
@@ -30,4 +32,4 @@ def __getattr__(name):
 
 
 __all__ = ["load", "Generator", "GenerationResult", "Transformer", "RunState", "Sampler",
-           "prefill", "decode_one", "generate", "has_cuda_device", "resolve_backend", *_LAZY]
+           "prefill", "decode_one", "generate", "generate_batch", "DecodeRunner", "decode_step", "has_cuda_device", "resolve_backend", *_LAZY]

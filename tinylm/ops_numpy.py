@@ -12,6 +12,8 @@ other can make it several times slower than one thread: there, set OPENBLAS_NUM_
 """
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 F32 = np.dtype(np.float32)
@@ -21,18 +23,33 @@ class NumpyCache:
     """Preallocated KV cache for the NumPy backend.
 
     k, v: float32 [n_layers, B, n_kv_heads, max_seq, head_dim]
-    lengths: int64 [n_layers] live length per layer (every sequence of the batch is as long)
+    lengths: int64 [n_layers, B] live length per layer and sequence
     """
 
     def __init__(self, n_layers, batch, n_kv_heads, max_seq, head_dim):
         shape = (n_layers, batch, n_kv_heads, max_seq, head_dim)
         self.k = np.zeros(shape, dtype=F32)
         self.v = np.zeros(shape, dtype=F32)
-        self.lengths = np.zeros(n_layers, dtype=np.int64)
+        self.lengths = np.zeros((n_layers, batch), dtype=np.int64)
+        self.host_lengths = self.lengths  # the same array: NumPy lengths live on the host
         self.max_seq = max_seq
+        self.batch = batch
 
     def reset(self):
         self.lengths[:] = 0  # stale K/V past the length are never read
+
+    def check_room(self, num_new=1, fn="cache", layer=None):
+        """Counts int64 [B] (an int or B ints); ValueError if a sequence of ``layer`` (None: of
+        any layer) would pass max_seq."""
+        counts = np.broadcast_to(np.asarray(num_new, dtype=np.int64).reshape(-1), (self.batch,))
+        lengths = self.lengths if layer is None else self.lengths[layer:layer + 1]
+        over = np.argwhere(lengths + counts[None, :] > self.max_seq)
+        if over.size:
+            row, i = (int(v) for v in over[0])
+            raise ValueError(f"{fn}: KV cache is full (max_seq={self.max_seq}), cannot append "
+                             f"{int(counts[i])} token(s) at position {int(lengths[row, i])} "
+                             f"(sequence {i})")
+        return counts
 
 
 class NumpyOps:
@@ -47,7 +64,6 @@ class NumpyOps:
                              " (use --backend cupy for float16/bfloat16)")
         self.dtype = F32
         self._rope_tables = {}
-        self._rope_last = None  # (positions, dim, base, (cos, sin)) of the last rope call
 
     # --- weights, cache, host transfers ---------------------------------------------------
     def upload(self, a):
@@ -62,12 +78,15 @@ class NumpyOps:
     def ids(self, ids):
         return np.ascontiguousarray(ids, dtype=np.int64)
 
-    def token_ids(self, batch, token):
-        """[B, 1] ids filled with one host integer (the token just sampled)."""
-        return np.full((batch, 1), token, dtype=np.int64)
+    def token_buffer(self, batch):
+        """[B, 1] ids: the next decode step's input tokens."""
+        return np.zeros((batch, 1), dtype=np.int64)
 
-    def positions(self, batch, start, count):
-        return np.broadcast_to(np.arange(start, start + count, dtype=np.int64), (batch, count))
+    def set_tokens(self, buf, ids):
+        buf[:, 0] = np.asarray(ids, dtype=np.int64).reshape(-1)
+
+    def read_tokens(self, buf):
+        return np.array(buf, dtype=np.int64).reshape(-1)
 
     def to_numpy(self, x):
         """A float32 copy (never a view of a scratch buffer the next step overwrites)."""
@@ -75,6 +94,16 @@ class NumpyOps:
 
     def synchronize(self):
         pass
+
+    def stream(self):
+        """Context in which the backend's work runs (nothing to enter on the CPU)."""
+        return contextlib.nullcontext()
+
+    def decode_workspace(self, batch, n_heads, head_dim):
+        return None
+
+    def decode_splits(self, batch, n_heads, n_kv_heads, length):
+        return None
 
     # --- layer ops ------------------------------------------------------------------------
     def embedding(self, ids, table, out=None):
@@ -96,6 +125,11 @@ class NumpyOps:
         out = np.multiply(x, inv, out=out)
         return np.multiply(out, weight, out=out)
 
+    def add_rmsnorm(self, x, r, weight, eps, out=None):
+        """Residual add in place, then rmsnorm: ``x += r; out = rmsnorm(x)`` -> (x, out)."""
+        np.add(x, r, out=x)
+        return x, self.rmsnorm(x, weight, eps, out=out)
+
     def _tables(self, dim, base, upto):
         """cos/sin float32 [n, dim/2] with angle ``pos * base^(-2i/dim)``, grown on demand."""
         key = (dim, float(base))
@@ -108,22 +142,11 @@ class NumpyOps:
             self._rope_tables[key] = cs
         return cs
 
-    def rope(self, x, positions, base, style, out=None):
-        """Rotary embedding of x [B, H, T, D] at positions [B, T].
-
-        ``adjacent`` turns pairs (x[2i], x[2i+1]) (GGUF layout), ``neox`` pairs (x[i], x[i+D/2]).
-        """
+    def _rotate(self, x, c, s, style, out=None):
+        """Turn pairs of x [B, H, T, D] by angles with cos c / sin s [B, 1, T, D/2]."""
         d = x.shape[-1]
-        key = (positions, d, float(base))
-        if self._rope_last is not None and self._rope_last[0] is positions and self._rope_last[1:3] == key[1:]:
-            c, s = self._rope_last[3]  # same positions as the previous call (q then k, every layer)
-        else:
-            cos_t, sin_t = self._tables(d, base, int(positions.max()) + 1)
-            c = cos_t[positions][:, None]  # [B, 1, T, D/2]
-            s = sin_t[positions][:, None]
-            self._rope_last = (*key, (c, s))  # holds `positions`, so its id cannot be reused
         if out is None:
-            out = np.empty_like(x)
+            out = np.empty(x.shape, dtype=F32)
         if style == "adjacent":
             x0, x1 = x[..., 0::2], x[..., 1::2]
             o0, o1 = out[..., 0::2], out[..., 1::2]
@@ -132,22 +155,42 @@ class NumpyOps:
             o0, o1 = out[..., : d // 2], out[..., d // 2:]
         else:
             raise ValueError(f"unknown rope style {style!r}")
-        if out is x:  # in place: keep the inputs before they are overwritten
+        if np.shares_memory(out, x):  # in place: keep the inputs before they are overwritten
             x0, x1 = x0.copy(), x1.copy()
         np.subtract(x0 * c, x1 * s, out=o0)
         np.add(x0 * s, x1 * c, out=o1)
         return out
 
-    def cache_append(self, cache, layer, k, v):
-        """Write k/v [B, Hkv, T, D] at the layer's live length, then advance it."""
-        t = k.shape[2]
-        pos = int(cache.lengths[layer])
-        if pos + t > cache.max_seq:
-            raise ValueError(f"KV cache is full (max_seq={cache.max_seq}), cannot append {t} token(s)"
-                             f" at position {pos}")
-        cache.k[layer, :, :, pos:pos + t] = k
-        cache.v[layer, :, :, pos:pos + t] = v
-        cache.lengths[layer] = pos + t
+    def rope(self, x, positions, base, style, out=None):
+        """Rotary embedding of x [B, H, T, D] at positions [B, T].
+
+        ``adjacent`` turns pairs (x[2i], x[2i+1]) (GGUF layout), ``neox`` pairs (x[i], x[i+D/2]).
+        """
+        positions = np.asarray(positions)
+        cos_t, sin_t = self._tables(x.shape[-1], base, int(positions.max()) + 1)
+        return self._rotate(x, cos_t[positions][:, None], sin_t[positions][:, None], style, out)
+
+    def qkv_rope_append(self, qkv, cache, layer, n_heads, base, style, num_new=None, out=None):
+        """The step after the packed QKV projection qkv [B, T, (Hq + 2 Hkv) D]: q and k rotated
+        at positions lengths[layer, b] + t, k and v appended for t < num_new[b] (default all T),
+        lengths advanced. Returns q [B, Hq, T, D] (in ``out`` when given)."""
+        b, t, _ = qkv.shape
+        hkv, d = cache.k.shape[2], cache.k.shape[4]
+        counts = cache.check_room(t if num_new is None else num_new, "qkv_rope_append", layer)
+        heads = qkv.reshape(b, t, n_heads + 2 * hkv, d).transpose(0, 2, 1, 3)  # [B, heads, T, D]
+        start = cache.lengths[layer].copy()
+        pos = start[:, None] + np.arange(t)[None, :]
+        cos_t, sin_t = self._tables(d, base, int(pos.max()) + 1)
+        c, s = cos_t[pos][:, None], sin_t[pos][:, None]  # [B, 1, T, D/2], shared by q and k
+        q = self._rotate(heads[:, :n_heads], c, s, style, out)
+        k = self._rotate(heads[:, n_heads:n_heads + hkv], c, s, style)
+        v = heads[:, n_heads + hkv:]
+        for i in range(b):
+            p0, n = int(start[i]), int(counts[i])
+            cache.k[layer, i, :, p0:p0 + n] = k[i, :, :n]
+            cache.v[layer, i, :, p0:p0 + n] = v[i, :, :n]
+        cache.lengths[layer] = start + counts
+        return q
 
     def _attend(self, q, k, v, start, out=None):
         """softmax(q k^T / sqrt(D)) v, causal with the queries at positions start..start+T-1.
@@ -175,17 +218,37 @@ class NumpyOps:
         out[...] = o
         return out
 
-    def attend_prefill(self, q, k_new, v_new, cache, layer, start, out=None):
-        """Causal attention of q [B, Hq, T, D] over the cached keys 0..start+T-1."""
-        if start == 0:  # the cache holds exactly k_new/v_new: skip the strided view
-            return self._attend(q, k_new, v_new, 0, out)
-        s = start + q.shape[2]
-        return self._attend(q, cache.k[layer, :, :, :s], cache.v[layer, :, :, :s], start, out)
+    def attend_prefill(self, q, cache, layer, start, key_lengths=None):
+        """Causal attention of q [B, Hq, T, D] (positions start..start+T-1) over the cached keys.
 
-    def attend_decode(self, q, cache, layer, out=None):
-        """One query per sequence, q [B, Hq, 1, D], over the layer's whole live cache."""
-        s = int(cache.lengths[layer])
-        return self._attend(q, cache.k[layer, :, :, :s], cache.v[layer, :, :, :s], s - 1, out)
+        key_lengths [B] (host ints): sequence b sees keys j < key_lengths[b] only, and its query
+        rows t >= key_lengths[b] - start (right padding) are zeros. Each such sequence is
+        computed alone, with exactly the shapes a batch of one would have.
+        """
+        t = q.shape[2]
+        k, v = cache.k[layer], cache.v[layer]
+        if key_lengths is None or all(int(n) == start + t for n in key_lengths):
+            return self._attend(q, k[:, :, :start + t], v[:, :, :start + t], start)
+        out = np.zeros(q.shape, dtype=F32)
+        for i, kl in enumerate(int(n) for n in key_lengths):
+            n = kl - start
+            if n > 0:
+                out[i:i + 1, :, :n] = self._attend(q[i:i + 1, :, :n], k[i:i + 1, :, :kl], v[i:i + 1, :, :kl], start)
+        return out
+
+    def attend_decode(self, q, cache, layer, out=None, workspace=None, num_splits=None):
+        """One query per sequence, q [B, Hq, 1, D], over each sequence's whole live cache
+        (sequences of different lengths are computed one by one)."""
+        lens = cache.lengths[layer]
+        k, v = cache.k[layer], cache.v[layer]
+        if (lens == lens[0]).all():
+            s = int(lens[0])
+            return self._attend(q, k[:, :, :s], v[:, :, :s], s - 1, out)
+        if out is None:
+            out = np.empty(q.shape, dtype=F32)
+        for i, s in enumerate(int(n) for n in lens):
+            self._attend(q[i:i + 1], k[i:i + 1, :, :s], v[i:i + 1, :, :s], s - 1, out[i:i + 1])
+        return out
 
     def swiglu(self, gate, up, out=None):
         """``silu(gate) * up`` with sigmoid(g) = (1 + tanh(g/2)) / 2, which cannot overflow."""
@@ -195,6 +258,10 @@ class NumpyOps:
         sig *= np.float32(0.5)
         out = np.multiply(gate, up, out=out)
         return np.multiply(out, sig, out=out)
+
+    def gather_rows(self, x, idx):
+        """x [B, T, D], idx [B] host ints -> rows x[b, idx[b]] as [B, 1, D]."""
+        return np.ascontiguousarray(x[np.arange(x.shape[0]), np.asarray(idx)][:, None])
 
     def add(self, x, y, out=None):
         return np.add(x, y, out=out)

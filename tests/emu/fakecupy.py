@@ -5,6 +5,18 @@ spec's source with g++ and runs the kernel on CPU threads.
 
 Kernel arguments are checked as CuPy would pass them: a Python int is 8 bytes, a float is a
 double, a NumPy scalar has its own size; each must match the C++ parameter's kind and size.
+
+Streams and CUDA graphs (CuPy 14's API): ``cuda.Stream`` (``with stream:`` makes it current),
+``stream.begin_capture()`` / ``end_capture() -> cuda.Graph``, ``graph.launch(stream)``. While a
+stream captures, a RawKernel launch on it is recorded (grid, block, shared memory and the
+argument values as CuPy copies them: pointers and scalars) instead of run; ``Graph.launch``
+replays the records in order, refusing to run if an array a record points into has been freed
+since (on a GPU the memory pool would have handed that memory to someone else). Everything a
+real capture cannot hold, or that this emulator cannot record, raises a "not capturable" error
+during a capture: allocating device arrays, NumPy-executed cupy functions and array operators,
+host <-> device copies, synchronising, and launches on another stream (they would run at once,
+outside the graph). ``counters`` counts what a GPU would execute (RawKernel launches, replayed
+graph nodes, cupy-level array kernels, graph launches) for tests and launch-count reports.
 """
 from __future__ import annotations
 
@@ -25,6 +37,36 @@ import numpy as np
 _HERE = Path(__file__).resolve().parent
 _BUILD = Path(tempfile.gettempdir()) / "cupyattn-emu"
 
+# What a GPU would have executed so far: RawKernel launches run eagerly ("kernels"), kernels run by
+# graph replays ("graph_nodes"), cupy-level array kernels such as fills, copies and NumPy-executed
+# functions ("cupy_ops"), and graph launches ("graph_launches"). Tests reset it with reset_counters().
+counters = {"kernels": 0, "graph_nodes": 0, "cupy_ops": 0, "graph_launches": 0}
+
+
+def reset_counters():
+    for k in counters:
+        counters[k] = 0
+
+
+class NotCapturable(RuntimeError):
+    """An operation a CUDA graph capture cannot hold (or this emulator cannot record)."""
+
+
+_CAPTURING = None  # the Stream that is capturing, or None
+
+
+def _refuse(what: str):
+    """Raise NotCapturable while a stream captures (call before doing ``what``)."""
+    if _CAPTURING is not None:
+        raise NotCapturable(
+            f"not capturable: {what} while a stream is capturing a CUDA graph (a captured region "
+            f"may only launch RawKernels on the capturing stream into preallocated buffers)")
+
+
+def _cupy_op(what: str):
+    _refuse(what)
+    counters["cupy_ops"] += 1
+
 
 class ndarray(np.ndarray):
     """Host array posing as a device array: ``.data.ptr`` and ``.device`` as in CuPy."""
@@ -37,8 +79,50 @@ class ndarray(np.ndarray):
     def device(self):
         return cuda.Device()
 
-    def get(self):
+    def get(self, stream=None):
+        _refuse("a device-to-host copy (ndarray.get)")
         return np.array(self).view(np.ndarray)
+
+    def set(self, arr, stream=None):
+        """Host -> device copy into this array (CuPy's ndarray.set)."""
+        _refuse("a host-to-device copy (ndarray.set)")
+        arr = np.asarray(arr)
+        if arr.shape != self.shape or arr.dtype != self.dtype:
+            raise ValueError(f"ndarray.set: shape/dtype {arr.shape} {arr.dtype} != {self.shape} {self.dtype}")
+        np.copyto(self.view(np.ndarray), arr)
+
+    # NumPy executes these on the host: on a GPU each is a kernel (and maybe an allocation).
+    def __array_ufunc__(self, ufunc, method, *inputs, out=None, **kwargs):
+        _cupy_op(f"the array operation {ufunc.__name__}.{method}")
+        args = [x.view(np.ndarray) if isinstance(x, ndarray) else x for x in inputs]
+        if out is not None:
+            kwargs["out"] = tuple(o.view(np.ndarray) if isinstance(o, ndarray) else o for o in out)
+        res = getattr(ufunc, method)(*args, **kwargs)
+        if out is not None:
+            return out[0] if len(out) == 1 else out
+        return _dev(res)
+
+    def __setitem__(self, key, value):
+        _cupy_op("an array assignment (__setitem__)")
+        super().__setitem__(key, value)
+
+    def fill(self, value):
+        _cupy_op("ndarray.fill")
+        super().fill(value)
+
+    def copy(self, order="C"):
+        _cupy_op("ndarray.copy")
+        return _guarded(np.array(self, order=order))
+
+    def astype(self, dtype, *a, copy=True, **k):
+        _cupy_op("ndarray.astype")
+        return _dev(np.asarray(self).astype(dtype, *a, copy=copy, **k))
+
+    def __getitem__(self, key):
+        keys = key if isinstance(key, tuple) else (key,)
+        if any(isinstance(k, (np.ndarray, list)) for k in keys):  # advanced indexing copies
+            _cupy_op("advanced indexing")
+        return super().__getitem__(key)
 
 
 def _dev(x):
@@ -51,6 +135,7 @@ def _dev(x):
 
 def _wrap(f):
     def g(*a, **k):
+        _cupy_op(f"cupy.{getattr(f, '__name__', 'function')} (executed by NumPy)")
         return _dev(f(*a, **k))
 
     g.__name__ = getattr(f, "__name__", "f")
@@ -67,10 +152,12 @@ def _guarded(x) -> "ndarray":
     after the next launch, out-of-bounds reads see NaN/-1 and spoil the result."""
     import weakref
 
+    _refuse("allocating a device array")
     x = np.asarray(x)
     buf = np.full(x.nbytes + 2 * _GUARD, 0xFF, dtype=np.uint8)
-    a = buf[_GUARD:_GUARD + x.nbytes].view(x.dtype).reshape(x.shape).view(ndarray)
+    a = buf[_GUARD:_GUARD + x.nbytes].view(x.dtype).reshape(x.shape)
     a[...] = x
+    a = a.view(ndarray)
     _LIVE.append((weakref.ref(a), buf))
     return a
 
@@ -101,19 +188,28 @@ def asarray(x, dtype=None, order=None):
 array = asarray
 
 
+def _poison(dtype):
+    """What fresh memory holds here: NaN for floats, all bits set for integers."""
+    dt = np.dtype(dtype)
+    return np.nan if dt.kind in "fc" else (np.iinfo(dt).max if dt.kind == "u" else -1)
+
+
 def empty(shape, dtype=float, order="C"):
-    return _guarded(np.full(shape, np.nan if np.dtype(dtype).kind == "f" else -1, dtype=dtype))
+    return _guarded(np.full(shape, _poison(dtype), dtype=dtype))
 
 
 def zeros(shape, dtype=float, order="C"):
+    _cupy_op("cupy.zeros")
     return _guarded(np.zeros(shape, dtype=dtype))
 
 
 def ones(shape, dtype=float, order="C"):
+    _cupy_op("cupy.ones")
     return _guarded(np.ones(shape, dtype=dtype))
 
 
 def full(shape, fill_value, dtype=None, order="C"):
+    _cupy_op("cupy.full")
     return _guarded(np.full(shape, fill_value, dtype=dtype))
 
 
@@ -130,12 +226,14 @@ def full_like(a, fill_value, dtype=None, shape=None):
 
 
 def asnumpy(x, *a, **k):
+    _refuse("a device-to-host copy (cupy.asnumpy)")
     return np.array(x).view(np.ndarray)
 
 
 def ascontiguousarray(x, dtype=None):
     if isinstance(x, np.ndarray) and x.flags.c_contiguous and (dtype is None or np.dtype(dtype) == x.dtype):
         return x.view(ndarray)
+    _cupy_op("cupy.ascontiguousarray (a copy kernel)")
     return _guarded(np.ascontiguousarray(x, dtype=dtype))
 
 
@@ -200,7 +298,7 @@ class Device:
         pass
 
     def synchronize(self):
-        pass
+        _refuse("synchronizing the device")
 
 
 class CompileException(Exception):
@@ -208,12 +306,116 @@ class CompileException(Exception):
         return str(self)
 
 
-class _Stream:
-    ptr = 0
-    null = None
+# --- streams and CUDA graphs (CuPy 14: Stream.begin_capture / end_capture, Graph.launch) -------
+_tls = threading.local()
+
+
+def _stack():
+    if not hasattr(_tls, "streams"):
+        _tls.streams = []
+    return _tls.streams
+
+
+class Stream:
+    """A CUDA stream: launches run at once here (in order), except while it captures."""
+
+    _next_ptr = 1
+
+    def __init__(self, null=False, non_blocking=False, ptds=False, priority=None):
+        self.ptr = 0 if null else Stream._next_ptr
+        if not null:
+            Stream._next_ptr += 1
+        self.non_blocking = bool(non_blocking)
+        self._graph = None
+
+    def __enter__(self):
+        _stack().append(self)
+        return self
+
+    def __exit__(self, *exc):
+        _stack().pop()
+        return False
+
+    def use(self):
+        st = _stack()
+        st[:] = st[:-1] + [self] if st else [self]
+        return self
 
     def synchronize(self):
+        _refuse("synchronizing a stream")
+
+    def is_capturing(self):
+        return _CAPTURING is self
+
+    def begin_capture(self, mode=None):
+        global _CAPTURING
+        if self.ptr == 0:
+            raise RuntimeError("begin_capture: the legacy null stream cannot be captured; use "
+                               "cupy.cuda.Stream(non_blocking=True)")
+        if _CAPTURING is not None:
+            raise RuntimeError("begin_capture: another stream is already capturing")
+        self._graph = Graph()
+        _CAPTURING = self
+
+    def end_capture(self):
+        global _CAPTURING
+        if _CAPTURING is not self:
+            raise RuntimeError("end_capture: this stream is not capturing")
+        _CAPTURING = None
+        g, self._graph = self._graph, None
+        return g
+
+
+def get_current_stream():
+    st = _stack()
+    return st[-1] if st else Stream.null
+
+
+class Graph:
+    """The launches recorded by a capture, replayed in order by :meth:`launch`."""
+
+    def __init__(self):
+        self.nodes = []  # (kernel, grid, block, shared_mem, iv, dv, owners: weakrefs of the arrays)
+
+    def launch(self, stream=None):
+        if _CAPTURING is not None:
+            raise NotCapturable("not capturable: launching a graph inside a capture (this emulator "
+                                "records no child graphs)")
+        counters["graph_launches"] += 1
+        _check_guards("Graph.launch")  # also drops the registry's hold on arrays freed since
+        for kern, grid, block, smem, iv, dv, owners in self.nodes:
+            for j, ref in owners:
+                if ref() is None:
+                    raise RuntimeError(f"Graph.launch: argument {j} of {kern.expr} points into memory "
+                                       f"freed after the capture (a GPU would reuse it for other data)")
+            counters["graph_nodes"] += 1
+            kern._run(grid, block, smem, iv, dv)
+
+    def upload(self, stream=None):
         pass
+
+    def debug_dot_str(self, flags=0):
+        """DOT text in the layout of cudaGraphDebugDotPrint: one node per recorded kernel."""
+        lines = ["digraph dot {", "subgraph cluster_1 {", 'label="graph_1" graph[style="dashed"];']
+        for i, (kern, grid, block, *_rest) in enumerate(self.nodes):
+            lines.append(f'"graph_1_node_{i}"[style="solid" shape="rectangle" label="{i}\\nKERNEL\\n'
+                         f'{kern.expr}\\n<<<{grid},{block}>>>"];')
+            if i:
+                lines.append(f'"graph_1_node_{i - 1}" -> "graph_1_node_{i}";')
+        return "\n".join(lines + ["}", "}"]) + "\n"
+
+
+def _owner_ref(a):
+    """A weak reference to the buffer that owns an array's memory (dead once it is freed)."""
+    import weakref
+
+    root = a
+    while isinstance(getattr(root, "base", None), np.ndarray):
+        root = root.base
+    return weakref.ref(root)
+
+
+Stream.null = Stream(null=True)
 
 
 class Event:
@@ -223,10 +425,11 @@ class Event:
         self.t = None
 
     def record(self, stream=None):
+        _refuse("recording an event")
         self.t = time.perf_counter()
 
     def synchronize(self):
-        pass
+        _refuse("synchronizing an event")
 
 
 def get_elapsed_time(start, end):
@@ -242,12 +445,12 @@ cuda.runtime = types.SimpleNamespace(
     getDeviceCount=lambda: 1, driverGetVersion=lambda: 0, runtimeGetVersion=lambda: 0,
     getDeviceProperties=lambda i=0: {"multiProcessorCount": 132, "name": b"CPU emulator",
                                      "l2CacheSize": 50 * 2**20, "totalGlobalMem": 8 * 2**30},
-    deviceSynchronize=lambda: None)
-cuda.get_current_stream = lambda: _Stream()
+    deviceSynchronize=lambda: _refuse("cudaDeviceSynchronize"))
+cuda.get_current_stream = get_current_stream
 cuda.get_allocator = lambda: None
 cuda.set_allocator = lambda f=None: None
-cuda.Stream = _Stream
-cuda.Stream.null = _Stream()
+cuda.Stream = Stream
+cuda.Graph = Graph
 
 
 # --- RawModule: g++ build of the spec source + launch wrappers ---------------------------------
@@ -386,8 +589,20 @@ class _Kernel:
                                 " (CuPy passes Python int as int64 and float as double)")
             iv[j], dv[j] = (int(a), 0.0) if kind != "f" else (0, float(a))
         _check_launch(self.expr, grid, block, int(shared_mem), self.max_dynamic_shared_size_bytes)
+        target = stream if stream is not None else get_current_stream()
+        if _CAPTURING is not None:
+            if target is not _CAPTURING:
+                raise NotCapturable(f"not capturable: {self.expr} launched on another stream while a "
+                                    f"stream captures (it would run now, outside the graph)")
+            owners = [(j, _owner_ref(a)) for j, a in enumerate(args) if isinstance(a, np.ndarray)]
+            _CAPTURING._graph.nodes.append((self, grid, block, int(shared_mem), iv, dv, owners))
+            return
+        counters["kernels"] += 1
+        self._run(grid, block, int(shared_mem), iv, dv)
+
+    def _run(self, grid, block, smem, iv, dv):
         err = ctypes.create_string_buffer(512)
-        if self._launch(*map(int, grid), *map(int, block), int(shared_mem), iv, dv, err, 512):
+        if self._launch(*map(int, grid), *map(int, block), smem, iv, dv, err, 512):
             raise RuntimeError(f"{self.expr}: {err.value.decode()}")
         _check_guards(self.expr)
 
@@ -427,3 +642,4 @@ def install():
     sys.modules["cupy.cuda"] = cuda
     sys.modules["cupy.random"] = random
     sys.modules["cupy.cuda.compiler"] = cuda.compiler
+    sys.modules["cupy.cuda.graph"] = types.SimpleNamespace(Graph=Graph)
