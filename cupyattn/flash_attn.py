@@ -78,7 +78,7 @@ def _check_key_lengths(key_lengths, b: int, sk: int):
                             f"{type(key_lengths).__name__}") from e
         where = "host"
     if kl.dtype.kind not in "iu":
-        raise TypeError(f"{_FN}(): key_lengths must have an integer dtype, got {kl.dtype}")
+        raise TypeError(f"{_FN}(): key_lengths must be integers of shape [B], got dtype {kl.dtype}")
     if tuple(kl.shape) != (b,):
         raise ValueError(f"{_FN}(): key_lengths must have shape [B] = ({b},), got {tuple(kl.shape)}")
     if where == "host" and kl.size and (kl.min() < 0 or kl.max() > sk):
@@ -87,8 +87,10 @@ def _check_key_lengths(key_lengths, b: int, sk: int):
     return where, kl
 
 
-def _check_args(q, k, v, scale, mask, key_lengths, impl, out):
+def _check_args(q, k, v, causal, scale, mask, key_lengths, impl, return_lse, out):
     """Every check of attention(), before anything is allocated or launched."""
+    _checks.check_bool(_FN, "causal", causal)
+    _checks.check_bool(_FN, "return_lse", return_lse)
     if impl is not None:
         check_choice(_FN, "impl", impl, IMPLS)
     check_array(_FN, "q", q, ndim=4)
@@ -107,6 +109,11 @@ def _check_args(q, k, v, scale, mask, key_lengths, impl, out):
     hkv, sk = k.shape[1], k.shape[2]
     if hkv == 0 or hq % hkv:
         raise ValueError(f"{_FN}(): q heads Hq={hq} must be a multiple of k/v heads Hkv={hkv}")
+    for what, n in (("B", b), ("Hq", hq), ("Hkv", hkv), ("Sq", sq), ("Sk", sk), ("D", d)):
+        _checks.check_int32(_FN, what, n)
+    if -(-b * hq // MAX_GRID_YZ) > MAX_GRID_YZ:
+        raise ValueError(f"{_FN}(): B*Hq = {b * hq} (batch x query heads) is more than one launch's grid "
+                         f"holds ({MAX_GRID_YZ}^2)")
     if impl != "naive" and d not in HEAD_DIMS:
         raise ValueError(f"{_FN}(): head_dim D={d} is not supported by impl={impl!r}; supported: "
                          f"{', '.join(map(str, HEAD_DIMS))} (impl='naive' takes any D)")
@@ -115,19 +122,13 @@ def _check_args(q, k, v, scale, mask, key_lengths, impl, out):
                         f"(use impl='flash')")
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_last_contiguous(_FN, name, x)
-    if scale is None:
-        scale = 1.0 / math.sqrt(d) if d else 1.0
-    else:
-        try:
-            scale = float(scale)
-        except (TypeError, ValueError) as e:
-            raise TypeError(f"{_FN}(): scale must be a real number, got {type(scale).__name__}") from e
-        if not math.isfinite(scale):
-            raise ValueError(f"{_FN}(): scale must be finite, got {scale}")
+    scale = (1.0 / math.sqrt(d) if d else 1.0) if scale is None else _checks.check_real(_FN, "scale", scale)
     mshape = _check_mask(mask, (b, hq, sq, sk)) if mask is not None else None
     kl = _check_key_lengths(key_lengths, b, sk) if key_lengths is not None else None
     if out is not None:
         check_out(_FN, out, (b, hq, sq, d), q.dtype)
+        _checks.check_no_overlap(_FN, out, {"q": q, "k": k, "v": v, "mask": mask,
+                                            "key_lengths": key_lengths})
     return impl, scale, mshape, kl
 
 
@@ -145,6 +146,7 @@ def attention(q, k, v, causal=False, scale=None, mask=None, key_lengths=None, im
         kv head ``h // (Hq // Hkv)``; K/V are never copied or repeated).
     causal : bool
         Query ``i`` sees keys ``j <= i + Sk - Sq`` (bottom-right aligned, as FlashAttention-2).
+        Flags must be bools: ``causal="False"`` is a TypeError, not a true value.
     scale : float, optional
         Multiplies ``q k^T``; default ``1 / sqrt(D)``.
     mask : cupy.ndarray, optional
@@ -173,7 +175,8 @@ def attention(q, k, v, causal=False, scale=None, mask=None, key_lengths=None, im
     return_lse : bool
         Also return the row log-sum-exp of the scaled, masked scores.
     out : cupy.ndarray [B, Hq, Sq, D], optional
-        C-contiguous, dtype of ``q``; written and returned.
+        C-contiguous, dtype of ``q``; written and returned. It must not overlap q, k, v, mask or
+        key_lengths in memory (ValueError).
 
     Returns
     -------
@@ -190,7 +193,7 @@ def attention(q, k, v, causal=False, scale=None, mask=None, key_lengths=None, im
     >>> o = attention(q, kv, kv, causal=True)                        # [2, 8, 1000, 64] float16
     >>> o, lse = attention(q, kv, kv, key_lengths=[1000, 17], return_lse=True)
     """
-    impl, scale, mshape, kl = _check_args(q, k, v, scale, mask, key_lengths, impl, out)
+    impl, scale, mshape, kl = _check_args(q, k, v, causal, scale, mask, key_lengths, impl, return_lse, out)
     b, hq, sq, d = q.shape
     sk = k.shape[2]
     if out is None:
@@ -286,21 +289,26 @@ def _naive(q, k, v, causal, scale, mask, mshape, kl, out, lse):
     if mask is None and kl is None and lse is None:
         p = softmax(s, axis=-1, scale=scale, causal=causal)
     else:
+        ninf = np.float32(-np.inf)
         s32 = s.astype(cupy.float32) * np.float32(scale)
-        if mask is not None:
-            s32 += mask.reshape(mshape)
+        if mask is not None:  # a -inf mask entry hides its key whatever the score (NaN too)
+            m4 = mask.reshape(mshape)
+            s32 = cupy.where(m4 == ninf, ninf, s32 + m4)
         if kl is not None:
             j = cupy.arange(sk, dtype=cupy.int32)
-            s32 = cupy.where(j[None, None, None, :] < kl[:, None, None, None], s32, np.float32(-np.inf))
+            s32 = cupy.where(j[None, None, None, :] < kl[:, None, None, None], s32, ninf)
+            # keys past key_lengths never contribute, whatever V holds there (0 * NaN is NaN)
+            v = cupy.where(j[None, None, :, None] < kl[:, None, None, None], v, 0).astype(v.dtype, copy=False)
         if lse is not None:
             t = s32
             if causal:
                 i = cupy.arange(sq)[:, None]
-                t = cupy.where(cupy.arange(sk)[None, :] <= i + (sk - sq), s32, np.float32(-np.inf))
-            mx = t.max(axis=-1, keepdims=True)
-            mx = cupy.where(cupy.isfinite(mx), mx, 0)
+                t = cupy.where(cupy.arange(sk)[None, :] <= i + (sk - sq), s32, ninf)
+            mx = t.max(axis=-1, keepdims=True)  # NaN for a row with a NaN score
+            mx = cupy.where(mx == ninf, 0, mx)
             tot = cupy.exp(t - mx).sum(axis=-1)
-            lse[...] = cupy.where(tot > 0, mx[..., 0] + cupy.log(cupy.where(tot > 0, tot, 1)), -cupy.inf)
+            lse[...] = cupy.where(tot > 0, mx[..., 0] + cupy.log(cupy.where(tot > 0, tot, 1)),
+                                  cupy.where(cupy.isnan(tot), np.float32(np.nan), ninf))
         p = softmax(s32, axis=-1, causal=causal).astype(q.dtype, copy=False)
     # out is C-contiguous, so its [B, Hkv, g*Sq, D] reshape is a view gemm_nn writes through.
     gemm_nn(p.reshape(b, hkv, g * sq, sk), cupy.ascontiguousarray(v), out=out.reshape(b, hkv, g * sq, d))

@@ -29,6 +29,17 @@ template <typename T> __device__ __forceinline__ unsigned pack2(float lo, float 
     return (unsigned)bits16(from_float<T>(lo)) | ((unsigned)bits16(from_float<T>(hi)) << 16);
 }
 
+// --- the end of an online softmax (cupyattn/reference.py states the semantics) ----------------
+// 1 / l_i for the final O_i / l_i: 0 for a row that saw no key (l = 0); NaN for a row whose l is
+// NaN (a NaN or +inf visible score: fmaxf skipped it in the max, exp2 did not).
+__device__ __forceinline__ float row_scale(float l) {
+    return l > 0.0f ? 1.0f / l : (l == l ? 0.0f : CUDART_NAN_F);
+}
+// L_i = m_i + log(l_i) (natural log; m in log2 units): -inf for no key, NaN for a NaN row.
+__device__ __forceinline__ float row_lse(float m_log2, float l) {
+    return l > 0.0f ? m_log2 * LN2_F + logf(l) : (l == l ? -CUDART_INF_F : CUDART_NAN_F);
+}
+
 // --- warp reductions (full 32-lane warp) ---------------------------------------------------
 __device__ __forceinline__ float warp_reduce_max(float v) {
 #pragma unroll

@@ -311,7 +311,7 @@ __global__ void __launch_bounds__(NT, MINB) decode_kernel(
             for (int e = 0; e < VEC; ++e) o[e] += red[(kp * n_pairs + pair) * VEC + e];
         }
         const float l = l_fin[g];
-        const float inv_l = l > 0.f ? 1.f / l : 0.f;  // empty range -> zeros
+        const float inv_l = row_scale(l);  // empty range -> zeros, NaN row -> NaN
         const int h = h0 + g;
         if (write_partials) {
             float* op = o_part + (((size_t)split * B + b) * Hq + h) * D + c * VEC;
@@ -326,7 +326,7 @@ __global__ void __launch_bounds__(NT, MINB) decode_kernel(
     if (write_partials && tid < g_tile) {
         const float l = l_fin[tid];
         lse_part[((size_t)split * B + b) * Hq + h0 + tid] =
-            l > 0.f ? (m_fin[tid] + log2f(l)) * LN2_F : -CUDART_INF_F;
+            row_lse(m_fin[tid], l);
     }
 }
 
@@ -515,12 +515,12 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) decode_mma_kernel(
                 acc += w * red[(sl * ROWS + row) * D + d];
             }
         }
-        const float inv_l = l > 0.f ? 1.f / l : 0.f;
+        const float inv_l = row_scale(l);
         const int hq = h0 + row;
         if (write_partials) {
             o_part[(((size_t)split * B + b) * Hq + hq) * D + d] = acc * inv_l;
             if (d == 0)
-                lse_part[((size_t)split * B + b) * Hq + hq] = l > 0.f ? (m + log2f(l)) * LN2_F : -CUDART_INF_F;
+                lse_part[((size_t)split * B + b) * Hq + hq] = row_lse(m, l);
         } else {
             out[((size_t)b * Hq + hq) * D + d] = from_float<T>(acc * inv_l);
         }
@@ -551,7 +551,7 @@ __global__ void __launch_bounds__(THREADS) decode_combine_kernel(
             total += w;
         }
         total = warp_reduce_sum(total);
-        if (tid == 0) inv_total_s = total > 0.f ? 1.f / total : 0.f;
+        if (tid == 0) inv_total_s = row_scale(total);  // a NaN split poisons the row
     }
     __syncthreads();
     const float inv_total = inv_total_s;

@@ -33,6 +33,12 @@
 #include "common.cuh"
 #include "ptx.cuh"
 
+// --- non-finite semantics (cupyattn/reference.py) -------------------------------------------
+// A mask entry of -inf hides its key whatever the score is (a NaN score from a NaN key too).
+__device__ __forceinline__ float add_mask(float x_log2, float mask) {
+    return mask == -CUDART_INF_F ? -CUDART_INF_F : fmaf(mask, LOG2E_F, x_log2);
+}
+
 // --- helpers -------------------------------------------------------------------------------
 // Two adjacent elements of a shared tile as floats (16-bit types: one 32-bit load).
 __device__ __forceinline__ float2 ld2(const float* p) { return make_float2(p[0], p[1]); }
@@ -164,7 +170,7 @@ flash_attn_fwd(const T* __restrict__ q,          // [B, Hq, Sq, D], strides q_sb
             for (int jj = 0; jj < KEYS; ++jj) {
                 const int j = n0 + lane + 32 * jj;
                 float x = s[r][jj] * scale_log2;
-                if (mask && i < Sq && j < k_end) x = fmaf(mask[i * m_sq + j * m_sk], LOG2E_F, x);
+                if (mask && i < Sq && j < k_end) x = add_mask(x, mask[i * m_sq + j * m_sk]);
                 if (j >= k_end || (CAUSAL && j > i + diag)) x = -CUDART_INF_F;
                 s[r][jj] = x;
                 mx = fmaxf(mx, x);
@@ -222,14 +228,14 @@ flash_attn_fwd(const T* __restrict__ q,          // [B, Hq, Sq, D], strides q_sb
         const float lsum = warp_reduce_sum(l[r]);
         const int i = m0 + row0 + r;
         if (i >= Sq) continue;  // same for the whole warp
-        const float inv = lsum > 0.0f ? 1.0f / lsum : 0.0f;
+        const float inv = row_scale(lsum);
         T* orow = out + (obase + i) * HEAD_DIM;
 #pragma unroll
         for (int c = 0; c < COLS; ++c) {
             const int d = lane + 32 * c;
             if (d < HEAD_DIM) orow[d] = from_float<T>(o[r][c] * inv);
         }
-        if (lse && lane == 0) lse[obase + i] = lsum > 0.0f ? m[r] * LN2_F + logf(lsum) : -CUDART_INF_F;
+        if (lse && lane == 0) lse[obase + i] = row_lse(m[r], lsum);
     }
 }
 
@@ -458,7 +464,7 @@ flash_attn_mma(const T* __restrict__ q,          // [B, Hq, Sq, D], strides q_s*
                         for (int hh = 0; hh < 2; ++hh) {
                             const int j = n0 + nt * 8 + 2 * tq + hh;
                             float x = s[mt][nt][2 * r + hh] * scale_log2;
-                            if (mrow && j < lim) x = fmaf(mrow[m_sk ? nt * 8 + hh : 0], LOG2E_F, x);
+                            if (mrow && j < lim) x = add_mask(x, mrow[m_sk ? nt * 8 + hh : 0]);
                             s[mt][nt][2 * r + hh] = j < lim ? x : -CUDART_INF_F;
                         }
                 }
@@ -537,14 +543,14 @@ flash_attn_mma(const T* __restrict__ q,          // [B, Hq, Sq, D], strides q_s*
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const float lsum = quad_sum(l[mt][r]);
-            const float inv = lsum > 0.0f ? 1.0f / lsum : 0.0f;
+            const float inv = row_scale(lsum);
             const int row = wrow0 + mt * 16 + g + 8 * r;
             unsigned* srow = reinterpret_cast<unsigned*>(q_s + row * LDS + 2 * tq);
 #pragma unroll
             for (int nt = 0; nt < NT_O; ++nt)
                 srow[nt * 4] = pack2<T>(o[mt][nt][2 * r] * inv, o[mt][nt][2 * r + 1] * inv);
             if (lse && tq == 0 && m0 + row < Sq)
-                lse[obase + m0 + row] = lsum > 0.0f ? m[mt][r] * LN2_F + logf(lsum) : -CUDART_INF_F;
+                lse[obase + m0 + row] = row_lse(m[mt][r], lsum);
         }
     __syncwarp();
     constexpr int CPR = HEAD_DIM / 8;

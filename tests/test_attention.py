@@ -279,11 +279,11 @@ def test_gpu_unaligned_views(rng, impl, misaligned):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["flash", "flash_mma"])
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_gpu_hidden_keys_never_contribute_whatever_they_hold(rng, impl, dtype):
-    """K/V rows past key_lengths hold NaN / inf (an unwritten cache): the fused kernels neither
-    weigh them (P = 0) nor multiply them in (0 * NaN), so out matches the clean reference."""
+    """K/V rows past key_lengths hold NaN / inf (an unwritten cache): no impl weighs them (P = 0)
+    or multiplies them in (0 * NaN), so out matches the clean reference."""
     import cupy
 
     b, hq, hkv, sq, sk, d = 3, 4, 2, 70, 150, 64
@@ -298,6 +298,34 @@ def test_gpu_hidden_keys_never_contribute_whatever_they_hold(rng, impl, dtype):
     assert_close(out, want, dtype)
     _assert_lse(to_host(lse), wl, 2e-2)
     assert np.all(to_host(out)[2] == 0.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl,dtype", IMPL_DTYPE_F32)
+def test_gpu_nan_semantics_follow_the_reference(rng, impl, dtype):
+    """A NaN score behind a -inf mask entry is hidden; a NaN query poisons only its own row
+    (out and lse NaN), even when every other key of that row is masked out."""
+    import cupy
+
+    b, hq, hkv, sq, sk, d = 2, 2, 1, 20, 37, 64
+    (q, qr), (k, kr), (v, vr) = (to_device(x, dtype) for x in _qkv(rng, b, hq, hkv, sq, sk, d))
+    mask = np.zeros((b, hq, sq, sk), np.float32)
+    mask[0, :, :, 5] = -np.inf        # key 5 of batch 0 is hidden from everyone ...
+    kr[0, :, 5] = np.nan              # ... so its NaN key must not matter
+    k[0, :, 5] = np.nan
+    qr[1, 1, 3, 7] = np.nan           # a NaN query: row (1, 1, 3) is NaN, nothing else
+    q[1, 1, 3, 7] = np.nan
+    mask[1, 1, 3, 1:] = -np.inf       # that row sees only key 0 (m would be finite without NaN)
+    want, wl = ref.attention(qr, kr, vr, causal=True, mask=mask, return_lse=True)
+    out, lse = FA.attention(q, k, v, causal=True, mask=cupy.asarray(mask), impl=impl, return_lse=True,
+                            out=nan_like((b, hq, sq, d), dtype))
+    got, gl = to_host(out), to_host(lse)
+    assert np.isnan(want[1, 1, 3]).all() and np.isnan(wl[1, 1, 3])
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_array_equal(np.isnan(gl), np.isnan(wl))
+    fin = ~np.isnan(want[..., 0])
+    assert_close(got[fin], want[fin], dtype)
+    _assert_lse(gl[fin], wl[fin], 2e-2)
 
 
 @pytest.mark.gpu

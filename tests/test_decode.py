@@ -415,6 +415,26 @@ def test_decode_ragged_lengths(backend, rng, impl, dtype, splits):
     _check_decode(backend, rng, dtype, [1, 17, 0, 97, 1000], hkv=2, group=4, d=64, splits=splits, impl=impl)
 
 
+@pytest.mark.parametrize("impl,dtype", [("simt", "float32"), ("mma", "float16")])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_visible_nan_poisons_only_its_rows(backend, rng, impl, dtype, splits):
+    """A NaN in a cached (visible) key makes the rows of that kv head NaN, split or not (the
+    combine must not turn a NaN split into a zero weight); other sequences and heads are exact."""
+    lengths = [40, 33]
+    cache, kf, vf = _filled_cache(backend, rng, dtype, lengths, 2, 64)
+    cache.k[1, 0, 1, 20, 3] = np.nan
+    kf[0, 1, 20, 3] = np.nan
+    q64 = rand_with_outliers(rng, (2, 8, 1, 64)).astype(np_dtype(dtype))
+    out = backend.nan((2, 8, 1, 64), dtype)
+    decode_attention(backend.asarray(q64), cache, 1, num_splits=splits, out=out, impl=impl)
+    want = ref.decode_attention(q64.astype(np.float64), kf, vf, lengths)
+    got = backend.host(out).astype(np.float64)
+    assert np.isnan(want[0, 4:]).all() and not np.isnan(want[0, :4]).any()
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    fin = ~np.isnan(want)
+    assert_close(got[fin], want[fin], dtype, 1e-5 if dtype == "float32" else None)
+
+
 def test_decode_with_preallocated_workspace(backend, rng):
     """workspace= gives the same output as the call's own partials, and bad ones are refused."""
     import cupy
