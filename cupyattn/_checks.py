@@ -109,7 +109,8 @@ def check_real(fn: str, name: str, value, *, minimum: float | None = None, stric
     if finite and not math.isfinite(v):
         raise ValueError(f"{fn}(): {name} must be finite, got {value!r}")
     if minimum is not None and (v < minimum or (strict and v == minimum) or math.isnan(v)):
-        raise ValueError(f"{fn}(): {name} must be {'>' if strict else '>='} {minimum}, got {value!r}")
+        raise ValueError(f"{fn}(): {name} must be finite and {'>' if strict else '>='} {minimum:g}, "
+                         f"got {value!r}")
     return v
 
 

@@ -33,6 +33,7 @@ import math
 import cupy
 import numpy as np
 
+from . import _checks
 from ._checks import check_array, check_choice, check_last_contiguous, check_out, check_same_dtype
 from ._loader import KernelSpec, get_function
 from .config import (DECODE_COMBINE_THREADS, DECODE_HEAD_TILE, DECODE_IMPLS, DECODE_MAX_SPLITS,
@@ -146,17 +147,9 @@ def _check_args(fn, q, cache, layer, scale, num_splits, out, impl):
     if d not in HEAD_DIMS:
         raise ValueError(f"{fn}(): head_dim {d} is not supported; expected one of {HEAD_DIMS}")
     check_last_contiguous(fn, "q", q)
-    if scale is None:
-        scale = 1.0 / math.sqrt(d)
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)) \
-            or not math.isfinite(scale):
-        raise ValueError(f"{fn}(): scale must be a finite number, got {scale!r}")
+    scale = 1.0 / math.sqrt(d) if scale is None else _checks.check_real(fn, "scale", scale)
     if num_splits is not None:
-        if isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer)) \
-                or not 1 <= num_splits <= DECODE_MAX_SPLITS:
-            raise ValueError(f"{fn}(): num_splits must be None or an integer in [1, {DECODE_MAX_SPLITS}], "
-                             f"got {num_splits!r}")
-        num_splits = int(num_splits)
+        num_splits = _checks.check_int(fn, "num_splits", num_splits, 1, DECODE_MAX_SPLITS)
     check_choice(fn, "impl", impl, DECODE_IMPLS)
     if impl == "mma" and np.dtype(q.dtype) not in MMA_DTYPES:
         raise TypeError(f"{fn}(): impl='mma' needs float16 or bfloat16, got {np.dtype(q.dtype)} "
@@ -166,6 +159,7 @@ def _check_args(fn, q, cache, layer, scale, num_splits, out, impl):
         raise ValueError(f"{fn}(): batch {b} x {hq} heads exceed one launch's grid ({MAX_GRID_YZ} blocks in y, z)")
     if out is not None:
         check_out(fn, out, (b, hq, 1, d), q.dtype)
+        _checks.check_no_overlap(fn, out, {"q": q, "the cache's keys": cache.k, "the cache's values": cache.v})
     return layer, b, hq, d, float(scale), num_splits, plan
 
 
@@ -240,13 +234,15 @@ def decode_attention(q, cache, layer, scale=None, num_splits=None, out=None, wor
                                        int(cache.host_lengths[layer].max()), _sm_count(),
                                        plan.tile.blocks_per_sm)
     if workspace is not None:
-        _check_workspace(fn, workspace, num_splits, b, hq, d)
+        _check_workspace(fn, workspace, num_splits, b, hq, d, q, cache, out)
     if out is None:
         out = cupy.empty((b, hq, 1, d), dtype=q.dtype)
+    if hq == 0:
+        return out  # no query heads: nothing to compute (and no empty grid to launch)
     return _launch(q, cache, layer, scale, num_splits, out, plan, workspace)
 
 
-def _check_workspace(fn, workspace, num_splits, b, hq, d):
+def _check_workspace(fn, workspace, num_splits, b, hq, d, q, cache, out):
     if not isinstance(workspace, tuple) or len(workspace) != 2:
         raise TypeError(f"{fn}(): workspace must be a tuple (o_part, lse_part), got {type(workspace).__name__}")
     o_part, lse_part = workspace
@@ -255,6 +251,9 @@ def _check_workspace(fn, workspace, num_splits, b, hq, d):
         if tuple(x.shape[1:]) != tail or x.shape[0] < num_splits or not x.flags.c_contiguous:
             raise ValueError(f"{fn}(): {name} must be C-contiguous float32 of shape [S >= {num_splits}, "
                              f"{', '.join(map(str, tail))}], got {tuple(x.shape)}")
+        _checks.check_no_overlap(fn, x, {"q": q, "out": out, "the cache's keys": cache.k,
+                                         "the cache's values": cache.v}, out_name=name)
+    _checks.check_no_overlap(fn, o_part, {"workspace[1]": lse_part}, out_name="workspace[0]")
 
 
 def decode_split_partials(q, cache, layer, num_splits, scale=None, impl="auto"):

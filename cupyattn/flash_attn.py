@@ -78,7 +78,7 @@ def _check_key_lengths(key_lengths, b: int, sk: int):
                             f"{type(key_lengths).__name__}") from e
         where = "host"
     if kl.dtype.kind not in "iu":
-        raise TypeError(f"{_FN}(): key_lengths must be integers of shape [B], got dtype {kl.dtype}")
+        raise TypeError(f"{_FN}(): key_lengths must have an integer dtype, got {kl.dtype}")
     if tuple(kl.shape) != (b,):
         raise ValueError(f"{_FN}(): key_lengths must have shape [B] = ({b},), got {tuple(kl.shape)}")
     if where == "host" and kl.size and (kl.min() < 0 or kl.max() > sk):

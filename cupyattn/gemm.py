@@ -81,7 +81,19 @@ def _collapse(batch, sa, sb) -> list[tuple[int, int, int]]:
     return dims
 
 
-def _fold_batch(m: int, lda: int, dims):
+def _tile_rows(impl: str) -> tuple[int, int]:
+    """(rows of C, columns of C) one block of ``impl`` computes."""
+    if impl == "skinny":
+        return 16, 8 * GEMM_SKINNY.n_tiles
+    return GEMM_TILES[impl].bm, GEMM_TILES[impl].bn
+
+
+def _n_tiles(impl: str, m: int, n: int) -> int:
+    rows_m, rows_n = _tile_rows(impl)
+    return -(-m // rows_m) * -(-n // rows_n)
+
+
+def _fold_batch(m: int, lda: int, dims, n: int = 1, impl: str = "auto", dtype=None):
     """Fold the batch into M when b is shared by every batch entry: ``(m, lda, dims)`` after.
 
     ``dims`` are the collapsed batch dims [(size, a_stride, b_stride)]. With one dim whose b
@@ -91,8 +103,10 @@ def _fold_batch(m: int, lda: int, dims):
     """
     if len(dims) == 1 and dims[0][2] == 0:
         size, a_st, _ = dims[0]
-        if (m == 1 or a_st == m * lda) and size * m <= INT32_MAX:
-            return size * m, (a_st if m == 1 else lda), []
+        folded = size * m
+        if (m == 1 or a_st == m * lda) and folded <= INT32_MAX \
+                and _n_tiles(_pick_impl(impl, dtype, True, folded), folded, n) <= INT32_MAX:
+            return folded, (a_st if m == 1 else lda), []
     return m, lda, dims
 
 
@@ -131,10 +145,12 @@ def _check_args(fn, a, b, out, impl, nt):
         raise ValueError(f"{fn}(): impl='skinny' is a gemm_nt kernel (b rows are the weight rows it "
                          f"streams); use impl='mma', 'simt' or 'auto'")
     for name, v in (("M", m), ("N", n), ("K", k)):
-        if v > INT32_MAX:
-            raise ValueError(f"{fn}(): {name}={v} exceeds the kernels' int32 limit")
+        _checks.check_int32(fn, name, v)
+    if _n_tiles(_pick_impl(impl, a.dtype, nt, m), m, n) > INT32_MAX:
+        raise ValueError(f"{fn}(): M={m}, N={n} need more than 2^31-1 thread blocks")
     if out is not None:
         _checks.check_out(fn, out, batch + (m, n), a.dtype)
+        _checks.check_no_overlap(fn, out, {"a": a, "b": b})
     return batch, m, n, k
 
 
@@ -157,7 +173,7 @@ def _gemm(fn, a, b, out, impl, nt):
     lda = a.strides[-2] // isz if m > 1 else 0  # a unit dim's stride is never used
     b_rows = n if nt else k
     ldb = b.strides[-2] // isz if b_rows > 1 else 0
-    m, lda, dims = _fold_batch(m, lda, dims)
+    m, lda, dims = _fold_batch(m, lda, dims, n, impl, a.dtype)
     impl = _pick_impl(impl, a.dtype, nt, m)
     dims = [(1, 0, 0)] * (2 - len(dims)) + dims
     (n_out, a_so, b_so), (n_in, a_si, b_si) = dims
@@ -171,15 +187,14 @@ def _gemm(fn, a, b, out, impl, nt):
     if out.data.ptr % 4 == 0 and n % 2 == 0:
         vec_ok |= 2
 
+    rows_m, rows_n = _tile_rows(impl)
     if impl == "skinny":
-        rows_m, rows_n, threads, smem = 16, 8 * GEMM_SKINNY.n_tiles, 32 * GEMM_SKINNY.warps, 0
+        threads, smem = 32 * GEMM_SKINNY.warps, 0
     else:
         tile = GEMM_TILES[impl]
-        rows_m, rows_n, threads = tile.bm, tile.bn, tile.threads
+        threads = tile.threads
         smem = gemm_mma_smem_bytes(tile, nt) if impl == "mma" else 0
     tiles_m, tiles_n = -(-m // rows_m), -(-n // rows_n)
-    if tiles_m * tiles_n > INT32_MAX:
-        raise ValueError(f"{fn}(): M={m}, N={n} need more than 2^31-1 tiles")
     kern = get_function(SPEC, _expr(impl, a.dtype, nt), dynamic_smem=smem)
     i32, i64 = np.int32, np.int64
     kern((tiles_m * tiles_n, min(nbatch, MAX_GRID_YZ), 1), (threads, 1, 1),
@@ -199,7 +214,8 @@ def gemm_nt(a, b, out=None, *, impl="auto"):
         Same dtype as ``a``. Leading dims broadcast against ``a``'s (a 2-D ``b`` is shared by
         every batch entry without a copy).
     out : cupy.ndarray, shape [..., M, N], optional
-        C-contiguous, same dtype as ``a``; written in place and returned.
+        C-contiguous, same dtype as ``a``; written in place and returned. It must not overlap
+        ``a`` or ``b`` in memory (ValueError).
     impl : {"auto", "simt", "mma", "skinny"}
         Which kernel (module docstring); "auto" is skinny for M <= 16 (after folding a batch
         that shares ``b`` into M), else tensor cores for 16-bit inputs, SIMT for float32.
@@ -229,7 +245,8 @@ def gemm_nn(a, b, out=None, *, impl="auto"):
     b : cupy.ndarray, shape [..., K, N]
         Same dtype as ``a``; leading dims broadcast against ``a``'s.
     out : cupy.ndarray, shape [..., M, N], optional
-        C-contiguous, same dtype as ``a``; written in place and returned.
+        C-contiguous, same dtype as ``a``; written in place and returned. It must not overlap
+        ``a`` or ``b`` in memory (ValueError).
     impl : {"auto", "simt", "mma"}
         As for :func:`gemm_nt`; "auto" is tensor cores for 16-bit inputs, SIMT for float32
         (skinny is a gemm_nt kernel).

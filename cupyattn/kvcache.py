@@ -65,6 +65,13 @@ class KVCache:
     lengths : cupy.ndarray int32 [num_layers, batch]   tokens cached per layer and sequence
     host_lengths : numpy.ndarray int64 [num_layers, batch]   host mirror of ``lengths``
 
+    Failures: every check (capacity on the host mirror included) runs before anything is
+    launched, so a failed call changes neither the cache nor its lengths. The host mirror moves
+    only after all of a call's launches were issued without error; if a launch raises, the
+    device lengths were not advanced either (the advance comes last, in stream order). A kernel
+    fault reported later by CUDA (an asynchronous error at a later sync) leaves the CUDA context
+    unusable: make a new cache in a new process.
+
     Examples
     --------
     >>> cache = KVCache(2, 1, 4, 1024, 64, cupy.float16)
@@ -80,8 +87,12 @@ class KVCache:
         self.num_kv_heads = _checks.check_positive_int(fn, "num_kv_heads", num_kv_heads)
         self.max_seq = _checks.check_positive_int(fn, "max_seq", max_seq)
         self.head_dim = _checks.check_positive_int(fn, "head_dim", head_dim)
-        if self.max_seq >= 2**31:
-            raise ValueError(f"{fn}(): max_seq={self.max_seq} does not fit the int32 lengths")
+        _checks.check_int32(fn, "max_seq (lengths are int32 on the device)", self.max_seq)
+        _checks.check_int32(fn, "head_dim", self.head_dim)
+        for name, n in (("batch", self.batch), ("num_kv_heads", self.num_kv_heads)):
+            if n > MAX_GRID_YZ:  # the append and decode launches give each one a grid row
+                raise ValueError(f"{fn}(): {name}={n} is more than a launch's grid dimension holds "
+                                 f"({MAX_GRID_YZ})")
         try:
             dt = np.dtype(dtype)
         except TypeError:
@@ -204,6 +215,10 @@ class KVCache:
             raise ValueError(f"{fn}(): v_new has shape {tuple(v_new.shape)} but k_new has {tuple(k_new.shape)}")
         check_last_contiguous(fn, "k_new", k_new)
         check_last_contiguous(fn, "v_new", v_new)
+        _checks.check_int32(fn, "T (k_new.shape[2])", t)
+        for name, x in (("k_new", k_new), ("v_new", v_new)):
+            _checks.check_no_overlap(fn, x, {"the cache's keys": self.k, "the cache's values": self.v},
+                                     out_name=name)
         counts = self._counts(fn, num_new, t)
         self._check_capacity(fn, counts, (layer,))
         if not counts.any():
@@ -283,15 +298,15 @@ class KVCache:
         if d % 2:
             raise ValueError(f"{fn}(): RoPE needs an even head_dim, the cache has {d}")
         check_last_contiguous(fn, "qkv", qkv)
-        try:
-            base = float(rope_base)
-        except (TypeError, ValueError):
-            raise TypeError(f"{fn}(): rope_base must be a real number, got {rope_base!r}") from None
-        if not (math.isfinite(base) and base > 0):
-            raise ValueError(f"{fn}(): rope_base must be finite and > 0, got {rope_base!r}")
+        _checks.check_int32(fn, "T (qkv.shape[1])", t)
+        _checks.check_int32(fn, "the packed width (qkv.shape[2])", width)
+        base = _checks.check_real(fn, "rope_base", rope_base, minimum=0.0, strict=True)
         _checks.check_choice(fn, "rope_style", rope_style, ROPE_STYLES)
+        cache = {"the cache's keys": self.k, "the cache's values": self.v}
+        _checks.check_no_overlap(fn, qkv, cache, out_name="qkv")
         if q_out is not None:
             _checks.check_out(fn, q_out, (b, hq, t, d), self.dtype, name="q_out")
+            _checks.check_no_overlap(fn, q_out, {"qkv": qkv, **cache}, out_name="q_out")
         counts = self._counts(fn, num_new, t)
         self._check_capacity(fn, counts, (layer,))
         half = d // 2

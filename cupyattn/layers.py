@@ -25,7 +25,7 @@ import numpy as np
 
 from . import _checks as C
 from ._loader import KernelSpec, get_function, ptr_or_null
-from .config import (DTYPES, INDEX_CTYPES, INT32_MAX, LAYERS_MAX_BLOCKS, LAYERS_THREADS,
+from .config import (DTYPES, INDEX_CTYPES, INT32_MAX, LAYERS_MAX_BLOCKS, LAYERS_THREADS, MAX_GRID_X,
                      RMSNORM_IMPLS, RMSNORM_WARP_MAX_D, RMSNORM_WARPS, RMSNORM_WEIGHT_CTYPES, VEC16,
                      cbool, ctype, defines)
 
@@ -38,8 +38,8 @@ def _exprs():
         out += [f"{kind}<{t}, {w}, {v}, {cbool(add)}>" for t in cts for w in RMSNORM_WEIGHT_CTYPES[t]
                 for v in (1, VEC16[t]) for add in (False, True)]
     for t in cts:
-        out += [f"rope_kernel<{t}, {cbool(neox)}, {cbool(pv)}>" for neox, pv in
-                ((False, False), (False, True), (True, False))]
+        out += [f"rope_kernel<{t}, {cbool(neox)}, {cbool(pv)}, {i}>" for neox, pv in
+                ((False, False), (False, True), (True, False)) for i in INDEX_CTYPES.values()]
     for kind in ("swiglu_kernel", "add_kernel"):
         out += [f"{kind}<{t}, {v}>" for t in cts for v in (1, VEC16[t])]
     out += [f"embedding_kernel<{t}, {i}, {v}>" for t in cts for i in INDEX_CTYPES.values()
@@ -81,17 +81,6 @@ def _new_or_out(fn, out, shape, dtype):
     return C.check_out(fn, out, shape, dtype)
 
 
-def _check_float(fn: str, name: str, value, minimum: float, strict: bool) -> float:
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        raise TypeError(f"{fn}(): {name} must be a real number, got {value!r}") from None
-    if not math.isfinite(v) or v < minimum or (strict and v == minimum):
-        rel = ">" if strict else ">="
-        raise ValueError(f"{fn}(): {name} must be finite and {rel} {minimum}, got {value!r}")
-    return v
-
-
 # --- rmsnorm ---------------------------------------------------------------------------------------
 def rmsnorm(x, weight, eps=1e-5, out=None, impl="auto"):
     """Root-mean-square norm over the last dimension, ``x / sqrt(mean(x**2) + eps) * weight``.
@@ -106,7 +95,8 @@ def rmsnorm(x, weight, eps=1e-5, out=None, impl="auto"):
     eps : float
         Added to the mean of squares; >= 0.
     out : cupy.ndarray [..., D], optional
-        C-contiguous, dtype of ``x``; may be ``x`` itself (in place).
+        C-contiguous, dtype of ``x``; may be ``x`` itself (in place), must not otherwise
+        overlap ``x`` or ``weight`` (ValueError).
     impl : {"auto", "warp", "block"}
         Which kernel: one warp per row, or one block per row; "auto" takes the warp kernel for
         D <= 1024.
@@ -117,7 +107,10 @@ def rmsnorm(x, weight, eps=1e-5, out=None, impl="auto"):
     """
     fn = "rmsnorm"
     _check_norm(fn, x, weight, impl)
-    eps = _check_float(fn, "eps", eps, 0.0, strict=False)
+    eps = C.check_real(fn, "eps", eps, minimum=0.0)
+    if out is not None:
+        C.check_out(fn, out, x.shape, x.dtype)
+        C.check_no_overlap(fn, out, {"x": x, "weight": weight}, in_place=("x",))
     out = _new_or_out(fn, out, x.shape, x.dtype)
     _launch_norm(x, None, weight, out, eps, impl)
     return out
@@ -159,21 +152,14 @@ def add_rmsnorm(x, r, weight, eps=1e-5, out=None, impl="auto"):
         raise ValueError(f"{fn}(): r has shape {tuple(r.shape)} but x has {tuple(x.shape)}")
     if not x.flags.c_contiguous:
         raise ValueError(f"{fn}(): x is updated in place and must be C-contiguous")
-    eps = _check_float(fn, "eps", eps, 0.0, strict=False)
+    eps = C.check_real(fn, "eps", eps, minimum=0.0)
+    C.check_no_overlap(fn, x, {"r": r, "weight": weight}, in_place=("r",), out_name="x")
+    if out is not None:
+        C.check_out(fn, out, x.shape, x.dtype)
+        C.check_no_overlap(fn, out, {"x": x, "r": r, "weight": weight})
     out = _new_or_out(fn, out, x.shape, x.dtype)
-    for name, other in (("x", x), ("r", r)):
-        if out.size and _overlap(out, other):
-            raise ValueError(f"{fn}(): out overlaps {name}; pass a separate buffer")
     _launch_norm(x, cupy.ascontiguousarray(r), weight, out, eps, impl)
     return x, out
-
-
-def _overlap(a, b) -> bool:
-    """Whether the byte ranges spanned by two arrays intersect (conservative for strided views)."""
-    lo_a, lo_b = _ptr(a), _ptr(b)
-    hi_a = lo_a + sum((n - 1) * abs(st) for n, st in zip(a.shape, a.strides)) + a.itemsize
-    hi_b = lo_b + sum((n - 1) * abs(st) for n, st in zip(b.shape, b.strides)) + b.itemsize
-    return lo_a < hi_b and lo_b < hi_a
 
 
 def _check_norm(fn, x, weight, impl):
@@ -187,6 +173,10 @@ def _check_norm(fn, x, weight, impl):
         raise TypeError(f"{fn}(): weight has dtype {C.dtype_name(weight.dtype)}; expected "
                         f"{C.dtype_name(x.dtype)} (as x){also}")
     C.check_choice(fn, "impl", impl, RMSNORM_IMPLS)
+    C.check_int32(fn, "D (x.shape[-1])", d)
+    rows = x.size // d if d else 0
+    if rows > MAX_GRID_X:  # the block kernel takes one block per row
+        raise ValueError(f"{fn}(): {rows} rows are more than one launch's grid holds ({MAX_GRID_X})")
 
 
 def _launch_norm(x, r, weight, out, eps, impl):
@@ -232,12 +222,13 @@ def rope(x, positions, base=10000.0, style="adjacent", out=None):
         projection are fine); the last dim must be contiguous when ``out is x``, otherwise such
         an x is copied first.
     positions : cupy.ndarray [B, T]
-        int32 (int64 is converted on device; values must fit int32). Negative positions rotate
-        backwards.
+        int32 or int64, read as they are (an int64 position past 2^31 is not narrowed).
+        Negative positions rotate backwards.
     base : float
         > 0 (10000 for Llama 2, 100000 for SmolLM2).
     out : cupy.ndarray [B, H, T, D], optional
-        ``x`` itself (in place, x's strides kept) or a C-contiguous array of x's dtype.
+        ``x`` itself (in place, x's strides kept) or a C-contiguous array of x's dtype that does
+        not overlap ``x`` or ``positions`` (ValueError).
 
     The angle is formed and reduced modulo 2*pi in double precision, then rotated in float32,
     so positions in the tens of thousands lose no accuracy (see rope_kernel in layers.cu).
@@ -251,10 +242,13 @@ def rope(x, positions, base=10000.0, style="adjacent", out=None):
     if tuple(positions.shape) != (b, t):
         raise ValueError(f"{fn}(): positions has shape {tuple(positions.shape)}, "
                          f"expected ({b}, {t}) = [B, T] of x")
-    base = _check_float(fn, "base", base, 0.0, strict=True)
+    base = C.check_real(fn, "base", base, minimum=0.0, strict=True)
     C.check_choice(fn, "style", style, ROPE_STYLES)
     if b * h * t > INT32_MAX:
         raise ValueError(f"{fn}(): B*H*T = {b * h * t} rows is more than this kernel indexes (2^31 - 1)")
+    if out is not None and out is not x:
+        C.check_out(fn, out, x.shape, x.dtype)
+        C.check_no_overlap(fn, out, {"x": x, "positions": positions})
     if out is x:
         C.check_last_contiguous(fn, "x (rotated in place)", x)
         if any(s == 0 and n > 1 for s, n in zip(x.strides, x.shape)):
@@ -265,7 +259,7 @@ def rope(x, positions, base=10000.0, style="adjacent", out=None):
         return out
     if x.strides[-1] != x.itemsize:
         x = cupy.ascontiguousarray(x)
-    pos = cupy.ascontiguousarray(positions, dtype=cupy.int32)
+    pos = cupy.ascontiguousarray(positions)
     half = d // 2
     ct = ctype(x.dtype)
     xs = [s // x.itemsize for s in x.strides[:3]]
@@ -274,7 +268,8 @@ def rope(x, positions, base=10000.0, style="adjacent", out=None):
     # adjacent pairs load as one 2-element vector when every row start is 2-element aligned
     pv = (not neox and _aligned(2 * x.itemsize, x, out)
           and all(s % 2 == 0 for s, n in zip(xs + ys, (b, h, t) * 2) if n > 1))
-    kern = get_function(SPEC, f"rope_kernel<{ct}, {cbool(neox)}, {cbool(pv)}>")
+    kern = get_function(SPEC, f"rope_kernel<{ct}, {cbool(neox)}, {cbool(pv)}, "
+                              f"{INDEX_CTYPES[np.dtype(pos.dtype)]}>")
     rows = b * h * t
     bx, by = _row_block(half)
     grid = min(-(-rows // by), LAYERS_MAX_BLOCKS)
@@ -286,12 +281,17 @@ def rope(x, positions, base=10000.0, style="adjacent", out=None):
 
 # --- elementwise -----------------------------------------------------------------------------------
 def _check_pair(fn, a_name, a, b_name, b, out):
-    """Two same-shape, same-dtype inputs; returns the output array (given or new)."""
+    """Two same-shape, same-dtype inputs; returns the output array (given or new). ``out`` may
+    be exactly ``a`` or ``b`` (elementwise: each thread reads an element, then writes it), but
+    must not otherwise overlap them."""
     C.check_array(fn, a_name, a)
     C.check_array(fn, b_name, b)
     C.check_same_dtype(fn, b_name, b, a_name, a)
     if tuple(b.shape) != tuple(a.shape):
         raise ValueError(f"{fn}(): {b_name} has shape {tuple(b.shape)} but {a_name} has {tuple(a.shape)}")
+    if out is not None:
+        C.check_out(fn, out, a.shape, a.dtype)
+        C.check_no_overlap(fn, out, {a_name: a, b_name: b}, in_place=(a_name, b_name))
     return _new_or_out(fn, out, a.shape, a.dtype)
 
 
@@ -384,6 +384,10 @@ def embedding(ids, table, out=None):
     C.check_array(fn, "table", table, ndim=2)
     C.check_last_contiguous(fn, "table", table)
     vocab, d = table.shape
+    C.check_int32(fn, "D (table.shape[1])", d)
+    if out is not None:
+        C.check_out(fn, out, tuple(ids.shape) + (d,), table.dtype)
+        C.check_no_overlap(fn, out, {"ids": ids, "table": table})
     out = _new_or_out(fn, out, tuple(ids.shape) + (d,), table.dtype)
     n = ids.size
     if n == 0 or d == 0:

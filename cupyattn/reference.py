@@ -51,7 +51,7 @@ def _normalise(s, hidden, axis):
     sees nothing -> 0, a NaN or +inf among the visible scores -> NaN at the visible positions.
     Returns (p, m_safe, l): probabilities, the max used, and the row sums (NaN for NaN rows)."""
     s = np.where(hidden, -np.inf, s)
-    m = np.max(s, axis=axis, keepdims=True)  # NaN if a visible score is NaN
+    m = np.max(s, axis=axis, keepdims=True, initial=-np.inf)  # NaN if a visible score is NaN; -inf if none
     m_safe = np.where(m == -np.inf, 0.0, m)  # nothing visible: exp(-inf - 0) = 0
     with np.errstate(invalid="ignore"):
         e = np.where(hidden, 0.0, np.exp(s - m_safe))  # +inf - +inf = NaN, as on the device
@@ -370,7 +370,7 @@ def sample_token(logits, temperature, top_k=0, top_p=1.0, seed=0, step=0, mass_b
     in float32), integer cuts, the Philox uniform of (seed, step), inverse CDF in id order."""
     l = np.asarray(logits).astype(np.float32).reshape(-1)
     safe = np.where(np.isnan(l), np.float32(-np.inf), l)
-    if temperature <= 0:
+    if np.float32(temperature) <= 0:  # the device holds T in float32: 0 < T < 2^-149 is greedy
         return int(np.argmax(safe))
     lmax = safe.max()
     inv_t = np.float32(1.0) / np.float32(temperature)

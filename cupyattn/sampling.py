@@ -18,7 +18,7 @@ Distribution (``cupyattn.reference.sampling_probs`` is its float64 model): softm
 ``logits / temperature`` restricted to the top-k logits (ties at the k-th value all kept) and
 then to the smallest most-likely set whose probability reaches top_p (ties at the cut kept
 whole). Probabilities are 40-bit fixed point relative to the most likely token, so tokens less
-likely than 2^-40 of it are never drawn; NaN logits are never drawn. ``temperature <= 0`` is
+likely than 2^-40 of it are never drawn; NaN logits are never drawn. ``temperature == 0`` is
 greedy: the first index of the largest logit, as ``numpy.argmax``.
 
 Example
@@ -77,13 +77,15 @@ class SamplingParams:
                              f"(one per sequence), got {value!r}")
         if dtype.kind == "i" and a.size and not np.issubdtype(a.dtype, np.integer):
             raise TypeError(f"SamplingParams.set(): {name} must be integers, got {value!r}")
+        if a.dtype.kind not in "iuf":  # not a string, a bool or an object that converts
+            raise TypeError(f"SamplingParams.set(): {name} must be numbers, got {value!r}")
         return np.broadcast_to(a.reshape(-1), (self.batch,)).astype(dtype)
 
     def set(self, temperature=0.0, top_k=0, top_p=1.0, seed=0, step=0):
         """Write the settings (host -> device copies: call it before a capture or replay, not
         inside one). Each is one value for every sequence or one per sequence.
 
-        temperature : <= 0 for greedy, else logits are divided by it (finite).
+        temperature : 0 for greedy, else logits are divided by it (finite, >= 0).
         top_k : 0 (off) or the number of most likely tokens to keep (>= 0).
         top_p : in (0, 1]; 1 is off.
         seed : int in [0, 2^64); a scalar gives sequence b the seed ``seed + b`` (mod 2^64).
@@ -94,8 +96,8 @@ class SamplingParams:
         p = self._per_seq("top_p", top_p, np.dtype(np.float64))
         k = self._per_seq("top_k", top_k, np.dtype(np.int64))
         st = self._per_seq("step", step, np.dtype(np.int64))
-        if not np.isfinite(t).all():
-            raise ValueError(f"{fn}(): temperature must be finite, got {temperature!r}")
+        if not (np.isfinite(t) & (t >= 0)).all():
+            raise ValueError(f"{fn}(): temperature must be finite and >= 0 (0 = greedy), got {temperature!r}")
         if not ((p > 0) & (p <= 1)).all():
             raise ValueError(f"{fn}(): top_p must be in (0, 1], got {top_p!r}")
         if (k < 0).any() or (k > np.iinfo(np.int32).max).any():
@@ -143,6 +145,8 @@ def _check_args(fn, logits, params, out):
         if out.size != rows or not out.flags.c_contiguous:
             raise ValueError(f"{fn}(): out must be a C-contiguous int32 array of {rows} elements "
                              f"(one per row), got shape {tuple(out.shape)}")
+        extra = {} if params is None else {"params.fparams": params.fparams, "params.iparams": params.iparams}
+        C.check_no_overlap(fn, out, {"logits": logits, **extra})
     return rows, v
 
 

@@ -8,7 +8,8 @@
 //                               squares (add_rmsnorm), one launch instead of two and x read once.
 //   rmsnorm_block_kernel<T,W,V,ADD> one block per row: per-warp shuffle reduction, warp partials
 //                               through 32 floats of smem, then every warp reduces them. D > 1024.
-//   rope_kernel<T,NEOX,PV>      one thread per rotation pair; rows grid-strided, so a thread
+//   rope_kernel<T,NEOX,PV,I>    one thread per rotation pair (positions of type I: int or long
+//                               long, so an int64 position is never narrowed); rows grid-strided, so a thread
 //                               forms its pair's base^(-i/half) (double exp2) once and reuses it
 //                               for many rows. Angle pos*inv_freq made and reduced mod 2pi in
 //                               double, sincospif on (reduced angle)/pi in float (rope.cuh). Any [B,H,T]
@@ -143,9 +144,9 @@ __global__ void __launch_bounds__(1024) rmsnorm_block_kernel(
 // yst, 1), may be x; pos: [B, seq] int32 C-contiguous. Block (bx, by): bx threads over pairs, by
 // rows; rows = B*H*seq < 2^31 (host-checked). freq_scale = -log2(base) / half; the angle and its
 // precision: rope.cuh.
-template <typename T, bool NEOX, bool PV>
+template <typename T, bool NEOX, bool PV, typename I>
 __global__ void __launch_bounds__(LAYERS_THREADS) rope_kernel(
-    const T* x, T* y, const int* __restrict__ pos,
+    const T* x, T* y, const I* __restrict__ pos,  // pos: int or long long, used as 64-bit
     int rows, int H, int seq, int half,
     long long xsb, long long xsh, long long xst,
     long long ysb, long long ysh, long long yst, double freq_scale) {
@@ -161,7 +162,7 @@ __global__ void __launch_bounds__(LAYERS_THREADS) rope_kernel(
             const T* xr = x + b * xsb + h * xsh + t * xst;
             T* yr = y + b * ysb + h * ysh + t * yst;
             float s, c;
-            rope_sincos(pos[(long long)b * seq + t], inv_freq, &s, &c);
+            rope_sincos((long long)pos[(long long)b * seq + t], inv_freq, &s, &c);
             float x0, x1;
             if (PV) {
                 const Vec<T, 2> p = load_vec<T, 2>(xr + ia);

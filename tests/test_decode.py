@@ -212,7 +212,7 @@ def test_decode_checks():
         (dict(q=cupy.zeros((2, 6, 1, 128), dtype=f16)[..., ::2]), ValueError, "contiguous"),
         (dict(num_splits=0), ValueError, "num_splits"),
         (dict(num_splits=config.DECODE_MAX_SPLITS + 1), ValueError, "num_splits"),
-        (dict(num_splits=2.0), ValueError, "num_splits"),
+        (dict(num_splits=2.0), TypeError, "num_splits must be an integer"),
         (dict(scale=float("nan")), ValueError, "scale"),
         (dict(out=cupy.zeros((2, 6, 1, 64), dtype=f32)), TypeError, "out has dtype"),
         (dict(out=cupy.zeros((2, 6, 64), dtype=f16)), ValueError, "out has shape"),

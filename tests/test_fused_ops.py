@@ -237,7 +237,7 @@ def test_gpu_greedy_is_argmax_exactly(rng, dtype, v):
     zr[4, 0] = np.nan  # NaN is never the argmax
     zd[4, 0] = np.nan
     out = cupy.full(5, -7, dtype=cupy.int32)
-    params = S.SamplingParams(5, temperature=[0.0, -1.0, 0.0, 0.0, 0.0], top_k=3, seed=1)
+    params = S.SamplingParams(5, temperature=0.0, top_k=3, seed=1)
     assert S.sample(zd, params, out=out) is out
     want = np.argmax(np.where(np.isnan(zr), -np.inf, zr), axis=1)
     assert to_host(out).astype(int).tolist() == want.tolist()

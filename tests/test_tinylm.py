@@ -167,6 +167,43 @@ def test_chunked_prefill_and_batch_match_recompute(tiny):
     np.testing.assert_allclose(full[1], tiny.logits(ids[1]), atol=1e-5)
 
 
+def test_long_prompt_prefills_in_chunks_with_progress(tiny, monkeypatch):
+    """A prompt longer than PREFILL_CHUNK runs as chunks over the cache: progress after each
+    chunk, and the last-token logits of one pass (within rounding)."""
+    g = sys.modules["tinylm.generate"]  # the module (tinylm.generate is also a function's name)
+    m = tiny.model
+    ids = [(7 * i + 3) % 256 for i in range(10)]
+    state = m.new_state(1, 16)
+    one_pass = m.ops.to_numpy(prefill(m, state, ids))[0].copy()
+    monkeypatch.setattr(g, "PREFILL_CHUNK", 3)
+    calls = []
+    chunked = m.ops.to_numpy(prefill(m, state, ids, on_progress=lambda d, t: calls.append((d, t))))[0]
+    assert calls == [(3, 10), (6, 10), (9, 10), (10, 10)]
+    assert state.length == 10
+    np.testing.assert_allclose(chunked, one_pass, atol=1e-4)
+
+
+@pytest.mark.parametrize("extra,shown", [([], True), (["--quiet"], False), (["--json"], False),
+                                         (["--prompt", "abcdefgh", "--prompt", "hgfedcba"], True)])  # one length: chunked
+def test_cli_shows_progress_of_a_slow_prefill(extra, shown, monkeypatch, capsys):
+    """A prefill still running after PROGRESS_AFTER_S prints 'prefill done/total' lines on
+    stderr (not with --quiet or --json), ending with the whole prompt."""
+    import tinylm.__main__ as cli
+
+    g = sys.modules["tinylm.generate"]
+
+    monkeypatch.setattr(g, "PREFILL_CHUNK", 2)
+    monkeypatch.setattr(cli, "PROGRESS_AFTER_S", 0.0)
+    prompt = [] if "--prompt" in extra else ["hello there"]
+    assert cli_main([*prompt, *extra, "--preset", "tiny", "--max-new-tokens", "2", "--backend", "numpy"]) == 0
+    err = capsys.readouterr().err
+    lines = [x for x in err.replace("\r", "\n").splitlines() if x.startswith("tinylm: prefill")]
+    assert bool(lines) == shown, err
+    if shown:
+        done_total = [tuple(map(int, x.split()[2].split("/"))) for x in lines]
+        assert done_total[-1][0] == done_total[-1][1] > 2 and len(done_total) >= 2
+
+
 def test_cache_overflow_is_a_clear_error(tiny):
     m = tiny.model
     state = m.new_state(1, 4)

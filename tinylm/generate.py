@@ -56,16 +56,35 @@ class GenerationResult:
 
 
 # --- the steps ------------------------------------------------------------------------------
-def prefill(model: Transformer, state: RunState, prompt_ids, num_new=None):
+PREFILL_CHUNK = 512  # prompts longer than this are prefilled in chunks of it (progress, memory)
+
+
+def prefill(model: Transformer, state: RunState, prompt_ids, num_new=None, on_progress=None):
     """Reset the state and run the prompt [B, T] (host ints; right-padded rows when num_new
-    gives each row's real length): logits at each row's last real token, [B, vocab]."""
+    gives each row's real length): logits at each row's last real token, [B, vocab].
+
+    A prompt longer than PREFILL_CHUNK tokens (all rows of one length) runs as chunks, each
+    attending to the cached keys of the ones before (the same logits up to rounding);
+    ``on_progress(done, total)`` is called after each chunk.
+    """
     ids = np.asarray(prompt_ids)
     if ids.ndim == 1:
         ids = ids[None, :]
     if ids.shape[1] == 0:
         raise ValueError("the prompt is empty: prefill needs at least one token")
     state.reset()
-    return model.forward(model.ops.ids(ids), state, num_new=num_new)[:, -1]
+    t = ids.shape[1]
+    if t <= PREFILL_CHUNK or num_new is not None:
+        logits = model.forward(model.ops.ids(ids), state, num_new=num_new)[:, -1]
+        if on_progress is not None:
+            on_progress(t, t)
+        return logits
+    for c0 in range(0, t, PREFILL_CHUNK):
+        c1 = min(c0 + PREFILL_CHUNK, t)
+        logits = model.forward(model.ops.ids(np.ascontiguousarray(ids[:, c0:c1])), state)[:, -1]
+        if on_progress is not None:
+            on_progress(c1, t)
+    return logits
 
 
 def decode_one(model: Transformer, state: RunState, token):
@@ -85,7 +104,7 @@ def _stop_set(eos_id) -> frozenset:
 
 
 def generate(model: Transformer, state: RunState, prompt_ids, max_new_tokens: int, sampler: Sampler,
-             eos_id=None, on_token=None, graphs: bool = True) -> GenerationResult:
+             eos_id=None, on_token=None, graphs: bool = True, on_prefill=None) -> GenerationResult:
     """Greedy or sampled generation for one sequence (batch 1) with timing stats.
 
     on_token(token_id) is called as soon as each id is on the host (for streaming).
@@ -97,19 +116,21 @@ def generate(model: Transformer, state: RunState, prompt_ids, max_new_tokens: in
         raise ValueError("generate() runs one sequence: make the state with batch=1 (or use generate_batch)")
     cb = None if on_token is None else (lambda i, tok: on_token(tok))
     return generate_batch(model, state, [prompt_ids], max_new_tokens, sampler.temperature, sampler.top_k,
-                          sampler.top_p, sampler.seed or 0, eos_id, cb, graphs, samplers=[sampler])[0]
+                          sampler.top_p, sampler.seed or 0, eos_id, cb, graphs, samplers=[sampler],
+                          on_prefill=on_prefill)[0]
 
 
 def generate_batch(model: Transformer, state: RunState, prompts, max_new_tokens: int, temperature: float = 0.0,
                    top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_id=None, on_token=None,
-                   graphs: bool = True, samplers=None) -> list:
+                   graphs: bool = True, samplers=None, on_prefill=None) -> list:
     """Generate for several prompts at once (``state.batch == len(prompts)``), one result each.
 
     Prompts may differ in length (right-padded prefill, per-sequence cache lengths). Sequence b
     stops after ``max_new_tokens`` or right after a stop id (``eos_id``: one id, a set or None).
     on_token(b, token_id) is called as each id reaches the host. Sequence b samples with seed
     ``seed + b`` (numpy backend: ``samplers[b]`` when given). graphs: replay decode steps as CUDA
-    graphs on the cupy backend (False: eager launches, same tokens).
+    graphs on the cupy backend (False: eager launches, same tokens). on_prefill(done, total):
+    progress of a long prompt's chunked prefill (see ``prefill``).
     """
     prompts = [[int(i) for i in np.asarray(p).reshape(-1)] for p in prompts]
     b = len(prompts)
@@ -149,7 +170,8 @@ def generate_batch(model: Transformer, state: RunState, prompts, max_new_tokens:
                 t_end[i] = now
 
     t0 = time.perf_counter()
-    logits = prefill(model, state, ids, num_new=None if (lens == lens[0]).all() else lens)
+    logits = prefill(model, state, ids, num_new=None if (lens == lens[0]).all() else lens,
+                     on_progress=on_prefill)
     if max_new_tokens <= 0:
         ops.synchronize()
         t_end = [time.perf_counter()] * b
@@ -187,6 +209,14 @@ def generate_batch(model: Transformer, state: RunState, prompts, max_new_tokens:
             weight_bytes=model.weight_bytes, backend=model.backend, dtype=model.dtype,
             stop_reason=stop[i], decode_ms=dec_s * 1e3, extra=dict(extra)))
     return results
+
+
+def _check_max_new(n) -> int:
+    if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)):
+        raise TypeError(f"Generator.generate(): max_new_tokens must be an integer >= 0, got {n!r}")
+    if n < 0:
+        raise ValueError(f"Generator.generate(): max_new_tokens must be an integer >= 0, got {n!r}")
+    return int(n)
 
 
 # --- the user-facing object -----------------------------------------------------------------
@@ -249,32 +279,38 @@ class Generator:
 
     def generate(self, prompt_ids, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int = 0, ignore_eos: bool = False,
-                 on_token=None) -> GenerationResult:
+                 on_token=None, on_prefill=None) -> GenerationResult:
+        """One prompt (ids) -> GenerationResult; on_token(id) streams, on_prefill(done, total)
+        reports a long prompt's prefill. Arguments are checked before anything runs."""
+        sampler = Sampler(temperature, top_k, top_p, seed)
+        max_new_tokens = _check_max_new(max_new_tokens)
         prompt_ids = [int(i) for i in prompt_ids]
         state = self.state(len(prompt_ids) + max(max_new_tokens, 1))
-        sampler = Sampler(temperature, top_k, top_p, seed)
         stop = None if ignore_eos else self.stop_ids
-        res = generate(self.model, state, prompt_ids, max_new_tokens, sampler, stop, on_token, self.graphs)
+        res = generate(self.model, state, prompt_ids, max_new_tokens, sampler, stop, on_token, self.graphs,
+                       on_prefill)
         if self.tokenizer is not None:
             res.text = self.decode(res.generated_ids)
         return res
 
     def generate_batch(self, prompts, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
                        top_p: float = 1.0, seed: int = 0, ignore_eos: bool = False,
-                       on_token=None) -> list:
+                       on_token=None, on_prefill=None) -> list:
         """Several prompts (lists of ids, any lengths) in one batch -> one GenerationResult each.
 
-        Each sequence stops on its own; on_token(i, id) streams; prompt i samples with seed
+        Each sequence stops on its own; on_token(i, id) streams; on_prefill(done, total) reports
+        a long prefill (prompts of one length are prefilled in chunks); prompt i samples with seed
         ``seed + i``. Greedy results equal ``generate`` on each prompt alone.
         """
+        Sampler(temperature, top_k, top_p, seed)  # the same argument checks as generate()
+        max_new_tokens = _check_max_new(max_new_tokens)
         prompts = [[int(i) for i in p] for p in prompts]
         if not prompts:
             return []
-        Sampler(temperature, top_k, top_p, seed)  # the same argument checks as generate()
         state = self.state(max(len(p) for p in prompts) + max(max_new_tokens, 1), batch=len(prompts))
         stop = None if ignore_eos else self.stop_ids
         results = generate_batch(self.model, state, prompts, max_new_tokens, temperature, top_k, top_p,
-                                 seed, stop, on_token, self.graphs)
+                                 seed, stop, on_token, self.graphs, on_prefill=on_prefill)
         if self.tokenizer is not None:
             for r in results:
                 r.text = self.decode(r.generated_ids)

@@ -8,6 +8,9 @@ backends whenever their logits agree.
 """
 from __future__ import annotations
 
+import math
+import numbers
+
 import numpy as np
 
 
@@ -25,7 +28,7 @@ class Sampler:
 
     Parameters
     ----------
-    temperature : 0 (or below) -> greedy argmax; otherwise logits are divided by it.
+    temperature : 0 -> greedy argmax; otherwise logits are divided by it (finite, >= 0).
     top_k : keep only the k most likely tokens (0 = all).
     top_p : keep the smallest set of most likely tokens whose probability reaches p (1.0 = all).
     seed : seeds the host RNG; the same seed reproduces the same tokens.
@@ -37,15 +40,12 @@ class Sampler:
     """
 
     def __init__(self, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0):
-        if top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {top_k}")
-        if not 0.0 < top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-        self.temperature = float(temperature)
-        self.top_k = int(top_k)
-        self.top_p = float(top_p)
-        self.seed = seed
-        self.rng = np.random.default_rng(seed)
+        self.temperature = _real("temperature", temperature, "finite and >= 0 (0 = greedy)",
+                                 lambda v: math.isfinite(v) and v >= 0)
+        self.top_p = _real("top_p", top_p, "in (0, 1]", lambda v: 0.0 < v <= 1.0)
+        self.top_k = _integer("top_k", top_k, "an integer >= 0 (0 = all tokens)", 0, 2**31 - 1)
+        self.seed = _integer("seed", seed, "an integer in [0, 2^64)", 0, 2**64 - 1)
+        self.rng = np.random.default_rng(self.seed)
 
     @property
     def greedy(self) -> bool:
@@ -90,6 +90,22 @@ class Sampler:
         last = xp.max(xp.where(p > 0, xp.arange(p.size), 0))
         idx = xp.minimum(idx, last)
         return idx if cand is None else cand[idx]
+
+
+def _real(name: str, value, want: str, ok) -> float:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Real, np.floating, np.integer)):
+        raise TypeError(f"Sampler(): {name} must be a real number {want}, got {value!r}")
+    if not ok(float(value)):
+        raise ValueError(f"Sampler(): {name} must be {want}, got {value!r}")
+    return float(value)
+
+
+def _integer(name: str, value, want: str, lo: int, hi: int) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"Sampler(): {name} must be {want}, got {value!r}")
+    if not lo <= value <= hi:
+        raise ValueError(f"Sampler(): {name} must be {want}, got {value!r}")
+    return int(value)
 
 
 def allowed_tokens(logits, temperature: float, top_k: int = 0, top_p: float = 1.0) -> set:
