@@ -2,18 +2,21 @@
 # One command on a GPU machine: GPU tests, the benchmark run (recorded) and the sweeps (plotted).
 # Runs from the source tree (PYTHONPATH=., no pip install); everything it writes goes under $OUT.
 #
-#   OUT=/path/to/out bash benchmarks/gpu_run.sh [all|tests|bench|sweeps|sweep NAME|quick]
+#   OUT=/path/to/out bash benchmarks/gpu_run.sh [all|tests|sanitize|bench|sweeps|sweep NAME|quick]
 #
 # Stages (run them one per call where a call is capped at 10 minutes; `sweeps` may need more,
 # then run `sweep NAME` for each of the five names instead):
 #   tests   pytest -m gpu                              -> $OUT/pytest-gpu.log, pytest-gpu.xml
+#   sanitize  compute-sanitizer memcheck, racecheck, synccheck over benchmarks/sanitize_cases.py
+#           (one small launch of every kernel instantiation; a plain run first compiles them
+#           into CUPY_CACHE_DIR)                       -> $OUT/sanitize-{plain,memcheck,...}.log
 #   bench   benchmarks all --record (default cases + model)
 #                                                      -> $OUT/bench-all.{txt,json,csv},
 #                                                         $OUT/results/<date>-<gpu>.json
 #   sweeps  every predefined sweep with --plot          -> $OUT/sweep-<name>.{txt,json,csv,png}
 #   sweep NAME  one of them: attention-seqlen gemm-llama2-7b decode-len decode-batch softmax-cols
 #   quick   one small case per op, few reps (smoke test of the CLI on this machine)
-#   all     tests, bench, sweeps (the default)
+#   all     tests, sanitize, bench, sweeps (the default)
 # The recorded file lands in $OUT/results/: copy it into benchmarks/results/ and commit it.
 # Set CUPYATTN_GIT_COMMIT to the commit the tree was copied from (a copy has no .git).
 # What the GPU machine lacks comes from .carry/ (made by benchmarks/carry.sh on a machine with
@@ -27,8 +30,8 @@ OUT="${OUT:-$PWD/gpu-out}"
 PY="${PYTHON:-python3}"
 STAGE="${1:-all}"
 case "$STAGE" in
-    all | tests | bench | sweeps | sweep | quick) ;;
-    *) echo "usage: $0 [all|tests|bench|sweeps|sweep NAME|quick]" >&2; exit 2 ;;
+    all | tests | sanitize | bench | sweeps | sweep | quick) ;;
+    *) echo "usage: $0 [all|tests|sanitize|bench|sweeps|sweep NAME|quick]" >&2; exit 2 ;;
 esac
 mkdir -p "$OUT/results"
 status=0
@@ -65,6 +68,15 @@ step() {  # step NAME LOGFILE CMD...: run, keep the log, report the exit code, n
 run_tests() {
     step "gpu tests" "$OUT/pytest-gpu.log" \
         "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider --junitxml "$OUT/pytest-gpu.xml"
+}
+
+run_sanitize() {  # SANITIZE_ONLY=attention,decode limits the op families
+    local only=(${SANITIZE_ONLY:+--only "$SANITIZE_ONLY"}) tool
+    step "sanitize plain" "$OUT/sanitize-plain.log" "$PY" -m benchmarks.sanitize_cases "${only[@]}"
+    for tool in memcheck racecheck synccheck; do
+        step "sanitize $tool" "$OUT/sanitize-$tool.log" compute-sanitizer --tool "$tool" \
+            --error-exitcode 1 --print-limit 50 "$PY" -m benchmarks.sanitize_cases "${only[@]}"
+    done
 }
 
 run_bench() {
@@ -113,11 +125,12 @@ run_quick() {
 
 case "$STAGE" in
     tests) run_tests ;;
+    sanitize) run_sanitize ;;
     bench) run_bench ;;
     sweeps) run_sweeps ;;
     sweep) run_sweep "${2:-}" ;;
     quick) run_quick ;;
-    all) run_tests; run_bench; run_sweeps ;;
+    all) run_tests; run_sanitize; run_bench; run_sweeps ;;
 esac
 echo "=== done: status $status; outputs in $OUT" | tee -a "$OUT/steps.log"
 exit "$status"

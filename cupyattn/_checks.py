@@ -4,6 +4,7 @@ Every op module calls them from one function of its own, ``_check_args``.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 
@@ -189,3 +190,14 @@ def require_gpu(fn: str) -> None:
     reason = gpu_unavailable_reason()
     if reason:
         raise RuntimeError(f"{fn}() needs a CUDA GPU: {reason}; {WITHOUT_GPU}")
+
+
+@contextlib.contextmanager
+def no_gpu_explained(fn: str):
+    """Around a first device allocation or query: a CUDA runtime error on a machine without a
+    usable GPU becomes :func:`require_gpu`'s RuntimeError naming ``fn`` and what still works."""
+    try:
+        yield
+    except cupy.cuda.runtime.CUDARuntimeError:
+        require_gpu(fn)
+        raise

@@ -127,14 +127,11 @@ def _code(filename: str) -> str:
 
 
 def _device_arch() -> tuple[int, str]:
-    try:
+    from ._checks import no_gpu_explained
+
+    with no_gpu_explained("cupyattn kernel launch"):
         dev = cupy.cuda.Device()
         return dev.id, dev.compute_capability
-    except cupy.cuda.runtime.CUDARuntimeError:
-        from ._checks import require_gpu
-
-        require_gpu("cupyattn kernel launch")  # raises with the reason in plain words
-        raise
 
 
 def _announce(spec: KernelSpec, name_expression: str, arch: str) -> None:

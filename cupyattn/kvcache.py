@@ -102,9 +102,10 @@ class KVCache:
                             f"{', '.join(map(str, DTYPES))}")
         self.dtype = dt
         shape = (self.num_layers, self.batch, self.num_kv_heads, self.max_seq, self.head_dim)
-        self.k = cupy.zeros(shape, dtype=dt)
-        self.v = cupy.zeros(shape, dtype=dt)
-        self.lengths = cupy.zeros((self.num_layers, self.batch), dtype=np.int32)
+        with _checks.no_gpu_explained(fn):
+            self.k = cupy.zeros(shape, dtype=dt)
+            self.v = cupy.zeros(shape, dtype=dt)
+            self.lengths = cupy.zeros((self.num_layers, self.batch), dtype=np.int32)
         self.host_lengths = np.zeros((self.num_layers, self.batch), dtype=np.int64)
 
     def __repr__(self):

@@ -66,8 +66,9 @@ class SamplingParams:
 
     def __init__(self, batch, temperature=0.0, top_k=0, top_p=1.0, seed=0, step=0):
         self.batch = C.check_positive_int("SamplingParams", "batch", batch)
-        self.fparams = cupy.zeros((self.batch, 2), dtype=np.float32)
-        self.iparams = cupy.zeros((self.batch, 4), dtype=np.int32)
+        with C.no_gpu_explained("SamplingParams"):
+            self.fparams = cupy.zeros((self.batch, 2), dtype=np.float32)
+            self.iparams = cupy.zeros((self.batch, 4), dtype=np.int32)
         self.set(temperature, top_k, top_p, seed, step)
 
     def _per_seq(self, name, value, dtype):

@@ -584,9 +584,19 @@ def test_gpu_run_script_is_valid_bash_and_runs_everything():
     assert "-m benchmarks all --record" in text and "--plot" in text
     for name in specs.SWEEPS:
         assert name in text
+    assert "compute-sanitizer --tool" in text and "-m benchmarks.sanitize_cases" in text
+    assert all(tool in text for tool in ("memcheck", "racecheck", "synccheck"))
     r = subprocess.run(["bash", str(script), "nope"], capture_output=True, text=True,
                        env={"PATH": "/usr/bin:/bin", "OUT": "/tmp/cupyattn-gpu-run-test"}, timeout=60)
     assert r.returncode == 2 and "usage" in r.stderr
+
+
+def test_sanitize_cases_cli_checks_its_options():
+    from benchmarks import sanitize_cases
+
+    with pytest.raises(SystemExit) as e:
+        sanitize_cases.main(["--only", "attention,nosuch"])
+    assert e.value.code == 2
 
 
 # --- GPU tier: the CLI end to end on small cases (also runs under CUPYATTN_EMULATE=1) ----------

@@ -189,3 +189,7 @@ def test_without_a_gpu_the_error_says_so_plainly():
     assert reason and "NVIDIA" in reason and "insufficient" not in reason
     with pytest.raises(RuntimeError, match=r"needs a CUDA GPU: .*NVIDIA.*tinylm --backend numpy"):
         _loader.get_function(kvcache.SPEC, "kv_advance_lengths_kernel")
+    for make, name in ((lambda: cupyattn.KVCache(1, 1, 1, 16, 32, "float16"), "KVCache"),
+                       (lambda: cupyattn.SamplingParams(1), "SamplingParams")):
+        with pytest.raises(RuntimeError, match=rf"^{name}\(\) needs a CUDA GPU: .*NVIDIA"):
+            make()

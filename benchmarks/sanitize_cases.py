@@ -1,0 +1,192 @@
+"""One small launch of every kernel instantiation, for NVIDIA compute-sanitizer.
+
+    compute-sanitizer --tool memcheck --error-exitcode 1 python -m benchmarks.sanitize_cases
+    python -m benchmarks.sanitize_cases --only attention,decode     # a subset of op families
+
+Each op family below calls the public API on small odd-sized inputs (tails in every tile
+dimension, GQA, causal and not, masks and key lengths, split and unsplit decode, every dtype and
+head dim, aligned and misaligned rows so both vector widths run). At the end the script compares
+the kernels it launched with every name expression the op modules declare
+(``cupyattn._loader.all_specs()``) and exits 1 naming any it missed, so the sanitizer stage of
+``benchmarks/gpu_run.sh`` provably covers every instantiation. Correctness against the float64
+references is the test tier's job; this only launches, synchronises and checks that outputs
+are finite. It also runs on the CPU emulator (tests/test_sanitize_cases.py).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+
+FAMILIES = ("attention", "decode", "kvcache", "gemm", "softmax", "layers", "sampling")
+
+
+def _rand(shape, dtype, seed=0):
+    import cupy
+
+    rng = np.random.default_rng(seed)
+    return cupy.asarray(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
+
+
+def _misaligned(x):
+    """x's values in a C-contiguous array one element past an aligned address (no vector loads)."""
+    import cupy
+
+    buf = cupy.empty(x.size + 1, dtype=x.dtype)
+    buf[1:] = x.reshape(-1)
+    return buf[1:].reshape(x.shape)
+
+
+def _finite(*arrays):
+    import cupy
+
+    for a in arrays:
+        if isinstance(a, tuple):  # e.g. add_rmsnorm's (sum, normed)
+            _finite(*a)
+            continue
+        if not bool(cupy.isfinite(a.astype(np.float32)).all()):
+            raise AssertionError(f"non-finite output of shape {a.shape}")
+
+
+def attention(ca, cfg):
+    import cupy
+
+    for dt in cfg.DTYPES:
+        impls = ("flash", "flash_mma") if dt in cfg.MMA_DTYPES else ("flash",)
+        for d in cfg.HEAD_DIMS:
+            q, k, v = _rand((1, 4, 130, d), dt, 1), _rand((1, 2, 150, d), dt, 2), _rand((1, 2, 150, d), dt, 3)
+            mask = _rand((130, 150), np.float32, 4)
+            for impl in impls:
+                o, lse = ca.attention(q, k, v, causal=True, impl=impl, return_lse=True)
+                o2 = ca.attention(q, k, v, mask=mask, key_lengths=cupy.asarray([77], np.int32), impl=impl)
+                _finite(o, lse, o2)
+        _finite(ca.attention(q[:, :, :33], k, v, causal=True, impl="naive"))
+
+
+def decode(ca, cfg):
+    import cupy
+
+    for dt in cfg.DTYPES:
+        for d in cfg.HEAD_DIMS:
+            # (Hq, Hkv, impl): SIMT; tensor cores with one and with two 16-row m-tiles
+            shapes = [(4, 2, "simt")] + ([(8, 2, "mma"), (40, 2, "mma")] if dt in cfg.MMA_DTYPES else [])
+            for hq, hkv, impl in shapes:
+                cache = ca.KVCache(1, 2, hkv, 600, d, dt)
+                cache.append(0, _rand((2, hkv, 531, d), dt, 5), _rand((2, hkv, 531, d), dt, 6),
+                             num_new=[531, 9])
+                q = _rand((2, hq, 1, d), dt, 7)
+                for splits in (1, 3):
+                    _finite(ca.decode_attention(q, cache, 0, num_splits=splits, impl=impl))
+
+
+def kvcache(ca, cfg):
+    for dt in cfg.DTYPES:
+        cache = ca.KVCache(1, 3, 2, 64, 32, dt)
+        cache.append(0, _rand((3, 2, 5, 32), dt, 8), _rand((3, 2, 5, 32), dt, 9))
+        cache.append(0, _rand((3, 2, 4, 32), dt, 10), _rand((3, 2, 4, 32), dt, 11), num_new=[4, 1, 0])
+        for style in ("adjacent", "neox"):
+            for t in (1, 3):  # one-token steps advance the lengths inside the kernel
+                q = cache.append_qkv(0, _rand((3, t, (4 + 2 + 2) * 32), dt, 12), num_heads=4, rope_style=style)
+                _finite(q)
+
+
+def gemm(ca, cfg):
+    for dt in cfg.DTYPES:
+        mma = dt in cfg.MMA_DTYPES
+        a, bt, bn = _rand((2, 131, 72), dt, 13), _rand((97, 72), dt, 14), _rand((72, 97), dt, 15)
+        for impl in ("simt", "mma") if mma else ("simt",):
+            _finite(ca.gemm_nt(a, bt, impl=impl), ca.gemm_nn(a, bn, impl=impl))
+        _finite(ca.gemm_nt(a[:, :5], bt, impl="skinny"))
+
+
+def softmax(ca, cfg):
+    for dt in cfg.DTYPES:
+        for n in [32 * v for v in cfg.SOFTMAX_VPTS] + [3001]:
+            _finite(ca.softmax(_rand((5, n), dt, 16), causal=n <= 64))
+
+
+def layers(ca, cfg):
+    import cupy
+
+    for dt in cfg.DTYPES:
+        for d in (17, 64, 2048):  # scalar rows, vector rows, block-per-row rmsnorm
+            x, r = _rand((3, d), dt, 17), _rand((3, d), dt, 18)
+            for wdt in dict.fromkeys((dt, np.dtype(np.float32))):  # weights in x's dtype or float32
+                w = _rand((d,), wdt, 19)
+                for impl in ("warp", "block"):
+                    _finite(ca.rmsnorm(x, w, impl=impl), ca.add_rmsnorm(x.copy(), r, w, impl=impl))
+            _finite(ca.swiglu(x, r), ca.add(x, r))
+            table = _rand((11, d), dt, 20)
+            for idt in (np.int32, np.int64):
+                _finite(ca.embedding(cupy.asarray([3, 0, 10], idt), table))
+        for style in ("adjacent", "neox"):
+            for idt in (np.int32, np.int64):
+                pos = cupy.asarray([[5, 2**31 + 3, 0]] if idt == np.int64 else [[0, 1, 2]], idt)  # [B, T]
+                x = _rand((1, 2, 3, 64), dt, 21)
+                _finite(ca.rope(x, pos, style=style), ca.rope(_misaligned(x), pos, style=style))
+
+
+def sampling(ca, cfg):
+    for dt in cfg.DTYPES:
+        logits = _rand((3, 1000), dt, 22)
+        params = ca.SamplingParams(3, temperature=[0.0, 0.8, 1.2], top_k=[0, 50, 0], top_p=[1.0, 1.0, 0.9], seed=7)
+        ca.sample(logits, params)
+    from cupyattn import sampling as S
+
+    S.philox4x32(np.zeros((5, 4), np.uint32), np.ones((5, 2), np.uint32))
+
+
+def launched() -> set[str]:
+    """Name expressions compiled (and so launched) in this process."""
+    from cupyattn import _loader
+
+    return {expr for (_spec, expr, _dev) in _loader._FUNCTIONS}
+
+
+def missing() -> list[str]:
+    """Every declared name expression that this process has not launched."""
+    from cupyattn import _loader
+
+    done = launched()
+    return [e for s in _loader.all_specs() for e in s.name_expressions if e not in done]
+
+
+def run(families=FAMILIES) -> None:
+    import cupy
+
+    import cupyattn as ca
+    from cupyattn import config as cfg
+
+    for f in families:
+        globals()[f](ca, cfg)
+        cupy.cuda.get_current_stream().synchronize()
+        print(f"sanitize_cases: {f} done", flush=True)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.sanitize_cases", description=__doc__.split("\n\n")[0])
+    p.add_argument("--only", default=",".join(FAMILIES),
+                   help=f"comma-separated op families (default: all of {','.join(FAMILIES)})")
+    args = p.parse_args(argv)
+    families = tuple(f for f in args.only.split(",") if f)
+    unknown = [f for f in families if f not in FAMILIES]
+    if unknown:
+        p.error(f"--only: unknown family {unknown[0]!r}; choose from {','.join(FAMILIES)}")
+    from cupyattn import gpu_unavailable_reason
+
+    reason = gpu_unavailable_reason()
+    if reason:
+        print(f"sanitize_cases: {reason}", file=sys.stderr)
+        return 2
+    run(families)
+    miss = missing() if set(families) == set(FAMILIES) else []
+    if miss:
+        print(f"sanitize_cases: {len(miss)} instantiation(s) never launched: {', '.join(miss)}", file=sys.stderr)
+        return 1
+    print(f"sanitize_cases: launched {len(launched())} kernel instantiations", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
