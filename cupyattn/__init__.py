@@ -14,7 +14,7 @@ from ._checks import gpu_unavailable_reason
 from ._loader import KernelCompileError, KernelSpec, all_specs
 from .config import BFLOAT16 as bfloat16
 from .config import HEAD_DIMS
-from .decode import choose_num_splits, decode_attention
+from .decode import auto_num_splits, choose_num_splits, decode_attention
 from .flash_attn import IMPLS as ATTENTION_IMPLS
 from .flash_attn import attention
 from .gemm import gemm_nn, gemm_nt
@@ -25,7 +25,7 @@ from .sampling import SamplingParams, sample
 
 __version__ = "0.1.0"
 
-__all__ = ["attention", "softmax", "gemm_nt", "gemm_nn", "KVCache", "decode_attention", "choose_num_splits",
+__all__ = ["attention", "softmax", "gemm_nt", "gemm_nn", "KVCache", "decode_attention", "choose_num_splits", "auto_num_splits",
            "rmsnorm", "add_rmsnorm", "rope", "swiglu", "add", "embedding", "sample", "SamplingParams",
            "reference", "config", "bfloat16", "HEAD_DIMS", "ATTENTION_IMPLS", "KernelSpec",
            "KernelCompileError", "all_specs", "gpu_unavailable_reason"]

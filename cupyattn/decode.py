@@ -122,6 +122,20 @@ def choose_num_splits(batch: int, kv_heads: int, max_len: int, sm_count: int, bl
     return best
 
 
+def auto_num_splits(batch: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype, max_len: int,
+                    impl: str = "auto") -> int:
+    """The split count ``decode_attention(num_splits=None, impl=impl)`` picks on the current
+    device for these shapes when the longest live sequence holds ``max_len`` keys; for callers
+    that fix the count in advance (a CUDA graph captured per range of context lengths)."""
+    plan = _plan(impl, dtype, head_dim, num_heads // num_kv_heads)
+    return _auto_splits(plan, batch, num_kv_heads, max_len)
+
+
+def _auto_splits(plan, batch: int, num_kv_heads: int, max_len: int) -> int:
+    return choose_num_splits(batch, num_kv_heads * plan.head_tiles, max_len, _sm_count(),
+                             plan.tile.blocks_per_sm)
+
+
 def _sm_count() -> int:
     dev = cupy.cuda.Device()
     n = _SM_COUNT.get(dev.id)
@@ -155,8 +169,9 @@ def _check_args(fn, q, cache, layer, scale, num_splits, out, impl):
         raise TypeError(f"{fn}(): impl='mma' needs float16 or bfloat16, got {np.dtype(q.dtype)} "
                         f"(use impl='simt' or 'auto')")
     plan = _plan(impl, q.dtype, d, hq // cache.num_kv_heads)
-    if cache.num_kv_heads * plan.head_tiles > MAX_GRID_YZ or b > MAX_GRID_YZ:
-        raise ValueError(f"{fn}(): batch {b} x {hq} heads exceed one launch's grid ({MAX_GRID_YZ} blocks in y, z)")
+    if cache.num_kv_heads * plan.head_tiles > MAX_GRID_YZ:  # (batch <= MAX_GRID_YZ: KVCache checks it)
+        raise ValueError(f"{fn}(): {hq} query heads need {cache.num_kv_heads * plan.head_tiles} blocks in "
+                         f"a launch's grid y, more than {MAX_GRID_YZ}")
     if out is not None:
         check_out(fn, out, (b, hq, 1, d), q.dtype)
         _checks.check_no_overlap(fn, out, {"q": q, "the cache's keys": cache.k, "the cache's values": cache.v})
@@ -230,9 +245,7 @@ def decode_attention(q, cache, layer, scale=None, num_splits=None, out=None, wor
     fn = "decode_attention"
     layer, b, hq, d, scale, num_splits, plan = _check_args(fn, q, cache, layer, scale, num_splits, out, impl)
     if num_splits is None:
-        num_splits = choose_num_splits(b, cache.num_kv_heads * plan.head_tiles,
-                                       int(cache.host_lengths[layer].max()), _sm_count(),
-                                       plan.tile.blocks_per_sm)
+        num_splits = _auto_splits(plan, b, cache.num_kv_heads, int(cache.host_lengths[layer].max()))
     if workspace is not None:
         _check_workspace(fn, workspace, num_splits, b, hq, d, q, cache, out)
     if out is None:
@@ -270,4 +283,4 @@ def decode_split_partials(q, cache, layer, num_splits, scale=None, impl="auto"):
     return o_part, lse_part
 
 
-__all__ = ["decode_attention", "choose_num_splits", "KVCache"]
+__all__ = ["decode_attention", "choose_num_splits", "auto_num_splits", "KVCache"]

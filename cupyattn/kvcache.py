@@ -137,17 +137,18 @@ class KVCache:
         per sequence (an int, or ``batch`` host ints); returns the counts as int64 [batch].
         Call it before replaying a graph that appends, so that a replay never overflows."""
         counts = self._counts(fn, num_new, None)
-        self._check_capacity(fn, counts, range(self.num_layers))
+        self._check_capacity(fn, counts, slice(None))
         return counts
 
     def _check_capacity(self, fn: str, counts, layers) -> None:
-        for layer in layers:
-            over = np.flatnonzero(self.host_lengths[layer] + counts > self.max_seq)
-            if over.size:
-                i = int(over[0])
-                raise ValueError(f"{fn}(): cache is full: sequence {i} of layer {layer} holds "
-                                 f"{int(self.host_lengths[layer, i])} tokens, appending {int(counts[i])} "
-                                 f"would exceed the cache capacity max_seq={self.max_seq}")
+        """ValueError naming the first (layer, sequence) that ``counts`` would overfill."""
+        over = self.host_lengths[layers] + counts > self.max_seq  # [len(layers), batch], one pass
+        if over.any():
+            li, i = (int(x) for x in np.argwhere(over)[0])
+            layer = int(np.arange(self.num_layers)[layers][li])
+            raise ValueError(f"{fn}(): cache is full: sequence {i} of layer {layer} holds "
+                             f"{int(self.host_lengths[layer, i])} tokens, appending {int(counts[i])} "
+                             f"would exceed the cache capacity max_seq={self.max_seq}")
 
     def record_advance(self, num_new=1, layers=None) -> None:
         """Record on the host mirror that device kernels advanced ``lengths`` by ``num_new``
@@ -157,10 +158,9 @@ class KVCache:
         :meth:`check_room` before the replay, since the device has already moved by then."""
         fn = "KVCache.record_advance"
         counts = self._counts(fn, num_new, None)
-        sel = range(self.num_layers) if layers is None else [self.check_layer(fn, i) for i in layers]
+        sel = slice(None) if layers is None else [self.check_layer(fn, i) for i in layers]
         self._check_capacity(fn, counts, sel)
-        for layer in sel:
-            self.host_lengths[layer] += counts
+        self.host_lengths[sel] += counts
 
     # --- append -----------------------------------------------------------------------------
     def _counts(self, fn: str, num_new, t) -> np.ndarray:
@@ -221,16 +221,21 @@ class KVCache:
             _checks.check_no_overlap(fn, x, {"the cache's keys": self.k, "the cache's values": self.v},
                                      out_name=name)
         counts = self._counts(fn, num_new, t)
-        self._check_capacity(fn, counts, (layer,))
+        self._check_capacity(fn, counts, [layer])
         if not counts.any():
             return
         self._launch(layer, k_new, v_new, counts, t)
         self.host_lengths[layer] += counts
 
-    def _launch(self, layer, k_new, v_new, counts, t):
+    def _device_counts(self, layer, counts):
+        """(lengths view, per-sequence counts on the device, uniform): a uniform append passes
+        counts[0] by value, and the lengths view stands in as an unread counts pointer."""
         uniform = bool(np.all(counts == counts[0]))
         lengths = self.lengths[layer]                     # int32 [B] view
-        dev_counts = lengths if uniform else cupy.asarray(counts.astype(np.int32))  # dummy if uniform
+        return lengths, (lengths if uniform else cupy.asarray(counts.astype(np.int32))), uniform
+
+    def _launch(self, layer, k_new, v_new, counts, t):
+        lengths, dev_counts, uniform = self._device_counts(layer, counts)
         d = self.head_dim
         tok_per_block = max(1, KV_APPEND_ELEMS_PER_BLOCK // d)
         n_max = int(counts.max())
@@ -309,19 +314,15 @@ class KVCache:
             _checks.check_out(fn, q_out, (b, hq, t, d), self.dtype, name="q_out")
             _checks.check_no_overlap(fn, q_out, {"qkv": qkv, **cache}, out_name="q_out")
         counts = self._counts(fn, num_new, t)
-        self._check_capacity(fn, counts, (layer,))
+        self._check_capacity(fn, counts, [layer])
         half = d // 2
         tok_per_block = max(1, KV_ROPE_APPEND_ITEMS_PER_BLOCK // ((hq + 2 * hkv) * half))
         n_tiles = -(-t // tok_per_block)
-        if b > MAX_GRID_YZ:
-            raise ValueError(f"{fn}(): batch {b} exceeds one launch's grid ({MAX_GRID_YZ} blocks in y)")
         if q_out is None:
             q_out = cupy.empty((b, hq, t, d), dtype=self.dtype)
         if t == 0:
             return q_out
-        uniform = bool(np.all(counts == counts[0]))
-        lengths = self.lengths[layer]                     # int32 [B] view
-        dev_counts = lengths if uniform else cupy.asarray(counts.astype(np.int32))  # dummy if uniform
+        lengths, dev_counts, uniform = self._device_counts(layer, counts)
         i32, i64 = np.int32, np.int64
         advance_here = n_tiles == 1  # one block per sequence: it can move its own length
         kern = get_function(SPEC, f"qkv_rope_append_kernel<{ctype(self.dtype)}, {cbool(rope_style == 'neox')}>")

@@ -75,10 +75,15 @@ def _row_block(nvec: int) -> tuple[int, int]:
     return bx, LAYERS_THREADS // bx
 
 
-def _new_or_out(fn, out, shape, dtype):
+def _new_or_out(fn, out, shape, dtype, inputs=None, in_place=()):
+    """A new array, or ``out`` checked: shape, dtype, C-contiguous, and no memory shared with
+    ``inputs`` ({name: array}) unless it is exactly one of the ``in_place`` ones."""
     if out is None:
         return cupy.empty(shape, dtype=dtype)
-    return C.check_out(fn, out, shape, dtype)
+    C.check_out(fn, out, shape, dtype)
+    if inputs:
+        C.check_no_overlap(fn, out, inputs, in_place=in_place)
+    return out
 
 
 # --- rmsnorm ---------------------------------------------------------------------------------------
@@ -108,10 +113,7 @@ def rmsnorm(x, weight, eps=1e-5, out=None, impl="auto"):
     fn = "rmsnorm"
     _check_norm(fn, x, weight, impl)
     eps = C.check_real(fn, "eps", eps, minimum=0.0)
-    if out is not None:
-        C.check_out(fn, out, x.shape, x.dtype)
-        C.check_no_overlap(fn, out, {"x": x, "weight": weight}, in_place=("x",))
-    out = _new_or_out(fn, out, x.shape, x.dtype)
+    out = _new_or_out(fn, out, x.shape, x.dtype, {"x": x, "weight": weight}, in_place=("x",))
     _launch_norm(x, None, weight, out, eps, impl)
     return out
 
@@ -154,10 +156,7 @@ def add_rmsnorm(x, r, weight, eps=1e-5, out=None, impl="auto"):
         raise ValueError(f"{fn}(): x is updated in place and must be C-contiguous")
     eps = C.check_real(fn, "eps", eps, minimum=0.0)
     C.check_no_overlap(fn, x, {"r": r, "weight": weight}, in_place=("r",), out_name="x")
-    if out is not None:
-        C.check_out(fn, out, x.shape, x.dtype)
-        C.check_no_overlap(fn, out, {"x": x, "r": r, "weight": weight})
-    out = _new_or_out(fn, out, x.shape, x.dtype)
+    out = _new_or_out(fn, out, x.shape, x.dtype, {"x": x, "r": r, "weight": weight})
     _launch_norm(x, cupy.ascontiguousarray(r), weight, out, eps, impl)
     return x, out
 
@@ -246,15 +245,12 @@ def rope(x, positions, base=10000.0, style="adjacent", out=None):
     C.check_choice(fn, "style", style, ROPE_STYLES)
     if b * h * t > INT32_MAX:
         raise ValueError(f"{fn}(): B*H*T = {b * h * t} rows is more than this kernel indexes (2^31 - 1)")
-    if out is not None and out is not x:
-        C.check_out(fn, out, x.shape, x.dtype)
-        C.check_no_overlap(fn, out, {"x": x, "positions": positions})
     if out is x:
         C.check_last_contiguous(fn, "x (rotated in place)", x)
         if any(s == 0 and n > 1 for s, n in zip(x.strides, x.shape)):
             raise ValueError(f"{fn}(): x has a broadcast (stride 0) dimension and cannot be rotated in place")
     else:
-        out = _new_or_out(fn, out, x.shape, x.dtype)
+        out = _new_or_out(fn, out, x.shape, x.dtype, {"x": x, "positions": positions})
     if x.size == 0:
         return out
     if x.strides[-1] != x.itemsize:
@@ -289,10 +285,7 @@ def _check_pair(fn, a_name, a, b_name, b, out):
     C.check_same_dtype(fn, b_name, b, a_name, a)
     if tuple(b.shape) != tuple(a.shape):
         raise ValueError(f"{fn}(): {b_name} has shape {tuple(b.shape)} but {a_name} has {tuple(a.shape)}")
-    if out is not None:
-        C.check_out(fn, out, a.shape, a.dtype)
-        C.check_no_overlap(fn, out, {a_name: a, b_name: b}, in_place=(a_name, b_name))
-    return _new_or_out(fn, out, a.shape, a.dtype)
+    return _new_or_out(fn, out, a.shape, a.dtype, {a_name: a, b_name: b}, in_place=(a_name, b_name))
 
 
 def _rows(x):
@@ -385,10 +378,7 @@ def embedding(ids, table, out=None):
     C.check_last_contiguous(fn, "table", table)
     vocab, d = table.shape
     C.check_int32(fn, "D (table.shape[1])", d)
-    if out is not None:
-        C.check_out(fn, out, tuple(ids.shape) + (d,), table.dtype)
-        C.check_no_overlap(fn, out, {"ids": ids, "table": table})
-    out = _new_or_out(fn, out, tuple(ids.shape) + (d,), table.dtype)
+    out = _new_or_out(fn, out, tuple(ids.shape) + (d,), table.dtype, {"ids": ids, "table": table})
     n = ids.size
     if n == 0 or d == 0:
         return out

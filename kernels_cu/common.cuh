@@ -40,6 +40,26 @@ __device__ __forceinline__ float row_lse(float m_log2, float l) {
     return l > 0.0f ? m_log2 * LN2_F + logf(l) : (l == l ? -CUDART_INF_F : CUDART_NAN_F);
 }
 
+// --- mma.sync fragments ------------------------------------------------------------------------
+// Max / sum over the 4 lanes of a quad (the lanes that share a row of an m16n8 C fragment).
+__device__ __forceinline__ float quad_max(float v) {
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+    return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+__device__ __forceinline__ float quad_sum(float v) {
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+// The C fragments of two adjacent m16n8 tiles (keys 0-7 and 8-15 of P), rounded to T, as the A
+// fragment of an m16n8k16 product (P V): FlashAttention-2's "P stays in registers".
+template <typename T>
+__device__ __forceinline__ void c_pair_to_a(const float (&c0)[4], const float (&c1)[4], unsigned (&a)[4]) {
+    a[0] = pack2<T>(c0[0], c0[1]);
+    a[1] = pack2<T>(c0[2], c0[3]);
+    a[2] = pack2<T>(c1[0], c1[1]);
+    a[3] = pack2<T>(c1[2], c1[3]);
+}
+
 // --- warp reductions (full 32-lane warp) ---------------------------------------------------
 __device__ __forceinline__ float warp_reduce_max(float v) {
 #pragma unroll

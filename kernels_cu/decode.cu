@@ -449,8 +449,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) decode_mma_kernel(
 #pragma unroll
                 for (int e = 0; e < 2; ++e)
                     if (n * 8 + 2 * tq + e < nvalid) mx = fmaxf(mx, s[n][2 * h + e]);
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            mx = quad_max(mx);
             const float m_new = fmaxf(m_r[h], c * mx);    // finite: key 0 of the slice is live
             const float alpha = exp2f(m_r[h] - m_new);    // 0 on the first tile (m = -inf)
             float sum = 0.f;
@@ -471,9 +470,8 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) decode_mma_kernel(
         // ---- O += P V_w: the S accumulators of n-tiles 2j, 2j+1 are the A fragment of keys 16j..16j+15
 #pragma unroll
         for (int j = 0; j < KPW / 16; ++j) {
-            const unsigned pa[4] = {pack2<T>(s[2 * j][0], s[2 * j][1]), pack2<T>(s[2 * j][2], s[2 * j][3]),
-                                    pack2<T>(s[2 * j + 1][0], s[2 * j + 1][1]),
-                                    pack2<T>(s[2 * j + 1][2], s[2 * j + 1][3])};
+            unsigned pa[4];
+            c_pair_to_a<T>(s[2 * j], s[2 * j + 1], pa);
 #pragma unroll
             for (int dp = 0; dp < D / 16; ++dp) {
                 unsigned r[4];  // .trans: matrices keys 0-7 / 8-15 (lane / 8 % 2) x d 0-7 / 8-15 (lane / 16)
@@ -491,8 +489,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) decode_mma_kernel(
     float* red = reinterpret_cast<float*>(ring);  // [KS][ROWS][D]
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        l_r[h] += __shfl_xor_sync(0xffffffffu, l_r[h], 1);
-        l_r[h] += __shfl_xor_sync(0xffffffffu, l_r[h], 2);
+        l_r[h] = quad_sum(l_r[h]);
         const int row = mt * 16 + g + 8 * h;
         if (tq == 0) { m_s[ks][row] = m_r[h]; l_s[ks][row] = l_r[h]; }
 #pragma unroll

@@ -239,17 +239,7 @@ flash_attn_fwd(const T* __restrict__ q,          // [B, Hq, Sq, D], strides q_sb
     }
 }
 
-// --- v2 helpers ------------------------------------------------------------------------------
-// Max / sum over the 4 lanes of a quad (the lanes that share a row of an mma C fragment).
-__device__ __forceinline__ float quad_max(float v) {
-    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
-    return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
-}
-__device__ __forceinline__ float quad_sum(float v) {
-    v += __shfl_xor_sync(0xffffffffu, v, 1);
-    return v + __shfl_xor_sync(0xffffffffu, v, 2);
-}
-
+// --- v2 helpers (quad_max, quad_sum, c_pair_to_a: common.cuh) ------------------------------
 // Stage ROWS x HEAD_DIM 16-bit elements (global row stride gstride elements) into a shared tile
 // with row stride LDS, in 16-byte chunks. Thread t takes row t / TPR and the chunks
 // t % TPR + TPR * i of it (TPR = THREADS / ROWS threads per row read TPR * 16 contiguous bytes
@@ -505,12 +495,7 @@ flash_attn_mma(const T* __restrict__ q,          // [B, Hq, Sq, D], strides q_s*
                 o[mt][nt][2] *= alpha[1]; o[mt][nt][3] *= alpha[1];
             }
 #pragma unroll
-            for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-                pf[mt][kk][0] = pack2<T>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-                pf[mt][kk][1] = pack2<T>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-                pf[mt][kk][2] = pack2<T>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-                pf[mt][kk][3] = pack2<T>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
-            }
+            for (int kk = 0; kk < BLOCK_N / 16; ++kk) c_pair_to_a<T>(s[mt][2 * kk], s[mt][2 * kk + 1], pf[mt][kk]);
         }
 
         // V_j has landed (K_{j+1}, the newest group, may still be in flight).

@@ -264,13 +264,12 @@ gemm_mma_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict_
 #pragma unroll
                 for (int nt = 0; nt < 4; ++nt) {
                     const int gn = n0 + wn * 32 + nt * 8 + 2 * t;
-                    const T v0 = from_float<T>(acc[mt][nt][2 * h]);
-                    const T v1 = from_float<T>(acc[mt][nt][2 * h + 1]);
+                    const float v0 = acc[mt][nt][2 * h], v1 = acc[mt][nt][2 * h + 1];
                     if (pair_store && gn + 1 < N) {  // gn even, N even, c aligned: 4-byte aligned pair
-                        *reinterpret_cast<unsigned*>(crow + gn) = bits16(v0) | (unsigned(bits16(v1)) << 16);
+                        *reinterpret_cast<unsigned*>(crow + gn) = pack2<T>(v0, v1);
                     } else {
-                        if (gn < N) crow[gn] = v0;
-                        if (gn + 1 < N) crow[gn + 1] = v1;
+                        if (gn < N) crow[gn] = from_float<T>(v0);
+                        if (gn + 1 < N) crow[gn + 1] = from_float<T>(v1);
                     }
                 }
             }
@@ -401,8 +400,7 @@ gemm_skinny_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restri
             for (int nt = 0; nt < S_NT; ++nt)
 #pragma unroll
                 for (int m = 0; m < 16; ++m) {
-                    acc[nt][m] += __shfl_xor_sync(0xffffffffu, acc[nt][m], 1);
-                    acc[nt][m] += __shfl_xor_sync(0xffffffffu, acc[nt][m], 2);
+                    acc[nt][m] = quad_sum(acc[nt][m]);
                     if (tq == 0) red[warp][m][nt * 8 + g] = acc[nt][m];
                 }
         }

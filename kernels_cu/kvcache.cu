@@ -95,7 +95,8 @@ __global__ void __launch_bounds__(KV_ROPE_APPEND_THREADS) qkv_rope_append_kernel
     for (int it = threadIdx.x; it < items; it += blockDim.x) {
         const int i = it % half, rest = it / half;
         const int h = rest % heads, t = t0 + rest / heads;
-        const int ia = NEOX ? i : 2 * i, ib = NEOX ? i + half : 2 * i + 1;
+        int ia, ib;
+        rope_pair<NEOX>(i, half, &ia, &ib);
         const T* src = qkv + b * qkv_sb + t * qkv_st + (long long)h * D;
         if (h >= Hq && t >= n) continue;  // padding token: nothing goes to the cache
         T* dst;
@@ -111,12 +112,12 @@ __global__ void __launch_bounds__(KV_ROPE_APPEND_THREADS) qkv_rope_append_kernel
                 continue;
             }
         }
-        // q and k: (x0, x1) -> (x0 cos - x1 sin, x0 sin + x1 cos) at position base + t
-        float s, c;
+        // q and k: rotated by position base + t
+        float s, c, y0, y1;
         rope_sincos(base + t, rope_inv_freq(i, freq_scale), &s, &c);
-        const float x0 = to_float(src[ia]), x1 = to_float(src[ib]);
-        dst[ia] = from_float<T>(x0 * c - x1 * s);
-        dst[ib] = from_float<T>(x0 * s + x1 * c);
+        rope_rotate(to_float(src[ia]), to_float(src[ib]), s, c, &y0, &y1);
+        dst[ia] = from_float<T>(y0);
+        dst[ib] = from_float<T>(y1);
     }
     if (advance) {
         __syncthreads();  // every thread has read lengths[b] (base) before it moves

@@ -153,8 +153,8 @@ __global__ void __launch_bounds__(LAYERS_THREADS) rope_kernel(
     const long long row_step = (long long)gridDim.x * blockDim.y;
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
         const double inv_freq = rope_inv_freq(i, freq_scale);  // base^(-2i/D)
-        const int ia = NEOX ? i : 2 * i;                        // the pair's two elements
-        const int ib = NEOX ? i + half : 2 * i + 1;
+        int ia, ib;                                             // the pair's two elements
+        rope_pair<NEOX>(i, half, &ia, &ib);
         for (long long r = (long long)blockIdx.x * blockDim.y + threadIdx.y; r < rows; r += row_step) {
             const int ri = (int)r;  // r < rows < 2^31
             const int t = ri % seq, bh = ri / seq;
@@ -172,9 +172,9 @@ __global__ void __launch_bounds__(LAYERS_THREADS) rope_kernel(
                 x0 = to_float(xr[ia]);
                 x1 = to_float(xr[ib]);
             }
-            // (x0, x1) -> (x0 cos - x1 sin, x0 sin + x1 cos)
-            const T y0 = from_float<T>(x0 * c - x1 * s);
-            const T y1 = from_float<T>(x0 * s + x1 * c);
+            float r0, r1;
+            rope_rotate(x0, x1, s, c, &r0, &r1);
+            const T y0 = from_float<T>(r0), y1 = from_float<T>(r1);
             if (PV) {
                 Vec<T, 2> o;
                 o.v[0] = y0;

@@ -1,4 +1,4 @@
-// rope.cuh: the rotary-embedding angle, shared by rope_kernel (layers.cu) and the fused
+// rope.cuh: the rotary-embedding angle, pairs and rotation, shared by rope_kernel (layers.cu) and the fused
 // qkv_rope_append_kernel (kvcache.cu), so both rotate by exactly the same sin/cos.
 //
 // Pair i (0 <= i < half = D/2) at position pos turns by pos * base^(-i/half). freq_scale is
@@ -30,4 +30,17 @@ __device__ __forceinline__ void rope_sincos(long long pos, double inv_freq, floa
     a = fma(-k, ROPE_TWO_PI_HI, a);
     a = fma(-k, ROPE_TWO_PI_LO, a);
     sincospif((float)(a * ROPE_INV_PI), s, c);
+}
+
+// The two elements of pair i: (2i, 2i+1) adjacent (GGUF / llama.cpp), (i, i + half) NeoX.
+template <bool NEOX>
+__device__ __forceinline__ void rope_pair(int i, int half, int* ia, int* ib) {
+    *ia = NEOX ? i : 2 * i;
+    *ib = NEOX ? i + half : 2 * i + 1;
+}
+
+// (x0, x1) -> (x0 cos - x1 sin, x0 sin + x1 cos), in float32.
+__device__ __forceinline__ void rope_rotate(float x0, float x1, float s, float c, float* y0, float* y1) {
+    *y0 = x0 * c - x1 * s;
+    *y1 = x0 * s + x1 * c;
 }

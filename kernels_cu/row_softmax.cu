@@ -53,10 +53,11 @@ softmax_warp_kernel(const T* __restrict__ x, T* __restrict__ y, long long rows, 
         m = fmaxf(m, v[i]);
     }
     m = warp_reduce_max(m);
-    if (__any_sync(0xffffffffu, bad) || m == -CUDART_INF_F) {
+    const bool any_bad = __any_sync(0xffffffffu, bad);
+    if (any_bad || m == -CUDART_INF_F) {
         // NaN / +inf among the visible scores: NaN there; nothing visible: a zero row (not
         // exp(-inf - -inf) = NaN). Masked positions are 0 either way.
-        const float fill = m == -CUDART_INF_F && !__any_sync(0xffffffffu, bad) ? 0.f : CUDART_NAN_F;
+        const float fill = m == -CUDART_INF_F && !any_bad ? 0.f : CUDART_NAN_F;
 #pragma unroll
         for (int i = 0; i < VPT; ++i) {
             const int j = lane + 32 * i;

@@ -43,6 +43,8 @@ class Dev:
         self.a, self.b = arr((5, 32)), arr((6, 32))
         self.c = self.poison((5, 6))
         self.cache = cupyattn.KVCache(2, 2, 2, 16, 64, f16)
+        self.cache.k[...] = arr(self.cache.k.shape)  # not zeros: a stray write of zeros would show
+        self.cache.v[...] = arr(self.cache.v.shape)
         self.kn = arr((2, 2, 3, 64))
         self.qd = arr((2, 4, 1, 64))
         self.od = self.poison((2, 4, 1, 64))
@@ -125,7 +127,8 @@ def _device_cases():
         ValueError, r"attention\(\): out overlaps q in memory")
     add("attn-out-shape", lambda d: (lambda: A(d.q, d.k, d.v, out=d.out[:, :2]), [d.out]),
         ValueError, r"attention\(\): out has shape \(1, 2, 8, 64\), expected \(1, 4, 8, 64\)")
-    add("attn-out-dtype", lambda d: (lambda: A(d.q, d.k, d.v, out=d.poison((1, 4, 8, 64), np.float32)), []),
+    add("attn-out-dtype", lambda d: (lambda o: (lambda: A(d.q, d.k, d.v, out=o), [o]))(
+        d.poison((1, 4, 8, 64), np.float32)),
         TypeError, r"attention\(\): out has dtype float32, expected float16")
     add("attn-sq-int32", lambda d: (lambda: A(d.cp.broadcast_to(d.q[:, :, :1], (1, 4, BIG, 64)), d.k, d.v), []),
         ValueError, r"attention\(\): Sq = 2147483648 does not fit the kernels' 32-bit integers")
@@ -148,9 +151,10 @@ def _device_cases():
         TypeError, r"softmax\(\): scale must be a real number")
     add("softmax-out-overlap", lambda d: (lambda: S(d.x[:2], out=d.x[1:]), [d.x]),
         ValueError, r"softmax\(\): out overlaps x in memory;.*exactly out=x is allowed")
-    add("softmax-out-shape", lambda d: (lambda: S(d.x, out=d.poison((3, 63))), []),
+    add("softmax-out-shape", lambda d: (lambda o: (lambda: S(d.x, out=o), [o]))(d.poison((3, 63))),
         ValueError, r"softmax\(\): out has shape \(3, 63\), expected \(3, 64\)")
-    add("softmax-out-noncontig", lambda d: (lambda: S(d.x[:, :32], out=d.poison((3, 64))[:, ::2]), []),
+    add("softmax-out-noncontig", lambda d: (lambda o: (lambda: S(d.x[:, :32], out=o[:, ::2]), [o]))(
+        d.poison((3, 64))),
         ValueError, r"softmax\(\): out must be C-contiguous")
     add("softmax-0d", lambda d: (lambda: S(d.x[0, :1].reshape(())), []),
         ValueError, r"softmax\(\): x must have at least 1 dimensions")
@@ -172,9 +176,9 @@ def _device_cases():
             ValueError, rf"{name}\(\): impl='cublas' is not supported")
         add(f"{name}-batch", lambda d, f=f, bb=bb: (lambda: f(d.cp.stack([d.a] * 2), d.cp.stack([bb(d)] * 3)), []),
             ValueError, rf"{name}\(\): batch dims of a \(2,\) and b \(3,\) do not broadcast")
-        add(f"{name}-out-is-a", lambda d, f=f: (lambda: f(d.cp.zeros((32, 32), np.float16), d.cp.zeros((32, 32), np.float16),
-                                                          out=d.a[:, :0]), []),
-            ValueError, rf"{name}\(\): out has shape")
+        add(f"{name}-out-shape", lambda d, f=f: (lambda: f(d.cp.zeros((32, 32), np.float16), d.cp.zeros((32, 32), np.float16),
+                                                           out=d.c), [d.c]),
+            ValueError, rf"{name}\(\): out has shape \(5, 6\), expected \(32, 32\)")
         add(f"{name}-mma-fp32", lambda d, f=f, bb=bb: (lambda: f(d.a.astype(np.float32), bb(d).astype(np.float32),
                                                                 impl="mma"), []),
             TypeError, rf"{name}\(\): impl='mma' needs float16 or bfloat16")
@@ -278,6 +282,11 @@ def _device_cases():
             return (lambda: D(q, out=out, workspace=ws, **args)), [d.od, d.qd] + cache_bufs(d)
         add(cid, make, exc, pat)
 
+    add("decode-heads-grid", lambda d: (lambda: D(d.cp.broadcast_to(d.qd[:, :1], (2, 2 * 8 * 32769, 1, 64)),
+                                                  d.cache, 1, impl="simt"), cache_bufs(d)),
+        ValueError, r"decode_attention\(\): 524304 query heads need 65538 blocks in a launch's grid y, "
+                    r"more than 65535")
+
     # layer ops
     add("rmsnorm-eps-neg", lambda d: (lambda: ca.rmsnorm(d.x, d.w, -1.0), [d.x]),
         ValueError, r"rmsnorm\(\): eps must be finite and >= 0")
@@ -338,13 +347,14 @@ def _device_cases():
         ValueError, r"SamplingParams.set\(\): top_k must be in \[0, 2\^31\)")
     add("sample-seed", lambda d: (lambda: ca.sample(d.logits, temperature=1.0, seed=-1, out=d.tok), [d.tok]),
         ValueError, r"SamplingParams.set\(\): seed must be an int in \[0, 2\^64\)")
-    add("sample-out-dtype", lambda d: (lambda: ca.sample(d.logits, out=d.cp.zeros(2, np.int64)), [d.tok]),
+    add("sample-out-dtype", lambda d: (lambda o: (lambda: ca.sample(d.logits, out=o), [o]))(
+        d.cp.full(2, -7, np.int64)),
         TypeError, r"sample\(\): out has dtype int64")
     add("sample-params-type", lambda d: (lambda: ca.sample(d.logits, params={"t": 1}, out=d.tok), [d.tok]),
         TypeError, r"sample\(\): params must be a cupyattn.sampling.SamplingParams")
-    add("sample-out-in-logits", lambda d: (lambda: ca.sample(d.logits, out=d.logits[:, :2].view(np.int32)[:, 0]),
+    add("sample-out-in-logits", lambda d: (lambda: ca.sample(d.logits, out=d.logits.view(np.int32)[0, :2]),
                                            [d.logits]),
-        ValueError, r"sample\(\): out .*|sample\(\): out overlaps logits")
+        ValueError, r"sample\(\): out overlaps logits in memory")
     return cases
 
 
@@ -391,7 +401,7 @@ def _host_cases():
         ("sampler-temp-neg", lambda: Sampler(-0.5), ValueError, r"Sampler\(\): temperature must be finite and >= 0"),
         ("sampler-temp-str", lambda: Sampler("0.7"), TypeError, r"Sampler\(\): temperature must be a real number"),
         ("sampler-topk-float", lambda: Sampler(1.0, top_k=2.5), TypeError, r"Sampler\(\): top_k must be an integer"),
-        ("sampler-topk-neg", lambda: Sampler(1.0, top_k=-1), ValueError, r"Sampler\(\): top_k must be an integer >= 0"),
+        ("sampler-topk-neg", lambda: Sampler(1.0, top_k=-1), ValueError, r"Sampler\(\): top_k must be an integer in \[0, 2\^31\)"),
         ("sampler-topp-zero", lambda: Sampler(1.0, top_p=0.0), ValueError, r"Sampler\(\): top_p must be in \(0, 1\]"),
         ("sampler-topp-bool", lambda: Sampler(1.0, top_p=True), TypeError, r"Sampler\(\): top_p must be a real number"),
         ("sampler-seed-neg", lambda: Sampler(seed=-1), ValueError, r"Sampler\(\): seed must be an integer in \[0, 2\^64\)"),
@@ -446,10 +456,11 @@ def _cli(*argv, stdin=None):
 
 
 CLI_CASES = [
-    (["hi", "--temperature", "nan"], "--temperature must be a finite number >= 0"),
-    (["hi", "--temperature", "-1"], "--temperature must be a finite number >= 0"),
+    (["hi", "--temperature", "nan"], "--temperature must be finite and >= 0"),
+    (["hi", "--temperature", "-1"], "--temperature must be finite and >= 0"),
     (["hi", "--seed", "-1"], "--seed must be an integer in [0, 2^64)"),
-    (["hi", "--top-k", "-2"], "--top-k must be >= 0"),
+    (["hi", "--top-k", "-2"], "--top-k must be an integer in [0, 2^31)"),
+    (["hi", "--top-k", "3000000000"], "--top-k must be an integer in [0, 2^31)"),
     (["hi", "--top-p", "0"], "--top-p must be in (0, 1]"),
     (["hi", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
     (["hi", "--max-new-tokens", "-1"], "--max-new-tokens must be >= 0"),

@@ -124,6 +124,24 @@ def test_auto_splits_follow_live_length_not_max_seq(monkeypatch):
 
 
 @pytest.mark.gpu
+def test_auto_num_splits_is_what_decode_attention_picks(monkeypatch):
+    """The public helper (tinylm fixes a graph's split count with it) agrees with the choice
+    decode_attention makes itself, on both kernels and with several head tiles per kv head."""
+    import cupy
+
+    seen = []
+    monkeypatch.setattr(decode, "_sm_count", lambda: 132)
+    monkeypatch.setattr(decode, "_launch", lambda *a, **k: seen.append(a[4]))
+    for dtype, batch, hkv, hq, d, length in [(np.float16, 8, 3, 9, 64, 2048), (np.float16, 8, 1, 40, 128, 8192),
+                                             (np.float32, 1, 2, 40, 64, 30000), (config.BFLOAT16, 3, 2, 8, 256, 700)]:
+        cache = KVCache(1, batch, hkv, length, d, dtype)
+        cache.host_lengths[0] = length  # the host mirror is all the split rule reads
+        decode_attention(cupy.zeros((batch, hq, 1, d), dtype=dtype), cache, 0)
+        assert seen[-1] == decode.auto_num_splits(batch, hq, hkv, d, dtype, length), (dtype, batch, hq, length)
+    assert len(set(seen)) > 1  # the cases do not all pick one count
+
+
+@pytest.mark.gpu
 def test_auto_impl_and_head_tiles(monkeypatch):
     """impl="auto": tensor cores for fp16/bf16 from a GQA group of 4; 16 or 32 heads per block."""
     import cupy

@@ -51,6 +51,14 @@ __global__ void block_rev(const float* x, float* y, int n) {
     y[blockIdx.x * n + threadIdx.x] = s[n - 1 - threadIdx.x];
 }
 __global__ void oob(float* y, int n) { y[n] = 1.0f; }
+// __syncthreads_count after plain barriers: each count is of its own barrier only (y = 128, 64)
+__global__ void counts(int* y) {
+    const int a = __syncthreads_count(1);
+    __syncthreads();
+    __syncthreads();
+    const int b = __syncthreads_count(threadIdx.x % 2 == 0);
+    if (threadIdx.x == 0) { y[0] = a; y[1] = b; }
+}
 __global__ void divergent(float* y) {  // half a warp at a block barrier, half in a shuffle
     float v = 1.0f;
     if (threadIdx.x < 16) __syncthreads(); else v = __shfl_xor_sync(0xffffffffu, v, 1);
@@ -90,7 +98,10 @@ __global__ void misaligned(const float* x, float* y) {
     y[0] = s[1];
 }
 """)
-warp_sum, block_rev, oob, divergent = module(SRC, "warp_sum", "block_rev", "oob", "divergent")
+warp_sum, block_rev, oob, divergent, counts = module(SRC, "warp_sum", "block_rev", "oob", "divergent", "counts")
+yc = cupy.zeros(2, dtype=np.int32)
+counts((1,), (128,), (yc,))
+assert cupy.asnumpy(yc).tolist() == [128, 64], cupy.asnumpy(yc)
 x = cupy.asarray(np.arange(32, dtype=np.float32))
 y = cupy.empty(32, dtype=np.float32)
 warp_sum((1,), (32,), (x, y))

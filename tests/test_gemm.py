@@ -265,6 +265,9 @@ def test_mma_ring_fits_its_blocks_per_sm(compile_report):
     reports, errors = compile_report("gemm")
     assert not errors
     tile = config.GEMM_TILES["mma"]
+    seen = {(r.kernel, r.arch) for r in reports if r.kernel.startswith(("gemm_mma_kernel", "gemm_skinny_kernel"))}
+    assert len(seen) == 2 * sum(e.startswith(("gemm_mma_kernel", "gemm_skinny_kernel"))
+                                for e in G.SPEC.name_expressions), seen  # every one, both archs
     for r in reports:
         if r.kernel.startswith("gemm_mma_kernel"):
             nt = ", true," in r.kernel

@@ -120,20 +120,16 @@ def _prompts(args) -> list:
 
 def _check_options(args) -> None:
     """Every option value, before anything is loaded."""
-    import math
-
     from .config import PRESETS
+    from .sampling import Sampler
 
     if args.max_new_tokens < 0:
         raise _OptionError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
-    if not (math.isfinite(args.temperature) and args.temperature >= 0):
-        raise _OptionError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
-    if args.top_k < 0:
-        raise _OptionError(f"--top-k must be >= 0 (0 = all tokens), got {args.top_k}")
-    if not 0.0 < args.top_p <= 1.0:
-        raise _OptionError(f"--top-p must be in (0, 1], got {args.top_p}")
-    if not 0 <= args.seed < 2**64:
-        raise _OptionError(f"--seed must be an integer in [0, 2^64), got {args.seed}")
+    try:  # the sampling options: Sampler's own checks, its messages under the option names
+        Sampler(args.temperature, args.top_k, args.top_p, args.seed)
+    except (TypeError, ValueError) as e:
+        name, rest = str(e).removeprefix("Sampler(): ").split(" ", 1)  # "top_k must be ..."
+        raise _OptionError(f"--{name.replace('_', '-')} {rest}") from None
     if args.system is not None and not args.chat:
         raise _OptionError("--system needs --chat")
     if args.allow_special and args.chat:

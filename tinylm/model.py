@@ -32,10 +32,10 @@ import numpy as np
 #   new_cache(L, B, Hkv, S, hd)          KV cache: .reset(), .check_room(n), .host_lengths [L, B]
 #   empty(shape) / ids(np ints)
 #   token_buffer(B) / set_tokens(buf, ids) / read_tokens(buf)   the [B, 1] decode input ids
-#   decode_workspace(B, Hq, hd), decode_splits(B, Hq, Hkv, length)   split-KV partials / count
+#   decode_workspace(B, Hq, hd), decode_splits(B, Hq, Hkv, hd, length)   split-KV partials / count
 #   embedding(ids [B,T], table [V,D])    -> [B, T, D]
 #   matmul(x [..., K], w [N, K])         -> [..., N]   (x @ w^T)
-#   rmsnorm(x, w, eps) / add_rmsnorm(x, r, w, eps) -> (x += r, rmsnorm) / swiglu(g, u) / add
+#   rmsnorm(x, w, eps) / add_rmsnorm(x, r, w, eps) -> (x += r, rmsnorm) / swiglu(g, u)
 #   qkv_rope_append(qkv [B,T,(Hq+2Hkv)hd], cache, layer, Hq, base, style, num_new) -> q [B,Hq,T,hd]
 #   attend_prefill(q, cache, layer, start, key_lengths)   causal over cached positions
 #   attend_decode(q [B,Hq,1,hd], cache, layer, workspace, num_splits)   whole live cache per seq
@@ -211,7 +211,7 @@ class Transformer:
         """Split-KV count of a decode step (None: the backend has none): chosen for the lower end
         of the context bucket, so an eager step and a graph replay of that bucket agree."""
         a = self.args
-        return self.ops.decode_splits(state.batch, a.n_heads, a.n_kv_heads,
+        return self.ops.decode_splits(state.batch, a.n_heads, a.n_kv_heads, a.head_dim,
                                       1 << (context_bucket(length) - 1))
 
     def forward(self, ids, state: RunState, all_logits: bool = False, num_new=None):

@@ -17,7 +17,7 @@ import numpy as np
 
 import cupyattn
 from cupyattn import layers
-from cupyattn.config import DECODE_HEAD_TILE, DECODE_MAX_SPLITS
+from cupyattn.config import DECODE_MAX_SPLITS
 
 _DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": cupyattn.bfloat16}
 
@@ -36,8 +36,6 @@ class CupyOps:
         # A blocking (not non_blocking) stream: work on the legacy default stream, e.g. a
         # caller's cupy ops on our outputs, stays ordered after ours.
         self._stream = cupy.cuda.Stream()
-        dev = cupy.cuda.Device()
-        self.sm_count = int(dev.attributes["MultiProcessorCount"])
 
     # --- stream, weights, cache, host transfers ------------------------------------------
     def stream(self):
@@ -82,10 +80,10 @@ class CupyOps:
         return (cupy.empty((DECODE_MAX_SPLITS, batch, n_heads, head_dim), dtype=np.float32),
                 cupy.empty((DECODE_MAX_SPLITS, batch, n_heads), dtype=np.float32))
 
-    def decode_splits(self, batch, n_heads, n_kv_heads, length):
-        """Split-KV count for a decode step whose longest sequence holds ``length`` keys."""
-        blocks = n_kv_heads * -(-(n_heads // n_kv_heads) // DECODE_HEAD_TILE)
-        return cupyattn.choose_num_splits(batch, blocks, length, self.sm_count)
+    def decode_splits(self, batch, n_heads, n_kv_heads, head_dim, length):
+        """Split-KV count for a decode step whose longest sequence holds ``length`` keys: the
+        one decode_attention would pick itself (same kernel plan, SM count and occupancy)."""
+        return cupyattn.auto_num_splits(batch, n_heads, n_kv_heads, head_dim, self.dtype, length)
 
     # --- layer ops ------------------------------------------------------------------------
     def embedding(self, ids, table, out=None):
@@ -124,9 +122,6 @@ class CupyOps:
         b, t, d = x.shape
         flat = cupy.asarray(np.arange(b, dtype=np.int32) * t + np.asarray(idx, dtype=np.int32))
         return layers.embedding(flat, x.reshape(b * t, d)).reshape(b, 1, d)
-
-    def add(self, x, y, out=None):
-        return layers.add(x, y, out=out)
 
     # --- sampling -------------------------------------------------------------------------
     def sampling_params(self, batch):

@@ -102,7 +102,7 @@ class NumpyOps:
     def decode_workspace(self, batch, n_heads, head_dim):
         return None
 
-    def decode_splits(self, batch, n_heads, n_kv_heads, length):
+    def decode_splits(self, batch, n_heads, n_kv_heads, head_dim, length):
         return None
 
     # --- layer ops ------------------------------------------------------------------------
@@ -262,9 +262,6 @@ class NumpyOps:
     def gather_rows(self, x, idx):
         """x [B, T, D], idx [B] host ints -> rows x[b, idx[b]] as [B, 1, D]."""
         return np.ascontiguousarray(x[np.arange(x.shape[0]), np.asarray(idx)][:, None])
-
-    def add(self, x, y, out=None):
-        return np.add(x, y, out=out)
 
     def contiguous(self, x):
         return np.ascontiguousarray(x)

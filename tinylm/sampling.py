@@ -43,7 +43,7 @@ class Sampler:
         self.temperature = _real("temperature", temperature, "finite and >= 0 (0 = greedy)",
                                  lambda v: math.isfinite(v) and v >= 0)
         self.top_p = _real("top_p", top_p, "in (0, 1]", lambda v: 0.0 < v <= 1.0)
-        self.top_k = _integer("top_k", top_k, "an integer >= 0 (0 = all tokens)", 0, 2**31 - 1)
+        self.top_k = _integer("top_k", top_k, "an integer in [0, 2^31) (0 = all tokens)", 0, 2**31 - 1)
         self.seed = _integer("seed", seed, "an integer in [0, 2^64)", 0, 2**64 - 1)
         self.rng = np.random.default_rng(self.seed)
 

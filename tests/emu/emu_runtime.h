@@ -88,7 +88,11 @@ inline void emu_yield(EmuState st, unsigned gen) {
 }
 inline void emu_block_arrive_check() {
     EmuSched& S = *emu_s;
-    if (S.live > 0 && S.block_arrived == S.live) { S.block_arrived = 0; ++S.block_gen; }
+    if (S.live > 0 && S.block_arrived == S.live) {
+        S.block_arrived = 0;
+        ++S.block_gen;
+        S.red[S.block_gen % 3] = 0;  // the tally of the next barrier (its last readers passed this one)
+    }
 }
 inline void emu_warp_arrive_check(EmuWarp& w) {
     if (w.live > 0 && w.arrived == w.live) { w.arrived = 0; ++w.gen; }
@@ -107,13 +111,12 @@ inline void emu_warp_barrier() {
     emu_warp_arrive_check(w);
     if (w.gen == g) emu_yield(EMU_WAIT_WARP, g);
 }
-// __syncthreads_count/or/and: a barrier that also tallies a predicate. Barrier g uses slot g % 3;
-// a thread arriving at barrier g clears slot (g + 1) % 3 = (g - 2) % 3, whose readers all passed
-// barrier g - 1 (so they read it already).
+// __syncthreads_count/or/and: a barrier that also tallies a predicate. Barrier g uses slot g % 3,
+// cleared when barrier g - 1 completed (any barrier, plain ones too): the readers of its previous
+// use, barrier g - 3, read it on waking, before they could arrive at barrier g - 1.
 inline int emu_sync_count(int pred) {
     EmuSched& S = *emu_s;
     const unsigned g = S.block_gen;
-    S.red[(g + 1) % 3] = 0;
     S.red[g % 3] += pred != 0;
     __syncthreads();
     return S.red[g % 3];
