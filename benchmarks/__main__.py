@@ -87,8 +87,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="causal mask, bottom-right aligned" if name == "attention"
                        else "ignored: a decode query sees its whole cache")
         sweep_arg(p, name)
+    mg.add_argument("--model", help="comma-separated: 'smollm2', a tinylm preset or a GGUF file's path "
+                    "(default: both smollm2 and --preset)")
     p = add("model", "tinylm end to end (TTFT, decode tok/s) vs HF transformers", (common, m))
-    p.add_argument("--model", help="'smollm2' or a tinylm preset (default: both smollm2 and --preset)")
     p = add("all", "default cases of every op (and model)", (common, m))
     p.add_argument("--with-sweeps", action="store_true", help="also run every predefined sweep")
     p.add_argument("--skip-model", action="store_true", help="leave out the model cases")
@@ -103,6 +104,8 @@ def plan(a) -> list:
             cases = list(dict.fromkeys(specs.make_case(op, a.dtype, **c.p) for c in cases))
         if op == "model":
             pairs = [(c.p["model"], c.p["batch"]) for c in cases]
+            if a.model:
+                pairs = [(m, b) for m in a.model.split(",") for b in batches or [1]]
             if batches:
                 pairs = list(dict.fromkeys((m, b) for m, _ in pairs for b in batches))
             cases = [specs.model_case(m, a.prompt_len, a.new_tokens, b) for m, b in pairs]
@@ -121,8 +124,6 @@ def plan(a) -> list:
             out += defaults("model")
         return out
     if a.op == "model":
-        if a.model:
-            return [specs.model_case(a.model, a.prompt_len, a.new_tokens, b) for b in batches or [1]]
         return defaults("model")
     if a.sweep:
         return specs.sweep_cases(a.sweep, a.dtype or "float16")

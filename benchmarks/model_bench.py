@@ -33,11 +33,12 @@ def _one_line(e):
 
 
 def load_model(name: str, seed: int = 0):
-    """(args, weights, tokenizer or None, source) for 'smollm2' or a synthetic tinylm preset."""
+    """(args, weights, tokenizer or None, source) for 'smollm2', a GGUF file's path (e.g. a copy
+    reduced by ``python -m tinylm.reduce_gguf``) or a synthetic tinylm preset."""
     import tinylm
 
-    if name == "smollm2":
-        path = tinylm.default_model_path()
+    if name == "smollm2" or name.endswith(".gguf"):
+        path = tinylm.default_model_path() if name == "smollm2" else name
         args, weights, meta = tinylm.load_gguf(path)
         return args, weights, tinylm.Tokenizer.from_gguf_metadata(meta), str(path)
     from tinylm.config import PRESETS

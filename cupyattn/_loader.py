@@ -160,14 +160,24 @@ def _compile(spec: KernelSpec, name_expression: str, arch: str):
             timer.cancel()
 
 
+def smem_needs_opt_in(static_bytes: int, dynamic_bytes: int) -> bool:
+    """Whether a launch with ``dynamic_bytes`` of dynamic shared memory needs the kernel's
+    ``max_dynamic_shared_size_bytes`` raised first: the driver refuses (CUDA_ERROR_INVALID_VALUE)
+    a block whose static plus dynamic shared memory passes 48 KB without it. The static part
+    counts too: decode's float32 D=128 kernel has a 48 KB ring beside 4.7 KB of static arrays,
+    which the first H100 run refused while the opt-in looked at the ring alone."""
+    return dynamic_bytes > 0 and static_bytes + dynamic_bytes > STATIC_SMEM_BYTES
+
+
 def get_function(spec: KernelSpec, name_expression: str, dynamic_smem: int = 0):
     """One kernel of ``spec`` (a name expression it declares) for the current device, compiled
     on first use (only that instantiation) and memoised per device.
 
     ``dynamic_smem``: bytes of dynamic shared memory the caller will launch it with
-    (``kernel(grid, block, args, shared_mem=dynamic_smem)``); above 48 KB the kernel's opt-in
-    attribute is raised here first (once per kernel and size), and a request beyond the
-    device's opt-in limit is a clear error instead of a failed launch.
+    (``kernel(grid, block, args, shared_mem=dynamic_smem)``). When it and the kernel's static
+    ``__shared__`` arrays together pass 48 KB, the kernel's opt-in attribute is raised here first
+    (once per kernel and size), and a total beyond the device's opt-in limit is a clear error
+    instead of a failed launch.
     """
     dev_id, arch = _device_arch()
     key = (spec.name, name_expression, dev_id)
@@ -180,11 +190,14 @@ def get_function(spec: KernelSpec, name_expression: str, dynamic_smem: int = 0):
             if fn is None:
                 fn = _FUNCTIONS[key] = _compile(spec, name_expression, arch)
                 _SMEM_RAISED.pop(key, None)  # a new function object starts at the 48 KB default
-    if dynamic_smem > STATIC_SMEM_BYTES and _SMEM_RAISED.get(key, 0) < dynamic_smem:
-        limit = int(cupy.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"])
-        if dynamic_smem > limit:
-            raise ValueError(f"{name_expression} needs {dynamic_smem} B of shared memory per block; "
-                             f"this device allows {limit} B")
-        fn.max_dynamic_shared_size_bytes = dynamic_smem
+    if dynamic_smem > 0 and _SMEM_RAISED.get(key, 0) < dynamic_smem:
+        static = int(fn.shared_size_bytes)
+        if smem_needs_opt_in(static, dynamic_smem):
+            limit = int(cupy.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"])
+            if static + dynamic_smem > limit:
+                raise ValueError(f"{name_expression} needs {static + dynamic_smem} B of shared memory per "
+                                 f"block ({static} B static + {dynamic_smem} B dynamic); this device "
+                                 f"allows {limit} B")
+            fn.max_dynamic_shared_size_bytes = dynamic_smem
         _SMEM_RAISED[key] = dynamic_smem
     return fn

@@ -118,4 +118,10 @@ def assert_close(out, ref, dtype: str, tol: float | None = None):
     tol = TOL[dtype] if tol is None else tol
     denom = max(np.linalg.norm(ref), 1e-30)
     err = np.linalg.norm(out - ref) / denom
-    assert err <= tol, f"relative error {err:.3e} > {tol:.1e} ({dtype})"
+    # plus what rounding the exact result to the output dtype costs: fp16 outputs under 6.1e-5
+    # are subnormal (softmax over 1e6 columns gives ~1e-6, 2^-24 apart), which no kernel can beat
+    with np.errstate(over="ignore", invalid="ignore"):
+        rounded = np.asarray(ref.astype(np_dtype(dtype)), dtype=np.float64)
+    finite = np.isfinite(ref) & np.isfinite(rounded)
+    floor = np.linalg.norm(np.where(finite, rounded - ref, 0.0)) / denom
+    assert err <= tol + floor, f"relative error {err:.3e} > {tol:.1e} + {floor:.1e} rounding ({dtype})"

@@ -153,6 +153,10 @@ def test_plan_defaults_sweeps_and_all():
     assert m.p == {"model": "tiny", "prompt_len": 128, "new_tokens": 5, "batch": 1}
     assert m.name == "model tiny B1" and m.shape == "tiny B1 prompt128 new5"
     assert [c.p["batch"] for c in _plan("model", "--model", "tiny", "--batch", "1,8")] == [1, 8]
+    two = _plan("all", "--skip-model", "--model", "x"), _plan("all", "--model", "tiny,a/b.gguf", "--batch", "1,8")
+    assert not [c for c in two[0] if c.op == "model"]
+    assert [(c.p["model"], c.p["batch"]) for c in two[1] if c.op == "model"] == [
+        ("tiny", 1), ("tiny", 8), ("a/b.gguf", 1), ("a/b.gguf", 8)]
     assert [(c.p["model"], c.p["batch"]) for c in _plan("model", "--preset", "tiny", "--batch", "4")] == [
         ("smollm2", 4), ("tiny", 4)]
 

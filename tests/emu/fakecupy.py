@@ -542,7 +542,10 @@ class _Kernel:
         kinds, sizes = ctypes.create_string_buffer(64), (ctypes.c_int * 64)()
         n = getattr(mod.lib, f"emu_params_{i}")(kinds, sizes)
         self.params = [(kinds.raw[j:j + 1].decode(), sizes[j]) for j in range(n)]
-        self._max_dyn_smem = 0
+        # static __shared__ bytes: unknown here (the emulator maps them to C++ statics), so 0;
+        # the driver's default attribute is 48 KB minus them, as on a GPU
+        self.shared_size_bytes = 0
+        self._max_dyn_smem = STATIC_SMEM_LIMIT - self.shared_size_bytes
         self.attributes = {}
 
     @property
@@ -627,7 +630,7 @@ def _check_launch(expr, grid, block, smem, smem_attr):
             raise ValueError(f"{expr}: block dimension {'xyz'[i]}={b} exceeds the limit {lim}")
     if int(np.prod(block)) > MAX_THREADS:
         raise ValueError(f"{expr}: {int(np.prod(block))} threads per block exceed {MAX_THREADS}")
-    if smem > max(STATIC_SMEM_LIMIT, smem_attr):
+    if smem > smem_attr:
         raise ValueError(f"{expr}: {smem} B of dynamic shared memory need the kernel's "
                          f"max_dynamic_shared_size_bytes raised first (it is {smem_attr})")
 
