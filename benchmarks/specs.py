@@ -236,7 +236,9 @@ def default_cases(op: str, preset: str = "llama2-7b-4layers") -> list[Case]:
                 + [make_case("gemm", "float16", label=f"gemm skinny M{m} N4096 K4096 float16",
                              M=m, N=4096, K=4096, layout="nt", batch=1) for m in (1, 8, 16)])
     if op == "softmax":
-        return [make_case("softmax", dt, rows=8192, cols=4096) for dt in DTYPES]
+        # 8192 x 4096 in every dtype; the goal shape, float32 8192 x 8192 (% of copy bandwidth)
+        return ([make_case("softmax", dt, rows=8192, cols=4096) for dt in DTYPES]
+                + [make_case("softmax", "float32", rows=8192, cols=8192)])
     if op == "attention":
         # The goal shapes (B=4, H=32, S=4096, fp16, D=128 and 64, causal and not; peers:
         # torch SDPA, naive CuPy, our naive path), then bf16 and GQA (8 KV heads).

@@ -172,8 +172,8 @@ def test_dynamic_shared_memory_is_opted_in_once_and_checked(monkeypatch):
     fn((1,), (32,), (lengths, lengths, np.int32(3), np.int32(2), np.int32(0)), shared_mem=100 * 1024)
     assert cupy.asnumpy(lengths).tolist() == [2, 2, 2]
     limit = int(cupy.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"])
-    with pytest.raises(ValueError, match=f"needs {limit + 16} B of shared memory per block; this device "
-                                         f"allows {limit} B"):
+    with pytest.raises(ValueError, match=rf"needs {limit + 16} B of shared memory per block \(0 B static \+ "
+                                         rf"{limit + 16} B dynamic\); this device allows {limit} B"):
         _loader.get_function(kvcache.SPEC, expr, dynamic_smem=limit + 16)
 
 
