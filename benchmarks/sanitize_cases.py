@@ -102,7 +102,8 @@ def gemm(ca, cfg):
 
 def softmax(ca, cfg):
     for dt in cfg.DTYPES:
-        for n in [32 * v for v in cfg.SOFTMAX_VPTS] + [3001]:
+        reg = [cfg.SOFTMAX_BLOCK * v for v in cfg.SOFTMAX_REG_TILES]  # each block-reg VPT's longest row
+        for n in [32 * v for v in cfg.SOFTMAX_VPTS] + reg + [3001, 20000]:
             _finite(ca.softmax(_rand((5, n), dt, 16), causal=n <= 64))
 
 

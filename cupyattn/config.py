@@ -286,6 +286,13 @@ SOFTMAX_WARP_MAX = 32 * SOFTMAX_VPTS[-1]  # longer rows go to the block-per-row 
 SOFTMAX_ROWS_PER_BLOCK = 4             # warp-per-row: 4 rows per 128-thread block
 SOFTMAX_BLOCK = 512                    # block-per-row: a 1M-element row is ~2K elements per
                                        # thread per pass; 16 warps keep loads in flight
+# block-per-row with the row in registers (v3, SOFTMAX_BLOCK threads, VPT values each) for
+# SOFTMAX_WARP_MAX < n <= SOFTMAX_BLOCK * 32: VPT -> min blocks per SM (__launch_bounds__). Why:
+# v2 reads each row twice and loops with one load in flight per thread; on the H100 (2026-11-23)
+# it ran 8192 x 2048 fp16 at 0.096 ms where 8192 x 1024 (v1, in registers) took 0.022 ms.
+# 2 blocks per SM (64 registers) while the values fit; VPT 32 needs more than 64 registers.
+SOFTMAX_REG_TILES = {4: 2, 8: 2, 16: 2, 32: 1}
+SOFTMAX_REG_MAX = SOFTMAX_BLOCK * max(SOFTMAX_REG_TILES)
 
 # --- sampling (kernels_cu/sampling.cu) -------------------------------------------------------
 SAMPLING_THREADS = 1024     # one block per sequence: at batch 1 it is the only block, so it takes

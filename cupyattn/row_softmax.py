@@ -1,8 +1,9 @@
 """Row softmax over CuPy arrays: ``softmax(x, axis=-1, scale=1.0, causal=False, out=None)``.
 
 Kernels live in ``kernels_cu/row_softmax.cu``: a warp-per-row kernel (row kept in registers) for rows
-of up to 1024 elements and a block-per-row kernel (online max/sum, two passes over the row) for
-longer rows, 1,000,000 elements and beyond.
+of up to 1024 elements, a block-per-row kernel with the row in registers up to 16384 elements, and
+a block-per-row kernel (online max/sum, two passes over the row) for longer rows, 1,000,000
+elements and beyond.
 """
 from __future__ import annotations
 
@@ -11,12 +12,16 @@ import numpy as np
 
 from . import _checks
 from ._loader import KernelSpec, get_function
-from .config import (DTYPES, MAX_GRID_X, SOFTMAX_BLOCK, SOFTMAX_ROWS_PER_BLOCK, SOFTMAX_VPTS,
-                     SOFTMAX_WARP_MAX, ctype)
+from .config import (DTYPES, MAX_GRID_X, SOFTMAX_BLOCK, SOFTMAX_REG_MAX, SOFTMAX_REG_TILES,
+                     SOFTMAX_ROWS_PER_BLOCK, SOFTMAX_VPTS, SOFTMAX_WARP_MAX, ctype)
 
 
 def _warp_expr(dtype, vpt: int) -> str:
     return f"softmax_warp_kernel<{ctype(dtype)}, {vpt}, {SOFTMAX_ROWS_PER_BLOCK}>"
+
+
+def _block_reg_expr(dtype, vpt: int) -> str:
+    return f"softmax_block_reg_kernel<{ctype(dtype)}, {SOFTMAX_BLOCK}, {vpt}, {SOFTMAX_REG_TILES[vpt]}>"
 
 
 def _block_expr(dtype) -> str:
@@ -27,6 +32,7 @@ SPEC = KernelSpec(
     name="row_softmax",
     source="row_softmax.cu",
     name_expressions=tuple(_warp_expr(t, v) for t in DTYPES for v in SOFTMAX_VPTS)
+    + tuple(_block_reg_expr(t, v) for t in DTYPES for v in SOFTMAX_REG_TILES)
     + tuple(_block_expr(t) for t in DTYPES),
 )
 
@@ -70,7 +76,11 @@ def _launch(x, y, causal, scale):
         grid = -(-rows // SOFTMAX_ROWS_PER_BLOCK)
         kern((grid, 1, 1), (32 * SOFTMAX_ROWS_PER_BLOCK, 1, 1), args)
     else:
-        kern = get_function(SPEC, _block_expr(x.dtype))
+        if n <= SOFTMAX_REG_MAX:
+            vpt = next(v for v in sorted(SOFTMAX_REG_TILES) if SOFTMAX_BLOCK * v >= n)
+            kern = get_function(SPEC, _block_reg_expr(x.dtype, vpt))
+        else:
+            kern = get_function(SPEC, _block_expr(x.dtype))
         kern((rows, 1, 1), (SOFTMAX_BLOCK, 1, 1), args)
 
 

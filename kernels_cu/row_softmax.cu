@@ -3,9 +3,12 @@
 //   variant      idea                                                               rows
 //   v1 warp-row  one warp per row, 4 rows per 128-thread block, the row held in     n <= 1024
 //                registers (VPT values per lane), max and sum by warp shuffles
-//   v2 block-row one 512-thread block per row, looping over the row: pass 1 keeps   n > 1024
+//   v3 block-reg one 512-thread block per row, the row held in registers (VPT     1024 < n
+//                values per thread): one read and one write of the row; max and   <= 512 * 32
+//                sum by warp shuffles, then across warps through shared memory
+//   v2 block-row one 512-thread block per row, looping over the row: pass 1 keeps   longer
 //                an online (max m, sum l) per thread, merged across the block by
-//                shuffles + smem; pass 2 writes exp(x - m) / l
+//                shuffles + smem; pass 2 writes exp(x - m) / l (reads the row twice)
 //
 // Math in float32; out dtype = in dtype. Causal: rows are [..., Sq, Sk] flattened, query
 // q = row % Sq sees keys j <= q + Sk - Sq (FlashAttention-2 bottom-right alignment); masked keys
@@ -15,7 +18,7 @@
 //
 // Launch shapes (VPT list, rows per warp-row block, block-row threads) and their reasons:
 // cupyattn/config.py SOFTMAX_*; they arrive here as template arguments. The host picks the
-// smallest VPT with 32 * VPT >= n, so a lane holds at most 32 values in registers.
+// smallest VPT with 32 * VPT >= n (v1) or BLOCK * VPT >= n (v3): at most 32 values per thread.
 #include "common.cuh"
 
 // Keys of this row the mask lets through: n, or min(n, q + n - sq + 1) clamped at 0 if causal.
@@ -76,6 +79,64 @@ softmax_warp_kernel(const T* __restrict__ x, T* __restrict__ y, long long rows, 
 #pragma unroll
     for (int i = 0; i < VPT; ++i)
         if (lane + 32 * i < n) yr[lane + 32 * i] = from_float<T>(v[i] * inv_l);
+}
+
+// --- v3: block per row, row in registers -----------------------------------------------------
+// x, y: [rows, n] contiguous, n <= BLOCK * VPT. grid = rows, block = BLOCK. Element j = tid +
+// BLOCK * i lives in v[i] (coalesced loads, all VPT in flight before any use). Each warp reduces
+// its values, writes one partial, and after the barrier every warp reduces all NW partials itself
+// (no second broadcast barrier); max and sum use separate slots, so no barrier between them.
+template <typename T, int BLOCK, int VPT, int MIN_BLOCKS>
+__global__ void __launch_bounds__(BLOCK, MIN_BLOCKS)
+softmax_block_reg_kernel(const T* __restrict__ x, T* __restrict__ y, long long rows, int n, int sq,
+                         float scale, int causal) {
+    constexpr int NW = BLOCK / 32;
+    static_assert(NW <= 32, "one warp reduces the partials");
+    __shared__ float red_m[NW], red_l[NW];
+    const long long row = blockIdx.x;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int kv = visible_keys(row, n, sq, causal);
+    const T* xr = x + row * n;
+    T* yr = y + row * n;
+
+    float v[VPT];
+    float m = -CUDART_INF_F;
+    bool bad = false;
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+        const int j = tid + BLOCK * i;
+        v[i] = j < kv ? to_float(xr[j]) * scale : -CUDART_INF_F;
+        bad |= bad_score(v[i]);
+        m = fmaxf(m, v[i]);
+    }
+    m = warp_reduce_max(m);
+    if (lane == 0) red_m[warp] = m;
+    const bool any_bad = __syncthreads_or(bad);  // also the barrier before red_m is read
+    m = warp_reduce_max(lane < NW ? red_m[lane] : -CUDART_INF_F);
+    if (any_bad || m == -CUDART_INF_F) {  // the same for the whole block (see v1)
+        const float fill = m == -CUDART_INF_F && !any_bad ? 0.f : CUDART_NAN_F;
+#pragma unroll
+        for (int i = 0; i < VPT; ++i) {
+            const int j = tid + BLOCK * i;
+            if (j < n) yr[j] = from_float<T>(j < kv ? fill : 0.f);
+        }
+        return;
+    }
+    float l = 0.f;
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+        v[i] = expf(v[i] - m);  // masked: exp(-inf) = 0
+        l += v[i];
+    }
+    l = warp_reduce_sum(l);
+    if (lane == 0) red_l[warp] = l;
+    __syncthreads();
+    const float inv_l = 1.f / warp_reduce_sum(lane < NW ? red_l[lane] : 0.f);
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+        const int j = tid + BLOCK * i;
+        if (j < n) yr[j] = from_float<T>(v[i] * inv_l);
+    }
 }
 
 // --- v2: block per row -----------------------------------------------------------------------

@@ -16,8 +16,9 @@ from conftest import DTYPES, TOL, assert_close, nan_like, np_dtype, rand_with_ou
 # Row lengths: warp kernel (1 .. 1024, every VPT bucket edge) and block kernel (1025 .. 1M).
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n", [1, 17, 32, 33, 97, 128, 1000, 1024, 1025, 4096,
-                               pytest.param(1_000_000, marks=pytest.mark.no_emu)])
+@pytest.mark.parametrize("n", [1, 17, 32, 33, 97, 128, 1000, 1024,  # warp kernel
+                               1025, 2048, 2049, 4096, 8192, 12289, 16384,  # block, row in registers
+                               16385, pytest.param(1_000_000, marks=pytest.mark.no_emu)])  # block, 2 passes
 def test_rows_match_reference(dtype, n):
     rows = 3 if n < 1_000_000 else 1
     rng = np.random.default_rng(n)
@@ -32,7 +33,7 @@ def test_rows_match_reference(dtype, n):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("sq,sk", [(1, 1), (17, 17), (97, 1000), (128, 128), (5, 1500), (1000, 1000),
-                                   (40, 17), (3, 2000)])
+                                   (40, 17), (3, 2000), (4, 17000)])
 def test_causal_bottom_right(dtype, sq, sk):
     # sq > sk leaves the top sq - sk rows with no visible key: they must be zeros, not NaN.
     rng = np.random.default_rng(sq * 31 + sk)
@@ -46,7 +47,7 @@ def test_causal_bottom_right(dtype, sq, sk):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n", [17, 3000])
+@pytest.mark.parametrize("n", [17, 3000, 20000])
 def test_fully_masked_rows_are_zero(dtype, n):
     import cupy
 
@@ -62,7 +63,7 @@ def test_fully_masked_rows_are_zero(dtype, n):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n", [33, 1500])  # warp kernel, block kernel
+@pytest.mark.parametrize("n", [33, 1500, 20000])  # warp kernel, block kernels (registers, 2 passes)
 def test_nan_and_inf_follow_the_reference(dtype, n):
     """A NaN (or +inf) among a row's visible scores makes its visible outputs NaN and leaves the
     other rows alone; a NaN at a causally hidden position changes nothing (the block kernel used
@@ -153,10 +154,15 @@ def test_numpy_input_is_a_type_error():
 
 
 def test_kernel_choice_covers_every_row_length():
-    # every n <= 1024 has a warp bucket holding it; longer rows use the block kernel
+    # every n <= 1024 has a warp bucket holding it, every n up to SOFTMAX_REG_MAX a block-reg
+    # bucket; longer rows use the two-pass block kernel
     for n in range(1, config.SOFTMAX_WARP_MAX + 1):
         assert any(32 * v >= n for v in config.SOFTMAX_VPTS)
     assert config.SOFTMAX_WARP_MAX == 1024
+    assert config.SOFTMAX_REG_MAX == config.SOFTMAX_BLOCK * max(config.SOFTMAX_REG_TILES) > 1024
+    assert min(config.SOFTMAX_REG_TILES) * config.SOFTMAX_BLOCK >= config.SOFTMAX_WARP_MAX
+    assert set(S.SPEC.name_expressions) >= {S._block_reg_expr(t, v) for t in config.DTYPES
+                                            for v in config.SOFTMAX_REG_TILES}
     assert set(S.SPEC.name_expressions) >= {S._warp_expr(t, v) for t in config.DTYPES for v in config.SOFTMAX_VPTS}
     assert set(S.SPEC.name_expressions) >= {S._block_expr(t) for t in config.DTYPES}
 

@@ -1,0 +1,146 @@
+"""Measured tuning on a GPU: candidate configurations timed side by side, one call.
+
+    python -m benchmarks.tune [--json PATH] [softmax] [flash] [decode]
+
+- ``softmax``: the row-in-registers block kernel (v3) against the two-pass block kernel (v2) on
+  rows of 2K-16K columns (8192 rows), every dtype; % of the measured copy bandwidth.
+- ``flash``: candidate (block_m, block_n, warps) tiles of flash_attn_mma for D=64 and D=128 at
+  the issue's shape (fp16, B=4, H=32, S=4096, causal and not), each built as its own kernel spec;
+  each output is checked against the configured tile's.
+- ``decode``: decode_attention at every split count 1..512 (powers of two) and the automatic
+  choice, for the benchmark's default decode cases.
+
+Medians of CUDA-event timings (benchmarks/timing.py); rows printed as they finish, all of them
+in the JSON. For choosing config.py entries by measurement; not part of the recorded results.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _ms(fn, reps=30):
+    from .timing import time_fn
+
+    return time_fn(fn, warmup=3, reps=reps, budget_ms=1500).median_ms
+
+
+def tune_softmax(ceil, emit):
+    import cupy
+
+    from cupyattn import config, row_softmax
+    from cupyattn._loader import get_function
+
+    from .arrays import rand
+
+    for dt in ("float16", "bfloat16", "float32"):
+        for n in (2048, 4096, 8192, 16384):
+            x = rand((8192, n), dt, 3.0)
+            y = cupy.empty_like(x)
+            args = (x, y, cupy.int64(8192), cupy.int32(n), cupy.int32(1), cupy.float32(1.0), cupy.int32(0))
+            vpt = next(v for v in sorted(config.SOFTMAX_REG_TILES) if config.SOFTMAX_BLOCK * v >= n)
+            for name, expr in (("v3-reg", row_softmax._block_reg_expr(x.dtype, vpt)),
+                               ("v2-2pass", row_softmax._block_expr(x.dtype))):
+                k = get_function(row_softmax.SPEC, expr)
+                ms = _ms(lambda: k((8192,), (config.SOFTMAX_BLOCK,), args))
+                gbs = 2 * x.nbytes / ms / 1e6
+                emit(dict(op="softmax", dtype=dt, cols=n, impl=name, ms=ms, gbps=gbs,
+                          pct_copy=100 * gbs / ceil))
+
+
+FLASH_CANDIDATES = {
+    64: [(128, 64, 8), (128, 128, 8), (64, 64, 4), (128, 32, 8), (128, 64, 4), (256, 64, 8)],
+    128: [(128, 64, 8), (64, 64, 4), (128, 32, 8), (128, 128, 8), (64, 128, 4), (64, 32, 4)],
+}
+
+
+def tune_flash(emit):
+    import cupy
+
+    from cupyattn import attention, config, flash_attn
+    from cupyattn._loader import KernelSpec
+
+    from .arrays import rand
+
+    for d, cands in FLASH_CANDIDATES.items():
+        q, k, v = (rand((4, 32, 4096, d), "float16") for _ in range(3))
+        base = config.FLASH_MMA_TILES[d]
+        for causal in (False, True):
+            want = attention(q, k, v, causal=causal, impl="flash_mma")
+            flops = 4 * 4 * 32 * 4096 * 4096 * d * (0.5 if causal else 1.0)
+            for bm, bn, w in cands:
+                tile = config.FlashTile(bm, bn, w, "tuning candidate")
+                row = dict(op="flash_mma", D=d, causal=causal, block_m=bm, block_n=bn, warps=w,
+                           smem=(bm + (config.FLASH_MMA_K_STAGES + 1) * bn) * (d + config.FLASH_MMA_PAD) * 2)
+                old_spec = flash_attn.SPEC
+                config.FLASH_MMA_TILES[d] = tile
+                try:
+                    expr = flash_attn._expr("flash_mma", q.dtype, d, causal)
+                    flash_attn.SPEC = KernelSpec(f"flash_tune_{d}_{bm}_{bn}_{w}_{int(causal)}",
+                                                 old_spec.source, (expr,), old_spec.options)
+                    got = attention(q, k, v, causal=causal, impl="flash_mma")
+                    row["max_abs_diff"] = float(cupy.abs(got.astype(cupy.float32) - want.astype(cupy.float32)).max())
+                    ms = _ms(lambda: attention(q, k, v, causal=causal, impl="flash_mma"), reps=20)
+                    row.update(ms=ms, tflops=flops / ms / 1e9)
+                except Exception as e:  # a candidate that does not build or launch is a finding
+                    row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                finally:
+                    config.FLASH_MMA_TILES[d] = base
+                    flash_attn.SPEC = old_spec
+                emit(row)
+
+
+def tune_decode(ceil, emit):
+    import cupy
+
+    from cupyattn import decode
+
+    from .cases import build_inputs
+    from .specs import default_cases, case_bytes
+
+    for case in default_cases("decode"):
+        inp = build_inputs(case)
+        nbytes = case_bytes(case)
+        auto = decode.auto_num_splits(case.p["B"], case.p["H"], case.p["Hkv"], case.p["D"], inp["q"].dtype,
+                                      case.p["L"], "auto")
+        for ns in (None, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512):
+            ms = _ms(lambda: decode.decode_attention(inp["q"], inp["cache"], 0, num_splits=ns, out=inp["out"]))
+            gbs = nbytes / ms / 1e6
+            emit(dict(op="decode", case=case.name, splits=ns or f"auto={auto}", ms=ms, gbps=gbs,
+                      pct_copy=100 * gbs / ceil))
+        del inp
+        cupy.get_default_memory_pool().free_all_blocks()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.tune", description=__doc__.split("\n\n")[0])
+    ap.add_argument("parts", nargs="*", default=["softmax", "flash", "decode"],
+                    choices=["softmax", "flash", "decode"])
+    ap.add_argument("--json", help="write every row here")
+    a = ap.parse_args(argv)
+    from .timing import measure_ceilings, require_device
+
+    require_device()
+    ceil = measure_ceilings()["copy_gbps"]
+    rows = []
+
+    def emit(row):
+        rows.append(row)
+        print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+
+    print(f"copy ceiling {ceil:.0f} GB/s", flush=True)
+    for part in a.parts:
+        try:
+            {"softmax": lambda: tune_softmax(ceil, emit), "flash": lambda: tune_flash(emit),
+             "decode": lambda: tune_decode(ceil, emit)}[part]()
+        except Exception as e:
+            print(f"{part}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump({"copy_gbps": ceil, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
