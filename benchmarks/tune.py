@@ -115,8 +115,7 @@ def tune_decode(ceil, emit):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.tune", description=__doc__.split("\n\n")[0])
-    ap.add_argument("parts", nargs="*", default=["softmax", "flash", "decode"],
-                    choices=["softmax", "flash", "decode"])
+    ap.add_argument("parts", nargs="*", choices=["softmax", "flash", "decode"], help="default: all three")
     ap.add_argument("--json", help="write every row here")
     a = ap.parse_args(argv)
     from .timing import measure_ceilings, require_device
@@ -130,7 +129,7 @@ def main(argv=None) -> int:
         print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
 
     print(f"copy ceiling {ceil:.0f} GB/s", flush=True)
-    for part in a.parts:
+    for part in a.parts or ["softmax", "flash", "decode"]:
         try:
             {"softmax": lambda: tune_softmax(ceil, emit), "flash": lambda: tune_flash(emit),
              "decode": lambda: tune_decode(ceil, emit)}[part]()

@@ -96,8 +96,10 @@ FLASH_MMA_K_STAGES = 2   # K_{j+1} loads while S_ij and P_ij V_j run (V_j: one b
 FLASH_MMA_TILES = {
     32: FlashTile(128, 64, 4, "4 warps x 32 rows: Q 16 + O 32 + S 64 regs (~200 used); each K/V "
                   "ldmatrix feeds 2 m16 tiles (half the smem reads per mma); 25 KB smem"),
-    64: FlashTile(128, 64, 8, "8 warps x 16 rows: Q 16 + O 32 + S 32 regs (~160 used; 32 rows/warp "
-                  "compiles to ~250, too close to spilling); 45 KB smem"),
+    64: FlashTile(128, 64, 4, "4 warps x 32 rows: measured on the H100 (fp16 B4 H32 S4096, "
+                  "benchmarks/tune.py) 280/257 TFLOP/s (non-causal/causal) vs 222/206 for 8 warps x 16 "
+                  "rows; 256 x 64 x 8 gave 290/251, 128 x 32 x 8 245/153; 244-250 regs, no spills; "
+                  "45 KB smem"),
     80: FlashTile(128, 64, 8, "8 warps x 16 rows: Q 20 + O 40 + S 32 regs; D = 5 k-steps, 10 n8 "
                   "tiles (each x4 load covers 16 columns); 55 KB smem"),
     96: FlashTile(128, 64, 8, "8 warps x 16 rows: Q 24 + O 48 + S 32 regs (~185 used); 65 KB smem"),
@@ -215,6 +217,12 @@ DECODE_MIN_KEYS_PER_SPLIT = 256   # an automatic split never gets fewer keys tha
 DECODE_SPLIT_OVERHEAD_KEYS = 64   # fixed cost of one split (prologue, epilogue, its share of the
                                   # combine) in keys: stops the rule from trading a whole wave
                                   # for a few percent less wave quantisation
+# Blocks per SM the split rule counts as one wave: 1, not the tile's occupancy. Measured on the
+# H100 (2026-11-23, fp16, 32 q / 8 kv heads, D=128, benchmarks/tune.py): one decode block per SM
+# already streams at ~91% of copy bandwidth, so a second wave of splits only adds combine work.
+# Counting 2 per SM picked 2 splits at B=16, L=4096 (0.122 ms; 1 split: 0.098 ms), 4 at B=8,
+# L=32k (0.388 ms; 2: 0.376 ms) and 264 for MQA at B=1, L=128k (0.117 ms; 128-256: 0.064 ms).
+DECODE_SPLIT_BLOCKS_PER_SM = 1
 
 # --- KV-cache append (kernels_cu/kvcache.cu) ------------------------------------------------
 KV_APPEND_THREADS = 128

@@ -38,8 +38,9 @@ from ._checks import check_array, check_choice, check_last_contiguous, check_out
 from ._loader import KernelSpec, get_function
 from .config import (DECODE_COMBINE_THREADS, DECODE_HEAD_TILE, DECODE_IMPLS, DECODE_MAX_SPLITS,
                      DECODE_MIN_KEYS_PER_SPLIT, DECODE_MMA_MAX_MTILES, DECODE_MMA_MIN_GROUP,
-                     DECODE_MMA_ROWS, DECODE_MMA_TILES, DECODE_SIMT_TILES, DECODE_SPLIT_OVERHEAD_KEYS,
-                     DTYPES, HEAD_DIMS, MAX_GRID_YZ, MMA_DTYPES, DecodeTile, ctype)
+                     DECODE_MMA_ROWS, DECODE_MMA_TILES, DECODE_SIMT_TILES, DECODE_SPLIT_BLOCKS_PER_SM,
+                     DECODE_SPLIT_OVERHEAD_KEYS, DTYPES, HEAD_DIMS, MAX_GRID_YZ, MMA_DTYPES, DecodeTile,
+                     ctype)
 from .kvcache import KVCache
 
 
@@ -133,7 +134,7 @@ def auto_num_splits(batch: int, num_heads: int, num_kv_heads: int, head_dim: int
 
 def _auto_splits(plan, batch: int, num_kv_heads: int, max_len: int) -> int:
     return choose_num_splits(batch, num_kv_heads * plan.head_tiles, max_len, _sm_count(),
-                             plan.tile.blocks_per_sm)
+                             DECODE_SPLIT_BLOCKS_PER_SM)
 
 
 def _sm_count() -> int:

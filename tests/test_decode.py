@@ -120,7 +120,7 @@ def test_auto_splits_follow_live_length_not_max_seq(monkeypatch):
         cache.host_lengths[0] = 3000  # the host mirror is all the split rule reads
         decode_attention(cupy.zeros((1, 4, 1, 64), dtype=cupy.float16), cache, 0)
     (n0, plan0), (n1, plan1) = seen
-    assert plan0.impl == "simt" and n0 == n1 == choose_num_splits(1, 2, 3000, 132, plan0.tile.blocks_per_sm)
+    assert plan0.impl == "simt" and n0 == n1 == choose_num_splits(1, 2, 3000, 132, config.DECODE_SPLIT_BLOCKS_PER_SM)
 
 
 @pytest.mark.gpu
@@ -272,7 +272,7 @@ def _tiles():
 
 
 def test_decode_tiles_fit_their_blocks_per_sm(compile_report):
-    """blocks_per_sm (the split rule's occupancy) holds on an H100 for every instantiation:
+    """blocks_per_sm (the occupancy __launch_bounds__ asks for) holds on an H100 for every instantiation:
     registers by __launch_bounds__, shared memory (ring + static + the 1 KB the driver reserves)
     by the table's arithmetic, checked here against ptxas' own numbers."""
     reports, _ = compile_report(decode.SPEC.name)
