@@ -159,13 +159,17 @@ def select_impls(op: str, impl_arg: str | None, skip) -> list[str]:
 
 def impls_for_case(case, impls: list[str]) -> list[str]:
     """Drop impls that do not apply to a case: TF32 is a float32 mode; our tensor-core
-    ("mma") variants take 16-bit inputs only; "skinny" is a gemm_nt kernel for small M."""
+    ("mma") variants take 16-bit inputs only; "skinny" is a gemm_nt kernel for small M;
+    "cupy-naive" attention needs CuPy's batched matmul, which has no bfloat16 (CuPy 14.2 on the
+    H100: "TypeError: data type 'E' not understood")."""
     from cupyattn.config import GEMM_SKINNY_MAX_M
 
     fp32 = case.dtype == "float32"
     skinny = case.op == "gemm" and case.p["layout"] == "nt" and case.p["M"] <= GEMM_SKINNY_MAX_M
+    no_batched_bf16 = case.op in ("attention", "decode") and case.dtype == "bfloat16"
     return [n for n in impls if not ((n == "cublas-tf32" and not fp32) or ("mma" in n and fp32)
-                                     or ("skinny" in n and not skinny))]
+                                     or ("skinny" in n and not skinny)
+                                     or (n == "cupy-naive" and no_batched_bf16))]
 
 
 def _outputs(a, argv, records, ceilings, meta, log) -> None:

@@ -216,10 +216,13 @@ def kernels_sha256(kernels_dir) -> str:
 def git_commit(root=ROOT) -> dict:
     """{'commit': sha or None, 'dirty': bool or None}.
 
-    A tree copied without .git (as on the GPU machine) falls back to $CUPYATTN_GIT_COMMIT, which
-    the caller sets from the checkout it copied; else None.
+    $CUPYATTN_GIT_COMMIT, when set, wins: the caller sets it from the checkout it copied to the
+    GPU machine, whose copy may carry no .git or a stale one (the device tool's copy held the
+    session's first commit, so git called a later commit's tree "dirty"). Else git; else None.
     """
     fallback = {"commit": os.environ.get("CUPYATTN_GIT_COMMIT") or None, "dirty": None}
+    if fallback["commit"]:
+        return fallback
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
                              text=True, timeout=10)
@@ -291,8 +294,16 @@ def record_path(gpu: str, date: str, results_dir=RESULTS_DIR) -> Path:
 
 
 # --- plots ------------------------------------------------------------------------------------
+def sweep_axis(records: list[dict]) -> tuple[str, str, str]:
+    """(record key, axis label, ceiling key) a sweep is plotted on: TFLOP/s when some point is
+    compute-bound, else GB/s (decode and softmax move bytes: their TFLOP/s sit near zero)."""
+    if any(r.get("bound") == "compute" and r.get("tflops") is not None for r in records):
+        return "tflops", "TFLOP/s", "gemm_tflops"
+    return "gbps", "GB/s", "copy_gbps"
+
+
 def plot_sweep(records: list[dict], ceilings: dict, path, title: str, xlabel: str) -> Path | None:
-    """TFLOP/s (or GB/s) vs x, one subplot per group, one line per impl, ceiling dashed."""
+    """TFLOP/s or GB/s (sweep_axis) vs x, one subplot per group, one line per impl, ceiling dashed."""
     try:
         import matplotlib
 
@@ -301,9 +312,8 @@ def plot_sweep(records: list[dict], ceilings: dict, path, title: str, xlabel: st
     except ImportError:
         return None
     recs = [r for r in records if r["status"] == "ok" and r["x"] is not None]
-    use_tf = any(r["tflops"] is not None for r in recs)
-    key, ylabel = ("tflops", "TFLOP/s") if use_tf else ("gbps", "GB/s")
-    ceil = ceilings.get("gemm_tflops" if use_tf else "copy_gbps")
+    key, ylabel, ceil_key = sweep_axis(recs)
+    ceil = ceilings.get(ceil_key)
     groups = list(dict.fromkeys(r["group"] for r in recs)) or [None]
     ncol = min(2, len(groups))
     nrow = -(-len(groups) // ncol)

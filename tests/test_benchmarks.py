@@ -176,6 +176,10 @@ def test_impl_selection_and_tf32_only_for_float32():
     nn = specs.make_case("gemm", "float16", M=1, N=8, K=8, layout="nn", batch=1)
     assert impls_for_case(fp16, ["ours", "ours-skinny"]) == ["ours", "ours-skinny"]  # M = 8
     assert impls_for_case(big, ["ours", "ours-skinny"]) == impls_for_case(nn, ["ours", "ours-skinny"]) == ["ours"]
+    attn = {dt: specs.make_case("attention", dt, B=1, H=2, Hkv=2, Sq=8, Sk=8, D=64, causal=False)
+            for dt in ("float16", "bfloat16")}
+    assert impls_for_case(attn["float16"], ["flash", "cupy-naive"]) == ["flash", "cupy-naive"]
+    assert impls_for_case(attn["bfloat16"], ["flash", "cupy-naive"]) == ["flash"]  # CuPy: no batched bf16
 
 
 def test_our_impl_names_follow_the_op_modules():
@@ -578,6 +582,19 @@ def test_plot_of_a_sweep(tmp_path):
         report.fill_timing(r, timing.Timing(0.1, 0.1, 0.1, 1), None, specs.case_bytes(c), ceil)
         sm.append(r)
     assert report.plot_sweep(sm, ceil, tmp_path / "sm.png", "softmax", "cols").stat().st_size > 0
+
+
+def test_sweep_axis_follows_the_bound():
+    """Decode has FLOPs but is memory-bound: plotted in GB/s (the first H100 plots showed its
+    TFLOP/s, a flat line at the bottom of a 767 TFLOP/s axis)."""
+    ceil = {"copy_gbps": 3000.0, "gemm_tflops": 760.0}
+    for sweep, want in (("decode-batch", "gbps"), ("softmax-cols", "gbps"), ("attention-seqlen", "tflops")):
+        recs = []
+        for c in specs.sweep_cases(sweep)[:6]:
+            r = report.new_record(c, "x", "ours")
+            report.fill_timing(r, timing.Timing(0.1, 0.1, 0.1, 1), specs.case_flops(c), specs.case_bytes(c), ceil)
+            recs.append(r)
+        assert report.sweep_axis(recs)[0] == want, (sweep, [r["bound"] for r in recs])
 
 
 def test_gpu_run_script_is_valid_bash_and_runs_everything():
