@@ -31,6 +31,53 @@ __device__ __forceinline__ int visible_keys(long long row, int n, int sq, int ca
 // A score that poisons its row: NaN, or +inf (exp(inf - inf) has no value).
 __device__ __forceinline__ bool bad_score(float s) { return s != s || s == CUDART_INF_F; }
 
+// --- a row held in registers (v1, v3): element j = first + STRIDE * i lives in v[i] ----------
+// v[i] = x_j * scale (masked or past the row: -inf); returns this thread's max, ORs "bad".
+template <int VPT, int STRIDE, typename T>
+__device__ __forceinline__ float row_load(const T* xr, int first, int kv, float scale, float (&v)[VPT],
+                                          bool& bad) {
+    float m = -CUDART_INF_F;
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+        const int j = first + STRIDE * i;
+        v[i] = j < kv ? to_float(xr[j]) * scale : -CUDART_INF_F;
+        bad |= bad_score(v[i]);
+        m = fmaxf(m, v[i]);
+    }
+    return m;
+}
+
+// A row with a NaN / +inf among its visible scores: NaN there; nothing visible: a zero row (not
+// exp(-inf - -inf) = NaN). Masked positions are 0 either way.
+template <int VPT, int STRIDE, typename T>
+__device__ __forceinline__ void row_fill(T* yr, int first, int n, int kv, bool any_bad, float m) {
+    const float fill = m == -CUDART_INF_F && !any_bad ? 0.f : CUDART_NAN_F;
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+        const int j = first + STRIDE * i;
+        if (j < n) yr[j] = from_float<T>(j < kv ? fill : 0.f);
+    }
+}
+
+// v[i] = exp(v[i] - m) (masked: exp(-inf) = 0); returns this thread's sum.
+template <int VPT>
+__device__ __forceinline__ float row_exp(float (&v)[VPT], float m) {
+    float l = 0.f;
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+        v[i] = expf(v[i] - m);
+        l += v[i];
+    }
+    return l;
+}
+
+template <int VPT, int STRIDE, typename T>
+__device__ __forceinline__ void row_store(T* yr, int first, int n, const float (&v)[VPT], float inv_l) {
+#pragma unroll
+    for (int i = 0; i < VPT; ++i)
+        if (first + STRIDE * i < n) yr[first + STRIDE * i] = from_float<T>(v[i] * inv_l);
+}
+
 // --- v1: warp per row ------------------------------------------------------------------------
 // x, y: [rows, n] contiguous, n <= 32 * VPT. grid = ceil(rows / ROWS), block = 32 * ROWS.
 template <typename T, int VPT, int ROWS>
@@ -44,41 +91,17 @@ softmax_warp_kernel(const T* __restrict__ x, T* __restrict__ y, long long rows, 
     const T* xr = x + row * n;
     T* yr = y + row * n;
 
-    // s_j = x_j * scale (masked: -inf); m = max_j s_j
+    // s_j = x_j * scale (masked: -inf); m = max_j s_j; y_j = exp(s_j - m) / sum_j exp(s_j - m)
     float v[VPT];
-    float m = -CUDART_INF_F;
     bool bad = false;
-#pragma unroll
-    for (int i = 0; i < VPT; ++i) {
-        const int j = lane + 32 * i;
-        v[i] = j < kv ? to_float(xr[j]) * scale : -CUDART_INF_F;
-        bad |= bad_score(v[i]);
-        m = fmaxf(m, v[i]);
-    }
-    m = warp_reduce_max(m);
+    const float m = warp_reduce_max(row_load<VPT, 32>(xr, lane, kv, scale, v, bad));
     const bool any_bad = __any_sync(0xffffffffu, bad);
     if (any_bad || m == -CUDART_INF_F) {
-        // NaN / +inf among the visible scores: NaN there; nothing visible: a zero row (not
-        // exp(-inf - -inf) = NaN). Masked positions are 0 either way.
-        const float fill = m == -CUDART_INF_F && !any_bad ? 0.f : CUDART_NAN_F;
-#pragma unroll
-        for (int i = 0; i < VPT; ++i) {
-            const int j = lane + 32 * i;
-            if (j < n) yr[j] = from_float<T>(j < kv ? fill : 0.f);
-        }
+        row_fill<VPT, 32>(yr, lane, n, kv, any_bad, m);
         return;
     }
-    // p_j = exp(s_j - m), l = sum_j p_j; y_j = p_j / l
-    float l = 0.f;
-#pragma unroll
-    for (int i = 0; i < VPT; ++i) {
-        v[i] = expf(v[i] - m);  // masked: exp(-inf) = 0
-        l += v[i];
-    }
-    const float inv_l = 1.f / warp_reduce_sum(l);
-#pragma unroll
-    for (int i = 0; i < VPT; ++i)
-        if (lane + 32 * i < n) yr[lane + 32 * i] = from_float<T>(v[i] * inv_l);
+    const float inv_l = 1.f / warp_reduce_sum(row_exp(v, m));
+    row_store<VPT, 32>(yr, lane, n, v, inv_l);
 }
 
 // --- v3: block per row, row in registers -----------------------------------------------------
@@ -100,43 +123,19 @@ softmax_block_reg_kernel(const T* __restrict__ x, T* __restrict__ y, long long r
     T* yr = y + row * n;
 
     float v[VPT];
-    float m = -CUDART_INF_F;
     bool bad = false;
-#pragma unroll
-    for (int i = 0; i < VPT; ++i) {
-        const int j = tid + BLOCK * i;
-        v[i] = j < kv ? to_float(xr[j]) * scale : -CUDART_INF_F;
-        bad |= bad_score(v[i]);
-        m = fmaxf(m, v[i]);
-    }
-    m = warp_reduce_max(m);
+    float m = warp_reduce_max(row_load<VPT, BLOCK>(xr, tid, kv, scale, v, bad));
     if (lane == 0) red_m[warp] = m;
     const bool any_bad = __syncthreads_or(bad);  // also the barrier before red_m is read
     m = warp_reduce_max(lane < NW ? red_m[lane] : -CUDART_INF_F);
-    if (any_bad || m == -CUDART_INF_F) {  // the same for the whole block (see v1)
-        const float fill = m == -CUDART_INF_F && !any_bad ? 0.f : CUDART_NAN_F;
-#pragma unroll
-        for (int i = 0; i < VPT; ++i) {
-            const int j = tid + BLOCK * i;
-            if (j < n) yr[j] = from_float<T>(j < kv ? fill : 0.f);
-        }
+    if (any_bad || m == -CUDART_INF_F) {  // the same for the whole block
+        row_fill<VPT, BLOCK>(yr, tid, n, kv, any_bad, m);
         return;
     }
-    float l = 0.f;
-#pragma unroll
-    for (int i = 0; i < VPT; ++i) {
-        v[i] = expf(v[i] - m);  // masked: exp(-inf) = 0
-        l += v[i];
-    }
-    l = warp_reduce_sum(l);
+    const float l = warp_reduce_sum(row_exp(v, m));
     if (lane == 0) red_l[warp] = l;
     __syncthreads();
-    const float inv_l = 1.f / warp_reduce_sum(lane < NW ? red_l[lane] : 0.f);
-#pragma unroll
-    for (int i = 0; i < VPT; ++i) {
-        const int j = tid + BLOCK * i;
-        if (j < n) yr[j] = from_float<T>(v[i] * inv_l);
-    }
+    row_store<VPT, BLOCK>(yr, tid, n, v, 1.f / warp_reduce_sum(lane < NW ? red_l[lane] : 0.f));
 }
 
 // --- v2: block per row -----------------------------------------------------------------------
