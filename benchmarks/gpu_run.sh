@@ -2,7 +2,7 @@
 # One command on a GPU machine: GPU tests, the benchmark run (recorded) and the sweeps (plotted).
 # Runs from the source tree (PYTHONPATH=., no pip install); everything it writes goes under $OUT.
 #
-#   OUT=/path/to/out bash benchmarks/gpu_run.sh [all|tests|sanitize|bench|sweeps|sweep NAME|quick]
+#   OUT=/path/to/out bash benchmarks/gpu_run.sh [all|verify|tests|sanitize|bench|sweeps|sweep NAME|quick]
 #
 # Stages (run them one per call where a call is capped at 10 minutes; `sweeps` may need more,
 # then run `sweep NAME` for each of the five names instead):
@@ -16,6 +16,8 @@
 #   sweeps  every predefined sweep with --plot          -> $OUT/sweep-<name>.{txt,json,csv,png}
 #   sweep NAME  one of them: attention-seqlen gemm-llama2-7b decode-len decode-batch softmax-cols
 #   quick   one small case per op, few reps (smoke test of the CLI on this machine)
+#   verify  tests, sanitize, bench and the two short sweeps (softmax-cols, decode-batch): what a
+#           commit needs before its numbers are quoted; about 6 minutes on the H100
 #   all     tests, sanitize, bench, sweeps (the default)
 # The recorded file lands in $OUT/results/: copy it into benchmarks/results/ and commit it.
 # Set CUPYATTN_GIT_COMMIT to the commit the tree was copied from (a copy has no .git).
@@ -35,8 +37,8 @@ OUT="${OUT:-$PWD/gpu-out}"
 PY="${PYTHON:-python3}"
 STAGE="${1:-all}"
 case "$STAGE" in
-    all | tests | sanitize | bench | sweeps | sweep | quick) ;;
-    *) echo "usage: $0 [all|tests|sanitize|bench|sweeps|sweep NAME|quick]" >&2; exit 2 ;;
+    all | verify | tests | sanitize | bench | sweeps | sweep | quick) ;;
+    *) echo "usage: $0 [all|verify|tests|sanitize|bench|sweeps|sweep NAME|quick]" >&2; exit 2 ;;
 esac
 mkdir -p "$OUT/results"
 status=0
@@ -144,6 +146,7 @@ case "$STAGE" in
     sweeps) run_sweeps ;;
     sweep) run_sweep "${2:-}" ;;
     quick) run_quick ;;
+    verify) run_tests; run_sanitize; run_bench; run_sweep softmax-cols; run_sweep decode-batch ;;
     all) run_tests; run_sanitize; run_bench; run_sweeps ;;
 esac
 echo "=== done: status $status; outputs in $OUT" | tee -a "$OUT/steps.log"

@@ -10,6 +10,7 @@ import hashlib
 import json
 import math
 import subprocess
+import time
 import sys
 from pathlib import Path
 
@@ -610,6 +611,22 @@ def test_gpu_run_script_is_valid_bash_and_runs_everything():
     r = subprocess.run(["bash", str(script), "nope"], capture_output=True, text=True,
                        env={"PATH": "/usr/bin:/bin", "OUT": "/tmp/cupyattn-gpu-run-test"}, timeout=60)
     assert r.returncode == 2 and "usage" in r.stderr
+
+
+def test_gpu_run_step_timeout_stops_a_step_and_keeps_going(tmp_path):
+    """STEP_TIMEOUT ends a step that would outrun a capped device call; the script goes on and
+    reports the failure in steps.log and its exit status."""
+    fake = tmp_path / "python"
+    fake.write_text('#!/bin/sh\nif [ "$2" = pytest ]; then sleep 30; fi\nexit 0\n')
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    t0 = time.monotonic()
+    r = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_run.sh"), "tests"], capture_output=True,
+                       text=True, timeout=60, env={"PATH": "/usr/bin:/bin", "OUT": str(out),
+                                                   "PYTHON": str(fake), "STEP_TIMEOUT": "1"})
+    assert time.monotonic() - t0 < 25
+    assert r.returncode == 1
+    assert "=== gpu tests: exit 124 after" in (out / "steps.log").read_text()
 
 
 def test_sanitize_cases_cli_checks_its_options():
