@@ -79,6 +79,25 @@ def test_choose_num_splits_is_the_least_cost_split():
                 (blocks, sms, per_sm, length)
 
 
+def test_split_rule_picks_near_the_measured_best():
+    """H100 measurements (2026-11-23, benchmarks/results/2026-11-23-h100/tune.json; fp16, D=128,
+    32 q heads): split count -> ms for each default benchmark case. The rule (with
+    DECODE_SPLIT_BLOCKS_PER_SM) must pick a count within 5% of the fastest measured one; the old
+    rule (2 blocks per SM) missed by 25% at B=16, L=4096 and by 80% for MQA."""
+    measured = {  # (B, Hkv, L): {splits: ms}
+        (8, 8, 32768): {1: 0.438, 2: 0.3763, 4: 0.3873, 8: 0.3835, 16: 0.3852, 32: 0.3875, 64: 0.3909},
+        (1, 8, 131072): {8: 0.2239, 16: 0.1952, 32: 0.2022, 33: 0.2024, 64: 0.2025, 128: 0.2086},
+        (16, 8, 4096): {1: 0.09814, 2: 0.1058, 4: 0.1077, 8: 0.1124, 16: 0.1103},
+        (1, 1, 131072): {64: 0.06478, 128: 0.06493, 256: 0.06427, 264: 0.1165, 512: 0.08645},
+    }
+    for (b, hkv, length), times in measured.items():
+        plan = decode._plan("auto", np.float16, 128, 32 // hkv)
+        n = choose_num_splits(b, hkv * plan.head_tiles, length, 132, config.DECODE_SPLIT_BLOCKS_PER_SM)
+        near = {s for s, ms in times.items() if ms <= 1.05 * min(times.values())}
+        # a count between two measured ones within 5% (e.g. 132 between 128 and 256) counts too
+        assert n in near or any(lo <= n <= hi for lo in near for hi in near), (b, hkv, length, n, near)
+
+
 def test_choose_num_splits_properties():
     sm = 132
     assert choose_num_splits(1, 8, 0, sm, 2) == 1
