@@ -189,7 +189,7 @@ def get_function(spec: KernelSpec, name_expression: str, dynamic_smem: int = 0):
             fn = _FUNCTIONS.get(key)
             if fn is None:
                 fn = _FUNCTIONS[key] = _compile(spec, name_expression, arch)
-                _SMEM_RAISED.pop(key, None)  # a new function object starts at the 48 KB default
+                _SMEM_RAISED.pop(key, None)  # a new function object starts at the driver's default
     if dynamic_smem > 0 and _SMEM_RAISED.get(key, 0) < dynamic_smem:
         static = int(fn.shared_size_bytes)
         if smem_needs_opt_in(static, dynamic_smem):

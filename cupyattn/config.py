@@ -298,7 +298,9 @@ SOFTMAX_BLOCK = 512                    # block-per-row: a 1M-element row is ~2K 
 # SOFTMAX_WARP_MAX < n <= SOFTMAX_BLOCK * 32: VPT -> min blocks per SM (__launch_bounds__). Why:
 # v2 reads each row twice and loops with one load in flight per thread; on the H100 (2026-11-23)
 # it ran 8192 x 2048 fp16 at 0.096 ms where 8192 x 1024 (v1, in registers) took 0.022 ms.
-# 2 blocks per SM (64 registers) while the values fit; VPT 32 needs more than 64 registers.
+# 2 blocks per SM (64 registers) while the values fit; VPT 32 takes 80-95 registers (1 block).
+# Measured there (benchmarks/tune.py, 8192 rows, v3 vs v2): fp32 8192 cols 0.206 vs 0.273 ms
+# (86.9% of copy), fp16 4096 cols 0.076 vs 0.147 ms, fp16 16384 cols (VPT 32) 0.382 vs 0.449 ms.
 SOFTMAX_REG_TILES = {4: 2, 8: 2, 16: 2, 32: 1}
 SOFTMAX_REG_MAX = SOFTMAX_BLOCK * max(SOFTMAX_REG_TILES)
 
