@@ -113,11 +113,25 @@ def tune_decode(ceil, emit):
         cupy.get_default_memory_pool().free_all_blocks()
 
 
-def main(argv=None) -> int:
+PARTS = ("softmax", "flash", "decode")
+
+
+def parse_args(argv=None):
+    """The parsed command line; ``parts`` is filled in (all three when none is named)."""
     ap = argparse.ArgumentParser(prog="python -m benchmarks.tune", description=__doc__.split("\n\n")[0])
-    ap.add_argument("parts", nargs="*", choices=["softmax", "flash", "decode"], help="default: all three")
+    # no choices= here: with nargs="*", Python 3.11's argparse refuses the empty default
+    ap.add_argument("parts", nargs="*", metavar="PART", help=f"{', '.join(PARTS)} (default: all three)")
     ap.add_argument("--json", help="write every row here")
     a = ap.parse_args(argv)
+    bad = [p for p in a.parts if p not in PARTS]
+    if bad:
+        ap.error(f"unknown part {bad[0]!r}; choose from {', '.join(PARTS)}")
+    a.parts = a.parts or list(PARTS)
+    return a
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
     from .timing import measure_ceilings, require_device
 
     require_device()
@@ -129,7 +143,7 @@ def main(argv=None) -> int:
         print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
 
     print(f"copy ceiling {ceil:.0f} GB/s", flush=True)
-    for part in a.parts or ["softmax", "flash", "decode"]:
+    for part in a.parts:
         try:
             {"softmax": lambda: tune_softmax(ceil, emit), "flash": lambda: tune_flash(emit),
              "decode": lambda: tune_decode(ceil, emit)}[part]()

@@ -629,6 +629,18 @@ def test_gpu_run_step_timeout_stops_a_step_and_keeps_going(tmp_path):
     assert "=== gpu tests: exit 124 after" in (out / "steps.log").read_text()
 
 
+def test_tune_cli_parses_before_it_needs_a_device():
+    """The first GPU call of benchmarks.tune died in argparse (a default list with choices);
+    parsing is checked here, where no device time is spent."""
+    from benchmarks import tune
+
+    assert tune.parse_args([]).parts == ["softmax", "flash", "decode"]
+    assert tune.parse_args(["decode", "--json", "x.json"]).parts == ["decode"]
+    with pytest.raises(SystemExit) as e:
+        tune.parse_args(["nosuch"])
+    assert e.value.code == 2
+
+
 def test_sanitize_cases_cli_checks_its_options():
     from benchmarks import sanitize_cases
 
