@@ -50,7 +50,7 @@ INT32_MAX = 2**31 - 1
 MAX_GRID_X = 2**31 - 1      # gridDim.x
 MAX_GRID_YZ = 65535         # gridDim.y and gridDim.z
 MAX_BLOCK_THREADS = 1024
-STATIC_SMEM_BYTES = 48 * 1024   # static __shared__ per block without the opt-in attribute
+STATIC_SMEM_BYTES = 48 * 1024   # static + dynamic shared memory per block without the opt-in attribute
 SMEM_PER_SM_BY_ARCH = {"sm_80": 164 * 1024, "sm_90": 228 * 1024}  # shared memory per SM (A100, H100) ...
 SMEM_PER_SM = SMEM_PER_SM_BY_ARCH["sm_90"]
 SMEM_PER_BLOCK_RESERVED = 1024  # ... of which the driver reserves 1 KB per resident block
@@ -301,7 +301,7 @@ SOFTMAX_BLOCK = 512                    # block-per-row: a 1M-element row is ~2K 
 # 2 blocks per SM (64 registers) while the values fit; VPT 32 takes 80-95 registers (1 block).
 # Measured there (benchmarks/tune.py, 8192 rows, v3 vs v2): fp32 8192 cols 0.206 vs 0.273 ms
 # (86.9% of copy), fp16 4096 cols 0.076 vs 0.147 ms, fp16 16384 cols (VPT 32) 0.382 vs 0.449 ms.
-SOFTMAX_REG_TILES = {4: 2, 8: 2, 16: 2, 32: 1}
+SOFTMAX_REG_TILES = {4: 2, 8: 2, 16: 2, 32: 1}  # ascending VPT: the host takes the first that fits
 SOFTMAX_REG_MAX = SOFTMAX_BLOCK * max(SOFTMAX_REG_TILES)
 
 # --- sampling (kernels_cu/sampling.cu) -------------------------------------------------------

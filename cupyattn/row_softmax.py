@@ -77,7 +77,7 @@ def _launch(x, y, causal, scale):
         kern((grid, 1, 1), (32 * SOFTMAX_ROWS_PER_BLOCK, 1, 1), args)
     else:
         if n <= SOFTMAX_REG_MAX:
-            vpt = next(v for v in sorted(SOFTMAX_REG_TILES) if SOFTMAX_BLOCK * v >= n)
+            vpt = next(v for v in SOFTMAX_REG_TILES if SOFTMAX_BLOCK * v >= n)
             kern = get_function(SPEC, _block_reg_expr(x.dtype, vpt))
         else:
             kern = get_function(SPEC, _block_expr(x.dtype))

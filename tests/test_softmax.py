@@ -161,6 +161,7 @@ def test_kernel_choice_covers_every_row_length():
     assert config.SOFTMAX_WARP_MAX == 1024
     assert config.SOFTMAX_REG_MAX == config.SOFTMAX_BLOCK * max(config.SOFTMAX_REG_TILES) > 1024
     assert min(config.SOFTMAX_REG_TILES) * config.SOFTMAX_BLOCK >= config.SOFTMAX_WARP_MAX
+    assert list(config.SOFTMAX_REG_TILES) == sorted(config.SOFTMAX_REG_TILES)  # first fit = smallest
     assert set(S.SPEC.name_expressions) >= {S._block_reg_expr(t, v) for t in config.DTYPES
                                             for v in config.SOFTMAX_REG_TILES}
     assert set(S.SPEC.name_expressions) >= {S._warp_expr(t, v) for t in config.DTYPES for v in config.SOFTMAX_VPTS}
