@@ -220,6 +220,11 @@ class Transformer:
             self.params = Params.upload(weights, self.ops)
         self.weight_bytes = self.params.nbytes()
 
+    def set_fused(self, fused) -> None:
+        """Switch decode steps between the fused and the unfused kernels (states made before keep
+        the graphs they captured: use a new RunState)."""
+        self.fused = self._resolve_fused(fused)
+
     def _resolve_fused(self, fused) -> bool:
         has = getattr(self.ops, "fused_decode", False)
         if fused is None:
