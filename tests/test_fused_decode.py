@@ -219,6 +219,40 @@ def test_gpu_pdl_flag_without_cuda_bindings_says_so(monkeypatch):
     assert cupy.asnumpy(x).tolist() == [[1.0] * 8] * 2
 
 
+@pytest.mark.gpu
+def test_gpu_pdl_flag_routes_every_fused_launch(monkeypatch, rng):
+    """With config.FUSED_DECODE_PDL every fused kernel is launched through the PDL path (here a
+    recorder that launches it plainly: the emulator has no cuLaunchKernelEx), with the same
+    results as without the flag."""
+    import cupy
+
+    from cupyattn import _loader, config, fused
+
+    calls = []
+
+    def record(fn, grid, block, args, shared_mem=0, pdl=False):
+        calls.append(pdl)
+        _loader.launch(fn, grid, block, args, shared_mem)
+
+    x0, _ = _w(rng, (3, 64), "float16")
+    g, _ = to_device(1 + 0.1 * rng.standard_normal(64), "float16")
+    w, _ = _w(rng, (64, 64), "float16", 0.125)
+    w2, _ = _w(rng, (64, 32), "float16", 0.125)
+
+    def step():
+        x = x0.copy()
+        y = fused.rmsnorm_gate_up_swiglu(x, g, w)
+        fused.gemm_residual(x, fused.rmsnorm_gemm(x, g, w[:32]), w2)
+        return cupy.asnumpy(y), cupy.asnumpy(x)
+
+    plain = step()
+    monkeypatch.setattr(fused, "launch", record)
+    monkeypatch.setattr(config, "FUSED_DECODE_PDL", True)
+    with_pdl = step()
+    assert calls == [True, True, True]
+    assert all(np.array_equal(a, b) for a, b in zip(plain, with_pdl))
+
+
 # --- GPU: decode attention with the combine inside -------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,impl", [("float32", "simt"), ("float16", "simt"), ("float16", "mma"),
