@@ -262,13 +262,8 @@ def rmsnorm_gate_up_swiglu(x, norm_weight, w_gate_up, eps=1e-5, out=None):
     out = _out(fn, out, tuple(x.shape[:-1]) + (f,), x.dtype, {"x": x, "norm_weight": norm_weight, "w_gate_up": w_gate_up})
     if m == 0 or f == 0:
         return out
-    tiles = -(-f // (_NR // 2))
-    kern = get_function(SPEC, _expr("norm_gate_up_swiglu_kernel", x.dtype))
-    grid, block = _grid(fn, m, tiles)
-    i32 = np.int32
-    launch(kern, grid, block, (x, norm_weight, w_gate_up, out, i32(m), i32(f), i32(k), np.int64(ldx), i32(tiles),
-                               eps, i32(_vec_ok(x, ldx, norm_weight, w_gate_up))), pdl=_pdl())
-    return out
+    return _launch_norm_op(fn, "norm_gate_up_swiglu_kernel", x, ldx, norm_weight, w_gate_up, out, m, f, k,
+                           -(-f // (_NR // 2)), eps)
 
 
 def rmsnorm_gemm(x, norm_weight, w, eps=1e-5, out=None):
@@ -294,11 +289,15 @@ def rmsnorm_gemm(x, norm_weight, w, eps=1e-5, out=None):
     out = _out(fn, out, tuple(x.shape[:-1]) + (n,), x.dtype, {"x": x, "norm_weight": norm_weight, "w": w})
     if m == 0 or n == 0:
         return out
-    tiles = -(-n // _NR)
-    kern = get_function(SPEC, _expr("norm_gemm_kernel", x.dtype))
+    return _launch_norm_op(fn, "norm_gemm_kernel", x, ldx, norm_weight, w, out, m, n, k, -(-n // _NR), eps)
+
+
+def _launch_norm_op(fn, kernel, x, ldx, norm_weight, w, out, m, n_out, k, tiles, eps):
+    """The launch shared by the two RMSNorm-prologue ops whose output is [M, n_out]."""
+    kern = get_function(SPEC, _expr(kernel, x.dtype))
     grid, block = _grid(fn, m, tiles)
     i32 = np.int32
-    launch(kern, grid, block, (x, norm_weight, w, out, i32(m), i32(n), i32(k), np.int64(ldx), i32(tiles), eps,
+    launch(kern, grid, block, (x, norm_weight, w, out, i32(m), i32(n_out), i32(k), np.int64(ldx), i32(tiles), eps,
                                i32(_vec_ok(x, ldx, norm_weight, w))), pdl=_pdl())
     return out
 

@@ -135,8 +135,7 @@ __global__ void __launch_bounds__(S_WARPS * 32) gemm_residual_kernel(
     const SkinnyBlock blk(tiles_n);
     const int n0 = blk.tile_n * NR;
     int brow[S_NT], bend[S_NT];
-#pragma unroll
-    for (int nt = 0; nt < S_NT; ++nt) { brow[nt] = n0 + 8 * nt; bend[nt] = N; }
+    skinny_rows(n0, N, brow, bend);
     pdl_wait();
     skinny_tile<T, S_WARPS, S_NT, S_CH, false>(a, M, lda, blk.m0, w, K, brow, bend, K, vec_ok & 1, nullptr,
                                                nullptr, red);
@@ -194,8 +193,7 @@ __global__ void __launch_bounds__(S_WARPS * 32) norm_gemm_kernel(
     const SkinnyBlock blk(tiles_n);
     const int n0 = blk.tile_n * NR;
     int brow[S_NT], bend[S_NT];
-#pragma unroll
-    for (int nt = 0; nt < S_NT; ++nt) { brow[nt] = n0 + 8 * nt; bend[nt] = N; }
+    skinny_rows(n0, N, brow, bend);
     norm_tile<T, S_WARPS, S_NT, S_CH>(x, M, ldx, blk.m0, norm_w, eps, w, brow, bend, K, vec_ok & 1, red);
     for (int i = threadIdx.x; i < 16 * NR; i += NT) {
         const int m = i / NR, n = i - m * NR;

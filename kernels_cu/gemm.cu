@@ -297,8 +297,7 @@ gemm_skinny_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restri
     const int tid = threadIdx.x;
     const int m0 = (blockIdx.x / tiles_n) * 16, n0 = (blockIdx.x % tiles_n) * NR;
     int brow[S_NT], bend[S_NT];  // 8-row group nt of B: rows n0 + 8 nt .. (rows >= N read as 0)
-#pragma unroll
-    for (int nt = 0; nt < S_NT; ++nt) { brow[nt] = n0 + 8 * nt; bend[nt] = N; }
+    skinny_rows(n0, N, brow, bend);
 
     for (long long z = blockIdx.y; z < nbatch; z += gridDim.y) {
         const T* A = a + (z / batch_inner) * a_so + (z % batch_inner) * a_si;

@@ -6,6 +6,7 @@
 //   skinny_rms_rows            prologue: 1 / sqrt(mean(a^2) + eps) of the block's 16 rows of A
 //   skinny_tile                one block's partial C tile: 16 rows x S_NT groups of 8 weight rows,
 //                              split over the warps along K (one partial tile per warp in smem)
+//   skinny_rows                the weight rows of a block that owns consecutive outputs
 //   skinny_sum                 a C element: the sum of the warps' partials (after a barrier)
 //
 // Lane (g, tq) = (lane / 4, lane % 4) loads, per K step of warp w, S_CH 16-byte chunks
@@ -175,6 +176,14 @@ __device__ __forceinline__ void skinny_tile(const T* __restrict__ A, int M, long
                 if (tq == 0) red[warp][m][nt * 8 + g] = acc[nt][m];
             }
     }
+}
+
+// Weight rows of a block that owns the 8 * S_NT consecutive outputs from n0: group nt is rows
+// n0 + 8 nt .. n0 + 8 nt + 7 (rows >= N read as zero).
+template <int S_NT>
+__device__ __forceinline__ void skinny_rows(int n0, int N, int (&brow)[S_NT], int (&bend)[S_NT]) {
+#pragma unroll
+    for (int nt = 0; nt < S_NT; ++nt) { brow[nt] = n0 + 8 * nt; bend[nt] = N; }
 }
 
 // C element (m, n) of the block's tile: the warps' partials summed in a fixed order.
