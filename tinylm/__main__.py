@@ -124,6 +124,7 @@ def _prompts(args) -> list:
 def _check_options(args) -> None:
     """Every option value, before anything is loaded."""
     from .config import PRESETS
+    from .model import resolve_backend
     from .sampling import Sampler
 
     if args.max_new_tokens < 0:
@@ -135,6 +136,8 @@ def _check_options(args) -> None:
         raise _OptionError(f"--{name.replace('_', '-')} {rest}") from None
     if args.system is not None and not args.chat:
         raise _OptionError("--system needs --chat")
+    if args.fused and resolve_backend(args.backend) != "cupy":
+        raise _OptionError("--fused needs the cupy backend (a CUDA device)")
     if args.allow_special and args.chat:
         raise _OptionError("--allow-special applies to raw prompts, not --chat (the chat template alone "
                            "adds control tokens)")
