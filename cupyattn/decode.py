@@ -20,7 +20,9 @@ an A tile would be padding, and the SIMT kernel's FMAs keep up with memory anywa
 
 With ``num_splits == 1`` a block writes the output itself; otherwise each split writes a float32
 partial O and log-sum-exp to a workspace and a combine kernel merges them (flash-decoding):
-``O = sum_c exp(lse_c - lse) O_c``. Sequence b's live length ``len_b`` is split into chunks of
+``O = sum_c exp(lse_c - lse) O_c``; with ``fused_combine=True`` the last split block of each head
+tile to finish (an atomic counter per tile, reset by that block) merges instead, so a split call
+is one launch (not yet run on a GPU). Sequence b's live length ``len_b`` is split into chunks of
 ``ceil(len_b / num_splits)`` keys, as ``reference.decode_split_partials`` does, so results do not
 depend on ``max_seq``; the automatic split count is :func:`choose_num_splits`.
 """

@@ -228,9 +228,11 @@ class Transformer:
     def _resolve_fused(self, fused) -> bool:
         has = getattr(self.ops, "fused_decode", False)
         if fused is None:
+            if not has:
+                return False
             from cupyattn.config import TINYLM_FUSED_DECODE
 
-            return bool(TINYLM_FUSED_DECODE and has and self.args.head_dim % 16 == 0)
+            return bool(TINYLM_FUSED_DECODE and self.args.head_dim % 16 == 0)
         if fused and not has:
             raise ValueError(f"fused decode needs the cupy backend, not {self.backend!r}")
         if fused and self.args.head_dim % 16:
