@@ -139,8 +139,10 @@ __device__ __forceinline__ void combine_row(const float* o_part, const float* ls
 // num_splits blocks of one (sequence, head tile) each take a ticket on *counter after their
 // partials are written; the last one merges the rows (w_s: num_splits + 1 floats of smem the
 // block is done with) and resets the counter to 0 for the next launch or graph replay.
+// Not inlined: as a call at the kernel's end it leaves the main loop's register allocation as it
+// was (inlined, it pushed the 80-register D=32 mma kernel into spills).
 template <typename T>
-__device__ __forceinline__ void combine_if_last(const float* o_part, const float* lse_part, T* out,
+__device__ __noinline__ void combine_if_last(const float* o_part, const float* lse_part, T* out,
                                                 unsigned* counter, int num_splits, int BH, int D, int r0,
                                                 int rows, float* w_s) {
     __shared__ bool last;
