@@ -275,9 +275,14 @@ def _auto_takes_wgmma(a, b, m, n, k, lda, ldb, dims, nt) -> bool:
     """impl="auto" on sm_90 once GEMM_AUTO_WGMMA is set: 16-bit inputs past skinny's M, TMA-readable."""
     if not C.GEMM_AUTO_WGMMA or np.dtype(a.dtype) not in MMA_DTYPES or (nt and m <= GEMM_SKINNY_MAX_M):
         return False
-    if int(cupy.cuda.Device().compute_capability) < C.GEMM_WGMMA_MIN_CC:
+    if tma.compute_capability() < C.GEMM_WGMMA_MIN_CC:
         return False
     return _tma_problem(a, b, m, n, k, lda, ldb, dims, nt) is None
+
+
+def _sm_count() -> int:
+    """Streaming multiprocessors of the current device: the persistent grid's size."""
+    return int(cupy.cuda.Device().attributes["MultiProcessorCount"])
 
 
 def _launch_wgmma(fn, a, b, out, m, n, k, lda, ldb, dims, nt):
@@ -285,7 +290,7 @@ def _launch_wgmma(fn, a, b, out, m, n, k, lda, ldb, dims, nt):
     if why is not None:
         raise ValueError(f"{fn}(): impl='wgmma' needs operands TMA can read: {why} (use impl='mma' or 'auto')")
     nbatch = dims[0][0] * dims[1][0]
-    sms = int(cupy.cuda.Device().attributes["MultiProcessorCount"])
+    sms = _sm_count()
     tile = C.gemm_wgmma_tile(m, n, nbatch, sms)
     ops, flags = _wgmma_operands(a, b, m, n, k, lda, ldb, dims, nt, tile.bn)
     maps = [tma.tensor_map(ptr, a.dtype, d, st, box, fn=fn, what=name) for name, ptr, d, st, box in ops]

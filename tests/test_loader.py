@@ -88,11 +88,13 @@ def test_every_kernel_file_has_a_spec():
 
 
 def test_offline_check_compiles_every_instantiation_without_spills(compile_report):
-    """The CI gate: every spec x instantiation for sm_80 and sm_90, no errors, no spills."""
+    """The CI gate: every spec x instantiation for sm_80 and sm_90 (Hopper-only specs once, for
+    sm_90a), no errors, no spills."""
     reports, errors = compile_report()
     assert errors == [] and [f"{r.kernel} {r.arch}" for r in reports if r.spills] == []
     built = {(r.spec, r.kernel, r.arch) for r in reports}
-    want = {(s.name, e, a) for s in cupyattn.all_specs() for e in s.name_expressions for a in ("sm_80", "sm_90")}
+    want = {(s.name, e, a) for s in cupyattn.all_specs() for e in s.name_expressions
+            for a in (("sm_90a",) if s.sm90a else ("sm_80", "sm_90"))}
     assert built == want and len(built) == len(reports)
 
 
@@ -213,6 +215,8 @@ def _dynamic_smem_launches():
         if dt in C.MMA_DTYPES:
             for nt in (True, False):
                 yield gemm.SPEC, gemm._expr("mma", dt, nt), C.gemm_mma_smem_bytes(C.GEMM_TILES["mma"], nt)
+                for bn, tile in C.GEMM_WGMMA_TILES.items():
+                    yield gemm.SPEC_SM90, gemm._expr("wgmma", dt, nt, bn), tile.smem_bytes
 
 
 def test_every_dynamic_smem_launch_is_opted_in_as_the_driver_requires(compile_report, monkeypatch):
@@ -228,7 +232,7 @@ def test_every_dynamic_smem_launch_is_opted_in_as_the_driver_requires(compile_re
     for spec in {s for s, _, _ in launches}:
         reports, errors = compile_report(spec.name)
         assert not errors, errors
-        static.update({(spec.name, r.kernel): r.smem_bytes for r in reports if r.arch == "sm_90"})
+        static.update({(spec.name, r.kernel): r.smem_bytes for r in reports if r.arch in ("sm_90", "sm_90a")})
 
     class StandIn:
         def __init__(self, static_bytes):
