@@ -54,6 +54,28 @@ ptxas info    : Used 8 registers, used 0 barriers, 364 bytes cmem[0]
     assert rows == [("k<float>", "sm_80", 40, 4096, 24, 8, 12), ("_Z1kIdEvv", "sm_80", 8, 0, 0, 0, 0)]
 
 
+def test_check_fails_when_ptxas_ignores_setmaxnreg(tmp_path, monkeypatch):
+    """setmaxnreg without __launch_bounds__(threads, 1): ptxas drops it with warning C7508, and
+    the offline check fails naming the kernel; with the 1 it passes."""
+    (tmp_path / "ptx.cuh").write_text((KERNELS_DIR / "ptx.cuh").read_text())
+    (tmp_path / "ptx_sm90.cuh").write_text((KERNELS_DIR / "ptx_sm90.cuh").read_text())
+    body = "(float* x) {\n    if (threadIdx.x < 128) setmaxnreg_dec<40>(); else setmaxnreg_inc<232>();\n" \
+           "    x[threadIdx.x] = 1.0f;\n}\n"
+    (tmp_path / "regs.cu").write_text('#include "ptx_sm90.cuh"\n'
+                                      f"template <int X> __global__ void __launch_bounds__(256, 1) bounded{body}"
+                                      f"template <int X> __global__ void unbounded{body}")
+    monkeypatch.setattr(_loader, "KERNELS_DIR", tmp_path)
+    _loader._code.cache_clear()
+    spec = KernelSpec("test_regs", "regs.cu", ("bounded<0>", "unbounded<0>"), sm90a=True)
+    try:
+        assert [r.arch for r in cc.compile_spec(spec, "90", ["bounded<0>"])] == ["sm_90a"]
+        with pytest.raises(RuntimeError, match=r"test_regs.*ptxas ignored an instruction in unbounded<0>: \(C7508\).*setmaxnreg"):
+            cc.compile_spec(spec, "90", ["unbounded<0>"])
+    finally:
+        _loader._REGISTRY.pop("test_regs")
+        _loader._code.cache_clear()
+
+
 def test_compile_error_names_spec_and_shows_log(tmp_path, monkeypatch):
     (tmp_path / "bad.cu").write_text("template <typename T> __global__ void k(T* x) { x[0] = undefined_name; }\n")
     monkeypatch.setattr(_loader, "KERNELS_DIR", tmp_path)
