@@ -142,7 +142,7 @@ gemm_wgmma_kernel(const __grid_constant__ TmaMap map_a, const __grid_constant__ 
                   int M, int N, int K, int tiles_m, int tiles_n, long long nbatch, long long batch_inner, int flags) {
     static_assert(BN % 64 == 0 && BN <= 256, "BN: a multiple of 64 (NN boxes), at most 256 (wgmma N)");
     static_assert(128 * REG_P + 128 * WG_CONSUMERS * REG_C <= 65536, "register budget of one SM");
-    extern __shared__ __align__(1024) uint4 smem_raw[];
+    extern __shared__ uint4 smem_raw[];  // aligned here: an __align__(1024) would pad the static part
     unsigned char* smem = reinterpret_cast<unsigned char*>(smem_raw) + (1024 - smem_u32(smem_raw) % 1024) % 1024;
     __shared__ unsigned long long full[STAGES], empty[STAGES];
     StageRing<STAGES> ring(full, empty);
