@@ -159,7 +159,7 @@ def select_impls(op: str, impl_arg: str | None, skip) -> list[str]:
 
 def impls_for_case(case, impls: list[str]) -> list[str]:
     """Drop impls that do not apply to a case: TF32 is a float32 mode; our tensor-core
-    ("mma") variants take 16-bit inputs only; "skinny" is a gemm_nt kernel for small M;
+    ("mma", "wgmma") variants take 16-bit inputs only; "skinny" is a gemm_nt kernel for small M;
     "cupy-naive" attention needs CuPy's batched matmul, which has no bfloat16 (CuPy 14.2 on the
     H100: "TypeError: data type 'E' not understood")."""
     from cupyattn.config import GEMM_SKINNY_MAX_M

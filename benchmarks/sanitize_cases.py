@@ -99,6 +99,13 @@ def gemm(ca, cfg):
         for impl in ("simt", "mma") if mma else ("simt",):
             _finite(ca.gemm_nt(a, bt, impl=impl), ca.gemm_nn(a, bn, impl=impl))
         _finite(ca.gemm_nt(a[:, :5], bt, impl="skinny"))
+        if mma and _hopper():
+            # wgmma: 128 x 256 tiles (few tiles either way), then 128 x 128 ones (N = 300: more
+            # narrow tiles than wide ones, all fewer than the SMs); 144-byte rows, K tail of 8
+            # (gemm_nn's b: rows padded to 16 bytes, N = 97 and 300 through views)
+            wide = _rand((300, 72), dt, 23)
+            for b_nt, b_nn in ((bt, _rand((72, 104), dt, 15)[:, :97]), (wide, _rand((72, 304), dt, 24)[:, :300])):
+                _finite(ca.gemm_nt(a, b_nt, impl="wgmma"), ca.gemm_nn(a, b_nn, impl="wgmma"))
 
 
 def softmax(ca, cfg):
@@ -157,6 +164,12 @@ def sampling(ca, cfg):
     S.philox4x32(np.zeros((5, 4), np.uint32), np.ones((5, 2), np.uint32))
 
 
+def _hopper() -> bool:
+    from cupyattn import tma
+
+    return tma.compute_capability() >= 90
+
+
 def launched() -> set[str]:
     """Name expressions compiled (and so launched) in this process."""
     from cupyattn import _loader
@@ -165,11 +178,12 @@ def launched() -> set[str]:
 
 
 def missing() -> list[str]:
-    """Every declared name expression that this process has not launched."""
+    """Every declared name expression that this process has not launched (Hopper-only ones
+    only on an sm_90 device)."""
     from cupyattn import _loader
 
     done = launched()
-    return [e for s in _loader.all_specs() for e in s.name_expressions if e not in done]
+    return [e for s in _loader.all_specs() if _hopper() or not s.sm90a for e in s.name_expressions if e not in done]
 
 
 def run(families=FAMILIES) -> None:

@@ -166,6 +166,8 @@ DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 # Llama-2-7B (dim 4096, FFN 11008) projections, weights in nn.Linear orientation [N, K]:
 LLAMA2_7B_PROJ = (("qkv", 12288, 4096), ("o", 4096, 4096), ("gate_up", 22016, 4096),
                   ("down", 4096, 11008))
+# SmolLM2-135M (hidden 576, FFN 1536, 9 query and 3 KV heads of 64; tinylm packs q|k|v and gate|up):
+SMOLLM2_PROJ = (("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536))
 GEMM_TOKENS = (1, 16, 128, 512, 2048, 4096)
 
 
@@ -182,11 +184,19 @@ def _attention_sweep(dtype: str) -> list[Case]:
     return out
 
 
-def _gemm_sweep(dtype: str) -> list[Case]:
-    return [make_case("gemm", dtype, sweep="gemm-llama2-7b", group=name, x=M,
+def _proj_sweep(sweep: str, projections, dtype: str) -> list[Case]:
+    return [make_case("gemm", dtype, sweep=sweep, group=name, x=M,
                       label=f"gemm {name} M{M} N{N} K{K} {dtype}",
                       M=M, N=N, K=K, layout="nt", batch=1)
-            for name, N, K in LLAMA2_7B_PROJ for M in GEMM_TOKENS]
+            for name, N, K in projections for M in GEMM_TOKENS]
+
+
+def _gemm_sweep(dtype: str) -> list[Case]:
+    return _proj_sweep("gemm-llama2-7b", LLAMA2_7B_PROJ, dtype)
+
+
+def _gemm_smollm2_sweep(dtype: str) -> list[Case]:
+    return _proj_sweep("gemm-smollm2", SMOLLM2_PROJ, dtype)
 
 
 def _decode_len_sweep(dtype: str) -> list[Case]:
@@ -209,6 +219,7 @@ def _softmax_sweep(dtype: str) -> list[Case]:
 SWEEPS = {  # name -> (op, builder, x-axis label)
     "attention-seqlen": ("attention", _attention_sweep, "sequence length"),
     "gemm-llama2-7b": ("gemm", _gemm_sweep, "tokens (M)"),
+    "gemm-smollm2": ("gemm", _gemm_smollm2_sweep, "tokens (M)"),
     "decode-len": ("decode", _decode_len_sweep, "cached length"),
     "decode-batch": ("decode", _decode_batch_sweep, "batch"),
     "softmax-cols": ("softmax", _softmax_sweep, "columns"),
@@ -228,10 +239,11 @@ def sweeps_for(op: str) -> list[str]:
 # --- default cases (what `all` runs, and a subcommand without shape args) -------------------------
 def default_cases(op: str, preset: str = "llama2-7b-4layers") -> list[Case]:
     if op == "gemm":
-        # 4096^3 against cuBLAS (compute-bound); decode-sized M = 1, 8, 16 rows times a 4096 x 4096
-        # weight (memory-bound: the skinny kernel, read W once) against cupy.matmul
-        return ([make_case("gemm", dt, M=4096, N=4096, K=4096, layout=lay, batch=1)
-                 for dt in ("float16", "bfloat16") for lay in ("nt", "nn")]
+        # 4096^3 and 8192^3 against cuBLAS (compute-bound; every impl, wgmma included, beside it);
+        # decode-sized M = 1, 8, 16 rows times a 4096 x 4096 weight (memory-bound: the skinny
+        # kernel, read W once) against cupy.matmul
+        return ([make_case("gemm", dt, M=s, N=s, K=s, layout=lay, batch=1)
+                 for s in (4096, 8192) for dt in ("float16", "bfloat16") for lay in ("nt", "nn")]
                 + [make_case("gemm", "float32", M=2048, N=2048, K=2048, layout="nt", batch=1)]
                 + [make_case("gemm", "float16", label=f"gemm skinny M{m} N4096 K4096 float16",
                              M=m, N=4096, K=4096, layout="nt", batch=1) for m in (1, 8, 16)])

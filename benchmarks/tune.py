@@ -1,6 +1,6 @@
 """Measured tuning on a GPU: candidate configurations timed side by side, one call.
 
-    python -m benchmarks.tune [--json PATH] [softmax] [flash] [decode]
+    python -m benchmarks.tune [--json PATH] [softmax] [flash] [decode] [gemm]
 
 - ``softmax``: the row-in-registers block kernel (v3) against the two-pass block kernel (v2) on
   rows of 2K-16K columns (8192 rows), every dtype; % of the measured copy bandwidth.
@@ -9,6 +9,11 @@
   each output is checked against the configured tile's.
 - ``decode``: decode_attention at every split count 1..512 (powers of two) and the automatic
   choice, for the benchmark's default decode cases.
+- ``gemm``: impl="wgmma" (Hopper) tile candidates (output tile width, ring stages, setmaxnreg
+  split) at 4096^3 and 8192^3, fp16 and bf16, A B^T and A B, each built as its own kernel spec,
+  beside the configured tile, impl="mma" and cuBLAS measured in the same process; each output is
+  compared with cuBLAS's. (Thread-block clusters with TMA multicast are not implemented yet, so
+  there is no cluster candidate.)
 
 Medians of CUDA-event timings (benchmarks/timing.py); rows printed as they finish, all of them
 in the JSON. For choosing config.py entries by measurement; not part of the recorded results.
@@ -113,14 +118,68 @@ def tune_decode(ceil, emit):
         cupy.get_default_memory_pool().free_all_blocks()
 
 
-PARTS = ("softmax", "flash", "decode")
+# (BN, stages, (producer regs, consumer regs)): shared memory <= 227 KB, 128 x P + 256 x C <= 64K
+GEMM_WGMMA_CANDIDATES = [(256, 4, (40, 232)), (256, 3, (40, 232)), (256, 4, (24, 240)),
+                         (128, 6, (40, 232)), (128, 4, (40, 232)), (128, 7, (24, 240))]
+
+
+def tune_gemm(emit):
+    import cupy
+
+    from cupyattn import config, gemm
+    from cupyattn._loader import KernelSpec
+
+    from .arrays import rand
+
+    tiles, regs, spec, pick = config.GEMM_WGMMA_TILES, config.GEMM_WGMMA_REGS, gemm.SPEC_SM90, config.gemm_wgmma_tile
+    for size in (4096, 8192):
+        for dt in ("float16", "bfloat16"):
+            for layout in ("nt", "nn"):
+                f = gemm.gemm_nt if layout == "nt" else gemm.gemm_nn
+                a = rand((size, size), dt)
+                b = rand((size, size), dt, size ** -0.5)
+                want = cupy.matmul(a, b.T if layout == "nt" else b)  # cuBLAS
+                flops = 2 * size ** 3
+                base = dict(op="gemm", size=size, dtype=dt, layout=layout)
+                ms = _ms(lambda: cupy.matmul(a, b.T if layout == "nt" else b, out=want))
+                emit(dict(base, impl="cublas", ms=ms, tflops=flops / ms / 1e9))
+                for impl in ("mma", "wgmma"):
+                    try:
+                        ms = _ms(lambda: f(a, b, impl=impl))
+                        emit(dict(base, impl=impl, ms=ms, tflops=flops / ms / 1e9))
+                    except Exception as e:
+                        emit(dict(base, impl=impl, error=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"))
+                for bn, stages, (rp, rc) in GEMM_WGMMA_CANDIDATES:
+                    cand = config.WgmmaTile(bn, stages, "tuning candidate")
+                    row = dict(base, impl="wgmma", bn=bn, stages=stages, regs=f"{rp}/{rc}", smem=cand.smem_bytes)
+                    try:
+                        config.GEMM_WGMMA_TILES, config.GEMM_WGMMA_REGS = {bn: cand}, (rp, rc)
+                        config.gemm_wgmma_tile = lambda *args, _t=cand: _t
+                        expr = gemm._expr("wgmma", a.dtype, layout == "nt", bn)
+                        gemm.SPEC_SM90 = KernelSpec(f"gemm_tune_{bn}_{stages}_{rp}_{rc}_{layout}_{dt}",
+                                                    spec.source, (expr,), spec.options, sm90a=True)
+                        got = f(a, b, impl="wgmma")
+                        row["max_abs_diff"] = float(cupy.abs(got.astype(cupy.float32) - want.astype(cupy.float32)).max())
+                        ms = _ms(lambda: f(a, b, impl="wgmma"))
+                        row.update(ms=ms, tflops=flops / ms / 1e9)
+                    except Exception as e:  # a candidate that does not build or launch is a finding
+                        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                    finally:
+                        config.GEMM_WGMMA_TILES, config.GEMM_WGMMA_REGS, gemm.SPEC_SM90 = tiles, regs, spec
+                        config.gemm_wgmma_tile = pick
+                    emit(row)
+                del a, b, want
+                cupy.get_default_memory_pool().free_all_blocks()
+
+
+PARTS = ("softmax", "flash", "decode", "gemm")
 
 
 def parse_args(argv=None):
-    """The parsed command line; ``parts`` is filled in (all three when none is named)."""
+    """The parsed command line; ``parts`` is filled in (all of them when none is named)."""
     ap = argparse.ArgumentParser(prog="python -m benchmarks.tune", description=__doc__.split("\n\n")[0])
     # no choices= here: with nargs="*", Python 3.11's argparse refuses the empty default
-    ap.add_argument("parts", nargs="*", metavar="PART", help=f"{', '.join(PARTS)} (default: all three)")
+    ap.add_argument("parts", nargs="*", metavar="PART", help=f"{', '.join(PARTS)} (default: all of them)")
     ap.add_argument("--json", help="write every row here")
     a = ap.parse_args(argv)
     bad = [p for p in a.parts if p not in PARTS]
@@ -146,7 +205,7 @@ def main(argv=None) -> int:
     for part in a.parts:
         try:
             {"softmax": lambda: tune_softmax(ceil, emit), "flash": lambda: tune_flash(emit),
-             "decode": lambda: tune_decode(ceil, emit)}[part]()
+             "decode": lambda: tune_decode(ceil, emit), "gemm": lambda: tune_gemm(emit)}[part]()
         except Exception as e:
             print(f"{part}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         if a.json:

@@ -1,6 +1,9 @@
-"""Offline compile check: every registered kernel spec, every instantiation, for sm_80 and sm_90,
-with no GPU. Uses the same spec objects, source string and options as the runtime loader, and
-reads registers / shared memory / stack / spills from ptxas' ``-v`` log.
+"""Offline compile check: every registered kernel spec, every instantiation, for sm_80 and sm_90
+(Hopper-only specs, ``sm90a=True``, once for sm_90a), with no GPU. Uses the same spec objects,
+source string and options as the runtime loader, and reads registers / shared memory / stack /
+spills from ptxas' ``-v`` log. A ptxas report that it ignored an instruction (C7508:
+``setmaxnreg`` in a kernel without ``__launch_bounds__(threads, 1)``) is an error: the kernel
+would run, slower than written.
 
 NVRTC is reached through CuPy's private ``_NVRTCProgram`` (it compiles for an explicit arch with
 no device); the check asserts it exists so a CuPy upgrade that removes it fails loudly here.
@@ -20,6 +23,9 @@ from ._loader import KernelSpec, all_specs
 
 ARCHES = ("80", "90")
 JOB_SIZE = 6  # instantiations per NVRTC program: small enough to spread over the cores
+# ptxas messages that mean an instruction was dropped, each an error of the check. They are printed
+# before the per-kernel rows, so sm_90a instantiations are built one per program to name the kernel.
+_IGNORED_RE = re.compile(r"^ptxas.*\((C7508)\)(.*)$", re.M)
 
 _ENTRY_RE = re.compile(r"Compiling entry function '([^']+)' for '(sm_\w+)'")
 _FRAME_RE = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
@@ -92,6 +98,10 @@ def compile_spec(spec: KernelSpec, arch: str, name_expressions=None) -> list[Ker
     except compiler.CompileException as e:
         raise RuntimeError(f"kernel spec {spec.name!r} ({spec.source}) failed for sm_{arch}:\n"
                            f"{e.get_message()}") from e
+    ignored = _IGNORED_RE.findall(log.getvalue())
+    if ignored:
+        raise RuntimeError(f"kernel spec {spec.name!r} ({spec.source}) for sm_{arch}: ptxas ignored an "
+                           f"instruction in {', '.join(exprs)}: ({ignored[0][0]}){ignored[0][1]}")
     mangled = {v: k for k, v in mapping.items()}
     # a non-template kernel is compiled by every program of its file: keep only what was asked
     reports = [KernelReport(spec.name, expr, a, *vals, hot=spec.hot)
@@ -109,8 +119,8 @@ def _jobs(specs, arches):
         for arch in arches:
             if spec.sm90a and arch != "90":
                 continue  # Hopper-only spec: built once, as sm_90a
-            exprs = spec.name_expressions
-            jobs += [(spec, arch, exprs[i:i + JOB_SIZE]) for i in range(0, len(exprs), JOB_SIZE)]
+            exprs, size = spec.name_expressions, 1 if spec.sm90a else JOB_SIZE
+            jobs += [(spec, arch, exprs[i:i + size]) for i in range(0, len(exprs), size)]
     return jobs
 
 
@@ -139,7 +149,7 @@ def run_check(only: str | None = None, arches=ARCHES, on_reports=None, workers: 
                     errors.append(str(e))
             if on_reports is not None:
                 on_reports(results[futures[fut]], n, len(jobs))
-    order = {(s.name, a, e): i for i, s in enumerate(specs) for a in arches
+    order = {(s.name, a + ("a" if s.sm90a else ""), e): i for i, s in enumerate(specs) for a in arches
              for e in s.name_expressions}
     reports = sorted((r for rs in results.values() for r in rs),
                      key=lambda r: order.get((r.spec, r.arch[3:], r.kernel), len(order)))
@@ -161,7 +171,8 @@ def main(argv=None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m cupyattn check",
                                 description="Compile every kernel instantiation for sm_80 and sm_90 "
-                                            "with NVRTC (no GPU needed); fail on errors or spills.")
+                                            "(Hopper-only kernels for sm_90a) with NVRTC (no GPU "
+                                            "needed); fail on errors, ignored instructions or spills.")
     p.add_argument("--only", help="check one kernel spec by name")
     p.add_argument("--json", action="store_true", help="print the report as JSON (progress on stderr)")
     p.add_argument("--arch", action="append", choices=ARCHES, help="restrict to these arches")

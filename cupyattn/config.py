@@ -286,7 +286,52 @@ GEMM_SKINNY = SkinnyTile(8, 2, 4, "256 threads; a warp step reads 16 rows x 256 
                          "block keep 256 blocks for N = 4096 (about 2 per SM) while each x fragment "
                          "serves 2 mma's; 8 KB static smem for the cross-warp sum")
 GEMM_SKINNY_MAX_M = 16   # impl="auto" takes skinny for gemm_nt when the (batch-folded) M is at most this
-GEMM_IMPLS = ("auto", "simt", "mma", "skinny")
+GEMM_IMPLS = ("auto", "simt", "mma", "skinny", "wgmma")
+
+
+# impl="wgmma" (kernels_cu/gemm_sm90.cu, Hopper only): 128 x BN output tiles, BK = 64 (one 128-byte
+# swizzle row of 16-bit elements), a producer warpgroup and two consumer warpgroups of 64 rows each
+# (384 threads, one block per SM, persistent). Per stage: A 16 KB + B BN x 128 B; dynamic shared
+# memory = stages x that + 1 KB for the 1 KB alignment of the swizzled stages (227 KB available).
+# Not yet run on a GPU: the reasons are shared-memory and register arithmetic, to be replaced by
+# `python -m benchmarks.tune gemm` measurements.
+@dataclass(frozen=True)
+class WgmmaTile:
+    bn: int
+    stages: int
+    reason: str
+    bm: int = 128
+    bk: int = 64
+
+    @property
+    def stage_bytes(self) -> int:
+        return (self.bm + self.bn) * self.bk * 2
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.stages * self.stage_bytes + 1024
+
+
+GEMM_WGMMA_TILES = {
+    256: WgmmaTile(256, 4, "m64n256 per consumer: 128 fp32 accumulators per thread (setmaxnreg 232); "
+                   "48 KB per stage, 4 stages = 193 KB: three k-blocks in flight behind the one being "
+                   "multiplied; each A byte read from shared memory feeds 256 columns (the widest wgmma)"),
+    128: WgmmaTile(128, 6, "for grids that 128 x 256 tiles leave short of the SMs (fewer tiles than SMs): "
+                   "twice the tiles; 64 accumulators per thread, 32 KB per stage, 6 stages = 193 KB"),
+}
+GEMM_WGMMA_GROUP_M = 8        # tile rows per raster group (the B tiles of a group stay in L2)
+GEMM_WGMMA_REGS = (40, 232)   # setmaxnreg: producer warpgroup, consumer warpgroups (128 x 40 + 256 x 232 <= 64K)
+GEMM_WGMMA_MIN_CC = 90        # sm_90a: H100 / H200 (compute capability 9.0) only
+# impl="auto" takes wgmma on sm_90 (for TMA-compatible operands) only after a GPU run has shown it
+# correct (GPU tier, sanitizers) and faster than mma in the same run; it has not run on a GPU yet.
+GEMM_AUTO_WGMMA = False
+
+
+def gemm_wgmma_tile(m: int, n: int, nbatch: int, sms: int) -> WgmmaTile:
+    """The 128 x 256 tile, unless its tiles would leave SMs idle where 128 x 128 tiles would not."""
+    wide, narrow = GEMM_WGMMA_TILES[256], GEMM_WGMMA_TILES[128]
+    tiles = nbatch * -(-m // wide.bm) * -(-n // wide.bn)
+    return narrow if tiles < sms and nbatch * -(-m // narrow.bm) * -(-n // narrow.bn) > tiles else wide
 
 # --- fused decode step (kernels_cu/fused_decode.cu, cupyattn/fused.py, tinylm) -----------------
 # The fused projections run skinny_tile with GEMM_SKINNY's shape: they stream the same weights the

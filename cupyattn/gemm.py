@@ -10,6 +10,9 @@ mma      v2: tensor cores (mma.sync m16n8k16, ldmatrix), 128x128x32, 4-stage    
          cp.async ring with one barrier per k-tile
 skinny   v3: M <= 16, gemm_nt only: streams each row of b once with 16-byte     f32, f16, bf16
          loads straight into registers (mma.sync for f16/bf16), split-K
+wgmma    v4 (kernels_cu/gemm_sm90.cu, H100/H200 only): TMA loads into a          f16, bf16
+         multi-stage mbarrier ring, warp-specialised (a producer warp, two
+         consumer warpgroups on wgmma.m64nNk16), persistent; 128x256 or 128x128
 =======  =====================================================================  ================
 
 ``impl="auto"`` (default) picks ``skinny`` for ``gemm_nt`` when M (after folding, below) is at
@@ -17,7 +20,10 @@ most ``GEMM_SKINNY_MAX_M`` = 16: a decode projection reads a whole weight for a 
 so it is bound by reading the weight, which skinny does once at full width while a 128-row tile
 leaves most of its work idle and too few blocks to keep memory busy. Otherwise ``mma`` for
 float16/bfloat16 and ``simt`` for float32 (the tensor-core path has no float32-exact input type;
-TF32 would miss the 1e-5 contract).
+TF32 would miss the 1e-5 contract). ``wgmma`` is opt-in: it has not run on a GPU yet
+(``config.GEMM_AUTO_WGMMA``); it needs an sm_90 device and operands TMA can read (16-byte aligned
+base pointers, row and batch strides positive multiples of 16 bytes, cupyattn/tma.py), and says
+which rule an input breaks otherwise. Once auto takes it, such inputs stay on ``mma``.
 
 Batching: leading dims broadcast NumPy-style and are handed to the kernel as at most two
 collapsed (size, stride) batch dims per operand, stride 0 for broadcast dims, so broadcast and
@@ -34,13 +40,18 @@ from __future__ import annotations
 import cupy
 import numpy as np
 
-from . import _checks
+from . import _checks, tma
 from ._loader import KernelSpec, get_function
+from . import config as C
 from .config import (DTYPES, GEMM_GROUP_M, GEMM_IMPLS, GEMM_MMA_PAD, GEMM_SKINNY, GEMM_SKINNY_MAX_M,
                      GEMM_TILES, INT32_MAX, MAX_GRID_YZ, MMA_DTYPES, cbool, ctype, gemm_mma_smem_bytes)
 
 
-def _expr(impl: str, dtype, nt: bool) -> str:
+def _expr(impl: str, dtype, nt: bool, bn: int = 256) -> str:
+    if impl == "wgmma":
+        t, (rp, rc) = C.GEMM_WGMMA_TILES[bn], C.GEMM_WGMMA_REGS
+        return (f"gemm_wgmma_kernel<{ctype(dtype)}, {cbool(nt)}, {t.bn}, {t.stages}, {C.GEMM_WGMMA_GROUP_M}, "
+                f"{rp}, {rc}>")
     if impl == "skinny":
         s = GEMM_SKINNY
         return f"gemm_skinny_kernel<{ctype(dtype)}, {s.warps}, {s.n_tiles}, {s.chunks}>"
@@ -55,6 +66,13 @@ SPEC = KernelSpec(
     name_expressions=tuple(_expr("simt", d, nt) for d in DTYPES for nt in (True, False))
     + tuple(_expr("mma", d, nt) for d in MMA_DTYPES for nt in (True, False))
     + tuple(_expr("skinny", d, True) for d in DTYPES),
+)
+SPEC_SM90 = KernelSpec(
+    name="gemm_sm90",
+    source="gemm_sm90.cu",
+    name_expressions=tuple(_expr("wgmma", d, nt, bn) for d in MMA_DTYPES for nt in (True, False)
+                           for bn in C.GEMM_WGMMA_TILES),
+    sm90a=True,
 )
 
 
@@ -89,6 +107,9 @@ def _tile_rows(impl: str) -> tuple[int, int]:
 
 
 def _n_tiles(impl: str, m: int, n: int) -> int:
+    """Thread blocks of a launch (wgmma: persistent, one per SM at most, so 1 for the limit)."""
+    if impl == "wgmma":
+        return 1
     rows_m, rows_n = _tile_rows(impl)
     return -(-m // rows_m) * -(-n // rows_n)
 
@@ -141,6 +162,11 @@ def _check_args(fn, a, b, out, impl, nt):
     if impl == "mma" and np.dtype(a.dtype) not in MMA_DTYPES:
         raise TypeError(f"{fn}(): impl='mma' needs float16 or bfloat16 inputs, got float32 "
                         f"(use impl='simt' or 'auto')")
+    if impl == "wgmma":
+        if np.dtype(a.dtype) not in MMA_DTYPES:
+            raise TypeError(f"{fn}(): impl='wgmma' needs float16 or bfloat16 inputs, got float32 "
+                            f"(use impl='simt' or 'auto')")
+        tma.require_device(fn, "impl='wgmma'")
     if impl == "skinny" and not nt:
         raise ValueError(f"{fn}(): impl='skinny' is a gemm_nt kernel (b rows are the weight rows it "
                          f"streams); use impl='mma', 'simt' or 'auto'")
@@ -174,8 +200,10 @@ def _gemm(fn, a, b, out, impl, nt):
     b_rows = n if nt else k
     ldb = b.strides[-2] // isz if b_rows > 1 else 0
     m, lda, dims = _fold_batch(m, lda, dims, n, impl, a.dtype)
-    impl = _pick_impl(impl, a.dtype, nt, m)
     dims = [(1, 0, 0)] * (2 - len(dims)) + dims
+    if impl == "wgmma" or (impl == "auto" and _auto_takes_wgmma(a, b, m, n, k, lda, ldb, dims, nt)):
+        return _launch_wgmma(fn, a, b, out, m, n, k, lda, ldb, dims, nt)
+    impl = _pick_impl(impl, a.dtype, nt, m)
     (n_out, a_so, b_so), (n_in, a_si, b_si) = dims
     nbatch = n_out * n_in
 
@@ -200,6 +228,80 @@ def _gemm(fn, a, b, out, impl, nt):
     kern((tiles_m * tiles_n, min(nbatch, MAX_GRID_YZ), 1), (threads, 1, 1),
          (a, b, out, i32(m), i32(n), i32(k), i32(tiles_n), i64(nbatch), i64(n_in),
           i64(a_so), i64(a_si), i64(lda), i64(b_so), i64(b_si), i64(ldb), i32(vec_ok)), shared_mem=smem)
+    return out
+
+
+# --- v4 (Hopper): operands through tensor maps ------------------------------------------------------
+def _filled(strides, dims, itemsize):
+    """Byte strides of TMA dims 1.. with a packed stand-in for each 0 (a dimension of size 1,
+    whose stride is never applied, but TMA wants a positive multiple of 16): the previous
+    dimension's stride times its extent, rounded up to 16 bytes."""
+    out, prev = [], itemsize
+    for s, extent in zip(strides, dims):
+        if s == 0:
+            natural = -(-prev * extent // 16) * 16
+            s = natural if natural < 2**40 else 16
+        out.append(s)
+        prev = s
+    return out
+
+
+def _wgmma_operands(a, b, m, n, k, lda, ldb, dims, nt, bn):
+    """(name, ptr, dims, strides, box) of a and b as 4-D TMA boxes (gemm_sm90.cu's layout), and
+    the kernel's batch flags."""
+    isz = a.itemsize
+    (n_out, a_so, b_so), (n_in, a_si, b_si) = dims
+    a_dims = (k, m, n_in if a_si else 1, n_out if a_so else 1)
+    b_dims = ((k, n) if nt else (n, k)) + (n_in if b_si else 1, n_out if b_so else 1)
+    a_st = _filled([lda * isz, a_si * isz, a_so * isz], a_dims, isz)
+    b_st = _filled([ldb * isz, b_si * isz, b_so * isz], b_dims, isz)
+    flags = (bool(a_si) * 1) | (bool(a_so) * 2) | (bool(b_si) * 4) | (bool(b_so) * 8)
+    b_box = (64, bn, 1, 1) if nt else (64, 64, 1, 1)
+    return [("a", a.data.ptr, a_dims, a_st, (64, 128, 1, 1)), ("b", b.data.ptr, b_dims, b_st, b_box)], flags
+
+
+def _tma_problem(a, b, m, n, k, lda, ldb, dims, nt):
+    """Why TMA cannot read an operand (naming it), or None."""
+    ops, _ = _wgmma_operands(a, b, m, n, k, lda, ldb, dims, nt, 256)
+    for name, ptr, d, st, box in ops:
+        if min(st) < 0 or (why := tma.problem(ptr, a.dtype, d, st, box)) is not None:
+            return f"TMA cannot read {name}: " + (why if min(st) >= 0 else "it has a negative stride")
+    if max(dims[0][0], dims[1][0]) > INT32_MAX:
+        return "a batch dimension has more than 2^31 - 1 entries"
+    return None
+
+
+def _auto_takes_wgmma(a, b, m, n, k, lda, ldb, dims, nt) -> bool:
+    """impl="auto" on sm_90 once GEMM_AUTO_WGMMA is set: 16-bit inputs past skinny's M, TMA-readable."""
+    if not C.GEMM_AUTO_WGMMA or np.dtype(a.dtype) not in MMA_DTYPES or (nt and m <= GEMM_SKINNY_MAX_M):
+        return False
+    if tma.compute_capability() < C.GEMM_WGMMA_MIN_CC:
+        return False
+    return _tma_problem(a, b, m, n, k, lda, ldb, dims, nt) is None
+
+
+def _sm_count() -> int:
+    """Streaming multiprocessors of the current device: the persistent grid's size."""
+    return int(cupy.cuda.Device().attributes["MultiProcessorCount"])
+
+
+def _launch_wgmma(fn, a, b, out, m, n, k, lda, ldb, dims, nt):
+    why = _tma_problem(a, b, m, n, k, lda, ldb, dims, nt)
+    if why is not None:
+        raise ValueError(f"{fn}(): impl='wgmma' needs operands TMA can read: {why} (use impl='mma' or 'auto')")
+    nbatch = dims[0][0] * dims[1][0]
+    sms = _sm_count()
+    tile = C.gemm_wgmma_tile(m, n, nbatch, sms)
+    ops, flags = _wgmma_operands(a, b, m, n, k, lda, ldb, dims, nt, tile.bn)
+    maps = [tma.tensor_map(ptr, a.dtype, d, st, box, fn=fn, what=name) for name, ptr, d, st, box in ops]
+    if out.data.ptr % 4 == 0 and n % 2 == 0:
+        flags |= 16  # PAIR_STORE
+    tiles_m, tiles_n = -(-m // tile.bm), -(-n // tile.bn)
+    kern = get_function(SPEC_SM90, _expr("wgmma", a.dtype, nt, tile.bn), dynamic_smem=tile.smem_bytes)
+    i32, i64 = np.int32, np.int64
+    kern((min(nbatch * tiles_m * tiles_n, sms), 1, 1), (128 * (1 + tile.bm // 64), 1, 1),
+         (*maps, out, i32(m), i32(n), i32(k), i32(tiles_m), i32(tiles_n), i64(nbatch), i64(dims[1][0]), i32(flags)),
+         shared_mem=tile.smem_bytes)
     return out
 
 

@@ -103,6 +103,13 @@ def test_gemm_and_decode_sweeps():
     assert shapes == {("qkv", 12288, 4096), ("o", 4096, 4096), ("gate_up", 22016, 4096),
                       ("down", 4096, 11008)}
     assert all(c.p["layout"] == "nt" and c.x == c.p["M"] for c in g)
+    s = specs.sweep_cases("gemm-smollm2")
+    assert {(c.group, c.p["N"], c.p["K"]) for c in s} == {("qkv", 960, 576), ("o", 576, 576),
+                                                          ("gate_up", 3072, 576), ("down", 576, 1536)}
+    assert specs.sweeps_for("gemm") == ["gemm-llama2-7b", "gemm-smollm2"]
+    big = [c for c in specs.default_cases("gemm") if c.p["M"] == 8192]
+    assert sorted((c.dtype, c.p["layout"]) for c in big) == [(d, l) for d in ("bfloat16", "float16") for l in ("nn", "nt")]
+    assert "ours-wgmma" in cases_module().impl_names("gemm")
     lens = specs.sweep_cases("decode-len")
     assert sorted({c.p["L"] for c in lens}) == [1024 * 2**i for i in range(8)]
     assert max(c.p["L"] for c in lens) == 131072
@@ -122,6 +129,12 @@ def test_every_sweep_case_is_well_formed():
         for c in cases:
             assert c.op == op and c.x is not None and c.group
             assert specs.case_bytes(c) > 0
+
+
+def cases_module():
+    from benchmarks import cases
+
+    return cases
 
 
 # --- CLI planning -----------------------------------------------------------------------------
@@ -655,7 +668,7 @@ def test_tune_cli_parses_before_it_needs_a_device():
     parsing is checked here, where no device time is spent."""
     from benchmarks import tune
 
-    assert tune.parse_args([]).parts == ["softmax", "flash", "decode"]
+    assert tune.parse_args([]).parts == ["softmax", "flash", "decode", "gemm"]
     assert tune.parse_args(["decode", "--json", "x.json"]).parts == ["decode"]
     with pytest.raises(SystemExit) as e:
         tune.parse_args(["nosuch"])

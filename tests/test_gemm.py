@@ -440,3 +440,143 @@ def test_simt_kernel_index_maps_emulated(nt):
                 ok = (gm < m) & (gn < n)
                 c[gm[ok], gn[ok]] = acc[ok, i, j]
     np.testing.assert_allclose(c, expect, rtol=1e-12, atol=1e-12)
+
+
+# --- impl="wgmma" (Hopper: TMA + wgmma, kernels_cu/gemm_sm90.cu) ------------------------------------
+def _hopper():
+    import cupy
+
+    if int(cupy.cuda.Device().compute_capability) < 90:
+        pytest.skip("impl='wgmma' runs on sm_90 (H100/H200) only")
+
+
+def _tma_ready(rng, shape, dtype):
+    """A view of `shape` whose rows are padded to 16 bytes (TMA strides) and whose base is
+    16-byte aligned, any last dimension (K or N tails go through TMA's zero fill)."""
+    per16 = 16 // np_dtype(dtype).itemsize
+    pitch = -(-shape[-1] // per16) * per16
+    full, full64 = to_device(rand_with_outliers(rng, shape[:-1] + (pitch,)), dtype)
+    return full[..., :shape[-1]], full64[..., :shape[-1]]
+
+
+WG_SHAPES = [(1, 1, 1), (17, 97, 128), (97, 128, 17), (128, 128, 128), (1000, 17, 97), (17, 1000, 1),
+             (17, 33, 300), (130, 257, 1000),
+             pytest.param((2048, 2048, 1024), marks=pytest.mark.no_emu)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["nt", "nn"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("mnk", WG_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_wgmma_matches_reference(layout, dtype, mnk):
+    """Tails in M, N and K (TMA zero fill, guarded stores); K = 300 and 1000 wrap the stage ring
+    (4 or 6 stages) and flip its phases several times."""
+    _hopper()
+    m, n, k = mnk
+    fn, rfn = FNS[layout]
+    rng = np.random.default_rng(m * 7 + n * 13 + k)
+    a, a64 = _tma_ready(rng, (m, k), dtype)
+    b, b64 = _tma_ready(rng, _b_shape(layout, n, k), dtype)
+    out = nan_like((m, n), dtype)
+    assert fn(a, b, out=out, impl="wgmma") is out
+    assert_close(out, rfn(a64, b64), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["nt", "nn"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_wgmma_batched_broadcast_persistent(layout, dtype, monkeypatch):
+    """Batch dims as 4-D tensor maps (a dimension an operand lacks has size 1 there), a shared 2-D b
+    folded into M, strided batch views, and a persistent grid of 3 blocks walking many tiles (the
+    ring's phases carry over from tile to tile)."""
+    _hopper()
+    monkeypatch.setattr(G, "_sm_count", lambda: 3)
+    fn, rfn = FNS[layout]
+    rng = np.random.default_rng(11)
+    m, n, k = 150, 200, 40
+    for sa, sb in [((2, 3, m, k), _b_shape(layout, n, k, (2, 3))),   # batched both
+                   ((2, 3, m, k), _b_shape(layout, n, k)),           # one b for all: folded into M
+                   ((2, 1, m, k), _b_shape(layout, n, k, (1, 3))),   # broadcast on both sides
+                   ((2, 3, m, k), _b_shape(layout, n, k, (3,)))]:    # b broadcast over the outer dim
+        a, a64 = _tma_ready(rng, sa, dtype)
+        b, b64 = _tma_ready(rng, sb, dtype)
+        expect = rfn(a64, b64)
+        assert_close(fn(a, b, out=nan_like(expect.shape, dtype), impl="wgmma"), expect, dtype)
+    big, big64 = _tma_ready(rng, (4, 3, m, k), dtype)
+    b, b64 = _tma_ready(rng, _b_shape(layout, n, k, (2, 3)), dtype)
+    expect = rfn(big64[::2], b64)   # every other batch entry of a
+    assert_close(fn(big[::2], b, out=nan_like(expect.shape, dtype), impl="wgmma"), expect, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["nt", "nn"])
+def test_wgmma_refuses_what_tma_cannot_read(layout, monkeypatch):
+    """Clear errors before anything is launched or written: float32, an odd row stride, a
+    misaligned base, a reversed view; a non-Hopper device names its arch."""
+    import cupy
+
+    fn, _ = FNS[layout]
+    name = f"gemm_{layout}"
+    rng = np.random.default_rng(5)
+    a, _ = to_device(rand_with_outliers(rng, (20, 24)), "float16")
+    b, _ = to_device(rand_with_outliers(rng, _b_shape(layout, 16, 24)), "float16")
+    out = nan_like((20, 16), "float16")
+    with pytest.raises(TypeError, match=rf"{name}\(\): impl='wgmma' needs float16 or bfloat16"):
+        fn(a.astype(cupy.float32), b.astype(cupy.float32), impl="wgmma")
+    odd, _ = to_device(rand_with_outliers(rng, (20, 21)), "float16")            # 42-byte rows
+    odd_b, _ = to_device(rand_with_outliers(rng, _b_shape(layout, 16, 21)), "float16")
+    flat, _ = to_device(rand_with_outliers(rng, (20 * 24 + 1,)), "float16")
+    shifted = flat[1:].reshape(20, 24)                                              # 2 bytes past 16
+    for x, y, why in [(odd, odd_b, r"TMA cannot read a: its stride of 42 bytes"),
+                      (shifted, b, r"TMA cannot read a: its base address is 2 bytes past"),
+                      (a[::-1], b, r"TMA cannot read a: it has a negative stride")]:
+        with pytest.raises(ValueError, match=rf"{name}\(\): impl='wgmma' needs operands TMA can read: {why}"):
+            fn(x, y, out=out, impl="wgmma")
+        assert bool(cupy.isnan(out.astype(cupy.float32)).all())  # untouched
+    monkeypatch.setattr(G.tma, "compute_capability", lambda: 86)
+    with pytest.raises(RuntimeError, match=rf"{name}\(\): impl='wgmma' needs an sm_90 GPU .* sm_86"):
+        fn(a, b, impl="wgmma")
+
+
+@pytest.mark.gpu
+def test_auto_takes_wgmma_only_when_enabled_and_tma_can_read(monkeypatch):
+    """impl="auto" keeps mma (GEMM_AUTO_WGMMA is off until a GPU run shows wgmma correct and
+    faster); switched on, it takes wgmma on sm_90 for TMA-readable operands and mma for others."""
+    _hopper()
+    rng = np.random.default_rng(6)
+    log = _LaunchLog(monkeypatch)
+    a, a64 = _tma_ready(rng, (40, 64), "float16")
+    w, w64 = _tma_ready(rng, (48, 64), "float16")
+    odd, odd64 = to_device(rand_with_outliers(rng, (40, 63)), "float16")
+    odd_w, odd_w64 = to_device(rand_with_outliers(rng, (48, 63)), "float16")
+    G.gemm_nt(a, w)
+    assert log.launches[-1][0].startswith("gemm_mma_kernel")
+    monkeypatch.setattr(G.C, "GEMM_AUTO_WGMMA", True)
+    out = nan_like((40, 48), "float16")
+    G.gemm_nt(a, w, out=out)
+    assert log.launches[-1][0].startswith("gemm_wgmma_kernel")
+    assert_close(out, ref.gemm_nt(a64, w64), "float16")
+    G.gemm_nt(odd, odd_w, out=out)  # 126-byte rows: TMA cannot read them
+    assert log.launches[-1][0].startswith("gemm_mma_kernel")
+    assert_close(out, ref.gemm_nt(odd64, odd_w64), "float16")
+
+
+def test_wgmma_tile_rule():
+    t = config.gemm_wgmma_tile
+    assert t(4096, 4096, 1, 132).bn == 256      # 512 tiles of 128 x 256: enough for 132 SMs
+    assert t(512, 4096, 1, 132).bn == 128       # 64 wide tiles leave SMs idle; 128 narrow ones
+    assert t(128, 128, 1, 132).bn == 256        # one tile either way: keep the wide one
+    assert t(8192, 576, 1, 132).bn == 256       # 64 x 3 = 192 tiles
+
+
+@pytest.mark.skipif(os.environ.get("CUPYATTN_EMULATE") == "1",
+                    reason="the offline compile check needs the real CuPy and NVRTC")
+def test_wgmma_compiles_for_sm90a_without_spills_within_shared_memory(compile_report):
+    reports, errors = compile_report("gemm_sm90")
+    assert not errors, errors
+    assert sorted(r.kernel for r in reports) == sorted(G.SPEC_SM90.name_expressions)
+    for r in reports:
+        assert r.arch == "sm_90a" and not r.spills, r
+        bn = int(r.kernel.split(", ")[2])
+        assert r.smem_bytes + config.GEMM_WGMMA_TILES[bn].smem_bytes <= 227 * 1024, r.kernel
+        assert r.registers * 384 <= 65536, r.kernel  # one block per SM at the entry budget

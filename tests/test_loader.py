@@ -54,6 +54,28 @@ ptxas info    : Used 8 registers, used 0 barriers, 364 bytes cmem[0]
     assert rows == [("k<float>", "sm_80", 40, 4096, 24, 8, 12), ("_Z1kIdEvv", "sm_80", 8, 0, 0, 0, 0)]
 
 
+def test_check_fails_when_ptxas_ignores_setmaxnreg(tmp_path, monkeypatch):
+    """setmaxnreg without __launch_bounds__(threads, 1): ptxas drops it with warning C7508, and
+    the offline check fails naming the kernel; with the 1 it passes."""
+    (tmp_path / "ptx.cuh").write_text((KERNELS_DIR / "ptx.cuh").read_text())
+    (tmp_path / "ptx_sm90.cuh").write_text((KERNELS_DIR / "ptx_sm90.cuh").read_text())
+    body = "(float* x) {\n    if (threadIdx.x < 128) setmaxnreg_dec<40>(); else setmaxnreg_inc<232>();\n" \
+           "    x[threadIdx.x] = 1.0f;\n}\n"
+    (tmp_path / "regs.cu").write_text('#include "ptx_sm90.cuh"\n'
+                                      f"template <int X> __global__ void __launch_bounds__(256, 1) bounded{body}"
+                                      f"template <int X> __global__ void unbounded{body}")
+    monkeypatch.setattr(_loader, "KERNELS_DIR", tmp_path)
+    _loader._code.cache_clear()
+    spec = KernelSpec("test_regs", "regs.cu", ("bounded<0>", "unbounded<0>"), sm90a=True)
+    try:
+        assert [r.arch for r in cc.compile_spec(spec, "90", ["bounded<0>"])] == ["sm_90a"]
+        with pytest.raises(RuntimeError, match=r"test_regs.*ptxas ignored an instruction in unbounded<0>: \(C7508\).*setmaxnreg"):
+            cc.compile_spec(spec, "90", ["unbounded<0>"])
+    finally:
+        _loader._REGISTRY.pop("test_regs")
+        _loader._code.cache_clear()
+
+
 def test_compile_error_names_spec_and_shows_log(tmp_path, monkeypatch):
     (tmp_path / "bad.cu").write_text("template <typename T> __global__ void k(T* x) { x[0] = undefined_name; }\n")
     monkeypatch.setattr(_loader, "KERNELS_DIR", tmp_path)
@@ -88,11 +110,13 @@ def test_every_kernel_file_has_a_spec():
 
 
 def test_offline_check_compiles_every_instantiation_without_spills(compile_report):
-    """The CI gate: every spec x instantiation for sm_80 and sm_90, no errors, no spills."""
+    """The CI gate: every spec x instantiation for sm_80 and sm_90 (Hopper-only specs once, for
+    sm_90a), no errors, no spills."""
     reports, errors = compile_report()
     assert errors == [] and [f"{r.kernel} {r.arch}" for r in reports if r.spills] == []
     built = {(r.spec, r.kernel, r.arch) for r in reports}
-    want = {(s.name, e, a) for s in cupyattn.all_specs() for e in s.name_expressions for a in ("sm_80", "sm_90")}
+    want = {(s.name, e, a) for s in cupyattn.all_specs() for e in s.name_expressions
+            for a in (("sm_90a",) if s.sm90a else ("sm_80", "sm_90"))}
     assert built == want and len(built) == len(reports)
 
 
@@ -213,6 +237,8 @@ def _dynamic_smem_launches():
         if dt in C.MMA_DTYPES:
             for nt in (True, False):
                 yield gemm.SPEC, gemm._expr("mma", dt, nt), C.gemm_mma_smem_bytes(C.GEMM_TILES["mma"], nt)
+                for bn, tile in C.GEMM_WGMMA_TILES.items():
+                    yield gemm.SPEC_SM90, gemm._expr("wgmma", dt, nt, bn), tile.smem_bytes
 
 
 def test_every_dynamic_smem_launch_is_opted_in_as_the_driver_requires(compile_report, monkeypatch):
@@ -228,7 +254,7 @@ def test_every_dynamic_smem_launch_is_opted_in_as_the_driver_requires(compile_re
     for spec in {s for s, _, _ in launches}:
         reports, errors = compile_report(spec.name)
         assert not errors, errors
-        static.update({(spec.name, r.kernel): r.smem_bytes for r in reports if r.arch == "sm_90"})
+        static.update({(spec.name, r.kernel): r.smem_bytes for r in reports if r.arch in ("sm_90", "sm_90a")})
 
     class StandIn:
         def __init__(self, static_bytes):

@@ -35,6 +35,7 @@
 #define __align__(n) __attribute__((aligned(n)))
 #define __launch_bounds__(...)
 #define __constant__ static
+#define __grid_constant__  // a by-value kernel parameter (emu_arg copies it into the fiber)
 
 struct uint3 { unsigned x = 0, y = 0, z = 0; };
 struct dim3 { unsigned x = 1, y = 1, z = 1; };
@@ -50,7 +51,14 @@ inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z,
 // A fiber runs until it reaches a barrier (__syncthreads, or the warp barrier inside a shuffle)
 // or returns; the scheduler resumes waiting fibers once every live member has arrived. A thread
 // that returns stops counting, as an exited thread does on the GPU. No progress = deadlock.
-enum EmuState { EMU_RUN, EMU_WAIT_BLOCK, EMU_WAIT_WARP, EMU_DONE };
+enum EmuState { EMU_RUN, EMU_WAIT_BLOCK, EMU_WAIT_WARP, EMU_WAIT_COND, EMU_DONE };
+// ---- hook for tests/emu/emu_ptx_sm90.h (Hopper, issue 21): a fiber in EMU_WAIT_COND waits until
+// `ready()` holds (an mbarrier phase, a warpgroup rendezvous); the scheduler polls it from its own
+// stack, and a deadlock report says what() each such fiber waits for.
+struct EmuWaitable {
+    virtual bool ready() = 0;
+    virtual std::string what() const = 0;
+};
 // A cp.async copy in flight: issued by the fiber, delivered at the cp.async.wait_group that
 // retires its group (emu_ptx.h), the latest moment the PTX memory model allows.
 struct EmuCopy { unsigned char* dst; const unsigned char* src; int bytes, src_bytes, group; };
@@ -59,6 +67,7 @@ struct EmuFiber {
     jmp_buf jb; bool started;      // after its first start a fiber is switched by _setjmp/_longjmp
     std::vector<EmuCopy> pending;  // cp.async copies not yet delivered
     int committed = 0;             // cp.async groups committed so far
+    EmuWaitable* waiting_on = nullptr;  // EMU_WAIT_COND: what it waits for (lives on its stack)
 };
 struct EmuWarp { int live, arrived; unsigned gen; alignas(8) unsigned char slot[32][8]; unsigned xchg[32][16]; };
 struct EmuSched {
@@ -79,6 +88,11 @@ inline dim3 blockDim, gridDim;
 inline int emu_lane = 0, emu_warp = 0;
 inline unsigned char* emu_dyn_smem = nullptr;
 constexpr int warpSize = 32;
+// ---- hooks for tests/emu/emu_ptx_sm90.h (issue 21): per-block state of the Hopper emulation is
+// reset when a block starts; at its end, a non-empty string is the block's error (async work
+// issued and never waited for, a barrier left mid-phase).
+inline void (*emu_hook_block_begin)(int threads) = nullptr;
+inline std::string (*emu_hook_block_end)() = nullptr;
 
 inline void emu_yield(EmuState st, unsigned gen) {
     EmuFiber& me = emu_s->f[emu_s->cur];
@@ -96,6 +110,14 @@ inline void emu_block_arrive_check() {
 }
 inline void emu_warp_arrive_check(EmuWarp& w) {
     if (w.live > 0 && w.arrived == w.live) { w.arrived = 0; ++w.gen; }
+}
+// ---- hook (issue 21): block the current fiber until w.ready() (checked first, then by the scheduler).
+inline void emu_wait_until(EmuWaitable& w) {
+    if (w.ready()) return;
+    EmuFiber& me = emu_s->f[emu_s->cur];
+    me.waiting_on = &w;
+    emu_yield(EMU_WAIT_COND, 0);
+    me.waiting_on = nullptr;
 }
 inline void __syncthreads() {
     EmuSched& S = *emu_s;
@@ -233,11 +255,17 @@ inline float __high2float(__nv_bfloat162 h) { return __bfloat162float(h.y); }
 // Arguments arrive as int64 / double slots and are converted to the kernel's parameter types.
 template <typename A> A emu_arg(long long i, double d) {
     if constexpr (std::is_pointer_v<A>) return reinterpret_cast<A>((uintptr_t)i);
+    else if constexpr (std::is_class_v<A>) {  // a struct by value (TmaMap): i points at its bytes
+        A v;
+        std::memcpy(&v, reinterpret_cast<const void*>((uintptr_t)i), sizeof(A));
+        return v;
+    }
     else if constexpr (std::is_floating_point_v<A>) return (A)d;
     else return (A)i;
 }
 template <typename A> constexpr int emu_kind() {
-    return std::is_pointer_v<A> ? 'p' : std::is_floating_point_v<A> ? 'f' : std::is_same_v<A, bool> ? 'b' : 'i';
+    return std::is_pointer_v<A> ? 'p' : std::is_floating_point_v<A> ? 'f' : std::is_same_v<A, bool> ? 'b'
+         : std::is_class_v<A> ? 's' : 'i';
 }
 
 template <typename... A, size_t... I>
@@ -296,6 +324,7 @@ int emu_launch(void (*k)(A...), dim3 g, dim3 b, size_t smem, const long long* iv
         S.live = n; S.block_arrived = 0;
         S.red[0] = S.red[1] = S.red[2] = 0;
         for (size_t w = 0; w < S.warps.size(); ++w) S.warps[w] = {std::min(32, n - (int)w * 32), 0, 0, {}, {}};
+        if (emu_hook_block_begin) emu_hook_block_begin(n);
         for (int t = 0; t < n; ++t) {
             EmuFiber& f = S.f[t];
             f.tid = {t % b.x, (t / b.x) % b.y, t / (b.x * b.y)};
@@ -316,7 +345,8 @@ int emu_launch(void (*k)(A...), dim3 g, dim3 b, size_t smem, const long long* iv
                 EmuFiber& f = S.f[t];
                 bool ready = f.state == EMU_RUN ||
                              (f.state == EMU_WAIT_BLOCK && f.gen != S.block_gen) ||
-                             (f.state == EMU_WAIT_WARP && f.gen != S.warps[t / 32].gen);
+                             (f.state == EMU_WAIT_WARP && f.gen != S.warps[t / 32].gen) ||
+                             (f.state == EMU_WAIT_COND && f.waiting_on->ready());
                 if (!ready) continue;
                 progress = true;
                 f.state = EMU_RUN;
@@ -327,11 +357,21 @@ int emu_launch(void (*k)(A...), dim3 g, dim3 b, size_t smem, const long long* iv
                 }
             }
             if (!progress) {
-                std::snprintf(err, errlen, "deadlock in block (%u,%u,%u): threads wait at a barrier that "
-                              "other threads of the block or warp never reach", bx, by, bz);
+                std::string why;  // (issue 21) what EMU_WAIT_COND fibers wait for, each kind once
+                for (const EmuFiber& g : S.f)
+                    if (g.state == EMU_WAIT_COND && why.find(g.waiting_on->what()) == std::string::npos)
+                        why += "; " + g.waiting_on->what();
+                std::snprintf(err, errlen, "%s", S.failed ? S.msg.c_str() : ("deadlock in block (" +
+                              std::to_string(bx) + "," + std::to_string(by) + "," + std::to_string(bz) +
+                              "): threads wait at a barrier that other threads of the block or warp never "
+                              "reach" + why).c_str());
                 emu_s = nullptr;
                 return 1;
             }
+        }
+        if (emu_hook_block_end && !S.failed) {
+            std::string e = emu_hook_block_end();
+            if (!e.empty()) { S.failed = true; S.msg = e; }
         }
     }
     emu_s = nullptr;

@@ -456,12 +456,17 @@ cuda.Graph = Graph
 # --- RawModule: g++ build of the spec source + launch wrappers ---------------------------------
 _ASM_RE = re.compile(r"\basm\s*(volatile\s*)?\(")
 _PTX_BLOCK = re.compile(r"// ---- begin ptx\.cuh\n.*?\n// ---- end ptx\.cuh", re.S)
+# (issue 21) the Hopper header, swapped first: it may hold the inlined ptx.cuh, which its
+# emulation includes in turn
+_PTX_SM90_BLOCK = re.compile(r"// ---- begin ptx_sm90\.cuh\n.*?\n// ---- end ptx_sm90\.cuh", re.S)
+_RUNTIME_HEADERS = ("emu_runtime.h", "emu_ptx.h", "emu_ptx_sm90.h")
 
 
 def _translate(code: str) -> str:
     """CUDA C as the loader inlined it -> C++ for emu_runtime.h: the inlined kernels_cu/ptx.cuh
-    is replaced by tests/emu/emu_ptx.h (the same functions, emulated); inline PTX anywhere else
-    is refused, since nothing would emulate it."""
+    and ptx_sm90.cuh are replaced by tests/emu/emu_ptx.h and emu_ptx_sm90.h (the same functions,
+    emulated); inline PTX anywhere else is refused, since nothing would emulate it."""
+    code = _PTX_SM90_BLOCK.sub('#include "emu_ptx_sm90.h"', code)
     code = _PTX_BLOCK.sub('#include "emu_ptx.h"', code)
     if (m := _ASM_RE.search(code)):
         line = code.count("\n", 0, m.start()) + 1
@@ -510,7 +515,7 @@ class RawModule:
             src.append(f'extern "C" int emu_params_{i}(char* k, int* s) {{ return emu_params(&{e}, k, s); }}')
         text = "\n".join(src)
         _BUILD.mkdir(exist_ok=True)
-        runtime = "".join((_HERE / f).read_text() for f in ("emu_runtime.h", "emu_ptx.h"))
+        runtime = "".join((_HERE / f).read_text() for f in _RUNTIME_HEADERS)
         h = hashlib.sha256((text + runtime + " ".join(self.defines)).encode()).hexdigest()[:16]
         so = _BUILD / f"k_{h}.so"
         if not so.exists():  # several test processes may build the same file: private temp names
@@ -564,6 +569,7 @@ class _Kernel:
         if len(args) != len(self.params):
             raise TypeError(f"{self.expr}: {len(args)} arguments for {len(self.params)} parameters")
         iv, dv = (ctypes.c_longlong * max(len(args), 1))(), (ctypes.c_double * max(len(args), 1))()
+        iv._structs = keep = []  # by-value struct copies, alive as long as iv (graph nodes hold it)
         for j, (a, (kind, size)) in enumerate(zip(args, self.params)):
             where = f"{self.expr}: argument {j}"
             if kind == "p":
@@ -574,6 +580,14 @@ class _Kernel:
                 else:
                     raise TypeError(f"{where} expects a device array or an 8-byte pointer value, "
                                     f"got {type(a).__name__}")
+                continue
+            if kind == "s":  # a struct by value (a TmaMap): a NumPy structured scalar of its size
+                if not (isinstance(a, np.void) and a.dtype.itemsize == size):
+                    raise TypeError(f"{where} takes a {size}-byte struct by value: pass a NumPy structured "
+                                    f"scalar (numpy.void) of that size, got {type(a).__name__}")
+                buf = ctypes.create_string_buffer(bytes(a), size)
+                keep.append(buf)  # CuPy copies the value at launch (and into a captured graph)
+                iv[j] = ctypes.addressof(buf)
                 continue
             if isinstance(a, np.ndarray):
                 raise TypeError(f"{where} expects a scalar, got an array")
@@ -604,8 +618,8 @@ class _Kernel:
         self._run(grid, block, int(shared_mem), iv, dv)
 
     def _run(self, grid, block, smem, iv, dv):
-        err = ctypes.create_string_buffer(512)
-        if self._launch(*map(int, grid), *map(int, block), smem, iv, dv, err, 512):
+        err = ctypes.create_string_buffer(2048)
+        if self._launch(*map(int, grid), *map(int, block), smem, iv, dv, err, 2048):
             raise RuntimeError(f"{self.expr}: {err.value.decode()}")
         _check_guards(self.expr)
 
@@ -636,6 +650,11 @@ def _check_launch(expr, grid, block, smem, smem_attr):
 
 
 RawKernel = None  # not used by cupyattn
+
+# (issue 21) tensor maps: cupyattn/tma.py encodes through this where the driver's
+# cuTensorMapEncodeTiled would be (tests/emu/emu_tma.py; emu_ptx_sm90.h reads the result)
+sys.path.insert(0, str(_HERE))
+from emu_tma import encode_tiled as _cupyattn_emulator_encode_tiled  # noqa: E402
 
 
 def install():

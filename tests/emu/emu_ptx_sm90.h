@@ -1,0 +1,556 @@
+// emu_ptx_sm90.h: the functions of kernels_cu/ptx_sm90.cuh for the CPU emulator, written from the
+// PTX ISA's definitions (sections named beside each), never from the kernels' helpers. fakecupy
+// swaps the inlined ptx_sm90.cuh for this file. What it models and checks:
+//   - mbarrier: count, pending arrivals, tx-count and phase (9.7.13.15); a try_wait that cannot
+//     succeed parks the thread, and a kernel that would hang on a GPU ends with a deadlock report
+//     naming the barrier and its state; more arrivals than the count in one phase, a barrier used
+//     before mbarrier.init or overwritten by a store, are errors;
+//   - TMA loads (cp.async.bulk.tensor, 9.7.9.25.5): the box is read with out-of-bounds elements
+//     zero-filled and written in the map's swizzle; the destination is poisoned (0xFF: NaN) at
+//     issue and the copy lands, with its complete_tx, at the latest moment the ISA allows: when a
+//     thread polls the barrier's phase (emu_sm90_complete_tma is the one place that delivers, so
+//     an adversarial scheduler can call it earlier); TMA stores land at the bulk wait_group that
+//     retires their group, and one never waited for is an error at the end of the block;
+//   - wgmma (9.7.15): warpgroup-collective (the 128 threads meet; descriptors, scale-d and shape
+//     must agree), the descriptor and swizzle decoded from the ISA's layouts, shared memory read
+//     at completion, the accumulators poisoned (NaN) from issue until the wgmma.wait_group that
+//     retires the op (writing them meanwhile is an error), ops chained on the same accumulators
+//     in issue order (emu_wgmma_complete is the one place that delivers);
+//   - stmatrix (9.7.14.5.16) as the inverse of ldmatrix; setmaxnreg and the fences are no-ops.
+// Tensor maps are this emulator's own 128-byte format (EmuTmaDesc), encoded by fakecupy's
+// encode_tensor_map_tiled, which applies the driver's documented checks.
+#pragma once
+#include "emu_ptx.h"
+#include <deque>
+#include <map>
+#include <unordered_map>
+
+struct alignas(64) TmaMap { unsigned long long opaque[16]; };
+
+// --- this emulator's tensor map (little-endian; fakecupy.encode_tensor_map_tiled writes it) ----
+struct EmuTmaDesc {
+    uint32_t magic;           // EMU_TMA_MAGIC
+    uint8_t rank, esize, swizzle, oob_nan, interleave;  // swizzle in bytes / 16: 0, 2, 4, 8
+    uint8_t pad_[7];
+    uint64_t base;            // global address (16-byte aligned)
+    uint64_t dims[5];         // elements per dimension, innermost first
+    uint64_t strides[4];      // bytes between consecutive indices of dims 1..rank-1
+    uint16_t box[5];
+    uint8_t estride[5];
+};
+static_assert(sizeof(EmuTmaDesc) <= sizeof(TmaMap), "EmuTmaDesc must fit a CUtensorMap");
+constexpr uint32_t EMU_TMA_MAGIC = 0x4D544D45u;  // "EMTM"
+constexpr uint32_t EMU_ACC_POISON = 0x7FBADBADu; // a NaN: an accumulator while its wgmma is in flight
+
+// --- the swizzle (PTX ISA 9.7.15.5.1.2; the same pattern TMA writes) ---------------------------
+// W-byte swizzle, W = 32, 64, 128: address bits [4, 4+b) XOR bits [7, 7+b), b = log2(W / 16).
+inline unsigned emu_swizzle(unsigned addr, unsigned width_bytes) {
+    if (width_bytes <= 16) return addr;
+    const unsigned mask = width_bytes / 16 - 1;
+    return addr ^ (((addr >> 7) & mask) << 4);
+}
+
+inline std::string emu_hex(unsigned v) {
+    char b[16];
+    std::snprintf(b, sizeof b, "0x%x", v);
+    return b;
+}
+
+// --- per-block state ----------------------------------------------------------------------------
+struct EmuMbar { unsigned count = 0, pending = 0, phase = 0; long long tx = 0; };
+struct EmuTmaLoad { EmuTmaDesc map; int c[5]; unsigned dst, bar, bytes; };
+struct EmuTmaStore { EmuTmaDesc map; int c[5]; unsigned src; int group; };
+struct EmuWgOp {                // one wgmma.mma_async of a warpgroup
+    bool rs, bf16;
+    int n, trans_a, trans_b, scale_d, group = -1;  // group -1: not committed yet
+    unsigned long long desc_a, desc_b;
+    float* d[128];              // each thread's accumulator array (N/2 registers)
+    unsigned a[128][4];         // RS: each thread's A fragment, read at issue
+};
+struct EmuWgSlot { const char* what; bool rs, bf16; int n, ta, tb, sd, wait_n; unsigned long long da, db;
+                   float* d; unsigned a[4]; };
+struct EmuWarpgroup {
+    int arrived = 0;
+    unsigned gen = 0;
+    const char* what = nullptr;  // the collective being met
+    EmuWgSlot slot[128];
+    std::deque<EmuWgOp> ops;     // in issue order
+    int committed = 0;
+    std::unordered_map<float*, std::pair<float, int>> acc;  // register -> (value in flight, ops pending on it)
+};
+struct EmuSm90 {
+    int threads = 0;
+    std::map<unsigned, EmuMbar> bars;           // by shared address
+    std::deque<EmuTmaLoad> loads;               // in flight, issue order
+    std::vector<std::vector<EmuTmaStore>> stores;  // per thread
+    std::vector<int> store_groups;              // per thread: bulk groups committed
+    std::vector<EmuWarpgroup> wgs;
+    std::string error;                          // found where nothing can throw (the scheduler)
+};
+inline EmuSm90 emu_sm90;
+
+[[noreturn]] inline void emu_sm90_fail(const std::string& m) { throw std::runtime_error(m); }
+inline int emu_tid() { return emu_s->cur; }
+
+// --- mbarrier (PTX ISA 9.7.13.15) ---------------------------------------------------------------
+// The 8 bytes of a barrier hold a tag while it is valid, so a store over it shows.
+inline uint64_t emu_mbar_tag(unsigned addr) { return 0x4D42415200000000ull | addr; }
+inline EmuMbar* emu_mbar_find(unsigned addr, std::string* err) {
+    auto it = emu_sm90.bars.find(addr);
+    uint64_t tag;
+    std::memcpy(&tag, emu_shared_ptr(addr), 8);
+    if (it == emu_sm90.bars.end()) {
+        *err = "mbarrier at shared " + emu_hex(addr) + " used before mbarrier.init";
+        return nullptr;
+    }
+    if (tag != emu_mbar_tag(addr)) {
+        *err = "mbarrier at shared " + emu_hex(addr) + " was overwritten by an ordinary store";
+        return nullptr;
+    }
+    return &it->second;
+}
+inline EmuMbar& emu_mbar(unsigned addr) {
+    std::string err;
+    EmuMbar* b = emu_mbar_find(addr, &err);
+    if (!b) emu_sm90_fail(err);
+    return *b;
+}
+// A phase completes when no arrival is pending and tx-count is 0: the phase advances and the
+// pending count is reset to the expected count.
+inline void emu_mbar_try_complete(EmuMbar& b) {
+    if (b.pending == 0 && b.tx == 0) {
+        ++b.phase;
+        b.pending = b.count;
+    }
+}
+inline void emu_mbar_complete_tx(unsigned addr, unsigned bytes) {
+    std::string err;
+    EmuMbar* b = emu_mbar_find(addr, &err);
+    if (!b) {
+        if (emu_sm90.error.empty()) emu_sm90.error = "complete_tx of a TMA copy: " + err;
+        return;
+    }
+    b->tx -= bytes;
+    emu_mbar_try_complete(*b);
+}
+
+inline void mbar_init(unsigned long long* bar, unsigned count) {
+    const unsigned addr = smem_u32(bar);
+    if (addr % 8) emu_sm90_fail("mbarrier.init: address " + emu_hex(addr) + " is not 8-byte aligned");
+    if (count < 1 || count > (1u << 20) - 1) emu_sm90_fail("mbarrier.init: count outside [1, 2^20 - 1]");
+    EmuMbar& b = emu_sm90.bars[addr];
+    b.count = b.pending = count;
+    b.phase = 0;
+    b.tx = 0;
+    const uint64_t tag = emu_mbar_tag(addr);
+    std::memcpy(emu_shared_ptr(addr), &tag, 8);
+}
+inline void mbar_fence_init() {}
+inline void emu_mbar_arrive(unsigned addr, const char* what) {
+    EmuMbar& b = emu_mbar(addr);
+    if (b.pending == 0)
+        emu_sm90_fail(std::string(what) + ": mbarrier at shared " + emu_hex(addr) + " got more arrivals than its "
+                      "count (" + std::to_string(b.count) + ") in one phase");
+    --b.pending;
+    emu_mbar_try_complete(b);
+}
+inline void mbar_arrive(unsigned long long* bar) { emu_mbar_arrive(smem_u32(bar), "mbarrier.arrive"); }
+inline void mbar_arrive_expect_tx(unsigned long long* bar, unsigned bytes) {
+    EmuMbar& b = emu_mbar(smem_u32(bar));
+    b.tx += bytes;  // expect-tx first, then the arrive-on (9.7.13.15.13)
+    if (b.tx >= (1ll << 20)) emu_sm90_fail("mbarrier.expect_tx: tx-count passes 2^20 - 1");
+    emu_mbar_arrive(smem_u32(bar), "mbarrier.arrive.expect_tx");
+}
+
+void emu_sm90_complete_tma(const EmuTmaLoad& op);
+// Deliver every TMA load still in flight towards barrier `addr` (all of them if addr is ~0u).
+inline void emu_sm90_deliver_loads(unsigned addr) {
+    for (size_t i = 0; i < emu_sm90.loads.size();) {
+        if (addr == ~0u || emu_sm90.loads[i].bar == addr) {
+            const EmuTmaLoad op = emu_sm90.loads[i];
+            emu_sm90.loads.erase(emu_sm90.loads.begin() + (long)i);
+            emu_sm90_complete_tma(op);
+        } else {
+            ++i;
+        }
+    }
+}
+
+// try_wait.parity: true once the phase with that parity has completed, i.e. the current
+// (incomplete) phase has the other parity. The copies the phase waits for land now, at the latest.
+struct EmuMbarWait : EmuWaitable {
+    unsigned addr, parity;
+    EmuMbarWait(unsigned a, unsigned p) : addr(a), parity(p) {}
+    bool ready() override {
+        std::string err;
+        EmuMbar* b = emu_mbar_find(addr, &err);
+        if (!b) return true;  // the caller re-checks and throws
+        if ((b->phase & 1u) != parity) return true;
+        emu_sm90_deliver_loads(addr);
+        return (b->phase & 1u) != parity;
+    }
+    std::string what() const override {
+        if (!emu_sm90.error.empty()) return emu_sm90.error;
+        auto it = emu_sm90.bars.find(addr);
+        if (it == emu_sm90.bars.end()) return "mbarrier " + emu_hex(addr) + " (not initialised)";
+        const EmuMbar& b = it->second;
+        return "mbarrier at shared " + emu_hex(addr) + " waited on for parity " + std::to_string(parity) +
+               " never completes its phase " + std::to_string(b.phase) + " (" + std::to_string(b.pending) + " of " +
+               std::to_string(b.count) + " arrivals pending, tx-count " + std::to_string(b.tx) + ")";
+    }
+};
+inline bool mbar_try_wait(unsigned long long* bar, unsigned parity) {
+    if (parity > 1) emu_sm90_fail("mbarrier.try_wait.parity: parity must be 0 or 1");
+    emu_mbar(smem_u32(bar));
+    EmuMbarWait w(smem_u32(bar), parity);
+    emu_wait_until(w);
+    emu_mbar(smem_u32(bar));  // still a barrier (not overwritten while waiting)
+    return true;
+}
+
+// --- TMA (cp.async.bulk.tensor, PTX ISA 9.7.9.25.5) ---------------------------------------------
+inline EmuTmaDesc emu_tma_desc(const TmaMap* map, int rank, const char* what) {
+    EmuTmaDesc t;
+    std::memcpy(&t, map, sizeof t);
+    if (t.magic != EMU_TMA_MAGIC)
+        emu_sm90_fail(std::string(what) + ": the tensor map is not one fakecupy encoded");
+    if (t.rank != rank)
+        emu_sm90_fail(std::string(what) + ": a " + std::to_string(rank) + "-d copy with a tensor map of rank " +
+                      std::to_string(t.rank));
+    if (t.oob_nan || t.interleave) emu_sm90_fail(std::string(what) + ": NaN fill and interleave are not emulated");
+    if (t.swizzle && t.box[0] * t.esize != t.swizzle * 16u)
+        emu_sm90_fail(std::string(what) + ": a swizzled box whose inner dimension is not one swizzle span is "
+                      "not emulated");
+    return t;
+}
+// Box elements in order (dimension 0 fastest); f(shared byte offset in the box, global address or
+// nullptr when out of bounds). elementStrides: dimension d advances estride[d] elements per step
+// (dimension 0 ignores it, as TMA does without interleave).
+template <typename F>
+inline void emu_tma_box(const EmuTmaDesc& t, const int* c, F f) {
+    long long n[5] = {1, 1, 1, 1, 1};
+    for (int d = 0; d < t.rank; ++d) n[d] = d == 0 ? t.box[0] : (t.box[d] + t.estride[d] - 1) / t.estride[d];
+    long long off = 0;
+    for (long long i4 = 0; i4 < n[4]; ++i4)
+    for (long long i3 = 0; i3 < n[3]; ++i3)
+    for (long long i2 = 0; i2 < n[2]; ++i2)
+    for (long long i1 = 0; i1 < n[1]; ++i1)
+    for (long long i0 = 0; i0 < n[0]; ++i0, off += t.esize) {
+        const long long idx[5] = {i0, i1, i2, i3, i4};
+        bool in = true;
+        unsigned long long g = t.base;
+        for (int d = 0; d < t.rank; ++d) {
+            const long long x = (long long)c[d] + idx[d] * (d == 0 ? 1 : t.estride[d]);
+            if (x < 0 || x >= (long long)t.dims[d]) in = false;
+            else g += d == 0 ? (unsigned long long)x * t.esize : (unsigned long long)x * t.strides[d - 1];
+        }
+        f(off, in ? reinterpret_cast<unsigned char*>(g) : nullptr);
+    }
+}
+inline unsigned emu_tma_bytes(const EmuTmaDesc& t) {
+    unsigned b = t.esize;
+    for (int d = 0; d < t.rank; ++d) b *= d == 0 ? t.box[0] : (t.box[d] + t.estride[d] - 1) / t.estride[d];
+    return b;
+}
+// The one place a TMA load lands: write the box (swizzled) and complete_tx its bytes.
+inline void emu_sm90_complete_tma(const EmuTmaLoad& op) {
+    emu_tma_box(op.map, op.c, [&](long long off, const unsigned char* g) {
+        unsigned char* s = emu_shared_ptr(emu_swizzle(op.dst + (unsigned)off, op.map.swizzle * 16u));
+        if (g) std::memcpy(s, g, op.map.esize);
+        else std::memset(s, 0, op.map.esize);
+    });
+    emu_mbar_complete_tx(op.bar, op.bytes);
+}
+
+template <int R>
+inline void tma_load(void* dst, const TmaMap* map, unsigned long long* bar, const int (&c)[R]) {
+    static_assert(R >= 2 && R <= 5, "tma_load: 2 to 5 dimensions");
+    EmuTmaLoad op;
+    op.map = emu_tma_desc(map, R, "cp.async.bulk.tensor (load)");
+    op.dst = smem_u32(dst);
+    op.bar = smem_u32(bar);
+    if (op.dst % 128) emu_sm90_fail("cp.async.bulk.tensor: shared destination " + emu_hex(op.dst) +
+                                    " is not 128-byte aligned");
+    emu_mbar(op.bar);
+    for (int d = 0; d < 5; ++d) op.c[d] = d < R ? c[d] : 0;
+    op.bytes = emu_tma_bytes(op.map);
+    std::memset(emu_shared_ptr(op.dst), 0xFF, op.bytes);  // poison until it lands
+    emu_sm90.loads.push_back(op);
+}
+
+template <int R>
+inline void tma_store(const TmaMap* map, const void* src, const int (&c)[R]) {
+    static_assert(R >= 2 && R <= 5, "tma_store: 2 to 5 dimensions");
+    EmuTmaStore op;
+    op.map = emu_tma_desc(map, R, "cp.async.bulk.tensor (store)");
+    op.src = smem_u32(src);
+    if (op.src % 128) emu_sm90_fail("cp.async.bulk.tensor: shared source " + emu_hex(op.src) + " is not 128-byte aligned");
+    for (int d = 0; d < 5; ++d) op.c[d] = d < R ? c[d] : 0;
+    op.group = emu_sm90.store_groups[emu_tid()];
+    emu_sm90.stores[emu_tid()].push_back(op);
+}
+inline void bulk_commit_group() { ++emu_sm90.store_groups[emu_tid()]; }
+// Stores of every committed group but the N most recent land (read shared, write global).
+inline void emu_bulk_wait(int n) {
+    std::vector<EmuTmaStore>& mine = emu_sm90.stores[emu_tid()];
+    const int done_below = emu_sm90.store_groups[emu_tid()] - n;
+    std::vector<EmuTmaStore> keep;
+    for (const EmuTmaStore& op : mine) {
+        if (op.group >= done_below) {
+            keep.push_back(op);
+            continue;
+        }
+        emu_tma_box(op.map, op.c, [&](long long off, unsigned char* g) {
+            if (g) std::memcpy(g, emu_shared_ptr(emu_swizzle(op.src + (unsigned)off, op.map.swizzle * 16u)), op.map.esize);
+        });
+    }
+    mine.swap(keep);
+}
+template <int N> inline void bulk_wait_group_read() { emu_bulk_wait(N); }
+template <int N> inline void bulk_wait_group() { emu_bulk_wait(N); }
+inline void fence_proxy_async_shared() {}
+
+// --- warpgroup collectives ----------------------------------------------------------------------
+// The 128 threads of a warpgroup meet: each fills its slot, the last to arrive runs `last` for all
+// of them (slots of every thread are visible), the others wait until it has.
+struct EmuWgWait : EmuWaitable {
+    EmuWarpgroup* w;
+    unsigned gen;
+    int index;
+    EmuWgWait(EmuWarpgroup* wg, int i) : w(wg), gen(wg->gen), index(i) {}
+    bool ready() override { return w->gen != gen; }
+    std::string what() const override {
+        return "warpgroup " + std::to_string(index) + " meets at " + (w->what ? w->what : "?") + " with " +
+               std::to_string(w->arrived) + " of 128 threads";
+    }
+};
+template <typename Last>
+inline void emu_wg_collective(const EmuWgSlot& mine, Last last) {
+    if (emu_sm90.threads % 128)
+        emu_sm90_fail(std::string(mine.what) + ": the block's " + std::to_string(emu_sm90.threads) +
+                      " threads are not whole warpgroups of 128");
+    const int wg = emu_tid() / 128;
+    EmuWarpgroup& w = emu_sm90.wgs[wg];
+    if (w.arrived == 0) w.what = mine.what;
+    else if (std::strcmp(w.what, mine.what) != 0)
+        emu_sm90_fail(std::string("warpgroup threads diverge: ") + mine.what + " while others are at " + w.what);
+    w.slot[emu_tid() % 128] = mine;
+    if (++w.arrived < 128) {
+        EmuWgWait wait(&w, wg);
+        emu_wait_until(wait);
+        if (!emu_sm90.error.empty()) emu_sm90_fail(emu_sm90.error);
+        return;
+    }
+    w.arrived = 0;
+    std::string err;
+    try {
+        last(w);
+    } catch (const std::exception& e) {
+        err = e.what();
+    }
+    ++w.gen;
+    if (!err.empty()) {
+        emu_sm90.error = err;
+        emu_sm90_fail(err);
+    }
+}
+
+// --- wgmma (PTX ISA 9.7.15) ----------------------------------------------------------------------
+// Shared address of element (mn, k) of a 16-bit operand (9.7.15.5.1.2): the descriptor's start,
+// LBO and SBO (9.7.15.5.1.2.2), then the swizzle. K-major: 8-row atoms of W-byte rows along MN
+// (SBO between atoms), K inside a row (LBO between W-byte column blocks: used without swizzle
+// only). MN-major swizzled: 8-row atoms of W bytes of MN per K row, SBO between groups of 8 K,
+// LBO between W-byte MN blocks; MN-major without swizzle: 16-byte MN chunks SBO apart, 8 K rows
+// of 16 bytes, groups of 8 K LBO apart.
+// The start field holds bits 4-17 of a shared address: a GPU's shared window is under 256 KB. Here
+// shared addresses are offsets in this library's .bss, so the field is resolved inside the dynamic
+// shared memory buffer (under 256 KB: one match); operands elsewhere are refused.
+inline unsigned emu_desc_start(unsigned long long desc) {
+    const unsigned lo = (unsigned)(desc & 0x3FFF) << 4, dyn = smem_u32(emu_dyn_smem_buf);
+    unsigned a = (dyn & ~0x3FFFFu) | lo;
+    if (a < dyn) a += 0x40000u;
+    if (a >= dyn + sizeof(emu_dyn_smem_buf))
+        emu_sm90_fail("wgmma: a descriptor's start address is outside dynamic shared memory (the "
+                      "emulator resolves the 18-bit start field there only)");
+    return a;
+}
+inline unsigned emu_wg_addr(unsigned long long desc, bool mn_major, int mn, int k) {
+    const unsigned start = emu_desc_start(desc);
+    const unsigned lbo = (unsigned)((desc >> 16) & 0x3FFF) << 4, sbo = (unsigned)((desc >> 32) & 0x3FFF) << 4;
+    const unsigned mode = (unsigned)(desc >> 62), w = mode == 0 ? 16 : mode == 1 ? 128 : mode == 2 ? 64 : 32;
+    if ((desc >> 49) & 7) emu_sm90_fail("wgmma: a descriptor base offset other than 0 is not emulated");
+    unsigned a;
+    if (!mn_major) {
+        const unsigned kb = 2u * k;
+        a = start + (mn % 8) * w + (mn / 8) * sbo + (kb / w) * lbo + kb % w;
+    } else if (mode == 0) {
+        const unsigned mb = 2u * mn;
+        a = start + (k % 8) * 16 + (k / 8) * lbo + (mb / 16) * sbo + mb % 16;
+    } else {
+        const unsigned mb = 2u * mn;
+        a = start + (k % 8) * w + (k / 8) * sbo + (mb / w) * lbo + mb % w;
+    }
+    return emu_swizzle(a, mode == 0 ? 16 : w);
+}
+inline float emu_b16v(unsigned bits, bool bf16) {
+    return bf16 ? emu_b16(bits, __nv_bfloat16()) : emu_b16(bits, __half());
+}
+inline float emu_wg_elem(unsigned addr, bool bf16) {
+    uint16_t bits;
+    std::memcpy(&bits, emu_shared_ptr(addr), 2);
+    return emu_b16v(bits, bf16);
+}
+
+// The one place a wgmma lands: D = A B (+ D), accumulators chained through `acc` in issue order.
+// Register d[4j + i] of thread (warp w, lane l) is row 16w + l/4 + 8 (i/2), column 8j + 2(l%4) + i%2.
+inline void emu_wgmma_complete(EmuWarpgroup& w, const EmuWgOp& op) {
+    float A[64][16], B[16][256];
+    for (int r = 0; r < 64; ++r)
+        for (int k = 0; k < 16; ++k) {
+            if (!op.rs) {
+                A[r][k] = emu_wg_elem(emu_wg_addr(op.desc_a, op.trans_a, r, k), op.bf16);
+                continue;
+            }
+            // RS: thread 32 (r / 16) + 4 (r % 8) + (k % 8) / 2 holds it in a[(r % 16) / 8 + 2 (k / 8)]
+            const int t = 32 * (r / 16) + 4 * (r % 8) + (k % 8) / 2, reg = (r % 16) / 8 + 2 * (k / 8);
+            A[r][k] = emu_b16v((op.a[t][reg] >> (16 * (k % 2))) & 0xFFFF, op.bf16);
+        }
+    for (int k = 0; k < 16; ++k)
+        for (int c = 0; c < op.n; ++c) B[k][c] = emu_wg_elem(emu_wg_addr(op.desc_b, op.trans_b, c, k), op.bf16);
+    for (int t = 0; t < 128; ++t) {
+        const int wp = t / 32, l = t % 32;
+        for (int j = 0; j < op.n / 2; ++j) {
+            const int row = 16 * wp + l / 4 + 8 * ((j % 4) / 2), col = 8 * (j / 4) + 2 * (l % 4) + j % 2;
+            float* reg = op.d[t] + j;
+            auto& slot = w.acc.at(reg);
+            float s = op.scale_d ? slot.first : 0.0f;
+            for (int k = 0; k < 16; ++k) s += A[row][k] * B[k][col];  // products exact in fp32
+            slot.first = s;
+            if (--slot.second == 0) {
+                uint32_t now;
+                std::memcpy(&now, reg, 4);
+                if (now != EMU_ACC_POISON && emu_sm90.error.empty())
+                    emu_sm90.error = "wgmma: an accumulator register was written while its wgmma.mma_async "
+                                     "was in flight (before the wgmma.wait_group that retires it)";
+                *reg = s;
+                w.acc.erase(reg);
+            }
+        }
+    }
+}
+
+inline void emu_wgmma_issue(EmuWgSlot s) {
+    emu_wg_collective(s, [](EmuWarpgroup& w) {
+        const EmuWgSlot& s0 = w.slot[0];
+        EmuWgOp op;
+        op.rs = s0.rs; op.bf16 = s0.bf16; op.n = s0.n; op.trans_a = s0.ta; op.trans_b = s0.tb;
+        op.scale_d = s0.sd; op.desc_a = s0.da; op.desc_b = s0.db;
+        for (int t = 0; t < 128; ++t) {
+            const EmuWgSlot& s = w.slot[t];
+            if (s.rs != op.rs || s.bf16 != op.bf16 || s.n != op.n || s.ta != op.trans_a || s.tb != op.trans_b ||
+                s.db != op.desc_b || (!op.rs && s.da != op.desc_a) || (s.sd != 0) != (op.scale_d != 0))
+                emu_sm90_fail("wgmma.mma_async: the threads of a warpgroup disagree on the shape, type, "
+                              "descriptors or scale-d (.aligned: all must issue the same instruction)");
+            op.d[t] = s.d;
+            std::memcpy(op.a[t], s.a, sizeof s.a);
+        }
+        for (int t = 0; t < 128; ++t)
+            for (int j = 0; j < op.n / 2; ++j) {
+                float* reg = op.d[t] + j;
+                auto it = w.acc.find(reg);
+                if (it == w.acc.end()) it = w.acc.emplace(reg, std::make_pair(*reg, 0)).first;
+                ++it->second.second;
+                std::memcpy(reg, &EMU_ACC_POISON, 4);
+            }
+        w.ops.push_back(op);
+    });
+}
+
+template <typename T> constexpr bool emu_is_bf16() {
+    static_assert(std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>, "wgmma: f16 or bf16");
+    return std::is_same_v<T, __nv_bfloat16>;
+}
+template <typename T, int N, int TRANS_A, int TRANS_B>
+inline void wgmma_ss(float (&d)[N / 2], unsigned long long desc_a, unsigned long long desc_b, int scale_d) {
+    static_assert(N == 16 || N == 32 || N == 64 || N == 128 || N == 256, "wgmma_ss: N = 16, 32, 64, 128 or 256");
+    emu_wgmma_issue({"wgmma.mma_async", false, emu_is_bf16<T>(), N, TRANS_A, TRANS_B, scale_d, 0, desc_a, desc_b,
+                     d, {0, 0, 0, 0}});
+}
+template <typename T, int N, int TRANS_B>
+inline void wgmma_rs(float (&d)[N / 2], const unsigned (&a)[4], unsigned long long desc_b, int scale_d) {
+    static_assert(N == 16 || N == 32 || N == 64 || N == 128 || N == 256, "wgmma_rs: N = 16, 32, 64, 128 or 256");
+    emu_wgmma_issue({"wgmma.mma_async", true, emu_is_bf16<T>(), N, 0, TRANS_B, scale_d, 0, 0, desc_b, d,
+                     {a[0], a[1], a[2], a[3]}});
+}
+inline void wgmma_fence() {}
+inline void wgmma_commit_group() {
+    emu_wg_collective({"wgmma.commit_group"}, [](EmuWarpgroup& w) {
+        for (EmuWgOp& op : w.ops)
+            if (op.group < 0) op.group = w.committed;
+        ++w.committed;
+    });
+}
+template <int N>
+inline void wgmma_wait_group() {
+    emu_wg_collective({"wgmma.wait_group"}, [](EmuWarpgroup& w) {
+        while (!w.ops.empty() && w.ops.front().group >= 0 && w.ops.front().group < w.committed - N) {
+            const EmuWgOp op = w.ops.front();
+            w.ops.pop_front();
+            emu_wgmma_complete(w, op);
+        }
+        if (!emu_sm90.error.empty()) emu_sm90_fail(emu_sm90.error);
+    });
+}
+template <int R> inline void wgmma_fence_acc(float (&)[R]) {}
+
+// --- setmaxnreg, stmatrix -------------------------------------------------------------------------
+template <int R> inline void setmaxnreg_inc() { static_assert(R >= 24 && R <= 256 && R % 8 == 0, "setmaxnreg"); }
+template <int R> inline void setmaxnreg_dec() { static_assert(R >= 24 && R <= 256 && R % 8 == 0, "setmaxnreg"); }
+
+// stmatrix: lanes 8i..8i+7 give the row addresses of matrix i; lane l holds (row l/4, cols
+// 2(l%4), 2(l%4)+1) of matrix i in r[i], or with TRANS (rows 2(l%4), 2(l%4)+1, col l/4).
+template <int NUM, bool TRANS = false>
+inline void stmatrix(void* smem, const unsigned (&r)[NUM]) {
+    static_assert(NUM == 1 || NUM == 2 || NUM == 4, "stmatrix stores 1, 2 or 4 matrices");
+    EmuWarp& w = emu_s->warps[emu_warp];
+    if (emu_lane < 8 * NUM) emu_check_align(smem, 16, "stmatrix row address");
+    w.xchg[emu_lane][8] = smem_u32(smem);
+    emu_warp_barrier();
+    const int g = emu_lane / 4, t = emu_lane % 4;
+    for (int i = 0; i < NUM; ++i) {
+        const uint16_t lo = r[i] & 0xFFFF, hi = r[i] >> 16;
+        if (!TRANS) {
+            unsigned char* row = emu_shared_ptr(w.xchg[8 * i + g][8]);
+            std::memcpy(row + 4 * t, &lo, 2);
+            std::memcpy(row + 4 * t + 2, &hi, 2);
+        } else {
+            std::memcpy(emu_shared_ptr(w.xchg[8 * i + 2 * t][8]) + 2 * g, &lo, 2);
+            std::memcpy(emu_shared_ptr(w.xchg[8 * i + 2 * t + 1][8]) + 2 * g, &hi, 2);
+        }
+    }
+    emu_warp_barrier();  // every lane has read the addresses before any lane publishes new ones
+}
+
+// --- block begin / end ----------------------------------------------------------------------------
+inline void emu_sm90_block_begin(int threads) {
+    emu_sm90.threads = threads;
+    emu_sm90.bars.clear();
+    emu_sm90.loads.clear();
+    emu_sm90.stores.assign(threads, {});
+    emu_sm90.store_groups.assign(threads, 0);
+    emu_sm90.wgs.clear();
+    emu_sm90.wgs.resize((threads + 127) / 128);
+    emu_sm90.error.clear();
+}
+inline std::string emu_sm90_block_end() {
+    if (!emu_sm90.error.empty()) return emu_sm90.error;
+    for (const auto& v : emu_sm90.stores)
+        if (!v.empty()) return "cp.async.bulk.tensor store never retired by cp.async.bulk.wait_group before the block ended";
+    for (size_t i = 0; i < emu_sm90.wgs.size(); ++i)
+        if (!emu_sm90.wgs[i].ops.empty())
+            return "warpgroup " + std::to_string(i) + " ended with a wgmma.mma_async never retired by wgmma.wait_group";
+    if (!emu_sm90.loads.empty()) return "a TMA load was issued and never waited for (its mbarrier phase never polled)";
+    return "";
+}
+static const bool emu_sm90_hooked = (emu_hook_block_begin = emu_sm90_block_begin,
+                                     emu_hook_block_end = emu_sm90_block_end, true);
