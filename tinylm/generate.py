@@ -161,6 +161,9 @@ def generate_batch(model: Transformer, state: RunState, prompts, max_new_tokens:
         for i, tok in enumerate(int(t) for t in toks):
             if t_end[i]:
                 continue  # finished: later tokens of this row are dropped
+            if tok < 0:  # the device sampler's answer for a row of NaN / -inf logits
+                raise RuntimeError(f"generate(): sequence {i} has no logit that can be sampled at token "
+                                   f"{len(out[i]) + 1} (every logit is NaN or -inf)")
             out[i].append(tok)
             if on_token is not None:
                 on_token(i, tok)
