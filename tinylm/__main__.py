@@ -11,7 +11,9 @@ to stderr and exit with status 2.
 from __future__ import annotations
 
 import argparse
+import codecs
 import json
+import re
 import sys
 import time
 
@@ -88,21 +90,44 @@ class _OptionError(ValueError):
     """A bad option value: reported as one line naming the option, exit status 2."""
 
 
+# Byte order marks a text editor writes, longest first (UTF-32 LE starts with UTF-16 LE's mark)
+_BOMS = ((codecs.BOM_UTF32_LE, "utf-32-le", "UTF-32 LE"), (codecs.BOM_UTF32_BE, "utf-32-be", "UTF-32 BE"),
+         (codecs.BOM_UTF8, "utf-8", "UTF-8"), (codecs.BOM_UTF16_LE, "utf-16-le", "UTF-16 LE"),
+         (codecs.BOM_UTF16_BE, "utf-16-be", "UTF-16 BE"))
+_NEWLINE = re.compile(r"\r\n|\r|\n")
+
+
+def read_prompts_file(path) -> list:
+    """[(line number, text)] of a prompts file, one prompt per line, as editors save it: UTF-8,
+    or UTF-8 / UTF-16 / UTF-32 with a byte order mark (the mark is not part of the first prompt);
+    lines end in LF, CRLF or CR, the last one may have no newline. Only those three end a line
+    (a form feed or U+2028 inside a prompt stays in it). Raises _OptionError naming the file."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise _OptionError(f"--prompts-file {path}: {e.strerror or e}") from None
+    bom, encoding, label = next((b for b in _BOMS if raw.startswith(b[0])), (b"", "utf-8", "UTF-8"))
+    start = len(bom)
+    if not start and b"\0" in raw:
+        raise _OptionError(f"--prompts-file {path} has NUL bytes: UTF-16 or UTF-32 without a byte order "
+                           f"mark? Save it as UTF-8 (or with a BOM)")
+    try:
+        text = raw[start:].decode(encoding)
+    except UnicodeDecodeError as e:
+        raise _OptionError(f"--prompts-file {path} is not {label} text (byte {e.start + start})") from None
+    lines = _NEWLINE.split(text)
+    if lines and lines[-1] == "":
+        lines.pop()  # the newline that ends the last line
+    return list(enumerate(lines, 1))
+
+
 def _prompts(args) -> list:
     """The prompts in order, each checked: non-empty and valid UTF-8 text."""
     named = ([("the prompt", args.prompt)] if args.prompt is not None else []) + \
         [(f"--prompt #{i + 1}", t) for i, t in enumerate(args.prompts)]
     if args.prompts_file is not None:
-        try:
-            with open(args.prompts_file, "rb") as f:
-                raw = f.read()
-        except OSError as e:
-            raise _OptionError(f"--prompts-file {args.prompts_file}: {e.strerror or e}") from None
-        try:
-            lines = raw.decode("utf-8").splitlines()
-        except UnicodeDecodeError as e:
-            raise _OptionError(f"--prompts-file {args.prompts_file} is not UTF-8 text (byte {e.start})") from None
-        named += [(f"--prompts-file line {i + 1}", t) for i, t in enumerate(lines) if t.strip()]
+        named += [(f"--prompts-file line {n}", t) for n, t in read_prompts_file(args.prompts_file) if t.strip()]
     for name, text in named:
         try:
             text.encode("utf-8")  # argv bytes that are not UTF-8 arrive as lone surrogates
