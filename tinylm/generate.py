@@ -261,7 +261,9 @@ class Generator:
         (non-chat) prompt contain control tokens written as text.
         """
         if self.tokenizer is None:
-            return [b % self.args.vocab_size for b in text.encode("utf-8")] or [0]
+            from .tokenizer import check_text
+
+            return [b % self.args.vocab_size for b in check_text("Generator.encode", "text", text).encode("utf-8")] or [0]
         if chat:
             if allow_special:
                 raise ValueError("Generator.encode(): allow_special applies to raw prompts, not chat=True "
