@@ -215,6 +215,41 @@ def test_cache_overflow_is_a_clear_error(tiny):
         tiny.generate([1] * 200, 100)
 
 
+def test_context_boundary_exactly_full_and_one_past(tiny, capsys):
+    """The tiny preset's context is 256 positions: a prompt of P tokens and N new tokens need
+    P + N - 1 of them (the last new token is never fed back), so P + N = 257 runs to the end and
+    258 is refused before anything runs; with N = 0 the prompt alone needs P <= 256."""
+    n_ctx = tiny.args.max_seq
+    assert n_ctx == 256
+    for p_len in (1, 200, 256):
+        prompt = [7 + i % 200 for i in range(p_len)]
+        res = tiny.generate(prompt, n_ctx + 1 - p_len, ignore_eos=True)
+        assert len(res.generated_ids) == n_ctx + 1 - p_len and tiny._state.length == n_ctx
+        with pytest.raises(ValueError, match=rf"Generator.generate\(\): a prompt of {p_len} tokens \+ "
+                                             rf"max_new_tokens={n_ctx + 2 - p_len} needs 257 cache positions"):
+            tiny.generate(prompt, n_ctx + 2 - p_len)
+    assert tiny.generate([5] * 256, 0).generated_ids == []
+    with pytest.raises(ValueError, match="needs 257 cache positions"):
+        tiny.generate([5] * 257, 0)
+    res = tiny.generate_batch([[5] * 200, [6] * 3], 57, ignore_eos=True)  # the longest prompt sets the need
+    assert [len(r.generated_ids) for r in res] == [57, 57]
+    with pytest.raises(ValueError, match=r"Generator.generate_batch\(\): a prompt of 200 tokens"):
+        tiny.generate_batch([[5] * 200, [6] * 3], 58)
+    argv = ["x" * 200, "--preset", "tiny", "--backend", "numpy", "--json", "--ignore-eos", "--max-new-tokens"]
+    assert cli_main([*argv, "57"]) == 0 and len(json.loads(capsys.readouterr().out)["generated_ids"]) == 57
+    assert cli_main([*argv, "58"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "needs 257 cache positions" in err
+
+
+def test_prompt_ids_out_of_the_vocabulary_are_refused(tiny):
+    with pytest.raises(ValueError, match=r"Generator.generate\(\): prompt_ids must be token ids in \[0, 256\), "
+                                         r"got 256 at index 1"):
+        tiny.generate([1, 256, 3], 2)
+    with pytest.raises(ValueError, match=r"Generator.generate_batch\(\): prompts\[1\] must be token ids .* got -1"):
+        tiny.generate_batch([[1], [2, -1]], 2)
+
+
 def test_greedy_generate_follows_recomputed_argmax(tiny):
     """Golden-greedy check without a file: each generated token is the argmax of a recompute."""
     prompt = [10, 20, 30, 40, 50]

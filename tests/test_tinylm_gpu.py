@@ -246,3 +246,16 @@ def test_nan_logits_are_a_clear_error_on_the_device(temperature):
     g.model.params.output_norm[...] = np.nan
     with pytest.raises(RuntimeError, match=r"generate\(\): sequence 0 has no logit that can be sampled at token 1"):
         g.generate_batch([[1, 2, 3], [4, 5]], 4, temperature=temperature)
+
+
+def test_context_boundary_on_the_device():
+    """A prompt + max_new_tokens that fill a 32-position context exactly (the last token needs no
+    slot) runs to the end as graph replays, with the eager launches' tokens; one more is refused."""
+    g = load("tiny", backend="cupy", dtype="float32", max_seq=32)
+    e = load("tiny", backend="cupy", dtype="float32", max_seq=32, graphs=False)
+    prompt = [3 + 5 * i for i in range(27)]
+    got, want = (x.generate(prompt, 6, ignore_eos=True) for x in (g, e))
+    assert got.generated_ids == want.generated_ids and len(got.generated_ids) == 6
+    assert g._state.length == 32 and got.extra["graph_replays"] >= 1
+    with pytest.raises(ValueError, match="needs 33 cache positions"):
+        g.generate(prompt, 7)

@@ -252,6 +252,26 @@ class Generator:
             s = self._state = self.model.new_state(batch, cap)
         return s
 
+    def _ids(self, fn: str, name: str, ids) -> list:
+        """Token ids as Python ints, each in [0, vocab_size), else ValueError naming ``name``."""
+        ids = [int(i) for i in ids]
+        bad = [i for i in ids if not 0 <= i < self.args.vocab_size]
+        if bad:
+            raise ValueError(f"{fn}(): {name} must be token ids in [0, {self.args.vocab_size}), got {bad[0]} "
+                             f"at index {ids.index(bad[0])}")
+        return ids
+
+    def positions(self, fn: str, prompt_len: int, max_new_tokens: int) -> int:
+        """KV-cache positions a generation needs: the prompt and every new token but the last,
+        which is sampled and never fed back (a prompt with max_new_tokens = 0 still needs its own).
+        Raises ValueError naming ``fn`` past the model's context."""
+        need = prompt_len + max(max_new_tokens, 1) - 1
+        if need > self.args.max_seq:
+            raise ValueError(f"{fn}(): a prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} needs "
+                             f"{need} cache positions (the last new token needs none), more than the model's "
+                             f"context of {self.args.max_seq} tokens")
+        return need
+
     def encode(self, text: str, chat: bool = False, system: str | None = None,
                allow_special: bool = False) -> list:
         """Prompt text -> ids (ChatML when chat). Without a tokenizer: UTF-8 bytes mod vocab.
@@ -289,8 +309,8 @@ class Generator:
         reports a long prompt's prefill. Arguments are checked before anything runs."""
         sampler = Sampler(temperature, top_k, top_p, seed)
         max_new_tokens = _check_max_new(max_new_tokens)
-        prompt_ids = [int(i) for i in prompt_ids]
-        state = self.state(len(prompt_ids) + max(max_new_tokens, 1))
+        prompt_ids = self._ids("Generator.generate", "prompt_ids", prompt_ids)
+        state = self.state(self.positions("Generator.generate", len(prompt_ids), max_new_tokens))
         stop = None if ignore_eos else self.stop_ids
         res = generate(self.model, state, prompt_ids, max_new_tokens, sampler, stop, on_token, self.graphs,
                        on_prefill)
@@ -309,10 +329,11 @@ class Generator:
         """
         Sampler(temperature, top_k, top_p, seed)  # the same argument checks as generate()
         max_new_tokens = _check_max_new(max_new_tokens)
-        prompts = [[int(i) for i in p] for p in prompts]
+        prompts = [self._ids("Generator.generate_batch", f"prompts[{n}]", p) for n, p in enumerate(prompts)]
         if not prompts:
             return []
-        state = self.state(max(len(p) for p in prompts) + max(max_new_tokens, 1), batch=len(prompts))
+        state = self.state(self.positions("Generator.generate_batch", max(len(p) for p in prompts), max_new_tokens),
+                           batch=len(prompts))
         stop = None if ignore_eos else self.stop_ids
         results = generate_batch(self.model, state, prompts, max_new_tokens, temperature, top_k, top_p,
                                  seed, stop, on_token, self.graphs, on_prefill=on_prefill)
@@ -323,7 +344,7 @@ class Generator:
 
     def prefill(self, prompt_ids, max_new_tokens: int = 0):
         """Prefill into the reusable state; returns float32 NumPy logits [vocab] (for benchmarks)."""
-        state = self.state(len(prompt_ids) + max(max_new_tokens, 1))
+        state = self.state(self.positions("Generator.prefill", len(prompt_ids), max_new_tokens))
         return self.model.ops.to_numpy(prefill(self.model, state, prompt_ids)[0])
 
     def decode_one(self, token: int):
