@@ -242,6 +242,103 @@ def test_context_boundary_exactly_full_and_one_past(tiny, capsys):
     assert err.count("\n") == 1 and "needs 257 cache positions" in err
 
 
+# --- batches that fit in memory -----------------------------------------------------------------
+def _free_for(g, n_seqs, prompt_len, max_new):
+    """Free memory (bytes) that fits exactly ``n_seqs`` sequences by the planner's estimate."""
+    from tinylm.generate import MEMORY_SHARE, sequence_bytes
+
+    kv, act = sequence_bytes(g.args, g.model.ops, prompt_len, g.positions("t", prompt_len, max_new))
+    return int((n_seqs + 0.5) * (kv + act) / MEMORY_SHARE)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(temperature=0.9, top_k=20, seed=2**64 - 3)])
+def test_prompts_beyond_memory_run_in_batches_with_the_same_tokens(monkeypatch, kw):
+    """Memory for 3 sequences: 8 prompts run as batches of 3, 3, 2 and give the tokens of one
+    batch of 8, greedy and sampled (prompt i samples with seed + i mod 2^64 either way)."""
+    prompts = [[1 + i, 2 + i, 3 + i][: 1 + i % 3] for i in range(8)]
+    alone = load("tiny", backend="numpy").generate_batch(prompts, 5, ignore_eos=True, **kw)
+    g = load("tiny", backend="numpy")
+    monkeypatch.setattr(g.model.ops, "free_memory", lambda: _free_for(g, 3, 3, 5))
+    batches = list(g.batches(prompts, 5, ignore_eos=True, **kw))
+    assert [len(b) for b in batches] == [3, 3, 2]
+    got = [r for b in batches for r in b]
+    assert [r.generated_ids for r in got] == [r.generated_ids for r in alone]
+    assert [(r.extra["batch_index"], r.extra["batch_offset"], r.extra["batch"]) for r in got] == \
+        [(0, 0, 3)] * 3 + [(1, 3, 3)] * 3 + [(2, 6, 2)] * 2
+    assert [r.generated_ids for r in g.generate_batch(prompts, 5, ignore_eos=True, max_batch=5, **kw)] == \
+        [r.generated_ids for r in alone]  # max_batch caps it too (batches of 4 and 4)
+
+
+def test_not_even_one_sequence_fits_is_one_clear_line(monkeypatch, capsys):
+    g = load("tiny", backend="numpy")
+    monkeypatch.setattr(g.model.ops, "free_memory", lambda: 1000)
+    for call in (lambda: g.generate([1, 2], 4), lambda: g.generate_batch([[1], [2, 3]], 4)):
+        with pytest.raises(RuntimeError, match=r"one sequence \(\d+ prompt tokens, \d+ cache positions\) needs "
+                                               r".* GiB on the numpy backend .* 0 prompts fit"):
+            call()
+    from tinylm.ops_numpy import NumpyOps
+
+    monkeypatch.setattr(NumpyOps, "free_memory", staticmethod(lambda: 1000))
+    assert cli_main(["--prompt", "a", "--prompt", "b", "--preset", "tiny", "--backend", "numpy"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "0 prompts fit" in err
+
+
+def test_the_estimate_bounds_what_a_batch_allocates():
+    """tracemalloc's peak over a whole generate_batch on the NumPy backend (KV cache, prefill,
+    decode) stays within the planner's estimate for the batch, plus 1 MiB of fixed overhead."""
+    import tracemalloc
+
+    from tinylm.generate import sequence_bytes
+
+    g = load("tiny", backend="numpy")
+    for t, b, ragged in [(40, 8, False), (3, 16, True), (200, 4, False), (200, 4, True)]:
+        prompts = [[(7 * i + j) % 200 + 1 for j in range(t - (i % t if ragged else 0))] for i in range(b)]
+        kv, act = sequence_bytes(g.args, g.model.ops, t, g.positions("t", t, 4))
+        g._state = None
+        tracemalloc.start()
+        try:
+            g.generate_batch(prompts, 4)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak <= b * (kv + act) + 2**20, (t, b, ragged, peak, b * (kv + act))
+
+
+def test_ten_thousand_prompts_plan_batches_that_fit():
+    """SmolLM2-135M's shapes on the NumPy backend: 10,000 prompts of 40 tokens + 64 new would
+    need 236 GB of KV cache at once; with 16 GiB free they are planned as batches of at most
+    70% of it, covering every prompt."""
+    from tinylm.config import PRESETS
+    from tinylm.generate import MEMORY_SHARE, batch_sizes, sequence_bytes
+    from tinylm.ops_numpy import NumpyOps
+
+    args, ops = PRESETS["smollm2-135m-shape"], NumpyOps()
+    kv, act = sequence_bytes(args, ops, 40, 103)
+    assert kv == 2 * 30 * 3 * 512 * 64 * 4  # K and V, 30 layers, 3 KV heads, 512 positions, 64 dims, float32
+    assert 10_000 * kv > 200e9
+    sizes = batch_sizes(args, ops, 10_000, 40, 103, 16 * 2**30)
+    assert sum(sizes) == 10_000 and max(sizes) - min(sizes) <= 1
+    assert max(sizes) * (kv + act) <= MEMORY_SHARE * 16 * 2**30 < (max(sizes) + 1) * (kv + act) * len(sizes)
+
+
+def test_cli_a_thousand_prompts_in_batches(tmp_path, monkeypatch, capsys):
+    """1,000 prompts through the CLI on the tiny preset, with memory for about 250 at once: four
+    batches, one JSON line per prompt, in order (the 10,000-prompt plan is checked above)."""
+    from tinylm.ops_numpy import NumpyOps
+
+    g = load("tiny", backend="numpy")
+    monkeypatch.setattr(NumpyOps, "free_memory", staticmethod(lambda: _free_for(g, 250, 5, 1)))
+    f = tmp_path / "many.txt"
+    f.write_text("".join(f"p{i:04d}\n" for i in range(1000)))  # 5 tokens each (bytes)
+    assert cli_main(["--prompts-file", str(f), "--preset", "tiny", "--backend", "numpy", "--max-new-tokens", "1",
+                     "--json"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [x["index"] for x in lines] == list(range(1000))
+    assert [x["batch"]["index"] for x in lines[::250]] == [0, 1, 2, 3]
+    assert all(x["prompt_ids"] == list(f"p{x['index']:04d}".encode()) for x in lines[::97])
+
+
 def test_prompt_ids_out_of_the_vocabulary_are_refused(tiny):
     with pytest.raises(ValueError, match=r"Generator.generate\(\): prompt_ids must be token ids in \[0, 256\), "
                                          r"got 256 at index 1"):
@@ -439,7 +536,9 @@ def test_cli_batch_of_prompts_one_json_line_each(tmp_path, capsys):
     argv = ["--preset", "tiny", "--max-new-tokens", "5", "--backend", "numpy", "--json"]
     assert cli_main(["first", "--prompt", "hi", "--prompts-file", str(tmp_path / "p.txt"), *argv]) == 0
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
-    assert [x["index"] for x in lines] == [0, 1, 2, 3] and all(x["batch"] == 4 for x in lines)
+    assert [x["index"] for x in lines] == [0, 1, 2, 3] and all(x["batch"]["size"] == 4 for x in lines)
+    assert len({json.dumps(x["batch"]) for x in lines}) == 1  # the batch's numbers, said once per line
+    assert not {"ttft_ms", "prefill_tokens_per_s", "weight_bandwidth_gb_s"} & set(lines[0])  # not per prompt
     for text, got in zip(["first", "hi", "second prompt", "x"], lines):
         assert cli_main([text, *argv]) == 0
         alone = json.loads(capsys.readouterr().out)
@@ -447,7 +546,27 @@ def test_cli_batch_of_prompts_one_json_line_each(tmp_path, capsys):
     assert cli_main(["--prompt", "a", "--prompt", "bc", "--preset", "tiny", "--max-new-tokens", "3",
                      "--backend", "numpy"]) == 0
     cap = capsys.readouterr()
-    assert cap.out.startswith("[0] ") and "\n[1] " in cap.out and "2 prompt(s)" in cap.err
+    assert cap.out.startswith("[0] ") and "\n[1] " in cap.out and "2 prompts in 1 batch," in cap.err
+
+
+def test_cli_quiet_leaves_stderr_empty(capsys):
+    for extra in ([], ["--prompt", "two"]):
+        assert cli_main(["one", *extra, "--preset", "tiny", "--max-new-tokens", "3", "--backend", "numpy",
+                         "--quiet"]) == 0
+        cap = capsys.readouterr()
+        assert cap.err == "" and cap.out.strip()
+
+
+def test_cli_stats_line_explains_the_bandwidth(capsys):
+    """weights MB x decode steps/s = GB/s, with the numbers the JSON gives for the same run."""
+    assert cli_main(["hello", "--preset", "tiny", "--max-new-tokens", "6", "--backend", "numpy"]) == 0
+    err = capsys.readouterr().err
+    import re
+
+    m = re.search(r"weights ([\d.]+) MB read per decode step x ([\d.]+) steps/s = ([\d.]+) GB/s", err)
+    assert m and "decode 5 tok" in err, err  # 6 new tokens: the first comes from the prefill
+    mb, steps, gbs = (float(v) for v in m.groups())
+    assert mb == round(tinylm.load("tiny").weight_bytes / 1e6, 1) and abs(mb * steps / 1e3 - gbs) <= 0.01 + 0.01 * gbs
 
 
 PROMPT_FILE_LINES = ["first line", "", "   ", "zweite Zeile: grüße", "三行目\u2028still the third\x0cand here",
