@@ -150,6 +150,10 @@ class Tokenizer:
         if model != "gpt2":
             raise GGUFError(f"{path}: tokenizer.ggml.model is {_short(model)}; only byte-level BPE "
                             "('gpt2') is supported")
+        pre = meta.get(_KEY + "pre")
+        if pre is not None and pre != "smollm":
+            raise GGUFError(f"{path}: tokenizer.ggml.pre is {_short(pre)}; tinylm implements the 'smollm' "
+                            "pre-tokenizer only (digits one by one, then GPT-2's split)")
         tokens, merges = meta.get(_KEY + "tokens"), meta.get(_KEY + "merges")
         if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) and t for t in tokens):
             raise bad(_KEY + "tokens", "a list of non-empty strings")
