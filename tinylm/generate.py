@@ -340,7 +340,8 @@ class Generator:
         if self.tokenizer is None:
             from .tokenizer import check_text
 
-            return [b % self.args.vocab_size for b in check_text("Generator.encode", "text", text).encode("utf-8")] or [0]
+            data = check_text("Generator.encode", "text", text).encode("utf-8")
+            return [b % self.args.vocab_size for b in data] or [0]
         if chat:
             if allow_special:
                 raise ValueError("Generator.encode(): allow_special applies to raw prompts, not chat=True "
