@@ -16,7 +16,7 @@ from .arrays import np_dtype, rand, to_f64
 from .report import fill_timing, new_record
 from .specs import case_bytes, case_flops
 
-OURS = {"softmax": ("ours",), "decode": ("split-kv", "unsplit", "naive"), "model": ("tinylm", "tinylm-eager")}
+OURS = {"softmax": ("ours",), "decode": ("split-kv", "unsplit", "naive"), "model": ("tinylm", "tinylm-fused", "tinylm-eager")}
 
 
 def ours_names(op: str) -> tuple:

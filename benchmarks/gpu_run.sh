@@ -2,7 +2,7 @@
 # One command on a GPU machine: GPU tests, the benchmark run (recorded) and the sweeps (plotted).
 # Runs from the source tree (PYTHONPATH=., no pip install); everything it writes goes under $OUT.
 #
-#   OUT=/path/to/out bash benchmarks/gpu_run.sh [all|verify|tests|sanitize|bench|sweeps|sweep NAME|quick]
+#   OUT=/path/to/out bash benchmarks/gpu_run.sh [all|verify|tests|sanitize|bench|sweeps|sweep NAME|quick|model]
 #
 # Stages (run them one per call where a call is capped at 10 minutes; `sweeps` may need more,
 # then run `sweep NAME` for each of the five names instead):
@@ -16,6 +16,10 @@
 #   sweeps  every predefined sweep with --plot          -> $OUT/sweep-<name>.{txt,json,csv,png}
 #   sweep NAME  one of them: attention-seqlen gemm-llama2-7b decode-len decode-batch softmax-cols
 #   quick   one small case per op, few reps (smoke test of the CLI on this machine)
+#   model   the decode decision run: SmolLM2-135M's shapes in fp16 at batch 1 and 8, tinylm
+#           (unfused), tinylm-fused, tinylm-eager, HF eager and HF compiled (static cache +
+#           torch.compile reduce-overhead; its compile time has not been measured here yet)
+#                                                      -> $OUT/model.{txt,json}
 #   verify  tests, sanitize, bench and the two short sweeps (softmax-cols, decode-batch): what a
 #           commit needs before its numbers are quoted; about 6 minutes on the H100
 #   all     tests, sanitize, bench, sweeps (the default)
@@ -37,8 +41,8 @@ OUT="${OUT:-$PWD/gpu-out}"
 PY="${PYTHON:-python3}"
 STAGE="${1:-all}"
 case "$STAGE" in
-    all | verify | tests | sanitize | bench | sweeps | sweep | quick) ;;
-    *) echo "usage: $0 [all|verify|tests|sanitize|bench|sweeps|sweep NAME|quick]" >&2; exit 2 ;;
+    all | verify | tests | sanitize | bench | sweeps | sweep | quick | model) ;;
+    *) echo "usage: $0 [all|verify|tests|sanitize|bench|sweeps|sweep NAME|quick|model]" >&2; exit 2 ;;
 esac
 mkdir -p "$OUT/results"
 status=0
@@ -126,6 +130,12 @@ run_sweeps() {
     done
 }
 
+run_model() {  # does config.TINYLM_FUSED_DECODE become True? tinylm-fused vs tinylm, same run
+    step "model decode" "$OUT/model.txt" \
+        "$PY" -m benchmarks model --model smollm2-135m-shape --batch 1,8 --debug --no-progress \
+        --json "$OUT/model.json"
+}
+
 run_quick() {
     local q=(--reps 5 --warmup 2 --debug --no-progress)
     step "quick gemm" "$OUT/quick-gemm.txt" "$PY" -m benchmarks gemm --M 1024 "${q[@]}"
@@ -146,6 +156,7 @@ case "$STAGE" in
     sweeps) run_sweeps ;;
     sweep) run_sweep "${2:-}" ;;
     quick) run_quick ;;
+    model) run_model ;;
     verify) run_tests; run_sanitize; run_bench; run_sweep softmax-cols; run_sweep decode-batch ;;
     all) run_tests; run_sanitize; run_bench; run_sweeps ;;
 esac

@@ -2,15 +2,22 @@
 
 Each side generates ``new_tokens`` greedy tokens after ``batch`` prompts of ``prompt_len``
 tokens (different text, one batch), EOS ignored. ``tinylm`` replays each decode step as a CUDA
-graph, ``tinylm-eager`` launches every kernel from Python; both run one warm-up generation of the
-full length first (it compiles the kernels and captures the graphs of every context bucket the
-timed runs meet, as gpt-fast compiles before timing), then ``reps`` generations, keeping the
-medians of TTFT and decode tokens/s (aggregate over the batch). ``median_ms`` of a model record
-is the time per decode token (1000 / tok/s), so speedups compare decode throughput; GB/s is the
-achieved weight bandwidth, weight bytes x decode steps/s (each step streams all weights once for
-the whole batch). ``launches_per_step`` counts the kernel nodes of a captured decode step.
-Correctness: the first-step logits of the first prompt against tinylm's NumPy float32 backend
-(``rel_err``, for ours and for HF), and how many greedy tokens agree with HF's.
+graph, ``tinylm-fused`` replays the fused step (cupyattn.fused: 5 kernels per layer instead of
+9; not yet run on a GPU, so measured here beside the unfused one to decide
+``config.TINYLM_FUSED_DECODE``), ``tinylm-eager`` launches every kernel from Python; all run one
+warm-up generation of the full length first (it compiles the kernels and captures the graphs of
+every context bucket the timed runs meet, as gpt-fast compiles before timing), then ``reps``
+generations, keeping the medians of TTFT and decode tokens/s (aggregate over the batch). The
+peers: ``hf-transformers`` (eager, dynamic cache) and ``hf-compiled`` (static cache +
+``torch.compile(mode="reduce-overhead")``, compiled in its warm-up; skipped with the reason where
+torch.compile cannot run). ``median_ms`` of a model record is the time per decode token
+(1000 / tok/s), so speedups compare decode throughput; GB/s is the achieved weight bandwidth,
+weight bytes x decode steps/s (each step streams all weights once for the whole batch), and
+``pct_ceiling`` its share of the measured copy bandwidth: the share of the weight-read limit,
+``weight_limit_tok_s`` = copy GB/s / weight bytes x batch tokens/s. ``launches_per_step`` counts
+the kernel nodes of a captured decode step. Correctness: the first-step logits of the first
+prompt against tinylm's NumPy float32 backend (``rel_err``, for ours and for HF), and how many
+greedy tokens agree with HF's.
 """
 from __future__ import annotations
 
@@ -68,6 +75,8 @@ def _fill(rec, ttfts, toks, prefills, weight_bytes, ceilings, batch=1):
                reps=len(toks), gbps=weight_bytes * tok_s / batch / 1e9)
     rec["pct_ceiling"], bound = roofline_pct(None, rec["gbps"], ceilings)
     rec["bound"] = bound or None
+    if ceilings.get("copy_gbps"):  # every step reads every weight once: the decode rate's upper limit
+        rec["weight_limit_tok_s"] = ceilings["copy_gbps"] * 1e9 / weight_bytes * batch
 
 
 def _errors(logits, ref):
@@ -120,7 +129,7 @@ def run_model_case(case, impls, opts, ceilings, log) -> list[dict]:
         ref_logits = tinylm.Transformer(args, weights, "numpy").logits(prompts[0])[-1].astype(np.float64)
     except Exception as e:
         log(f"{case.name}: no NumPy reference logits ({_one_line(e)})")
-    ours = [name for name in ("tinylm", "tinylm-eager") if name in recs]
+    ours = [name for name in ("tinylm", "tinylm-fused", "tinylm-eager") if name in recs]
     model = None
     if ours:
         try:
@@ -134,8 +143,12 @@ def run_model_case(case, impls, opts, ceilings, log) -> list[dict]:
             log(f"{case.name} / tinylm: {_one_line(e)}")
     for name in ours if model is not None else ():
         rec = recs[name]
+        if name == "tinylm-fused" and not getattr(model.ops, "fused_decode", False):
+            rec["status"] = f"skipped: the {model.backend} backend has no fused decode step"
+            continue
         try:
-            gen = tinylm.Generator(model, tok, source, graphs=name == "tinylm")
+            model.set_fused(name == "tinylm-fused")
+            gen = tinylm.Generator(model, tok, source, graphs=name != "tinylm-eager")
             rec["dtype"] = gen.dtype
             ids = _run_tinylm(rec, gen, prompts, n, opts, ceilings)
             ours_ids = ours_ids or ids
@@ -150,13 +163,32 @@ def run_model_case(case, impls, opts, ceilings, log) -> list[dict]:
                 log(traceback.format_exc())
     del model
     cupy.get_default_memory_pool().free_all_blocks()
-    if "hf-transformers" in recs:
-        _run_hf(recs, case, args, weights, prompts, n, ours_ids, ref_logits, opts, ceilings, log)
+    for name in ("hf-transformers", "hf-compiled"):
+        if name in recs:
+            _run_hf(recs, name, case, args, weights, prompts, n, ours_ids, ref_logits, opts, ceilings, log)
     return list(recs.values())
 
 
-def _run_hf(recs, case, args, weights, prompts, n, ours_ids, ref_logits, opts, ceilings, log):
-    rec = recs["hf-transformers"]
+def _hf_timed_runs(name, model, prompts, n, reps, torch, device):
+    """Warm-up then ``reps`` timed generations of one HF peer (``hf-compiled`` compiles in its
+    warm-up, at the timed length, so the timed runs meet no new shape)."""
+    if name == "hf-compiled":
+        try:
+            hf_peer.compile_static(model)
+            hf_peer.hf_generate_compiled_timed(model, prompts, n)
+        except Exception as e:
+            raise peers.PeerUnavailable(f"torch.compile cannot run here ({_one_line(e)})") from None
+        timed = hf_peer.hf_generate_compiled_timed
+    else:
+        hf_peer.hf_generate_timed(model, prompts, min(n, 8))
+        timed = hf_peer.hf_generate_timed
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    return [timed(model, prompts, n) for _ in range(reps)]
+
+
+def _run_hf(recs, name, case, args, weights, prompts, n, ours_ids, ref_logits, opts, ceilings, log):
+    rec = recs[name]
     dt = next((r["dtype"] for r in recs.values() if r["kind"] == "ours" and r["dtype"] in
                ("float16", "bfloat16", "float32")), None) or opts.model_dtype or "float16"
     rec["dtype"] = dt
@@ -165,10 +197,7 @@ def _run_hf(recs, case, args, weights, prompts, n, ours_ids, ref_logits, opts, c
         torch = peers.get_torch()
         device = getattr(opts, "hf_device", "cuda")
         model = hf_peer.build_hf_llama(args, weights, dt, device)
-        hf_peer.hf_generate_timed(model, prompts, min(n, 8))  # warm-up
-        if device == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        runs = [hf_peer.hf_generate_timed(model, prompts, n) for _ in range(opts.model_reps)]
+        runs = _hf_timed_runs(name, model, prompts, n, opts.model_reps, torch, device)
         if device == "cuda":
             rec["peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
         _fill(rec, [r["ttft_ms"] for r in runs], [r["decode_tok_s"] for r in runs],
@@ -188,10 +217,10 @@ def _run_hf(recs, case, args, weights, prompts, n, ours_ids, ref_logits, opts, c
                            + (f"; {equal}/{len(theirs)} sequences identical" if len(theirs) > 1 else ""))
     except peers.PeerUnavailable as e:
         rec["status"] = f"skipped: {e}"
-        log(f"{case.name} / hf-transformers: skipped ({e})")
+        log(f"{case.name} / {name}: skipped ({e})")
     except Exception as e:
         rec["status"] = "oom" if "OutOfMemory" in type(e).__name__ else f"error: {_one_line(e)}"
-        log(f"{case.name} / hf-transformers: {rec['status']}")
+        log(f"{case.name} / {name}: {rec['status']}")
         if opts.debug:
             log(traceback.format_exc())
     finally:

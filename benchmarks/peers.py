@@ -5,7 +5,8 @@
 - softmax: ``cupy-ops`` (max/exp/sum/divide as CuPy ops, float32 math), ``torch``.
 - attention / decode: ``cupy-naive`` (cupy.matmul + CuPy-ops softmax), ``torch-sdpa``.
 - model: ``hf-transformers`` (LlamaForCausalLM built from tinylm's config and weights; see
-  ``benchmarks/hf_peer.py``).
+  ``benchmarks/hf_peer.py``), eager; ``hf-compiled``, the same model with a static KV cache and
+  ``torch.compile(mode="reduce-overhead")`` (the gpt-fast recipe), HF's own fast path.
 
 torch peers see our CuPy arrays through DLPack (zero copy) and run on CuPy's current stream, so
 the CUDA events of ``timing.time_fn`` bracket their work. A peer that is not installed is
@@ -20,7 +21,7 @@ PEERS = {
     "softmax": ("cupy-ops", "torch"),
     "attention": ("cupy-naive", "torch-sdpa"),
     "decode": ("cupy-naive", "torch-sdpa"),
-    "model": ("hf-transformers",),
+    "model": ("hf-transformers", "hf-compiled"),
 }
 # Which peer a record's single `peer`/`speedup` columns refer to, in order of preference.
 PRIMARY = {
@@ -28,9 +29,9 @@ PRIMARY = {
     "softmax": ("torch", "cupy-ops"),
     "attention": ("torch-sdpa", "cupy-naive"),
     "decode": ("torch-sdpa", "cupy-naive"),
-    "model": ("hf-transformers",),
+    "model": ("hf-compiled", "hf-transformers"),
 }
-TORCH_PEERS = {"torch", "torch-sdpa", "torch-matmul", "hf-transformers"}
+TORCH_PEERS = {"torch", "torch-sdpa", "torch-matmul", "hf-transformers", "hf-compiled"}
 
 
 class PeerUnavailable(RuntimeError):
@@ -61,7 +62,7 @@ def available(op: str, names, skip) -> list[str]:
         try:
             if name in TORCH_PEERS:
                 get_torch()
-            if name == "hf-transformers":
+            if name in ("hf-transformers", "hf-compiled"):
                 get_transformers()
         except PeerUnavailable as e:
             skip(f"skipping peer {name} ({op}): {e}")

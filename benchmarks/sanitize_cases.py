@@ -19,7 +19,7 @@ import sys
 
 import numpy as np
 
-FAMILIES = ("attention", "decode", "kvcache", "gemm", "softmax", "layers", "sampling")
+FAMILIES = ("attention", "decode", "kvcache", "gemm", "softmax", "layers", "sampling", "fused")
 
 
 def _rand(shape, dtype, seed=0):
@@ -78,6 +78,7 @@ def decode(ca, cfg):
                 q = _rand((2, hq, 1, d), dt, 7)
                 for splits in (1, 3):
                     _finite(ca.decode_attention(q, cache, 0, num_splits=splits, impl=impl))
+                _finite(ca.decode_attention(q, cache, 0, num_splits=3, impl=impl, fused_combine=True))
 
 
 def kvcache(ca, cfg):
@@ -126,6 +127,24 @@ def layers(ca, cfg):
                 pos = cupy.asarray([[5, 2**31 + 3, 0]] if idt == np.int64 else [[0, 1, 2]], idt)  # [B, T]
                 x = _rand((1, 2, 3, 64), dt, 21)
                 _finite(ca.rope(x, pos, style=style), ca.rope(_misaligned(x), pos, style=style))
+
+
+def fused(ca, cfg):
+    """The fused decode step's kernels: 3 rows (one tile, partial), 17 rows (two), aligned and
+    misaligned activations (vector and scalar loads), both RoPE styles."""
+    for dt in cfg.DTYPES:
+        g, w = _rand((72,), dt, 23), _rand((97, 72), dt, 24)
+        for m in (3, 17):
+            x = _rand((m, 72), dt, 25)
+            for xx in (x, _misaligned(x)):
+                _finite(ca.fused.rmsnorm_gemm(xx, g, w), ca.fused.rmsnorm_gate_up_swiglu(xx, g, w[:96]))
+                _finite(ca.fused.gemm_residual(_rand((m, 97), dt, 26), xx, w))
+        cache = ca.KVCache(1, 3, 2, 64, 32, dt)
+        cache.append(0, _rand((3, 2, 5, 32), dt, 27), _rand((3, 2, 5, 32), dt, 28), num_new=[5, 1, 3])
+        for style in ("adjacent", "neox"):
+            x = _rand((3, 1, 72), dt, 29)
+            _finite(ca.fused.rmsnorm_qkv_rope_append(x, g, _rand(((4 + 2 + 2) * 32, 72), dt, 30), cache, 0, 4,
+                                                     rope_style=style))
 
 
 def sampling(ca, cfg):

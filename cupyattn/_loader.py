@@ -212,3 +212,63 @@ def get_function(spec: KernelSpec, name_expression: str, dynamic_smem: int = 0):
             fn.max_dynamic_shared_size_bytes = dynamic_smem
         _SMEM_RAISED[key] = dynamic_smem
     return fn
+
+
+# --- launching with programmatic dependent launch (PDL) ---------------------------------------
+# CuPy's RawKernel call has no launch attributes, so a PDL launch goes through the driver's
+# cuLaunchKernelEx (package cuda-bindings) on CuPy's current stream; stream capture records it
+# into a CUDA graph with a programmatic edge. The kernel must call pdl_wait() (ptx.cuh) before it
+# reads anything the previous kernel wrote.
+def _ctypes_arg(a):
+    """One kernel argument as the ctypes value the driver copies (CuPy's own conversions)."""
+    import ctypes
+
+    if isinstance(a, cupy.ndarray):
+        return ctypes.c_void_p(a.data.ptr)
+    kinds = {np.dtype(np.int32): ctypes.c_int32, np.dtype(np.int64): ctypes.c_int64,
+             np.dtype(np.uint32): ctypes.c_uint32, np.dtype(np.uint64): ctypes.c_uint64,
+             np.dtype(np.float32): ctypes.c_float, np.dtype(np.float64): ctypes.c_double}
+    if isinstance(a, np.generic) and a.dtype in kinds:
+        return kinds[a.dtype](a.item())
+    raise TypeError(f"PDL launch: argument of type {type(a).__name__} is not a device array or a "
+                    f"NumPy scalar of {sorted(map(str, kinds))}")
+
+
+def kernel_params(args):
+    """(ctypes array of pointers to the argument values, the values): what cuLaunchKernelEx's
+    kernelParams takes. Keep both alive until the launch returns."""
+    import ctypes
+
+    values = [_ctypes_arg(a) for a in args]
+    ptrs = (ctypes.c_void_p * max(1, len(values)))(*[ctypes.addressof(v) for v in values])
+    return ptrs, values
+
+
+def launch(fn, grid, block, args, shared_mem: int = 0, pdl: bool = False) -> None:
+    """``fn(grid, block, args, shared_mem=...)`` on the current stream; with ``pdl`` through
+    cuLaunchKernelEx with the programmatic-stream-serialization attribute."""
+    if not pdl:
+        fn(grid, block, args, shared_mem=shared_mem)
+        return
+    try:
+        from cuda.bindings import driver
+    except ImportError as e:
+        raise RuntimeError("programmatic dependent launch (config.FUSED_DECODE_PDL) needs the "
+                           "cuda-bindings package (pip install cuda-bindings)") from e
+    grid, block = tuple(grid) + (1,) * (3 - len(grid)), tuple(block) + (1,) * (3 - len(block))
+    cfg = driver.CUlaunchConfig()
+    cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = (int(g) for g in grid)
+    cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = (int(b) for b in block)
+    cfg.sharedMemBytes = int(shared_mem)
+    cfg.hStream = driver.CUstream(cupy.cuda.get_current_stream().ptr)
+    attr = driver.CUlaunchAttribute()
+    attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value.programmaticStreamSerializationAllowed = 1
+    cfg.attrs = [attr]
+    cfg.numAttrs = 1
+    ptrs, _values = kernel_params(args)
+    import ctypes
+
+    err, = driver.cuLaunchKernelEx(cfg, driver.CUfunction(fn.ptr), ctypes.addressof(ptrs), 0)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuLaunchKernelEx failed: {err}")

@@ -288,6 +288,21 @@ GEMM_SKINNY = SkinnyTile(8, 2, 4, "256 threads; a warp step reads 16 rows x 256 
 GEMM_SKINNY_MAX_M = 16   # impl="auto" takes skinny for gemm_nt when the (batch-folded) M is at most this
 GEMM_IMPLS = ("auto", "simt", "mma", "skinny")
 
+# --- fused decode step (kernels_cu/fused_decode.cu, cupyattn/fused.py, tinylm) -----------------
+# The fused projections run skinny_tile with GEMM_SKINNY's shape: they stream the same weights the
+# same way, and a block's 2 x 8-row groups are what the RoPE epilogue needs (8 rotation pairs of
+# one head: adjacent pairs in 16 consecutive rows, NeoX pairs in two 8-row groups D/2 apart).
+FUSED_SKINNY = GEMM_SKINNY
+# tinylm's default decode step. False: the fused step (5 kernels per layer: norm+QKV+RoPE+append,
+# attention with its split combine, O proj+residual, norm+gate|up+SwiGLU, down+residual, against
+# 9 unfused) has run only on the CPU emulator; it becomes the default once one GPU run of
+# `python -m benchmarks model` shows it correct and faster than the unfused step in the same run.
+TINYLM_FUSED_DECODE = False
+# Launch the fused decode kernels with programmatic dependent launch (cuLaunchKernelEx through
+# cuda-bindings, griddepcontrol in the kernels; sm_90+). False: not measured on a GPU yet, and it
+# needs the cuda-bindings package.
+FUSED_DECODE_PDL = False
+
 # --- row softmax (kernels_cu/row_softmax.cu) --------------------------------------------------
 SOFTMAX_VPTS = (1, 2, 4, 8, 16, 32)     # values per lane of the warp-per-row kernel
 SOFTMAX_WARP_MAX = 32 * SOFTMAX_VPTS[-1]  # longer rows go to the block-per-row kernel

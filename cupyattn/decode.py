@@ -20,7 +20,9 @@ an A tile would be padding, and the SIMT kernel's FMAs keep up with memory anywa
 
 With ``num_splits == 1`` a block writes the output itself; otherwise each split writes a float32
 partial O and log-sum-exp to a workspace and a combine kernel merges them (flash-decoding):
-``O = sum_c exp(lse_c - lse) O_c``. Sequence b's live length ``len_b`` is split into chunks of
+``O = sum_c exp(lse_c - lse) O_c``; with ``fused_combine=True`` the last split block of each head
+tile to finish (an atomic counter per tile, reset by that block) merges instead, so a split call
+is one launch (not yet run on a GPU). Sequence b's live length ``len_b`` is split into chunks of
 ``ceil(len_b / num_splits)`` keys, as ``reference.decode_split_partials`` does, so results do not
 depend on ``max_seq``; the automatic split count is :func:`choose_num_splits`.
 """
@@ -35,7 +37,7 @@ import numpy as np
 
 from . import _checks
 from ._checks import check_array, check_choice, check_last_contiguous, check_out, check_same_dtype
-from ._loader import KernelSpec, get_function
+from ._loader import NULL, KernelSpec, get_function
 from .config import (DECODE_COMBINE_THREADS, DECODE_HEAD_TILE, DECODE_IMPLS, DECODE_MAX_SPLITS,
                      DECODE_MIN_KEYS_PER_SPLIT, DECODE_MMA_MAX_MTILES, DECODE_MMA_MIN_GROUP,
                      DECODE_MMA_ROWS, DECODE_MMA_TILES, DECODE_SIMT_TILES, DECODE_SPLIT_BLOCKS_PER_SM,
@@ -179,33 +181,40 @@ def _check_args(fn, q, cache, layer, scale, num_splits, out, impl):
     return layer, b, hq, d, float(scale), num_splits, plan
 
 
-def _launch(q, cache, layer, scale, num_splits, out, plan, workspace=None, combine=True):
+def _launch(q, cache, layer, scale, num_splits, out, plan, workspace=None, combine=True, fused_combine=False):
     """Run the decode kernel, and the combine kernel when split (``combine=False`` keeps only the
-    split partials in ``workspace``, for tests)."""
+    split partials in ``workspace``, for tests; ``fused_combine``: the decode kernel's last split
+    block merges, counted on ``workspace[2]``, and nothing else is launched)."""
     b, hq, _, d = q.shape
     hkv = cache.num_kv_heads
     split = num_splits > 1 or not combine
+    counters = NULL
     if split:
-        o_part, lse_part = workspace if workspace is not None else (
+        o_part, lse_part = workspace[:2] if workspace is not None else (
             cupy.empty((num_splits, b, hq, d), dtype=np.float32), cupy.empty((num_splits, b, hq), dtype=np.float32))
-        out_arg = o_part            # the kernel writes only the partials: any pointer will do
+        if fused_combine and combine:
+            counters = workspace[2] if workspace is not None and len(workspace) > 2 else \
+                cupy.zeros((b, hq), dtype=np.uint32)
+        # without the fused combine the kernel writes only the partials: any out pointer will do
+        out_arg = out if counters is not NULL else o_part
     else:
         out_arg = o_part = lse_part = out  # the kernel writes only out
     i32, i64 = np.int32, np.int64
     smem = plan.tile.ring_bytes
     kern = get_function(SPEC, plan.expr, dynamic_smem=smem)
     kern((num_splits, hkv * plan.head_tiles, b), (plan.tile.threads,),
-         (q, cache.k[layer], cache.v[layer], cache.lengths[layer], out_arg, o_part, lse_part,
+         (q, cache.k[layer], cache.v[layer], cache.lengths[layer], out_arg, o_part, lse_part, counters,
           i64(q.strides[0] // q.itemsize), i64(q.strides[1] // q.itemsize),
           i32(b), i32(hq), i32(hkv), i32(cache.max_seq), i32(num_splits),
           np.float32(scale * math.log2(math.e)), i32(1 if split else 0)), shared_mem=smem)
-    if split and combine:
+    if split and combine and counters is NULL:
         merge = get_function(SPEC, _combine_expr(cache.dtype))
         merge((b * hq,), (DECODE_COMBINE_THREADS,), (o_part, lse_part, out, i32(num_splits), i32(b * hq), i32(d)))
     return out
 
 
-def decode_attention(q, cache, layer, scale=None, num_splits=None, out=None, workspace=None, impl="auto"):
+def decode_attention(q, cache, layer, scale=None, num_splits=None, out=None, workspace=None, impl="auto",
+                     fused_combine=False):
     """Attention of one new query token per sequence over the cached keys/values of ``layer``.
 
     Parameters
@@ -226,13 +235,19 @@ def decode_attention(q, cache, layer, scale=None, num_splits=None, out=None, wor
         (:func:`choose_num_splits`), with no device sync.
     out : cupy.ndarray [B, Hq, 1, D], optional
         C-contiguous, q's dtype.
-    workspace : (o_part, lse_part), optional
+    workspace : (o_part, lse_part) or (o_part, lse_part, counters), optional
         Preallocated split-KV partials, float32 C-contiguous ``[S, B, Hq, D]`` and ``[S, B, Hq]``
-        with ``S >= num_splits``: with ``out`` given the call allocates nothing, so it can be
-        captured in a CUDA graph. Without it a split call allocates them.
+        with ``S >= num_splits``, and for ``fused_combine`` the counters, uint32 ``[B, Hq]``, all
+        zero before the first call (every call leaves them zero): with ``out`` given the call
+        allocates nothing, so it can be captured in a CUDA graph. Without it a split call
+        allocates them.
     impl : {"auto", "simt", "mma"}
         Kernel (module docstring): "auto" is tensor cores for fp16/bf16 with a GQA group of 4 or
         more, SIMT otherwise; "mma" needs fp16/bf16.
+    fused_combine : bool
+        Merge the splits inside the decode kernel (the last split block of each head tile to
+        finish merges, found by an atomic counter) instead of a second kernel: one launch per
+        call. Opt-in: it has not run on a GPU yet (config.TINYLM_FUSED_DECODE).
 
     Returns
     -------
@@ -245,29 +260,41 @@ def decode_attention(q, cache, layer, scale=None, num_splits=None, out=None, wor
     """
     fn = "decode_attention"
     layer, b, hq, d, scale, num_splits, plan = _check_args(fn, q, cache, layer, scale, num_splits, out, impl)
+    fused_combine = _checks.check_bool(fn, "fused_combine", fused_combine)
     if num_splits is None:
         num_splits = _auto_splits(plan, b, cache.num_kv_heads, int(cache.host_lengths[layer].max()))
     if workspace is not None:
-        _check_workspace(fn, workspace, num_splits, b, hq, d, q, cache, out)
+        _check_workspace(fn, workspace, num_splits, b, hq, d, q, cache, out, fused_combine)
     if out is None:
         out = cupy.empty((b, hq, 1, d), dtype=q.dtype)
     if hq == 0:
         return out  # no query heads: nothing to compute (and no empty grid to launch)
-    return _launch(q, cache, layer, scale, num_splits, out, plan, workspace)
+    return _launch(q, cache, layer, scale, num_splits, out, plan, workspace, fused_combine=fused_combine)
 
 
-def _check_workspace(fn, workspace, num_splits, b, hq, d, q, cache, out):
-    if not isinstance(workspace, tuple) or len(workspace) != 2:
-        raise TypeError(f"{fn}(): workspace must be a tuple (o_part, lse_part), got {type(workspace).__name__}")
-    o_part, lse_part = workspace
+def _check_workspace(fn, workspace, num_splits, b, hq, d, q, cache, out, fused_combine=False):
+    n = 3 if fused_combine else 2
+    if not isinstance(workspace, tuple) or len(workspace) not in (n, 3):
+        want = "(o_part, lse_part, counters)" if fused_combine else "(o_part, lse_part[, counters])"
+        got = f"{len(workspace)} items" if isinstance(workspace, tuple) else type(workspace).__name__
+        raise TypeError(f"{fn}(): workspace must be a tuple {want}, got {got}")
+    o_part, lse_part = workspace[:2]
+    others = {"q": q, "out": out, "the cache's keys": cache.k, "the cache's values": cache.v}
     for name, x, tail in (("workspace[0]", o_part, (b, hq, d)), ("workspace[1]", lse_part, (b, hq))):
         check_array(fn, name, x, dtypes=(np.dtype(np.float32),), ndim=len(tail) + 1)
         if tuple(x.shape[1:]) != tail or x.shape[0] < num_splits or not x.flags.c_contiguous:
             raise ValueError(f"{fn}(): {name} must be C-contiguous float32 of shape [S >= {num_splits}, "
                              f"{', '.join(map(str, tail))}], got {tuple(x.shape)}")
-        _checks.check_no_overlap(fn, x, {"q": q, "out": out, "the cache's keys": cache.k,
-                                         "the cache's values": cache.v}, out_name=name)
+        _checks.check_no_overlap(fn, x, others, out_name=name)
     _checks.check_no_overlap(fn, o_part, {"workspace[1]": lse_part}, out_name="workspace[0]")
+    if len(workspace) == 3:
+        counters = workspace[2]
+        check_array(fn, "workspace[2]", counters, dtypes=(np.dtype(np.uint32),), ndim=2)
+        if tuple(counters.shape) != (b, hq) or not counters.flags.c_contiguous:
+            raise ValueError(f"{fn}(): workspace[2] (the fused combine's counters) must be C-contiguous "
+                             f"uint32 of shape [{b}, {hq}], got {tuple(counters.shape)}")
+        _checks.check_no_overlap(fn, counters, {**others, "workspace[0]": o_part, "workspace[1]": lse_part},
+                                 out_name="workspace[2]")
 
 
 def decode_split_partials(q, cache, layer, num_splits, scale=None, impl="auto"):

@@ -106,6 +106,9 @@ class KVCache:
             self.k = cupy.zeros(shape, dtype=dt)
             self.v = cupy.zeros(shape, dtype=dt)
             self.lengths = cupy.zeros((self.num_layers, self.batch), dtype=np.int32)
+            # The fused decode step's QKV kernel (cupyattn.fused) has many blocks: the last to
+            # finish, found by this ticket, advances the lengths and sets it back to 0.
+            self.ticket = cupy.zeros(1, dtype=np.uint32)
         self.host_lengths = np.zeros((self.num_layers, self.batch), dtype=np.int64)
 
     def __repr__(self):

@@ -10,6 +10,9 @@
 //            32), S = Q K^T and O += P V run on tensor cores; each warp owns a slice of every
 //            key tile with its own softmax state, and the slices are merged at the end
 //   decode_combine_kernel<T, ...>          merges split partials: O = sum_c exp(lse_c - lse) O_c
+//   fused combine (counters != null)       no combine launch: the last split block of each (sequence,
+//                                          head tile) to finish, found by an atomic counter, merges
+//                                          that tile's partials (combine_if_last) and resets the counter
 // Both decode kernels stream K/V through the same cp.async ring (load_kv_tile) of STAGES slots
 // in dynamic shared memory, with one block barrier per tile: wait for tile t, barrier, issue the
 // load of tile t + STAGES - 1 into the slot everyone finished with, compute tile t.
@@ -99,6 +102,65 @@ struct KvStream {
     }
 };
 
+// --- split merge ---------------------------------------------------------------------------
+// Row r = (b, h) by the whole block: lse = logsumexp_c lse_c, w_c = exp(lse_c - max), out = sum_c
+// w_c O_c / sum_c w_c (zeros when every chunk was empty, NaN when one is NaN), as
+// reference.merge_partials. Warp 0 puts the weights in w_s[0, num_splits) and 1 / their sum in
+// w_s[num_splits] (smem); the caller syncs before reusing w_s. Partials are read through L2
+// (__ldcg): in the fused combine other blocks of this kernel wrote them.
+template <typename T>
+__device__ __forceinline__ void combine_row(const float* o_part, const float* lse_part, T* out, int num_splits,
+                                            int BH, int D, int r, float* w_s) {
+    const int tid = threadIdx.x;
+    if (tid < 32) {
+        float mx = -CUDART_INF_F;
+        for (int c = tid; c < num_splits; c += 32) mx = fmaxf(mx, __ldcg(lse_part + (size_t)c * BH + r));
+        mx = warp_reduce_max(mx);
+        const float m_safe = mx == -CUDART_INF_F ? 0.f : mx;  // all chunks empty -> weights 0
+        float total = 0.f;
+        for (int c = tid; c < num_splits; c += 32) {
+            const float w = expf(__ldcg(lse_part + (size_t)c * BH + r) - m_safe);  // exp(-inf) = 0
+            w_s[c] = w;
+            total += w;
+        }
+        total = warp_reduce_sum(total);
+        if (tid == 0) w_s[num_splits] = row_scale(total);  // a NaN split poisons the row
+    }
+    __syncthreads();
+    const float inv_total = w_s[num_splits];
+    for (int d = tid; d < D; d += blockDim.x) {
+        float o = 0.f;
+        for (int c = 0; c < num_splits; ++c) o += w_s[c] * __ldcg(o_part + ((size_t)c * BH + r) * D + d);
+        out[(size_t)r * D + d] = from_float<T>(o * inv_total);
+    }
+}
+
+// Fused combine, at the end of a split block that wrote its partials for rows [r0, r0 + rows): the
+// num_splits blocks of one (sequence, head tile) each take a ticket on *counter after their
+// partials are written; the last one merges the rows (w_s: num_splits + 1 floats of smem the
+// block is done with) and resets the counter to 0 for the next launch or graph replay.
+// Not inlined: as a call at the kernel's end it leaves the main loop's register allocation as it
+// was (inlined, it pushed the 80-register D=32 mma kernel into spills).
+template <typename T>
+__device__ __noinline__ void combine_if_last(const float* o_part, const float* lse_part, T* out,
+                                                unsigned* counter, int num_splits, int BH, int D, int r0,
+                                                int rows, float* w_s) {
+    __shared__ bool last;
+    __threadfence();  // this block's partials are visible device-wide before its ticket
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        last = atomicAdd(counter, 1u) == (unsigned)num_splits - 1u;
+        if (last) *counter = 0u;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    for (int r = r0; r < r0 + rows; ++r) {
+        combine_row<T>(o_part, lse_part, out, num_splits, BH, D, r, w_s);
+        __syncthreads();  // w_s is rewritten for the next row
+    }
+}
+
 // --- v1: SIMT -----------------------------------------------------------------------------
 // Grid (splits, Hkv * n_head_tiles, B), NT threads (a multiple of 32 that divides GT * 32, so each
 // warp owns GT / warps heads in the softmax step). The block owns sequence b, kv head kvh, query
@@ -120,6 +182,7 @@ __global__ void __launch_bounds__(NT, MINB) decode_kernel(
     T* __restrict__ out,                // [B, Hq, 1, D] contiguous (when write_partials == 0)
     float* __restrict__ o_part,         // [splits, B, Hq, D] (when write_partials == 1)
     float* __restrict__ lse_part,       // [splits, B, Hq]
+    unsigned* __restrict__ counters,    // [B, gridDim.y], zero, or null: see combine_if_last
     long long q_sb, long long q_sh,
     int B, int Hq, int Hkv, int max_seq, int num_splits, float scale_log2, int write_partials) {
     constexpr int WARPS = NT / 32, VEC = 16 / sizeof(T), ROW = D * (int)sizeof(T), NC = ROW / 16;
@@ -328,6 +391,9 @@ __global__ void __launch_bounds__(NT, MINB) decode_kernel(
         lse_part[((size_t)split * B + b) * Hq + h0 + tid] =
             row_lse(m_fin[tid], l);
     }
+    if (write_partials && counters != nullptr)
+        combine_if_last<T>(o_part, lse_part, out, counters + (size_t)b * gridDim.y + blockIdx.y, num_splits,
+                           B * Hq, D, b * Hq + h0, g_tile, reinterpret_cast<float*>(ring));
 }
 
 // --- v2: tensor cores ----------------------------------------------------------------------
@@ -352,6 +418,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) decode_mma_kernel(
     T* __restrict__ out,                // [B, Hq, 1, D] contiguous (when write_partials == 0)
     float* __restrict__ o_part,         // [splits, B, Hq, D] (when write_partials == 1)
     float* __restrict__ lse_part,       // [splits, B, Hq]
+    unsigned* __restrict__ counters,    // [B, gridDim.y], zero, or null: see combine_if_last
     long long q_sb, long long q_sh,
     int B, int Hq, int Hkv, int max_seq, int num_splits, float scale_log2, int write_partials) {
     constexpr int NT = WARPS * 32, ROWS = 16 * MT, KS = WARPS / MT, KPW = BN / KS;
@@ -522,39 +589,19 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) decode_mma_kernel(
             out[((size_t)b * Hq + hq) * D + d] = from_float<T>(acc * inv_l);
         }
     }
+    if (write_partials && counters != nullptr)
+        combine_if_last<T>(o_part, lse_part, out, counters + (size_t)b * gridDim.y + blockIdx.y, num_splits,
+                           B * Hq, D, b * Hq + h0, g_tile, reinterpret_cast<float*>(ring));
 }
 
 // --- combine -------------------------------------------------------------------------------
-// Grid (B * Hq), THREADS threads. Row r = (b, h): lse = logsumexp_c lse_c, w_c = exp(lse_c - max),
-// out = sum_c w_c O_c / sum_c w_c (zeros when every chunk was empty), as reference.merge_partials.
+// Grid (B * Hq), THREADS threads: row blockIdx.x (combine_row).
 template <typename T, int DEC_MAX_SPLITS, int THREADS>
 __global__ void __launch_bounds__(THREADS) decode_combine_kernel(
     const float* __restrict__ o_part,   // [splits, B*Hq, D]
     const float* __restrict__ lse_part, // [splits, B*Hq]
     T* __restrict__ out,                // [B*Hq, D] contiguous
     int num_splits, int BH, int D) {
-    __shared__ float w_s[DEC_MAX_SPLITS];  // weight of each split
-    __shared__ float inv_total_s;
-    const int r = blockIdx.x, tid = threadIdx.x;
-    if (tid < 32) {
-        float mx = -CUDART_INF_F;
-        for (int c = tid; c < num_splits; c += 32) mx = fmaxf(mx, lse_part[(size_t)c * BH + r]);
-        mx = warp_reduce_max(mx);
-        const float m_safe = mx == -CUDART_INF_F ? 0.f : mx;  // all chunks empty -> weights 0
-        float total = 0.f;
-        for (int c = tid; c < num_splits; c += 32) {
-            const float w = expf(lse_part[(size_t)c * BH + r] - m_safe);  // exp(-inf) = 0
-            w_s[c] = w;
-            total += w;
-        }
-        total = warp_reduce_sum(total);
-        if (tid == 0) inv_total_s = row_scale(total);  // a NaN split poisons the row
-    }
-    __syncthreads();
-    const float inv_total = inv_total_s;
-    for (int d = tid; d < D; d += blockDim.x) {
-        float o = 0.f;
-        for (int c = 0; c < num_splits; ++c) o += w_s[c] * o_part[((size_t)c * BH + r) * D + d];
-        out[(size_t)r * D + d] = from_float<T>(o * inv_total);
-    }
+    __shared__ float w_s[DEC_MAX_SPLITS + 1];  // weight of each split, then 1 / their sum
+    combine_row<T>(o_part, lse_part, out, num_splits, BH, D, blockIdx.x, w_s);
 }

@@ -10,7 +10,8 @@
 //   v3 skinny  M <= 16 (decode projections), NT only: streams each row of B (a weight  f32 f16 bf16
 //              W [N, K]) once with 16-byte loads straight into registers; A's rows
 //              are the m16 tile of mma.sync (fp16/bf16) or FMA rows (fp32); the
-//              block's warps split K and meet in smem
+//              block's warps split K and meet in smem (main loop: skinny.cuh, which
+//              the fused decode kernels of fused_decode.cu share)
 //
 // Layouts (all row-major, last dim contiguous; row strides lda/ldb in elements):
 //   a: [batch, M, K]   b: NT [batch, N, K] | NN [batch, K, N]   c: [batch, M, N] contiguous
@@ -23,6 +24,7 @@
 // static_assert them.
 #include "common.cuh"
 #include "ptx.cuh"
+#include "skinny.cuh"
 
 // --- v1: SIMT register-blocked --------------------------------------------------------------
 // a: [nbatch, M, K] (row stride lda), b: NT [nbatch, N, K] | NN [nbatch, K, N] (row stride ldb),
@@ -276,143 +278,37 @@ gemm_mma_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict_
     }
 }
 
-// --- v3 helpers -------------------------------------------------------------------------------
-// The 16 bytes at row `row`, columns k..k+16/sizeof(T)-1 of a row-major matrix p (row stride ld),
-// as raw bits: one vector load when `vec` (p 16-byte aligned, ld a multiple of the chunk) and the
-// chunk lies inside [0, K); else element by element, zero outside the matrix (rows >= rows or
-// columns >= K are never read).
-template <typename T>
-__device__ __forceinline__ uint4 load_chunk(const T* p, int row, int rows, long long ld, long long k, int K, bool vec) {
-    constexpr int VEC = 16 / sizeof(T);
-    uint4 r = {0u, 0u, 0u, 0u};
-    if (row >= rows) return r;
-    const T* src = p + row * ld + k;
-    if (vec && k + VEC <= K) return *reinterpret_cast<const uint4*>(src);
-    unsigned w[4] = {0u, 0u, 0u, 0u};
-#pragma unroll
-    for (int e = 0; e < VEC; ++e) {
-        if (k + e < K) {
-            if constexpr (sizeof(T) == 2)
-                w[e / 2] |= (unsigned)reinterpret_cast<const unsigned short*>(src)[e] << (16 * (e % 2));
-            else
-                w[e] = reinterpret_cast<const unsigned*>(src)[e];
-        }
-    }
-    r.x = w[0]; r.y = w[1]; r.z = w[2]; r.w = w[3];
-    return r;
-}
-
-__device__ __forceinline__ float dot4(const uint4& x, const uint4& y) {
-    return __uint_as_float(x.x) * __uint_as_float(y.x) + __uint_as_float(x.y) * __uint_as_float(y.y) +
-           __uint_as_float(x.z) * __uint_as_float(y.z) + __uint_as_float(x.w) * __uint_as_float(y.w);
-}
-
 // --- v3: skinny M (GEMV-like), NT ----------------------------------------------------------------
 // Same arguments as v1 (NT only; vec_ok bit 0: both operands 16-byte aligned, every stride a
 // multiple of 16 bytes). grid = (tiles_m * tiles_n, min(nbatch, 65535)), tiles_m = ceil(M / 16),
 // tiles_n = ceil(N / NR): a block owns C rows m0..m0+15 and columns n0..n0+NR-1, NR = 8 * S_NT.
 // Its S_WARPS warps split K in steps of KSTEP elements (warp w takes steps w, w + S_WARPS, ...),
-// so one block round reads S_WARPS * KSTEP contiguous elements of each of its NR rows of B.
-// Lane (g, tq) = (lane / 4, lane % 4) loads, per step, S_CH 16-byte chunks k = k0 + (4u + tq) * VEC
-// of B rows n0 + 8 nt + g, and (fp16/bf16) the same chunks of A rows m0 + g and m0 + g + 8:
-//   fp16/bf16: a dot product does not depend on the order of k, so the 8 elements of a chunk
-//     become two m16n8k16 k-steps without any shuffle: 32-bit pair i of the A chunks and of
-//     the B chunk are fragment registers a[.] / b[.] (pairs 0, 1 -> first mma, 2, 3 -> second),
-//     the same k permutation on both sides;
-//   fp32: FMAs of the B chunk with the same chunk of each of the 16 A rows; the 4 lanes of a
-//     row (tq) are summed by shuffles.
-// The warps' partial C tiles meet in smem, one thread per output element sums and rounds once.
+// so one block round reads S_WARPS * KSTEP contiguous elements of each of its NR rows of B; the
+// loop and its register layout are skinny_tile (skinny.cuh). The warps' partial C tiles meet in
+// smem, one thread per output element sums and rounds once.
 template <typename T, int S_WARPS, int S_NT, int S_CH>
 __global__ void __launch_bounds__(S_WARPS * 32)
 gemm_skinny_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c,
                    int M, int N, int K, int tiles_n, long long nbatch, long long batch_inner,
                    long long a_so, long long a_si, long long lda,
                    long long b_so, long long b_si, long long ldb, int vec_ok) {
-    constexpr int VEC = 16 / sizeof(T), NR = 8 * S_NT, KSTEP = 4 * S_CH * VEC, NT = S_WARPS * 32;
-    constexpr bool MMA = sizeof(T) == 2;
+    constexpr int NR = 8 * S_NT, NT = S_WARPS * 32;
     __shared__ float red[S_WARPS][16][NR];  // per-warp partial C tile [m][n]
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tq = lane & 3;
+    const int tid = threadIdx.x;
     const int m0 = (blockIdx.x / tiles_n) * 16, n0 = (blockIdx.x % tiles_n) * NR;
-    const bool vec = (vec_ok & 1) != 0;
+    int brow[S_NT], bend[S_NT];  // 8-row group nt of B: rows n0 + 8 nt .. (rows >= N read as 0)
+    skinny_rows(n0, N, brow, bend);
 
     for (long long z = blockIdx.y; z < nbatch; z += gridDim.y) {
         const T* A = a + (z / batch_inner) * a_so + (z % batch_inner) * a_si;
         const T* B = b + (z / batch_inner) * b_so + (z % batch_inner) * b_si;
         T* C = c + z * (long long)M * N;
-
-        if constexpr (MMA) {
-            float acc[S_NT][4];  // C fragment: rows g (e < 2), g + 8, cols nt*8 + 2tq + e % 2
-#pragma unroll
-            for (int nt = 0; nt < S_NT; ++nt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) acc[nt][e] = 0.f;
-            for (long long k0 = (long long)warp * KSTEP; k0 < K; k0 += (long long)S_WARPS * KSTEP) {
-                uint4 xa[S_CH][2], wb[S_CH][S_NT];  // all loads of the step issued before any math
-#pragma unroll
-                for (int u = 0; u < S_CH; ++u) {
-                    const long long k = k0 + (4 * u + tq) * VEC;
-                    xa[u][0] = load_chunk(A, m0 + g, M, lda, k, K, vec);
-                    xa[u][1] = load_chunk(A, m0 + g + 8, M, lda, k, K, vec);
-#pragma unroll
-                    for (int nt = 0; nt < S_NT; ++nt) wb[u][nt] = load_chunk(B, n0 + 8 * nt + g, N, ldb, k, K, vec);
-                }
-#pragma unroll
-                for (int u = 0; u < S_CH; ++u) {
-                    const unsigned af0[4] = {xa[u][0].x, xa[u][1].x, xa[u][0].y, xa[u][1].y};
-                    const unsigned af1[4] = {xa[u][0].z, xa[u][1].z, xa[u][0].w, xa[u][1].w};
-#pragma unroll
-                    for (int nt = 0; nt < S_NT; ++nt) {
-                        const unsigned bf0[2] = {wb[u][nt].x, wb[u][nt].y}, bf1[2] = {wb[u][nt].z, wb[u][nt].w};
-                        mma_m16n8k16<T>(acc[nt], af0, bf0);
-                        mma_m16n8k16<T>(acc[nt], af1, bf1);
-                    }
-                }
-            }
-#pragma unroll
-            for (int nt = 0; nt < S_NT; ++nt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) red[warp][g + 8 * (e / 2)][nt * 8 + 2 * tq + e % 2] = acc[nt][e];
-        } else {
-            float acc[S_NT][16];  // rows m0 + m of C, column n0 + 8 nt + g (this lane's k part)
-#pragma unroll
-            for (int nt = 0; nt < S_NT; ++nt)
-#pragma unroll
-                for (int m = 0; m < 16; ++m) acc[nt][m] = 0.f;
-            for (long long k0 = (long long)warp * KSTEP; k0 < K; k0 += (long long)S_WARPS * KSTEP) {
-                uint4 wb[S_CH][S_NT];
-#pragma unroll
-                for (int u = 0; u < S_CH; ++u)
-#pragma unroll
-                    for (int nt = 0; nt < S_NT; ++nt)
-                        wb[u][nt] = load_chunk(B, n0 + 8 * nt + g, N, ldb, k0 + (4 * u + tq) * VEC, K, vec);
-#pragma unroll
-                for (int u = 0; u < S_CH; ++u)
-#pragma unroll
-                    for (int m = 0; m < 16; ++m) {
-                        if (m0 + m < M) {  // block-uniform
-                            const uint4 xv = load_chunk(A, m0 + m, M, lda, k0 + (4 * u + tq) * VEC, K, vec);
-#pragma unroll
-                            for (int nt = 0; nt < S_NT; ++nt) acc[nt][m] += dot4(xv, wb[u][nt]);
-                        }
-                    }
-            }
-#pragma unroll
-            for (int nt = 0; nt < S_NT; ++nt)
-#pragma unroll
-                for (int m = 0; m < 16; ++m) {
-                    acc[nt][m] = quad_sum(acc[nt][m]);
-                    if (tq == 0) red[warp][m][nt * 8 + g] = acc[nt][m];
-                }
-        }
+        skinny_tile<T, S_WARPS, S_NT, S_CH, false>(A, M, lda, m0, B, ldb, brow, bend, K, (vec_ok & 1) != 0,
+                                                   nullptr, nullptr, red);
         __syncthreads();
         for (int i = tid; i < 16 * NR; i += NT) {
             const int m = i / NR, n = i - m * NR;
-            if (m0 + m < M && n0 + n < N) {
-                float sum = 0.f;
-#pragma unroll
-                for (int w = 0; w < S_WARPS; ++w) sum += red[w][m][n];
-                C[(long long)(m0 + m) * N + n0 + n] = from_float<T>(sum);
-            }
+            if (m0 + m < M && n0 + n < N) C[(long long)(m0 + m) * N + n0 + n] = from_float<T>(skinny_sum(red, m, n));
         }
         __syncthreads();  // red is rewritten by the next batch entry
     }

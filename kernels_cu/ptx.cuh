@@ -16,6 +16,8 @@
 //                                        a[2] (row g, k 2t+8..), a[3] (row g+8, k 2t+8..);
 //                                        b[0] (k 2t..2t+1, col g), b[1] (k 2t+8..2t+9, col g);
 //                                        d[0..1] (row g, cols 2t, 2t+1), d[2..3] (row g+8, same)
+//   pdl_wait(), pdl_launch_dependents()  programmatic dependent launch (sm_90+; no-ops below):
+//                                        griddepcontrol.wait / .launch_dependents
 //
 // The CPU emulator of the GPU tests (tests/emu) replaces this whole header with a C++
 // implementation of the same functions (tests/emu/emu_ptx.h); inline PTX anywhere else is
@@ -97,4 +99,22 @@ __device__ __forceinline__ void mma_m16n8k16<__nv_bfloat16>(float (&d)[4], const
                  "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// --- programmatic dependent launch (griddepcontrol, sm_90+) -------------------------------------
+// A kernel launched with the programmatic-stream-serialization attribute (cupyattn/_loader.py
+// launch(..., pdl=True)) may start while the previous kernel in the stream still runs.
+// pdl_wait() blocks until that kernel has completed and its memory is visible: nothing written by
+// it may be read before. pdl_launch_dependents() lets the next kernel start early. Without the
+// attribute both return at once, and before sm_90 they compile to nothing.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
 }

@@ -494,6 +494,7 @@ CLI_CASES = [
     (["", "--preset", "tiny"], "the prompt is empty"),
     (["hi", "--prompt", "  ", "--preset", "tiny"], "--prompt #1 is empty"),
     (["hi", "--system", "S"], "--system needs --chat"),
+    (["hi", "--fused", "--backend", "numpy"], "--fused needs the cupy backend"),
     (["hi", "--chat", "--allow-special"], "--allow-special applies to raw prompts"),
     (["hi", "--prompts-file", "/nonexistent/prompts.txt"], "--prompts-file /nonexistent/prompts.txt:"),
     (["hi", "--model", "/nonexistent/model.gguf"], "model file not found"),

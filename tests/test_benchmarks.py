@@ -217,8 +217,8 @@ def test_torch_peers_skipped_with_one_line_when_torch_is_absent(no_torch):
     assert select_impls("softmax", None, lines.append) == ["ours", "cupy-ops"]
     assert len(lines) == 1 and "skipping peer torch" in lines[0]
     lines.clear()
-    assert select_impls("model", None, lines.append) == ["tinylm", "tinylm-eager"]
-    assert len(lines) == 1 and "hf-transformers" in lines[0]
+    assert select_impls("model", None, lines.append) == ["tinylm", "tinylm-fused", "tinylm-eager"]
+    assert len(lines) == 2 and "hf-transformers" in lines[0] and "hf-compiled" in lines[1]
     with pytest.raises(peers.PeerUnavailable):
         peers.get_torch()
 
@@ -251,6 +251,23 @@ def test_speedups_over_peers_and_naive():
     assert (flash["peer"], flash["peer_ms"], flash["speedup"]) == ("torch-sdpa", 1.0, pytest.approx(2.0))
     assert "naive" not in naive["speedups"] and naive["speedup"] == pytest.approx(0.5)
     assert recs[2]["speedups"] == {} and recs[2]["speedup"] is None
+
+
+def test_model_record_share_of_the_weight_read_limit():
+    """A decode step reads every weight once: GB/s = weight bytes x steps/s (tokens/s / batch),
+    and the weight-read limit in tokens/s is copy GB/s / weight bytes x batch."""
+    from benchmarks.model_bench import _fill
+
+    for batch in (1, 8):
+        rec = {}
+        _fill(rec, [2.0, 3.0, 4.0], [900.0 * batch, 1000.0 * batch, 1100.0 * batch], [500.0], 300e6,
+              {"copy_gbps": 3000.0}, batch)
+        assert rec["decode_tok_s"] == 1000.0 * batch and rec["ttft_ms"] == 3.0
+        assert rec["gbps"] == pytest.approx(300.0) and rec["pct_ceiling"] == pytest.approx(10.0)
+        assert rec["weight_limit_tok_s"] == pytest.approx(10000.0 * batch)
+    rec = {}
+    _fill(rec, [1.0], [10.0], [], 1e6, {}, 1)
+    assert "weight_limit_tok_s" not in rec  # no ceiling measured: no limit claimed
 
 
 def test_fill_timing_numbers():
@@ -534,9 +551,11 @@ def test_cli_model_small(tmp_path, monkeypatch, capsys):
     _no_ceilings_on_the_emulator(monkeypatch)
     rc = main(["model", "--model", "tiny", "--new-tokens", "5", "--prompt-len", "7",
                "--model-backend", "numpy", "--hf-device", "cpu", "--model-dtype", "float32",
+               "--impl", "tinylm,tinylm-fused,hf-transformers",
                "--model-reps", "1", "--no-progress", "--json", str(tmp_path / "m.json")])
     assert rc == 0, capsys.readouterr().err[-3000:]
     by = {x["impl"]: x for x in report.read_json(tmp_path / "m.json")["records"]}
+    assert by["tinylm-fused"]["status"] == "skipped: the numpy backend has no fused decode step"
     ours, hf = by["tinylm"], by["hf-transformers"]
     assert ours["status"] == "ok" and hf["status"] == "ok", (ours, hf)
     assert ours["rel_err"] < 1e-4 and ours["decode_tok_s"] > 0 and ours["ttft_ms"] > 0
@@ -548,20 +567,22 @@ def test_cli_model_small(tmp_path, monkeypatch, capsys):
 @pytest.mark.gpu
 def test_cli_model_graphs_and_eager_on_device(tmp_path, monkeypatch, capsys):
     """The model case end to end on the device (or emulator), tiny preset in float32 at batch 1
-    and 2: both impls run, agree with the NumPy float32 logits, and the graph impl reports the
-    kernels of one captured decode step (embedding, first norm, 9 per layer, logits, sampling)."""
+    and 2: every impl runs, agrees with the NumPy float32 logits, and the graph impls report the
+    kernels of one captured decode step (unfused: embedding, first norm, 9 per layer, logits,
+    sampling; fused: embedding, 5 per layer, norm + logits, sampling)."""
     _no_ceilings_on_the_emulator(monkeypatch)
+    impls = ("tinylm", "tinylm-fused", "tinylm-eager")
     rc = main(["model", "--model", "tiny", "--new-tokens", "6", "--prompt-len", "5", "--batch", "1,2",
-               "--model-dtype", "float32", "--impl", "tinylm,tinylm-eager", "--model-reps", "1",
+               "--model-dtype", "float32", "--impl", ",".join(impls), "--model-reps", "1",
                "--no-progress", "--json", str(tmp_path / "m.json")])
     assert rc == 0, capsys.readouterr().err[-3000:]
     recs = report.read_json(tmp_path / "m.json")["records"]
-    assert [(r["case"], r["impl"]) for r in recs] == [(f"model tiny B{b}", i) for b in (1, 2)
-                                                      for i in ("tinylm", "tinylm-eager")]
+    assert [(r["case"], r["impl"]) for r in recs] == [(f"model tiny B{b}", i) for b in (1, 2) for i in impls]
+    per_step = {"tinylm": 4 + 9 * 2, "tinylm-fused": 3 + 5 * 2, "tinylm-eager": None}
     for r in recs:
         assert r["status"] == "ok" and r["rel_err"] < 1e-4 and r["decode_tok_s"] > 0 and r["gbps"] > 0, r
-        assert r["launches_per_step"] == (4 + 9 * 2 if r["impl"] == "tinylm" else None), r
-    assert "graph replays/run" in recs[0]["note"] and "batch 2" in recs[2]["note"]
+        assert r["launches_per_step"] == per_step[r["impl"]], r
+    assert "graph replays/run" in recs[0]["note"] and "batch 2" in recs[3]["note"]
 
 
 def test_plot_of_a_sweep(tmp_path):

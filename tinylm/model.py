@@ -15,6 +15,17 @@ token), and decode steps place each sequence's token at its own position. A deco
 writes only into RunState's buffers and reads its input ids from ``state.tokens``, so it can be
 captured in a CUDA graph and replayed (tinylm.graphs).
 
+The fused decode step (``Transformer(fused=True)``, cupy backend; ``_decode_fused``) computes the
+same thing in 5 kernels per layer instead of 9, each norm folded into the projection after it:
+
+    x = embed(ids)
+    per layer:  q = rope(rmsnorm(x) Wq^T); rope(rmsnorm(x) Wk^T), rmsnorm(x) Wv^T -> cache   (1)
+                o = attention(q, cached K/V), split-KV combine inside                    (2)
+                x = x + o Wo^T                                                           (3)
+                y = silu(rmsnorm(x) Wgate^T) * rmsnorm(x) Wup^T                          (4)
+                x = x + y Wdown^T                                                        (5)
+    logits = rmsnorm(x) Wout^T
+
 The backends (tinylm.ops_numpy.NumpyOps, tinylm.ops_cupy.CupyOps) implement the ops interface
 below; the model never looks at which one it has. Weights live in `Params` (uploaded once, in
 the backend's dtype); everything that changes while generating lives in `RunState`.
@@ -40,6 +51,10 @@ import numpy as np
 #   attend_prefill(q, cache, layer, start, key_lengths)   causal over cached positions
 #   attend_decode(q [B,Hq,1,hd], cache, layer, workspace, num_splits)   whole live cache per seq
 #   gather_rows(x [B,T,D], idx [B]) -> [B, 1, D]
+#   fused decode step (optional, ``fused_decode = True``): norm_qkv_rope_append(x, norm, wqkv, cache,
+#     layer, Hq, eps, base, style, out), attend_decode(..., fused_combine=True),
+#     matmul_residual(x, a, w) (x += a w^T), norm_gate_up_swiglu(x, norm, w_gate_up, eps, out),
+#     norm_matmul(x, norm, w, eps, out)
 #   contiguous(x), to_numpy(x) -> float32 np.ndarray, synchronize()
 
 
@@ -190,16 +205,39 @@ class Transformer:
     weights : tinylm.weights.Weights (host float32)
     backend : "auto" | "numpy" | "cupy", or an ops object
     dtype : compute/storage dtype name; None = the backend's default (float32 / float16)
+    fused : decode steps through the fused kernels (5 per layer instead of 9); None =
+        ``cupyattn.config.TINYLM_FUSED_DECODE`` where the backend has them (cupy), else False.
+        True on a backend without them is a ValueError.
     """
 
-    def __init__(self, args, weights, backend="auto", dtype=None):
+    def __init__(self, args, weights, backend="auto", dtype=None, fused=None):
         self.args = args
         self.ops = make_ops(backend, dtype) if isinstance(backend, str) else backend
         self.backend = self.ops.name
         self.dtype = np.dtype(self.ops.dtype).name
+        self.fused = self._resolve_fused(fused)
         with self.ops.stream():
             self.params = Params.upload(weights, self.ops)
         self.weight_bytes = self.params.nbytes()
+
+    def set_fused(self, fused) -> None:
+        """Switch decode steps between the fused and the unfused kernels (states made before keep
+        the graphs they captured: use a new RunState)."""
+        self.fused = self._resolve_fused(fused)
+
+    def _resolve_fused(self, fused) -> bool:
+        has = getattr(self.ops, "fused_decode", False)
+        if fused is None:
+            if not has:
+                return False
+            from cupyattn.config import TINYLM_FUSED_DECODE
+
+            return bool(TINYLM_FUSED_DECODE and self.args.head_dim % 16 == 0)
+        if fused and not has:
+            raise ValueError(f"fused decode needs the cupy backend, not {self.backend!r}")
+        if fused and self.args.head_dim % 16:
+            raise ValueError(f"fused decode needs a head_dim that is a multiple of 16, got {self.args.head_dim}")
+        return bool(fused)
 
     def new_state(self, batch: int = 1, max_seq: int | None = None) -> RunState:
         if max_seq is not None and max_seq > self.args.max_seq:
@@ -253,6 +291,8 @@ class Transformer:
             return getattr(scratch, name) if scratch is not None else None
 
         splits = self.decode_splits(state, int(need.max())) if decode else None
+        if decode and self.fused:
+            return self._decode_fused(ids, state, splits)
         key_lengths = None if counts is None else (start + counts).tolist()
         f = a.ffn_dim
         x = ops.embedding(ids, p.tok_embd, out=buf("x"))
@@ -279,6 +319,21 @@ class Transformer:
         if not all_logits and t > 1:
             h = ops.gather_rows(h, (np.full(b, t) if counts is None else counts) - 1)
         return ops.matmul(h, p.output, out=buf("logits"))
+
+    def _decode_fused(self, ids, state, splits):
+        """A decode step in 5 kernels per layer (module docstring), into RunState's buffers."""
+        a, ops, p, cache = self.args, self.ops, self.params, state.cache
+        b = ids.shape[0]
+        x = ops.embedding(ids, p.tok_embd, out=state.x)  # the residual stream, updated in place
+        for i, lp in enumerate(p.layers):
+            q = ops.norm_qkv_rope_append(x, lp.attn_norm, lp.wqkv, cache, i, a.n_heads, a.norm_eps,
+                                         a.rope_base, a.rope_style, out=state.q_rot)
+            o = ops.attend_decode(q, cache, i, out=state.att, workspace=state.workspace, num_splits=splits,
+                                  fused_combine=True)
+            ops.matmul_residual(x, o.reshape(b, 1, a.n_heads * a.head_dim), lp.wo)
+            y = ops.norm_gate_up_swiglu(x, lp.ffn_norm, lp.w_gate_up, a.norm_eps, out=state.ffn)
+            ops.matmul_residual(x, y, lp.w_down)
+        return ops.norm_matmul(x, p.output_norm, p.output, a.norm_eps, out=state.logits)
 
     def logits(self, ids) -> np.ndarray:
         """Full recompute (fresh cache) of float32 logits: ids [T] -> [T, V], [B, T] -> [B, T, V]."""

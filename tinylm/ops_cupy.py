@@ -16,7 +16,7 @@ import cupy
 import numpy as np
 
 import cupyattn
-from cupyattn import layers
+from cupyattn import fused, layers
 from cupyattn.config import DECODE_MAX_SPLITS
 
 _DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": cupyattn.bfloat16}
@@ -27,6 +27,7 @@ class CupyOps:
 
     name = "cupy"
     xp = cupy
+    fused_decode = True  # has the fused decode step's ops (cupyattn.fused)
 
     def __init__(self, dtype="float16"):
         key = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
@@ -88,9 +89,11 @@ class CupyOps:
         return cupy.ascontiguousarray(x)
 
     def decode_workspace(self, batch, n_heads, head_dim):
-        """Split-KV partials for decode_attention, sized for any split count it accepts."""
+        """Split-KV partials for decode_attention, sized for any split count it accepts, and the
+        fused combine's counters (zero; every call leaves them zero)."""
         return (cupy.empty((DECODE_MAX_SPLITS, batch, n_heads, head_dim), dtype=np.float32),
-                cupy.empty((DECODE_MAX_SPLITS, batch, n_heads), dtype=np.float32))
+                cupy.empty((DECODE_MAX_SPLITS, batch, n_heads), dtype=np.float32),
+                cupy.zeros((batch, n_heads), dtype=np.uint32))
 
     def decode_splits(self, batch, n_heads, n_kv_heads, head_dim, length):
         """Split-KV count for a decode step whose longest sequence holds ``length`` keys: the
@@ -123,8 +126,9 @@ class CupyOps:
         return cupyattn.attention(q, cache.k[layer, :, :, :s], cache.v[layer, :, :, :s], causal=True,
                                   key_lengths=key_lengths)
 
-    def attend_decode(self, q, cache, layer, out=None, workspace=None, num_splits=None):
-        return cupyattn.decode_attention(q, cache, layer, num_splits=num_splits, out=out, workspace=workspace)
+    def attend_decode(self, q, cache, layer, out=None, workspace=None, num_splits=None, fused_combine=False):
+        return cupyattn.decode_attention(q, cache, layer, num_splits=num_splits, out=out, workspace=workspace,
+                                         fused_combine=fused_combine)
 
     def swiglu(self, gate, up, out=None):
         return layers.swiglu(gate, up, out=out)
@@ -134,6 +138,20 @@ class CupyOps:
         b, t, d = x.shape
         flat = cupy.asarray(np.arange(b, dtype=np.int32) * t + np.asarray(idx, dtype=np.int32))
         return layers.embedding(flat, x.reshape(b * t, d)).reshape(b, 1, d)
+
+    # --- the fused decode step (tinylm.model.Transformer._decode_fused) -------------------
+    def norm_qkv_rope_append(self, x, norm_w, wqkv, cache, layer, n_heads, eps, base, style, out=None):
+        return fused.rmsnorm_qkv_rope_append(x, norm_w, wqkv, cache, layer, n_heads, eps, base, style, q_out=out)
+
+    def matmul_residual(self, x, a, w):
+        """x += a @ w^T, in place."""
+        return fused.gemm_residual(x, a, w)
+
+    def norm_gate_up_swiglu(self, x, norm_w, w_gate_up, eps, out=None):
+        return fused.rmsnorm_gate_up_swiglu(x, norm_w, w_gate_up, eps, out=out)
+
+    def norm_matmul(self, x, norm_w, w, eps, out=None):
+        return fused.rmsnorm_gemm(x, norm_w, w, eps, out=out)
 
     # --- sampling -------------------------------------------------------------------------
     def sampling_params(self, batch):

@@ -115,3 +115,9 @@ inline void mma_m16n8k16(float (&d)[4], const unsigned (&a)[4], const unsigned (
         d[i] = acc;
     }
 }
+
+// --- programmatic dependent launch ------------------------------------------------------------
+// The emulator runs launches one after another, so the previous kernel has always completed:
+// both are no-ops, as they are on a GPU for a launch without the PDL attribute.
+inline void pdl_wait() {}
+inline void pdl_launch_dependents() {}

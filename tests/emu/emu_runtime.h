@@ -127,6 +127,8 @@ inline int __syncthreads_and(int pred) { return emu_sync_count(!pred) == 0; }
 inline void __syncwarp(unsigned = 0xffffffffu) { emu_warp_barrier(); }
 inline void __threadfence() {}
 inline void __threadfence_block() {}
+// Cache-hinted loads (ld.global.cg: L2 only, for data other blocks wrote during this kernel).
+template <typename T> T __ldcg(const T* p) { return *p; }
 
 template <typename T> T emu_shfl(T v, int src_of_lane_fn_kind, int arg, int width) {
     static_assert(sizeof(T) <= 8, "shuffle of a type larger than 8 bytes");
