@@ -18,9 +18,10 @@ from . import specs
 from .report import RESULTS_DIR
 
 def _prog() -> str:
-    """The command the user typed: the console script, or ``python -m benchmarks``."""
+    """The command the user typed: the console script, or ``python -m benchmarks`` (checkout) /
+    ``python -m cupyattn_benchmarks`` (installed)."""
     name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
-    return "cupyattn-bench" if name.startswith("cupyattn-bench") else "python -m benchmarks"
+    return "cupyattn-bench" if name.startswith("cupyattn-bench") else f"python -m {__package__ or 'benchmarks'}"
 
 
 def _parser() -> argparse.ArgumentParser:

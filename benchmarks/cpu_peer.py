@@ -82,7 +82,7 @@ def main(argv=None) -> int:
         if threads != "default":
             env.update({k: threads for k in _THREAD_VARS})
         for _ in range(args.runs):
-            r = subprocess.run([sys.executable, "-m", "benchmarks.cpu_peer", "--child", "--threads", threads,
+            r = subprocess.run([sys.executable, "-m", f"{__package__}.cpu_peer", "--child", "--threads", threads,
                                 "--new-tokens", str(args.new_tokens), "--prompt", args.prompt],
                                env=env, capture_output=True, text=True)
             if r.returncode:

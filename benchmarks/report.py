@@ -18,8 +18,12 @@ import subprocess
 from pathlib import Path
 
 SCHEMA = "cupyattn-bench/1"
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent  # the checkout (for git); site-packages when installed
+# --record's default: benchmarks/results/ of a checkout; installed (no results/ beside this
+# file), ./cupyattn-results in the working directory, never inside site-packages
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+if not RESULTS_DIR.is_dir():
+    RESULTS_DIR = Path("cupyattn-results")
 
 # field -> type used to decode CSV text (JSON keeps native types)
 FIELD_TYPES = {
@@ -264,10 +268,12 @@ def device_meta() -> dict:
 def run_meta(argv, device: dict | None = None) -> dict:
     import numpy
 
+    from cupyattn._loader import KERNELS_DIR  # the sources the kernels were compiled from
+
     meta = {"date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "command": "python -m benchmarks " + " ".join(argv),
             "python": platform.python_version(), "numpy": numpy.__version__,
-            "kernels_sha256": kernels_sha256(ROOT / "kernels_cu")}
+            "kernels_sha256": kernels_sha256(KERNELS_DIR)}
     meta.update(git_commit())
     from importlib import metadata
 

@@ -31,7 +31,18 @@ import numpy as np
 
 from .config import STATIC_SMEM_BYTES
 
-KERNELS_DIR = Path(__file__).resolve().parent.parent / "kernels_cu"
+
+
+def _kernels_dir() -> Path:
+    """The .cu sources: ``cupyattn/kernels_cu/`` when installed (pyproject maps the repository's
+    top-level kernels_cu/ there), the checkout's ``kernels_cu/`` next to ``cupyattn/`` otherwise
+    (running from a clone, or an editable install)."""
+    here = Path(__file__).resolve().parent
+    installed = here / "kernels_cu"
+    return installed if installed.is_dir() else here.parent / "kernels_cu"
+
+
+KERNELS_DIR = _kernels_dir()
 
 # Options every spec gets; the arch is chosen per device by CuPy (runtime) or by the check.
 BASE_OPTIONS = ("-std=c++17",)

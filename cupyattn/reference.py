@@ -348,17 +348,40 @@ def _keep_mask(z, weights, top_k, top_p, exact):
     return keep
 
 
+def sampling_beta(temperature) -> np.float32:
+    """The inverse temperature the samplers use, float32: +inf (greedy) for T = 0 or when 1/T
+    overflows float32 (T below about 2.9e-39); 0 (every candidate equally likely) when 1/T is
+    below float32's smallest normal number (T above about 8.5e37); else float32(1/T)."""
+    t = float(temperature)
+    if t <= 0.0:
+        return np.float32(np.inf)
+    with np.errstate(over="ignore"):
+        inv32 = np.float32(1.0 / t)  # Python's 1/t is inf past float64; the cast rounds to nearest
+    return np.float32(0.0) if inv32 < np.finfo(np.float32).tiny else inv32
+
+
 def sampling_probs(logits, temperature, top_k=0, top_p=1.0):
-    """float64 [V]: the distribution the device sampler draws from (before its 40-bit fixed
-    point): softmax(logits / temperature) cut to the top-k logits (ties at the k-th value kept)
+    """float64 [V]: the distribution the samplers draw from (the device sampler before its 40-bit
+    fixed point): softmax(logits * beta) over the candidates (logits neither NaN nor -inf), with
+    beta = ``sampling_beta(temperature)``, cut to the top-k logits (ties at the k-th value kept)
     and then to the smallest most-likely set reaching top_p (ties at the cut kept whole).
-    temperature <= 0: all mass on the first argmax."""
+    Greedy (beta = +inf): all mass on the first argmax. +inf logits, if any, share all the mass.
+    No candidate: all zeros (the device sampler returns -1, the host Sampler raises)."""
     z = _f64(logits).reshape(-1)
     p = np.zeros_like(z)
-    if temperature <= 0:
-        p[int(np.argmax(np.where(np.isnan(z), -np.inf, z)))] = 1.0
+    safe = np.where(np.isnan(z), -np.inf, z)
+    if z.size == 0 or not safe.max() > -np.inf:
         return p
-    w = np.where(np.isnan(z), 0.0, np.exp((z - np.nanmax(z)) / temperature))
+    beta = float(sampling_beta(temperature))
+    if beta == np.inf:
+        p[int(np.argmax(safe))] = 1.0
+        return p
+    top = safe.max()
+    with np.errstate(invalid="ignore", over="ignore"):
+        if top == np.inf:
+            w = (safe == np.inf).astype(np.float64)
+        else:
+            w = np.where(safe > -np.inf, np.exp((safe - top) * beta), 0.0)
     keep = _keep_mask(z, w, top_k, top_p, exact=False)
     p[keep] = w[keep] / w[keep].sum()
     return p
@@ -366,23 +389,29 @@ def sampling_probs(logits, temperature, top_k=0, top_p=1.0):
 
 def sample_token(logits, temperature, top_k=0, top_p=1.0, seed=0, step=0, mass_bits=40):
     """The device sampler's exact choice for one row, re-implemented on the host: float32
-    logits and masses as the kernel forms them (``floor(exp((l - l_max) * (1/T)) * 2^bits)``
-    in float32), integer cuts, the Philox uniform of (seed, step), inverse CDF in id order."""
+    logits and masses as the kernel forms them (``floor(exp((l - l_max) * beta) * 2^bits)`` in
+    float32), integer cuts, the Philox uniform of (seed, step), inverse CDF in id order. -1 for
+    a row with no candidate (every logit NaN or -inf)."""
     l = np.asarray(logits).astype(np.float32).reshape(-1)
     safe = np.where(np.isnan(l), np.float32(-np.inf), l)
-    if np.float32(temperature) <= 0:  # the device holds T in float32: 0 < T < 2^-149 is greedy
+    if not safe.max() > -np.inf:
+        return -1
+    beta = sampling_beta(temperature)
+    if beta == np.inf:
         return int(np.argmax(safe))
     lmax = safe.max()
-    inv_t = np.float32(1.0) / np.float32(temperature)
-    with np.errstate(over="ignore", invalid="ignore"):
-        e = np.exp((l - lmax) * inv_t).astype(np.float32) * np.float32(2.0 ** mass_bits)
-    w = np.where(l >= lmax, 2 ** mass_bits, np.where(np.isnan(l), 0, np.floor(np.nan_to_num(e))))
-    w = w.astype(np.uint64)
-    keep = _keep_mask(l.astype(np.float64), w.astype(object), top_k, float(np.float32(top_p)), exact=True)
-    mass = np.where(keep, w, np.uint64(0))
-    total = int(mass.astype(object).sum())
-    if total == 0:
-        return int(np.argmax(safe))
+    full = 2 ** mass_bits
+    w = np.zeros(l.size, dtype=object)
+    with np.errstate(over="ignore", invalid="ignore", under="ignore"):
+        d = (safe - lmax).astype(np.float32)  # float32 subtraction, as the kernel
+        e = np.exp((d * beta).astype(np.float32)).astype(np.float32) * np.float32(2.0 ** mass_bits)
+    for i in range(l.size):
+        if not safe[i] > -np.inf or d[i] == -np.inf:
+            continue  # NaN, -inf, or l_max = +inf over a finite logit: no mass
+        w[i] = full if safe[i] >= lmax else int(np.floor(e[i]))
+    keep = _keep_mask(l.astype(np.float64), w, top_k, float(np.float32(top_p)), exact=True)
+    mass = np.where(keep, w, 0)
+    total = int(mass.sum())
     r = min(int(sampling_uniform(seed, step) * float(total)), total - 1)
-    cum = np.cumsum(mass.astype(object))
+    cum = np.cumsum(mass)
     return int(np.argmax(cum > r))

@@ -18,8 +18,24 @@ Distribution (``cupyattn.reference.sampling_probs`` is its float64 model): softm
 ``logits / temperature`` restricted to the top-k logits (ties at the k-th value all kept) and
 then to the smallest most-likely set whose probability reaches top_p (ties at the cut kept
 whole). Probabilities are 40-bit fixed point relative to the most likely token, so tokens less
-likely than 2^-40 of it are never drawn; NaN logits are never drawn. ``temperature == 0`` is
-greedy: the first index of the largest logit, as ``numpy.argmax``.
+likely than 2^-40 of it are never drawn.
+
+Edges (the same on tinylm's host Sampler and in the reference):
+
+- **NaN and -inf logits are never drawn**, greedy or sampled. A row with no other logit (all
+  NaN, all -inf, or a mix) yields the id **-1**: a kernel cannot raise, so the caller checks
+  (tinylm raises; the host Sampler raises ValueError on such a row).
+- **+inf logits** are infinitely more likely than finite ones: a row holding any is sampled
+  uniformly among its +inf entries (greedy takes the first).
+- **Temperature** ``T`` is used as ``beta = 1/T`` rounded to float32 (:func:`inverse_temperature`).
+  ``T == 0``, and any ``T`` so small that ``1/T`` overflows float32 (below about 2.9e-39), is
+  **greedy**: the first index of the largest logit, as ``numpy.argmax``. Any other ``T``
+  samples, tied maxima sharing the mass equally. ``T`` so large that ``1/T`` falls below
+  float32's normal range (above about 8.5e37) is the **uniform** limit: every candidate equally
+  likely (the top-k and top-p cuts still rank tokens by logit, so top-p keeps about a share p
+  of them).
+- Subnormal float32 logits (below 1.2e-38 in magnitude, possible in bfloat16 too) may count as
+  0 on a GPU (kernels are compiled with ``-ftz=true``).
 
 Example
 -------
@@ -60,7 +76,7 @@ class SamplingParams:
 
     Attributes
     ----------
-    fparams : cupy.ndarray float32 [batch, 2]   (temperature, top_p)
+    fparams : cupy.ndarray float32 [batch, 2]   (1/temperature as :func:`inverse_temperature`, top_p)
     iparams : cupy.ndarray int32 [batch, 4]     (top_k, seed bits 0-31, seed bits 32-63, step)
     """
 
@@ -86,7 +102,8 @@ class SamplingParams:
         """Write the settings (host -> device copies: call it before a capture or replay, not
         inside one). Each is one value for every sequence or one per sequence.
 
-        temperature : 0 for greedy, else logits are divided by it (finite, >= 0).
+        temperature : 0 for greedy, else logits are divided by it (finite, >= 0; see the
+            module docstring for the limits at both ends).
         top_k : 0 (off) or the number of most likely tokens to keep (>= 0).
         top_p : in (0, 1]; 1 is off.
         seed : int in [0, 2^64); a scalar gives sequence b the seed ``seed + b`` (mod 2^64).
@@ -106,7 +123,7 @@ class SamplingParams:
         if (st < 0).any() or (st > np.iinfo(np.int32).max).any():
             raise ValueError(f"{fn}(): step must be in [0, 2^31), got {step!r}")
         seeds = self._seeds(fn, seed)
-        f = np.stack([t, p], axis=1).astype(np.float32)
+        f = np.stack([inverse_temperature(t), p.astype(np.float32)], axis=1)
         u64 = np.uint64
         i = np.stack([k.astype(u64), seeds & u64(0xFFFFFFFF), seeds >> u64(32), st.astype(u64)], axis=1)
         self.fparams.set(np.ascontiguousarray(f))
@@ -124,6 +141,16 @@ class SamplingParams:
         if len(vals) == 1:
             vals = [(int(vals[0]) + b) % 2**64 for b in range(self.batch)]
         return np.array([int(v) for v in vals], dtype=np.uint64)
+
+
+def inverse_temperature(temperature) -> np.ndarray:
+    """float32 ``1/temperature`` as the sampler uses it (array in, array out): +inf (greedy) for
+    0 and wherever ``1/T`` overflows float32; 0 (uniform) wherever ``1/T`` is below float32's
+    normal range, so the device never meets a subnormal (it flushes them, the emulator would not)."""
+    t = np.asarray(temperature, dtype=np.float64)
+    with np.errstate(divide="ignore", over="ignore"):
+        beta = (1.0 / t).astype(np.float32)  # t == 0 -> inf; overflow -> inf
+    return np.where(beta < np.finfo(np.float32).tiny, np.float32(0.0), beta).astype(np.float32)
 
 
 def _check_args(fn, logits, params, out):
@@ -170,7 +197,8 @@ def sample(logits, params=None, *, temperature=0.0, top_k=0, top_p=1.0, seed=0, 
 
     Returns
     -------
-    cupy.ndarray int32: the sampled ids (``out`` when given, else shape [rows]).
+    cupy.ndarray int32: the sampled ids (``out`` when given, else shape [rows]); -1 for a row
+    whose logits are all NaN or -inf (nothing can be drawn; see the module docstring).
 
     Example
     -------
@@ -209,4 +237,4 @@ def philox4x32(counters, keys):
     return out
 
 
-__all__ = ["SamplingParams", "sample", "philox4x32"]
+__all__ = ["SamplingParams", "sample", "philox4x32", "inverse_temperature"]

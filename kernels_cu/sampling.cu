@@ -1,8 +1,8 @@
 // sampling.cu: next-token sampling on the device (spec "sampling", cupyattn/sampling.py).
 //
 //   kernel             idea
-//   sample_kernel<T>   one block per sequence over its logits row [V]. Greedy (temperature <= 0):
-//                      block argmax, ties to the smallest id (as numpy.argmax). Otherwise the
+//   sample_kernel<T>   one block per sequence over its logits row [V]. Greedy (1/temperature =
+//                      +inf): block argmax, ties to the smallest id (as numpy.argmax). Otherwise the
 //                      softmax of logits / temperature, cut by top-k and top-p, sampled by
 //                      inverse CDF in token-id order with a Philox-4x32-10 uniform. Both cuts are
 //                      exact thresholds on the logits found by 8-bit radix selection (token
@@ -14,13 +14,17 @@
 //                      the Random123 known-answer vectors).
 //
 // Settings are read from device arrays, so a captured CUDA graph uses the values of the moment
-// it is replayed: fparams float32 [B, 2] = (temperature, top_p); iparams int32 [B, 4] = (top_k,
-// seed bits 0-31, seed bits 32-63, step). The kernel advances step by one per call.
+// it is replayed: fparams float32 [B, 2] = (beta = 1/temperature, top_p), where the host wrote
+// beta = +inf for greedy and beta = 0 for the uniform limit (cupyattn/sampling.py,
+// inverse_temperature); iparams int32 [B, 4] = (top_k, seed bits 0-31, seed bits 32-63, step).
+// The kernel advances step by one per call.
 //
-// Semantics (cupyattn/sampling.py documents them for users):
-//   probability mass of token i: m_i = floor(exp((l_i - l_max) / temperature) * 2^MASS_BITS);
-//     the most likely token weighs exactly 2^MASS_BITS; masses below 1 (p_i / p_max < 2^-MASS_BITS)
-//     are 0; NaN logits weigh 0 and never win the argmax.
+// Semantics (cupyattn/sampling.py documents them for users, cupyattn/reference.py models them):
+//   candidates: the tokens whose logit is neither NaN nor -inf. A row without one yields -1.
+//   probability mass of candidate i: m_i = floor(exp((l_i - l_max) * beta) * 2^MASS_BITS), so
+//     the most likely token weighs exactly 2^MASS_BITS; masses below 1 (p_i / p_max <
+//     2^-MASS_BITS) are 0; when l_max is +inf only the +inf logits weigh (l_i - l_max = -inf);
+//     beta = 0 gives every candidate the same mass. NaN and -inf weigh 0 and never win the argmax.
 //   top-k (0 < k < V): keep tokens whose logit >= the k-th largest logit (ties at the k-th value
 //     are all kept, so more than k tokens may remain).
 //   top-p (p < 1): among those, keep tokens whose logit >= the largest threshold t with
@@ -77,10 +81,13 @@ __device__ __forceinline__ unsigned order_key(float f) {
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-__device__ __forceinline__ u64 mass_of(float l, float lmax, float inv_t) {
-    if (l != l) return 0ull;
+// Mass of logit l against the row's largest l_max (beta finite, >= 0; see the header).
+__device__ __forceinline__ u64 mass_of(float l, float lmax, float beta) {
+    if (!(l > -CUDART_INF_F)) return 0ull;  // NaN or -inf: never drawn
     if (l >= lmax) return 1ull << SAMPLING_MASS_BITS;
-    return (u64)(expf((l - lmax) * inv_t) * (float)(1ull << SAMPLING_MASS_BITS));
+    const float d = l - lmax;
+    if (d == -CUDART_INF_F) return 0ull;  // l_max = +inf (or the difference overflows)
+    return (u64)(expf(d * beta) * (float)(1ull << SAMPLING_MASS_BITS));
 }
 
 // --- block reductions (blockDim.x == SAMPLING_THREADS) -------------------------------------------
@@ -145,7 +152,7 @@ __device__ u64 block_exclusive_scan(u64 x, u64* total, u64* sw) {
 // depend on the order of the atomic adds.
 template <typename T, bool MASS>
 __device__ unsigned radix_threshold(const T* row, int V, unsigned floor_key, u64 need, float lmax,
-                                    float inv_t, u64* hist, unsigned* sel_digit, u64* sel_need) {
+                                    float beta, u64* hist, unsigned* sel_digit, u64* sel_need) {
     const int lane = threadIdx.x & 31;
     unsigned prefix = 0u, mask = 0u;
     for (int shift = 24; shift >= 0; shift -= 8) {
@@ -155,7 +162,7 @@ __device__ unsigned radix_threshold(const T* row, int V, unsigned floor_key, u64
             const float l = to_float(row[i]);
             const unsigned key = order_key(l);
             if (key < floor_key || (key & mask) != prefix) continue;
-            atomicAdd(&hist[(key >> shift) & 255u], MASS ? mass_of(l, lmax, inv_t) : 1ull);
+            atomicAdd(&hist[(key >> shift) & 255u], MASS ? mass_of(l, lmax, beta) : 1ull);
         }
         __syncthreads();
         if (threadIdx.x < 32) {
@@ -199,7 +206,7 @@ __device__ unsigned radix_threshold(const T* row, int V, unsigned floor_key, u64
 template <typename T>
 __global__ void __launch_bounds__(SAMPLING_THREADS, 1) sample_kernel(
     const T* __restrict__ logits,         // [B, V], row b at b * ld, last dim contiguous
-    const float* __restrict__ fparams,    // [B, 2]: temperature, top_p
+    const float* __restrict__ fparams,    // [B, 2]: beta = 1/temperature (+inf: greedy), top_p
     int* __restrict__ iparams,            // [B, 4]: top_k, seed lo, seed hi, step (advanced here)
     int* __restrict__ out,                // [B] sampled token ids
     int V, long long ld) {
@@ -212,7 +219,7 @@ __global__ void __launch_bounds__(SAMPLING_THREADS, 1) sample_kernel(
     __shared__ int chosen;
     const int b = blockIdx.x;
     const T* row = logits + b * ld;
-    const float temperature = fparams[2 * b], top_p = fparams[2 * b + 1];
+    const float beta = fparams[2 * b], top_p = fparams[2 * b + 1];
     const int top_k = iparams[4 * b], step = iparams[4 * b + 3];
     const unsigned seed_lo = (unsigned)iparams[4 * b + 1], seed_hi = (unsigned)iparams[4 * b + 2];
 
@@ -228,25 +235,25 @@ __global__ void __launch_bounds__(SAMPLING_THREADS, 1) sample_kernel(
         }
     }
     block_argmax(best, best_i, sv, si);
-    int token = best_i < V ? best_i : 0;
+    // no candidate (every logit NaN or -inf): -1, documented; the host side reports it
+    int token = best > -CUDART_INF_F ? best_i : -1;
 
-    if (temperature > 0.f) {
-        const float inv_t = 1.0f / temperature;
+    if (token >= 0 && beta < CUDART_INF_F) {
         // step 2: top-k cut, the k-th largest key (ties kept)
         unsigned thr = 0u;
         if (top_k > 0 && top_k < V)
-            thr = radix_threshold<T, false>(row, V, 0u, (u64)top_k, best, inv_t, hist, &sel_digit, &sel_need);
+            thr = radix_threshold<T, false>(row, V, 0u, (u64)top_k, best, beta, hist, &sel_digit, &sel_need);
         // step 3: top-p cut among the top-k survivors
         if (top_p < 1.0f) {
             u64 own = 0ull, kept = 0ull;
             for (int i = threadIdx.x; i < V; i += blockDim.x) {
                 const float l = to_float(row[i]);
-                if (order_key(l) >= thr) own += mass_of(l, best, inv_t);
+                if (order_key(l) >= thr) own += mass_of(l, best, beta);
             }
             block_exclusive_scan(own, &kept, sw);
             double want = ceil((double)top_p * (double)kept);
             const u64 need = want < 1.0 ? 1ull : (want >= (double)kept ? kept : (u64)want);
-            const unsigned thr_p = radix_threshold<T, true>(row, V, thr, need, best, inv_t, hist, &sel_digit,
+            const unsigned thr_p = radix_threshold<T, true>(row, V, thr, need, best, beta, hist, &sel_digit,
                                                             &sel_need);
             thr = thr_p > thr ? thr_p : thr;
         }
@@ -256,10 +263,10 @@ __global__ void __launch_bounds__(SAMPLING_THREADS, 1) sample_kernel(
         u64 own = 0ull, total = 0ull;
         for (int i = lo; i < hi; ++i) {
             const float l = to_float(row[i]);
-            if (order_key(l) >= thr) own += mass_of(l, best, inv_t);
+            if (order_key(l) >= thr) own += mass_of(l, best, beta);
         }
         const u64 before = block_exclusive_scan(own, &total, sw);
-        if (total > 0ull) {  // else every kept logit is NaN: stay with the argmax
+        if (total > 0ull) {  // always (the argmax weighs 2^MASS_BITS and survives both cuts)
             const Philox4 rnd = philox4x32_10(Philox4{(unsigned)step, 0u, 0u, 0u}, seed_lo, seed_hi);
             u64 r = (u64)(uniform53(rnd.x, rnd.y) * (double)total);
             if (r >= total) r = total - 1ull;
@@ -269,7 +276,7 @@ __global__ void __launch_bounds__(SAMPLING_THREADS, 1) sample_kernel(
                 u64 cum = before;
                 for (int i = lo; i < hi; ++i) {
                     const float l = to_float(row[i]);
-                    if (order_key(l) >= thr) cum += mass_of(l, best, inv_t);
+                    if (order_key(l) >= thr) cum += mass_of(l, best, beta);
                     if (r < cum) {
                         chosen = i;
                         break;

@@ -393,6 +393,20 @@ def test_valid_edge_calls_launch_nothing_empty():
 
 
 # --- host: tinylm API -----------------------------------------------------------------------------
+def _small_tokenizer():
+    """Two control tokens and the 256 byte tokens, no merges."""
+    from tinylm.tokenizer import CONTROL, NORMAL, Tokenizer, _byte_to_unicode
+
+    tokens = ["<|im_start|>", "<|im_end|>"] + [_byte_to_unicode()[b] for b in range(256)]
+    return Tokenizer(tokens, [], [CONTROL, CONTROL] + [NORMAL] * 256)
+
+
+def _tiny_generator():
+    from tinylm import load
+
+    return load("tiny", backend="numpy")
+
+
 def _host_cases():
     from tinylm import Sampler
 
@@ -406,6 +420,20 @@ def _host_cases():
         ("sampler-topp-bool", lambda: Sampler(1.0, top_p=True), TypeError, r"Sampler\(\): top_p must be a real number"),
         ("sampler-seed-neg", lambda: Sampler(seed=-1), ValueError, r"Sampler\(\): seed must be an integer in \[0, 2\^64\)"),
         ("sampler-seed-float", lambda: Sampler(seed=1.5), TypeError, r"Sampler\(\): seed must be an integer"),
+        ("tokenizer-bytes", lambda: _small_tokenizer().encode(b"hi"), TypeError,
+         r"Tokenizer.encode\(\): text must be a str, got bytes \(decode bytes first"),
+        ("tokenizer-none", lambda: _small_tokenizer().encode(None), TypeError,
+         r"Tokenizer.encode\(\): text must be a str, got NoneType"),
+        ("tokenizer-surrogate", lambda: _small_tokenizer().encode("caf\udce9"), ValueError,
+         r"Tokenizer.encode\(\): text is not valid Unicode text: lone surrogate U\+DCE9 at index 3"),
+        ("tokenizer-chat-bytes", lambda: _small_tokenizer().encode_chat(b"hi"), TypeError,
+         r"Tokenizer.encode_chat\(\): prompt must be a str, got bytes"),
+        ("tokenizer-chat-system-surrogate", lambda: _small_tokenizer().encode_chat("hi", system="\ud800"),
+         ValueError, r"Tokenizer.encode_chat\(\): system is not valid Unicode text: lone surrogate U\+D800"),
+        ("generator-encode-bytes", lambda: _tiny_generator().encode(b"hi"), TypeError,
+         r"Generator.encode\(\): text must be a str, got bytes"),
+        ("generator-encode-surrogate", lambda: _tiny_generator().encode("\udc80"), ValueError,
+         r"Generator.encode\(\): text is not valid Unicode text: lone surrogate U\+DC80 at index 0"),
     ]
     return [pytest.param(f, e, p, id=i) for i, f, e, p in cases]
 
@@ -438,11 +466,9 @@ def test_bad_generate_arguments(tiny, kw, exc, pattern):
 
 def test_generate_allow_special_with_chat_is_an_error():
     from tinylm.generate import Generator
-    from tinylm.tokenizer import CONTROL, NORMAL, Tokenizer, _byte_to_unicode
 
-    tokens = ["<|im_start|>", "<|im_end|>"] + [_byte_to_unicode()[b] for b in range(256)]
     g = Generator.__new__(Generator)
-    g.tokenizer = Tokenizer(tokens, [], [CONTROL, CONTROL] + [NORMAL] * 256)
+    g.tokenizer = _small_tokenizer()
     assert g.encode("<|im_end|>", allow_special=True) == [1]
     with pytest.raises(ValueError, match=r"Generator.encode\(\): allow_special applies to raw prompts"):
         g.encode("hi", chat=True, allow_special=True)

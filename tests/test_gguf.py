@@ -87,8 +87,10 @@ def test_dequantize_plain_types(kind, dtype):
 
 
 def test_dequantize_rejects_bad_input():
-    with pytest.raises(GGUFError, match="Q4_K"):
-        dequantize(np.zeros(144, np.uint8), QT.Q4_K, (256,))
+    with pytest.raises(GGUFError, match=r"unsupported tensor type Q8_1 \(supported: F32, F16, .*Q4_K"):
+        dequantize(np.zeros(36, np.uint8), QT.Q8_1, (32,))  # gguf 0.19 cannot dequantize Q8_1 either
+    with pytest.raises(GGUFError, match="Q4_K needs rows of a multiple of 256 weights, got rows of 64"):
+        dequantize(np.zeros(144, np.uint8), QT.Q4_K, (4, 64))
     with pytest.raises(GGUFError, match="needs 40 bytes, got 39"):
         dequantize(np.zeros(39, np.uint8), "Q4_1", (64,))
     with pytest.raises(GGUFError, match="multiple of 32"):
@@ -105,11 +107,13 @@ GGUF_LAYER = {"attn_norm": "attn_norm", "wq": "attn_q", "wk": "attn_k", "wv": "a
 
 
 def write_llama_gguf(path, args=TINY, tied=True, kinds=("Q4_1", "Q8_0", "Q4_0", "F16"),
-                     arch="llama", override=None, seed=0):
-    """Write a Llama GGUF for ``args`` with random weights; returns {name: (kind, expected f32)}.
+                     arch="llama", override=None, seed=0, extra=None, edit=None):
+    """Write a Llama GGUF for ``args`` with random weights; returns {name: (kind, expected f32
+    as gguf.quants dequantizes it, the float32 weights before quantization)}.
 
-    Matrices cycle through ``kinds``; norms are F32. ``override`` maps a tensor name to a raw
-    (uint8 array, GGMLQuantizationType) to store instead.
+    Matrices cycle through ``kinds`` (any type gguf.quants can quantize); norms are F32.
+    ``override`` maps a tensor name to a raw (uint8 array, GGMLQuantizationType) to store
+    instead; ``extra`` maps more tensor names to float32 arrays; ``edit(writer)`` adds metadata.
     """
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), arch)
@@ -135,16 +139,16 @@ def write_llama_gguf(path, args=TINY, tied=True, kinds=("Q4_1", "Q8_0", "Q4_0", 
         x = rng.standard_normal(shape).astype(np.float32)
         if len(shape) == 1:
             w.add_tensor(name, x)
-            expected[name] = ("F32", x)
+            expected[name] = ("F32", x, x)
             return
         kind = kinds[next(counter) % len(kinds)]
-        if kind == "F16":
-            w.add_tensor(name, x.astype(np.float16))
-            expected[name] = (kind, x.astype(np.float16).astype(np.float32))
+        if kind in ("F16", "F32"):
+            w.add_tensor(name, x.astype(kind.lower().replace("f", "float")))
+            expected[name] = (kind, x.astype(kind.lower().replace("f", "float")).astype(np.float32), x)
         else:
             q = gguf.quants.quantize(x, QT[kind])
             w.add_tensor(name, q, raw_dtype=QT[kind])
-            expected[name] = (kind, gguf.quants.dequantize(q, QT[kind]))
+            expected[name] = (kind, gguf.quants.dequantize(q, QT[kind]), x)
 
     put("token_embd.weight", (args.vocab_size, args.dim))
     put("output_norm.weight", (args.dim,))
@@ -154,6 +158,10 @@ def write_llama_gguf(path, args=TINY, tied=True, kinds=("Q4_1", "Q8_0", "Q4_0", 
     for i in range(args.n_layers):
         for field, gname in GGUF_LAYER.items():
             put(f"blk.{i}.{gname}.weight", shapes[field])
+    for name, x in (extra or {}).items():
+        w.add_tensor(name, np.asarray(x, dtype=np.float32))
+    if edit is not None:
+        edit(w)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -165,7 +173,7 @@ def write_llama_gguf(path, args=TINY, tied=True, kinds=("Q4_1", "Q8_0", "Q4_0", 
 def test_load_small_gguf_all_types(tmp_path, tied):
     path = tmp_path / "tiny.gguf"
     expected = write_llama_gguf(path, tied=tied)
-    assert {k for k, _ in expected.values()} == {"Q4_1", "Q8_0", "Q4_0", "F16", "F32"}
+    assert {k for k, *_ in expected.values()} == {"Q4_1", "Q8_0", "Q4_0", "F16", "F32"}
     args, weights, meta = load_gguf(path)
     assert args == ModelArgs(**{**TINY.__dict__, "tie_embeddings": tied})
     assert meta["general.architecture"] == "llama"
@@ -193,11 +201,11 @@ def test_load_dtype_argument(tmp_path):
 
 
 def test_unsupported_tensor_type_names_tensor(tmp_path):
-    path = tmp_path / "q5.gguf"
-    x = np.random.default_rng(0).standard_normal((TINY.kv_dim, TINY.dim)).astype(np.float32)
-    override = {"blk.1.attn_v.weight": (gguf.quants.quantize(x, QT.Q5_0), QT.Q5_0)}
-    write_llama_gguf(path, override=override)
-    with pytest.raises(GGUFError, match=r"blk\.1\.attn_v\.weight.*Q5_0"):
+    path = tmp_path / "i32.gguf"
+    ints = np.zeros((TINY.kv_dim, TINY.dim), np.int32)  # an integer tensor type: no weights
+    write_llama_gguf(path, override={"blk.1.attn_v.weight": (ints, QT.I32)})
+    with pytest.raises(GGUFError, match=r"blk\.1\.attn_v\.weight.*has type I32, which neither tinylm nor the "
+                                        r"installed gguf package can dequantize"):
         load_gguf(path)
 
 

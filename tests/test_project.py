@@ -17,9 +17,66 @@ def test_ci_runs_exactly_the_readme_test_command():
     assert "tinylm" in commands[0]
 
 
-def test_kernel_sources_ship_as_package_data():
-    text = (ROOT / "pyproject.toml").read_text()
-    assert re.search(r'kernels_cu\s*=\s*\[[^\]]*"\*\.cu"', text) and '"*.cuh"' in text
+def test_install_has_project_specific_names(tmp_path):
+    """Run setuptools on a copy of the package sources as pip does for a wheel (``build_py``
+    copies packages and package data into the install tree, ``egg_info`` writes the entry points;
+    only setuptools is needed, no network), then use that tree from a directory holding decoy
+    ``benchmarks/`` and ``kernels_cu/`` folders: its top-level names are cupyattn, tinylm and
+    cupyattn_benchmarks only; every kernel source and header of the checkout is in
+    cupyattn/kernels_cu/, where the loader finds it; every benchmark module is in
+    cupyattn_benchmarks; the cupyattn-bench entry point and ``python -m cupyattn_benchmarks`` run.
+    (Checked by hand too: pip install of the wheel and pip install -e into fresh venvs.)"""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    import pytest
+
+    pytest.importorskip("setuptools")
+    src, site, meta = tmp_path / "src", tmp_path / "site", tmp_path / "meta"
+    skip = shutil.ignore_patterns("__pycache__", "results", "*.egg-info", "build")
+    for d in ("cupyattn", "kernels_cu", "tinylm", "benchmarks"):
+        shutil.copytree(ROOT / d, src / d, ignore=skip)
+    for f in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / f, src / f)
+    meta.mkdir()
+    r = subprocess.run([sys.executable, "-W", "ignore", "-c", "from setuptools import setup; setup()", "-q",
+                        "egg_info", "--egg-base", str(meta), "build_py", "--build-lib", str(site)],
+                       cwd=src, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert sorted(p.name for p in site.iterdir()) == ["cupyattn", "cupyattn_benchmarks", "tinylm"]
+    kernels = sorted(p.name for p in (ROOT / "kernels_cu").iterdir() if p.suffix in (".cu", ".cuh"))
+    assert sorted(p.name for p in (site / "cupyattn" / "kernels_cu").iterdir() if p.suffix in (".cu", ".cuh")) == kernels
+    bench = sorted(p.name for p in (ROOT / "benchmarks").glob("*.py"))
+    assert sorted(p.name for p in (site / "cupyattn_benchmarks").glob("*.py")) == bench
+    entry = (meta / "cupyattn.egg-info" / "entry_points.txt").read_text()
+    assert "cupyattn-bench = cupyattn_benchmarks.__main__:main" in entry and "tinylm = tinylm.__main__:main" in entry
+
+    decoy = tmp_path / "work"
+    (decoy / "benchmarks").mkdir(parents=True)
+    (decoy / "benchmarks" / "__main__.py").write_text("raise SystemExit('the decoy ran')\n")
+    (decoy / "kernels_cu").mkdir()
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    code = ("import sys, cupyattn._loader as L, cupyattn_benchmarks.__main__ as B; "
+            "print(L.KERNELS_DIR); print(len(L.inline_source((L.KERNELS_DIR / 'sampling.cu').read_text())) > 0); "
+            "sys.argv = ['cupyattn-bench', '--help']; B.main()")
+    r = subprocess.run([sys.executable, "-c", code], cwd=decoy, env=env, capture_output=True, text=True, timeout=300)
+    lines = r.stdout.splitlines()
+    assert r.returncode == 0 and lines[0] == str(site / "cupyattn" / "kernels_cu") and lines[1] == "True", r.stderr
+    assert lines[2].startswith("usage: cupyattn-bench "), r.stdout
+    r = subprocess.run([sys.executable, "-m", "cupyattn_benchmarks", "--help"], cwd=decoy, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.startswith("usage: python -m cupyattn_benchmarks "), r.stderr
+
+
+def test_benchmarks_import_each_other_relatively():
+    """The benchmark package is installed as cupyattn_benchmarks: no module may import itself or
+    a sibling by the checkout's name ``benchmarks`` (nor run ``-m benchmarks.x`` in a subprocess)."""
+    for f in (ROOT / "benchmarks").glob("*.py"):
+        text = f.read_text()
+        assert not re.search(r"^\s*(from|import)\s+benchmarks\b", text, re.M), f.name
+        assert '"-m", "benchmarks' not in text, f.name
 
 
 def test_no_generated_files_in_git_and_build_outputs_ignored():

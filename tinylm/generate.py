@@ -149,7 +149,7 @@ def generate_batch(model: Transformer, state: RunState, prompts, max_new_tokens:
         with ops.stream():
             state.sampling.set(temperature, top_k, top_p, seed)
     else:
-        samplers = samplers or [Sampler(temperature, top_k, top_p, seed + i) for i in range(b)]
+        samplers = samplers or [Sampler(temperature, top_k, top_p, (seed + i) % 2**64) for i in range(b)]
     ids = np.zeros((b, int(lens.max())), dtype=np.int64)
     for i, p in enumerate(prompts):
         ids[i, :len(p)] = p
@@ -161,6 +161,9 @@ def generate_batch(model: Transformer, state: RunState, prompts, max_new_tokens:
         for i, tok in enumerate(int(t) for t in toks):
             if t_end[i]:
                 continue  # finished: later tokens of this row are dropped
+            if tok < 0:  # the device sampler's answer for a row of NaN / -inf logits
+                raise RuntimeError(f"generate(): sequence {i} has no logit that can be sampled at token "
+                                   f"{len(out[i]) + 1} (every logit is NaN or -inf)")
             out[i].append(tok)
             if on_token is not None:
                 on_token(i, tok)
@@ -197,6 +200,7 @@ def generate_batch(model: Transformer, state: RunState, prompts, max_new_tokens:
     n_dec = sum(max(len(o) - 1, 0) for o in out)
     extra = {"batch": b, "graphs": bool(runner is not None and graphs), "decode_steps": steps,
              "batch_decode_tokens_per_s": n_dec / (t2 - t1) if n_dec and t2 > t1 else 0.0,
+             "batch_decode_s": t2 - t1, "batch_decode_tokens": n_dec,
              "graph_replays": runner.replays if runner is not None else 0}
     results = []
     for i in range(b):
@@ -209,6 +213,54 @@ def generate_batch(model: Transformer, state: RunState, prompts, max_new_tokens:
             weight_bytes=model.weight_bytes, backend=model.backend, dtype=model.dtype,
             stop_reason=stop[i], decode_ms=dec_s * 1e3, extra=dict(extra)))
     return results
+
+
+# --- batches that fit in memory ----------------------------------------------------------------
+# One place decides how many prompts run together; continuous batching over a paged KV cache
+# would replace it.
+MEMORY_SHARE = 0.7  # of the memory free before a batch, what its KV cache and activations may take
+                    # (the rest: allocator slack, temporaries we do not count, the OS)
+
+
+def state_capacity(args, positions: int) -> int:
+    """max_seq of the RunState a generation needing ``positions`` cache positions gets: a
+    multiple of 256, at least 512 (so short runs share one), at most the model's context."""
+    return min(args.max_seq, max(512, -(-positions // 256) * 256))
+
+
+def sequence_bytes(args, ops, prompt_len: int, positions: int) -> tuple:
+    """(KV cache, activations) in bytes that one sequence of a batch takes on ``ops``' backend:
+    its K and V rows at the RunState's capacity, and the prefill's per-token temporaries
+    (residual, norms, QKV, attention output, gate|up, SwiGLU) plus the backend's attention
+    scratch (NumPy's score matrices; none for the fused kernels), logits in float32. An upper
+    bound of what tracemalloc measures on the NumPy backend (tests/test_tinylm.py)."""
+    a, item = args, np.dtype(ops.dtype).itemsize
+    kv = 2 * a.n_layers * a.n_kv_heads * state_capacity(a, positions) * a.head_dim * item
+    qd, kvd = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+    per_token = 6 * a.dim + 3 * qd + 2 * kvd + 4 * a.ffn_dim  # with the norms' and SwiGLU's temporaries
+    act = prompt_len * per_token * item + 4 * a.vocab_size * 4  # logits and the sampler's copies
+    act += ops.attention_scratch_bytes(a.n_heads, min(prompt_len, PREFILL_CHUNK), prompt_len)
+    return kv, act
+
+
+def batch_sizes(args, ops, n_prompts: int, prompt_len: int, positions: int, free_bytes, max_batch=None,
+                fn: str = "Generator.generate_batch") -> list:
+    """Sizes of the consecutive batches ``n_prompts`` prompts (the longest ``prompt_len`` tokens,
+    ``positions`` cache positions each) run in: as few as fit MEMORY_SHARE of ``free_bytes``
+    (None: unknown, no limit) and ``max_batch``, of near-equal sizes. RuntimeError naming ``fn``
+    when not even one sequence fits."""
+    fit = n_prompts if max_batch is None else max_batch
+    if free_bytes is not None:
+        kv, act = sequence_bytes(args, ops, prompt_len, positions)
+        fit = min(fit, int(free_bytes * MEMORY_SHARE) // (kv + act))
+        if fit < 1:
+            gib = 2.0 ** 30
+            raise RuntimeError(f"{fn}(): one sequence ({prompt_len} prompt tokens, {positions} cache positions) "
+                               f"needs {(kv + act) / gib:.2f} GiB on the {ops.name} backend (KV cache "
+                               f"{kv / gib:.2f} GiB, activations {act / gib:.2f} GiB); {free_bytes / gib:.2f} GiB "
+                               f"are free, of which {MEMORY_SHARE:.0%} is used: 0 prompts fit")
+    k = -(-n_prompts // max(fit, 1))
+    return [n_prompts // k + (i < n_prompts % k) for i in range(k)] if n_prompts else []
 
 
 def _check_max_new(n) -> int:
@@ -242,12 +294,40 @@ class Generator:
         """A RunState holding at least `tokens` positions (reused while it is big enough)."""
         s = self._state
         if s is None or s.batch != batch or s.max_seq < tokens:
-            cap = min(self.args.max_seq, max(512, -(-tokens // 256) * 256))
+            cap = state_capacity(self.args, tokens)
             if tokens > cap:
                 raise ValueError(f"{tokens} tokens do not fit the model's context of {self.args.max_seq}")
             self._state = s = None  # free the old cache before allocating the new one
             s = self._state = self.model.new_state(batch, cap)
         return s
+
+    def _free_memory(self):
+        """Bytes a new RunState may use: the backend's free memory plus the KV cache of the state
+        held now (Generator.state frees it before allocating another); None if unknown."""
+        free = self.model.ops.free_memory()
+        if free is not None and self._state is not None:
+            free += self._state.cache.k.nbytes + self._state.cache.v.nbytes
+        return free
+
+    def _ids(self, fn: str, name: str, ids) -> list:
+        """Token ids as Python ints, each in [0, vocab_size), else ValueError naming ``name``."""
+        ids = [int(i) for i in ids]
+        bad = [i for i in ids if not 0 <= i < self.args.vocab_size]
+        if bad:
+            raise ValueError(f"{fn}(): {name} must be token ids in [0, {self.args.vocab_size}), got {bad[0]} "
+                             f"at index {ids.index(bad[0])}")
+        return ids
+
+    def positions(self, fn: str, prompt_len: int, max_new_tokens: int) -> int:
+        """KV-cache positions a generation needs: the prompt and every new token but the last,
+        which is sampled and never fed back (a prompt with max_new_tokens = 0 still needs its own).
+        Raises ValueError naming ``fn`` past the model's context."""
+        need = prompt_len + max(max_new_tokens, 1) - 1
+        if need > self.args.max_seq:
+            raise ValueError(f"{fn}(): a prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} needs "
+                             f"{need} cache positions (the last new token needs none), more than the model's "
+                             f"context of {self.args.max_seq} tokens")
+        return need
 
     def encode(self, text: str, chat: bool = False, system: str | None = None,
                allow_special: bool = False) -> list:
@@ -258,7 +338,10 @@ class Generator:
         (non-chat) prompt contain control tokens written as text.
         """
         if self.tokenizer is None:
-            return [b % self.args.vocab_size for b in text.encode("utf-8")] or [0]
+            from .tokenizer import check_text
+
+            data = check_text("Generator.encode", "text", text).encode("utf-8")
+            return [b % self.args.vocab_size for b in data] or [0]
         if chat:
             if allow_special:
                 raise ValueError("Generator.encode(): allow_special applies to raw prompts, not chat=True "
@@ -284,8 +367,11 @@ class Generator:
         reports a long prompt's prefill. Arguments are checked before anything runs."""
         sampler = Sampler(temperature, top_k, top_p, seed)
         max_new_tokens = _check_max_new(max_new_tokens)
-        prompt_ids = [int(i) for i in prompt_ids]
-        state = self.state(len(prompt_ids) + max(max_new_tokens, 1))
+        prompt_ids = self._ids("Generator.generate", "prompt_ids", prompt_ids)
+        positions = self.positions("Generator.generate", len(prompt_ids), max_new_tokens)
+        batch_sizes(self.args, self.model.ops, 1, len(prompt_ids), positions, self._free_memory(), None,
+                    "Generator.generate")  # refuses a sequence that cannot fit at all
+        state = self.state(positions)
         stop = None if ignore_eos else self.stop_ids
         res = generate(self.model, state, prompt_ids, max_new_tokens, sampler, stop, on_token, self.graphs,
                        on_prefill)
@@ -295,30 +381,65 @@ class Generator:
 
     def generate_batch(self, prompts, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
                        top_p: float = 1.0, seed: int = 0, ignore_eos: bool = False,
-                       on_token=None, on_prefill=None) -> list:
-        """Several prompts (lists of ids, any lengths) in one batch -> one GenerationResult each.
+                       on_token=None, on_prefill=None, max_batch: int | None = None) -> list:
+        """Several prompts (lists of ids, any lengths) -> one GenerationResult each, in order.
 
-        Each sequence stops on its own; on_token(i, id) streams; on_prefill(done, total) reports
-        a long prefill (prompts of one length are prefilled in chunks); prompt i samples with seed
-        ``seed + i``. Greedy results equal ``generate`` on each prompt alone.
+        They run together, in as few consecutive batches as fit the backend's free memory (see
+        :meth:`batches`); each sequence stops on its own; on_token(i, id) streams; on_prefill(done,
+        total) reports a long prefill; prompt i samples with seed ``seed + i``. Greedy results
+        equal ``generate`` on each prompt alone.
         """
+        return [r for batch in self.batches(prompts, max_new_tokens, temperature, top_k, top_p, seed, ignore_eos,
+                                            on_token, on_prefill, max_batch) for r in batch]
+
+    def batches(self, prompts, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
+                top_p: float = 1.0, seed: int = 0, ignore_eos: bool = False,
+                on_token=None, on_prefill=None, max_batch: int | None = None):
+        """``generate_batch`` one batch at a time: yields the results of each batch as it ends.
+
+        The batch size is what fits: every sequence of a batch holds a KV cache for the longest
+        prompt + max_new_tokens and the prefill's activations (``sequence_bytes``), and a batch
+        may take MEMORY_SHARE of the memory free when the run starts (host memory on numpy,
+        device memory on cupy); ``max_batch`` caps it further. Arguments are checked, and the
+        sizes planned, before anything runs; RuntimeError if not even one sequence fits.
+        Extra per result: ``batch_index``, ``batch_offset`` (index of the batch's first prompt).
+        """
+        fn = "Generator.generate_batch"
         Sampler(temperature, top_k, top_p, seed)  # the same argument checks as generate()
         max_new_tokens = _check_max_new(max_new_tokens)
-        prompts = [[int(i) for i in p] for p in prompts]
+        if max_batch is not None and (isinstance(max_batch, bool) or not isinstance(max_batch, (int, np.integer))
+                                      or max_batch < 1):
+            raise ValueError(f"{fn}(): max_batch must be None or an integer >= 1, got {max_batch!r}")
+        prompts = [self._ids(fn, f"prompts[{n}]", p) for n, p in enumerate(prompts)]
         if not prompts:
-            return []
-        state = self.state(max(len(p) for p in prompts) + max(max_new_tokens, 1), batch=len(prompts))
-        stop = None if ignore_eos else self.stop_ids
-        results = generate_batch(self.model, state, prompts, max_new_tokens, temperature, top_k, top_p,
-                                 seed, stop, on_token, self.graphs, on_prefill=on_prefill)
-        if self.tokenizer is not None:
+            return iter(())
+        longest = max(len(p) for p in prompts)
+        positions = self.positions(fn, longest, max_new_tokens)
+        sizes = batch_sizes(self.args, self.model.ops, len(prompts), longest, positions, self._free_memory(),
+                            max_batch, fn)
+        kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                  stop=None if ignore_eos else self.stop_ids, on_token=on_token, on_prefill=on_prefill)
+        return self._run_batches(prompts, sizes, positions, max_new_tokens, **kw)
+
+    def _run_batches(self, prompts, sizes, positions, max_new_tokens, temperature, top_k, top_p, seed, stop,
+                     on_token, on_prefill):
+        offset = 0
+        for index, size in enumerate(sizes):
+            part = prompts[offset:offset + size]
+            state = self.state(positions, batch=size)
+            cb = None if on_token is None else (lambda i, tok, o=offset: on_token(o + i, tok))
+            results = generate_batch(self.model, state, part, max_new_tokens, temperature, top_k, top_p,
+                                     (seed + offset) % 2**64, stop, cb, self.graphs, on_prefill=on_prefill)
             for r in results:
-                r.text = self.decode(r.generated_ids)
-        return results
+                r.extra.update(batch_index=index, batch_offset=offset)
+                if self.tokenizer is not None:
+                    r.text = self.decode(r.generated_ids)
+            offset += size
+            yield results
 
     def prefill(self, prompt_ids, max_new_tokens: int = 0):
         """Prefill into the reusable state; returns float32 NumPy logits [vocab] (for benchmarks)."""
-        state = self.state(len(prompt_ids) + max(max_new_tokens, 1))
+        state = self.state(self.positions("Generator.prefill", len(prompt_ids), max_new_tokens))
         return self.model.ops.to_numpy(prefill(self.model, state, prompt_ids)[0])
 
     def decode_one(self, token: int):

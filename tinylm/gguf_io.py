@@ -1,11 +1,12 @@
 """Read a Llama GGUF file into ``ModelArgs`` + ``Weights`` (float32 NumPy arrays).
 
-The ``gguf`` package parses the container (header, metadata, tensor table, memory-mapped data);
-dequantization is our own, vectorised over whole tensors (one NumPy expression per block field):
+The ``gguf`` package parses the container (header, metadata, tensor table, memory-mapped data)
+and dequantizes every tensor type it knows (K-quants, IQ types, BF16, MXFP4, ...: see
+:func:`supported_types`). Three block types are decoded here instead, vectorised over whole
+tensors, because they are 20-50x faster than ``gguf.quants`` on this project's machines and
+SmolLM2's file is made of them (tests hold them bit for bit to ``gguf.quants``):
 
     type   block (32 weights)                          weight j of the block
-    F32    4 bytes per weight                          as stored
-    F16    2 bytes per weight                          as stored
     Q8_0   f16 d | 32 x int8 q                         q[j] * d
     Q4_0   f16 d | 16 bytes of nibbles                 (nib[j] - 8) * d
     Q4_1   f16 d | f16 m | 16 bytes of nibbles         nib[j] * d + m
@@ -17,9 +18,15 @@ ffn_gate is the NumPy/PyTorch ``[1536, 576]`` matrix: reversing the dims already
 ``nn.Linear`` orientation Weights wants, and no transposes are needed. Q and K are kept as
 stored: llama.cpp's converter laid them out for RoPE on adjacent pairs, so
 ``ModelArgs.rope_style = "adjacent"``.
+
+A file that needs something tinylm does not implement is refused with one line naming it,
+never run wrong: another architecture, RoPE scaling (``llama.rope.scaling.*``, a
+``rope_freqs`` tensor as Llama 3.1 files carry), mixture-of-experts, biases, or any tensor the
+Llama forward pass would not read.
 """
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import os
 from pathlib import Path
@@ -63,10 +70,9 @@ def default_model_path() -> Path:
 
 # --- dequantization --------------------------------------------------------------------------
 
-QK = 32  # weights per block in every block type below
-_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
-_PLAIN = {"F32": np.float32, "F16": np.float16}
-SUPPORTED_TYPES = tuple(_PLAIN) + tuple(_BLOCK_BYTES)
+QK = 32  # weights per block of the hand-decoded types
+_HAND_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+_PLAIN = {"F32": np.float32, "F16": np.float16, "F64": np.float64}
 
 
 def _type_name(ggml_type) -> str:
@@ -81,16 +87,46 @@ def _type_name(ggml_type) -> str:
         return f"type {int(ggml_type)}"
 
 
+@functools.cache
+def supported_types() -> tuple:
+    """Names of the tensor types tinylm loads: the plain and hand-decoded ones, and every type
+    the installed ``gguf.quants.dequantize`` decodes (asked with one zero block of each)."""
+    import gguf
+
+    names = list(_PLAIN) + list(_HAND_BYTES)
+    for qt, (_, type_bytes) in gguf.GGML_QUANT_SIZES.items():
+        if qt.name in names:
+            continue
+        try:
+            gguf.quants.dequantize(np.zeros((1, type_bytes), dtype=np.uint8), qt)
+        except NotImplementedError:
+            continue
+        except Exception:  # noqa: BLE001 - a type the library half-knows is not one we offer
+            continue
+        names.append(qt.name)
+    return tuple(names)
+
+
+def _block(name: str) -> tuple:
+    """(weights per block, bytes per block) of a type tinylm loads, else GGUFError."""
+    import gguf
+
+    if name in _PLAIN:
+        return 1, np.dtype(_PLAIN[name]).itemsize
+    if name in _HAND_BYTES:
+        return QK, _HAND_BYTES[name]
+    if name not in supported_types():
+        raise GGUFError(f"unsupported tensor type {name} (supported: {', '.join(supported_types())})")
+    return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]]
+
+
 def nbytes_of(ggml_type, n_elements: int) -> int:
     """Bytes that ``n_elements`` weights take in ``ggml_type``."""
     name = _type_name(ggml_type)
-    if name in _PLAIN:
-        return n_elements * np.dtype(_PLAIN[name]).itemsize
-    if name not in _BLOCK_BYTES:
-        raise GGUFError(f"unsupported tensor type {name} (supported: {', '.join(SUPPORTED_TYPES)})")
-    if n_elements % QK:
-        raise GGUFError(f"{name} needs a multiple of {QK} weights, got {n_elements}")
-    return n_elements // QK * _BLOCK_BYTES[name]
+    block, block_bytes = _block(name)
+    if n_elements % block:
+        raise GGUFError(f"{name} needs a multiple of {block} weights, got {n_elements}")
+    return n_elements // block * block_bytes
 
 
 def _nibbles(qs: np.ndarray) -> np.ndarray:
@@ -108,6 +144,9 @@ def dequantize(raw, ggml_type, shape) -> np.ndarray:
     name = _type_name(ggml_type)
     shape = tuple(int(s) for s in shape)
     n = int(np.prod(shape, dtype=np.int64))
+    block, block_bytes = _block(name)
+    if shape and shape[-1] % block:
+        raise GGUFError(f"{name} needs rows of a multiple of {block} weights, got rows of {shape[-1]}")
     buf = np.asarray(raw) if not isinstance(raw, (bytes, bytearray, memoryview)) else \
         np.frombuffer(raw, dtype=np.uint8)
     buf = np.ascontiguousarray(buf).reshape(-1).view(np.uint8)
@@ -116,8 +155,10 @@ def dequantize(raw, ggml_type, shape) -> np.ndarray:
         raise GGUFError(f"{name} tensor of shape {shape} needs {need} bytes, got {buf.size}")
     if name in _PLAIN:
         return buf.view(_PLAIN[name]).astype(np.float32).reshape(shape)
+    if name not in _HAND_BYTES:
+        return _dequantize_library(buf, name, shape, block, block_bytes)
 
-    blocks = buf.reshape(-1, _BLOCK_BYTES[name])  # [n_blocks, block bytes]
+    blocks = buf.reshape(-1, _HAND_BYTES[name])  # [n_blocks, block bytes]
     d = blocks[:, 0:2].view(np.float16).astype(np.float32)  # [nb, 1] scale
     if name == "Q8_0":
         out = blocks[:, 2:].view(np.int8).astype(np.float32)
@@ -132,6 +173,20 @@ def dequantize(raw, ggml_type, shape) -> np.ndarray:
         out *= d
         out += m
     return out.reshape(shape)
+
+
+def _dequantize_library(buf, name, shape, block, block_bytes) -> np.ndarray:
+    """``gguf.quants.dequantize`` over rows of whole blocks; its errors become GGUFError."""
+    import gguf
+
+    row = shape[-1] if shape else 1
+    rows = buf.reshape(-1, row // block * block_bytes)
+    try:
+        with np.errstate(all="ignore"):  # garbage scales may overflow: the values say so
+            out = gguf.quants.dequantize(rows, gguf.GGMLQuantizationType[name])
+    except Exception as e:  # noqa: BLE001 - the library's own errors, named
+        raise GGUFError(f"{name} tensor of shape {shape}: gguf cannot dequantize it ({type(e).__name__}: {e})") from None
+    return np.asarray(out, dtype=np.float32).reshape(shape)
 
 
 # --- reading a file ---------------------------------------------------------------------------
@@ -351,20 +406,51 @@ _LAYER_NAMES = {"attn_norm": "attn_norm", "attn_q": "wq", "attn_k": "wk", "attn_
 assert sorted(_LAYER_NAMES.values()) == sorted(LAYER_FIELDS)
 
 
+def _refuse_unimplemented(meta: dict, tensor_names, args: ModelArgs, path) -> None:
+    """GGUFError naming the first thing in the file that tinylm's Llama does not implement: RoPE
+    scaling, mixture-of-experts, or a tensor the forward pass would not read (a ``rope_freqs``
+    frequency table, biases, anything else). Running without it would give wrong logits."""
+    p = "llama."
+    kind = meta.get(p + "rope.scaling.type")
+    factor = meta.get(p + "rope.scaling.factor", meta.get(p + "rope.scale_linear"))
+    if (kind not in (None, "none")) or (factor is not None and factor != 1.0):
+        raise GGUFError(f"{path}: RoPE scaling ({p}rope.scaling.type {kind!r}, factor {factor!r}) is not "
+                        f"implemented by tinylm")
+    experts = meta.get(p + "expert_count")
+    if experts:
+        raise GGUFError(f"{path}: a mixture of experts ({p}expert_count = {experts!r}) is not implemented by tinylm")
+    used = {"token_embd.weight", "output_norm.weight", "output.weight"}
+    used |= {f"blk.{i}.{g}.weight" for i in range(args.n_layers) for g in _LAYER_NAMES}
+    for name in tensor_names:
+        if name in used:
+            continue
+        if name == "rope_freqs.weight":
+            what = "a rope_freqs tensor (RoPE frequency scaling, as in Llama 3.1 files)"
+        elif name.endswith(".bias"):
+            what = f"biases (tensor {name!r})"
+        elif "_exps" in name or "ffn_gate_inp" in name:
+            what = f"a mixture of experts (tensor {name!r})"
+        else:
+            what = f"tensor {name!r}, which tinylm's Llama does not read"
+        raise GGUFError(f"{path}: the model needs {what}; tinylm does not implement it")
+
+
 def load_gguf(path, dtype=np.float32):
     """Load a Llama GGUF model.
 
     Returns ``(args, weights, meta)``: ModelArgs from the metadata, Weights with every tensor
     dequantized to ``dtype`` (float32 by default) in nn.Linear orientation, and the metadata
     as a dict of plain Python values (the tokenizer is built from it). Raises GGUFError naming
-    the file for a missing, truncated or non-GGUF file, another architecture, a missing tensor,
-    a tensor of an unexpected shape, or a tensor type we cannot dequantize.
+    the file for a missing, truncated or non-GGUF file, another architecture, something tinylm
+    does not implement (RoPE scaling, experts, biases, unknown tensors), a missing tensor, a
+    tensor of an unexpected shape, or a tensor type neither we nor gguf can dequantize.
     """
     path = Path(os.fspath(path))
     reader = _open(path)
     meta = read_metadata(reader, path)
     args = args_from_metadata(meta, path)
     tensors = {t.name: t for t in reader.tensors}
+    _refuse_unimplemented(meta, tensors, args, path)
 
     def get(name, shape):
         t = tensors.get(name)
@@ -374,9 +460,9 @@ def load_gguf(path, dtype=np.float32):
         if np_shape != shape:
             raise GGUFError(f"{path}: tensor {name!r} has shape {np_shape}, expected {shape}")
         type_name = _type_name(t.tensor_type)
-        if type_name not in SUPPORTED_TYPES:
-            raise GGUFError(f"{path}: tensor {name!r} has type {type_name}, which tinylm cannot "
-                            f"dequantize (supported: {', '.join(SUPPORTED_TYPES)})")
+        if type_name not in supported_types():
+            raise GGUFError(f"{path}: tensor {name!r} has type {type_name}, which neither tinylm nor the "
+                            f"installed gguf package can dequantize (supported: {', '.join(supported_types())})")
         try:
             a = dequantize(t.data, t.tensor_type, shape)
         except GGUFError as e:

@@ -38,6 +38,18 @@ class CupyOps:
         # caller's cupy ops on our outputs, stays ordered after ours.
         self._stream = cupy.cuda.Stream()
 
+    # --- memory (tinylm.generate sizes its batches with these) ---------------------------
+    @staticmethod
+    def free_memory():
+        """Bytes the current device can still give: free device memory plus the blocks CuPy's
+        pool holds unused."""
+        return int(cupy.cuda.runtime.memGetInfo()[0]) + int(cupy.get_default_memory_pool().free_bytes())
+
+    @staticmethod
+    def attention_scratch_bytes(n_heads, t, s):
+        """Fused (flash) attention keeps no score matrix."""
+        return 0
+
     # --- stream, weights, cache, host transfers ------------------------------------------
     def stream(self):
         """The CUDA stream every op of this backend runs on (use as ``with ops.stream():``)."""

@@ -65,6 +65,30 @@ class NumpyOps:
         self.dtype = F32
         self._rope_tables = {}
 
+    # --- memory (tinylm.generate sizes its batches with these) ---------------------------
+    @staticmethod
+    def free_memory():
+        """Bytes of host memory available now (Linux MemAvailable), or None if unknown."""
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except (OSError, ValueError, IndexError):
+            pass
+        try:
+            import os
+
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (AttributeError, ValueError, OSError):
+            return None
+
+    @staticmethod
+    def attention_scratch_bytes(n_heads, t, s):
+        """Bytes of one sequence's prefill attention temporaries for t queries over s keys: the
+        float32 score matrix and the matmul's copy of it (``_attend`` materialises them)."""
+        return 2 * n_heads * t * s * F32.itemsize
+
     # --- weights, cache, host transfers ---------------------------------------------------
     def upload(self, a):
         return np.ascontiguousarray(a, dtype=F32)

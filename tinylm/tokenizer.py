@@ -53,6 +53,20 @@ def _short(value, n: int = 60) -> str:
     return r if len(r) <= n else r[:n] + "..."
 
 
+def check_text(fn: str, name: str, text) -> str:
+    """``text`` if it is a str that UTF-8 can encode, else a TypeError / ValueError naming the
+    function and the argument (bytes, None, or a lone surrogate such as argv's undecodable bytes)."""
+    if not isinstance(text, str):
+        hint = " (decode bytes first, e.g. data.decode('utf-8'))" if isinstance(text, (bytes, bytearray)) else ""
+        raise TypeError(f"{fn}(): {name} must be a str, got {type(text).__name__}{hint}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{fn}(): {name} is not valid Unicode text: lone surrogate "
+                         f"U+{ord(text[e.start]):04X} at index {e.start}") from None
+    return text
+
+
 class Tokenizer:
     """Encode text to token ids and back for a GGUF ``gpt2``-model (byte-level BPE) vocabulary.
 
@@ -136,6 +150,10 @@ class Tokenizer:
         if model != "gpt2":
             raise GGUFError(f"{path}: tokenizer.ggml.model is {_short(model)}; only byte-level BPE "
                             "('gpt2') is supported")
+        pre = meta.get(_KEY + "pre")
+        if pre is not None and pre != "smollm":
+            raise GGUFError(f"{path}: tokenizer.ggml.pre is {_short(pre)}; tinylm implements the 'smollm' "
+                            "pre-tokenizer only (digits one by one, then GPT-2's split)")
         tokens, merges = meta.get(_KEY + "tokens"), meta.get(_KEY + "merges")
         if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) and t for t in tokens):
             raise bad(_KEY + "tokens", "a list of non-empty strings")
@@ -183,6 +201,7 @@ class Tokenizer:
         ``decode(encode(text)) == text`` unless the UTF-8 of ``text`` holds one of
         ``missing_bytes``, which are dropped (as every BPE implementation of this vocabulary does).
         """
+        check_text("Tokenizer.encode", "text", text)
         if not isinstance(allow_special, bool):
             raise TypeError(f"Tokenizer.encode(): allow_special must be a bool, got {allow_special!r}")
         hf = self._hf if allow_special else self._hf_plain
@@ -196,6 +215,9 @@ class Tokenizer:
         ``encode(render_chat(prompt, system), allow_special=True)`` gives for text without
         control tokens), with ``prompt`` and ``system`` encoded as plain text: the control
         tokens come from the template only. ``system=None`` uses the template's default line."""
+        check_text("Tokenizer.encode_chat", "prompt", prompt)
+        if system is not None:
+            check_text("Tokenizer.encode_chat", "system", system)
         start, end = self.special_ids.get("<|im_start|>"), self.special_ids.get("<|im_end|>")
         if start is None or end is None:
             raise ValueError("Tokenizer.encode_chat(): this vocabulary has no ChatML control tokens "

@@ -262,6 +262,9 @@ class _Pool:
     def total_bytes(self):
         return 0
 
+    def free_bytes(self):
+        return 0
+
     def malloc(self, nbytes):
         return types.SimpleNamespace(ptr=0, size=nbytes)
 
@@ -445,6 +448,7 @@ cuda.runtime = types.SimpleNamespace(
     getDeviceCount=lambda: 1, driverGetVersion=lambda: 0, runtimeGetVersion=lambda: 0,
     getDeviceProperties=lambda i=0: {"multiProcessorCount": 132, "name": b"CPU emulator",
                                      "l2CacheSize": 50 * 2**20, "totalGlobalMem": 8 * 2**30},
+    memGetInfo=lambda: (6 * 2**30, 8 * 2**30),  # (free, total) of the 8 GiB the properties claim
     deviceSynchronize=lambda: _refuse("cudaDeviceSynchronize"))
 cuda.get_current_stream = get_current_stream
 cuda.get_allocator = lambda: None
