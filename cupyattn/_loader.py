@@ -110,9 +110,14 @@ class KernelSpec:
         if cc < config.MIN_COMPUTE_CAPABILITY:
             return ()
         smem = config.gpu_family(cc).smem_optin
-        need = {e: (c, b) for e, c, b in self.needs}
-        return tuple(e for e in self.name_expressions
-                     if need.get(e, (0, 0))[0] <= cc and need.get(e, (0, 0))[1] <= smem)
+        need = {e: b for e, _, b in self.needs}
+        return tuple(e for e in self.name_expressions if self.min_cc(e) <= cc and need.get(e, 0) <= smem)
+
+    def min_cc(self, name_expression: str) -> int:
+        """The compute capability an instantiation's instructions need (sm90a specs: 90)."""
+        if self.sm90a:
+            return 90
+        return max([c for e, c, _ in self.needs if e == name_expression] + [config.MIN_COMPUTE_CAPABILITY])
 
     def options_for(self, arch: str) -> tuple[str, ...]:
         """Options for a compute capability string such as '80' or '90'."""
@@ -258,14 +263,13 @@ def get_function(spec: KernelSpec, name_expression: str, dynamic_smem: int = 0):
         if name_expression not in spec.name_expressions:
             raise KeyError(f"{name_expression!r} is not an instantiation of kernel spec {spec.name!r}")
         cc = device_compute_capability()
-        if name_expression not in spec.exprs_for(cc):  # the op modules' checks say it first
+        if cc < spec.min_cc(name_expression):  # the op modules' checks say it first
             from ._checks import ComputeCapabilityError
 
             raise ComputeCapabilityError(
-                f"{name_expression} (kernel spec {spec.name!r}) does not run on compute capability "
-                f"{cc // 10}.{cc % 10}; cupyattn needs {config.MIN_COMPUTE_CAPABILITY // 10}."
-                f"{config.MIN_COMPUTE_CAPABILITY % 10} or newer, its tensor-core kernels more "
-                f"(README \"GPUs\")")
+                f"{name_expression} (kernel spec {spec.name!r}) needs compute capability "
+                f"{spec.min_cc(name_expression) // 10}.{spec.min_cc(name_expression) % 10}; this device "
+                f"is {cc // 10}.{cc % 10} (README \"GPUs\")")
         with _LOCK:
             fn = _FUNCTIONS.get(key)
             if fn is None:
