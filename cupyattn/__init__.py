@@ -10,7 +10,7 @@ dtypes, head dims, tile tables and launch constants the Python side and the kern
 >>> o = cupyattn.attention(q, k, v, causal=True)          # fused FlashAttention-2 forward
 """
 from . import config, fused, reference
-from ._checks import gpu_unavailable_reason
+from ._checks import ComputeCapabilityError, gpu_unavailable_reason
 from ._loader import KernelCompileError, KernelSpec, all_specs
 from .config import BFLOAT16 as bfloat16
 from .config import HEAD_DIMS
@@ -28,4 +28,4 @@ __version__ = "0.1.0"
 __all__ = ["attention", "softmax", "gemm_nt", "gemm_nn", "KVCache", "decode_attention", "choose_num_splits", "auto_num_splits",
            "rmsnorm", "add_rmsnorm", "rope", "swiglu", "add", "embedding", "sample", "SamplingParams",
            "fused", "reference", "config", "bfloat16", "HEAD_DIMS", "ATTENTION_IMPLS", "KernelSpec",
-           "KernelCompileError", "all_specs", "gpu_unavailable_reason"]
+           "KernelCompileError", "ComputeCapabilityError", "all_specs", "gpu_unavailable_reason"]

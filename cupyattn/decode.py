@@ -35,38 +35,77 @@ import math
 import cupy
 import numpy as np
 
-from . import _checks
+from . import _checks, _loader
 from ._checks import check_array, check_choice, check_last_contiguous, check_out, check_same_dtype
 from ._loader import NULL, KernelSpec, get_function
 from .config import (DECODE_COMBINE_THREADS, DECODE_HEAD_TILE, DECODE_IMPLS, DECODE_MAX_SPLITS,
                      DECODE_MIN_KEYS_PER_SPLIT, DECODE_MMA_MAX_MTILES, DECODE_MMA_MIN_GROUP,
                      DECODE_MMA_ROWS, DECODE_MMA_TILES, DECODE_SIMT_TILES, DECODE_SPLIT_BLOCKS_PER_SM,
-                     DECODE_SPLIT_OVERHEAD_KEYS, DTYPES, HEAD_DIMS, MAX_GRID_YZ, MMA_DTYPES, DecodeTile,
-                     ctype)
+                     DECODE_SMALL_SMEM_STAGES, DECODE_SPLIT_OVERHEAD_KEYS, DTYPES, HEAD_DIMS, MAX_GRID_YZ,
+                     MMA_DTYPES, MMA_MIN_CC, DecodeTile, ctype, impl_runs_on)
 from .kvcache import KVCache
 
 
-def _simt_expr(dtype, d: int) -> str:
-    t = DECODE_SIMT_TILES[(d, np.dtype(dtype).itemsize)]
+def _simt_expr(dtype, d: int, t: DecodeTile | None = None) -> str:
+    t = t or DECODE_SIMT_TILES[(d, np.dtype(dtype).itemsize)]
     return (f"decode_kernel<{ctype(dtype)}, {d}, {t.threads}, {DECODE_HEAD_TILE}, {t.block_n}, "
             f"{t.stages}, {t.pitch}, {t.blocks_per_sm}>")
 
 
-def _mma_expr(dtype, d: int, m_tiles: int) -> str:
-    t = DECODE_MMA_TILES[(d, m_tiles)]
+def _mma_expr(dtype, d: int, m_tiles: int, t: DecodeTile | None = None) -> str:
+    t = t or DECODE_MMA_TILES[(d, m_tiles)]
     return (f"decode_mma_kernel<{ctype(dtype)}, {d}, {m_tiles}, {t.warps}, {t.block_n}, {t.stages}, "
             f"{t.pitch}, {t.blocks_per_sm}>")
+
+
+# --- devices with less shared memory per block (config "GPU families": Turing 64 KB, 99 KB parts) ---
+def _small(t: DecodeTile) -> DecodeTile:
+    """``t`` with a DECODE_SMALL_SMEM_STAGES-deep ring: a third less shared memory, one tile fewer
+    in flight."""
+    return dataclasses.replace(t, stages=DECODE_SMALL_SMEM_STAGES)
+
+
+def static_smem_bytes(impl: str, d: int, itemsize: int, t: DecodeTile, m_tiles: int = 1) -> int:
+    """An upper bound of the decode kernel's static ``__shared__`` bytes (decode.cu: simt q_s,
+    p_s, alpha_s, m_fin, l_fin and a flag; mma q_s and the per-slice m_s, l_s), checked against
+    ptxas' numbers in tests/test_decode.py."""
+    if impl == "mma":
+        rows = DECODE_MMA_ROWS * m_tiles
+        return rows * (d + 8) * itemsize + 2 * (t.warps // m_tiles) * rows * 4 + 16
+    return DECODE_HEAD_TILE * (d + t.block_n + 3) * 4 + 16
+
+
+def _fit(impl: str, dtype, d: int, t: DecodeTile, m_tiles: int, limit: int | None) -> DecodeTile | None:
+    """The tile to launch under a per-block shared-memory ``limit`` (None: no limit): ``t``, its
+    shallower-ring variant, or None when neither fits."""
+    for cand in (t, _small(t)):
+        if limit is None or _smem(impl, dtype, d, cand, m_tiles) <= limit:
+            return cand
+    return None
 
 
 def _combine_expr(dtype) -> str:
     return f"decode_combine_kernel<{ctype(dtype)}, {DECODE_MAX_SPLITS}, {DECODE_COMBINE_THREADS}>"
 
 
+def _tiles_and_small(t: DecodeTile) -> tuple[DecodeTile, ...]:
+    return tuple(dict.fromkeys((t, _small(t))))
+
+
+def _smem(impl: str, dtype, d: int, t: DecodeTile, m_tiles: int = 1) -> int:
+    return t.ring_bytes + static_smem_bytes(impl, d, np.dtype(dtype).itemsize, t, m_tiles)
+
+
+# every decode instantiation: each tile as configured and with the shallower ring (_fit)
+_SIMT_NEEDS = tuple((_simt_expr(t, d, tile), 0, _smem("simt", t, d, tile)) for t in DTYPES for d in HEAD_DIMS
+                    for tile in _tiles_and_small(DECODE_SIMT_TILES[(d, t.itemsize)]))
+_MMA_NEEDS = tuple((_mma_expr(t, d, m, tile), MMA_MIN_CC[t], _smem("mma", t, d, tile, m))
+                   for t in MMA_DTYPES for d in HEAD_DIMS for m in range(1, DECODE_MMA_MAX_MTILES + 1)
+                   for tile in _tiles_and_small(DECODE_MMA_TILES[(d, m)]))
 SPEC = KernelSpec(
     "decode", "decode.cu",
-    tuple(_simt_expr(t, d) for t in DTYPES for d in HEAD_DIMS)
-    + tuple(_mma_expr(t, d, m) for t in MMA_DTYPES for d in HEAD_DIMS for m in range(1, DECODE_MMA_MAX_MTILES + 1))
-    + tuple(_combine_expr(t) for t in DTYPES))
+    tuple(e for e, _, _ in _SIMT_NEEDS + _MMA_NEEDS) + tuple(_combine_expr(t) for t in DTYPES),
+    needs=_SIMT_NEEDS + _MMA_NEEDS)
 
 _SM_COUNT: dict[int, int] = {}
 
@@ -80,15 +119,36 @@ class _Plan:
     head_tiles: int   # blocks per kv head (and split)
 
 
-def _plan(impl: str, dtype, d: int, group: int) -> _Plan:
+def _plan(impl: str, dtype, d: int, group: int, cc: int | None = None, smem_limit: int | None = None) -> _Plan:
+    """The kernel and tile of a call. ``cc`` / ``smem_limit``: the device's compute capability and
+    per-block shared memory (None: any, the full tiles); impl="auto" takes mma only where the
+    device has its instructions and one of its tiles fits, and each tile falls back to a
+    shallower ring where it does not fit."""
     if impl == "auto":
-        impl = "mma" if np.dtype(dtype) in MMA_DTYPES and group >= DECODE_MMA_MIN_GROUP else "simt"
+        mma_ok = (np.dtype(dtype) in MMA_DTYPES and group >= DECODE_MMA_MIN_GROUP
+                  and (cc is None or impl_runs_on("decode", "mma", dtype, cc)))
+        m_tiles = min(-(-group // DECODE_MMA_ROWS), DECODE_MMA_MAX_MTILES)
+        if mma_ok and _fit("mma", dtype, d, DECODE_MMA_TILES[(d, m_tiles)], m_tiles, smem_limit) is None:
+            mma_ok = False
+        impl = "mma" if mma_ok else "simt"
     if impl == "mma":
         m_tiles = min(-(-group // DECODE_MMA_ROWS), DECODE_MMA_MAX_MTILES)
         rows = DECODE_MMA_ROWS * m_tiles
-        return _Plan(impl, _mma_expr(dtype, d, m_tiles), DECODE_MMA_TILES[(d, m_tiles)], -(-group // rows))
-    return _Plan(impl, _simt_expr(dtype, d), DECODE_SIMT_TILES[(d, np.dtype(dtype).itemsize)],
-                 -(-group // DECODE_HEAD_TILE))
+        base = DECODE_MMA_TILES[(d, m_tiles)]
+        t = _fit(impl, dtype, d, base, m_tiles, smem_limit) or base  # too large: the loader says so
+        return _Plan(impl, _mma_expr(dtype, d, m_tiles, t), t, -(-group // rows))
+    base = DECODE_SIMT_TILES[(d, np.dtype(dtype).itemsize)]
+    t = _fit(impl, dtype, d, base, 1, smem_limit) or base
+    return _Plan(impl, _simt_expr(dtype, d, t), t, -(-group // DECODE_HEAD_TILE))
+
+
+def _device_plan(fn: str, impl: str, dtype, d: int, group: int) -> _Plan:
+    """:func:`_plan` for the current device (ComputeCapabilityError for an impl it cannot run)."""
+    if impl == "mma":
+        cc = _checks.require_impl(fn, "decode", impl, dtype)
+    else:
+        cc = _loader.device_compute_capability()
+    return _plan(impl, dtype, d, group, cc, _loader.device_smem_optin())
 
 
 @functools.lru_cache(maxsize=4096)
@@ -130,7 +190,7 @@ def auto_num_splits(batch: int, num_heads: int, num_kv_heads: int, head_dim: int
     """The split count ``decode_attention(num_splits=None, impl=impl)`` picks on the current
     device for these shapes when the longest live sequence holds ``max_len`` keys; for callers
     that fix the count in advance (a CUDA graph captured per range of context lengths)."""
-    plan = _plan(impl, dtype, head_dim, num_heads // num_kv_heads)
+    plan = _device_plan("auto_num_splits", impl, dtype, head_dim, num_heads // num_kv_heads)
     return _auto_splits(plan, batch, num_kv_heads, max_len)
 
 
@@ -171,7 +231,7 @@ def _check_args(fn, q, cache, layer, scale, num_splits, out, impl):
     if impl == "mma" and np.dtype(q.dtype) not in MMA_DTYPES:
         raise TypeError(f"{fn}(): impl='mma' needs float16 or bfloat16, got {np.dtype(q.dtype)} "
                         f"(use impl='simt' or 'auto')")
-    plan = _plan(impl, q.dtype, d, hq // cache.num_kv_heads)
+    plan = _device_plan(fn, impl, q.dtype, d, hq // cache.num_kv_heads)
     if cache.num_kv_heads * plan.head_tiles > MAX_GRID_YZ:  # (batch <= MAX_GRID_YZ: KVCache checks it)
         raise ValueError(f"{fn}(): {hq} query heads need {cache.num_kv_heads * plan.head_tiles} blocks in "
                          f"a launch's grid y, more than {MAX_GRID_YZ}")

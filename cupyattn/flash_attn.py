@@ -14,17 +14,35 @@ import numpy as np
 
 from . import _checks
 from ._checks import check_array, check_choice, check_last_contiguous, check_out, check_same_dtype
+from . import _loader
 from ._loader import KernelSpec, get_function, ptr_or_null
 from .config import (DTYPES, FLASH_MMA_K_STAGES, FLASH_MMA_PAD, FLASH_MMA_TILES, FLASH_SIMT_TILES,
-                     HEAD_DIMS, MAX_GRID_YZ, MMA_DTYPES, cbool, ctype, defines,
-                     flash_mma_smem_bytes)
+                     HEAD_DIMS, MAX_GRID_YZ, MMA_DTYPES, MMA_MIN_CC, cbool, ctype, defines,
+                     flash_mma_smem_bytes, impl_runs_on)
 from .gemm import gemm_nn, gemm_nt
 from .row_softmax import softmax
 
 IMPLS = ("flash", "flash_mma", "naive")
-# What impl=None runs for each dtype: the fastest correct kernel (tensor cores where they apply).
+# What impl=None runs for each dtype on a GPU that has every instruction and enough shared memory
+# (sm_80 and newer): the fastest correct kernel (tensor cores where they apply). default_impl()
+# says what it runs on the current device.
 DEFAULT_IMPL = {d: "flash_mma" if d in MMA_DTYPES else "flash" for d in DTYPES}
 _FN = "attention"
+
+
+def default_impl(dtype, head_dim: int) -> str:
+    """What ``impl=None`` runs on the current device: DEFAULT_IMPL, except "flash" (SIMT) where the
+    device lacks the tensor-core instructions for ``dtype`` (bf16 below sm_80, config.IMPL_MIN_CC)
+    or the flash_mma tile of ``head_dim`` needs more shared memory than a block may have there
+    (Turing's 64 KB: D = 96, 128)."""
+    impl = DEFAULT_IMPL[np.dtype(dtype)]
+    if impl != "flash_mma":
+        return impl
+    if not impl_runs_on("attention", impl, dtype, _loader.device_compute_capability()):
+        return "flash"
+    if head_dim in FLASH_MMA_TILES and flash_mma_smem_bytes(head_dim) > _loader.device_smem_optin():
+        return "flash"
+    return impl
 
 
 def _tile(impl: str, dtype, head_dim: int):
@@ -48,7 +66,9 @@ SPEC = KernelSpec(
     "flash_attn", "flash_attn.cu",
     tuple(_expr("flash", dt, d, c) for dt in DTYPES for d in HEAD_DIMS for c in (False, True))
     + tuple(_expr("flash_mma", dt, d, c) for dt in MMA_DTYPES for d in HEAD_DIMS for c in (False, True)),
-    defines(FLASH_MMA_PAD=FLASH_MMA_PAD, FLASH_MMA_K_STAGES=FLASH_MMA_K_STAGES))
+    defines(FLASH_MMA_PAD=FLASH_MMA_PAD, FLASH_MMA_K_STAGES=FLASH_MMA_K_STAGES),
+    needs=tuple((_expr("flash_mma", dt, d, c), MMA_MIN_CC[dt], flash_mma_smem_bytes(d)) for dt in MMA_DTYPES for d in HEAD_DIMS
+                for c in (False, True)))
 
 
 # --- argument checks ------------------------------------------------------------------------
@@ -98,9 +118,9 @@ def _check_args(q, k, v, causal, scale, mask, key_lengths, impl, return_lse, out
     check_array(_FN, "v", v, ndim=4)
     check_same_dtype(_FN, "k", k, "q", q)
     check_same_dtype(_FN, "v", v, "q", q)
-    if impl is None:
-        impl = DEFAULT_IMPL[np.dtype(q.dtype)]
     b, hq, sq, d = q.shape
+    if impl is None:
+        impl = default_impl(q.dtype, d)
     if k.shape[0] != b or k.shape[3] != d:
         raise ValueError(f"{_FN}(): k has shape {tuple(k.shape)}, expected [B={b}, Hkv, Sk, D={d}] "
                          f"to match q {tuple(q.shape)}")
@@ -120,6 +140,8 @@ def _check_args(q, k, v, causal, scale, mask, key_lengths, impl, return_lse, out
     if impl == "flash_mma" and np.dtype(q.dtype) not in MMA_DTYPES:
         raise TypeError(f"{_FN}(): impl='flash_mma' needs float16 or bfloat16 inputs, got float32 "
                         f"(use impl='flash')")
+    if impl == "flash_mma":
+        _checks.require_impl(_FN, "attention", impl, q.dtype)
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_last_contiguous(_FN, name, x)
     scale = (1.0 / math.sqrt(d) if d else 1.0) if scale is None else _checks.check_real(_FN, "scale", scale)
@@ -158,14 +180,16 @@ def attention(q, k, v, causal=False, scale=None, mask=None, key_lengths=None, im
         Keys ``j >= key_lengths[b]`` are hidden. Host values (list / NumPy) are checked to lie in
         [0, Sk]; a CuPy array is used as is (not read back: the flash kernel clamps it to [0, Sk]).
     impl : {None, "flash", "flash_mma", "naive"}
-        None (default): the fastest correct kernel for the dtype, ``DEFAULT_IMPL[q.dtype]``.
+        None (default): the fastest correct kernel for the dtype on this GPU,
+        ``default_impl(q.dtype, D)`` (``DEFAULT_IMPL[q.dtype]`` from sm_80 on; see README "GPUs").
         ``"flash"``: one fused FlashAttention-2 kernel launch (SIMT, fp32 FMA); S is
         never written to memory and only ``out`` (and ``lse``, and a B-element int32 copy of
         host key_lengths) are allocated. D must be one of
         ``cupyattn.config.HEAD_DIMS`` = (32, 64, 80, 96, 128, 256).
         ``"flash_mma"``: FlashAttention-2 on tensor cores (mma.sync m16n8k16, fp32
         accumulation, P rounded to the input dtype before P V; K/V staged by cp.async);
-        float16/bfloat16 only, and their default. Inputs whose base or strides are not
+        float16/bfloat16 only (float16 from compute capability 7.5, bfloat16 from 8.0:
+        ``ComputeCapabilityError`` below), and their default. Inputs whose base or strides are not
         16-byte aligned (e.g. ``x[..., 3:67]``) take a slower element-wise staging path.
         ``"naive"``: ``S = gemm_nt(q, k)`` [B, Hq, Sq, Sk] in memory, softmax, ``gemm_nn(P, v)``;
         any D. S is in the input dtype; for float16/bfloat16 q is first multiplied by the
