@@ -17,8 +17,8 @@ from conftest import EMULATE
 # residual + norm, gate|up GEMM, SwiGLU, down GEMM, residual + norm) + 4 (embedding, first norm,
 # last-row gather, logits); fused: 7 per layer (norm+QKV, RoPE + append, attention, head merge,
 # O + residual, norm+gate|up+SwiGLU, down + residual) + 3 (embedding, gather, norm+logits).
-# A prompt longer than one RoPE + append block holds (KV_ROPE_APPEND_ITEMS_PER_BLOCK) adds the
-# length-advance kernel per layer; the prompts here fit one block.
+# A prompt longer than one RoPE + append block holds (KV_ROPE_APPEND_ITEMS_PER_BLOCK items) adds
+# the length-advance kernel per layer (the tiny preset: past 32 tokens; SmolLM2-135M: past 8).
 PREFILL_KERNELS = {False: (10, 4), True: (7, 3)}
 
 
@@ -69,26 +69,31 @@ def _padded(prompts):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fused", [False, True])
-def test_gpu_prefill_kernel_budget(tiny, fused):
+@pytest.mark.parametrize("longest,bucket", [(11, 16), (40, 64)])
+def test_gpu_prefill_kernel_budget(tiny, fused, longest, bucket):
     """An eager prefill's launches (emulator), and the nodes of the captured one, stay within the
     budget; a replay launches nothing else but the graph (and the cache-length reset)."""
+    from cupyattn.config import KV_ROPE_APPEND_ITEMS_PER_BLOCK
     from tinylm.generate import prefill
     from tinylm.graphs import graph_kernel_count
 
     g = tiny[0][fused]
     m = g.model
+    a = m.args
     per_layer, extra = PREFILL_KERNELS[fused]
-    budget = per_layer * m.args.n_layers + extra
-    ids, lens = _padded(PROMPTS)
-    state = m.new_state(len(PROMPTS), 64)
+    one_block = KV_ROPE_APPEND_ITEMS_PER_BLOCK // ((a.n_heads + 2 * a.n_kv_heads) * a.head_dim // 2)
+    assert one_block == 32  # the tiny preset: 11 tokens take one block, 40 (and their bucket) two
+    budget = (per_layer + (longest > one_block)) * a.n_layers + extra
+    ids, lens = _padded([list(range(1, longest + 1))] + PROMPTS[:2])
+    state = m.new_state(3, 64)
     prefill(m, state, ids, num_new=lens, graphs=True)  # eager, then captured
-    pb = state.prefill_buffers[16]
+    pb = state.prefill_buffers[bucket]
     assert graph_kernel_count(pb.graph) <= budget
     if EMULATE:
         import fakecupy
 
         fakecupy.reset_counters()
-        prefill(m, m.new_state(len(PROMPTS), 64), ids, num_new=lens)  # the eager prefill
+        prefill(m, m.new_state(3, 64), ids, num_new=lens)  # the eager prefill
         assert fakecupy.counters["kernels"] <= budget
         fakecupy.reset_counters()
         prefill(m, state, ids, num_new=lens, graphs=True)

@@ -246,8 +246,14 @@ def sequence_bytes(args, ops, prompt_len: int, positions: int) -> tuple:
     its K and V rows at the RunState's capacity, and the prefill's per-token temporaries
     (residual, norms, QKV, attention output, gate|up, SwiGLU) plus the backend's attention
     scratch (NumPy's score matrices; none for the fused kernels), logits in float32. An upper
-    bound of what tracemalloc measures on the NumPy backend (tests/test_tinylm.py)."""
+    bound of what tracemalloc measures on the NumPy backend (tests/test_tinylm.py). On a backend
+    whose prefill is a padded graph (tinylm.prefill) the activations are those of the padded
+    length."""
     a, item = args, np.dtype(ops.dtype).itemsize
+    if getattr(ops, "graphs", False) and prompt_len <= PREFILL_CHUNK:
+        from .prefill import prefill_bucket
+
+        prompt_len = prefill_bucket(prompt_len, a.max_seq)
     kv = 2 * a.n_layers * a.n_kv_heads * state_capacity(a, positions) * a.head_dim * item
     qd, kvd = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
     per_token = 6 * a.dim + 3 * qd + 2 * kvd + 4 * a.ffn_dim  # with the norms' and SwiGLU's temporaries

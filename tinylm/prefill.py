@@ -22,7 +22,9 @@ the state's max_seq) and run by ``Transformer._run`` into a ``PrefillBuffers`` o
   so the padded K/V rows lie past each sequence's end, where nothing reads them and the next
   decode steps overwrite them.
 
-The first prefill of a bucket runs this padded forward eagerly (it compiles and loads every
+A state keeps the buffers and graph of its latest bucket only (a prompt of another bucket frees
+them and captures anew), so its prefill memory is one padded prompt's activations, what
+``tinylm.generate.sequence_bytes`` counts. The first prefill of a bucket runs this padded forward eagerly (it compiles and loads every
 kernel, which a capture must not do) and then captures it; later prefills of the bucket replay.
 Eager and replayed padded prefills run the same launches on the same buffers, so they give the
 same logits bit for bit (tests/test_prefill.py); against the unpadded eager prefill the logits
@@ -101,7 +103,8 @@ def prefill_graphed(model: Transformer, state: RunState, ids, num_new=None, use_
     tp = prefill_bucket(t, state.max_seq)
     with ops.stream():
         pb = state.prefill_buffers.get(tp)
-        if pb is None:
+        if pb is None:  # one bucket's buffers per state: free the last one's before allocating
+            state.prefill_buffers.clear()
             pb = state.prefill_buffers[tp] = PrefillBuffers(model.args, ops, b, tp)
         padded = np.zeros((b, tp), dtype=np.int32)
         padded[:, :t] = ids
