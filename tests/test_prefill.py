@@ -47,6 +47,18 @@ def test_numpy_backend_prefills_eagerly():
         load("tiny", backend="numpy", fused_prefill=True)
 
 
+def test_cli_fused_prefill_needs_the_cupy_backend():
+    import contextlib
+    import io
+
+    from tinylm.__main__ import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        rc = main(["hi", "--fused-prefill", "--backend", "numpy"])
+    assert rc == 2 and err.getvalue().strip() == "tinylm: error: --fused-prefill needs the cupy backend (a CUDA device)"
+
+
 # --- GPU -----------------------------------------------------------------------------------------
 PROMPTS = [[10, 20, 30, 40, 50], [7], [200, 1, 2, 150, 3, 4, 99, 98, 0, 5, 6]]
 
