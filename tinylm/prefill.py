@@ -37,7 +37,7 @@ import numpy as np
 
 from .model import RunState, Transformer
 
-PREFILL_MIN_BUCKET = 16  # shortest padded length: a GEMM's row tile is 16 or more anyway
+PREFILL_MIN_BUCKET = 16  # shortest padded length: no GEMM here computes fewer rows per block
 
 
 def prefill_bucket(t: int, max_seq: int) -> int:
@@ -68,9 +68,6 @@ class PrefillBuffers:
         self.h_last = e((b, 1, a.dim))  # each sequence's last real row
         self.logits = e((b, 1, a.vocab_size))
         self.graph = None
-
-    def nbytes(self) -> int:
-        return sum(v.nbytes for v in vars(self).values() if hasattr(v, "nbytes"))
 
 
 def _set_lengths(cache, counts) -> None:
