@@ -158,7 +158,8 @@ class CupyOps:
             flat = idx
         else:
             flat = cupy.asarray(np.arange(b, dtype=np.int32) * t + np.asarray(idx, dtype=np.int32))
-        return layers.embedding(flat, x.reshape(b * t, d), out=None if out is None else out.reshape(b, d)).reshape(b, 1, d)
+        dst = None if out is None else out.reshape(b, d)
+        return layers.embedding(flat, x.reshape(b * t, d), out=dst).reshape(b, 1, d)
 
     # --- the fused decode step (tinylm.model.Transformer._decode_fused) -------------------
     def norm_qkv_rope_append(self, x, norm_w, wqkv, cache, layer, n_heads, eps, base, style, out=None):

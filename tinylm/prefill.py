@@ -24,8 +24,9 @@ the state's max_seq) and run by ``Transformer._run`` into a ``PrefillBuffers`` o
 
 A state keeps the buffers and graph of its latest bucket only (a prompt of another bucket frees
 them and captures anew), so its prefill memory is one padded prompt's activations, what
-``tinylm.generate.sequence_bytes`` counts. The first prefill of a bucket runs this padded forward eagerly (it compiles and loads every
-kernel, which a capture must not do) and then captures it; later prefills of the bucket replay.
+``tinylm.generate.sequence_bytes`` counts. The first prefill of a bucket runs this padded forward
+eagerly (it compiles and loads every kernel, which a capture must not do) and then captures it;
+later prefills of the bucket replay.
 Eager and replayed padded prefills run the same launches on the same buffers, so they give the
 same logits bit for bit (tests/test_prefill.py); against the unpadded eager prefill the logits
 differ only where a GEMM of another row count sums in another order (tokens equal on the tests'
