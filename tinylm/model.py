@@ -26,6 +26,13 @@ same thing in 5 kernels per layer instead of 9, each norm folded into the projec
                 x = x + y Wdown^T                                                        (5)
     logits = rmsnorm(x) Wout^T
 
+A prefill (T > 1) runs the layer loop above over all prompt tokens: 10 kernels per layer on the
+cupy backend (the head merge after attention is one of them), which tinylm.prefill pads to a
+length bucket and replays as a CUDA graph. ``Transformer(fused_prefill=True)`` runs it through
+the fused projections instead (``_prefill_fused``: the steps (3) to (5) above, RMSNorm + QKV
+projection, then the same RoPE + append and flash attention as the unfused prefill: 7 kernels
+per layer).
+
 The backends (tinylm.ops_numpy.NumpyOps, tinylm.ops_cupy.CupyOps) implement the ops interface
 below; the model never looks at which one it has. Weights live in `Params` (uploaded once, in
 the backend's dtype); everything that changes while generating lives in `RunState`.
