@@ -1,0 +1,217 @@
+"""Serving attention (issue 25): packed variable-length batches, sliding windows and softcap,
+paged KV caches (decode, append, chunked prefill) and PagedKVCache.
+
+CPU tier: the float64 references against independent formulations (plain loops over one query
+at a time). GPU tier (also on the CPU emulator, tests/emu): every kernel against those
+references on fresh random inputs with outliers, odd lengths (1, 17, 97), shuffled pages, every
+dtype, outputs NaN-poisoned before the call; bad inputs raise before anything is written.
+"""
+import math
+
+import numpy as np
+import pytest
+
+from conftest import DTYPES, TOL, assert_close, nan_like, np_dtype, rand_with_outliers, to_device, to_host
+from cupyattn import reference as ref
+
+HEAD_DIM = 32  # emulated runs: the smallest head dim keeps the CPU emulator quick
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(25)
+
+
+def _loop_attention(q, k, v, scale, window=(-1, -1), causal=False, softcap=None):
+    """One query row at a time, straight from the definitions (independent of reference.py's
+    vectorised masks): q [Sq, D], k/v [Sk, D] -> [Sq, D], zeros for a row that sees nothing."""
+    sq, sk = len(q), len(k)
+    out = np.zeros((sq, v.shape[1]))
+    for i in range(sq):
+        pos = i + sk - sq  # bottom-right aligned position of query i
+        keys = [j for j in range(sk)
+                if (not causal or j <= pos) and (window[0] < 0 or j >= pos - window[0])
+                and (window[1] < 0 or j <= pos + window[1])]
+        if not keys:
+            continue
+        s = np.array([float(q[i] @ k[j]) * scale for j in keys])
+        if softcap:
+            s = softcap * np.tanh(s / softcap)
+        p = np.exp(s - s.max())
+        out[i] = (p / p.sum()) @ v[keys]
+    return out
+
+
+# --- CPU tier: references ----------------------------------------------------------------------
+@pytest.mark.parametrize("window", [(-1, -1), (3, 0), (0, 0), (5, 2), (-1, 4), (2, -1), (100, 100)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("softcap", [None, 2.5])
+def test_reference_window_softcap_matches_loop(rng, window, causal, softcap):
+    q, k, v = (rand_with_outliers(rng, (1, 1, n, 8)) for n in (7, 11, 11))
+    got = ref.attention(q, k, v, causal=causal, scale=0.7, window=window, softcap=softcap)[0, 0]
+    want = _loop_attention(q[0, 0], k[0, 0], v[0, 0], 0.7, window, causal, softcap)
+    np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_reference_varlen_and_paged_match_per_sequence_loops(rng):
+    lens_q, lens_k, hq, hkv, d, ps = [1, 17, 0, 5], [3, 17, 4, 9], 4, 2, 8, 4
+    cq, ck = np.cumsum([0] + lens_q), np.cumsum([0] + lens_k)
+    q = rand_with_outliers(rng, (cq[-1], hq, d))
+    k, v = rand_with_outliers(rng, (ck[-1], hkv, d)), rand_with_outliers(rng, (ck[-1], hkv, d))
+    got, lse = ref.attention_varlen(q, k, v, cq, ck, causal=True, window=(4, -1), softcap=3.0, return_lse=True)
+    for b in range(4):
+        for h in range(hq):
+            want = _loop_attention(q[cq[b]:cq[b + 1], h], k[ck[b]:ck[b + 1], h // 2], v[ck[b]:ck[b + 1], h // 2],
+                                   1 / math.sqrt(d), (4, -1), True, 3.0)
+            np.testing.assert_allclose(got[cq[b]:cq[b + 1], h], want, rtol=1e-10, atol=1e-12)
+    assert lse.shape == (hq, cq[-1])
+    # the same keys scattered over shuffled pages give the same attention
+    pages_per = [-(-n // ps) for n in lens_k]
+    perm = rng.permutation(sum(pages_per) + 3)
+    table = np.zeros((4, max(pages_per)), dtype=np.int32)
+    kp, vp = np.full((len(perm), ps, hkv, d), np.nan), np.full((len(perm), ps, hkv, d), np.nan)
+    n = 0
+    for b, cnt in enumerate(pages_per):
+        for i in range(cnt):
+            table[b, i] = perm[n]
+            n += 1
+        for p in range(lens_k[b]):
+            kp[table[b, p // ps], p % ps] = k[ck[b] + p]
+            vp[table[b, p // ps], p % ps] = v[ck[b] + p]
+    got_p = ref.attention_paged(q, cq, kp, vp, table, lens_k, causal=True, window=(4, -1), softcap=3.0)
+    np.testing.assert_allclose(got_p, got, rtol=1e-12, atol=1e-12)
+
+
+def test_reference_paged_append_writes_rope_rows_at_each_position(rng):
+    b, t, hq, hkv, d, ps = 2, 3, 2, 1, 8, 2
+    qkv = rng.standard_normal((b, t, (hq + 2 * hkv) * d))
+    table = np.array([[3, 0, 5], [1, 4, 2]], dtype=np.int32)
+    kp, vp = np.zeros((6, ps, hkv, d)), np.zeros((6, ps, hkv, d))
+    q, kp2, vp2, lens = ref.paged_append_qkv(qkv, kp, vp, table, [1, 2], hq, num_new=[3, 1])
+    assert lens.tolist() == [4, 3]
+    heads = qkv.reshape(b, t, hq + 2 * hkv, d)
+    # sequence 0 token 2 is position 3: page table[0, 1] = 0, row 1; v copied as it is
+    np.testing.assert_array_equal(vp2[0, 1, 0], heads[0, 2, hq + hkv])
+    want_k = ref.rope(heads[0, 2, hq][None, None, None], np.array([[3]]))[0, 0, 0]
+    np.testing.assert_allclose(kp2[0, 1, 0], want_k, rtol=1e-12)
+    # sequence 1 appends one token (position 2: page 4, row 0); its padding token is not written
+    np.testing.assert_array_equal(vp2[4, 0, 0], heads[1, 0, hq + hkv])
+    assert np.count_nonzero(np.abs(vp2).sum(axis=(2, 3))) == 4
+    np.testing.assert_allclose(q[1, :, 2], ref.rope(heads[1, 2, :hq][None, :, None], np.array([[4]]))[0, :, 0])
+
+
+# --- GPU tier: attention(window=, softcap=) and attention_varlen ------------------------------
+def _impls(dtype):
+    return ["flash"] + (["flash_mma"] if dtype != "float32" else [])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal,window,softcap,sq,sk", [
+    (False, (5, 3), None, 17, 97), (True, (16, -1), None, 97, 97), (True, (-1, -1), 30.0, 17, 17),
+    (False, (0, 0), 5.0, 1, 17), (True, (2, 0), None, 17, 1), (False, (-1, -1), 0.5, 97, 17)])
+def test_attention_window_softcap(rng, dtype, causal, window, softcap, sq, sk):
+    import cupyattn
+
+    b, hq, hkv, d = 2, 4, 2, HEAD_DIM
+    q, k, v = (rand_with_outliers(rng, s) for s in ((b, hq, sq, d), (b, hkv, sk, d), (b, hkv, sk, d)))
+    if softcap:  # huge scores: the cap, not the max subtraction, has to keep them finite
+        q = q * 40.0
+    qd, qh = to_device(q, dtype)
+    kd, kh = to_device(k, dtype)
+    vd, vh = to_device(v, dtype)
+    want, wlse = ref.attention(qh, kh, vh, causal=causal, window=window, softcap=softcap, return_lse=True)
+    for impl in _impls(dtype):
+        out = nan_like((b, hq, sq, d), dtype)
+        got, lse = cupyattn.attention(qd, kd, vd, causal=causal, window=window, softcap=softcap, impl=impl,
+                                      out=out, return_lse=True)
+        assert got is out
+        assert_close(got, want, dtype)
+        lse = to_host(lse)
+        assert np.array_equal(np.isfinite(lse), np.isfinite(wlse)), impl
+        np.testing.assert_allclose(lse[np.isfinite(wlse)], wlse[np.isfinite(wlse)], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_window_that_hides_every_key_gives_zeros(rng, dtype):
+    import cupyattn
+
+    # left = 0, right = 0 and Sq > Sk: the first queries' positions are negative, no key there
+    q, k, v = (rand_with_outliers(rng, s) for s in ((1, 2, 17, HEAD_DIM), (1, 1, 5, HEAD_DIM), (1, 1, 5, HEAD_DIM)))
+    qd, qh = to_device(q, dtype)
+    kd, kh = to_device(k, dtype)
+    vd, vh = to_device(v, dtype)
+    for impl in _impls(dtype):
+        got, lse = cupyattn.attention(qd, kd, vd, window=(0, 0), impl=impl, out=nan_like(q.shape, dtype),
+                                      return_lse=True)
+        got, lse = to_host(got), to_host(lse)
+        assert np.all(got[:, :, :12] == 0) and np.all(lse[:, :, :12] == -np.inf), impl
+        assert_close(got, ref.attention(qh, kh, vh, window=(0, 0)), dtype)
+
+
+def _packed(rng, lens_q, lens_k, hq, hkv, d, dtype):
+    cq, ck = np.cumsum([0] + lens_q).astype(np.int32), np.cumsum([0] + lens_k).astype(np.int32)
+    q, qh = to_device(rand_with_outliers(rng, (int(cq[-1]), hq, d)), dtype)
+    k, kh = to_device(rand_with_outliers(rng, (int(ck[-1]), hkv, d)), dtype)
+    v, vh = to_device(rand_with_outliers(rng, (int(ck[-1]), hkv, d)), dtype)
+    return (q, k, v), (qh, kh, vh), cq, ck
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (6, 2), (4, 1)])
+@pytest.mark.parametrize("causal,window,softcap", [(False, None, None), (True, None, None), (True, (7, -1), 20.0),
+                                                   (False, (3, 9), None)])
+def test_attention_varlen(rng, dtype, hq, hkv, causal, window, softcap):
+    import cupy
+
+    import cupyattn
+
+    lens_q, lens_k = [17, 1, 0, 97, 5], [17, 30, 4, 97, 1]
+    (q, k, v), (qh, kh, vh), cq, ck = _packed(rng, lens_q, lens_k, hq, hkv, HEAD_DIM, dtype)
+    want, wlse = ref.attention_varlen(qh, kh, vh, cq, ck, causal, window=window, softcap=softcap, return_lse=True)
+    for impl in _impls(dtype):
+        for cu in ((cq, ck), (cupy.asarray(cq), cupy.asarray(ck))):  # host-checked and device offsets
+            out = nan_like(q.shape, dtype)
+            got, lse = cupyattn.attention_varlen(q, k, v, *cu, max(lens_q), max(lens_k), causal=causal,
+                                                 window=window, softcap=softcap, return_lse=True, out=out,
+                                                 impl=impl)
+            assert got is out
+            assert_close(got, want, dtype)
+            lse = to_host(lse)
+            assert np.array_equal(np.isfinite(lse), np.isfinite(wlse))
+            np.testing.assert_allclose(lse[np.isfinite(wlse)], wlse[np.isfinite(wlse)], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+def test_attention_varlen_bad_inputs_raise_before_writing(rng):
+    import cupy
+
+    import cupyattn
+
+    (q, k, v), _, cq, ck = _packed(rng, [3, 4], [3, 4], 2, 1, HEAD_DIM, "float16")
+    out = nan_like(q.shape, "float16")
+    f = cupyattn.attention_varlen
+    cases = [
+        (TypeError, "cu_seqlens_q must be int32", lambda: f(q, k, v, cupy.asarray(cq, dtype=cupy.int64), ck, 4, 4, out=out)),
+        (ValueError, "cu_seqlens_k must start at 0", lambda: f(q, k, v, cq, [0, 3, 6], 4, 4, out=out)),
+        (ValueError, "cu_seqlens_q must start at 0", lambda: f(q, k, v, [0, 4, 3, 7], [0, 1, 2, 7], 4, 4, out=out)),
+        (ValueError, "max_seqlen_q=3 is less than", lambda: f(q, k, v, cq, ck, 3, 4, out=out)),
+        (ValueError, r"window\[0\] must be", lambda: f(q, k, v, cq, ck, 4, 4, window=(-2, 0), out=out)),
+        (TypeError, "window must be None or a pair", lambda: f(q, k, v, cq, ck, 4, 4, window=5, out=out)),
+        (ValueError, "softcap must be", lambda: f(q, k, v, cq, ck, 4, 4, softcap=-1.0, out=out)),
+        (ValueError, "q heads Hq=2 must be a multiple", lambda: f(q, k[:, :1].repeat(3, axis=1), v[:, :1].repeat(3, axis=1),
+                                                                  cq, ck, 4, 4, out=out)),
+        (ValueError, "k must be", lambda: f(q, k[None], v[None], cq, ck, 4, 4, out=out)),
+        (TypeError, "impl='flash_mma' needs", lambda: f(q.astype(cupy.float32), k.astype(cupy.float32),
+                                                        v.astype(cupy.float32), cq, ck, 4, 4, impl="flash_mma")),
+        (ValueError, "impl", lambda: f(q, k, v, cq, ck, 4, 4, impl="naive", out=out)),
+        (ValueError, "out", lambda: f(q, k, v, cq, ck, 4, 4, out=q)),
+    ]
+    for exc, msg, call in cases:
+        with pytest.raises(exc, match=msg):
+            call()
+    assert bool(cupy.isnan(out).all())  # nothing was written
+    with pytest.raises(ValueError, match="attention\\(\\): window and softcap need a fused impl"):
+        cupyattn.attention(q[None], k[None], v[None], impl="naive", softcap=1.0)
