@@ -46,16 +46,16 @@ from .config import (DECODE_COMBINE_THREADS, DECODE_HEAD_TILE, DECODE_IMPLS, DEC
 from .kvcache import KVCache
 
 
-def _simt_expr(dtype, d: int) -> str:
+def _simt_expr(dtype, d: int, serving: bool = False) -> str:
     t = DECODE_SIMT_TILES[(d, np.dtype(dtype).itemsize)]
     return (f"decode_kernel<{ctype(dtype)}, {d}, {t.threads}, {DECODE_HEAD_TILE}, {t.block_n}, "
-            f"{t.stages}, {t.pitch}, {t.blocks_per_sm}>")
+            f"{t.stages}, {t.pitch}, {t.blocks_per_sm}{', true' if serving else ''}>")
 
 
-def _mma_expr(dtype, d: int, m_tiles: int) -> str:
+def _mma_expr(dtype, d: int, m_tiles: int, serving: bool = False) -> str:
     t = DECODE_MMA_TILES[(d, m_tiles)]
     return (f"decode_mma_kernel<{ctype(dtype)}, {d}, {m_tiles}, {t.warps}, {t.block_n}, {t.stages}, "
-            f"{t.pitch}, {t.blocks_per_sm}>")
+            f"{t.pitch}, {t.blocks_per_sm}{', true' if serving else ''}>")
 
 
 def _combine_expr(dtype) -> str:
@@ -66,7 +66,10 @@ SPEC = KernelSpec(
     "decode", "decode.cu",
     tuple(_simt_expr(t, d) for t in DTYPES for d in HEAD_DIMS)
     + tuple(_mma_expr(t, d, m) for t in MMA_DTYPES for d in HEAD_DIMS for m in range(1, DECODE_MMA_MAX_MTILES + 1))
-    + tuple(_combine_expr(t) for t in DTYPES))
+    + tuple(_combine_expr(t) for t in DTYPES)
+    # serving variants (paged caches, window, softcap: cupyattn/paged.py and window= / softcap=)
+    + tuple(_simt_expr(t, d, True) for t in DTYPES for d in HEAD_DIMS)
+    + tuple(_mma_expr(t, d, m, True) for t in MMA_DTYPES for d in HEAD_DIMS for m in range(1, DECODE_MMA_MAX_MTILES + 1)))
 
 _SM_COUNT: dict[int, int] = {}
 
@@ -80,14 +83,37 @@ class _Plan:
     head_tiles: int   # blocks per kv head (and split)
 
 
-def _plan(impl: str, dtype, d: int, group: int) -> _Plan:
+@dataclasses.dataclass(frozen=True)
+class Serving:
+    """The serving arguments of a decode launch (kernels_cu/decode.cu DECODE_SERVING_PARAMS): a
+    block table over pages (None: the contiguous cache), the window's left bound (-1: none) and
+    the softcap (0: off). ``max_seq`` of a paged launch is max_pages * page_size."""
+    block_table: object = None
+    log2_page: int = 0
+    num_pages: int = 0
+    win_left: int = -1
+    softcap: float = 0.0
+
+    @property
+    def active(self) -> bool:
+        return self.block_table is not None or self.win_left >= 0 or self.softcap > 0
+
+    def args(self):
+        bt = self.block_table
+        return (bt if bt is not None else NULL, np.int32(bt.shape[1] if bt is not None else 0),
+                np.int32(self.log2_page), np.int32(self.num_pages), np.int32(self.win_left),
+                np.float32(self.softcap * math.log2(math.e)))
+
+
+def _plan(impl: str, dtype, d: int, group: int, serving: bool = False) -> _Plan:
     if impl == "auto":
         impl = "mma" if np.dtype(dtype) in MMA_DTYPES and group >= DECODE_MMA_MIN_GROUP else "simt"
     if impl == "mma":
         m_tiles = min(-(-group // DECODE_MMA_ROWS), DECODE_MMA_MAX_MTILES)
         rows = DECODE_MMA_ROWS * m_tiles
-        return _Plan(impl, _mma_expr(dtype, d, m_tiles), DECODE_MMA_TILES[(d, m_tiles)], -(-group // rows))
-    return _Plan(impl, _simt_expr(dtype, d), DECODE_SIMT_TILES[(d, np.dtype(dtype).itemsize)],
+        return _Plan(impl, _mma_expr(dtype, d, m_tiles, serving), DECODE_MMA_TILES[(d, m_tiles)],
+                     -(-group // rows))
+    return _Plan(impl, _simt_expr(dtype, d, serving), DECODE_SIMT_TILES[(d, np.dtype(dtype).itemsize)],
                  -(-group // DECODE_HEAD_TILE))
 
 
@@ -181,11 +207,14 @@ def _check_args(fn, q, cache, layer, scale, num_splits, out, impl):
     return layer, b, hq, d, float(scale), num_splits, plan
 
 
-def _launch(q, cache, layer, scale, num_splits, out, plan, workspace=None, combine=True, fused_combine=False):
+def _launch(q, cache, layer, scale, num_splits, out, plan, workspace=None, combine=True, fused_combine=False,
+            sv=None):
     """Run the decode kernel, and the combine kernel when split (``combine=False`` keeps only the
     split partials in ``workspace``, for tests; ``fused_combine``: the decode kernel's last split
-    block merges, counted on ``workspace[2]``, and nothing else is launched)."""
-    b, hq, _, d = q.shape
+    block merges, counted on ``workspace[2]``, and nothing else is launched). ``sv``: Serving
+    arguments (the plan must be a serving one); ``cache`` may be any object with the KVCache
+    attributes used here (cupyattn.paged passes its pages that way)."""
+    b, hq, d = q.shape[0], q.shape[1], q.shape[-1]
     hkv = cache.num_kv_heads
     split = num_splits > 1 or not combine
     counters = NULL
@@ -206,7 +235,8 @@ def _launch(q, cache, layer, scale, num_splits, out, plan, workspace=None, combi
          (q, cache.k[layer], cache.v[layer], cache.lengths[layer], out_arg, o_part, lse_part, counters,
           i64(q.strides[0] // q.itemsize), i64(q.strides[1] // q.itemsize),
           i32(b), i32(hq), i32(hkv), i32(cache.max_seq), i32(num_splits),
-          np.float32(scale * math.log2(math.e)), i32(1 if split else 0)), shared_mem=smem)
+          np.float32(scale * math.log2(math.e)), i32(1 if split else 0), *(sv or Serving()).args()),
+         shared_mem=smem)
     if split and combine and counters is NULL:
         merge = get_function(SPEC, _combine_expr(cache.dtype))
         merge((b * hq,), (DECODE_COMBINE_THREADS,), (o_part, lse_part, out, i32(num_splits), i32(b * hq), i32(d)))
@@ -214,7 +244,7 @@ def _launch(q, cache, layer, scale, num_splits, out, plan, workspace=None, combi
 
 
 def decode_attention(q, cache, layer, scale=None, num_splits=None, out=None, workspace=None, impl="auto",
-                     fused_combine=False):
+                     fused_combine=False, window=None, softcap=None):
     """Attention of one new query token per sequence over the cached keys/values of ``layer``.
 
     Parameters
@@ -248,6 +278,12 @@ def decode_attention(q, cache, layer, scale=None, num_splits=None, out=None, wor
         Merge the splits inside the decode kernel (the last split block of each head tile to
         finish merges, found by an atomic counter) instead of a second kernel: one launch per
         call. Opt-in: it has not run on a GPU yet (config.TINYLM_FUSED_DECODE).
+    window : (left, right), optional
+        Sliding window: the query (at position len - 1) sees keys ``j >= len - 1 - left``
+        (-1: unbounded); ``right`` cannot hide anything in decode. Serving kernel variant,
+        **not yet run on a GPU**.
+    softcap : float, optional
+        Scores become ``softcap * tanh(scale * q.k / softcap)``; 0 / None: off. Same variant.
 
     Returns
     -------
@@ -261,15 +297,30 @@ def decode_attention(q, cache, layer, scale=None, num_splits=None, out=None, wor
     fn = "decode_attention"
     layer, b, hq, d, scale, num_splits, plan = _check_args(fn, q, cache, layer, scale, num_splits, out, impl)
     fused_combine = _checks.check_bool(fn, "fused_combine", fused_combine)
+    sv, plan, live = serving_plan(fn, window, softcap, impl, q.dtype, d, hq // cache.num_kv_heads, plan,
+                                  int(cache.host_lengths[layer].max()))
     if num_splits is None:
-        num_splits = _auto_splits(plan, b, cache.num_kv_heads, int(cache.host_lengths[layer].max()))
+        num_splits = _auto_splits(plan, b, cache.num_kv_heads, live)
     if workspace is not None:
         _check_workspace(fn, workspace, num_splits, b, hq, d, q, cache, out, fused_combine)
     if out is None:
         out = cupy.empty((b, hq, 1, d), dtype=q.dtype)
     if hq == 0:
         return out  # no query heads: nothing to compute (and no empty grid to launch)
-    return _launch(q, cache, layer, scale, num_splits, out, plan, workspace, fused_combine=fused_combine)
+    return _launch(q, cache, layer, scale, num_splits, out, plan, workspace, fused_combine=fused_combine, sv=sv)
+
+
+def serving_plan(fn, window, softcap, impl, dtype, d, group, plan, max_len, **paged):
+    """Window / softcap / paging -> (Serving or None, the plan to launch, the longest number of
+    keys a query sees, for the split rule). ``paged``: Serving's block-table fields."""
+    from .flash_attn import check_window_softcap
+
+    (left, _), cap = check_window_softcap(fn, window, softcap, False)
+    sv = Serving(win_left=left, softcap=cap, **paged)
+    if not sv.active:
+        return None, plan, max_len
+    live = max_len if left < 0 else min(max_len, left + 1)
+    return sv, _plan(impl, dtype, d, group, serving=True), live
 
 
 def _check_workspace(fn, workspace, num_splits, b, hq, d, q, cache, out, fused_combine=False):

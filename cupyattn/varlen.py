@@ -55,29 +55,30 @@ def check_offsets(fn: str, name: str, x, n: int, total: int | None):
     return cupy.asarray(h.astype(np.int32)), h
 
 
-def check_packed(fn, q, k, v, impl):
-    """q [total_q, Hq, D], k/v [*, Hkv, D] (3-D, or pages [N, P, Hkv, D]): -> impl, Hq, Hkv, D."""
+def check_packed(fn, q, k, v, impl, kn="k", vn="v"):
+    """q [total_q, Hq, D], k/v [*, Hkv, D] (3-D, or pages [N, P, Hkv, D], named ``kn``, ``vn``
+    in errors): -> impl, Hq, Hkv, D."""
     if impl is not None:
         check_choice(fn, "impl", impl, FUSED_IMPLS)
     check_array(fn, "q", q, ndim=3)
-    check_array(fn, "k", k, min_ndim=3)
-    check_array(fn, "v", v, min_ndim=3)
-    check_same_dtype(fn, "k", k, "q", q)
-    check_same_dtype(fn, "v", v, "q", q)
+    check_array(fn, kn, k, min_ndim=3)
+    check_array(fn, vn, v, min_ndim=3)
+    check_same_dtype(fn, kn, k, "q", q)
+    check_same_dtype(fn, vn, v, "q", q)
     impl = DEFAULT_IMPL[np.dtype(q.dtype)] if impl is None else impl
     hq, d = q.shape[1], q.shape[2]
     hkv = k.shape[-2]
     if tuple(v.shape) != tuple(k.shape):
-        raise ValueError(f"{fn}(): v has shape {tuple(v.shape)} but k has {tuple(k.shape)}")
+        raise ValueError(f"{fn}(): {vn} has shape {tuple(v.shape)} but {kn} has {tuple(k.shape)}")
     if k.shape[-1] != d:
-        raise ValueError(f"{fn}(): k has head dim {k.shape[-1]} but q has {d}")
+        raise ValueError(f"{fn}(): {kn} has head dim {k.shape[-1]} but q has {d}")
     if hkv == 0 or hq % hkv:
-        raise ValueError(f"{fn}(): q heads Hq={hq} must be a multiple of k/v heads Hkv={hkv}")
+        raise ValueError(f"{fn}(): q heads Hq={hq} must be a multiple of {kn}/{vn} heads Hkv={hkv}")
     if d not in HEAD_DIMS:
         raise ValueError(f"{fn}(): head_dim D={d} is not supported; supported: {', '.join(map(str, HEAD_DIMS))}")
     if impl == "flash_mma" and np.dtype(q.dtype) not in MMA_DTYPES:
         raise TypeError(f"{fn}(): impl='flash_mma' needs float16 or bfloat16 inputs, got float32 (use impl='flash')")
-    for name, x in (("q", q), ("k", k), ("v", v)):
+    for name, x in (("q", q), (kn, k), (vn, v)):
         check_last_contiguous(fn, name, x)
         for n in x.shape:
             _checks.check_int32(fn, f"{name} size", n)

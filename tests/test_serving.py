@@ -215,3 +215,194 @@ def test_attention_varlen_bad_inputs_raise_before_writing(rng):
     assert bool(cupy.isnan(out).all())  # nothing was written
     with pytest.raises(ValueError, match="attention\\(\\): window and softcap need a fused impl"):
         cupyattn.attention(q[None], k[None], v[None], impl="naive", softcap=1.0)
+
+
+# --- GPU tier: decode over pages, and window / softcap on both decode paths -------------------
+def _shuffled_pages(rng, lens, page_size, hkv, d, dtype, spare=3):
+    """Pages holding each sequence's keys/values at shuffled page ids (spare pages NaN-filled,
+    as are rows past a sequence's length): -> (k_pages, v_pages, table) on the device, and the
+    rounded float64 host copies for the reference."""
+    import cupy
+
+    per = [max(1, -(-n // page_size)) for n in lens]
+    n_pages = sum(per) + spare
+    perm = rng.permutation(n_pages).astype(np.int32)
+    table = np.zeros((len(lens), max(per) + 1), dtype=np.int32)  # one unused column
+    kh, vh = np.full((n_pages, page_size, hkv, d), np.nan), np.full((n_pages, page_size, hkv, d), np.nan)
+    at = 0
+    for b, n in enumerate(lens):
+        table[b, :per[b]] = perm[at:at + per[b]]
+        at += per[b]
+        for p in range(n):
+            kh[table[b, p // page_size], p % page_size] = rand_with_outliers(rng, (hkv, d), outliers=1)
+            vh[table[b, p // page_size], p % page_size] = rand_with_outliers(rng, (hkv, d), outliers=1)
+    table[:, -1] = perm[-1]  # a spare (NaN) page: past every length, so never read
+    kd, vd = (cupy.asarray(x.astype(np_dtype(dtype))) for x in (kh, vh))
+    return kd, vd, cupy.asarray(table), to_host(kd), to_host(vd), table
+
+
+def _decode_impls(dtype, group):
+    return ["simt"] + (["mma"] if dtype != "float32" else [])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("page_size", [1, 16, 256])
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2), (16, 1)])
+def test_decode_attention_paged(rng, dtype, page_size, hq, hkv):
+    import cupy
+
+    import cupyattn
+
+    lens = [17, 1, 0, 97]
+    kd, vd, table, kh, vh, th = _shuffled_pages(rng, lens, page_size, hkv, HEAD_DIM, dtype)
+    q, qh = to_device(rand_with_outliers(rng, (len(lens), hq, HEAD_DIM)), dtype)
+    for window, softcap in [(None, None), ((5, -1), None), ((-1, 0), 3.0)]:
+        want = ref.decode_attention_paged(qh, kh, vh, th, lens, window=window, softcap=softcap)
+        for impl in _decode_impls(dtype, hq // hkv):
+            for splits, sl in [(1, lens), (3, cupy.asarray(lens, dtype=cupy.int32)), (None, lens)]:
+                out = nan_like((len(lens), hq, HEAD_DIM), dtype)
+                got = cupyattn.decode_attention_paged(q, kd, vd, table, sl, window=window, softcap=softcap,
+                                                      num_splits=splits, impl=impl, out=out)
+                assert got is out
+                assert_close(got, want, dtype)
+                assert np.all(to_host(got)[2] == 0)  # the empty sequence
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_window_softcap_contiguous_cache(rng, dtype):
+    import cupyattn
+
+    b, hq, hkv, lens = 3, 8, 2, [97, 1, 40]
+    cache = cupyattn.KVCache(1, b, hkv, 128, HEAD_DIM, np_dtype(dtype))
+    k, kh = to_device(rand_with_outliers(rng, (b, hkv, 97, HEAD_DIM)), dtype)
+    v, vh = to_device(rand_with_outliers(rng, (b, hkv, 97, HEAD_DIM)), dtype)
+    cache.append(0, k, v, num_new=lens)
+    q, qh = to_device(rand_with_outliers(rng, (b, hq, 1, HEAD_DIM)) * 20.0, dtype)  # huge scores
+    for window, softcap in [((0, -1), None), ((30, 5), 2.0), (None, 50.0)]:
+        want = ref.attention(qh, kh, vh, key_lengths=lens, window=None, softcap=softcap,
+                             mask=_left_window_mask(lens, 97, window))
+        for impl in _decode_impls(dtype, hq // hkv):
+            for splits in (1, 4):
+                out = nan_like((b, hq, 1, HEAD_DIM), dtype)
+                got = cupyattn.decode_attention(q, cache, 0, num_splits=splits, impl=impl, out=out,
+                                                window=window, softcap=softcap)
+                assert_close(got, want, dtype)
+
+
+def _left_window_mask(lens, sk, window):
+    """Additive mask [B, 1, 1, Sk]: the decode query of sequence b (position lens[b] - 1) sees
+    keys j >= lens[b] - 1 - left."""
+    m = np.zeros((len(lens), 1, 1, sk))
+    if window is not None and window[0] >= 0:
+        for b, n in enumerate(lens):
+            m[b, ..., :max(n - 1 - window[0], 0)] = -np.inf
+    return m
+
+
+# --- GPU tier: PagedKVCache and chunked prefill over pages --------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_paged_cache_prefill_decode_free_reuse(rng, dtype, page_size):
+    """Chunked prefill (two chunks, ragged), then decode steps, against the reference of every
+    step; then a slot is freed and a new prompt reuses its pages."""
+    import cupy
+
+    import cupyattn
+
+    b, hq, hkv, d = 3, 4, 2, HEAD_DIM
+    cache = cupyattn.PagedKVCache(2, b, hkv, d, num_pages=64, page_size=page_size, dtype=np_dtype(dtype),
+                                  max_pages_per_seq=128 // page_size)
+    kh = np.zeros((64, page_size, hkv, d))
+    vh = np.zeros_like(kh)
+    lens = np.zeros(b, dtype=np.int64)
+    for chunk in ([17, 1, 5], [4, 0, 9], [1, 1, 1], [1, 1, 1]):
+        t = max(chunk)
+        qkv, qkvh = to_device(rand_with_outliers(rng, (b, t, (hq + 2 * hkv) * d)), dtype)
+        q = cache.append_qkv(1, qkv, hq, rope_base=100.0, num_new=chunk)
+        th = cache.host_table.copy()
+        qw, kh, vh, lens = ref.paged_append_qkv(qkvh, kh, vh, th, lens, hq, base=100.0, num_new=chunk)
+        assert_close(cache.k[1][:, :, :, :], np.where(np.isnan(kh), 0, kh), dtype)
+        # chunked prefill over the pages: each sequence's new queries, packed
+        cu = np.cumsum([0] + chunk).astype(np.int32)
+        packed = cupy.concatenate([q[i, :, :n].transpose(1, 0, 2) for i, n in enumerate(chunk)])
+        packed_h = np.concatenate([qw[i, :, :n].transpose(1, 0, 2) for i, n in enumerate(chunk)])
+        want = ref.attention_paged(_rounded(packed_h, dtype), cu, kh, vh, th, lens, causal=True)
+        for impl in _impls(dtype):
+            out = nan_like(packed.shape, dtype)
+            got = cupyattn.attention_paged(packed, cache.k[1], cache.v[1], cache.block_table, cache.lengths[1],
+                                           cu_seqlens_q=cu, max_seqlen_q=t, causal=True, impl=impl, out=out)
+            assert_close(got, want, dtype)
+        if t == 1:  # a decode step: the paged decode kernel on the same cache
+            got = cache.decode(q[:, :, 0], 1, num_splits=2)
+            want = ref.decode_attention_paged(_rounded(qw[:, :, 0], dtype), kh, vh, th, lens)
+            assert_close(got, want, dtype)
+    assert cache.seq_lengths(1).tolist() == lens.tolist() and cache.seq_lengths(0).tolist() == [0, 0, 0]
+    used = sum(len(cache.pages_of(i)) for i in range(b))
+    assert used == sum(-(-int(n) // page_size) for n in lens) and cache.free_pages == 64 - used
+    freed = cache.pages_of(0)
+    cache.free(0)
+    assert cache.seq_lengths(1)[0] == 0 and int(cache.lengths[1, 0]) == 0 and cache.free_pages == 64 - used + len(freed)
+    qkv, _ = to_device(rng.standard_normal((b, 1, (hq + 2 * hkv) * d)), dtype)
+    cache.append_qkv(1, qkv, hq, num_new=[1, 0, 0])
+    assert cache.pages_of(0)[0] in freed  # the new prompt took a freed page
+
+
+def _rounded(x, dtype):
+    return np.asarray(np.asarray(x).astype(np_dtype(dtype)), dtype=np.float64)
+
+
+@pytest.mark.gpu
+def test_paged_cache_out_of_pages_writes_nothing(rng):
+    import cupy
+
+    import cupyattn
+
+    cache = cupyattn.PagedKVCache(1, 2, 1, HEAD_DIM, num_pages=3, page_size=4, dtype=np.float16)
+    k = cupy.ones((2, 1, 5, HEAD_DIM), dtype=cupy.float16)
+    cache.append(0, k, k, num_new=[5, 0])  # two pages for slot 0
+    before = cache.k.copy(), cache.lengths.copy(), cache.host_table.copy()
+    with pytest.raises(ValueError, match="out of pages: slot 1 needs 2 more page"):
+        cache.append(0, k, k, num_new=[0, 5])
+    assert bool((cache.k == before[0]).all()) and bool((cache.lengths == before[1]).all())
+    assert (cache.host_table == before[2]).all() and cache.free_pages == 1
+    with pytest.raises(ValueError, match="cache is full"):
+        cupyattn.PagedKVCache(1, 1, 1, HEAD_DIM, 4, 4, np.float16, max_pages_per_seq=1).check_room(5)
+
+
+@pytest.mark.gpu
+def test_paged_bad_inputs_raise_before_writing(rng):
+    import cupy
+
+    import cupyattn
+
+    kd, vd, table, *_ = _shuffled_pages(rng, [5, 9], 4, 2, HEAD_DIM, "float16")
+    q = cupy.zeros((2, 4, HEAD_DIM), dtype=cupy.float16)
+    out = nan_like((2, 4, HEAD_DIM), "float16")
+    f = cupyattn.decode_attention_paged
+    cases = [
+        (ValueError, "page_size .* power of two", lambda: f(q, kd[:, :3].copy(), vd[:, :3].copy(), table, [5, 9], out=out)),
+        (TypeError, "block_table", lambda: f(q, kd, vd, table.astype(cupy.int64), [5, 9], out=out)),
+        (ValueError, "block_table has 1 rows", lambda: f(q, kd, vd, table[:1], [5, 9], out=out)),
+        (ValueError, "seq_lens max 99 exceeds", lambda: f(q, kd, vd, table, [5, 99], out=out)),
+        (ValueError, "seq_lens must be >= 0", lambda: f(q, kd, vd, table, [5, -1], out=out)),
+        (ValueError, "seq_lens must have shape", lambda: f(q, kd, vd, table, [5], out=out)),
+        (TypeError, "k_pages has dtype", lambda: f(q, kd.astype(cupy.float32), vd, table, [5, 9], out=out)),
+        (ValueError, "q heads Hq=3", lambda: f(q[:, :3], kd, vd, table, [5, 9])),
+        (ValueError, "C-contiguous", lambda: f(q, kd[:, ::2], vd[:, ::2], table, [5, 9], out=out)),
+        (ValueError, "num_splits", lambda: f(q, kd, vd, table, [5, 9], num_splits=0, out=out)),
+        (ValueError, r"window\[0\]", lambda: f(q, kd, vd, table, [5, 9], window=(-3, 0), out=out)),
+        (ValueError, "out", lambda: f(q, kd, vd, table, [5, 9], out=q[:, :, :8])),
+    ]
+    for exc, msg, call in cases:
+        with pytest.raises(exc, match=msg):
+            call()
+    assert bool(cupy.isnan(out).all())
+    with pytest.raises(ValueError, match="page_size must be a power of two"):
+        cupyattn.PagedKVCache(1, 1, 1, HEAD_DIM, 4, 3, np.float16)
+    with pytest.raises(ValueError, match="seq_lens must be >= Sq=4"):
+        cupyattn.attention_paged(q[:, :, None].repeat(4, axis=2), kd, vd, table, [5, 3])
+    with pytest.raises(IndexError, match="slot 5 is out of range"):
+        cupyattn.PagedKVCache(1, 2, 1, HEAD_DIM, 4, 4, np.float16).free(5)
