@@ -406,3 +406,25 @@ def test_paged_bad_inputs_raise_before_writing(rng):
         cupyattn.attention_paged(q[:, :, None].repeat(4, axis=2), kd, vd, table, [5, 3])
     with pytest.raises(IndexError, match="slot 5 is out of range"):
         cupyattn.PagedKVCache(1, 2, 1, HEAD_DIM, 4, 4, np.float16).free(5)
+
+
+# --- benchmark rows (the CLI end to end on a tiny case) -----------------------------------------
+@pytest.mark.gpu
+def test_benchmark_rows_paged_decode_and_varlen(tmp_path, monkeypatch, capsys):
+    import conftest
+    from benchmarks import report, timing
+    from benchmarks.__main__ import main
+
+    if conftest.EMULATE:  # the ceilings are GB-sized copies and GEMMs
+        monkeypatch.setattr(timing, "measure_ceilings", lambda **kw: {"copy_gbps": 1.0, "gemm_tflops": 1.0})
+    for argv, impls in ((["decode", "--B", "2", "--H", "8", "--Hkv", "2", "--Sk", "256", "--D", "32"],
+                         ("split-kv", "paged-16", "paged-1", "paged-256")),
+                        (["attention", "--B", "2", "--H", "4", "--Hkv", "2", "--Sq", "33", "--D", "32", "--causal"],
+                         ("flash", "varlen"))):
+        out = tmp_path / f"{argv[0]}.json"
+        rc = main(argv + ["--impl", ",".join(impls), "--reps", "2", "--warmup", "1", "--no-progress",
+                          "--json", str(out)])
+        assert rc == 0, capsys.readouterr().err[-3000:]
+        by = {x["impl"]: x for x in report.read_json(out)["records"]}
+        for impl in impls:
+            assert by[impl]["status"] == "ok" and by[impl]["rel_err"] < 1e-2, by[impl]
