@@ -380,3 +380,10 @@ RMSNORM_IMPLS = ("auto", "warp", "block")
 VEC16 = {CTYPES[d]: 16 // d.itemsize for d in DTYPES}
 # rmsnorm weight types: the activation's own, or float32 next to fp16/bf16 activations
 RMSNORM_WEIGHT_CTYPES = {CTYPES[d]: tuple(dict.fromkeys((CTYPES[d], CTYPES[FLOAT32]))) for d in DTYPES}
+
+# --- serving attention (issue 25: cupyattn/varlen.py, cupyattn/paged.py) ---- begin ----------
+# The serving variants reuse the tile tables above (FLASH_*_TILES, DECODE_*_TILES): a packed or
+# paged sequence is read tile by tile exactly as a contiguous one, only the row addresses differ.
+PAGED_MAX_PAGE_SIZE = 256   # pages of 1 .. 256 tokens (powers of two: a position splits by shift
+                            # and mask); 16 is the usual vLLM / FlashInfer size
+# --- serving attention ---------------------------------------------------------------- end ----

@@ -21,13 +21,13 @@ import numpy as np
 
 from . import _checks
 from ._checks import check_array, check_out
-from .config import DECODE_MAX_SPLITS, MMA_DTYPES
-from .decode import _auto_splits, _launch, _plan, serving_plan
+from .config import DECODE_MAX_SPLITS, PAGED_MAX_PAGE_SIZE
+from .decode import _auto_splits, _check_args, _launch, serving_plan
 from .flash_attn import Serving, _flash, check_window_softcap
 from .kvcache import KVCache
 from .varlen import check_grid, check_max_seqlen, check_offsets, check_packed, elem_strides
 
-MAX_PAGE_SIZE = 256
+MAX_PAGE_SIZE = PAGED_MAX_PAGE_SIZE
 
 
 def _check_pages(fn, q, k_pages, v_pages, block_table, seq_lens, impl, b):
@@ -106,7 +106,6 @@ def decode_attention_paged(q, k_pages, v_pages, block_table, seq_lens, scale=Non
     stand_in.k, stand_in.v, stand_in.lengths = k_pages[None], v_pages[None], lens[None]
     stand_in.num_layers, stand_in.num_kv_heads, stand_in.head_dim, stand_in.batch = 1, hkv, d, b
     stand_in.max_seq, stand_in.dtype = block_table.shape[1] * ps, np.dtype(k_pages.dtype)
-    from .decode import _check_args
     _, _, _, _, scale, num_splits, plan = _check_args(fn, q[:, :, None], stand_in, 0, scale, num_splits, None, impl)
     if out is not None:
         check_out(fn, out, (b, hq, d), q.dtype)

@@ -11,7 +11,7 @@ import math
 import numpy as np
 import pytest
 
-from conftest import DTYPES, TOL, assert_close, nan_like, np_dtype, rand_with_outliers, to_device, to_host
+from conftest import DTYPES, assert_close, nan_like, np_dtype, rand_with_outliers, to_device, to_host
 from cupyattn import reference as ref
 
 HEAD_DIM = 32  # emulated runs: the smallest head dim keeps the CPU emulator quick
