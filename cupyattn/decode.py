@@ -177,6 +177,9 @@ def _check_args(fn, q, cache, layer, scale, num_splits, out, impl):
     """Validate everything; return (layer, B, Hq, D, scale, num_splits or None, plan)."""
     if not isinstance(cache, KVCache):
         raise TypeError(f"{fn}(): cache must be a cupyattn.KVCache, got {type(cache).__name__}")
+    if hasattr(cache, "block_table"):
+        raise TypeError(f"{fn}(): cache is a PagedKVCache: use cache.decode(q[:, :, 0], layer) "
+                        f"(decode_attention_paged)")
     layer = cache.check_layer(fn, layer)
     check_array(fn, "q", q, ndim=4)
     check_same_dtype(fn, "q", q, "the cache", cache.k)

@@ -404,6 +404,12 @@ def test_paged_bad_inputs_raise_before_writing(rng):
         cupyattn.PagedKVCache(1, 1, 1, HEAD_DIM, 4, 3, np.float16)
     with pytest.raises(ValueError, match="seq_lens must be >= Sq=4"):
         cupyattn.attention_paged(q[:, :, None].repeat(4, axis=2), kd, vd, table, [5, 3])
+    paged = cupyattn.PagedKVCache(1, 2, 2, HEAD_DIM, 4, 4, np.float16)
+    with pytest.raises(TypeError, match="decode_attention\\(\\): cache is a PagedKVCache"):
+        cupyattn.decode_attention(q[:, :, None], paged, 0)
+    with pytest.raises(TypeError, match="rmsnorm_qkv_rope_append\\(\\): cache must be a cupyattn.KVCache \\(contiguous\\)"):
+        cupyattn.fused.rmsnorm_qkv_rope_append(cupy.zeros((2, 64), cupy.float16), cupy.ones(64, cupy.float16),
+                                               cupy.zeros((8 * HEAD_DIM, 64), cupy.float16), paged, 0, 4)
     with pytest.raises(IndexError, match="slot 5 is out of range"):
         cupyattn.PagedKVCache(1, 2, 1, HEAD_DIM, 4, 4, np.float16).free(5)
 
