@@ -308,18 +308,10 @@ def paged_append_qkv(qkv, k_pages, v_pages, block_table, seq_lens, num_heads, ba
     """``PagedKVCache.append_qkv``: qkv [B, T, (Hq + 2 Hkv) D]; token t < num_new[b] (default T)
     of sequence b goes, RoPE'd at position seq_lens[b] + t, to that position's page row. Returns
     (q [B, Hq, T, D] rotated, k_pages, v_pages, seq_lens + num_new) as new float64 arrays."""
-    qkv = _f64(qkv)
-    b, t, _ = qkv.shape
-    hkv, d, ps = k_pages.shape[2], k_pages.shape[3], k_pages.shape[1]
-    heads = qkv.reshape(b, t, num_heads + 2 * hkv, d).transpose(0, 2, 1, 3)  # [B, heads, T, D]
-    lens = np.asarray(seq_lens, dtype=np.int64)
-    counts = np.full(b, t) if num_new is None else np.asarray(num_new, dtype=np.int64)
-    pos = lens[:, None] + np.arange(t)[None, :]
-    q = rope(heads[:, :num_heads], pos, base, style)
-    k = rope(heads[:, num_heads:num_heads + hkv], pos, base, style)
-    v = heads[:, num_heads + hkv:]
+    ps = k_pages.shape[1]
+    q, k, v, lens, counts = _rope_qkv(qkv, num_heads, k_pages.shape[2], seq_lens, num_new, base, style)
     kp, vp = _f64(k_pages).copy(), _f64(v_pages).copy()
-    for i in range(b):
+    for i in range(len(lens)):
         for tt in range(int(counts[i])):
             p = int(lens[i]) + tt
             page = int(np.asarray(block_table)[i, p // ps])
@@ -379,6 +371,20 @@ def add_rmsnorm(x, r, weight, eps=1e-5):
     return s, rmsnorm(s, weight, eps)
 
 
+def _rope_qkv(qkv, num_heads, hkv, lengths, num_new, base, style):
+    """Split qkv [B, T, (Hq + 2 Hkv) D] into heads and rotate q and k at positions lengths[b] + t:
+    -> (q [B, Hq, T, D], k [B, Hkv, T, D], v, lengths int64, counts int64 (num_new or T))."""
+    qkv = _f64(qkv)
+    b, t, width = qkv.shape
+    heads = qkv.reshape(b, t, num_heads + 2 * hkv, width // (num_heads + 2 * hkv)).transpose(0, 2, 1, 3)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    counts = np.full(b, t) if num_new is None else np.asarray(num_new, dtype=np.int64)
+    pos = lengths[:, None] + np.arange(t)[None, :]
+    q = rope(heads[:, :num_heads], pos, base, style)
+    k = rope(heads[:, num_heads:num_heads + hkv], pos, base, style)
+    return q, k, heads[:, num_heads + hkv:], lengths, counts
+
+
 def qkv_rope_append(qkv, k_cache, v_cache, lengths, num_heads, base=10000.0, style="adjacent",
                     num_new=None):
     """The fused RoPE + KV-cache append of one layer (``KVCache.append_qkv``).
@@ -387,18 +393,9 @@ def qkv_rope_append(qkv, k_cache, v_cache, lengths, num_heads, base=10000.0, sty
     of sequence b sits at position lengths[b] + t; tokens t < num_new[b] (default all T) are
     appended. Returns (q [B, Hq, T, D] rotated, k_cache, v_cache, lengths) as new float64 arrays.
     """
-    qkv = _f64(qkv)
-    b, t, _ = qkv.shape
-    hkv, d = k_cache.shape[1], k_cache.shape[3]
-    heads = qkv.reshape(b, t, num_heads + 2 * hkv, d).transpose(0, 2, 1, 3)  # [B, heads, T, D]
-    lengths = np.asarray(lengths, dtype=np.int64)
-    counts = np.full(b, t) if num_new is None else np.asarray(num_new, dtype=np.int64)
-    pos = lengths[:, None] + np.arange(t)[None, :]
-    q = rope(heads[:, :num_heads], pos, base, style)
-    k = rope(heads[:, num_heads:num_heads + hkv], pos, base, style)
-    v = heads[:, num_heads + hkv:]
+    q, k, v, lengths, counts = _rope_qkv(qkv, num_heads, k_cache.shape[1], lengths, num_new, base, style)
     kc, vc = _f64(k_cache).copy(), _f64(v_cache).copy()
-    for i in range(b):
+    for i in range(len(lengths)):
         n, p0 = int(counts[i]), int(lengths[i])
         kc[i, :, p0:p0 + n] = k[i, :, :n]
         vc[i, :, p0:p0 + n] = v[i, :, :n]
