@@ -88,28 +88,31 @@ __device__ __forceinline__ void load_tile(T* __restrict__ dst, const KvRows<T, P
 template <typename T, bool SERVING>
 struct FlashSeq {
     int sq, sk;             // this sequence's query rows and keys
+    int q0;                 // its first packed query row (cu_q), or -1 (dense)
     const T* q;             // its query row 0 of head h
-    long long o_off, o_rs;  // out row i at out + o_off + i * o_rs
-    long long l_off;        // lse row i at lse[l_off + i]
     KvRows<T, SERVING> k, v;
+    // Output row and lse index of query row i (computed at the epilogue, so nothing 64-bit is
+    // held across the key loop for them).
+    __device__ __forceinline__ long long out_row(int i, long long bh, int h, int Hq, int Sq) const {
+        return SERVING && q0 >= 0 ? (long long)(q0 + i) * Hq + h : bh * Sq + i;
+    }
+    __device__ __forceinline__ long long lse_index(int i, long long bh, int h, int Sq) const {
+        return SERVING && q0 >= 0 ? (long long)h * Sq + q0 + i : bh * Sq + i;
+    }
     __device__ __forceinline__ FlashSeq(const T* q_, const T* k_, const T* v_, int b, int h, int hk, int Hq,
                                         int Sq, int Sk, long long q_sb, long long q_sh, long long q_ss,
                                         long long k_sb, long long k_sh, long long k_ss, long long v_sb,
                                         long long v_sh, long long v_ss, const int* cu_q, const int* cu_k,
                                         const int* table, int bt_stride, int log2_page, int num_pages) {
-        const long long bh = (long long)b * Hq + h;
-        sq = Sq; sk = Sk;
+        sq = Sq; sk = Sk; q0 = -1;
         q = q_ + b * q_sb + h * q_sh;
-        o_off = bh * Sq; o_rs = 1; l_off = bh * Sq;  // o_* in rows of HEAD_DIM, scaled by the caller
         k = {k_ + b * k_sb + hk * k_sh, k_ss, nullptr, 0, 0};
         v = {v_ + b * v_sb + hk * v_sh, v_ss, nullptr, 0, 0};
         if (!SERVING) return;
         if (cu_q != nullptr) {
-            const int q0 = cu_q[b];
+            q0 = cu_q[b];
             sq = cu_q[b + 1] - q0;
             q = q_ + q0 * q_ss + h * q_sh;
-            o_off = (long long)q0 * Hq + h; o_rs = Hq;
-            l_off = (long long)h * Sq + q0;
         }
         if (table != nullptr) {
             sk = cu_k[b];
@@ -299,13 +302,13 @@ flash_attn_fwd(const T* __restrict__ q,          // [B, Hq, Sq, D], strides q_sb
         const int i = m0 + row0 + r;
         if (i >= seq.sq) continue;  // same for the whole warp
         const float inv = row_scale(lsum);
-        T* orow = out + (seq.o_off + i * seq.o_rs) * HEAD_DIM;
+        T* orow = out + seq.out_row(i, bh, h, Hq, Sq) * HEAD_DIM;
 #pragma unroll
         for (int c = 0; c < COLS; ++c) {
             const int d = lane + 32 * c;
             if (d < HEAD_DIM) orow[d] = from_float<T>(o[r][c] * inv);
         }
-        if (lse && lane == 0) lse[seq.l_off + i] = row_lse(m[r], lsum);
+        if (lse && lane == 0) lse[seq.lse_index(i, bh, h, Sq)] = row_lse(m[r], lsum);
     }
 }
 
@@ -617,7 +620,7 @@ flash_attn_mma(const T* __restrict__ q,          // [B, Hq, Sq, D], strides q_s*
             for (int nt = 0; nt < NT_O; ++nt)
                 srow[nt * 4] = pack2<T>(o[mt][nt][2 * r] * inv, o[mt][nt][2 * r + 1] * inv);
             if (lse && tq == 0 && m0 + row < seq.sq)
-                lse[seq.l_off + m0 + row] = row_lse(m[mt][r], lsum);
+                lse[seq.lse_index(m0 + row, bh, h, Sq)] = row_lse(m[mt][r], lsum);
         }
     __syncwarp();
     constexpr int CPR = HEAD_DIM / 8;
@@ -626,7 +629,7 @@ flash_attn_mma(const T* __restrict__ q,          // [B, Hq, Sq, D], strides q_s*
         const int row = wrow0 + c / CPR, col = (c % CPR) * 8;
         if (m0 + row >= seq.sq) continue;
         const uint4 w = *reinterpret_cast<const uint4*>(q_s + row * LDS + col);
-        T* op = out + (seq.o_off + (m0 + row) * seq.o_rs) * HEAD_DIM + col;
+        T* op = out + seq.out_row(m0 + row, bh, h, Hq, Sq) * HEAD_DIM + col;
         if (vec & 8) {
             *reinterpret_cast<uint4*>(op) = w;
         } else {
