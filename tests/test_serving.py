@@ -361,8 +361,16 @@ def test_paged_cache_out_of_pages_writes_nothing(rng):
     import cupyattn
 
     cache = cupyattn.PagedKVCache(1, 2, 1, HEAD_DIM, num_pages=3, page_size=4, dtype=np.float16)
-    k = cupy.ones((2, 1, 5, HEAD_DIM), dtype=cupy.float16)
-    cache.append(0, k, k, num_new=[5, 0])  # two pages for slot 0
+    k, kh = to_device(rng.standard_normal((2, 1, 5, HEAD_DIM)), "float16")
+    v, vh = to_device(rng.standard_normal((2, 1, 5, HEAD_DIM)), "float16")
+    cache.append(0, k, v, num_new=[5, 0])  # two pages for slot 0: positions 0-3, then 4
+    pages = cache.pages_of(0)
+    assert len(pages) == 2 and cache.seq_lengths(0).tolist() == [5, 0]
+    for p in range(5):  # each position's row of its page, through the device table
+        page = int(cache.block_table[0, p // 4])
+        assert page == pages[p // 4]
+        np.testing.assert_array_equal(to_host(cache.k[0, page, p % 4, 0]), kh[0, 0, p])
+        np.testing.assert_array_equal(to_host(cache.v[0, page, p % 4, 0]), vh[0, 0, p])
     before = cache.k.copy(), cache.lengths.copy(), cache.host_table.copy()
     with pytest.raises(ValueError, match="out of pages: slot 1 needs 2 more page"):
         cache.append(0, k, k, num_new=[0, 5])
