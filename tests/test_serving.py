@@ -350,6 +350,30 @@ def test_paged_cache_prefill_decode_free_reuse(rng, dtype, page_size):
     assert cache.pages_of(0)[0] in freed  # the new prompt took a freed page
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_paged_dense_queries(rng, dtype):
+    """q [B, Hq, Sq, D] (every sequence added Sq tokens, the last of its seq_lens keys) over
+    shuffled pages of 4 tokens, with a window and softcap; lse [B, Hq, Sq]."""
+    import cupyattn
+
+    lens, sq, hq, hkv = [17, 5, 40], 5, 6, 3
+    kd, vd, table, kh, vh, th = _shuffled_pages(rng, lens, 4, hkv, HEAD_DIM, dtype)
+    q, qh = to_device(rand_with_outliers(rng, (3, hq, sq, HEAD_DIM)), dtype)
+    cu = np.arange(4) * sq
+    want, wlse = ref.attention_paged(qh.transpose(0, 2, 1, 3).reshape(-1, hq, HEAD_DIM), cu, kh, vh, th, lens,
+                                     causal=True, window=(6, -1), softcap=4.0, return_lse=True)
+    want = want.reshape(3, sq, hq, HEAD_DIM).transpose(0, 2, 1, 3)
+    wlse = wlse.reshape(hq, 3, sq).transpose(1, 0, 2)
+    for impl in _impls(dtype):
+        out = nan_like(q.shape, dtype)
+        got, lse = cupyattn.attention_paged(q, kd, vd, table, lens, causal=True, window=(6, -1), softcap=4.0,
+                                            return_lse=True, out=out, impl=impl)
+        assert got is out
+        assert_close(got, want, dtype)
+        np.testing.assert_allclose(to_host(lse), wlse, rtol=1e-4, atol=1e-4)
+
+
 def _rounded(x, dtype):
     return np.asarray(np.asarray(x).astype(np_dtype(dtype)), dtype=np.float64)
 
