@@ -100,6 +100,29 @@ def test_reference_paged_append_writes_rope_rows_at_each_position(rng):
     np.testing.assert_allclose(q[1, :, 2], ref.rope(heads[1, 2, :hq][None, :, None], np.array([[4]]))[0, :, 0])
 
 
+def test_window_folding_and_decode_split_rule_input():
+    """causal folds into the window's right side; the decode split rule sees only the keys a
+    window leaves (left + 1), and plain calls keep the plain kernel."""
+    from cupyattn.decode import serving_plan
+    from cupyattn.flash_attn import check_window_softcap
+
+    assert check_window_softcap("f", None, None, False) == ((-1, -1), 0.0)
+    assert check_window_softcap("f", None, None, True) == ((-1, 0), 0.0)
+    assert check_window_softcap("f", (7, 3), 2, True) == ((7, 0), 2.0)
+    assert check_window_softcap("f", [2**31, -1], None, False) == ((-1, -1), 0.0)  # beyond any length
+    for bad, exc in (((-2, 0), ValueError), ((1,), TypeError), ((1.5, 0), TypeError)):
+        with pytest.raises(exc, match="f\\(\\): window"):
+            check_window_softcap("f", bad, None, False)
+    with pytest.raises(ValueError, match="f\\(\\): softcap must be finite"):
+        check_window_softcap("f", None, float("inf"), False)
+    sv, plan, live = serving_plan("f", None, None, "auto", np.float16, 64, 4, "plain-plan", 5000)
+    assert sv is None and plan == "plain-plan" and live == 5000
+    sv, plan, live = serving_plan("f", (99, -1), None, "auto", np.float16, 64, 4, "plain-plan", 5000)
+    assert live == 100 and sv.win_left == 99 and plan.expr.endswith(", true>") and plan.impl == "mma"
+    sv, plan, live = serving_plan("f", None, 30.0, "simt", np.float32, 64, 1, None, 70)
+    assert live == 70 and sv.softcap == 30.0 and plan.expr.startswith("decode_kernel<float, 64")
+
+
 # --- GPU tier: attention(window=, softcap=) and attention_varlen ------------------------------
 def _impls(dtype):
     return ["flash"] + (["flash_mma"] if dtype != "float32" else [])
