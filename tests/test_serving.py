@@ -489,3 +489,90 @@ def test_benchmark_rows_paged_decode_and_varlen(tmp_path, monkeypatch, capsys):
         by = {x["impl"]: x for x in report.read_json(out)["records"]}
         for impl in impls:
             assert by[impl]["status"] == "ok" and by[impl]["rel_err"] < 1e-2, by[impl]
+
+
+# --- GPU tier: property tests (hypothesis, derandomised as tests/test_properties.py) -------------
+def _property_settings(n):
+    from hypothesis import HealthCheck, settings
+
+    return settings(max_examples=n, derandomize=True, deadline=None, database=None, print_blob=True,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+def _serving_case():
+    from hypothesis import strategies as st
+
+    return st.fixed_dictionaries({
+        "seed": st.integers(0, 2**32 - 1),
+        "dtype": st.sampled_from(DTYPES),
+        "mma": st.booleans(),
+        "lens_q": st.lists(st.integers(0, 40), min_size=1, max_size=4),
+        "extra_k": st.lists(st.integers(0, 30), min_size=4, max_size=4),
+        "heads": st.sampled_from([(1, 1), (4, 2), (6, 1), (3, 3)]),
+        "causal": st.booleans(),
+        "window": st.one_of(st.none(), st.tuples(st.integers(-1, 12), st.integers(-1, 12))),
+        "softcap": st.one_of(st.none(), st.floats(0.5, 50.0)),
+        "page": st.sampled_from([1, 2, 4, 16, 256]),
+    })
+
+
+@pytest.mark.gpu
+def test_property_varlen_and_paged_prefill():
+    """Random packed batches: attention_varlen over packed keys, and attention_paged over the
+    same keys in shuffled pages, both equal to the reference (rows past every key: zeros)."""
+    from hypothesis import given
+
+    @_property_settings(40)
+    @given(_serving_case())
+    def run(c):
+        import cupyattn
+
+        rng = np.random.default_rng(c["seed"])
+        dt = c["dtype"]
+        impl = "flash_mma" if c["mma"] and dt != "float32" else "flash"
+        hq, hkv = c["heads"]
+        lens_q = c["lens_q"]
+        lens_k = [n + e for n, e in zip(lens_q, c["extra_k"])]  # the new queries are the last keys
+        (q, k, v), (qh, kh, vh), cq, ck = _packed(rng, lens_q, lens_k, hq, hkv, HEAD_DIM, dt)
+        kw = dict(causal=c["causal"], window=c["window"], softcap=c["softcap"])
+        want = ref.attention_varlen(qh, kh, vh, cq, ck, **kw)
+        out = nan_like(q.shape, dt)
+        cupyattn.attention_varlen(q, k, v, cq, ck, max(lens_q), max(lens_k), out=out, impl=impl, **kw)
+        if want.size:
+            assert_close(out, want, dt)
+        kd, vd, table, kph, vph, th = _shuffled_pages(rng, lens_k, c["page"], hkv, HEAD_DIM, dt)
+        want = ref.attention_paged(qh, cq, kph, vph, th, lens_k, **kw)
+        out = nan_like(q.shape, dt)
+        cupyattn.attention_paged(q, kd, vd, table, lens_k, cu_seqlens_q=cq, max_seqlen_q=max(lens_q), out=out,
+                                 impl=impl, **kw)
+        if want.size:
+            assert_close(out, want, dt)
+
+    run()
+
+
+@pytest.mark.gpu
+def test_property_paged_decode():
+    """Random paged decode: lengths 0 to 70, page sizes 1 to 256, splits, windows, softcap."""
+    from hypothesis import given
+    from hypothesis import strategies as st
+
+    @_property_settings(40)
+    @given(_serving_case(), st.sampled_from([None, 1, 2, 5]))
+    def run(c, splits):
+        import cupyattn
+
+        rng = np.random.default_rng(c["seed"])
+        dt = c["dtype"]
+        impl = "mma" if c["mma"] and dt != "float32" else "simt"
+        hq, hkv = c["heads"]
+        lens = [n + e for n, e in zip(c["lens_q"], c["extra_k"])]
+        kd, vd, table, kh, vh, th = _shuffled_pages(rng, lens, c["page"], hkv, HEAD_DIM, dt)
+        q, qh = to_device(rand_with_outliers(rng, (len(lens), hq, HEAD_DIM)), dt)
+        want = ref.decode_attention_paged(qh, kh, vh, th, lens, window=c["window"], softcap=c["softcap"])
+        out = nan_like(q.shape, dt)
+        cupyattn.decode_attention_paged(q, kd, vd, table, lens, window=c["window"], softcap=c["softcap"],
+                                        num_splits=splits, impl=impl, out=out)
+        assert_close(out, want, dt)
+
+    run()
