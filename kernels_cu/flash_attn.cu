@@ -114,8 +114,8 @@ struct FlashSeq {
             sq = cu_q[b + 1] - q0;
             q = q_ + q0 * q_ss + h * q_sh;
         }
-        if (table != nullptr) {
-            sk = cu_k[b];
+        if (table != nullptr) {  // key count clamped to the table's capacity: never past its row
+            sk = min(max(cu_k[b], 0), bt_stride << log2_page);
             k = {k_ + hk * k_sh, k_ss, table + (long long)b * bt_stride, log2_page, num_pages - 1};
             v = {v_ + hk * v_sh, v_ss, k.table, log2_page, num_pages - 1};
         } else if (cu_k != nullptr) {
