@@ -194,17 +194,20 @@ def test_attention_varlen(rng, dtype, hq, hkv, causal, window, softcap):
     lens_q, lens_k = [17, 1, 0, 97, 5], [17, 30, 4, 97, 1]
     (q, k, v), (qh, kh, vh), cq, ck = _packed(rng, lens_q, lens_k, hq, hkv, HEAD_DIM, dtype)
     want, wlse = ref.attention_varlen(qh, kh, vh, cq, ck, causal, window=window, softcap=softcap, return_lse=True)
-    for impl in _impls(dtype):
-        for cu in ((cq, ck), (cupy.asarray(cq), cupy.asarray(ck))):  # host-checked and device offsets
-            out = nan_like(q.shape, dtype)
-            got, lse = cupyattn.attention_varlen(q, k, v, *cu, max(lens_q), max(lens_k), causal=causal,
-                                                 window=window, softcap=softcap, return_lse=True, out=out,
-                                                 impl=impl)
-            assert got is out
-            assert_close(got, want, dtype)
-            lse = to_host(lse)
-            assert np.array_equal(np.isfinite(lse), np.isfinite(wlse))
-            np.testing.assert_allclose(lse[np.isfinite(wlse)], wlse[np.isfinite(wlse)], rtol=1e-4, atol=1e-4)
+    # host-checked offsets for the first impl, device offsets (used unchecked) for the other, or
+    # both when there is one impl
+    impls = _impls(dtype)
+    runs = [(impls[0], (cq, ck)), (impls[-1], (cupy.asarray(cq), cupy.asarray(ck)))]
+    for impl, cu in runs:
+        out = nan_like(q.shape, dtype)
+        got, lse = cupyattn.attention_varlen(q, k, v, *cu, max(lens_q), max(lens_k), causal=causal,
+                                             window=window, softcap=softcap, return_lse=True, out=out,
+                                             impl=impl)
+        assert got is out
+        assert_close(got, want, dtype)
+        lse = to_host(lse)
+        assert np.array_equal(np.isfinite(lse), np.isfinite(wlse))
+        np.testing.assert_allclose(lse[np.isfinite(wlse)], wlse[np.isfinite(wlse)], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.gpu
@@ -522,7 +525,7 @@ def test_property_varlen_and_paged_prefill():
     same keys in shuffled pages, both equal to the reference (rows past every key: zeros)."""
     from hypothesis import given
 
-    @_property_settings(40)
+    @_property_settings(25)
     @given(_serving_case())
     def run(c):
         import cupyattn
