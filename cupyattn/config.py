@@ -381,7 +381,8 @@ VEC16 = {CTYPES[d]: 16 // d.itemsize for d in DTYPES}
 # rmsnorm weight types: the activation's own, or float32 next to fp16/bf16 activations
 RMSNORM_WEIGHT_CTYPES = {CTYPES[d]: tuple(dict.fromkeys((CTYPES[d], CTYPES[FLOAT32]))) for d in DTYPES}
 
-# === GPU families: which kernel each compute capability gets (issue 24) ========================
+# === GPU families: which kernel each compute capability gets (issue 24) =================
+
 # The one place that says what runs where. An op's impl="auto" / default takes the fastest impl
 # whose instructions the device has (IMPL_MIN_CC) and whose shared memory fits its per-block
 # limit; an explicit impl= the device cannot run raises ComputeCapabilityError (naming the impl,
@@ -459,3 +460,10 @@ GEMM_MMA_SMALL_SMEM = GemmTile(128, 128, 32, 256, "Turing (64 KB per block): 2 s
 # leave impl="auto" to the SIMT kernel.
 DECODE_SMALL_SMEM_STAGES = 2
 # === end GPU families (issue 24) ================================================================
+=======
+# --- serving attention (issue 25: cupyattn/varlen.py, cupyattn/paged.py) ---- begin ----------
+# The serving variants reuse the tile tables above (FLASH_*_TILES, DECODE_*_TILES): a packed or
+# paged sequence is read tile by tile exactly as a contiguous one, only the row addresses differ.
+PAGED_MAX_PAGE_SIZE = 256   # pages of 1 .. 256 tokens (powers of two: a position splits by shift
+                            # and mask); 16 is the usual vLLM / FlashInfer size
+# --- serving attention ---------------------------------------------------------------- end ----

@@ -176,8 +176,8 @@ def rmsnorm_qkv_rope_append(x, norm_weight, wqkv, cache, layer, num_heads, eps=1
         If a sequence's cache is full: nothing is launched or written.
     """
     fn = "rmsnorm_qkv_rope_append"
-    if not isinstance(cache, KVCache):
-        raise TypeError(f"{fn}(): cache must be a cupyattn.KVCache, got {type(cache).__name__}")
+    if not isinstance(cache, KVCache) or hasattr(cache, "block_table"):  # PagedKVCache: another layout
+        raise TypeError(f"{fn}(): cache must be a cupyattn.KVCache (contiguous), got {type(cache).__name__}")
     layer = cache.check_layer(fn, layer)
     hq = C.check_positive_int(fn, "num_heads", num_heads)
     b, d, hkv = cache.batch, cache.head_dim, cache.num_kv_heads
