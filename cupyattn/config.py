@@ -460,7 +460,7 @@ GEMM_MMA_SMALL_SMEM = GemmTile(128, 128, 32, 256, "Turing (64 KB per block): 2 s
 # leave impl="auto" to the SIMT kernel.
 DECODE_SMALL_SMEM_STAGES = 2
 # === end GPU families (issue 24) ================================================================
-=======
+
 # --- serving attention (issue 25: cupyattn/varlen.py, cupyattn/paged.py) ---- begin ----------
 # The serving variants reuse the tile tables above (FLASH_*_TILES, DECODE_*_TILES): a packed or
 # paged sequence is read tile by tile exactly as a contiguous one, only the row addresses differ.
