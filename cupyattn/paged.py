@@ -111,8 +111,12 @@ def decode_attention_paged(q, k_pages, v_pages, block_table, seq_lens, scale=Non
         check_out(fn, out, (b, hq, d), q.dtype)
         _checks.check_no_overlap(fn, out, {"q": q, "k_pages": k_pages, "v_pages": v_pages,
                                            "block_table": block_table, "seq_lens": seq_lens})
-    longest = (int(host.max()) if host is not None and len(host) else 0) if host is not None else \
-        (stand_in.max_seq if max_seq_len is None else _checks.check_int(fn, "max_seq_len", max_seq_len, 0))
+    # the split rule's longest length: host seq_lens, else the caller's bound, else the capacity
+    bound = None if max_seq_len is None else _checks.check_int(fn, "max_seq_len", max_seq_len, 0)
+    if host is not None:
+        longest = int(host.max()) if len(host) else 0
+    else:
+        longest = stand_in.max_seq if bound is None else bound
     sv, plan, live = serving_plan(fn, window, softcap, impl, q.dtype, d, hq // hkv, plan, longest,
                                   block_table=block_table, log2_page=ps.bit_length() - 1,
                                   num_pages=k_pages.shape[0])
