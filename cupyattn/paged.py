@@ -22,7 +22,7 @@ import numpy as np
 from . import _checks
 from ._checks import check_array, check_out
 from .config import DECODE_MAX_SPLITS, PAGED_MAX_PAGE_SIZE
-from .decode import _auto_splits, _check_args, _launch, serving_plan
+from .decode import _auto_splits, _check_args, _check_workspace, _launch, serving_plan
 from .flash_attn import Serving, _flash, check_window_softcap
 from .kvcache import KVCache
 from .varlen import check_grid, check_max_seqlen, check_offsets, check_packed, elem_strides
@@ -63,7 +63,7 @@ def _check_pages(fn, q, k_pages, v_pages, block_table, seq_lens, impl, b):
 
 
 def decode_attention_paged(q, k_pages, v_pages, block_table, seq_lens, scale=None, window=None, softcap=None,
-                           num_splits=None, out=None, impl="auto", max_seq_len=None):
+                           num_splits=None, out=None, impl="auto", max_seq_len=None, workspace=None):
     """One query token per sequence over a paged KV cache (``flash_attn_with_kvcache`` layout).
 
     Parameters
@@ -88,6 +88,10 @@ def decode_attention_paged(q, k_pages, v_pages, block_table, seq_lens, scale=Non
         As decode_attention.
     max_seq_len : int, optional
         Upper bound of seq_lens for the split rule when they are on the device.
+    workspace : (o_part, lse_part), optional
+        Split-KV partials as :func:`cupyattn.decode_attention` takes them (float32 ``[S, B, Hq,
+        D]`` and ``[S, B, Hq]``, ``S >= num_splits``): with ``out`` and a fixed ``num_splits``
+        the call allocates nothing and can be captured in a CUDA graph.
 
     Returns
     -------
@@ -111,17 +115,23 @@ def decode_attention_paged(q, k_pages, v_pages, block_table, seq_lens, scale=Non
         check_out(fn, out, (b, hq, d), q.dtype)
         _checks.check_no_overlap(fn, out, {"q": q, "k_pages": k_pages, "v_pages": v_pages,
                                            "block_table": block_table, "seq_lens": seq_lens})
-    longest = (int(host.max()) if host is not None and len(host) else 0) if host is not None else \
-        (stand_in.max_seq if max_seq_len is None else _checks.check_int(fn, "max_seq_len", max_seq_len, 0))
+    # the split rule's longest length: host seq_lens, else the caller's bound, else the capacity
+    bound = None if max_seq_len is None else _checks.check_int(fn, "max_seq_len", max_seq_len, 0)
+    if host is not None:
+        longest = int(host.max()) if len(host) else 0
+    else:
+        longest = stand_in.max_seq if bound is None else bound
     sv, plan, live = serving_plan(fn, window, softcap, impl, q.dtype, d, hq // hkv, plan, longest,
                                   block_table=block_table, log2_page=ps.bit_length() - 1,
                                   num_pages=k_pages.shape[0])
     if num_splits is None:
         num_splits = min(_auto_splits(plan, b, hkv, live), DECODE_MAX_SPLITS)
+    if workspace is not None:
+        _check_workspace(fn, workspace, num_splits, b, hq, d, q, stand_in, out)
     out = cupy.empty((b, hq, d), dtype=q.dtype) if out is None else out
     if b == 0 or hq == 0:
         return out
-    return _launch(q, stand_in, 0, scale, num_splits, out, plan, sv=sv)
+    return _launch(q, stand_in, 0, scale, num_splits, out, plan, workspace, sv=sv)
 
 
 def attention_paged(q, k_pages, v_pages, block_table, seq_lens, cu_seqlens_q=None, max_seqlen_q=None, causal=False,

@@ -579,3 +579,51 @@ def test_property_paged_decode():
         assert_close(out, want, dt)
 
     run()
+
+
+# --- GPU tier: a captured decode step over a PagedKVCache (how tinylm would use it) --------------
+@pytest.mark.gpu
+def test_paged_decode_step_replays_from_a_cuda_graph(rng):
+    """append_qkv (one token per slot, lengths advanced in the kernel) + decode_attention_paged
+    (fixed splits, a workspace) captured once, replayed for 6 steps: check_room(1) before each
+    replay takes a new page when a slot crosses a page boundary (the table changes in place),
+    record_advance(1) after. Each step equals the reference chain."""
+    import cupy
+
+    import cupyattn
+
+    b, hq, hkv, d, ps, dt = 2, 4, 2, HEAD_DIM, 4, "float16"
+    cache = cupyattn.PagedKVCache(1, b, hkv, d, num_pages=16, page_size=ps, dtype=np.float16)
+    prompt, _ = to_device(rng.standard_normal((b, 3, (hq + 2 * hkv) * d)), dt)
+    cache.append_qkv(0, prompt, hq, num_new=[3, 2])  # slot 1 starts one token shorter
+    kh = np.zeros((16, ps, hkv, d))
+    vh = np.zeros_like(kh)
+    _, kh, vh, lens = ref.paged_append_qkv(to_host(prompt), kh, vh, cache.host_table.copy(), [0, 0], hq,
+                                           num_new=[3, 2])
+    qkv = cupy.zeros((b, 1, (hq + 2 * hkv) * d), dtype=cupy.float16)
+    q_buf = cupy.empty((b, hq, 1, d), dtype=cupy.float16)
+    out = cupy.empty((b, hq, d), dtype=cupy.float16)
+    ws = (cupy.zeros((2, b, hq, d), dtype=cupy.float32), cupy.zeros((2, b, hq), dtype=cupy.float32))
+    cache.check_room(1)
+    mirror = cache.host_lengths.copy()
+    stream = cupy.cuda.Stream()
+    with stream:
+        stream.begin_capture()
+        cache.append_qkv(0, qkv, hq, q_out=q_buf)
+        cupyattn.decode_attention_paged(q_buf[:, :, 0], cache.k[0], cache.v[0], cache.block_table, cache.lengths[0],
+                                        num_splits=2, out=out, workspace=ws)
+        graph = stream.end_capture()
+    cache.host_lengths[...] = mirror  # capturing ran nothing on the device
+    for step in range(6):
+        new = rng.standard_normal(qkv.shape)
+        with stream:
+            qkv.set(new.astype(np.float16))
+        cache.check_room(1)
+        graph.launch(stream)
+        stream.synchronize()
+        cache.record_advance(1)
+        qw, kh, vh, lens = ref.paged_append_qkv(_rounded(new, dt), kh, vh, cache.host_table.copy(), lens, hq)
+        assert cache.seq_lengths(0).tolist() == lens.tolist() == [4 + step, 3 + step]
+        want = ref.decode_attention_paged(_rounded(qw[:, :, 0], dt), kh, vh, cache.host_table, lens)
+        assert_close(out, want, dt)
+    assert [len(cache.pages_of(i)) for i in range(b)] == [3, 2]  # 9 and 8 tokens in pages of 4
