@@ -127,6 +127,20 @@ def nvrtc_arches(arches=ARCHES) -> tuple[str, ...]:
     return tuple(a for a in arches if a in known)
 
 
+def check_arches() -> tuple[str, ...]:
+    """The arches the test suite's compile gate builds: CUPYATTN_CHECK_ARCHES (comma-separated, e.g.
+    "75,80,90" to trim CI time; 80 and 90 are always added, the tests read their reports), else
+    every ARCHES entry the installed NVRTC knows."""
+    v = os.environ.get("CUPYATTN_CHECK_ARCHES", "").strip()
+    if not v:
+        return nvrtc_arches()
+    wanted = {a.strip() for a in v.split(",") if a.strip()} | {"80", "90"}
+    bad = wanted - set(ALL_ARCHES)
+    if bad:
+        raise ValueError(f"CUPYATTN_CHECK_ARCHES={v!r}: {sorted(bad)} not in {', '.join(ALL_ARCHES)}")
+    return nvrtc_arches(tuple(a for a in ALL_ARCHES if a in wanted))
+
+
 def _jobs(specs, arches):
     """(spec, arch, name expressions) jobs of at most JOB_SIZE instantiations each: per arch, the
     instantiations a device of that compute capability can run."""

@@ -117,9 +117,19 @@ def test_offline_check_compiles_every_instantiation_without_spills(compile_repor
     assert errors == [] and [f"{r.kernel} {r.arch}" for r in reports if r.spills] == []
     built = {(r.spec, r.kernel, r.arch) for r in reports}
     want = {(s.name, e, f"sm_{a}a" if s.sm90a else f"sm_{a}") for s in cupyattn.all_specs()
-            for a in cc.nvrtc_arches() for e in s.exprs_for(int(a))}
+            for a in cc.check_arches() for e in s.exprs_for(int(a))}
     assert built == want and len(built) == len(reports)
-    assert {"sm_75", "sm_80", "sm_86", "sm_89", "sm_90", "sm_90a"} <= {r.arch for r in reports}
+    assert {"sm_80", "sm_90", "sm_90a"} <= {r.arch for r in reports}
+
+
+def test_check_arches_default_to_every_family_nvrtc_knows(monkeypatch):
+    monkeypatch.delenv("CUPYATTN_CHECK_ARCHES", raising=False)
+    assert {"75", "80", "86", "89", "90"} <= set(cc.check_arches())   # NVRTC 12.x knows these
+    monkeypatch.setenv("CUPYATTN_CHECK_ARCHES", "75")
+    assert cc.check_arches() == ("75", "80", "90")
+    monkeypatch.setenv("CUPYATTN_CHECK_ARCHES", "74")
+    with pytest.raises(ValueError, match="CUPYATTN_CHECK_ARCHES='74'"):
+        cc.check_arches()
 
 
 def test_check_cli_prints_rows_as_it_goes_and_fails_on_unknown_spec(capsys):
