@@ -110,8 +110,8 @@ def test_every_kernel_file_has_a_spec():
 
 
 def test_offline_check_compiles_every_instantiation_without_spills(compile_report):
-    """The CI gate: for each GPU family of _compile_check.check_arches() (sm_75, 80, 90 by
-    default; CUPYATTN_CHECK_ARCHES=all for sm_86, 89, 100, 120 too), every instantiation a device of that family runs (no bf16 tensor-core kernels on sm_75, tiles within
+    """The CI gate: for each GPU family of _compile_check.check_arches() (sm_75, 80, 86, 90
+    by default; CUPYATTN_CHECK_ARCHES=all for sm_89, 100, 120 too), every instantiation a device of that family runs (no bf16 tensor-core kernels on sm_75, tiles within
     its shared memory; Hopper-only specs once, for sm_90a), no errors, no spills."""
     reports, errors = compile_report()
     assert errors == [] and [f"{r.kernel} {r.arch}" for r in reports if r.spills] == []
@@ -124,7 +124,7 @@ def test_offline_check_compiles_every_instantiation_without_spills(compile_repor
 
 def test_check_arches_default_to_the_gate_families(monkeypatch):
     monkeypatch.delenv("CUPYATTN_CHECK_ARCHES", raising=False)
-    assert cc.check_arches() == ("75", "80", "90")   # NVRTC 12.x knows these
+    assert cc.check_arches() == ("75", "80", "86", "90")   # NVRTC 12.x knows these
     monkeypatch.setenv("CUPYATTN_CHECK_ARCHES", "all")
     assert {"75", "80", "86", "89", "90"} <= set(cc.check_arches())
     monkeypatch.setenv("CUPYATTN_CHECK_ARCHES", "75")
