@@ -449,6 +449,17 @@ def impl_runs_on(op: str, impl: str, dtype, cc: int) -> bool:
     return cc >= need and not (need == 90 and impl == "wgmma" and cc != 90)  # sm_90a code: 9.0 only
 
 
+# flash_mma head dims that need more than MMA_MIN_CC: below sm_80 each m16n8k16 is two m16n8k8, and
+# the D=256 tile (Q 64 + O 128 registers per lane) then spills 48 B on sm_75 (ptxas, NVRTC 12.9):
+# sm_75 takes the SIMT flash kernel there.
+FLASH_MMA_MIN_CC_BY_HEAD_DIM = {256: 80}
+
+
+def flash_mma_min_cc(dtype, head_dim: int) -> int:
+    """Minimum compute capability of the flash_mma kernel for ``dtype`` and ``head_dim``."""
+    return max(MMA_MIN_CC[np.dtype(dtype)], FLASH_MMA_MIN_CC_BY_HEAD_DIM.get(head_dim, 0))
+
+
 # GEMM mma tile for devices whose per-block shared memory is below GEMM_TILES["mma"]'s (Turing's
 # 64 KB): the same warp tiling with a 2-stage ring, 40 KB; one block per SM needs no register cap.
 GEMM_MMA_SMALL_SMEM = GemmTile(128, 128, 32, 256, "Turing (64 KB per block): 2 stages x 2 x 128x(32+8) "

@@ -68,7 +68,7 @@ def _small(t: DecodeTile) -> DecodeTile:
 def static_smem_bytes(impl: str, d: int, itemsize: int, t: DecodeTile, m_tiles: int = 1) -> int:
     """An upper bound of the decode kernel's static ``__shared__`` bytes (decode.cu: simt q_s,
     p_s, alpha_s, m_fin, l_fin and a flag; mma q_s and the per-slice m_s, l_s), checked against
-    ptxas' numbers in tests/test_decode.py."""
+    ptxas' numbers in tests/test_gpu_families.py."""
     if impl == "mma":
         rows = DECODE_MMA_ROWS * m_tiles
         return rows * (d + 8) * itemsize + 2 * (t.warps // m_tiles) * rows * 4 + 16

@@ -18,8 +18,8 @@ from ._checks import check_array, check_choice, check_last_contiguous, check_out
 from . import _loader
 from ._loader import KernelSpec, get_function, ptr_or_null
 from .config import (DTYPES, FLASH_MMA_K_STAGES, FLASH_MMA_PAD, FLASH_MMA_TILES, FLASH_SIMT_TILES,
-                     HEAD_DIMS, MAX_GRID_YZ, MMA_DTYPES, MMA_MIN_CC, cbool, ctype, defines,
-                     flash_mma_smem_bytes, impl_runs_on)
+                     HEAD_DIMS, MAX_GRID_YZ, MMA_DTYPES, cbool, ctype, defines,
+                     flash_mma_min_cc, flash_mma_smem_bytes, impl_runs_on)
 from .gemm import gemm_nn, gemm_nt
 from .row_softmax import softmax
 
@@ -35,11 +35,13 @@ def default_impl(dtype, head_dim: int) -> str:
     """What ``impl=None`` runs on the current device: DEFAULT_IMPL, except "flash" (SIMT) where the
     device lacks the tensor-core instructions for ``dtype`` (bf16 below sm_80, config.IMPL_MIN_CC)
     or the flash_mma tile of ``head_dim`` needs more shared memory than a block may have there
-    (Turing's 64 KB: D = 96, 128)."""
+    (Turing's 64 KB: D = 96, 128) or more registers than it has (config.FLASH_MMA_MIN_CC_BY_HEAD_DIM:
+    D = 256 below sm_80)."""
     impl = DEFAULT_IMPL[np.dtype(dtype)]
     if impl != "flash_mma":
         return impl
-    if not impl_runs_on("attention", impl, dtype, _loader.device_compute_capability()):
+    cc = _loader.device_compute_capability()
+    if not impl_runs_on("attention", impl, dtype, cc) or cc < flash_mma_min_cc(dtype, head_dim):
         return "flash"
     if head_dim in FLASH_MMA_TILES and flash_mma_smem_bytes(head_dim) > _loader.device_smem_optin():
         return "flash"
@@ -71,7 +73,7 @@ SPEC = KernelSpec(
     + tuple(_expr("flash", dt, d, False, True) for dt in DTYPES for d in HEAD_DIMS)
     + tuple(_expr("flash_mma", dt, d, False, True) for dt in MMA_DTYPES for d in HEAD_DIMS),
     defines(FLASH_MMA_PAD=FLASH_MMA_PAD, FLASH_MMA_K_STAGES=FLASH_MMA_K_STAGES),
-    needs=tuple((_expr("flash_mma", dt, d, c, sv), MMA_MIN_CC[dt], flash_mma_smem_bytes(d))
+    needs=tuple((_expr("flash_mma", dt, d, c, sv), flash_mma_min_cc(dt, d), flash_mma_smem_bytes(d))
                 for dt in MMA_DTYPES for d in HEAD_DIMS for c, sv in ((False, False), (True, False), (False, True))))
 
 
@@ -190,7 +192,13 @@ def _check_args(q, k, v, causal, scale, mask, key_lengths, impl, return_lse, out
         raise TypeError(f"{_FN}(): impl='flash_mma' needs float16 or bfloat16 inputs, got float32 "
                         f"(use impl='flash')")
     if impl == "flash_mma":
-        _checks.require_impl(_FN, "attention", impl, q.dtype)
+        cc = _checks.require_impl(_FN, "attention", impl, q.dtype)
+        if cc < flash_mma_min_cc(q.dtype, d):
+            need = flash_mma_min_cc(q.dtype, d)
+            raise _checks.ComputeCapabilityError(
+                f"{_FN}(): impl='flash_mma' at head_dim D={d} needs compute capability {need // 10}."
+                f"{need % 10} (its registers do not fit two m16n8k8 per k-step); this device is "
+                f"{cc // 10}.{cc % 10} (use impl='flash')")
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_last_contiguous(_FN, name, x)
     scale = (1.0 / math.sqrt(d) if d else 1.0) if scale is None else _checks.check_real(_FN, "scale", scale)

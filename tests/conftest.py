@@ -54,10 +54,10 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def compile_report():
     """``compile_report(spec_name=None) -> (reports, errors)``: the offline NVRTC compile check
-    (every arch of _compile_check.ARCHES the installed NVRTC knows) of one spec, or of all, run at
-    most once per spec per test session."""
+    (_compile_check.check_arches(): every arch of ARCHES the installed NVRTC knows, or those of
+    CUPYATTN_CHECK_ARCHES) of one spec, or of all, run at most once per spec per test session."""
     import cupyattn
-    from cupyattn._compile_check import run_check
+    from cupyattn._compile_check import check_arches, run_check
 
     done: dict = {}
 
@@ -66,7 +66,7 @@ def compile_report():
             parts = [get(s.name) for s in cupyattn.all_specs()]
             return [r for p in parts for r in p[0]], [e for p in parts for e in p[1]]
         if spec_name not in done:
-            done[spec_name] = run_check(spec_name)
+            done[spec_name] = run_check(spec_name, check_arches())
         return done[spec_name]
 
     return get

@@ -59,6 +59,7 @@ def test_each_arch_compiles_what_it_can_run():
     # the Turing defaults are there: fp16 flash_mma at D=64, fp16 mma GEMM (2-stage tile), SIMT decode
     assert flash_attn._expr("flash_mma", F16, 64, True) in specs["flash_attn"].exprs_for(75)
     assert flash_attn._expr("flash_mma", F16, 128, True) not in specs["flash_attn"].exprs_for(75)  # 85 KB
+    assert flash_attn._expr("flash_mma", F16, 256, True) not in specs["flash_attn"].exprs_for(75)  # spills
     assert gemm._expr("mma", F16, True, tile=config.GEMM_MMA_SMALL_SMEM) in specs["gemm"].exprs_for(75)
     assert gemm._expr("mma", F16, True) not in specs["gemm"].exprs_for(75)                          # 80 KB
 
@@ -86,15 +87,16 @@ def test_static_smem_bound_holds_for_every_decode_kernel(compile_report):
     checked = 0
     for dt in config.DTYPES:
         for d in config.HEAD_DIMS:
-            for tile in decode._tiles_and_small(config.DECODE_SIMT_TILES[(d, dt.itemsize)]):
-                bound = decode.static_smem_bytes("simt", d, dt.itemsize, tile)
-                assert by_kernel[decode._simt_expr(dt, d, tile)] <= bound, (dt, d, tile)
-                checked += 1
-            for m in range(1, config.DECODE_MMA_MAX_MTILES + 1):
-                for tile in decode._tiles_and_small(config.DECODE_MMA_TILES[(d, m)]) if dt != F32 else ():
-                    bound = decode.static_smem_bytes("mma", d, dt.itemsize, tile, m)
-                    assert by_kernel[decode._mma_expr(dt, d, m, tile)] <= bound, (dt, d, m, tile)
+            for sv in (False, True):   # the serving variants (issue 25) have the same static arrays
+                for tile in decode._tiles_and_small(config.DECODE_SIMT_TILES[(d, dt.itemsize)]):
+                    bound = decode.static_smem_bytes("simt", d, dt.itemsize, tile)
+                    assert by_kernel[decode._simt_expr(dt, d, tile, sv)] <= bound, (dt, d, tile, sv)
                     checked += 1
+                for m in range(1, config.DECODE_MMA_MAX_MTILES + 1):
+                    for tile in decode._tiles_and_small(config.DECODE_MMA_TILES[(d, m)]) if dt != F32 else ():
+                        bound = decode.static_smem_bytes("mma", d, dt.itemsize, tile, m)
+                        assert by_kernel[decode._mma_expr(dt, d, m, tile, sv)] <= bound, (dt, d, m, tile, sv)
+                        checked += 1
     assert checked == len(decode.SPEC.needs)
 
 
@@ -135,6 +137,9 @@ def test_explicit_impl_the_device_cannot_run_is_refused_before_launch():
                        match=r"attention\(\): impl='flash_mma' with bfloat16 inputs needs compute capability 8\.0.*is 7\.5"):
         cupyattn.attention(x, x, x, impl="flash_mma", out=out)
     assert bool(cupy.isnan(out).all())
+    h = cupy.asarray(np.ones((1, 1, 5, 256), dtype=F16))   # fp16 D=256: SIMT below sm_80 (config)
+    with pytest.raises(cupyattn.ComputeCapabilityError, match=r"impl='flash_mma' at head_dim D=256 needs compute capability 8\.0"):
+        cupyattn.attention(h, h, h, impl="flash_mma")
     a = cupy.asarray(np.ones((4, 32), dtype=BF16))
     for impl in ("mma", "skinny"):
         with pytest.raises(cupyattn.ComputeCapabilityError, match=rf"gemm_nt\(\): impl='{impl}'.*8\.0"):
