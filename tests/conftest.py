@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +36,34 @@ def _has_gpu() -> bool:
 
 
 HAS_GPU = _has_gpu()
+# The counts of the emulated GPU tier when tests/test_emulated_gpu_tier.py ran it in this session
+# ({"passed": n, "skipped": n, ..., "seconds": s}): they join the summary line printed last.
+EMULATED_TIER: dict = {}
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Say what the emulated GPU tier ran, and put its counts into pytest's last line."""
+    if not EMULATED_TIER:
+        return
+    counts = {k: v for k, v in EMULATED_TIER.items() if k != "seconds"}
+    terminalreporter.write_sep("-", "emulated GPU tier (CUPYATTN_EMULATE=1, tests/emu)")
+    terminalreporter.write_line(", ".join(f"{n} {k}" for k, n in counts.items())
+                                + f" in {EMULATED_TIER['seconds']:.0f} s: the `gpu` tests skipped above ran "
+                                "there, on the CPU emulator (evidence about logic, not GPU results)")
+    for k in ("passed", "skipped", "failed"):
+        if counts.get(k):
+            terminalreporter.stats.setdefault(f"emulated {k}", []).extend(
+                types.SimpleNamespace(count_towards_summary=True) for _ in range(counts[k]))
+
+
+if EMULATE:
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(item, call):
+        """A failing test under the emulator names its schedule (the seeds derive from its id)."""
+        outcome = yield
+        rep = outcome.get_result()
+        if rep.failed:
+            rep.sections.append(("emulator schedule", fakecupy.schedule.describe()))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -2,25 +2,62 @@
 (tests/emu/README.md).
 
 CI has no GPU, so this is how every kernel (including the tensor-core variants, through the
-emulated mma.sync / ldmatrix / cp.async) meets the float64 reference on each CI run, and how the
-argument checks, which take device arrays, run at all. It is evidence about index math, tails,
-masking, pipelining waits and launch arguments, not about speed. Tests marked `emu_slow` are
-left out here (run them with ``CUPYATTN_EMULATE=1 python -m pytest -m gpu``); `no_emu` ones are
-skipped under the emulator. On a machine with a GPU the real GPU tier runs instead and this test
-is skipped. Progress is printed to the terminal while it runs (a few minutes).
+emulated mma.sync / ldmatrix / cp.async / wgmma / TMA) meets the float64 reference on each CI run,
+under the emulator's adversarial schedules, and how the argument checks, which take device arrays,
+run at all. It is evidence about index math, tails, masking, pipelining waits, races between
+barriers and launch arguments, not about speed. Tests marked `emu_slow` are left out here (run
+them with ``CUPYATTN_EMULATE=1 python -m pytest -m gpu``); `no_emu` ones are skipped under the
+emulator. On a machine with a GPU the real GPU tier runs instead and this test is skipped.
+
+While it runs (minutes) it prints its progress every few seconds; its counts join the summary
+line the outer pytest prints last ("... 1203 emulated passed, 40 emulated skipped").
 """
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from conftest import EMULATE, HAS_GPU
+from conftest import EMULATE, EMULATED_TIER, HAS_GPU
 
 ROOT = Path(__file__).resolve().parent.parent
+PROGRESS = set(".sFExX")  # the characters of pytest -q's progress rows
+REPORT_EVERY_S = 10
+
+
+class _Progress:
+    """Counts the progress characters of pytest -q output as it streams in."""
+
+    def __init__(self):
+        self.counts, self.line_is_progress, self.t0, self.last = {}, True, time.monotonic(), 0.0
+        self.at_line_start, self.over = True, False  # over: a "===" / "___" section began
+
+    def feed(self, text: str):
+        for ch in text:
+            if self.over:
+                return
+            if self.at_line_start and ch in "=_":
+                self.over = True
+                return
+            self.at_line_start = ch == "\n"
+            if ch == "\n":
+                self.line_is_progress = True
+            elif self.line_is_progress and ch in PROGRESS:
+                self.counts[ch] = self.counts.get(ch, 0) + 1
+            elif not ch.isspace():
+                self.line_is_progress = False
+
+    def line(self) -> str:
+        c = self.counts
+        done = sum(c.values())
+        bad = c.get("F", 0) + c.get("E", 0)
+        return (f"[emulated GPU tier] {done} tests done: {c.get('.', 0)} passed, {c.get('s', 0)} skipped"
+                + (f", {bad} FAILED" if bad else "") + f" ({time.monotonic() - self.t0:.0f} s)")
 
 
 @pytest.mark.skipif(EMULATE or HAS_GPU, reason="already emulating, or a real GPU runs the GPU tier")
@@ -30,16 +67,36 @@ def test_gpu_tier_passes_on_the_cpu_emulator(capsys):
     parallel = ["-n", str(workers)] if workers > 1 and importlib.util.find_spec("xdist") else []
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu and not emu_slow", "-p", "no:cacheprovider",
            "--maxfail=1", *parallel, str(ROOT / "tests")]
-    lines = []
+    out, prog = [], _Progress()
     with capsys.disabled():
-        print(f"\n[emulated GPU tier] {' '.join(cmd[3:])}  (CUPYATTN_EMULATE=1)", flush=True)
+        print(f"\n[emulated GPU tier] {' '.join(cmd[3:])}  (CUPYATTN_EMULATE=1; about 6 minutes on 2 cores)",
+              flush=True)
         proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "CUPYATTN_EMULATE": "1"},
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for line in proc.stdout:
-            lines.append(line)
-            if line.strip() and line.lstrip()[0] in ".sFEx":  # progress rows of -q
-                print(f"[emulated GPU tier] {line.rstrip()}", flush=True)
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        while chunk := os.read(proc.stdout.fileno(), 4096):  # unbuffered: dots arrive one by one
+            text = chunk.decode(errors="replace")
+            out.append(text)
+            prog.feed(text)
+            if time.monotonic() - prog.last >= REPORT_EVERY_S:
+                prog.last = time.monotonic()
+                print(prog.line(), flush=True)
         rc = proc.wait(timeout=1800)
-    tail = "".join(lines)[-6000:]
+        print(prog.line(), flush=True)
+    text = "".join(out)
+    tail = text[-6000:]
+    last = [ln for ln in text.splitlines() if re.search(r"\d+ (passed|failed)", ln)]
+    if last:
+        EMULATED_TIER.update({k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|deselected|errors?)",
+                                                                 last[-1])})
+        EMULATED_TIER["seconds"] = time.monotonic() - prog.t0
     assert rc == 0, f"emulated GPU tier failed:\n{tail}"
-    assert " passed" in lines[-1], tail
+    assert last and " passed" in last[-1], tail
+
+
+def test_progress_counts_only_progress_rows():
+    p = _Progress()
+    p.feed("....s.")
+    p.feed("F.   [ 4%]\n.....sss\n")
+    p.feed("=== FAILURES ===\nE   assert 1.0 == 2.0 ...\n___ test_x ___\n..")
+    assert p.counts == {".": 11, "s": 4, "F": 1}
+    assert p.line().startswith("[emulated GPU tier] 16 tests done: 11 passed, 4 skipped, 1 FAILED (")
