@@ -726,12 +726,13 @@ class _Schedule:
 
     def __init__(self):
         self.key, self.launches, self.last = None, 0, None
+        self.round = 0  # > 0 while tests/conftest.py reruns a test under another schedule
 
     def base(self) -> str:
         if os.environ.get("CUPYATTN_EMU_SEED"):
             return os.environ["CUPYATTN_EMU_SEED"]
-        test = os.environ.get("PYTEST_CURRENT_TEST", "")
-        return test.rsplit(" (", 1)[0]  # without the phase: " (setup)", " (call)"
+        test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]  # less " (call)"
+        return f"{test}#schedule{self.round}" if self.round else test
 
     def next_seed(self) -> int:
         base = self.base()
