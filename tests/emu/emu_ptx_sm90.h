@@ -6,16 +6,18 @@
 //     naming the barrier and its state; more arrivals than the count in one phase, a barrier used
 //     before mbarrier.init or overwritten by a store, are errors;
 //   - TMA loads (cp.async.bulk.tensor, 9.7.9.25.5): the box is read with out-of-bounds elements
-//     zero-filled and written in the map's swizzle; the destination is poisoned (0xFF: NaN) at
-//     issue and the copy lands, with its complete_tx, at the latest moment the ISA allows: when a
-//     thread polls the barrier's phase (emu_sm90_complete_tma is the one place that delivers, so
-//     an adversarial scheduler can call it earlier); TMA stores land at the bulk wait_group that
-//     retires their group, and one never waited for is an error at the end of the block;
+//     zero-filled and written in the map's swizzle; the copy lands, with its complete_tx, at a
+//     moment the seeded schedule picks (emu_async_due: at issue, at a later scheduling point, or
+//     at the latest, when a thread polls the barrier's phase; emu_sm90_complete_tma is the one
+//     place that delivers), the destination poisoned (0xFF: NaN) or keeping its old bytes until
+//     then; TMA stores land at the bulk wait_group that retires their group, and one never
+//     waited for is an error at the end of the block;
 //   - wgmma (9.7.15): warpgroup-collective (the 128 threads meet; descriptors, scale-d and shape
 //     must agree), the descriptor and swizzle decoded from the ISA's layouts, shared memory read
-//     at completion, the accumulators poisoned (NaN) from issue until the wgmma.wait_group that
-//     retires the op (writing them meanwhile is an error), ops chained on the same accumulators
-//     in issue order (emu_wgmma_complete is the one place that delivers);
+//     at a moment the schedule picks between issue and the wait (emu_wgmma_compute), the
+//     accumulators poisoned (NaN) from issue until the wgmma.wait_group that retires the op
+//     (writing them meanwhile is an error; emu_wgmma_complete delivers), ops chained on the same
+//     accumulators in issue order;
 //   - stmatrix (9.7.14.5.16) as the inverse of ldmatrix; setmaxnreg and the fences are no-ops.
 // Tensor maps are this emulator's own 128-byte format (EmuTmaDesc), encoded by fakecupy's
 // encode_tensor_map_tiled, which applies the driver's documented checks.

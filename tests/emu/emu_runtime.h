@@ -1,9 +1,11 @@
 // emu_runtime.h: just enough of the CUDA C execution model to run SIMT kernels on the CPU, for
-// testing kernel logic on machines without a GPU (tests/emu/README.md). Each CUDA thread is an OS
-// thread; blocks run one after another, so `__shared__` (mapped to `static`) is per block.
-// __syncthreads and warp shuffles are barriers; a thread that returns drops out of them, as an
-// exited thread does on the GPU. The kernels' inline PTX lives in kernels_cu/ptx.cuh only, which
-// the emulator swaps for emu_ptx.h (the same functions in C++); any other inline PTX is refused.
+// testing kernel logic on machines without a GPU (tests/emu/README.md). Each CUDA thread is a
+// fiber on one OS thread; 1 to 4 blocks are in flight at once under a seeded adversarial schedule
+// (emu_launch), each with its own static `__shared__` arena (fakecupy rewrites the declarations)
+// and dynamic shared memory, poisoned per block. __syncthreads, warp shuffles, ldmatrix and mma are
+// rendezvous points; a thread that returns drops out of them, as an exited thread does on the GPU.
+// The kernels' inline PTX lives in kernels_cu/ptx.cuh only, which the emulator swaps for
+// emu_ptx.h (the same functions in C++); any other inline PTX is refused.
 #pragma once
 #include <atomic>
 #include <functional>
@@ -48,9 +50,10 @@ inline float2 make_float2(float x, float y) { return {x, y}; }
 inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
 
 // --- fibers: every CUDA thread of a block is a ucontext fiber on one OS thread -----------------
-// A fiber runs until it reaches a barrier (__syncthreads, or the warp barrier inside a shuffle)
-// or returns; the scheduler resumes waiting fibers once every live member has arrived. A thread
-// that returns stops counting, as an exited thread does on the GPU. No progress = deadlock.
+// A fiber runs until it reaches a barrier (__syncthreads, a warp rendezvous, a condition such as
+// an mbarrier phase) or returns; the scheduler resumes waiting fibers once every live member has
+// arrived. A thread that returns stops counting, as an exited thread does on the GPU. A block in
+// which no fiber can move is a deadlock.
 enum EmuState { EMU_RUN, EMU_WAIT_BLOCK, EMU_WAIT_WARP, EMU_WAIT_COND, EMU_DONE };
 // ---- hook for tests/emu/emu_ptx_sm90.h (Hopper, issue 21): a fiber in EMU_WAIT_COND waits until
 // `ready()` holds (an mbarrier phase, a warpgroup rendezvous); the scheduler polls it from its own
