@@ -15,6 +15,7 @@ line the outer pytest prints last ("... 1203 emulated passed, 40 emulated skippe
 import importlib.util
 import os
 import re
+import select
 import shutil
 import subprocess
 import sys
@@ -60,6 +61,24 @@ class _Progress:
                 + (f", {bad} FAILED" if bad else "") + f" ({time.monotonic() - self.t0:.0f} s)")
 
 
+def _stream(proc, prog: _Progress, out: list, every_s: float | None = None):
+    """Collect proc's output unbuffered (dots arrive one by one), printing prog's line at least
+    every `every_s` seconds, also while the child is silent."""
+    every_s = REPORT_EVERY_S if every_s is None else every_s
+    fd = proc.stdout.fileno()
+    while True:
+        if select.select([fd], [], [], every_s)[0]:
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                return
+            text = chunk.decode(errors="replace")
+            out.append(text)
+            prog.feed(text)
+        if time.monotonic() - prog.last >= every_s:
+            prog.last = time.monotonic()
+            print(prog.line(), flush=True)
+
+
 @pytest.mark.skipif(EMULATE or HAS_GPU, reason="already emulating, or a real GPU runs the GPU tier")
 @pytest.mark.skipif(shutil.which("g++") is None, reason="the CPU emulator needs g++")
 def test_gpu_tier_passes_on_the_cpu_emulator(capsys):
@@ -73,13 +92,7 @@ def test_gpu_tier_passes_on_the_cpu_emulator(capsys):
               flush=True)
         proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "CUPYATTN_EMULATE": "1"},
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        while chunk := os.read(proc.stdout.fileno(), 4096):  # unbuffered: dots arrive one by one
-            text = chunk.decode(errors="replace")
-            out.append(text)
-            prog.feed(text)
-            if time.monotonic() - prog.last >= REPORT_EVERY_S:
-                prog.last = time.monotonic()
-                print(prog.line(), flush=True)
+        _stream(proc, prog, out)
         rc = proc.wait(timeout=1800)
         print(prog.line(), flush=True)
     text = "".join(out)
@@ -100,3 +113,15 @@ def test_progress_counts_only_progress_rows():
     p.feed("=== FAILURES ===\nE   assert 1.0 == 2.0 ...\n___ test_x ___\n..")
     assert p.counts == {".": 11, "s": 4, "F": 1}
     assert p.line().startswith("[emulated GPU tier] 16 tests done: 11 passed, 4 skipped, 1 FAILED (")
+
+
+def test_progress_is_printed_while_the_child_is_silent(capsys):
+    child = "import time; print('..s', end='', flush=True); time.sleep(2.6); print('.  [100%]')"
+    proc = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    prog, out = _Progress(), []
+    _stream(proc, prog, out, every_s=1.0)
+    proc.wait(timeout=30)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) >= 3, lines  # at least one during each silent second
+    assert lines[0].startswith("[emulated GPU tier] 3 tests done: 2 passed, 1 skipped")
+    assert "".join(out) == "..s.  [100%]\n" and prog.counts == {".": 3, "s": 1}
