@@ -36,24 +36,26 @@ def _has_gpu() -> bool:
 
 
 HAS_GPU = _has_gpu()
-# The counts of the emulated GPU tier when tests/test_emulated_gpu_tier.py ran it in this session
-# ({"passed": n, "skipped": n, ..., "seconds": s}): they join the summary line printed last.
+# The counts of each emulated run tests/test_emulated_gpu_tier.py made in this session (label ->
+# {"passed": n, "skipped": n, ..., "seconds": s}): they join the summary line printed last.
 EMULATED_TIER: dict = {}
 
 
 def pytest_terminal_summary(terminalreporter):
-    """Say what the emulated GPU tier ran, and put its counts into pytest's last line."""
+    """Say what the emulated runs ran, and put their counts into pytest's last line."""
     if not EMULATED_TIER:
         return
-    counts = {k: v for k, v in EMULATED_TIER.items() if k != "seconds"}
-    terminalreporter.write_sep("-", "emulated GPU tier (CUPYATTN_EMULATE=1, tests/emu)")
-    terminalreporter.write_line(", ".join(f"{n} {k}" for k, n in counts.items())
-                                + f" in {EMULATED_TIER['seconds']:.0f} s: the `gpu` tests skipped above ran "
-                                "there, on the CPU emulator (evidence about logic, not GPU results)")
-    for k in ("passed", "skipped", "failed"):
-        if counts.get(k):
-            terminalreporter.stats.setdefault(f"emulated {k}", []).extend(
-                types.SimpleNamespace(count_towards_summary=True) for _ in range(counts[k]))
+    terminalreporter.write_sep("-", "emulated GPU tests (CUPYATTN_EMULATE=1, tests/emu)")
+    for label, run in EMULATED_TIER.items():
+        counts = {k: v for k, v in run.items() if k != "seconds"}
+        terminalreporter.write_line(f"{label}: " + ", ".join(f"{n} {k}" for k, n in counts.items())
+                                    + f" in {run['seconds']:.0f} s")
+        for k in ("passed", "skipped", "failed"):
+            if counts.get(k):
+                terminalreporter.stats.setdefault(f"emulated {k}", []).extend(
+                    types.SimpleNamespace(count_towards_summary=True) for _ in range(counts[k]))
+    terminalreporter.write_line("The `gpu` tests skipped above ran there, on the CPU emulator: evidence about "
+                                "kernel logic, not GPU results.")
 
 
 # Under the emulator, a `gpu` test whose first run took under EXTRA_SCHEDULES_BELOW_S runs again
@@ -117,7 +119,8 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def compile_report():
     """``compile_report(spec_name=None) -> (reports, errors)``: the offline NVRTC compile check
-    (sm_80 and sm_90) of one spec, or of all, run at most once per spec per test session."""
+    (every arch of _compile_check.ARCHES the installed NVRTC knows) of one spec, or of all, run at
+    most once per spec per test session."""
     import cupyattn
     from cupyattn._compile_check import run_check
 
