@@ -23,8 +23,7 @@ _FLASH_RETIRE = ("        if (jt > 0) {  // K_j has landed for every thread; eve
                  "            cp_async_wait<0>();\n"
                  "            __syncthreads();\n"
                  "        }\n")
-_FLASH_V = ("        stage_rows<T, BLOCK_N, HEAD_DIM, LDS, THREADS>(v_s, v + (long long)n0 * v_ss, v_ss, k_end - n0,\n"
-            "                                                       vec & 4);\n"
+_FLASH_V = ("        stage_rows<T, BLOCK_N, HEAD_DIM, LDS, THREADS>(v_s, seq.v, n0, k_end - n0, vec & 4);\n"
             "        cp_async_commit();\n")
 _FLASH_COMMENT = ("        // Issue V_j (into the V buffer P V_{j-1} released) and K_{j+1} (into the K stage S_{j-1}\n"
                   "        // released); two groups, so that the V wait below can leave K_{j+1} in flight.\n")
