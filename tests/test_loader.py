@@ -57,8 +57,8 @@ ptxas info    : Used 8 registers, used 0 barriers, 364 bytes cmem[0]
 def test_check_fails_when_ptxas_ignores_setmaxnreg(tmp_path, monkeypatch):
     """setmaxnreg without __launch_bounds__(threads, 1): ptxas drops it with warning C7508, and
     the offline check fails naming the kernel; with the 1 it passes."""
-    (tmp_path / "ptx.cuh").write_text((KERNELS_DIR / "ptx.cuh").read_text())
-    (tmp_path / "ptx_sm90.cuh").write_text((KERNELS_DIR / "ptx_sm90.cuh").read_text())
+    for header in ("ptx_insn.cuh", "ptx.cuh", "ptx_sm90.cuh"):  # ptx_sm90.cuh includes ptx.cuh, which includes ptx_insn.cuh
+        (tmp_path / header).write_text((KERNELS_DIR / header).read_text())
     body = "(float* x) {\n    if (threadIdx.x < 128) setmaxnreg_dec<40>(); else setmaxnreg_inc<232>();\n" \
            "    x[threadIdx.x] = 1.0f;\n}\n"
     (tmp_path / "regs.cu").write_text('#include "ptx_sm90.cuh"\n'
