@@ -2,7 +2,7 @@
 # One command on a GPU machine: GPU tests, the benchmark run (recorded) and the sweeps (plotted).
 # Runs from the source tree (PYTHONPATH=., no pip install); everything it writes goes under $OUT.
 #
-#   OUT=/path/to/out bash benchmarks/gpu_run.sh [all|verify|tests|sanitize|bench|sweeps|sweep NAME|quick|model]
+#   OUT=/path/to/out bash benchmarks/gpu_run.sh [all|verify|tests|sanitize|bench|sweeps|sweep NAME|quick|model|summary]
 #
 # Stages (run them one per call where a call is capped at 10 minutes; `sweeps` may need more,
 # then run `sweep NAME` for each of the six names instead):
@@ -23,7 +23,11 @@
 #   verify  tests, sanitize, bench and the two short sweeps (softmax-cols, decode-batch): what a
 #           commit needs before its numbers are quoted; about 6 minutes on the H100
 #   all     tests, sanitize, bench, sweeps (the default)
-# The recorded file lands in $OUT/results/: copy it into benchmarks/results/ and commit it.
+#   summary  (needs no GPU; every stage ends with it) $OUT/results/summary.txt: the commit, pytest's
+#           own last line, the sanitizers' own summary lines and each step's exit code, from the
+#           logs in $OUT, so the evidence travels with the results instead of prose about them
+# The recorded file lands in $OUT/results/ beside summary.txt: copy both into benchmarks/results/
+# and commit them.
 # Set CUPYATTN_GIT_COMMIT to the commit the tree was copied from (a copy has no .git).
 # What the GPU machine lacks comes from .carry/ (made by benchmarks/carry.sh on a machine with
 # network, carried with the tree): wheels installed into /tmp/cupyattn-site, and a reduced
@@ -41,11 +45,33 @@ OUT="${OUT:-$PWD/gpu-out}"
 PY="${PYTHON:-python3}"
 STAGE="${1:-all}"
 case "$STAGE" in
-    all | verify | tests | sanitize | bench | sweeps | sweep | quick | model) ;;
-    *) echo "usage: $0 [all|verify|tests|sanitize|bench|sweeps|sweep NAME|quick|model]" >&2; exit 2 ;;
+    all | verify | tests | sanitize | bench | sweeps | sweep | quick | model | summary) ;;
+    *) echo "usage: $0 [all|verify|tests|sanitize|bench|sweeps|sweep NAME|quick|model|summary]" >&2; exit 2 ;;
 esac
 mkdir -p "$OUT/results"
 status=0
+
+write_summary() {  # the logs' own summary lines beside the results (see the usage above)
+    local log
+    {
+        echo "commit: ${CUPYATTN_GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
+        echo "summary written: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+        for log in "$OUT"/pytest-*.log; do
+            [ -f "$log" ] || continue
+            echo "$(basename "$log"): $(grep -E '[0-9]+ (passed|failed|errors?|skipped)|no tests ran' "$log" | tail -n 1)"
+        done
+        for log in "$OUT"/sanitize-*.log; do
+            [ -f "$log" ] || continue
+            echo "$(basename "$log"): $(grep -E '(ERROR|RACECHECK) SUMMARY' "$log" | tail -n 1 | sed 's/^=* *//')"
+        done
+        if [ -f "$OUT/steps.log" ]; then grep -E '^=== .*: exit' "$OUT/steps.log"; fi
+    } >"$OUT/results/summary.txt"
+}
+if [ "$STAGE" = summary ]; then
+    write_summary
+    cat "$OUT/results/summary.txt"
+    exit 0
+fi
 
 if ls .carry/wheels/*.whl >/dev/null 2>&1; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/cupyattn-site .carry/wheels/*.whl \
@@ -160,5 +186,6 @@ case "$STAGE" in
     verify) run_tests; run_sanitize; run_bench; run_sweep softmax-cols; run_sweep decode-batch ;;
     all) run_tests; run_sanitize; run_bench; run_sweeps ;;
 esac
-echo "=== done: status $status; outputs in $OUT" | tee -a "$OUT/steps.log"
+write_summary
+echo "=== done: status $status; outputs in $OUT (summary: $OUT/results/summary.txt)" | tee -a "$OUT/steps.log"
 exit "$status"

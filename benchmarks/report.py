@@ -203,6 +203,20 @@ def read_csv(path) -> list[dict]:
 
 
 # --- run metadata and --record ------------------------------------------------------------------
+def _files_sha256(files) -> str:
+    """sha256 of ``name + "\\n" + sha256(bytes).hexdigest() + "\\n"`` over (name, path) pairs sorted
+    by name: DESIGN.md's recipe for kernels_sha256."""
+    text = "".join(f"{name}\n{hashlib.sha256(Path(path).read_bytes()).hexdigest()}\n"
+                   for name, path in sorted(files))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _kernel_files(kernels_dir, prefix=""):
+    root = Path(kernels_dir)
+    return [(prefix + p.relative_to(root).as_posix(), p) for p in root.rglob("*")
+            if p.is_file() and "__pycache__" not in p.relative_to(root).parts]
+
+
 def kernels_sha256(kernels_dir) -> str:
     """Hash of the kernel sources, as DESIGN.md defines it.
 
@@ -211,12 +225,23 @@ def kernels_sha256(kernels_dir) -> str:
     Python bytecode caches (``__pycache__/``) are not sources and are left out, so the hash does
     not change with the interpreter that imported ``kernels_cu``.
     """
-    root = Path(kernels_dir)
-    files = sorted(p.relative_to(root).as_posix() for p in root.rglob("*")
-                   if p.is_file() and "__pycache__" not in p.relative_to(root).parts)
-    text = "".join(f"{rel}\n{hashlib.sha256((root / rel).read_bytes()).hexdigest()}\n"
-                   for rel in files)
-    return hashlib.sha256(text.encode()).hexdigest()
+    return _files_sha256(_kernel_files(kernels_dir))
+
+
+def dispatch_files(kernels_dir, package_dir):
+    """(name, path) of every file that decides which kernel runs with which parameters: the kernel
+    sources (named ``kernels_cu/<path>``) and the package's Python modules (``cupyattn/<file>``:
+    config.py's tile tables and constants, the loader's options, the op modules that pick kernels
+    and launch shapes; reference.py and the checks come along, which only makes the hash change
+    more often than strictly needed, never less)."""
+    pkg = Path(package_dir)
+    return _kernel_files(kernels_dir, "kernels_cu/") + [(f"cupyattn/{p.name}", p) for p in pkg.glob("*.py")]
+
+
+def dispatch_sha256(kernels_dir, package_dir) -> str:
+    """kernels_sha256's recipe over :func:`dispatch_files`: two runs with the same value ran the
+    same kernels with the same tiles, split rules and launch shapes."""
+    return _files_sha256(dispatch_files(kernels_dir, package_dir))
 
 
 def git_commit(root=ROOT) -> dict:
@@ -270,12 +295,14 @@ def device_meta() -> dict:
 def run_meta(argv, device: dict | None = None) -> dict:
     import numpy
 
+    import cupyattn
     from cupyattn._loader import KERNELS_DIR  # the sources the kernels were compiled from
 
     meta = {"date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "command": "python -m benchmarks " + " ".join(argv),
             "python": platform.python_version(), "numpy": numpy.__version__,
-            "kernels_sha256": kernels_sha256(KERNELS_DIR)}
+            "kernels_sha256": kernels_sha256(KERNELS_DIR),
+            "dispatch_sha256": dispatch_sha256(KERNELS_DIR, Path(cupyattn.__file__).parent)}
     meta.update(git_commit())
     from importlib import metadata
 

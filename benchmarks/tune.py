@@ -15,20 +15,54 @@
   compared with cuBLAS's. (Thread-block clusters with TMA multicast are not implemented yet, so
   there is no cluster candidate.)
 
-Medians of CUDA-event timings (benchmarks/timing.py); rows printed as they finish, all of them
-in the JSON. For choosing config.py entries by measurement; not part of the recorded results.
+Timing: CUDA events (benchmarks/timing.py), 3 untimed warm-up calls, median of up to 30 reps,
+L2 not flushed between reps. The candidates of one case are timed interleaved, in ROUNDS rounds,
+round r starting at candidate r, so no candidate is always the first timed; a row's ``ms`` is the
+median of its rounds' medians (all in ``ms_rounds``). Rows are printed as their case finishes;
+the JSON holds them all under ``rows`` and a ``meta`` block (date, command, commit,
+kernels_sha256 and dispatch_sha256, GPU and versions, ``l2_flushed``, ``timing``). For choosing
+config.py entries by measurement; not part of the recorded results.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
+
+ROUNDS = 3  # rounds of interleaved timing per case
+TIMING = (f"CUDA events; 3 warm-up calls, then the median of up to 30 reps; the candidates of a case "
+          f"interleaved over {ROUNDS} rounds in rotated order, ms = median of the rounds' medians")
 
 
 def _ms(fn, reps=30):
     from .timing import time_fn
 
     return time_fn(fn, warmup=3, reps=reps, budget_ms=1500).median_ms
+
+
+def timed_interleaved(cands, emit, derive=None, reps=30):
+    """Time one case's candidates, ``[(row, fn), ...]``, in ROUNDS rounds; round r times them
+    starting at candidate r (mod n). Each row gets ``ms`` (median of its rounds' medians) and
+    ``ms_rounds``, then ``derive(row)`` adds what follows from ms; a candidate that raises gets
+    ``error`` instead. Rows are emitted in candidate order."""
+    times = [[] for _ in cands]
+    for r in range(ROUNDS):
+        for i in range(len(cands)):
+            j = (i + r) % len(cands)
+            row, fn = cands[j]
+            if "error" in row:
+                continue
+            try:
+                times[j].append(_ms(fn, reps))
+            except Exception as e:  # a candidate that does not build or launch is a finding
+                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+    for (row, _), t in zip(cands, times):
+        if t and "error" not in row:
+            row.update(ms=statistics.median(t), ms_rounds=t)
+            if derive:
+                derive(row)
+        emit(row)
 
 
 def tune_softmax(ceil, emit):
@@ -45,13 +79,18 @@ def tune_softmax(ceil, emit):
             y = cupy.empty_like(x)
             args = (x, y, cupy.int64(8192), cupy.int32(n), cupy.int32(1), cupy.float32(1.0), cupy.int32(0))
             vpt = next(v for v in config.SOFTMAX_REG_TILES if config.SOFTMAX_BLOCK * v >= n)
+            cands = []
             for name, expr in (("v3-reg", row_softmax._block_reg_expr(x.dtype, vpt)),
                                ("v2-2pass", row_softmax._block_expr(x.dtype))):
                 k = get_function(row_softmax.SPEC, expr)
-                ms = _ms(lambda: k((8192,), (config.SOFTMAX_BLOCK,), args))
-                gbs = 2 * x.nbytes / ms / 1e6
-                emit(dict(op="softmax", dtype=dt, cols=n, impl=name, ms=ms, gbps=gbs,
-                          pct_copy=100 * gbs / ceil))
+                cands.append((dict(op="softmax", dtype=dt, cols=n, impl=name),
+                              lambda k=k: k((8192,), (config.SOFTMAX_BLOCK,), args)))
+
+            def derive(row, nbytes=2 * x.nbytes):
+                row["gbps"] = nbytes / row["ms"] / 1e6
+                row["pct_copy"] = 100 * row["gbps"] / ceil
+
+            timed_interleaved(cands, emit, derive)
 
 
 FLASH_CANDIDATES = {
@@ -68,32 +107,39 @@ def tune_flash(emit):
 
     from .arrays import rand
 
+    def with_tile(d, tile, spec, fn):  # run fn with this candidate's tile and kernel spec installed
+        def run():
+            base, old = config.FLASH_MMA_TILES[d], flash_attn.SPEC
+            config.FLASH_MMA_TILES[d] = tile
+            flash_attn.SPEC = spec or old
+            try:
+                return fn()
+            finally:
+                config.FLASH_MMA_TILES[d], flash_attn.SPEC = base, old
+        return run
+
     for d, cands in FLASH_CANDIDATES.items():
         q, k, v = (rand((4, 32, 4096, d), "float16") for _ in range(3))
-        base = config.FLASH_MMA_TILES[d]
         for causal in (False, True):
             want = attention(q, k, v, causal=causal, impl="flash_mma")
             flops = 4 * 4 * 32 * 4096 * 4096 * d * (0.5 if causal else 1.0)
+            timed = []
             for bm, bn, w in cands:
                 tile = config.FlashTile(bm, bn, w, "tuning candidate")
                 row = dict(op="flash_mma", D=d, causal=causal, block_m=bm, block_n=bn, warps=w,
                            smem=(bm + (config.FLASH_MMA_K_STAGES + 1) * bn) * (d + config.FLASH_MMA_PAD) * 2)
-                old_spec = flash_attn.SPEC
-                config.FLASH_MMA_TILES[d] = tile
+                call = lambda: attention(q, k, v, causal=causal, impl="flash_mma")  # noqa: E731
                 try:
-                    expr = flash_attn._expr("flash_mma", q.dtype, d, causal)
-                    flash_attn.SPEC = KernelSpec(f"flash_tune_{d}_{bm}_{bn}_{w}_{int(causal)}",
-                                                 old_spec.source, (expr,), old_spec.options)
-                    got = attention(q, k, v, causal=causal, impl="flash_mma")
+                    expr = with_tile(d, tile, None, lambda: flash_attn._expr("flash_mma", q.dtype, d, causal))()
+                    spec = KernelSpec(f"flash_tune_{d}_{bm}_{bn}_{w}_{int(causal)}", flash_attn.SPEC.source,
+                                      (expr,), flash_attn.SPEC.options)
+                    got = with_tile(d, tile, spec, call)()
                     row["max_abs_diff"] = float(cupy.abs(got.astype(cupy.float32) - want.astype(cupy.float32)).max())
-                    ms = _ms(lambda: attention(q, k, v, causal=causal, impl="flash_mma"), reps=20)
-                    row.update(ms=ms, tflops=flops / ms / 1e9)
                 except Exception as e:  # a candidate that does not build or launch is a finding
                     row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
-                finally:
-                    config.FLASH_MMA_TILES[d] = base
-                    flash_attn.SPEC = old_spec
-                emit(row)
+                    spec = None
+                timed.append((row, with_tile(d, tile, spec, call)))
+            timed_interleaved(timed, emit, lambda row, f=flops: row.update(tflops=f / row["ms"] / 1e9), reps=20)
 
 
 def tune_decode(ceil, emit):
@@ -109,11 +155,15 @@ def tune_decode(ceil, emit):
         nbytes = case_bytes(case)
         auto = decode.auto_num_splits(case.p["B"], case.p["H"], case.p["Hkv"], case.p["D"], inp["q"].dtype,
                                       case.p["L"], "auto")
-        for ns in (None, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512):
-            ms = _ms(lambda: decode.decode_attention(inp["q"], inp["cache"], 0, num_splits=ns, out=inp["out"]))
-            gbs = nbytes / ms / 1e6
-            emit(dict(op="decode", case=case.name, splits=ns or f"auto={auto}", ms=ms, gbps=gbs,
-                      pct_copy=100 * gbs / ceil))
+        cands = [(dict(op="decode", case=case.name, splits=ns or f"auto={auto}"),
+                  lambda ns=ns: decode.decode_attention(inp["q"], inp["cache"], 0, num_splits=ns, out=inp["out"]))
+                 for ns in (None, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512)]
+
+        def derive(row, nbytes=nbytes):
+            row["gbps"] = nbytes / row["ms"] / 1e6
+            row["pct_copy"] = 100 * row["gbps"] / ceil
+
+        timed_interleaved(cands, emit, derive)
         del inp
         cupy.get_default_memory_pool().free_all_blocks()
 
@@ -132,6 +182,19 @@ def tune_gemm(emit):
     from .arrays import rand
 
     tiles, regs, spec, pick = config.GEMM_WGMMA_TILES, config.GEMM_WGMMA_REGS, gemm.SPEC_SM90, config.gemm_wgmma_tile
+
+    def with_tile(cand, rp_rc, cand_spec, fn):  # run fn with this candidate's tile, registers and spec
+        def run():
+            config.GEMM_WGMMA_TILES, config.GEMM_WGMMA_REGS = {cand.bn: cand}, rp_rc
+            config.gemm_wgmma_tile = lambda *args, _t=cand: _t
+            gemm.SPEC_SM90 = cand_spec or spec
+            try:
+                return fn()
+            finally:
+                config.GEMM_WGMMA_TILES, config.GEMM_WGMMA_REGS, gemm.SPEC_SM90 = tiles, regs, spec
+                config.gemm_wgmma_tile = pick
+        return run
+
     for size in (4096, 8192):
         for dt in ("float16", "bfloat16"):
             for layout in ("nt", "nn"):
@@ -141,34 +204,24 @@ def tune_gemm(emit):
                 want = cupy.matmul(a, b.T if layout == "nt" else b)  # cuBLAS
                 flops = 2 * size ** 3
                 base = dict(op="gemm", size=size, dtype=dt, layout=layout)
-                ms = _ms(lambda: cupy.matmul(a, b.T if layout == "nt" else b, out=want))
-                emit(dict(base, impl="cublas", ms=ms, tflops=flops / ms / 1e9))
-                for impl in ("mma", "wgmma"):
-                    try:
-                        ms = _ms(lambda: f(a, b, impl=impl))
-                        emit(dict(base, impl=impl, ms=ms, tflops=flops / ms / 1e9))
-                    except Exception as e:
-                        emit(dict(base, impl=impl, error=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"))
+                timed = [(dict(base, impl="cublas"), lambda: cupy.matmul(a, b.T if layout == "nt" else b, out=want))]
+                timed += [(dict(base, impl=impl), lambda impl=impl: f(a, b, impl=impl)) for impl in ("mma", "wgmma")]
                 for bn, stages, (rp, rc) in GEMM_WGMMA_CANDIDATES:
                     cand = config.WgmmaTile(bn, stages, "tuning candidate")
                     row = dict(base, impl="wgmma", bn=bn, stages=stages, regs=f"{rp}/{rc}", smem=cand.smem_bytes)
+                    call = lambda: f(a, b, impl="wgmma")  # noqa: E731
                     try:
-                        config.GEMM_WGMMA_TILES, config.GEMM_WGMMA_REGS = {bn: cand}, (rp, rc)
-                        config.gemm_wgmma_tile = lambda *args, _t=cand: _t
-                        expr = gemm._expr("wgmma", a.dtype, layout == "nt", bn)
-                        gemm.SPEC_SM90 = KernelSpec(f"gemm_tune_{bn}_{stages}_{rp}_{rc}_{layout}_{dt}",
-                                                    spec.source, (expr,), spec.options, sm90a=True)
-                        got = f(a, b, impl="wgmma")
+                        expr = with_tile(cand, (rp, rc), None, lambda: gemm._expr("wgmma", a.dtype, layout == "nt", bn))()
+                        cand_spec = KernelSpec(f"gemm_tune_{bn}_{stages}_{rp}_{rc}_{layout}_{dt}", spec.source,
+                                               (expr,), spec.options, sm90a=True)
+                        got = with_tile(cand, (rp, rc), cand_spec, call)()
                         row["max_abs_diff"] = float(cupy.abs(got.astype(cupy.float32) - want.astype(cupy.float32)).max())
-                        ms = _ms(lambda: f(a, b, impl="wgmma"))
-                        row.update(ms=ms, tflops=flops / ms / 1e9)
                     except Exception as e:  # a candidate that does not build or launch is a finding
                         row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
-                    finally:
-                        config.GEMM_WGMMA_TILES, config.GEMM_WGMMA_REGS, gemm.SPEC_SM90 = tiles, regs, spec
-                        config.gemm_wgmma_tile = pick
-                    emit(row)
-                del a, b, want
+                        cand_spec = None
+                    timed.append((row, with_tile(cand, (rp, rc), cand_spec, call)))
+                timed_interleaved(timed, emit, lambda row: row.update(tflops=flops / row["ms"] / 1e9))
+                del a, b, want, timed
                 cupy.get_default_memory_pool().free_all_blocks()
 
 
@@ -194,6 +247,11 @@ def main(argv=None) -> int:
     from .timing import measure_ceilings, require_device
 
     require_device()
+    from . import report
+
+    meta = report.run_meta(["tune", *(argv if argv is not None else sys.argv[1:])], report.device_meta())
+    meta["command"] = "python -m benchmarks.tune " + " ".join(argv if argv is not None else sys.argv[1:])
+    meta.update(l2_flushed=False, timing=TIMING)
     ceil = measure_ceilings()["copy_gbps"]
     rows = []
 
@@ -210,7 +268,7 @@ def main(argv=None) -> int:
             print(f"{part}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         if a.json:
             with open(a.json, "w") as f:
-                json.dump({"copy_gbps": ceil, "rows": rows}, f, indent=1)
+                json.dump({"meta": meta, "copy_gbps": ceil, "rows": rows}, f, indent=1)
     return 0
 
 

@@ -217,11 +217,15 @@ DECODE_MIN_KEYS_PER_SPLIT = 256   # an automatic split never gets fewer keys tha
 DECODE_SPLIT_OVERHEAD_KEYS = 64   # fixed cost of one split (prologue, epilogue, its share of the
                                   # combine) in keys: stops the rule from trading a whole wave
                                   # for a few percent less wave quantisation
-# Blocks per SM the split rule counts as one wave: 1, not the tile's occupancy. Measured on the
-# H100 (2026-11-23, fp16, 32 q / 8 kv heads, D=128, benchmarks/tune.py): one decode block per SM
-# already streams at ~91% of copy bandwidth, so a second wave of splits only adds combine work.
-# Counting 2 per SM picked 2 splits at B=16, L=4096 (0.122 ms; 1 split: 0.098 ms), 4 at B=8,
-# L=32k (0.388 ms; 2: 0.376 ms) and 264 for MQA at B=1, L=128k (0.117 ms; 128-256: 0.064 ms).
+# Blocks per SM the split rule counts as one wave: 1, not the tile's occupancy. Evidence: a
+# regression pin of four measured points, no more (H100, 2026-11-23, fp16, 32 q heads, D=128,
+# benchmarks/results/2026-11-23-h100/tune.json; tests/test_decode.py pins them). Counting 2 per
+# SM picked 2 splits at B=16, L=4096, 4 at B=8, L=32k and 264 for MQA at B=1, L=128k; counting 1
+# picks counts within 5% of each case's fastest measured one. That tuning run timed each case's
+# automatic choice first, and two of those first timings are slower than the same launch timed
+# later in its case (2 splits at B=16, L=4096: 0.122 ms first, 0.106 ms later; 4 at B=8, L=32k:
+# 0.388 / 0.387 ms), so the margins are not established; benchmarks.tune now interleaves the
+# candidates, and re-measuring is left to the next GPU run.
 DECODE_SPLIT_BLOCKS_PER_SM = 1
 
 # --- KV-cache append (kernels_cu/kvcache.cu) ------------------------------------------------

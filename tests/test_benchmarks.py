@@ -365,6 +365,32 @@ def test_kernels_sha256_by_hand(tmp_path):
     assert report.kernels_sha256(tmp_path) != expected
 
 
+def test_dispatch_sha256_covers_kernels_config_and_op_modules(tmp_path):
+    """A results file's dispatch_sha256 changes with an edit to a kernel, to config.py or to an
+    op module, and with nothing else of the checkout."""
+    import shutil
+
+    kern, pkg = tmp_path / "kernels_cu", tmp_path / "cupyattn"
+    shutil.copytree(ROOT / "kernels_cu", kern, ignore=shutil.ignore_patterns("__pycache__"))
+    pkg.mkdir()
+    for f in ("config.py", "decode.py", "flash_attn.py", "gemm.py", "_loader.py"):
+        shutil.copy(ROOT / "cupyattn" / f, pkg / f)
+    (tmp_path / "README.md").write_text("notes\n")
+    before = report.dispatch_sha256(kern, pkg)
+    assert report.kernels_sha256(kern) == report.kernels_sha256(ROOT / "kernels_cu")
+    for path, edit in [(pkg / "config.py", "\nFLASH_MMA_PAD = 16\n"), (pkg / "decode.py", "\n# split\n"),
+                       (kern / "gemm.cu", "\n// tile\n")]:
+        text = path.read_text()
+        path.write_text(text + edit)
+        assert report.dispatch_sha256(kern, pkg) != before, path.name
+        path.write_text(text)
+        assert report.dispatch_sha256(kern, pkg) == before
+    (tmp_path / "README.md").write_text("other notes\n")
+    (pkg / "__pycache__").mkdir()
+    (pkg / "__pycache__" / "config.cpython-312.pyc").write_bytes(b"\0")
+    assert report.dispatch_sha256(kern, pkg) == before
+
+
 def test_kernels_sha256_of_the_tree():
     h = report.kernels_sha256(ROOT / "kernels_cu")
     assert len(h) == 64 and int(h, 16) >= 0
@@ -522,6 +548,7 @@ def test_cli_end_to_end_small_attention(tmp_path, monkeypatch, capsys):
     assert "Traceback" not in stderr
     run = report.read_json(out)
     assert run["meta"]["gpu"] == _device_name() and len(run["meta"]["kernels_sha256"]) == 64
+    assert len(run["meta"]["dispatch_sha256"]) == 64
     by = {x["impl"]: x for x in run["records"]}
     for impl in ("cupy-naive", "flash", "flash_mma", "naive"):  # ours run on the device (or emulator)
         assert by[impl]["status"] == "ok", by[impl]
@@ -663,6 +690,55 @@ def test_gpu_run_step_timeout_stops_a_step_and_keeps_going(tmp_path):
     assert time.monotonic() - t0 < 25
     assert r.returncode == 1
     assert "=== gpu tests: exit 124 after" in (out / "steps.log").read_text()
+
+
+def test_gpu_run_keeps_the_logs_summary_lines_beside_the_results(tmp_path):
+    """gpu_run.sh's summary (run at the end of every stage, and alone without a GPU) copies
+    pytest's and compute-sanitizer's own summary lines and the step exit codes into
+    results/summary.txt."""
+    (tmp_path / "pytest-gpu.log").write_text("....F.\n1 failed, 1284 passed, 2 skipped in 96.01s\n")
+    (tmp_path / "sanitize-memcheck.log").write_text("ok\n========= ERROR SUMMARY: 0 errors\n")
+    (tmp_path / "sanitize-racecheck.log").write_text(
+        "========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)\n")
+    (tmp_path / "steps.log").write_text("=== gpu tests: pytest\n=== gpu tests: exit 1 after 96 s (log: x)\n")
+    r = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_run.sh"), "summary"], capture_output=True, text=True,
+                       env={"OUT": str(tmp_path), "PATH": "/usr/bin:/bin", "CUPYATTN_GIT_COMMIT": "abc123"},
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    text = (tmp_path / "results" / "summary.txt").read_text()
+    assert "commit: abc123" in text
+    assert "pytest-gpu.log: 1 failed, 1284 passed, 2 skipped in 96.01s" in text
+    assert "sanitize-memcheck.log: ERROR SUMMARY: 0 errors" in text
+    assert "sanitize-racecheck.log: RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)" in text
+    assert "=== gpu tests: exit 1 after 96 s" in text
+
+
+def test_tune_times_candidates_interleaved(monkeypatch):
+    """benchmarks.tune times a case's candidates in rounds with a rotated start (no candidate is
+    always timed first) and reports the median of each candidate's rounds."""
+    from benchmarks import tune
+
+    order, fake = [], {"a": [5.0, 1.0, 3.0], "b": [2.0, 2.0, 8.0], "c": [1.0, 1.0, 1.0]}
+    monkeypatch.setattr(tune, "_ms", lambda fn, reps=30: fn())
+
+    def cand(name):
+        def fn():
+            order.append(name)
+            return fake[name].pop(0)
+        return fn
+
+    def broken():
+        raise RuntimeError("too many resources requested for launch\nmore")
+
+    rows = []
+    tune.timed_interleaved([({"impl": n}, cand(n)) for n in "abc"] + [({"impl": "x"}, broken)], rows.append,
+                           derive=lambda row: row.update(double=2 * row["ms"]))
+    assert tune.ROUNDS == 3
+    assert order == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert [r["impl"] for r in rows] == ["a", "b", "c", "x"]
+    assert [r["ms"] for r in rows[:3]] == [3.0, 2.0, 1.0] and rows[0]["ms_rounds"] == [5.0, 1.0, 3.0]
+    assert rows[1]["double"] == 4.0
+    assert rows[3]["error"] == "RuntimeError: too many resources requested for launch" and "ms" not in rows[3]
 
 
 def test_tune_cli_parses_before_it_needs_a_device():

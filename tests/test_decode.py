@@ -80,10 +80,13 @@ def test_choose_num_splits_is_the_least_cost_split():
 
 
 def test_split_rule_picks_near_the_measured_best():
-    """H100 measurements (2026-11-23, benchmarks/results/2026-11-23-h100/tune.json; fp16, D=128,
-    32 q heads): split count -> ms for each default benchmark case. The rule (with
-    DECODE_SPLIT_BLOCKS_PER_SM) must pick a count within 5% of the fastest measured one; the old
-    rule (2 blocks per SM) missed by 25% at B=16, L=4096 and by 80% for MQA."""
+    """A regression pin of four measured points, not proof of the rule: H100 measurements
+    (2026-11-23, benchmarks/results/2026-11-23-h100/tune.json; fp16, D=128, 32 q heads), split
+    count -> ms for each default benchmark case. The rule (with DECODE_SPLIT_BLOCKS_PER_SM) must
+    pick a count within 5% of the fastest measured one. That run timed each case's automatic
+    choice first, and two of those first timings were slower than the same launch timed later
+    (config.py says which), so the margins between counts are not established; re-measure with
+    the interleaved benchmarks.tune on the next GPU run and update these points."""
     measured = {  # (B, Hkv, L): {splits: ms}
         (8, 8, 32768): {1: 0.438, 2: 0.3763, 4: 0.3873, 8: 0.3835, 16: 0.3852, 32: 0.3875, 64: 0.3909},
         (1, 8, 131072): {8: 0.2239, 16: 0.1952, 32: 0.2022, 33: 0.2024, 64: 0.2025, 128: 0.2086},

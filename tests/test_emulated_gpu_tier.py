@@ -2,47 +2,108 @@
 (tests/emu/README.md).
 
 CI has no GPU, so this is how every kernel (including the tensor-core variants, through the
-emulated mma.sync / ldmatrix / cp.async) meets the float64 reference on each CI run, and how the
-argument checks, which take device arrays, run at all. It is evidence about index math, tails,
-masking, pipelining waits and launch arguments, not about speed. Tests marked `emu_slow` are
-left out here (run them with ``CUPYATTN_EMULATE=1 python -m pytest -m gpu``); `no_emu` ones are
-skipped under the emulator. On a machine with a GPU the real GPU tier runs instead and this test
-is skipped. Progress is printed to the terminal while it runs (a few minutes).
+emulated mma.sync / ldmatrix / cp.async / wgmma / TMA) meets the float64 reference on each CI run,
+under the emulator's adversarial schedules, and how the argument checks, which take device arrays,
+run at all. It is evidence about index math, tails, masking, pipelining waits, races between
+barriers and launch arguments, not about speed. Tests marked `emu_slow` are left out here (run
+them with ``CUPYATTN_EMULATE=1 python -m pytest -m gpu``); `no_emu` ones are skipped under the
+emulator. On a machine with a GPU the real GPU tier runs instead and this test is skipped.
+
+While it runs (minutes) it prints its progress every few seconds; its counts join the summary
+line the outer pytest prints last ("... 1203 emulated passed, 40 emulated skipped").
 """
 import importlib.util
 import os
+import re
+import select
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from conftest import EMULATE, HAS_GPU
+from conftest import EMULATE, EMULATED_TIER, HAS_GPU
 
 ROOT = Path(__file__).resolve().parent.parent
+PROGRESS = set(".sFExX")  # the characters of pytest -q's progress rows
+REPORT_EVERY_S = 10
+
+
+class _Progress:
+    """Counts the progress characters of pytest -q output as it streams in."""
+
+    def __init__(self, label: str = "emulated GPU tier"):
+        self.label = label
+        self.counts, self.line_is_progress, self.t0, self.last = {}, True, time.monotonic(), 0.0
+        self.at_line_start, self.over = True, False  # over: a "===" / "___" section began
+
+    def feed(self, text: str):
+        for ch in text:
+            if self.over:
+                return
+            if self.at_line_start and ch in "=_":
+                self.over = True
+                return
+            self.at_line_start = ch == "\n"
+            if ch == "\n":
+                self.line_is_progress = True
+            elif self.line_is_progress and ch in PROGRESS:
+                self.counts[ch] = self.counts.get(ch, 0) + 1
+            elif not ch.isspace():
+                self.line_is_progress = False
+
+    def line(self) -> str:
+        c = self.counts
+        done = sum(c.values())
+        bad = c.get("F", 0) + c.get("E", 0)
+        return (f"[{self.label}] {done} tests done: {c.get('.', 0)} passed, {c.get('s', 0)} skipped"
+                + (f", {bad} FAILED" if bad else "") + f" ({time.monotonic() - self.t0:.0f} s)")
+
+
+def _stream(proc, prog: _Progress, out: list, every_s: float | None = None):
+    """Collect proc's output unbuffered (dots arrive one by one), printing prog's line at least
+    every `every_s` seconds, also while the child is silent."""
+    every_s = REPORT_EVERY_S if every_s is None else every_s
+    fd = proc.stdout.fileno()
+    while True:
+        if select.select([fd], [], [], every_s)[0]:
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                return
+            text = chunk.decode(errors="replace")
+            out.append(text)
+            prog.feed(text)
+        if time.monotonic() - prog.last >= every_s:
+            prog.last = time.monotonic()
+            print(prog.line(), flush=True)
 
 
 def _run_emulated(label: str, args: list[str], env: dict, capsys) -> None:
-    """``python -m pytest -q <args>`` under CUPYATTN_EMULATE=1 (+ ``env``) on every core, its
-    progress rows echoed; fails with the run's tail unless it passed."""
+    """``python -m pytest -q <args>`` under CUPYATTN_EMULATE=1 (+ ``env``) on every core, with a
+    progress line every REPORT_EVERY_S; its counts go to EMULATED_TIER[label] (the final summary);
+    fails with the run's tail unless it passed."""
     workers = os.cpu_count() or 1
     parallel = ["-n", str(workers)] if workers > 1 and importlib.util.find_spec("xdist") else []
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--maxfail=1", *parallel, *args]
-    lines = []
+    out, prog = [], _Progress(label)
     with capsys.disabled():
         print(f"\n[{label}] {' '.join(cmd[3:])}  (CUPYATTN_EMULATE=1 {' '.join(f'{k}={v}' for k, v in env.items())})",
               flush=True)
         proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "CUPYATTN_EMULATE": "1", **env},
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for line in proc.stdout:
-            lines.append(line)
-            if line.strip() and line.lstrip()[0] in ".sFEx":  # progress rows of -q
-                print(f"[{label}] {line.rstrip()}", flush=True)
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        _stream(proc, prog, out)
         rc = proc.wait(timeout=1800)
-    tail = "".join(lines)[-6000:]
+        print(prog.line(), flush=True)
+    text = "".join(out)
+    tail = text[-6000:]
+    last = [ln for ln in text.splitlines() if re.search(r"\d+ (passed|failed)", ln)]
+    if last:
+        counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|deselected|errors?)", last[-1])}
+        EMULATED_TIER[label] = {**counts, "seconds": time.monotonic() - prog.t0}
     assert rc == 0, f"{label} failed:\n{tail}"
-    assert " passed" in lines[-1], tail
+    assert last and " passed" in last[-1], tail
 
 
 @pytest.mark.skipif(EMULATE or HAS_GPU, reason="already emulating, or a real GPU runs the GPU tier")
@@ -80,3 +141,24 @@ def test_default_paths_pass_on_an_emulated_sm75(capsys):
     _run_emulated("emulated sm_75", ["-m", "gpu and not emu_slow", "-k", SM75_SELECT,
                                      *(str(ROOT / "tests" / f) for f in SM75_FILES)],
                   {"CUPYATTN_EMU_ARCH": "75"}, capsys)
+
+
+def test_progress_counts_only_progress_rows():
+    p = _Progress()
+    p.feed("....s.")
+    p.feed("F.   [ 4%]\n.....sss\n")
+    p.feed("=== FAILURES ===\nE   assert 1.0 == 2.0 ...\n___ test_x ___\n..")
+    assert p.counts == {".": 11, "s": 4, "F": 1}
+    assert p.line().startswith("[emulated GPU tier] 16 tests done: 11 passed, 4 skipped, 1 FAILED (")
+
+
+def test_progress_is_printed_while_the_child_is_silent(capsys):
+    child = "import time; print('..s', end='', flush=True); time.sleep(2.6); print('.  [100%]')"
+    proc = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    prog, out = _Progress(), []
+    _stream(proc, prog, out, every_s=1.0)
+    proc.wait(timeout=30)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) >= 3, lines  # at least one during each silent second
+    assert lines[0].startswith("[emulated GPU tier] 3 tests done: 2 passed, 1 skipped")
+    assert "".join(out) == "..s.  [100%]\n" and prog.counts == {".": 3, "s": 1}

@@ -76,7 +76,8 @@ __global__ void tma_read(const __grid_constant__ TmaMap map, float* y) {
     if (MODE == 0) mbar_wait(&bar, 0);
 }
 // MODE 0: reads the accumulators before wgmma.wait_group; 1: writes them; 2: never waits;
-// 3: the warpgroup's threads disagree on scale-d; 4: one warp never joins the wgmma
+// 3: the warpgroup's threads disagree on scale-d; 4: one warp never joins the wgmma;
+// 5: overwrites its shared operands while it is in flight
 template <int MODE>
 __global__ void wg_misuse(float* y) {
     extern __shared__ __align__(1024) uint4 smem_raw[];
@@ -92,6 +93,10 @@ __global__ void wg_misuse(float* y) {
     wgmma_commit_group();
     if (MODE == 0) y[threadIdx.x] = d[0];
     if (MODE == 1) d[0] = 5.0f;
+    if (MODE == 5) {
+        for (int i = threadIdx.x; i < 4096; i += 128) s[i] = i % 2 ? 0x3c : 0;  // fp16 1.0
+        __syncthreads();
+    }
     if (MODE != 2) wgmma_wait_group<0>();
     if (MODE != 0) y[threadIdx.x] = d[1];
 }
@@ -101,7 +106,7 @@ __global__ void store_unwaited(const __grid_constant__ TmaMap map) {
 }
 """)
 names = ["never_arrives", "too_many", "clobbered", "tma_read<0>", "tma_read<1>", "store_unwaited"] + \
-    [f"wg_misuse<{m}>" for m in range(5)]
+    [f"wg_misuse<{m}>" for m in range(6)]
 mod = cupy.RawModule(code=SRC, name_expressions=names)
 k = {n: mod.get_function(n) for n in names}
 y = cupy.zeros(128, dtype=np.float32)
@@ -115,8 +120,16 @@ g = cupy.asarray(np.arange(32 * 4, dtype=np.float32).reshape(4, 32))
 m = tma.tensor_map(g.data.ptr, g.dtype, (32, 4), (128,), (32, 4), swizzle=0)
 k["tma_read<1>"]((1,), (128,), (m, y), shared_mem=512)
 assert np.array_equal(cupy.asnumpy(y), np.arange(128, dtype=np.float32))
-k["tma_read<0>"]((1,), (128,), (m, y), shared_mem=512)
-assert np.isnan(cupy.asnumpy(y)).all(), "a TMA box read before its barrier's phase must be poison"
+seen = set()
+for _ in range(8):  # each launch under its own schedule: the box lands at issue, later, or at the wait
+    k["tma_read<0>"]((1,), (128,), (m, y), shared_mem=512)
+    seen.add("right" if np.array_equal(cupy.asnumpy(y), np.arange(128)) else "wrong")
+assert "wrong" in seen, "a TMA box read before its barrier's phase must not reliably be right"
+seen = set()
+for _ in range(8):  # operands read at issue (zeros: d = 1) or later (ones: d = 17), as the schedule picks
+    k["wg_misuse<5>"]((1,), (128,), (y,), shared_mem=8192)
+    seen.add(float(cupy.asnumpy(y)[0]))
+assert seen == {1.0, 17.0}, seen
 
 k["wg_misuse<0>"]((1,), (128,), (y,), shared_mem=8192)
 assert np.isnan(cupy.asnumpy(y)).all(), "accumulators read before wgmma.wait_group must be poison"

@@ -7,12 +7,16 @@
 // it on, so a kernel built for sm_75 that reaches an sm_80-only instruction fails to build here.
 //
 // What the emulation checks that a synchronous copy would not:
-//   - cp.async copies are delivered at the cp.async.wait_group that retires their group (the
-//     latest moment allowed), so a kernel that reads a stage before waiting for it, or before
-//     the barrier after another thread's wait, reads stale shared memory and fails its test;
-//     copies never retired by a wait are dropped at the end of the thread;
+//   - cp.async copies land at a moment the seeded schedule picks (emu_async_due): at issue, at a
+//     scheduling point before the wait, or at the cp.async.wait_group that retires their group
+//     (the latest moment allowed); a destination not written at issue is poisoned (0xFF) or keeps
+//     its old bytes until then. A kernel that reads a stage before waiting for it, before the
+//     barrier after another thread's wait, or refills a stage other threads may still read, reads
+//     wrong shared memory under some schedule and fails its test; copies never retired by a wait
+//     are dropped at the end of the thread;
 //   - alignment: cp.async needs both addresses aligned to its size, ldmatrix 16-byte rows, as a
-//     GPU does (it faults on a misaligned address).
+//     GPU does (it faults on a misaligned address);
+//   - ldmatrix and mma.sync are warp-collective (.aligned): the 32 lanes meet at the same one.
 #pragma once
 
 #if defined(CUPYATTN_TARGET_SM)
@@ -46,7 +50,15 @@ inline void cp_async_sm80(void* smem, const void* gmem, int src_bytes) {
     if (src_bytes > 0) emu_check_align(gmem, BYTES, "cp.async global source");
     if (src_bytes < 0 || src_bytes > BYTES) throw std::runtime_error("cp.async: src-size outside [0, cp-size]");
     EmuFiber& f = emu_s->f[emu_s->cur];
-    f.pending.push_back({(unsigned char*)smem, (const unsigned char*)gmem, BYTES, src_bytes, f.committed});
+    const EmuCopy c{(unsigned char*)smem, (const unsigned char*)gmem, BYTES, src_bytes, f.committed, emu_async_due()};
+    if (c.due == 0) {  // lands at issue
+        std::memcpy(c.dst, c.src, (size_t)c.src_bytes);
+        std::memset(c.dst + c.src_bytes, 0, (size_t)(c.bytes - c.src_bytes));
+        return;
+    }
+    if (emu_pick(2)) std::memset(c.dst, 0xFF, BYTES);  // in flight: poison, or the old bytes
+    f.pending.push_back(c);
+    emu_s->next_due = std::min(emu_s->next_due, c.due);
 }
 
 // Close the group of copies issued since the last commit (group ids count commits).
@@ -84,7 +96,7 @@ inline void ldmatrix(unsigned (&r)[NUM], const void* smem) {
     EmuWarp& w = emu_s->warps[emu_warp];
     if (emu_lane < 8 * NUM) emu_check_align(smem, 16, "ldmatrix row address");
     w.xchg[emu_lane][8] = smem_u32(smem);
-    emu_warp_barrier();
+    emu_warp_barrier(0xffffffffu, -1, "ldmatrix");
     const int g = emu_lane / 4, t = emu_lane % 4;
     unsigned vals[NUM];
     for (int i = 0; i < NUM; ++i) {
@@ -97,7 +109,7 @@ inline void ldmatrix(unsigned (&r)[NUM], const void* smem) {
             vals[i] = (unsigned)lo | ((unsigned)hi << 16);
         }
     }
-    emu_warp_barrier();  // every lane has read the addresses before any lane publishes new ones
+    emu_warp_barrier(0xffffffffu, -1, "ldmatrix");  // every lane has read the addresses before any publishes new ones
     for (int i = 0; i < NUM; ++i) r[i] = vals[i];
 }
 
@@ -115,7 +127,7 @@ inline void emu_mma(float (&d)[4], const unsigned* a, const unsigned* b) {
     EmuWarp& w = emu_s->warps[emu_warp];
     for (int i = 0; i < K / 4; ++i) w.xchg[emu_lane][i] = a[i];
     for (int i = 0; i < K / 8; ++i) w.xchg[emu_lane][4 + i] = b[i];
-    emu_warp_barrier();
+    emu_warp_barrier(0xffffffffu, -2, "mma.sync");
     float A[16][16], B[16][8];
     for (int src = 0; src < 32; ++src) {
         const int g = src / 4, t = src % 4;
@@ -132,7 +144,7 @@ inline void emu_mma(float (&d)[4], const unsigned* a, const unsigned* b) {
             }
         }
     }
-    emu_warp_barrier();  // nobody overwrites xchg before all have read it
+    emu_warp_barrier(0xffffffffu, -2, "mma.sync");  // nobody overwrites xchg before all have read it
     const int g = emu_lane / 4, t = emu_lane % 4;
     for (int i = 0; i < 4; ++i) {
         const int row = g + 8 * (i / 2), col = 2 * t + (i % 2);

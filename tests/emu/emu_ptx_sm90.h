@@ -6,16 +6,18 @@
 //     naming the barrier and its state; more arrivals than the count in one phase, a barrier used
 //     before mbarrier.init or overwritten by a store, are errors;
 //   - TMA loads (cp.async.bulk.tensor, 9.7.9.25.5): the box is read with out-of-bounds elements
-//     zero-filled and written in the map's swizzle; the destination is poisoned (0xFF: NaN) at
-//     issue and the copy lands, with its complete_tx, at the latest moment the ISA allows: when a
-//     thread polls the barrier's phase (emu_sm90_complete_tma is the one place that delivers, so
-//     an adversarial scheduler can call it earlier); TMA stores land at the bulk wait_group that
-//     retires their group, and one never waited for is an error at the end of the block;
+//     zero-filled and written in the map's swizzle; the copy lands, with its complete_tx, at a
+//     moment the seeded schedule picks (emu_async_due: at issue, at a later scheduling point, or
+//     at the latest, when a thread polls the barrier's phase; emu_sm90_complete_tma is the one
+//     place that delivers), the destination poisoned (0xFF: NaN) or keeping its old bytes until
+//     then; TMA stores land at the bulk wait_group that retires their group, and one never
+//     waited for is an error at the end of the block;
 //   - wgmma (9.7.15): warpgroup-collective (the 128 threads meet; descriptors, scale-d and shape
 //     must agree), the descriptor and swizzle decoded from the ISA's layouts, shared memory read
-//     at completion, the accumulators poisoned (NaN) from issue until the wgmma.wait_group that
-//     retires the op (writing them meanwhile is an error), ops chained on the same accumulators
-//     in issue order (emu_wgmma_complete is the one place that delivers);
+//     at a moment the schedule picks between issue and the wait (emu_wgmma_compute), the
+//     accumulators poisoned (NaN) from issue until the wgmma.wait_group that retires the op
+//     (writing them meanwhile is an error; emu_wgmma_complete delivers), ops chained on the same
+//     accumulators in issue order;
 //   - stmatrix (9.7.14.5.16) as the inverse of ldmatrix; setmaxnreg and the fences are no-ops.
 // Tensor maps are this emulator's own 128-byte format (EmuTmaDesc), encoded by fakecupy's
 // encode_tensor_map_tiled, which applies the driver's documented checks.
@@ -58,11 +60,13 @@ inline std::string emu_hex(unsigned v) {
 
 // --- per-block state ----------------------------------------------------------------------------
 struct EmuMbar { unsigned count = 0, pending = 0, phase = 0; long long tx = 0; };
-struct EmuTmaLoad { EmuTmaDesc map; int c[5]; unsigned dst, bar, bytes; };
+struct EmuTmaLoad { EmuTmaDesc map; int c[5]; unsigned dst, bar, bytes; unsigned long long due; };
 struct EmuTmaStore { EmuTmaDesc map; int c[5]; unsigned src; int group; };
 struct EmuWgOp {                // one wgmma.mma_async of a warpgroup
     bool rs, bf16;
     int n, trans_a, trans_b, scale_d, group = -1;  // group -1: not committed yet
+    bool computed = false;      // shared memory read and the chain advanced (emu_wgmma_compute)
+    unsigned long long due = EMU_NEVER;  // when it reads shared memory (emu_async_due)
     unsigned long long desc_a, desc_b;
     float* d[128];              // each thread's accumulator array (N/2 registers)
     unsigned a[128][4];         // RS: each thread's A fragment, read at issue
@@ -87,7 +91,8 @@ struct EmuSm90 {
     std::vector<EmuWarpgroup> wgs;
     std::string error;                          // found where nothing can throw (the scheduler)
 };
-inline EmuSm90 emu_sm90;
+inline EmuSm90 emu_sm90_slots[EMU_MAX_SLOTS];  // one per block in flight
+#define emu_sm90 (emu_sm90_slots[emu_slot])
 
 [[noreturn]] inline void emu_sm90_fail(const std::string& m) { throw std::runtime_error(m); }
 inline int emu_tid() { return emu_s->cur; }
@@ -274,7 +279,12 @@ inline void tma_load(void* dst, const TmaMap* map, unsigned long long* bar, cons
     emu_mbar(op.bar);
     for (int d = 0; d < 5; ++d) op.c[d] = d < R ? c[d] : 0;
     op.bytes = emu_tma_bytes(op.map);
-    std::memset(emu_shared_ptr(op.dst), 0xFF, op.bytes);  // poison until it lands
+    op.due = emu_async_due();
+    if (op.due == 0) {  // lands at issue
+        emu_sm90_complete_tma(op);
+        return;
+    }
+    if (emu_pick(2)) std::memset(emu_shared_ptr(op.dst), 0xFF, op.bytes);  // in flight: poison, or old bytes
     emu_sm90.loads.push_back(op);
 }
 
@@ -366,10 +376,10 @@ inline void emu_wg_collective(const EmuWgSlot& mine, Last last) {
 // shared addresses are offsets in this library's .bss, so the field is resolved inside the dynamic
 // shared memory buffer (under 256 KB: one match); operands elsewhere are refused.
 inline unsigned emu_desc_start(unsigned long long desc) {
-    const unsigned lo = (unsigned)(desc & 0x3FFF) << 4, dyn = smem_u32(emu_dyn_smem_buf);
+    const unsigned lo = (unsigned)(desc & 0x3FFF) << 4, dyn = smem_u32(emu_dyn_smem);
     unsigned a = (dyn & ~0x3FFFFu) | lo;
     if (a < dyn) a += 0x40000u;
-    if (a >= dyn + sizeof(emu_dyn_smem_buf))
+    if (a >= dyn + EMU_DYN_SMEM)
         emu_sm90_fail("wgmma: a descriptor's start address is outside dynamic shared memory (the "
                       "emulator resolves the 18-bit start field there only)");
     return a;
@@ -401,9 +411,16 @@ inline float emu_wg_elem(unsigned addr, bool bf16) {
     return emu_b16v(bits, bf16);
 }
 
-// The one place a wgmma lands: D = A B (+ D), accumulators chained through `acc` in issue order.
+// The one place a wgmma reads its operands: D = A B (+ D), chained through `acc` in issue order (the
+// ops before it compute first). It runs at a moment the schedule picks between issue and the wait.
 // Register d[4j + i] of thread (warp w, lane l) is row 16w + l/4 + 8 (i/2), column 8j + 2(l%4) + i%2.
-inline void emu_wgmma_complete(EmuWarpgroup& w, const EmuWgOp& op) {
+inline void emu_wgmma_compute(EmuWarpgroup& w, EmuWgOp& op) {
+    if (op.computed) return;
+    for (EmuWgOp& before : w.ops) {
+        if (&before == &op) break;
+        emu_wgmma_compute(w, before);
+    }
+    op.computed = true;
     float A[64][16], B[16][256];
     for (int r = 0; r < 64; ++r)
         for (int k = 0; k < 16; ++k) {
@@ -426,6 +443,18 @@ inline void emu_wgmma_complete(EmuWarpgroup& w, const EmuWgOp& op) {
             float s = op.scale_d ? slot.first : 0.0f;
             for (int k = 0; k < 16; ++k) s += A[row][k] * B[k][col];  // products exact in fp32
             slot.first = s;
+        }
+    }
+}
+// The one place a wgmma lands: at the wgmma.wait_group that retires it, the registers take their
+// values (poisoned from issue until now).
+inline void emu_wgmma_complete(EmuWarpgroup& w, EmuWgOp& op) {
+    emu_wgmma_compute(w, op);
+    for (int t = 0; t < 128; ++t) {
+        for (int j = 0; j < op.n / 2; ++j) {
+            float* reg = op.d[t] + j;
+            auto& slot = w.acc.at(reg);
+            const float s = slot.first;
             if (--slot.second == 0) {
                 uint32_t now;
                 std::memcpy(&now, reg, 4);
@@ -462,7 +491,9 @@ inline void emu_wgmma_issue(EmuWgSlot s) {
                 ++it->second.second;
                 std::memcpy(reg, &EMU_ACC_POISON, 4);
             }
+        op.due = emu_async_due();
         w.ops.push_back(op);
+        if (op.due == 0) emu_wgmma_compute(w, w.ops.back());
     });
 }
 
@@ -494,9 +525,8 @@ template <int N>
 inline void wgmma_wait_group() {
     emu_wg_collective({"wgmma.wait_group"}, [](EmuWarpgroup& w) {
         while (!w.ops.empty() && w.ops.front().group >= 0 && w.ops.front().group < w.committed - N) {
-            const EmuWgOp op = w.ops.front();
+            emu_wgmma_complete(w, w.ops.front());
             w.ops.pop_front();
-            emu_wgmma_complete(w, op);
         }
         if (!emu_sm90.error.empty()) emu_sm90_fail(emu_sm90.error);
     });
@@ -515,7 +545,7 @@ inline void stmatrix(void* smem, const unsigned (&r)[NUM]) {
     EmuWarp& w = emu_s->warps[emu_warp];
     if (emu_lane < 8 * NUM) emu_check_align(smem, 16, "stmatrix row address");
     w.xchg[emu_lane][8] = smem_u32(smem);
-    emu_warp_barrier();
+    emu_warp_barrier(0xffffffffu, -3, "stmatrix");
     const int g = emu_lane / 4, t = emu_lane % 4;
     for (int i = 0; i < NUM; ++i) {
         const uint16_t lo = r[i] & 0xFFFF, hi = r[i] >> 16;
@@ -528,7 +558,7 @@ inline void stmatrix(void* smem, const unsigned (&r)[NUM]) {
             std::memcpy(emu_shared_ptr(w.xchg[8 * i + 2 * t + 1][8]) + 2 * g, &hi, 2);
         }
     }
-    emu_warp_barrier();  // every lane has read the addresses before any lane publishes new ones
+    emu_warp_barrier(0xffffffffu, -3, "stmatrix");  // every lane has read the addresses before any publishes new ones
 }
 
 // --- block begin / end ----------------------------------------------------------------------------
@@ -552,5 +582,20 @@ inline std::string emu_sm90_block_end() {
     if (!emu_sm90.loads.empty()) return "a TMA load was issued and never waited for (its mbarrier phase never polled)";
     return "";
 }
-static const bool emu_sm90_hooked = (emu_hook_block_begin = emu_sm90_block_begin,
+// After every fiber step: TMA loads and wgmma operand reads whose due tick has come happen now.
+inline void emu_sm90_tick() {
+    for (size_t i = 0; i < emu_sm90.loads.size();) {
+        if (emu_sm90.loads[i].due <= emu_tick) {
+            const EmuTmaLoad op = emu_sm90.loads[i];
+            emu_sm90.loads.erase(emu_sm90.loads.begin() + (long)i);
+            emu_sm90_complete_tma(op);
+        } else {
+            ++i;
+        }
+    }
+    for (EmuWarpgroup& w : emu_sm90.wgs)
+        for (EmuWgOp& op : w.ops)
+            if (!op.computed && op.due <= emu_tick) emu_wgmma_compute(w, op);
+}
+static const bool emu_sm90_hooked = (emu_hook_block_begin = emu_sm90_block_begin, emu_hook_tick = emu_sm90_tick,
                                      emu_hook_block_end = emu_sm90_block_end, true);

@@ -1,9 +1,11 @@
 // emu_runtime.h: just enough of the CUDA C execution model to run SIMT kernels on the CPU, for
-// testing kernel logic on machines without a GPU (tests/emu/README.md). Each CUDA thread is an OS
-// thread; blocks run one after another, so `__shared__` (mapped to `static`) is per block.
-// __syncthreads and warp shuffles are barriers; a thread that returns drops out of them, as an
-// exited thread does on the GPU. The kernels' inline PTX lives in kernels_cu/ptx.cuh only, which
-// the emulator swaps for emu_ptx.h (the same functions in C++); any other inline PTX is refused.
+// testing kernel logic on machines without a GPU (tests/emu/README.md). Each CUDA thread is a
+// fiber on one OS thread; 1 to 4 blocks are in flight at once under a seeded adversarial schedule
+// (emu_launch), each with its own static `__shared__` arena (fakecupy rewrites the declarations)
+// and dynamic shared memory, poisoned per block. __syncthreads, warp shuffles, ldmatrix and mma are
+// rendezvous points; a thread that returns drops out of them, as an exited thread does on the GPU.
+// The kernels' inline PTX lives in kernels_cu/ptx.cuh only, which the emulator swaps for
+// emu_ptx.h (the same functions in C++); any other inline PTX is refused.
 #pragma once
 #include <atomic>
 #include <functional>
@@ -31,9 +33,9 @@
 #define __forceinline__ inline
 #define __noinline__
 #define __restrict__ __restrict
-#define __shared__ static
+#define __shared__ EMU_SHARED_DECLARATION_NOT_TRANSLATED_BY_FAKECUPY
 #define __align__(n) __attribute__((aligned(n)))
-#define __launch_bounds__(...)
+#define __launch_bounds__(...) EMU_LAUNCH_BOUNDS_NOT_TRANSLATED_BY_FAKECUPY
 #define __constant__ static
 #define __grid_constant__  // a by-value kernel parameter (emu_arg copies it into the fiber)
 
@@ -48,9 +50,10 @@ inline float2 make_float2(float x, float y) { return {x, y}; }
 inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
 
 // --- fibers: every CUDA thread of a block is a ucontext fiber on one OS thread -----------------
-// A fiber runs until it reaches a barrier (__syncthreads, or the warp barrier inside a shuffle)
-// or returns; the scheduler resumes waiting fibers once every live member has arrived. A thread
-// that returns stops counting, as an exited thread does on the GPU. No progress = deadlock.
+// A fiber runs until it reaches a barrier (__syncthreads, a warp rendezvous, a condition such as
+// an mbarrier phase) or returns; the scheduler resumes waiting fibers once every live member has
+// arrived. A thread that returns stops counting, as an exited thread does on the GPU. A block in
+// which no fiber can move is a deadlock.
 enum EmuState { EMU_RUN, EMU_WAIT_BLOCK, EMU_WAIT_WARP, EMU_WAIT_COND, EMU_DONE };
 // ---- hook for tests/emu/emu_ptx_sm90.h (Hopper, issue 21): a fiber in EMU_WAIT_COND waits until
 // `ready()` holds (an mbarrier phase, a warpgroup rendezvous); the scheduler polls it from its own
@@ -59,9 +62,10 @@ struct EmuWaitable {
     virtual bool ready() = 0;
     virtual std::string what() const = 0;
 };
-// A cp.async copy in flight: issued by the fiber, delivered at the cp.async.wait_group that
-// retires its group (emu_ptx.h), the latest moment the PTX memory model allows.
-struct EmuCopy { unsigned char* dst; const unsigned char* src; int bytes, src_bytes, group; };
+// A cp.async copy in flight (emu_ptx.h): delivered at a moment the schedule picks between its
+// issue and the cp.async.wait_group that retires its group (`due`: a scheduling tick, or never
+// before the wait).
+struct EmuCopy { unsigned char* dst; const unsigned char* src; int bytes, src_bytes, group; unsigned long long due; };
 struct EmuFiber {
     ucontext_t ctx; EmuState state; unsigned gen; uint3 tid;
     jmp_buf jb; bool started;      // after its first start a fiber is switched by _setjmp/_longjmp
@@ -69,15 +73,24 @@ struct EmuFiber {
     int committed = 0;             // cp.async groups committed so far
     EmuWaitable* waiting_on = nullptr;  // EMU_WAIT_COND: what it waits for (lives on its stack)
 };
-struct EmuWarp { int live, arrived; unsigned gen; alignas(8) unsigned char slot[32][8]; unsigned xchg[32][16]; };
-struct EmuSched {
+// A warp's rendezvous (shuffles, __syncwarp, ldmatrix, mma): the lanes named in the mask meet at
+// one call site (`site`: a source line, or an instruction's name) with one mask.
+struct EmuWarp {
+    int live = 0, arrived = 0; unsigned gen = 0, live_mask = 0, arrived_mask = 0, met = 0, mask = 0;
+    long site = 0; const char* what = "";
+    alignas(8) unsigned char slot[32][8]; unsigned xchg[32][16];
+};
+constexpr unsigned long long EMU_NEVER = ~0ull;
+struct EmuSched {                  // one block in flight (a slot of the launch)
     ucontext_t main;
     jmp_buf main_jb;               // the scheduler's resume point
     std::vector<EmuFiber> f;
     std::vector<EmuWarp> warps;
-    int cur = 0, live = 0, block_arrived = 0;
+    int cur = 0, live = 0, block_arrived = 0, slot = 0;
     unsigned block_gen = 0;
+    uint3 block;
     int red[3] = {0, 0, 0};        // __syncthreads_count/or/and tallies, one slot per barrier mod 3
+    unsigned long long next_due = EMU_NEVER;  // earliest tick a cp.async of this block may land early
     std::function<void()> call;
     bool failed = false;
     std::string msg;
@@ -88,11 +101,30 @@ inline dim3 blockDim, gridDim;
 inline int emu_lane = 0, emu_warp = 0;
 inline unsigned char* emu_dyn_smem = nullptr;
 constexpr int warpSize = 32;
+// ---- the adversarial schedule (tests/emu/README.md): one seeded generator per launch makes every
+// choice (block order and concurrency, fiber order, warp skew, when async copies land), so a seed
+// reproduces a run. `emu_tick` counts the launch's scheduling points (fiber steps).
+inline std::mt19937_64 emu_rng;
+inline unsigned long long emu_tick = 0;
+inline unsigned emu_pick(unsigned n) { return (unsigned)(emu_rng() % n); }
+// When an asynchronous operation issued now completes: 0 = at issue, EMU_NEVER = at the wait that
+// guarantees it (the latest legal moment), else a scheduling tick in between.
+inline unsigned long long emu_async_due() {
+    switch (emu_pick(3)) {
+        case 0: return 0;
+        case 1: return EMU_NEVER;
+        default: return emu_tick + 1 + emu_pick(96);
+    }
+}
+constexpr int EMU_MAX_SLOTS = 4;   // blocks in flight at once
+inline int emu_slot = 0;           // the slot of the block now running
 // ---- hooks for tests/emu/emu_ptx_sm90.h (issue 21): per-block state of the Hopper emulation is
 // reset when a block starts; at its end, a non-empty string is the block's error (async work
-// issued and never waited for, a barrier left mid-phase).
+// issued and never waited for, a barrier left mid-phase). `emu_hook_tick` runs after every fiber
+// step: asynchronous work whose due tick has come lands there.
 inline void (*emu_hook_block_begin)(int threads) = nullptr;
 inline std::string (*emu_hook_block_end)() = nullptr;
+inline void (*emu_hook_tick)() = nullptr;
 
 inline void emu_yield(EmuState st, unsigned gen) {
     EmuFiber& me = emu_s->f[emu_s->cur];
@@ -108,8 +140,13 @@ inline void emu_block_arrive_check() {
         S.red[S.block_gen % 3] = 0;  // the tally of the next barrier (its last readers passed this one)
     }
 }
+// A warp rendezvous completes when every live lane named in the mask has arrived; `met` keeps the
+// lanes that took part (a shuffle from a lane outside it reads poison, as on a GPU it is undefined).
 inline void emu_warp_arrive_check(EmuWarp& w) {
-    if (w.live > 0 && w.arrived == w.live) { w.arrived = 0; ++w.gen; }
+    if (w.arrived > 0 && (w.arrived_mask & w.live_mask) == (w.mask & w.live_mask)) {
+        w.met = w.arrived_mask;
+        w.arrived = 0; w.arrived_mask = 0; ++w.gen;
+    }
 }
 // ---- hook (issue 21): block the current fiber until w.ready() (checked first, then by the scheduler).
 inline void emu_wait_until(EmuWaitable& w) {
@@ -126,10 +163,31 @@ inline void __syncthreads() {
     emu_block_arrive_check();
     if (S.block_gen == g) emu_yield(EMU_WAIT_BLOCK, g);
 }
-inline void emu_warp_barrier() {
+inline std::string emu_site_name(long site, const char* what) {
+    return site > 0 ? std::string(what) + " at source line " + std::to_string(site) : std::string(what);
+}
+// The lanes named in `mask` meet here. Each must be in its own mask, and all must meet at the same
+// call site with the same mask (PTX ISA: .sync instructions by lanes outside the mask, or by
+// lanes of one mask at different instructions, are undefined or hang).
+inline void emu_warp_barrier(unsigned mask, long site, const char* what) {
     EmuWarp& w = emu_s->warps[emu_warp];
-    unsigned g = w.gen;
+    const unsigned bit = 1u << emu_lane;
+    if (!(mask & bit)) {
+        char m[16];
+        std::snprintf(m, sizeof m, "0x%08x", mask);
+        throw std::runtime_error(emu_site_name(site, what) + ": lane " + std::to_string(emu_lane) + " of warp " +
+                                 std::to_string(emu_warp) + " is not in its own mask " + m);
+    }
+    if (w.arrived == 0) { w.mask = mask; w.site = site; w.what = what; }
+    else if (w.mask != mask || w.site != site) {
+        char m[40];
+        std::snprintf(m, sizeof m, " (masks 0x%08x and 0x%08x)", w.mask, mask);
+        throw std::runtime_error("lanes of warp " + std::to_string(emu_warp) + " meet at different warp-synchronous "
+                                 "points: " + emu_site_name(w.site, w.what) + " and " + emu_site_name(site, what) + m);
+    }
+    const unsigned g = w.gen;
     ++w.arrived;
+    w.arrived_mask |= bit;
     emu_warp_arrive_check(w);
     if (w.gen == g) emu_yield(EMU_WAIT_WARP, g);
 }
@@ -146,38 +204,58 @@ inline int emu_sync_count(int pred) {
 inline int __syncthreads_count(int pred) { return emu_sync_count(pred); }
 inline int __syncthreads_or(int pred) { return emu_sync_count(pred) != 0; }
 inline int __syncthreads_and(int pred) { return emu_sync_count(!pred) == 0; }
-inline void __syncwarp(unsigned = 0xffffffffu) { emu_warp_barrier(); }
+inline void __syncwarp(unsigned mask = 0xffffffffu, int line = __builtin_LINE()) {
+    emu_warp_barrier(mask, line, "__syncwarp");
+}
 inline void __threadfence() {}
 inline void __threadfence_block() {}
 // Cache-hinted loads (ld.global.cg: L2 only, for data other blocks wrote during this kernel).
 template <typename T> T __ldcg(const T* p) { return *p; }
 
-template <typename T> T emu_shfl(T v, int src_of_lane_fn_kind, int arg, int width) {
+template <typename T> T emu_shfl(unsigned mask, T v, int kind, int arg, int width, int line) {
     static_assert(sizeof(T) <= 8, "shuffle of a type larger than 8 bytes");
+    static const char* names[] = {"__shfl_xor_sync", "__shfl_sync", "__shfl_down_sync", "__shfl_up_sync"};
+    if (width < 1 || width > 32 || (width & (width - 1)))
+        throw std::runtime_error(emu_site_name(line, names[kind]) + ": width " + std::to_string(width) +
+                                 " is not a power of 2 in [1, 32]");
     EmuWarp& w = emu_s->warps[emu_warp];
     std::memcpy(w.slot[emu_lane], &v, sizeof(T));
-    emu_warp_barrier();
+    emu_warp_barrier(mask, line, names[kind]);
     int base = emu_lane & ~(width - 1), lane = emu_lane - base, src = lane;
-    if (src_of_lane_fn_kind == 0) src = lane ^ arg;                           // xor
-    else if (src_of_lane_fn_kind == 1) src = arg % width;                     // idx
-    else if (src_of_lane_fn_kind == 2) src = lane + arg < width ? lane + arg : lane;  // down
-    else src = lane - arg >= 0 ? lane - arg : lane;                           // up
+    if (kind == 0) src = lane ^ arg;                                   // xor
+    else if (kind == 1) src = arg % width;                             // idx
+    else if (kind == 2) src = lane + arg < width ? lane + arg : lane;  // down
+    else src = lane - arg >= 0 ? lane - arg : lane;                    // up
+    const int from = base + (src < width ? src : lane);
     T r;
-    std::memcpy(&r, w.slot[base + (src < width ? src : lane)], sizeof(T));
-    emu_warp_barrier();
+    if (w.met >> from & 1) std::memcpy(&r, w.slot[from], sizeof(T));
+    else std::memset(&r, 0xFF, sizeof(T));  // a lane that did not take part: undefined, here poison
+    emu_warp_barrier(mask, line, names[kind]);
     return r;
 }
-template <typename T> T __shfl_xor_sync(unsigned, T v, int m, int width = 32) { return emu_shfl(v, 0, m, width); }
-template <typename T> T __shfl_sync(unsigned, T v, int s, int width = 32) { return emu_shfl(v, 1, s, width); }
-template <typename T> T __shfl_down_sync(unsigned, T v, unsigned d, int width = 32) { return emu_shfl(v, 2, (int)d, width); }
-template <typename T> T __shfl_up_sync(unsigned, T v, unsigned d, int width = 32) { return emu_shfl(v, 3, (int)d, width); }
-inline unsigned __ballot_sync(unsigned, int pred) {
+template <typename T> T __shfl_xor_sync(unsigned mask, T v, int m, int width = 32, int line = __builtin_LINE()) {
+    return emu_shfl(mask, v, 0, m, width, line);
+}
+template <typename T> T __shfl_sync(unsigned mask, T v, int s, int width = 32, int line = __builtin_LINE()) {
+    return emu_shfl(mask, v, 1, s, width, line);
+}
+template <typename T> T __shfl_down_sync(unsigned mask, T v, unsigned d, int width = 32, int line = __builtin_LINE()) {
+    return emu_shfl(mask, v, 2, (int)d, width, line);
+}
+template <typename T> T __shfl_up_sync(unsigned mask, T v, unsigned d, int width = 32, int line = __builtin_LINE()) {
+    return emu_shfl(mask, v, 3, (int)d, width, line);
+}
+inline unsigned __ballot_sync(unsigned mask, int pred, int line = __builtin_LINE()) {
+    EmuWarp& w = emu_s->warps[emu_warp];
+    w.xchg[emu_lane][9] = pred != 0;
+    emu_warp_barrier(mask, line, "__ballot_sync");
     unsigned r = 0;
-    for (int o = 0; o < 32; ++o) r |= (unsigned)(__shfl_sync(0xffffffffu, pred ? 1 : 0, o) != 0) << o;
+    for (int o = 0; o < 32; ++o) r |= (unsigned)((w.met >> o & 1) && w.xchg[o][9]) << o;
+    emu_warp_barrier(mask, line, "__ballot_sync");
     return r;
 }
-inline int __any_sync(unsigned m, int p) { return __ballot_sync(m, p) != 0; }
-inline int __all_sync(unsigned m, int p) { return __ballot_sync(m, p) == 0xffffffffu; }
+inline int __any_sync(unsigned m, int p, int line = __builtin_LINE()) { return __ballot_sync(m, p, line) != 0; }
+inline int __all_sync(unsigned m, int p, int line = __builtin_LINE()) { return (__ballot_sync(m, !p, line) & m) == 0; }
 
 // --- atomics ---------------------------------------------------------------------------------
 template <typename T> T atomicAdd(T* p, T v) { T old = *p; *p = old + v; return old; }
@@ -205,10 +283,38 @@ template <typename T> T min(T a, T b) { return a < b ? a : b; }
 template <typename T> T max(T a, T b) { return a > b ? a : b; }
 inline long long min(long long a, int b) { return a < b ? a : b; }
 inline long long max(long long a, int b) { return a > b ? a : b; }
-// Shared memory (static locals, the dynamic buffer) lives in this library's .bss, so a 32-bit
-// offset from one origin addresses all of it, as a .shared address does on the GPU.
+// Shared memory (the static arenas, the dynamic buffers) lives in this library's .bss, so a 32-bit
+// offset from one origin addresses all of it, as a .shared address does on the GPU. Each block in
+// flight (slot) has its own: static `__shared__` variables are placed in the slot's arena
+// (fakecupy turns each declaration into an emu_static_smem call), poisoned when a block starts.
+constexpr size_t EMU_DYN_SMEM = 228 * 1024, EMU_STATIC_SMEM = 48 * 1024;
 alignas(128) inline unsigned char emu_shared_origin[128];
-alignas(128) inline unsigned char emu_dyn_smem_buf[228 * 1024];
+alignas(1024) inline unsigned char emu_dyn_smem_buf[EMU_MAX_SLOTS][EMU_DYN_SMEM];
+alignas(1024) inline unsigned char emu_static_smem_buf[EMU_MAX_SLOTS][EMU_STATIC_SMEM];
+struct EmuStaticArena { std::vector<std::pair<const void*, unsigned>> off; size_t top = 0; };
+inline EmuStaticArena emu_static_arena[EMU_MAX_SLOTS];
+// The slot's copy of the static __shared__ variable whose declaration owns `tag`.
+inline void* emu_static_smem(const void* tag, size_t size, size_t align) {
+    EmuStaticArena& a = emu_static_arena[emu_slot];
+    for (const auto& [t, o] : a.off)
+        if (t == tag) return emu_static_smem_buf[emu_slot] + o;
+    const size_t o = (a.top + align - 1) / align * align;
+    if (o + size > EMU_STATIC_SMEM)
+        throw std::runtime_error("static __shared__ variables exceed 48 KB per block");
+    a.off.push_back({tag, (unsigned)o});
+    a.top = o + size;
+    std::memset(emu_static_smem_buf[emu_slot] + o, 0xFF, size);  // placed during this block: poison it now
+    return emu_static_smem_buf[emu_slot] + o;
+}
+// A kernel's __launch_bounds__(max threads): fakecupy moves it to the kernel body's first
+// statement, so every thread of a launch the driver would refuse stops before it does anything.
+inline void emu_check_launch_bounds(long long max_threads) {
+    const long long n = (long long)blockDim.x * blockDim.y * blockDim.z;
+    if (n > max_threads)
+        throw std::runtime_error("launch refused (CUDA_ERROR_INVALID_VALUE, as the driver refuses it): " +
+                                 std::to_string(n) + " threads per block exceed the kernel's __launch_bounds__(" +
+                                 std::to_string(max_threads) + ")");
+}
 inline size_t __cvta_generic_to_shared(const void* p) {
     return (size_t)(unsigned)((const unsigned char*)p - emu_shared_origin);
 }
@@ -286,102 +392,207 @@ inline void emu_fiber_entry() {
     emu_block_arrive_check();
     EmuWarp& w = S.warps[emu_warp];
     --w.live;
+    w.live_mask &= ~(1u << emu_lane);
     emu_warp_arrive_check(w);
     _longjmp(S.main_jb, 1);  // back to the scheduler; this fiber is never resumed
 }
 
 constexpr size_t EMU_STACK = 256 * 1024;
 inline std::vector<char*> emu_stacks;  // reused by every launch; pages are touched lazily
+constexpr int EMU_MAX_FIBERS = 4096;   // threads of all blocks in flight at once
 
+// The current block is the one in slot S: the globals a kernel reads point at its state.
+inline void emu_enter_slot(EmuSched& S) {
+    emu_s = &S;
+    emu_slot = S.slot;
+    blockIdx = S.block;
+    emu_dyn_smem = emu_dyn_smem_buf[S.slot];
+}
+
+// Deliver the cp.async copies of block S whose due tick has come (emu_async_due).
+inline void emu_deliver_due(EmuSched& S) {
+    unsigned long long next = EMU_NEVER;
+    for (EmuFiber& f : S.f) {
+        if (f.pending.empty()) continue;
+        size_t k = 0;
+        for (const EmuCopy& c : f.pending) {
+            if (c.due <= emu_tick) {
+                std::memcpy(c.dst, c.src, (size_t)c.src_bytes);
+                std::memset(c.dst + c.src_bytes, 0, (size_t)(c.bytes - c.src_bytes));
+            } else {
+                next = std::min(next, c.due);
+                f.pending[k++] = c;
+            }
+        }
+        f.pending.resize(k);
+    }
+    S.next_due = next;
+}
+
+// Start block `blk` in slot S: fresh fibers and warps, the slot's shared memory poisoned (0xFF:
+// NaN / -1) as far as the launch uses it.
+inline void emu_block_start(EmuSched& S, uint3 blk, int n, size_t smem, const std::vector<char*>& stacks) {
+    S.block = blk;
+    emu_enter_slot(S);
+    S.live = n; S.block_arrived = 0; S.block_gen = 0; S.next_due = EMU_NEVER;
+    S.red[0] = S.red[1] = S.red[2] = 0;
+    for (size_t w = 0; w < S.warps.size(); ++w) {
+        EmuWarp& wp = S.warps[w];
+        wp.live = std::min(32, n - (int)w * 32);
+        wp.live_mask = wp.live == 32 ? 0xffffffffu : (1u << wp.live) - 1;
+        wp.arrived = 0; wp.arrived_mask = 0; wp.met = 0; wp.gen = 0;
+    }
+    std::memset(emu_dyn_smem_buf[S.slot], 0xFF, smem);
+    std::memset(emu_static_smem_buf[S.slot], 0xFF, emu_static_arena[S.slot].top);
+    if (emu_hook_block_begin) emu_hook_block_begin(n);
+    for (int t = 0; t < n; ++t) {
+        EmuFiber& f = S.f[t];
+        f.tid = {t % blockDim.x, (t / blockDim.x) % blockDim.y, t / (blockDim.x * blockDim.y)};
+        f.state = EMU_RUN;
+        f.pending.clear();
+        f.committed = 0;
+        f.started = false;
+        f.waiting_on = nullptr;
+        getcontext(&f.ctx);
+        f.ctx.uc_stack.ss_sp = stacks[S.slot * n + t];
+        f.ctx.uc_stack.ss_size = EMU_STACK;
+        f.ctx.uc_link = nullptr;  // emu_fiber_entry never returns
+        makecontext(&f.ctx, emu_fiber_entry, 0);
+    }
+}
+
+inline bool emu_fiber_ready(const EmuSched& S, int t) {
+    const EmuFiber& f = S.f[t];
+    return f.state == EMU_RUN || (f.state == EMU_WAIT_BLOCK && f.gen != S.block_gen) ||
+           (f.state == EMU_WAIT_WARP && f.gen != S.warps[t / 32].gen) ||
+           (f.state == EMU_WAIT_COND && f.waiting_on->ready());
+}
+// Run fiber t of block S to its next barrier (or its end); then let due async work land.
+inline void emu_step(EmuSched& S, int t) {
+    EmuFiber& f = S.f[t];
+    f.state = EMU_RUN;
+    S.cur = t; threadIdx = f.tid; emu_lane = t % 32; emu_warp = t / 32;
+    if (!_setjmp(S.main_jb)) {
+        if (!f.started) { f.started = true; swapcontext(&S.main, &f.ctx); }
+        else _longjmp(f.jb, 1);
+    }
+    ++emu_tick;
+    if (S.next_due <= emu_tick) emu_deliver_due(S);
+    if (emu_hook_tick) emu_hook_tick();
+}
+// One scheduling pass over block S; false if no fiber could move (a deadlock). A pass either
+// steps every ready fiber once in a fresh random order, or lets whole warps in a random order run
+// as far as they can (to the next __syncthreads or mbarrier wait): one warp a phase ahead.
+inline bool emu_pass(EmuSched& S, std::vector<int>& order) {
+    bool progress = false;
+    const int n = (int)S.f.size();
+    if (emu_pick(2) == 0) {
+        std::shuffle(order.begin(), order.end(), emu_rng);
+        for (int t : order)
+            if (emu_fiber_ready(S, t)) { emu_step(S, t); progress = true; }
+        return progress;
+    }
+    std::vector<int> warps(S.warps.size());
+    for (size_t w = 0; w < warps.size(); ++w) warps[w] = (int)w;
+    std::shuffle(warps.begin(), warps.end(), emu_rng);
+    for (int w : warps) {
+        const int lo = 32 * w, hi = std::min(n, lo + 32);
+        for (bool moved = true; moved && !S.failed;) {
+            moved = false;
+            const unsigned r = emu_pick(32);  // lanes start from a random one
+            for (int i = 0; i < hi - lo; ++i) {
+                const int t = lo + (int)((i + r) % (unsigned)(hi - lo));
+                if (emu_fiber_ready(S, t)) { emu_step(S, t); moved = progress = true; }
+            }
+        }
+    }
+    return progress;
+}
+
+inline std::string emu_deadlock(const EmuSched& S) {
+    std::string why;  // (issue 21) what EMU_WAIT_COND fibers wait for, each kind once
+    for (const EmuFiber& g : S.f)
+        if (g.state == EMU_WAIT_COND && why.find(g.waiting_on->what()) == std::string::npos)
+            why += "; " + g.waiting_on->what();
+    return "deadlock in block (" + std::to_string(S.block.x) + "," + std::to_string(S.block.y) + "," +
+           std::to_string(S.block.z) + "): threads wait at a barrier that other threads of the block or warp "
+           "never reach" + why;
+}
+
+// Blocks run 1 to 4 at a time (each with its own fibers, shared memory and Hopper state), their
+// passes interleaved in a seeded order; blocks start in grid order, reversed, or shuffled.
 template <typename... A>
 int emu_launch(void (*k)(A...), dim3 g, dim3 b, size_t smem, const long long* iv, const double* dv,
-               char* err, int errlen) {
+               char* err, int errlen, unsigned long long seed) {
     gridDim = g; blockDim = b;
     const int n = (int)(b.x * b.y * b.z);
-    if (smem > sizeof(emu_dyn_smem_buf)) {
+    if (smem > EMU_DYN_SMEM) {
         std::snprintf(err, errlen, "dynamic shared memory %zu B exceeds 228 KB", smem);
         return 1;
     }
-    emu_dyn_smem = emu_dyn_smem_buf;
-    // Poison the whole dynamic buffer: a read of shared memory nobody wrote sees NaN / -1, and a
-    // write past the `smem` bytes the host launched with is reported after the launch.
-    std::memset(emu_dyn_smem_buf, 0xFF, sizeof(emu_dyn_smem_buf));
-    while ((int)emu_stacks.size() < n) emu_stacks.push_back((char*)std::malloc(EMU_STACK));
-    EmuSched S;
-    S.f.resize(n);
-    S.warps.resize((n + 31) / 32);
-    S.call = [&] { emu_call(k, iv, dv, std::index_sequence_for<A...>{}); };
-    emu_s = &S;
-    // Fibers run in a seeded random order between barriers, so a missing __syncthreads that
-    // lets one thread read shared data before another wrote it can show up as a wrong result.
+    emu_rng.seed(seed);
+    emu_tick = 0;
+    const unsigned long long nblocks = (unsigned long long)g.x * g.y * g.z;
+    int slots = 1 + (int)emu_pick(EMU_MAX_SLOTS);
+    slots = (int)std::min<unsigned long long>({(unsigned long long)slots, nblocks,
+                                               (unsigned long long)std::max(1, EMU_MAX_FIBERS / n)});
+    // block order: 0 grid order, 1 reversed, 2 shuffled (grids of at most 2^20 blocks)
+    const unsigned order_kind = emu_pick(nblocks <= (1u << 20) ? 3 : 2);
+    std::vector<unsigned> perm;
+    if (order_kind == 2) {
+        perm.resize(nblocks);
+        for (unsigned i = 0; i < nblocks; ++i) perm[i] = i;
+        std::shuffle(perm.begin(), perm.end(), emu_rng);
+    }
+    auto block_of = [&](unsigned long long i) {
+        const unsigned long long j = order_kind == 0 ? i : order_kind == 1 ? nblocks - 1 - i : perm[i];
+        return uint3{(unsigned)(j % g.x), (unsigned)(j / g.x % g.y), (unsigned)(j / ((unsigned long long)g.x * g.y))};
+    };
+    while ((int)emu_stacks.size() < slots * n) emu_stacks.push_back((char*)std::malloc(EMU_STACK));
+    std::vector<EmuSched> S(slots);
+    auto call = [&] { emu_call(k, iv, dv, std::index_sequence_for<A...>{}); };
+    for (int s = 0; s < slots; ++s) {
+        S[s].slot = s;
+        S[s].f.resize(n);
+        S[s].warps.resize((n + 31) / 32);
+        S[s].call = call;
+        // Poison the whole dynamic buffer: a read of shared memory nobody wrote sees NaN / -1, and a
+        // write past the `smem` bytes the host launched with is reported after the launch.
+        std::memset(emu_dyn_smem_buf[s], 0xFF, EMU_DYN_SMEM);
+        emu_static_arena[s] = {};
+    }
     std::vector<int> order(n);
     for (int t = 0; t < n; ++t) order[t] = t;
-    std::mt19937 rng(12345u + g.x * 7u + b.x);
-    for (unsigned bz = 0; bz < g.z && !S.failed; ++bz)
-    for (unsigned by = 0; by < g.y && !S.failed; ++by)
-    for (unsigned bx = 0; bx < g.x && !S.failed; ++bx) {
-        blockIdx = {bx, by, bz};
-        S.live = n; S.block_arrived = 0;
-        S.red[0] = S.red[1] = S.red[2] = 0;
-        for (size_t w = 0; w < S.warps.size(); ++w) S.warps[w] = {std::min(32, n - (int)w * 32), 0, 0, {}, {}};
-        if (emu_hook_block_begin) emu_hook_block_begin(n);
-        for (int t = 0; t < n; ++t) {
-            EmuFiber& f = S.f[t];
-            f.tid = {t % b.x, (t / b.x) % b.y, t / (b.x * b.y)};
-            f.state = EMU_RUN;
-            f.pending.clear();
-            f.committed = 0;
-            f.started = false;
-            getcontext(&f.ctx);
-            f.ctx.uc_stack.ss_sp = emu_stacks[t];
-            f.ctx.uc_stack.ss_size = EMU_STACK;
-            f.ctx.uc_link = nullptr;  // emu_fiber_entry never returns
-            makecontext(&f.ctx, emu_fiber_entry, 0);
+    std::vector<int> active;
+    unsigned long long next_block = 0;
+    for (int s = 0; s < slots; ++s) { emu_block_start(S[s], block_of(next_block++), n, smem, emu_stacks); active.push_back(s); }
+    std::string fail;
+    while (!active.empty() && fail.empty()) {
+        const size_t i = emu_pick((unsigned)active.size());
+        EmuSched& B = S[active[i]];
+        emu_enter_slot(B);
+        const bool progress = emu_pass(B, order);
+        if (B.failed) { fail = B.msg; break; }
+        if (B.live > 0) {
+            if (!progress) fail = emu_deadlock(B);
+            continue;
         }
-        while (S.live > 0) {
-            bool progress = false;
-            std::shuffle(order.begin(), order.end(), rng);  // a fresh interleaving every pass
-            for (int t : order) {
-                EmuFiber& f = S.f[t];
-                bool ready = f.state == EMU_RUN ||
-                             (f.state == EMU_WAIT_BLOCK && f.gen != S.block_gen) ||
-                             (f.state == EMU_WAIT_WARP && f.gen != S.warps[t / 32].gen) ||
-                             (f.state == EMU_WAIT_COND && f.waiting_on->ready());
-                if (!ready) continue;
-                progress = true;
-                f.state = EMU_RUN;
-                S.cur = t; threadIdx = f.tid; emu_lane = t % 32; emu_warp = t / 32;
-                if (!_setjmp(S.main_jb)) {
-                    if (!f.started) { f.started = true; swapcontext(&S.main, &f.ctx); }
-                    else _longjmp(f.jb, 1);
-                }
-            }
-            if (!progress) {
-                std::string why;  // (issue 21) what EMU_WAIT_COND fibers wait for, each kind once
-                for (const EmuFiber& g : S.f)
-                    if (g.state == EMU_WAIT_COND && why.find(g.waiting_on->what()) == std::string::npos)
-                        why += "; " + g.waiting_on->what();
-                std::snprintf(err, errlen, "%s", S.failed ? S.msg.c_str() : ("deadlock in block (" +
-                              std::to_string(bx) + "," + std::to_string(by) + "," + std::to_string(bz) +
-                              "): threads wait at a barrier that other threads of the block or warp never "
-                              "reach" + why).c_str());
-                emu_s = nullptr;
-                return 1;
-            }
+        if (emu_hook_block_end) {
+            const std::string e = emu_hook_block_end();
+            if (!e.empty()) { fail = e; break; }
         }
-        if (emu_hook_block_end && !S.failed) {
-            std::string e = emu_hook_block_end();
-            if (!e.empty()) { S.failed = true; S.msg = e; }
-        }
+        if (next_block < nblocks) emu_block_start(B, block_of(next_block++), n, smem, emu_stacks);
+        else active.erase(active.begin() + (long)i);
     }
     emu_s = nullptr;
-    if (S.failed) { std::snprintf(err, errlen, "%s", S.msg.c_str()); return 1; }
-    for (size_t i = smem; i < sizeof(emu_dyn_smem_buf); ++i)
-        if (emu_dyn_smem_buf[i] != 0xFF) {
-            std::snprintf(err, errlen, "wrote dynamic shared memory at byte %zu, past the %zu B the launch "
-                          "asked for (shared_mem=)", i, smem);
-            return 1;
-        }
+    if (!fail.empty()) { std::snprintf(err, errlen, "%s", fail.c_str()); return 1; }
+    for (int s = 0; s < slots; ++s)
+        for (size_t i = smem; i < EMU_DYN_SMEM; ++i)
+            if (emu_dyn_smem_buf[s][i] != 0xFF) {
+                std::snprintf(err, errlen, "wrote dynamic shared memory at byte %zu, past the %zu B the launch "
+                              "asked for (shared_mem=)", i, smem);
+                return 1;
+            }
     return 0;
 }
 

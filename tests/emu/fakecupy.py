@@ -477,6 +477,7 @@ _PTX_BLOCK = re.compile(r"// ---- begin ptx_insn\.cuh\n.*?\n// ---- end ptx_insn
 # emulation includes in turn
 _PTX_SM90_BLOCK = re.compile(r"// ---- begin ptx_sm90\.cuh\n.*?\n// ---- end ptx_sm90\.cuh", re.S)
 _RUNTIME_HEADERS = ("emu_runtime.h", "emu_ptx.h", "emu_ptx_sm90.h")
+_COMMENT = re.compile(r'("(?:\\.|[^"\\\n])*")|//[^\n]*|/\*.*?\*/', re.S)
 
 
 def _translate(code: str) -> str:
@@ -485,6 +486,7 @@ def _translate(code: str) -> str:
     emulated); inline PTX anywhere else is refused, since nothing would emulate it."""
     code = _PTX_SM90_BLOCK.sub('#include "emu_ptx_sm90.h"', code)
     code = _PTX_BLOCK.sub('#include "emu_ptx.h"', code)
+    code = _COMMENT.sub(lambda m: m.group(1) or "\n" * m.group(0).count("\n"), code)  # lines kept
     if (m := _ASM_RE.search(code)):
         line = code.count("\n", 0, m.start()) + 1
         raise CompileException(f"inline PTX outside kernels_cu/ptx_insn.cuh (source line {line}) is not "
@@ -492,7 +494,65 @@ def _translate(code: str) -> str:
     code = re.sub(r"#\s*include\s*<(cuda_fp16|cuda_bf16|math_constants|cuda_pipeline|cuda_runtime)\.h>", "", code)
     code = re.sub(r"extern\s+__shared__\s+(__align__\(\d+\)\s+)?([\w:]+)\s+(\w+)\s*\[\s*\]\s*;",
                   r"\2* \3 = reinterpret_cast<\2*>(emu_dyn_smem);", code)
-    return code.replace("#pragma once", "")
+    code = _SHARED_DECL.sub(_static_shared, code)
+    return _launch_bounds(code).replace("#pragma once", "")
+
+
+_SHARED_DECL = re.compile(r"\b__shared__\s+((?:__align__\(\s*\d+\s*\)\s+)?)([^;{}()]*?)\s*;")
+_DECLARATOR = re.compile(r"^\s*(\w+)\s*((?:\[[^\]]*\]\s*)*)$")
+
+
+def _static_shared(m: re.Match) -> str:
+    """``__shared__ [__align__(n)] T a[N], b;`` -> per-block variables in the slot's arena: each
+    name becomes a reference to ``emu_static_smem(tag, size, align)``, the tag a function-local
+    static (one per declaration and template instantiation)."""
+    align = re.search(r"\d+", m.group(1))
+    parts = [p.strip() for p in m.group(2).split(",")]
+    first = re.match(r"^(.*?\S)\s+(\w+\s*(?:\[[^\]]*\]\s*)*)$", parts[0])
+    if not first:
+        raise CompileException(f"emulator: cannot read the __shared__ declaration {m.group(0)!r}")
+    ctype, declarators = first.group(1), [first.group(2)] + parts[1:]
+    out = []
+    for d in declarators:
+        dm = _DECLARATOR.match(d)
+        if not dm:
+            raise CompileException(f"emulator: cannot read the __shared__ declarator {d!r} in {m.group(0)!r}")
+        name, dims = dm.group(1), dm.group(2).strip()
+        al = f"std::max<size_t>({align.group(0)}, alignof(emu_ty_{name}))" if align else f"alignof(emu_ty_{name})"
+        out.append(f"static char emu_tag_{name}; using emu_ty_{name} = {ctype} {dims}; "
+                   f"emu_ty_{name}& {name} = *reinterpret_cast<emu_ty_{name}*>("
+                   f"emu_static_smem(&emu_tag_{name}, sizeof(emu_ty_{name}), {al}));")
+    return " ".join(out)
+
+
+def _balanced(code: str, i: int) -> int:
+    """Index just past the parenthesis that closes the one at code[i]."""
+    depth = 0
+    for j in range(i, len(code)):
+        depth += {"(": 1, ")": -1}.get(code[j], 0)
+        if depth == 0:
+            return j + 1
+    raise CompileException("emulator: unbalanced parentheses in the kernel source")
+
+
+def _launch_bounds(code: str) -> str:
+    """``__launch_bounds__(N[, M]) kernel(params) {`` -> ``kernel(params) {
+    emu_check_launch_bounds(N);``: every thread of a launch with more than N threads per block
+    stops at its first statement (the driver refuses such a launch)."""
+    while (i := code.find("__launch_bounds__")) >= 0:
+        op = code.index("(", i)
+        close = _balanced(code, op)
+        args, depth, first = code[op + 1:close - 1], 0, ""
+        for ch in args:  # the first top-level argument
+            depth += {"(": 1, ")": -1, "<": 1, ">": -1}.get(ch, 0)
+            if ch == "," and depth == 0:
+                break
+            first += ch
+        params = code.index("(", close)
+        body = code.index("{", _balanced(code, params))
+        code = (code[:i] + code[close:body + 1] + f" emu_check_launch_bounds((long long)({first.strip()}));"
+                + code[body + 1:])
+    return code
 
 
 _CXX = ["g++", "-std=c++20", "-O1", "-fPIC", "-pthread", "-w", "-fpermissive"]
@@ -528,8 +588,9 @@ class RawModule:
         src = ['#include "emu_runtime.h"', _translate(self.code)]
         for i, e in enumerate(self.exprs):
             src.append(f'extern "C" int emu_launch_{i}(unsigned gx, unsigned gy, unsigned gz, unsigned bx, '
-                       f'unsigned by, unsigned bz, size_t smem, const long long* iv, const double* dv, char* err, int n)'
-                       f' {{ return emu_launch(&{e}, dim3{{gx, gy, gz}}, dim3{{bx, by, bz}}, smem, iv, dv, err, n); }}')
+                       f'unsigned by, unsigned bz, size_t smem, const long long* iv, const double* dv, char* err, int n, '
+                       f'unsigned long long seed) {{ return emu_launch(&{e}, dim3{{gx, gy, gz}}, dim3{{bx, by, bz}}, '
+                       f'smem, iv, dv, err, n, seed); }}')
             src.append(f'extern "C" int emu_params_{i}(char* k, int* s) {{ return emu_params(&{e}, k, s); }}')
         text = "\n".join(src)
         _BUILD.mkdir(exist_ok=True)
@@ -561,7 +622,7 @@ class _Kernel:
         self._launch = getattr(mod.lib, f"emu_launch_{i}")
         u = ctypes.c_uint
         self._launch.argtypes = [u, u, u, u, u, u, ctypes.c_size_t, ctypes.POINTER(ctypes.c_longlong),
-                                 ctypes.POINTER(ctypes.c_double), ctypes.c_char_p, ctypes.c_int]
+                                 ctypes.POINTER(ctypes.c_double), ctypes.c_char_p, ctypes.c_int, ctypes.c_ulonglong]
         kinds, sizes = ctypes.create_string_buffer(64), (ctypes.c_int * 64)()
         n = getattr(mod.lib, f"emu_params_{i}")(kinds, sizes)
         self.params = [(kinds.raw[j:j + 1].decode(), sizes[j]) for j in range(n)]
@@ -637,8 +698,9 @@ class _Kernel:
 
     def _run(self, grid, block, smem, iv, dv):
         err = ctypes.create_string_buffer(2048)
-        if self._launch(*map(int, grid), *map(int, block), smem, iv, dv, err, 2048):
-            raise RuntimeError(f"{self.expr}: {err.value.decode()}")
+        seed = schedule.next_seed()
+        if self._launch(*map(int, grid), *map(int, block), smem, iv, dv, err, 2048, seed):
+            raise RuntimeError(f"{self.expr}: {err.value.decode()} ({schedule.describe(seed)})")
         _check_guards(self.expr)
 
 
@@ -668,6 +730,39 @@ def _check_launch(expr, grid, block, smem, smem_attr):
 
 
 RawKernel = None  # not used by cupyattn
+
+
+class _Schedule:
+    """The seeds of the adversarial schedule (emu_runtime.h): launch i of a test runs under
+    sha256(base, i), where base is CUPYATTN_EMU_SEED if set, else the test's id (pytest sets
+    PYTEST_CURRENT_TEST), so a failure reproduces by rerunning its test, and another schedule is
+    one environment variable away."""
+
+    def __init__(self):
+        self.key, self.launches, self.last = None, 0, None
+        self.round = 0  # > 0 while tests/conftest.py reruns a test under another schedule
+
+    def base(self) -> str:
+        if os.environ.get("CUPYATTN_EMU_SEED"):
+            return os.environ["CUPYATTN_EMU_SEED"]
+        test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]  # less " (call)"
+        return f"{test}#schedule{self.round}" if self.round else test
+
+    def next_seed(self) -> int:
+        base = self.base()
+        if base != self.key:
+            self.key, self.launches = base, 0
+        self.launches += 1
+        self.last = int.from_bytes(hashlib.sha256(f"{base}#{self.launches}".encode()).digest()[:8], "little")
+        return self.last
+
+    def describe(self, seed=None) -> str:
+        return (f"schedule seed base {self.key!r} (the test's id unless CUPYATTN_EMU_SEED=<any text> "
+                f"replaces it), launch {self.launches} of it, seed {seed or self.last}: rerunning the test "
+                f"reproduces it")
+
+
+schedule = _Schedule()
 
 # (issue 21) tensor maps: cupyattn/tma.py encodes through this where the driver's
 # cuTensorMapEncodeTiled would be (tests/emu/emu_tma.py; emu_ptx_sm90.h reads the result)
