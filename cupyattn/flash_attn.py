@@ -3,7 +3,8 @@ dtype, tensor-core mma.sync for fp16/bf16) and a split (naive) pipeline built fr
 and softmax.
 
 Layout ``[B, H, S, D]``; K/V may have fewer heads than Q (GQA/MQA); causal masks with Sq != Sk
-are aligned bottom-right. See ``kernels_cu/flash_attn.cu`` for the kernel and its tile table.
+are aligned bottom-right. See ``kernels_cu/flash_attn.cu`` for the kernel and its tile table;
+``impl="wgmma"`` (Hopper, opt-in) lives in :mod:`cupyattn.flash_attn_sm90`.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import cupy
 import numpy as np
 
 from . import _checks
+from . import flash_attn_sm90 as _sm90
 from ._checks import check_array, check_choice, check_last_contiguous, check_out, check_same_dtype
 from ._loader import KernelSpec, get_function, ptr_or_null
 from .config import (DTYPES, FLASH_MMA_K_STAGES, FLASH_MMA_PAD, FLASH_MMA_TILES, FLASH_SIMT_TILES,
@@ -22,6 +24,7 @@ from .gemm import gemm_nn, gemm_nt
 from .row_softmax import softmax
 
 IMPLS = ("flash", "flash_mma", "naive")
+HOPPER_IMPLS = ("wgmma",)  # sm_90 only, opt-in (not yet run on a GPU): cupyattn/flash_attn_sm90.py
 # What impl=None runs for each dtype: the fastest correct kernel (tensor cores where they apply).
 DEFAULT_IMPL = {d: "flash_mma" if d in MMA_DTYPES else "flash" for d in DTYPES}
 _FN = "attention"
@@ -92,7 +95,7 @@ def _check_args(q, k, v, causal, scale, mask, key_lengths, impl, return_lse, out
     _checks.check_bool(_FN, "causal", causal)
     _checks.check_bool(_FN, "return_lse", return_lse)
     if impl is not None:
-        check_choice(_FN, "impl", impl, IMPLS)
+        check_choice(_FN, "impl", impl, IMPLS + HOPPER_IMPLS)
     check_array(_FN, "q", q, ndim=4)
     check_array(_FN, "k", k, ndim=4)
     check_array(_FN, "v", v, ndim=4)
@@ -125,6 +128,8 @@ def _check_args(q, k, v, causal, scale, mask, key_lengths, impl, return_lse, out
     scale = (1.0 / math.sqrt(d) if d else 1.0) if scale is None else _checks.check_real(_FN, "scale", scale)
     mshape = _check_mask(mask, (b, hq, sq, sk)) if mask is not None else None
     kl = _check_key_lengths(key_lengths, b, sk) if key_lengths is not None else None
+    if impl == "wgmma":
+        _sm90.check(q, k, v, needs_tma=mask is None)
     if out is not None:
         check_out(_FN, out, (b, hq, sq, d), q.dtype)
         _checks.check_no_overlap(_FN, out, {"q": q, "k": k, "v": v, "mask": mask,
@@ -157,7 +162,7 @@ def attention(q, k, v, causal=False, scale=None, mask=None, key_lengths=None, im
     key_lengths : int array [B], optional
         Keys ``j >= key_lengths[b]`` are hidden. Host values (list / NumPy) are checked to lie in
         [0, Sk]; a CuPy array is used as is (not read back: the flash kernel clamps it to [0, Sk]).
-    impl : {None, "flash", "flash_mma", "naive"}
+    impl : {None, "flash", "flash_mma", "naive", "wgmma"}
         None (default): the fastest correct kernel for the dtype, ``DEFAULT_IMPL[q.dtype]``.
         ``"flash"``: one fused FlashAttention-2 kernel launch (SIMT, fp32 FMA); S is
         never written to memory and only ``out`` (and ``lse``, and a B-element int32 copy of
@@ -172,6 +177,10 @@ def attention(q, k, v, causal=False, scale=None, mask=None, key_lengths=None, im
         power-of-two part of ``scale`` (exactly), so S holds scaled logits and |q.k| beyond
         float16's range does not overflow. With a mask, key_lengths or return_lse, S is taken
         to float32 for the softmax.
+        ``"wgmma"``: Hopper only (sm_90, H100/H200), opt-in, **not yet run on a GPU**:
+        TMA + wgmma, warp-specialised (cupyattn/flash_attn_sm90.py); float16/bfloat16, D of
+        64, 128 or 256, q/k/v that TMA can read (16-byte-aligned base and strides, else a
+        ValueError naming the tensor); with a ``mask`` it runs ``flash_mma``.
     return_lse : bool
         Also return the row log-sum-exp of the scaled, masked scores.
     out : cupy.ndarray [B, Hq, Sq, D], optional
@@ -213,8 +222,10 @@ def attention(q, k, v, causal=False, scale=None, mask=None, key_lengths=None, im
         mask = mask.astype(cupy.float32)
     if impl == "naive":
         _naive(q, k, v, causal, scale, mask, mshape, kl, out, lse)
-    else:
-        _flash(impl, q, k, v, causal, scale, mask, mshape, kl, out, lse)
+    elif impl == "wgmma" and mask is None:
+        _sm90.run(q, k, v, causal, scale, kl, out, lse)
+    else:  # wgmma with a mask: flash_mma (the Hopper kernel has no mask operand yet)
+        _flash("flash_mma" if impl == "wgmma" else impl, q, k, v, causal, scale, mask, mshape, kl, out, lse)
     return (out, lse) if return_lse else out
 
 

@@ -1,0 +1,131 @@
+"""attention(..., impl="wgmma"): the Hopper kernel (``kernels_cu/flash_attn_sm90.cu``).
+
+FlashAttention-2's algorithm in FlashAttention-3's shape: a producer warp loads Q, K and V by TMA
+into mbarrier-tracked stage rings, two consumer warpgroups compute ``S = Q K^T`` and ``O += P V``
+with ``wgmma``. float16 / bfloat16, head dims ``config.ATTN_WGMMA_TILES`` (64, 128, 256), causal
+(bottom-right), GQA/MQA, ``key_lengths``, ``scale``, ``return_lse``, ``out=``; an additive mask is
+run by ``flash_mma`` instead (the kernel has no mask operand yet). It needs an sm_90 device and
+q, k, v that TMA can read: 16-byte-aligned base pointers and batch / head / row strides that are
+positive multiples of 16 bytes (a contiguous tensor always qualifies: D is 64, 128 or 256).
+
+**It has not run on a GPU**: it passes its tests on the CPU emulator (tests/emu) and compiles for
+sm_90a, so ``impl=None`` keeps ``flash_mma`` (``config.ATTN_AUTO_WGMMA``) until a GPU run shows
+it correct and faster. :mod:`cupyattn.flash_attn` calls :func:`check` from its argument checks
+and :func:`run` to launch.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import config as C
+from . import tma
+from ._loader import KernelSpec, get_function, ptr_or_null
+from .config import INT32_MAX, MMA_DTYPES, cbool, ctype
+from .gemm import _filled
+
+_FN = "attention"
+
+
+def _expr(dtype, head_dim: int, causal: bool, tile: C.AttnWgmmaTile | None = None) -> str:
+    """Template name expression of the kernel for a dtype, head dim and causal flag."""
+    t = tile or C.ATTN_WGMMA_TILES[head_dim]
+    rp, rc = C.ATTN_WGMMA_REGS
+    return (f"flash_attn_wgmma<{ctype(dtype)}, {head_dim}, {t.block_n}, {t.stages}, {cbool(causal)}, "
+            f"{rp}, {rc}>")
+
+
+SPEC = KernelSpec(
+    "flash_attn_sm90", "flash_attn_sm90.cu",
+    tuple(_expr(dt, d, c) for dt in MMA_DTYPES for d in C.ATTN_WGMMA_TILES for c in (False, True)),
+    sm90a=True,
+)
+
+
+def _operand(name: str, x, rows: int):
+    """(name, ptr, dims, byte strides, box) of a [B, H, S, D] tensor as the kernel's 4-D TMA box
+    {D, S, H, B} (innermost first) of 64 elements x ``rows`` positions. A dimension of size 1 has
+    no stride TMA would use; it gets a packed stand-in (TMA still wants a multiple of 16)."""
+    b, h, s, d = x.shape
+    st = [0 if n == 1 else x.strides[i] for i, n in zip((2, 1, 0), (s, h, b))]
+    return name, x.data.ptr, (d, s, h, b), _filled(st, (d, s, h), x.itemsize), (64, rows, 1, 1)
+
+
+def _operands(q, k, v, head_dim: int, tile: C.AttnWgmmaTile | None = None):
+    t = tile or C.ATTN_WGMMA_TILES[head_dim]
+    return [_operand("q", q, t.block_m), _operand("k", k, t.block_n), _operand("v", v, t.block_n)]
+
+
+def check(q, k, v, needs_tma: bool = True) -> None:
+    """impl="wgmma"'s own checks, after attention()'s generic ones and before anything is
+    allocated: dtype, head dim, an sm_90 device, and (when the kernel will run, i.e. without a
+    mask) that TMA can read q, k and v and the grid fits."""
+    if np.dtype(q.dtype) not in MMA_DTYPES:
+        raise TypeError(f"{_FN}(): impl='wgmma' needs float16 or bfloat16 inputs, got {np.dtype(q.dtype)} "
+                        f"(use impl='flash')")
+    b, hq, sq, d = q.shape
+    if d not in C.ATTN_WGMMA_TILES:
+        raise ValueError(f"{_FN}(): head_dim D={d} is not supported by impl='wgmma'; supported: "
+                         f"{', '.join(map(str, C.ATTN_WGMMA_TILES))} (impl='flash_mma' takes the others)")
+    tma.require_device(_FN, "impl='wgmma'")
+    if not needs_tma:
+        return
+    if q.size == 0 or k.shape[2] == 0:
+        return  # nothing is launched
+    for name, ptr, dims, strides, box in _operands(q, k, v, d):
+        neg = min(strides) < 0
+        why = "it has a negative stride" if neg else tma.problem(ptr, q.dtype, dims, strides, box)
+        if why is not None:
+            raise ValueError(f"{_FN}(): impl='wgmma' needs q, k, v that TMA can read: {name}: {why} "
+                             f"(use impl='flash_mma')")
+    if -(-sq // C.ATTN_WGMMA_TILES[d].block_m) * b * hq > INT32_MAX:
+        raise ValueError(f"{_FN}(): impl='wgmma' launches one block per 128 queries of each head: "
+                         f"B*Hq*ceil(Sq/128) is over 2^31-1")
+
+
+def run(q, k, v, causal: bool, scale: float, kl, out, lse, tile: C.AttnWgmmaTile | None = None) -> None:
+    """Launch the kernel (arguments checked by :func:`check`; ``kl``: int32 device key lengths or
+    None). ``tile`` overrides the config entry (benchmarks.tune); its instantiation must be built."""
+    b, hq, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    t = tile or C.ATTN_WGMMA_TILES[d]
+    maps = [tma.tensor_map(ptr, q.dtype, dims, st, box, fn=_FN, what=name)
+            for name, ptr, dims, st, box in _operands(q, k, v, d, t)]
+    m_tiles = -(-sq // t.block_m)
+    smem = t.smem_bytes(d)
+    expr = _expr(q.dtype, d, causal, t)
+    kern = get_function(SPEC if tile is None else tuning_spec(), expr, dynamic_smem=smem)
+    flags = 1 if out.data.ptr % 4 == 0 else 0
+    i32 = np.int32
+    kern((m_tiles * b * hq, 1, 1), (128 * 3, 1, 1),
+         (*maps, out, ptr_or_null(lse), ptr_or_null(kl), i32(hq), i32(hkv), i32(sq), i32(sk), i32(m_tiles),
+          np.float32(scale * math.log2(math.e)), i32(flags)),
+         shared_mem=smem)
+
+
+def tuning_tiles(head_dim: int) -> list[C.AttnWgmmaTile]:
+    """Candidate tiles benchmarks.tune measures: key block 64 / 128 (wgmma N) x the stage choices
+    that fit 227 KB, for the registers of one head dim (O and S must leave room: D=256 keeps 64)."""
+    widths = (64,) if head_dim == 256 else (64, 128)
+    out = []
+    for bn in widths:
+        for st in C.ATTN_WGMMA_STAGE_CHOICES:
+            t = C.AttnWgmmaTile(bn, st, "tuning candidate")
+            if t.smem_bytes(head_dim) <= 227 * 1024:
+                out.append(t)
+    return out
+
+
+_TUNING_SPEC = None
+
+
+def tuning_spec() -> KernelSpec:
+    """A spec holding every tuning candidate (not registered with the offline check's default
+    list until asked for: the candidates are many and only the tuner launches them)."""
+    global _TUNING_SPEC
+    if _TUNING_SPEC is None:
+        exprs = tuple(dict.fromkeys(_expr(dt, d, c, t) for dt in MMA_DTYPES for d in C.ATTN_WGMMA_TILES
+                                    for c in (False, True) for t in tuning_tiles(d)))
+        _TUNING_SPEC = KernelSpec("flash_attn_sm90_tune", "flash_attn_sm90.cu", exprs, sm90a=True)
+    return _TUNING_SPEC

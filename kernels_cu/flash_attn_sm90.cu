@@ -1,0 +1,323 @@
+// flash_attn_sm90.cu: fused attention forward on Hopper tensor cores (sm_90a only; the sibling of
+// flash_attn.cu, whose variants serve every other GPU and every case this one does not take).
+//
+//   impl       idea                                                                dtypes
+//   v3 wgmma   FlashAttention-2's algorithm (Dao 2023, Algorithm 1) in the shape of     f16 bf16
+//              FlashAttention-3 (Shah et al. 2024): warp-specialised. A producer warp
+//              loads Q_i once and K_j, V_j by TMA into two stage rings (full/empty
+//              mbarriers, StageRing in sm90.cuh); two consumer warpgroups own 64 query
+//              rows each: S_ij = Q_i K_j^T by wgmma with both operands in shared memory,
+//              the online softmax on the fp32 accumulators in registers, P_ij rounded to
+//              T straight into wgmma A fragments, O_i += P_ij V_j by wgmma with A from
+//              registers and V_j from shared memory (MN-major descriptor: no transpose
+//              copy); registers moved from producer to consumers with setmaxnreg.
+//              impl="wgmma" (opt-in; it has not run on a GPU yet).
+// Not here (yet): ping-pong of the two consumer warpgroups and the overlap of softmax j with
+// S_{j+1} inside a warpgroup (FA3 sections 3.1-3.2); each warpgroup runs its steps in order.
+//
+// Layouts: q [B, Hq, Sq, D], k and v [B, Hkv, Sk, D] (last dim contiguous), reached only through
+// their tensor maps (cupyattn/flash_attn_sm90.py builds them): 4-D, innermost first
+// {D, S, H, B}, box {64, rows, 1, 1}: one box is 64 elements = one 128-byte swizzle row per
+// sequence position, so a D-wide tile is D / 64 boxes side by side. Rows past Sq / Sk are TMA's
+// zero fill. out [B, Hq, Sq, D] C-contiguous, lse [B, Hq, Sq] fp32 (or null), key_lengths [B].
+//
+// Shared memory (dynamic, 1 KB-aligned so every 128 B-swizzled box starts on its pattern):
+//   Q_i   D/64 boxes of [BLOCK_M = 128 rows][128 B]                   BLOCK_M x D x 2 bytes
+//   K_j   STAGES slots, each D/64 boxes of [BLOCK_N rows][128 B]       BLOCK_N x D x 2 per slot
+//   V_j   STAGES slots, as K_j
+// wgmma descriptors (layouts: ptx_sm90.cuh): Q (A) and K (B of S = Q K^T) are K-major: SBO = 1024
+// (8 rows of 128 B), k16 step ks at box ks / 4, byte 32 (ks % 4); consumer warpgroup c reads Q
+// rows 64c.. (+ 64c x 128 B). V (B of O = P V, B[key][d] = V[key][d]) is MN-major: SBO = 1024
+// (8 keys), LBO = BLOCK_N x 128 B (the next box of 64 d), k16 step kk at + 16 kk rows.
+//
+// Masking and non-finite values (cupyattn/reference.py): keys j >= key_lengths[b] (clamped to
+// [0, Sk]) and, with CAUSAL, j > i + Sk - Sq (bottom-right) get S = -inf before the row max;
+// key tiles past the last visible key are never loaded. A V row hidden by key_lengths may hold
+// anything (an unwritten cache: NaN), and P = 0 times NaN is NaN, so the producer zeroes those
+// rows of a slot after its TMA lands and before the consumers may read it. A row that sees no
+// key keeps m_i = -inf, l_i = 0 and is written as zeros, lse = -inf. Additive masks are not
+// taken here (the op module runs flash_mma for them).
+#include "common.cuh"
+#include "sm90.cuh"
+
+constexpr int FA3_BLOCK_M = 128, FA3_CONSUMERS = 2, FA3_THREADS = 128 * (1 + FA3_CONSUMERS);
+
+// --- tile scheduler: which (batch*head, query tile) a block computes --------------------------
+// One block per tile, grid = m_tiles x B*Hq. Non-causal: the query tiles of one head are
+// neighbours in launch order (they read the same K/V, which then stays in L2). Causal: query
+// tile m sees (m + 1) / m_tiles of the keys, so the last tiles of every head launch first and
+// the light ones fill the tail of the grid.
+struct Fa3Tile { int bh, m0; };
+template <bool CAUSAL>
+__device__ __forceinline__ Fa3Tile fa3_tile(int m_tiles) {
+    const int idx = blockIdx.x, heads = gridDim.x / m_tiles;
+    if (CAUSAL) return {idx % heads, (m_tiles - 1 - idx / heads) * FA3_BLOCK_M};
+    return {idx / m_tiles, (idx % m_tiles) * FA3_BLOCK_M};
+}
+
+// Keys the tile may see: [0, k_end); kl = keys that exist for this sequence (key_lengths).
+struct Fa3Keys { int k_end, kl, n_tiles; };
+template <bool CAUSAL, int BLOCK_N>
+__device__ __forceinline__ Fa3Keys fa3_keys(const int* key_lengths, int b, int m0, int Sq, int Sk) {
+    const int kl = key_lengths ? min(Sk, max(key_lengths[b], 0)) : Sk;
+    int k_end = kl;
+    if (CAUSAL) k_end = min(k_end, m0 + FA3_BLOCK_M + Sk - Sq);
+    return {k_end, kl, k_end > 0 ? (k_end + BLOCK_N - 1) / BLOCK_N : 0};
+}
+
+template <int D, int BLOCK_N>
+struct Fa3Smem {
+    static constexpr int BOXES = D / 64;                  // 128-byte column boxes per row
+    static constexpr int Q_BYTES = FA3_BLOCK_M * D * 2;
+    static constexpr int KV_BYTES = BLOCK_N * D * 2;      // one K or V slot
+    static constexpr int Q_BOX = FA3_BLOCK_M * 128, KV_BOX = BLOCK_N * 128;
+};
+
+// --- producer: warp 0; lane 0 issues every TMA copy --------------------------------------------
+// Q_i once (its own barrier), then K_j and V_j into their rings in key order. A V slot that holds
+// rows past key_lengths is loaded against `tail_bar` instead: the warp waits for it, zeroes those
+// rows, makes the stores visible to the async proxy (wgmma) and then completes the slot's full
+// barrier by a plain arrive. That happens at most once per block (the last key tile).
+template <int D, int BLOCK_N, int STAGES>
+__device__ __forceinline__ void fa3_produce(const TmaMap* map_q, const TmaMap* map_k, const TmaMap* map_v,
+                                            unsigned char* smem, StageRing<STAGES>& kring, StageRing<STAGES>& vring,
+                                            unsigned long long* q_bar, unsigned long long* tail_bar,
+                                            Fa3Keys keys, int b, int h, int hk, int m0, int Sk) {
+    using L = Fa3Smem<D, BLOCK_N>;
+    const int lane = threadIdx.x % 32;
+    if (keys.n_tiles == 0) return;                        // nothing to see: nothing is loaded
+    unsigned char* sk = smem + L::Q_BYTES;
+    unsigned char* sv = sk + STAGES * L::KV_BYTES;
+    if (lane == 0) {
+        mbar_arrive_expect_tx(q_bar, L::Q_BYTES);
+#pragma unroll
+        for (int c = 0; c < L::BOXES; ++c) tma_load<4>(smem + c * L::Q_BOX, map_q, q_bar, {64 * c, m0, h, b});
+    }
+    for (int j = 0; j < keys.n_tiles; ++j) {
+        const int n0 = j * BLOCK_N;
+        if (lane == 0) {                                  // K_j
+            kring.acquire();                              // both consumers released this slot
+            kring.commit(L::KV_BYTES);
+            unsigned char* dst = sk + kring.stage * L::KV_BYTES;
+#pragma unroll
+            for (int c = 0; c < L::BOXES; ++c)
+                tma_load<4>(dst + c * L::KV_BOX, map_k, kring.full_bar(), {64 * c, n0, hk, b});
+        }
+        kring.advance();
+        unsigned char* dst = sv + vring.stage * L::KV_BYTES;
+        const bool tail = keys.kl < Sk && n0 + BLOCK_N > keys.kl;  // rows kl.. are not this sequence's
+        if (lane == 0) {                                  // V_j
+            vring.acquire();
+            unsigned long long* bar = tail ? tail_bar : vring.full_bar();
+            mbar_arrive_expect_tx(bar, L::KV_BYTES);
+#pragma unroll
+            for (int c = 0; c < L::BOXES; ++c) tma_load<4>(dst + c * L::KV_BOX, map_v, bar, {64 * c, n0, hk, b});
+        }
+        if (tail) {
+            mbar_wait(tail_bar, 0);                       // once per block: parity 0
+            const int first = (keys.kl - n0) * 8;         // 16-byte chunks per box before row kl - n0
+            uint4 zero;
+            zero.x = zero.y = zero.z = zero.w = 0u;
+#pragma unroll
+            for (int c = 0; c < L::BOXES; ++c) {
+                uint4* box = reinterpret_cast<uint4*>(dst + c * L::KV_BOX);
+                for (int i = first + lane; i < BLOCK_N * 8; i += 32) box[i] = zero;
+            }
+            fence_proxy_async_shared();                   // generic stores -> visible to wgmma
+            __syncwarp();
+            if (lane == 0) mbar_arrive(vring.full_bar());
+        }
+        vring.advance();
+    }
+}
+
+// --- consumer: one warpgroup, query rows m0 + 64 c .. + 63 of the tile --------------------------
+// Accumulator fragments (ptx_sm90.cuh): register 4 j + e of s[] / o[] is row 16 w + g + 8 (e / 2),
+// column 8 j + 2 t + e % 2 (w = warp in the warpgroup, g = lane / 4, t = lane % 4), so each
+// thread holds two rows, r = 0 (g) and r = 1 (g + 8), and a row's values are spread over the 4
+// lanes of a quad.
+template <typename T, int D, int BLOCK_N, int STAGES, bool CAUSAL>
+__device__ __forceinline__ void fa3_consume(unsigned char* smem, StageRing<STAGES>& kring, StageRing<STAGES>& vring,
+                                            unsigned long long* q_bar, Fa3Keys keys, int m0, int Sq, int Sk,
+                                            float scale_log2, float (&o)[D / 2], float (&m)[2], float (&l)[2]) {
+    using L = Fa3Smem<D, BLOCK_N>;
+    const int cw = threadIdx.x / 128 - 1, w = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
+    const int g = lane / 4, t = lane % 4;
+    const bool leader = threadIdx.x % 128 == 0;
+    const int row0 = m0 + 64 * cw + 16 * w + g;           // rows row0 (r = 0) and row0 + 8 (r = 1)
+    const int diag = Sk - Sq;
+    const unsigned char* sq = smem + 64 * cw * 128;
+    const unsigned char* sk = smem + L::Q_BYTES;
+    const unsigned char* sv = sk + STAGES * L::KV_BYTES;
+
+    // On chip: O_i = 0, l_i = 0 (this lane's part of the row sum), m_i = -inf (scaled log2 units).
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
+    m[0] = m[1] = -CUDART_INF_F;
+    l[0] = l[1] = 0.0f;
+    if (keys.n_tiles == 0) return;
+    mbar_wait(q_bar, 0);                                  // Q_i has landed (loaded once)
+
+    for (int j = 0; j < keys.n_tiles; ++j) {
+        const int n0 = j * BLOCK_N;
+        // S_ij = Q_i K_j^T: D / 16 wgmma k-steps, both operands in shared memory.
+        kring.wait();
+        const unsigned char* kt = sk + kring.stage * L::KV_BYTES;
+        float s[BLOCK_N / 2];
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ++ks) {
+            const int off = 32 * (ks % 4);            // k16 step inside the 128-byte row
+            wgmma_ss<T, BLOCK_N, 0, 0>(s, smem_desc(sq + (ks / 4) * L::Q_BOX + off, 16, 1024, SWIZZLE_128B),
+                                       smem_desc(kt + (ks / 4) * L::KV_BOX + off, 16, 1024, SWIZZLE_128B), ks != 0);
+        }
+        wgmma_commit_group();
+        wgmma_wait_group<0>();                            // S_ij is in registers, K_j read
+        wgmma_fence_acc(s);
+        if (leader) kring.release(kring.stage);
+        kring.advance();
+
+        // Masking, only on tiles that need it (keys past k_end, keys above the causal diagonal of
+        // the tile's first row, or a negative scale: the fast path takes the max of unscaled S).
+        // S becomes scaled log2 units (mul = 1); hidden keys get -inf, so P is exactly 0 there.
+        float mul = scale_log2;
+        if (scale_log2 < 0.0f || n0 + BLOCK_N > keys.k_end || (CAUSAL && n0 + BLOCK_N - 1 > m0 + diag)) {
+            mul = 1.0f;
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int i = row0 + 8 * r;
+                const int lim = CAUSAL ? min(keys.k_end, i + diag + 1) : keys.k_end;
+#pragma unroll
+                for (int jj = 0; jj < BLOCK_N / 8; ++jj)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        float& x = s[4 * jj + 2 * r + e];
+                        x = n0 + 8 * jj + 2 * t + e < lim ? x * scale_log2 : -CUDART_INF_F;
+                    }
+            }
+        }
+
+        // Online softmax (mul >= 0, so rowmax(S) * mul is the max of the scaled row):
+        //   m_i^(j) = max(m_i^(j-1), rowmax(S_ij))
+        //   P_ij = exp2(S_ij * mul - m_i^(j))                   (the scale folded into one FMA)
+        //   l_i^(j) = exp(m_i^(j-1) - m_i^(j)) l_i^(j-1) + rowsum(P_ij)
+        //   O_i rescaled by exp(m_i^(j-1) - m_i^(j)) before P_ij V_j is added
+        float mx[2] = {-CUDART_INF_F, -CUDART_INF_F};
+#pragma unroll
+        for (int i = 0; i < BLOCK_N / 2; ++i) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
+        float m_use[2], alpha[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const float m_new = fmaxf(m[r], quad_max(mx[r]) * mul);
+            m_use[r] = m_new == -CUDART_INF_F ? 0.0f : m_new;  // nothing seen yet: exp2 -> 0
+            alpha[r] = exp2f(m[r] - m_use[r]);
+            m[r] = m_new;
+            l[r] *= alpha[r];
+        }
+#pragma unroll
+        for (int i = 0; i < BLOCK_N / 2; ++i) {
+            s[i] = exp2f(fmaf(s[i], mul, -m_use[(i >> 1) & 1]));
+            l[(i >> 1) & 1] += s[i];
+        }
+#pragma unroll
+        for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i >> 1) & 1];
+        // P_ij rounded to T as wgmma A fragments: keys 16 kk .. 16 kk + 15 are S registers
+        // 8 kk .. 8 kk + 7 = (row g, keys 2t..), (row g+8, 2t..), (row g, 8+2t..), (row g+8, 8+2t..).
+        unsigned p[BLOCK_N / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_N / 16; ++kk)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) p[kk][e] = pack2<T>(s[8 * kk + 2 * e], s[8 * kk + 2 * e + 1]);
+
+        // O_i += P_ij V_j: BLOCK_N / 16 wgmma k-steps, A from registers, V_j MN-major in shared memory.
+        vring.wait();
+        const unsigned char* vt = sv + vring.stage * L::KV_BYTES;
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_N / 16; ++kk)
+            wgmma_rs<T, D, 1>(o, p[kk], smem_desc(vt + 16 * 128 * kk, L::KV_BOX, 1024, SWIZZLE_128B), 1);
+        wgmma_commit_group();
+        wgmma_wait_group<0>();                            // O_i is in registers, V_j read
+        wgmma_fence_acc(o);
+        if (leader) vring.release(vring.stage);
+        vring.advance();
+    }
+}
+
+// --- epilogue: O_i / l_i rounded to T, straight to global memory; lse ---------------------------
+// L_i = m_i + log(l_i) (natural log; m in log2 units). Rows that saw no key: zeros and -inf; rows
+// with a NaN (or +inf) visible score: NaN (common.cuh row_scale / row_lse).
+template <typename T, int D>
+__device__ __forceinline__ void fa3_store(const float (&o)[D / 2], const float (&m)[2], const float (&l)[2],
+                                          T* __restrict__ out, float* __restrict__ lse, long long bh, int m0,
+                                          int Sq, bool pair_store) {
+    const int cw = threadIdx.x / 128 - 1, w = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
+    const int g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const float lsum = quad_sum(l[r]);
+        const float inv = row_scale(lsum);
+        const int i = m0 + 64 * cw + 16 * w + g + 8 * r;
+        if (i >= Sq) continue;
+        if (lse && t == 0) lse[bh * Sq + i] = row_lse(m[r], lsum);
+        T* orow = out + (bh * Sq + i) * D;
+#pragma unroll
+        for (int jj = 0; jj < D / 8; ++jj) {
+            const int col = 8 * jj + 2 * t;
+            const float v0 = o[4 * jj + 2 * r] * inv, v1 = o[4 * jj + 2 * r + 1] * inv;
+            if (pair_store) {
+                *reinterpret_cast<unsigned*>(orow + col) = pack2<T>(v0, v1);
+            } else {
+                orow[col] = from_float<T>(v0);
+                orow[col + 1] = from_float<T>(v1);
+            }
+        }
+    }
+}
+
+// --- v3: the kernel --------------------------------------------------------------------------------
+// grid = (m_tiles * B * Hq), block = 384 (warpgroup 0: producer, 1-2: consumers); dynamic shared
+// memory Q + 2 x STAGES K/V slots + 1 KB (alignment), cupyattn.config.AttnWgmmaTile.smem_bytes.
+// REG_P / REG_C: per-thread registers after setmaxnreg (128 REG_P + 256 REG_C <= 65536).
+// flags bit 0: out is 4-byte aligned (pairs of elements stored as one 32-bit word).
+template <typename T, int D, int BLOCK_N, int STAGES, bool CAUSAL, int REG_P, int REG_C>
+__global__ void __launch_bounds__(FA3_THREADS, 1)
+flash_attn_wgmma(const __grid_constant__ TmaMap map_q,   // q [B, Hq, Sq, D]
+                 const __grid_constant__ TmaMap map_k,   // k [B, Hkv, Sk, D]
+                 const __grid_constant__ TmaMap map_v,   // v [B, Hkv, Sk, D]
+                 T* __restrict__ out,                    // [B, Hq, Sq, D] C-contiguous
+                 float* __restrict__ lse,                // [B, Hq, Sq] or null
+                 const int* __restrict__ key_lengths,    // [B] or null
+                 int Hq, int Hkv, int Sq, int Sk, int m_tiles, float scale_log2, int flags) {
+    static_assert(D % 64 == 0 && D <= 256, "D: whole 128-byte boxes, at most 256 (wgmma N)");
+    static_assert(BLOCK_N % 16 == 0 && BLOCK_N <= 256, "BLOCK_N: whole k16 steps of P V, wgmma N <= 256");
+    static_assert(128 * REG_P + 128 * FA3_CONSUMERS * REG_C <= 65536, "register budget of one SM");
+    extern __shared__ uint4 smem_raw[];  // aligned here: an __align__(1024) would pad the static part
+    unsigned char* smem = reinterpret_cast<unsigned char*>(smem_raw) + (1024 - smem_u32(smem_raw) % 1024) % 1024;
+    __shared__ unsigned long long kfull[STAGES], kempty[STAGES], vfull[STAGES], vempty[STAGES], q_bar, tail_bar;
+    StageRing<STAGES> kring(kfull, kempty), vring(vfull, vempty);
+    if (threadIdx.x == 0) {
+        kring.init(FA3_CONSUMERS);
+        vring.init(FA3_CONSUMERS);
+        mbar_init(&q_bar, 1);
+        mbar_init(&tail_bar, 1);
+        mbar_fence_init();
+    }
+    __syncthreads();
+
+    const Fa3Tile tile = fa3_tile<CAUSAL>(m_tiles);
+    const int b = tile.bh / Hq, h = tile.bh % Hq, hk = h / (Hq / Hkv);  // GQA: K/V never repeated
+    const Fa3Keys keys = fa3_keys<CAUSAL, BLOCK_N>(key_lengths, b, tile.m0, Sq, Sk);
+    if (threadIdx.x < 128) {
+        setmaxnreg_dec<REG_P>();
+        if (threadIdx.x < 32)
+            fa3_produce<D, BLOCK_N, STAGES>(&map_q, &map_k, &map_v, smem, kring, vring, &q_bar, &tail_bar, keys, b, h,
+                                            hk, tile.m0, Sk);
+    } else {
+        setmaxnreg_inc<REG_C>();
+        float o[D / 2], m[2], l[2];
+        fa3_consume<T, D, BLOCK_N, STAGES, CAUSAL>(smem, kring, vring, &q_bar, keys, tile.m0, Sq, Sk, scale_log2, o,
+                                                   m, l);
+        fa3_store<T, D>(o, m, l, out, lse, tile.bh, tile.m0, Sq, (flags & 1) != 0);
+    }
+}
