@@ -395,11 +395,14 @@ class AttnWgmmaTile:
     stages: int    # K slots and V slots each (K_{j+1}.. load while S_ij, softmax and P V_j run)
     reason: str
     block_m: int = 128
+    overlap: bool = True  # softmax of tile j while P_{j-1} V_{j-1} runs (FA3's intra-warpgroup overlap)
 
     def smem_bytes(self, head_dim: int) -> int:
         return (self.block_m + 2 * self.stages * self.block_n) * head_dim * 2 + 1024
 
 
+# Every entry overlaps the softmax with the previous tile's P V (FlashAttention-3 measured the
+# overlap as a gain at every head dim; here it is unmeasured, and benchmarks.tune tries it off).
 ATTN_WGMMA_TILES = {
     64: AttnWgmmaTile(128, 3, "S 64 + O 32 + P 32 registers; 16 KB per K or V slot, 3 stages = 113 KB: "
                       "at D=64 a tile's wgmma work is short, so two tiles stay in flight behind it"),

@@ -11,9 +11,11 @@
 //              T straight into wgmma A fragments, O_i += P_ij V_j by wgmma with A from
 //              registers and V_j from shared memory (MN-major descriptor: no transpose
 //              copy); registers moved from producer to consumers with setmaxnreg.
+//              OVERLAP: the softmax of tile j runs while P_{j-1} V_{j-1} is in flight
+//              (FA3 section 3.2); off: each tile's steps in order.
 //              impl="wgmma" (opt-in; it has not run on a GPU yet).
-// Not here (yet): ping-pong of the two consumer warpgroups and the overlap of softmax j with
-// S_{j+1} inside a warpgroup (FA3 sections 3.1-3.2); each warpgroup runs its steps in order.
+// Not here (yet): ping-pong of the two consumer warpgroups (FA3 section 3.1: named barriers
+// that let one warpgroup's softmax run while the other's matmuls do).
 //
 // Layouts: q [B, Hq, Sq, D], k and v [B, Hkv, Sk, D] (last dim contiguous), reached only through
 // their tensor maps (cupyattn/flash_attn_sm90.py builds them): 4-D, innermost first
@@ -131,20 +133,117 @@ __device__ __forceinline__ void fa3_produce(const TmaMap* map_q, const TmaMap* m
     }
 }
 
-// --- consumer: one warpgroup, query rows m0 + 64 c .. + 63 of the tile --------------------------
+// --- consumer steps: one warpgroup, query rows m0 + 64 c .. + 63 of the tile --------------------
 // Accumulator fragments (ptx_sm90.cuh): register 4 j + e of s[] / o[] is row 16 w + g + 8 (e / 2),
 // column 8 j + 2 t + e % 2 (w = warp in the warpgroup, g = lane / 4, t = lane % 4), so each
 // thread holds two rows, r = 0 (g) and r = 1 (g + 8), and a row's values are spread over the 4
 // lanes of a quad.
-template <typename T, int D, int BLOCK_N, int STAGES, bool CAUSAL>
+struct Fa3Row { int row0, t; };  // this thread's first row (the other is row0 + 8), column pair
+
+// S_ij = Q_i K_j^T issued as one wgmma group: D / 16 k-steps, both operands in shared memory.
+template <typename T, int D, int BLOCK_N>
+__device__ __forceinline__ void fa3_issue_s(float (&s)[BLOCK_N / 2], const unsigned char* sq, const unsigned char* kt) {
+    using L = Fa3Smem<D, BLOCK_N>;
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+        const int off = 32 * (ks % 4);     // k16 step inside the 128-byte row
+        wgmma_ss<T, BLOCK_N, 0, 0>(s, smem_desc(sq + (ks / 4) * L::Q_BOX + off, 16, 1024, SWIZZLE_128B),
+                                   smem_desc(kt + (ks / 4) * L::KV_BOX + off, 16, 1024, SWIZZLE_128B), ks != 0);
+    }
+    wgmma_commit_group();
+}
+
+// O_i += P_ij V_j issued as one wgmma group: BLOCK_N / 16 k-steps, A (P) from registers, V_j
+// MN-major in shared memory.
+template <typename T, int D, int BLOCK_N>
+__device__ __forceinline__ void fa3_issue_pv(float (&o)[D / 2], unsigned (&p)[BLOCK_N / 16][4], const unsigned char* vt) {
+    using L = Fa3Smem<D, BLOCK_N>;
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BLOCK_N / 16; ++kk)
+        wgmma_rs<T, D, 1>(o, p[kk], smem_desc(vt + 16 * 128 * kk, L::KV_BOX, 1024, SWIZZLE_128B), 1);
+    wgmma_commit_group();
+}
+
+// The softmax of one key tile, in place on S_ij (fp32, registers only: it may run while the
+// previous tile's P V is in flight). Masking first, only on tiles that need it (keys past k_end,
+// keys above the causal diagonal of the tile's first row, or a negative scale: the fast path
+// takes the max of unscaled S); hidden keys get -inf, so P is exactly 0 there. Then
+//   m_i^(j) = max(m_i^(j-1), rowmax(S_ij))
+//   P_ij = exp2(S_ij * mul - m_i^(j))                  (the scale folded into one FMA)
+//   l_i^(j) = exp(m_i^(j-1) - m_i^(j)) l_i^(j-1) + rowsum(P_ij)
+// and alpha = exp(m_i^(j-1) - m_i^(j)), the factor O_i still has to be rescaled by.
+template <int BLOCK_N, bool CAUSAL>
+__device__ __forceinline__ void fa3_softmax(float (&s)[BLOCK_N / 2], float (&m)[2], float (&l)[2], float (&alpha)[2],
+                                            Fa3Row me, Fa3Keys keys, int n0, int m0, int diag, float scale_log2) {
+    float mul = scale_log2;
+    if (scale_log2 < 0.0f || n0 + BLOCK_N > keys.k_end || (CAUSAL && n0 + BLOCK_N - 1 > m0 + diag)) {
+        mul = 1.0f;                                       // S in scaled log2 units from here
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int i = me.row0 + 8 * r;
+            const int lim = CAUSAL ? min(keys.k_end, i + diag + 1) : keys.k_end;
+#pragma unroll
+            for (int jj = 0; jj < BLOCK_N / 8; ++jj)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    float& x = s[4 * jj + 2 * r + e];
+                    x = n0 + 8 * jj + 2 * me.t + e < lim ? x * scale_log2 : -CUDART_INF_F;
+                }
+        }
+    }
+    float mx[2] = {-CUDART_INF_F, -CUDART_INF_F};
+#pragma unroll
+    for (int i = 0; i < BLOCK_N / 2; ++i) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
+    float m_use[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {                         // mul >= 0: rowmax(S) * mul = max of the scaled row
+        const float m_new = fmaxf(m[r], quad_max(mx[r]) * mul);
+        m_use[r] = m_new == -CUDART_INF_F ? 0.0f : m_new;  // nothing seen yet: exp2 -> 0
+        alpha[r] = exp2f(m[r] - m_use[r]);
+        m[r] = m_new;
+        l[r] *= alpha[r];
+    }
+#pragma unroll
+    for (int i = 0; i < BLOCK_N / 2; ++i) {
+        s[i] = exp2f(fmaf(s[i], mul, -m_use[(i >> 1) & 1]));
+        l[(i >> 1) & 1] += s[i];
+    }
+}
+
+// Once the previous P V has retired: O_i rescaled by alpha, and P_ij rounded to T as wgmma A
+// fragments (keys 16 kk .. 16 kk + 15 are S registers 8 kk .. 8 kk + 7 = (row g, keys 2t..),
+// (row g+8, 2t..), (row g, 8+2t..), (row g+8, 8+2t..)).
+template <typename T, int D, int BLOCK_N>
+__device__ __forceinline__ void fa3_rescale_and_pack(float (&o)[D / 2], const float (&alpha)[2],
+                                                     const float (&s)[BLOCK_N / 2], unsigned (&p)[BLOCK_N / 16][4]) {
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i >> 1) & 1];
+#pragma unroll
+    for (int kk = 0; kk < BLOCK_N / 16; ++kk)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) p[kk][e] = pack2<T>(s[8 * kk + 2 * e], s[8 * kk + 2 * e + 1]);
+}
+
+// --- consumer: the key loop of one warpgroup ------------------------------------------------------
+// OVERLAP = false: each tile in order, S_ij | wait | softmax | P_ij V_j | wait.
+// OVERLAP = true (FlashAttention-3's intra-warpgroup pipelining, section 3.2): S_{j+1} and P_j V_j
+// are issued together, and the softmax of S_{j+1} runs while P_j V_j is still in flight; only the
+// O rescale and the P packing wait for it:
+//   S_0 | wait | softmax_0 | pack_0
+//   tile j >= 1:  issue S_j, then P_{j-1} V_{j-1} | wait S_j (wait_group 1) | softmax_j |
+//                 wait P V (wait_group 0) | rescale O, pack P_j
+//   P_{n-1} V_{n-1} | wait
+// A K slot is released once its S has retired, a V slot once its P V has.
+template <typename T, int D, int BLOCK_N, int STAGES, bool CAUSAL, bool OVERLAP>
 __device__ __forceinline__ void fa3_consume(unsigned char* smem, StageRing<STAGES>& kring, StageRing<STAGES>& vring,
                                             unsigned long long* q_bar, Fa3Keys keys, int m0, int Sq, int Sk,
                                             float scale_log2, float (&o)[D / 2], float (&m)[2], float (&l)[2]) {
     using L = Fa3Smem<D, BLOCK_N>;
     const int cw = threadIdx.x / 128 - 1, w = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
-    const int g = lane / 4, t = lane % 4;
+    const Fa3Row me{m0 + 64 * cw + 16 * w + lane / 4, lane % 4};
     const bool leader = threadIdx.x % 128 == 0;
-    const int row0 = m0 + 64 * cw + 16 * w + g;           // rows row0 (r = 0) and row0 + 8 (r = 1)
     const int diag = Sk - Sq;
     const unsigned char* sq = smem + 64 * cw * 128;
     const unsigned char* sk = smem + L::Q_BYTES;
@@ -158,89 +257,61 @@ __device__ __forceinline__ void fa3_consume(unsigned char* smem, StageRing<STAGE
     if (keys.n_tiles == 0) return;
     mbar_wait(q_bar, 0);                                  // Q_i has landed (loaded once)
 
-    for (int j = 0; j < keys.n_tiles; ++j) {
-        const int n0 = j * BLOCK_N;
-        // S_ij = Q_i K_j^T: D / 16 wgmma k-steps, both operands in shared memory.
-        kring.wait();
-        const unsigned char* kt = sk + kring.stage * L::KV_BYTES;
-        float s[BLOCK_N / 2];
-        wgmma_fence();
-#pragma unroll
-        for (int ks = 0; ks < D / 16; ++ks) {
-            const int off = 32 * (ks % 4);            // k16 step inside the 128-byte row
-            wgmma_ss<T, BLOCK_N, 0, 0>(s, smem_desc(sq + (ks / 4) * L::Q_BOX + off, 16, 1024, SWIZZLE_128B),
-                                       smem_desc(kt + (ks / 4) * L::KV_BOX + off, 16, 1024, SWIZZLE_128B), ks != 0);
-        }
-        wgmma_commit_group();
-        wgmma_wait_group<0>();                            // S_ij is in registers, K_j read
+    float s[BLOCK_N / 2], alpha[2];
+    unsigned p[BLOCK_N / 16][4];
+    // Each branch below is straight-line per tile: ptxas tracks wgmma accumulators path by path,
+    // and a wait that only a correlated branch provides makes it serialise every wgmma (C7514).
+    if constexpr (OVERLAP) {
+        kring.wait();                                     // tile 0: S_0 alone
+        fa3_issue_s<T, D, BLOCK_N>(s, sq, sk + kring.stage * L::KV_BYTES);
+        wgmma_wait_group<0>();
         wgmma_fence_acc(s);
         if (leader) kring.release(kring.stage);
         kring.advance();
-
-        // Masking, only on tiles that need it (keys past k_end, keys above the causal diagonal of
-        // the tile's first row, or a negative scale: the fast path takes the max of unscaled S).
-        // S becomes scaled log2 units (mul = 1); hidden keys get -inf, so P is exactly 0 there.
-        float mul = scale_log2;
-        if (scale_log2 < 0.0f || n0 + BLOCK_N > keys.k_end || (CAUSAL && n0 + BLOCK_N - 1 > m0 + diag)) {
-            mul = 1.0f;
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const int i = row0 + 8 * r;
-                const int lim = CAUSAL ? min(keys.k_end, i + diag + 1) : keys.k_end;
-#pragma unroll
-                for (int jj = 0; jj < BLOCK_N / 8; ++jj)
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        float& x = s[4 * jj + 2 * r + e];
-                        x = n0 + 8 * jj + 2 * t + e < lim ? x * scale_log2 : -CUDART_INF_F;
-                    }
-            }
+        fa3_softmax<BLOCK_N, CAUSAL>(s, m, l, alpha, me, keys, 0, m0, diag, scale_log2);
+        fa3_rescale_and_pack<T, D, BLOCK_N>(o, alpha, s, p);
+        for (int j = 1; j < keys.n_tiles; ++j) {
+            kring.wait();
+            fa3_issue_s<T, D, BLOCK_N>(s, sq, sk + kring.stage * L::KV_BYTES);
+            vring.wait();                                 // P_{j-1} V_{j-1} behind S_j
+            fa3_issue_pv<T, D, BLOCK_N>(o, p, sv + vring.stage * L::KV_BYTES);
+            wgmma_wait_group<1>();                        // S_j has retired; P V may still run
+            wgmma_fence_acc(s);
+            if (leader) kring.release(kring.stage);       // K_j read
+            kring.advance();
+            fa3_softmax<BLOCK_N, CAUSAL>(s, m, l, alpha, me, keys, j * BLOCK_N, m0, diag, scale_log2);
+            wgmma_wait_group<0>();                        // P_{j-1} V_{j-1} has retired
+            wgmma_fence_acc(o);
+            wgmma_fence_frag(p);
+            if (leader) vring.release(vring.stage);       // V_{j-1} read
+            vring.advance();
+            fa3_rescale_and_pack<T, D, BLOCK_N>(o, alpha, s, p);
         }
-
-        // Online softmax (mul >= 0, so rowmax(S) * mul is the max of the scaled row):
-        //   m_i^(j) = max(m_i^(j-1), rowmax(S_ij))
-        //   P_ij = exp2(S_ij * mul - m_i^(j))                   (the scale folded into one FMA)
-        //   l_i^(j) = exp(m_i^(j-1) - m_i^(j)) l_i^(j-1) + rowsum(P_ij)
-        //   O_i rescaled by exp(m_i^(j-1) - m_i^(j)) before P_ij V_j is added
-        float mx[2] = {-CUDART_INF_F, -CUDART_INF_F};
-#pragma unroll
-        for (int i = 0; i < BLOCK_N / 2; ++i) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
-        float m_use[2], alpha[2];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const float m_new = fmaxf(m[r], quad_max(mx[r]) * mul);
-            m_use[r] = m_new == -CUDART_INF_F ? 0.0f : m_new;  // nothing seen yet: exp2 -> 0
-            alpha[r] = exp2f(m[r] - m_use[r]);
-            m[r] = m_new;
-            l[r] *= alpha[r];
-        }
-#pragma unroll
-        for (int i = 0; i < BLOCK_N / 2; ++i) {
-            s[i] = exp2f(fmaf(s[i], mul, -m_use[(i >> 1) & 1]));
-            l[(i >> 1) & 1] += s[i];
-        }
-#pragma unroll
-        for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i >> 1) & 1];
-        // P_ij rounded to T as wgmma A fragments: keys 16 kk .. 16 kk + 15 are S registers
-        // 8 kk .. 8 kk + 7 = (row g, keys 2t..), (row g+8, 2t..), (row g, 8+2t..), (row g+8, 8+2t..).
-        unsigned p[BLOCK_N / 16][4];
-#pragma unroll
-        for (int kk = 0; kk < BLOCK_N / 16; ++kk)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) p[kk][e] = pack2<T>(s[8 * kk + 2 * e], s[8 * kk + 2 * e + 1]);
-
-        // O_i += P_ij V_j: BLOCK_N / 16 wgmma k-steps, A from registers, V_j MN-major in shared memory.
-        vring.wait();
-        const unsigned char* vt = sv + vring.stage * L::KV_BYTES;
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < BLOCK_N / 16; ++kk)
-            wgmma_rs<T, D, 1>(o, p[kk], smem_desc(vt + 16 * 128 * kk, L::KV_BOX, 1024, SWIZZLE_128B), 1);
-        wgmma_commit_group();
-        wgmma_wait_group<0>();                            // O_i is in registers, V_j read
+        vring.wait();                                     // the last tile's P V
+        fa3_issue_pv<T, D, BLOCK_N>(o, p, sv + vring.stage * L::KV_BYTES);
+        wgmma_wait_group<0>();
         wgmma_fence_acc(o);
+        wgmma_fence_frag(p);
         if (leader) vring.release(vring.stage);
         vring.advance();
+    } else {
+        for (int j = 0; j < keys.n_tiles; ++j) {
+            kring.wait();                                 // S_ij = Q_i K_j^T
+            fa3_issue_s<T, D, BLOCK_N>(s, sq, sk + kring.stage * L::KV_BYTES);
+            wgmma_wait_group<0>();
+            wgmma_fence_acc(s);
+            if (leader) kring.release(kring.stage);
+            kring.advance();
+            fa3_softmax<BLOCK_N, CAUSAL>(s, m, l, alpha, me, keys, j * BLOCK_N, m0, diag, scale_log2);
+            fa3_rescale_and_pack<T, D, BLOCK_N>(o, alpha, s, p);
+            vring.wait();                                 // O_i += P_ij V_j
+            fa3_issue_pv<T, D, BLOCK_N>(o, p, sv + vring.stage * L::KV_BYTES);
+            wgmma_wait_group<0>();
+            wgmma_fence_acc(o);
+            wgmma_fence_frag(p);
+            if (leader) vring.release(vring.stage);
+            vring.advance();
+        }
     }
 }
 
@@ -280,7 +351,7 @@ __device__ __forceinline__ void fa3_store(const float (&o)[D / 2], const float (
 // memory Q + 2 x STAGES K/V slots + 1 KB (alignment), cupyattn.config.AttnWgmmaTile.smem_bytes.
 // REG_P / REG_C: per-thread registers after setmaxnreg (128 REG_P + 256 REG_C <= 65536).
 // flags bit 0: out is 4-byte aligned (pairs of elements stored as one 32-bit word).
-template <typename T, int D, int BLOCK_N, int STAGES, bool CAUSAL, int REG_P, int REG_C>
+template <typename T, int D, int BLOCK_N, int STAGES, bool OVERLAP, bool CAUSAL, int REG_P, int REG_C>
 __global__ void __launch_bounds__(FA3_THREADS, 1)
 flash_attn_wgmma(const __grid_constant__ TmaMap map_q,   // q [B, Hq, Sq, D]
                  const __grid_constant__ TmaMap map_k,   // k [B, Hkv, Sk, D]
@@ -316,7 +387,7 @@ flash_attn_wgmma(const __grid_constant__ TmaMap map_q,   // q [B, Hq, Sq, D]
     } else {
         setmaxnreg_inc<REG_C>();
         float o[D / 2], m[2], l[2];
-        fa3_consume<T, D, BLOCK_N, STAGES, CAUSAL>(smem, kring, vring, &q_bar, keys, tile.m0, Sq, Sk, scale_log2, o,
+        fa3_consume<T, D, BLOCK_N, STAGES, CAUSAL, OVERLAP>(smem, kring, vring, &q_bar, keys, tile.m0, Sq, Sk, scale_log2, o,
                                                    m, l);
         fa3_store<T, D>(o, m, l, out, lse, tile.bh, tile.m0, Sq, (flags & 1) != 0);
     }

@@ -54,6 +54,9 @@
 //                                            pending. d and a must not be touched in between.
 //   wgmma_fence_acc(d)                       compiler-only: d is read and written here, so its
 //                                            uses are not moved across a wgmma_wait_group
+//   wgmma_fence_frag(a)                      compiler-only, for RS A fragments a[R][4]: they stay
+//                                            live (unchanged) up to here, after the wait_group that
+//                                            retires the wgmma reading them
 // Others:
 //   setmaxnreg_inc<R>(), setmaxnreg_dec<R>() (9.7.19.6) a warpgroup's per-thread register budget;
 //                                            needs __launch_bounds__(threads, 1) (else ptxas
@@ -158,6 +161,13 @@ template <int R>
 __device__ __forceinline__ void wgmma_fence_acc(float (&d)[R]) {
 #pragma unroll
     for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+template <int R>
+__device__ __forceinline__ void wgmma_fence_frag(unsigned (&a)[R][4]) {
+#pragma unroll
+    for (int i = 0; i < R; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a[i][e])::"memory");
 }
 
 // Operand lists: the N/2 accumulators are %0 .. %(N/2 - 1), eight at a time.

@@ -502,6 +502,7 @@ inline void wgmma_wait_group() {
     });
 }
 template <int R> inline void wgmma_fence_acc(float (&)[R]) {}
+template <int R> inline void wgmma_fence_frag(unsigned (&)[R][4]) {}
 
 // --- setmaxnreg, stmatrix -------------------------------------------------------------------------
 template <int R> inline void setmaxnreg_inc() { static_assert(R >= 24 && R <= 256 && R % 8 == 0, "setmaxnreg"); }
