@@ -64,6 +64,11 @@
 //   stmatrix<NUM, TRANS>(smem, r)            (9.7.14.5.16) the inverse of ldmatrix: lane l gives
 //                                            the address of row l % 8 of matrix l / 8 and holds
 //                                            (row l/4, cols 2(l%4), 2(l%4)+1) of matrix i in r[i]
+//   named_bar_sync(id, n), named_bar_arrive(id, n)   (9.7.13.1, bar.sync / bar.arrive) barrier
+//                                            `id` (1..15; 0 is __syncthreads') completes when n
+//                                            threads (a multiple of 32) have arrived; sync waits
+//                                            for that, arrive does not (a producer / consumer
+//                                            hand-off between warpgroups)
 //
 // The CPU emulator of the GPU tests replaces this whole header with tests/emu/emu_ptx_sm90.h (the
 // same functions from the PTX ISA's definitions); tests/test_ptx_sm90.py checks each against NumPy,
@@ -275,6 +280,13 @@ template <int R>
 __device__ __forceinline__ void setmaxnreg_dec() {
     static_assert(R >= 24 && R <= 256 && R % 8 == 0, "setmaxnreg: 24..256 in steps of 8");
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(R));
+}
+
+__device__ __forceinline__ void named_bar_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_bar_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
 template <int NUM, bool TRANS = false>
