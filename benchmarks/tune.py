@@ -15,10 +15,10 @@
   compared with cuBLAS's. (Thread-block clusters with TMA multicast are not implemented yet, so
   there is no cluster candidate.)
 - ``attention-wgmma``: impl="wgmma" (Hopper) attention tile candidates (keys per K/V slot, ring
-  stages, softmax / P V overlap on and off; cupyattn.flash_attn_sm90.tuning_tiles) for D = 64, 128 and 256 at the issue's shape
+  stages, softmax / P V overlap and consumer ping-pong on and off;
+  cupyattn.flash_attn_sm90.tuning_tiles) for D = 64, 128 and 256 at the issue's shape
   (fp16, B=4, H=32, S=4096, causal and not), beside the configured tile, flash_mma and torch
-  SDPA (when importable) in the same process; each output is compared with flash_mma's. (The
-  consumer warpgroups do not ping-pong yet, so there is no ping-pong candidate.)
+  SDPA (when importable) in the same process; each output is compared with flash_mma's.
 
 Medians of CUDA-event timings (benchmarks/timing.py); rows printed as they finish, all of them
 in the JSON. For choosing config.py entries by measurement; not part of the recorded results.
@@ -206,7 +206,7 @@ def tune_attention_wgmma(emit):
                     emit(dict(base, impl=name, error=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"))
             for tile in W.tuning_tiles(d):
                 row = dict(base, impl="wgmma", block_n=tile.block_n, stages=tile.stages, overlap=tile.overlap,
-                           smem=tile.smem_bytes(d))
+                           pingpong=tile.pingpong, smem=tile.smem_bytes(d))
                 out, lse = cupy.empty_like(q), None
                 try:
                     W.run(q, k, v, causal, d ** -0.5, None, out, lse, tile=tile)

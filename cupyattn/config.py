@@ -396,13 +396,15 @@ class AttnWgmmaTile:
     reason: str
     block_m: int = 128
     overlap: bool = True  # softmax of tile j while P_{j-1} V_{j-1} runs (FA3's intra-warpgroup overlap)
+    pingpong: bool = True  # the two consumer warpgroups take turns issuing wgmmas (FA3's ping-pong)
 
     def smem_bytes(self, head_dim: int) -> int:
         return (self.block_m + 2 * self.stages * self.block_n) * head_dim * 2 + 1024
 
 
-# Every entry overlaps the softmax with the previous tile's P V (FlashAttention-3 measured the
-# overlap as a gain at every head dim; here it is unmeasured, and benchmarks.tune tries it off).
+# Every entry overlaps the softmax with the previous tile's P V and ping-pongs the two consumer
+# warpgroups (FlashAttention-3's ablation, H100 D=128: 570 TFLOP/s without either, 661 with
+# both); here both are unmeasured, and benchmarks.tune tries each off.
 ATTN_WGMMA_TILES = {
     64: AttnWgmmaTile(128, 3, "S 64 + O 32 + P 32 registers; 16 KB per K or V slot, 3 stages = 113 KB: "
                       "at D=64 a tile's wgmma work is short, so two tiles stay in flight behind it"),

@@ -33,7 +33,7 @@ def _expr(dtype, head_dim: int, causal: bool, tile: C.AttnWgmmaTile | None = Non
     t = tile or C.ATTN_WGMMA_TILES[head_dim]
     rp, rc = C.ATTN_WGMMA_REGS
     return (f"flash_attn_wgmma<{ctype(dtype)}, {head_dim}, {t.block_n}, {t.stages}, {cbool(t.overlap)}, "
-            f"{cbool(causal)}, {rp}, {rc}>")
+            f"{cbool(t.pingpong)}, {cbool(causal)}, {rp}, {rc}>")
 
 
 SPEC = KernelSpec(
@@ -106,17 +106,15 @@ def run(q, k, v, causal: bool, scale: float, kl, out, lse, tile: C.AttnWgmmaTile
 
 def tuning_tiles(head_dim: int) -> list[C.AttnWgmmaTile]:
     """Candidate tiles benchmarks.tune measures: key block 64 / 128 (wgmma N) x the stage choices
-    that fit 227 KB x the softmax overlap on / off, for the registers of one head dim (O and S
-    must leave room: D=256 keeps 64 keys)."""
+    that fit 227 KB, with overlap and ping-pong both on; then the configured tile with each of
+    the two switched off and with both off. For the registers of one head dim (O and S must leave
+    room: D=256 keeps 64 keys)."""
     widths = (64,) if head_dim == 256 else (64, 128)
-    out = []
-    for bn in widths:
-        for st in C.ATTN_WGMMA_STAGE_CHOICES:
-            for overlap in (True, False):
-                t = C.AttnWgmmaTile(bn, st, "tuning candidate", overlap=overlap)
-                if t.smem_bytes(head_dim) <= 227 * 1024:
-                    out.append(t)
-    return out
+    out = [C.AttnWgmmaTile(bn, st, "tuning candidate") for bn in widths for st in C.ATTN_WGMMA_STAGE_CHOICES]
+    base = C.ATTN_WGMMA_TILES[head_dim]
+    out += [C.AttnWgmmaTile(base.block_n, base.stages, "tuning candidate", overlap=ov, pingpong=pp)
+            for ov, pp in ((False, True), (True, False), (False, False))]
+    return [t for t in out if t.smem_bytes(head_dim) <= 227 * 1024]
 
 
 _TUNING_SPEC = None

@@ -12,10 +12,10 @@
 //              registers and V_j from shared memory (MN-major descriptor: no transpose
 //              copy); registers moved from producer to consumers with setmaxnreg.
 //              OVERLAP: the softmax of tile j runs while P_{j-1} V_{j-1} is in flight
-//              (FA3 section 3.2); off: each tile's steps in order.
+//              (FA3 section 3.2); off: each tile's steps in order. PINGPONG: the two
+//              consumer warpgroups take turns issuing wgmmas through named barriers, so
+//              one's softmax overlaps the other's matmuls (FA3 section 3.1).
 //              impl="wgmma" (opt-in; it has not run on a GPU yet).
-// Not here (yet): ping-pong of the two consumer warpgroups (FA3 section 3.1: named barriers
-// that let one warpgroup's softmax run while the other's matmuls do).
 //
 // Layouts: q [B, Hq, Sq, D], k and v [B, Hkv, Sk, D] (last dim contiguous), reached only through
 // their tensor maps (cupyattn/flash_attn_sm90.py builds them): 4-D, innermost first
@@ -226,6 +226,19 @@ __device__ __forceinline__ void fa3_rescale_and_pack(float (&o)[D / 2], const fl
         for (int e = 0; e < 4; ++e) p[kk][e] = pack2<T>(s[8 * kk + 2 * e], s[8 * kk + 2 * e + 1]);
 }
 
+// Ping-pong (FA3 section 3.1): the two consumer warpgroups take turns issuing their wgmmas, so one
+// warpgroup's softmax runs while the other's matmuls occupy the tensor cores. Warpgroup c issues
+// only between named_bar_sync(1 + c) and handing the turn over (bar.arrive on the other's
+// barrier); each barrier counts 256 threads: its own 128 waiting, the other's 128 arriving.
+template <bool PINGPONG>
+__device__ __forceinline__ void fa3_turn_begin(int cw) {
+    if constexpr (PINGPONG) named_bar_sync(1 + cw, 256);
+}
+template <bool PINGPONG>
+__device__ __forceinline__ void fa3_turn_end(int cw) {
+    if constexpr (PINGPONG) named_bar_arrive(2 - cw, 256);
+}
+
 // --- consumer: the key loop of one warpgroup ------------------------------------------------------
 // OVERLAP = false: each tile in order, S_ij | wait | softmax | P_ij V_j | wait.
 // OVERLAP = true (FlashAttention-3's intra-warpgroup pipelining, section 3.2): S_{j+1} and P_j V_j
@@ -235,8 +248,12 @@ __device__ __forceinline__ void fa3_rescale_and_pack(float (&o)[D / 2], const fl
 //   tile j >= 1:  issue S_j, then P_{j-1} V_{j-1} | wait S_j (wait_group 1) | softmax_j |
 //                 wait P V (wait_group 0) | rescale O, pack P_j
 //   P_{n-1} V_{n-1} | wait
-// A K slot is released once its S has retired, a V slot once its P V has.
-template <typename T, int D, int BLOCK_N, int STAGES, bool CAUSAL, bool OVERLAP>
+// A K slot is released once its S has retired, a V slot once its P V has. PINGPONG: every group
+// of wgmmas issued above is one turn (fa3_turn_begin / _end); warpgroup 1 gives warpgroup 0 the
+// first turn. Both see the same number of key tiles, so the turns alternate to the end (the last
+// hand-off is never taken, which a barrier allows). Ring waits cannot deadlock against the turns:
+// the slot a warpgroup waits for was released by the other one turns earlier (STAGES >= 2).
+template <typename T, int D, int BLOCK_N, int STAGES, bool CAUSAL, bool OVERLAP, bool PINGPONG>
 __device__ __forceinline__ void fa3_consume(unsigned char* smem, StageRing<STAGES>& kring, StageRing<STAGES>& vring,
                                             unsigned long long* q_bar, Fa3Keys keys, int m0, int Sq, int Sk,
                                             float scale_log2, float (&o)[D / 2], float (&m)[2], float (&l)[2]) {
@@ -259,11 +276,14 @@ __device__ __forceinline__ void fa3_consume(unsigned char* smem, StageRing<STAGE
 
     float s[BLOCK_N / 2], alpha[2];
     unsigned p[BLOCK_N / 16][4];
+    if (PINGPONG && cw == 1) named_bar_arrive(1, 256);   // warpgroup 0 takes the first turn
     // Each branch below is straight-line per tile: ptxas tracks wgmma accumulators path by path,
     // and a wait that only a correlated branch provides makes it serialise every wgmma (C7514).
     if constexpr (OVERLAP) {
         kring.wait();                                     // tile 0: S_0 alone
+        fa3_turn_begin<PINGPONG>(cw);
         fa3_issue_s<T, D, BLOCK_N>(s, sq, sk + kring.stage * L::KV_BYTES);
+        fa3_turn_end<PINGPONG>(cw);
         wgmma_wait_group<0>();
         wgmma_fence_acc(s);
         if (leader) kring.release(kring.stage);
@@ -272,9 +292,11 @@ __device__ __forceinline__ void fa3_consume(unsigned char* smem, StageRing<STAGE
         fa3_rescale_and_pack<T, D, BLOCK_N>(o, alpha, s, p);
         for (int j = 1; j < keys.n_tiles; ++j) {
             kring.wait();
+            fa3_turn_begin<PINGPONG>(cw);
             fa3_issue_s<T, D, BLOCK_N>(s, sq, sk + kring.stage * L::KV_BYTES);
             vring.wait();                                 // P_{j-1} V_{j-1} behind S_j
             fa3_issue_pv<T, D, BLOCK_N>(o, p, sv + vring.stage * L::KV_BYTES);
+            fa3_turn_end<PINGPONG>(cw);
             wgmma_wait_group<1>();                        // S_j has retired; P V may still run
             wgmma_fence_acc(s);
             if (leader) kring.release(kring.stage);       // K_j read
@@ -288,7 +310,9 @@ __device__ __forceinline__ void fa3_consume(unsigned char* smem, StageRing<STAGE
             fa3_rescale_and_pack<T, D, BLOCK_N>(o, alpha, s, p);
         }
         vring.wait();                                     // the last tile's P V
+        fa3_turn_begin<PINGPONG>(cw);
         fa3_issue_pv<T, D, BLOCK_N>(o, p, sv + vring.stage * L::KV_BYTES);
+        fa3_turn_end<PINGPONG>(cw);
         wgmma_wait_group<0>();
         wgmma_fence_acc(o);
         wgmma_fence_frag(p);
@@ -297,7 +321,9 @@ __device__ __forceinline__ void fa3_consume(unsigned char* smem, StageRing<STAGE
     } else {
         for (int j = 0; j < keys.n_tiles; ++j) {
             kring.wait();                                 // S_ij = Q_i K_j^T
+            fa3_turn_begin<PINGPONG>(cw);
             fa3_issue_s<T, D, BLOCK_N>(s, sq, sk + kring.stage * L::KV_BYTES);
+            fa3_turn_end<PINGPONG>(cw);
             wgmma_wait_group<0>();
             wgmma_fence_acc(s);
             if (leader) kring.release(kring.stage);
@@ -305,7 +331,9 @@ __device__ __forceinline__ void fa3_consume(unsigned char* smem, StageRing<STAGE
             fa3_softmax<BLOCK_N, CAUSAL>(s, m, l, alpha, me, keys, j * BLOCK_N, m0, diag, scale_log2);
             fa3_rescale_and_pack<T, D, BLOCK_N>(o, alpha, s, p);
             vring.wait();                                 // O_i += P_ij V_j
+            fa3_turn_begin<PINGPONG>(cw);
             fa3_issue_pv<T, D, BLOCK_N>(o, p, sv + vring.stage * L::KV_BYTES);
+            fa3_turn_end<PINGPONG>(cw);
             wgmma_wait_group<0>();
             wgmma_fence_acc(o);
             wgmma_fence_frag(p);
@@ -351,7 +379,7 @@ __device__ __forceinline__ void fa3_store(const float (&o)[D / 2], const float (
 // memory Q + 2 x STAGES K/V slots + 1 KB (alignment), cupyattn.config.AttnWgmmaTile.smem_bytes.
 // REG_P / REG_C: per-thread registers after setmaxnreg (128 REG_P + 256 REG_C <= 65536).
 // flags bit 0: out is 4-byte aligned (pairs of elements stored as one 32-bit word).
-template <typename T, int D, int BLOCK_N, int STAGES, bool OVERLAP, bool CAUSAL, int REG_P, int REG_C>
+template <typename T, int D, int BLOCK_N, int STAGES, bool OVERLAP, bool PINGPONG, bool CAUSAL, int REG_P, int REG_C>
 __global__ void __launch_bounds__(FA3_THREADS, 1)
 flash_attn_wgmma(const __grid_constant__ TmaMap map_q,   // q [B, Hq, Sq, D]
                  const __grid_constant__ TmaMap map_k,   // k [B, Hkv, Sk, D]
@@ -387,7 +415,7 @@ flash_attn_wgmma(const __grid_constant__ TmaMap map_q,   // q [B, Hq, Sq, D]
     } else {
         setmaxnreg_inc<REG_C>();
         float o[D / 2], m[2], l[2];
-        fa3_consume<T, D, BLOCK_N, STAGES, CAUSAL, OVERLAP>(smem, kring, vring, &q_bar, keys, tile.m0, Sq, Sk, scale_log2, o,
+        fa3_consume<T, D, BLOCK_N, STAGES, CAUSAL, OVERLAP, PINGPONG>(smem, kring, vring, &q_bar, keys, tile.m0, Sq, Sk, scale_log2, o,
                                                    m, l);
         fa3_store<T, D>(o, m, l, out, lse, tile.bh, tile.m0, Sq, (flags & 1) != 0);
     }

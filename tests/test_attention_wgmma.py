@@ -100,17 +100,20 @@ def test_wgmma_scale_and_strided_views(rng, scale):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("d,block_n,stages,overlap,causal", [(64, 128, 3, False, True), (128, 64, 2, True, False),
-                                                             (128, 64, 2, False, True)])
-def test_wgmma_tuning_variants_match_reference(rng, d, block_n, stages, overlap, causal):
+@pytest.mark.parametrize("d,block_n,stages,overlap,pingpong,causal", [
+    (64, 128, 3, False, True, True), (64, 128, 3, True, False, False), (64, 128, 3, False, False, True),
+    (128, 64, 2, True, True, False), (128, 64, 4, True, True, True)])
+def test_wgmma_tuning_variants_match_reference(rng, d, block_n, stages, overlap, pingpong, causal):
     """Tiles benchmarks.tune may pick (flash_attn_sm90.tuning_tiles) besides the configured one: the
-    softmax / P V overlap switched off, 64-key slots (Sk = 130: three key tiles through a 2-slot
-    ring, so it wraps and flips its phase); key lengths ending inside a tile."""
+    softmax / P V overlap or the consumers' ping-pong switched off, 64-key slots (Sk = 130: three
+    key tiles through a 2-slot ring, so it wraps and flips its phase); key lengths ending inside a
+    tile."""
     _hopper()
     import cupy
 
-    tile = config.AttnWgmmaTile(block_n, stages, "test", overlap=overlap)
-    assert any((t.block_n, t.stages, t.overlap) == (block_n, stages, overlap) for t in W.tuning_tiles(d))
+    tile = config.AttnWgmmaTile(block_n, stages, "test", overlap=overlap, pingpong=pingpong)
+    assert any((t.block_n, t.stages, t.overlap, t.pingpong) == (block_n, stages, overlap, pingpong)
+               for t in W.tuning_tiles(d))
     dtype, b, hq, hkv, sq, sk = "float16", 2, 2, 1, 130, 130
     kl = np.array([130, 70])
     (q, qr), (k, kr), (v, vr) = (to_device(x, dtype) for x in _qkv(rng, b, hq, hkv, sq, sk, d))
@@ -206,8 +209,10 @@ def test_wgmma_tuning_candidates_fit():
         tiles = W.tuning_tiles(d)
         assert tiles and all(t.smem_bytes(d) <= 227 * 1024 for t in tiles)
         c = config.ATTN_WGMMA_TILES[d]
-        assert any((t.block_n, t.stages, t.overlap) == (c.block_n, c.stages, c.overlap) for t in tiles), d
-        assert {t.overlap for t in tiles} == {True, False}, d
+        key = lambda t: (t.block_n, t.stages, t.overlap, t.pingpong)  # noqa: E731
+        assert key(c) in {key(t) for t in tiles}, d
+        assert {(t.overlap, t.pingpong) for t in tiles} == {(True, True), (True, False), (False, True),
+                                                            (False, False)}, d
 
 
 @pytest.mark.skipif(EMULATE, reason="the offline compile check needs the real CuPy and NVRTC")
@@ -217,6 +222,6 @@ def test_wgmma_compiles_for_sm90a_without_spills_within_shared_memory(compile_re
     assert sorted(r.kernel for r in reports) == sorted(W.SPEC.name_expressions)
     for r in reports:
         assert r.arch == "sm_90a" and not r.spills, r
-        d = int(r.kernel.split(", ")[1])  # flash_attn_wgmma<T, D, BLOCK_N, STAGES, OVERLAP, CAUSAL, ...>
+        d = int(r.kernel.split(", ")[1])  # flash_attn_wgmma<T, D, BLOCK_N, STAGES, OVERLAP, PINGPONG, ...>
         assert r.smem_bytes + config.ATTN_WGMMA_TILES[d].smem_bytes(d) <= 227 * 1024, r.kernel
         assert r.registers * 384 <= 65536, r.kernel  # one block per SM at the entry budget
