@@ -239,6 +239,42 @@ __device__ __forceinline__ void fa3_turn_end(int cw) {
     if constexpr (PINGPONG) named_bar_arrive(2 - cw, 256);
 }
 
+// The wgmma group of P V has retired: O_i and P_ij's registers are free, V_j's slot is released.
+template <int D, int BLOCK_N, int STAGES>
+__device__ __forceinline__ void fa3_retire_pv(float (&o)[D / 2], unsigned (&p)[BLOCK_N / 16][4],
+                                              StageRing<STAGES>& vring, bool leader) {
+    wgmma_wait_group<0>();
+    wgmma_fence_acc(o);
+    wgmma_fence_frag(p);
+    if (leader) vring.release(vring.stage);
+    vring.advance();
+}
+
+// S_ij = Q_i K_j^T as one turn of its own: wait for K_j, issue, retire, release K_j's slot.
+template <typename T, int D, int BLOCK_N, int STAGES, bool PINGPONG>
+__device__ __forceinline__ void fa3_s_alone(float (&s)[BLOCK_N / 2], const unsigned char* sq, const unsigned char* sk,
+                                            StageRing<STAGES>& kring, int cw, bool leader) {
+    kring.wait();
+    fa3_turn_begin<PINGPONG>(cw);
+    fa3_issue_s<T, D, BLOCK_N>(s, sq, sk + kring.stage * Fa3Smem<D, BLOCK_N>::KV_BYTES);
+    fa3_turn_end<PINGPONG>(cw);
+    wgmma_wait_group<0>();
+    wgmma_fence_acc(s);
+    if (leader) kring.release(kring.stage);
+    kring.advance();
+}
+
+// O_i += P_ij V_j as one turn of its own: wait for V_j, issue, retire, release V_j's slot.
+template <typename T, int D, int BLOCK_N, int STAGES, bool PINGPONG>
+__device__ __forceinline__ void fa3_pv_alone(float (&o)[D / 2], unsigned (&p)[BLOCK_N / 16][4], const unsigned char* sv,
+                                             StageRing<STAGES>& vring, int cw, bool leader) {
+    vring.wait();
+    fa3_turn_begin<PINGPONG>(cw);
+    fa3_issue_pv<T, D, BLOCK_N>(o, p, sv + vring.stage * Fa3Smem<D, BLOCK_N>::KV_BYTES);
+    fa3_turn_end<PINGPONG>(cw);
+    fa3_retire_pv<D, BLOCK_N, STAGES>(o, p, vring, leader);
+}
+
 // --- consumer: the key loop of one warpgroup ------------------------------------------------------
 // OVERLAP = false: each tile in order, S_ij | wait | softmax | P_ij V_j | wait.
 // OVERLAP = true (FlashAttention-3's intra-warpgroup pipelining, section 3.2): S_{j+1} and P_j V_j
@@ -280,14 +316,7 @@ __device__ __forceinline__ void fa3_consume(unsigned char* smem, StageRing<STAGE
     // Each branch below is straight-line per tile: ptxas tracks wgmma accumulators path by path,
     // and a wait that only a correlated branch provides makes it serialise every wgmma (C7514).
     if constexpr (OVERLAP) {
-        kring.wait();                                     // tile 0: S_0 alone
-        fa3_turn_begin<PINGPONG>(cw);
-        fa3_issue_s<T, D, BLOCK_N>(s, sq, sk + kring.stage * L::KV_BYTES);
-        fa3_turn_end<PINGPONG>(cw);
-        wgmma_wait_group<0>();
-        wgmma_fence_acc(s);
-        if (leader) kring.release(kring.stage);
-        kring.advance();
+        fa3_s_alone<T, D, BLOCK_N, STAGES, PINGPONG>(s, sq, sk, kring, cw, leader);  // tile 0: S_0 alone
         fa3_softmax<BLOCK_N, CAUSAL>(s, m, l, alpha, me, keys, 0, m0, diag, scale_log2);
         fa3_rescale_and_pack<T, D, BLOCK_N>(o, alpha, s, p);
         for (int j = 1; j < keys.n_tiles; ++j) {
@@ -302,43 +331,16 @@ __device__ __forceinline__ void fa3_consume(unsigned char* smem, StageRing<STAGE
             if (leader) kring.release(kring.stage);       // K_j read
             kring.advance();
             fa3_softmax<BLOCK_N, CAUSAL>(s, m, l, alpha, me, keys, j * BLOCK_N, m0, diag, scale_log2);
-            wgmma_wait_group<0>();                        // P_{j-1} V_{j-1} has retired
-            wgmma_fence_acc(o);
-            wgmma_fence_frag(p);
-            if (leader) vring.release(vring.stage);       // V_{j-1} read
-            vring.advance();
+            fa3_retire_pv<D, BLOCK_N, STAGES>(o, p, vring, leader);  // P_{j-1} V_{j-1}, V_{j-1} read
             fa3_rescale_and_pack<T, D, BLOCK_N>(o, alpha, s, p);
         }
-        vring.wait();                                     // the last tile's P V
-        fa3_turn_begin<PINGPONG>(cw);
-        fa3_issue_pv<T, D, BLOCK_N>(o, p, sv + vring.stage * L::KV_BYTES);
-        fa3_turn_end<PINGPONG>(cw);
-        wgmma_wait_group<0>();
-        wgmma_fence_acc(o);
-        wgmma_fence_frag(p);
-        if (leader) vring.release(vring.stage);
-        vring.advance();
+        fa3_pv_alone<T, D, BLOCK_N, STAGES, PINGPONG>(o, p, sv, vring, cw, leader);  // the last tile's
     } else {
         for (int j = 0; j < keys.n_tiles; ++j) {
-            kring.wait();                                 // S_ij = Q_i K_j^T
-            fa3_turn_begin<PINGPONG>(cw);
-            fa3_issue_s<T, D, BLOCK_N>(s, sq, sk + kring.stage * L::KV_BYTES);
-            fa3_turn_end<PINGPONG>(cw);
-            wgmma_wait_group<0>();
-            wgmma_fence_acc(s);
-            if (leader) kring.release(kring.stage);
-            kring.advance();
+            fa3_s_alone<T, D, BLOCK_N, STAGES, PINGPONG>(s, sq, sk, kring, cw, leader);  // S_ij = Q_i K_j^T
             fa3_softmax<BLOCK_N, CAUSAL>(s, m, l, alpha, me, keys, j * BLOCK_N, m0, diag, scale_log2);
             fa3_rescale_and_pack<T, D, BLOCK_N>(o, alpha, s, p);
-            vring.wait();                                 // O_i += P_ij V_j
-            fa3_turn_begin<PINGPONG>(cw);
-            fa3_issue_pv<T, D, BLOCK_N>(o, p, sv + vring.stage * L::KV_BYTES);
-            fa3_turn_end<PINGPONG>(cw);
-            wgmma_wait_group<0>();
-            wgmma_fence_acc(o);
-            wgmma_fence_frag(p);
-            if (leader) vring.release(vring.stage);
-            vring.advance();
+            fa3_pv_alone<T, D, BLOCK_N, STAGES, PINGPONG>(o, p, sv, vring, cw, leader);  // O_i += P_ij V_j
         }
     }
 }
