@@ -129,7 +129,7 @@ def _check_args(q, k, v, causal, scale, mask, key_lengths, impl, return_lse, out
     mshape = _check_mask(mask, (b, hq, sq, sk)) if mask is not None else None
     kl = _check_key_lengths(key_lengths, b, sk) if key_lengths is not None else None
     if impl == "wgmma":
-        _sm90.check(q, k, v, needs_tma=mask is None)
+        _sm90.check(q, k, v)
     if out is not None:
         check_out(_FN, out, (b, hq, sq, d), q.dtype)
         _checks.check_no_overlap(_FN, out, {"q": q, "k": k, "v": v, "mask": mask,
@@ -180,7 +180,7 @@ def attention(q, k, v, causal=False, scale=None, mask=None, key_lengths=None, im
         ``"wgmma"``: Hopper only (sm_90, H100/H200), opt-in, **not yet run on a GPU**:
         TMA + wgmma, warp-specialised (cupyattn/flash_attn_sm90.py); float16/bfloat16, D of
         64, 128 or 256, q/k/v that TMA can read (16-byte-aligned base and strides, else a
-        ValueError naming the tensor); with a ``mask`` it runs ``flash_mma``.
+        ValueError naming the tensor); masks as ``flash_mma`` takes them.
     return_lse : bool
         Also return the row log-sum-exp of the scaled, masked scores.
     out : cupy.ndarray [B, Hq, Sq, D], optional
@@ -222,10 +222,10 @@ def attention(q, k, v, causal=False, scale=None, mask=None, key_lengths=None, im
         mask = mask.astype(cupy.float32)
     if impl == "naive":
         _naive(q, k, v, causal, scale, mask, mshape, kl, out, lse)
-    elif impl == "wgmma" and mask is None:
-        _sm90.run(q, k, v, causal, scale, kl, out, lse)
-    else:  # wgmma with a mask: flash_mma (the Hopper kernel has no mask operand yet)
-        _flash("flash_mma" if impl == "wgmma" else impl, q, k, v, causal, scale, mask, mshape, kl, out, lse)
+    elif impl == "wgmma":
+        _sm90.run(q, k, v, causal, scale, kl, out, lse, mask, mshape)
+    else:
+        _flash(impl, q, k, v, causal, scale, mask, mshape, kl, out, lse)
     return (out, lse) if return_lse else out
 
 

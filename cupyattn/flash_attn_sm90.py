@@ -3,8 +3,8 @@
 FlashAttention-2's algorithm in FlashAttention-3's shape: a producer warp loads Q, K and V by TMA
 into mbarrier-tracked stage rings, two consumer warpgroups compute ``S = Q K^T`` and ``O += P V``
 with ``wgmma``. float16 / bfloat16, head dims ``config.ATTN_WGMMA_TILES`` (64, 128, 256), causal
-(bottom-right), GQA/MQA, ``key_lengths``, ``scale``, ``return_lse``, ``out=``; an additive mask is
-run by ``flash_mma`` instead (the kernel has no mask operand yet). It needs an sm_90 device and
+(bottom-right), GQA/MQA, ``key_lengths``, additive masks, ``scale``, ``return_lse``, ``out=``.
+It needs an sm_90 device and
 q, k, v that TMA can read: 16-byte-aligned base pointers and batch / head / row strides that are
 positive multiples of 16 bytes (a contiguous tensor always qualifies: D is 64, 128 or 256).
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 
+import cupy
 import numpy as np
 
 from . import config as C
@@ -57,10 +58,9 @@ def _operands(q, k, v, head_dim: int, tile: C.AttnWgmmaTile | None = None):
     return [_operand("q", q, t.block_m), _operand("k", k, t.block_n), _operand("v", v, t.block_n)]
 
 
-def check(q, k, v, needs_tma: bool = True) -> None:
+def check(q, k, v) -> None:
     """impl="wgmma"'s own checks, after attention()'s generic ones and before anything is
-    allocated: dtype, head dim, an sm_90 device, and (when the kernel will run, i.e. without a
-    mask) that TMA can read q, k and v and the grid fits."""
+    allocated: dtype, head dim, an sm_90 device, that TMA can read q, k and v, the grid size."""
     if np.dtype(q.dtype) not in MMA_DTYPES:
         raise TypeError(f"{_FN}(): impl='wgmma' needs float16 or bfloat16 inputs, got {np.dtype(q.dtype)} "
                         f"(use impl='flash')")
@@ -69,8 +69,6 @@ def check(q, k, v, needs_tma: bool = True) -> None:
         raise ValueError(f"{_FN}(): head_dim D={d} is not supported by impl='wgmma'; supported: "
                          f"{', '.join(map(str, C.ATTN_WGMMA_TILES))} (impl='flash_mma' takes the others)")
     tma.require_device(_FN, "impl='wgmma'")
-    if not needs_tma:
-        return
     if q.size == 0 or k.shape[2] == 0:
         return  # nothing is launched
     for name, ptr, dims, strides, box in _operands(q, k, v, d):
@@ -84,9 +82,22 @@ def check(q, k, v, needs_tma: bool = True) -> None:
                          f"B*Hq*ceil(Sq/128) is over 2^31-1")
 
 
-def run(q, k, v, causal: bool, scale: float, kl, out, lse, tile: C.AttnWgmmaTile | None = None) -> None:
+def _mask_arg(mask, mshape):
+    """(mask, element strides [b, h, q, k]) as the kernel reads it: 0 on broadcast dims, the key
+    stride 0 or 1 (a strided key dim is copied, at the mask's own, un-broadcast size)."""
+    if mask is None:
+        return None, [0, 0, 0, 0]
+    mask = mask.reshape(mshape)  # leading 1s: a view
+    if mshape[3] != 1 and mask.strides[3] != mask.itemsize:
+        mask = cupy.ascontiguousarray(mask)
+    return mask, [0 if n == 1 else st // mask.itemsize for n, st in zip(mshape, mask.strides)]
+
+
+def run(q, k, v, causal: bool, scale: float, kl, out, lse, mask=None, mshape=None,
+        tile: C.AttnWgmmaTile | None = None) -> None:
     """Launch the kernel (arguments checked by :func:`check`; ``kl``: int32 device key lengths or
-    None). ``tile`` overrides the config entry (benchmarks.tune); its instantiation must be built."""
+    None; ``mask``: float32, broadcastable to ``mshape`` = (B or 1, Hq or 1, Sq or 1, Sk or 1)).
+    ``tile`` overrides the config entry (benchmarks.tune); its instantiation must be built."""
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     t = tile or C.ATTN_WGMMA_TILES[d]
@@ -97,10 +108,11 @@ def run(q, k, v, causal: bool, scale: float, kl, out, lse, tile: C.AttnWgmmaTile
     expr = _expr(q.dtype, d, causal, t)
     kern = get_function(SPEC if tile is None else tuning_spec(), expr, dynamic_smem=smem)
     flags = 1 if out.data.ptr % 4 == 0 else 0
+    mask, mstr = _mask_arg(mask, mshape)
     i32 = np.int32
     kern((m_tiles * b * hq, 1, 1), (128 * 3, 1, 1),
-         (*maps, out, ptr_or_null(lse), ptr_or_null(kl), i32(hq), i32(hkv), i32(sq), i32(sk), i32(m_tiles),
-          np.float32(scale * math.log2(math.e)), i32(flags)),
+         (*maps, out, ptr_or_null(lse), ptr_or_null(kl), ptr_or_null(mask), *map(np.int64, mstr),
+          i32(hq), i32(hkv), i32(sq), i32(sk), i32(m_tiles), np.float32(scale * math.log2(math.e)), i32(flags)),
          shared_mem=smem)
 
 

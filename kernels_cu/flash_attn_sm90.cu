@@ -34,11 +34,12 @@
 //
 // Masking and non-finite values (cupyattn/reference.py): keys j >= key_lengths[b] (clamped to
 // [0, Sk]) and, with CAUSAL, j > i + Sk - Sq (bottom-right) get S = -inf before the row max;
-// key tiles past the last visible key are never loaded. A V row hidden by key_lengths may hold
+// `mask` (optional) is an additive fp32 tensor read through 4 element strides (0 on broadcast
+// dims, the key stride 0 or 1), its -inf entries hiding their keys whatever the score. Key tiles
+// past the last visible key are never loaded. A V row hidden by key_lengths may hold
 // anything (an unwritten cache: NaN), and P = 0 times NaN is NaN, so the producer zeroes those
 // rows of a slot after its TMA lands and before the consumers may read it. A row that sees no
-// key keeps m_i = -inf, l_i = 0 and is written as zeros, lse = -inf. Additive masks are not
-// taken here (the op module runs flash_mma for them).
+// key keeps m_i = -inf, l_i = 0 and is written as zeros, lse = -inf.
 #include "common.cuh"
 #include "sm90.cuh"
 
@@ -66,6 +67,9 @@ __device__ __forceinline__ Fa3Keys fa3_keys(const int* key_lengths, int b, int m
     if (CAUSAL) k_end = min(k_end, m0 + FA3_BLOCK_M + Sk - Sq);
     return {k_end, kl, k_end > 0 ? (k_end + BLOCK_N - 1) / BLOCK_N : 0};
 }
+
+// The additive mask of one (batch, head), or none: element (i, j) at p[i * sq + j * sk].
+struct Fa3Mask { const float* p; long long sq, sk; };
 
 template <int D, int BLOCK_N>
 struct Fa3Smem {
@@ -176,20 +180,29 @@ __device__ __forceinline__ void fa3_issue_pv(float (&o)[D / 2], unsigned (&p)[BL
 // and alpha = exp(m_i^(j-1) - m_i^(j)), the factor O_i still has to be rescaled by.
 template <int BLOCK_N, bool CAUSAL>
 __device__ __forceinline__ void fa3_softmax(float (&s)[BLOCK_N / 2], float (&m)[2], float (&l)[2], float (&alpha)[2],
-                                            Fa3Row me, Fa3Keys keys, int n0, int m0, int diag, float scale_log2) {
+                                            Fa3Row me, Fa3Keys keys, Fa3Mask mask, int n0, int m0, int Sq, int diag,
+                                            float scale_log2) {
     float mul = scale_log2;
-    if (scale_log2 < 0.0f || n0 + BLOCK_N > keys.k_end || (CAUSAL && n0 + BLOCK_N - 1 > m0 + diag)) {
+    if (scale_log2 < 0.0f || mask.p || n0 + BLOCK_N > keys.k_end || (CAUSAL && n0 + BLOCK_N - 1 > m0 + diag)) {
         mul = 1.0f;                                       // S in scaled log2 units from here
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const int i = me.row0 + 8 * r;
             const int lim = CAUSAL ? min(keys.k_end, i + diag + 1) : keys.k_end;
+            // a row's mask reads are constant offsets from one pointer (key stride 0 or 1)
+            const float* mrow = mask.p && i < Sq ? mask.p + i * mask.sq + (mask.sk ? n0 + 2 * me.t : 0) : nullptr;
 #pragma unroll
             for (int jj = 0; jj < BLOCK_N / 8; ++jj)
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     float& x = s[4 * jj + 2 * r + e];
-                    x = n0 + 8 * jj + 2 * me.t + e < lim ? x * scale_log2 : -CUDART_INF_F;
+                    const bool seen = n0 + 8 * jj + 2 * me.t + e < lim;
+                    float y = x * scale_log2;
+                    if (mrow && seen) {                   // a -inf entry hides the key, even a NaN score
+                        const float add = mrow[mask.sk ? 8 * jj + e : 0];
+                        y = add == -CUDART_INF_F ? -CUDART_INF_F : fmaf(add, LOG2E_F, y);
+                    }
+                    x = seen ? y : -CUDART_INF_F;
                 }
         }
     }
@@ -291,8 +304,8 @@ __device__ __forceinline__ void fa3_pv_alone(float (&o)[D / 2], unsigned (&p)[BL
 // the slot a warpgroup waits for was released by the other one turns earlier (STAGES >= 2).
 template <typename T, int D, int BLOCK_N, int STAGES, bool CAUSAL, bool OVERLAP, bool PINGPONG>
 __device__ __forceinline__ void fa3_consume(unsigned char* smem, StageRing<STAGES>& kring, StageRing<STAGES>& vring,
-                                            unsigned long long* q_bar, Fa3Keys keys, int m0, int Sq, int Sk,
-                                            float scale_log2, float (&o)[D / 2], float (&m)[2], float (&l)[2]) {
+                                            unsigned long long* q_bar, Fa3Keys keys, Fa3Mask mask, int m0, int Sq,
+                                            int Sk, float scale_log2, float (&o)[D / 2], float (&m)[2], float (&l)[2]) {
     using L = Fa3Smem<D, BLOCK_N>;
     const int cw = threadIdx.x / 128 - 1, w = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
     const Fa3Row me{m0 + 64 * cw + 16 * w + lane / 4, lane % 4};
@@ -317,7 +330,7 @@ __device__ __forceinline__ void fa3_consume(unsigned char* smem, StageRing<STAGE
     // and a wait that only a correlated branch provides makes it serialise every wgmma (C7514).
     if constexpr (OVERLAP) {
         fa3_s_alone<T, D, BLOCK_N, STAGES, PINGPONG>(s, sq, sk, kring, cw, leader);  // tile 0: S_0 alone
-        fa3_softmax<BLOCK_N, CAUSAL>(s, m, l, alpha, me, keys, 0, m0, diag, scale_log2);
+        fa3_softmax<BLOCK_N, CAUSAL>(s, m, l, alpha, me, keys, mask, 0, m0, Sq, diag, scale_log2);
         fa3_rescale_and_pack<T, D, BLOCK_N>(o, alpha, s, p);
         for (int j = 1; j < keys.n_tiles; ++j) {
             kring.wait();
@@ -330,7 +343,7 @@ __device__ __forceinline__ void fa3_consume(unsigned char* smem, StageRing<STAGE
             wgmma_fence_acc(s);
             if (leader) kring.release(kring.stage);       // K_j read
             kring.advance();
-            fa3_softmax<BLOCK_N, CAUSAL>(s, m, l, alpha, me, keys, j * BLOCK_N, m0, diag, scale_log2);
+            fa3_softmax<BLOCK_N, CAUSAL>(s, m, l, alpha, me, keys, mask, j * BLOCK_N, m0, Sq, diag, scale_log2);
             fa3_retire_pv<D, BLOCK_N, STAGES>(o, p, vring, leader);  // P_{j-1} V_{j-1}, V_{j-1} read
             fa3_rescale_and_pack<T, D, BLOCK_N>(o, alpha, s, p);
         }
@@ -338,7 +351,7 @@ __device__ __forceinline__ void fa3_consume(unsigned char* smem, StageRing<STAGE
     } else {
         for (int j = 0; j < keys.n_tiles; ++j) {
             fa3_s_alone<T, D, BLOCK_N, STAGES, PINGPONG>(s, sq, sk, kring, cw, leader);  // S_ij = Q_i K_j^T
-            fa3_softmax<BLOCK_N, CAUSAL>(s, m, l, alpha, me, keys, j * BLOCK_N, m0, diag, scale_log2);
+            fa3_softmax<BLOCK_N, CAUSAL>(s, m, l, alpha, me, keys, mask, j * BLOCK_N, m0, Sq, diag, scale_log2);
             fa3_rescale_and_pack<T, D, BLOCK_N>(o, alpha, s, p);
             fa3_pv_alone<T, D, BLOCK_N, STAGES, PINGPONG>(o, p, sv, vring, cw, leader);  // O_i += P_ij V_j
         }
@@ -389,6 +402,8 @@ flash_attn_wgmma(const __grid_constant__ TmaMap map_q,   // q [B, Hq, Sq, D]
                  T* __restrict__ out,                    // [B, Hq, Sq, D] C-contiguous
                  float* __restrict__ lse,                // [B, Hq, Sq] or null
                  const int* __restrict__ key_lengths,    // [B] or null
+                 const float* __restrict__ mask,         // additive, broadcast by m_s*; or null
+                 long long m_sb, long long m_sh, long long m_sq, long long m_sk,
                  int Hq, int Hkv, int Sq, int Sk, int m_tiles, float scale_log2, int flags) {
     static_assert(D % 64 == 0 && D <= 256, "D: whole 128-byte boxes, at most 256 (wgmma N)");
     static_assert(BLOCK_N % 16 == 0 && BLOCK_N <= 256, "BLOCK_N: whole k16 steps of P V, wgmma N <= 256");
@@ -417,8 +432,9 @@ flash_attn_wgmma(const __grid_constant__ TmaMap map_q,   // q [B, Hq, Sq, D]
     } else {
         setmaxnreg_inc<REG_C>();
         float o[D / 2], m[2], l[2];
-        fa3_consume<T, D, BLOCK_N, STAGES, CAUSAL, OVERLAP, PINGPONG>(smem, kring, vring, &q_bar, keys, tile.m0, Sq, Sk, scale_log2, o,
-                                                   m, l);
+        const Fa3Mask mk{mask ? mask + b * m_sb + h * m_sh : nullptr, m_sq, m_sk};
+        fa3_consume<T, D, BLOCK_N, STAGES, CAUSAL, OVERLAP, PINGPONG>(smem, kring, vring, &q_bar, keys, mk, tile.m0, Sq,
+                                                                      Sk, scale_log2, o, m, l);
         fa3_store<T, D>(o, m, l, out, lse, tile.bh, tile.m0, Sq, (flags & 1) != 0);
     }
 }

@@ -125,40 +125,58 @@ def test_wgmma_tuning_variants_match_reference(rng, d, block_n, stages, overlap,
 
 
 @pytest.mark.gpu
-def test_wgmma_nan_query_poisons_only_its_row(rng):
-    """A NaN in q makes its row NaN (out and lse), as the reference says; the other rows of the
-    same wgmma tile are untouched."""
+def test_wgmma_nan_semantics_follow_the_reference(rng):
+    """A NaN key behind a -inf mask entry is hidden; a NaN query makes only its own row NaN (out
+    and lse), even when the mask leaves that row a single key; the other rows of the same wgmma
+    tile are untouched."""
     _hopper()
     import cupy
 
-    dtype = "float16"
-    (q, qr), (k, kr), (v, vr) = (to_device(x, dtype) for x in _qkv(rng, 1, 2, 2, 70, 90, 64))
-    q[0, 1, 33, 5] = np.nan
-    qr[0, 1, 33, 5] = np.nan
-    want, wl = ref.attention(qr, kr, vr, causal=True, return_lse=True)
-    out, lse = FA.attention(q, k, v, causal=True, impl="wgmma", return_lse=True, out=nan_like(q.shape, dtype))
+    dtype, b, hq, sq, sk = "float16", 2, 2, 70, 90
+    (q, qr), (k, kr), (v, vr) = (to_device(x, dtype) for x in _qkv(rng, b, hq, 1, sq, sk, 64))
+    mask = np.zeros((b, hq, sq, sk), np.float32)
+    mask[0, :, :, 5] = -np.inf        # key 5 of batch 0 is hidden from everyone ...
+    kr[0, :, 5] = np.nan              # ... so its NaN key must not matter
+    k[0, :, 5] = np.nan
+    qr[1, 1, 33, 5] = np.nan          # a NaN query: row (1, 1, 33) is NaN, nothing else
+    q[1, 1, 33, 5] = np.nan
+    mask[1, 1, 33, 1:] = -np.inf      # that row sees only key 0
+    want, wl = ref.attention(qr, kr, vr, causal=True, mask=mask, return_lse=True)
+    out, lse = FA.attention(q, k, v, causal=True, mask=cupy.asarray(mask), impl="wgmma", return_lse=True,
+                            out=nan_like(q.shape, dtype))
     got, gl = to_host(out), to_host(lse)
+    assert np.isnan(want[1, 1, 33]).all() and np.isnan(wl[1, 1, 33])
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
     np.testing.assert_array_equal(np.isnan(gl), np.isnan(wl))
     fin = ~np.isnan(want[..., 0])
     assert_close(got[fin], want[fin], dtype)
-    assert bool(cupy.isnan(out[0, 1, 33]).all())
+    _assert_lse(gl[fin], wl[fin], 2e-3)
+
+
+def _mask(rng, shape, view=None):
+    """A float32 device mask with about 30% -inf entries and one query row entirely -inf (zeros,
+    lse -inf), the rest N(0, 1); ``view`` maps a wider array to the mask (a strided key dim)."""
+    import cupy
+
+    m = np.where(rng.random(shape) < 0.3, -np.inf, rng.standard_normal(shape))
+    m[..., 3, :] = -np.inf
+    m = cupy.asarray(m, dtype=cupy.float32)
+    return m if view is None else view(m)
 
 
 @pytest.mark.gpu
-def test_wgmma_with_a_mask_runs_flash_mma(rng, monkeypatch):
-    """The Hopper kernel has no mask operand: impl="wgmma" with an additive mask is flash_mma's
-    launch (and its answer), never the wgmma kernel."""
+@pytest.mark.parametrize("dtype,d,causal,mshape,view,kl", [
+    ("float16", 64, False, (97, 130), None, None),                       # [Sq, Sk], broadcast over B, H
+    ("bfloat16", 128, True, (2, 1, 97, 130), None, [130, 50]),          # per batch, key lengths
+    ("float16", 64, True, (2, 4, 97, 260), lambda m: m[..., ::2], None),  # strided key dim: copied
+    ("float16", 128, False, (97, 1), None, [61, 130]),                  # one value per query row
+])
+def test_wgmma_additive_masks(rng, dtype, d, causal, mshape, view, kl):
+    """Masks broadcast to [B, Hq, Sq, Sk] through strides (0 on broadcast dims), with -inf
+    entries and fully masked rows, beside causal and key lengths; GQA."""
     _hopper()
-    import cupy
-
-    def refuse(*a, **kw):
-        raise AssertionError("the wgmma kernel was launched with a mask")
-
-    monkeypatch.setattr(W, "run", refuse)
-    mask = cupy.asarray(np.where(rng.random((1, 2, 33, 40)) < 0.3, -np.inf, rng.standard_normal((1, 2, 33, 40))),
-                        dtype=cupy.float32)
-    _run(rng, "float16", 1, 2, 1, 33, 40, 64, "wgmma", mask=mask, return_lse=True)
+    _run(rng, dtype, 2, 4, 2, 97, 130, d, "wgmma", causal=causal, mask=_mask(rng, mshape, view),
+         key_lengths=kl, return_lse=True)
 
 
 @pytest.mark.gpu
