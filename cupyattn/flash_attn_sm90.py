@@ -10,7 +10,8 @@ positive multiples of 16 bytes (a contiguous tensor always qualifies: D is 64, 1
 
 **It has not run on a GPU**: it passes its tests on the CPU emulator (tests/emu) and compiles for
 sm_90a, so ``impl=None`` keeps ``flash_mma`` (``config.ATTN_AUTO_WGMMA``) until a GPU run shows
-it correct and faster. :mod:`cupyattn.flash_attn` calls :func:`check` from its argument checks
+it correct and faster; once that flag is set, ``impl=None`` takes it on sm_90 wherever it can
+launch (:func:`auto_takes`), tinylm's prefill included. :mod:`cupyattn.flash_attn` calls :func:`check` from its argument checks
 and :func:`run` to launch.
 """
 from __future__ import annotations
@@ -58,28 +59,42 @@ def _operands(q, k, v, head_dim: int, tile: C.AttnWgmmaTile | None = None):
     return [_operand("q", q, t.block_m), _operand("k", k, t.block_n), _operand("v", v, t.block_n)]
 
 
+def _launch_problem(q, k, v) -> str | None:
+    """Why the kernel cannot take these (TMA-readable q, k, v; the grid size), or None."""
+    b, hq, sq, d = q.shape
+    if q.size == 0 or k.shape[2] == 0:
+        return None  # nothing is launched
+    for name, ptr, dims, strides, box in _operands(q, k, v, d):
+        why = "it has a negative stride" if min(strides) < 0 else tma.problem(ptr, q.dtype, dims, strides, box)
+        if why is not None:
+            return f"needs q, k, v that TMA can read: {name}: {why} (use impl='flash_mma')"
+    if -(-sq // C.ATTN_WGMMA_TILES[d].block_m) * b * hq > INT32_MAX:
+        return "launches one block per 128 queries of each head: B*Hq*ceil(Sq/128) is over 2^31-1"
+    return None
+
+
 def check(q, k, v) -> None:
     """impl="wgmma"'s own checks, after attention()'s generic ones and before anything is
     allocated: dtype, head dim, an sm_90 device, that TMA can read q, k and v, the grid size."""
     if np.dtype(q.dtype) not in MMA_DTYPES:
         raise TypeError(f"{_FN}(): impl='wgmma' needs float16 or bfloat16 inputs, got {np.dtype(q.dtype)} "
                         f"(use impl='flash')")
-    b, hq, sq, d = q.shape
+    d = q.shape[3]
     if d not in C.ATTN_WGMMA_TILES:
         raise ValueError(f"{_FN}(): head_dim D={d} is not supported by impl='wgmma'; supported: "
                          f"{', '.join(map(str, C.ATTN_WGMMA_TILES))} (impl='flash_mma' takes the others)")
     tma.require_device(_FN, "impl='wgmma'")
-    if q.size == 0 or k.shape[2] == 0:
-        return  # nothing is launched
-    for name, ptr, dims, strides, box in _operands(q, k, v, d):
-        neg = min(strides) < 0
-        why = "it has a negative stride" if neg else tma.problem(ptr, q.dtype, dims, strides, box)
-        if why is not None:
-            raise ValueError(f"{_FN}(): impl='wgmma' needs q, k, v that TMA can read: {name}: {why} "
-                             f"(use impl='flash_mma')")
-    if -(-sq // C.ATTN_WGMMA_TILES[d].block_m) * b * hq > INT32_MAX:
-        raise ValueError(f"{_FN}(): impl='wgmma' launches one block per 128 queries of each head: "
-                         f"B*Hq*ceil(Sq/128) is over 2^31-1")
+    why = _launch_problem(q, k, v)
+    if why is not None:
+        raise ValueError(f"{_FN}(): impl='wgmma' {why}")
+
+
+def auto_takes(q, k, v) -> bool:
+    """Whether impl=None runs this kernel: only once config.ATTN_AUTO_WGMMA is set (after a GPU
+    run), on sm_90, for 16-bit inputs of a supported head dim that it can launch on."""
+    if not C.ATTN_AUTO_WGMMA or np.dtype(q.dtype) not in MMA_DTYPES or q.shape[3] not in C.ATTN_WGMMA_TILES:
+        return False
+    return tma.compute_capability() >= tma.MIN_COMPUTE_CAPABILITY and _launch_problem(q, k, v) is None
 
 
 def _mask_arg(mask, mshape):

@@ -209,6 +209,29 @@ def test_wgmma_argument_checks(rng, monkeypatch):
         FA.attention(q, k, k, impl="wgmma")
 
 
+@pytest.mark.gpu
+def test_impl_none_takes_wgmma_only_when_enabled_and_launchable(rng, monkeypatch):
+    """impl=None keeps flash_mma (config.ATTN_AUTO_WGMMA is off until a GPU run shows wgmma correct
+    and faster); switched on, it takes wgmma on sm_90 for inputs it can launch on (tinylm's
+    prefill goes through this) and flash_mma for the others, e.g. rows TMA cannot read."""
+    _hopper()
+    calls = []
+    real = W.run
+    monkeypatch.setattr(W, "run", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    dtype = "float16"
+    (q, qr), (k, kr), (v, vr) = (to_device(x, dtype) for x in _qkv(rng, 1, 2, 1, 40, 70, 64))
+    want = ref.attention(qr, kr, vr, causal=True)
+    assert_close(FA.attention(q, k, v, causal=True, out=nan_like(q.shape, dtype)), want, dtype)
+    assert calls == []
+    monkeypatch.setattr(config, "ATTN_AUTO_WGMMA", True)
+    assert_close(FA.attention(q, k, v, causal=True, out=nan_like(q.shape, dtype)), want, dtype)
+    assert calls == [1]
+    wide = to_device(np.zeros((1, 1, 70, 68)), dtype)[0]
+    wide[..., :64] = k
+    assert_close(FA.attention(q, wide[..., :64], v, causal=True, out=nan_like(q.shape, dtype)), want, dtype)
+    assert calls == [1]  # 136-byte rows: flash_mma
+
+
 # --- CPU tier: tile table, instantiations, offline compile for sm_90a ------------------------------------
 def test_wgmma_tile_table_fits_and_is_built():
     """Every head dim of the table has an instantiation per dtype and mask, a tile the kernel's
