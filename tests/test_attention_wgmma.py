@@ -103,7 +103,7 @@ def test_wgmma_scale_and_strided_views(rng, scale):
 @pytest.mark.parametrize("d,block_n,stages,overlap,pingpong,causal", [
     (64, 128, 3, False, True, True), (64, 128, 3, True, False, False), (64, 128, 3, False, False, True),
     (128, 64, 2, True, True, False), (128, 64, 4, True, True, True)])
-def test_wgmma_tuning_variants_match_reference(rng, d, block_n, stages, overlap, pingpong, causal):
+def test_wgmma_tuning_variants_match_reference(rng, monkeypatch, d, block_n, stages, overlap, pingpong, causal):
     """Tiles benchmarks.tune may pick (flash_attn_sm90.tuning_tiles) besides the configured one: the
     softmax / P V overlap or the consumers' ping-pong switched off, 64-key slots (Sk = 130: three
     key tiles through a 2-slot ring, so it wraps and flips its phase); key lengths ending inside a
@@ -111,6 +111,12 @@ def test_wgmma_tuning_variants_match_reference(rng, d, block_n, stages, overlap,
     _hopper()
     import cupy
 
+    from cupyattn import _loader
+
+    # the tuning spec registers itself; keep it out of the registry other tests read (the
+    # sanitizer script's list of instantiations to launch)
+    monkeypatch.setattr(_loader, "_REGISTRY", dict(_loader._REGISTRY))
+    monkeypatch.setattr(W, "_TUNING_SPEC", None)
     tile = config.AttnWgmmaTile(block_n, stages, "test", overlap=overlap, pingpong=pingpong)
     assert any((t.block_n, t.stages, t.overlap, t.pingpong) == (block_n, stages, overlap, pingpong)
                for t in W.tuning_tiles(d))
