@@ -151,7 +151,7 @@ __device__ __forceinline__ void fa3_issue_s(float (&s)[BLOCK_N / 2], const unsig
     wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks) {
-        const int off = 32 * (ks % 4);     // k16 step inside the 128-byte row
+        const int off = 32 * (ks % 4);  // k16 step inside the 128-byte row
         wgmma_ss<T, BLOCK_N, 0, 0>(s, smem_desc(sq + (ks / 4) * L::Q_BOX + off, 16, 1024, SWIZZLE_128B),
                                    smem_desc(kt + (ks / 4) * L::KV_BOX + off, 16, 1024, SWIZZLE_128B), ks != 0);
     }
@@ -172,8 +172,8 @@ __device__ __forceinline__ void fa3_issue_pv(float (&o)[D / 2], unsigned (&p)[BL
 
 // The softmax of one key tile, in place on S_ij (fp32, registers only: it may run while the
 // previous tile's P V is in flight). Masking first, only on tiles that need it (keys past k_end,
-// keys above the causal diagonal of the tile's first row, or a negative scale: the fast path
-// takes the max of unscaled S); hidden keys get -inf, so P is exactly 0 there. Then
+// keys above the causal diagonal of the tile's first row, a mask tensor, or a negative scale: the
+// fast path takes the max of unscaled S); hidden keys get -inf, so P is exactly 0 there. Then
 //   m_i^(j) = max(m_i^(j-1), rowmax(S_ij))
 //   P_ij = exp2(S_ij * mul - m_i^(j))                  (the scale folded into one FMA)
 //   l_i^(j) = exp(m_i^(j-1) - m_i^(j)) l_i^(j-1) + rowsum(P_ij)
