@@ -16,6 +16,7 @@ from cupyattn import flash_attn as FA
 from cupyattn import flash_attn_sm90 as W
 from cupyattn import reference as ref
 from test_attention import _assert_lse, _qkv, _run
+from test_attention import test_gpu_nan_semantics_follow_the_reference as _nan_semantics
 
 EMULATE = os.environ.get("CUPYATTN_EMULATE") == "1"
 
@@ -132,31 +133,10 @@ def test_wgmma_tuning_variants_match_reference(rng, monkeypatch, d, block_n, sta
 
 @pytest.mark.gpu
 def test_wgmma_nan_semantics_follow_the_reference(rng):
-    """A NaN key behind a -inf mask entry is hidden; a NaN query makes only its own row NaN (out
-    and lse), even when the mask leaves that row a single key; the other rows of the same wgmma
-    tile are untouched."""
+    """test_attention's NaN rules, for wgmma: a NaN key behind a -inf mask entry is hidden; a NaN
+    query makes only its own row NaN (out and lse), even when the mask leaves it one key."""
     _hopper()
-    import cupy
-
-    dtype, b, hq, sq, sk = "float16", 2, 2, 70, 90
-    (q, qr), (k, kr), (v, vr) = (to_device(x, dtype) for x in _qkv(rng, b, hq, 1, sq, sk, 64))
-    mask = np.zeros((b, hq, sq, sk), np.float32)
-    mask[0, :, :, 5] = -np.inf        # key 5 of batch 0 is hidden from everyone ...
-    kr[0, :, 5] = np.nan              # ... so its NaN key must not matter
-    k[0, :, 5] = np.nan
-    qr[1, 1, 33, 5] = np.nan          # a NaN query: row (1, 1, 33) is NaN, nothing else
-    q[1, 1, 33, 5] = np.nan
-    mask[1, 1, 33, 1:] = -np.inf      # that row sees only key 0
-    want, wl = ref.attention(qr, kr, vr, causal=True, mask=mask, return_lse=True)
-    out, lse = FA.attention(q, k, v, causal=True, mask=cupy.asarray(mask), impl="wgmma", return_lse=True,
-                            out=nan_like(q.shape, dtype))
-    got, gl = to_host(out), to_host(lse)
-    assert np.isnan(want[1, 1, 33]).all() and np.isnan(wl[1, 1, 33])
-    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
-    np.testing.assert_array_equal(np.isnan(gl), np.isnan(wl))
-    fin = ~np.isnan(want[..., 0])
-    assert_close(got[fin], want[fin], dtype)
-    _assert_lse(gl[fin], wl[fin], 2e-3)
+    _nan_semantics(rng, "wgmma", "float16")
 
 
 def _mask(rng, shape, view=None):
