@@ -80,7 +80,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cols", type=int)
     sweep_arg(p, "softmax")
     for name, help_ in (("attention", "attention [B,H,S,D] (flash, naive) vs naive CuPy and torch SDPA"),
-                        ("decode", "one-token decode over a KV cache (split-KV, unsplit, naive)")):
+                        ("decode", "one-token decode over a KV cache (split-KV, unsplit, naive, paged with 16 / 1 / 256-token pages)")):
         p = add(name, help_)
         for k in ("B", "H", "Hkv", "Sq", "Sk", "D"):
             p.add_argument(f"--{k}", type=int, help="cached length" if (name, k) == ("decode", "Sk") else None)

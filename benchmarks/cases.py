@@ -11,12 +11,16 @@ from __future__ import annotations
 import math
 import traceback
 
+import numpy as np
+
 from . import peers, timing
 from .arrays import np_dtype, rand, to_f64
 from .report import fill_timing, new_record
 from .specs import case_bytes, case_flops
 
-OURS = {"softmax": ("ours",), "decode": ("split-kv", "unsplit", "naive"), "model": ("tinylm", "tinylm-fused", "tinylm-eager")}
+# decode "paged-N": decode_attention_paged over the same keys in shuffled pages of N tokens
+OURS = {"softmax": ("ours",), "decode": ("split-kv", "unsplit", "naive", "paged-16", "paged-1", "paged-256"),
+        "model": ("tinylm", "tinylm-fused", "tinylm-eager")}
 
 
 def ours_names(op: str) -> tuple:
@@ -26,8 +30,8 @@ def ours_names(op: str) -> tuple:
 
     if op == "gemm":
         return ("ours",) + tuple(f"ours-{v}" for v in GEMM_IMPLS if v != "auto")
-    if op == "attention":
-        return ATTENTION_IMPLS
+    if op == "attention":  # "varlen": attention_varlen over the same batch packed (equal lengths)
+        return ATTENTION_IMPLS + ("varlen",)
     return OURS[op]
 
 
@@ -139,6 +143,10 @@ def make_impl(case, name: str, inp):
         return peers.torch_softmax(inp["x"])
     causal = op == "attention" and p["causal"]
     q, k, v, out = inp["q"], inp["k"], inp["v"], inp["out"]
+    if name.startswith("paged-"):
+        return _paged_decode(inp, int(name[6:]))
+    if name == "varlen":
+        return _varlen_attention(q, k, v, causal, out)
     if name == "naive" or (op == "attention" and name in ours_names(op)):
         from cupyattn import attention
 
@@ -153,6 +161,47 @@ def make_impl(case, name: str, inp):
     if name == "torch-sdpa":
         return peers.torch_sdpa(q, k, v, causal)
     raise ValueError(f"unknown impl {name!r} for {op}")
+
+
+def _paged_decode(inp, page_size):
+    """decode_attention_paged over the case's keys copied into pages of ``page_size`` tokens at
+    shuffled page ids (the copy is made here, outside the timed call)."""
+    import cupy
+
+    from cupyattn import decode_attention_paged
+
+    q, k, v = inp["q"], inp["k"], inp["v"]  # [B, H, 1, D], [B, Hkv, L, D]
+    B, Hkv, L, D = k.shape
+    if L % page_size:
+        raise ValueError(f"L={L} is not a multiple of the page size {page_size}")
+    n = B * (L // page_size)
+    perm = cupy.asarray(np.random.default_rng(0).permutation(n).astype(np.int32))
+
+    def pages(x):  # [B, Hkv, L, D] -> [n, page, Hkv, D] with sequence page i at perm[b * L/page + i]
+        p = cupy.empty((n, page_size, Hkv, D), dtype=x.dtype)
+        p[perm] = x.transpose(0, 2, 1, 3).reshape(n, page_size, Hkv, D)
+        return p
+
+    kp, vp = pages(k), pages(v)
+    table, lens = perm.reshape(B, L // page_size), cupy.full(B, L, dtype=cupy.int32)
+    q3, out3 = q[:, :, 0], inp["out"][:, :, 0]
+    return lambda: decode_attention_paged(q3, kp, vp, table, lens, out=out3, max_seq_len=L)
+
+
+def _varlen_attention(q, k, v, causal, out):
+    """attention_varlen on the batch packed as [B*S, H, D] (copies made here, not timed); the
+    result is handed back as a [B, H, S, D] view for the error check."""
+    import cupy
+
+    from cupyattn import attention_varlen
+
+    B, H, Sq, D = q.shape
+    Sk = k.shape[2]
+    qp, kp, vp = (cupy.ascontiguousarray(x.transpose(0, 2, 1, 3)).reshape(-1, x.shape[1], D) for x in (q, k, v))
+    cq, ck = (cupy.arange(B + 1, dtype=cupy.int32) * s for s in (Sq, Sk))
+    op = cupy.empty_like(qp)
+    return lambda: attention_varlen(qp, kp, vp, cq, ck, Sq, Sk, causal=causal, out=op).reshape(
+        B, Sq, H, D).transpose(0, 2, 1, 3)
 
 
 # --- running ----------------------------------------------------------------------------------

@@ -1,10 +1,13 @@
 """End-to-end model cases: tinylm on the cupy backend vs HF transformers on the same weights.
 
 Each side generates ``new_tokens`` greedy tokens after ``batch`` prompts of ``prompt_len``
-tokens (different text, one batch), EOS ignored. ``tinylm`` replays each decode step as a CUDA
-graph, ``tinylm-fused`` replays the fused step (cupyattn.fused: 5 kernels per layer instead of
-9; not yet run on a GPU, so measured here beside the unfused one to decide
-``config.TINYLM_FUSED_DECODE``), ``tinylm-eager`` launches every kernel from Python; all run one
+tokens (different text, one batch), EOS ignored. ``tinylm`` replays the prefill (padded to its
+length bucket, tinylm.prefill) and each decode step as CUDA graphs, ``tinylm-fused`` replays the
+fused prefill and the fused decode step (cupyattn.fused: 7 kernels per layer instead of 10 in
+the prefill, whose time is the TTFT, and 5 instead of 9 per decode step, whose time is the
+decode rate; not yet run on a GPU, so measured here beside the unfused ones to decide
+``tinylm.config.FUSED_PREFILL`` and ``config.TINYLM_FUSED_DECODE``), ``tinylm-eager`` launches
+every kernel of both from Python (the TTFT without the prefill graph); all run one
 warm-up generation of the full length first (it compiles the kernels and captures the graphs of
 every context bucket the timed runs meet, as gpt-fast compiles before timing), then ``reps``
 generations, keeping the medians of TTFT and decode tokens/s (aggregate over the batch). The
@@ -15,7 +18,8 @@ torch.compile cannot run). ``median_ms`` of a model record is the time per decod
 weight bytes x decode steps/s (each step streams all weights once for the whole batch), and
 ``pct_ceiling`` its share of the measured copy bandwidth: the share of the weight-read limit,
 ``weight_limit_tok_s`` = copy GB/s / weight bytes x batch tokens/s. ``launches_per_step`` counts
-the kernel nodes of a captured decode step. Correctness: the first-step logits of the first
+the kernel nodes of a captured decode step, ``prefill_launches`` those of the captured prefill
+(the note gives them per layer). Correctness: the first-step logits of the first
 prompt against tinylm's NumPy float32 backend (``rel_err``, for ours and for HF), and how many
 greedy tokens agree with HF's.
 """
@@ -95,14 +99,22 @@ def _run_tinylm(rec, gen, prompts, n, opts, ceilings):
     rec["peak_mb"] = pk.peak / 2**20
     _fill(rec, [r[0].ttft_ms for r in runs], [r[0].extra["batch_decode_tokens_per_s"] for r in runs],
           [r[0].prefill_tokens_per_s for r in runs], gen.weight_bytes, ceilings, len(prompts))
-    graphs = gen._state.graphs if gen._state is not None else {}
-    if graphs:
-        from tinylm.graphs import graph_kernel_count
+    from tinylm.graphs import graph_kernel_count
 
+    state = gen._state
+    graphs = state.graphs if state is not None else {}
+    if graphs:
         rec["launches_per_step"] = graph_kernel_count(graphs[max(graphs)])
+    prefill_graphs = [pb.graph for pb in (state.prefill_buffers.values() if state is not None else ())
+                      if pb.graph is not None]
+    prefill_note = "eager prefill"
+    if prefill_graphs:
+        n_pf = rec["prefill_launches"] = graph_kernel_count(prefill_graphs[0])
+        prefill_note = (f"prefill graph of {n_pf} kernels ({n_pf / gen.args.n_layers:.1f} per layer)"
+                        if n_pf else "prefill graph")
     rec["note"] = (f"backend {gen.backend}, weights {gen.weight_bytes / 2**20:.0f} MiB, batch {len(prompts)}, "
                    + (f"{runs[0][0].extra['graph_replays']} graph replays/run" if gen.graphs and graphs
-                      else "eager launches"))
+                      else "eager launches") + f", {prefill_note}")
     return [list(r.generated_ids) for r in runs[0]]
 
 
@@ -148,6 +160,7 @@ def run_model_case(case, impls, opts, ceilings, log) -> list[dict]:
             continue
         try:
             model.set_fused(name == "tinylm-fused")
+            model.set_fused_prefill(name == "tinylm-fused")
             gen = tinylm.Generator(model, tok, source, graphs=name != "tinylm-eager")
             rec["dtype"] = gen.dtype
             ids = _run_tinylm(rec, gen, prompts, n, opts, ceilings)

@@ -34,7 +34,7 @@ FIELD_TYPES = {
     "max_abs_err": float, "rel_err": float, "err_ref": str,
     "peer": str, "peer_ms": float, "speedup": float, "speedups": dict,
     "ttft_ms": float, "decode_tok_s": float, "prefill_tok_s": float, "note": str,
-    "launches_per_step": int,
+    "launches_per_step": int, "prefill_launches": int,
 }
 FIELDS = tuple(FIELD_TYPES)
 
@@ -108,6 +108,8 @@ def table_rows(records: list[dict]) -> tuple[list[str], list[list[str]]]:
             ms = f"TTFT {_f(r['ttft_ms'], '.1f')} | {_f(r['decode_tok_s'], '.1f')} tok/s"
             if r.get("launches_per_step"):
                 ms += f" | {r['launches_per_step']} kernels/step"
+            if r.get("prefill_launches"):
+                ms += f" | prefill {r['prefill_launches']} kernels"
         elif r["median_ms"] is not None:
             ms = f"{r['median_ms']:.4g} ({r['min_ms']:.4g}-{r['max_ms']:.4g})"
         else:

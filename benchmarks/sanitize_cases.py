@@ -19,7 +19,7 @@ import sys
 
 import numpy as np
 
-FAMILIES = ("attention", "decode", "kvcache", "gemm", "softmax", "layers", "sampling", "fused")
+FAMILIES = ("attention", "decode", "kvcache", "gemm", "softmax", "layers", "sampling", "fused", "serving")
 
 
 def _rand(shape, dtype, seed=0):
@@ -96,6 +96,37 @@ def kvcache(ca, cfg):
             for t in (1, 3):  # one-token steps advance the lengths inside the kernel
                 q = cache.append_qkv(0, _rand((3, t, (4 + 2 + 2) * 32), dt, 12), num_heads=4, rope_style=style)
                 _finite(q)
+
+
+def serving(ca, cfg):
+    """The SERVING instantiations (issue 25): packed and paged attention with a window and
+    softcap, paged decode (SIMT and both mma tiles, split), paged appends."""
+    import cupy
+
+    for dt in cfg.DTYPES:
+        impls = ("flash", "flash_mma") if dt in cfg.MMA_DTYPES else ("flash",)
+        for d in cfg.HEAD_DIMS:
+            cu = np.array([0, 7, 90, 130], dtype=np.int32)
+            q, k, v = _rand((130, 4, d), dt, 20), _rand((130, 2, d), dt, 21), _rand((130, 2, d), dt, 22)
+            for impl in impls:
+                _finite(ca.attention_varlen(q, k, v, cu, cu, 83, 83, causal=True, window=(40, 0), softcap=30.0,
+                                            impl=impl))
+            shapes = [(4, 2, "simt")] + ([(8, 2, "mma"), (40, 2, "mma")] if dt in cfg.MMA_DTYPES else [])
+            for hq, hkv, impl in shapes:
+                cache = ca.PagedKVCache(1, 2, hkv, d, num_pages=80, page_size=16, dtype=dt)
+                cache.append(0, _rand((2, hkv, 531, d), dt, 23), _rand((2, hkv, 531, d), dt, 24), num_new=[531, 9])
+                qd = _rand((2, hq, d), dt, 25)
+                _finite(cache.decode(qd, 0, num_splits=3, impl=impl, window=(100, -1), softcap=20.0))
+                if impl == "simt":
+                    qp = _rand((9, hq, d), dt, 26)
+                    for fimpl in impls:
+                        _finite(ca.attention_paged(qp, cache.k[0], cache.v[0], cache.block_table, cache.lengths[0],
+                                                   cu_seqlens_q=cupy.asarray([0, 0, 9], dtype=cupy.int32),
+                                                   max_seqlen_q=9, causal=True, impl=fimpl))
+        cache = ca.PagedKVCache(1, 3, 2, 32, num_pages=12, page_size=4, dtype=dt)
+        for style in ("adjacent", "neox"):
+            for t in (1, 3):
+                _finite(cache.append_qkv(0, _rand((3, t, (4 + 2 + 2) * 32), dt, 27), num_heads=4, rope_style=style))
 
 
 def gemm(ca, cfg):

@@ -10,15 +10,17 @@ dtypes, head dims, tile tables and launch constants the Python side and the kern
 >>> o = cupyattn.attention(q, k, v, causal=True)          # fused FlashAttention-2 forward
 """
 from . import config, fused, reference
-from ._checks import gpu_unavailable_reason
+from ._checks import ComputeCapabilityError, gpu_unavailable_reason
 from ._loader import KernelCompileError, KernelSpec, all_specs
 from .config import BFLOAT16 as bfloat16
 from .config import HEAD_DIMS
 from .decode import auto_num_splits, choose_num_splits, decode_attention
 from .flash_attn import HOPPER_IMPLS, IMPLS
 from .flash_attn import attention
+from .varlen import attention_varlen
 from .gemm import gemm_nn, gemm_nt
 from .kvcache import KVCache
+from .paged import PagedKVCache, attention_paged, decode_attention_paged
 from .layers import add, add_rmsnorm, embedding, rmsnorm, rope, swiglu
 from .row_softmax import softmax
 from .sampling import SamplingParams, sample
@@ -28,7 +30,7 @@ del IMPLS, HOPPER_IMPLS
 
 __version__ = "0.1.0"
 
-__all__ = ["attention", "softmax", "gemm_nt", "gemm_nn", "KVCache", "decode_attention", "choose_num_splits", "auto_num_splits",
+__all__ = ["attention", "attention_varlen", "softmax", "gemm_nt", "gemm_nn", "KVCache", "decode_attention", "PagedKVCache", "decode_attention_paged", "attention_paged", "choose_num_splits", "auto_num_splits",
            "rmsnorm", "add_rmsnorm", "rope", "swiglu", "add", "embedding", "sample", "SamplingParams",
            "fused", "reference", "config", "bfloat16", "HEAD_DIMS", "ATTENTION_IMPLS", "KernelSpec",
-           "KernelCompileError", "all_specs", "gpu_unavailable_reason"]
+           "KernelCompileError", "ComputeCapabilityError", "all_specs", "gpu_unavailable_reason"]

@@ -201,3 +201,26 @@ def no_gpu_explained(fn: str):
     except cupy.cuda.runtime.CUDARuntimeError:
         require_gpu(fn)
         raise
+
+
+# --- can this device run that kernel? (config.IMPL_MIN_CC, issue 24) ---------------------------
+class ComputeCapabilityError(ValueError):
+    """An explicit ``impl=`` that the current device's compute capability cannot run."""
+
+
+def require_impl(fn: str, op: str, impl: str, dtype) -> int:
+    """The device's compute capability; ComputeCapabilityError naming ``impl``, the device and the
+    minimum when ``impl`` of ``op`` cannot run there with ``dtype`` inputs (before any launch)."""
+    from . import _loader, config
+
+    with no_gpu_explained(f"{fn}"):
+        cc = _loader.device_compute_capability()
+    if not config.impl_runs_on(op, impl, dtype, cc):
+        need = config.impl_min_cc(op, impl, dtype)
+        why = config.MMA_MIN_CC_REASON.get(np.dtype(dtype), "") if need in (75, 80) else ""
+        exact = " exactly (sm_90a code)" if impl == "wgmma" else ""
+        raise ComputeCapabilityError(
+            f"{fn}(): impl={impl!r} with {np.dtype(dtype)} inputs needs compute capability "
+            f"{need // 10}.{need % 10}{exact}{' (' + why + ')' if why else ''}; this device "
+            f"({config.gpu_family(cc).name}) is {cc // 10}.{cc % 10}")
+    return cc

@@ -1,5 +1,7 @@
-"""Offline compile check: every registered kernel spec, every instantiation, for sm_80 and sm_90
-(Hopper-only specs, ``sm90a=True``, once for sm_90a), with no GPU. Uses the same spec objects,
+"""Offline compile check: every registered kernel spec, for each GPU family the dispatch serves
+(sm_75, 80, 86, 89, 90, 100, 120: those the installed NVRTC knows; sm_70 on request), every
+instantiation that family can run (``KernelSpec.exprs_for``: no bf16 tensor-core kernels below
+sm_80; Hopper-only specs, ``sm90a=True``, once, for sm_90a), with no GPU. Uses the same spec objects,
 source string and options as the runtime loader, and reads registers / shared memory / stack /
 spills from ptxas' ``-v`` log. A ptxas report that it ignored an instruction (C7508:
 ``setmaxnreg`` in a kernel without ``__launch_bounds__(threads, 1)``) or serialised every wgmma
@@ -22,7 +24,8 @@ from dataclasses import asdict, dataclass
 
 from ._loader import KernelSpec, all_specs
 
-ARCHES = ("80", "90")
+ARCHES = ("75", "80", "86", "89", "90", "100", "120")   # the families of config.GPU_FAMILIES, sm_70 aside
+ALL_ARCHES = ("70",) + ARCHES   # sm_70 (Volta: SIMT kernels only) on request: NVRTC 12 deprecates it
 JOB_SIZE = 6  # instantiations per NVRTC program: small enough to spread over the cores
 # ptxas messages that mean an instruction was dropped, each an error of the check. They are printed
 # before the per-kernel rows, so sm_90a instantiations are built one per program to name the kernel.
@@ -113,26 +116,39 @@ def compile_spec(spec: KernelSpec, arch: str, name_expressions=None) -> list[Ker
     return reports
 
 
+def nvrtc_arches(arches=ARCHES) -> tuple[str, ...]:
+    """The subset of ``arches`` the installed NVRTC can compile for (sm_100 and sm_120 need NVRTC
+    12.8 or newer)."""
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+
+        known = {str(a) for a in nvrtc.getSupportedArchs()}
+    except Exception:  # an NVRTC without the query: try them all, errors will say
+        return tuple(arches)
+    return tuple(a for a in arches if a in known)
+
+
 def _jobs(specs, arches):
-    """(spec, arch, name expressions) jobs of at most JOB_SIZE instantiations each."""
+    """(spec, arch, name expressions) jobs of at most JOB_SIZE instantiations each: per arch, the
+    instantiations a device of that compute capability can run."""
     jobs = []
     for spec in specs:
         for arch in arches:
-            if spec.sm90a and arch != "90":
-                continue  # Hopper-only spec: built once, as sm_90a
-            exprs, size = spec.name_expressions, 1 if spec.sm90a else JOB_SIZE
+            exprs, size = spec.exprs_for(int(arch)), 1 if spec.sm90a else JOB_SIZE
             jobs += [(spec, arch, exprs[i:i + size]) for i in range(0, len(exprs), size)]
     return jobs
 
 
-def run_check(only: str | None = None, arches=ARCHES, on_reports=None, workers: int | None = None):
-    """Compile every spec (or the one named ``only``) -> (reports, errors).
+def run_check(only: str | None = None, arches=None, on_reports=None, workers: int | None = None):
+    """Compile every spec (or the one named ``only``) for ``arches`` (default: the ARCHES the
+    installed NVRTC knows) -> (reports, errors).
 
     ``on_reports(reports, done, total)`` is called after each finished job (progress output).
     Reports come back in spec, arch and instantiation order whatever order the jobs finish in.
     """
     import cupyattn  # noqa: F401  (importing the package registers every op module's specs)
 
+    arches = nvrtc_arches() if arches is None else tuple(arches)
     specs = [s for s in all_specs() if only is None or s.name == only]
     if only is not None and not specs:
         return [], [f"no kernel spec named {only!r}; known: {', '.join(s.name for s in all_specs())}"]
@@ -171,12 +187,14 @@ def main(argv=None) -> int:
     import time
 
     p = argparse.ArgumentParser(prog="python -m cupyattn check",
-                                description="Compile every kernel instantiation for sm_80 and sm_90 "
-                                            "(Hopper-only kernels for sm_90a) with NVRTC (no GPU "
+                                description="Compile every kernel instantiation each GPU family can run "
+                                            f"(sm_{', sm_'.join(ARCHES)} where NVRTC knows them; "
+                                            "Hopper-only kernels for sm_90a) with NVRTC (no GPU "
                                             "needed); fail on errors, ignored instructions or spills.")
     p.add_argument("--only", help="check one kernel spec by name")
     p.add_argument("--json", action="store_true", help="print the report as JSON (progress on stderr)")
-    p.add_argument("--arch", action="append", choices=ARCHES, help="restrict to these arches")
+    p.add_argument("--arch", action="append", choices=ALL_ARCHES,
+                   help="restrict to these arches (70: Volta, SIMT kernels only, on request)")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr with --json")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
@@ -194,13 +212,17 @@ def main(argv=None) -> int:
         print("compiling every kernel instantiation with NVRTC (rows appear as each batch finishes)",
               flush=True)
         print(_row([c for c, _ in _COLS]), flush=True)
-    reports, errors = run_check(args.only, tuple(args.arch) if args.arch else ARCHES, progress)
+    reports, errors = run_check(args.only, tuple(args.arch) if args.arch else None, progress)
     spills = [r for r in reports if r.spills]
     if args.json:
         print(json.dumps({"kernels": [asdict(r) for r in reports], "errors": errors,
                           "spills": [f"{r.kernel} {r.arch}" for r in spills],
                           "seconds": round(time.perf_counter() - t0, 1)}, indent=1))
     else:
+        for arch in dict.fromkeys(r.arch for r in reports):
+            rs = [r for r in reports if r.arch == arch]
+            print(f"{arch}: {len(rs)} kernels, at most {max(r.registers for r in rs)} registers, "
+                  f"{sum(r.spills for r in rs)} with spills")
         print(f"{len(reports)} kernel builds, {len(errors)} errors, {len(spills)} with spills "
               f"({time.perf_counter() - t0:.0f} s)")
         for r in spills:

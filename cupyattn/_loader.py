@@ -29,6 +29,7 @@ from pathlib import Path
 import cupy
 import numpy as np
 
+from . import config
 from .config import STATIC_SMEM_BYTES
 
 
@@ -75,6 +76,10 @@ class KernelSpec:
 
     ``hot`` kernels fail the offline check on any register spill; ``sm90a`` marks specs that
     use Hopper-only instructions and therefore need ``-arch=sm_90a`` (and an sm_90 device).
+    ``needs``: (name expression, minimum compute capability, shared memory per block in bytes) of
+    the instantiations that need more than config.MIN_COMPUTE_CAPABILITY or than 48 KB of shared
+    memory (the tensor-core kernels, the deep rings); the offline check compiles for an arch only
+    what a device of that family runs (:meth:`exprs_for`).
     """
 
     name: str
@@ -83,6 +88,7 @@ class KernelSpec:
     options: tuple[str, ...] = ()
     hot: bool = True
     sm90a: bool = False
+    needs: tuple[tuple[str, int, int], ...] = ()
 
     def __post_init__(self):
         if not isinstance(self.name_expressions, tuple) or not isinstance(self.options, tuple):
@@ -96,9 +102,29 @@ class KernelSpec:
         """The source string handed to NVRTC, with the project's own headers inlined."""
         return _code(self.source)
 
+    def exprs_for(self, cc: int) -> tuple[str, ...]:
+        """The name expressions a device of compute capability ``cc`` can run (sm90a specs: all of
+        them on 9.0, none elsewhere)."""
+        if self.sm90a:
+            return self.name_expressions if cc == 90 else ()
+        if cc < config.MIN_COMPUTE_CAPABILITY:
+            return ()
+        smem = config.gpu_family(cc).smem_optin
+        need = {e: b for e, _, b in self.needs}
+        return tuple(e for e in self.name_expressions if self.min_cc(e) <= cc and need.get(e, 0) <= smem)
+
+    def min_cc(self, name_expression: str) -> int:
+        """The compute capability an instantiation's instructions need (sm90a specs: 90)."""
+        if self.sm90a:
+            return 90
+        return max([c for e, c, _ in self.needs if e == name_expression] + [config.MIN_COMPUTE_CAPABILITY])
+
     def options_for(self, arch: str) -> tuple[str, ...]:
         """Options for a compute capability string such as '80' or '90'."""
         opts = BASE_OPTIONS + self.options
+        target = _arch_override()
+        if target is not None and target < int(arch):
+            opts += (f"-DCUPYATTN_TARGET_SM={target}0",)  # ptx.cuh takes the older family's branches
         if self.sm90a:
             if arch != "90":
                 raise RuntimeError(f"kernel spec {self.name!r} needs an sm_90 device, got sm_{arch}")
@@ -135,6 +161,46 @@ def inline_headers(filename: str) -> str:
 @functools.lru_cache(maxsize=None)
 def _code(filename: str) -> str:
     return inline_headers(filename)
+
+
+# --- the device's compute capability -----------------------------------------------------------
+ARCH_ENV = "CUPYATTN_ARCH"
+
+
+def _arch_override() -> int | None:
+    """CUPYATTN_ARCH=75 (tests, benchmarks): dispatch as a compute capability 7.5 device and build
+    the kernels' ptx.cuh branches for it; it may only lower the device's own (a T4's kernels run on
+    an H100, not the reverse)."""
+    v = os.environ.get(ARCH_ENV, "").strip()
+    if not v:
+        return None
+    if not v.isdigit() or int(v) not in config.GPU_FAMILIES:
+        raise ValueError(f"{ARCH_ENV}={v!r}: expected one of {', '.join(map(str, config.GPU_FAMILIES))}")
+    return int(v)
+
+
+def device_compute_capability() -> int:
+    """The current device's compute capability as an int (75 for a T4, 90 for an H100), or the
+    CUPYATTN_ARCH override when it is lower; what every impl choice reads."""
+    _, arch = _device_arch()
+    cc, target = int(arch), _arch_override()
+    return cc if target is None else min(cc, target)
+
+
+def device_smem_optin() -> int:
+    """Shared memory per block with the opt-in attribute on the current device (the family's limit
+    under a CUPYATTN_ARCH override): what decides whether an auto choice's tile fits."""
+    with _no_gpu("cupyattn kernel launch"):
+        limit = int(cupy.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"])
+    if _arch_override() is not None:
+        limit = min(limit, config.gpu_family(device_compute_capability()).smem_optin)
+    return limit
+
+
+def _no_gpu(fn: str):
+    from ._checks import no_gpu_explained
+
+    return no_gpu_explained(fn)
 
 
 def _device_arch() -> tuple[int, str]:
@@ -196,6 +262,14 @@ def get_function(spec: KernelSpec, name_expression: str, dynamic_smem: int = 0):
     if fn is None:
         if name_expression not in spec.name_expressions:
             raise KeyError(f"{name_expression!r} is not an instantiation of kernel spec {spec.name!r}")
+        cc = device_compute_capability()
+        if cc < spec.min_cc(name_expression):  # the op modules' checks say it first
+            from ._checks import ComputeCapabilityError
+
+            raise ComputeCapabilityError(
+                f"{name_expression} (kernel spec {spec.name!r}) needs compute capability "
+                f"{spec.min_cc(name_expression) // 10}.{spec.min_cc(name_expression) % 10}; this device "
+                f"is {cc // 10}.{cc % 10} (README \"GPUs\")")
         with _LOCK:
             fn = _FUNCTIONS.get(key)
             if fn is None:
@@ -204,7 +278,7 @@ def get_function(spec: KernelSpec, name_expression: str, dynamic_smem: int = 0):
     if dynamic_smem > 0 and _SMEM_RAISED.get(key, 0) < dynamic_smem:
         static = int(fn.shared_size_bytes)
         if smem_needs_opt_in(static, dynamic_smem):
-            limit = int(cupy.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"])
+            limit = device_smem_optin()
             if static + dynamic_smem > limit:
                 raise ValueError(f"{name_expression} needs {static + dynamic_smem} B of shared memory per "
                                  f"block ({static} B static + {dynamic_smem} B dynamic); this device "

@@ -420,3 +420,91 @@ ATTN_WGMMA_STAGE_CHOICES = (2, 3, 4)   # what benchmarks.tune may try (shared me
 # run on a GPU yet.
 ATTN_AUTO_WGMMA = False
 # --- end: Hopper attention ---------------------------------------------------------------------
+
+# === GPU families: which kernel each compute capability gets (issue 24) =================
+
+# The one place that says what runs where. An op's impl="auto" / default takes the fastest impl
+# whose instructions the device has (IMPL_MIN_CC) and whose shared memory fits its per-block
+# limit; an explicit impl= the device cannot run raises ComputeCapabilityError (naming the impl,
+# the device's compute capability and the minimum) before anything is launched. Instruction
+# minimums follow the PTX ISA's target notes (kernels_cu/ptx.cuh's table): ldmatrix and
+# mma.m16n8k8.f16 from sm_75, cp.async, mma.m16n8k16 and every bf16 mma from sm_80, wgmma sm_90a.
+
+
+@dataclass(frozen=True)
+class GpuFamily:
+    name: str
+    smem_optin: int   # shared memory per block with the opt-in attribute (CUDA C Programming Guide,
+                      # "Technical Specifications per Compute Capability")
+    kernels: str      # what the defaults dispatch to there (README "GPUs")
+
+
+MIN_COMPUTE_CAPABILITY = 70   # Volta: the SIMT kernels (cp.async helpers become plain copies)
+GPU_FAMILIES = {
+    70: GpuFamily("Volta (V100)", 96 * 1024, "SIMT kernels only: no ldmatrix / mma.m16n8k8 before sm_75"),
+    75: GpuFamily("Turing (T4, RTX 20)", 64 * 1024,
+                  "fp16 tensor cores as two mma.m16n8k8 per m16n8k16, cp.async as plain copies; bf16 and "
+                  "fp32 SIMT; tiles over 64 KB of shared memory fall back (GEMM takes a 2-stage tile)"),
+    80: GpuFamily("Ampere (A100)", 163 * 1024, "every mma.sync kernel, fp16 and bf16, cp.async pipelines"),
+    86: GpuFamily("Ampere (RTX 30, A10, A40)", 99 * 1024, "as sm_80; tiles over 99 KB fall back"),
+    89: GpuFamily("Ada (RTX 40, L4, L40)", 99 * 1024, "as sm_86"),
+    90: GpuFamily("Hopper (H100, H200)", 227 * 1024, "as sm_80; opt-in: wgmma GEMM and attention (sm_90a), PDL"),
+    100: GpuFamily("Blackwell (B200)", 227 * 1024, "as sm_90 without the sm_90a kernels"),
+    120: GpuFamily("Blackwell (RTX 50)", 99 * 1024, "as sm_86"),
+}
+
+
+def gpu_family(cc: int) -> GpuFamily:
+    """The family of compute capability ``cc`` (e.g. 87 -> the sm_86 row: the newest at or below)."""
+    known = [c for c in GPU_FAMILIES if c <= cc]
+    if not known:
+        raise ValueError(f"compute capability {cc // 10}.{cc % 10} is below the minimum "
+                         f"{MIN_COMPUTE_CAPABILITY // 10}.{MIN_COMPUTE_CAPABILITY % 10} (sm_{MIN_COMPUTE_CAPABILITY})")
+    return GPU_FAMILIES[max(known)]
+
+
+# tensor-core (mma.sync) kernels by input type: the minimum and why
+MMA_MIN_CC = {FLOAT16: 75, BFLOAT16: 80}
+MMA_MIN_CC_REASON = {FLOAT16: "ldmatrix and mma.sync.m16n8k8.f16 exist from sm_75",
+                     BFLOAT16: "mma.sync with bf16 inputs exists from sm_80"}
+# (op, impl) -> {dtype: minimum compute capability}; an impl not listed runs from MIN_COMPUTE_CAPABILITY
+IMPL_MIN_CC = {
+    ("attention", "flash_mma"): MMA_MIN_CC,
+    ("decode", "mma"): MMA_MIN_CC,
+    ("gemm", "mma"): MMA_MIN_CC,
+    ("gemm", "skinny"): MMA_MIN_CC,                 # fp32 skinny is FMA-only
+    ("gemm", "wgmma"): {FLOAT16: 90, BFLOAT16: 90},  # sm_90a: H100 / H200 only (GEMM_WGMMA_MIN_CC)
+    ("attention", "wgmma"): {FLOAT16: 90, BFLOAT16: 90},  # sm_90a (kernels_cu/flash_attn_sm90.cu)
+    ("fused", "skinny"): MMA_MIN_CC,                # the fused decode step's projections
+}
+
+
+def impl_min_cc(op: str, impl: str, dtype) -> int:
+    """Minimum compute capability of ``impl`` of ``op`` for ``dtype`` inputs."""
+    return IMPL_MIN_CC.get((op, impl), {}).get(np.dtype(dtype), MIN_COMPUTE_CAPABILITY)
+
+
+def impl_runs_on(op: str, impl: str, dtype, cc: int) -> bool:
+    """Whether a device of compute capability ``cc`` has the instructions ``impl`` needs."""
+    need = impl_min_cc(op, impl, dtype)
+    return cc >= need and not (need == 90 and impl == "wgmma" and cc != 90)  # sm_90a code: 9.0 only
+
+
+# GEMM mma tile for devices whose per-block shared memory is below GEMM_TILES["mma"]'s (Turing's
+# 64 KB): the same warp tiling with a 2-stage ring, 40 KB; one block per SM needs no register cap.
+GEMM_MMA_SMALL_SMEM = GemmTile(128, 128, 32, 256, "Turing (64 KB per block): 2 stages x 2 x 128x(32+8) "
+                               "halves = 40 KB; one k-tile in flight while one is multiplied",
+                               stages=2, min_blocks=(1, 1))
+# Decode tiles whose ring + static arrays pass the device's per-block shared memory (Turing's 64 KB:
+# fp16 D=64/128 SIMT at 65-67 KB; 99 KB parts: mma D=128 at 107 KB) run with a 2-deep ring, one
+# K/V tile in flight while one is scored (a third less memory); mma tiles that still do not fit
+# leave impl="auto" to the SIMT kernel.
+DECODE_SMALL_SMEM_STAGES = 2
+# === end GPU families (issue 24) ================================================================
+
+# --- serving attention (issue 25: cupyattn/varlen.py, cupyattn/paged.py) ---- begin ----------
+# The serving variants reuse the tile tables above (FLASH_*_TILES, DECODE_*_TILES): a packed or
+# paged sequence is read tile by tile exactly as a contiguous one, only the row addresses differ.
+PAGED_MAX_PAGE_SIZE = 256   # pages of 1 .. 256 tokens (powers of two: a position splits by shift
+                            # and mask); 16 is the usual vLLM / FlashInfer size
+# --- serving attention ---------------------------------------------------------------- end ----

@@ -35,38 +35,79 @@ import math
 import cupy
 import numpy as np
 
-from . import _checks
+from . import _checks, _loader
 from ._checks import check_array, check_choice, check_last_contiguous, check_out, check_same_dtype
 from ._loader import NULL, KernelSpec, get_function
 from .config import (DECODE_COMBINE_THREADS, DECODE_HEAD_TILE, DECODE_IMPLS, DECODE_MAX_SPLITS,
                      DECODE_MIN_KEYS_PER_SPLIT, DECODE_MMA_MAX_MTILES, DECODE_MMA_MIN_GROUP,
                      DECODE_MMA_ROWS, DECODE_MMA_TILES, DECODE_SIMT_TILES, DECODE_SPLIT_BLOCKS_PER_SM,
-                     DECODE_SPLIT_OVERHEAD_KEYS, DTYPES, HEAD_DIMS, MAX_GRID_YZ, MMA_DTYPES, DecodeTile,
-                     ctype)
+                     DECODE_SMALL_SMEM_STAGES, DECODE_SPLIT_OVERHEAD_KEYS, DTYPES, HEAD_DIMS, MAX_GRID_YZ,
+                     MMA_DTYPES, MMA_MIN_CC, DecodeTile, ctype, impl_runs_on)
 from .kvcache import KVCache
 
 
-def _simt_expr(dtype, d: int) -> str:
-    t = DECODE_SIMT_TILES[(d, np.dtype(dtype).itemsize)]
+def _simt_expr(dtype, d: int, t: DecodeTile | None = None, serving: bool = False) -> str:
+    t = t or DECODE_SIMT_TILES[(d, np.dtype(dtype).itemsize)]
     return (f"decode_kernel<{ctype(dtype)}, {d}, {t.threads}, {DECODE_HEAD_TILE}, {t.block_n}, "
-            f"{t.stages}, {t.pitch}, {t.blocks_per_sm}>")
+            f"{t.stages}, {t.pitch}, {t.blocks_per_sm}{', true' if serving else ''}>")
 
 
-def _mma_expr(dtype, d: int, m_tiles: int) -> str:
-    t = DECODE_MMA_TILES[(d, m_tiles)]
+def _mma_expr(dtype, d: int, m_tiles: int, t: DecodeTile | None = None, serving: bool = False) -> str:
+    t = t or DECODE_MMA_TILES[(d, m_tiles)]
     return (f"decode_mma_kernel<{ctype(dtype)}, {d}, {m_tiles}, {t.warps}, {t.block_n}, {t.stages}, "
-            f"{t.pitch}, {t.blocks_per_sm}>")
+            f"{t.pitch}, {t.blocks_per_sm}{', true' if serving else ''}>")
+
+
+# --- devices with less shared memory per block (config "GPU families": Turing 64 KB, 99 KB parts) ---
+def _small(t: DecodeTile) -> DecodeTile:
+    """``t`` with a DECODE_SMALL_SMEM_STAGES-deep ring: a third less shared memory, one tile fewer
+    in flight."""
+    return dataclasses.replace(t, stages=DECODE_SMALL_SMEM_STAGES)
+
+
+def static_smem_bytes(impl: str, d: int, itemsize: int, t: DecodeTile, m_tiles: int = 1) -> int:
+    """An upper bound of the decode kernel's static ``__shared__`` bytes (decode.cu: simt q_s,
+    p_s, alpha_s, m_fin, l_fin and a flag; mma q_s and the per-slice m_s, l_s), checked against
+    ptxas' numbers in tests/test_decode.py."""
+    if impl == "mma":
+        rows = DECODE_MMA_ROWS * m_tiles
+        return rows * (d + 8) * itemsize + 2 * (t.warps // m_tiles) * rows * 4 + 16
+    return DECODE_HEAD_TILE * (d + t.block_n + 3) * 4 + 16
+
+
+def _fit(impl: str, dtype, d: int, t: DecodeTile, m_tiles: int, limit: int | None) -> DecodeTile | None:
+    """The tile to launch under a per-block shared-memory ``limit`` (None: no limit): ``t``, its
+    shallower-ring variant, or None when neither fits."""
+    for cand in (t, _small(t)):
+        if limit is None or _smem(impl, dtype, d, cand, m_tiles) <= limit:
+            return cand
+    return None
 
 
 def _combine_expr(dtype) -> str:
     return f"decode_combine_kernel<{ctype(dtype)}, {DECODE_MAX_SPLITS}, {DECODE_COMBINE_THREADS}>"
 
 
+def _tiles_and_small(t: DecodeTile) -> tuple[DecodeTile, ...]:
+    return tuple(dict.fromkeys((t, _small(t))))
+
+
+def _smem(impl: str, dtype, d: int, t: DecodeTile, m_tiles: int = 1) -> int:
+    return t.ring_bytes + static_smem_bytes(impl, d, np.dtype(dtype).itemsize, t, m_tiles)
+
+
+# every decode instantiation: each tile as configured and with the shallower ring (_fit)
+# and in its serving variant (paged caches, window, softcap: cupyattn/paged.py, window= / softcap=)
+_SIMT_NEEDS = tuple((_simt_expr(t, d, tile, sv), 0, _smem("simt", t, d, tile)) for sv in (False, True)
+                    for t in DTYPES for d in HEAD_DIMS
+                    for tile in _tiles_and_small(DECODE_SIMT_TILES[(d, t.itemsize)]))
+_MMA_NEEDS = tuple((_mma_expr(t, d, m, tile, sv), MMA_MIN_CC[t], _smem("mma", t, d, tile, m)) for sv in (False, True)
+                   for t in MMA_DTYPES for d in HEAD_DIMS for m in range(1, DECODE_MMA_MAX_MTILES + 1)
+                   for tile in _tiles_and_small(DECODE_MMA_TILES[(d, m)]))
 SPEC = KernelSpec(
     "decode", "decode.cu",
-    tuple(_simt_expr(t, d) for t in DTYPES for d in HEAD_DIMS)
-    + tuple(_mma_expr(t, d, m) for t in MMA_DTYPES for d in HEAD_DIMS for m in range(1, DECODE_MMA_MAX_MTILES + 1))
-    + tuple(_combine_expr(t) for t in DTYPES))
+    tuple(e for e, _, _ in _SIMT_NEEDS + _MMA_NEEDS) + tuple(_combine_expr(t) for t in DTYPES),
+    needs=_SIMT_NEEDS + _MMA_NEEDS)
 
 _SM_COUNT: dict[int, int] = {}
 
@@ -80,15 +121,59 @@ class _Plan:
     head_tiles: int   # blocks per kv head (and split)
 
 
-def _plan(impl: str, dtype, d: int, group: int) -> _Plan:
+@dataclasses.dataclass(frozen=True)
+class Serving:
+    """The serving arguments of a decode launch (kernels_cu/decode.cu DECODE_SERVING_PARAMS): a
+    block table over pages (None: the contiguous cache), the window's left bound (-1: none) and
+    the softcap (0: off). ``max_seq`` of a paged launch is max_pages * page_size."""
+    block_table: object = None
+    log2_page: int = 0
+    num_pages: int = 0
+    win_left: int = -1
+    softcap: float = 0.0
+
+    @property
+    def active(self) -> bool:
+        return self.block_table is not None or self.win_left >= 0 or self.softcap > 0
+
+    def args(self):
+        bt = self.block_table
+        return (bt if bt is not None else NULL, np.int32(bt.shape[1] if bt is not None else 0),
+                np.int32(self.log2_page), np.int32(self.num_pages), np.int32(self.win_left),
+                np.float32(self.softcap * math.log2(math.e)))
+
+
+def _plan(impl: str, dtype, d: int, group: int, cc: int | None = None, smem_limit: int | None = None,
+          serving: bool = False) -> _Plan:
+    """The kernel and tile of a call. ``cc`` / ``smem_limit``: the device's compute capability and
+    per-block shared memory (None: any, the full tiles); impl="auto" takes mma only where the
+    device has its instructions and one of its tiles fits, and each tile falls back to a
+    shallower ring where it does not fit. ``serving``: the paged / window / softcap variant."""
     if impl == "auto":
-        impl = "mma" if np.dtype(dtype) in MMA_DTYPES and group >= DECODE_MMA_MIN_GROUP else "simt"
+        mma_ok = (np.dtype(dtype) in MMA_DTYPES and group >= DECODE_MMA_MIN_GROUP
+                  and (cc is None or impl_runs_on("decode", "mma", dtype, cc)))
+        m_tiles = min(-(-group // DECODE_MMA_ROWS), DECODE_MMA_MAX_MTILES)
+        if mma_ok and _fit("mma", dtype, d, DECODE_MMA_TILES[(d, m_tiles)], m_tiles, smem_limit) is None:
+            mma_ok = False
+        impl = "mma" if mma_ok else "simt"
     if impl == "mma":
         m_tiles = min(-(-group // DECODE_MMA_ROWS), DECODE_MMA_MAX_MTILES)
         rows = DECODE_MMA_ROWS * m_tiles
-        return _Plan(impl, _mma_expr(dtype, d, m_tiles), DECODE_MMA_TILES[(d, m_tiles)], -(-group // rows))
-    return _Plan(impl, _simt_expr(dtype, d), DECODE_SIMT_TILES[(d, np.dtype(dtype).itemsize)],
-                 -(-group // DECODE_HEAD_TILE))
+        base = DECODE_MMA_TILES[(d, m_tiles)]
+        t = _fit(impl, dtype, d, base, m_tiles, smem_limit) or base  # too large: the loader says so
+        return _Plan(impl, _mma_expr(dtype, d, m_tiles, t, serving), t, -(-group // rows))
+    base = DECODE_SIMT_TILES[(d, np.dtype(dtype).itemsize)]
+    t = _fit(impl, dtype, d, base, 1, smem_limit) or base
+    return _Plan(impl, _simt_expr(dtype, d, t, serving), t, -(-group // DECODE_HEAD_TILE))
+
+
+def _device_plan(fn: str, impl: str, dtype, d: int, group: int, serving: bool = False) -> _Plan:
+    """:func:`_plan` for the current device (ComputeCapabilityError for an impl it cannot run)."""
+    if impl == "mma":
+        cc = _checks.require_impl(fn, "decode", impl, dtype)
+    else:
+        cc = _loader.device_compute_capability()
+    return _plan(impl, dtype, d, group, cc, _loader.device_smem_optin(), serving)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -130,7 +215,7 @@ def auto_num_splits(batch: int, num_heads: int, num_kv_heads: int, head_dim: int
     """The split count ``decode_attention(num_splits=None, impl=impl)`` picks on the current
     device for these shapes when the longest live sequence holds ``max_len`` keys; for callers
     that fix the count in advance (a CUDA graph captured per range of context lengths)."""
-    plan = _plan(impl, dtype, head_dim, num_heads // num_kv_heads)
+    plan = _device_plan("auto_num_splits", impl, dtype, head_dim, num_heads // num_kv_heads)
     return _auto_splits(plan, batch, num_kv_heads, max_len)
 
 
@@ -151,6 +236,9 @@ def _check_args(fn, q, cache, layer, scale, num_splits, out, impl):
     """Validate everything; return (layer, B, Hq, D, scale, num_splits or None, plan)."""
     if not isinstance(cache, KVCache):
         raise TypeError(f"{fn}(): cache must be a cupyattn.KVCache, got {type(cache).__name__}")
+    if hasattr(cache, "block_table"):
+        raise TypeError(f"{fn}(): cache is a PagedKVCache: use cache.decode(q[:, :, 0], layer) "
+                        f"(decode_attention_paged)")
     layer = cache.check_layer(fn, layer)
     check_array(fn, "q", q, ndim=4)
     check_same_dtype(fn, "q", q, "the cache", cache.k)
@@ -171,7 +259,7 @@ def _check_args(fn, q, cache, layer, scale, num_splits, out, impl):
     if impl == "mma" and np.dtype(q.dtype) not in MMA_DTYPES:
         raise TypeError(f"{fn}(): impl='mma' needs float16 or bfloat16, got {np.dtype(q.dtype)} "
                         f"(use impl='simt' or 'auto')")
-    plan = _plan(impl, q.dtype, d, hq // cache.num_kv_heads)
+    plan = _device_plan(fn, impl, q.dtype, d, hq // cache.num_kv_heads)
     if cache.num_kv_heads * plan.head_tiles > MAX_GRID_YZ:  # (batch <= MAX_GRID_YZ: KVCache checks it)
         raise ValueError(f"{fn}(): {hq} query heads need {cache.num_kv_heads * plan.head_tiles} blocks in "
                          f"a launch's grid y, more than {MAX_GRID_YZ}")
@@ -181,11 +269,14 @@ def _check_args(fn, q, cache, layer, scale, num_splits, out, impl):
     return layer, b, hq, d, float(scale), num_splits, plan
 
 
-def _launch(q, cache, layer, scale, num_splits, out, plan, workspace=None, combine=True, fused_combine=False):
+def _launch(q, cache, layer, scale, num_splits, out, plan, workspace=None, combine=True, fused_combine=False,
+            sv=None):
     """Run the decode kernel, and the combine kernel when split (``combine=False`` keeps only the
     split partials in ``workspace``, for tests; ``fused_combine``: the decode kernel's last split
-    block merges, counted on ``workspace[2]``, and nothing else is launched)."""
-    b, hq, _, d = q.shape
+    block merges, counted on ``workspace[2]``, and nothing else is launched). ``sv``: Serving
+    arguments (the plan must be a serving one); ``cache`` may be any object with the KVCache
+    attributes used here (cupyattn.paged passes its pages that way)."""
+    b, hq, d = q.shape[0], q.shape[1], q.shape[-1]
     hkv = cache.num_kv_heads
     split = num_splits > 1 or not combine
     counters = NULL
@@ -206,7 +297,8 @@ def _launch(q, cache, layer, scale, num_splits, out, plan, workspace=None, combi
          (q, cache.k[layer], cache.v[layer], cache.lengths[layer], out_arg, o_part, lse_part, counters,
           i64(q.strides[0] // q.itemsize), i64(q.strides[1] // q.itemsize),
           i32(b), i32(hq), i32(hkv), i32(cache.max_seq), i32(num_splits),
-          np.float32(scale * math.log2(math.e)), i32(1 if split else 0)), shared_mem=smem)
+          np.float32(scale * math.log2(math.e)), i32(1 if split else 0), *(sv or Serving()).args()),
+         shared_mem=smem)
     if split and combine and counters is NULL:
         merge = get_function(SPEC, _combine_expr(cache.dtype))
         merge((b * hq,), (DECODE_COMBINE_THREADS,), (o_part, lse_part, out, i32(num_splits), i32(b * hq), i32(d)))
@@ -214,7 +306,7 @@ def _launch(q, cache, layer, scale, num_splits, out, plan, workspace=None, combi
 
 
 def decode_attention(q, cache, layer, scale=None, num_splits=None, out=None, workspace=None, impl="auto",
-                     fused_combine=False):
+                     fused_combine=False, window=None, softcap=None):
     """Attention of one new query token per sequence over the cached keys/values of ``layer``.
 
     Parameters
@@ -248,6 +340,12 @@ def decode_attention(q, cache, layer, scale=None, num_splits=None, out=None, wor
         Merge the splits inside the decode kernel (the last split block of each head tile to
         finish merges, found by an atomic counter) instead of a second kernel: one launch per
         call. Opt-in: it has not run on a GPU yet (config.TINYLM_FUSED_DECODE).
+    window : (left, right), optional
+        Sliding window: the query (at position len - 1) sees keys ``j >= len - 1 - left``
+        (-1: unbounded); ``right`` cannot hide anything in decode. Serving kernel variant,
+        **not yet run on a GPU**.
+    softcap : float, optional
+        Scores become ``softcap * tanh(scale * q.k / softcap)``; 0 / None: off. Same variant.
 
     Returns
     -------
@@ -261,15 +359,30 @@ def decode_attention(q, cache, layer, scale=None, num_splits=None, out=None, wor
     fn = "decode_attention"
     layer, b, hq, d, scale, num_splits, plan = _check_args(fn, q, cache, layer, scale, num_splits, out, impl)
     fused_combine = _checks.check_bool(fn, "fused_combine", fused_combine)
+    sv, plan, live = serving_plan(fn, window, softcap, impl, q.dtype, d, hq // cache.num_kv_heads, plan,
+                                  int(cache.host_lengths[layer].max()))
     if num_splits is None:
-        num_splits = _auto_splits(plan, b, cache.num_kv_heads, int(cache.host_lengths[layer].max()))
+        num_splits = _auto_splits(plan, b, cache.num_kv_heads, live)
     if workspace is not None:
         _check_workspace(fn, workspace, num_splits, b, hq, d, q, cache, out, fused_combine)
     if out is None:
         out = cupy.empty((b, hq, 1, d), dtype=q.dtype)
     if hq == 0:
         return out  # no query heads: nothing to compute (and no empty grid to launch)
-    return _launch(q, cache, layer, scale, num_splits, out, plan, workspace, fused_combine=fused_combine)
+    return _launch(q, cache, layer, scale, num_splits, out, plan, workspace, fused_combine=fused_combine, sv=sv)
+
+
+def serving_plan(fn, window, softcap, impl, dtype, d, group, plan, max_len, **paged):
+    """Window / softcap / paging -> (Serving or None, the plan to launch, the longest number of
+    keys a query sees, for the split rule). ``paged``: Serving's block-table fields."""
+    from .flash_attn import check_window_softcap
+
+    (left, _), cap = check_window_softcap(fn, window, softcap, False)
+    sv = Serving(win_left=left, softcap=cap, **paged)
+    if not sv.active:
+        return None, plan, max_len
+    live = max_len if left < 0 else min(max_len, left + 1)
+    return sv, _device_plan(fn, plan.impl, dtype, d, group, serving=True), live
 
 
 def _check_workspace(fn, workspace, num_splits, b, hq, d, q, cache, out, fused_combine=False):

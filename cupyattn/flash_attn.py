@@ -8,6 +8,7 @@ are aligned bottom-right. See ``kernels_cu/flash_attn.cu`` for the kernel and it
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import cupy
@@ -16,18 +17,36 @@ import numpy as np
 from . import _checks
 from . import flash_attn_sm90 as _sm90
 from ._checks import check_array, check_choice, check_last_contiguous, check_out, check_same_dtype
+from . import _loader
 from ._loader import KernelSpec, get_function, ptr_or_null
 from .config import (DTYPES, FLASH_MMA_K_STAGES, FLASH_MMA_PAD, FLASH_MMA_TILES, FLASH_SIMT_TILES,
-                     HEAD_DIMS, MAX_GRID_YZ, MMA_DTYPES, cbool, ctype, defines,
-                     flash_mma_smem_bytes)
+                     HEAD_DIMS, MAX_GRID_YZ, MMA_DTYPES, MMA_MIN_CC, cbool, ctype, defines,
+                     flash_mma_smem_bytes, impl_runs_on)
 from .gemm import gemm_nn, gemm_nt
 from .row_softmax import softmax
 
 IMPLS = ("flash", "flash_mma", "naive")
 HOPPER_IMPLS = ("wgmma",)  # sm_90 only, opt-in (not yet run on a GPU): cupyattn/flash_attn_sm90.py
-# What impl=None runs for each dtype: the fastest correct kernel (tensor cores where they apply).
+# What impl=None runs for each dtype on a GPU that has every instruction and enough shared memory
+# (sm_80 and newer): the fastest correct kernel (tensor cores where they apply). default_impl()
+# says what it runs on the current device.
 DEFAULT_IMPL = {d: "flash_mma" if d in MMA_DTYPES else "flash" for d in DTYPES}
 _FN = "attention"
+
+
+def default_impl(dtype, head_dim: int) -> str:
+    """What ``impl=None`` runs on the current device: DEFAULT_IMPL, except "flash" (SIMT) where the
+    device lacks the tensor-core instructions for ``dtype`` (bf16 below sm_80, config.IMPL_MIN_CC)
+    or the flash_mma tile of ``head_dim`` needs more shared memory than a block may have there
+    (Turing's 64 KB: D = 96, 128)."""
+    impl = DEFAULT_IMPL[np.dtype(dtype)]
+    if impl != "flash_mma":
+        return impl
+    if not impl_runs_on("attention", impl, dtype, _loader.device_compute_capability()):
+        return "flash"
+    if head_dim in FLASH_MMA_TILES and flash_mma_smem_bytes(head_dim) > _loader.device_smem_optin():
+        return "flash"
+    return impl
 
 
 def _tile(impl: str, dtype, head_dim: int):
@@ -37,21 +56,71 @@ def _tile(impl: str, dtype, head_dim: int):
     return FLASH_SIMT_TILES[(head_dim, np.dtype(dtype).itemsize)]
 
 
-def _expr(impl: str, dtype, head_dim: int, causal: bool) -> str:
-    """Template name expression of the fused kernel that ``impl`` launches."""
+def _expr(impl: str, dtype, head_dim: int, causal: bool, serving: bool = False) -> str:
+    """Template name expression of the fused kernel that ``impl`` launches. ``serving``: the
+    instantiation with packed / paged sequences, windows and softcap (causal then rides in the
+    window, so it is only instantiated with ``causal=False``)."""
     t = _tile(impl, dtype, head_dim)
-    if impl == "flash_mma":
-        return (f"flash_attn_mma<{ctype(dtype)}, {head_dim}, {t.block_m}, {t.block_n}, {t.warps}, "
-                f"{cbool(causal)}>")
-    return (f"flash_attn_fwd<{ctype(dtype)}, {head_dim}, {t.block_m}, {t.block_n}, {t.warps}, "
-            f"{cbool(causal)}>")
+    name = "flash_attn_mma" if impl == "flash_mma" else "flash_attn_fwd"
+    tail = ", true" if serving else ""
+    return f"{name}<{ctype(dtype)}, {head_dim}, {t.block_m}, {t.block_n}, {t.warps}, {cbool(causal)}{tail}>"
 
 
 SPEC = KernelSpec(
     "flash_attn", "flash_attn.cu",
     tuple(_expr("flash", dt, d, c) for dt in DTYPES for d in HEAD_DIMS for c in (False, True))
-    + tuple(_expr("flash_mma", dt, d, c) for dt in MMA_DTYPES for d in HEAD_DIMS for c in (False, True)),
-    defines(FLASH_MMA_PAD=FLASH_MMA_PAD, FLASH_MMA_K_STAGES=FLASH_MMA_K_STAGES))
+    + tuple(_expr("flash_mma", dt, d, c) for dt in MMA_DTYPES for d in HEAD_DIMS for c in (False, True))
+    # serving variants (varlen, paged, window, softcap: causal folded into the window)
+    + tuple(_expr("flash", dt, d, False, True) for dt in DTYPES for d in HEAD_DIMS)
+    + tuple(_expr("flash_mma", dt, d, False, True) for dt in MMA_DTYPES for d in HEAD_DIMS),
+    defines(FLASH_MMA_PAD=FLASH_MMA_PAD, FLASH_MMA_K_STAGES=FLASH_MMA_K_STAGES),
+    needs=tuple((_expr("flash_mma", dt, d, c, sv), MMA_MIN_CC[dt], flash_mma_smem_bytes(d))
+                for dt in MMA_DTYPES for d in HEAD_DIMS for c, sv in ((False, False), (True, False), (False, True))))
+
+
+@dataclasses.dataclass(frozen=True)
+class Serving:
+    """The serving arguments of one fused launch (kernels_cu/flash_attn.cu FLASH_SERVING_PARAMS):
+    packed query / key offsets, a block table, window (-1: unbounded; causal folded in as
+    right = 0) and softcap (0: off). ``Serving()`` is a plain call."""
+    cu_q: object = None
+    cu_k: object = None
+    block_table: object = None
+    log2_page: int = 0
+    num_pages: int = 0
+    window: tuple = (-1, -1)
+    softcap: float = 0.0
+
+    @property
+    def active(self) -> bool:
+        return (self.cu_q is not None or self.cu_k is not None or self.block_table is not None
+                or self.window != (-1, -1) or self.softcap > 0)
+
+    def args(self):
+        bt = self.block_table
+        return (ptr_or_null(self.cu_q), ptr_or_null(self.cu_k), ptr_or_null(bt),
+                np.int32(bt.shape[1] if bt is not None else 0), np.int32(self.log2_page),
+                np.int32(self.num_pages), np.int32(self.window[0]), np.int32(self.window[1]),
+                np.float32(self.softcap * math.log2(math.e)))
+
+
+def check_window_softcap(fn: str, window, softcap, causal: bool):
+    """``window`` (None or (left, right), ints >= -1) and ``softcap`` (None or a real >= 0) ->
+    (left, right) with causal folded in as right = 0 (``right`` = min(right, 0)), and the
+    softcap as a float (0 = off). Bounds above 2**30 mean unbounded (-1)."""
+    if window is None:
+        left, right = -1, -1
+    else:
+        if not isinstance(window, (tuple, list)) or len(window) != 2:
+            raise TypeError(f"{fn}(): window must be None or a pair (left, right) of ints >= -1, got {window!r}")
+        left, right = (_checks.check_int(fn, f"window[{i}]", w, -1) for i, w in enumerate(window))
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    left, right = (-1 if w > 2**30 else w for w in (left, right))
+    softcap = 0.0 if softcap is None else _checks.check_real(fn, "softcap", softcap, minimum=0.0)
+    if not math.isfinite(softcap):
+        raise ValueError(f"{fn}(): softcap must be finite, got {softcap}")
+    return (left, right), softcap
 
 
 # --- argument checks ------------------------------------------------------------------------
@@ -102,9 +171,9 @@ def _check_args(q, k, v, causal, scale, mask, key_lengths, impl, return_lse, out
     check_same_dtype(_FN, "k", k, "q", q)
     check_same_dtype(_FN, "v", v, "q", q)
     auto = impl is None
-    if impl is None:
-        impl = DEFAULT_IMPL[np.dtype(q.dtype)]
     b, hq, sq, d = q.shape
+    if impl is None:
+        impl = default_impl(q.dtype, d)
     if k.shape[0] != b or k.shape[3] != d:
         raise ValueError(f"{_FN}(): k has shape {tuple(k.shape)}, expected [B={b}, Hkv, Sk, D={d}] "
                          f"to match q {tuple(q.shape)}")
@@ -124,6 +193,8 @@ def _check_args(q, k, v, causal, scale, mask, key_lengths, impl, return_lse, out
     if impl == "flash_mma" and np.dtype(q.dtype) not in MMA_DTYPES:
         raise TypeError(f"{_FN}(): impl='flash_mma' needs float16 or bfloat16 inputs, got float32 "
                         f"(use impl='flash')")
+    if impl == "flash_mma":
+        _checks.require_impl(_FN, "attention", impl, q.dtype)
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_last_contiguous(_FN, name, x)
     scale = (1.0 / math.sqrt(d) if d else 1.0) if scale is None else _checks.check_real(_FN, "scale", scale)
@@ -142,7 +213,7 @@ def _check_args(q, k, v, causal, scale, mask, key_lengths, impl, return_lse, out
 
 # --- public op ------------------------------------------------------------------------------
 def attention(q, k, v, causal=False, scale=None, mask=None, key_lengths=None, impl=None,
-              return_lse=False, out=None):
+              return_lse=False, out=None, window=None, softcap=None):
     """Scaled dot-product attention ``softmax(q k^T * scale + bias) v``.
 
     Parameters
@@ -166,14 +237,16 @@ def attention(q, k, v, causal=False, scale=None, mask=None, key_lengths=None, im
         Keys ``j >= key_lengths[b]`` are hidden. Host values (list / NumPy) are checked to lie in
         [0, Sk]; a CuPy array is used as is (not read back: the flash kernel clamps it to [0, Sk]).
     impl : {None, "flash", "flash_mma", "naive", "wgmma"}
-        None (default): the fastest correct kernel for the dtype, ``DEFAULT_IMPL[q.dtype]``.
+        None (default): the fastest correct kernel for the dtype on this GPU,
+        ``default_impl(q.dtype, D)`` (``DEFAULT_IMPL[q.dtype]`` from sm_80 on; see README "GPUs").
         ``"flash"``: one fused FlashAttention-2 kernel launch (SIMT, fp32 FMA); S is
         never written to memory and only ``out`` (and ``lse``, and a B-element int32 copy of
         host key_lengths) are allocated. D must be one of
         ``cupyattn.config.HEAD_DIMS`` = (32, 64, 80, 96, 128, 256).
         ``"flash_mma"``: FlashAttention-2 on tensor cores (mma.sync m16n8k16, fp32
         accumulation, P rounded to the input dtype before P V; K/V staged by cp.async);
-        float16/bfloat16 only, and their default. Inputs whose base or strides are not
+        float16/bfloat16 only (float16 from compute capability 7.5, bfloat16 from 8.0:
+        ``ComputeCapabilityError`` below), and their default. Inputs whose base or strides are not
         16-byte aligned (e.g. ``x[..., 3:67]``) take a slower element-wise staging path.
         ``"naive"``: ``S = gemm_nt(q, k)`` [B, Hq, Sq, Sk] in memory, softmax, ``gemm_nn(P, v)``;
         any D. S is in the input dtype; for float16/bfloat16 q is first multiplied by the
@@ -189,6 +262,13 @@ def attention(q, k, v, causal=False, scale=None, mask=None, key_lengths=None, im
     out : cupy.ndarray [B, Hq, Sq, D], optional
         C-contiguous, dtype of ``q``; written and returned. It must not overlap q, k, v, mask or
         key_lengths in memory (ValueError).
+    window : (left, right), optional
+        Sliding window (flash-attention's ``window_size``): query ``i`` sees keys ``j`` with
+        ``i + Sk - Sq - left <= j <= i + Sk - Sq + right``; -1 leaves a side unbounded; with
+        ``causal`` the right side is at most 0. Fused impls only (not "naive").
+    softcap : float, optional
+        Scores become ``softcap * tanh(scale * q.k / softcap)`` before masking (Gemma 2); 0 or
+        None: off. Fused impls only.
 
     Returns
     -------
@@ -206,6 +286,11 @@ def attention(q, k, v, causal=False, scale=None, mask=None, key_lengths=None, im
     >>> o, lse = attention(q, kv, kv, key_lengths=[1000, 17], return_lse=True)
     """
     impl, scale, mshape, kl = _check_args(q, k, v, causal, scale, mask, key_lengths, impl, return_lse, out)
+    win, cap = check_window_softcap(_FN, window, softcap, causal)
+    sv = Serving(window=win, softcap=cap) if window is not None or cap > 0 else None
+    if sv is not None and impl == "naive":
+        raise ValueError(f"{_FN}(): window and softcap need a fused impl ('flash' or 'flash_mma'), "
+                         f"got impl='naive'")
     b, hq, sq, d = q.shape
     sk = k.shape[2]
     if out is None:
@@ -228,7 +313,7 @@ def attention(q, k, v, causal=False, scale=None, mask=None, key_lengths=None, im
     elif impl == "wgmma":
         _sm90.run(q, k, v, causal, scale, kl, out, lse, mask, mshape)
     else:
-        _flash(impl, q, k, v, causal, scale, mask, mshape, kl, out, lse)
+        _flash(impl, q, k, v, causal, scale, mask, mshape, kl, out, lse, sv)
     return (out, lse) if return_lse else out
 
 
@@ -244,15 +329,24 @@ def _vec_flags(q, k, v, out) -> int:
     such as ``x[..., 3:67]`` of a wider array)."""
     flags = 0
     for bit, x in ((1, q), (2, k), (4, v)):
-        if x.data.ptr % 16 == 0 and all(s % 8 == 0 for s in _elem_strides(x)[:3]):
+        if x.data.ptr % 16 == 0 and all(s % 8 == 0 for s in _elem_strides(x)[:-1]):
             flags |= bit
     return flags | (8 if out.data.ptr % 16 == 0 else 0)
 
 
-def _flash(impl, q, k, v, causal, scale, mask, mshape, kl, out, lse):
-    """The one launch of the fused kernel (v1 SIMT or v2 tensor cores)."""
-    b, hq, sq, d = q.shape
-    hkv, sk = k.shape[1], k.shape[2]
+def _flash(impl, q, k, v, causal, scale, mask, mshape, kl, out, lse, sv=None, shape=None, strides=None):
+    """The one launch of the fused kernel (v1 SIMT or v2 tensor cores). ``sv``: Serving
+    arguments (then the serving instantiation runs, causal given as the window); ``shape``
+    (B, Hq, Sq rows per grid column, Hkv, Sq argument, Sk argument) and ``strides`` ((sb, sh, ss)
+    in elements for q, k, v) for packed or paged calls, whose arrays are not [B, H, S, D]."""
+    sv = sv if sv is not None and sv.active else None
+    if shape is None:
+        b, hq, sq, d = q.shape
+        hkv, sk = k.shape[1], k.shape[2]
+        sq_arg = sq
+    else:
+        b, hq, sq, hkv, sq_arg, sk = shape
+        d = q.shape[-1]
     tile = _tile(impl, q.dtype, d)
     bm = tile.block_m
     if mask is not None:
@@ -265,18 +359,19 @@ def _flash(impl, q, k, v, causal, scale, mask, mshape, kl, out, lse):
     bh = b * hq
     grid = ((sq + bm - 1) // bm, min(bh, MAX_GRID_YZ), (bh + MAX_GRID_YZ - 1) // MAX_GRID_YZ)
     i64 = np.int64
+    qs, ks, vs = strides if strides is not None else (_elem_strides(x)[:3] for x in (q, k, v))
     args = (q, k, v, out, ptr_or_null(lse), ptr_or_null(mask), ptr_or_null(kl),
-            np.int32(b), np.int32(hq), np.int32(hkv), np.int32(sq), np.int32(sk),
-            *map(i64, _elem_strides(q)[:3]), *map(i64, _elem_strides(k)[:3]),
-            *map(i64, _elem_strides(v)[:3]), *map(i64, mstr),
+            np.int32(b), np.int32(hq), np.int32(hkv), np.int32(sq_arg), np.int32(sk),
+            *map(i64, qs), *map(i64, ks), *map(i64, vs), *map(i64, mstr),
             np.float32(scale * math.log2(math.e)))
-    expr = _expr(impl, q.dtype, d, causal)
+    serving = (Serving() if sv is None else sv).args()
+    expr = _expr(impl, q.dtype, d, causal and sv is None, sv is not None)
     if impl == "flash_mma":
         smem = flash_mma_smem_bytes(d)
         kern = get_function(SPEC, expr, dynamic_smem=smem)
-        kern(grid, (tile.warps * 32,), args + (np.int32(_vec_flags(q, k, v, out)),), shared_mem=smem)
+        kern(grid, (tile.warps * 32,), args + (np.int32(_vec_flags(q, k, v, out)),) + serving, shared_mem=smem)
     else:
-        get_function(SPEC, expr)(grid, (tile.warps * 32,), args)
+        get_function(SPEC, expr)(grid, (tile.warps * 32,), args + serving)
 
 
 # --- impl="naive": gemm_nt -> softmax -> gemm_nn, S in memory -------------------------------

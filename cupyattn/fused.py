@@ -42,8 +42,9 @@ import cupy
 import numpy as np
 
 from . import _checks as C
+from . import _loader, config
 from ._loader import KernelSpec, get_function, launch
-from .config import DTYPES, FUSED_SKINNY, INT32_MAX, VEC16, cbool, ctype
+from .config import DTYPES, FUSED_SKINNY, INT32_MAX, MMA_DTYPES, VEC16, cbool, ctype
 from .kvcache import ROPE_STYLES, KVCache
 
 _S = FUSED_SKINNY
@@ -56,17 +57,21 @@ def _expr(kernel: str, dtype, neox=None) -> str:
     return f"{kernel}<{ctype(dtype)}, {extra}{_TILE}>"
 
 
+def _exprs(t) -> tuple[str, ...]:
+    return (tuple(_expr("norm_qkv_rope_append_kernel", t, neox) for neox in (False, True))
+            + tuple(_expr(k, t) for k in ("gemm_residual_kernel", "norm_gate_up_swiglu_kernel", "norm_gemm_kernel")))
+
+
 SPEC = KernelSpec(
-    "fused_decode", "fused_decode.cu",
-    tuple(_expr("norm_qkv_rope_append_kernel", t, neox) for t in DTYPES for neox in (False, True))
-    + tuple(_expr(k, t) for k in ("gemm_residual_kernel", "norm_gate_up_swiglu_kernel", "norm_gemm_kernel")
-            for t in DTYPES))
+    "fused_decode", "fused_decode.cu", tuple(e for t in DTYPES for e in _exprs(t)),
+    # fp16 / bf16: the projections are skinny mma tiles (config.IMPL_MIN_CC["fused", "skinny"])
+    needs=tuple((e, config.impl_min_cc("fused", "skinny", t), 0) for t in MMA_DTYPES for e in _exprs(t)))
 
 
 def _pdl() -> bool:
-    from . import config
-
-    return bool(config.FUSED_DECODE_PDL)
+    """PDL launches: config.FUSED_DECODE_PDL, on sm_90 and newer (griddepcontrol; below, the
+    kernels' pdl_wait / pdl_launch_dependents compile to nothing and the attribute is not set)."""
+    return bool(config.FUSED_DECODE_PDL) and _loader.device_compute_capability() >= 90
 
 
 # --- checks --------------------------------------------------------------------------------------
@@ -90,6 +95,7 @@ def _rows(fn, name, x):
 def _weights(fn, x, norm_weight, w, w_name, n_rows=None, x_name="x"):
     """Common checks of x, the norm weight (None: none) and the weight matrix w [N, K]."""
     m, ldx = _rows(fn, x_name, x)
+    C.require_impl(fn, "fused", "skinny", x.dtype)   # bf16 below sm_80: no kernel, a clear error
     k = x.shape[-1]
     C.check_array(fn, w_name, w, ndim=2)
     C.check_same_dtype(fn, w_name, w, x_name, x)
@@ -170,8 +176,8 @@ def rmsnorm_qkv_rope_append(x, norm_weight, wqkv, cache, layer, num_heads, eps=1
         If a sequence's cache is full: nothing is launched or written.
     """
     fn = "rmsnorm_qkv_rope_append"
-    if not isinstance(cache, KVCache):
-        raise TypeError(f"{fn}(): cache must be a cupyattn.KVCache, got {type(cache).__name__}")
+    if not isinstance(cache, KVCache) or hasattr(cache, "block_table"):  # PagedKVCache: another layout
+        raise TypeError(f"{fn}(): cache must be a cupyattn.KVCache (contiguous), got {type(cache).__name__}")
     layer = cache.check_layer(fn, layer)
     hq = C.check_positive_int(fn, "num_heads", num_heads)
     b, d, hkv = cache.batch, cache.head_dim, cache.num_kv_heads

@@ -40,14 +40,14 @@ from __future__ import annotations
 import cupy
 import numpy as np
 
-from . import _checks, tma
+from . import _checks, _loader, tma
 from ._loader import KernelSpec, get_function
 from . import config as C
 from .config import (DTYPES, GEMM_GROUP_M, GEMM_IMPLS, GEMM_MMA_PAD, GEMM_SKINNY, GEMM_SKINNY_MAX_M,
                      GEMM_TILES, INT32_MAX, MAX_GRID_YZ, MMA_DTYPES, cbool, ctype, gemm_mma_smem_bytes)
 
 
-def _expr(impl: str, dtype, nt: bool, bn: int = 256) -> str:
+def _expr(impl: str, dtype, nt: bool, bn: int = 256, tile: C.GemmTile | None = None) -> str:
     if impl == "wgmma":
         t, (rp, rc) = C.GEMM_WGMMA_TILES[bn], C.GEMM_WGMMA_REGS
         return (f"gemm_wgmma_kernel<{ctype(dtype)}, {cbool(nt)}, {t.bn}, {t.stages}, {C.GEMM_WGMMA_GROUP_M}, "
@@ -55,17 +55,20 @@ def _expr(impl: str, dtype, nt: bool, bn: int = 256) -> str:
     if impl == "skinny":
         s = GEMM_SKINNY
         return f"gemm_skinny_kernel<{ctype(dtype)}, {s.warps}, {s.n_tiles}, {s.chunks}>"
-    t = GEMM_TILES[impl]
+    t = tile or GEMM_TILES[impl]
     extra = f", {GEMM_MMA_PAD}, {t.stages}, {t.min_blocks[0 if nt else 1]}, {GEMM_GROUP_M}" if impl == "mma" else ""
     return f"gemm_{impl}_kernel<{ctype(dtype)}, {cbool(nt)}, {t.bm}, {t.bn}, {t.bk}, {t.threads}{extra}>"
 
 
+# the mma kernel with its main tile, and with the 2-stage tile for 64 KB devices (_mma_tile)
+_MMA_NEEDS = tuple((_expr("mma", d, nt, tile=t), C.MMA_MIN_CC[d], gemm_mma_smem_bytes(t, nt))
+                   for d in MMA_DTYPES for nt in (True, False) for t in (GEMM_TILES["mma"], C.GEMM_MMA_SMALL_SMEM))
 SPEC = KernelSpec(
     name="gemm",
     source="gemm.cu",
     name_expressions=tuple(_expr("simt", d, nt) for d in DTYPES for nt in (True, False))
-    + tuple(_expr("mma", d, nt) for d in MMA_DTYPES for nt in (True, False))
-    + tuple(_expr("skinny", d, True) for d in DTYPES),
+    + tuple(e for e, _, _ in _MMA_NEEDS) + tuple(_expr("skinny", d, True) for d in DTYPES),
+    needs=_MMA_NEEDS + tuple((_expr("skinny", d, True), C.MMA_MIN_CC[d], 0) for d in MMA_DTYPES),
 )
 SPEC_SM90 = KernelSpec(
     name="gemm_sm90",
@@ -131,13 +134,26 @@ def _fold_batch(m: int, lda: int, dims, n: int = 1, impl: str = "auto", dtype=No
     return m, lda, dims
 
 
-def _pick_impl(impl: str, dtype, nt: bool, m: int) -> str:
-    """The kernel ``impl="auto"`` means for this call (M after folding)."""
+def _pick_impl(impl: str, dtype, nt: bool, m: int, cc: int | None = None) -> str:
+    """The kernel ``impl="auto"`` means for this call (M after folding) on a device of compute
+    capability ``cc`` (None: one with every instruction): tensor-core kernels only where the device
+    has them for ``dtype`` (config.IMPL_MIN_CC), else simt."""
     if impl != "auto":
         return impl
-    if nt and m <= GEMM_SKINNY_MAX_M:
+
+    def runs(name):
+        return cc is None or C.impl_runs_on("gemm", name, dtype, cc)
+
+    if nt and m <= GEMM_SKINNY_MAX_M and runs("skinny"):
         return "skinny"
-    return "mma" if np.dtype(dtype) in MMA_DTYPES else "simt"
+    return "mma" if np.dtype(dtype) in MMA_DTYPES and runs("mma") else "simt"
+
+
+def _mma_tile(nt: bool) -> C.GemmTile:
+    """GEMM_TILES["mma"], or the 2-stage tile where the device's per-block shared memory is
+    smaller than the main tile's ring (Turing)."""
+    main = GEMM_TILES["mma"]
+    return main if gemm_mma_smem_bytes(main, nt) <= _loader.device_smem_optin() else C.GEMM_MMA_SMALL_SMEM
 
 
 def _check_args(fn, a, b, out, impl, nt):
@@ -170,6 +186,8 @@ def _check_args(fn, a, b, out, impl, nt):
     if impl == "skinny" and not nt:
         raise ValueError(f"{fn}(): impl='skinny' is a gemm_nt kernel (b rows are the weight rows it "
                          f"streams); use impl='mma', 'simt' or 'auto'")
+    if impl in ("mma", "skinny"):
+        _checks.require_impl(fn, "gemm", impl, a.dtype)
     for name, v in (("M", m), ("N", n), ("K", k)):
         _checks.check_int32(fn, name, v)
     if _n_tiles(_pick_impl(impl, a.dtype, nt, m), m, n) > INT32_MAX:
@@ -203,7 +221,7 @@ def _gemm(fn, a, b, out, impl, nt):
     dims = [(1, 0, 0)] * (2 - len(dims)) + dims
     if impl == "wgmma" or (impl == "auto" and _auto_takes_wgmma(a, b, m, n, k, lda, ldb, dims, nt)):
         return _launch_wgmma(fn, a, b, out, m, n, k, lda, ldb, dims, nt)
-    impl = _pick_impl(impl, a.dtype, nt, m)
+    impl = _pick_impl(impl, a.dtype, nt, m, _loader.device_compute_capability())
     (n_out, a_so, b_so), (n_in, a_si, b_si) = dims
     nbatch = n_out * n_in
 
@@ -219,11 +237,12 @@ def _gemm(fn, a, b, out, impl, nt):
     if impl == "skinny":
         threads, smem = 32 * GEMM_SKINNY.warps, 0
     else:
-        tile = GEMM_TILES[impl]
+        tile = _mma_tile(nt) if impl == "mma" else GEMM_TILES[impl]
         threads = tile.threads
         smem = gemm_mma_smem_bytes(tile, nt) if impl == "mma" else 0
     tiles_m, tiles_n = -(-m // rows_m), -(-n // rows_n)
-    kern = get_function(SPEC, _expr(impl, a.dtype, nt), dynamic_smem=smem)
+    kern = get_function(SPEC, _expr(impl, a.dtype, nt, tile=None if impl == "skinny" else tile),
+                        dynamic_smem=smem)
     i32, i64 = np.int32, np.int64
     kern((tiles_m * tiles_n, min(nbatch, MAX_GRID_YZ), 1), (threads, 1, 1),
          (a, b, out, i32(m), i32(n), i32(k), i32(tiles_n), i64(nbatch), i64(n_in),

@@ -35,7 +35,7 @@ import numpy as np
 
 from . import _checks
 from ._checks import check_array, check_last_contiguous, check_same_dtype
-from ._loader import KernelSpec, get_function
+from ._loader import NULL, KernelSpec, get_function
 from .config import (DTYPES, KV_ADVANCE_THREADS, KV_APPEND_ELEMS_PER_BLOCK, KV_APPEND_THREADS,
                      KV_ROPE_APPEND_ITEMS_PER_BLOCK, KV_ROPE_APPEND_THREADS, MAX_GRID_YZ, cbool,
                      ctype, defines)
@@ -45,7 +45,10 @@ ROPE_STYLES = ("adjacent", "neox")
 SPEC = KernelSpec(
     "kvcache", "kvcache.cu",
     tuple(f"kv_append_kernel<{ctype(t)}>" for t in DTYPES) + ("kv_advance_lengths_kernel",)
-    + tuple(f"qkv_rope_append_kernel<{ctype(t)}, {cbool(neox)}>" for t in DTYPES for neox in (False, True)),
+    + tuple(f"qkv_rope_append_kernel<{ctype(t)}, {cbool(neox)}>" for t in DTYPES for neox in (False, True))
+    # paged variants (cupyattn.paged.PagedKVCache)
+    + tuple(f"kv_append_kernel<{ctype(t)}, true>" for t in DTYPES)
+    + tuple(f"qkv_rope_append_kernel<{ctype(t)}, {cbool(neox)}, true>" for t in DTYPES for neox in (False, True)),
     options=defines(KV_ROPE_APPEND_THREADS=KV_ROPE_APPEND_THREADS))
 
 
@@ -110,6 +113,13 @@ class KVCache:
             # finish, found by this ticket, advances the lengths and sets it back to 0.
             self.ticket = cupy.zeros(1, dtype=np.uint32)
         self.host_lengths = np.zeros((self.num_layers, self.batch), dtype=np.int64)
+
+    # Where append kernels write: the contiguous layout here; PagedKVCache overrides both.
+    _EXPR_TAIL = ""
+
+    def _layout_args(self):
+        """The append kernels' KV_PAGED_PARAMS: no block table."""
+        return (NULL, np.int32(0), np.int32(0), np.int32(0))
 
     def __repr__(self):
         return (f"KVCache(num_layers={self.num_layers}, batch={self.batch}, num_kv_heads="
@@ -248,12 +258,12 @@ class KVCache:
         i32, i64 = np.int32, np.int64
         use_counts = i32(0 if uniform else 1)
         n_uniform = i32(counts[0])
-        append = get_function(SPEC, f"kv_append_kernel<{ctype(self.dtype)}>")
+        append = get_function(SPEC, f"kv_append_kernel<{ctype(self.dtype)}{self._EXPR_TAIL}>")
         append(grid, (KV_APPEND_THREADS,),
                (self.k[layer], self.v[layer], k_new, v_new, lengths, dev_counts,
                 *map(i64, ks), *map(i64, vs),
                 i32(self.num_kv_heads), i32(self.max_seq), i32(d), i32(tok_per_block),
-                n_uniform, use_counts))
+                n_uniform, use_counts, *self._layout_args()))
         self._advance(lengths, dev_counts, counts, uniform)
 
     # --- fused rope + append ------------------------------------------------------------------
@@ -328,13 +338,14 @@ class KVCache:
         lengths, dev_counts, uniform = self._device_counts(layer, counts)
         i32, i64 = np.int32, np.int64
         advance_here = n_tiles == 1  # one block per sequence: it can move its own length
-        kern = get_function(SPEC, f"qkv_rope_append_kernel<{ctype(self.dtype)}, {cbool(rope_style == 'neox')}>")
+        kern = get_function(SPEC, f"qkv_rope_append_kernel<{ctype(self.dtype)}, {cbool(rope_style == 'neox')}"
+                                  f"{self._EXPR_TAIL}>")
         kern((n_tiles, b), (KV_ROPE_APPEND_THREADS,),
              (qkv, q_out, self.k[layer], self.v[layer], lengths, dev_counts,
               i64(qkv.strides[0] // qkv.itemsize), i64(qkv.strides[1] // qkv.itemsize),
               i32(t), i32(hq), i32(hkv), i32(d), i32(self.max_seq), i32(tok_per_block),
               i32(counts[0]), i32(0 if uniform else 1), np.float64(-math.log2(base) / half),
-              i32(1 if advance_here else 0)))
+              i32(1 if advance_here else 0), *self._layout_args()))
         if not advance_here:
             self._advance(lengths, dev_counts, counts, uniform)
         self.host_lengths[layer] += counts

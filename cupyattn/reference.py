@@ -112,12 +112,26 @@ def _live_values(v, key_lengths):
     return np.where(np.arange(v.shape[2])[None, None, :, None] < kl, v, 0.0)
 
 
-def attention(q, k, v, causal=False, scale=None, mask=None, key_lengths=None, return_lse=False):
+def window_allowed(sq: int, sk: int, window):
+    """Bool [sq, sk]: True where query i may see key j under flash-attention's
+    ``window=(left, right)`` (-1: unbounded), counted from the bottom-right-aligned position
+    ``i + sk - sq``: ``i + sk - sq - left <= j <= i + sk - sq + right``."""
+    left, right = window
+    i = np.arange(sq)[:, None] + (sk - sq)
+    j = np.arange(sk)[None, :]
+    return ((left < 0) | (j >= i - left)) & ((right < 0) | (j <= i + right))
+
+
+def attention(q, k, v, causal=False, scale=None, mask=None, key_lengths=None, return_lse=False,
+              window=None, softcap=None):
     """``softmax(q k^T * scale + bias) v`` with S materialised. q [B,Hq,Sq,D], k/v [B,Hkv,Sk,D].
 
     ``mask`` is additive, broadcastable to [B, Hq, Sq, Sk]; ``key_lengths`` [B] hides keys
-    j >= key_lengths[b]. Returns out [B,Hq,Sq,D] (and lse [B,Hq,Sq], natural log, -inf for
-    rows that see no key, NaN for rows with a NaN among their visible scores).
+    j >= key_lengths[b]; ``window`` (left, right) hides keys outside it (window_allowed);
+    ``softcap`` (> 0) turns each score s = q.k * scale into softcap * tanh(s / softcap) before
+    the mask (flash-attention and Gemma 2: the scale is applied first). Returns out
+    [B,Hq,Sq,D] (and lse [B,Hq,Sq], natural log, -inf for rows that see no key, NaN for rows
+    with a NaN among their visible scores).
     """
     q, k, v = _f64(q), _f64(k), _f64(v)
     k, v = _expand_kv(q, k, v)
@@ -125,7 +139,12 @@ def attention(q, k, v, causal=False, scale=None, mask=None, key_lengths=None, re
     sk = k.shape[2]
     scale = 1.0 / np.sqrt(d) if scale is None else scale
     bias = attention_bias(b, h, sq, sk, causal, mask, key_lengths)
-    p, m_safe, l = _normalise(q @ np.swapaxes(k, -1, -2) * scale + bias, bias == -np.inf, -1)
+    if window is not None:
+        bias = np.where(window_allowed(sq, sk, window), bias, -np.inf)
+    s = q @ np.swapaxes(k, -1, -2) * scale
+    if softcap:
+        s = softcap * np.tanh(s / softcap)
+    p, m_safe, l = _normalise(s + bias, bias == -np.inf, -1)
     out = p @ _live_values(v, key_lengths)
     if not return_lse:
         return out
@@ -227,6 +246,80 @@ def merge_partials(o_parts, lse_parts):
     return np.where(total[..., None] > 0, out, 0.0), lse
 
 
+# --- serving: packed sequences, paged caches (cupyattn.varlen, cupyattn.paged) ---------------
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=False, scale=None, window=None,
+                     softcap=None, return_lse=False):
+    """flash_attn_varlen_func: q [total_q, Hq, D], k/v [total_k, Hkv, D] packed; sequence b is
+    rows cu_seqlens_q[b]:cu_seqlens_q[b+1] of q and cu_seqlens_k[b]:cu_seqlens_k[b+1] of k/v,
+    causal and window aligned bottom-right per sequence. Returns out [total_q, Hq, D] (and lse
+    [Hq, total_q])."""
+    q, k, v = _f64(q), _f64(k), _f64(v)
+    cq, ck = np.asarray(cu_seqlens_q), np.asarray(cu_seqlens_k)
+    out = np.zeros(q.shape)
+    lse = np.full((q.shape[1], q.shape[0]), -np.inf)
+    for b in range(len(cq) - 1):
+        q0, q1, k0, k1 = int(cq[b]), int(cq[b + 1]), int(ck[b]), int(ck[b + 1])
+        if q1 == q0:
+            continue
+        o, l = attention(q[None, q0:q1].transpose(0, 2, 1, 3), k[None, k0:k1].transpose(0, 2, 1, 3),
+                         v[None, k0:k1].transpose(0, 2, 1, 3), causal, scale, return_lse=True,
+                         window=window, softcap=softcap)
+        out[q0:q1] = o[0].transpose(1, 0, 2)
+        lse[:, q0:q1] = l[0]
+    return (out, lse) if return_lse else out
+
+
+def paged_gather(pages, block_table, seq_lens):
+    """The keys (or values) of each sequence from a paged cache: pages [num_pages, page_size,
+    Hkv, D], block_table [B, max_pages] page ids, seq_lens [B] -> list of [seq_lens[b], Hkv, D]:
+    position p of sequence b is row p % page_size of page block_table[b, p // page_size]."""
+    pages = _f64(pages)
+    ps = pages.shape[1]
+    out = []
+    for b, n in enumerate(np.asarray(seq_lens)):
+        pos = np.arange(int(n))
+        out.append(pages[np.asarray(block_table)[b, pos // ps], pos % ps])
+    return out
+
+
+def attention_paged(q, cu_seqlens_q, k_pages, v_pages, block_table, seq_lens, causal=False, scale=None,
+                    window=None, softcap=None, return_lse=False):
+    """Queries [total_q, Hq, D] (packed by cu_seqlens_q) over paged keys/values: sequence b has
+    seq_lens[b] keys (its new tokens included, last), so causal is bottom-right per sequence
+    (chunked prefill). Returns out [total_q, Hq, D] (and lse [Hq, total_q])."""
+    ks, vs = paged_gather(k_pages, block_table, seq_lens), paged_gather(v_pages, block_table, seq_lens)
+    cu_k = np.concatenate([[0], np.cumsum([len(x) for x in ks])]).astype(np.int64)
+    hkv, d = k_pages.shape[2], k_pages.shape[3]
+    cat = (lambda xs: np.concatenate(xs) if xs else np.zeros((0, hkv, d)))
+    return attention_varlen(q, cat(ks), cat(vs), cu_seqlens_q, cu_k, causal, scale, window, softcap,
+                            return_lse)
+
+
+def decode_attention_paged(q, k_pages, v_pages, block_table, seq_lens, scale=None, window=None,
+                           softcap=None):
+    """One query per sequence, q [B, Hq, D], over seq_lens[b] paged keys -> [B, Hq, D]."""
+    b = q.shape[0]
+    return attention_paged(q, np.arange(b + 1), k_pages, v_pages, block_table, seq_lens, False, scale,
+                           window, softcap)
+
+
+def paged_append_qkv(qkv, k_pages, v_pages, block_table, seq_lens, num_heads, base=10000.0,
+                     style="adjacent", num_new=None):
+    """``PagedKVCache.append_qkv``: qkv [B, T, (Hq + 2 Hkv) D]; token t < num_new[b] (default T)
+    of sequence b goes, RoPE'd at position seq_lens[b] + t, to that position's page row. Returns
+    (q [B, Hq, T, D] rotated, k_pages, v_pages, seq_lens + num_new) as new float64 arrays."""
+    ps = k_pages.shape[1]
+    q, k, v, lens, counts = _rope_qkv(qkv, num_heads, k_pages.shape[2], seq_lens, num_new, base, style)
+    kp, vp = _f64(k_pages).copy(), _f64(v_pages).copy()
+    for i in range(len(lens)):
+        for tt in range(int(counts[i])):
+            p = int(lens[i]) + tt
+            page = int(np.asarray(block_table)[i, p // ps])
+            kp[page, p % ps] = k[i, :, tt]
+            vp[page, p % ps] = v[i, :, tt]
+    return q, kp, vp, lens + counts
+
+
 # --- layer ops of a Llama-style model -------------------------------------------------------
 def rmsnorm(x, weight, eps=1e-5):
     """``x / sqrt(mean(x^2) + eps) * weight`` over the last dim."""
@@ -278,6 +371,20 @@ def add_rmsnorm(x, r, weight, eps=1e-5):
     return s, rmsnorm(s, weight, eps)
 
 
+def _rope_qkv(qkv, num_heads, hkv, lengths, num_new, base, style):
+    """Split qkv [B, T, (Hq + 2 Hkv) D] into heads and rotate q and k at positions lengths[b] + t:
+    -> (q [B, Hq, T, D], k [B, Hkv, T, D], v, lengths int64, counts int64 (num_new or T))."""
+    qkv = _f64(qkv)
+    b, t, width = qkv.shape
+    heads = qkv.reshape(b, t, num_heads + 2 * hkv, width // (num_heads + 2 * hkv)).transpose(0, 2, 1, 3)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    counts = np.full(b, t) if num_new is None else np.asarray(num_new, dtype=np.int64)
+    pos = lengths[:, None] + np.arange(t)[None, :]
+    q = rope(heads[:, :num_heads], pos, base, style)
+    k = rope(heads[:, num_heads:num_heads + hkv], pos, base, style)
+    return q, k, heads[:, num_heads + hkv:], lengths, counts
+
+
 def qkv_rope_append(qkv, k_cache, v_cache, lengths, num_heads, base=10000.0, style="adjacent",
                     num_new=None):
     """The fused RoPE + KV-cache append of one layer (``KVCache.append_qkv``).
@@ -286,18 +393,9 @@ def qkv_rope_append(qkv, k_cache, v_cache, lengths, num_heads, base=10000.0, sty
     of sequence b sits at position lengths[b] + t; tokens t < num_new[b] (default all T) are
     appended. Returns (q [B, Hq, T, D] rotated, k_cache, v_cache, lengths) as new float64 arrays.
     """
-    qkv = _f64(qkv)
-    b, t, _ = qkv.shape
-    hkv, d = k_cache.shape[1], k_cache.shape[3]
-    heads = qkv.reshape(b, t, num_heads + 2 * hkv, d).transpose(0, 2, 1, 3)  # [B, heads, T, D]
-    lengths = np.asarray(lengths, dtype=np.int64)
-    counts = np.full(b, t) if num_new is None else np.asarray(num_new, dtype=np.int64)
-    pos = lengths[:, None] + np.arange(t)[None, :]
-    q = rope(heads[:, :num_heads], pos, base, style)
-    k = rope(heads[:, num_heads:num_heads + hkv], pos, base, style)
-    v = heads[:, num_heads + hkv:]
+    q, k, v, lengths, counts = _rope_qkv(qkv, num_heads, k_cache.shape[1], lengths, num_new, base, style)
     kc, vc = _f64(k_cache).copy(), _f64(v_cache).copy()
-    for i in range(b):
+    for i in range(len(lengths)):
         n, p0 = int(counts[i]), int(lengths[i])
         kc[i, :, p0:p0 + n] = k[i, :, :n]
         vc[i, :, p0:p0 + n] = v[i, :, :n]

@@ -9,6 +9,10 @@
 //            the group's query heads are the rows of an m16n8k16 A tile (zero-padded to 16 or
 //            32), S = Q K^T and O += P V run on tensor cores; each warp owns a slice of every
 //            key tile with its own softmax state, and the slices are merged at the end
+//   SERVING = true (either kernel)         the serving variant (cupyattn/paged.py, decode_attention(window=,
+//                                          softcap=)): K/V rows through a block table when one is given
+//                                          (pages [num_pages, page_size, Hkv, D], kernels_cu/paged.cuh), a
+//                                          window's left bound moves the first key, softcap caps the scores
 //   decode_combine_kernel<T, ...>          merges split partials: O = sum_c exp(lse_c - lse) O_c
 //   fused combine (counters != null)       no combine launch: the last split block of each (sequence,
 //                                          head tile) to finish, found by an atomic counter, merges
@@ -33,8 +37,15 @@
 // cupyattn/config.py (DECODE_SIMT_TILES, DECODE_MMA_TILES, with the reason for each) as template
 // arguments; the dynamic shared memory the host launches with is exactly STAGES * 2 * BN * PITCH.
 #include "common.cuh"
+#include "paged.cuh"
 #include "ptx.cuh"
 
+// The serving arguments both decode kernels take after write_partials (null / 0 / -1 when plain).
+#define DECODE_SERVING_PARAMS                                                                      \
+    const int* __restrict__ block_table,  /* [B, bt_stride] page ids, or null (contiguous cache) */ \
+    int bt_stride, int log2_page, int num_pages,                                                   \
+    int win_left,                         /* keys >= len - 1 - win_left; -1 unbounded */           \
+    float softcap_log2                    /* softcap * log2(e), 0 = off */
 // --- helpers -------------------------------------------------------------------------------
 // One 16-byte chunk of T elements -> VEC floats.
 __device__ __forceinline__ void chunk_to_float(const uint4& u, float (&f)[4], float) {
@@ -58,10 +69,11 @@ __device__ __forceinline__ void chunk_to_float(const uint4& u, float (&f)[8], __
     }
 }
 
-// Ring slot `slot` ([K, V][BN][PITCH] bytes) <- keys [t0, t0 + BN) of one kv head (kg, vg:
-// [max_seq, D]). Rows at or past `hi` are zero-filled without reading global memory.
-template <typename T, int D, int BN, int PITCH, int NT>
-__device__ __forceinline__ void load_kv_tile(unsigned char* slot, const T* kg, const T* vg, int t0, int hi) {
+// Ring slot `slot` ([K, V][BN][PITCH] bytes) <- keys [t0, t0 + BN) of one kv head (kg, vg: its
+// rows, contiguous or paged). Rows at or past `hi` are zero-filled without reading global memory.
+template <typename T, int D, int BN, int PITCH, int NT, bool PAGED>
+__device__ __forceinline__ void load_kv_tile(unsigned char* slot, const KvRows<T, PAGED>& kg,
+                                             const KvRows<T, PAGED>& vg, int t0, int hi) {
     constexpr int VEC = 16 / sizeof(T), NC = D / VEC, PER_KV = BN * NC;
 #pragma unroll
     for (int it = 0; it < (2 * PER_KV + NT - 1) / NT; ++it) {
@@ -69,34 +81,44 @@ __device__ __forceinline__ void load_kv_tile(unsigned char* slot, const T* kg, c
         if (2 * PER_KV % NT == 0 || i < 2 * PER_KV) {
             const int kv = i >= PER_KV, r = i - kv * PER_KV, j = r / NC, c = r - j * NC;
             unsigned char* dst = slot + (kv * BN + j) * PITCH + c * 16;
-            if (t0 + j < hi) cp_async<16>(dst, (kv ? vg : kg) + (size_t)(t0 + j) * D + c * VEC);
-            else cp_async_zfill<16>(dst, kg, 0);
+            if (t0 + j < hi) cp_async<16>(dst, (kv ? vg : kg).row(t0 + j) + c * VEC);
+            else cp_async_zfill<16>(dst, kg.base, 0);
         }
     }
 }
 
 // The block's share of the cache, and the ring prologue. Keys [lo, hi) of split `split` for a
 // sequence of live length lengths[b] (chunk = ceil(len / splits), as
-// reference.decode_split_partials); kg, vg: [max_seq, D] rows of kv head kvh. Tiles 0 .. STAGES-2
+// reference.decode_split_partials); kg, vg: the rows of kv head kvh ([max_seq, D] of the
+// contiguous cache, or through the block table: SERVING). With a window (SERVING, win_left >= 0)
+// the keys start at len - 1 - win_left and the splits share [start, len). Tiles 0 .. STAGES-2
 // are put in flight (one commit group each, empty past the end).
-template <typename T, int D, int BN, int PITCH, int NT, int STAGES>
+template <typename T, int D, int BN, int PITCH, int NT, int STAGES, bool SERVING>
 struct KvStream {
     int lo, hi, ntiles;
-    const T* kg;
-    const T* vg;
+    KvRows<T, SERVING> kg, vg;
     __device__ __forceinline__ KvStream(unsigned char* ring, const T* k_cache, const T* v_cache, const int* lengths,
-                                        int b, int kvh, int Hkv, int max_seq, int num_splits, int split) {
+                                        int b, int kvh, int Hkv, int max_seq, int num_splits, int split,
+                                        const int* table, int bt_stride, int log2_page, int num_pages,
+                                        int win_left) {
         const int len = min(max(lengths[b], 0), max_seq);
-        const int chunk = (len + num_splits - 1) / num_splits;
-        lo = min(split * chunk, len);
+        const int start = SERVING && win_left >= 0 ? max(len - 1 - win_left, 0) : 0;
+        const int chunk = (len - start + num_splits - 1) / num_splits;
+        lo = min(start + split * chunk, len);
         hi = min(lo + chunk, len);
         ntiles = (hi - lo + BN - 1) / BN;
-        const size_t kv_off = ((size_t)b * Hkv + kvh) * (size_t)max_seq * D;
-        kg = k_cache + kv_off;
-        vg = v_cache + kv_off;
+        if (SERVING && table != nullptr) {  // pages [num_pages, page, Hkv, D]: token stride Hkv * D
+            const int* row = table + (size_t)b * bt_stride;
+            kg = {k_cache + (size_t)kvh * D, (long long)Hkv * D, row, log2_page, num_pages - 1};
+            vg = {v_cache + (size_t)kvh * D, (long long)Hkv * D, row, log2_page, num_pages - 1};
+        } else {
+            const size_t kv_off = ((size_t)b * Hkv + kvh) * (size_t)max_seq * D;
+            kg = {k_cache + kv_off, D, nullptr, 0, 0};
+            vg = {v_cache + kv_off, D, nullptr, 0, 0};
+        }
 #pragma unroll
         for (int s = 0; s < STAGES - 1; ++s) {
-            if (s < ntiles) load_kv_tile<T, D, BN, PITCH, NT>(ring + s * 2 * BN * PITCH, kg, vg, lo + s * BN, hi);
+            if (s < ntiles) load_kv_tile<T, D, BN, PITCH, NT, SERVING>(ring + s * 2 * BN * PITCH, kg, vg, lo + s * BN, hi);
             cp_async_commit();
         }
     }
@@ -173,7 +195,7 @@ __device__ __noinline__ void combine_if_last(const float* o_part, const float* l
 // At the end O / l (0 when l = 0: empty range) and lse = (m + log2 l) * ln 2.
 // Roles: a key's dot products are split over TPK = NT / BN adjacent lanes; warp w runs the
 // softmax of heads w, w + warps, ...; PV slot v = tid + s*NT -> (key part, head, 16-byte chunk).
-template <typename T, int D, int NT, int GT, int BN, int STAGES, int PITCH, int MINB>
+template <typename T, int D, int NT, int GT, int BN, int STAGES, int PITCH, int MINB, bool SERVING = false>
 __global__ void __launch_bounds__(NT, MINB) decode_kernel(
     const T* __restrict__ q,            // [B, Hq, 1, D], element (b,h,d) at b*q_sb + h*q_sh + d
     const T* __restrict__ k_cache,      // [B, Hkv, max_seq, D] (one layer), contiguous
@@ -184,7 +206,8 @@ __global__ void __launch_bounds__(NT, MINB) decode_kernel(
     float* __restrict__ lse_part,       // [splits, B, Hq]
     unsigned* __restrict__ counters,    // [B, gridDim.y], zero, or null: see combine_if_last
     long long q_sb, long long q_sh,
-    int B, int Hq, int Hkv, int max_seq, int num_splits, float scale_log2, int write_partials) {
+    int B, int Hq, int Hkv, int max_seq, int num_splits, float scale_log2, int write_partials,
+    DECODE_SERVING_PARAMS) {
     constexpr int WARPS = NT / 32, VEC = 16 / sizeof(T), ROW = D * (int)sizeof(T), NC = ROW / 16;
     constexpr int TPK = NT / BN;                        // lanes sharing one key's dot products
     constexpr int CPT = (NC + TPK - 1) / TPK;           // chunks per lane in a dot product
@@ -214,11 +237,10 @@ __global__ void __launch_bounds__(NT, MINB) decode_kernel(
     const int h0 = kvh * G + ht * GT;                      // first query head of the tile
 
     // this split's keys; tiles 0 .. STAGES-2 in flight before anything else
-    const KvStream<T, D, BN, PITCH, NT, STAGES> kv(ring, k_cache, v_cache, lengths, b, kvh, Hkv, max_seq,
-                                                   num_splits, split);
+    const KvStream<T, D, BN, PITCH, NT, STAGES, SERVING> kv(ring, k_cache, v_cache, lengths, b, kvh, Hkv, max_seq,
+                                                            num_splits, split, block_table, bt_stride, log2_page,
+                                                            num_pages, win_left);
     const int lo = kv.lo, hi = kv.hi, ntiles = kv.ntiles;
-    const T* kg = kv.kg;
-    const T* vg = kv.vg;
 
     // q tile -> smem, pre-scaled (made visible by the first tile's barrier)
     for (int i = tid; i < g_tile * D; i += NT) {
@@ -253,8 +275,8 @@ __global__ void __launch_bounds__(NT, MINB) decode_kernel(
         cp_async_wait<STAGES - 2>();  // this thread's copies of tile t have landed
         __syncthreads();              // everyone's have; everyone is done with tile t-1's slot and p_s
         if (t + STAGES - 1 < ntiles)
-            load_kv_tile<T, D, BN, PITCH, NT>(ring + (t + STAGES - 1) % STAGES * SLOT_BYTES, kg, vg,
-                                              lo + (t + STAGES - 1) * BN, hi);
+            load_kv_tile<T, D, BN, PITCH, NT, SERVING>(ring + (t + STAGES - 1) % STAGES * SLOT_BYTES, kv.kg, kv.vg,
+                                                       lo + (t + STAGES - 1) * BN, hi);
         cp_async_commit();            // (an empty group past the end keeps the wait count uniform)
         const unsigned char* k_s = ring + t % STAGES * SLOT_BYTES;
         const unsigned char* v_s = k_s + BN * PITCH;
@@ -295,8 +317,8 @@ __global__ void __launch_bounds__(NT, MINB) decode_kernel(
             }
             if (kpart == 0 && kj < tile_n) {
 #pragma unroll
-                for (int g = 0; g < GT; ++g)
-                    if (g < g_tile) p_s[g * BN + kj] = s_acc[g];
+                for (int g = 0; g < GT; ++g)  // (softcap: scores are in log2 units, as soft_cap takes them)
+                    if (g < g_tile) p_s[g * BN + kj] = SERVING ? soft_cap(s_acc[g], softcap_log2) : s_acc[g];
             }
         }
         __syncthreads();
@@ -409,7 +431,7 @@ __global__ void __launch_bounds__(NT, MINB) decode_kernel(
 // Keys at or past the split's end get P = 0 (selected, never multiplied). At the end the KS =
 // WARPS / MT slices of each head are merged: O = sum_s exp2(m_s - m) O_s / sum_s exp2(m_s - m) l_s.
 // Fragment layouts are the PTX ISA's (ptx.cuh); g = lane / 4 and tq = lane % 4 below.
-template <typename T, int D, int MT, int WARPS, int BN, int STAGES, int PITCH, int MINB>
+template <typename T, int D, int MT, int WARPS, int BN, int STAGES, int PITCH, int MINB, bool SERVING = false>
 __global__ void __launch_bounds__(WARPS * 32, MINB) decode_mma_kernel(
     const T* __restrict__ q,            // [B, Hq, 1, D], element (b,h,d) at b*q_sb + h*q_sh + d
     const T* __restrict__ k_cache,      // [B, Hkv, max_seq, D] (one layer), contiguous
@@ -420,7 +442,8 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) decode_mma_kernel(
     float* __restrict__ lse_part,       // [splits, B, Hq]
     unsigned* __restrict__ counters,    // [B, gridDim.y], zero, or null: see combine_if_last
     long long q_sb, long long q_sh,
-    int B, int Hq, int Hkv, int max_seq, int num_splits, float scale_log2, int write_partials) {
+    int B, int Hq, int Hkv, int max_seq, int num_splits, float scale_log2, int write_partials,
+    DECODE_SERVING_PARAMS) {
     constexpr int NT = WARPS * 32, ROWS = 16 * MT, KS = WARPS / MT, KPW = BN / KS;
     constexpr int QP = D + 8;                 // q tile row pitch (elements): conflict-free ldmatrix
     constexpr int SLOT_BYTES = 2 * BN * PITCH;
@@ -447,15 +470,16 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) decode_mma_kernel(
     const int h0 = kvh * G + ht * ROWS;
 
     // this split's keys; tiles 0 .. STAGES-2 in flight before anything else
-    const KvStream<T, D, BN, PITCH, NT, STAGES> kv(ring, k_cache, v_cache, lengths, b, kvh, Hkv, max_seq,
-                                                   num_splits, split);
+    const KvStream<T, D, BN, PITCH, NT, STAGES, SERVING> kv(ring, k_cache, v_cache, lengths, b, kvh, Hkv, max_seq,
+                                                            num_splits, split, block_table, bt_stride, log2_page,
+                                                            num_pages, win_left);
     const int lo = kv.lo, hi = kv.hi, ntiles = kv.ntiles;
-    const T* kg = kv.kg;
-    const T* vg = kv.vg;
 
     // q tile -> smem; padded rows are zeros. Negation is exact, so c = |scale| log2(e) >= 0.
     const bool neg = scale_log2 < 0.f;
-    const float c = fabsf(scale_log2);
+    // softcap (SERVING): S is capped in log2 units first (c * S -> C tanh(c S / C)), then taken as is
+    const bool cap = SERVING && softcap_log2 > 0.f;
+    const float c = cap ? 1.f : fabsf(scale_log2);
     for (int i = tid; i < ROWS * D; i += NT) {
         const int r = i / D, d = i - r * D;
         const float x = r < g_tile ? to_float(q[b * q_sb + (long long)(h0 + r) * q_sh + d]) : 0.f;
@@ -478,8 +502,8 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) decode_mma_kernel(
         cp_async_wait<STAGES - 2>();
         __syncthreads();  // tile t visible to all; tile t-1's slot is free
         if (t + STAGES - 1 < ntiles)
-            load_kv_tile<T, D, BN, PITCH, NT>(ring + (t + STAGES - 1) % STAGES * SLOT_BYTES, kg, vg,
-                                              lo + (t + STAGES - 1) * BN, hi);
+            load_kv_tile<T, D, BN, PITCH, NT, SERVING>(ring + (t + STAGES - 1) % STAGES * SLOT_BYTES, kv.kg, kv.vg,
+                                                       lo + (t + STAGES - 1) * BN, hi);
         cp_async_commit();
 
         const int nvalid = min(KPW, hi - lo - t * BN - ks * KPW);  // this warp's live keys
@@ -505,6 +529,13 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) decode_mma_kernel(
                 mma_m16n8k16<T>(s[2 * j], a, b0);
                 mma_m16n8k16<T>(s[2 * j + 1], a, b1);
             }
+        }
+
+        if (cap) {
+#pragma unroll
+            for (int n = 0; n < KPW / 8; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[n][e] = soft_cap(s[n][e] * fabsf(scale_log2), softcap_log2);
         }
 
         // ---- online softmax of rows g (h = 0) and g+8 (h = 1); a row's 4 lanes share m

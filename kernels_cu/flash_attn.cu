@@ -16,6 +16,14 @@
 //                       fragments; the scale is folded into the exp2 FMA; masking runs only on
 //                       tiles that cross the causal diagonal, k_end or carry a mask tensor; causal
 //                       grids start with the heaviest query tiles. impl="flash_mma".
+//   SERVING = true      either kernel with the serving features, decided at run time from the
+//                       extra arguments (the default instantiations compile them away): packed
+//                       variable-length queries (cu_q [B+1]) and keys (cu_k [B+1]) as
+//                       flash_attn_varlen_func, or keys/values in pages through a block table
+//                       (cu_k then holds each sequence's key count [B]), window=(left, right)
+//                       and softcap (kernels_cu/paged.cuh). Causal is passed as the window's
+//                       right = 0 (CAUSAL = false). Used by cupyattn/varlen.py, cupyattn/paged.py
+//                       and attention(window=, softcap=).
 // Both also run on the CPU emulator of the GPU test tier (tests/emu: one fiber per thread, mma.sync
 // rebuilt from the PTX ISA fragment tables), which checks their logic on machines without a GPU.
 //
@@ -31,6 +39,7 @@
 //   - `mask` is an additive fp32 tensor read through 4 element strides (0 for broadcast dims);
 //   - a row that sees no key keeps m_i = -inf, l_i = 0 and is written as zeros, lse = -inf.
 #include "common.cuh"
+#include "paged.cuh"
 #include "ptx.cuh"
 
 // --- non-finite semantics (cupyattn/reference.py) -------------------------------------------
@@ -61,18 +70,75 @@ struct FlashSmem {
 // Cooperative copy of `rows` x HEAD_DIM elements (row stride `gstride` elements in global memory)
 // into a shared tile with row stride SSTRIDE; rows >= `valid` are zero-filled, so garbage past the
 // end of a sequence (e.g. an unwritten KV cache) never reaches the arithmetic.
-template <typename T, int HEAD_DIM, int SSTRIDE, int ROWS, int THREADS>
-__device__ __forceinline__ void load_tile(T* __restrict__ dst, const T* __restrict__ src,
-                                          long long gstride, int valid) {
+// Source rows first, first + 1, .. of `rows` (KvRows: contiguous or through a block table).
+template <typename T, int HEAD_DIM, int SSTRIDE, int ROWS, int THREADS, bool PAGED>
+__device__ __forceinline__ void load_tile(T* __restrict__ dst, const KvRows<T, PAGED>& rows, int first,
+                                          int valid) {
     for (int idx = threadIdx.x; idx < ROWS * HEAD_DIM; idx += THREADS) {
         const int r = idx / HEAD_DIM, c = idx % HEAD_DIM;
-        dst[r * SSTRIDE + c] = r < valid ? src[(long long)r * gstride + c] : from_float<T>(0.0f);
+        dst[r * SSTRIDE + c] = r < valid ? rows.row(first + r)[c] : from_float<T>(0.0f);
     }
 }
 
+// One CTA's sequence: where its queries, keys, values, output rows and lse entries are. Dense
+// (SERVING = false, or no cu_q / cu_k / table): the [B, H, S, D] strided layout of attention().
+// Packed queries (cu_q): q and out [total_q, Hq, D] (q through q_ss, q_sh), lse [Hq, total_q]
+// (flash_attn_varlen_func's layout) with Sq = total_q. Packed keys (cu_k): [total_k, Hkv, D]
+// through k_ss, k_sh. Paged keys (table): pages [num_pages, page, Hkv, D], cu_k[b] keys.
+template <typename T, bool SERVING>
+struct FlashSeq {
+    int sq, sk;             // this sequence's query rows and keys
+    int q0;                 // its first packed query row (cu_q), or -1 (dense)
+    const T* q;             // its query row 0 of head h
+    KvRows<T, SERVING> k, v;
+    // Output row and lse index of query row i (computed at the epilogue, so nothing 64-bit is
+    // held across the key loop for them).
+    __device__ __forceinline__ long long out_row(int i, long long bh, int h, int Hq, int Sq) const {
+        return SERVING && q0 >= 0 ? (long long)(q0 + i) * Hq + h : bh * Sq + i;
+    }
+    __device__ __forceinline__ long long lse_index(int i, long long bh, int h, int Sq) const {
+        return SERVING && q0 >= 0 ? (long long)h * Sq + q0 + i : bh * Sq + i;
+    }
+    __device__ __forceinline__ FlashSeq(const T* q_, const T* k_, const T* v_, int b, int h, int hk, int Hq,
+                                        int Sq, int Sk, long long q_sb, long long q_sh, long long q_ss,
+                                        long long k_sb, long long k_sh, long long k_ss, long long v_sb,
+                                        long long v_sh, long long v_ss, const int* cu_q, const int* cu_k,
+                                        const int* table, int bt_stride, int log2_page, int num_pages) {
+        sq = Sq; sk = Sk; q0 = -1;
+        q = q_ + b * q_sb + h * q_sh;
+        k = {k_ + b * k_sb + hk * k_sh, k_ss, nullptr, 0, 0};
+        v = {v_ + b * v_sb + hk * v_sh, v_ss, nullptr, 0, 0};
+        if (!SERVING) return;
+        if (cu_q != nullptr) {
+            q0 = cu_q[b];
+            sq = cu_q[b + 1] - q0;
+            q = q_ + q0 * q_ss + h * q_sh;
+        }
+        if (table != nullptr) {  // key count clamped to the table's capacity: never past its row
+            sk = min(max(cu_k[b], 0), bt_stride << log2_page);
+            k = {k_ + hk * k_sh, k_ss, table + (long long)b * bt_stride, log2_page, num_pages - 1};
+            v = {v_ + hk * v_sh, v_ss, k.table, log2_page, num_pages - 1};
+        } else if (cu_k != nullptr) {
+            const int k0 = cu_k[b];
+            sk = cu_k[b + 1] - k0;
+            k.base = k_ + k0 * k_ss + hk * k_sh;
+            v.base = v_ + k0 * v_ss + hk * v_sh;
+        }
+    }
+};
+
+// The serving arguments every flash kernel takes after scale_log2 (null / -1 / 0 in plain calls).
+#define FLASH_SERVING_PARAMS                                                                       \
+    const int* __restrict__ cu_q,         /* [B+1] packed query offsets, or null */                \
+    const int* __restrict__ cu_k,         /* [B+1] packed key offsets / [B] paged key counts */    \
+    const int* __restrict__ block_table,  /* [B, bt_stride] page ids, or null */                   \
+    int bt_stride, int log2_page, int num_pages,                                                   \
+    int win_left, int win_right,          /* window; -1 unbounded */                               \
+    float softcap_log2                    /* softcap * log2(e), 0 = off */
+
 // --- v1: SIMT FlashAttention-2 forward -----------------------------------------------------
 // grid (ceil(Sq / BLOCK_M), min(B*Hq, 65535), ceil(B*Hq / 65535)); block NUM_WARPS * 32.
-template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, bool CAUSAL>
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, bool CAUSAL, bool SERVING = false>
 __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
 flash_attn_fwd(const T* __restrict__ q,          // [B, Hq, Sq, D], strides q_sb/q_sh/q_ss, last dim contiguous
                const T* __restrict__ k,          // [B, Hkv, Sk, D], strides k_s*
@@ -86,7 +152,8 @@ flash_attn_fwd(const T* __restrict__ q,          // [B, Hq, Sq, D], strides q_sb
                long long k_sb, long long k_sh, long long k_ss,
                long long v_sb, long long v_sh, long long v_ss,
                long long m_sb, long long m_sh, long long m_sq, long long m_sk,
-               float scale_log2) {                // softmax scale * log2(e)
+               float scale_log2,                  // softmax scale * log2(e)
+               FLASH_SERVING_PARAMS) {
     constexpr int THREADS = NUM_WARPS * 32;
     constexpr int ROWS = BLOCK_M / NUM_WARPS;      // query rows per warp
     constexpr int KEYS = BLOCK_N / 32;             // keys per lane in S_ij
@@ -108,20 +175,27 @@ flash_attn_fwd(const T* __restrict__ q,          // [B, Hq, Sq, D], strides q_sb
     const int m0 = blockIdx.x * BLOCK_M;  // first query row of Q_i
     const int row0 = warp * ROWS;         // first row of this warp inside the tile
 
-    q += b * q_sb + h * q_sh + (long long)m0 * q_ss;
-    k += b * k_sb + hk * k_sh;
-    v += b * v_sb + hk * v_sh;
+    const FlashSeq<T, SERVING> seq(q, k, v, b, h, hk, Hq, Sq, Sk, q_sb, q_sh, q_ss, k_sb, k_sh, k_ss, v_sb,
+                                   v_sh, v_ss, cu_q, cu_k, block_table, bt_stride, log2_page, num_pages);
+    if (SERVING && m0 >= seq.sq) return;  // a short packed sequence: whole CTA leaves together
     if (mask) mask += b * m_sb + h * m_sh;
 
-    // Keys this tile may see: [0, k_end). Causal (bottom-right): row i sees j <= i + Sk - Sq, so
-    // key tiles from the last row's limit on are skipped entirely, not computed and masked.
-    const int diag = Sk - Sq;
-    int k_end = Sk;
+    // Keys this tile may see: [n_lo, k_end). Causal (bottom-right): row i sees j <= i + Sk - Sq, so
+    // key tiles from the last row's limit on are skipped entirely, not computed and masked; a
+    // window also skips the tiles before the first row's lower limit.
+    const Window win{SERVING ? win_left : -1, SERVING ? win_right : -1, seq.sk - seq.sq};
+    const int diag = win.diag;
+    int k_end = seq.sk;
     if (key_lengths) k_end = min(k_end, max(key_lengths[b], 0));
     if (CAUSAL) k_end = min(k_end, m0 + BLOCK_M + diag);  // last row's j <= m0 + BLOCK_M - 1 + diag
+    int n_lo = 0;
+    if (SERVING) {
+        if (win.right >= 0) k_end = min(k_end, max(win.hi(m0 + BLOCK_M - 1) + 1, 0));
+        if (win.left >= 0) n_lo = max(win.lo(m0), 0) / BLOCK_N * BLOCK_N;
+    }
 
     // Load Q_i from HBM to SRAM (rows past Sq as zeros; they are computed but never stored).
-    load_tile<T, HEAD_DIM, HEAD_DIM, BLOCK_M, THREADS>(q_s, q, q_ss, Sq - m0);
+    load_tile<T, HEAD_DIM, HEAD_DIM, BLOCK_M, THREADS>(q_s, KvRows<T, false>{seq.q, q_ss}, m0, seq.sq - m0);
 
     // On chip: O_i = 0, l_i = 0, m_i = -inf. l holds this lane's partial row sum: the rescale
     // factor is the same for every lane, so one warp reduction at the end suffices.
@@ -134,11 +208,10 @@ flash_attn_fwd(const T* __restrict__ q,          // [B, Hq, Sq, D], strides q_sb
         for (int c = 0; c < COLS; ++c) o[r][c] = 0.0f;
     }
 
-    for (int n0 = 0; n0 < k_end; n0 += BLOCK_N) {
+    for (int n0 = n_lo; n0 < k_end; n0 += BLOCK_N) {
         // Load K_j from HBM to SRAM (the barrier also retires the previous V_j readers).
         __syncthreads();
-        load_tile<T, HEAD_DIM, KV_STRIDE, BLOCK_N, THREADS>(kv_s, k + (long long)n0 * k_ss, k_ss,
-                                                             k_end - n0);
+        load_tile<T, HEAD_DIM, KV_STRIDE, BLOCK_N, THREADS>(kv_s, seq.k, n0, k_end - n0);
         __syncthreads();
 
         // S_ij = Q_i K_j^T on chip; lane owns keys n0 + lane + 32 * jj.
@@ -164,14 +237,16 @@ flash_attn_fwd(const T* __restrict__ q,          // [B, Hq, Sq, D], strides q_sb
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) {
             const int i = m0 + row0 + r;
-            // Scale to log2 units, add the mask, hide invisible keys.
+            // Scale to log2 units, cap (softcap), add the mask, hide invisible keys.
             float mx = -CUDART_INF_F;
 #pragma unroll
             for (int jj = 0; jj < KEYS; ++jj) {
                 const int j = n0 + lane + 32 * jj;
                 float x = s[r][jj] * scale_log2;
+                if (SERVING) x = soft_cap(x, softcap_log2);
                 if (mask && i < Sq && j < k_end) x = add_mask(x, mask[i * m_sq + j * m_sk]);
                 if (j >= k_end || (CAUSAL && j > i + diag)) x = -CUDART_INF_F;
+                if (SERVING && (j < win.lo(i) || j > win.hi(i))) x = -CUDART_INF_F;
                 s[r][jj] = x;
                 mx = fmaxf(mx, x);
             }
@@ -198,8 +273,7 @@ flash_attn_fwd(const T* __restrict__ q,          // [B, Hq, Sq, D], strides q_sb
 
         // Load V_j from HBM to SRAM into the buffer K_j used (every warp must be done with K_j).
         __syncthreads();
-        load_tile<T, HEAD_DIM, KV_STRIDE, BLOCK_N, THREADS>(kv_s, v + (long long)n0 * v_ss, v_ss,
-                                                             k_end - n0);
+        load_tile<T, HEAD_DIM, KV_STRIDE, BLOCK_N, THREADS>(kv_s, seq.v, n0, k_end - n0);
         __syncthreads();
 
         // O_i^(j) = diag(exp(m^(j-1) - m^(j))) O_i^(j-1) + P_ij V_j  (rescale done above).
@@ -222,20 +296,19 @@ flash_attn_fwd(const T* __restrict__ q,          // [B, Hq, Sq, D], strides q_sb
 
     // O_i = diag(l_i)^-1 O_i, L_i = m_i + log(l_i) (natural log: m is in log2 units); rows with
     // l_i = 0 saw no key and are written as zeros with L_i = -inf.
-    const long long obase = bh * Sq;
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
         const float lsum = warp_reduce_sum(l[r]);
         const int i = m0 + row0 + r;
-        if (i >= Sq) continue;  // same for the whole warp
+        if (i >= seq.sq) continue;  // same for the whole warp
         const float inv = row_scale(lsum);
-        T* orow = out + (obase + i) * HEAD_DIM;
+        T* orow = out + seq.out_row(i, bh, h, Hq, Sq) * HEAD_DIM;
 #pragma unroll
         for (int c = 0; c < COLS; ++c) {
             const int d = lane + 32 * c;
             if (d < HEAD_DIM) orow[d] = from_float<T>(o[r][c] * inv);
         }
-        if (lse && lane == 0) lse[obase + i] = row_lse(m[r], lsum);
+        if (lse && lane == 0) lse[seq.lse_index(i, bh, h, Sq)] = row_lse(m[r], lsum);
     }
 }
 
@@ -249,15 +322,18 @@ flash_attn_fwd(const T* __restrict__ q,          // [B, Hq, Sq, D], strides q_sb
 // sequence (an unwritten KV cache, NaN) never reaches the mma. vec = false (a base or a stride
 // not 16-byte aligned) reads element by element and stores synchronously; either way the
 // caller's cp_async_wait + __syncthreads publish the tile.
-template <typename T, int ROWS, int HEAD_DIM, int LDS, int THREADS>
-__device__ __forceinline__ void stage_rows(T* __restrict__ dst, const T* __restrict__ src,
-                                           long long gstride, int valid, bool vec) {
+// Source rows first, first + 1, .. of `rows` (KvRows: contiguous or through a block table; the
+// page lookup happens once per thread and tile).
+template <typename T, int ROWS, int HEAD_DIM, int LDS, int THREADS, bool PAGED>
+__device__ __forceinline__ void stage_rows(T* __restrict__ dst, const KvRows<T, PAGED>& rows, int first,
+                                           int valid, bool vec) {
     static_assert(THREADS % ROWS == 0, "every row gets the same number of threads");
     constexpr int TPR = THREADS / ROWS, CPR = HEAD_DIM / 8;
     const int r = threadIdx.x / TPR, c0 = threadIdx.x % TPR;
     const bool live = r < valid;
     T* srow = dst + r * LDS;
-    const T* grow = src + (long long)r * gstride;
+    const T* src = rows.base;
+    const T* grow = live ? rows.row(first + r) : src;
 #pragma unroll
     for (int i = 0; i < (CPR + TPR - 1) / TPR; ++i) {
         const int col = (c0 + TPR * i) * 8;
@@ -301,7 +377,7 @@ __device__ __forceinline__ void stage_rows(T* __restrict__ dst, const T* __restr
 // scale_log2 = scale * log2(e) is folded into the exp2 argument: p = exp2(s * scale_log2 - m)
 // with m kept in the same scaled units. Tiles with no masking to do (no mask tensor, scale >= 0,
 // every key below the causal diagonal of the tile's first row and inside k_end) skip it.
-template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, bool CAUSAL>
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, bool CAUSAL, bool SERVING = false>
 __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
 flash_attn_mma(const T* __restrict__ q,          // [B, Hq, Sq, D], strides q_s*, last dim contiguous
                const T* __restrict__ k,          // [B, Hkv, Sk, D], strides k_s*
@@ -315,7 +391,7 @@ flash_attn_mma(const T* __restrict__ q,          // [B, Hq, Sq, D], strides q_s*
                long long k_sb, long long k_sh, long long k_ss,
                long long v_sb, long long v_sh, long long v_ss,
                long long m_sb, long long m_sh, long long m_sq, long long m_sk,
-               float scale_log2, int vec) {
+               float scale_log2, int vec, FLASH_SERVING_PARAMS) {
     constexpr int THREADS = NUM_WARPS * 32;
     constexpr int WROWS = BLOCK_M / NUM_WARPS;   // query rows per warp
     constexpr int MT = WROWS / 16;               // m16 tiles per warp
@@ -346,25 +422,34 @@ flash_attn_mma(const T* __restrict__ q,          // [B, Hq, Sq, D], strides q_s*
     const int m0 = m_blk * BLOCK_M;
     const int wrow0 = warp * WROWS;              // first tile row of this warp
 
-    q += b * q_sb + h * q_sh + (long long)m0 * q_ss;
-    k += b * k_sb + hk * k_sh;
-    v += b * v_sb + hk * v_sh;
+    const FlashSeq<T, SERVING> seq(q, k, v, b, h, hk, Hq, Sq, Sk, q_sb, q_sh, q_ss, k_sb, k_sh, k_ss, v_sb,
+                                   v_sh, v_ss, cu_q, cu_k, block_table, bt_stride, log2_page, num_pages);
+    if (SERVING && m0 >= seq.sq) return;  // a short packed sequence: whole CTA leaves together
     if (mask) mask += b * m_sb + h * m_sh;
 
-    // Keys this tile may see: [0, k_end); causal (bottom-right) row i sees j <= i + diag.
-    const int diag = Sk - Sq;
-    int k_end = Sk;
+    // Keys this tile may see: [n_lo, k_end); causal (bottom-right) row i sees j <= i + diag; a
+    // window (SERVING) bounds both ends.
+    const Window win{SERVING ? win_left : -1, SERVING ? win_right : -1, seq.sk - seq.sq};
+    const int diag = win.diag;
+    int k_end = seq.sk;
     if (key_lengths) k_end = min(k_end, max(key_lengths[b], 0));
     if (CAUSAL) k_end = min(k_end, m0 + BLOCK_M + diag);
-    const int n_tiles = k_end > 0 ? (k_end + BLOCK_N - 1) / BLOCK_N : 0;
+    int n_lo = 0;
+    if (SERVING) {
+        if (win.right >= 0) k_end = min(k_end, max(win.hi(m0 + BLOCK_M - 1) + 1, 0));
+        if (win.left >= 0) n_lo = min(max(win.lo(m0), 0), max(k_end, 0)) / BLOCK_N * BLOCK_N;
+    }
+    const int n_tiles = k_end > n_lo ? (k_end - n_lo + BLOCK_N - 1) / BLOCK_N : 0;
     // Every tile needs the masking step when a mask tensor is given or the scale is negative
-    // (the fast path takes the row max of unscaled S, which only a scale >= 0 preserves).
-    const bool mask_all = mask != nullptr || scale_log2 < 0.0f;
+    // (the fast path takes the row max of unscaled S, which only a scale >= 0 preserves), and
+    // with a window or softcap.
+    const bool mask_all = mask != nullptr || scale_log2 < 0.0f ||
+                          (SERVING && (win.left >= 0 || win.right >= 0 || softcap_log2 > 0.0f));
 
     // Prologue: load Q_i and K_0 from HBM to SRAM (one cp.async group each).
-    stage_rows<T, BLOCK_M, HEAD_DIM, LDS, THREADS>(q_s, q, q_ss, Sq - m0, vec & 1);
+    stage_rows<T, BLOCK_M, HEAD_DIM, LDS, THREADS>(q_s, KvRows<T, false>{seq.q, q_ss}, m0, seq.sq - m0, vec & 1);
     cp_async_commit();
-    if (n_tiles > 0) stage_rows<T, BLOCK_N, HEAD_DIM, LDS, THREADS>(k_s, k, k_ss, k_end, vec & 2);
+    if (n_tiles > 0) stage_rows<T, BLOCK_N, HEAD_DIM, LDS, THREADS>(k_s, seq.k, n_lo, k_end - n_lo, vec & 2);
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
@@ -391,20 +476,18 @@ flash_attn_mma(const T* __restrict__ q,          // [B, Hq, Sq, D], strides q_s*
     }
 
     for (int jt = 0; jt < n_tiles; ++jt) {
-        const int n0 = jt * BLOCK_N;
+        const int n0 = n_lo + jt * BLOCK_N;
         if (jt > 0) {  // K_j has landed for every thread; every warp is done with P V_{j-1}
             cp_async_wait<0>();
             __syncthreads();
         }
         // Issue V_j (into the V buffer P V_{j-1} released) and K_{j+1} (into the K stage S_{j-1}
         // released); two groups, so that the V wait below can leave K_{j+1} in flight.
-        stage_rows<T, BLOCK_N, HEAD_DIM, LDS, THREADS>(v_s, v + (long long)n0 * v_ss, v_ss, k_end - n0,
-                                                       vec & 4);
+        stage_rows<T, BLOCK_N, HEAD_DIM, LDS, THREADS>(v_s, seq.v, n0, k_end - n0, vec & 4);
         cp_async_commit();
         if (jt + 1 < n_tiles)
             stage_rows<T, BLOCK_N, HEAD_DIM, LDS, THREADS>(k_s + ((jt + 1) % FLASH_MMA_K_STAGES) * KV_TILE,
-                                                           k + (long long)(n0 + BLOCK_N) * k_ss, k_ss,
-                                                           k_end - n0 - BLOCK_N, vec & 2);
+                                                           seq.k, n0 + BLOCK_N, k_end - n0 - BLOCK_N, vec & 2);
         cp_async_commit();
 
         // S_ij = Q_i K_j^T. B[k][n] = K[key n][d k]: ldmatrix.x4 matrix i = keys (i / 2) * 8..,
@@ -447,6 +530,7 @@ flash_attn_mma(const T* __restrict__ q,          // [B, Hq, Sq, D], strides q_s*
                 for (int r = 0; r < 2; ++r) {
                     const int i = m0 + wrow0 + mt * 16 + g + 8 * r;
                     const int lim = CAUSAL ? min(k_end, i + diag + 1) : k_end;
+                    const int w_lo = SERVING ? win.lo(i) : 0, w_hi = SERVING ? win.hi(i) : 0;
                     const float* mrow = mask && i < Sq ? mask + i * m_sq + (m_sk ? n0 + 2 * tq : 0) : nullptr;
 #pragma unroll
                     for (int nt = 0; nt < NT_S; ++nt)
@@ -454,8 +538,10 @@ flash_attn_mma(const T* __restrict__ q,          // [B, Hq, Sq, D], strides q_s*
                         for (int hh = 0; hh < 2; ++hh) {
                             const int j = n0 + nt * 8 + 2 * tq + hh;
                             float x = s[mt][nt][2 * r + hh] * scale_log2;
+                            if (SERVING) x = soft_cap(x, softcap_log2);
                             if (mrow && j < lim) x = add_mask(x, mrow[m_sk ? nt * 8 + hh : 0]);
-                            s[mt][nt][2 * r + hh] = j < lim ? x : -CUDART_INF_F;
+                            const bool vis = j < lim && (!SERVING || (j >= w_lo && j <= w_hi));
+                            s[mt][nt][2 * r + hh] = vis ? x : -CUDART_INF_F;
                         }
                 }
         }
@@ -522,7 +608,6 @@ flash_attn_mma(const T* __restrict__ q,          // [B, Hq, Sq, D], strides q_s*
     // Epilogue: O_i = diag(l_i)^-1 O_i, L_i = m_i + log(l_i) (natural log; m is in log2 units);
     // rows that saw no key (l_i = 0) give zeros and -inf. Each warp rounds its rows into its own
     // rows of the Q_i tile (no other warp reads them again), then stores them as 16-byte chunks.
-    const long long obase = bh * Sq;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -534,17 +619,17 @@ flash_attn_mma(const T* __restrict__ q,          // [B, Hq, Sq, D], strides q_s*
 #pragma unroll
             for (int nt = 0; nt < NT_O; ++nt)
                 srow[nt * 4] = pack2<T>(o[mt][nt][2 * r] * inv, o[mt][nt][2 * r + 1] * inv);
-            if (lse && tq == 0 && m0 + row < Sq)
-                lse[obase + m0 + row] = row_lse(m[mt][r], lsum);
+            if (lse && tq == 0 && m0 + row < seq.sq)
+                lse[seq.lse_index(m0 + row, bh, h, Sq)] = row_lse(m[mt][r], lsum);
         }
     __syncwarp();
     constexpr int CPR = HEAD_DIM / 8;
 #pragma unroll
     for (int c = lane; c < WROWS * CPR; c += 32) {
         const int row = wrow0 + c / CPR, col = (c % CPR) * 8;
-        if (m0 + row >= Sq) continue;
+        if (m0 + row >= seq.sq) continue;
         const uint4 w = *reinterpret_cast<const uint4*>(q_s + row * LDS + col);
-        T* op = out + (obase + m0 + row) * HEAD_DIM + col;
+        T* op = out + seq.out_row(m0 + row, bh, h, Hq, Sq) * HEAD_DIM + col;
         if (vec & 8) {
             *reinterpret_cast<uint4*>(op) = w;
         } else {

@@ -8,15 +8,35 @@
 //                                position input), and, when one block holds the whole sequence
 //                                (decode), advance lengths[b] itself: one launch instead of rope q,
 //                                rope k, head-split copies, append and advance.
+//   PAGED = true (both append kernels)  the same into a paged cache (cupyattn.paged.PagedKVCache):
+//                                pages [num_pages, page_size, Hkv, D], position p of sequence b in
+//                                row p % page_size of page block_table[b, p / page_size]
 //
 // Layouts (row-major, last dim contiguous): cache (one layer) k, v [B, Hkv, max_seq, D],
 // lengths int32 [B]. Launch shapes: cupyattn/config.py KV_APPEND_* / KV_ADVANCE_THREADS /
 // KV_ROPE_APPEND_* (KV_ROPE_APPEND_THREADS arrives as a -D option).
 #include "common.cuh"
+#include "paged.cuh"
 #include "rope.cuh"
 #ifndef KV_ROPE_APPEND_THREADS
 #error "compile with the -D options of cupyattn/config.py (the kvcache KernelSpec passes them)"
 #endif
+
+// The extra arguments of the append kernels (null / 0 for the contiguous cache).
+#define KV_PAGED_PARAMS                                                                            \
+    const int* __restrict__ block_table,  /* [B, bt_stride] page ids (PAGED) */                     \
+    int bt_stride, int log2_page, int num_pages
+
+// Element offset of row (sequence b, kv head hk, position p): [B, Hkv, max_seq, D], or through
+// the block table into pages [num_pages, page, Hkv, D] (page ids clamped as KvRows does).
+template <bool PAGED>
+__device__ __forceinline__ size_t cache_row(int b, int hk, int p, int Hkv, int max_seq, int D,
+                                            const int* table, int bt_stride, int log2_page, int num_pages) {
+    if (!PAGED) return (((size_t)b * Hkv + hk) * (size_t)max_seq + (size_t)p) * D;
+    const int pg = min(max(table[(size_t)b * bt_stride + (p >> log2_page)], 0), num_pages - 1);
+    const size_t phys = ((size_t)pg << log2_page) | (size_t)(p & ((1 << log2_page) - 1));
+    return (phys * Hkv + hk) * D;
+}
 
 // --- append --------------------------------------------------------------------------------
 // Grid (ceil(T / tok_per_block), Hkv, B), any block size. Token t of sequence b, kv head h goes
@@ -24,7 +44,7 @@
 // The positions come from the device lengths; this kernel never writes them (other blocks of
 // the same sequence read them), kv_advance_lengths_kernel does, after it, in stream order.
 // The host has checked lengths[b] + n_b <= max_seq (from its mirror) before launching.
-template <typename T>
+template <typename T, bool PAGED = false>
 __global__ void kv_append_kernel(
     T* __restrict__ k_cache,            // [B, Hkv, max_seq, D] (one layer), contiguous
     T* __restrict__ v_cache,            // [B, Hkv, max_seq, D]
@@ -34,22 +54,22 @@ __global__ void kv_append_kernel(
     const int* __restrict__ num_new,    // [B] tokens to take from each sequence (if use_counts)
     long long k_sb, long long k_sh, long long k_st,
     long long v_sb, long long v_sh, long long v_st,
-    int Hkv, int max_seq, int D, int tok_per_block, int uniform_n, int use_counts) {
+    int Hkv, int max_seq, int D, int tok_per_block, int uniform_n, int use_counts, KV_PAGED_PARAMS) {
     const int b = blockIdx.z, h = blockIdx.y;
     const int n = use_counts ? num_new[b] : uniform_n;
     const int t0 = blockIdx.x * tok_per_block;
     if (t0 >= n) return;  // whole block past this sequence's count (uniform per block)
     const int ntok = min(tok_per_block, n - t0);
-    const long long base = lengths[b];
-    const size_t row0 = ((size_t)b * Hkv + h) * (size_t)max_seq + (size_t)(base + t0);
-    T* kd = k_cache + row0 * D;                                  // [ntok, D] destination rows
-    T* vd = v_cache + row0 * D;
+    const int base = lengths[b];
     const T* ks = k_new + b * k_sb + h * k_sh + (long long)t0 * k_st;  // [ntok, D] source rows
     const T* vs = v_new + b * v_sb + h * v_sh + (long long)t0 * v_st;
     for (int i = threadIdx.x; i < ntok * D; i += blockDim.x) {
         const int t = i / D, d = i - t * D;
-        kd[(size_t)t * D + d] = ks[t * k_st + d];
-        vd[(size_t)t * D + d] = vs[t * v_st + d];
+        // destination row of position base + t0 + t (consecutive rows unless paged)
+        const size_t row = cache_row<PAGED>(b, h, base + t0 + t, Hkv, max_seq, D, block_table, bt_stride,
+                                            log2_page, num_pages);
+        k_cache[row + d] = ks[t * k_st + d];
+        v_cache[row + d] = vs[t * v_st + d];
     }
 }
 
@@ -74,7 +94,7 @@ __global__ void kv_advance_lengths_kernel(
 // lengths[b] + n_b after a barrier: no other block reads it, and every thread of this one has read
 // it already. Otherwise the host launches kv_advance_lengths_kernel after this kernel.
 // The host has checked lengths[b] + n_b <= max_seq on its mirror before launching.
-template <typename T, bool NEOX>
+template <typename T, bool NEOX, bool PAGED = false>
 __global__ void __launch_bounds__(KV_ROPE_APPEND_THREADS) qkv_rope_append_kernel(
     const T* __restrict__ qkv,          // [B, T, (Hq + 2 Hkv) * D]: token (b, t) at b*qkv_sb + t*qkv_st
     T* __restrict__ q_out,              // [B, Hq, T, D] contiguous
@@ -84,7 +104,7 @@ __global__ void __launch_bounds__(KV_ROPE_APPEND_THREADS) qkv_rope_append_kernel
     const int* __restrict__ num_new,    // [B] tokens to append per sequence (if use_counts)
     long long qkv_sb, long long qkv_st,
     int T_, int Hq, int Hkv, int D, int max_seq, int tok_per_block, int uniform_n, int use_counts,
-    double freq_scale, int advance) {
+    double freq_scale, int advance, KV_PAGED_PARAMS) {
     const int b = blockIdx.y;
     const int base = lengths[b];
     const int n = use_counts ? num_new[b] : uniform_n;
@@ -104,8 +124,9 @@ __global__ void __launch_bounds__(KV_ROPE_APPEND_THREADS) qkv_rope_append_kernel
             dst = q_out + (((long long)b * Hq + h) * T_ + t) * D;
         } else {
             const int hk = h < Hq + Hkv ? h - Hq : h - Hq - Hkv;
-            const size_t row = ((size_t)b * Hkv + hk) * (size_t)max_seq + (size_t)(base + t);
-            dst = (h < Hq + Hkv ? k_cache : v_cache) + row * D;
+            const size_t row = cache_row<PAGED>(b, hk, base + t, Hkv, max_seq, D, block_table, bt_stride,
+                                                log2_page, num_pages);
+            dst = (h < Hq + Hkv ? k_cache : v_cache) + row;
             if (h >= Hq + Hkv) {  // v: copied as it is
                 dst[ia] = src[ia];
                 dst[ib] = src[ib];

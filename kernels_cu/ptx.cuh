@@ -1,4 +1,5 @@
-// ptx.cuh: every inline PTX instruction the kernels use, each written once (sm_80+).
+// ptx.cuh: the tensor-core and async-copy helpers every kernel calls, the same on each GPU family
+// from Turing (sm_75) up; ptx_insn.cuh holds the PTX instructions they are built from.
 //
 //   smem_u32(p)                          generic -> 32-bit .shared address
 //   cp_async<B>(smem, gmem)              B = 4, 8 (.ca) or 16 (.cg, L1 bypass) bytes global -> shared
@@ -19,86 +20,78 @@
 //   pdl_wait(), pdl_launch_dependents()  programmatic dependent launch (sm_90+; no-ops below):
 //                                        griddepcontrol.wait / .launch_dependents
 //
-// The CPU emulator of the GPU tests (tests/emu) replaces this whole header with a C++
-// implementation of the same functions (tests/emu/emu_ptx.h); inline PTX anywhere else is
-// refused there. Keep the two in step: tests/test_emulator.py checks each function against
-// NumPy on the emulator, and the same test runs on a real GPU in the gpu tier.
+// Per target (PTX ISA "Target ISA Notes" of each instruction; PTX_SM: see ptx_insn.cuh):
+//   helper          sm_80+                         sm_75                          sm_70
+//   cp_async*       cp.async                       ld.global + st.shared, now     as sm_75
+//   commit / wait   cp.async.{commit,wait}_group   nothing to wait for: no-ops    as sm_75
+//   ldmatrix        ldmatrix                       ldmatrix                       compile error
+//   mma f16         m16n8k16                       two m16n8k8 (k 0-7, k 8-15)    compile error
+//   mma bf16        m16n8k16                       compile error                  compile error
+//   pdl_*           griddepcontrol from sm_90      no-ops                         no-ops
+// A plain copy is one of the behaviours cp.async allows (its data may land any time between issue
+// and the wait), so a kernel correct with cp.async is correct with it: readers still need the wait
+// and the barrier after it, which stay in the kernels. The m16n8k8 fragments are the m16n8k16 ones
+// split in k: a[0], a[1] and b[0] are the k 0-7 half, a[2], a[3] and b[1] the k 8-15 half, and
+// both accumulate into the same d (fp32 sums in k order, as the emulator's model).
+//
+// The CPU emulator (tests/emu) swaps ptx_insn.cuh for its own C++ instructions and keeps this
+// file, so these branches run there as written; tests/test_ptx.py checks every helper against
+// NumPy, on the emulator (as sm_90 and as sm_75) and on a real GPU.
 #pragma once
-#include <cuda_fp16.h>
-#include <cuda_bf16.h>
+#include "ptx_insn.cuh"
 
-__device__ __forceinline__ unsigned smem_u32(const void* p) {
-    return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-
-// --- cp.async --------------------------------------------------------------------------------
-template <int BYTES>
-__device__ __forceinline__ void cp_async(void* smem, const void* gmem) {
-    static_assert(BYTES == 4 || BYTES == 8 || BYTES == 16, "cp.async copies 4, 8 or 16 bytes");
-    if constexpr (BYTES == 16)
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(smem)), "l"(gmem));
-    else
-        asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(smem_u32(smem)), "l"(gmem), "n"(BYTES));
-}
+// --- cp.async ----------------------------------------------------------------------------------
+template <int BYTES> struct ptx_vec;   // one B-byte register value (the sm_75 copy's unit)
+template <> struct ptx_vec<4> { using type = unsigned; };
+template <> struct ptx_vec<8> { using type = uint2; };
+template <> struct ptx_vec<16> { using type = uint4; };
 
 template <int BYTES>
 __device__ __forceinline__ void cp_async_zfill(void* smem, const void* gmem, int src_bytes) {
     static_assert(BYTES == 4 || BYTES == 8 || BYTES == 16, "cp.async copies 4, 8 or 16 bytes");
-    if constexpr (BYTES == 16)
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
-                     ::"r"(smem_u32(smem)), "l"(gmem), "r"(src_bytes));
-    else
-        asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n"
-                     ::"r"(smem_u32(smem)), "l"(gmem), "n"(BYTES), "r"(src_bytes));
+#if PTX_SM >= 800
+    cp_async_sm80<BYTES>(smem, gmem, src_bytes);
+#else
+    // the same bytes, synchronously: B-byte vector when whole, bytes then zeros when partial
+    using V = typename ptx_vec<BYTES>::type;
+    if (src_bytes >= BYTES) {
+        *static_cast<V*>(smem) = *static_cast<const V*>(gmem);
+    } else {
+        unsigned char* d = static_cast<unsigned char*>(smem);
+        const unsigned char* g = static_cast<const unsigned char*>(gmem);
+        for (int i = 0; i < BYTES; ++i) d[i] = i < src_bytes ? g[i] : (unsigned char)0;
+    }
+#endif
 }
 
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int BYTES>
+__device__ __forceinline__ void cp_async(void* smem, const void* gmem) { cp_async_zfill<BYTES>(smem, gmem, BYTES); }
+
+__device__ __forceinline__ void cp_async_commit() {
+#if PTX_SM >= 800
+    cp_async_commit_sm80();
+#endif
+}
 
 template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
-
-// --- ldmatrix ----------------------------------------------------------------------------------
-template <int NUM, bool TRANS = false>
-__device__ __forceinline__ void ldmatrix(unsigned (&r)[NUM], const void* smem) {
-    static_assert(NUM == 1 || NUM == 2 || NUM == 4, "ldmatrix loads 1, 2 or 4 matrices");
-    const unsigned a = smem_u32(smem);
-    if constexpr (NUM == 1 && !TRANS)
-        asm volatile("ldmatrix.sync.aligned.m8n8.x1.shared.b16 {%0}, [%1];\n" : "=r"(r[0]) : "r"(a));
-    else if constexpr (NUM == 1)
-        asm volatile("ldmatrix.sync.aligned.m8n8.x1.trans.shared.b16 {%0}, [%1];\n" : "=r"(r[0]) : "r"(a));
-    else if constexpr (NUM == 2 && !TRANS)
-        asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
-                     : "=r"(r[0]), "=r"(r[1]) : "r"(a));
-    else if constexpr (NUM == 2)
-        asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
-                     : "=r"(r[0]), "=r"(r[1]) : "r"(a));
-    else if constexpr (!TRANS)
-        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
-    else
-        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+__device__ __forceinline__ void cp_async_wait() {
+#if PTX_SM >= 800
+    cp_async_wait_sm80<N>();
+#endif
 }
 
 // --- mma.sync ----------------------------------------------------------------------------------
 template <typename T>
-__device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]);
-
-template <>
-__device__ __forceinline__ void mma_m16n8k16<__half>(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-
-template <>
-__device__ __forceinline__ void mma_m16n8k16<__nv_bfloat16>(float (&d)[4], const unsigned (&a)[4],
-                                                            const unsigned (&b)[2]) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+__device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+#if PTX_SM >= 800
+    mma_m16n8k16_sm80<T>(d, a, b);
+#else
+    static_assert(ptx_mma_type<T>::f16, "tensor-core bf16 (mma.sync .bf16) requires sm_80 or higher: "
+                                        "bf16 inputs take the SIMT kernels below sm_80");
+    const unsigned a_lo[2] = {a[0], a[1]}, a_hi[2] = {a[2], a[3]}, b_lo[1] = {b[0]}, b_hi[1] = {b[1]};
+    mma_m16n8k8<T>(d, a_lo, b_lo);   // k 0-7
+    mma_m16n8k8<T>(d, a_hi, b_hi);   // k 8-15
+#endif
 }
 
 // --- programmatic dependent launch (griddepcontrol, sm_90+) -------------------------------------
@@ -108,13 +101,13 @@ __device__ __forceinline__ void mma_m16n8k16<__nv_bfloat16>(float (&d)[4], const
 // it may be read before. pdl_launch_dependents() lets the next kernel start early. Without the
 // attribute both return at once, and before sm_90 they compile to nothing.
 __device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#if PTX_SM >= 900
+    griddepcontrol_wait();
 #endif
 }
 
 __device__ __forceinline__ void pdl_launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#if PTX_SM >= 900
+    griddepcontrol_launch_dependents();
 #endif
 }

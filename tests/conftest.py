@@ -54,7 +54,8 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def compile_report():
     """``compile_report(spec_name=None) -> (reports, errors)``: the offline NVRTC compile check
-    (sm_80 and sm_90) of one spec, or of all, run at most once per spec per test session."""
+    (every arch of _compile_check.ARCHES the installed NVRTC knows) of one spec, or of all, run at
+    most once per spec per test session."""
     import cupyattn
     from cupyattn._compile_check import run_check
 

@@ -61,7 +61,10 @@ def _config_exprs():
     return ([FA._expr("flash", dt, d, c) for dt in config.DTYPES for d in config.HEAD_DIMS
              for c in (False, True)]
             + [FA._expr("flash_mma", dt, d, c) for dt in config.MMA_DTYPES for d in config.HEAD_DIMS
-               for c in (False, True)])
+               for c in (False, True)]
+            # the serving instantiations (issue 25: varlen, paged, window, softcap), causal=False
+            + [FA._expr("flash", dt, d, False, True) for dt in config.DTYPES for d in config.HEAD_DIMS]
+            + [FA._expr("flash_mma", dt, d, False, True) for dt in config.MMA_DTYPES for d in config.HEAD_DIMS])
 
 
 def _assert_one_report_per_build(reports, exprs):

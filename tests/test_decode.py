@@ -162,14 +162,16 @@ def test_auto_num_splits_is_what_decode_attention_picks(monkeypatch):
 
 @pytest.mark.gpu
 def test_auto_impl_and_head_tiles(monkeypatch):
-    """impl="auto": tensor cores for fp16/bf16 from a GQA group of 4; 16 or 32 heads per block."""
+    """impl="auto": tensor cores for fp16/bf16 from a GQA group of 4; 16 or 32 heads per block
+    (bf16 below sm_80: SIMT, config.IMPL_MIN_CC)."""
     import cupy
 
     seen = []
     monkeypatch.setattr(decode, "_launch", lambda *a, **k: seen.append(a[6]))
+    bf16_mma = int(cupy.cuda.Device().compute_capability) >= 80
     for dtype, hkv, hq, impl, want, tiles in [
             (np.float16, 2, 6, "auto", "simt", 1), (np.float16, 2, 8, "auto", "mma", 1),
-            (config.BFLOAT16, 1, 32, "auto", "mma", 1), (np.float16, 1, 40, "auto", "mma", 2),
+            (config.BFLOAT16, 1, 32, "auto", *(("mma", 1) if bf16_mma else ("simt", 4))), (np.float16, 1, 40, "auto", "mma", 2),
             (np.float32, 1, 32, "auto", "simt", 4), (np.float16, 2, 2, "mma", "mma", 1),
             (np.float16, 1, 12, "simt", "simt", 2)]:
         cache = KVCache(1, 1, hkv, 8, 64, dtype)

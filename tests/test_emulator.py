@@ -116,8 +116,8 @@ expect(lambda: block_rev((3,), (97,), (x, y, 97)), "passed i64 but the kernel ta
 expect(lambda: oob((1,), (1,), (y, np.int32(y.size))), "wrote outside an allocation")
 expect(lambda: divergent((1,), (32,), (y,)), "deadlock")
 
-# inline PTX outside kernels_cu/ptx.cuh is refused at build time, not silently mis-emulated
-expect(lambda: module(ASM_SRC, "raw_asm"), "inline PTX outside kernels_cu/ptx.cuh")
+# inline PTX outside kernels_cu/ptx_insn.cuh is refused at build time, not silently mis-emulated
+expect(lambda: module(ASM_SRC, "raw_asm"), "inline PTX outside kernels_cu/ptx_insn.cuh")
 
 no_wait, waits, misaligned = module(PTX_SRC, "no_wait", "waits", "misaligned")
 x = cupy.asarray(np.arange(128, dtype=np.float32))

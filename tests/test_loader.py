@@ -110,14 +110,16 @@ def test_every_kernel_file_has_a_spec():
 
 
 def test_offline_check_compiles_every_instantiation_without_spills(compile_report):
-    """The CI gate: every spec x instantiation for sm_80 and sm_90 (Hopper-only specs once, for
-    sm_90a), no errors, no spills."""
+    """The CI gate: for each GPU family the installed NVRTC knows (sm_75 ... sm_120), every
+    instantiation a device of that family runs (no bf16 tensor-core kernels on sm_75, tiles within
+    its shared memory; Hopper-only specs once, for sm_90a), no errors, no spills."""
     reports, errors = compile_report()
     assert errors == [] and [f"{r.kernel} {r.arch}" for r in reports if r.spills] == []
     built = {(r.spec, r.kernel, r.arch) for r in reports}
-    want = {(s.name, e, a) for s in cupyattn.all_specs() for e in s.name_expressions
-            for a in (("sm_90a",) if s.sm90a else ("sm_80", "sm_90"))}
+    want = {(s.name, e, f"sm_{a}a" if s.sm90a else f"sm_{a}") for s in cupyattn.all_specs()
+            for a in cc.nvrtc_arches() for e in s.exprs_for(int(a))}
     assert built == want and len(built) == len(reports)
+    assert {"sm_75", "sm_80", "sm_86", "sm_89", "sm_90", "sm_90a"} <= {r.arch for r in reports}
 
 
 def test_check_cli_prints_rows_as_it_goes_and_fails_on_unknown_spec(capsys):
@@ -143,7 +145,7 @@ def test_a_call_compiles_only_the_instantiation_it_launches(monkeypatch):
     cupyattn.attention(q, q, q, causal=True)
     cupyattn.attention(q, q, q, causal=True)  # memoised: no second build
     built = [key for key in _loader._FUNCTIONS if key[0] == "flash_attn"]
-    assert built == [("flash_attn", flash_attn._expr(flash_attn.DEFAULT_IMPL[np.dtype(np.float16)],
+    assert built == [("flash_attn", flash_attn._expr(flash_attn.default_impl(np.float16, 128),
                                                      np.float16, 128, True), cupy.cuda.Device().id)]
     with pytest.raises(KeyError, match="not an instantiation of kernel spec 'flash_attn'"):
         _loader.get_function(flash_attn.SPEC, "flash_attn_fwd<double, 7>")

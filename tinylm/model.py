@@ -26,6 +26,13 @@ same thing in 5 kernels per layer instead of 9, each norm folded into the projec
                 x = x + y Wdown^T                                                        (5)
     logits = rmsnorm(x) Wout^T
 
+A prefill (T > 1) runs the layer loop above over all prompt tokens: 10 kernels per layer on the
+cupy backend (the head merge after attention is one of them), which tinylm.prefill pads to a
+length bucket and replays as a CUDA graph. ``Transformer(fused_prefill=True)`` runs it through
+the fused projections instead (``_prefill_fused``: the steps (3) to (5) above, RMSNorm + QKV
+projection, then the same RoPE + append and flash attention as the unfused prefill: 7 kernels
+per layer).
+
 The backends (tinylm.ops_numpy.NumpyOps, tinylm.ops_cupy.CupyOps) implement the ops interface
 below; the model never looks at which one it has. Weights live in `Params` (uploaded once, in
 the backend's dtype); everything that changes while generating lives in `RunState`.
@@ -48,9 +55,10 @@ import numpy as np
 #   matmul(x [..., K], w [N, K])         -> [..., N]   (x @ w^T)
 #   rmsnorm(x, w, eps) / add_rmsnorm(x, r, w, eps) -> (x += r, rmsnorm) / swiglu(g, u)
 #   qkv_rope_append(qkv [B,T,(Hq+2Hkv)hd], cache, layer, Hq, base, style, num_new) -> q [B,Hq,T,hd]
-#   attend_prefill(q, cache, layer, start, key_lengths)   causal over cached positions
+#   attend_prefill(q, cache, layer, start, key_lengths, out)   causal over cached positions
 #   attend_decode(q [B,Hq,1,hd], cache, layer, workspace, num_splits)   whole live cache per seq
-#   gather_rows(x [B,T,D], idx [B]) -> [B, 1, D]
+#   merge_heads(o [B,Hq,T,hd], out) -> [B, T, Hq*hd] contiguous (T = 1: a view)
+#   gather_rows(x [B,T,D], idx [B], out) -> [B, 1, D]   (idx: host ints, or device flat rows)
 #   fused decode step (optional, ``fused_decode = True``): norm_qkv_rope_append(x, norm, wqkv, cache,
 #     layer, Hq, eps, base, style, out), attend_decode(..., fused_combine=True),
 #     matmul_residual(x, a, w) (x += a w^T), norm_gate_up_swiglu(x, norm, w_gate_up, eps, out),
@@ -173,6 +181,7 @@ class RunState:
         self.workspace = ops.decode_workspace(b, a.n_heads, a.head_dim)  # split-KV partials or None
         self.sampling = ops.sampling_params(b) if hasattr(ops, "sampling_params") else None
         self.graphs = {}  # context bucket -> captured decode step (tinylm.graphs)
+        self.prefill_buffers = {}  # padded prompt length -> tinylm.prefill.PrefillBuffers (+ graph)
         self.warm = set()  # buckets whose kernels an eager step has loaded
 
     @property
@@ -208,14 +217,18 @@ class Transformer:
     fused : decode steps through the fused kernels (5 per layer instead of 9); None =
         ``cupyattn.config.TINYLM_FUSED_DECODE`` where the backend has them (cupy), else False.
         True on a backend without them is a ValueError.
+    fused_prefill : multi-token forwards (prefill) through the same fused projections (7 kernels
+        per layer instead of 10); None = ``tinylm.config.FUSED_PREFILL`` (off: not run on a GPU
+        yet). Same backend and head_dim rules as ``fused``.
     """
 
-    def __init__(self, args, weights, backend="auto", dtype=None, fused=None):
+    def __init__(self, args, weights, backend="auto", dtype=None, fused=None, fused_prefill=None):
         self.args = args
         self.ops = make_ops(backend, dtype) if isinstance(backend, str) else backend
         self.backend = self.ops.name
         self.dtype = np.dtype(self.ops.dtype).name
         self.fused = self._resolve_fused(fused)
+        self.fused_prefill = self._resolve_fused(fused_prefill, prefill=True)
         with self.ops.stream():
             self.params = Params.upload(weights, self.ops)
         self.weight_bytes = self.params.nbytes()
@@ -225,18 +238,26 @@ class Transformer:
         the graphs they captured: use a new RunState)."""
         self.fused = self._resolve_fused(fused)
 
-    def _resolve_fused(self, fused) -> bool:
+    def set_fused_prefill(self, fused_prefill) -> None:
+        """Switch prefill between the fused and the unfused kernels (states made before keep the
+        prefill graphs they captured: use a new RunState)."""
+        self.fused_prefill = self._resolve_fused(fused_prefill, prefill=True)
+
+    def _resolve_fused(self, fused, prefill=False) -> bool:
         has = getattr(self.ops, "fused_decode", False)
+        what = "fused prefill" if prefill else "fused decode"
         if fused is None:
             if not has:
                 return False
-            from cupyattn.config import TINYLM_FUSED_DECODE
-
-            return bool(TINYLM_FUSED_DECODE and self.args.head_dim % 16 == 0)
+            if prefill:
+                from .config import FUSED_PREFILL as default
+            else:
+                from cupyattn.config import TINYLM_FUSED_DECODE as default
+            return bool(default and self.args.head_dim % 16 == 0)
         if fused and not has:
-            raise ValueError(f"fused decode needs the cupy backend, not {self.backend!r}")
+            raise ValueError(f"{what} needs the cupy backend, not {self.backend!r}")
         if fused and self.args.head_dim % 16:
-            raise ValueError(f"fused decode needs a head_dim that is a multiple of 16, got {self.args.head_dim}")
+            raise ValueError(f"{what} needs a head_dim that is a multiple of 16, got {self.args.head_dim}")
         return bool(fused)
 
     def new_state(self, batch: int = 1, max_seq: int | None = None) -> RunState:
@@ -266,7 +287,6 @@ class Transformer:
             return self._forward(ids, state, all_logits, num_new)
 
     def _forward(self, ids, state, all_logits, num_new):
-        a, ops, p = self.args, self.ops, self.params
         b, t = ids.shape
         if b != state.batch:
             raise ValueError(f"ids have batch {b} but the state was made for batch {state.batch}")
@@ -285,29 +305,41 @@ class Transformer:
         if need.max() > state.max_seq:
             raise ValueError(f"sequence of {int(need.max())} tokens does not fit max_seq={state.max_seq}")
         decode = t == 1
-        scratch = state if decode else None
-
-        def buf(name):  # decode writes into RunState's buffers, prefill allocates
-            return getattr(scratch, name) if scratch is not None else None
-
         splits = self.decode_splits(state, int(need.max())) if decode else None
         if decode and self.fused:
             return self._decode_fused(ids, state, splits)
-        key_lengths = None if counts is None else (start + counts).tolist()
+        last = None if all_logits or t == 1 else (np.full(b, t) if counts is None else counts) - 1
+        return self._run(ids, state, state if decode else None, counts, start,
+                         None if counts is None else (start + counts).tolist(), last, splits)
+
+    def _run(self, ids, state, scratch, counts, start, key_lengths, last, splits=None):
+        """The forward pass after the checks (``forward``), also the body of a captured prefill
+        (tinylm.prefill): ``scratch`` (None: allocate) holds the outputs by name, ``counts`` the
+        tokens each sequence appends (None: all T), ``key_lengths`` the keys each sees (None:
+        all), ``last`` the row per sequence whose logits are returned (None: every row; host
+        ints, or a device array on the cupy backend)."""
+        a, ops, p, cache = self.args, self.ops, self.params, state.cache
+        b, t = ids.shape
+        decode = t == 1
+
+        def buf(name):  # decode and a captured prefill write into preallocated buffers
+            return getattr(scratch, name, None)
+
+        if not decode and self.fused_prefill:
+            return self._prefill_fused(ids, state, buf, counts, start, key_lengths, last)
         f = a.ffn_dim
         x = ops.embedding(ids, p.tok_embd, out=buf("x"))
         h = ops.rmsnorm(x, p.layers[0].attn_norm, a.norm_eps, out=buf("h"))
         for i, lp in enumerate(p.layers):
             # attention block: projection, rope + cache append, attention, residual + next norm
             qkv = ops.matmul(h, lp.wqkv, out=buf("qkv"))
-            q = ops.qkv_rope_append(qkv, state.cache, i, a.n_heads, a.rope_base, a.rope_style,
-                                    num_new=None if counts is None else counts, out=buf("q_rot"))
+            q = ops.qkv_rope_append(qkv, cache, i, a.n_heads, a.rope_base, a.rope_style, num_new=counts,
+                                    out=buf("q_rot"))
             if decode:
-                o = ops.attend_decode(q, state.cache, i, out=buf("att"), workspace=state.workspace,
-                                      num_splits=splits)
+                o = ops.attend_decode(q, cache, i, out=buf("att"), workspace=state.workspace, num_splits=splits)
             else:
-                o = ops.attend_prefill(q, state.cache, i, start, key_lengths)
-            o = ops.contiguous(o.transpose(0, 2, 1, 3).reshape(b, t, a.n_heads * a.head_dim))
+                o = ops.attend_prefill(q, cache, i, start, key_lengths, out=buf("att"))
+            o = ops.merge_heads(o, out=buf("att_rows"))
             x, h = ops.add_rmsnorm(x, ops.matmul(o, lp.wo, out=buf("proj")), lp.ffn_norm, a.norm_eps,
                                    out=buf("h"))
             # feed-forward block (SwiGLU) and the next block's (or the output's) norm
@@ -316,9 +348,29 @@ class Transformer:
             nxt = p.layers[i + 1].attn_norm if i + 1 < len(p.layers) else p.output_norm
             x, h = ops.add_rmsnorm(x, ops.matmul(y, lp.w_down, out=buf("proj")), nxt, a.norm_eps,
                                    out=buf("h"))
-        if not all_logits and t > 1:
-            h = ops.gather_rows(h, (np.full(b, t) if counts is None else counts) - 1)
+        if last is not None:
+            h = ops.gather_rows(h, last, out=buf("h_last"))
         return ops.matmul(h, p.output, out=buf("logits"))
+
+    def _prefill_fused(self, ids, state, buf, counts, start, key_lengths, last):
+        """A multi-token forward in 7 kernels per layer (``fused_prefill``): each norm folded into
+        the projection after it and each residual add into the projection before it, as the
+        fused decode step does; the QKV output goes through the same RoPE + append kernel and
+        the same flash attention as the unfused prefill."""
+        a, ops, p, cache = self.args, self.ops, self.params, state.cache
+        x = ops.embedding(ids, p.tok_embd, out=buf("x"))  # the residual stream, updated in place
+        for i, lp in enumerate(p.layers):
+            qkv = ops.norm_matmul(x, lp.attn_norm, lp.wqkv, a.norm_eps, out=buf("qkv"))
+            q = ops.qkv_rope_append(qkv, cache, i, a.n_heads, a.rope_base, a.rope_style, num_new=counts,
+                                    out=buf("q_rot"))
+            o = ops.merge_heads(ops.attend_prefill(q, cache, i, start, key_lengths, out=buf("att")),
+                                out=buf("att_rows"))
+            ops.matmul_residual(x, o, lp.wo)
+            y = ops.norm_gate_up_swiglu(x, lp.ffn_norm, lp.w_gate_up, a.norm_eps, out=buf("ffn"))
+            ops.matmul_residual(x, y, lp.w_down)
+        if last is not None:
+            x = ops.gather_rows(x, last, out=buf("h_last"))
+        return ops.norm_matmul(x, p.output_norm, p.output, a.norm_eps, out=buf("logits"))
 
     def _decode_fused(self, ids, state, splits):
         """A decode step in 5 kernels per layer (module docstring), into RunState's buffers."""

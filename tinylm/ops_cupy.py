@@ -28,6 +28,7 @@ class CupyOps:
     name = "cupy"
     xp = cupy
     fused_decode = True  # has the fused decode step's ops (cupyattn.fused)
+    graphs = True  # its forward passes can be captured and replayed (tinylm.graphs, tinylm.prefill)
 
     def __init__(self, dtype="float16"):
         key = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
@@ -37,6 +38,7 @@ class CupyOps:
         # A blocking (not non_blocking) stream: work on the legacy default stream, e.g. a
         # caller's cupy ops on our outputs, stays ordered after ours.
         self._stream = cupy.cuda.Stream()
+        self._merge_index = {}  # (B, H, T) -> merge_heads' row order on the device
 
     # --- memory (tinylm.generate sizes its batches with these) ---------------------------
     @staticmethod
@@ -118,13 +120,28 @@ class CupyOps:
         return cache.append_qkv(layer, qkv, n_heads, rope_base=base, rope_style=style,
                                 num_new=num_new, q_out=out)
 
-    def attend_prefill(self, q, cache, layer, start, key_lengths=None):
+    def attend_prefill(self, q, cache, layer, start, key_lengths=None, out=None):
         """Causal flash attention of q [B, Hq, T, D] over the cached keys 0..start+T-1 (read in
         place: attention takes strided K/V); key_lengths [B] hides keys past each sequence's
         own end (right-padded prompts)."""
         s = start + q.shape[2]
         return cupyattn.attention(q, cache.k[layer, :, :, :s], cache.v[layer, :, :, :s], causal=True,
-                                  key_lengths=key_lengths)
+                                  key_lengths=key_lengths, out=out)
+
+    def merge_heads(self, o, out=None):
+        """o [B, H, T, D] -> [B, T, H * D] C-contiguous (the O projection's input). T = 1 is a
+        view; otherwise one copy kernel, the embedding gather of rows (b, h, t) in (b, t, h)
+        order: it takes ``out`` and an index built once per shape, so it can be captured."""
+        b, h, t, d = o.shape
+        if out is None and t == 1:
+            return o.reshape(b, 1, h * d)
+        key = (b, h, t)
+        idx = self._merge_index.get(key)
+        if idx is None:
+            rows = np.arange(b * h * t, dtype=np.int32).reshape(b, h, t).transpose(0, 2, 1)
+            idx = self._merge_index[key] = cupy.asarray(np.ascontiguousarray(rows).reshape(-1))
+        dst = None if out is None else out.reshape(b * t * h, d)
+        return layers.embedding(idx, o.reshape(b * h * t, d), out=dst).reshape(b, t, h * d)
 
     def attend_decode(self, q, cache, layer, out=None, workspace=None, num_splits=None, fused_combine=False):
         return cupyattn.decode_attention(q, cache, layer, num_splits=num_splits, out=out, workspace=workspace,
@@ -133,11 +150,16 @@ class CupyOps:
     def swiglu(self, gate, up, out=None):
         return layers.swiglu(gate, up, out=out)
 
-    def gather_rows(self, x, idx):
-        """x [B, T, D] contiguous, idx [B] host ints -> rows x[b, idx[b]] as [B, 1, D]."""
+    def gather_rows(self, x, idx, out=None):
+        """x [B, T, D] contiguous, idx [B] host ints -> rows x[b, idx[b]] as [B, 1, D]. A device
+        idx (int32) holds the flat row numbers ``b * T + idx[b]`` already (a captured prefill)."""
         b, t, d = x.shape
-        flat = cupy.asarray(np.arange(b, dtype=np.int32) * t + np.asarray(idx, dtype=np.int32))
-        return layers.embedding(flat, x.reshape(b * t, d)).reshape(b, 1, d)
+        if isinstance(idx, cupy.ndarray):
+            flat = idx
+        else:
+            flat = cupy.asarray(np.arange(b, dtype=np.int32) * t + np.asarray(idx, dtype=np.int32))
+        dst = None if out is None else out.reshape(b, d)
+        return layers.embedding(flat, x.reshape(b * t, d), out=dst).reshape(b, 1, d)
 
     # --- the fused decode step (tinylm.model.Transformer._decode_fused) -------------------
     def norm_qkv_rope_append(self, x, norm_w, wqkv, cache, layer, n_heads, eps, base, style, out=None):

@@ -242,12 +242,13 @@ class NumpyOps:
         out[...] = o
         return out
 
-    def attend_prefill(self, q, cache, layer, start, key_lengths=None):
+    def attend_prefill(self, q, cache, layer, start, key_lengths=None, out=None):
         """Causal attention of q [B, Hq, T, D] (positions start..start+T-1) over the cached keys.
 
         key_lengths [B] (host ints): sequence b sees keys j < key_lengths[b] only, and its query
         rows t >= key_lengths[b] - start (right padding) are zeros. Each such sequence is
-        computed alone, with exactly the shapes a batch of one would have.
+        computed alone, with exactly the shapes a batch of one would have. ``out`` is ignored
+        (the NumPy backend allocates; the argument is for the ops interface).
         """
         t = q.shape[2]
         k, v = cache.k[layer], cache.v[layer]
@@ -283,9 +284,14 @@ class NumpyOps:
         out = np.multiply(gate, up, out=out)
         return np.multiply(out, sig, out=out)
 
-    def gather_rows(self, x, idx):
+    def gather_rows(self, x, idx, out=None):
         """x [B, T, D], idx [B] host ints -> rows x[b, idx[b]] as [B, 1, D]."""
         return np.ascontiguousarray(x[np.arange(x.shape[0]), np.asarray(idx)][:, None])
+
+    def merge_heads(self, o, out=None):
+        """o [B, H, T, D] -> [B, T, H * D] C-contiguous."""
+        b, h, t, d = o.shape
+        return np.ascontiguousarray(o.transpose(0, 2, 1, 3)).reshape(b, t, h * d)
 
     def contiguous(self, x):
         return np.ascontiguousarray(x)

@@ -1,5 +1,10 @@
-// emu_ptx.h: the functions of kernels_cu/ptx.cuh for the CPU emulator, written from the PTX ISA's
-// definitions. fakecupy swaps the inlined ptx.cuh for this file; kernels call the same names.
+// emu_ptx.h: the instruction wrappers of kernels_cu/ptx_insn.cuh for the CPU emulator, written from
+// the PTX ISA's definitions. fakecupy swaps the inlined ptx_insn.cuh for this file and keeps
+// ptx.cuh (the arch-aware helpers the kernels call), so ptx.cuh's Turing branches run here too.
+//
+// Targets: fakecupy defines __CUDA_ARCH__ from the emulated device (CUPYATTN_EMU_ARCH, default
+// 90); each wrapper refuses, as ptx_insn.cuh does under NVRTC, a target the ISA does not allow
+// it on, so a kernel built for sm_75 that reaches an sm_80-only instruction fails to build here.
 //
 // What the emulation checks that a synchronous copy would not:
 //   - cp.async copies are delivered at the cp.async.wait_group that retires their group (the
@@ -10,6 +15,21 @@
 //     GPU does (it faults on a misaligned address).
 #pragma once
 
+#if defined(CUPYATTN_TARGET_SM)
+#define PTX_SM CUPYATTN_TARGET_SM
+#elif defined(__CUDA_ARCH__)
+#define PTX_SM __CUDA_ARCH__
+#else
+#error "emu_ptx.h: fakecupy defines __CUDA_ARCH__ for the emulated device"
+#endif
+
+template <int NEED, typename Dep>
+constexpr bool ptx_sm_at_least() { return PTX_SM >= NEED && sizeof(Dep) > 0; }
+
+template <typename T> struct ptx_mma_type { enum { f16 = 0, bf16 = 0 }; };
+template <> struct ptx_mma_type<__half> { enum { f16 = 1, bf16 = 0 }; };
+template <> struct ptx_mma_type<__nv_bfloat16> { enum { f16 = 0, bf16 = 1 }; };
+
 inline unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
 
 inline void emu_check_align(const void* p, int n, const char* what) {
@@ -19,7 +39,8 @@ inline void emu_check_align(const void* p, int n, const char* what) {
 
 // --- cp.async ----------------------------------------------------------------------------------
 template <int BYTES>
-inline void cp_async_zfill(void* smem, const void* gmem, int src_bytes) {
+inline void cp_async_sm80(void* smem, const void* gmem, int src_bytes) {
+    static_assert(ptx_sm_at_least<800, char[BYTES]>(), "cp.async requires sm_80 or higher");
     static_assert(BYTES == 4 || BYTES == 8 || BYTES == 16, "cp.async copies 4, 8 or 16 bytes");
     emu_check_align(smem, BYTES, "cp.async shared destination");
     if (src_bytes > 0) emu_check_align(gmem, BYTES, "cp.async global source");
@@ -28,15 +49,17 @@ inline void cp_async_zfill(void* smem, const void* gmem, int src_bytes) {
     f.pending.push_back({(unsigned char*)smem, (const unsigned char*)gmem, BYTES, src_bytes, f.committed});
 }
 
-template <int BYTES>
-inline void cp_async(void* smem, const void* gmem) { cp_async_zfill<BYTES>(smem, gmem, BYTES); }
-
 // Close the group of copies issued since the last commit (group ids count commits).
-inline void cp_async_commit() { ++emu_s->f[emu_s->cur].committed; }
+template <int DUMMY = 0>
+inline void cp_async_commit_sm80() {
+    static_assert(ptx_sm_at_least<800, char[DUMMY + 1]>(), "cp.async.commit_group requires sm_80 or higher");
+    ++emu_s->f[emu_s->cur].committed;
+}
 
 // Deliver every copy of the committed groups except the N most recent.
 template <int N>
-inline void cp_async_wait() {
+inline void cp_async_wait_sm80() {
+    static_assert(ptx_sm_at_least<800, char[N + 1]>(), "cp.async.wait_group requires sm_80 or higher");
     EmuFiber& f = emu_s->f[emu_s->cur];
     const int done_below = f.committed - N;  // groups with id < done_below must be complete
     std::vector<EmuCopy> keep;
@@ -56,6 +79,7 @@ inline void cp_async_wait() {
 // cols 2(l%4), 2(l%4)+1) of matrix i in r[i]; with TRANS (rows 2(l%4), 2(l%4)+1, col l/4).
 template <int NUM, bool TRANS = false>
 inline void ldmatrix(unsigned (&r)[NUM], const void* smem) {
+    static_assert(ptx_sm_at_least<750, char[NUM]>(), "ldmatrix requires sm_75 or higher");
     static_assert(NUM == 1 || NUM == 2 || NUM == 4, "ldmatrix loads 1, 2 or 4 matrices");
     EmuWarp& w = emu_s->warps[emu_warp];
     if (emu_lane < 8 * NUM) emu_check_align(smem, 16, "ldmatrix row address");
@@ -77,20 +101,20 @@ inline void ldmatrix(unsigned (&r)[NUM], const void* smem) {
     for (int i = 0; i < NUM; ++i) r[i] = vals[i];
 }
 
-// --- mma.sync.m16n8k16.row.col.f32.{f16,bf16}.{f16,bf16}.f32 -----------------------------------
-// d = A (16x16) B (16x8) + d, g = lane/4, t = lane%4: a0 = A[g][2t..2t+1], a1 = A[g+8][2t..],
-// a2 = A[g][2t+8..], a3 = A[g+8][2t+8..]; b0 = B[2t..2t+1][g], b1 = B[2t+8..2t+9][g];
-// d0,d1 = [g][2t..2t+1], d2,d3 = [g+8][2t..2t+1]. Products are exact in float32 (11- or 8-bit
-// significands); the sum is taken in float32, in k order.
+// --- mma.sync.m16n8k{8,16}.row.col.f32.{f16,bf16}.{f16,bf16}.f32 -------------------------------
+// d = A (16xK) B (Kx8) + d, g = lane/4, t = lane%4. K = 16: a0 = A[g][2t..2t+1], a1 = A[g+8][2t..],
+// a2 = A[g][2t+8..], a3 = A[g+8][2t+8..]; b0 = B[2t..2t+1][g], b1 = B[2t+8..2t+9][g]. K = 8: a0,
+// a1 and b0 only. d0,d1 = [g][2t..2t+1], d2,d3 = [g+8][2t..2t+1]. Products are exact in float32
+// (11- or 8-bit significands); the sum is taken in float32, in k order.
 inline float emu_b16(unsigned bits, __half) { return __half2float(__half{(uint16_t)bits}); }
 inline float emu_b16(unsigned bits, __nv_bfloat16) { return __bfloat162float(__nv_bfloat16{(uint16_t)bits}); }
 
-template <typename T>
-inline void mma_m16n8k16(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
-    static_assert(std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>, "mma.sync: f16 or bf16");
+template <typename T, int K>
+inline void emu_mma(float (&d)[4], const unsigned* a, const unsigned* b) {
+    static_assert(ptx_mma_type<T>::f16 || ptx_mma_type<T>::bf16, "mma.sync: f16 or bf16");
     EmuWarp& w = emu_s->warps[emu_warp];
-    for (int i = 0; i < 4; ++i) w.xchg[emu_lane][i] = a[i];
-    for (int i = 0; i < 2; ++i) w.xchg[emu_lane][4 + i] = b[i];
+    for (int i = 0; i < K / 4; ++i) w.xchg[emu_lane][i] = a[i];
+    for (int i = 0; i < K / 8; ++i) w.xchg[emu_lane][4 + i] = b[i];
     emu_warp_barrier();
     float A[16][16], B[16][8];
     for (int src = 0; src < 32; ++src) {
@@ -100,10 +124,12 @@ inline void mma_m16n8k16(float (&d)[4], const unsigned (&a)[4], const unsigned (
         for (int h = 0; h < 2; ++h) {
             A[g][2 * t + h] = emu_b16(ra[0] >> (16 * h) & 0xffff, T());
             A[g + 8][2 * t + h] = emu_b16(ra[1] >> (16 * h) & 0xffff, T());
-            A[g][2 * t + 8 + h] = emu_b16(ra[2] >> (16 * h) & 0xffff, T());
-            A[g + 8][2 * t + 8 + h] = emu_b16(ra[3] >> (16 * h) & 0xffff, T());
             B[2 * t + h][g] = emu_b16(rb[0] >> (16 * h) & 0xffff, T());
-            B[2 * t + 8 + h][g] = emu_b16(rb[1] >> (16 * h) & 0xffff, T());
+            if (K == 16) {
+                A[g][2 * t + 8 + h] = emu_b16(ra[2] >> (16 * h) & 0xffff, T());
+                A[g + 8][2 * t + 8 + h] = emu_b16(ra[3] >> (16 * h) & 0xffff, T());
+                B[2 * t + 8 + h][g] = emu_b16(rb[1] >> (16 * h) & 0xffff, T());
+            }
         }
     }
     emu_warp_barrier();  // nobody overwrites xchg before all have read it
@@ -111,13 +137,34 @@ inline void mma_m16n8k16(float (&d)[4], const unsigned (&a)[4], const unsigned (
     for (int i = 0; i < 4; ++i) {
         const int row = g + 8 * (i / 2), col = 2 * t + (i % 2);
         float acc = d[i];
-        for (int k = 0; k < 16; ++k) acc += A[row][k] * B[k][col];
+        for (int k = 0; k < K; ++k) acc += A[row][k] * B[k][col];
         d[i] = acc;
     }
 }
 
-// --- programmatic dependent launch ------------------------------------------------------------
+template <typename T>
+inline void mma_m16n8k8(float (&d)[4], const unsigned (&a)[2], const unsigned (&b)[1]) {
+    if constexpr (ptx_mma_type<T>::f16)
+        static_assert(ptx_sm_at_least<750, T>(), "mma.sync.m16n8k8.f16 requires sm_75 or higher");
+    else
+        static_assert(ptx_sm_at_least<800, T>(), "mma.sync with bf16 inputs requires sm_80 or higher");
+    emu_mma<T, 8>(d, a, b);
+}
+
+template <typename T>
+inline void mma_m16n8k16_sm80(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+    static_assert(ptx_sm_at_least<800, T>(), "mma.sync.m16n8k16 requires sm_80 or higher");
+    emu_mma<T, 16>(d, a, b);
+}
+
+// --- griddepcontrol ---------------------------------------------------------------------------
 // The emulator runs launches one after another, so the previous kernel has always completed:
 // both are no-ops, as they are on a GPU for a launch without the PDL attribute.
-inline void pdl_wait() {}
-inline void pdl_launch_dependents() {}
+template <int DUMMY = 0>
+inline void griddepcontrol_wait() {
+    static_assert(ptx_sm_at_least<900, char[DUMMY + 1]>(), "griddepcontrol requires sm_90 or higher");
+}
+template <int DUMMY = 0>
+inline void griddepcontrol_launch_dependents() {
+    static_assert(ptx_sm_at_least<900, char[DUMMY + 1]>(), "griddepcontrol requires sm_90 or higher");
+}

@@ -283,10 +283,22 @@ def get_default_memory_pool():
 cuda = types.ModuleType("cupy.cuda")
 
 
+# (issue 24) the emulated device: CUPYATTN_EMU_ARCH=75 makes it a T4 (compute capability 7.5, 64 KB
+# of shared memory per block, kernels built with __CUDA_ARCH__ 750); default an H100 (9.0)
+EMU_ARCH = os.environ.get("CUPYATTN_EMU_ARCH", "90")
+_EMU_DEVICES = {  # SMs, L2 bytes, opt-in shared memory per block
+    "75": (40, 4 * 2**20, 64 * 1024), "80": (108, 40 * 2**20, 163 * 1024), "86": (84, 6 * 2**20, 99 * 1024),
+    "89": (128, 72 * 2**20, 99 * 1024), "90": (132, 50 * 2**20, 227 * 1024),
+}
+if EMU_ARCH not in _EMU_DEVICES:
+    raise ValueError(f"CUPYATTN_EMU_ARCH={EMU_ARCH!r}: expected one of {', '.join(_EMU_DEVICES)}")
+
+
 class Device:
     id = 0
-    compute_capability = "90"
-    attributes = {"MultiProcessorCount": 132, "L2CacheSize": 50 * 2**20, "MaxSharedMemoryPerBlockOptin": 227 * 1024}
+    compute_capability = EMU_ARCH
+    attributes = dict(zip(("MultiProcessorCount", "L2CacheSize", "MaxSharedMemoryPerBlockOptin"),
+                          _EMU_DEVICES[EMU_ARCH]))
 
     def __init__(self, i=0):
         pass
@@ -459,7 +471,8 @@ cuda.Graph = Graph
 
 # --- RawModule: g++ build of the spec source + launch wrappers ---------------------------------
 _ASM_RE = re.compile(r"\basm\s*(volatile\s*)?\(")
-_PTX_BLOCK = re.compile(r"// ---- begin ptx\.cuh\n.*?\n// ---- end ptx\.cuh", re.S)
+# (issue 24) the instruction wrappers only: ptx.cuh around them (the arch-aware helpers) is kept
+_PTX_BLOCK = re.compile(r"// ---- begin ptx_insn\.cuh\n.*?\n// ---- end ptx_insn\.cuh", re.S)
 # (issue 21) the Hopper header, swapped first: it may hold the inlined ptx.cuh, which its
 # emulation includes in turn
 _PTX_SM90_BLOCK = re.compile(r"// ---- begin ptx_sm90\.cuh\n.*?\n// ---- end ptx_sm90\.cuh", re.S)
@@ -474,8 +487,8 @@ def _translate(code: str) -> str:
     code = _PTX_BLOCK.sub('#include "emu_ptx.h"', code)
     if (m := _ASM_RE.search(code)):
         line = code.count("\n", 0, m.start()) + 1
-        raise CompileException(f"inline PTX outside kernels_cu/ptx.cuh (source line {line}) is not "
-                                f"emulated: put the instruction in ptx.cuh and tests/emu/emu_ptx.h")
+        raise CompileException(f"inline PTX outside kernels_cu/ptx_insn.cuh (source line {line}) is not "
+                                f"emulated: put the instruction in ptx_insn.cuh and tests/emu/emu_ptx.h")
     code = re.sub(r"#\s*include\s*<(cuda_fp16|cuda_bf16|math_constants|cuda_pipeline|cuda_runtime)\.h>", "", code)
     code = re.sub(r"extern\s+__shared__\s+(__align__\(\d+\)\s+)?([\w:]+)\s+(\w+)\s*\[\s*\]\s*;",
                   r"\2* \3 = reinterpret_cast<\2*>(emu_dyn_smem);", code)
@@ -506,6 +519,7 @@ class RawModule:
     def __init__(self, code, options=(), name_expressions=(), **kw):
         self.code, self.exprs = code, list(name_expressions)
         self.defines = [o for o in options if o.startswith("-D")]  # spec-wide constants
+        self.defines.append(f"-D__CUDA_ARCH__={EMU_ARCH}0")         # the emulated device's target
         self.lib = None
 
     def compile(self, log_stream=None):
@@ -633,7 +647,7 @@ MAX_GRID = (2**31 - 1, 65535, 65535)
 MAX_BLOCK = (1024, 1024, 64)
 MAX_THREADS = 1024
 STATIC_SMEM_LIMIT = 48 * 1024      # without the opt-in attribute
-OPTIN_SMEM_LIMIT = 227 * 1024      # sm_90 (sm_80: 163 KB)
+OPTIN_SMEM_LIMIT = _EMU_DEVICES[EMU_ARCH][2]   # sm_90 227 KB, sm_80 163 KB, sm_75 64 KB
 
 
 def _check_launch(expr, grid, block, smem, smem_attr):

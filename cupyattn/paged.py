@@ -1,0 +1,333 @@
+"""Paged KV caches: decode and chunked-prefill attention over pages, and :class:`PagedKVCache`.
+
+Layout (flash-attention's ``flash_attn_with_kvcache`` and vLLM's): keys and values live in
+pages ``[num_pages, page_size, Hkv, D]``; an int32 ``block_table [B, max_pages]`` lists each
+sequence's pages in order, so position ``p`` of sequence ``b`` is row ``p % page_size`` of page
+``block_table[b, p // page_size]``; int32 ``seq_lens [B]`` says how many positions are live.
+Pages may be anywhere and in any order; entries past a sequence's length are never read.
+``page_size`` is a power of two from 1 to 256 (the kernels split a position with a shift).
+
+The kernels are the serving variants of the contiguous ones (``SERVING = true``): decode is
+``kernels_cu/decode.cu`` (split-KV, GQA packing, tensor cores) with K/V rows looked up through
+the table once per 16-byte load; chunked prefill is ``kernels_cu/flash_attn.cu``; appends are
+``kernels_cu/kvcache.cu``. **None of them has run on a GPU yet** (CPU emulator only).
+"""
+from __future__ import annotations
+
+import math
+
+import cupy
+import numpy as np
+
+from . import _checks
+from ._checks import check_array, check_out
+from .config import DECODE_MAX_SPLITS, PAGED_MAX_PAGE_SIZE
+from .decode import _auto_splits, _check_args, _launch, serving_plan
+from .flash_attn import Serving, _flash, check_window_softcap
+from .kvcache import KVCache
+from .varlen import check_grid, check_max_seqlen, check_offsets, check_packed, elem_strides
+
+MAX_PAGE_SIZE = PAGED_MAX_PAGE_SIZE
+
+
+def _check_pages(fn, q, k_pages, v_pages, block_table, seq_lens, impl, b):
+    """q [*, Hq, D]; pages [N, P, Hkv, D] (C-contiguous), table int32 [B, max_pages] on the
+    device, seq_lens [B] -> (impl, Hq, Hkv, D, page_size, host seq_lens or None, device
+    seq_lens). ``impl`` None or a flash impl: checked as attention's; "auto"/"simt"/"mma": decode's
+    (checked by decode's own checks later)."""
+    impl, hq, hkv, d = check_packed(fn, q, k_pages, v_pages, None if impl in ("auto", "simt", "mma") else impl,
+                                    "k_pages", "v_pages")
+    for name, x in (("k_pages", k_pages), ("v_pages", v_pages)):
+        check_array(fn, name, x, ndim=4)
+        if not x.flags.c_contiguous:
+            raise ValueError(f"{fn}(): {name} must be C-contiguous [num_pages, page_size, Hkv, D]")
+    if tuple(v_pages.shape) != tuple(k_pages.shape):
+        raise ValueError(f"{fn}(): v_pages has shape {tuple(v_pages.shape)} but k_pages has {tuple(k_pages.shape)}")
+    n_pages, ps = k_pages.shape[0], k_pages.shape[1]
+    if not (1 <= ps <= MAX_PAGE_SIZE and ps & (ps - 1) == 0):
+        raise ValueError(f"{fn}(): page_size (k_pages.shape[1]) must be a power of two in [1, {MAX_PAGE_SIZE}], got {ps}")
+    if n_pages == 0:
+        raise ValueError(f"{fn}(): k_pages holds no page")
+    check_array(fn, "block_table", block_table, dtypes=(np.dtype(np.int32),), ndim=2)
+    if block_table.shape[0] != b:
+        raise ValueError(f"{fn}(): block_table has {block_table.shape[0]} rows, expected one per sequence ({b})")
+    if block_table.strides[1] != 4:
+        raise ValueError(f"{fn}(): block_table rows must be contiguous (int32 stride 1)")
+    lens, host = check_offsets(fn, "seq_lens", seq_lens, b, None)
+    cap = block_table.shape[1] * ps
+    if host is not None and len(host) and host.max() > cap:
+        raise ValueError(f"{fn}(): seq_lens max {int(host.max())} exceeds the block table's capacity "
+                         f"{block_table.shape[1]} pages x {ps} = {cap}")
+    _checks.check_int32(fn, "max_pages x page_size", cap)
+    return impl, hq, hkv, d, ps, host, lens
+
+
+def decode_attention_paged(q, k_pages, v_pages, block_table, seq_lens, scale=None, window=None, softcap=None,
+                           num_splits=None, out=None, impl="auto", max_seq_len=None):
+    """One query token per sequence over a paged KV cache (``flash_attn_with_kvcache`` layout).
+
+    Parameters
+    ----------
+    q : cupy.ndarray [B, Hq, D]
+        float32 / float16 / bfloat16, last dim contiguous; ``Hq % Hkv == 0`` (GQA/MQA).
+    k_pages, v_pages : cupy.ndarray [num_pages, page_size, Hkv, D], C-contiguous, q's dtype
+        ``page_size`` a power of two in [1, 256].
+    block_table : cupy.ndarray int32 [B, max_pages]
+        Page ids (< num_pages; an out-of-range id is clamped, never read past the pages).
+    seq_lens : int32 [B]
+        Keys per sequence (the new token's included if it should see itself). A CuPy array is
+        read only by the kernel (graph-safe); host values are checked against the table.
+    scale, window, softcap :
+        As :func:`cupyattn.decode_attention` (window left bound only matters in decode).
+    num_splits : int, optional
+        Split-KV count (1 to 512); None: the rule of :func:`cupyattn.choose_num_splits` on the
+        longest length (host ``seq_lens``), or on ``max_seq_len`` when given, else on the table's
+        capacity. Fix it for CUDA graphs.
+    out : cupy.ndarray [B, Hq, D], optional
+    impl : {"auto", "simt", "mma"}
+        As decode_attention.
+    max_seq_len : int, optional
+        Upper bound of seq_lens for the split rule when they are on the device.
+
+    Returns
+    -------
+    cupy.ndarray [B, Hq, D]; a sequence of length 0 (or whose window hides every key) gives
+    zeros. **Not yet run on a GPU.**
+
+    Examples
+    --------
+    >>> o = decode_attention_paged(q, cache.k[layer], cache.v[layer], cache.block_table, cache.lengths[layer])
+    """
+    fn = "decode_attention_paged"
+    check_array(fn, "q", q, ndim=3)
+    b = q.shape[0]
+    _, hq, hkv, d, ps, host, lens = _check_pages(fn, q, k_pages, v_pages, block_table, seq_lens, impl, b)
+    stand_in = KVCache.__new__(KVCache)  # the decode checks and launch read these attributes
+    stand_in.k, stand_in.v, stand_in.lengths = k_pages[None], v_pages[None], lens[None]
+    stand_in.num_layers, stand_in.num_kv_heads, stand_in.head_dim, stand_in.batch = 1, hkv, d, b
+    stand_in.max_seq, stand_in.dtype = block_table.shape[1] * ps, np.dtype(k_pages.dtype)
+    _, _, _, _, scale, num_splits, plan = _check_args(fn, q[:, :, None], stand_in, 0, scale, num_splits, None, impl)
+    if out is not None:
+        check_out(fn, out, (b, hq, d), q.dtype)
+        _checks.check_no_overlap(fn, out, {"q": q, "k_pages": k_pages, "v_pages": v_pages,
+                                           "block_table": block_table, "seq_lens": seq_lens})
+    longest = (int(host.max()) if host is not None and len(host) else 0) if host is not None else \
+        (stand_in.max_seq if max_seq_len is None else _checks.check_int(fn, "max_seq_len", max_seq_len, 0))
+    sv, plan, live = serving_plan(fn, window, softcap, impl, q.dtype, d, hq // hkv, plan, longest,
+                                  block_table=block_table, log2_page=ps.bit_length() - 1,
+                                  num_pages=k_pages.shape[0])
+    if num_splits is None:
+        num_splits = min(_auto_splits(plan, b, hkv, live), DECODE_MAX_SPLITS)
+    out = cupy.empty((b, hq, d), dtype=q.dtype) if out is None else out
+    if b == 0 or hq == 0:
+        return out
+    return _launch(q, stand_in, 0, scale, num_splits, out, plan, sv=sv)
+
+
+def attention_paged(q, k_pages, v_pages, block_table, seq_lens, cu_seqlens_q=None, max_seqlen_q=None, causal=False,
+                    scale=None, window=None, softcap=None, return_lse=False, out=None, impl=None):
+    """Attention of new queries over paged keys/values that already hold them (chunked prefill).
+
+    Sequence b has ``seq_lens[b]`` keys in its pages, its new tokens last (append them first,
+    e.g. with :meth:`PagedKVCache.append_qkv`), so causal masks and windows are aligned
+    bottom-right: its query i of Sq sits at position ``seq_lens[b] - Sq + i``.
+
+    Parameters
+    ----------
+    q : cupy.ndarray [B, Hq, Sq, D] (every sequence adds Sq tokens) or [total_q, Hq, D] packed
+        by ``cu_seqlens_q`` (int32 [B + 1], as attention_varlen) with ``max_seqlen_q``.
+    k_pages, v_pages, block_table, seq_lens : as :func:`decode_attention_paged`.
+    causal, scale, window, softcap, return_lse, impl : as :func:`cupyattn.attention_varlen`
+        (lse is [B, Hq, Sq] for 4-D q, [Hq, total_q] for packed q).
+    out : cupy.ndarray shaped like q, optional
+
+    **Not yet run on a GPU.**
+    """
+    fn = "attention_paged"
+    _checks.check_bool(fn, "causal", causal)
+    _checks.check_bool(fn, "return_lse", return_lse)
+    if cu_seqlens_q is None:
+        check_array(fn, "q", q, ndim=4)
+        b, hq, sq, d = q.shape
+        q3 = q
+    else:
+        check_array(fn, "q", q, ndim=3)
+        b = _checks.check_int(fn, "len(cu_seqlens_q) - 1", len(cu_seqlens_q) - 1, 0)
+        (tq, hq, d), q3 = q.shape, q
+        if not _checks.is_device_array(cu_seqlens_q) and len(cu_seqlens_q) == 0:
+            raise ValueError(f"{fn}(): cu_seqlens_q must have B + 1 >= 1 entries")
+    if q3.ndim == 4:  # the checks take [*, Hq, D]
+        q3 = q[:, :, 0] if sq else cupy.empty((b, hq, d), dtype=q.dtype)
+    impl, hq, hkv, d, ps, host, lens = _check_pages(fn, q3, k_pages, v_pages, block_table, seq_lens, impl, b)
+    check_grid(fn, b, hq)
+    if cu_seqlens_q is None:
+        shape, out_shape, lse_shape, sq_arg = (b, hq, sq, hkv, sq, 0), (b, hq, sq, d), (b, hq, sq), sq
+        cu_q, qs = None, elem_strides(q)[:3]
+        if host is not None and len(host) and host.min() < sq:
+            raise ValueError(f"{fn}(): seq_lens must be >= Sq={sq} (the new tokens are cached), got min {int(host.min())}")
+    else:
+        cu_q, hcq = check_offsets(fn, "cu_seqlens_q", cu_seqlens_q, b + 1, tq)
+        if max_seqlen_q is None:
+            raise ValueError(f"{fn}(): max_seqlen_q is required with cu_seqlens_q")
+        sq = check_max_seqlen(fn, "max_seqlen_q", max_seqlen_q, hcq)
+        shape, out_shape, lse_shape, sq_arg = (b, hq, sq, hkv, tq, 0), (tq, hq, d), (hq, tq), tq
+        qs = [0, elem_strides(q)[1], elem_strides(q)[0]]
+        if host is not None and hcq is not None and b and (np.diff(hcq) > host).any():
+            raise ValueError(f"{fn}(): a sequence has more new queries than cached keys (seq_lens)")
+    win, cap = check_window_softcap(fn, window, softcap, causal)
+    scale = 1.0 / math.sqrt(d) if scale is None else _checks.check_real(fn, "scale", scale)
+    if out is not None:
+        check_out(fn, out, out_shape, q.dtype)
+        _checks.check_no_overlap(fn, out, {"q": q, "k_pages": k_pages, "v_pages": v_pages})
+    out = cupy.empty(out_shape, dtype=q.dtype) if out is None else out
+    lse = cupy.empty(lse_shape, dtype=cupy.float32) if return_lse else None
+    if out.size == 0 or sq == 0:
+        return (out, lse) if return_lse else out
+    ks = [0, elem_strides(k_pages)[2], elem_strides(k_pages)[1]]  # head, token (row) strides
+    sv = Serving(cu_q=cu_q, cu_k=lens, block_table=block_table, log2_page=ps.bit_length() - 1,
+                 num_pages=k_pages.shape[0], window=win, softcap=cap)
+    _flash(impl, q, k_pages, v_pages, False, scale, None, None, None, out, lse, sv, shape=shape[:4] + (sq_arg, 0),
+           strides=(qs, ks, ks))
+    return (out, lse) if return_lse else out
+
+
+class PagedKVCache(KVCache):
+    """A paged K/V cache for ``max_batch`` sequence slots: pages on the device, the page allocator
+    on the host, block tables and lengths on the device.
+
+    Parameters
+    ----------
+    num_layers, max_batch, num_kv_heads, head_dim : int
+    num_pages : int
+        Pages per layer (every layer uses the same page ids, so one block table serves all).
+    page_size : int
+        Tokens per page, a power of two in [1, 256].
+    dtype : float32, float16 or bfloat16
+    max_pages_per_seq : int, optional
+        Columns of the block table (default: num_pages); a slot holds at most
+        ``max_pages_per_seq * page_size`` tokens (``max_seq``).
+
+    Attributes
+    ----------
+    k, v : cupy.ndarray [num_layers, num_pages, page_size, num_kv_heads, head_dim]
+        ``k[layer]`` is the pages argument of :func:`decode_attention_paged`.
+    block_table : cupy.ndarray int32 [max_batch, max_pages_per_seq]   page ids per slot
+    lengths : cupy.ndarray int32 [num_layers, max_batch]; host_lengths its int64 host mirror
+    host_table : numpy int32 copy of block_table; ``pages_of(slot)`` the slot's pages
+
+    Everything :class:`KVCache` offers works the same way (``append``, ``append_qkv`` with RoPE
+    fused and the one-launch decode step, ``check_room``, ``record_advance``, ``seq_lengths``):
+    a call that needs more pages takes them from the free list first (on the host, and the
+    slot's table row is copied to the device), or raises ValueError ("out of pages", naming the
+    slot) before anything is written. :meth:`free` gives a finished slot's pages back and sets
+    its lengths to 0, so the next prompt can take the slot at once (continuous batching).
+
+    CUDA graphs: the table and lengths arrays never move, so a captured decode step (append_qkv
+    + decode_attention_paged with a fixed ``num_splits``) replays correctly as long as, before
+    each replay, ``check_room(1)`` reserves the pages the step will write (it allocates when a
+    slot crosses a page boundary and updates the table in place), and ``record_advance(1)``
+    follows it, as with KVCache. Slots that are idle can be given length 0 (``free``): they
+    compute nothing and their output rows are zeros. The fused decode step (``cupyattn.fused``)
+    takes contiguous caches only.
+    """
+
+    _EXPR_TAIL = ", true"
+
+    def __init__(self, num_layers, max_batch, num_kv_heads, head_dim, num_pages, page_size, dtype,
+                 max_pages_per_seq=None):
+        fn = "PagedKVCache"
+        num_pages = _checks.check_positive_int(fn, "num_pages", num_pages)
+        page_size = _checks.check_positive_int(fn, "page_size", page_size)
+        if page_size > MAX_PAGE_SIZE or page_size & (page_size - 1):
+            raise ValueError(f"{fn}(): page_size must be a power of two in [1, {MAX_PAGE_SIZE}], got {page_size}")
+        mpp = num_pages if max_pages_per_seq is None else _checks.check_positive_int(
+            fn, "max_pages_per_seq", max_pages_per_seq)
+        _checks.check_int32(fn, "num_pages x page_size", num_pages * page_size)
+        self.num_layers = _checks.check_positive_int(fn, "num_layers", num_layers)
+        self.batch = _checks.check_positive_int(fn, "max_batch", max_batch)
+        self.num_kv_heads = _checks.check_positive_int(fn, "num_kv_heads", num_kv_heads)
+        self.head_dim = _checks.check_positive_int(fn, "head_dim", head_dim)
+        self.max_seq = _checks.check_int32(fn, "max_pages_per_seq x page_size", mpp * page_size)
+        try:
+            dt = np.dtype(dtype)
+        except TypeError:
+            dt = None
+        from .config import DTYPES
+        if dt not in DTYPES:
+            raise TypeError(f"{fn}(): dtype {dtype!r} is not supported; expected one of {', '.join(map(str, DTYPES))}")
+        self.dtype, self.num_pages, self.page_size, self.max_pages_per_seq = dt, num_pages, page_size, mpp
+        shape = (self.num_layers, num_pages, page_size, self.num_kv_heads, self.head_dim)
+        with _checks.no_gpu_explained(fn):
+            self.k = cupy.zeros(shape, dtype=dt)
+            self.v = cupy.zeros(shape, dtype=dt)
+            self.lengths = cupy.zeros((self.num_layers, self.batch), dtype=np.int32)
+            self.block_table = cupy.zeros((self.batch, mpp), dtype=np.int32)
+            self.ticket = cupy.zeros(1, dtype=np.uint32)
+        self.host_lengths = np.zeros((self.num_layers, self.batch), dtype=np.int64)
+        self.host_table = np.zeros((self.batch, mpp), dtype=np.int32)
+        self._pages: list[list[int]] = [[] for _ in range(self.batch)]
+        self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out page 0 first
+
+    def __repr__(self):
+        return (f"PagedKVCache(num_layers={self.num_layers}, max_batch={self.batch}, num_kv_heads="
+                f"{self.num_kv_heads}, head_dim={self.head_dim}, num_pages={self.num_pages}, page_size="
+                f"{self.page_size}, dtype={self.dtype}, free pages={len(self._free)})")
+
+    def _layout_args(self):
+        return (self.block_table, np.int32(self.max_pages_per_seq), np.int32(self.page_size.bit_length() - 1),
+                np.int32(self.num_pages))
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    def pages_of(self, slot) -> list:
+        """The page ids slot ``slot`` holds, in position order (a copy)."""
+        return list(self._pages[self._slot("PagedKVCache.pages_of", slot)])
+
+    def _slot(self, fn, slot) -> int:
+        if isinstance(slot, bool) or not isinstance(slot, (int, np.integer)):
+            raise TypeError(f"{fn}(): slot must be an int, got {type(slot).__name__}")
+        if not 0 <= slot < self.batch:
+            raise IndexError(f"{fn}(): slot {slot} is out of range for {self.batch} slots")
+        return int(slot)
+
+    def _check_capacity(self, fn: str, counts, layers) -> None:
+        """KVCache's check (max_seq), then enough pages for every slot's new length: taken from
+        the free list and written to the table (host and device) before the caller launches."""
+        super()._check_capacity(fn, counts, layers)
+        need = -(-(self.host_lengths[layers].max(axis=0) + counts) // self.page_size)
+        short = need - np.array([len(p) for p in self._pages])
+        total = int(np.maximum(short, 0).sum())
+        if total > len(self._free):
+            i = int(np.argmax(short > 0))
+            raise ValueError(f"{fn}(): out of pages: slot {i} needs {int(short[i])} more page(s) of "
+                             f"{self.page_size} tokens, the cache has {len(self._free)} free of "
+                             f"{self.num_pages} ({total} needed in all)")
+        rows = np.flatnonzero(short > 0)
+        for i in rows:
+            for _ in range(int(short[i])):
+                self.host_table[i, len(self._pages[i])] = page = self._free.pop()
+                self._pages[i].append(page)
+        if rows.size:
+            self.block_table[rows] = cupy.asarray(self.host_table[rows])
+
+    def free(self, slot) -> None:
+        """Give slot ``slot``'s pages back to the free list and set its lengths (every layer) to 0."""
+        slot = self._slot("PagedKVCache.free", slot)
+        self._free.extend(reversed(self._pages[slot]))
+        self._pages[slot] = []
+        self.host_lengths[:, slot] = 0
+        self.lengths[:, slot] = 0
+
+    def reset(self) -> None:
+        """Free every slot."""
+        for slot in range(self.batch):
+            self.free(slot)
+
+    def decode(self, q, layer, **kw):
+        """:func:`decode_attention_paged` of ``q [max_batch, Hq, D]`` over ``layer`` (split
+        count from the host lengths unless ``num_splits`` is given)."""
+        layer = self.check_layer("PagedKVCache.decode", layer)
+        kw.setdefault("max_seq_len", int(self.host_lengths[layer].max()))
+        return decode_attention_paged(q, self.k[layer], self.v[layer], self.block_table, self.lengths[layer], **kw)

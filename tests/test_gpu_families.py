@@ -1,0 +1,204 @@
+"""Issue 24, every GPU family from Turing (sm_75) up: the dispatch table (config "GPU families"),
+what the offline check compiles per arch, the CUPYATTN_ARCH override, and (GPU tier, also on the
+emulator as sm_75 and sm_90) the errors for an explicit impl the device cannot run.
+
+The expected minimums come from the PTX ISA's target notes (ldmatrix and mma.m16n8k8.f16: sm_75;
+cp.async, mma.m16n8k16, bf16 mma: sm_80; wgmma: sm_90a) and the per-block shared-memory limits
+of the CUDA C Programming Guide (T4 64 KB, sm_86/89/120 99 KB), not from the code under test.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cupyattn
+from conftest import assert_close, nan_like, np_dtype, rand_with_outliers, to_device
+from cupyattn import _compile_check as cc
+from cupyattn import _loader, config, decode, flash_attn, gemm
+from cupyattn import reference as ref
+
+F16, BF16, F32 = config.FLOAT16, config.BFLOAT16, config.FLOAT32
+
+
+# --- CPU tier ------------------------------------------------------------------------------------
+def test_instruction_minimums_follow_the_ptx_isa():
+    runs = config.impl_runs_on
+    for op, impl in (("attention", "flash_mma"), ("decode", "mma"), ("gemm", "mma"), ("gemm", "skinny")):
+        assert not runs(op, impl, F16, 70) and runs(op, impl, F16, 75)      # ldmatrix, m16n8k8.f16
+        assert not runs(op, impl, BF16, 75) and runs(op, impl, BF16, 80)    # bf16 mma
+        assert runs(op, impl, BF16, 120)
+    assert runs("gemm", "skinny", F32, 70)                                  # FMA only
+    assert runs("gemm", "wgmma", F16, 90)
+    assert not any(runs("gemm", "wgmma", F16, c) for c in (80, 89, 100, 120))  # sm_90a: 9.0 only
+    for impl in ("flash", "naive"):
+        assert all(runs("attention", impl, d, 70) for d in config.DTYPES)
+    assert config.gpu_family(87).smem_optin == 99 * 1024  # newest family at or below
+    with pytest.raises(ValueError, match=r"6\.1 is below the minimum 7\.0"):
+        config.gpu_family(61)
+
+
+def _mma_exprs(exprs):
+    return [e for e in exprs if "mma" in e or "skinny" in e or e.startswith(("norm_", "gemm_residual"))]
+
+
+def test_each_arch_compiles_what_it_can_run():
+    """exprs_for: sm_75 gets fp16 tensor-core kernels but no bf16 ones and nothing over its 64 KB;
+    sm_70 no tensor-core kernel; sm_80 and sm_90 everything; sm_90a specs only on 9.0."""
+    specs = {s.name: s for s in cupyattn.all_specs()}
+    for s in specs.values():
+        if s.sm90a:
+            assert s.exprs_for(90) == s.name_expressions and s.exprs_for(100) == s.exprs_for(80) == ()
+            continue
+        assert s.exprs_for(80) == s.exprs_for(90) == s.name_expressions
+        assert s.exprs_for(60) == ()
+        t4 = s.exprs_for(75)
+        assert not [e for e in _mma_exprs(t4) if "__nv_bfloat16" in e], s.name
+        assert not [e for e in _mma_exprs(s.exprs_for(70)) if "__half" in e or "bfloat16" in e], s.name
+        smem = {e: b for e, _, b in s.needs}
+        assert all(smem.get(e, 0) <= 64 * 1024 for e in t4)
+    # the Turing defaults are there: fp16 flash_mma at D=64, fp16 mma GEMM (2-stage tile), SIMT decode
+    assert flash_attn._expr("flash_mma", F16, 64, True) in specs["flash_attn"].exprs_for(75)
+    assert flash_attn._expr("flash_mma", F16, 128, True) not in specs["flash_attn"].exprs_for(75)  # 85 KB
+    assert gemm._expr("mma", F16, True, tile=config.GEMM_MMA_SMALL_SMEM) in specs["gemm"].exprs_for(75)
+    assert gemm._expr("mma", F16, True) not in specs["gemm"].exprs_for(75)                          # 80 KB
+
+
+@pytest.mark.parametrize("limit,cc", [(64 * 1024, 75), (99 * 1024, 86), (99 * 1024, 120)])
+def test_decode_plans_fit_the_device(limit, cc):
+    """Every decode plan on a device of ``limit`` bytes per block fits it (ring + static bound),
+    bf16 takes SIMT below sm_80, and an H100 keeps the configured tiles."""
+    for dt in config.DTYPES:
+        for d in config.HEAD_DIMS:
+            for group in (1, 3, 4, 8, 32):
+                p = decode._plan("auto", dt, d, group, cc, limit)
+                m_tiles = int(p.expr.split(",")[2]) if p.impl == "mma" else 1
+                assert p.tile.ring_bytes + decode.static_smem_bytes(p.impl, d, dt.itemsize, p.tile, m_tiles) <= limit
+                if dt == BF16 and cc < 80:
+                    assert p.impl == "simt"
+                assert decode._plan("auto", dt, d, group, 90, 227 * 1024) == decode._plan("auto", dt, d, group)
+
+
+def test_static_smem_bound_holds_for_every_decode_kernel(compile_report):
+    """decode.static_smem_bytes (which decides what fits a device) is at least ptxas' static size."""
+    reports, errors = compile_report(decode.SPEC.name)
+    assert not errors, errors
+    by_kernel = {r.kernel: r.smem_bytes for r in reports if r.arch == "sm_90"}
+    checked = 0
+    for dt in config.DTYPES:
+        for d in config.HEAD_DIMS:
+            for tile in decode._tiles_and_small(config.DECODE_SIMT_TILES[(d, dt.itemsize)]):
+                bound = decode.static_smem_bytes("simt", d, dt.itemsize, tile)
+                assert by_kernel[decode._simt_expr(dt, d, tile)] <= bound, (dt, d, tile)
+                checked += 1
+            for m in range(1, config.DECODE_MMA_MAX_MTILES + 1):
+                for tile in decode._tiles_and_small(config.DECODE_MMA_TILES[(d, m)]) if dt != F32 else ():
+                    bound = decode.static_smem_bytes("mma", d, dt.itemsize, tile, m)
+                    assert by_kernel[decode._mma_expr(dt, d, m, tile)] <= bound, (dt, d, m, tile)
+                    checked += 1
+    assert checked == len(decode.SPEC.needs)
+
+
+def test_nvrtc_refuses_bf16_tensor_cores_for_sm75():
+    """ptx.cuh's static_assert: a bf16 mma instantiation built for sm_75 fails naming the minimum."""
+    expr = flash_attn._expr("flash_mma", BF16, 64, False)
+    with pytest.raises(RuntimeError, match="requires sm_80 or higher"):
+        cc.compile_spec(flash_attn.SPEC, "75", [expr])
+
+
+def test_arch_override_is_checked(monkeypatch):
+    monkeypatch.setenv("CUPYATTN_ARCH", "74")
+    with pytest.raises(ValueError, match=r"CUPYATTN_ARCH='74': expected one of 70, 75, 80"):
+        _loader._arch_override()
+    monkeypatch.setenv("CUPYATTN_ARCH", "75")
+    assert _loader._arch_override() == 75
+    assert "-DCUPYATTN_TARGET_SM=750" in decode.SPEC.options_for("90")
+    monkeypatch.setenv("CUPYATTN_ARCH", "")
+    assert not any("TARGET_SM" in o for o in decode.SPEC.options_for("90"))
+
+
+# --- GPU tier (also emulated, as sm_90 and as sm_75) ---------------------------------------------
+def _cc() -> int:
+    return _loader.device_compute_capability()
+
+
+@pytest.mark.gpu
+def test_explicit_impl_the_device_cannot_run_is_refused_before_launch():
+    """bf16 tensor-core impls below sm_80: ComputeCapabilityError naming impl, device and minimum;
+    the caller's out buffer is untouched."""
+    import cupy
+
+    if _cc() >= 80:
+        pytest.skip("this device runs every mma.sync impl")
+    x = cupy.asarray(np.ones((1, 2, 17, 64), dtype=BF16))
+    out = nan_like((1, 2, 17, 64), "bfloat16")
+    with pytest.raises(cupyattn.ComputeCapabilityError,
+                       match=r"attention\(\): impl='flash_mma' with bfloat16 inputs needs compute capability 8\.0.*is 7\.5"):
+        cupyattn.attention(x, x, x, impl="flash_mma", out=out)
+    assert bool(cupy.isnan(out).all())
+    a = cupy.asarray(np.ones((4, 32), dtype=BF16))
+    for impl in ("mma", "skinny"):
+        with pytest.raises(cupyattn.ComputeCapabilityError, match=rf"gemm_nt\(\): impl='{impl}'.*8\.0"):
+            cupyattn.gemm_nt(a, a, impl=impl)
+    cache = cupyattn.KVCache(1, 1, 1, 16, 64, "bfloat16")
+    with pytest.raises(cupyattn.ComputeCapabilityError, match=r"impl='mma'.*8\.0"):
+        cupyattn.decode_attention(cupy.asarray(np.ones((1, 4, 1, 64), dtype=BF16)), cache, 0, impl="mma")
+    assert isinstance(cupyattn.ComputeCapabilityError("x"), ValueError)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_default_attention_is_what_the_table_says(dtype):
+    """The default runs and matches the float64 reference; it is flash_mma only where the device has
+    the instructions and the tile fits its shared memory."""
+    import cupy
+
+    rng = np.random.default_rng(24)
+    q, qr = to_device(rand_with_outliers(rng, (1, 3, 17, 128)), dtype)
+    k, kr = to_device(rand_with_outliers(rng, (1, 1, 97, 128)), dtype)
+    v, vr = to_device(rng.standard_normal((1, 1, 97, 128)), dtype)
+    out = nan_like((1, 3, 17, 128), dtype)
+    cupyattn.attention(q, k, v, causal=True, out=out)
+    assert_close(out, ref.attention(qr, kr, vr, causal=True), dtype)
+    want = "flash_mma" if np_dtype(dtype) in config.MMA_DTYPES else "flash"
+    smem = int(cupy.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"])
+    if want == "flash_mma" and (not config.impl_runs_on("attention", want, np_dtype(dtype), _cc())
+                                or config.flash_mma_smem_bytes(128) > smem):
+        want = "flash"
+    assert flash_attn.default_impl(np_dtype(dtype), 128) == want
+
+
+@pytest.mark.gpu
+def test_sm80_only_instruction_fails_to_build_for_sm75():
+    """A kernel that calls an sm_80-only wrapper of ptx_insn.cuh directly does not build for sm_75
+    (NVRTC on a T4, the emulator's same static_assert as sm_75)."""
+    import cupy
+
+    if _cc() >= 80:
+        pytest.skip("cp.async exists here")
+    src = _loader.inline_source('#include "ptx.cuh"\n__global__ void k(const float* g) {\n'
+                                '    __shared__ __align__(16) float s[4];\n    cp_async_sm80<16>(s, g, 16);\n}\n')
+    mod = cupy.RawModule(code=src, options=_loader.BASE_OPTIONS, name_expressions=["k"])
+    with pytest.raises(Exception, match="cp.async requires sm_80 or higher"):
+        mod.get_function("k")
+
+
+@pytest.mark.gpu
+def test_arch_override_runs_the_turing_branches(monkeypatch):
+    """CUPYATTN_ARCH=75 on a newer device: dispatch as sm_75 and build ptx.cuh's Turing branches
+    (plain copies, two m16n8k8 per m16n8k16); fp16 attention and a GEMM still match the reference."""
+    if _cc() < 75:
+        pytest.skip("needs a device of sm_75 or newer")
+    monkeypatch.setenv("CUPYATTN_ARCH", "75")
+    monkeypatch.setattr(_loader, "_FUNCTIONS", {})
+    monkeypatch.setattr(_loader, "_SMEM_RAISED", {})
+    assert _loader.device_compute_capability() == 75 and _loader.device_smem_optin() <= 64 * 1024
+    assert flash_attn.default_impl(BF16, 64) == "flash" and flash_attn.default_impl(F16, 64) == "flash_mma"
+    rng = np.random.default_rng(75)
+    q, qr = to_device(rand_with_outliers(rng, (1, 2, 33, 64)), "float16")
+    k, kr = to_device(rand_with_outliers(rng, (1, 2, 40, 64)), "float16")
+    out = nan_like((1, 2, 33, 64), "float16")
+    cupyattn.attention(q, k, k, out=out)
+    assert_close(out, ref.attention(qr, kr, kr), "float16")
+    a, ar = to_device(rng.standard_normal((97, 40)), "float16")
+    b, br = to_device(rng.standard_normal((17, 40)), "float16")
+    assert_close(cupyattn.gemm_nt(a, b, impl="mma"), ar @ br.T, "float16")
