@@ -61,6 +61,12 @@ def attention(ca, cfg):
                 o, lse = ca.attention(q, k, v, causal=True, impl=impl, return_lse=True)
                 o2 = ca.attention(q, k, v, mask=mask, key_lengths=cupy.asarray([77], np.int32), impl=impl)
                 _finite(o, lse, o2)
+            if dt in cfg.MMA_DTYPES and d in cfg.ATTN_WGMMA_TILES and _hopper():
+                # wgmma (Hopper): causal with lse; a mask and a key length ending inside a loaded
+                # key tile (the producer zeroes the V rows past it)
+                o, lse = ca.attention(q, k, v, causal=True, impl="wgmma", return_lse=True)
+                o2 = ca.attention(q, k, v, mask=mask, key_lengths=cupy.asarray([77], np.int32), impl="wgmma")
+                _finite(o, lse, o2)
         _finite(ca.attention(q[:, :, :33], k, v, causal=True, impl="naive"))
 
 

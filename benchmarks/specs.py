@@ -253,11 +253,13 @@ def default_cases(op: str, preset: str = "llama2-7b-4layers") -> list[Case]:
                 + [make_case("softmax", "float32", rows=8192, cols=8192)])
     if op == "attention":
         # The issue's goal shapes (B=4, H=32, S=4096, fp16, D=128 and 64, causal and not; peers:
-        # torch SDPA, naive CuPy, our naive path), then bf16 and GQA (8 KV heads).
+        # torch SDPA, naive CuPy, our naive path), then bf16 and GQA (8 KV heads), then D=256
+        # (the Hopper kernel's third head dim, a goal shape of issue 22).
         return [make_case("attention", dt, B=4, H=32, Hkv=Hkv, Sq=4096, Sk=4096, D=D, causal=c)
                 for dt, Hkv, D, c in (("float16", 32, 128, False), ("float16", 32, 128, True),
                                       ("float16", 32, 64, False), ("float16", 32, 64, True),
-                                      ("bfloat16", 32, 128, True), ("float16", 8, 128, True))]
+                                      ("bfloat16", 32, 128, True), ("float16", 8, 128, True),
+                                      ("float16", 32, 256, False), ("float16", 32, 256, True))]
     if op == "decode":
         # the bandwidth goals (fp16, 32 query heads on 8 kv heads, D=128): B=8 at 32k and B=1 at
         # 128k, reported as GB/s and % of the measured copy ceiling; a short batch; MQA at B=1

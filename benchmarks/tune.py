@@ -1,6 +1,6 @@
 """Measured tuning on a GPU: candidate configurations timed side by side, one call.
 
-    python -m benchmarks.tune [--json PATH] [softmax] [flash] [decode] [gemm]
+    python -m benchmarks.tune [--json PATH] [softmax] [flash] [decode] [gemm] [attention-wgmma]
 
 - ``softmax``: the row-in-registers block kernel (v3) against the two-pass block kernel (v2) on
   rows of 2K-16K columns (8192 rows), every dtype; % of the measured copy bandwidth.
@@ -14,6 +14,11 @@
   beside the configured tile, impl="mma" and cuBLAS measured in the same process; each output is
   compared with cuBLAS's. (Thread-block clusters with TMA multicast are not implemented yet, so
   there is no cluster candidate.)
+- ``attention-wgmma``: impl="wgmma" (Hopper) attention tile candidates (keys per K/V slot, ring
+  stages, softmax / P V overlap and consumer ping-pong on and off;
+  cupyattn.flash_attn_sm90.tuning_tiles) for D = 64, 128 and 256 at the issue's shape
+  (fp16, B=4, H=32, S=4096, causal and not), beside the configured tile, flash_mma and torch
+  SDPA (when importable) in the same process; each output is compared with flash_mma's.
 
 Timing: CUDA events (benchmarks/timing.py), 3 untimed warm-up calls, median of up to 30 reps,
 L2 not flushed between reps. The candidates of one case are timed interleaved, in ROUNDS rounds,
@@ -225,7 +230,50 @@ def tune_gemm(emit):
                 cupy.get_default_memory_pool().free_all_blocks()
 
 
-PARTS = ("softmax", "flash", "decode", "gemm")
+def tune_attention_wgmma(emit):
+    import cupy
+
+    from cupyattn import attention
+    from cupyattn import flash_attn_sm90 as W
+
+    from . import peers
+    from .arrays import rand
+
+    for d in (64, 128, 256):
+        q, k, v = (rand((4, 32, 4096, d), "float16") for _ in range(3))
+        for causal in (False, True):
+            base = dict(op="attention-wgmma", D=d, causal=causal)
+            flops = 4 * 4 * 32 * 4096 * 4096 * d * (0.5 if causal else 1.0)
+            want = attention(q, k, v, causal=causal, impl="flash_mma")
+            runs = [("flash_mma", lambda: attention(q, k, v, causal=causal, impl="flash_mma")),
+                    ("wgmma", lambda: attention(q, k, v, causal=causal, impl="wgmma"))]
+            try:
+                runs.append(("torch-sdpa", peers.torch_sdpa(q, k, v, causal)))
+            except Exception as e:  # no torch here: the peer is left out, said once per case
+                emit(dict(base, impl="torch-sdpa", error=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"))
+            for name, fn in runs:
+                try:
+                    ms = _ms(fn, reps=20)
+                    emit(dict(base, impl=name, ms=ms, tflops=flops / ms / 1e9))
+                except Exception as e:
+                    emit(dict(base, impl=name, error=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"))
+            for tile in W.tuning_tiles(d):
+                row = dict(base, impl="wgmma", block_n=tile.block_n, stages=tile.stages, overlap=tile.overlap,
+                           pingpong=tile.pingpong, smem=tile.smem_bytes(d))
+                out, lse = cupy.empty_like(q), None
+                try:
+                    W.run(q, k, v, causal, d ** -0.5, None, out, lse, tile=tile)
+                    row["max_abs_diff"] = float(cupy.abs(out.astype(cupy.float32) - want.astype(cupy.float32)).max())
+                    ms = _ms(lambda: W.run(q, k, v, causal, d ** -0.5, None, out, lse, tile=tile), reps=20)
+                    row.update(ms=ms, tflops=flops / ms / 1e9)
+                except Exception as e:  # a candidate that does not build or launch is a finding
+                    row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                emit(row)
+        del q, k, v
+        cupy.get_default_memory_pool().free_all_blocks()
+
+
+PARTS = ("softmax", "flash", "decode", "gemm", "attention-wgmma")
 
 
 def parse_args(argv=None):
@@ -263,7 +311,8 @@ def main(argv=None) -> int:
     for part in a.parts:
         try:
             {"softmax": lambda: tune_softmax(ceil, emit), "flash": lambda: tune_flash(emit),
-             "decode": lambda: tune_decode(ceil, emit), "gemm": lambda: tune_gemm(emit)}[part]()
+             "decode": lambda: tune_decode(ceil, emit), "gemm": lambda: tune_gemm(emit),
+             "attention-wgmma": lambda: tune_attention_wgmma(emit)}[part]()
         except Exception as e:
             print(f"{part}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         if a.json:

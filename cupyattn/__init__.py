@@ -15,7 +15,7 @@ from ._loader import KernelCompileError, KernelSpec, all_specs
 from .config import BFLOAT16 as bfloat16
 from .config import HEAD_DIMS
 from .decode import auto_num_splits, choose_num_splits, decode_attention
-from .flash_attn import IMPLS as ATTENTION_IMPLS
+from .flash_attn import HOPPER_IMPLS, IMPLS
 from .flash_attn import attention
 from .varlen import attention_varlen
 from .gemm import gemm_nn, gemm_nt
@@ -24,6 +24,9 @@ from .paged import PagedKVCache, attention_paged, decode_attention_paged
 from .layers import add, add_rmsnorm, embedding, rmsnorm, rope, swiglu
 from .row_softmax import softmax
 from .sampling import SamplingParams, sample
+
+ATTENTION_IMPLS = IMPLS + HOPPER_IMPLS  # every attention(impl=...) value; "wgmma" needs an sm_90 GPU
+del IMPLS, HOPPER_IMPLS
 
 __version__ = "0.1.0"
 

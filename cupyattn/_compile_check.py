@@ -4,8 +4,9 @@ instantiation that family can run (``KernelSpec.exprs_for``: no bf16 tensor-core
 sm_80; Hopper-only specs, ``sm90a=True``, once, for sm_90a), with no GPU. Uses the same spec objects,
 source string and options as the runtime loader, and reads registers / shared memory / stack /
 spills from ptxas' ``-v`` log. A ptxas report that it ignored an instruction (C7508:
-``setmaxnreg`` in a kernel without ``__launch_bounds__(threads, 1)``) is an error: the kernel
-would run, slower than written.
+``setmaxnreg`` in a kernel without ``__launch_bounds__(threads, 1)``) or serialised every wgmma
+(C7514: an accumulator read between a wgmma and the wait that retires it, as ptxas sees the
+paths) is an error: the kernel would run, slower than written.
 
 NVRTC is reached through CuPy's private ``_NVRTCProgram`` (it compiles for an explicit arch with
 no device); the check asserts it exists so a CuPy upgrade that removes it fails loudly here.
@@ -35,7 +36,7 @@ GATE_ARCHES = ("75", "80", "86", "90")
 JOB_SIZE = 6  # instantiations per NVRTC program: small enough to spread over the cores
 # ptxas messages that mean an instruction was dropped, each an error of the check. They are printed
 # before the per-kernel rows, so sm_90a instantiations are built one per program to name the kernel.
-_IGNORED_RE = re.compile(r"^ptxas.*\((C7508)\)(.*)$", re.M)
+_IGNORED_RE = re.compile(r"^ptxas.*\((C7508|C7514)\)(.*)$", re.M)
 
 _ENTRY_RE = re.compile(r"Compiling entry function '([^']+)' for '(sm_\w+)'")
 _FRAME_RE = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")

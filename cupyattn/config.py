@@ -385,6 +385,46 @@ VEC16 = {CTYPES[d]: 16 // d.itemsize for d in DTYPES}
 # rmsnorm weight types: the activation's own, or float32 next to fp16/bf16 activations
 RMSNORM_WEIGHT_CTYPES = {CTYPES[d]: tuple(dict.fromkeys((CTYPES[d], CTYPES[FLOAT32]))) for d in DTYPES}
 
+# --- begin: Hopper attention (impl="wgmma", kernels_cu/flash_attn_sm90.cu) ---------------------
+# One block per 128-query tile: a producer warpgroup (one warp issues TMA) and two consumer
+# warpgroups of 64 rows each (384 threads, one block per SM). Per consumer thread: S_ij takes
+# block_n / 2 fp32 registers, O_i head_dim / 2, P_ij block_n / 4 (16-bit pairs). Shared memory: Q_i
+# (128 x D) + `stages` K slots + `stages` V slots (block_n x D each), 16-bit elements, + 1 KB for
+# the 1 KB alignment of the swizzled boxes (227 KB available). Not yet run on a GPU: the reasons
+# are register and shared-memory arithmetic, to be replaced by `python -m benchmarks.tune
+# attention-wgmma` measurements.
+@dataclass(frozen=True)
+class AttnWgmmaTile:
+    block_n: int   # keys per K/V slot: the N of S = Q K^T and the k-extent of O += P V
+    stages: int    # K slots and V slots each (K_{j+1}.. load while S_ij, softmax and P V_j run)
+    reason: str
+    block_m: int = 128
+    overlap: bool = True  # softmax of tile j while P_{j-1} V_{j-1} runs (FA3's intra-warpgroup overlap)
+    pingpong: bool = True  # the two consumer warpgroups take turns issuing wgmmas (FA3's ping-pong)
+
+    def smem_bytes(self, head_dim: int) -> int:
+        return (self.block_m + 2 * self.stages * self.block_n) * head_dim * 2 + 1024
+
+
+# Every entry overlaps the softmax with the previous tile's P V and ping-pongs the two consumer
+# warpgroups (FlashAttention-3's ablation, H100 D=128: 570 TFLOP/s without either, 661 with
+# both); here both are unmeasured, and benchmarks.tune tries each off.
+ATTN_WGMMA_TILES = {
+    64: AttnWgmmaTile(128, 3, "S 64 + O 32 + P 32 registers; 16 KB per K or V slot, 3 stages = 113 KB: "
+                      "at D=64 a tile's wgmma work is short, so two tiles stay in flight behind it"),
+    128: AttnWgmmaTile(128, 2, "S 64 + O 64 + P 32 registers (FA3's 128 x 128 tile); 32 KB per slot, "
+                       "2 stages = 161 KB: K_{j+1} and V_{j+1} load while tile j is computed"),
+    256: AttnWgmmaTile(64, 2, "O alone is 128 registers: S 32 + P 16 keep the consumers under 232; "
+                       "32 KB per slot, 2 stages + a 64 KB Q tile = 193 KB"),
+}
+ATTN_WGMMA_REGS = (40, 232)   # setmaxnreg: producer warpgroup, consumer warpgroups (as the GEMM's)
+ATTN_WGMMA_STAGE_CHOICES = (2, 3, 4)   # what benchmarks.tune may try (shared memory permitting)
+# attention(impl=None) takes wgmma on sm_90 only after a GPU run has shown it correct (GPU tier,
+# sanitizers, error at most 2x flash_mma's) and faster than flash_mma in the same run; it has not
+# run on a GPU yet.
+ATTN_AUTO_WGMMA = False
+# --- end: Hopper attention ---------------------------------------------------------------------
+
 # === GPU families: which kernel each compute capability gets (issue 24) =================
 
 # The one place that says what runs where. An op's impl="auto" / default takes the fastest impl
@@ -412,7 +452,7 @@ GPU_FAMILIES = {
     80: GpuFamily("Ampere (A100)", 163 * 1024, "every mma.sync kernel, fp16 and bf16, cp.async pipelines"),
     86: GpuFamily("Ampere (RTX 30, A10, A40)", 99 * 1024, "as sm_80; tiles over 99 KB fall back"),
     89: GpuFamily("Ada (RTX 40, L4, L40)", 99 * 1024, "as sm_86"),
-    90: GpuFamily("Hopper (H100, H200)", 227 * 1024, "as sm_80; opt-in: wgmma GEMM (sm_90a), PDL"),
+    90: GpuFamily("Hopper (H100, H200)", 227 * 1024, "as sm_80; opt-in: wgmma GEMM and attention (sm_90a), PDL"),
     100: GpuFamily("Blackwell (B200)", 227 * 1024, "as sm_90 without the sm_90a kernels"),
     120: GpuFamily("Blackwell (RTX 50)", 99 * 1024, "as sm_86"),
 }
@@ -438,6 +478,7 @@ IMPL_MIN_CC = {
     ("gemm", "mma"): MMA_MIN_CC,
     ("gemm", "skinny"): MMA_MIN_CC,                 # fp32 skinny is FMA-only
     ("gemm", "wgmma"): {FLOAT16: 90, BFLOAT16: 90},  # sm_90a: H100 / H200 only (GEMM_WGMMA_MIN_CC)
+    ("attention", "wgmma"): {FLOAT16: 90, BFLOAT16: 90},  # sm_90a (kernels_cu/flash_attn_sm90.cu)
     ("fused", "skinny"): MMA_MIN_CC,                # the fused decode step's projections
 }
 

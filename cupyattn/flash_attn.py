@@ -3,7 +3,8 @@ dtype, tensor-core mma.sync for fp16/bf16) and a split (naive) pipeline built fr
 and softmax.
 
 Layout ``[B, H, S, D]``; K/V may have fewer heads than Q (GQA/MQA); causal masks with Sq != Sk
-are aligned bottom-right. See ``kernels_cu/flash_attn.cu`` for the kernel and its tile table.
+are aligned bottom-right. See ``kernels_cu/flash_attn.cu`` for the kernel and its tile table;
+``impl="wgmma"`` (Hopper, opt-in) lives in :mod:`cupyattn.flash_attn_sm90`.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import cupy
 import numpy as np
 
 from . import _checks
+from . import flash_attn_sm90 as _sm90
 from ._checks import check_array, check_choice, check_last_contiguous, check_out, check_same_dtype
 from . import _loader
 from ._loader import KernelSpec, get_function, ptr_or_null
@@ -24,6 +26,7 @@ from .gemm import gemm_nn, gemm_nt
 from .row_softmax import softmax
 
 IMPLS = ("flash", "flash_mma", "naive")
+HOPPER_IMPLS = ("wgmma",)  # sm_90 only, opt-in (not yet run on a GPU): cupyattn/flash_attn_sm90.py
 # What impl=None runs for each dtype on a GPU that has every instruction and enough shared memory
 # (sm_80 and newer): the fastest correct kernel (tensor cores where they apply). default_impl()
 # says what it runs on the current device.
@@ -163,12 +166,13 @@ def _check_args(q, k, v, causal, scale, mask, key_lengths, impl, return_lse, out
     _checks.check_bool(_FN, "causal", causal)
     _checks.check_bool(_FN, "return_lse", return_lse)
     if impl is not None:
-        check_choice(_FN, "impl", impl, IMPLS)
+        check_choice(_FN, "impl", impl, IMPLS + HOPPER_IMPLS)
     check_array(_FN, "q", q, ndim=4)
     check_array(_FN, "k", k, ndim=4)
     check_array(_FN, "v", v, ndim=4)
     check_same_dtype(_FN, "k", k, "q", q)
     check_same_dtype(_FN, "v", v, "q", q)
+    auto = impl is None
     b, hq, sq, d = q.shape
     if impl is None:
         impl = default_impl(q.dtype, d)
@@ -204,6 +208,10 @@ def _check_args(q, k, v, causal, scale, mask, key_lengths, impl, return_lse, out
     scale = (1.0 / math.sqrt(d) if d else 1.0) if scale is None else _checks.check_real(_FN, "scale", scale)
     mshape = _check_mask(mask, (b, hq, sq, sk)) if mask is not None else None
     kl = _check_key_lengths(key_lengths, b, sk) if key_lengths is not None else None
+    if auto and _sm90.auto_takes(q, k, v):  # off until a GPU run (config.ATTN_AUTO_WGMMA)
+        impl = "wgmma"
+    if impl == "wgmma":
+        _sm90.check(q, k, v)
     if out is not None:
         check_out(_FN, out, (b, hq, sq, d), q.dtype)
         _checks.check_no_overlap(_FN, out, {"q": q, "k": k, "v": v, "mask": mask,
@@ -236,7 +244,7 @@ def attention(q, k, v, causal=False, scale=None, mask=None, key_lengths=None, im
     key_lengths : int array [B], optional
         Keys ``j >= key_lengths[b]`` are hidden. Host values (list / NumPy) are checked to lie in
         [0, Sk]; a CuPy array is used as is (not read back: the flash kernel clamps it to [0, Sk]).
-    impl : {None, "flash", "flash_mma", "naive"}
+    impl : {None, "flash", "flash_mma", "naive", "wgmma"}
         None (default): the fastest correct kernel for the dtype on this GPU,
         ``default_impl(q.dtype, D)`` (``DEFAULT_IMPL[q.dtype]`` from sm_80 on; see README "GPUs").
         ``"flash"``: one fused FlashAttention-2 kernel launch (SIMT, fp32 FMA); S is
@@ -253,6 +261,10 @@ def attention(q, k, v, causal=False, scale=None, mask=None, key_lengths=None, im
         power-of-two part of ``scale`` (exactly), so S holds scaled logits and |q.k| beyond
         float16's range does not overflow. With a mask, key_lengths or return_lse, S is taken
         to float32 for the softmax.
+        ``"wgmma"``: Hopper only (sm_90, H100/H200), opt-in, **not yet run on a GPU**:
+        TMA + wgmma, warp-specialised (cupyattn/flash_attn_sm90.py); float16/bfloat16, D of
+        64, 128 or 256, q/k/v that TMA can read (16-byte-aligned base and strides, else a
+        ValueError naming the tensor); masks as ``flash_mma`` takes them.
     return_lse : bool
         Also return the row log-sum-exp of the scaled, masked scores.
     out : cupy.ndarray [B, Hq, Sq, D], optional
@@ -306,6 +318,8 @@ def attention(q, k, v, causal=False, scale=None, mask=None, key_lengths=None, im
         mask = mask.astype(cupy.float32)
     if impl == "naive":
         _naive(q, k, v, causal, scale, mask, mshape, kl, out, lse)
+    elif impl == "wgmma":
+        _sm90.run(q, k, v, causal, scale, kl, out, lse, mask, mshape)
     else:
         _flash(impl, q, k, v, causal, scale, mask, mshape, kl, out, lse, sv)
     return (out, lse) if return_lse else out

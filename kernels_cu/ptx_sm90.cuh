@@ -54,6 +54,9 @@
 //                                            pending. d and a must not be touched in between.
 //   wgmma_fence_acc(d)                       compiler-only: d is read and written here, so its
 //                                            uses are not moved across a wgmma_wait_group
+//   wgmma_fence_frag(a)                      compiler-only, for RS A fragments a[R][4]: they stay
+//                                            live (unchanged) up to here, after the wait_group that
+//                                            retires the wgmma reading them
 // Others:
 //   setmaxnreg_inc<R>(), setmaxnreg_dec<R>() (9.7.19.6) a warpgroup's per-thread register budget;
 //                                            needs __launch_bounds__(threads, 1) (else ptxas
@@ -61,6 +64,11 @@
 //   stmatrix<NUM, TRANS>(smem, r)            (9.7.14.5.16) the inverse of ldmatrix: lane l gives
 //                                            the address of row l % 8 of matrix l / 8 and holds
 //                                            (row l/4, cols 2(l%4), 2(l%4)+1) of matrix i in r[i]
+//   named_bar_sync(id, n), named_bar_arrive(id, n)   (9.7.13.1, bar.sync / bar.arrive) barrier
+//                                            `id` (1..15; 0 is __syncthreads') completes when n
+//                                            threads (a multiple of 32) have arrived; sync waits
+//                                            for that, arrive does not (a producer / consumer
+//                                            hand-off between warpgroups)
 //
 // The CPU emulator of the GPU tests replaces this whole header with tests/emu/emu_ptx_sm90.h (the
 // same functions from the PTX ISA's definitions); tests/test_ptx_sm90.py checks each against NumPy,
@@ -158,6 +166,13 @@ template <int R>
 __device__ __forceinline__ void wgmma_fence_acc(float (&d)[R]) {
 #pragma unroll
     for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+template <int R>
+__device__ __forceinline__ void wgmma_fence_frag(unsigned (&a)[R][4]) {
+#pragma unroll
+    for (int i = 0; i < R; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a[i][e])::"memory");
 }
 
 // Operand lists: the N/2 accumulators are %0 .. %(N/2 - 1), eight at a time.
@@ -265,6 +280,13 @@ template <int R>
 __device__ __forceinline__ void setmaxnreg_dec() {
     static_assert(R >= 24 && R <= 256 && R % 8 == 0, "setmaxnreg: 24..256 in steps of 8");
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(R));
+}
+
+__device__ __forceinline__ void named_bar_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_bar_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
 template <int NUM, bool TRANS = false>

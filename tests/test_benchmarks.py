@@ -746,7 +746,7 @@ def test_tune_cli_parses_before_it_needs_a_device():
     parsing is checked here, where no device time is spent."""
     from benchmarks import tune
 
-    assert tune.parse_args([]).parts == ["softmax", "flash", "decode", "gemm"]
+    assert tune.parse_args([]).parts == ["softmax", "flash", "decode", "gemm", "attention-wgmma"]
     assert tune.parse_args(["decode", "--json", "x.json"]).parts == ["decode"]
     with pytest.raises(SystemExit) as e:
         tune.parse_args(["nosuch"])

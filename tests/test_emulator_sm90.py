@@ -3,7 +3,8 @@ to catch: a kernel that would hang on a GPU (an mbarrier phase that never comple
 that never meets in full) ends with a report naming what it waits for; more arrivals than a
 barrier's count, a barrier overwritten by a store, a TMA box read before its barrier's phase, an
 accumulator read or written while its wgmma is in flight, a wgmma or TMA store never waited for,
-warpgroup threads issuing different wgmmas. (Each instruction's results are checked against NumPy
+warpgroup threads issuing different wgmmas, a named barrier (bar.sync) whose thread count never
+arrives or that two calls name with different counts. (Each instruction's results are checked against NumPy
 by tests/test_ptx_sm90.py, on the emulator and on a GPU.)
 
 Runs in a subprocess because the emulator replaces the `cupy` module for the whole process.
@@ -100,13 +101,24 @@ __global__ void wg_misuse(float* y) {
     if (MODE != 2) wgmma_wait_group<0>();
     if (MODE != 0) y[threadIdx.x] = d[1];
 }
+// named barriers: warp 0 waits for 64 threads, warp 1 never comes (MODE 0); warp 0 names 64
+// threads, the other warps 128 (MODE 1)
+template <int MODE>
+__global__ void named_misuse(float* y) {
+    if (MODE == 0 && threadIdx.x < 32) named_bar_sync(1, 64);
+    if (MODE == 1) {
+        if (threadIdx.x < 32) named_bar_arrive(1, 64);
+        else named_bar_sync(1, 128);
+    }
+    y[threadIdx.x] = 1.0f;
+}
 __global__ void store_unwaited(const __grid_constant__ TmaMap map) {
     extern __shared__ __align__(128) uint4 smem_raw[];
     if (threadIdx.x == 0) { tma_store<2>(&map, smem_raw, {0, 0}); bulk_commit_group(); }
 }
 """)
 names = ["never_arrives", "too_many", "clobbered", "tma_read<0>", "tma_read<1>", "store_unwaited"] + \
-    [f"wg_misuse<{m}>" for m in range(6)]
+    [f"wg_misuse<{m}>" for m in range(6)] + ["named_misuse<0>", "named_misuse<1>"]
 mod = cupy.RawModule(code=SRC, name_expressions=names)
 k = {n: mod.get_function(n) for n in names}
 y = cupy.zeros(128, dtype=np.float32)
@@ -140,6 +152,9 @@ expect(lambda: k["wg_misuse<4>"]((1,), (128,), (y,), shared_mem=8192), "deadlock
        "meets at wgmma.mma_async with 96 of 128 threads")
 expect(lambda: k["wg_misuse<0>"]((1,), (96,), (y,), shared_mem=8192), "not whole warpgroups of 128")
 expect(lambda: k["store_unwaited"]((1,), (32,), (m,), shared_mem=512), "never retired by cp.async.bulk.wait_group")
+expect(lambda: k["named_misuse<0>"]((1,), (64,), (y,)), "deadlock", "named barrier 1 waits for 64 threads, 32 arrived")
+expect(lambda: k["named_misuse<0>"]((1,), (32,), (y,)), "thread count 64 is not a positive multiple of 32 within the block")
+expect(lambda: k["named_misuse<1>"]((1,), (128,), (y,)), "bar", "barrier 1 named with", "threads while its phase counts")
 # the emulator's encoder applies the driver's documented rules on its own (cupyattn validates first)
 expect(lambda: fakecupy._cupyattn_emulator_encode_tiled(6, 2, 16, (8, 8), (24,), (8, 8), (1, 1), 0, 0, 0, 0),
        "CUDA_ERROR_INVALID_VALUE", "multiples of 16")

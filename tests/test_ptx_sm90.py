@@ -160,6 +160,23 @@ __global__ void __launch_bounds__(256, 1) ring(int rounds, long long* sums) {
         }
     }
 }
+
+// --- named barriers: two warpgroups take turns (the ping-pong hand-off). Group g waits on barrier
+// 1 + g (256 threads: its own 128 in bar.sync, the other group's 128 from bar.arrive), appends its
+// id to the log, then lets the other group go; group 1 first hands group 0 the first turn.
+template <int ROUNDS>
+__global__ void turns(int* log) {
+    __shared__ int n;
+    const int g = threadIdx.x / 128;
+    if (threadIdx.x == 0) n = 0;
+    __syncthreads();
+    if (g == 1) named_bar_arrive(1, 256);
+    for (int r = 0; r < ROUNDS; ++r) {
+        named_bar_sync(1 + g, 256);
+        if (threadIdx.x % 128 == 0) log[n++] = g;
+        named_bar_arrive(2 - g, 256);
+    }
+}
 '''
 
 TMA_EXPRS = [f"tma_in<{r}>" for r in (2, 3, 4, 5)] + [f"tma_out<{r}>" for r in (2, 3, 4, 5)]
@@ -178,7 +195,7 @@ def _wg_expr(t, n, ta, tb, rs):
 
 
 EXPRS = TMA_EXPRS + [_wg_expr(*c) for c in WG_CASES.values()] + \
-    [f"stm<{n}, {t}>" for n in (1, 2, 4) for t in ("false", "true")] + ["ring<2>", "ring<3>"]
+    [f"stm<{n}, {t}>" for n in (1, 2, 4) for t in ("false", "true")] + ["ring<2>", "ring<3>"] + ["turns<5>"]
 
 
 @pytest.fixture(scope="module")
@@ -430,3 +447,15 @@ def test_stage_ring_phases(kernels, stages, rounds):
     kernels[f"ring<{stages}>"]((1,), (256,), (np.int32(rounds), sums))
     total = sum(1000 + 7 * i for i in range(rounds))
     assert cupy.asnumpy(sums).tolist() == [total, 2 * total, 3 * total]
+
+
+# --- named barriers (bar.sync / bar.arrive) ----------------------------------------------------------
+def test_named_barriers_alternate_two_warpgroups(kernels):
+    """bar.sync waits until the barrier's thread count has arrived, counting bar.arrive: two
+    warpgroups handing turns back and forth log 0, 1, 0, 1, ...; a bar.sync that did not wait
+    (or an arrive that waited) would let one group log twice in a row."""
+    import cupy
+
+    log = cupy.full(10, -1, dtype=np.int32)
+    kernels["turns<5>"]((1,), (256,), (log,))
+    assert cupy.asnumpy(log).tolist() == [0, 1] * 5

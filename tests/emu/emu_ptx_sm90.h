@@ -532,6 +532,7 @@ inline void wgmma_wait_group() {
     });
 }
 template <int R> inline void wgmma_fence_acc(float (&)[R]) {}
+template <int R> inline void wgmma_fence_frag(unsigned (&)[R][4]) {}
 
 // --- setmaxnreg, stmatrix -------------------------------------------------------------------------
 template <int R> inline void setmaxnreg_inc() { static_assert(R >= 24 && R <= 256 && R % 8 == 0, "setmaxnreg"); }
@@ -561,6 +562,47 @@ inline void stmatrix(void* smem, const unsigned (&r)[NUM]) {
     emu_warp_barrier(0xffffffffu, -3, "stmatrix");  // every lane has read the addresses before any publishes new ones
 }
 
+// --- named barriers (bar.sync / bar.arrive, PTX ISA 9.7.13.1) ---------------------------------------
+// Barrier id counts arriving threads; when `threads` have arrived (sync and arrive alike) it
+// completes and releases the threads waiting in bar.sync. Every arrival of one phase must name the
+// same count. Arrivals left at the end of a block are allowed (a final hand-off nobody takes).
+struct EmuNamedBar { int expected = 0, arrived = 0; unsigned gen = 0; };
+inline EmuNamedBar emu_named_bars[16];
+struct EmuNamedWait : EmuWaitable {
+    int id;
+    unsigned gen;
+    EmuNamedWait(int i, unsigned g) : id(i), gen(g) {}
+    bool ready() override { return emu_named_bars[id].gen != gen; }
+    std::string what() const override {
+        const EmuNamedBar& b = emu_named_bars[id];
+        return "named barrier " + std::to_string(id) + " waits for " + std::to_string(b.expected) + " threads, " +
+               std::to_string(b.arrived) + " arrived";
+    }
+};
+inline void emu_named_bar(int id, int threads, bool wait, const char* what) {
+    if (id < 1 || id > 15) emu_sm90_fail(std::string(what) + ": barrier id " + std::to_string(id) + " outside 1..15");
+    if (threads <= 0 || threads % 32 || threads > emu_sm90.threads)
+        emu_sm90_fail(std::string(what) + ": thread count " + std::to_string(threads) +
+                      " is not a positive multiple of 32 within the block");
+    EmuNamedBar& b = emu_named_bars[id];
+    if (b.arrived == 0) b.expected = threads;
+    else if (b.expected != threads)
+        emu_sm90_fail(std::string(what) + ": barrier " + std::to_string(id) + " named with " + std::to_string(threads) +
+                      " threads while its phase counts " + std::to_string(b.expected));
+    const unsigned gen = b.gen;
+    if (++b.arrived == b.expected) {
+        b.arrived = 0;
+        ++b.gen;
+        return;
+    }
+    if (wait) {
+        EmuNamedWait w(id, gen);
+        emu_wait_until(w);
+    }
+}
+inline void named_bar_sync(int id, int threads) { emu_named_bar(id, threads, true, "bar.sync"); }
+inline void named_bar_arrive(int id, int threads) { emu_named_bar(id, threads, false, "bar.arrive"); }
+
 // --- block begin / end ----------------------------------------------------------------------------
 inline void emu_sm90_block_begin(int threads) {
     emu_sm90.threads = threads;
@@ -571,6 +613,7 @@ inline void emu_sm90_block_begin(int threads) {
     emu_sm90.wgs.clear();
     emu_sm90.wgs.resize((threads + 127) / 128);
     emu_sm90.error.clear();
+    for (EmuNamedBar& b : emu_named_bars) b = EmuNamedBar();
 }
 inline std::string emu_sm90_block_end() {
     if (!emu_sm90.error.empty()) return emu_sm90.error;
