@@ -7,7 +7,7 @@ into it at once, outside the decode step: the prompt runs alone through a batch-
 (the ordinary prefill, so its first token is exactly the one it gets alone), and its keys and
 values are copied into the slot. The other slots' caches are untouched, so their next steps are
 the same as before. Idle slots (no prompt left) keep decoding with the others; their tokens are
-dropped.
+dropped, and they are freed again after each step (no pages held past the step).
 
 Backends:
 
@@ -194,7 +194,8 @@ class Scheduler:
             for slot, tok in enumerate(toks):
                 seq = live[slot]
                 cur[slot] = tok
-                if seq is None:
+                if seq is None:  # idle: drop its token, give back what the step took
+                    free_slot(self.state.cache, slot)
                     continue
                 seq["out"].append(tok)
                 self.n_dec += 1
