@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import cupyattn
 from tinylm import Sampler, load
 from tinylm.__main__ import main as cli_main
 from tinylm.config import PRESETS
@@ -135,8 +136,8 @@ def test_smollm2_continuous_batching_matches_golden():
         pytest.skip("golden file absent")
     cases = json.loads(GOLDEN.read_text())["generation"]
     gen = load(None, backend="numpy")
-    got = dict(serve(gen, [c["prompt_ids"] for c in cases], 24, 2, ignore_eos=True))
-    assert [got[i].generated_ids for i in range(len(cases))] == [c["greedy_ids"] for c in cases]
+    got = dict(serve(gen, [c["prompt_ids"] for c in cases], 12, 2, ignore_eos=True))
+    assert [got[i].generated_ids for i in range(len(cases))] == [c["greedy_ids"][:12] for c in cases]
 
 
 # --- GPU tier: the paged cache and CUDA graph replays (tiny sizes: fast on the emulator) -----
@@ -149,6 +150,7 @@ def test_paged_slots_on_the_device_equal_numpy_alone(sharp):
     expected = [alone(sharp, p, 6) for p in prompts]
     sched = Scheduler(gen.model, prompts, 6, 2, 64, graphs=True)
     cache = sched.state.cache
+    assert isinstance(cache, cupyattn.PagedKVCache)
     got = dict(sched.run())
     assert [got[i].generated_ids for i in range(len(prompts))] == expected
     assert len({got[i].extra["slot"] for i in range(len(prompts))}) == 2
