@@ -260,6 +260,13 @@ def _stats_line(results, load_s, n_batches: int) -> str:
             f"{res.weight_bytes * steps_s / 1e9:.2f} GB/s")
 
 
+def _print_indexed(gen, i: int, res, load_s, as_json: bool) -> None:
+    """One result of several prompts on stdout: ``[i] text``, or its JSON object with "index"."""
+    text = res.text if res.text is not None else gen.decode(res.generated_ids)
+    out = {"index": i, **_result_json(res, text, load_s, batched=True)} if as_json else None
+    print(json.dumps(out) if as_json else f"[{i}] {text}", flush=True)
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -305,18 +312,14 @@ def main(argv=None) -> int:
             from .serve import serve
 
             for i, res in serve(gen, ids, args.max_new_tokens, args.max_batch, args.ignore_eos):
-                text = res.text if res.text is not None else gen.decode(res.generated_ids)
-                out = {"index": i, **_result_json(res, text, load_s, batched=True)} if args.json else None
-                print(json.dumps(out) if args.json else f"[{i}] {text}", flush=True)
+                _print_indexed(gen, i, res, load_s, args.json)
                 results.append(res)
             n_batches = 1
         else:  # in batches that fit in memory, each printed as it ends
             for batch in gen.batches(ids, args.max_new_tokens, on_prefill=progress, max_batch=args.max_batch,
                                      **kw):
                 for res in batch:
-                    i, text = len(results), res.text if res.text is not None else gen.decode(res.generated_ids)
-                    out = {"index": i, **_result_json(res, text, load_s, batched=True)} if args.json else None
-                    print(json.dumps(out) if args.json else f"[{i}] {text}", flush=True)
+                    _print_indexed(gen, len(results), res, load_s, args.json)
                     results.append(res)
                 n_batches += 1
     except expected as e:
