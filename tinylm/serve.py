@@ -54,8 +54,8 @@ class _PagedOps:
 
 def slot_state(model: Transformer, slots: int, positions: int) -> RunState:
     """The decode state of ``slots`` slots of ``positions`` cache positions each: paged on a
-    backend with device sampling (cupy), contiguous otherwise. Every slot can hold ``positions``
-    tokens at once (an idle slot grows by one per step, never past what a live one needs)."""
+    backend that replays CUDA graphs (cupy), contiguous otherwise. Every slot can hold
+    ``positions`` tokens at once (an idle slot takes one position per step and is freed after it)."""
     if not getattr(model.ops, "graphs", False):
         return model.new_state(slots, positions)
     mpp = -(-positions // PAGE_SIZE)
