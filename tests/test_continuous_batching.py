@@ -77,10 +77,12 @@ def test_stop_ids_free_the_slot_for_the_next_prompt(sharp):
     assert (sched.state.cache.lengths == 0).all()  # every slot freed at the end
 
 
-def test_one_slot_and_zero_new_tokens(sharp):
+def test_one_slot_zero_new_tokens_and_idle_slots(sharp):
     got = dict(serve(sharp, PROMPTS[:3], 4, 1))
     assert [got[i].generated_ids for i in range(3)] == [alone(sharp, p, 4) for p in PROMPTS[:3]]
     assert all(r.generated_ids == [] for _, r in serve(sharp, PROMPTS[:3], 0, 2))
+    more = dict(serve(sharp, PROMPTS[:2], 4, 3))  # more slots than prompts: one stays idle
+    assert [more[i].generated_ids for i in range(2)] == [alone(sharp, p, 4) for p in PROMPTS[:2]]
 
 
 @pytest.mark.parametrize("bad, match", [(0, "max_batch must be an integer >= 1"), (True, "max_batch"),
