@@ -111,7 +111,7 @@ class Scheduler:
         self.scratch = model.new_state(1, positions)
         self.device = self.state.sampling is not None
         self.runner = DecodeRunner(model, self.state, graphs) if self.device else None
-        self.steps = 0
+        self.steps, self._admitted = 0, False
         self.graphs = graphs
 
     def _first_token(self, logits) -> int:
@@ -132,6 +132,7 @@ class Scheduler:
         with self.model.ops.stream():
             load_slot(self.state.cache, slot, self.scratch.cache, len(ids))
         cur[slot] = tok
+        self._admitted = True
         now = time.perf_counter()
         return {"index": index, "out": [tok], "t0": t0, "t1": now, "ttft": now - t0}
 
@@ -158,8 +159,10 @@ class Scheduler:
             logits = decode_one(self.model, state, cur)
             greedy = Sampler(0.0, 0, 1.0, 0)
             return [greedy(logits[i]) for i in range(self.slots)]
-        with ops.stream():
-            ops.set_tokens(state.tokens, np.asarray(cur, dtype=np.int64))
+        if self._admitted:  # the device ids are last step's samples: a new prompt's first id goes in
+            with ops.stream():
+                ops.set_tokens(state.tokens, np.asarray(cur, dtype=np.int64))
+            self._admitted = False
         return [int(t) for t in self.runner.step()]
 
     def run(self):
