@@ -37,6 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts-file", default=None, metavar="PATH",
                    help="a text file with one prompt per line (UTF-8, or UTF-16/32 with a byte order mark; "
                         "blank lines skipped), run like --prompt")
+    p.add_argument("--max-batch", type=int, default=None, metavar="N",
+                   help="continuous batching (greedy only; not yet run on a GPU): with more prompts than N, "
+                        "N slots decode together and a finished sequence's slot takes the next prompt at "
+                        "once; results are printed as they finish, each with its prompt index [i]. With no "
+                        "more prompts than N: one batch, as without it")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the ChatML chat template")
     p.add_argument("--system", default=None, metavar="S", help="system message for --chat")
     p.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="tokens to generate (64)")
@@ -184,6 +189,8 @@ def _check_options(args) -> None:
     for flag in ("fused", "fused_prefill"):
         if getattr(args, flag) and resolve_backend(args.backend) != "cupy":
             raise _OptionError(f"--{flag.replace('_', '-')} needs the cupy backend (a CUDA device)")
+    if args.max_batch is not None and args.max_batch < 1:
+        raise _OptionError(f"--max-batch must be >= 1, got {args.max_batch}")
     if args.allow_special and args.chat:
         raise _OptionError("--allow-special applies to raw prompts, not --chat (the chat template alone "
                            "adds control tokens)")
@@ -244,11 +251,20 @@ def _stats_line(results, load_s, n_batches: int) -> str:
     rate, steps_s = (n_dec / dec_s, steps / dec_s) if dec_s > 0 else (0.0, 0.0)
     n = len(results)
     who = "1 prompt" if n == 1 else f"{n} prompts in {n_batches} batch{'es' if n_batches > 1 else ''}"
+    if res.extra.get("continuous"):
+        who = f"{n} prompts over {res.extra['batch']} slots (continuous batching)"
     first = " of the first batch" if n_batches > 1 else ""
     return (f"[{res.backend} {res.dtype}] load {load_s:.2f} s | {who}, {sum(len(r.prompt_ids) for r in results)} "
             f"prompt tok, TTFT{first} {res.ttft_ms:.1f} ms | decode {n_dec} tok, {rate:.1f} tok/s | weights "
             f"{res.weight_bytes / 1e6:.1f} MB read per decode step x {steps_s:.1f} steps/s = "
             f"{res.weight_bytes * steps_s / 1e9:.2f} GB/s")
+
+
+def _print_indexed(gen, i: int, res, load_s, as_json: bool) -> None:
+    """One result of several prompts on stdout: ``[i] text``, or its JSON object with "index"."""
+    text = res.text if res.text is not None else gen.decode(res.generated_ids)
+    out = {"index": i, **_result_json(res, text, load_s, batched=True)} if as_json else None
+    print(json.dumps(out) if as_json else f"[{i}] {text}", flush=True)
 
 
 def main(argv=None) -> int:
@@ -260,6 +276,13 @@ def main(argv=None) -> int:
         return _fail(str(e))
     if not texts:
         return _fail("no prompt: give one as an argument, with --prompt, or in --prompts-file")
+    if args.max_batch is not None and len(texts) > args.max_batch:
+        if args.temperature != 0:
+            return _fail(f"--max-batch {args.max_batch} with {len(texts)} prompts runs continuous batching, "
+                         f"which is greedy only: drop --temperature (got {args.temperature})")
+        if args.fused:
+            return _fail("--max-batch with more prompts than slots (continuous batching) decodes through a "
+                         "paged cache, which --fused does not take")
     from . import load
     from .gguf_io import GGUFError
 
@@ -285,12 +308,18 @@ def main(argv=None) -> int:
                                               load_s, batched=False)))
             else:
                 streamer.close()
+        elif args.max_batch is not None and len(ids) > args.max_batch:  # continuous batching (tinylm.serve)
+            from .serve import serve
+
+            for i, res in serve(gen, ids, args.max_new_tokens, args.max_batch, args.ignore_eos):
+                _print_indexed(gen, i, res, load_s, args.json)
+                results.append(res)
+            n_batches = 1
         else:  # in batches that fit in memory, each printed as it ends
-            for batch in gen.batches(ids, args.max_new_tokens, on_prefill=progress, **kw):
+            for batch in gen.batches(ids, args.max_new_tokens, on_prefill=progress, max_batch=args.max_batch,
+                                     **kw):
                 for res in batch:
-                    i, text = len(results), res.text if res.text is not None else gen.decode(res.generated_ids)
-                    out = {"index": i, **_result_json(res, text, load_s, batched=True)} if args.json else None
-                    print(json.dumps(out) if args.json else f"[{i}] {text}", flush=True)
+                    _print_indexed(gen, len(results), res, load_s, args.json)
                     results.append(res)
                 n_batches += 1
     except expected as e:

