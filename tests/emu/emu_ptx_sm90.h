@@ -82,8 +82,10 @@ struct EmuWarpgroup {
     int committed = 0;
     std::unordered_map<float*, std::pair<float, int>> acc;  // register -> (value in flight, ops pending on it)
 };
+struct EmuNamedBar { int expected = 0, arrived = 0; unsigned gen = 0; };  // bar.sync / bar.arrive id
 struct EmuSm90 {
     int threads = 0;
+    EmuNamedBar named[16];                      // named barriers 0..15 (0 is __syncthreads')
     std::map<unsigned, EmuMbar> bars;           // by shared address
     std::deque<EmuTmaLoad> loads;               // in flight, issue order
     std::vector<std::vector<EmuTmaStore>> stores;  // per thread
@@ -566,15 +568,16 @@ inline void stmatrix(void* smem, const unsigned (&r)[NUM]) {
 // Barrier id counts arriving threads; when `threads` have arrived (sync and arrive alike) it
 // completes and releases the threads waiting in bar.sync. Every arrival of one phase must name the
 // same count. Arrivals left at the end of a block are allowed (a final hand-off nobody takes).
-struct EmuNamedBar { int expected = 0, arrived = 0; unsigned gen = 0; };
-inline EmuNamedBar emu_named_bars[16];
+// The barriers are the block's own (blocks in flight together never share one); a waiter keeps a
+// pointer to its block's barrier, since the scheduler polls it while another block may be current.
 struct EmuNamedWait : EmuWaitable {
+    const EmuNamedBar* bar;
     int id;
     unsigned gen;
-    EmuNamedWait(int i, unsigned g) : id(i), gen(g) {}
-    bool ready() override { return emu_named_bars[id].gen != gen; }
+    EmuNamedWait(const EmuNamedBar* b, int i, unsigned g) : bar(b), id(i), gen(g) {}
+    bool ready() override { return bar->gen != gen; }
     std::string what() const override {
-        const EmuNamedBar& b = emu_named_bars[id];
+        const EmuNamedBar& b = *bar;
         return "named barrier " + std::to_string(id) + " waits for " + std::to_string(b.expected) + " threads, " +
                std::to_string(b.arrived) + " arrived";
     }
@@ -584,7 +587,7 @@ inline void emu_named_bar(int id, int threads, bool wait, const char* what) {
     if (threads <= 0 || threads % 32 || threads > emu_sm90.threads)
         emu_sm90_fail(std::string(what) + ": thread count " + std::to_string(threads) +
                       " is not a positive multiple of 32 within the block");
-    EmuNamedBar& b = emu_named_bars[id];
+    EmuNamedBar& b = emu_sm90.named[id];
     if (b.arrived == 0) b.expected = threads;
     else if (b.expected != threads)
         emu_sm90_fail(std::string(what) + ": barrier " + std::to_string(id) + " named with " + std::to_string(threads) +
@@ -596,7 +599,7 @@ inline void emu_named_bar(int id, int threads, bool wait, const char* what) {
         return;
     }
     if (wait) {
-        EmuNamedWait w(id, gen);
+        EmuNamedWait w(&b, id, gen);
         emu_wait_until(w);
     }
 }
@@ -613,7 +616,7 @@ inline void emu_sm90_block_begin(int threads) {
     emu_sm90.wgs.clear();
     emu_sm90.wgs.resize((threads + 127) / 128);
     emu_sm90.error.clear();
-    for (EmuNamedBar& b : emu_named_bars) b = EmuNamedBar();
+    for (EmuNamedBar& b : emu_sm90.named) b = EmuNamedBar();
 }
 inline std::string emu_sm90_block_end() {
     if (!emu_sm90.error.empty()) return emu_sm90.error;
