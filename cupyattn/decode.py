@@ -382,7 +382,7 @@ def serving_plan(fn, window, softcap, impl, dtype, d, group, plan, max_len, **pa
     if not sv.active:
         return None, plan, max_len
     live = max_len if left < 0 else min(max_len, left + 1)
-    return sv, _device_plan(fn, plan.impl, dtype, d, group, serving=True), live
+    return sv, _plan(impl, dtype, d, group, serving=True), live
 
 
 def _check_workspace(fn, workspace, num_splits, b, hq, d, q, cache, out, fused_combine=False):

@@ -139,6 +139,16 @@ def compile_report():
     return get
 
 
+def expected_builds(spec, exprs=None):
+    """Sorted (name expression, arch) pairs the compile gate builds for ``spec`` (optionally only
+    those of ``exprs``): per gate arch, what a device of that compute capability can run."""
+    from cupyattn._compile_check import check_arches
+
+    keep = None if exprs is None else set(exprs)
+    return sorted((e, f"sm_{a}a" if spec.sm90a else f"sm_{a}") for a in check_arches()
+                  for e in spec.exprs_for(int(a)) if keep is None or e in keep)
+
+
 DTYPES = ("float32", "float16", "bfloat16")
 TOL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}
 

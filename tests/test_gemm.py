@@ -10,7 +10,7 @@ import pytest
 from cupyattn import config
 from cupyattn import gemm as G
 from cupyattn import reference as ref
-from conftest import DTYPES, assert_close, nan_like, np_dtype, rand_with_outliers, to_device
+from conftest import expected_builds, DTYPES, assert_close, nan_like, np_dtype, rand_with_outliers, to_device
 
 FNS = {"nt": (G.gemm_nt, ref.gemm_nt), "nn": (G.gemm_nn, ref.gemm_nn)}
 
@@ -266,9 +266,11 @@ def test_mma_ring_fits_its_blocks_per_sm(compile_report):
     assert not errors
     tile = config.GEMM_TILES["mma"]
     seen = {(r.kernel, r.arch) for r in reports if r.kernel.startswith(("gemm_mma_kernel", "gemm_skinny_kernel"))}
-    assert len(seen) == 2 * sum(e.startswith(("gemm_mma_kernel", "gemm_skinny_kernel"))
-                                for e in G.SPEC.name_expressions), seen  # every one, both archs
+    assert sorted(seen) == [b for b in expected_builds(G.SPEC)
+                            if b[0].startswith(("gemm_mma_kernel", "gemm_skinny_kernel"))]  # every one, every gate arch
     for r in reports:
+        if r.arch not in config.SMEM_PER_SM_BY_ARCH:  # the A100 and H100 rows: what min_blocks was chosen for
+            continue
         if r.kernel.startswith("gemm_mma_kernel"):
             nt = ", true," in r.kernel
             blocks = tile.min_blocks[0 if nt else 1]
@@ -292,9 +294,8 @@ def test_batch_collapse():
 def test_compile_check_no_spills(compile_report):
     reports, errors = compile_report("gemm")
     assert not errors, errors
-    assert {r.arch for r in reports} == {"sm_80", "sm_90"}
-    assert sorted((r.kernel, r.arch) for r in reports) == sorted(
-        (e, a) for e in G.SPEC.name_expressions for a in ("sm_80", "sm_90"))
+    assert {"sm_80", "sm_90"} <= {r.arch for r in reports}
+    assert sorted((r.kernel, r.arch) for r in reports) == expected_builds(G.SPEC)
     assert not [f"{r.kernel} {r.arch}" for r in reports if r.spills]
 
 

@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from conftest import DTYPES, TOL, assert_close, nan_like, rand_with_outliers, to_device, to_host
+from conftest import expected_builds, DTYPES, TOL, assert_close, nan_like, rand_with_outliers, to_device, to_host
 from cupyattn import config
 from cupyattn import layers as L
 from cupyattn import reference as ref
@@ -137,8 +137,7 @@ def test_compile_check_layers_no_errors_no_spills(compile_report):
     reports, errors = compile_report("layers")
     assert not errors, errors
     assert not [f"{r.kernel} {r.arch}" for r in reports if r.spills]
-    assert sorted((r.kernel, r.arch) for r in reports) == sorted(
-        (e, a) for e in L.SPEC.name_expressions for a in ("sm_80", "sm_90"))
+    assert sorted((r.kernel, r.arch) for r in reports) == expected_builds(L.SPEC)
 
 
 # --- GPU ---------------------------------------------------------------------------------------------
