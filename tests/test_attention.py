@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from conftest import expected_builds, (DTYPES, assert_close, nan_like, np_dtype, rand_with_outliers, to_device,
+from conftest import (expected_builds, DTYPES, assert_close, nan_like, np_dtype, rand_with_outliers, to_device,
                       to_host)
 from cupyattn import config
 from cupyattn import flash_attn as FA
