@@ -264,7 +264,7 @@ def test_mma_ring_fits_its_blocks_per_sm(compile_report):
     and an A100 (164 KB), checked against ptxas; skinny's static smem fits without opt-in."""
     reports, errors = compile_report("gemm")
     assert not errors
-    tile = config.GEMM_TILES["mma"]
+    small = {G._expr("mma", d, nt, tile=config.GEMM_MMA_SMALL_SMEM) for d in config.MMA_DTYPES for nt in (True, False)}
     seen = {(r.kernel, r.arch) for r in reports if r.kernel.startswith(("gemm_mma_kernel", "gemm_skinny_kernel"))}
     assert sorted(seen) == [b for b in expected_builds(G.SPEC)
                             if b[0].startswith(("gemm_mma_kernel", "gemm_skinny_kernel"))]  # every one, every gate arch
@@ -272,6 +272,7 @@ def test_mma_ring_fits_its_blocks_per_sm(compile_report):
         if r.arch not in config.SMEM_PER_SM_BY_ARCH:  # the A100 and H100 rows: what min_blocks was chosen for
             continue
         if r.kernel.startswith("gemm_mma_kernel"):
+            tile = config.GEMM_MMA_SMALL_SMEM if r.kernel in small else config.GEMM_TILES["mma"]
             nt = ", true," in r.kernel
             blocks = tile.min_blocks[0 if nt else 1]
             per_block = config.gemm_mma_smem_bytes(tile, nt) + r.smem_bytes + config.SMEM_PER_BLOCK_RESERVED
