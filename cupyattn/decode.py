@@ -382,6 +382,8 @@ def serving_plan(fn, window, softcap, impl, dtype, d, group, plan, max_len, **pa
     if not sv.active:
         return None, plan, max_len
     live = max_len if left < 0 else min(max_len, left + 1)
+    if isinstance(plan, _Plan):  # the device's choice (impl, tile fitted to its shared memory), serving variant
+        return sv, _device_plan(fn, plan.impl, dtype, d, group, serving=True), live
     return sv, _plan(impl, dtype, d, group, serving=True), live
 
 
