@@ -15,6 +15,7 @@ are finite. It also runs on the CPU emulator (tests/test_sanitize_cases.py).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 
 import numpy as np
@@ -215,12 +216,33 @@ def launched() -> set[str]:
 
 
 def missing() -> list[str]:
-    """Every declared name expression that this process has not launched (Hopper-only ones
-    only on an sm_90 device)."""
+    """Every name expression this device can run (KernelSpec.exprs_for: its compute capability,
+    or CUPYATTN_ARCH's, and shared memory) that this process has not launched."""
     from cupyattn import _loader
 
-    done = launched()
-    return [e for s in _loader.all_specs() if _hopper() or not s.sm90a for e in s.name_expressions if e not in done]
+    done, cc = launched(), _loader.device_compute_capability()
+    return [e for s in _loader.all_specs() for e in s.exprs_for(cc) if e not in done]
+
+
+# the families whose tiles fall back to a shallower ring where a device's per-block shared memory
+# is smaller (config "GPU families": Turing 64 KB, 99 KB parts); the second pass launches those
+SHALLOW_FAMILIES = ("decode", "gemm", "serving")
+
+
+@contextlib.contextmanager
+def shallow_rings():
+    """Dispatch as a device with less shared memory per block does, whatever this one has: every
+    decode tile with its shallower ring (decode._fit's fallback), the GEMM's 2-stage mma tile."""
+    from cupyattn import config as cfg
+    from cupyattn import decode, gemm
+
+    fit, tile = decode._fit, gemm._mma_tile
+    decode._fit = lambda impl, dtype, d, t, m_tiles, limit: decode._small(t)
+    gemm._mma_tile = lambda nt: cfg.GEMM_MMA_SMALL_SMEM
+    try:
+        yield
+    finally:
+        decode._fit, gemm._mma_tile = fit, tile
 
 
 def run(families=FAMILIES) -> None:
@@ -229,10 +251,17 @@ def run(families=FAMILIES) -> None:
     import cupyattn as ca
     from cupyattn import config as cfg
 
-    for f in families:
+    def one(f, label=""):
         globals()[f](ca, cfg)
         cupy.cuda.get_current_stream().synchronize()
-        print(f"sanitize_cases: {f} done", flush=True)
+        print(f"sanitize_cases: {f}{label} done", flush=True)
+
+    for f in families:
+        one(f)
+    with shallow_rings():
+        for f in families:
+            if f in SHALLOW_FAMILIES:
+                one(f, " (shallow rings)")
 
 
 def main(argv=None) -> int:

@@ -23,7 +23,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import DTYPES, assert_close, nan_like, np_dtype, rand_with_outliers, to_device, to_host
+from conftest import DTYPES, TOL, assert_close, nan_like, np_dtype, rand_with_outliers, to_device, to_host
 from cupyattn import config
 from cupyattn import reference as ref
 
@@ -129,6 +129,20 @@ def _attention_mask(rng, m):
     return dev, host
 
 
+def _naive_tol(c, qr, kr):
+    """impl="naive" writes the logits S = q k^T in the input dtype (flash_attn._naive): each scaled
+    logit carries a rounding error up to |scale * S| * u (u = 2^-11 fp16, 2^-8 bf16), which moves
+    the probabilities by up to twice that, relatively (found on the H100, 2026-11-26: fp16, D=64,
+    scale 1, logits near 30). None (the dtype's tolerance) for the fused impls and float32."""
+    if c["impl"] != "naive" or c["dtype"] == "float32" or c["sk"] == 0:
+        return None
+    g = c["hq"] // c["hkv"]
+    s = np.einsum("bhgqd,bhkd->bhgqk", qr.reshape(c["b"], c["hkv"], g, c["sq"], c["d"]), kr)
+    u = 2.0 ** -11 if c["dtype"] == "float16" else 2.0 ** -8
+    scale = c["d"] ** -0.5 if c["scale"] is None else abs(c["scale"])
+    return TOL[c["dtype"]] + 2 * u * float(np.abs(s).max()) * scale
+
+
 def _check_attention(c):
     import cupy
 
@@ -166,7 +180,7 @@ def _check_attention(c):
                                        key_lengths=kl, return_lse=True)
     got = res[0] if c["return_lse"] else res
     assert got is out
-    assert_close(got, want, dtype)
+    assert_close(got, want, dtype, _naive_tol(c, qr, kr))
     assert np.all(to_host(got)[~np.isfinite(want_lse)] == 0.0), "a row that sees no key is zeros"
     if c["return_lse"]:
         lse = to_host(res[1])
