@@ -20,8 +20,15 @@
 #           (unfused), tinylm-fused, tinylm-eager, HF eager and HF compiled (static cache +
 #           torch.compile reduce-overhead; its compile time has not been measured here yet)
 #                                                      -> $OUT/model.{txt,json}
+#   headline  the README's headline cases by name (attention fp16 D=128 causal and not, GEMM
+#           4096^3, decode 32k, softmax 8192^2, SmolLM2's shapes at batch 1 without compiled HF):
+#           about 90 s on the H100 (2026-11-26)         -> $OUT/headline-<op>.{txt,json}
+#   lease   tests and sanitize side by side (correctness only: their timings do not matter),
+#           then headline alone; everything packed into $OUT/gpu-out.tgz as well (the device
+#           tool returns at most 8 files); about 6 minutes on the H100
 #   verify  tests, sanitize, bench and the two short sweeps (softmax-cols, decode-batch): what a
-#           commit needs before its numbers are quoted; about 6 minutes on the H100
+#           commit needs before its numbers are quoted; `bench` alone took over 230 s on
+#           2026-11-26 (every impl of every case, the compiled-HF peer)
 #   all     tests, sanitize, bench, sweeps (the default)
 #   summary  (needs no GPU; every stage ends with it) $OUT/results/summary.txt: the commit, pytest's
 #           own last line, the sanitizers' own summary lines and each step's exit code, from the
@@ -45,8 +52,8 @@ OUT="${OUT:-$PWD/gpu-out}"
 PY="${PYTHON:-python3}"
 STAGE="${1:-all}"
 case "$STAGE" in
-    all | verify | tests | sanitize | bench | sweeps | sweep | quick | model | summary) ;;
-    *) echo "usage: $0 [all|verify|tests|sanitize|bench|sweeps|sweep NAME|quick|model|summary]" >&2; exit 2 ;;
+    all | verify | lease | tests | sanitize | bench | headline | sweeps | sweep | quick | model | summary) ;;
+    *) echo "usage: $0 [all|verify|lease|tests|sanitize|bench|headline|sweeps|sweep NAME|quick|model|summary]" >&2; exit 2 ;;
 esac
 mkdir -p "$OUT/results"
 status=0
@@ -162,6 +169,34 @@ run_model() {  # does config.TINYLM_FUSED_DECODE become True? tinylm-fused vs ti
         --json "$OUT/model.json"
 }
 
+run_headline() {
+    local h=(--reps 10 --warmup 3 --budget-ms 300 --debug --no-progress)
+    local att=(--B 4 --H 32 --Sq 4096 --D 128 --dtype float16 --impl flash_mma,wgmma,torch-sdpa)
+    step "headline attention" "$OUT/headline-attention.txt" "$PY" -m benchmarks attention "${att[@]}" "${h[@]}" \
+        --json "$OUT/headline-attention.json"
+    step "headline attention causal" "$OUT/headline-attention-causal.txt" "$PY" -m benchmarks attention \
+        "${att[@]}" --causal "${h[@]}" --json "$OUT/headline-attention-causal.json"
+    step "headline gemm" "$OUT/headline-gemm.txt" "$PY" -m benchmarks gemm --M 4096 --N 4096 --K 4096 \
+        --dtype float16 --impl ours,ours-mma,ours-wgmma,cublas "${h[@]}" --json "$OUT/headline-gemm.json"
+    step "headline decode" "$OUT/headline-decode.txt" "$PY" -m benchmarks decode --B 8 --H 32 --Hkv 8 \
+        --Sk 32768 --D 128 --dtype float16 --impl split-kv,torch-sdpa "${h[@]}" --json "$OUT/headline-decode.json"
+    step "headline softmax" "$OUT/headline-softmax.txt" "$PY" -m benchmarks softmax --rows 8192 --cols 8192 \
+        --dtype float32 --impl ours,torch "${h[@]}" --json "$OUT/headline-softmax.json"
+    step "headline model" "$OUT/headline-model.txt" "$PY" -m benchmarks model --model smollm2-135m-shape \
+        --batch 1 --impl tinylm,tinylm-fused,hf-transformers "${h[@]}" --json "$OUT/headline-model.json"
+}
+
+run_lease() {  # tests beside sanitize, then the headline alone, then one archive of $OUT
+    (run_sanitize; exit "$status") >"$OUT/sanitize-stage.out" 2>&1 &
+    local pid=$!
+    run_tests
+    wait "$pid" || status=1
+    grep -E '^=== ' "$OUT/sanitize-stage.out" || true
+    run_headline
+    write_summary
+    tar czf /tmp/gpu-out.tgz -C "$OUT" . && mv /tmp/gpu-out.tgz "$OUT/gpu-out.tgz"
+}
+
 run_quick() {
     local q=(--reps 5 --warmup 2 --debug --no-progress)
     step "quick gemm" "$OUT/quick-gemm.txt" "$PY" -m benchmarks gemm --M 1024 "${q[@]}"
@@ -183,6 +218,8 @@ case "$STAGE" in
     sweep) run_sweep "${2:-}" ;;
     quick) run_quick ;;
     model) run_model ;;
+    headline) run_headline ;;
+    lease) run_lease ;;
     verify) run_tests; run_sanitize; run_bench; run_sweep softmax-cols; run_sweep decode-batch ;;
     all) run_tests; run_sanitize; run_bench; run_sweeps ;;
 esac

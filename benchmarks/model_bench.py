@@ -5,8 +5,8 @@ tokens (different text, one batch), EOS ignored. ``tinylm`` replays the prefill 
 length bucket, tinylm.prefill) and each decode step as CUDA graphs, ``tinylm-fused`` replays the
 fused prefill and the fused decode step (cupyattn.fused: 7 kernels per layer instead of 10 in
 the prefill, whose time is the TTFT, and 5 instead of 9 per decode step, whose time is the
-decode rate; not yet run on a GPU, so measured here beside the unfused ones to decide
-``tinylm.config.FUSED_PREFILL`` and ``config.TINYLM_FUSED_DECODE``), ``tinylm-eager`` launches
+decode rate; measured here beside the unfused ones: what decided ``tinylm.config.FUSED_PREFILL``
+and ``config.TINYLM_FUSED_DECODE``, and keeps checking them), ``tinylm-eager`` launches
 every kernel of both from Python (the TTFT without the prefill graph); all run one
 warm-up generation of the full length first (it compiles the kernels and captures the graphs of
 every context bucket the timed runs meet, as gpt-fast compiles before timing), then ``reps``

@@ -326,9 +326,12 @@ GEMM_WGMMA_TILES = {
 GEMM_WGMMA_GROUP_M = 8        # tile rows per raster group (the B tiles of a group stay in L2)
 GEMM_WGMMA_REGS = (40, 232)   # setmaxnreg: producer warpgroup, consumer warpgroups (128 x 40 + 256 x 232 <= 64K)
 GEMM_WGMMA_MIN_CC = 90        # sm_90a: H100 / H200 (compute capability 9.0) only
-# impl="auto" takes wgmma on sm_90 (for TMA-compatible operands) only after a GPU run has shown it
-# correct (GPU tier, sanitizers) and faster than mma in the same run; it has not run on a GPU yet.
-GEMM_AUTO_WGMMA = False
+# impl="auto" on sm_90 takes wgmma (for TMA-readable operands) for these dtypes where M, N and K
+# are all at least the size given: what a GPU run has shown correct (GPU tier, sanitizers) and
+# faster than mma in the same run. H100, 2026-11-26: fp16 4096^3 (nt) 0.206 ms vs mma 0.504 ms
+# (cuBLAS 0.181 ms). Smaller shapes and bf16 passed the GPU tier but were not timed against mma
+# (the gemm-smollm2 and gemm-llama2-7b sweeps, next GPU run).
+GEMM_AUTO_WGMMA = {FLOAT16: 4096}
 
 
 def gemm_wgmma_tile(m: int, n: int, nbatch: int, sms: int) -> WgmmaTile:
@@ -342,11 +345,12 @@ def gemm_wgmma_tile(m: int, n: int, nbatch: int, sms: int) -> WgmmaTile:
 # same way, and a block's 2 x 8-row groups are what the RoPE epilogue needs (8 rotation pairs of
 # one head: adjacent pairs in 16 consecutive rows, NeoX pairs in two 8-row groups D/2 apart).
 FUSED_SKINNY = GEMM_SKINNY
-# tinylm's default decode step. False: the fused step (5 kernels per layer: norm+QKV+RoPE+append,
+# tinylm's default decode step: the fused step (5 kernels per layer: norm+QKV+RoPE+append,
 # attention with its split combine, O proj+residual, norm+gate|up+SwiGLU, down+residual, against
-# 9 unfused) has run only on the CPU emulator; it becomes the default once one GPU run of
-# `python -m benchmarks model` shows it correct and faster than the unfused step in the same run.
-TINYLM_FUSED_DECODE = False
+# 9 unfused). H100, 2026-11-26: its GPU tests passed (greedy tokens equal the unfused step's and
+# NumPy's) and `python -m benchmarks model` (SmolLM2-135M's shapes, fp16, batch 1, graphs) gave
+# 968 tokens/s against 837 unfused in the same run (HF transformers eager 58).
+TINYLM_FUSED_DECODE = True
 # Launch the fused decode kernels with programmatic dependent launch (cuLaunchKernelEx through
 # cuda-bindings, griddepcontrol in the kernels; sm_90+). False: not measured on a GPU yet, and it
 # needs the cuda-bindings package.
@@ -419,10 +423,12 @@ ATTN_WGMMA_TILES = {
 }
 ATTN_WGMMA_REGS = (40, 232)   # setmaxnreg: producer warpgroup, consumer warpgroups (as the GEMM's)
 ATTN_WGMMA_STAGE_CHOICES = (2, 3, 4)   # what benchmarks.tune may try (shared memory permitting)
-# attention(impl=None) takes wgmma on sm_90 only after a GPU run has shown it correct (GPU tier,
-# sanitizers, error at most 2x flash_mma's) and faster than flash_mma in the same run; it has not
-# run on a GPU yet.
-ATTN_AUTO_WGMMA = False
+# attention(impl=None) on sm_90 takes wgmma for these (dtype, head dim) pairs: those a GPU run has
+# shown correct (GPU tier, sanitizers) and faster than flash_mma in the same run. H100, 2026-11-26
+# (benchmarks/results/2026-11-26-h100): fp16 B=4 H=32 S=4096 D=128, 1.78 ms vs flash_mma 4.06 ms
+# (causal 1.54 vs 2.21 ms; torch SDPA 1.64 / 0.93 ms). D=64 and 256 and bf16 passed the GPU tier
+# but were not timed: they keep flash_mma until a run (benchmarks.tune attention-wgmma) says.
+ATTN_AUTO_WGMMA = ((FLOAT16, 128),)
 # --- end: Hopper attention ---------------------------------------------------------------------
 
 # === GPU families: which kernel each compute capability gets (issue 24) =================
@@ -452,7 +458,8 @@ GPU_FAMILIES = {
     80: GpuFamily("Ampere (A100)", 163 * 1024, "every mma.sync kernel, fp16 and bf16, cp.async pipelines"),
     86: GpuFamily("Ampere (RTX 30, A10, A40)", 99 * 1024, "as sm_80; tiles over 99 KB fall back"),
     89: GpuFamily("Ada (RTX 40, L4, L40)", 99 * 1024, "as sm_86"),
-    90: GpuFamily("Hopper (H100, H200)", 227 * 1024, "as sm_80; opt-in: wgmma GEMM and attention (sm_90a), PDL"),
+    90: GpuFamily("Hopper (H100, H200)", 227 * 1024, "as sm_80, and the wgmma kernels (sm_90a) where an H100 run "
+                  "measured them faster: attention fp16 D=128, GEMM fp16 M, N, K >= 4096; opt-in: PDL"),
     100: GpuFamily("Blackwell (B200)", 227 * 1024, "as sm_90 without the sm_90a kernels"),
     120: GpuFamily("Blackwell (RTX 50)", 99 * 1024, "as sm_86"),
 }

@@ -339,7 +339,7 @@ def decode_attention(q, cache, layer, scale=None, num_splits=None, out=None, wor
     fused_combine : bool
         Merge the splits inside the decode kernel (the last split block of each head tile to
         finish merges, found by an atomic counter) instead of a second kernel: one launch per
-        call. Opt-in: it has not run on a GPU yet (config.TINYLM_FUSED_DECODE).
+        call (tinylm's fused decode step uses it: config.TINYLM_FUSED_DECODE).
     window : (left, right), optional
         Sliding window: the query (at position len - 1) sees keys ``j >= len - 1 - left``
         (-1: unbounded); ``right`` cannot hide anything in decode. Serving kernel variant,

@@ -208,7 +208,7 @@ def _check_args(q, k, v, causal, scale, mask, key_lengths, impl, return_lse, out
     scale = (1.0 / math.sqrt(d) if d else 1.0) if scale is None else _checks.check_real(_FN, "scale", scale)
     mshape = _check_mask(mask, (b, hq, sq, sk)) if mask is not None else None
     kl = _check_key_lengths(key_lengths, b, sk) if key_lengths is not None else None
-    if auto and _sm90.auto_takes(q, k, v):  # off until a GPU run (config.ATTN_AUTO_WGMMA)
+    if auto and _sm90.auto_takes(q, k, v):  # where measured faster (config.ATTN_AUTO_WGMMA)
         impl = "wgmma"
     if impl == "wgmma":
         _sm90.check(q, k, v)

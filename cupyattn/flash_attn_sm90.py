@@ -8,10 +8,10 @@ It needs an sm_90 device and
 q, k, v that TMA can read: 16-byte-aligned base pointers and batch / head / row strides that are
 positive multiples of 16 bytes (a contiguous tensor always qualifies: D is 64, 128 or 256).
 
-**It has not run on a GPU**: it passes its tests on the CPU emulator (tests/emu) and compiles for
-sm_90a, so ``impl=None`` keeps ``flash_mma`` (``config.ATTN_AUTO_WGMMA``) until a GPU run shows
-it correct and faster; once that flag is set, ``impl=None`` takes it on sm_90 wherever it can
-launch (:func:`auto_takes`), tinylm's prefill included. :mod:`cupyattn.flash_attn` calls :func:`check` from its argument checks
+It passed the GPU tier and the sanitizers on an H100 (2026-11-26), and ``impl=None`` takes it on
+sm_90 for the (dtype, head dim) pairs measured faster than ``flash_mma`` there
+(``config.ATTN_AUTO_WGMMA``: fp16 D=128) wherever it can launch (:func:`auto_takes`), tinylm's
+prefill included; other pairs keep ``flash_mma`` until timed. :mod:`cupyattn.flash_attn` calls :func:`check` from its argument checks
 and :func:`run` to launch.
 """
 from __future__ import annotations
@@ -90,9 +90,9 @@ def check(q, k, v) -> None:
 
 
 def auto_takes(q, k, v) -> bool:
-    """Whether impl=None runs this kernel: only once config.ATTN_AUTO_WGMMA is set (after a GPU
-    run), on sm_90, for 16-bit inputs of a supported head dim that it can launch on."""
-    if not C.ATTN_AUTO_WGMMA or np.dtype(q.dtype) not in MMA_DTYPES or q.shape[3] not in C.ATTN_WGMMA_TILES:
+    """Whether impl=None runs this kernel: on sm_90, for the (dtype, head dim) pairs of
+    config.ATTN_AUTO_WGMMA (measured faster on a GPU), inputs it can launch on."""
+    if (np.dtype(q.dtype), q.shape[3]) not in C.ATTN_AUTO_WGMMA or q.shape[3] not in C.ATTN_WGMMA_TILES:
         return False
     return tma.compute_capability() >= tma.MIN_COMPUTE_CAPABILITY and _launch_problem(q, k, v) is None
 

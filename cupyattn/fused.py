@@ -25,9 +25,10 @@ with the unfused ones to float32 summation order. The weights are the unfused on
 a block reads the rows its epilogue needs (the matching gate and up rows, both rows of a RoPE
 pair) wherever they are.
 
-**Not run on a GPU yet**: tested on the CPU emulator only; opt-in (``config.TINYLM_FUSED_DECODE``).
-With ``config.FUSED_DECODE_PDL`` the kernels are launched with programmatic dependent launch
-(needs cuda-bindings; also not run on a GPU yet).
+Passed the GPU tier and the sanitizers on an H100 (2026-11-26) and is tinylm's default decode
+step there (``config.TINYLM_FUSED_DECODE``: 968 against 837 tokens/s unfused, same run). With
+``config.FUSED_DECODE_PDL`` the kernels are launched with programmatic dependent launch (needs
+cuda-bindings; not timed on a GPU yet, so off).
 
 Shapes: ``x`` [..., K] with evenly strided rows (M = the product of the leading dims), last dim
 contiguous; weights [N, K] C-contiguous, all of x's dtype (float32, float16 or bfloat16); norm

@@ -20,10 +20,11 @@ most ``GEMM_SKINNY_MAX_M`` = 16: a decode projection reads a whole weight for a 
 so it is bound by reading the weight, which skinny does once at full width while a 128-row tile
 leaves most of its work idle and too few blocks to keep memory busy. Otherwise ``mma`` for
 float16/bfloat16 and ``simt`` for float32 (the tensor-core path has no float32-exact input type;
-TF32 would miss the 1e-5 contract). ``wgmma`` is opt-in: it has not run on a GPU yet
-(``config.GEMM_AUTO_WGMMA``); it needs an sm_90 device and operands TMA can read (16-byte aligned
+TF32 would miss the 1e-5 contract). ``wgmma`` (Hopper: passed the GPU tier and sanitizers on an
+H100, 2026-11-26) is what auto takes on sm_90 where ``config.GEMM_AUTO_WGMMA`` says it was measured
+faster (fp16 with M, N, K >= 4096: 2.4x mma there); it needs operands TMA can read (16-byte aligned
 base pointers, row and batch strides positive multiples of 16 bytes, cupyattn/tma.py), and says
-which rule an input breaks otherwise. Once auto takes it, such inputs stay on ``mma``.
+which rule an input breaks otherwise; auto keeps such inputs on ``mma``.
 
 Batching: leading dims broadcast NumPy-style and are handed to the kernel as at most two
 collapsed (size, stride) batch dims per operand, stride 0 for broadcast dims, so broadcast and
@@ -291,8 +292,10 @@ def _tma_problem(a, b, m, n, k, lda, ldb, dims, nt):
 
 
 def _auto_takes_wgmma(a, b, m, n, k, lda, ldb, dims, nt) -> bool:
-    """impl="auto" on sm_90 once GEMM_AUTO_WGMMA is set: 16-bit inputs past skinny's M, TMA-readable."""
-    if not C.GEMM_AUTO_WGMMA or np.dtype(a.dtype) not in MMA_DTYPES or (nt and m <= GEMM_SKINNY_MAX_M):
+    """impl="auto" on sm_90 where config.GEMM_AUTO_WGMMA says (dtype, M, N and K at least its size:
+    the shapes measured faster on a GPU), for TMA-readable operands."""
+    least = C.GEMM_AUTO_WGMMA.get(np.dtype(a.dtype))
+    if least is None or min(m, n, k) < least or (nt and m <= GEMM_SKINNY_MAX_M):
         return False
     if tma.compute_capability() < C.GEMM_WGMMA_MIN_CC:
         return False

@@ -21,6 +21,8 @@
 //                                            out-of-bounds elements zero-filled, written in the
 //                                            map's swizzle; complete_tx(box bytes) on bar. R = 2..5
 //   tma_store<R>(map, src, {c0..})           shared src -> the box at c (out-of-bounds skipped)
+//   Both: c0 * element size must be a multiple of 16 bytes (at 100 and 120 bytes the H100 stopped
+//   with an illegal instruction, 2026-11-26); the kernels' c0 are multiples of 64 elements.
 //   bulk_commit_group(), bulk_wait_group_read<N>(), bulk_wait_group<N>()   store groups: wait until
 //                                            at most N are pending (.read: their sources were read)
 //   fence_proxy_async_shared()               generic-proxy shared writes (st.shared, stmatrix)

@@ -197,9 +197,10 @@ def test_wgmma_argument_checks(rng, monkeypatch):
 
 @pytest.mark.gpu
 def test_impl_none_takes_wgmma_only_when_enabled_and_launchable(rng, monkeypatch):
-    """impl=None keeps flash_mma (config.ATTN_AUTO_WGMMA is off until a GPU run shows wgmma correct
-    and faster); switched on, it takes wgmma on sm_90 for inputs it can launch on (tinylm's
-    prefill goes through this) and flash_mma for the others, e.g. rows TMA cannot read."""
+    """impl=None keeps flash_mma for (dtype, head dim) pairs outside config.ATTN_AUTO_WGMMA (those
+    a GPU run measured faster); for a pair inside it, it takes wgmma on sm_90 for inputs it can
+    launch on (tinylm's prefill goes through this) and flash_mma for the others, e.g. rows TMA
+    cannot read."""
     _hopper()
     calls = []
     real = W.run
@@ -208,8 +209,8 @@ def test_impl_none_takes_wgmma_only_when_enabled_and_launchable(rng, monkeypatch
     (q, qr), (k, kr), (v, vr) = (to_device(x, dtype) for x in _qkv(rng, 1, 2, 1, 40, 70, 64))
     want = ref.attention(qr, kr, vr, causal=True)
     assert_close(FA.attention(q, k, v, causal=True, out=nan_like(q.shape, dtype)), want, dtype)
-    assert calls == []
-    monkeypatch.setattr(config, "ATTN_AUTO_WGMMA", True)
+    assert (np.dtype(dtype), 64) not in config.ATTN_AUTO_WGMMA and calls == []
+    monkeypatch.setattr(config, "ATTN_AUTO_WGMMA", ((np.dtype(dtype), 64),))
     assert_close(FA.attention(q, k, v, causal=True, out=nan_like(q.shape, dtype)), want, dtype)
     assert calls == [1]
     wide = to_device(np.zeros((1, 1, 70, 68)), dtype)[0]
@@ -221,14 +222,16 @@ def test_impl_none_takes_wgmma_only_when_enabled_and_launchable(rng, monkeypatch
 # --- CPU tier: tile table, instantiations, offline compile for sm_90a ------------------------------------
 def test_wgmma_tile_table_fits_and_is_built():
     """Every head dim of the table has an instantiation per dtype and mask, a tile the kernel's
-    static_asserts take, and shared memory within an H100's 227 KB; the default stays flash_mma."""
+    static_asserts take, and shared memory within an H100's 227 KB; impl=None takes it only for
+    (dtype, head dim) pairs the table has."""
     for d, t in config.ATTN_WGMMA_TILES.items():
         assert d % 64 == 0 and d <= 256 and t.block_n % 16 == 0 and t.block_n in (16, 32, 64, 128, 256), (d, t)
         assert t.smem_bytes(d) <= 227 * 1024, (d, t)
         assert t.reason
     want = {W._expr(dt, d, c) for dt in config.MMA_DTYPES for d in config.ATTN_WGMMA_TILES for c in (False, True)}
     assert set(W.SPEC.name_expressions) == want and len(want) == 12
-    assert "wgmma" not in FA.DEFAULT_IMPL.values() and config.ATTN_AUTO_WGMMA is False
+    assert "wgmma" not in FA.DEFAULT_IMPL.values()
+    assert all(dt in config.MMA_DTYPES and d in config.ATTN_WGMMA_TILES for dt, d in config.ATTN_AUTO_WGMMA)
 
 
 def test_wgmma_tuning_candidates_fit():

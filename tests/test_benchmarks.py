@@ -676,6 +676,23 @@ def test_gpu_run_script_is_valid_bash_and_runs_everything():
     assert r.returncode == 2 and "usage" in r.stderr
 
 
+def test_gpu_run_headline_names_real_ops_and_impls():
+    """The headline stage's commands (typed by hand) name ops and impls the CLI has."""
+    import re
+
+    from benchmarks import cases
+
+    text = (ROOT / "benchmarks" / "gpu_run.sh").read_text()
+    body = text[text.index("run_headline() {"):text.index("run_lease() {")]
+    body = body.replace("\\\n", " ")
+    att = re.search(r'local att=\((.*?)\)', body).group(1)
+    runs = re.findall(r'-m benchmarks (\w+) (.*?)--json', body.replace('"${att[@]}"', att))
+    assert [op for op, _ in runs] == ["attention", "attention", "gemm", "decode", "softmax", "model"]
+    for op, args in runs:
+        impls = re.search(r"--impl (\S+)", args).group(1).split(",")
+        assert set(impls) <= set(cases.impl_names(op)), (op, impls)
+
+
 def test_gpu_run_step_timeout_stops_a_step_and_keeps_going(tmp_path):
     """STEP_TIMEOUT ends a step that would outrun a capped device call; the script goes on and
     reports the failure in steps.log and its exit status."""

@@ -31,14 +31,14 @@ ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = [[1, 2, 3], [40, 5, 60, 7, 8], [9], [100, 11], [1, 2, 4], [7] * 20, [33, 34]]
 
 
-def sharp_tiny(backend="numpy", dtype=None, max_seq=128):
+def sharp_tiny(backend="numpy", dtype=None, max_seq=128, fused=False):
     """The tiny preset with projections x25, so greedy tokens depend on the whole context."""
     args = dataclasses.replace(PRESETS["tiny"], max_seq=max_seq)
     w = synthetic(args, 0)
     for lw in w.layers:
         for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):
             setattr(lw, name, getattr(lw, name) * np.float32(25))
-    return Generator(Transformer(args, w, backend, dtype, fused=False), None, "sharp-tiny")
+    return Generator(Transformer(args, w, backend, dtype, fused=fused), None, "sharp-tiny")
 
 
 def alone(gen, prompt, max_new, eos=None):
@@ -158,3 +158,15 @@ def test_paged_slots_on_the_device_equal_numpy_alone(sharp):
     assert len({got[i].extra["slot"] for i in range(len(prompts))}) == 2
     assert cache.free_pages == cache.num_pages and (cache.host_lengths == 0).all()
     assert sched.runner.replays > 0 and sched.state.graphs
+
+
+@pytest.mark.gpu
+def test_serve_decodes_unfused_whatever_the_generator_says(sharp):
+    """The fused decode step (the cupy backend's default) writes contiguous caches only: serve()
+    runs its paged steps unfused and leaves the generator's setting as it was."""
+    gen = sharp_tiny("cupy", "float32", fused=True)
+    assert gen.model.fused is True
+    prompts = PROMPTS[:3]
+    got = dict(serve(gen, prompts, 5, 2))
+    assert [got[i].generated_ids for i in range(len(prompts))] == [alone(sharp, p, 5) for p in prompts]
+    assert gen.model.fused is True

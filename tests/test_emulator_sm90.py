@@ -112,12 +112,24 @@ __global__ void named_misuse(float* y) {
     }
     y[threadIdx.x] = 1.0f;
 }
+// a load (MODE 0) or store (MODE 1) of a box whose innermost start is x elements into the row
+template <int MODE>
+__global__ void tma_at(const __grid_constant__ TmaMap map, int x, float* y) {
+    extern __shared__ __align__(128) uint4 smem_raw[];
+    __shared__ unsigned long long bar;
+    if (threadIdx.x == 0) { mbar_init(&bar, 1); mbar_fence_init(); }
+    __syncthreads();
+    if (threadIdx.x == 0 && MODE == 0) { mbar_arrive_expect_tx(&bar, 32 * 4 * 4); tma_load<2>((void*)smem_raw, &map, &bar, {x, 0}); }
+    if (threadIdx.x == 0 && MODE == 1) { tma_store<2>(&map, smem_raw, {x, 0}); bulk_commit_group(); bulk_wait_group<0>(); }
+    if (MODE == 0) mbar_wait(&bar, 0);
+    y[threadIdx.x] = 1.0f;
+}
 __global__ void store_unwaited(const __grid_constant__ TmaMap map) {
     extern __shared__ __align__(128) uint4 smem_raw[];
     if (threadIdx.x == 0) { tma_store<2>(&map, smem_raw, {0, 0}); bulk_commit_group(); }
 }
 """)
-names = ["never_arrives", "too_many", "clobbered", "tma_read<0>", "tma_read<1>", "store_unwaited"] + \
+names = ["never_arrives", "too_many", "clobbered", "tma_read<0>", "tma_read<1>", "store_unwaited", "tma_at<0>", "tma_at<1>"] + \
     [f"wg_misuse<{m}>" for m in range(6)] + ["named_misuse<0>", "named_misuse<1>"]
 mod = cupy.RawModule(code=SRC, name_expressions=names)
 k = {n: mod.get_function(n) for n in names}
@@ -152,6 +164,13 @@ expect(lambda: k["wg_misuse<4>"]((1,), (128,), (y,), shared_mem=8192), "deadlock
        "meets at wgmma.mma_async with 96 of 128 threads")
 expect(lambda: k["wg_misuse<0>"]((1,), (96,), (y,), shared_mem=8192), "not whole warpgroups of 128")
 expect(lambda: k["store_unwaited"]((1,), (32,), (m,), shared_mem=512), "never retired by cp.async.bulk.wait_group")
+# an innermost start off a 16-byte boundary (float32: x = 2 is 8 bytes in) stops the kernel, as it
+# did on the H100; x = 4 (16 bytes) and x = -4 copy
+for mode in (0, 1):
+    expect(lambda: k[f"tma_at<{mode}>"]((1,), (32,), (m, np.int32(2), y), shared_mem=512),
+           "innermost coordinate 2 is 8 bytes past a 16-byte boundary")
+    for x in (4, -4):
+        k[f"tma_at<{mode}>"]((1,), (32,), (m, np.int32(x), y), shared_mem=512)
 expect(lambda: k["named_misuse<0>"]((1,), (64,), (y,)), "deadlock", "named barrier 1 waits for 64 threads, 32 arrived")
 expect(lambda: k["named_misuse<0>"]((1,), (32,), (y,)), "thread count 64 is not a positive multiple of 32 within the block")
 expect(lambda: k["named_misuse<1>"]((1,), (128,), (y,)), "bar", "barrier 1 named with", "threads while its phase counts")

@@ -542,8 +542,8 @@ def test_wgmma_refuses_what_tma_cannot_read(layout, monkeypatch):
 
 @pytest.mark.gpu
 def test_auto_takes_wgmma_only_when_enabled_and_tma_can_read(monkeypatch):
-    """impl="auto" keeps mma (GEMM_AUTO_WGMMA is off until a GPU run shows wgmma correct and
-    faster); switched on, it takes wgmma on sm_90 for TMA-readable operands and mma for others."""
+    """impl="auto" keeps mma below config.GEMM_AUTO_WGMMA's sizes (what a GPU run measured faster);
+    within them it takes wgmma on sm_90 for TMA-readable operands and mma for others."""
     _hopper()
     rng = np.random.default_rng(6)
     log = _LaunchLog(monkeypatch)
@@ -553,7 +553,7 @@ def test_auto_takes_wgmma_only_when_enabled_and_tma_can_read(monkeypatch):
     odd_w, odd_w64 = to_device(rand_with_outliers(rng, (48, 63)), "float16")
     G.gemm_nt(a, w)
     assert log.launches[-1][0].startswith("gemm_mma_kernel")
-    monkeypatch.setattr(G.C, "GEMM_AUTO_WGMMA", True)
+    monkeypatch.setattr(G.C, "GEMM_AUTO_WGMMA", {np.dtype("float16"): 40})
     out = nan_like((40, 48), "float16")
     G.gemm_nt(a, w, out=out)
     assert log.launches[-1][0].startswith("gemm_wgmma_kernel")

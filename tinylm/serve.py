@@ -223,7 +223,9 @@ class Scheduler:
 def serve(gen, prompts, max_new_tokens: int, max_batch: int, ignore_eos: bool = False):
     """Greedy continuous batching for a :class:`tinylm.Generator`: ``prompts`` (lists of ids)
     over ``max_batch`` slots; yields ``(index, GenerationResult)`` as each prompt finishes
-    (``text`` decoded when a tokenizer is known). Arguments are checked before anything runs."""
+    (``text`` decoded when a tokenizer is known). Arguments are checked before anything runs.
+    Decode steps take the unfused kernels whatever ``gen``'s setting (the fused step, the cupy
+    backend's default, writes contiguous caches only); ``gen`` is left as it was."""
     from .generate import _check_max_new
 
     fn = "tinylm.serve"
@@ -234,9 +236,14 @@ def serve(gen, prompts, max_new_tokens: int, max_batch: int, ignore_eos: bool = 
     if not prompts:
         return
     positions = gen.positions(fn, max(len(p) for p in prompts), max_new_tokens)
-    sched = Scheduler(gen.model, prompts, max_new_tokens, int(max_batch), positions,
-                      frozenset() if ignore_eos else gen.stop_ids, gen.graphs, gen.prefill_graphs)
-    for i, res in sched.run():
-        if gen.tokenizer is not None:
-            res.text = gen.decode(res.generated_ids)
-        yield i, res
+    fused = gen.model.fused
+    gen.model.set_fused(False)
+    try:
+        sched = Scheduler(gen.model, prompts, max_new_tokens, int(max_batch), positions,
+                          frozenset() if ignore_eos else gen.stop_ids, gen.graphs, gen.prefill_graphs)
+        for i, res in sched.run():
+            if gen.tokenizer is not None:
+                res.text = gen.decode(res.generated_ids)
+            yield i, res
+    finally:
+        gen.model.set_fused(fused)

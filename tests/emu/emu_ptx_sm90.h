@@ -5,7 +5,8 @@
 //     succeed parks the thread, and a kernel that would hang on a GPU ends with a deadlock report
 //     naming the barrier and its state; more arrivals than the count in one phase, a barrier used
 //     before mbarrier.init or overwritten by a store, are errors;
-//   - TMA loads (cp.async.bulk.tensor, 9.7.9.25.5): the box is read with out-of-bounds elements
+//   - TMA loads (cp.async.bulk.tensor, 9.7.9.25.5): an innermost start coordinate off a 16-byte
+//     boundary is an error (measured on the H100: emu_tma_check_coords); the box is read with out-of-bounds elements
 //     zero-filled and written in the map's swizzle; the copy lands, with its complete_tx, at a
 //     moment the seeded schedule picks (emu_async_due: at issue, at a later scheduling point, or
 //     at the latest, when a thread polls the barrier's phase; emu_sm90_complete_tma is the one
@@ -230,6 +231,19 @@ inline EmuTmaDesc emu_tma_desc(const TmaMap* map, int rank, const char* what) {
                       "not emulated");
     return t;
 }
+// The box's innermost start coordinate must lie on a 16-byte boundary of the row. Measured on the
+// H100 (2026-11-26, benchmarks/results/2026-11-26-h100/README.md): copies at x = 50 and 60 fp16
+// elements (100, 120 bytes) stopped the kernel with an illegal instruction, in 2-d and 4-d maps,
+// loads and stores, 32- and 128-byte swizzles, with the rows' extent a multiple of 16 bytes or not;
+// each of those boxes also ran past the row's end (an unaligned box inside the row was not tried); the
+// same maps at x = 0, and the GEMM's boxes at multiples of 64 elements past a row's end, copied correctly.
+// cuTensorMapEncodeTiled cannot see it (the coordinates come at copy time), so neither can tma.py.
+inline void emu_tma_check_coords(const EmuTmaDesc& t, const int* c, const char* what) {
+    if (((long long)c[0] * t.esize) % 16 != 0)
+        emu_sm90_fail(std::string(what) + ": innermost coordinate " + std::to_string(c[0]) + " is " +
+                      std::to_string(((long long)c[0] * t.esize) % 16) + " bytes past a 16-byte boundary "
+                      "(an illegal instruction on the H100)");
+}
 // Box elements in order (dimension 0 fastest); f(shared byte offset in the box, global address or
 // nullptr when out of bounds). elementStrides: dimension d advances estride[d] elements per step
 // (dimension 0 ignores it, as TMA does without interleave).
@@ -280,6 +294,7 @@ inline void tma_load(void* dst, const TmaMap* map, unsigned long long* bar, cons
                                     " is not 128-byte aligned");
     emu_mbar(op.bar);
     for (int d = 0; d < 5; ++d) op.c[d] = d < R ? c[d] : 0;
+    emu_tma_check_coords(op.map, op.c, "cp.async.bulk.tensor (load)");
     op.bytes = emu_tma_bytes(op.map);
     op.due = emu_async_due();
     if (op.due == 0) {  // lands at issue
@@ -298,6 +313,7 @@ inline void tma_store(const TmaMap* map, const void* src, const int (&c)[R]) {
     op.src = smem_u32(src);
     if (op.src % 128) emu_sm90_fail("cp.async.bulk.tensor: shared source " + emu_hex(op.src) + " is not 128-byte aligned");
     for (int d = 0; d < 5; ++d) op.c[d] = d < R ? c[d] : 0;
+    emu_tma_check_coords(op.map, op.c, "cp.async.bulk.tensor (store)");
     op.group = emu_sm90.store_groups[emu_tid()];
     emu_sm90.stores[emu_tid()].push_back(op);
 }
