@@ -474,11 +474,17 @@ def test_cli_temperature_below_float32_range_is_greedy(temperature, capsys):
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_nan_logits_are_a_clear_error(temperature):
-    """A model whose logits are all NaN: generate raises the sampler's error, naming it."""
+    """A model whose logits are all NaN: generation raises what the device backend raises, naming
+    the sequence (tests/test_tinylm_gpu.py), and so does continuous batching, naming the prompt."""
+    from tinylm.serve import serve
+
     g = load("tiny", backend="numpy")
     g.model.params.output_norm[:] = np.nan
-    with pytest.raises(ValueError, match=r"Sampler.sample\(\): logits has no value that can be drawn"):
-        g.generate([1, 2, 3], 4, temperature=temperature)
+    with pytest.raises(RuntimeError, match=r"^generate\(\): sequence 0 has no logit that can be sampled at token 1 "
+                                           r"\(every logit is NaN or -inf\)$"):
+        g.generate_batch([[1, 2, 3], [4, 5]], 4, temperature=temperature)
+    with pytest.raises(RuntimeError, match=r"^tinylm.serve\(\): prompt 0 has no logit that can be sampled at token 1"):
+        next(serve(g, [[1, 2, 3], [4, 5], [6]], 4, 2))
 
 
 def test_sampler_rejects_bad_settings():

@@ -34,7 +34,8 @@ from collections import deque
 
 import numpy as np
 
-from .generate import MEMORY_SHARE, GenerationResult, decode_one, prefill, sequence_bytes, state_capacity
+from .generate import (MEMORY_SHARE, GenerationResult, check_sampled, decode_one, host_sample, prefill,
+                       sequence_bytes, state_capacity)
 from .graphs import DecodeRunner
 from .model import RunState, Transformer
 from .sampling import Sampler
@@ -154,7 +155,7 @@ class Scheduler:
     def _first_token(self, logits) -> int:
         ops, s = self.model.ops, self.scratch
         if s.sampling is None:
-            return Sampler(0.0, 0, 1.0, 0)(logits[0])
+            return host_sample(Sampler(0.0, 0, 1.0, 0), logits[0])
         with ops.stream():
             s.sampling.set(0.0, 0, 1.0, 0)
             ops.sample(logits, s.sampling, out=s.tokens)
@@ -165,7 +166,7 @@ class Scheduler:
         t0 = time.perf_counter()
         ids = self.prompts[index]
         logits = prefill(self.model, self.scratch, [ids], graphs=self.prefill_graphs)
-        tok = self._first_token(logits)
+        tok = check_sampled(self._first_token(logits), "tinylm.serve", f"prompt {index}", 1)
         with self.model.ops.stream():
             load_slot(self.state.cache, slot, self.scratch.cache, len(ids))
         cur[slot] = tok
@@ -195,7 +196,7 @@ class Scheduler:
         if self.runner is None:
             logits = decode_one(self.model, state, cur)
             greedy = Sampler(0.0, 0, 1.0, 0)
-            return [greedy(logits[i]) for i in range(self.slots)]
+            return [host_sample(greedy, logits[i]) for i in range(self.slots)]
         if self._admitted:  # the device ids are last step's samples: a new prompt's first id goes in
             with ops.stream():
                 ops.set_tokens(state.tokens, np.asarray(cur, dtype=np.int64))
@@ -237,7 +238,7 @@ class Scheduler:
                 if seq is None:  # idle: drop its token, give back what the step took
                     free_slot(self.state.cache, slot)
                     continue
-                seq["out"].append(tok)
+                seq["out"].append(check_sampled(tok, "tinylm.serve", f"prompt {seq['index']}", len(seq["out"]) + 1))
                 self.n_dec += 1
                 stop = self._done(seq)
                 if stop is not None:
