@@ -339,6 +339,24 @@ def test_cli_a_thousand_prompts_in_batches(tmp_path, monkeypatch, capsys):
     assert all(x["prompt_ids"] == list(f"p{x['index']:04d}".encode()) for x in lines[::97])
 
 
+def test_cli_an_allocation_failing_all_the_same_is_one_line(tmp_path, monkeypatch, capsys):
+    """Memory that vanishes after planning (another process takes it): the KV cache allocation
+    fails with NumPy's MemoryError, and the CLI says so in one line, exit status 2."""
+    from tinylm.model import Transformer
+
+    def no_memory(self, *a, **k):
+        raise MemoryError(
+            "Unable to allocate 110. GiB for an array with shape (30, 10000, 3, 512, 64) and data type float32")
+
+    monkeypatch.setattr(Transformer, "new_state", no_memory)
+    f = tmp_path / "many.txt"
+    f.write_text("".join(f"p{i}\n" for i in range(50)))
+    assert cli_main(["--prompts-file", str(f), "--preset", "tiny", "--backend", "numpy", "--max-new-tokens", "1"]) == 2
+    cap = capsys.readouterr()
+    assert cap.out == "" and cap.err.count("\n") == 1
+    assert cap.err.startswith("tinylm: error: out of memory: Unable to allocate 110. GiB") and "--max-batch" in cap.err
+
+
 def test_prompt_ids_out_of_the_vocabulary_are_refused(tiny):
     with pytest.raises(ValueError, match=r"Generator.generate\(\): prompt_ids must be token ids in \[0, 256\), "
                                          r"got 256 at index 1"):
