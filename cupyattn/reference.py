@@ -485,31 +485,50 @@ def sampling_probs(logits, temperature, top_k=0, top_p=1.0):
     return p
 
 
-def sample_token(logits, temperature, top_k=0, top_p=1.0, seed=0, step=0, mass_bits=40):
-    """The device sampler's exact choice for one row, re-implemented on the host: float32
-    logits and masses as the kernel forms them (``floor(exp((l - l_max) * beta) * 2^bits)`` in
-    float32), integer cuts, the Philox uniform of (seed, step), inverse CDF in id order. -1 for
-    a row with no candidate (every logit NaN or -inf)."""
+def sampling_masses(logits, temperature, top_k=0, top_p=1.0, mass_bits=40) -> np.ndarray:
+    """The device sampler's integer masses of one row after both cuts, re-implemented on the
+    host (object array of Python ints, [V]; all 0 when nothing can be drawn): float32 logits,
+    ``m_i = floor(exp((l_i - l_max) * beta) * 2^bits)`` in float32 as the kernel forms it (the
+    difference halved first where it overflows float32), integer cuts. ``m / m.sum()`` is the
+    distribution a sampled draw follows; greedy (beta = +inf) puts all of it on the first argmax."""
     l = np.asarray(logits).astype(np.float32).reshape(-1)
     safe = np.where(np.isnan(l), np.float32(-np.inf), l)
+    w = np.zeros(l.size, dtype=object)
+    w[:] = 0
     if not safe.max() > -np.inf:
-        return -1
+        return w
     beta = sampling_beta(temperature)
     if beta == np.inf:
-        return int(np.argmax(safe))
+        w[int(np.argmax(safe))] = 1
+        return w
     lmax = safe.max()
     full = 2 ** mass_bits
-    w = np.zeros(l.size, dtype=object)
+    f32 = np.float32
     with np.errstate(over="ignore", invalid="ignore", under="ignore"):
-        d = (safe - lmax).astype(np.float32)  # float32 subtraction, as the kernel
-        e = np.exp((d * beta).astype(np.float32)).astype(np.float32) * np.float32(2.0 ** mass_bits)
+        d = (safe - lmax).astype(f32)  # float32 subtraction, as the kernel
+        x = (d * beta).astype(f32)
+        # |l - l_max| beyond float32's range: (l/2 - l_max/2) * beta * 2, each step in float32
+        wide = (d == -np.inf) & (safe > -np.inf) & (lmax < np.inf)
+        x[wide] = ((f32(0.5) * safe[wide] - f32(0.5) * lmax).astype(f32) * beta).astype(f32) * f32(2.0)
+        e = np.exp(x).astype(f32) * f32(2.0 ** mass_bits)
     for i in range(l.size):
-        if not safe[i] > -np.inf or d[i] == -np.inf:
+        if not safe[i] > -np.inf or (d[i] == -np.inf and not wide[i]):
             continue  # NaN, -inf, or l_max = +inf over a finite logit: no mass
         w[i] = full if safe[i] >= lmax else int(np.floor(e[i]))
     keep = _keep_mask(l.astype(np.float64), w, top_k, float(np.float32(top_p)), exact=True)
-    mass = np.where(keep, w, 0)
+    return np.where(keep, w, 0)
+
+
+def sample_token(logits, temperature, top_k=0, top_p=1.0, seed=0, step=0, mass_bits=40):
+    """The device sampler's exact choice for one row, re-implemented on the host: the masses of
+    :func:`sampling_masses`, the Philox uniform of (seed, step), inverse CDF in id order. -1 for
+    a row with no candidate (every logit NaN or -inf)."""
+    mass = sampling_masses(logits, temperature, top_k, top_p, mass_bits)
     total = int(mass.sum())
+    if total == 0:
+        return -1
+    if sampling_beta(temperature) == np.inf:
+        return int(np.argmax(mass > 0))
     r = min(int(sampling_uniform(seed, step) * float(total)), total - 1)
     cum = np.cumsum(mass)
     return int(np.argmax(cum > r))

@@ -33,7 +33,9 @@ Edges (the same on tinylm's host Sampler and in the reference):
   samples, tied maxima sharing the mass equally. ``T`` so large that ``1/T`` falls below
   float32's normal range (above about 8.5e37) is the **uniform** limit: every candidate equally
   likely (the top-k and top-p cuts still rank tokens by logit, so top-p keeps about a share p
-  of them).
+  of them). Logits further apart than float32's range (``l - l_max`` overflows, e.g. 3e38 and
+  -3e38) keep their weight ``exp((l - l_max) * beta)``: the kernel halves both before
+  subtracting.
 - Subnormal float32 logits (below 1.2e-38 in magnitude, possible in bfloat16 too) may count as
   0 on a GPU (kernels are compiled with ``-ftz=true``).
 

@@ -24,7 +24,8 @@
 //   probability mass of candidate i: m_i = floor(exp((l_i - l_max) * beta) * 2^MASS_BITS), so
 //     the most likely token weighs exactly 2^MASS_BITS; masses below 1 (p_i / p_max <
 //     2^-MASS_BITS) are 0; when l_max is +inf only the +inf logits weigh (l_i - l_max = -inf);
-//     beta = 0 gives every candidate the same mass. NaN and -inf weigh 0 and never win the argmax.
+//     beta = 0 gives every candidate the same mass, even where l_i - l_max overflows float32.
+//     NaN and -inf weigh 0 and never win the argmax.
 //   top-k (0 < k < V): keep tokens whose logit >= the k-th largest logit (ties at the k-th value
 //     are all kept, so more than k tokens may remain).
 //   top-p (p < 1): among those, keep tokens whose logit >= the largest threshold t with
@@ -86,8 +87,14 @@ __device__ __forceinline__ u64 mass_of(float l, float lmax, float beta) {
     if (!(l > -CUDART_INF_F)) return 0ull;  // NaN or -inf: never drawn
     if (l >= lmax) return 1ull << SAMPLING_MASS_BITS;
     const float d = l - lmax;
-    if (d == -CUDART_INF_F) return 0ull;  // l_max = +inf (or the difference overflows)
-    return (u64)(expf(d * beta) * (float)(1ull << SAMPLING_MASS_BITS));
+    float x = d * beta;
+    if (d == -CUDART_INF_F) {
+        if (lmax == CUDART_INF_F) return 0ull;  // only the +inf logits weigh
+        // |l - l_max| beyond float32's range (both finite): halve first (exact at these
+        // magnitudes), double after beta, so a tiny beta still gives exp(x) > 0 (beta = 0: 1)
+        x = ((0.5f * l - 0.5f * lmax) * beta) * 2.0f;
+    }
+    return (u64)(expf(x) * (float)(1ull << SAMPLING_MASS_BITS));
 }
 
 // --- block reductions (blockDim.x == SAMPLING_THREADS) -------------------------------------------

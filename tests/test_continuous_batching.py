@@ -97,6 +97,67 @@ def test_prompt_past_the_context_is_refused_before_running(sharp):
         next(serve(sharp, [[1] * 120, [2]], 20, 1))
 
 
+def test_context_exactly_full_runs_to_the_end(sharp):
+    """Context 128: the longest prompt (120 tokens) + 9 new tokens needs 128 positions (the last
+    token is never fed back): every prompt gets its alone tokens, through slot reuse; one more
+    new token is refused before anything runs."""
+    prompts = [[1 + i % 90 for i in range(120)], [2], [3, 4], [5] * 119]
+    got = dict(serve(sharp, prompts, 9, 2, ignore_eos=True))
+    assert [got[i].generated_ids for i in range(4)] == [alone(sharp, p, 9) for p in prompts]
+    assert all(len(got[i].generated_ids) == 9 for i in range(4))
+    with pytest.raises(ValueError, match=r"tinylm.serve\(\): a prompt of 120 tokens \+ max_new_tokens=10 needs "
+                                         r"129 cache positions"):
+        next(serve(sharp, prompts, 10, 2))
+
+
+def _free_for_slots(gen, n, longest, max_new):
+    """Free memory (bytes) that holds exactly ``n`` slots beside the scratch by serve's estimate."""
+    from tinylm.generate import MEMORY_SHARE
+    from tinylm.serve import slot_bytes
+
+    per_slot, scratch = slot_bytes(gen.model, longest, gen.positions("t", longest, max_new))
+    return int((scratch + (n + 0.5) * per_slot) / MEMORY_SHARE)
+
+
+def test_slots_beyond_memory_are_not_made(sharp, monkeypatch, capsys):
+    """Memory for 2 slots: --max-batch 4 runs over 2 (the results say so) with every prompt's
+    alone tokens; memory for none: one RuntimeError line ("0 slots fit"), exit status 2 from
+    the CLI, nothing printed on stdout."""
+    monkeypatch.setattr(sharp.model.ops, "free_memory", lambda: _free_for_slots(sharp, 2, 20, 5))
+    got = dict(serve(sharp, PROMPTS, 5, 4))
+    assert {r.extra["batch"] for r in got.values()} == {2}
+    assert [got[i].generated_ids for i in range(len(PROMPTS))] == [alone(sharp, p, 5) for p in PROMPTS]
+    monkeypatch.setattr(sharp.model.ops, "free_memory", lambda: _free_for_slots(sharp, 0, 20, 5))
+    with pytest.raises(RuntimeError, match=r"tinylm.serve\(\): one decode slot \(24 cache positions\) needs "
+                                           r".* GiB on the numpy backend .* 0 slots fit"):
+        next(serve(sharp, PROMPTS, 5, 4))
+    from tinylm.ops_numpy import NumpyOps
+
+    monkeypatch.setattr(NumpyOps, "free_memory", staticmethod(lambda: 1000))
+    assert cli_main(["--preset", "tiny", "--max-batch", "2"] + [x for p in "abc" for x in ("--prompt", p)]) == 2
+    cap = capsys.readouterr()
+    assert cap.out == "" and cap.err.count("\n") == 1 and "0 slots fit" in cap.err
+
+
+def test_the_estimate_bounds_what_the_slots_allocate(sharp):
+    """tracemalloc's peak over a whole continuous-batching run on the NumPy backend (slots,
+    scratch prefill, decode steps) stays within slots x slot_bytes + scratch, plus 1 MiB."""
+    import tracemalloc
+
+    from tinylm.serve import slot_bytes
+
+    for slots, prompts, max_new in [(3, PROMPTS, 6), (2, [[5] * 100, [6] * 90, [7]], 20)]:
+        longest = max(len(p) for p in prompts)
+        per_slot, scratch = slot_bytes(sharp.model, longest, sharp.positions("t", longest, max_new))
+        tracemalloc.start()
+        try:
+            list(serve(sharp, prompts, max_new, slots))
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak <= slots * per_slot + scratch + 2**20, (slots, peak, slots * per_slot + scratch)
+
+
 def test_cli_continuous_batching_prints_each_prompt_with_its_index(capsys):
     prompts = ["a", "bb", "ccc", "dddd", "e"]
     argv = ["--preset", "tiny", "--max-new-tokens", "3", "--json", "--max-batch", "2"]
@@ -158,6 +219,20 @@ def test_paged_slots_on_the_device_equal_numpy_alone(sharp):
     assert len({got[i].extra["slot"] for i in range(len(prompts))}) == 2
     assert cache.free_pages == cache.num_pages and (cache.host_lengths == 0).all()
     assert sched.runner.replays > 0 and sched.state.graphs
+
+
+@pytest.mark.gpu
+def test_paged_slots_fill_the_context_exactly(sharp):
+    """Context 32 on the device: the longest prompt (20 tokens) + 13 new tokens needs 32 positions
+    (2 pages of 16 per slot), and runs to the end as graph replays with the NumPy backend's
+    tokens alone; 14 new tokens are refused before anything runs."""
+    gen = sharp_tiny("cupy", "float32", max_seq=32)
+    prompts = [[3 + 7 * i % 80 for i in range(20)], [1, 2], [9] * 19]
+    got = dict(serve(gen, prompts, 13, 2, ignore_eos=True))
+    assert [got[i].generated_ids for i in range(3)] == [alone(sharp, p, 13) for p in prompts]
+    assert got[0].extra["graph_replays"] > 0
+    with pytest.raises(ValueError, match="needs 33 cache positions"):
+        next(serve(gen, prompts, 14, 2))
 
 
 @pytest.mark.gpu

@@ -285,6 +285,23 @@ def test_gpu_sample_rows_with_nothing_to_draw_and_infinities(dtype, temp):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("temp", [1e39, 8e37])
+def test_gpu_sample_logits_further_apart_than_float32(temp):
+    """l - l_max overflows float32 (2e38 - -1.5e38): the far token still weighs exp((l - l_max)
+    / T) (in the uniform limit as much as any other). 600 rows, seeds s + b: the device
+    frequencies follow reference.sampling_probs (tests/test_sampling.py holds it to first
+    principles)."""
+    from test_properties import assert_frequencies
+
+    n = 600
+    z = np.array([2e38, -1.5e38, 1.0, np.nan, -np.inf, -1.5e38], dtype=np.float32)
+    zd, _ = to_device(np.broadcast_to(z, (n, z.size)).astype(np.float64), "float32")
+    probs = ref.sampling_probs(z, temp)
+    assert probs[1] > 1e-3 and probs[1] == probs[5]
+    assert_frequencies(to_host(S.sample(zd, S.SamplingParams(n, temp, seed=77))).astype(int), probs, temp)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("temp,k,p", [(1.0, 0, 1.0), (0.7, 6, 0.9),
                                       pytest.param(1e39, 0, 0.5, marks=pytest.mark.emu_slow)])  # uniform limit
 def test_gpu_sample_distribution_matches_host_sampler(temp, k, p):

@@ -23,7 +23,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import DTYPES, TOL, assert_close, nan_like, np_dtype, rand_with_outliers, to_device, to_host
+from conftest import DTYPES, EMULATE, TOL, assert_close, nan_like, np_dtype, rand_with_outliers, to_device, to_host
 from cupyattn import config
 from cupyattn import reference as ref
 
@@ -753,6 +753,53 @@ def _check_sample(c):
 def test_sample(case):
     _check_sample(case)
 
+
+
+# One row drawn value by value from the edges (NaN, +-inf, ties, float32's largest and smallest
+# magnitudes, so that l - l_max overflows float32), for frequency tests of a sampler against
+# the reference's distribution: N draws of the row (seeds seed + b on the device).
+EDGE_LOGITS = st.one_of(st.sampled_from([np.nan, np.inf, -np.inf, 0.0, 1.0, 1.0, -1.0, 2.5, 3e38, -3e38,
+                                         -1.7e38, 1e-30, -1e-30, 1e30]),
+                        st.floats(-4.0, 4.0, width=32))
+
+
+@st.composite
+def distribution_cases(draw):
+    v = draw(st.integers(1, 12))
+    return dict(row=draw(st.lists(EDGE_LOGITS, min_size=v, max_size=v)), temperature=draw(TEMPERATURES),
+                top_k=draw(st.one_of(st.just(0), st.integers(1, v + 1))),
+                top_p=draw(st.one_of(st.just(1.0), st.floats(0.05, 1.0))), seed=draw(st.integers(0, 2**63)))
+
+
+def assert_frequencies(draws, probs, what=""):
+    """``draws`` (token ids, -1 for none) follow ``probs``: no draw outside its support, -1 only
+    (and always) when it is empty, and each token's frequency within 4.5 standard errors."""
+    draws = np.asarray(draws)
+    if not probs.any():
+        assert (draws == -1).all(), what
+        return
+    assert (draws >= 0).all() and (probs[draws] > 0).all(), (what, sorted(set(draws.tolist())), probs)
+    n = draws.size
+    freq = np.bincount(draws, minlength=probs.size) / n
+    band = 4.5 * np.sqrt(probs * (1 - probs) / n) + 1e-9
+    assert (np.abs(freq - probs) <= band).all(), (what, freq, probs)
+
+
+@pytest.mark.gpu
+@settings(PROFILE, max_examples=6 if EMULATE else 60)  # each example: N blocks of 1024 emulated threads
+@given(case=distribution_cases())
+def test_sample_distribution(case):
+    """The device sampler's frequencies over N rows of one edge-case row (float32) against the
+    float64 distribution of ``reference.sampling_probs``, the top_p cut taken exactly there."""
+    from cupyattn import sampling as S
+
+    n = 300 if EMULATE else 4000
+    z = np.array(case["row"], dtype=np.float32)
+    zd, _ = to_device(np.broadcast_to(z, (n, z.size)).astype(np.float64), "float32")
+    t, k, p = case["temperature"], case["top_k"], float(np.float32(case["top_p"]))  # the device's top_p
+    params = S.SamplingParams(n, temperature=t, top_k=k, top_p=p, seed=case["seed"])
+    probs = ref.sampling_probs(z, t, k, p)
+    assert_frequencies(to_host(S.sample(zd, params)).astype(int), probs, (t, k, p))
 
 # --- wider variants: every head dim, larger sizes (minutes on the emulator) -------------------
 @pytest.mark.gpu

@@ -15,8 +15,8 @@ import warnings
 
 import numpy as np
 import pytest
-from hypothesis import given
-from test_properties import PROFILE, sample_cases, sample_logits
+from hypothesis import given, settings
+from test_properties import PROFILE, assert_frequencies, distribution_cases, sample_cases, sample_logits
 
 from conftest import np_dtype
 from cupyattn import reference as ref
@@ -111,3 +111,66 @@ def test_host_sampler_over_any_logits(case):
         assert support[got], (i, t, k, p, zr[got])
         if s.greedy:
             assert got == int(np.argmax(np.where(np.isnan(zr), -np.inf, zr)))
+
+
+@pytest.mark.parametrize("t", [1e39, 1e300, 8e37, 5e37])
+def test_logit_differences_beyond_float32(t):
+    """l - l_max overflows float32 (3e38 - -3e38): the weights are still exp((l - l_max) * beta)
+    with beta = float32(1/T), worked out here in float64 from first principles; the uniform
+    limit (1/T subnormal) weighs every candidate alike. The kernel's integer model (what
+    cupyattn.sample draws from, held to it token for token in tests/test_properties.py) and the
+    host Sampler's frequencies agree with it."""
+    big = float(np.float32(3e38))  # the float32 value the samplers see
+    z = np.array([big, -big, np.nan, 1.0, -np.inf], dtype=np.float32)
+    beta = float(np.float32(1 / t)) if 1 / t >= 1.1754943508222875e-38 else 0.0
+    w = np.array([1.0, math.exp(-2 * big * beta), 0.0, math.exp(-(big - 1.0) * beta), 0.0])
+    want = w / w.sum()
+    assert want[1] > 1e-6  # the token past float32's range of differences does weigh
+    np.testing.assert_allclose(ref.sampling_probs(z, t), want, rtol=1e-12, atol=0)
+    mass = ref.sampling_masses(z, t).astype(float)
+    np.testing.assert_allclose(mass / mass.sum(), want, rtol=1e-5, atol=2.0 ** -40)
+    s = Sampler(t, seed=8)
+    assert_frequencies([s(z) for _ in range(3000)], want, t)
+
+
+def _kept_distribution(z, t, k, p):
+    """The kernel model's distribution (integer masses, normalised) beside the reference's at top_p
+    p, and at p -+ 1e-6 (where the two put a top-p cut on either side of a near-tie)."""
+    mass = ref.sampling_masses(z, t, k, p).astype(float)
+    near = [ref.sampling_probs(z, t, k, min(1.0, q)) for q in (p, p - 1e-6, p + 1e-6)]
+    return (mass / mass.sum() if mass.any() else mass), near
+
+
+@PROFILE
+@given(case=sample_cases())
+def test_kernel_model_draws_from_the_reference_distribution(case):
+    """``reference.sampling_masses`` (the device sampler's integer algorithm; the device equals
+    it token for token in test_properties.test_sample) over any logits and settings: total
+    variation distance from ``sampling_probs`` under 1e-5 (float32 exponent rounding and the
+    2^-40 floor), the empty row included. Catches a token the kernel weighs 0 (or wrongly) where
+    the float64 distribution does not."""
+    with np.errstate(over="ignore"):  # huge logits round to inf in float16 by design
+        z = sample_logits(case).astype(np_dtype(case["dtype"])).astype(np.float64)
+    for i, (t, k, p) in enumerate(case["settings"]):
+        got, near = _kept_distribution(z[i], t, k, float(np.float32(p)))
+        tv = min(np.abs(got - q).sum() for q in near)
+        assert tv < 1e-5, (i, t, k, p, got, near[0])
+
+
+@settings(PROFILE, max_examples=300)
+@given(case=distribution_cases())
+def test_both_samplers_follow_the_reference_on_edge_rows(case):
+    """Rows drawn value by value from the edges (NaN, +-inf, ties, +-3e38, 1e-30): the host
+    Sampler's frequencies over 400 draws, and the kernel model's exact distribution, against
+    ``sampling_probs``. (The device's own frequencies: test_properties.test_sample_distribution.)"""
+    z = np.array(case["row"], dtype=np.float32)
+    t, k, p = case["temperature"], case["top_k"], case["top_p"]
+    probs = ref.sampling_probs(z, t, k, p)
+    s = Sampler(t, k, p, seed=case["seed"] % 2**64)
+    if not probs.any():
+        with pytest.raises(ValueError, match="no value that can be drawn"):
+            s(z)
+    else:
+        assert_frequencies([s(z) for _ in range(400)], probs, (t, k, p))
+    got, near = _kept_distribution(z.astype(np.float64), t, k, float(np.float32(p)))
+    assert min(np.abs(got - q).sum() for q in near) < 1e-5, (t, k, p, got, probs)

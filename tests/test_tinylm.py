@@ -339,6 +339,24 @@ def test_cli_a_thousand_prompts_in_batches(tmp_path, monkeypatch, capsys):
     assert all(x["prompt_ids"] == list(f"p{x['index']:04d}".encode()) for x in lines[::97])
 
 
+def test_cli_an_allocation_failing_all_the_same_is_one_line(tmp_path, monkeypatch, capsys):
+    """Memory that vanishes after planning (another process takes it): the KV cache allocation
+    fails with NumPy's MemoryError, and the CLI says so in one line, exit status 2."""
+    from tinylm.model import Transformer
+
+    def no_memory(self, *a, **k):
+        raise MemoryError(
+            "Unable to allocate 110. GiB for an array with shape (30, 10000, 3, 512, 64) and data type float32")
+
+    monkeypatch.setattr(Transformer, "new_state", no_memory)
+    f = tmp_path / "many.txt"
+    f.write_text("".join(f"p{i}\n" for i in range(50)))
+    assert cli_main(["--prompts-file", str(f), "--preset", "tiny", "--backend", "numpy", "--max-new-tokens", "1"]) == 2
+    cap = capsys.readouterr()
+    assert cap.out == "" and cap.err.count("\n") == 1
+    assert cap.err.startswith("tinylm: error: out of memory: Unable to allocate 110. GiB") and "--max-batch" in cap.err
+
+
 def test_prompt_ids_out_of_the_vocabulary_are_refused(tiny):
     with pytest.raises(ValueError, match=r"Generator.generate\(\): prompt_ids must be token ids in \[0, 256\), "
                                          r"got 256 at index 1"):
@@ -474,11 +492,17 @@ def test_cli_temperature_below_float32_range_is_greedy(temperature, capsys):
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_nan_logits_are_a_clear_error(temperature):
-    """A model whose logits are all NaN: generate raises the sampler's error, naming it."""
+    """A model whose logits are all NaN: generation raises what the device backend raises, naming
+    the sequence (tests/test_tinylm_gpu.py), and so does continuous batching, naming the prompt."""
+    from tinylm.serve import serve
+
     g = load("tiny", backend="numpy")
     g.model.params.output_norm[:] = np.nan
-    with pytest.raises(ValueError, match=r"Sampler.sample\(\): logits has no value that can be drawn"):
-        g.generate([1, 2, 3], 4, temperature=temperature)
+    with pytest.raises(RuntimeError, match=r"^generate\(\): sequence 0 has no logit that can be sampled at token 1 "
+                                           r"\(every logit is NaN or -inf\)$"):
+        g.generate_batch([[1, 2, 3], [4, 5]], 4, temperature=temperature)
+    with pytest.raises(RuntimeError, match=r"^tinylm.serve\(\): prompt 0 has no logit that can be sampled at token 1"):
+        next(serve(g, [[1, 2, 3], [4, 5], [6]], 4, 2))
 
 
 def test_sampler_rejects_bad_settings():

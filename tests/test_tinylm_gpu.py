@@ -254,11 +254,17 @@ def test_device_sampled_batch_seed_semantics(tiny_pair):
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_nan_logits_are_a_clear_error_on_the_device(temperature):
-    """All-NaN logits: the device sampler returns -1 and generate raises, naming the sequence."""
+    """All-NaN logits: the device sampler returns -1 and generate raises, naming the sequence, as
+    on the NumPy backend (tests/test_tinylm.py); continuous batching (greedy) names the prompt."""
+    from tinylm.serve import serve
+
     g = load("tiny", backend="cupy", dtype="float32", max_seq=64)
     g.model.params.output_norm[...] = np.nan
     with pytest.raises(RuntimeError, match=r"generate\(\): sequence 0 has no logit that can be sampled at token 1"):
         g.generate_batch([[1, 2, 3], [4, 5]], 4, temperature=temperature)
+    if temperature == 0.0:
+        with pytest.raises(RuntimeError, match=r"tinylm.serve\(\): prompt 0 has no logit that can be sampled"):
+            next(serve(g, [[1, 2, 3], [4, 5], [6]], 4, 2))
 
 
 def test_context_boundary_on_the_device():

@@ -243,3 +243,36 @@ def _valid_utf8(b):
         return True
     except UnicodeDecodeError:
         return False
+
+
+# --- input types: what the tokenizers library would reject with its own error -----------------
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.one_of(st.characters(), st.characters(categories=["Cs"])), max_size=30).map("".join))
+# (st.text never yields a surrogate: the strings are joined from characters, surrogates included)
+def test_any_str_encodes_or_names_its_first_lone_surrogate(small, s):
+    """Every str, surrogates (category Cs) included: ids, or a ValueError naming Tokenizer.encode
+    (encode_chat), the argument, the first surrogate's code point and index."""
+    bad = [i for i, c in enumerate(s) if 0xD800 <= ord(c) <= 0xDFFF]
+    calls = [("Tokenizer.encode", "text", lambda: small.encode(s)),
+             ("Tokenizer.encode_chat", "prompt", lambda: small.encode_chat(s)),
+             ("Tokenizer.encode_chat", "system", lambda: small.encode_chat("hi", system=s))]
+    for fn, arg, call in calls:
+        if not bad:
+            assert all(isinstance(i, int) for i in call())
+            continue
+        want = rf"{fn}\(\): {arg} is not valid Unicode text: lone surrogate U\+{ord(s[bad[0]]):04X} at index {bad[0]}$"
+        with pytest.raises(ValueError, match=want):
+            call()
+
+
+@pytest.mark.parametrize("value", [b"hi", bytearray(b"hi"), memoryview(b"hi"), None, 12, 1.5, ["hi"], ("h", "i")])
+def test_non_str_text_is_a_type_error_naming_the_argument(small, value):
+    """Anything but a str: TypeError naming the function, the argument and the type received."""
+    kind = type(value).__name__
+    with pytest.raises(TypeError, match=rf"Tokenizer.encode\(\): text must be a str, got {kind}"):
+        small.encode(value)
+    with pytest.raises(TypeError, match=rf"Tokenizer.encode_chat\(\): prompt must be a str, got {kind}"):
+        small.encode_chat(value)
+    if value is not None:  # system=None is the template's default line
+        with pytest.raises(TypeError, match=rf"Tokenizer.encode_chat\(\): system must be a str, got {kind}"):
+            small.encode_chat("hi", system=value)

@@ -7,8 +7,8 @@ positional one if given) run together in batches as large as memory allows (one 
 the set is large; tinylm.generate plans them): each batch's results are printed as it ends
 (``[i] text``), or with ``--json`` as one JSON object per line, one per prompt, in order.
 ``--quiet`` leaves stderr to errors. Expected failures (no model file, no GPU for --backend
-cupy, a bad option value, not even one prompt fitting in memory) print one line to stderr and
-exit with status 2.
+cupy, a bad option value, not even one prompt fitting in memory, an allocation failing all the
+same) print one line to stderr and exit with status 2.
 """
 from __future__ import annotations
 
@@ -39,8 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "blank lines skipped), run like --prompt")
     p.add_argument("--max-batch", type=int, default=None, metavar="N",
                    help="continuous batching (greedy only; not yet run on a GPU): with more prompts than N, "
-                        "N slots decode together and a finished sequence's slot takes the next prompt at "
-                        "once; results are printed as they finish, each with its prompt index [i]. With no "
+                        "N slots (fewer if N do not fit in memory) decode together and a finished sequence's "
+                        "slot takes the next prompt at once; results are printed as they finish, each with its "
+                        "prompt index [i]. With no "
                         "more prompts than N: one batch, as without it")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the ChatML chat template")
     p.add_argument("--system", default=None, metavar="S", help="system message for --chat")
@@ -322,10 +323,12 @@ def main(argv=None) -> int:
                     _print_indexed(gen, len(results), res, load_s, args.json)
                     results.append(res)
                 n_batches += 1
-    except expected as e:
+    except (*expected, MemoryError) as e:
         msg = str(e) or type(e).__name__
         if isinstance(e, KeyError):
             msg = f"missing key {msg}"
+        if isinstance(e, MemoryError):  # past the planner's estimate (batches fit what was free at the start)
+            msg = f"out of memory: {msg}; run fewer prompts at once (--max-batch N)"
         return _fail(msg.splitlines()[0] if msg else type(e).__name__)
     except KeyboardInterrupt:
         return 130

@@ -26,7 +26,7 @@ import numpy as np
 
 from .graphs import DecodeRunner
 from .model import RunState, Transformer
-from .sampling import Sampler
+from .sampling import NothingToDraw, Sampler
 
 
 @dataclass
@@ -108,6 +108,23 @@ def decode_one(model: Transformer, state: RunState, token):
         return model.forward(state.tokens, state)[:, -1]
 
 
+def host_sample(sampler: Sampler, logits) -> int:
+    """``sampler(logits)``, or -1 (the device sampler's answer) for a row with nothing to draw."""
+    try:
+        return sampler(logits)
+    except NothingToDraw:
+        return -1
+
+
+def check_sampled(tok: int, fn: str, who: str, nth: int) -> int:
+    """``tok``, or RuntimeError naming ``fn`` and the sequence when it is -1: a row of logits with
+    nothing to draw (every logit NaN or -inf), on either backend."""
+    if tok < 0:
+        raise RuntimeError(f"{fn}(): {who} has no logit that can be sampled at token {nth} (every logit is "
+                           f"NaN or -inf)")
+    return tok
+
+
 def _stop_set(eos_id) -> frozenset:
     if eos_id is None:
         return frozenset()
@@ -174,10 +191,7 @@ def generate_batch(model: Transformer, state: RunState, prompts, max_new_tokens:
         for i, tok in enumerate(int(t) for t in toks):
             if t_end[i]:
                 continue  # finished: later tokens of this row are dropped
-            if tok < 0:  # the device sampler's answer for a row of NaN / -inf logits
-                raise RuntimeError(f"generate(): sequence {i} has no logit that can be sampled at token "
-                                   f"{len(out[i]) + 1} (every logit is NaN or -inf)")
-            out[i].append(tok)
+            out[i].append(check_sampled(tok, "generate", f"sequence {i}", len(out[i]) + 1))
             if on_token is not None:
                 on_token(i, tok)
             if tok in stop_ids:
@@ -196,7 +210,7 @@ def generate_batch(model: Transformer, state: RunState, prompts, max_new_tokens:
             ops.sample(logits, state.sampling, out=state.tokens)
             take(ops.read_tokens(state.tokens), time.perf_counter())
     else:
-        take([samplers[i](logits[i]) for i in range(b)], time.perf_counter())
+        take([host_sample(samplers[i], logits[i]) for i in range(b)], time.perf_counter())
     t1 = time.perf_counter()
     runner = DecodeRunner(model, state, graphs) if device else None
     steps = 0
@@ -205,7 +219,7 @@ def generate_batch(model: Transformer, state: RunState, prompts, max_new_tokens:
             toks = runner.step()
         else:
             step_logits = decode_one(model, state, [row[-1] for row in out])
-            toks = [samplers[i](step_logits[i]) for i in range(b)]
+            toks = [host_sample(samplers[i], step_logits[i]) for i in range(b)]
         steps += 1
         take(toks, time.perf_counter())
     t2 = time.perf_counter()

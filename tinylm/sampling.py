@@ -39,6 +39,11 @@ def _xp(a):
 FLOAT32_TINY = float(np.finfo(np.float32).tiny)  # smallest normal float32
 
 
+class NothingToDraw(ValueError):
+    """Raised by :meth:`Sampler.sample` for a row whose logits are all NaN or -inf (a ValueError;
+    the device sampler returns -1 there instead)."""
+
+
 def inverse_temperature(temperature: float) -> float:
     """beta = 1/T as float32 would hold it: inf (greedy) for 0 or an overflowing 1/T, 0 (uniform)
     for a 1/T below float32's normal range."""
@@ -85,13 +90,13 @@ class Sampler:
     def sample(self, logits) -> int:
         """logits [vocab] (any float dtype, NumPy or CuPy) -> token id (host int).
 
-        Raises ValueError when no logit can be drawn (all NaN or -inf)."""
+        Raises NothingToDraw (a ValueError) when no logit can be drawn (all NaN or -inf)."""
         xp = _xp(logits)
         z = logits.reshape(-1).astype(xp.float32, copy=False)  # reductions on bf16 vary
         z = xp.where(xp.isnan(z), xp.float32(-xp.inf), z)  # NaN is never drawn, like -inf
         best = int(xp.argmax(z))
         if not float(z[best]) > -math.inf:
-            raise ValueError("Sampler.sample(): logits has no value that can be drawn (every logit is NaN "
+            raise NothingToDraw("Sampler.sample(): logits has no value that can be drawn (every logit is NaN "
                              "or -inf)")
         if self.greedy:
             return best

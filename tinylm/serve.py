@@ -19,6 +19,12 @@ Backends:
 - ``numpy``: the same scheduler over the contiguous NumpyCache (a slot is freed by setting its
   length to 0); decode steps are eager.
 
+Memory: each slot holds a KV cache of the longest prompt + max new tokens - 1 positions, and the
+batch-1 scratch state the prompts are prefilled in holds one more with the prefill's activations
+(``slot_bytes``). At most MEMORY_SHARE of the memory free at the start is used, like the batches
+of ``Generator.batches``: more slots than fit are not made (``serve`` runs the ones that fit),
+and if not even one fits, ``serve`` raises one RuntimeError line saying what one slot needs.
+
 Greedy tokens of every prompt equal its run alone (tests/test_continuous_batching.py).
 """
 from __future__ import annotations
@@ -28,7 +34,8 @@ from collections import deque
 
 import numpy as np
 
-from .generate import GenerationResult, decode_one, prefill
+from .generate import (MEMORY_SHARE, GenerationResult, check_sampled, decode_one, host_sample, prefill,
+                       sequence_bytes, state_capacity)
 from .graphs import DecodeRunner
 from .model import RunState, Transformer
 from .sampling import Sampler
@@ -61,6 +68,37 @@ def slot_state(model: Transformer, slots: int, positions: int) -> RunState:
     mpp = -(-positions // PAGE_SIZE)
     with model.ops.stream():
         return RunState(model.args, _PagedOps(model.ops, PAGE_SIZE, mpp), slots, mpp * PAGE_SIZE)
+
+
+def slot_bytes(model: Transformer, longest: int, positions: int) -> tuple:
+    """(bytes per slot, bytes of the scratch state) of continuous batching over prompts of at
+    most ``longest`` tokens needing ``positions`` cache positions: a slot is a KV cache of
+    ``positions`` (whole pages on a paged backend) and one decode token's activations and logits
+    (``sequence_bytes`` of a 1-token prompt); the scratch is one sequence of ``sequence_bytes``
+    (its cache and the longest prompt's prefill activations)."""
+    args, ops = model.args, model.ops
+    kv, act = sequence_bytes(args, ops, 1, positions)
+    cap = state_capacity(args, positions)  # what sequence_bytes counted the cache at
+    held = -(-positions // PAGE_SIZE) * PAGE_SIZE if getattr(ops, "graphs", False) else positions
+    scratch = sum(sequence_bytes(args, ops, longest, positions))
+    return kv // cap * max(cap, held) + act, scratch
+
+
+def slots_that_fit(model: Transformer, slots: int, longest: int, positions: int, free_bytes,
+                   fn: str = "tinylm.serve") -> int:
+    """``slots``, or fewer: as many as MEMORY_SHARE of ``free_bytes`` holds beside the scratch
+    state (None: unknown, no limit). RuntimeError naming ``fn`` when not even one fits."""
+    if free_bytes is None:
+        return slots
+    per_slot, scratch = slot_bytes(model, longest, positions)
+    fit = (int(free_bytes * MEMORY_SHARE) - scratch) // per_slot
+    if fit < 1:
+        gib = 2.0 ** 30
+        raise RuntimeError(f"{fn}(): one decode slot ({positions} cache positions) needs {per_slot / gib:.2f} GiB "
+                           f"on the {model.ops.name} backend beside the {scratch / gib:.2f} GiB that prefilling "
+                           f"a prompt of {longest} tokens takes; {free_bytes / gib:.2f} GiB are free, of which "
+                           f"{MEMORY_SHARE:.0%} is used: 0 slots fit")
+    return min(slots, fit)
 
 
 def free_slot(cache, slot: int) -> None:
@@ -117,7 +155,7 @@ class Scheduler:
     def _first_token(self, logits) -> int:
         ops, s = self.model.ops, self.scratch
         if s.sampling is None:
-            return Sampler(0.0, 0, 1.0, 0)(logits[0])
+            return host_sample(Sampler(0.0, 0, 1.0, 0), logits[0])
         with ops.stream():
             s.sampling.set(0.0, 0, 1.0, 0)
             ops.sample(logits, s.sampling, out=s.tokens)
@@ -128,7 +166,7 @@ class Scheduler:
         t0 = time.perf_counter()
         ids = self.prompts[index]
         logits = prefill(self.model, self.scratch, [ids], graphs=self.prefill_graphs)
-        tok = self._first_token(logits)
+        tok = check_sampled(self._first_token(logits), "tinylm.serve", f"prompt {index}", 1)
         with self.model.ops.stream():
             load_slot(self.state.cache, slot, self.scratch.cache, len(ids))
         cur[slot] = tok
@@ -158,7 +196,7 @@ class Scheduler:
         if self.runner is None:
             logits = decode_one(self.model, state, cur)
             greedy = Sampler(0.0, 0, 1.0, 0)
-            return [greedy(logits[i]) for i in range(self.slots)]
+            return [host_sample(greedy, logits[i]) for i in range(self.slots)]
         if self._admitted:  # the device ids are last step's samples: a new prompt's first id goes in
             with ops.stream():
                 ops.set_tokens(state.tokens, np.asarray(cur, dtype=np.int64))
@@ -200,7 +238,7 @@ class Scheduler:
                 if seq is None:  # idle: drop its token, give back what the step took
                     free_slot(self.state.cache, slot)
                     continue
-                seq["out"].append(tok)
+                seq["out"].append(check_sampled(tok, "tinylm.serve", f"prompt {seq['index']}", len(seq["out"]) + 1))
                 self.n_dec += 1
                 stop = self._done(seq)
                 if stop is not None:
@@ -222,10 +260,12 @@ class Scheduler:
 
 def serve(gen, prompts, max_new_tokens: int, max_batch: int, ignore_eos: bool = False):
     """Greedy continuous batching for a :class:`tinylm.Generator`: ``prompts`` (lists of ids)
-    over ``max_batch`` slots; yields ``(index, GenerationResult)`` as each prompt finishes
-    (``text`` decoded when a tokenizer is known). Arguments are checked before anything runs.
-    Decode steps take the unfused kernels whatever ``gen``'s setting (the fused step, the cupy
-    backend's default, writes contiguous caches only); ``gen`` is left as it was."""
+    over ``max_batch`` slots, or as many as fit in memory if fewer (``slots_that_fit``; the
+    results' ``extra["batch"]`` says how many ran); yields ``(index, GenerationResult)`` as each
+    prompt finishes (``text`` decoded when a tokenizer is known). Arguments and memory are
+    checked before anything runs (RuntimeError if not even one slot fits). Decode steps take the
+    unfused kernels whatever ``gen``'s setting (the fused step, the cupy backend's default,
+    writes contiguous caches only); ``gen`` is left as it was."""
     from .generate import _check_max_new
 
     fn = "tinylm.serve"
@@ -235,11 +275,14 @@ def serve(gen, prompts, max_new_tokens: int, max_batch: int, ignore_eos: bool = 
     prompts = [gen._ids(fn, f"prompts[{n}]", p) for n, p in enumerate(prompts)]
     if not prompts:
         return
-    positions = gen.positions(fn, max(len(p) for p in prompts), max_new_tokens)
+    longest = max(len(p) for p in prompts)
+    positions = gen.positions(fn, longest, max_new_tokens)
+    gen._state = None  # the Generator's own state is not used here: free it first
+    slots = slots_that_fit(gen.model, int(max_batch), longest, positions, gen.model.ops.free_memory(), fn)
     fused = gen.model.fused
     gen.model.set_fused(False)
     try:
-        sched = Scheduler(gen.model, prompts, max_new_tokens, int(max_batch), positions,
+        sched = Scheduler(gen.model, prompts, max_new_tokens, slots, positions,
                           frozenset() if ignore_eos else gen.stop_ids, gen.graphs, gen.prefill_graphs)
         for i, res in sched.run():
             if gen.tokenizer is not None:
