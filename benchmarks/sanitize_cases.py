@@ -5,9 +5,10 @@
 
 Each op family below calls the public API on small odd-sized inputs (tails in every tile
 dimension, GQA, causal and not, masks and key lengths, split and unsplit decode, every dtype and
-head dim, aligned and misaligned rows so both vector widths run). At the end the script compares
-the kernels it launched with every name expression the op modules declare
-(``cupyattn._loader.all_specs()``) and exits 1 naming any it missed, so the sanitizer stage of
+head dim, aligned and misaligned rows so both vector widths run); the families whose tiles depend
+on shared memory per block run again as each smaller GPU family dispatches them. At the end the
+script compares the kernels it launched with every name expression this device can run
+(``KernelSpec.exprs_for``) and exits 1 naming any it missed, so the sanitizer stage of
 ``benchmarks/gpu_run.sh`` provably covers every instantiation. Correctness against the float64
 references is the test tier's job; this only launches, synchronises and checks that outputs
 are finite. It also runs on the CPU emulator (tests/test_sanitize_cases.py).
@@ -202,10 +203,13 @@ def sampling(ca, cfg):
     S.philox4x32(np.zeros((5, 4), np.uint32), np.ones((5, 2), np.uint32))
 
 
+_AS_SMALLER = []  # set while smem_limit() dispatches as a smaller family: no sm_90a kernels then
+
+
 def _hopper() -> bool:
     from cupyattn import tma
 
-    return tma.compute_capability() >= 90
+    return tma.compute_capability() >= 90 and not _AS_SMALLER
 
 
 def launched() -> set[str]:
@@ -224,25 +228,35 @@ def missing() -> list[str]:
     return [e for s in _loader.all_specs() for e in s.exprs_for(cc) if e not in done]
 
 
-# the families whose tiles fall back to a shallower ring where a device's per-block shared memory
-# is smaller (config "GPU families": Turing 64 KB, 99 KB parts); the second pass launches those
-SHALLOW_FAMILIES = ("decode", "gemm", "serving")
+# the op families whose tiles depend on a device's shared memory per block (config "GPU
+# families": Turing 64 KB, Volta 96 KB, the 99 KB parts, A100 163 KB); run again as each smaller
+# family dispatches them (shallower rings, 2-stage GEMM, 32-key attention and compact decode tiles)
+SMEM_FAMILIES = ("attention", "decode", "gemm", "serving")
+
+
+def smaller_smem_limits() -> list[int]:
+    """The per-block shared-memory limits of the GPU families below this device's, largest first."""
+    from cupyattn import _loader
+    from cupyattn import config as cfg
+
+    own = _loader.device_smem_optin()
+    return sorted({f.smem_optin for f in cfg.GPU_FAMILIES.values() if f.smem_optin < own}, reverse=True)
 
 
 @contextlib.contextmanager
-def shallow_rings():
-    """Dispatch as a device with less shared memory per block does, whatever this one has: every
-    decode tile with its shallower ring (decode._fit's fallback), the GEMM's 2-stage mma tile."""
-    from cupyattn import config as cfg
-    from cupyattn import decode, gemm
+def smem_limit(limit: int):
+    """Every tile choice reads the device's per-block shared memory from _loader.device_smem_optin:
+    answer ``limit`` instead, as a device of that family would (this device's instructions)."""
+    from cupyattn import _loader
 
-    fit, tile = decode._fit, gemm._mma_tile
-    decode._fit = lambda impl, dtype, d, t, m_tiles, limit: decode._small(t)
-    gemm._mma_tile = lambda nt: cfg.GEMM_MMA_SMALL_SMEM
+    real = _loader.device_smem_optin
+    _loader.device_smem_optin = lambda: limit
+    _AS_SMALLER.append(limit)
     try:
         yield
     finally:
-        decode._fit, gemm._mma_tile = fit, tile
+        _loader.device_smem_optin = real
+        _AS_SMALLER.pop()
 
 
 def run(families=FAMILIES) -> None:
@@ -258,10 +272,11 @@ def run(families=FAMILIES) -> None:
 
     for f in families:
         one(f)
-    with shallow_rings():
-        for f in families:
-            if f in SHALLOW_FAMILIES:
-                one(f, " (shallow rings)")
+    for limit in smaller_smem_limits():
+        with smem_limit(limit):
+            for f in families:
+                if f in SMEM_FAMILIES:
+                    one(f, f" (as a {limit // 1024} KB device)")
 
 
 def main(argv=None) -> int:
