@@ -227,22 +227,39 @@ def missing() -> list[str]:
 # the families whose tiles fall back to a shallower ring where a device's per-block shared memory
 # is smaller (config "GPU families": Turing 64 KB, 99 KB parts); the second pass launches those
 SHALLOW_FAMILIES = ("decode", "gemm", "serving")
+# the families with tiles for 64 KB devices (config FLASH_MMA_SMALL_SMEM_TILES,
+# DECODE_MMA_SMALL_SMEM_TILES); the third pass launches those
+COMPACT_FAMILIES = ("attention", "decode", "serving")
 
 
 @contextlib.contextmanager
-def shallow_rings():
+def shallow_rings(compact: bool = False):
     """Dispatch as a device with less shared memory per block does, whatever this one has: every
-    decode tile with its shallower ring (decode._fit's fallback), the GEMM's 2-stage mma tile."""
+    decode tile with its shallower ring (decode._fit's fallback), the GEMM's 2-stage mma tile; with
+    ``compact``, the 64 KB tiles where the spec has them (an explicit decode impl="mma" at D = 128,
+    256 and fp16 flash_mma at D = 96, 128)."""
     from cupyattn import config as cfg
-    from cupyattn import decode, gemm
+    from cupyattn import decode, flash_attn, gemm
 
-    fit, tile = decode._fit, gemm._mma_tile
-    decode._fit = lambda impl, dtype, d, t, m_tiles, limit: decode._small(t)
+    fit, tile, fa_tile = decode._fit, gemm._mma_tile, flash_attn._tile
+
+    def small_fit(impl, dtype, d, t, m_tiles, limit, explicit=False):
+        c = cfg.DECODE_MMA_SMALL_SMEM_TILES.get((d, m_tiles))
+        if compact and explicit and impl == "mma" and c in decode.mma_tiles(dtype, d, m_tiles):
+            return c
+        return decode._small(t)
+
+    def small_tile(impl, dtype, head_dim, smem_limit=None):
+        return flash_attn.mma_tiles(dtype, head_dim)[-1] if impl == "flash_mma" else fa_tile(impl, dtype, head_dim)
+
+    decode._fit = small_fit
     gemm._mma_tile = lambda nt: cfg.GEMM_MMA_SMALL_SMEM
+    if compact:
+        flash_attn._tile = small_tile
     try:
         yield
     finally:
-        decode._fit, gemm._mma_tile = fit, tile
+        decode._fit, gemm._mma_tile, flash_attn._tile = fit, tile, fa_tile
 
 
 def run(families=FAMILIES) -> None:
@@ -262,6 +279,10 @@ def run(families=FAMILIES) -> None:
         for f in families:
             if f in SHALLOW_FAMILIES:
                 one(f, " (shallow rings)")
+    with shallow_rings(compact=True):
+        for f in families:
+            if f in COMPACT_FAMILIES:
+                one(f, " (64 KB tiles)")
 
 
 def main(argv=None) -> int:
