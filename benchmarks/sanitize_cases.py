@@ -6,10 +6,11 @@
 Each op family below calls the public API on small odd-sized inputs (tails in every tile
 dimension, GQA, causal and not, masks and key lengths, split and unsplit decode, every dtype and
 head dim, aligned and misaligned rows so both vector widths run); the families whose tiles depend
-on shared memory per block run again as each smaller GPU family dispatches them. At the end the
-script compares the kernels it launched with every name expression this device can run
-(``KernelSpec.exprs_for``) and exits 1 naming any it missed, so the sanitizer stage of
-``benchmarks/gpu_run.sh`` provably covers every instantiation. Correctness against the float64
+on shared memory per block run again with the tiles smaller GPU families dispatch (shallower
+rings, the 2-stage GEMM, the 64 KB attention and decode tiles). At the end the script compares
+the kernels it launched with every name expression this device can run (``KernelSpec.exprs_for``)
+and exits 1 naming any it missed, so the sanitizer stage of ``benchmarks/gpu_run.sh`` provably
+covers every instantiation. Correctness against the float64
 references is the test tier's job; this only launches, synchronises and checks that outputs
 are finite. It also runs on the CPU emulator (tests/test_sanitize_cases.py).
 """
@@ -203,13 +204,10 @@ def sampling(ca, cfg):
     S.philox4x32(np.zeros((5, 4), np.uint32), np.ones((5, 2), np.uint32))
 
 
-_AS_SMALLER = []  # set while smem_limit() dispatches as a smaller family: no sm_90a kernels then
-
-
 def _hopper() -> bool:
     from cupyattn import tma
 
-    return tma.compute_capability() >= 90 and not _AS_SMALLER
+    return tma.compute_capability() >= 90
 
 
 def launched() -> set[str]:
@@ -228,35 +226,42 @@ def missing() -> list[str]:
     return [e for s in _loader.all_specs() for e in s.exprs_for(cc) if e not in done]
 
 
-# the op families whose tiles depend on a device's shared memory per block (config "GPU
-# families": Turing 64 KB, Volta 96 KB, the 99 KB parts, A100 163 KB); run again as each smaller
-# family dispatches them (shallower rings, 2-stage GEMM, 32-key attention and compact decode tiles)
-SMEM_FAMILIES = ("attention", "decode", "gemm", "serving")
-
-
-def smaller_smem_limits() -> list[int]:
-    """The per-block shared-memory limits of the GPU families below this device's, largest first."""
-    from cupyattn import _loader
-    from cupyattn import config as cfg
-
-    own = _loader.device_smem_optin()
-    return sorted({f.smem_optin for f in cfg.GPU_FAMILIES.values() if f.smem_optin < own}, reverse=True)
+# the families whose tiles fall back to a shallower ring where a device's per-block shared memory
+# is smaller (config "GPU families": Turing 64 KB, 99 KB parts); the second pass launches those
+SHALLOW_FAMILIES = ("decode", "gemm", "serving")
+# the families with tiles for 64 KB devices (config FLASH_MMA_SMALL_SMEM_TILES,
+# DECODE_MMA_SMALL_SMEM_TILES); the third pass launches those
+COMPACT_FAMILIES = ("attention", "decode", "serving")
 
 
 @contextlib.contextmanager
-def smem_limit(limit: int):
-    """Every tile choice reads the device's per-block shared memory from _loader.device_smem_optin:
-    answer ``limit`` instead, as a device of that family would (this device's instructions)."""
-    from cupyattn import _loader
+def shallow_rings(compact: bool = False):
+    """Dispatch as a device with less shared memory per block does, whatever this one has: every
+    decode tile with its shallower ring (decode._fit's fallback), the GEMM's 2-stage mma tile; with
+    ``compact``, the 64 KB tiles where the spec has them (an explicit decode impl="mma" at D = 128,
+    256 and fp16 flash_mma at D = 96, 128)."""
+    from cupyattn import config as cfg
+    from cupyattn import decode, flash_attn, gemm
 
-    real = _loader.device_smem_optin
-    _loader.device_smem_optin = lambda: limit
-    _AS_SMALLER.append(limit)
+    fit, tile, fa_tile = decode._fit, gemm._mma_tile, flash_attn._tile
+
+    def small_fit(impl, dtype, d, t, m_tiles, limit, explicit=False):
+        c = cfg.DECODE_MMA_SMALL_SMEM_TILES.get((d, m_tiles))
+        if compact and explicit and impl == "mma" and c in decode.mma_tiles(dtype, d, m_tiles):
+            return c
+        return decode._small(t)
+
+    def small_tile(impl, dtype, head_dim, smem_limit=None):
+        return flash_attn.mma_tiles(dtype, head_dim)[-1] if impl == "flash_mma" else fa_tile(impl, dtype, head_dim)
+
+    decode._fit = small_fit
+    gemm._mma_tile = lambda nt: cfg.GEMM_MMA_SMALL_SMEM
+    if compact:
+        flash_attn._tile = small_tile
     try:
         yield
     finally:
-        _loader.device_smem_optin = real
-        _AS_SMALLER.pop()
+        decode._fit, gemm._mma_tile, flash_attn._tile = fit, tile, fa_tile
 
 
 def run(families=FAMILIES) -> None:
@@ -272,11 +277,14 @@ def run(families=FAMILIES) -> None:
 
     for f in families:
         one(f)
-    for limit in smaller_smem_limits():
-        with smem_limit(limit):
-            for f in families:
-                if f in SMEM_FAMILIES:
-                    one(f, f" (as a {limit // 1024} KB device)")
+    with shallow_rings():
+        for f in families:
+            if f in SHALLOW_FAMILIES:
+                one(f, " (shallow rings)")
+    with shallow_rings(compact=True):
+        for f in families:
+            if f in COMPACT_FAMILIES:
+                one(f, " (64 KB tiles)")
 
 
 def main(argv=None) -> int:

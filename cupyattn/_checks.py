@@ -208,19 +208,28 @@ class ComputeCapabilityError(ValueError):
     """An explicit ``impl=`` that the current device's compute capability cannot run."""
 
 
-def require_impl(fn: str, op: str, impl: str, dtype) -> int:
-    """The device's compute capability; ComputeCapabilityError naming ``impl``, the device and the
-    minimum when ``impl`` of ``op`` cannot run there with ``dtype`` inputs (before any launch)."""
+def require_impl(fn: str, op: str, impl: str, dtype, head_dim: int | None = None) -> int:
+    """The device's compute capability (CUPYATTN_ARCH respected); ComputeCapabilityError naming
+    ``impl``, the device and the minimum when ``impl`` of ``op`` cannot run there with ``dtype``
+    inputs (at ``head_dim``), before anything is allocated or launched."""
     from . import _loader, config
 
     with no_gpu_explained(f"{fn}"):
         cc = _loader.device_compute_capability()
-    if not config.impl_runs_on(op, impl, dtype, cc):
-        need = config.impl_min_cc(op, impl, dtype)
-        why = config.MMA_MIN_CC_REASON.get(np.dtype(dtype), "") if need in (75, 80) else ""
-        exact = " exactly (sm_90a code)" if impl == "wgmma" else ""
+    if config.impl_runs_on(op, impl, dtype, cc, head_dim):
+        return cc
+    device = f"this device ({config.gpu_family(cc).name}) is {cc // 10}.{cc % 10}"
+    need = config.impl_min_cc(op, impl, dtype)
+    if config.impl_runs_on(op, impl, dtype, cc):   # the head dim's own minimum binds
+        need = config.impl_min_cc(op, impl, dtype, head_dim)
+        why = config.IMPL_MIN_CC_BY_HEAD_DIM_REASON.get((op, impl), "")
         raise ComputeCapabilityError(
-            f"{fn}(): impl={impl!r} with {np.dtype(dtype)} inputs needs compute capability "
-            f"{need // 10}.{need % 10}{exact}{' (' + why + ')' if why else ''}; this device "
-            f"({config.gpu_family(cc).name}) is {cc // 10}.{cc % 10}")
-    return cc
+            f"{fn}(): impl={impl!r} at head_dim D={head_dim} needs compute capability {need // 10}.{need % 10}"
+            f"{' (' + why + ')' if why else ''}; {device}")
+    why = config.MMA_MIN_CC_REASON.get(np.dtype(dtype), "") if need in (75, 80) else ""
+    if impl == "wgmma":
+        why = "sm_90a code: wgmma and TMA, H100 / H200 only"
+    exact = " exactly" if impl == "wgmma" else ""
+    raise ComputeCapabilityError(
+        f"{fn}(): impl={impl!r} with {np.dtype(dtype)} inputs needs compute capability "
+        f"{need // 10}.{need % 10}{exact}{' (' + why + ')' if why else ''}; {device}")

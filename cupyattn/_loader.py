@@ -121,7 +121,9 @@ class KernelSpec:
 
     def options_for(self, arch: str) -> tuple[str, ...]:
         """Options for a compute capability string such as '80' or '90'."""
-        opts = BASE_OPTIONS + self.options
+        # the family's shared memory per SM: a __launch_bounds__ minimum never asks for more blocks
+        # than can be resident there (decode.cu resident_min_blocks)
+        opts = BASE_OPTIONS + self.options + (f"-DCUPYATTN_SMEM_PER_SM={config.gpu_family(int(arch)).smem_per_sm}",)
         target = _arch_override()
         if target is not None and target < int(arch):
             opts += (f"-DCUPYATTN_TARGET_SM={target}0",)  # ptx.cuh takes the older family's branches

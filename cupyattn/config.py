@@ -110,11 +110,31 @@ FLASH_MMA_TILES = {
 }
 
 
-def flash_mma_smem_bytes(head_dim: int) -> int:
-    """Dynamic shared memory of the flash_mma kernel for ``head_dim`` (16-bit elements): Q_i tile,
-    FLASH_MMA_K_STAGES K_j tiles and one V_j tile, each row padded by FLASH_MMA_PAD elements."""
-    t = FLASH_MMA_TILES[head_dim]
+# flash_mma tiles for devices whose per-block shared memory is below the tile above (Turing's 64 KB:
+# D = 96 needs 65 KB, D = 128 85 KB): the same 8 warps x 16 rows with 32 keys per K/V tile. ptxas
+# (NVRTC 12.9, sm_75: two m16n8k8 per k-step) uses 168-180 registers at D = 96 and 194-208 at D = 128,
+# no spills; S shrinks to 16 registers per lane.
+FLASH_MMA_SMALL_SMEM_TILES = {
+    96: FlashTile(128, 32, 8, "Turing (64 KB per block): 32 keys per K/V tile, 45.5 KB smem"),
+    128: FlashTile(128, 32, 8, "Turing (64 KB per block): 32 keys per K/V tile, 59.5 KB smem"),
+}
+
+
+def flash_mma_smem_bytes(head_dim: int, tile: FlashTile | None = None) -> int:
+    """Dynamic shared memory of the flash_mma kernel for ``head_dim`` (16-bit elements) with ``tile``
+    (default FLASH_MMA_TILES[head_dim]): Q_i tile, FLASH_MMA_K_STAGES K_j tiles and one V_j tile,
+    each row padded by FLASH_MMA_PAD elements."""
+    t = tile or FLASH_MMA_TILES[head_dim]
     return (t.block_m + (FLASH_MMA_K_STAGES + 1) * t.block_n) * (head_dim + FLASH_MMA_PAD) * 2
+
+
+def flash_mma_tile(head_dim: int, smem_limit: int | None = None) -> FlashTile | None:
+    """The flash_mma tile for a device with ``smem_limit`` bytes of shared memory per block (None:
+    any): FLASH_MMA_TILES' entry, else FLASH_MMA_SMALL_SMEM_TILES', else None (nothing fits)."""
+    for t in (FLASH_MMA_TILES[head_dim], FLASH_MMA_SMALL_SMEM_TILES.get(head_dim)):
+        if t is not None and (smem_limit is None or flash_mma_smem_bytes(head_dim, t) <= smem_limit):
+            return t
+    return None
 
 
 # --- decode (kernels_cu/decode.cu) ------------------------------------------------------------
@@ -136,7 +156,8 @@ class DecodeTile:
     stages: int         # ring depth: tiles t+1 .. t+stages-1 are in flight while tile t is computed
     warps: int
     blocks_per_sm: int  # __launch_bounds__ minimum (caps registers), and the occupancy on an H100
-                        # that the split rule assumes (an A100's smaller smem may hold fewer)
+                        # that the split rule assumes; a family whose shared memory per SM holds
+                        # fewer rings gets that fewer (decode.cu resident_min_blocks)
     pitch: int          # smem bytes per K/V row
     reason: str
 
@@ -447,22 +468,33 @@ class GpuFamily:
     smem_optin: int   # shared memory per block with the opt-in attribute (CUDA C Programming Guide,
                       # "Technical Specifications per Compute Capability")
     kernels: str      # what the defaults dispatch to there (README "GPUs")
+    smem_per_sm: int  # shared memory per SM (same table): how many blocks of a tile can be resident,
+                      # so what a __launch_bounds__ minimum may ask for there (-DCUPYATTN_SMEM_PER_SM)
 
 
 MIN_COMPUTE_CAPABILITY = 70   # Volta: the SIMT kernels (cp.async helpers become plain copies)
 GPU_FAMILIES = {
-    70: GpuFamily("Volta (V100)", 96 * 1024, "SIMT kernels only: no ldmatrix / mma.m16n8k8 before sm_75"),
+    70: GpuFamily("Volta (V100)", 96 * 1024, "SIMT kernels only: no ldmatrix / mma.m16n8k8 before sm_75",
+                  96 * 1024),
     75: GpuFamily("Turing (T4, RTX 20)", 64 * 1024,
                   "fp16 tensor cores as two mma.m16n8k8 per m16n8k16, cp.async as plain copies; bf16 and "
-                  "fp32 SIMT; tiles over 64 KB of shared memory fall back (GEMM takes a 2-stage tile)"),
-    80: GpuFamily("Ampere (A100)", 163 * 1024, "every mma.sync kernel, fp16 and bf16, cp.async pipelines"),
-    86: GpuFamily("Ampere (RTX 30, A10, A40)", 99 * 1024, "as sm_80; tiles over 99 KB fall back"),
-    89: GpuFamily("Ada (RTX 40, L4, L40)", 99 * 1024, "as sm_86"),
+                  "fp32 SIMT; tiles over 64 KB of shared memory fall back (GEMM takes a 2-stage tile)",
+                  64 * 1024),
+    80: GpuFamily("Ampere (A100)", 163 * 1024, "every mma.sync kernel, fp16 and bf16, cp.async pipelines",
+                  164 * 1024),
+    86: GpuFamily("Ampere (RTX 30, A10, A40)", 99 * 1024, "as sm_80; tiles over 99 KB fall back", 100 * 1024),
+    89: GpuFamily("Ada (RTX 40, L4, L40)", 99 * 1024, "as sm_86", 100 * 1024),
     90: GpuFamily("Hopper (H100, H200)", 227 * 1024, "as sm_80, and the wgmma kernels (sm_90a) where an H100 run "
-                  "measured them faster: attention fp16 D=128, GEMM fp16 M, N, K >= 4096; opt-in: PDL"),
-    100: GpuFamily("Blackwell (B200)", 227 * 1024, "as sm_90 without the sm_90a kernels"),
-    120: GpuFamily("Blackwell (RTX 50)", 99 * 1024, "as sm_86"),
+                  "measured them faster: attention fp16 D=128, GEMM fp16 M, N, K >= 4096; opt-in: PDL", 228 * 1024),
+    100: GpuFamily("Blackwell (B200)", 227 * 1024, "as sm_90 without the sm_90a kernels", 228 * 1024),
+    120: GpuFamily("Blackwell (RTX 50)", 99 * 1024, "as sm_86", 100 * 1024),
 }
+
+
+def a_family_has_less(smem_bytes: int, min_cc: int) -> bool:
+    """Whether some family that runs code of compute capability ``min_cc`` allows fewer than
+    ``smem_bytes`` of shared memory per block: where a smaller-smem tile variant is instantiated."""
+    return any(f.smem_optin < smem_bytes for c, f in GPU_FAMILIES.items() if c >= min_cc)
 
 
 def gpu_family(cc: int) -> GpuFamily:
@@ -490,26 +522,30 @@ IMPL_MIN_CC = {
 }
 
 
-def impl_min_cc(op: str, impl: str, dtype) -> int:
-    """Minimum compute capability of ``impl`` of ``op`` for ``dtype`` inputs."""
-    return IMPL_MIN_CC.get((op, impl), {}).get(np.dtype(dtype), MIN_COMPUTE_CAPABILITY)
+# head dims at which an impl needs more than IMPL_MIN_CC says, and why. flash_mma: below sm_80 each
+# m16n8k16 is two m16n8k8, and the D=256 tile (Q 64 + O 128 registers per lane) then spills 48 B on
+# sm_75 (ptxas, NVRTC 12.9): sm_75 takes the SIMT flash kernel there.
+IMPL_MIN_CC_BY_HEAD_DIM = {("attention", "flash_mma"): {256: 80}}
+IMPL_MIN_CC_BY_HEAD_DIM_REASON = {("attention", "flash_mma"): "its registers do not fit two m16n8k8 per k-step"}
+FLASH_MMA_MIN_CC_BY_HEAD_DIM = IMPL_MIN_CC_BY_HEAD_DIM[("attention", "flash_mma")]
 
 
-def impl_runs_on(op: str, impl: str, dtype, cc: int) -> bool:
-    """Whether a device of compute capability ``cc`` has the instructions ``impl`` needs."""
-    need = impl_min_cc(op, impl, dtype)
+def impl_min_cc(op: str, impl: str, dtype, head_dim: int | None = None) -> int:
+    """Minimum compute capability of ``impl`` of ``op`` for ``dtype`` inputs (at ``head_dim``)."""
+    need = IMPL_MIN_CC.get((op, impl), {}).get(np.dtype(dtype), MIN_COMPUTE_CAPABILITY)
+    return max(need, IMPL_MIN_CC_BY_HEAD_DIM.get((op, impl), {}).get(head_dim, 0))
+
+
+def impl_runs_on(op: str, impl: str, dtype, cc: int, head_dim: int | None = None) -> bool:
+    """Whether a device of compute capability ``cc`` has the instructions (and registers) ``impl``
+    needs for ``dtype`` inputs at ``head_dim`` (None: any head dim the impl takes somewhere)."""
+    need = impl_min_cc(op, impl, dtype, head_dim)
     return cc >= need and not (need == 90 and impl == "wgmma" and cc != 90)  # sm_90a code: 9.0 only
-
-
-# flash_mma head dims that need more than MMA_MIN_CC: below sm_80 each m16n8k16 is two m16n8k8, and
-# the D=256 tile (Q 64 + O 128 registers per lane) then spills 48 B on sm_75 (ptxas, NVRTC 12.9):
-# sm_75 takes the SIMT flash kernel there.
-FLASH_MMA_MIN_CC_BY_HEAD_DIM = {256: 80}
 
 
 def flash_mma_min_cc(dtype, head_dim: int) -> int:
     """Minimum compute capability of the flash_mma kernel for ``dtype`` and ``head_dim``."""
-    return max(MMA_MIN_CC[np.dtype(dtype)], FLASH_MMA_MIN_CC_BY_HEAD_DIM.get(head_dim, 0))
+    return impl_min_cc("attention", "flash_mma", dtype, head_dim)
 
 
 # GEMM mma tile for devices whose per-block shared memory is below GEMM_TILES["mma"]'s (Turing's
@@ -522,6 +558,17 @@ GEMM_MMA_SMALL_SMEM = GemmTile(128, 128, 32, 256, "Turing (64 KB per block): 2 s
 # K/V tile in flight while one is scored (a third less memory); mma tiles that still do not fit
 # leave impl="auto" to the SIMT kernel.
 DECODE_SMALL_SMEM_STAGES = 2
+# impl="mma" decode tiles for what neither the tile nor its 2-deep ring fits (Turing's 64 KB: fp16
+# D = 128, 256), so that an explicit impl="mma" runs on a T4 at every head dim: fewer keys per ring
+# slot and fewer warps, one block per SM there (no register cap). impl="auto" does not take them:
+# decode streams K/V, and the SIMT kernel's 4 warps keep more loads in flight than 1-2 warps of
+# these (unmeasured on a T4). ptxas (NVRTC 12.9, sm_75): 140-255 registers, no spills.
+DECODE_MMA_SMALL_SMEM_TILES = {
+    (128, 1): _mma_tile(128, 1, 2, 32, 3, 1, "2 warps x 16 keys; ring + q tile 56 KB"),
+    (128, 2): _mma_tile(128, 2, 4, 32, 3, 1, "2 head tiles x 2 key slices of 16; ring + q tile 60 KB"),
+    (256, 1): _mma_tile(256, 1, 1, 16, 3, 1, "one warp of 16 keys (O 128 registers); ring + q tile 58 KB"),
+    (256, 2): _mma_tile(256, 2, 2, 16, 2, 1, "one warp per head tile; 2 stages: ring + 17 KB q tile 50 KB"),
+}
 # === end GPU families (issue 24) ================================================================
 
 # --- serving attention (issue 25: cupyattn/varlen.py, cupyattn/paged.py) ---- begin ----------

@@ -39,10 +39,11 @@ from . import _checks, _loader
 from ._checks import check_array, check_choice, check_last_contiguous, check_out, check_same_dtype
 from ._loader import NULL, KernelSpec, get_function
 from .config import (DECODE_COMBINE_THREADS, DECODE_HEAD_TILE, DECODE_IMPLS, DECODE_MAX_SPLITS,
-                     DECODE_MIN_KEYS_PER_SPLIT, DECODE_MMA_MAX_MTILES, DECODE_MMA_MIN_GROUP,
-                     DECODE_MMA_ROWS, DECODE_MMA_TILES, DECODE_SIMT_TILES, DECODE_SPLIT_BLOCKS_PER_SM,
-                     DECODE_SMALL_SMEM_STAGES, DECODE_SPLIT_OVERHEAD_KEYS, DTYPES, HEAD_DIMS, MAX_GRID_YZ,
-                     MMA_DTYPES, MMA_MIN_CC, DecodeTile, ctype, impl_runs_on)
+                     DECODE_MIN_KEYS_PER_SPLIT, DECODE_MMA_MAX_MTILES, DECODE_MMA_MIN_GROUP, DECODE_MMA_ROWS,
+                     DECODE_MMA_SMALL_SMEM_TILES, DECODE_MMA_TILES, DECODE_SIMT_TILES,
+                     DECODE_SPLIT_BLOCKS_PER_SM, DECODE_SMALL_SMEM_STAGES, DECODE_SPLIT_OVERHEAD_KEYS, DTYPES,
+                     HEAD_DIMS, MAX_GRID_YZ, MMA_DTYPES, MMA_MIN_CC, DecodeTile, a_family_has_less, ctype,
+                     impl_runs_on)
 from .kvcache import KVCache
 
 
@@ -75,10 +76,13 @@ def static_smem_bytes(impl: str, d: int, itemsize: int, t: DecodeTile, m_tiles: 
     return DECODE_HEAD_TILE * (d + t.block_n + 3) * 4 + 16
 
 
-def _fit(impl: str, dtype, d: int, t: DecodeTile, m_tiles: int, limit: int | None) -> DecodeTile | None:
+def _fit(impl: str, dtype, d: int, t: DecodeTile, m_tiles: int, limit: int | None,
+         explicit: bool = False) -> DecodeTile | None:
     """The tile to launch under a per-block shared-memory ``limit`` (None: no limit): ``t``, its
-    shallower-ring variant, or None when neither fits."""
-    for cand in (t, _small(t)):
+    shallower-ring variant, for an ``explicit`` impl="mma" the compact tile of
+    config.DECODE_MMA_SMALL_SMEM_TILES, or None when none fits."""
+    compact = DECODE_MMA_SMALL_SMEM_TILES.get((d, m_tiles)) if impl == "mma" and explicit else None
+    for cand in (t, _small(t)) + ((compact,) if compact else ()):
         if limit is None or _smem(impl, dtype, d, cand, m_tiles) <= limit:
             return cand
     return None
@@ -92,18 +96,29 @@ def _tiles_and_small(t: DecodeTile) -> tuple[DecodeTile, ...]:
     return tuple(dict.fromkeys((t, _small(t))))
 
 
+def mma_tiles(dtype, d: int, m_tiles: int) -> tuple[DecodeTile, ...]:
+    """Every impl="mma" tile the spec instantiates for (dtype, D, m-tiles): the configured one, its
+    shallower ring, and the compact tile where a family that runs ``dtype`` has too little shared
+    memory per block for both (fp16 on Turing)."""
+    tiles = _tiles_and_small(DECODE_MMA_TILES[(d, m_tiles)])
+    compact = DECODE_MMA_SMALL_SMEM_TILES.get((d, m_tiles))
+    if compact and a_family_has_less(_smem("mma", dtype, d, tiles[-1], m_tiles), MMA_MIN_CC[np.dtype(dtype)]):
+        tiles += (compact,)
+    return tiles
+
+
 def _smem(impl: str, dtype, d: int, t: DecodeTile, m_tiles: int = 1) -> int:
     return t.ring_bytes + static_smem_bytes(impl, d, np.dtype(dtype).itemsize, t, m_tiles)
 
 
-# every decode instantiation: each tile as configured and with the shallower ring (_fit)
+# every decode instantiation: each tile as configured, with the shallower ring and compact (_fit)
 # and in its serving variant (paged caches, window, softcap: cupyattn/paged.py, window= / softcap=)
 _SIMT_NEEDS = tuple((_simt_expr(t, d, tile, sv), 0, _smem("simt", t, d, tile)) for sv in (False, True)
                     for t in DTYPES for d in HEAD_DIMS
                     for tile in _tiles_and_small(DECODE_SIMT_TILES[(d, t.itemsize)]))
 _MMA_NEEDS = tuple((_mma_expr(t, d, m, tile, sv), MMA_MIN_CC[t], _smem("mma", t, d, tile, m)) for sv in (False, True)
                    for t in MMA_DTYPES for d in HEAD_DIMS for m in range(1, DECODE_MMA_MAX_MTILES + 1)
-                   for tile in _tiles_and_small(DECODE_MMA_TILES[(d, m)]))
+                   for tile in mma_tiles(t, d, m))
 SPEC = KernelSpec(
     "decode", "decode.cu",
     tuple(e for e, _, _ in _SIMT_NEEDS + _MMA_NEEDS) + tuple(_combine_expr(t) for t in DTYPES),
@@ -148,7 +163,9 @@ def _plan(impl: str, dtype, d: int, group: int, cc: int | None = None, smem_limi
     """The kernel and tile of a call. ``cc`` / ``smem_limit``: the device's compute capability and
     per-block shared memory (None: any, the full tiles); impl="auto" takes mma only where the
     device has its instructions and one of its tiles fits, and each tile falls back to a
-    shallower ring where it does not fit. ``serving``: the paged / window / softcap variant."""
+    shallower ring where it does not fit (an explicit impl="mma" then to its compact tile).
+    ``serving``: the paged / window / softcap variant."""
+    explicit = impl == "mma"
     if impl == "auto":
         mma_ok = (np.dtype(dtype) in MMA_DTYPES and group >= DECODE_MMA_MIN_GROUP
                   and (cc is None or impl_runs_on("decode", "mma", dtype, cc)))
@@ -160,7 +177,7 @@ def _plan(impl: str, dtype, d: int, group: int, cc: int | None = None, smem_limi
         m_tiles = min(-(-group // DECODE_MMA_ROWS), DECODE_MMA_MAX_MTILES)
         rows = DECODE_MMA_ROWS * m_tiles
         base = DECODE_MMA_TILES[(d, m_tiles)]
-        t = _fit(impl, dtype, d, base, m_tiles, smem_limit) or base  # too large: the loader says so
+        t = _fit(impl, dtype, d, base, m_tiles, smem_limit, explicit) or base  # else the loader says so
         return _Plan(impl, _mma_expr(dtype, d, m_tiles, t, serving), t, -(-group // rows))
     base = DECODE_SIMT_TILES[(d, np.dtype(dtype).itemsize)]
     t = _fit(impl, dtype, d, base, 1, smem_limit) or base

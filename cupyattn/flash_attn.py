@@ -19,9 +19,9 @@ from . import flash_attn_sm90 as _sm90
 from ._checks import check_array, check_choice, check_last_contiguous, check_out, check_same_dtype
 from . import _loader
 from ._loader import KernelSpec, get_function, ptr_or_null
-from .config import (DTYPES, FLASH_MMA_K_STAGES, FLASH_MMA_PAD, FLASH_MMA_TILES, FLASH_SIMT_TILES,
-                     HEAD_DIMS, MAX_GRID_YZ, MMA_DTYPES, cbool, ctype, defines,
-                     flash_mma_min_cc, flash_mma_smem_bytes, impl_runs_on)
+from .config import (DTYPES, FLASH_MMA_K_STAGES, FLASH_MMA_PAD, FLASH_MMA_SMALL_SMEM_TILES, FLASH_MMA_TILES,
+                     FLASH_SIMT_TILES, HEAD_DIMS, MAX_GRID_YZ, MMA_DTYPES, a_family_has_less, cbool, ctype,
+                     defines, flash_mma_min_cc, flash_mma_smem_bytes, flash_mma_tile, impl_runs_on)
 from .gemm import gemm_nn, gemm_nt
 from .row_softmax import softmax
 
@@ -37,47 +37,61 @@ _FN = "attention"
 def default_impl(dtype, head_dim: int) -> str:
     """What ``impl=None`` runs on the current device: DEFAULT_IMPL, except "flash" (SIMT) where the
     device lacks the tensor-core instructions for ``dtype`` (bf16 below sm_80, config.IMPL_MIN_CC)
-    or the flash_mma tile of ``head_dim`` needs more shared memory than a block may have there
-    (Turing's 64 KB: D = 96, 128) or more registers than it has (config.FLASH_MMA_MIN_CC_BY_HEAD_DIM:
-    D = 256 below sm_80)."""
+    or registers for ``head_dim`` (config.IMPL_MIN_CC_BY_HEAD_DIM: D = 256 below sm_80), or where no
+    flash_mma tile fits its shared memory per block (config.flash_mma_tile: Turing's 64 KB takes the
+    32-key tiles of FLASH_MMA_SMALL_SMEM_TILES at D = 96, 128)."""
     impl = DEFAULT_IMPL[np.dtype(dtype)]
     if impl != "flash_mma":
         return impl
-    cc = _loader.device_compute_capability()
-    if not impl_runs_on("attention", impl, dtype, cc) or cc < flash_mma_min_cc(dtype, head_dim):
+    if not impl_runs_on("attention", impl, dtype, _loader.device_compute_capability(), head_dim):
         return "flash"
-    if head_dim in FLASH_MMA_TILES and flash_mma_smem_bytes(head_dim) > _loader.device_smem_optin():
+    if head_dim in FLASH_MMA_TILES and flash_mma_tile(head_dim, _loader.device_smem_optin()) is None:
         return "flash"
     return impl
 
 
-def _tile(impl: str, dtype, head_dim: int):
-    """The config tile of a fused impl ("flash" or "flash_mma") for a dtype and head dim."""
+def _tile(impl: str, dtype, head_dim: int, smem_limit: int | None = None):
+    """The config tile of a fused impl ("flash" or "flash_mma") for a dtype and head dim; for
+    flash_mma the one that fits ``smem_limit`` bytes per block (None: the main tile)."""
     if impl == "flash_mma":
-        return FLASH_MMA_TILES[head_dim]
+        return flash_mma_tile(head_dim, smem_limit) or FLASH_MMA_TILES[head_dim]
     return FLASH_SIMT_TILES[(head_dim, np.dtype(dtype).itemsize)]
 
 
-def _expr(impl: str, dtype, head_dim: int, causal: bool, serving: bool = False) -> str:
-    """Template name expression of the fused kernel that ``impl`` launches. ``serving``: the
-    instantiation with packed / paged sequences, windows and softcap (causal then rides in the
-    window, so it is only instantiated with ``causal=False``)."""
-    t = _tile(impl, dtype, head_dim)
+def _expr(impl: str, dtype, head_dim: int, causal: bool, serving: bool = False, tile=None) -> str:
+    """Template name expression of the fused kernel that ``impl`` launches (with ``tile``, default
+    the main one). ``serving``: the instantiation with packed / paged sequences, windows and
+    softcap (causal then rides in the window, so it is only instantiated with ``causal=False``)."""
+    t = tile or _tile(impl, dtype, head_dim)
     name = "flash_attn_mma" if impl == "flash_mma" else "flash_attn_fwd"
     tail = ", true" if serving else ""
     return f"{name}<{ctype(dtype)}, {head_dim}, {t.block_m}, {t.block_n}, {t.warps}, {cbool(causal)}{tail}>"
 
 
+def mma_tiles(dtype, head_dim: int) -> tuple:
+    """Every flash_mma tile the spec instantiates for (dtype, D): the main one, and the 32-key tile
+    where a family that runs this dtype at this D allows less shared memory per block (fp16 on
+    Turing at D = 96, 128)."""
+    small = FLASH_MMA_SMALL_SMEM_TILES.get(head_dim)
+    need = a_family_has_less(flash_mma_smem_bytes(head_dim), flash_mma_min_cc(dtype, head_dim))
+    return (FLASH_MMA_TILES[head_dim],) + ((small,) if small and need else ())
+
+
+_VARIANTS = ((False, False), (True, False), (False, True))   # (causal, serving) of each tile
+_MMA_NEEDS = tuple((_expr("flash_mma", dt, d, c, sv, t), flash_mma_min_cc(dt, d), flash_mma_smem_bytes(d, t))
+                   for dt in MMA_DTYPES for d in HEAD_DIMS for t in mma_tiles(dt, d) for c, sv in _VARIANTS)
 SPEC = KernelSpec(
     "flash_attn", "flash_attn.cu",
     tuple(_expr("flash", dt, d, c) for dt in DTYPES for d in HEAD_DIMS for c in (False, True))
     + tuple(_expr("flash_mma", dt, d, c) for dt in MMA_DTYPES for d in HEAD_DIMS for c in (False, True))
     # serving variants (varlen, paged, window, softcap: causal folded into the window)
     + tuple(_expr("flash", dt, d, False, True) for dt in DTYPES for d in HEAD_DIMS)
-    + tuple(_expr("flash_mma", dt, d, False, True) for dt in MMA_DTYPES for d in HEAD_DIMS),
+    + tuple(_expr("flash_mma", dt, d, False, True) for dt in MMA_DTYPES for d in HEAD_DIMS)
+    # the 32-key flash_mma tiles of 64 KB devices
+    + tuple(_expr("flash_mma", dt, d, c, sv, t) for dt in MMA_DTYPES for d in HEAD_DIMS
+            for t in mma_tiles(dt, d)[1:] for c, sv in _VARIANTS),
     defines(FLASH_MMA_PAD=FLASH_MMA_PAD, FLASH_MMA_K_STAGES=FLASH_MMA_K_STAGES),
-    needs=tuple((_expr("flash_mma", dt, d, c, sv), flash_mma_min_cc(dt, d), flash_mma_smem_bytes(d))
-                for dt in MMA_DTYPES for d in HEAD_DIMS for c, sv in ((False, False), (True, False), (False, True))))
+    needs=_MMA_NEEDS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +140,18 @@ def check_window_softcap(fn: str, window, softcap, causal: bool):
 
 
 # --- argument checks ------------------------------------------------------------------------
+def check_flash_mma_device(fn: str, dtype, head_dim: int) -> None:
+    """ComputeCapabilityError before any launch when the current device cannot run flash_mma for
+    ``dtype`` at ``head_dim``: instructions or registers (config.impl_min_cc), or no tile within
+    its shared memory per block (config.flash_mma_tile)."""
+    _checks.require_impl(fn, "attention", "flash_mma", dtype, head_dim)
+    limit = _loader.device_smem_optin()
+    if flash_mma_tile(head_dim, limit) is None:
+        raise _checks.ComputeCapabilityError(
+            f"{fn}(): impl='flash_mma' at head_dim D={head_dim} needs {flash_mma_smem_bytes(head_dim)} B of "
+            f"shared memory per block; this device allows {limit} B (use impl='flash')")
+
+
 def _check_mask(mask, target):
     """Additive float mask broadcastable to ``target`` = (B, Hq, Sq, Sk) -> 4-D shape it has."""
     check_array(_FN, "mask", mask, min_ndim=0)
@@ -196,13 +222,7 @@ def _check_args(q, k, v, causal, scale, mask, key_lengths, impl, return_lse, out
         raise TypeError(f"{_FN}(): impl='flash_mma' needs float16 or bfloat16 inputs, got float32 "
                         f"(use impl='flash')")
     if impl == "flash_mma":
-        cc = _checks.require_impl(_FN, "attention", impl, q.dtype)
-        if cc < flash_mma_min_cc(q.dtype, d):
-            need = flash_mma_min_cc(q.dtype, d)
-            raise _checks.ComputeCapabilityError(
-                f"{_FN}(): impl='flash_mma' at head_dim D={d} needs compute capability {need // 10}."
-                f"{need % 10} (its registers do not fit two m16n8k8 per k-step); this device is "
-                f"{cc // 10}.{cc % 10} (use impl='flash')")
+        check_flash_mma_device(_FN, q.dtype, d)
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_last_contiguous(_FN, name, x)
     scale = (1.0 / math.sqrt(d) if d else 1.0) if scale is None else _checks.check_real(_FN, "scale", scale)
@@ -355,7 +375,7 @@ def _flash(impl, q, k, v, causal, scale, mask, mshape, kl, out, lse, sv=None, sh
     else:
         b, hq, sq, hkv, sq_arg, sk = shape
         d = q.shape[-1]
-    tile = _tile(impl, q.dtype, d)
+    tile = _tile(impl, q.dtype, d, _loader.device_smem_optin() if impl == "flash_mma" else None)
     bm = tile.block_m
     if mask is not None:
         mask = mask.reshape(mshape)  # leading 1s: a view
@@ -373,9 +393,9 @@ def _flash(impl, q, k, v, causal, scale, mask, mshape, kl, out, lse, sv=None, sh
             *map(i64, qs), *map(i64, ks), *map(i64, vs), *map(i64, mstr),
             np.float32(scale * math.log2(math.e)))
     serving = (Serving() if sv is None else sv).args()
-    expr = _expr(impl, q.dtype, d, causal and sv is None, sv is not None)
+    expr = _expr(impl, q.dtype, d, causal and sv is None, sv is not None, tile)
     if impl == "flash_mma":
-        smem = flash_mma_smem_bytes(d)
+        smem = flash_mma_smem_bytes(d, tile)
         kern = get_function(SPEC, expr, dynamic_smem=smem)
         kern(grid, (tile.warps * 32,), args + (np.int32(_vec_flags(q, k, v, out)),) + serving, shared_mem=smem)
     else:

@@ -21,6 +21,7 @@ import math
 import cupy
 import numpy as np
 
+from . import _checks
 from . import config as C
 from . import tma
 from ._loader import KernelSpec, get_function, ptr_or_null
@@ -83,7 +84,7 @@ def check(q, k, v) -> None:
     if d not in C.ATTN_WGMMA_TILES:
         raise ValueError(f"{_FN}(): head_dim D={d} is not supported by impl='wgmma'; supported: "
                          f"{', '.join(map(str, C.ATTN_WGMMA_TILES))} (impl='flash_mma' takes the others)")
-    tma.require_device(_FN, "impl='wgmma'")
+    _checks.require_impl(_FN, "attention", "wgmma", q.dtype)
     why = _launch_problem(q, k, v)
     if why is not None:
         raise ValueError(f"{_FN}(): impl='wgmma' {why}")
@@ -94,7 +95,7 @@ def auto_takes(q, k, v) -> bool:
     config.ATTN_AUTO_WGMMA (measured faster on a GPU), inputs it can launch on."""
     if (np.dtype(q.dtype), q.shape[3]) not in C.ATTN_AUTO_WGMMA or q.shape[3] not in C.ATTN_WGMMA_TILES:
         return False
-    return tma.compute_capability() >= tma.MIN_COMPUTE_CAPABILITY and _launch_problem(q, k, v) is None
+    return C.impl_runs_on("attention", "wgmma", q.dtype, tma.compute_capability()) and _launch_problem(q, k, v) is None
 
 
 def _mask_arg(mask, mshape):

@@ -183,7 +183,7 @@ def _check_args(fn, a, b, out, impl, nt):
         if np.dtype(a.dtype) not in MMA_DTYPES:
             raise TypeError(f"{fn}(): impl='wgmma' needs float16 or bfloat16 inputs, got float32 "
                             f"(use impl='simt' or 'auto')")
-        tma.require_device(fn, "impl='wgmma'")
+        _checks.require_impl(fn, "gemm", "wgmma", a.dtype)
     if impl == "skinny" and not nt:
         raise ValueError(f"{fn}(): impl='skinny' is a gemm_nt kernel (b rows are the weight rows it "
                          f"streams); use impl='mma', 'simt' or 'auto'")
@@ -297,7 +297,7 @@ def _auto_takes_wgmma(a, b, m, n, k, lda, ldb, dims, nt) -> bool:
     least = C.GEMM_AUTO_WGMMA.get(np.dtype(a.dtype))
     if least is None or min(m, n, k) < least or (nt and m <= GEMM_SKINNY_MAX_M):
         return False
-    if tma.compute_capability() < C.GEMM_WGMMA_MIN_CC:
+    if not C.impl_runs_on("gemm", "wgmma", a.dtype, tma.compute_capability()):
         return False
     return _tma_problem(a, b, m, n, k, lda, ldb, dims, nt) is None
 

@@ -71,19 +71,11 @@ def problem(ptr: int, dtype, dims, strides, box, swizzle: int = 128) -> str | No
 
 
 def compute_capability() -> int:
-    """The current device's compute capability as an int, e.g. 90 for an H100."""
-    return int(cupy.cuda.Device().compute_capability)
+    """The current device's compute capability as an int, e.g. 90 for an H100, as the dispatch sees
+    it (a lower CUPYATTN_ARCH override counts: an H100 dispatching as sm_75 has no TMA)."""
+    from . import _loader
 
-
-def require_device(fn: str, what: str) -> None:
-    """Raise unless the current device has TMA (compute capability 9.0 or newer)."""
-    from ._checks import no_gpu_explained
-
-    with no_gpu_explained(f"{fn}()"):
-        cc = compute_capability()
-    if cc < MIN_COMPUTE_CAPABILITY:
-        raise RuntimeError(f"{fn}(): {what} needs an sm_90 GPU (H100 or H200: wgmma and TMA are Hopper "
-                           f"instructions); this device is sm_{cc}")
+    return _loader.device_compute_capability()
 
 
 def tensor_map(ptr: int, dtype, dims, strides, box, swizzle: int = 128, *, fn: str = "tensor_map",

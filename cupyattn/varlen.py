@@ -17,7 +17,7 @@ import numpy as np
 from . import _checks
 from ._checks import check_array, check_choice, check_last_contiguous, check_out, check_same_dtype
 from .config import HEAD_DIMS, MAX_GRID_YZ, MMA_DTYPES
-from .flash_attn import Serving, _flash, check_window_softcap, default_impl
+from .flash_attn import Serving, _flash, check_flash_mma_device, check_window_softcap, default_impl
 
 FUSED_IMPLS = ("flash", "flash_mma")
 
@@ -79,7 +79,7 @@ def check_packed(fn, q, k, v, impl, kn="k", vn="v"):
     if impl == "flash_mma" and np.dtype(q.dtype) not in MMA_DTYPES:
         raise TypeError(f"{fn}(): impl='flash_mma' needs float16 or bfloat16 inputs, got float32 (use impl='flash')")
     if impl == "flash_mma":
-        _checks.require_impl(fn, "attention", impl, q.dtype)
+        check_flash_mma_device(fn, q.dtype, d)
     for name, x in (("q", q), (kn, k), (vn, v)):
         check_last_contiguous(fn, name, x)
         for n in x.shape:

@@ -195,8 +195,23 @@ __device__ __noinline__ void combine_if_last(const float* o_part, const float* l
 // At the end O / l (0 when l = 0: empty range) and lse = (m + log2 l) * ln 2.
 // Roles: a key's dot products are split over TPK = NT / BN adjacent lanes; warp w runs the
 // softmax of heads w, w + warps, ...; PV slot v = tid + s*NT -> (key part, head, 16-byte chunk).
+// --- register caps ----------------------------------------------------------------------------
+// The __launch_bounds__ minimum of a tile: its MINB (config: blocks/SM on an H100's 228 KB), or
+// fewer where the compiled family's shared memory per SM (CUPYATTN_SMEM_PER_SM, config
+// GPU_FAMILIES) holds fewer rings of RING_BYTES (+ 1 KB reserved per block): a register cap for
+// blocks that can never be resident only spills (sm_120, NVRTC 12.9: 4 B of spill loads at the
+// 80 registers of MINB 6 and the 128 of MINB 4, where 3 and 1 blocks fit its 100 KB).
+#ifndef CUPYATTN_SMEM_PER_SM
+#error "CUPYATTN_SMEM_PER_SM (shared memory per SM of the target family) comes from cupyattn/_loader.py"
+#endif
+template <int MINB, int RING_BYTES>
+__host__ __device__ constexpr int resident_min_blocks() {
+    return CUPYATTN_SMEM_PER_SM / (RING_BYTES + 1024) < 1 ? 1
+         : (CUPYATTN_SMEM_PER_SM / (RING_BYTES + 1024) < MINB ? CUPYATTN_SMEM_PER_SM / (RING_BYTES + 1024) : MINB);
+}
+
 template <typename T, int D, int NT, int GT, int BN, int STAGES, int PITCH, int MINB, bool SERVING = false>
-__global__ void __launch_bounds__(NT, MINB) decode_kernel(
+__global__ void __launch_bounds__(NT, (resident_min_blocks<MINB, STAGES * 2 * BN * PITCH>())) decode_kernel(
     const T* __restrict__ q,            // [B, Hq, 1, D], element (b,h,d) at b*q_sb + h*q_sh + d
     const T* __restrict__ k_cache,      // [B, Hkv, max_seq, D] (one layer), contiguous
     const T* __restrict__ v_cache,      // [B, Hkv, max_seq, D]
@@ -432,7 +447,7 @@ __global__ void __launch_bounds__(NT, MINB) decode_kernel(
 // WARPS / MT slices of each head are merged: O = sum_s exp2(m_s - m) O_s / sum_s exp2(m_s - m) l_s.
 // Fragment layouts are the PTX ISA's (ptx.cuh); g = lane / 4 and tq = lane % 4 below.
 template <typename T, int D, int MT, int WARPS, int BN, int STAGES, int PITCH, int MINB, bool SERVING = false>
-__global__ void __launch_bounds__(WARPS * 32, MINB) decode_mma_kernel(
+__global__ void __launch_bounds__(WARPS * 32, (resident_min_blocks<MINB, STAGES * 2 * BN * PITCH>())) decode_mma_kernel(
     const T* __restrict__ q,            // [B, Hq, 1, D], element (b,h,d) at b*q_sb + h*q_sh + d
     const T* __restrict__ k_cache,      // [B, Hkv, max_seq, D] (one layer), contiguous
     const T* __restrict__ v_cache,      // [B, Hkv, max_seq, D]

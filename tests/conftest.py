@@ -157,6 +157,31 @@ def np_dtype(name: str):
     return np.dtype(config.BFLOAT16 if name == "bfloat16" else name)
 
 
+def device_cannot_run(op: str, impl: str, dtype, head_dim: int | None = None) -> str | None:
+    """Why the device cannot run an explicit ``impl`` of ``op`` for ``dtype`` inputs at
+    ``head_dim``, or None when it can: the compute capability the dispatch sees (a real device,
+    lowered by CUPYATTN_ARCH, or the emulator's CUPYATTN_EMU_ARCH) is below what config.IMPL_MIN_CC
+    (and IMPL_MIN_CC_BY_HEAD_DIM) ask. That such a call raises ComputeCapabilityError before any
+    launch is tests/test_gpu_families.py's to check."""
+    from cupyattn import _loader
+
+    dt = np_dtype(dtype) if isinstance(dtype, str) else np.dtype(dtype)
+    cc = _loader.device_compute_capability()
+    if config.impl_runs_on(op, impl, dt, cc, head_dim):
+        return None
+    need = config.impl_min_cc(op, impl, dt, head_dim)
+    at = f" at D={head_dim}" if head_dim is not None else ""
+    return (f"{op} impl={impl!r} with {dt}{at} needs compute capability {need // 10}.{need % 10}"
+            f"{' exactly' if impl == 'wgmma' else ''}; this device dispatches as {cc // 10}.{cc % 10}")
+
+
+def skip_unless_device_runs(op: str, impl: str, dtype, head_dim: int | None = None) -> None:
+    """Skip the calling GPU test with :func:`device_cannot_run`'s reason, if there is one."""
+    why = device_cannot_run(op, impl, dtype, head_dim)
+    if why:
+        pytest.skip(why)
+
+
 def rand_with_outliers(rng, shape, scale=1.0, outliers=3, outlier_value=30.0):
     """Normal(0, scale) with a few large entries, so a wrong max-subtraction shows."""
     x = rng.standard_normal(shape) * scale

@@ -6,8 +6,8 @@ import math
 import numpy as np
 import pytest
 
-from conftest import (expected_builds, DTYPES, assert_close, nan_like, np_dtype, rand_with_outliers, to_device,
-                      to_host)
+from conftest import (expected_builds, DTYPES, assert_close, nan_like, np_dtype, rand_with_outliers,
+                      skip_unless_device_runs, to_device, to_host)
 from cupyattn import config
 from cupyattn import flash_attn as FA
 from cupyattn import reference as ref
@@ -64,7 +64,11 @@ def _config_exprs():
                for c in (False, True)]
             # the serving instantiations (issue 25: varlen, paged, window, softcap), causal=False
             + [FA._expr("flash", dt, d, False, True) for dt in config.DTYPES for d in config.HEAD_DIMS]
-            + [FA._expr("flash_mma", dt, d, False, True) for dt in config.MMA_DTYPES for d in config.HEAD_DIMS])
+            + [FA._expr("flash_mma", dt, d, False, True) for dt in config.MMA_DTYPES for d in config.HEAD_DIMS]
+            # the 32-key flash_mma tiles of 64 KB devices: fp16 only (bf16 mma needs sm_80, whose
+            # families all have 99 KB or more), each causal, not, and serving
+            + [FA._expr("flash_mma", config.FLOAT16, d, c, sv, t) for d, t in config.FLASH_MMA_SMALL_SMEM_TILES.items()
+               for c, sv in ((False, False), (True, False), (False, True))])
 
 
 def _assert_one_report_per_build(reports, exprs):
@@ -84,7 +88,11 @@ def test_spec_builds_every_config_instantiation_within_static_smem(compile_repor
         assert t.block_n % 16 == 0 and d % 16 == 0, t
         assert config.flash_mma_smem_bytes(d) <= 163 * 1024, t  # an A100's opt-in limit per block
     want = _config_exprs()
-    assert len(set(want)) == len(want) == 3 * len(config.HEAD_DIMS) * (len(config.DTYPES) + len(config.MMA_DTYPES))
+    assert len(set(want)) == len(want) == 3 * len(config.HEAD_DIMS) * (len(config.DTYPES) + len(config.MMA_DTYPES)) \
+        + 3 * len(config.FLASH_MMA_SMALL_SMEM_TILES)
+    for d, t in config.FLASH_MMA_SMALL_SMEM_TILES.items():   # each fits a T4's 64 KB, the main tile does not
+        assert config.flash_mma_smem_bytes(d, t) <= 64 * 1024 < config.flash_mma_smem_bytes(d), d
+        assert t.block_m // t.warps == 16 and (32 * t.warps) % t.block_n == 0 and t.block_n % 16 == 0
     assert sorted(FA.SPEC.name_expressions) == sorted(want)
     reports, errors = compile_report("flash_attn")
     assert not errors, errors
@@ -213,6 +221,7 @@ def _run(rng, dtype, b, hq, hkv, sq, sk, d, impl, causal=False, mask=None, key_l
     ``misaligned``: {"q" | "k" | "v": "offset" | "stride", "out": "offset"} views to pass instead."""
     import cupy
 
+    skip_unless_device_runs("attention", impl, dtype, d)
     qh, kh, vh = _qkv(rng, b, hq, hkv, sq, sk, d)
     (q, qr), (k, kr), (v, vr) = (to_device(x, dtype) for x in (qh, kh, vh))
     if layout == "bshd":  # views of [B, S, H, D] buffers (what a fused QKV projection gives)

@@ -10,8 +10,9 @@ import os
 import numpy as np
 import pytest
 
-from conftest import assert_close, nan_like, rand_with_outliers, to_device, to_host
-from cupyattn import config
+from conftest import assert_close, nan_like, rand_with_outliers, skip_unless_device_runs, to_device, to_host
+from cupyattn import _loader, config
+from cupyattn._checks import ComputeCapabilityError
 from cupyattn import flash_attn as FA
 from cupyattn import flash_attn_sm90 as W
 from cupyattn import reference as ref
@@ -27,10 +28,8 @@ def rng():
 
 
 def _hopper():
-    import cupy
-
-    if int(cupy.cuda.Device().compute_capability) < 90:
-        pytest.skip("impl='wgmma' runs on sm_90 (H100/H200) only")
+    """Skip where the device (as the dispatch sees it: CUPYATTN_ARCH counts) is not sm_90."""
+    skip_unless_device_runs("attention", "wgmma", "float16")
 
 
 # --- GPU tier: against the float64 reference -------------------------------------------------------
@@ -181,6 +180,13 @@ def test_wgmma_argument_checks(rng, monkeypatch):
     q32, k32 = dev((1, 2, 20, 32)), dev((1, 2, 30, 32))
     with pytest.raises(ValueError, match=r"attention\(\): head_dim D=32 is not supported by impl='wgmma'; supported: 64, 128, 256"):
         FA.attention(q32, k32, k32, impl="wgmma")
+    with monkeypatch.context() as m:   # a non-Hopper device (an RTX 30 here): refused before launch
+        m.setattr(_loader, "device_compute_capability", lambda: 86)
+        with pytest.raises(ComputeCapabilityError, match=r"attention\(\): impl='wgmma' with float16 inputs needs "
+                                                         r"compute capability 9\.0 exactly .*is 8\.6"):
+            FA.attention(q, k, k, impl="wgmma", out=out)
+    assert bool(cupy.isnan(out.astype(cupy.float32)).all())  # untouched
+    _hopper()   # the rest needs a device that runs wgmma
     wide = dev((1, 2, 30, 68))                      # rows of 136 bytes: not a multiple of 16
     flat = dev((2 * 30 * 64 + 1,))
     shifted = flat[1:].reshape(1, 2, 30, 64)        # base 2 bytes past a 16-byte boundary
@@ -190,9 +196,6 @@ def test_wgmma_argument_checks(rng, monkeypatch):
         with pytest.raises(ValueError, match=rf"attention\(\): impl='wgmma' needs q, k, v that TMA can read: {why}"):
             FA.attention(q, kk, vv, impl="wgmma", out=out)
         assert bool(cupy.isnan(out.astype(cupy.float32)).all())  # untouched
-    monkeypatch.setattr(W.tma, "compute_capability", lambda: 86)
-    with pytest.raises(RuntimeError, match=r"attention\(\): impl='wgmma' needs an sm_90 GPU .* sm_86"):
-        FA.attention(q, k, k, impl="wgmma")
 
 
 @pytest.mark.gpu

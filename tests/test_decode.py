@@ -13,8 +13,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import expected_builds, TOL, assert_close, np_dtype, rand_with_outliers
-from cupyattn import config, decode, kvcache
+from conftest import expected_builds, TOL, assert_close, np_dtype, rand_with_outliers, skip_unless_device_runs
+from cupyattn import _loader, config, decode, kvcache
 from cupyattn import reference as ref
 from cupyattn.decode import choose_num_splits, decode_attention
 from cupyattn.kvcache import KVCache
@@ -171,7 +171,9 @@ def test_auto_impl_and_head_tiles(monkeypatch):
 
     seen = []
     monkeypatch.setattr(decode, "_launch", lambda *a, **k: seen.append(a[6]))
-    bf16_mma = int(cupy.cuda.Device().compute_capability) >= 80
+    # the compute capability the dispatch sees (CUPYATTN_ARCH / the emulator's included) against
+    # the family table's bf16 minimum; every tile here (D=64) fits a T4's 64 KB
+    bf16_mma = _loader.device_compute_capability() >= config.MMA_MIN_CC[config.BFLOAT16]
     for dtype, hkv, hq, impl, want, tiles in [
             (np.float16, 2, 6, "auto", "simt", 1), (np.float16, 2, 8, "auto", "mma", 1),
             (config.BFLOAT16, 1, 32, "auto", *(("mma", 1) if bf16_mma else ("simt", 4))), (np.float16, 1, 40, "auto", "mma", 2),
@@ -320,6 +322,9 @@ def test_decode_smem_pitches_are_conflict_free():
         assert len({(row * t.pitch // 16) % 8 for row in range(8)}) == 8, (d, mt)
         keys_per_warp = t.block_n * mt // t.warps
         assert t.warps % mt == 0 and keys_per_warp % 16 == 0
+    for (d, mt), t in config.DECODE_MMA_SMALL_SMEM_TILES.items():   # and each fits a T4's 64 KB
+        assert t.pitch == config.DECODE_MMA_TILES[(d, mt)].pitch and (t.block_n * mt // t.warps) % 16 == 0
+        assert t.ring_bytes + decode.static_smem_bytes("mma", d, 2, t, mt) <= 64 * 1024, (d, mt)
 
 
 # --- GPU tier helpers (the CPU emulator, tests/emu, runs these too) ---------------------------
@@ -432,6 +437,7 @@ IMPL_DTYPES = [pytest.param(i, d, id=f"{i}-{d}") for i in ("simt", "mma") for d 
 
 
 def _check_decode(be, rng, dtype, lengths, hkv, group, d, splits, tol=None, max_seq=None, impl="auto"):
+    skip_unless_device_runs("decode", impl, dtype)
     cache, kf, vf = _filled_cache(be, rng, dtype, lengths, hkv, d, max_seq=max_seq)
     hq = hkv * group
     q64 = rand_with_outliers(rng, (len(lengths), hq, 1, d)).astype(np_dtype(dtype))
@@ -544,6 +550,7 @@ def test_decode_1000_and_split_equals_unsplit(backend, rng, impl, dtype, splits)
 @pytest.mark.parametrize("scale", [0.3, -0.7, 0.0])
 def test_decode_scale_and_strided_q(backend, rng, impl, dtype, scale):
     """A q view with strided heads; positive, negative (mma: q negated on load) and zero scale."""
+    skip_unless_device_runs("decode", impl, dtype)
     be = backend
     cache, kf, vf = _filled_cache(be, rng, dtype, [50, 7], 1, 64)
     q4 = rand_with_outliers(rng, (2, 1, 4, 64)).astype(np_dtype(dtype))   # [B, 1, Hq, D] buffer

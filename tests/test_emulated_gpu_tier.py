@@ -116,19 +116,24 @@ def test_gpu_tier_passes_on_the_cpu_emulator(capsys):
 # memory per block, kernels built with __CUDA_ARCH__ 750, so ptx.cuh's Turing branches (plain
 # copies for cp.async, two m16n8k8 per m16n8k16) and the dispatch's fallbacks (SIMT for bf16,
 # 2-stage rings and tiles for 64 KB) run. A chosen subset of shapes keeps it small; explicit
-# tensor-core impls the device cannot run are covered by test_gpu_families.py's error tests.
+# impls the device cannot run skip there (conftest.skip_unless_device_runs) and are covered by
+# test_gpu_families.py's error tests.
 SM75_FILES = ("test_ptx.py", "test_gpu_families.py", "test_attention.py", "test_decode.py", "test_gemm.py",
               "test_softmax.py", "test_layers.py", "test_tinylm_gpu.py")
 SM75_SELECT = " or ".join((
     "test_ldmatrix", "test_mma_m16n8k16", "test_cp_async", "test_gpu_families",
-    # fp16 flash_mma on two m16n8k8 per k-step, every tile sm_75 takes (config); the SIMT kernel
-    "(test_gpu_flash_mma_every_tile_entry and (float16-32 or float16-64 or float16-80) and not bfloat16)",
+    # fp16 flash_mma on two m16n8k8 per k-step, every tile sm_75 takes (config: the 32-key tiles at
+    # D = 96, 128; D = 256 skips, naming its minimum); the SIMT kernel
+    "(test_gpu_flash_mma_every_tile_entry and float16 and not bfloat16)",
     "(test_gpu_sizes and not 4096 and not flash_mma and not naive)",
-    # decode: SIMT (2-deep rings at D 64, 128), fp16 mma where it fits; what auto picks
-    "(test_decode_head_dims and (simt or (mma-float16 and not float16-128 and not float16-256)))",
+    # decode: SIMT (2-deep rings at D 64, 128), fp16 mma at every head dim (the compact tiles at
+    # D 128, 256, also with two m-tiles); what auto picks
+    "(test_decode_head_dims and (simt or mma-float16))",
+    "(test_decode_gqa and mma and (g4-kv2 or g40-kv1))",
     "test_auto_impl_and_head_tiles",
     # GEMM impl="auto": skinny (M <= 16), the 2-stage mma tile, bf16 and fp32 simt
     "(test_matches_reference and auto and (1x17x97 or 17x33x300 or 97x128x17 or 1000x17x97))",
+    "test_shared_weight_batch_is_one_gemm",
     "(test_rows_match_reference and (17-float16 or 1000-float16 or 1025-float16))",
     "test_gpu_rmsnorm_in_place_misaligned_and_nd",
     "(test_cupy_float32_greedy_tokens_equal_numpy and False)",   # tinylm's default (unfused) backend

@@ -7,10 +7,12 @@ import os
 import numpy as np
 import pytest
 
-from cupyattn import config
+from cupyattn import _loader, config
+from cupyattn._checks import ComputeCapabilityError
 from cupyattn import gemm as G
 from cupyattn import reference as ref
-from conftest import expected_builds, DTYPES, assert_close, nan_like, np_dtype, rand_with_outliers, to_device
+from conftest import (expected_builds, DTYPES, assert_close, nan_like, np_dtype, rand_with_outliers,
+                      skip_unless_device_runs, to_device)
 
 FNS = {"nt": (G.gemm_nt, ref.gemm_nt), "nn": (G.gemm_nn, ref.gemm_nn)}
 
@@ -43,6 +45,7 @@ SHAPES = [(1, 1, 1), (1, 17, 97), (17, 97, 128), (97, 128, 17), (128, 128, 128),
 @pytest.mark.parametrize("layout,dtype,impl", LDV)
 @pytest.mark.parametrize("mnk", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_matches_reference(layout, dtype, impl, mnk):
+    skip_unless_device_runs("gemm", impl, dtype)
     # K = 4096: inputs are rounded before the reference sees them and accumulation is float32,
     # so the error is the output's final rounding (~2e-4 fp16, ~2e-3 bf16 relative, measured in
     # NumPy) plus ~1e-6 of float32 summation: the default tolerances hold without loosening.
@@ -61,6 +64,8 @@ def test_matches_reference(layout, dtype, impl, mnk):
 @pytest.mark.parametrize("layout,dtype,impl", LDV)
 def test_batched_broadcast_and_strided(layout, dtype, impl):
     import cupy
+
+    skip_unless_device_runs("gemm", impl, dtype)
 
     fn, rfn = FNS[layout]
     rng = np.random.default_rng(1)
@@ -224,7 +229,11 @@ def test_shared_weight_batch_is_one_gemm(dtype, monkeypatch):
     rng = np.random.default_rng(3)
     log = _LaunchLog(monkeypatch)
     w, w64 = to_device(rand_with_outliers(rng, (40, 72)), dtype)
-    for lead, t, kernel in [((5,), 1, "skinny"), ((2, 3), 2, "skinny"), ((3,), 9, "mma" if dtype != "float32" else "simt")]:
+    # what auto takes where (README "GPUs"): tensor cores from the dtype's minimum (fp16 7.5, bf16
+    # 8.0), else SIMT; fp32 skinny is FMA-only and runs everywhere
+    tc = dtype != "float32" and _loader.device_compute_capability() >= config.MMA_MIN_CC[np_dtype(dtype)]
+    small, large = ("skinny" if tc or dtype == "float32" else "simt"), ("mma" if tc else "simt")
+    for lead, t, kernel in [((5,), 1, small), ((2, 3), 2, small), ((3,), 9, large)]:
         x, x64 = to_device(rand_with_outliers(rng, lead + (t, 72)), dtype)
         out = nan_like(lead + (t, 40), dtype)
         G.gemm_nt(x, w, out=out)
@@ -446,10 +455,8 @@ def test_simt_kernel_index_maps_emulated(nt):
 
 # --- impl="wgmma" (Hopper: TMA + wgmma, kernels_cu/gemm_sm90.cu) ------------------------------------
 def _hopper():
-    import cupy
-
-    if int(cupy.cuda.Device().compute_capability) < 90:
-        pytest.skip("impl='wgmma' runs on sm_90 (H100/H200) only")
+    """Skip where the device (as the dispatch sees it: CUPYATTN_ARCH counts) is not sm_90."""
+    skip_unless_device_runs("gemm", "wgmma", "float16")
 
 
 def _tma_ready(rng, shape, dtype):
@@ -525,6 +532,13 @@ def test_wgmma_refuses_what_tma_cannot_read(layout, monkeypatch):
     out = nan_like((20, 16), "float16")
     with pytest.raises(TypeError, match=rf"{name}\(\): impl='wgmma' needs float16 or bfloat16"):
         fn(a.astype(cupy.float32), b.astype(cupy.float32), impl="wgmma")
+    with monkeypatch.context() as m:   # a non-Hopper device (an RTX 30 here): refused before launch
+        m.setattr(_loader, "device_compute_capability", lambda: 86)
+        with pytest.raises(ComputeCapabilityError, match=rf"{name}\(\): impl='wgmma' with float16 inputs needs "
+                                                         r"compute capability 9\.0 exactly .*is 8\.6"):
+            fn(a, b, out=out, impl="wgmma")
+    assert bool(cupy.isnan(out.astype(cupy.float32)).all())  # untouched
+    _hopper()   # the rest needs a device that runs wgmma
     odd, _ = to_device(rand_with_outliers(rng, (20, 21)), "float16")            # 42-byte rows
     odd_b, _ = to_device(rand_with_outliers(rng, _b_shape(layout, 16, 21)), "float16")
     flat, _ = to_device(rand_with_outliers(rng, (20 * 24 + 1,)), "float16")
@@ -535,9 +549,6 @@ def test_wgmma_refuses_what_tma_cannot_read(layout, monkeypatch):
         with pytest.raises(ValueError, match=rf"{name}\(\): impl='wgmma' needs operands TMA can read: {why}"):
             fn(x, y, out=out, impl="wgmma")
         assert bool(cupy.isnan(out.astype(cupy.float32)).all())  # untouched
-    monkeypatch.setattr(G.tma, "compute_capability", lambda: 86)
-    with pytest.raises(RuntimeError, match=rf"{name}\(\): impl='wgmma' needs an sm_90 GPU .* sm_86"):
-        fn(a, b, impl="wgmma")
 
 
 @pytest.mark.gpu

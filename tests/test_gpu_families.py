@@ -59,6 +59,14 @@ def test_each_arch_compiles_what_it_can_run():
     # the Turing defaults are there: fp16 flash_mma at D=64, fp16 mma GEMM (2-stage tile), SIMT decode
     assert flash_attn._expr("flash_mma", F16, 64, True) in specs["flash_attn"].exprs_for(75)
     assert flash_attn._expr("flash_mma", F16, 128, True) not in specs["flash_attn"].exprs_for(75)  # 85 KB
+    # ... but its 32-key tile (60 KB) is, for fp16 only: no family that runs bf16 mma has under 99 KB
+    small = config.FLASH_MMA_SMALL_SMEM_TILES[128]
+    assert flash_attn._expr("flash_mma", F16, 128, True, tile=small) in specs["flash_attn"].exprs_for(75)
+    assert flash_attn._expr("flash_mma", BF16, 128, True, tile=small) not in specs["flash_attn"].name_expressions
+    for d, m in config.DECODE_MMA_SMALL_SMEM_TILES:   # explicit decode mma on a T4 at D = 128, 256
+        compact = decode._mma_expr(F16, d, m, config.DECODE_MMA_SMALL_SMEM_TILES[(d, m)])
+        assert compact in specs["decode"].exprs_for(75)
+        assert decode._mma_expr(BF16, d, m, config.DECODE_MMA_SMALL_SMEM_TILES[(d, m)]) not in specs["decode"].name_expressions
     assert flash_attn._expr("flash_mma", F16, 256, True) not in specs["flash_attn"].exprs_for(75)  # spills
     assert gemm._expr("mma", F16, True, tile=config.GEMM_MMA_SMALL_SMEM) in specs["gemm"].exprs_for(75)
     assert gemm._expr("mma", F16, True) not in specs["gemm"].exprs_for(75)                          # 80 KB
@@ -77,6 +85,12 @@ def test_decode_plans_fit_the_device(limit, cc):
                 if dt == BF16 and cc < 80:
                     assert p.impl == "simt"
                 assert decode._plan("auto", dt, d, group, 90, 227 * 1024) == decode._plan("auto", dt, d, group)
+                if dt == F32 or (dt == BF16 and cc < 80):
+                    continue
+                # an explicit impl="mma" fits at every head dim (the compact tiles on a T4)
+                p = decode._plan("mma", dt, d, group, cc, limit)
+                m_tiles = int(p.expr.split(",")[2])
+                assert p.tile.ring_bytes + decode.static_smem_bytes("mma", d, dt.itemsize, p.tile, m_tiles) <= limit
 
 
 def test_static_smem_bound_holds_for_every_decode_kernel(compile_report):
@@ -93,7 +107,7 @@ def test_static_smem_bound_holds_for_every_decode_kernel(compile_report):
                     assert by_kernel[decode._simt_expr(dt, d, tile, sv)] <= bound, (dt, d, tile, sv)
                     checked += 1
                 for m in range(1, config.DECODE_MMA_MAX_MTILES + 1):
-                    for tile in decode._tiles_and_small(config.DECODE_MMA_TILES[(d, m)]) if dt != F32 else ():
+                    for tile in decode.mma_tiles(dt, d, m) if dt != F32 else ():
                         bound = decode.static_smem_bytes("mma", d, dt.itemsize, tile, m)
                         assert by_kernel[decode._mma_expr(dt, d, m, tile, sv)] <= bound, (dt, d, m, tile, sv)
                         checked += 1
@@ -151,6 +165,28 @@ def test_explicit_impl_the_device_cannot_run_is_refused_before_launch():
 
 
 @pytest.mark.gpu
+def test_wgmma_below_sm90_is_refused_before_launch():
+    """impl="wgmma" (sm_90a code) on any other device: ComputeCapabilityError naming the impl, the
+    device's compute capability and 9.0, before anything is allocated or written."""
+    import cupy
+
+    if _cc() == 90:
+        pytest.skip("this device runs wgmma")
+    x = cupy.asarray(np.ones((1, 2, 17, 64), dtype=F16))
+    out = nan_like((1, 2, 17, 64), "float16")
+    with pytest.raises(cupyattn.ComputeCapabilityError, match=r"attention\(\): impl='wgmma' with float16 inputs "
+                                                               rf"needs compute capability 9\.0 exactly .*is {_cc() // 10}\.{_cc() % 10}"):
+        cupyattn.attention(x, x, x, impl="wgmma", out=out)
+    assert bool(cupy.isnan(out).all())
+    a = cupy.asarray(np.ones((64, 64), dtype=F16))
+    for fn in (cupyattn.gemm_nt, cupyattn.gemm_nn):
+        c = nan_like((64, 64), "float16")
+        with pytest.raises(cupyattn.ComputeCapabilityError, match=rf"{fn.__name__}\(\): impl='wgmma'.*9\.0 exactly"):
+            fn(a, a, out=c, impl="wgmma")
+        assert bool(cupy.isnan(c).all())
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 def test_default_attention_is_what_the_table_says(dtype):
     """The default runs and matches the float64 reference; it is flash_mma only where the device has
@@ -164,12 +200,15 @@ def test_default_attention_is_what_the_table_says(dtype):
     out = nan_like((1, 3, 17, 128), dtype)
     cupyattn.attention(q, k, v, causal=True, out=out)
     assert_close(out, ref.attention(qr, kr, vr, causal=True), dtype)
-    want = "flash_mma" if np_dtype(dtype) in config.MMA_DTYPES else "flash"
-    smem = int(cupy.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"])
-    if want == "flash_mma" and (not config.impl_runs_on("attention", want, np_dtype(dtype), _cc())
-                                or config.flash_mma_smem_bytes(128) > smem):
-        want = "flash"
-    assert flash_attn.default_impl(np_dtype(dtype), 128) == want
+    # tensor cores from the dtype's minimum (fp16 7.5, bf16 8.0); at D = 128 every family from 7.5
+    # has a flash_mma tile within its shared memory (the 32-key tile on a T4's 64 KB)
+    tc = np_dtype(dtype) in config.MMA_DTYPES and _cc() >= config.MMA_MIN_CC[np_dtype(dtype)]
+    assert flash_attn.default_impl(np_dtype(dtype), 128) == ("flash_mma" if tc else "flash")
+    if tc:
+        smem = _loader.device_smem_optin()
+        tile = flash_attn._tile("flash_mma", np_dtype(dtype), 128, smem)
+        assert config.flash_mma_smem_bytes(128, tile) <= smem
+        assert (tile == config.FLASH_MMA_TILES[128]) == (smem >= 85 * 1024)
 
 
 @pytest.mark.gpu

@@ -11,7 +11,8 @@ import math
 import numpy as np
 import pytest
 
-from conftest import DTYPES, assert_close, nan_like, np_dtype, rand_with_outliers, to_device, to_host
+from conftest import (DTYPES, assert_close, device_cannot_run, nan_like, np_dtype, rand_with_outliers, to_device,
+                      to_host)
 from cupyattn import reference as ref
 
 HEAD_DIM = 32  # emulated runs: the smallest head dim keeps the CPU emulator quick
@@ -125,7 +126,10 @@ def test_window_folding_and_decode_split_rule_input():
 
 # --- GPU tier: attention(window=, softcap=) and attention_varlen ------------------------------
 def _impls(dtype):
-    return ["flash"] + (["flash_mma"] if dtype != "float32" else [])
+    """The fused attention impls to compare: flash, and flash_mma for 16-bit inputs where the device
+    runs it at HEAD_DIM (bf16 from sm_80: conftest.device_cannot_run)."""
+    mma = dtype != "float32" and not device_cannot_run("attention", "flash_mma", dtype, HEAD_DIM)
+    return ["flash"] + (["flash_mma"] if mma else [])
 
 
 @pytest.mark.gpu
@@ -268,7 +272,9 @@ def _shuffled_pages(rng, lens, page_size, hkv, d, dtype, spare=3):
 
 
 def _decode_impls(dtype, group):
-    return ["simt"] + (["mma"] if dtype != "float32" else [])
+    """The decode impls to compare: simt, and mma for 16-bit inputs where the device runs it (bf16
+    from sm_80: conftest.device_cannot_run)."""
+    return ["simt"] + (["mma"] if dtype != "float32" and not device_cannot_run("decode", "mma", dtype) else [])
 
 
 @pytest.mark.gpu
@@ -532,7 +538,8 @@ def test_property_varlen_and_paged_prefill():
 
         rng = np.random.default_rng(c["seed"])
         dt = c["dtype"]
-        impl = "flash_mma" if c["mma"] and dt != "float32" else "flash"
+        impl = "flash_mma" if c["mma"] and dt != "float32" and not device_cannot_run("attention", "flash_mma", dt, HEAD_DIM) \
+            else "flash"
         hq, hkv = c["heads"]
         lens_q = c["lens_q"]
         lens_k = [n + e for n, e in zip(lens_q, c["extra_k"])]  # the new queries are the last keys
@@ -567,7 +574,7 @@ def test_property_paged_decode():
 
         rng = np.random.default_rng(c["seed"])
         dt = c["dtype"]
-        impl = "mma" if c["mma"] and dt != "float32" else "simt"
+        impl = "mma" if c["mma"] and dt != "float32" and not device_cannot_run("decode", "mma", dt) else "simt"
         hq, hkv = c["heads"]
         lens = [n + e for n, e in zip(c["lens_q"], c["extra_k"])]
         kd, vd, table, kh, vh, th = _shuffled_pages(rng, lens, c["page"], hkv, HEAD_DIM, dt)
