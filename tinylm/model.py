@@ -253,12 +253,20 @@ class Transformer:
                 from .config import FUSED_PREFILL as default
             else:
                 from cupyattn.config import TINYLM_FUSED_DECODE as default
-            return bool(default and self.args.head_dim % 16 == 0)
+            return bool(default and self.args.head_dim % 16 == 0 and self._device_runs_fused())
         if fused and not has:
             raise ValueError(f"{what} needs the cupy backend, not {self.backend!r}")
         if fused and self.args.head_dim % 16:
             raise ValueError(f"{what} needs a head_dim that is a multiple of 16, got {self.args.head_dim}")
         return bool(fused)
+
+    def _device_runs_fused(self) -> bool:
+        """Whether this device has the fused step's instructions for the model's dtype (bf16 needs
+        sm_80: below it the default is the unfused step; an explicit fused=True raises there)."""
+        from cupyattn import _loader
+        from cupyattn.config import impl_runs_on
+
+        return impl_runs_on("fused", "skinny", self.ops.dtype, _loader.device_compute_capability())
 
     def new_state(self, batch: int = 1, max_seq: int | None = None) -> RunState:
         if max_seq is not None and max_seq > self.args.max_seq:
