@@ -142,12 +142,12 @@ def test_a_call_compiles_only_the_instantiation_it_launches(monkeypatch):
     from cupyattn import flash_attn
 
     monkeypatch.setattr(_loader, "_FUNCTIONS", {})
-    q = cupy.asarray(np.random.default_rng(0).standard_normal((1, 2, 5, 128)).astype(np.float16))
+    # D=64: impl=None takes flash_mma everywhere (config.ATTN_AUTO_WGMMA sends only D=128 to wgmma)
+    q = cupy.asarray(np.random.default_rng(0).standard_normal((1, 2, 5, 64)).astype(np.float16))
     cupyattn.attention(q, q, q, causal=True)
     cupyattn.attention(q, q, q, causal=True)  # memoised: no second build
-    built = [key for key in _loader._FUNCTIONS if key[0] == "flash_attn"]
-    assert built == [("flash_attn", flash_attn._expr(flash_attn.default_impl(np.float16, 128),
-                                                     np.float16, 128, True), cupy.cuda.Device().id)]
+    assert list(_loader._FUNCTIONS) == [("flash_attn", flash_attn._expr(flash_attn.default_impl(np.float16, 64),
+                                                                        np.float16, 64, True), cupy.cuda.Device().id)]
     with pytest.raises(KeyError, match="not an instantiation of kernel spec 'flash_attn'"):
         _loader.get_function(flash_attn.SPEC, "flash_attn_fwd<double, 7>")
 
