@@ -22,7 +22,7 @@ With ``num_splits == 1`` a block writes the output itself; otherwise each split 
 partial O and log-sum-exp to a workspace and a combine kernel merges them (flash-decoding):
 ``O = sum_c exp(lse_c - lse) O_c``; with ``fused_combine=True`` the last split block of each head
 tile to finish (an atomic counter per tile, reset by that block) merges instead, so a split call
-is one launch (not yet run on a GPU). Sequence b's live length ``len_b`` is split into chunks of
+is one launch. Sequence b's live length ``len_b`` is split into chunks of
 ``ceil(len_b / num_splits)`` keys, as ``reference.decode_split_partials`` does, so results do not
 depend on ``max_seq``; the automatic split count is :func:`choose_num_splits`.
 """
@@ -359,8 +359,7 @@ def decode_attention(q, cache, layer, scale=None, num_splits=None, out=None, wor
         call (tinylm's fused decode step uses it: config.TINYLM_FUSED_DECODE).
     window : (left, right), optional
         Sliding window: the query (at position len - 1) sees keys ``j >= len - 1 - left``
-        (-1: unbounded); ``right`` cannot hide anything in decode. Serving kernel variant,
-        **not yet run on a GPU**.
+        (-1: unbounded); ``right`` cannot hide anything in decode. Serving kernel variant.
     softcap : float, optional
         Scores become ``softcap * tanh(scale * q.k / softcap)``; 0 / None: off. Same variant.
 

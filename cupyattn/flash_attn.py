@@ -26,7 +26,7 @@ from .gemm import gemm_nn, gemm_nt
 from .row_softmax import softmax
 
 IMPLS = ("flash", "flash_mma", "naive")
-HOPPER_IMPLS = ("wgmma",)  # sm_90 only, opt-in (not yet run on a GPU): cupyattn/flash_attn_sm90.py
+HOPPER_IMPLS = ("wgmma",)  # sm_90 only (impl=None takes it where config.ATTN_AUTO_WGMMA says): flash_attn_sm90.py
 # What impl=None runs for each dtype on a GPU that has every instruction and enough shared memory
 # (sm_80 and newer): the fastest correct kernel (tensor cores where they apply). default_impl()
 # says what it runs on the current device.
@@ -281,8 +281,8 @@ def attention(q, k, v, causal=False, scale=None, mask=None, key_lengths=None, im
         power-of-two part of ``scale`` (exactly), so S holds scaled logits and |q.k| beyond
         float16's range does not overflow. With a mask, key_lengths or return_lse, S is taken
         to float32 for the softmax.
-        ``"wgmma"``: Hopper only (sm_90, H100/H200), opt-in, **not yet run on a GPU**:
-        TMA + wgmma, warp-specialised (cupyattn/flash_attn_sm90.py); float16/bfloat16, D of
+        ``"wgmma"``: Hopper only (sm_90, H100/H200; impl=None takes it for the (dtype, D)
+        pairs of config.ATTN_AUTO_WGMMA, measured faster on an H100): TMA + wgmma, warp-specialised (cupyattn/flash_attn_sm90.py); float16/bfloat16, D of
         64, 128 or 256, q/k/v that TMA can read (16-byte-aligned base and strides, else a
         ValueError naming the tensor); masks as ``flash_mma`` takes them.
     return_lse : bool

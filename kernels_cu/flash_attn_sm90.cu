@@ -15,7 +15,7 @@
 //              (FA3 section 3.2); off: each tile's steps in order. PINGPONG: the two
 //              consumer warpgroups take turns issuing wgmmas through named barriers, so
 //              one's softmax overlaps the other's matmuls (FA3 section 3.1).
-//              impl="wgmma" (opt-in; it has not run on a GPU yet).
+//              impl="wgmma" (impl=None on sm_90 where config.ATTN_AUTO_WGMMA says).
 //
 // Layouts: q [B, Hq, Sq, D], k and v [B, Hkv, Sk, D] (last dim contiguous), reached only through
 // their tensor maps (cupyattn/flash_attn_sm90.py builds them): 4-D, innermost first

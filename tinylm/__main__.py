@@ -38,11 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a text file with one prompt per line (UTF-8, or UTF-16/32 with a byte order mark; "
                         "blank lines skipped), run like --prompt")
     p.add_argument("--max-batch", type=int, default=None, metavar="N",
-                   help="continuous batching (greedy only; not yet run on a GPU): with more prompts than N, "
-                        "N slots (fewer if N do not fit in memory) decode together and a finished sequence's "
-                        "slot takes the next prompt at once; results are printed as they finish, each with its "
-                        "prompt index [i]. With no "
-                        "more prompts than N: one batch, as without it")
+                   help="continuous batching (greedy only): with more prompts than N, N slots (fewer if N "
+                        "do not fit in memory) decode together and a finished sequence's slot takes the next "
+                        "prompt at once; results are printed as they finish, each with its prompt index [i]. "
+                        "With no more prompts than N: one batch, as without it")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the ChatML chat template")
     p.add_argument("--system", default=None, metavar="S", help="system message for --chat")
     p.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="tokens to generate (64)")
