@@ -37,15 +37,16 @@ _FN = "attention"
 def default_impl(dtype, head_dim: int) -> str:
     """What ``impl=None`` runs on the current device: DEFAULT_IMPL, except "flash" (SIMT) where the
     device lacks the tensor-core instructions for ``dtype`` (bf16 below sm_80, config.IMPL_MIN_CC)
-    or registers for ``head_dim`` (config.IMPL_MIN_CC_BY_HEAD_DIM: D = 256 below sm_80), or where no
-    flash_mma tile fits its shared memory per block (config.flash_mma_tile: Turing's 64 KB takes the
-    32-key tiles of FLASH_MMA_SMALL_SMEM_TILES at D = 96, 128)."""
+    or registers for ``head_dim`` (config.IMPL_MIN_CC_BY_HEAD_DIM: D = 256 below sm_80), or where the
+    flash_mma tile does not fit its shared memory per block (Turing's 64 KB at D = 96, 128: the
+    32-key tiles of FLASH_MMA_SMALL_SMEM_TILES serve an explicit impl="flash_mma" there, and stay
+    off the default until they have run on a GPU)."""
     impl = DEFAULT_IMPL[np.dtype(dtype)]
     if impl != "flash_mma":
         return impl
     if not impl_runs_on("attention", impl, dtype, _loader.device_compute_capability(), head_dim):
         return "flash"
-    if head_dim in FLASH_MMA_TILES and flash_mma_tile(head_dim, _loader.device_smem_optin()) is None:
+    if head_dim in FLASH_MMA_TILES and flash_mma_smem_bytes(head_dim) > _loader.device_smem_optin():
         return "flash"
     return impl
 
