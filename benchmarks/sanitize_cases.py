@@ -251,7 +251,7 @@ def shallow_rings(compact: bool = False):
             return c
         return decode._small(t)
 
-    def small_tile(impl, dtype, head_dim, smem_limit=None):
+    def small_tile(impl, dtype, head_dim, smem_limit=None, cc=None):
         return flash_attn.mma_tiles(dtype, head_dim)[-1] if impl == "flash_mma" else fa_tile(impl, dtype, head_dim)
 
     decode._fit = small_fit

@@ -114,13 +114,13 @@ def tune_flash(emit):
 
     def with_tile(d, tile, spec, fn):  # run fn with this candidate's tile and kernel spec installed
         def run():
-            base, old = config.FLASH_MMA_TILES[d], flash_attn.SPEC
-            config.FLASH_MMA_TILES[d] = tile
+            base, fam, old = config.FLASH_MMA_TILES[d], config.FLASH_MMA_FAMILY_TILES, flash_attn.SPEC
+            config.FLASH_MMA_TILES[d], config.FLASH_MMA_FAMILY_TILES = tile, {}  # on every family
             flash_attn.SPEC = spec or old
             try:
                 return fn()
             finally:
-                config.FLASH_MMA_TILES[d], flash_attn.SPEC = base, old
+                config.FLASH_MMA_TILES[d], config.FLASH_MMA_FAMILY_TILES, flash_attn.SPEC = base, fam, old
         return run
 
     for d, cands in FLASH_CANDIDATES.items():

@@ -79,7 +79,10 @@ class KernelSpec:
     ``needs``: (name expression, minimum compute capability, shared memory per block in bytes) of
     the instantiations that need more than config.MIN_COMPUTE_CAPABILITY or than 48 KB of shared
     memory (the tensor-core kernels, the deep rings); the offline check compiles for an arch only
-    what a device of that family runs (:meth:`exprs_for`).
+    what a device of that family runs (:meth:`exprs_for`). ``families``: (name expression, the
+    config.GPU_FAMILIES keys whose devices run it) of the instantiations only some families dispatch
+    to: a tile that replaces the main one on one family (config.FLASH_MMA_FAMILY_TILES) and the
+    tile it replaces.
     """
 
     name: str
@@ -89,6 +92,7 @@ class KernelSpec:
     hot: bool = True
     sm90a: bool = False
     needs: tuple[tuple[str, int, int], ...] = ()
+    families: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
     def __post_init__(self):
         if not isinstance(self.name_expressions, tuple) or not isinstance(self.options, tuple):
@@ -103,15 +107,16 @@ class KernelSpec:
         return _code(self.source)
 
     def exprs_for(self, cc: int) -> tuple[str, ...]:
-        """The name expressions a device of compute capability ``cc`` can run (sm90a specs: all of
-        them on 9.0, none elsewhere)."""
+        """The name expressions a device of compute capability ``cc`` runs (sm90a specs: all of
+        them on 9.0, none elsewhere): instructions, shared memory per block and ``families``."""
         if self.sm90a:
             return self.name_expressions if cc == 90 else ()
         if cc < config.MIN_COMPUTE_CAPABILITY:
             return ()
-        smem = config.gpu_family(cc).smem_optin
-        need = {e: b for e, _, b in self.needs}
-        return tuple(e for e in self.name_expressions if self.min_cc(e) <= cc and need.get(e, 0) <= smem)
+        smem, family = config.gpu_family(cc).smem_optin, config.gpu_family_key(cc)
+        need, only = {e: b for e, _, b in self.needs}, dict(self.families)
+        return tuple(e for e in self.name_expressions if self.min_cc(e) <= cc and need.get(e, 0) <= smem
+                     and family in only.get(e, (family,)))
 
     def min_cc(self, name_expression: str) -> int:
         """The compute capability an instantiation's instructions need (sm90a specs: 90)."""

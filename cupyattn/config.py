@@ -120,6 +120,23 @@ FLASH_MMA_SMALL_SMEM_TILES = {
 }
 
 
+# flash_mma tiles that replace FLASH_MMA_TILES' entry on one GPU family (GPU_FAMILIES key), where
+# ptxas spills the main tile for that family's arch. The spec instantiates each for its family only.
+FLASH_MMA_FAMILY_TILES = {
+    100: {64: FlashTile(128, 64, 8, "ptxas for sm_100 (NVRTC 12.9) gives the 4-warp tile 255 registers "
+                        "and spills 4 B (28 B in its serving variant); 8 warps x 16 rows: 168 registers, no "
+                        "spills. On the H100 this shape ran at 222/206 TFLOP/s against the 4-warp tile's "
+                        "280/257; not run on a Blackwell GPU; 45 KB smem")},
+}
+
+
+def flash_mma_main_tile(head_dim: int, cc: int | None = None) -> FlashTile:
+    """The flash_mma tile for ``head_dim`` on a device of compute capability ``cc``: its family's
+    FLASH_MMA_FAMILY_TILES entry, else FLASH_MMA_TILES' (``cc`` None: FLASH_MMA_TILES')."""
+    family = FLASH_MMA_FAMILY_TILES.get(gpu_family_key(cc), {}) if cc is not None else {}
+    return family.get(head_dim) or FLASH_MMA_TILES[head_dim]
+
+
 def flash_mma_smem_bytes(head_dim: int, tile: FlashTile | None = None) -> int:
     """Dynamic shared memory of the flash_mma kernel for ``head_dim`` (16-bit elements) with ``tile``
     (default FLASH_MMA_TILES[head_dim]): Q_i tile, FLASH_MMA_K_STAGES K_j tiles and one V_j tile,
@@ -128,10 +145,11 @@ def flash_mma_smem_bytes(head_dim: int, tile: FlashTile | None = None) -> int:
     return (t.block_m + (FLASH_MMA_K_STAGES + 1) * t.block_n) * (head_dim + FLASH_MMA_PAD) * 2
 
 
-def flash_mma_tile(head_dim: int, smem_limit: int | None = None) -> FlashTile | None:
-    """The flash_mma tile for a device with ``smem_limit`` bytes of shared memory per block (None:
-    any): FLASH_MMA_TILES' entry, else FLASH_MMA_SMALL_SMEM_TILES', else None (nothing fits)."""
-    for t in (FLASH_MMA_TILES[head_dim], FLASH_MMA_SMALL_SMEM_TILES.get(head_dim)):
+def flash_mma_tile(head_dim: int, smem_limit: int | None = None, cc: int | None = None) -> FlashTile | None:
+    """The flash_mma tile for a device of compute capability ``cc`` with ``smem_limit`` bytes of
+    shared memory per block (None: any): flash_mma_main_tile's, else FLASH_MMA_SMALL_SMEM_TILES',
+    else None (nothing fits)."""
+    for t in (flash_mma_main_tile(head_dim, cc), FLASH_MMA_SMALL_SMEM_TILES.get(head_dim)):
         if t is not None and (smem_limit is None or flash_mma_smem_bytes(head_dim, t) <= smem_limit):
             return t
     return None
@@ -497,13 +515,18 @@ def a_family_has_less(smem_bytes: int, min_cc: int) -> bool:
     return any(f.smem_optin < smem_bytes for c, f in GPU_FAMILIES.items() if c >= min_cc)
 
 
-def gpu_family(cc: int) -> GpuFamily:
-    """The family of compute capability ``cc`` (e.g. 87 -> the sm_86 row: the newest at or below)."""
+def gpu_family_key(cc: int) -> int:
+    """The GPU_FAMILIES key of compute capability ``cc`` (e.g. 87 -> 86: the newest at or below)."""
     known = [c for c in GPU_FAMILIES if c <= cc]
     if not known:
         raise ValueError(f"compute capability {cc // 10}.{cc % 10} is below the minimum "
                          f"{MIN_COMPUTE_CAPABILITY // 10}.{MIN_COMPUTE_CAPABILITY % 10} (sm_{MIN_COMPUTE_CAPABILITY})")
-    return GPU_FAMILIES[max(known)]
+    return max(known)
+
+
+def gpu_family(cc: int) -> GpuFamily:
+    """The family of compute capability ``cc`` (e.g. 87 -> the sm_86 row: the newest at or below)."""
+    return GPU_FAMILIES[gpu_family_key(cc)]
 
 
 # tensor-core (mma.sync) kernels by input type: the minimum and why

@@ -21,7 +21,8 @@ from . import _loader
 from ._loader import KernelSpec, get_function, ptr_or_null
 from .config import (DTYPES, FLASH_MMA_K_STAGES, FLASH_MMA_PAD, FLASH_MMA_SMALL_SMEM_TILES, FLASH_MMA_TILES,
                      FLASH_SIMT_TILES, HEAD_DIMS, MAX_GRID_YZ, MMA_DTYPES, a_family_has_less, cbool, ctype,
-                     defines, flash_mma_min_cc, flash_mma_smem_bytes, flash_mma_tile, impl_runs_on)
+                     FLASH_MMA_FAMILY_TILES, GPU_FAMILIES, defines, flash_mma_main_tile, flash_mma_min_cc,
+                     flash_mma_smem_bytes, flash_mma_tile, impl_runs_on)
 from .gemm import gemm_nn, gemm_nt
 from .row_softmax import softmax
 
@@ -44,18 +45,21 @@ def default_impl(dtype, head_dim: int) -> str:
     impl = DEFAULT_IMPL[np.dtype(dtype)]
     if impl != "flash_mma":
         return impl
-    if not impl_runs_on("attention", impl, dtype, _loader.device_compute_capability(), head_dim):
+    cc = _loader.device_compute_capability()
+    if not impl_runs_on("attention", impl, dtype, cc, head_dim):
         return "flash"
-    if head_dim in FLASH_MMA_TILES and flash_mma_smem_bytes(head_dim) > _loader.device_smem_optin():
+    if (head_dim in FLASH_MMA_TILES
+            and flash_mma_smem_bytes(head_dim, flash_mma_main_tile(head_dim, cc)) > _loader.device_smem_optin()):
         return "flash"
     return impl
 
 
-def _tile(impl: str, dtype, head_dim: int, smem_limit: int | None = None):
+def _tile(impl: str, dtype, head_dim: int, smem_limit: int | None = None, cc: int | None = None):
     """The config tile of a fused impl ("flash" or "flash_mma") for a dtype and head dim; for
-    flash_mma the one that fits ``smem_limit`` bytes per block (None: the main tile)."""
+    flash_mma the one a device of compute capability ``cc`` runs within ``smem_limit`` bytes per
+    block (None, None: FLASH_MMA_TILES' entry)."""
     if impl == "flash_mma":
-        return flash_mma_tile(head_dim, smem_limit) or FLASH_MMA_TILES[head_dim]
+        return flash_mma_tile(head_dim, smem_limit, cc) or flash_mma_main_tile(head_dim, cc)
     return FLASH_SIMT_TILES[(head_dim, np.dtype(dtype).itemsize)]
 
 
@@ -78,9 +82,24 @@ def mma_tiles(dtype, head_dim: int) -> tuple:
     return (FLASH_MMA_TILES[head_dim],) + ((small,) if small and need else ())
 
 
+def family_tiles(head_dim: int) -> dict:
+    """{GPU_FAMILIES key: tile} of the families that run their own flash_mma tile at ``head_dim``
+    in place of FLASH_MMA_TILES' (config.FLASH_MMA_FAMILY_TILES)."""
+    return {f: tiles[head_dim] for f, tiles in FLASH_MMA_FAMILY_TILES.items() if head_dim in tiles}
+
+
 _VARIANTS = ((False, False), (True, False), (False, True))   # (causal, serving) of each tile
-_MMA_NEEDS = tuple((_expr("flash_mma", dt, d, c, sv, t), flash_mma_min_cc(dt, d), flash_mma_smem_bytes(d, t))
-                   for dt in MMA_DTYPES for d in HEAD_DIMS for t in mma_tiles(dt, d) for c, sv in _VARIANTS)
+_MMA_NEEDS = tuple((_expr("flash_mma", dt, d, c, sv, t), max(flash_mma_min_cc(dt, d), f), flash_mma_smem_bytes(d, t))
+                   for dt in MMA_DTYPES for d in HEAD_DIMS
+                   for f, t in [(0, t) for t in mma_tiles(dt, d)] + list(family_tiles(d).items())
+                   for c, sv in _VARIANTS)
+# a family tile runs on its family only, the main tile it replaces everywhere else
+_FAMILIES = tuple(
+    (_expr("flash_mma", dt, d, c, sv, t), fams)
+    for dt in MMA_DTYPES for d in HEAD_DIMS if family_tiles(d)
+    for t, fams in [(FLASH_MMA_TILES[d], tuple(f for f in GPU_FAMILIES if f not in family_tiles(d)))]
+    + [(t, (f,)) for f, t in family_tiles(d).items()]
+    for c, sv in _VARIANTS)
 SPEC = KernelSpec(
     "flash_attn", "flash_attn.cu",
     tuple(_expr("flash", dt, d, c) for dt in DTYPES for d in HEAD_DIMS for c in (False, True))
@@ -90,9 +109,12 @@ SPEC = KernelSpec(
     + tuple(_expr("flash_mma", dt, d, False, True) for dt in MMA_DTYPES for d in HEAD_DIMS)
     # the 32-key flash_mma tiles of 64 KB devices
     + tuple(_expr("flash_mma", dt, d, c, sv, t) for dt in MMA_DTYPES for d in HEAD_DIMS
-            for t in mma_tiles(dt, d)[1:] for c, sv in _VARIANTS),
+            for t in mma_tiles(dt, d)[1:] for c, sv in _VARIANTS)
+    # the tiles of families where the main one spills (config.FLASH_MMA_FAMILY_TILES)
+    + tuple(_expr("flash_mma", dt, d, c, sv, t) for dt in MMA_DTYPES for d in HEAD_DIMS
+            for t in family_tiles(d).values() for c, sv in _VARIANTS),
     defines(FLASH_MMA_PAD=FLASH_MMA_PAD, FLASH_MMA_K_STAGES=FLASH_MMA_K_STAGES),
-    needs=_MMA_NEEDS)
+    needs=_MMA_NEEDS, families=_FAMILIES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,7 +169,7 @@ def check_flash_mma_device(fn: str, dtype, head_dim: int) -> None:
     its shared memory per block (config.flash_mma_tile)."""
     _checks.require_impl(fn, "attention", "flash_mma", dtype, head_dim)
     limit = _loader.device_smem_optin()
-    if flash_mma_tile(head_dim, limit) is None:
+    if flash_mma_tile(head_dim, limit, _loader.device_compute_capability()) is None:
         raise _checks.ComputeCapabilityError(
             f"{fn}(): impl='flash_mma' at head_dim D={head_dim} needs {flash_mma_smem_bytes(head_dim)} B of "
             f"shared memory per block; this device allows {limit} B (use impl='flash')")
@@ -376,7 +398,8 @@ def _flash(impl, q, k, v, causal, scale, mask, mshape, kl, out, lse, sv=None, sh
     else:
         b, hq, sq, hkv, sq_arg, sk = shape
         d = q.shape[-1]
-    tile = _tile(impl, q.dtype, d, _loader.device_smem_optin() if impl == "flash_mma" else None)
+    tile = (_tile(impl, q.dtype, d, _loader.device_smem_optin(), _loader.device_compute_capability())
+            if impl == "flash_mma" else _tile(impl, q.dtype, d))
     bm = tile.block_m
     if mask is not None:
         mask = mask.reshape(mshape)  # leading 1s: a view

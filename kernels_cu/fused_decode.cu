@@ -127,7 +127,7 @@ __global__ void __launch_bounds__(S_WARPS * 32, 1) norm_qkv_rope_append_kernel(
 // x [M, N] (contiguous) += T(a [M, K] @ w [N, K]^T), rounded as add(x, gemm_nt(a, w)): x is read
 // and written by the one thread that owns the element.
 template <typename T, int S_WARPS, int S_NT, int S_CH>
-__global__ void __launch_bounds__(S_WARPS * 32) gemm_residual_kernel(
+__global__ void SKINNY_LAUNCH_BOUNDS(T, S_WARPS) gemm_residual_kernel(
     const T* __restrict__ a, const T* __restrict__ w, T* __restrict__ x,
     int M, int N, int K, long long lda, int tiles_n, int vec_ok) {
     constexpr int NR = 8 * S_NT, NT = S_WARPS * 32;
@@ -155,7 +155,7 @@ __global__ void __launch_bounds__(S_WARPS * 32) gemm_residual_kernel(
 // out [M, F] = silu(C[:, :F]) * C[:, F:], C = rmsnorm(x) @ w^T, w [2F, K] = rows of Wgate, Wup.
 // The block owns gate columns j0 .. j0 + NR/2 - 1 and the same up columns. tiles_n = ceil(F / (NR/2)).
 template <typename T, int S_WARPS, int S_NT, int S_CH>
-__global__ void __launch_bounds__(S_WARPS * 32) norm_gate_up_swiglu_kernel(
+__global__ void SKINNY_LAUNCH_BOUNDS(T, S_WARPS) norm_gate_up_swiglu_kernel(
     const T* __restrict__ x, const T* __restrict__ norm_w, const T* __restrict__ w, T* __restrict__ out,
     int M, int F, int K, long long ldx, int tiles_n, float eps, int vec_ok) {
     static_assert(S_NT % 2 == 0, "the block owns as many gate groups as up groups");
@@ -185,7 +185,7 @@ __global__ void __launch_bounds__(S_WARPS * 32) norm_gate_up_swiglu_kernel(
 // --- RMSNorm + projection ----------------------------------------------------------------------
 // out [M, N] = rmsnorm(x) @ w^T (the output norm and the logits). tiles_n = ceil(N / NR).
 template <typename T, int S_WARPS, int S_NT, int S_CH>
-__global__ void __launch_bounds__(S_WARPS * 32) norm_gemm_kernel(
+__global__ void SKINNY_LAUNCH_BOUNDS(T, S_WARPS) norm_gemm_kernel(
     const T* __restrict__ x, const T* __restrict__ norm_w, const T* __restrict__ w, T* __restrict__ out,
     int M, int N, int K, long long ldx, int tiles_n, float eps, int vec_ok) {
     constexpr int NR = 8 * S_NT, NT = S_WARPS * 32;

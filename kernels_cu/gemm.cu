@@ -287,7 +287,7 @@ gemm_mma_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict_
 // loop and its register layout are skinny_tile (skinny.cuh). The warps' partial C tiles meet in
 // smem, one thread per output element sums and rounds once.
 template <typename T, int S_WARPS, int S_NT, int S_CH>
-__global__ void __launch_bounds__(S_WARPS * 32)
+__global__ void SKINNY_LAUNCH_BOUNDS(T, S_WARPS)
 gemm_skinny_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c,
                    int M, int N, int K, int tiles_n, long long nbatch, long long batch_inner,
                    long long a_so, long long a_si, long long lda,

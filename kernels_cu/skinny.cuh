@@ -89,6 +89,20 @@ __device__ __forceinline__ void skinny_rms_rows(const T* A, int M, long long lda
     }
 }
 
+// __launch_bounds__ of the kernels built on skinny_tile (gemm.cu, fused_decode.cu), S_WARPS warps.
+// The fp32 tile keeps a chunk of all 16 A rows in flight and needs more than 128 registers (207 on
+// sm_90); ptxas for sm_100 given no minimum caps it at 128 and spills (gemm_skinny_kernel,
+// gemm_residual_kernel), so from sm_100 on the bound names a minimum: one block per SM for fp32,
+// two for the 16-bit tiles (they fit in 128 registers). Older arches keep the plain bound their
+// code was measured with (the H100 run of 2026-11-26).
+template <typename T>
+constexpr int skinny_min_blocks() { return sizeof(T) == 4 ? 1 : 2; }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
+#define SKINNY_LAUNCH_BOUNDS(T, S_WARPS) __launch_bounds__((S_WARPS) * 32, skinny_min_blocks<T>())
+#else
+#define SKINNY_LAUNCH_BOUNDS(T, S_WARPS) __launch_bounds__((S_WARPS) * 32)
+#endif
+
 // --- the main loop ----------------------------------------------------------------------------
 // red[warp][m][8 nt + j] = this warp's share (its K steps) of sum_k A'[m0 + m][k] * W[brow[nt] + j][k],
 // A' = A or its normalised rows (NORM: norm_w [K], inv_rms [16] from skinny_rms_rows). Weight rows

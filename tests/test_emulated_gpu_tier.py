@@ -149,6 +149,21 @@ def test_default_paths_pass_on_an_emulated_sm75(capsys):
                   {"CUPYATTN_EMU_ARCH": "75"}, capsys)
 
 
+# (issue 24) An emulated B200 (compute capability 10.0, kernels built with __CUDA_ARCH__ 1000): the
+# flash_mma tile its family runs in place of the main one (config.FLASH_MMA_FAMILY_TILES, D = 64),
+# plain, causal and serving, and the attention default there.
+SM100_SELECT = ("test_flash_mma_launches_the_family_tile or (test_gpu_flash_mma_every_tile_entry and 64)"
+                " or test_default_attention_is_what_the_table_says")
+
+
+@pytest.mark.skipif(EMULATE or HAS_GPU, reason="already emulating, or a real GPU runs the GPU tier")
+@pytest.mark.skipif(shutil.which("g++") is None, reason="the CPU emulator needs g++")
+def test_family_tiles_pass_on_an_emulated_sm100(capsys):
+    _run_emulated("emulated sm_100", ["-m", "gpu and not emu_slow", "-k", SM100_SELECT,
+                                      *(str(ROOT / "tests" / f) for f in ("test_gpu_families.py", "test_attention.py"))],
+                  {"CUPYATTN_EMU_ARCH": "100"}, capsys)
+
+
 def test_progress_counts_only_progress_rows():
     p = _Progress()
     p.feed("....s.")

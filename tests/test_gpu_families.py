@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import cupyattn
-from conftest import assert_close, nan_like, np_dtype, rand_with_outliers, to_device
+from conftest import assert_close, device_cannot_run, nan_like, np_dtype, rand_with_outliers, to_device
 from cupyattn import _compile_check as cc
 from cupyattn import _loader, config, decode, flash_attn, gemm
 from cupyattn import reference as ref
@@ -49,7 +49,9 @@ def test_each_arch_compiles_what_it_can_run():
         if s.sm90a:
             assert s.exprs_for(90) == s.name_expressions and s.exprs_for(100) == s.exprs_for(80) == ()
             continue
-        assert s.exprs_for(80) == s.exprs_for(90) == s.name_expressions
+        # everything but the tiles of another family (config.FLASH_MMA_FAMILY_TILES: sm_100's)
+        others = tuple(e for e in s.name_expressions if 90 in dict(s.families).get(e, (90,)))
+        assert s.exprs_for(80) == s.exprs_for(90) == others
         assert s.exprs_for(60) == ()
         t4 = s.exprs_for(75)
         assert not [e for e in _mma_exprs(t4) if "__nv_bfloat16" in e], s.name
@@ -70,6 +72,46 @@ def test_each_arch_compiles_what_it_can_run():
     assert flash_attn._expr("flash_mma", F16, 256, True) not in specs["flash_attn"].exprs_for(75)  # spills
     assert gemm._expr("mma", F16, True, tile=config.GEMM_MMA_SMALL_SMEM) in specs["gemm"].exprs_for(75)
     assert gemm._expr("mma", F16, True) not in specs["gemm"].exprs_for(75)                          # 80 KB
+
+
+def test_a_family_tile_replaces_the_main_one_on_its_family_only():
+    """config.FLASH_MMA_FAMILY_TILES: sm_100 (and its family, e.g. 10.3) compiles and dispatches its
+    own D = 64 flash_mma tile in all three variants, every other family the main one; the other
+    head dims keep FLASH_MMA_TILES' entry on sm_100."""
+    spec, smem = flash_attn.SPEC, 227 * 1024
+    mine, main = config.FLASH_MMA_FAMILY_TILES[100][64], config.FLASH_MMA_TILES[64]
+    assert mine != main and config.flash_mma_smem_bytes(64, mine) <= smem
+    for dt in (F16, BF16):
+        for causal, serving in ((False, False), (True, False), (False, True)):
+            ours = flash_attn._expr("flash_mma", dt, 64, causal, serving, tile=mine)
+            theirs = flash_attn._expr("flash_mma", dt, 64, causal, serving, tile=main)
+            assert spec.min_cc(ours) == 100
+            for c in (100, 103):
+                assert ours in spec.exprs_for(c) and theirs not in spec.exprs_for(c)
+            for c in (80, 86, 90, 120):
+                assert theirs in spec.exprs_for(c) and ours not in spec.exprs_for(c)
+    assert flash_attn._tile("flash_mma", F16, 64, smem, 100) == config.flash_mma_main_tile(64, 103) == mine
+    assert flash_attn._tile("flash_mma", F16, 64, smem, 90) == flash_attn._tile("flash_mma", F16, 64) == main
+    assert all(flash_attn._tile("flash_mma", BF16, d, smem, 100) == config.FLASH_MMA_TILES[d]
+               for d in config.HEAD_DIMS if d != 64)
+
+
+def test_what_sm100_runs_in_place_of_its_spilling_builds_does_not_spill():
+    """ptxas for sm_100 spilled the main D = 64 flash_mma tile (4 B, its serving variant 28 B) and
+    the fp32 skinny GEMM / fused residual GEMM (8 B, before their sm_100 launch bounds). What sm_100
+    runs now compiles without spills (the whole sm_100 check takes too long for CI)."""
+    from cupyattn import fused
+
+    if "100" not in cc.nvrtc_arches(("100",)):
+        pytest.skip("the installed NVRTC does not know sm_100")
+    picks = ((flash_attn.SPEC, [e for e in flash_attn.SPEC.exprs_for(100)
+                                if e.startswith(("flash_attn_mma<__half, 64,", "flash_attn_mma<__nv_bfloat16, 64,"))]),
+             (gemm.SPEC, [e for e in gemm.SPEC.exprs_for(100) if e.startswith("gemm_skinny_kernel<float,")]),
+             (fused.SPEC, [e for e in fused.SPEC.exprs_for(100) if "<float," in e]))
+    for spec, exprs in picks:
+        reports = cc.compile_spec(spec, "100", exprs)
+        assert exprs and sorted(r.kernel for r in reports) == sorted(exprs)
+        assert not [(r.kernel, r.spill_stores) for r in reports if r.spills], spec.name
 
 
 @pytest.mark.parametrize("limit,cc", [(64 * 1024, 75), (99 * 1024, 86), (99 * 1024, 120)])
@@ -210,6 +252,27 @@ def test_default_attention_is_what_the_table_says(dtype):
         tile = flash_attn._tile("flash_mma", np_dtype(dtype), 128, smem)
         assert config.flash_mma_smem_bytes(128, tile) <= smem
         assert (tile == config.FLASH_MMA_TILES[128]) == (smem >= 85 * 1024)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [None, (9, 0)])
+def test_flash_mma_launches_the_family_tile(monkeypatch, window):
+    """fp16 flash_mma at D = 64 launches the device family's tile (config.flash_mma_main_tile:
+    sm_100's own, else FLASH_MMA_TILES'), plain and as the serving variant (a window), and
+    matches the float64 reference."""
+    if why := device_cannot_run("attention", "flash_mma", F16, 64):
+        pytest.skip(why)
+    seen, real = [], flash_attn.get_function
+    monkeypatch.setattr(flash_attn, "get_function", lambda spec, expr, **kw: seen.append(expr) or real(spec, expr, **kw))
+    rng = np.random.default_rng(100)
+    q, qr = to_device(rand_with_outliers(rng, (1, 2, 150, 64)), "float16")
+    k, kr = to_device(rand_with_outliers(rng, (1, 1, 150, 64)), "float16")
+    v, vr = to_device(rng.standard_normal((1, 1, 150, 64)), "float16")
+    out = nan_like((1, 2, 150, 64), "float16")
+    cupyattn.attention(q, k, v, causal=True, window=window, impl="flash_mma", out=out)
+    assert_close(out, ref.attention(qr, kr, vr, causal=True, window=window), "float16")
+    tile = config.flash_mma_main_tile(64, _cc())
+    assert seen == [flash_attn._expr("flash_mma", F16, 64, window is None, window is not None, tile=tile)]
 
 
 @pytest.mark.gpu

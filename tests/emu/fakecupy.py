@@ -284,11 +284,13 @@ cuda = types.ModuleType("cupy.cuda")
 
 
 # (issue 24) the emulated device: CUPYATTN_EMU_ARCH=75 makes it a T4 (compute capability 7.5, 64 KB
-# of shared memory per block, kernels built with __CUDA_ARCH__ 750); default an H100 (9.0)
+# of shared memory per block, kernels built with __CUDA_ARCH__ 750), 100 a B200 (10.0: its own
+# flash_mma tile at D = 64, config.FLASH_MMA_FAMILY_TILES); default an H100 (9.0)
 EMU_ARCH = os.environ.get("CUPYATTN_EMU_ARCH", "90")
 _EMU_DEVICES = {  # SMs, L2 bytes, opt-in shared memory per block
     "75": (40, 4 * 2**20, 64 * 1024), "80": (108, 40 * 2**20, 163 * 1024), "86": (84, 6 * 2**20, 99 * 1024),
     "89": (128, 72 * 2**20, 99 * 1024), "90": (132, 50 * 2**20, 227 * 1024),
+    "100": (148, 126 * 2**20, 227 * 1024),
 }
 if EMU_ARCH not in _EMU_DEVICES:
     raise ValueError(f"CUPYATTN_EMU_ARCH={EMU_ARCH!r}: expected one of {', '.join(_EMU_DEVICES)}")
