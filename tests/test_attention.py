@@ -68,6 +68,10 @@ def _config_exprs():
             # the 32-key flash_mma tiles of 64 KB devices: fp16 only (bf16 mma needs sm_80, whose
             # families all have 99 KB or more), each causal, not, and serving
             + [FA._expr("flash_mma", config.FLOAT16, d, c, sv, t) for d, t in config.FLASH_MMA_SMALL_SMEM_TILES.items()
+               for c, sv in ((False, False), (True, False), (False, True))]
+            # the tiles a family runs in place of the main one (sm_100 at D = 64), every variant
+            + [FA._expr("flash_mma", dt, d, c, sv, t) for dt in config.MMA_DTYPES
+               for tiles in config.FLASH_MMA_FAMILY_TILES.values() for d, t in tiles.items()
                for c, sv in ((False, False), (True, False), (False, True))])
 
 
@@ -81,15 +85,16 @@ def test_spec_builds_every_config_instantiation_within_static_smem(compile_repor
     assert set(config.FLASH_MMA_TILES) == set(config.HEAD_DIMS)
     for t in config.FLASH_SIMT_TILES.values():
         assert t.block_m % t.warps == 0 and t.block_n % 32 == 0, t
-    for d, t in config.FLASH_MMA_TILES.items():
+    family = [(d, t) for tiles in config.FLASH_MMA_FAMILY_TILES.values() for d, t in tiles.items()]
+    for d, t in list(config.FLASH_MMA_TILES.items()) + family:
         # warps own whole m16 tiles; each K/V row gets the same number of staging threads
         assert t.block_m // t.warps in (16, 32) and t.block_m % t.warps == 0, t
         assert (32 * t.warps) % t.block_m == 0 and (32 * t.warps) % t.block_n == 0, t
         assert t.block_n % 16 == 0 and d % 16 == 0, t
-        assert config.flash_mma_smem_bytes(d) <= 163 * 1024, t  # an A100's opt-in limit per block
+        assert config.flash_mma_smem_bytes(d, t) <= 163 * 1024, t  # an A100's opt-in limit per block
     want = _config_exprs()
     assert len(set(want)) == len(want) == 3 * len(config.HEAD_DIMS) * (len(config.DTYPES) + len(config.MMA_DTYPES)) \
-        + 3 * len(config.FLASH_MMA_SMALL_SMEM_TILES)
+        + 3 * len(config.FLASH_MMA_SMALL_SMEM_TILES) + 3 * len(config.MMA_DTYPES) * len(family)
     for d, t in config.FLASH_MMA_SMALL_SMEM_TILES.items():   # each fits a T4's 64 KB, the main tile does not
         assert config.flash_mma_smem_bytes(d, t) <= 64 * 1024 < config.flash_mma_smem_bytes(d), d
         assert t.block_m // t.warps == 16 and (32 * t.warps) % t.block_n == 0 and t.block_n % 16 == 0
