@@ -26,6 +26,9 @@
 #   lease   tests and sanitize side by side (correctness only: their timings do not matter),
 #           then headline alone; everything packed into $OUT/gpu-out.tgz as well (the device
 #           tool returns at most 8 files); about 6 minutes on the H100
+#   record  as lease, with every op's default cases recorded ($OUT/results/<date>-<gpu>.json, the
+#           headline's reps and budget, no model cases) and the headline model case in place of
+#           the headline
 #   verify  tests, sanitize, bench and the two short sweeps (softmax-cols, decode-batch): what a
 #           commit needs before its numbers are quoted; `bench` alone took over 230 s on
 #           2026-11-26 (every impl of every case, the compiled-HF peer)
@@ -52,8 +55,8 @@ OUT="${OUT:-$PWD/gpu-out}"
 PY="${PYTHON:-python3}"
 STAGE="${1:-all}"
 case "$STAGE" in
-    all | verify | lease | tests | sanitize | bench | headline | sweeps | sweep | quick | model | summary) ;;
-    *) echo "usage: $0 [all|verify|lease|tests|sanitize|bench|headline|sweeps|sweep NAME|quick|model|summary]" >&2; exit 2 ;;
+    all | verify | lease | record | tests | sanitize | bench | headline | sweeps | sweep | quick | model | summary) ;;
+    *) echo "usage: $0 [all|verify|lease|record|tests|sanitize|bench|headline|sweeps|sweep NAME|quick|model|summary]" >&2; exit 2 ;;
 esac
 mkdir -p "$OUT/results"
 status=0
@@ -182,17 +185,28 @@ run_headline() {
         --Sk 32768 --D 128 --dtype float16 --impl split-kv,torch-sdpa "${h[@]}" --json "$OUT/headline-decode.json"
     step "headline softmax" "$OUT/headline-softmax.txt" "$PY" -m benchmarks softmax --rows 8192 --cols 8192 \
         --dtype float32 --impl ours,torch "${h[@]}" --json "$OUT/headline-softmax.json"
-    step "headline model" "$OUT/headline-model.txt" "$PY" -m benchmarks model --model smollm2-135m-shape \
-        --batch 1 --impl tinylm,tinylm-fused,hf-transformers "${h[@]}" --json "$OUT/headline-model.json"
+    run_headline_model "${h[@]}"
 }
 
-run_lease() {  # tests beside sanitize, then the headline alone, then one archive of $OUT
+run_headline_model() {  # run_headline_model TIMING_ARGS...: SmolLM2's shapes at batch 1, HF eager beside
+    step "headline model" "$OUT/headline-model.txt" "$PY" -m benchmarks model --model smollm2-135m-shape \
+        --batch 1 --impl tinylm,tinylm-fused,hf-transformers "$@" --json "$OUT/headline-model.json"
+}
+
+run_record() {  # every op's default cases recorded (the results JSON) at the headline's timing, then the model
+    local h=(--reps 10 --warmup 3 --budget-ms 300 --debug --no-progress)
+    step "benchmarks all (ops)" "$OUT/bench-all.txt" "$PY" -m benchmarks all --skip-model --record \
+        --results-dir "$OUT/results" "${h[@]}" --json "$OUT/bench-all.json" --csv "$OUT/bench-all.csv"
+    run_headline_model "${h[@]}"
+}
+
+run_lease() {  # run_lease NEXT: tests beside sanitize, then NEXT alone, then one archive of $OUT
     (run_sanitize; exit "$status") >"$OUT/sanitize-stage.out" 2>&1 &
     local pid=$!
     run_tests
     wait "$pid" || status=1
     grep -E '^=== ' "$OUT/sanitize-stage.out" || true
-    run_headline
+    "$1"
     write_summary
     tar czf /tmp/gpu-out.tgz -C "$OUT" . && mv /tmp/gpu-out.tgz "$OUT/gpu-out.tgz"
 }
@@ -219,7 +233,8 @@ case "$STAGE" in
     quick) run_quick ;;
     model) run_model ;;
     headline) run_headline ;;
-    lease) run_lease ;;
+    lease) run_lease run_headline ;;
+    record) run_lease run_record ;;
     verify) run_tests; run_sanitize; run_bench; run_sweep softmax-cols; run_sweep decode-batch ;;
     all) run_tests; run_sanitize; run_bench; run_sweeps ;;
 esac
