@@ -368,9 +368,11 @@ GEMM_WGMMA_MIN_CC = 90        # sm_90a: H100 / H200 (compute capability 9.0) onl
 # impl="auto" on sm_90 takes wgmma (for TMA-readable operands) for these dtypes where M, N and K
 # are all at least the size given: what a GPU run has shown correct (GPU tier, sanitizers) and
 # faster than mma in the same run. H100, 2026-11-26: fp16 4096^3 (nt) 0.206 ms vs mma 0.504 ms
-# (cuBLAS 0.181 ms). Smaller shapes and bf16 passed the GPU tier but were not timed against mma
+# (cuBLAS 0.181 ms); the recorded run of commit eabe0f1 (benchmarks/results/2026-11-26-nvidia-
+# h100-80gb-hbm3.json) bf16 4096^3 nt 0.2025 vs 0.5042 ms, nn 0.2028 vs 0.6196, 8192^3 nt 1.512 vs
+# 3.768, nn 1.501 vs 4.657. Smaller shapes passed the GPU tier but were not timed against mma
 # (the gemm-smollm2 and gemm-llama2-7b sweeps, next GPU run).
-GEMM_AUTO_WGMMA = {FLOAT16: 4096}
+GEMM_AUTO_WGMMA = {FLOAT16: 4096, BFLOAT16: 4096}
 
 
 def gemm_wgmma_tile(m: int, n: int, nbatch: int, sms: int) -> WgmmaTile:
@@ -465,9 +467,12 @@ ATTN_WGMMA_STAGE_CHOICES = (2, 3, 4)   # what benchmarks.tune may try (shared me
 # attention(impl=None) on sm_90 takes wgmma for these (dtype, head dim) pairs: those a GPU run has
 # shown correct (GPU tier, sanitizers) and faster than flash_mma in the same run. H100, 2026-11-26
 # (benchmarks/results/2026-11-26-h100): fp16 B=4 H=32 S=4096 D=128, 1.78 ms vs flash_mma 4.06 ms
-# (causal 1.54 vs 2.21 ms; torch SDPA 1.64 / 0.93 ms). D=64 and 256 and bf16 passed the GPU tier
-# but were not timed: they keep flash_mma until a run (benchmarks.tune attention-wgmma) says.
-ATTN_AUTO_WGMMA = ((FLOAT16, 128),)
+# (causal 1.54 vs 2.21 ms; torch SDPA 1.64 / 0.93 ms). The recorded run of commit eabe0f1
+# (benchmarks/results/2026-11-26-nvidia-h100-80gb-hbm3.json, B=4 H=32 S=4096, medians of 10):
+# fp16 D=64 1.269 vs 1.965 ms (causal 0.922 vs 1.068), fp16 D=256 3.696 vs 9.815 (causal 3.137
+# vs 5.108), bf16 D=128 causal 1.569 vs 2.207, fp16 D=128 GQA (8 KV heads) causal 1.061 vs 2.204.
+# bf16 at D=64 and 256 passed the GPU tier but were not timed: they keep flash_mma.
+ATTN_AUTO_WGMMA = ((FLOAT16, 64), (FLOAT16, 128), (FLOAT16, 256), (BFLOAT16, 128))
 # --- end: Hopper attention ---------------------------------------------------------------------
 
 # === GPU families: which kernel each compute capability gets (issue 24) =================

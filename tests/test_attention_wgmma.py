@@ -208,7 +208,7 @@ def test_impl_none_takes_wgmma_only_when_enabled_and_launchable(rng, monkeypatch
     calls = []
     real = W.run
     monkeypatch.setattr(W, "run", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    dtype = "float16"
+    dtype = "bfloat16"  # bf16 at D=64: not measured, so outside the table
     (q, qr), (k, kr), (v, vr) = (to_device(x, dtype) for x in _qkv(rng, 1, 2, 1, 40, 70, 64))
     want = ref.attention(qr, kr, vr, causal=True)
     assert_close(FA.attention(q, k, v, causal=True, out=nan_like(q.shape, dtype)), want, dtype)

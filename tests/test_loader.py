@@ -6,7 +6,7 @@ from conftest import expected_builds
 
 import cupyattn
 from cupyattn import _compile_check as cc
-from cupyattn import _loader
+from cupyattn import _loader, config
 from cupyattn._loader import KERNELS_DIR, KernelSpec
 
 
@@ -142,12 +142,14 @@ def test_a_call_compiles_only_the_instantiation_it_launches(monkeypatch):
     from cupyattn import flash_attn
 
     monkeypatch.setattr(_loader, "_FUNCTIONS", {})
-    # D=64: impl=None takes flash_mma everywhere (config.ATTN_AUTO_WGMMA sends only D=128 to wgmma)
-    q = cupy.asarray(np.random.default_rng(0).standard_normal((1, 2, 5, 64)).astype(np.float16))
+    # bf16 D=64: impl=None takes flash_mma (flash below sm_80) everywhere (not in config.ATTN_AUTO_WGMMA)
+    bf16 = config.BFLOAT16
+    assert (bf16, 64) not in config.ATTN_AUTO_WGMMA
+    q = cupy.asarray(np.random.default_rng(0).standard_normal((1, 2, 5, 64)).astype(bf16))
     cupyattn.attention(q, q, q, causal=True)
     cupyattn.attention(q, q, q, causal=True)  # memoised: no second build
-    assert list(_loader._FUNCTIONS) == [("flash_attn", flash_attn._expr(flash_attn.default_impl(np.float16, 64),
-                                                                        np.float16, 64, True), cupy.cuda.Device().id)]
+    assert list(_loader._FUNCTIONS) == [("flash_attn", flash_attn._expr(flash_attn.default_impl(bf16, 64),
+                                                                        bf16, 64, True), cupy.cuda.Device().id)]
     with pytest.raises(KeyError, match="not an instantiation of kernel spec 'flash_attn'"):
         _loader.get_function(flash_attn.SPEC, "flash_attn_fwd<double, 7>")
 

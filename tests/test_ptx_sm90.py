@@ -290,6 +290,9 @@ def test_tma_load_box_zero_fill_and_swizzle(kernels, case, dtype):
 
 @pytest.mark.parametrize("case", TMA_CASES[:1] + TMA_CASES[5:7], ids=lambda c: f"r{len(c[0])}-sw{c[3]}")
 def test_tma_store_writes_the_box_inside_the_tensor_only(kernels, case):
+    """The box's elements inside the tensor land; along the innermost dimension "inside" ends at
+    the extent rounded up to 16 bytes (the H100 wrote elements 100..103 of 100-element fp16 rows,
+    2026-11-26; the emulator does the same), and nothing past that boundary is written."""
     import cupy
 
     shape, box, coords, swz = case
@@ -298,7 +301,8 @@ def test_tma_store_writes_the_box_inside_the_tensor_only(kernels, case):
     nbytes = src_box.nbytes
     image = np.zeros(nbytes, dtype=np.uint8)
     image[swizzle(np.arange(nbytes), swz)] = src_box.view(np.uint8).reshape(-1)
-    pitch = -(-shape[-1] // 8) * 8
+    chunked = -(-shape[-1] // 8) * 8   # the extent rounded up to 16 bytes (8 fp16 elements)
+    pitch = chunked + 8                # and 16 more bytes that no store may touch
     full = cupy.asarray(np.full(shape[:-1] + (pitch,), -7.0, dtype=np.float16))
     gd = full[..., :shape[-1]]
     g0 = cupy.asnumpy(full)
@@ -309,9 +313,9 @@ def test_tma_store_writes_the_box_inside_the_tensor_only(kernels, case):
     rank = len(shape)
     idx = np.indices(tuple(box[::-1])).reshape(rank, -1)  # outermost first
     glob = idx + np.asarray(coords[::-1])[:, None]
-    inside = np.all((glob >= 0) & (glob < np.asarray(shape)[:, None]), axis=0)
+    inside = np.all((glob >= 0) & (glob < np.asarray(shape[:-1] + (chunked,))[:, None]), axis=0)
     want[tuple(glob[:, inside])] = src_box.reshape(-1)[inside]
-    np.testing.assert_array_equal(cupy.asnumpy(full), want)  # the padding too: never written
+    np.testing.assert_array_equal(cupy.asnumpy(full), want)  # the padding past the chunk too
 
 
 # --- wgmma -------------------------------------------------------------------------------------------
