@@ -508,7 +508,8 @@ GPU_FAMILIES = {
     86: GpuFamily("Ampere (RTX 30, A10, A40)", 99 * 1024, "as sm_80; tiles over 99 KB fall back", 100 * 1024),
     89: GpuFamily("Ada (RTX 40, L4, L40)", 99 * 1024, "as sm_86", 100 * 1024),
     90: GpuFamily("Hopper (H100, H200)", 227 * 1024, "as sm_80, and the wgmma kernels (sm_90a) where an H100 run "
-                  "measured them faster: attention fp16 D=128, GEMM fp16 M, N, K >= 4096; opt-in: PDL", 228 * 1024),
+                  "measured them faster: attention fp16 D 64/128/256 and bf16 D 128, GEMM fp16/bf16 M, N, K >= 4096; "
+                  "opt-in: PDL", 228 * 1024),
     100: GpuFamily("Blackwell (B200)", 227 * 1024, "as sm_90 without the sm_90a kernels", 228 * 1024),
     120: GpuFamily("Blackwell (RTX 50)", 99 * 1024, "as sm_86", 100 * 1024),
 }

@@ -10,7 +10,7 @@ positive multiples of 16 bytes (a contiguous tensor always qualifies: D is 64, 1
 
 It passed the GPU tier and the sanitizers on an H100 (2026-11-26), and ``impl=None`` takes it on
 sm_90 for the (dtype, head dim) pairs measured faster than ``flash_mma`` there
-(``config.ATTN_AUTO_WGMMA``: fp16 D=128) wherever it can launch (:func:`auto_takes`), tinylm's
+(``config.ATTN_AUTO_WGMMA``: fp16 D = 64, 128, 256, bf16 D = 128) wherever it can launch (:func:`auto_takes`), tinylm's
 prefill included; other pairs keep ``flash_mma`` until timed. :mod:`cupyattn.flash_attn` calls :func:`check` from its argument checks
 and :func:`run` to launch.
 """

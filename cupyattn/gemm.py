@@ -22,7 +22,7 @@ leaves most of its work idle and too few blocks to keep memory busy. Otherwise `
 float16/bfloat16 and ``simt`` for float32 (the tensor-core path has no float32-exact input type;
 TF32 would miss the 1e-5 contract). ``wgmma`` (Hopper: passed the GPU tier and sanitizers on an
 H100, 2026-11-26) is what auto takes on sm_90 where ``config.GEMM_AUTO_WGMMA`` says it was measured
-faster (fp16 with M, N, K >= 4096: 2.4x mma there); it needs operands TMA can read (16-byte aligned
+faster (fp16 and bf16 with M, N, K >= 4096: 2.4-2.5x mma there); it needs operands TMA can read (16-byte aligned
 base pointers, row and batch strides positive multiples of 16 bytes, cupyattn/tma.py), and says
 which rule an input breaks otherwise; auto keeps such inputs on ``mma``.
 

@@ -18,6 +18,12 @@ of the tests' CPU emulator, and caches the result per (device, address, dtype, s
 box, swizzle): a map holds no reference to the memory, so a cached one is right for any array
 at that address with that layout.
 
+Two rules the driver cannot check, measured on an H100 (2026-11-26): a copy's innermost start
+coordinate must lie on a 16-byte boundary (else an illegal instruction), and a TMA store bounds
+the innermost dimension only at its extent rounded up to 16 bytes (it writes up to 15 bytes past
+a row whose extent is not a multiple of 16 bytes; loads zero-fill from the extent). The kernels
+only load, at multiples of 64 elements.
+
 >>> m = tensor_map(a.data.ptr, a.dtype, dims=(K, M), strides=(a.strides[0],), box=(64, 128))
 """
 from __future__ import annotations
