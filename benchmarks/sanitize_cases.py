@@ -205,9 +205,9 @@ def sampling(ca, cfg):
 
 
 def _hopper() -> bool:
-    from cupyattn import tma
+    from cupyattn import _loader
 
-    return tma.compute_capability() >= 90
+    return _loader.device_compute_capability() >= 90
 
 
 def launched() -> set[str]:

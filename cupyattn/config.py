@@ -364,7 +364,6 @@ GEMM_WGMMA_TILES = {
 }
 GEMM_WGMMA_GROUP_M = 8        # tile rows per raster group (the B tiles of a group stay in L2)
 GEMM_WGMMA_REGS = (40, 232)   # setmaxnreg: producer warpgroup, consumer warpgroups (128 x 40 + 256 x 232 <= 64K)
-GEMM_WGMMA_MIN_CC = 90        # sm_90a: H100 / H200 (compute capability 9.0) only
 # impl="auto" on sm_90 takes wgmma (for TMA-readable operands) for these dtypes where M, N and K
 # are all at least the size given: what a GPU run has shown correct (GPU tier, sanitizers) and
 # faster than mma in the same run. H100, 2026-11-26: fp16 4096^3 (nt) 0.206 ms vs mma 0.504 ms
@@ -545,7 +544,7 @@ IMPL_MIN_CC = {
     ("decode", "mma"): MMA_MIN_CC,
     ("gemm", "mma"): MMA_MIN_CC,
     ("gemm", "skinny"): MMA_MIN_CC,                 # fp32 skinny is FMA-only
-    ("gemm", "wgmma"): {FLOAT16: 90, BFLOAT16: 90},  # sm_90a: H100 / H200 only (GEMM_WGMMA_MIN_CC)
+    ("gemm", "wgmma"): {FLOAT16: 90, BFLOAT16: 90},  # sm_90a: H100 / H200 only
     ("attention", "wgmma"): {FLOAT16: 90, BFLOAT16: 90},  # sm_90a (kernels_cu/flash_attn_sm90.cu)
     ("fused", "skinny"): MMA_MIN_CC,                # the fused decode step's projections
 }
@@ -556,7 +555,6 @@ IMPL_MIN_CC = {
 # sm_75 (ptxas, NVRTC 12.9): sm_75 takes the SIMT flash kernel there.
 IMPL_MIN_CC_BY_HEAD_DIM = {("attention", "flash_mma"): {256: 80}}
 IMPL_MIN_CC_BY_HEAD_DIM_REASON = {("attention", "flash_mma"): "its registers do not fit two m16n8k8 per k-step"}
-FLASH_MMA_MIN_CC_BY_HEAD_DIM = IMPL_MIN_CC_BY_HEAD_DIM[("attention", "flash_mma")]
 
 
 def impl_min_cc(op: str, impl: str, dtype, head_dim: int | None = None) -> int:

@@ -21,7 +21,7 @@ import math
 import cupy
 import numpy as np
 
-from . import _checks
+from . import _checks, _loader
 from . import config as C
 from . import tma
 from ._loader import KernelSpec, get_function, ptr_or_null
@@ -95,7 +95,7 @@ def auto_takes(q, k, v) -> bool:
     config.ATTN_AUTO_WGMMA (measured faster on a GPU), inputs it can launch on."""
     if (np.dtype(q.dtype), q.shape[3]) not in C.ATTN_AUTO_WGMMA or q.shape[3] not in C.ATTN_WGMMA_TILES:
         return False
-    return C.impl_runs_on("attention", "wgmma", q.dtype, tma.compute_capability()) and _launch_problem(q, k, v) is None
+    return C.impl_runs_on("attention", "wgmma", q.dtype, _loader.device_compute_capability()) and _launch_problem(q, k, v) is None
 
 
 def _mask_arg(mask, mshape):

@@ -297,7 +297,7 @@ def _auto_takes_wgmma(a, b, m, n, k, lda, ldb, dims, nt) -> bool:
     least = C.GEMM_AUTO_WGMMA.get(np.dtype(a.dtype))
     if least is None or min(m, n, k) < least or (nt and m <= GEMM_SKINNY_MAX_M):
         return False
-    if not C.impl_runs_on("gemm", "wgmma", a.dtype, tma.compute_capability()):
+    if not C.impl_runs_on("gemm", "wgmma", a.dtype, _loader.device_compute_capability()):
         return False
     return _tma_problem(a, b, m, n, k, lda, ldb, dims, nt) is None
 

@@ -40,7 +40,6 @@ from .config import BFLOAT16, FLOAT16, FLOAT32
 DTYPE_ENUM = {FLOAT16: 6, BFLOAT16: 9, FLOAT32: 7}
 SWIZZLE_ENUM = {0: 0, 32: 1, 64: 2, 128: 3}      # CU_TENSOR_MAP_SWIZZLE_NONE / _32B / _64B / _128B
 L2_PROMOTION_256B = 3                             # CU_TENSOR_MAP_L2_PROMOTION_L2_256B
-MIN_COMPUTE_CAPABILITY = 90                       # TMA exists from sm_90 (H100) on
 MAP_DTYPE = np.dtype([("opaque", np.uint64, (16,))])  # 128 bytes, by value
 CACHE_SIZE = 512
 
@@ -74,14 +73,6 @@ def problem(ptr: int, dtype, dims, strides, box, swizzle: int = 128) -> str | No
     if swizzle and box[0] * esize != swizzle:
         return f"a {swizzle}-byte swizzle with an inner box row of {box[0] * esize} bytes (must be equal)"
     return None
-
-
-def compute_capability() -> int:
-    """The current device's compute capability as an int, e.g. 90 for an H100, as the dispatch sees
-    it (a lower CUPYATTN_ARCH override counts: an H100 dispatching as sm_75 has no TMA)."""
-    from . import _loader
-
-    return _loader.device_compute_capability()
 
 
 def tensor_map(ptr: int, dtype, dims, strides, box, swizzle: int = 128, *, fn: str = "tensor_map",
