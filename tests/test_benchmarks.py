@@ -683,7 +683,7 @@ def test_gpu_run_headline_names_real_ops_and_impls():
     from benchmarks import cases
 
     text = (ROOT / "benchmarks" / "gpu_run.sh").read_text()
-    body = text[text.index("run_headline() {"):text.index("run_lease() {")]
+    body = text[text.index("run_headline() {"):text.index("run_record() {")]  # + run_headline_model
     body = body.replace("\\\n", " ")
     att = re.search(r'local att=\((.*?)\)', body).group(1)
     runs = re.findall(r'-m benchmarks (\w+) (.*?)--json', body.replace('"${att[@]}"', att))
