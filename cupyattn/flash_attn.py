@@ -305,9 +305,10 @@ def attention(q, k, v, causal=False, scale=None, mask=None, key_lengths=None, im
         float16's range does not overflow. With a mask, key_lengths or return_lse, S is taken
         to float32 for the softmax.
         ``"wgmma"``: Hopper only (sm_90, H100/H200; impl=None takes it for the (dtype, D)
-        pairs of config.ATTN_AUTO_WGMMA, measured faster on an H100): TMA + wgmma, warp-specialised (cupyattn/flash_attn_sm90.py); float16/bfloat16, D of
-        64, 128 or 256, q/k/v that TMA can read (16-byte-aligned base and strides, else a
-        ValueError naming the tensor); masks as ``flash_mma`` takes them.
+        pairs of config.ATTN_AUTO_WGMMA, measured faster on an H100): TMA + wgmma,
+        warp-specialised (cupyattn/flash_attn_sm90.py); float16/bfloat16, D of 64, 128 or 256,
+        q/k/v that TMA can read (16-byte-aligned base and strides, else a ValueError naming the
+        tensor); masks as ``flash_mma`` takes them.
     return_lse : bool
         Also return the row log-sum-exp of the scaled, masked scores.
     out : cupy.ndarray [B, Hq, Sq, D], optional
@@ -398,8 +399,7 @@ def _flash(impl, q, k, v, causal, scale, mask, mshape, kl, out, lse, sv=None, sh
     else:
         b, hq, sq, hkv, sq_arg, sk = shape
         d = q.shape[-1]
-    tile = (_tile(impl, q.dtype, d, _loader.device_smem_optin(), _loader.device_compute_capability())
-            if impl == "flash_mma" else _tile(impl, q.dtype, d))
+    tile = _tile(impl, q.dtype, d, _loader.device_smem_optin(), _loader.device_compute_capability())
     bm = tile.block_m
     if mask is not None:
         mask = mask.reshape(mshape)  # leading 1s: a view

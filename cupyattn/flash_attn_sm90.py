@@ -10,9 +10,9 @@ positive multiples of 16 bytes (a contiguous tensor always qualifies: D is 64, 1
 
 It passed the GPU tier and the sanitizers on an H100 (2026-11-26), and ``impl=None`` takes it on
 sm_90 for the (dtype, head dim) pairs measured faster than ``flash_mma`` there
-(``config.ATTN_AUTO_WGMMA``: fp16 D = 64, 128, 256, bf16 D = 128) wherever it can launch (:func:`auto_takes`), tinylm's
-prefill included; other pairs keep ``flash_mma`` until timed. :mod:`cupyattn.flash_attn` calls :func:`check` from its argument checks
-and :func:`run` to launch.
+(``config.ATTN_AUTO_WGMMA``: fp16 D = 64, 128, 256, bf16 D = 128) wherever it can launch
+(:func:`auto_takes`), tinylm's prefill included; other pairs keep ``flash_mma`` until timed.
+:mod:`cupyattn.flash_attn` calls :func:`check` from its argument checks and :func:`run` to launch.
 """
 from __future__ import annotations
 
@@ -95,7 +95,8 @@ def auto_takes(q, k, v) -> bool:
     config.ATTN_AUTO_WGMMA (measured faster on a GPU), inputs it can launch on."""
     if (np.dtype(q.dtype), q.shape[3]) not in C.ATTN_AUTO_WGMMA or q.shape[3] not in C.ATTN_WGMMA_TILES:
         return False
-    return C.impl_runs_on("attention", "wgmma", q.dtype, _loader.device_compute_capability()) and _launch_problem(q, k, v) is None
+    return (C.impl_runs_on("attention", "wgmma", q.dtype, _loader.device_compute_capability())
+            and _launch_problem(q, k, v) is None)
 
 
 def _mask_arg(mask, mshape):
