@@ -180,3 +180,54 @@ template <int DUMMY = 0>
 inline void griddepcontrol_launch_dependents() {
     static_assert(ptx_sm_at_least<900, char[DUMMY + 1]>(), "griddepcontrol requires sm_90 or higher");
 }
+
+// --- counters between blocks (TEMP, issue 40, until i37's memory model) --------------------------
+// Loads and stores here are immediately visible to every thread (tests/emu/README.md), so the
+// orders are trivially kept; a wait that cannot succeed yet parks the thread (the scheduler polls
+// it). Blocks run 1 to 4 at a time, so a grid that needs more blocks than that in flight at once
+// (every block of a persistent kernel) still deadlocks here until the emulator starts more blocks
+// when all in-flight ones are parked.
+template <int DUMMY = 0>
+inline void signal_release(unsigned* counter, unsigned inc) {
+    static_assert(ptx_sm_at_least<700, char[DUMMY + 1]>(), "red.release requires sm_70 or higher");
+    *counter += inc;
+}
+template <int DUMMY = 0>
+inline unsigned load_acquire(const unsigned* p) {
+    static_assert(ptx_sm_at_least<700, char[DUMMY + 1]>(), "ld.acquire requires sm_70 or higher");
+    return *p;
+}
+struct EmuCounterWait : EmuWaitable {
+    const unsigned* c;
+    unsigned target;
+    EmuCounterWait(const unsigned* c_, unsigned t) : c(c_), target(t) {}
+    bool ready() override { return (int)(*c - target) >= 0; }
+    std::string what() const override {
+        return "a counter at " + std::to_string((unsigned long long)(uintptr_t)c) + " holds " + std::to_string(*c) +
+               ", waited for " + std::to_string(target);
+    }
+};
+template <int DUMMY = 0>
+inline void wait_acquire(const unsigned* counter, unsigned target) {
+    static_assert(ptx_sm_at_least<700, char[DUMMY + 1]>(), "ld.acquire requires sm_70 or higher");
+    EmuCounterWait w(counter, target);
+    emu_wait_until(w);
+}
+template <int DUMMY = 0>
+inline unsigned atomic_add_relaxed(unsigned* p, unsigned v) {
+    static_assert(ptx_sm_at_least<700, char[DUMMY + 1]>(), "atom.relaxed requires sm_70 or higher");
+    const unsigned old = *p;
+    *p = old + v;
+    return old;
+}
+template <int DUMMY = 0>
+inline unsigned atomic_add_acq_rel(unsigned* p, unsigned v) {
+    static_assert(ptx_sm_at_least<700, char[DUMMY + 1]>(), "atom.acq_rel requires sm_70 or higher");
+    const unsigned old = *p;
+    *p = old + v;
+    return old;
+}
+template <int DUMMY = 0>
+inline void fence_acq_rel_gpu() {
+    static_assert(ptx_sm_at_least<700, char[DUMMY + 1]>(), "fence.acq_rel requires sm_70 or higher");
+}
