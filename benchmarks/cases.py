@@ -20,7 +20,7 @@ from .specs import case_bytes, case_flops
 
 # decode "paged-N": decode_attention_paged over the same keys in shuffled pages of N tokens
 OURS = {"softmax": ("ours",), "decode": ("split-kv", "unsplit", "naive", "paged-16", "paged-1", "paged-256"),
-        "model": ("tinylm", "tinylm-fused", "tinylm-eager")}
+        "model": ("tinylm", "tinylm-fused", "tinylm-eager", "tinylm-mega", "tinylm-fused-pdl")}
 
 
 def ours_names(op: str) -> tuple:

@@ -7,7 +7,11 @@ fused prefill and the fused decode step (cupyattn.fused: 7 kernels per layer ins
 the prefill, whose time is the TTFT, and 5 instead of 9 per decode step, whose time is the
 decode rate; measured here beside the unfused ones: what decided ``tinylm.config.FUSED_PREFILL``
 and ``config.TINYLM_FUSED_DECODE``, and keeps checking them), ``tinylm-eager`` launches
-every kernel of both from Python (the TTFT without the prefill graph); all run one
+every kernel of both from Python (the TTFT without the prefill graph), ``tinylm-mega`` replays
+each decode step as one persistent kernel launch (cupyattn.megakernel, sampling inside; the fused
+prefill; not yet run on a GPU: what would decide ``config.TINYLM_MEGAKERNEL``) and
+``tinylm-fused-pdl`` is ``tinylm-fused`` with its kernels launched with programmatic dependent
+launch (``config.FUSED_DECODE_PDL``; skipped below sm_90 or without cuda-bindings); all run one
 warm-up generation of the full length first (it compiles the kernels and captures the graphs of
 every context bucket the timed runs meet, as gpt-fast compiles before timing), then ``reps``
 generations, keeping the medians of TTFT and decode tokens/s (aggregate over the batch). The
@@ -31,6 +35,7 @@ import traceback
 import numpy as np
 
 from . import hf_peer, peers
+from .cases import OURS
 from .report import new_record
 from .specs import roofline_pct
 
@@ -118,6 +123,61 @@ def _run_tinylm(rec, gen, prompts, n, opts, ceilings):
     return [list(r.generated_ids) for r in runs[0]]
 
 
+def _cannot_run(name, model):
+    """Why impl ``name`` cannot run on ``model``'s backend and device (None: it can)."""
+    if name != "tinylm" and name != "tinylm-eager" and not getattr(model.ops, "fused_decode", False):
+        return f"the {model.backend} backend has no fused decode step"
+    if name == "tinylm-mega":
+        return model._megakernel_problem()
+    if name == "tinylm-fused-pdl":
+        import importlib.util
+
+        from cupyattn import _loader
+
+        if _loader.device_compute_capability() < 90:
+            return "programmatic dependent launch needs sm_90 or newer"
+        if importlib.util.find_spec("cuda") is None or importlib.util.find_spec("cuda.bindings") is None:
+            return "programmatic dependent launch needs the cuda-bindings package"
+    return None
+
+
+def _pdl(on: bool):
+    """config.FUSED_DECODE_PDL set to ``on`` for the block, then restored."""
+    import contextlib
+
+    from cupyattn import config
+
+    @contextlib.contextmanager
+    def ctx():
+        saved = config.FUSED_DECODE_PDL
+        config.FUSED_DECODE_PDL = on or saved
+        try:
+            yield
+        finally:
+            config.FUSED_DECODE_PDL = saved
+
+    return ctx()
+
+
+def _first_step_logits(gen, prompt, name):
+    """Logits at the prompt's last token. tinylm-mega: the prompt but its last token prefilled,
+    then one megakernel decode step (the full recompute would measure the prefill kernels)."""
+    if name != "tinylm-mega" or len(prompt) < 2:
+        return gen.logits(prompt)[-1]
+    gen.prefill(prompt[:-1], max_new_tokens=2)
+    return gen.decode_one(prompt[-1])
+
+
+def _mega_note(rec, gen):
+    """Instructions per decode step and blocks of the megakernel (the last plan it ran)."""
+    state = gen._state
+    mega = getattr(state, "mega", None) if state is not None else None
+    if mega is None or not mega.plans:
+        return
+    dplan = list(mega.plans.values())[-1]
+    rec["note"] += f", megakernel: {len(dplan.plan.instructions)} instructions on {mega.step.blocks} blocks"
+
+
 def run_model_case(case, impls, opts, ceilings, log) -> list[dict]:
     import cupy
 
@@ -141,7 +201,7 @@ def run_model_case(case, impls, opts, ceilings, log) -> list[dict]:
         ref_logits = tinylm.Transformer(args, weights, "numpy").logits(prompts[0])[-1].astype(np.float64)
     except Exception as e:
         log(f"{case.name}: no NumPy reference logits ({_one_line(e)})")
-    ours = [name for name in ("tinylm", "tinylm-fused", "tinylm-eager") if name in recs]
+    ours = [name for name in OURS["model"] if name in recs]
     model = None
     if ours:
         try:
@@ -155,18 +215,24 @@ def run_model_case(case, impls, opts, ceilings, log) -> list[dict]:
             log(f"{case.name} / tinylm: {_one_line(e)}")
     for name in ours if model is not None else ():
         rec = recs[name]
-        if name == "tinylm-fused" and not getattr(model.ops, "fused_decode", False):
-            rec["status"] = f"skipped: the {model.backend} backend has no fused decode step"
+        why = _cannot_run(name, model)
+        if why:
+            rec["status"] = f"skipped: {why}"
             continue
+        fused = name in ("tinylm-fused", "tinylm-mega", "tinylm-fused-pdl")
         try:
-            model.set_fused(name == "tinylm-fused")
-            model.set_fused_prefill(name == "tinylm-fused")
+            model.set_fused(fused)
+            model.set_fused_prefill(fused)
+            model.set_megakernel(name == "tinylm-mega")
             gen = tinylm.Generator(model, tok, source, graphs=name != "tinylm-eager")
             rec["dtype"] = gen.dtype
-            ids = _run_tinylm(rec, gen, prompts, n, opts, ceilings)
+            with _pdl(name == "tinylm-fused-pdl"):
+                ids = _run_tinylm(rec, gen, prompts, n, opts, ceilings)
+            if name == "tinylm-mega":
+                _mega_note(rec, gen)
             ours_ids = ours_ids or ids
             if ref_logits is not None:
-                rec["max_abs_err"], rec["rel_err"] = _errors(gen.logits(prompts[0])[-1], ref_logits)
+                rec["max_abs_err"], rec["rel_err"] = _errors(_first_step_logits(gen, prompts[0], name), ref_logits)
                 rec["err_ref"] = "tinylm numpy float32 first-step logits"
             del gen
         except Exception as e:
