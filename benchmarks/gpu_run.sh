@@ -7,7 +7,7 @@
 # Stages (run them one per call where a call is capped at 10 minutes; `sweeps` may need more,
 # then run `sweep NAME` for each of the six names instead):
 #   tests   pytest -m gpu                              -> $OUT/pytest-gpu.log, pytest-gpu.xml
-#           (tests/test_megakernel.py in a step of its own, MEGA_TIMEOUT s at most (default
+#           (tests/test_megakernel*.py in a step of its own, MEGA_TIMEOUT s at most (default
 #           STEP_TIMEOUT, else 300): a persistent kernel that has never run on a GPU could wait forever)
 #                                                      -> $OUT/pytest-mega.log
 #   sanitize  compute-sanitizer memcheck, racecheck, synccheck over benchmarks/sanitize_cases.py
@@ -127,13 +127,15 @@ step() {  # step NAME LOGFILE CMD...: run, keep the log, report the exit code, n
 run_tests() {
     step "gpu tests" "$OUT/pytest-gpu.log" \
         "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider ${PYTEST_ARGS:-} --ignore tests/test_megakernel.py \
+        --ignore tests/test_megakernel_tinylm.py \
         --junitxml "$OUT/pytest-gpu.xml"
     run_mega_tests
 }
 
 run_mega_tests() {  # the megakernel has not run on a GPU yet: a hang must not take the whole stage
     STEP_TIMEOUT="${MEGA_TIMEOUT:-${STEP_TIMEOUT:-300}}" step "megakernel gpu tests" "$OUT/pytest-mega.log" \
-        "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_megakernel.py --junitxml "$OUT/pytest-mega.xml"
+        "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_megakernel.py tests/test_megakernel_tinylm.py \
+        --junitxml "$OUT/pytest-mega.xml"
 }
 
 run_sanitize() {  # SANITIZE_ONLY=attention,decode limits the op families

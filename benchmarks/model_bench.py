@@ -169,13 +169,22 @@ def _first_step_logits(gen, prompt, name):
 
 
 def _mega_note(rec, gen):
-    """Instructions per decode step and blocks of the megakernel (the last plan it ran)."""
+    """Instructions per decode step and blocks of the megakernel (the last plan it ran), and one
+    more step of that plan profiled (cupyattn.megakernel.LlamaStep.profile): its span, the busiest
+    block's work, and per op kind the median work / wait of an instruction in microseconds."""
     state = gen._state
     mega = getattr(state, "mega", None) if state is not None else None
     if mega is None or not mega.plans:
         return
-    dplan = list(mega.plans.values())[-1]
+    (splits, _), dplan = list(mega.plans.items())[-1]
     rec["note"] += f", megakernel: {len(dplan.plan.instructions)} instructions on {mega.step.blocks} blocks"
+    if (state.cache.host_lengths + 1 > state.max_seq).any():
+        return
+    with gen.model.ops.stream():
+        prof = mega.step.profile(dplan, splits)
+    per_op = ", ".join(f"{k} {v['work_us']:.1f}/{v['wait_us']:.1f}" for k, v in prof["ops"].items())
+    rec["note"] += (f"; profiled step {prof['step_us']:.0f} us, busiest block {prof['busiest_block_work_us']:.0f} us "
+                    f"of work; median work/wait us per instruction: {per_op}")
 
 
 def run_model_case(case, impls, opts, ceilings, log) -> list[dict]:

@@ -56,9 +56,9 @@ _EXPRS = tuple(f"megakernel<{ctype(t)}>" for t in DTYPES)
 SPEC = KernelSpec("megakernel", "megakernel.cu", _EXPRS, options=_OPTIONS,
                   needs=tuple((e, config.impl_min_cc("megakernel", "persistent", t), 0) for e, t in zip(_EXPRS, DTYPES)))
 
-# MkModel (megakernel.cu): 14 pointers, 11 integers, 3 doubles, 8 bytes each
+# MkModel (megakernel.cu): 15 pointers, 11 integers, 3 doubles, 8 bytes each
 _POINTERS = ("layers", "tok_embd", "out_norm", "out_w", "x", "q", "att", "o_part", "lse_part", "ffn", "logits",
-             "tokens", "fparams", "iparams")
+             "tokens", "fparams", "iparams", "timings")
 _INTS = ("B", "dim", "Hq", "Hkv", "D", "F", "V", "L", "max_seq", "splits", "neox")
 _DOUBLES = ("eps", "freq_scale", "scale_log2")
 MODEL_DTYPE = np.dtype([("w", np.uint64, (len(_POINTERS) + len(_INTS) + len(_DOUBLES),))])
@@ -72,6 +72,7 @@ class DevicePlan:
     instr: object
     queue: object
     waits: object
+    attn_tiles: int = 0  # tiles of its largest attention op: at most B * Hkv * splits at launch
 
 
 def _ptr(a) -> int:
@@ -176,7 +177,7 @@ class LlamaStep:
                             out_w=_ptr(output), x=_ptr(x), q=_ptr(q), att=_ptr(att), o_part=_ptr(o_part),
                             lse_part=_ptr(lse_part), ffn=_ptr(ffn), logits=_ptr(logits), tokens=_ptr(tokens),
                             fparams=_ptr(None if sampling is None else sampling.fparams),
-                            iparams=_ptr(None if sampling is None else sampling.iparams),
+                            iparams=_ptr(None if sampling is None else sampling.iparams), timings=0,
                             B=B, dim=dim, Hq=Hq, Hkv=Hkv, D=D, F=F, V=V, L=L, max_seq=cache.max_seq,
                             neox=int(rope_style == "neox"), eps=float(np.float32(eps)),
                             freq_scale=-math.log2(base) / (D // 2), scale_log2=D ** -0.5 * math.log2(math.e))
@@ -220,15 +221,23 @@ class LlamaStep:
     def plan(self, ops) -> DevicePlan:
         """Plan ``ops`` (persistent.Op of OPCODES) on this step's blocks and upload the queues."""
         fn = "LlamaStep.plan"
-        known = set(OPCODES.values())
+        names = {v: k for k, v in OPCODES.items()}
+        limits = self._tile_limits()
+        attn = 0
         for op in ops:
-            if getattr(op, "opcode", None) not in known:
+            kind = names.get(getattr(op, "opcode", None))
+            if kind is None:
                 raise ValueError(f"{fn}(): op {getattr(op, 'name', op)!r} has opcode "
                                  f"{getattr(op, 'opcode', None)!r}, not one of megakernel.OPCODES")
-            if op.opcode == OPCODES["sample"] and self.sampling is None:
+            if kind == "sample" and self.sampling is None:
                 raise ValueError(f"{fn}(): op {op.name!r} samples, but the step was made with sampling=None")
             if not 0 <= op.layer < self.shape["L"]:
                 raise ValueError(f"{fn}(): op {op.name!r} names layer {op.layer} of {self.shape['L']}")
+            if kind == "attn":
+                attn = max(attn, op.tiles)
+            elif op.tiles > limits[kind]:
+                raise ValueError(f"{fn}(): op {op.name!r} has {op.tiles} tiles; a {kind} op of this model has "
+                                 f"at most {limits[kind]}")
         p = persistent.plan(ops, self.blocks)
         if p.n_counters > self.capacity:
             raise ValueError(f"{fn}(): the plan needs {p.n_counters} counters, the step holds {self.capacity} "
@@ -237,32 +246,69 @@ class LlamaStep:
         if most > config.MEGAKERNEL_THREADS:
             raise ValueError(f"{fn}(): an instruction waits for {most} counters, more than the "
                              f"{config.MEGAKERNEL_THREADS} threads that wait for one each")
-        return DevicePlan(p, cupy.asarray(p.instructions), cupy.asarray(p.queue_start), cupy.asarray(p.waits))
+        return DevicePlan(p, cupy.asarray(p.instructions), cupy.asarray(p.queue_start), cupy.asarray(p.waits), attn)
 
-    def descriptor(self, splits: int) -> np.void:
+    def _tile_limits(self) -> dict:
+        """The tiles a model of this shape has per op kind (attention: per split, times the splits)."""
+        s = self.shape
+        rows = lambda n: -(-n // TILE_ROWS)  # noqa: E731
+        return {"embed": 1, "qkv": (s["Hq"] + 2 * s["Hkv"]) * s["D"] // 16, "attn": s["B"] * s["Hkv"],
+                "reduce": s["B"] * s["Hkv"], "oproj": rows(s["dim"]), "gate_up": -(-s["F"] // 8),
+                "down": rows(s["dim"]), "lm_head": rows(s["V"]), "sample": s["B"]}
+
+    def descriptor(self, splits: int, timings=None) -> np.void:
         """The kernel's MkModel by value (a NumPy structured scalar of uint64 words)."""
-        f = dict(self._fields, splits=int(splits))
+        f = dict(self._fields, splits=int(splits), timings=_ptr(timings))
         words = [f[k] for k in _POINTERS] + [f[k] for k in _INTS]
         words += [int(np.array(f[k], dtype=np.float64).view(np.uint64)) for k in _DOUBLES]
         return np.array([(np.array(words, dtype=np.uint64),)], dtype=MODEL_DTYPE)[0]
 
-    def launch(self, dplan: DevicePlan, splits: int = 1, record: bool = True) -> None:
+    def launch(self, dplan: DevicePlan, splits: int = 1, record: bool = True, timings=None) -> None:
         """One decode step with ``dplan`` on the current stream. ``splits``: key splits of its
         attention ops (in [1, o_part's S]). The cache must have room for one more token in every
         layer (checked on the host mirror first: a full cache raises before anything runs);
-        ``record``: advance the host mirror of the lengths (False inside a graph capture: the
-        replays advance it, tinylm.graphs)."""
+        ``record``: advance the host mirror of the lengths. ``timings``: uint64 [n, 4] on the device
+        to profile the step into (see :meth:`profile`)."""
         fn = "LlamaStep.launch"
         if not isinstance(dplan, DevicePlan) or dplan.plan.blocks != self.blocks:
             raise TypeError(f"{fn}(): dplan must be a DevicePlan made by this step's plan()")
         splits = C.check_int(fn, "splits", splits, minimum=1, maximum=self.max_splits)
+        if dplan.attn_tiles > self._tile_limits()["attn"] * splits:
+            raise ValueError(f"{fn}(): the plan's attention op has {dplan.attn_tiles} tiles, more than "
+                             f"batch x kv heads x splits = {self._tile_limits()['attn'] * splits}")
         self.cache.check_room(1, fn)
         kern = get_function(SPEC, f"megakernel<{ctype(self.dtype)}>", dynamic_smem=self.smem)
         kern((self.blocks,), (config.MEGAKERNEL_THREADS,),
-             (self.descriptor(splits), dplan.instr, dplan.queue, dplan.waits, self.counters, np.int32(self.capacity),
+             (self.descriptor(splits, timings), dplan.instr, dplan.queue, dplan.waits, self.counters, np.int32(self.capacity),
               self.step_state, np.int32(self.xs_off)), shared_mem=self.smem)
         if record:
             self.cache.record_advance(1)
 
+    def profile(self, dplan: DevicePlan, splits: int = 1) -> dict:
+        """Run one step (a real one: it appends to the cache and advances the lengths) with every
+        instruction stamped by %globaltimer, and summarise: per op kind the instructions, the
+        median and largest wait (start -> waits done) and work (waits done -> done) in
+        microseconds; the step's span; the busiest block's work. Emulated: scheduling ticks."""
+        n = len(dplan.plan.instructions)
+        t = cupy.zeros((n, 4), dtype=np.uint64)
+        self.launch(dplan, splits, timings=t)
+        return profile_summary(dplan.plan, cupy.asnumpy(t))
 
-__all__ = ["OPCODES", "LlamaStep", "DevicePlan", "SPEC"]
+
+def profile_summary(p: persistent.Plan, t: np.ndarray) -> dict:
+    """LlamaStep.profile's numbers from the stamps ``t`` [n, 4] (start, ready, done, block) of the
+    rows of plan ``p``."""
+    names = {v: k for k, v in OPCODES.items()}
+    t = t.astype(np.int64)
+    start, ready, done, block = t[:, 0], t[:, 1], t[:, 2], t[:, 3]
+    ops = {}
+    for code in sorted(set(int(c) for c in p.instructions[:, persistent.OPCODE])):
+        rows = p.instructions[:, persistent.OPCODE] == code
+        wait, work = (ready - start)[rows] / 1e3, (done - ready)[rows] / 1e3
+        ops[names[code]] = dict(n=int(rows.sum()), wait_us=float(np.median(wait)), max_wait_us=float(wait.max()),
+                                work_us=float(np.median(work)), max_work_us=float(work.max()))
+    busy = np.bincount(block, weights=(done - ready), minlength=p.blocks) / 1e3
+    return dict(step_us=float((done.max() - start.min()) / 1e3), busiest_block_work_us=float(busy.max()), ops=ops)
+
+
+__all__ = ["OPCODES", "LlamaStep", "DevicePlan", "SPEC", "profile_summary"]

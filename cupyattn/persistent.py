@@ -37,7 +37,7 @@ WAIT_COUNT  how many rows
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -86,7 +86,6 @@ class Plan:
     n_counters: int
     counters: dict
     ops: tuple
-    order: np.ndarray = field(repr=False, default=None)  # int64 [n]: global position of each row
 
     def queue(self, block: int) -> np.ndarray:
         return self.instructions[self.queue_start[block]:self.queue_start[block + 1]]
@@ -175,7 +174,7 @@ def plan(ops, blocks: int) -> Plan:
     start = np.zeros(blocks + 1, np.int32)
     np.cumsum(np.bincount(owner, minlength=blocks), out=start[1:])
     w = np.asarray(waits, dtype=np.int32).reshape(-1, 2) if waits else np.zeros((1, 2), np.int32)
-    return Plan(blocks, instr, start, np.ascontiguousarray(w), len(waits), n_counters, counters, ops, order)
+    return Plan(blocks, instr, start, np.ascontiguousarray(w), len(waits), n_counters, counters, ops)
 
 
 def simulate(p: Plan, rng=None) -> list[tuple[int, int]]:

