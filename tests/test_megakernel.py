@@ -16,9 +16,17 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from conftest import DTYPES, assert_close, nan_like, np_dtype, rand_with_outliers, to_device, to_host
+from conftest import (DTYPES, assert_close, nan_like, np_dtype, rand_with_outliers, skip_unless_device_runs,
+                      to_device, to_host)
 from cupyattn import reference as ref
 from cupyattn.persistent import Dep, Op
+
+
+@pytest.fixture(autouse=True)
+def device_runs_the_megakernel(request):
+    """GPU tests skip on a device below the megakernel's compute capability (config.IMPL_MIN_CC)."""
+    if "gpu" in request.keywords:
+        skip_unless_device_runs("megakernel", "persistent", "float16")
 
 
 # --- CPU ----------------------------------------------------------------------------------------------

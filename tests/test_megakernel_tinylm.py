@@ -14,10 +14,17 @@ import re
 import numpy as np
 import pytest
 
-from conftest import EMULATE
+from conftest import EMULATE, skip_unless_device_runs
 
 NEEDS_I37 = pytest.mark.skipif(EMULATE, reason="several blocks of one persistent launch wait for each other: the "
                                                "emulator must run the other blocks while one is parked (issue 37)")
+
+
+@pytest.fixture(autouse=True)
+def device_runs_the_megakernel(request):
+    """GPU tests skip on a device below the megakernel's compute capability (config.IMPL_MIN_CC)."""
+    if "gpu" in request.keywords:
+        skip_unless_device_runs("megakernel", "persistent", "float16")
 
 
 # --- GPU: whole steps (tinylm's tiny preset) ---------------------------------------------------------
@@ -44,8 +51,8 @@ def _decode_logits(model, ids, max_seq=16):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("float16", 2e-2), ("bfloat16", 5e-2)])
-@pytest.mark.parametrize("splits", [None, 3])
+@pytest.mark.parametrize("dtype,tol,splits", [("float32", 1e-5, None), ("float32", 1e-5, 3), ("float16", 2e-2, 3),
+                                              ("bfloat16", 5e-2, None)])
 def test_gpu_step_logits_equal_recompute_and_fused(monkeypatch, dtype, tol, splits):
     """Five decode steps from an empty cache (positions 0-4): the megakernel's logits against the
     NumPy backend's full recompute (relative Frobenius error within the dtype's tolerance) and,
@@ -155,7 +162,7 @@ def test_gpu_benchmark_model_case_runs_the_megakernel(tmp_path, monkeypatch, cap
     if EMULATE:
         monkeypatch.setattr(timing, "measure_ceilings", lambda **kw: {"copy_gbps": 1.0, "gemm_tflops": 1.0})
     impls = "tinylm-mega" if EMULATE else "tinylm-mega,tinylm-fused-pdl"  # no cuLaunchKernelEx on the emulator
-    rc = main(["model", "--model", "tiny", "--new-tokens", "5", "--prompt-len", "5", "--model-dtype", "float32",
+    rc = main(["model", "--model", "tiny", "--new-tokens", "3", "--prompt-len", "5", "--model-dtype", "float32",
                "--impl", impls, "--model-reps", "1", "--no-progress", "--json", str(tmp_path / "m.json")])
     assert rc == 0, capsys.readouterr().err[-3000:]
     by = {r["impl"]: r for r in report.read_json(tmp_path / "m.json")["records"]}
@@ -165,6 +172,28 @@ def test_gpu_benchmark_model_case_runs_the_megakernel(tmp_path, monkeypatch, cap
     if not EMULATE:
         pdl = by["tinylm-fused-pdl"]
         assert pdl["status"] == "ok" or pdl["status"].startswith("skipped: programmatic dependent launch needs"), pdl
+
+
+@pytest.mark.gpu
+def test_gpu_below_sm80_the_megakernel_is_refused(monkeypatch):
+    """Dispatched as a Turing device (CUPYATTN_ARCH=75): asking for the megakernel is a clear error
+    naming the compute capability, and the default leaves it off even with TINYLM_MEGAKERNEL on."""
+    from cupyattn import ComputeCapabilityError, config
+    from cupyattn.kvcache import KVCache
+    from cupyattn.megakernel import LlamaStep
+    from tinylm import Transformer
+    from tinylm.config import PRESETS
+
+    monkeypatch.setenv("CUPYATTN_ARCH", "75")
+    monkeypatch.setattr(config, "TINYLM_MEGAKERNEL", True)
+    with pytest.raises(ValueError, match=r"megakernel=True: the megakernel needs compute capability 8.0, this "
+                                         r"device is 7.5"):
+        Transformer(PRESETS["tiny"], _tiny_weights(), "cupy", "float16", megakernel=True)
+    assert Transformer(PRESETS["tiny"], _tiny_weights(), "cupy", "float16").megakernel is False
+    with pytest.raises(ComputeCapabilityError, match=r"LlamaStep\(\): impl='persistent'"):
+        LlamaStep(tok_embd=None, output_norm=None, output=None, layers=[], cache=KVCache(1, 1, 1, 4, 16, np.float16),
+                  num_heads=1, eps=1e-5, rope_base=1e4, rope_style="adjacent", tokens=None, x=None, q=None, att=None,
+                  ffn=None, logits=None, o_part=None, lse_part=None)
 
 
 # --- GPU: the real model (SmolLM2-135M-Instruct's weights) -------------------------------------------
