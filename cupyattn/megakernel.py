@@ -156,6 +156,11 @@ class LlamaStep:
                                  f"{', ' + str(D) if nd == 4 else ''}], got {tuple(a.shape)}")
         if o_part.shape[0] != lse_part.shape[0]:
             raise ValueError(f"{fn}(): o_part and lse_part hold {o_part.shape[0]} and {lse_part.shape[0]} splits")
+        written = dict(tokens=tokens, x=x, q=q, att=att, ffn=ffn, logits=logits, o_part=o_part, lse_part=lse_part)
+        names = list(written)
+        for i, name in enumerate(names):  # the step writes every buffer: none may share memory with another
+            C.check_no_overlap(fn, written[name], {k: written[k] for k in names[i + 1:]}
+                               | {"the cache's keys": cache.k, "the cache's values": cache.v}, out_name=name)
         if sampling is not None:
             from .sampling import SamplingParams
 

@@ -269,6 +269,7 @@ def test_gpu_bad_arguments_raise_before_anything_runs(rng):
         (dict(rope_style="gptj"), ValueError, "rope_style"),
         (dict(blocks=10 ** 6), ValueError, "exceeds the device's"),
         (dict(output=m.tok[:, :64]), ValueError, "output must be C-contiguous, 16-byte aligned, of shape"),
+        (dict(att=m.q.reshape(3, -1)), ValueError, r"LlamaStep\(\): q overlaps att in memory"),
     ]:
         with pytest.raises(exc, match=pattern):
             LlamaStep(**{**base, **change})
