@@ -268,9 +268,9 @@ def test_gpu_real_model_greedy_tokens_equal_numpy(tmp_path_factory):
 # --- GPU: several blocks at once (issue 37 lets the emulator run them) -------------------------------
 @NEEDS_I37
 @pytest.mark.gpu
-@pytest.mark.parametrize("blocks", [2, 5, 132])
+@pytest.mark.parametrize("blocks", [2, 5, 40])
 def test_gpu_several_blocks_give_the_one_block_logits(monkeypatch, blocks):
-    """The same instructions on 2, 5 or 132 queues: every tile does the same math wherever it runs,
+    """The same instructions on 2, 5 or 40 queues: every tile does the same math wherever it runs,
     so the logits equal the one-block run's bit for bit, with and without split attention, under
     every schedule of the blocks."""
     from cupyattn import config
