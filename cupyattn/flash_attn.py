@@ -144,9 +144,10 @@ class Serving:
 
 
 def check_window_softcap(fn: str, window, softcap, causal: bool):
-    """``window`` (None or (left, right), ints >= -1) and ``softcap`` (None or a real >= 0) ->
-    (left, right) with causal folded in as right = 0 (``right`` = min(right, 0)), and the
-    softcap as a float (0 = off). Bounds above 2**30 mean unbounded (-1)."""
+    """``window`` (None or (left, right), ints >= -1) and ``softcap`` (None, 0 or a real in
+    config's [SOFTCAP_MIN, SOFTCAP_MAX]: _checks.check_softcap) -> (left, right) with causal
+    folded in as right = 0 (``right`` = min(right, 0)), and the softcap as a float (0 = off).
+    Bounds above 2**30 mean unbounded (-1)."""
     if window is None:
         left, right = -1, -1
     else:
@@ -156,10 +157,7 @@ def check_window_softcap(fn: str, window, softcap, causal: bool):
     if causal:
         right = 0 if right < 0 else min(right, 0)
     left, right = (-1 if w > 2**30 else w for w in (left, right))
-    softcap = 0.0 if softcap is None else _checks.check_real(fn, "softcap", softcap, minimum=0.0)
-    if not math.isfinite(softcap):
-        raise ValueError(f"{fn}(): softcap must be finite, got {softcap}")
-    return (left, right), softcap
+    return (left, right), _checks.check_softcap(fn, softcap)
 
 
 # --- argument checks ------------------------------------------------------------------------
@@ -320,7 +318,8 @@ def attention(q, k, v, causal=False, scale=None, mask=None, key_lengths=None, im
         ``causal`` the right side is at most 0. Fused impls only (not "naive").
     softcap : float, optional
         Scores become ``softcap * tanh(scale * q.k / softcap)`` before masking (Gemma 2); 0 or
-        None: off. Fused impls only.
+        None: off, else within ``[config.SOFTCAP_MIN, config.SOFTCAP_MAX]`` (about 2.4e-38 to
+        1.3e30; ValueError outside).
 
     Returns
     -------

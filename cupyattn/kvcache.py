@@ -93,9 +93,7 @@ class KVCache:
         _checks.check_int32(fn, "max_seq (lengths are int32 on the device)", self.max_seq)
         _checks.check_int32(fn, "head_dim", self.head_dim)
         for name, n in (("batch", self.batch), ("num_kv_heads", self.num_kv_heads)):
-            if n > MAX_GRID_YZ:  # the append and decode launches give each one a grid row
-                raise ValueError(f"{fn}(): {name}={n} is more than a launch's grid dimension holds "
-                                 f"({MAX_GRID_YZ})")
+            _checks.check_grid_yz(fn, name, n)  # the append and decode launches give each one a grid row
         try:
             dt = np.dtype(dtype)
         except TypeError:
@@ -113,6 +111,13 @@ class KVCache:
             # finish, found by this ticket, advances the lengths and sets it back to 0.
             self.ticket = cupy.zeros(1, dtype=np.uint32)
         self.host_lengths = np.zeros((self.num_layers, self.batch), dtype=np.int64)
+
+    def device_arrays(self) -> dict:
+        """Every device array of the cache a kernel reads or writes, by the name errors use: what
+        a caller's ``out=``, ``q_out=``, ``workspace=`` or input may not overlap (issue 42: the
+        integer lengths, ticket and block table included)."""
+        return {"the cache's keys": self.k, "the cache's values": self.v, "the cache's lengths": self.lengths,
+                "the cache's ticket": self.ticket}
 
     # Where append kernels write: the contiguous layout here; PagedKVCache overrides both.
     _EXPR_TAIL = ""
@@ -230,9 +235,8 @@ class KVCache:
         check_last_contiguous(fn, "k_new", k_new)
         check_last_contiguous(fn, "v_new", v_new)
         _checks.check_int32(fn, "T (k_new.shape[2])", t)
-        for name, x in (("k_new", k_new), ("v_new", v_new)):
-            _checks.check_no_overlap(fn, x, {"the cache's keys": self.k, "the cache's values": self.v},
-                                     out_name=name)
+        for name, x in (("k_new", k_new), ("v_new", v_new)):  # an input the append's writes would change
+            _checks.check_no_overlap(fn, x, self.device_arrays(), out_name=name)
         counts = self._counts(fn, num_new, t)
         self._check_capacity(fn, counts, [layer])
         if not counts.any():
@@ -321,7 +325,7 @@ class KVCache:
         _checks.check_int32(fn, "the packed width (qkv.shape[2])", width)
         base = _checks.check_real(fn, "rope_base", rope_base, minimum=0.0, strict=True)
         _checks.check_choice(fn, "rope_style", rope_style, ROPE_STYLES)
-        cache = {"the cache's keys": self.k, "the cache's values": self.v}
+        cache = self.device_arrays()
         _checks.check_no_overlap(fn, qkv, cache, out_name="qkv")
         if q_out is not None:
             _checks.check_out(fn, q_out, (b, hq, t, d), self.dtype, name="q_out")

@@ -124,6 +124,31 @@ def test_window_folding_and_decode_split_rule_input():
     assert live == 70 and sv.softcap == 30.0 and plan.expr.startswith("decode_kernel<float, 64")
 
 
+def test_softcap_range_is_what_the_kernels_compute():
+    """softcap (issue 42): the kernels cap with C = softcap * log2(e) in float32 (C tanh(s / C),
+    -ftz): accepted values give a normal, finite C, and at the largest one only scores below
+    2^-25 can flush to 0 in s / C; None and 0 mean off; 1e39 (C = inf: NaN everywhere), 1e-50
+    (C subnormal: flushed to 0, the cap silently off) and the rest are refused naming the range."""
+    from cupyattn import config
+    from cupyattn._checks import check_softcap
+
+    tiny, log2e = np.finfo(np.float32).tiny, math.log2(math.e)
+    for v in (config.SOFTCAP_MIN, 1e-30, 0.5, 30, 50.0, np.float32(1e20), config.SOFTCAP_MAX):
+        assert check_softcap("f", v) == float(v)
+        c = np.float32(float(v) * log2e)
+        assert np.isfinite(c) and c >= tiny, v  # a normal float32
+    assert float(np.float32(config.SOFTCAP_MAX * log2e)) * float(tiny) < 2.0 ** -25
+    assert check_softcap("f", None) == check_softcap("f", 0) == check_softcap("f", 0.0) == 0.0
+    for v in (1e39, 1e-50, -1.0, -30, float("nan"), float("inf"), -float("inf"),
+              math.nextafter(config.SOFTCAP_MIN, 0), math.nextafter(config.SOFTCAP_MAX, math.inf)):
+        with pytest.raises(ValueError, match=r"f\(\): softcap must be finite and in \[2.35e-38, 1.27e\+30\] "
+                                             r"\(0 or None: off\), got .*softcap \* log2\(e\) as a normal float32"):
+            check_softcap("f", v)
+    for v in ("30", True, [30.0]):
+        with pytest.raises(TypeError, match=r"f\(\): softcap must be a real number"):
+            check_softcap("f", v)
+
+
 # --- GPU tier: attention(window=, softcap=) and attention_varlen ------------------------------
 def _impls(dtype):
     """The fused attention impls to compare: flash, and flash_mma for 16-bit inputs where the device
