@@ -146,6 +146,17 @@ def check_grid_yz(fn: str, what: str, n: int) -> int:
     return n
 
 
+def check_grid(fn: str, what: str, grid) -> None:
+    """A launch's grid (x, y, z) within the hardware's limits (2^31 - 1, 65535, 65535), checked
+    before anything is taken or written (a refused launch would leave a half-done call behind):
+    ValueError naming the kernel and the dimension."""
+    from .config import MAX_GRID_X, MAX_GRID_YZ
+
+    for axis, n, limit in zip("xyz", grid, (MAX_GRID_X, MAX_GRID_YZ, MAX_GRID_YZ)):
+        if not 1 <= n <= limit:
+            raise ValueError(f"{fn}(): {what} would need a grid {axis} of {n} blocks, outside [1, {limit}]")
+
+
 def check_int32(fn: str, what: str, value: int) -> int:
     """A size or position the kernels take as int32 (ValueError naming it when it does not fit)."""
     if not -INT32_MAX - 1 <= value <= INT32_MAX:

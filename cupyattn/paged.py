@@ -226,9 +226,11 @@ class PagedKVCache(KVCache):
 
     Everything :class:`KVCache` offers works the same way (``append``, ``append_qkv`` with RoPE
     fused and the one-launch decode step, ``check_room``, ``record_advance``, ``seq_lengths``):
-    a call that needs more pages takes them from the free list first (on the host, and the
-    slot's table row is copied to the device), or raises ValueError ("out of pages", naming the
-    slot) before anything is written. :meth:`free` gives a finished slot's pages back and sets
+    a call that needs more pages takes them from the free list (on the host, and the slot's
+    table row is copied to the device) only after every check that can refuse it has passed
+    (arguments, capacity, free pages, launch limits, kernel builds), or raises ValueError ("out
+    of pages", naming the slot) with nothing taken or written; if a launch itself raises, the
+    pages go back and the table rows are restored before the error propagates. :meth:`free` gives a finished slot's pages back and sets
     its lengths to 0, so the next prompt can take the slot at once (continuous batching).
 
     CUDA graphs: the table and lengths arrays never move, so a captured decode step (append_qkv
@@ -306,25 +308,54 @@ class PagedKVCache(KVCache):
             raise IndexError(f"{fn}(): slot {slot} is out of range for {self.batch} slots")
         return int(slot)
 
-    def _check_capacity(self, fn: str, counts, layers) -> None:
-        """KVCache's check (max_seq), then enough pages for every slot's new length: taken from
-        the free list and written to the table (host and device) before the caller launches."""
-        super()._check_capacity(fn, counts, layers)
+    def _shortfall(self, counts, layers):
+        """Pages each slot still needs for ``counts`` more tokens in ``layers`` (int64 [batch])."""
         need = -(-(self.host_lengths[layers].max(axis=0) + counts) // self.page_size)
-        short = need - np.array([len(p) for p in self._pages])
-        total = int(np.maximum(short, 0).sum())
+        return np.maximum(need - np.array([len(p) for p in self._pages]), 0)
+
+    def _check_capacity(self, fn: str, counts, layers) -> None:
+        """KVCache's check (max_seq), then enough free pages for every slot's new length. Only
+        checks: the pages are taken by :meth:`_reserve`, after every other check of the call."""
+        super()._check_capacity(fn, counts, layers)
+        short = self._shortfall(counts, layers)
+        total = int(short.sum())
         if total > len(self._free):
             i = int(np.argmax(short > 0))
             raise ValueError(f"{fn}(): out of pages: slot {i} needs {int(short[i])} more page(s) of "
                              f"{self.page_size} tokens, the cache has {len(self._free)} free of "
                              f"{self.num_pages} ({total} needed in all)")
-        rows = np.flatnonzero(short > 0)
-        for i in rows:
-            for _ in range(int(short[i])):
+
+    def _reserve(self, counts, layers):
+        """Take the pages :meth:`_check_capacity` counted from the free list and write them to the
+        slots' table rows (host, then device); returns (rows, their old host rows, pages per row)
+        for :meth:`_release`."""
+        short = self._shortfall(counts, layers)
+        rows = np.flatnonzero(short)
+        if not rows.size:
+            return None
+        taken = (rows, self.host_table[rows].copy(), [int(short[i]) for i in rows])
+        for i, n in zip(rows, taken[2]):
+            for _ in range(n):
                 self.host_table[i, len(self._pages[i])] = page = self._free.pop()
                 self._pages[i].append(page)
-        if rows.size:
+        try:
             self.block_table[rows] = cupy.asarray(self.host_table[rows])
+        except BaseException:
+            self._release(taken)
+            raise
+        return taken
+
+    def _release(self, taken) -> None:
+        """Give back what :meth:`_reserve` took, in reverse, so that the free list, each slot's
+        pages and both tables are as they were."""
+        if taken is None:
+            return
+        rows, old, counts = taken
+        for i, n in zip(rows[::-1], counts[::-1]):
+            for _ in range(n):
+                self._free.append(self._pages[i].pop())
+        self.host_table[rows] = old
+        self.block_table[rows] = cupy.asarray(old)
 
     def free(self, slot) -> None:
         """Give slot ``slot``'s pages back to the free list and set its lengths (every layer) to 0."""
