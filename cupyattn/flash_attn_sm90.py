@@ -3,10 +3,12 @@
 FlashAttention-2's algorithm in FlashAttention-3's shape: a producer warp loads Q, K and V by TMA
 into mbarrier-tracked stage rings, two consumer warpgroups compute ``S = Q K^T`` and ``O += P V``
 with ``wgmma``. float16 / bfloat16, head dims ``config.ATTN_WGMMA_TILES`` (64, 128, 256), causal
-(bottom-right), GQA/MQA, ``key_lengths``, additive masks, ``scale``, ``return_lse``, ``out=``.
-It needs an sm_90 device and
+(bottom-right), GQA/MQA, ``key_lengths``, additive masks, ``scale``, ``return_lse``, ``out=``;
+not ``window`` or ``softcap`` yet (cupyattn/options.py REFUSED: an explicit impl="wgmma" raises,
+impl=None takes flash_mma for them). It needs an sm_90 device and
 q, k, v that TMA can read: 16-byte-aligned base pointers and batch / head / row strides that are
-positive multiples of 16 bytes (a contiguous tensor always qualifies: D is 64, 128 or 256).
+positive multiples of 16 bytes (a contiguous tensor always qualifies: D is 64, 128 or 256; a
+broadcast or reversed view never does).
 
 It passed the GPU tier and the sanitizers on an H100 (2026-11-26), and ``impl=None`` takes it on
 sm_90 for the (dtype, head dim) pairs measured faster than ``flash_mma`` there
