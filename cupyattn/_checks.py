@@ -12,7 +12,7 @@ import cupy
 import numpy as np
 
 from .config import DTYPES as FLOAT_DTYPES
-from .config import INT32_MAX, SOFTCAP_MAX, SOFTCAP_MIN
+from .config import INT32_MAX, MAX_GRID_X, MAX_GRID_YZ, SOFTCAP_MAX, SOFTCAP_MIN
 
 
 def dtype_name(dtype) -> str:
@@ -138,8 +138,6 @@ def check_grid_yz(fn: str, what: str, n: int) -> int:
     """A count that becomes a launch's grid y or z dimension (a KV cache's batch, a decode call's
     batch, kv heads): ValueError naming it and the hardware limit, before anything is taken or
     launched."""
-    from .config import MAX_GRID_YZ
-
     if n > MAX_GRID_YZ:
         raise ValueError(f"{fn}(): {what} = {n} is more than a launch's grid dimension holds ({MAX_GRID_YZ}); "
                          f"split the work into calls of at most {MAX_GRID_YZ}")
@@ -150,8 +148,6 @@ def check_grid(fn: str, what: str, grid) -> None:
     """A launch's grid (x, y, z) within the hardware's limits (2^31 - 1, 65535, 65535), checked
     before anything is taken or written (a refused launch would leave a half-done call behind):
     ValueError naming the kernel and the dimension."""
-    from .config import MAX_GRID_X, MAX_GRID_YZ
-
     for axis, n, limit in zip("xyz", grid, (MAX_GRID_X, MAX_GRID_YZ, MAX_GRID_YZ)):
         if not 1 <= n <= limit:
             raise ValueError(f"{fn}(): {what} would need a grid {axis} of {n} blocks, outside [1, {limit}]")

@@ -417,13 +417,12 @@ def _check_workspace(fn, workspace, num_splits, b, hq, d, inputs, fused_combine=
         got = f"{len(workspace)} items" if isinstance(workspace, tuple) else type(workspace).__name__
         raise TypeError(f"{fn}(): workspace must be a tuple {want}, got {got}")
     o_part, lse_part = workspace[:2]
-    others = inputs
     for name, x, tail in (("workspace[0]", o_part, (b, hq, d)), ("workspace[1]", lse_part, (b, hq))):
         check_array(fn, name, x, dtypes=(np.dtype(np.float32),), ndim=len(tail) + 1)
         if tuple(x.shape[1:]) != tail or x.shape[0] < num_splits or not x.flags.c_contiguous:
             raise ValueError(f"{fn}(): {name} must be C-contiguous float32 of shape [S >= {num_splits}, "
                              f"{', '.join(map(str, tail))}], got {tuple(x.shape)}")
-        _checks.check_no_overlap(fn, x, others, out_name=name)
+        _checks.check_no_overlap(fn, x, inputs, out_name=name)
     _checks.check_no_overlap(fn, o_part, {"workspace[1]": lse_part}, out_name="workspace[0]")
     if len(workspace) == 3:
         counters = workspace[2]
@@ -431,7 +430,7 @@ def _check_workspace(fn, workspace, num_splits, b, hq, d, inputs, fused_combine=
         if tuple(counters.shape) != (b, hq) or not counters.flags.c_contiguous:
             raise ValueError(f"{fn}(): workspace[2] (the fused combine's counters) must be C-contiguous "
                              f"uint32 of shape [{b}, {hq}], got {tuple(counters.shape)}")
-        _checks.check_no_overlap(fn, counters, {**others, "workspace[0]": o_part, "workspace[1]": lse_part},
+        _checks.check_no_overlap(fn, counters, {**inputs, "workspace[0]": o_part, "workspace[1]": lse_part},
                                  out_name="workspace[2]")
 
 

@@ -315,24 +315,23 @@ def _device_cases():
         add(f"{fname}-softcap-str", lambda d, call=call: call(d, "30"), TypeError,
             rf"{fname}\(\): softcap must be a real number")
 
-    # out= / workspace= / q_out= over an integer input (block tables, lengths, offsets: issue 42).
-    # d.ints[:n] is the integer input, a float16 view of the same buffer the output.
-    def ints_view(d, n, shape):  # a float16 view of d.ints of `shape`, over its first n ints
-        assert 0 <= n <= int(np.prod(shape)) // 2
+    # out= / workspace= / q_out= over an integer input (block tables, lengths, offsets: issue 42):
+    # the input is a slice of d.ints near its head, the output a float16 view of d.ints from its head
+    def ints_view(d, shape):
         return d.ints.view(np.float16)[:int(np.prod(shape))].reshape(shape)
 
     add("attention_paged-out-over-table", lambda d: (lambda: AP(d.qd, d.kp, d.vp, d.ints[:4].reshape(2, 2), [5, 7],
-                                                                out=ints_view(d, 4, (2, 4, 1, 64))), [d.ints]),
+                                                                out=ints_view(d, (2, 4, 1, 64))), [d.ints]),
         ValueError, r"attention_paged\(\): out overlaps block_table in memory")
     add("attention_paged-out-over-lens", lambda d: (lambda: AP(d.qd, d.kp, d.vp, d.bt, d.ints[2:4],
-                                                               out=ints_view(d, 2, (2, 4, 1, 64))), [d.ints]),
+                                                               out=ints_view(d, (2, 4, 1, 64))), [d.ints]),
         ValueError, r"attention_paged\(\): out overlaps seq_lens in memory")
     add("attention_paged-out-over-cu-q", lambda d: (lambda: AP(d.qp, d.kp, d.vp, d.bt, [5, 7],
                                                                cu_seqlens_q=d.ints[:3], max_seqlen_q=1,
-                                                               out=ints_view(d, 3, (2, 4, 64))), [d.ints]),
+                                                               out=ints_view(d, (2, 4, 64))), [d.ints]),
         ValueError, r"attention_paged\(\): out overlaps cu_seqlens_q in memory")
     add("decode_attention_paged-out-over-table", lambda d: (lambda: DP(d.qp, d.kp, d.vp, d.ints[:4].reshape(2, 2),
-                                                                       [5, 7], out=ints_view(d, 4, (2, 4, 64))),
+                                                                       [5, 7], out=ints_view(d, (2, 4, 64))),
                                                             [d.ints]),
         ValueError, r"decode_attention_paged\(\): out overlaps block_table in memory")
     add("decode_attention_paged-workspace-over-table", lambda d: (
@@ -346,7 +345,7 @@ def _device_cases():
         [d.ints, d.op]),
         ValueError, r"decode_attention_paged\(\): workspace\[1\] overlaps seq_lens in memory")
     add("decode-out-over-lengths", lambda d: (
-        lambda: D(d.qd, _ints_hold(d, d.cache, "lengths"), 1, out=ints_view(d, 0, (2, 4, 1, 64))), [d.ints]),
+        lambda: D(d.qd, _ints_hold(d, d.cache, "lengths"), 1, out=ints_view(d, (2, 4, 1, 64))), [d.ints]),
         ValueError, r"decode_attention\(\): out overlaps the cache's lengths in memory")
     add("decode-workspace-over-lengths", lambda d: (
         lambda: D(d.qd, _ints_hold(d, d.cache, "lengths"), 1, num_splits=2, out=d.od,
@@ -354,17 +353,17 @@ def _device_cases():
         [d.ints, d.od]),
         ValueError, r"decode_attention\(\): workspace\[0\] overlaps the cache's lengths in memory")
     add("paged-append_qkv-q_out-over-table", lambda d: (
-        lambda: _ints_hold(d, d.paged, "block_table").append_qkv(0, d.qkv, 4, q_out=ints_view(d, 0, (2, 4, 1, 64))),
+        lambda: _ints_hold(d, d.paged, "block_table").append_qkv(0, d.qkv, 4, q_out=ints_view(d, (2, 4, 1, 64))),
         [d.ints, d.paged.lengths, d.paged.k]),
         ValueError, r"KVCache.append_qkv\(\): q_out overlaps the cache's block table in memory")
     add("append_qkv-q_out-over-lengths", lambda d: (
-        lambda: _ints_hold(d, d.cache, "lengths").append_qkv(1, d.qkv, 4, q_out=ints_view(d, 0, (2, 4, 1, 64))),
+        lambda: _ints_hold(d, d.cache, "lengths").append_qkv(1, d.qkv, 4, q_out=ints_view(d, (2, 4, 1, 64))),
         [d.ints, d.cache.k, d.cache.v]),
         ValueError, r"KVCache.append_qkv\(\): q_out overlaps the cache's lengths in memory")
     add("fused-qkv-q_out-over-lengths", lambda d: (
         lambda: ca.fused.rmsnorm_qkv_rope_append(d.x[:2, None], d.w, d.cp.zeros((8 * 64, 64), np.float16),
                                                  _ints_hold(d, d.cache, "lengths"), 1, 4,
-                                                 q_out=ints_view(d, 0, (2, 4, 1, 64))),
+                                                 q_out=ints_view(d, (2, 4, 1, 64))),
         [d.ints, d.cache.k, d.cache.v]),
         ValueError, r"rmsnorm_qkv_rope_append\(\): q_out overlaps the cache's lengths in memory")
 
@@ -377,12 +376,12 @@ def _device_cases():
         add(f"varlen-cu-q-{cid}", lambda d, cu=cu: (
             lambda: VL(d.qv, d.kv, d.kv, d.cp.asarray(np.int32(3)) if cu == "0d" else cu, [0, 2, 5], 2, 3, out=d.ov),
             [d.ov]), exc, rf"attention_varlen\(\): {pat}")
-        add(f"paged-cu-q-{cid}", lambda d, cu=cu: (
-            lambda: AP(d.qp, d.kp, d.vp, d.bt, [5, 7], cu_seqlens_q=d.cp.asarray(np.int32(3)) if cu == "0d" else cu,
-                       max_seqlen_q=1, out=d.op) if cu is not None else VL(d.qv, d.kv, d.kv, [0, 1, 3], None, 2, 3),
-            [d.op]), exc if cu is not None else TypeError,
-            rf"attention_paged\(\): {pat}" if cu is not None else
-            r"attention_varlen\(\): cu_seqlens_k must be a 1-D int32 array of 3 entries .*got NoneType")
+        if cu is not None:  # attention_paged(cu_seqlens_q=None) is the dense-q call
+            add(f"paged-cu-q-{cid}", lambda d, cu=cu: (
+                lambda: AP(d.qp, d.kp, d.vp, d.bt, [5, 7], cu_seqlens_q=d.cp.asarray(np.int32(3)) if cu == "0d" else cu,
+                           max_seqlen_q=1, out=d.op), [d.op]), exc, rf"attention_paged\(\): {pat}")
+    add("varlen-cu-k-none", lambda d: (lambda: VL(d.qv, d.kv, d.kv, [0, 1, 3], None, 2, 3, out=d.ov), [d.ov]),
+        TypeError, r"attention_varlen\(\): cu_seqlens_k must be a 1-D int32 array of 3 entries .*got NoneType")
     add("rmsnorm_gemm-norm-none", lambda d: (lambda: ca.fused.rmsnorm_gemm(d.x, None, d.cp.zeros((8, 64), np.float16)), []),
         TypeError, r"rmsnorm_gemm\(\): norm_weight must be a cupy.ndarray on the current device, got NoneType")
     add("rmsnorm_gate_up_swiglu-norm-none", lambda d: (

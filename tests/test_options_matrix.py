@@ -4,11 +4,11 @@ The cases are generated from cupyattn/options.py, the table the dispatch reads: 
 point and each impl the current device can run (plus the dispatch's own choice, impl=None /
 "auto"), every option the entry point takes alone, every pair of them together (a greedy
 covering by blocks of up to ``BLOCK`` options: each pair shares at least one case), and each
-refused option beside ``out=`` (see :func:`cases` for the paths that only need each alone). A case whose options the table says the impl implements is
-compared with the float64 reference (outputs NaN-poisoned first); a case with a refused option
-must raise a ValueError naming it (or, for a layout, the stride) and leave ``out`` untouched. So
-a path that silently ignores an option fails here, and turning a refusal into support in the
-table makes this test compare it.
+refused option beside ``out=`` (:func:`cases` says which paths need each option alone only). A
+case whose options the table says the impl implements is compared with the float64 reference
+(outputs NaN-poisoned first); a case with a refused option must raise a ValueError naming it
+(or, for a layout, the stride) and leave ``out`` untouched. So a path that silently ignores an
+option fails here, and turning a refusal into support in the table makes this test compare it.
 
 Tiny shapes and one head dim per tile class keep the emulator's cost in seconds per path; the
 CPU tier runs this file on emulated sm_90 (the GPU tier), sm_80 and sm_75
@@ -56,7 +56,7 @@ def covering(opts, size=BLOCK):
     """Blocks of at most ``size`` of ``opts`` in which every pair of them meets once at least
     (greedy and deterministic: a block starts from the first pair not yet covered and adds the
     option that covers most new pairs)."""
-    uncovered = [p for p in itertools.combinations(opts, 2)]
+    uncovered = list(itertools.combinations(opts, 2))
     blocks = []
     while uncovered:
         block = list(uncovered[0])
@@ -121,8 +121,9 @@ def place(rng, shape, dtype, *, seq_axis, strided=False, reverse=False, bcast=No
 
 
 def _layout(opts, name):
-    """Which layouts of ``opts`` apply to input ``name``: broadcast -> the dense k, v (over the
-    batch) or else q (over heads); strided -> q and k; negative_stride -> v, else q."""
+    """Which layouts of ``opts`` apply to input ``name`` of attention (q, k, v): broadcast -> k, v
+    (over the batch); strided -> q, k; negative_stride -> v. (The packed and decode entry points
+    apply every layout to q: Case._q_layout.)"""
     return dict(strided="strided" in opts and name in ("q", "k"),
                 reverse="negative_stride" in opts and name == "v",
                 broadcast="broadcast" in opts and name in ("k", "v"))
@@ -218,11 +219,11 @@ class Case:
                                                          kw.get("window"), kw.get("softcap"), lse)
 
     def _pages(self, lens):
+        """Shuffled pages of 4 tokens holding ``lens`` keys and values (test_serving's)."""
+        import cupy
         from test_serving import _shuffled_pages
 
         kp, vp, table, kh, vh, th = _shuffled_pages(self.rng, lens, 4, self.hkv, self.d, self.dtype)
-        import cupy
-
         dev_lens = cupy.asarray(np.asarray(lens, dtype=np.int32)) if "device_lengths" in self.opts else lens
         return kp, vp, table, kh, vh, th, dev_lens
 
@@ -271,8 +272,6 @@ class Case:
             if "fused_combine" in self.opts:
                 ws += (cupy.zeros((b, self.hq), np.uint32),)
             self.kw["workspace"] = ws
-        if self.impl is None:
-            self.kw["impl"] = "auto"
         return q, qh
 
     def _decode_reference(self, qh, kh, vh, lens):
@@ -388,7 +387,7 @@ def test_every_option_on_every_path(entry, impl):
                 w, p = (want[0], plain[0]) if case.kw.get("return_lse") else (want, plain)
                 assert not np.allclose(np.nan_to_num(w), np.nan_to_num(p), rtol=0.05, atol=0.05), \
                     f"{opts[0]} does not change the reference here: ignoring it could pass"
-        except Exception as e:  # noqa: BLE001 - collected, reported below with the case
+        except (Exception, pytest.fail.Exception) as e:  # collected, reported below with the case
             failures.append(f"{name}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
     assert not failures, f"{len(failures)} case(s) of {entry} impl={impl!r} failed:\n" + "\n".join(failures)
 

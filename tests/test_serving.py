@@ -482,7 +482,7 @@ def test_refusal_at_every_stage_takes_nothing(rng, monkeypatch, paged, method):
     import cupy
 
     import cupyattn
-    from cupyattn import config, kvcache
+    from cupyattn import _checks, kvcache
 
     b, hq, hkv, d, ps = 2, 4, 2, HEAD_DIM, 4
     if paged:  # 5 pages of 4 tokens, at most 4 per slot; slot 0 holds 5 tokens (2 pages): 3 free
@@ -513,7 +513,7 @@ def test_refusal_at_every_stage_takes_nothing(rng, monkeypatch, paged, method):
     if paged:
         stages.append(("pages", ValueError, "out of pages: slot 0 needs 2 more", {"num_new": [11, 12]}, None))
     stages += [("launch limits", ValueError, "would need a grid y of 2 blocks, outside \\[1, 1\\]", {},
-                lambda m: m.setattr(config, "MAX_GRID_YZ", 1)),
+                lambda m: m.setattr(_checks, "MAX_GRID_YZ", 1)),
                ("kernel build", RuntimeError, "injected build", {},
                 lambda m: m.setattr(kvcache, "get_function", raising("build"))),
                ("launch", RuntimeError, "injected launch", {},
