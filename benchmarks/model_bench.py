@@ -29,6 +29,7 @@ greedy tokens agree with HF's.
 """
 from __future__ import annotations
 
+import contextlib
 import statistics
 import traceback
 
@@ -125,10 +126,10 @@ def _run_tinylm(rec, gen, prompts, n, opts, ceilings):
 
 def _cannot_run(name, model):
     """Why impl ``name`` cannot run on ``model``'s backend and device (None: it can)."""
-    if name != "tinylm" and name != "tinylm-eager" and not getattr(model.ops, "fused_decode", False):
+    if name not in ("tinylm", "tinylm-eager") and not getattr(model.ops, "fused_decode", False):
         return f"the {model.backend} backend has no fused decode step"
     if name == "tinylm-mega":
-        return model._megakernel_problem()
+        return model.megakernel_problem()
     if name == "tinylm-fused-pdl":
         import importlib.util
 
@@ -141,22 +142,17 @@ def _cannot_run(name, model):
     return None
 
 
+@contextlib.contextmanager
 def _pdl(on: bool):
-    """config.FUSED_DECODE_PDL set to ``on`` for the block, then restored."""
-    import contextlib
-
+    """config.FUSED_DECODE_PDL on for the block when ``on`` (else as it was), then restored."""
     from cupyattn import config
 
-    @contextlib.contextmanager
-    def ctx():
-        saved = config.FUSED_DECODE_PDL
-        config.FUSED_DECODE_PDL = on or saved
-        try:
-            yield
-        finally:
-            config.FUSED_DECODE_PDL = saved
-
-    return ctx()
+    saved = config.FUSED_DECODE_PDL
+    config.FUSED_DECODE_PDL = on or saved
+    try:
+        yield
+    finally:
+        config.FUSED_DECODE_PDL = saved
 
 
 def _first_step_logits(gen, prompt, name):

@@ -54,7 +54,8 @@ _OPTIONS = defines(MK_THREADS=config.MEGAKERNEL_THREADS, MK_STAGES=config.MEGAKE
                    **{f"MK_OP_{k.upper()}": v for k, v in OPCODES.items()})
 _EXPRS = tuple(f"megakernel<{ctype(t)}>" for t in DTYPES)
 SPEC = KernelSpec("megakernel", "megakernel.cu", _EXPRS, options=_OPTIONS,
-                  needs=tuple((e, config.impl_min_cc("megakernel", "persistent", t), 0) for e, t in zip(_EXPRS, DTYPES)))
+                  needs=tuple((e, config.impl_min_cc("megakernel", "persistent", t), 0)
+                              for e, t in zip(_EXPRS, DTYPES)))
 
 # MkModel (megakernel.cu): 15 pointers, 11 integers, 3 doubles, 8 bytes each
 _POINTERS = ("layers", "tok_embd", "out_norm", "out_w", "x", "q", "att", "o_part", "lse_part", "ffn", "logits",
@@ -156,16 +157,21 @@ class LlamaStep:
                                  f"{', ' + str(D) if nd == 4 else ''}], got {tuple(a.shape)}")
         if o_part.shape[0] != lse_part.shape[0]:
             raise ValueError(f"{fn}(): o_part and lse_part hold {o_part.shape[0]} and {lse_part.shape[0]} splits")
-        written = dict(tokens=tokens, x=x, q=q, att=att, ffn=ffn, logits=logits, o_part=o_part, lse_part=lse_part)
-        names = list(written)
-        for i, name in enumerate(names):  # the step writes every buffer: none may share memory with another
-            C.check_no_overlap(fn, written[name], {k: written[k] for k in names[i + 1:]}
-                               | {"the cache's keys": cache.k, "the cache's values": cache.v}, out_name=name)
         if sampling is not None:
             from .sampling import SamplingParams
 
             if not isinstance(sampling, SamplingParams) or sampling.batch != B:
                 raise TypeError(f"{fn}(): sampling must be a cupyattn.SamplingParams for {B} sequences")
+        # The step writes these buffers, the cache (keys, values, lengths) and the sampler's RNG
+        # steps while it reads the weights: no written buffer may share memory with anything else
+        # the step reads or writes.
+        written = dict(tokens=tokens, x=x, q=q, att=att, ffn=ffn, logits=logits, o_part=o_part, lse_part=lse_part)
+        touched = {**cache.device_arrays(), **arrays}
+        if sampling is not None:
+            touched |= {"sampling.fparams": sampling.fparams, "sampling.iparams": sampling.iparams}
+        names = list(written)
+        for i, name in enumerate(names):
+            C.check_no_overlap(fn, written[name], {k: written[k] for k in names[i + 1:]} | touched, out_name=name)
         C.check_choice(fn, "rope_style", rope_style, ROPE_STYLES)
         eps = C.check_real(fn, "eps", eps, minimum=0.0)
         base = C.check_real(fn, "rope_base", rope_base, minimum=0.0, strict=True)
@@ -281,11 +287,11 @@ class LlamaStep:
         if dplan.attn_tiles > self._tile_limits()["attn"] * splits:
             raise ValueError(f"{fn}(): the plan's attention op has {dplan.attn_tiles} tiles, more than "
                              f"batch x kv heads x splits = {self._tile_limits()['attn'] * splits}")
+        kern = get_function(SPEC, f"megakernel<{ctype(self.dtype)}>", dynamic_smem=self.smem)  # built first
         self.cache.check_room(1, fn)
-        kern = get_function(SPEC, f"megakernel<{ctype(self.dtype)}>", dynamic_smem=self.smem)
         kern((self.blocks,), (config.MEGAKERNEL_THREADS,),
-             (self.descriptor(splits, timings), dplan.instr, dplan.queue, dplan.waits, self.counters, np.int32(self.capacity),
-              self.step_state, np.int32(self.xs_off)), shared_mem=self.smem)
+             (self.descriptor(splits, timings), dplan.instr, dplan.queue, dplan.waits, self.counters,
+              np.int32(self.capacity), self.step_state, np.int32(self.xs_off)), shared_mem=self.smem)
         if record:
             self.cache.record_advance(1)
 

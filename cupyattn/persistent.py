@@ -121,7 +121,8 @@ def _check_ops(ops) -> dict:
         if not isinstance(op.tiles, int) or op.tiles < 0:
             raise ValueError(f"plan(): op {op.name!r} has tiles={op.tiles!r}, expected an int >= 0")
         if op.group_of is not None and (len(op.group_of) != op.tiles or min(op.group_of, default=0) < 0):
-            raise ValueError(f"plan(): op {op.name!r}: group_of must give a group >= 0 for each of its {op.tiles} tiles")
+            raise ValueError(f"plan(): op {op.name!r}: group_of must give a group >= 0 for each of its "
+                             f"{op.tiles} tiles")
         for d in op.deps:
             if d.op not in seen:
                 raise ValueError(f"plan(): op {op.name!r} depends on {d.op!r}, which is not an earlier op "

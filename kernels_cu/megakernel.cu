@@ -124,6 +124,13 @@ __device__ void mk_embed(const MkModel& m) {
 }
 
 // The end of a block's step: a ticket; the last block advances the lengths and the epoch.
+// Memory order: thread 0 takes the ticket with atom.acq_rel.gpu after the block's closing barrier.
+// Its release half publishes the block's work, as a signal does. The last ticket's acquire half
+// reads the value the ticket before it wrote, which ends a release sequence headed by every other
+// block's ticket (the tickets are one chain of RMWs), so it synchronizes with all of them: every
+// read of the lengths in this step happens before they advance. The
+// lengths, the ticket and the epoch are then written with plain stores: nothing in this launch
+// reads them again, and the kernel boundary publishes them to the next launch.
 __device__ __forceinline__ void mk_end_of_step(const MkModel& m, unsigned* step, unsigned epoch) {
     __shared__ int last;
     __syncthreads();  // the block's last instruction is done (its signal was sent after a barrier too)
@@ -152,7 +159,11 @@ __global__ void __launch_bounds__(MK_THREADS, 1) megakernel(
     __shared__ MkScratch scratch;
     unsigned char* smem = reinterpret_cast<unsigned char*>(mk_smem_u4);
     T* xs = reinterpret_cast<T*>(smem + xs_off);
-    const unsigned epoch = __ldcg(step);  // written by the previous launch only
+    // Counter sets: this step counts in set (epoch & 1). The other set, the previous step's and the
+    // next one's, is cleared with plain stores: no block reads or bumps it during this launch, and
+    // the kernel boundary makes the zeros visible to the next launch (as it does the epoch, written
+    // by the previous launch's last block).
+    const unsigned epoch = __ldcg(step);
     unsigned* ctr = counters + (size_t)(epoch & 1u) * n_alloc;
     unsigned* other = counters + (size_t)((epoch + 1u) & 1u) * n_alloc;
     for (int i = blockIdx.x * MK_THREADS + threadIdx.x; i < n_alloc; i += gridDim.x * MK_THREADS) other[i] = 0u;
@@ -169,6 +180,15 @@ __global__ void __launch_bounds__(MK_THREADS, 1) megakernel(
     for (int row = q0; row < q1; ++row) {
         const MkIns ins = mk_ins(instr, row);
         if (prof != nullptr && threadIdx.x == 0) prof[4 * row] = globaltimer_ns();
+        // Acquire side. Thread i spins with ld.acquire.gpu on the instruction's i-th counter until
+        // it reaches its target. The acquire that reads a value the producers' red.release wrote
+        // (or a later one of the counter's RMW chain: a release sequence) synchronizes with each
+        // of those releases: their blocks' writes happen before this thread's later accesses (PTX
+        // ISA, Memory Consistency Model: release and acquire patterns, causality order). The
+        // bar.sync below carries that to every thread of the block (causality order is
+        // transitive through a CTA barrier). The reads of other blocks' outputs still go through
+        // L2 (__ldcg, cp.async.cg): L1 is not coherent across SMs, and this order says the data
+        // reached L2, not that no stale line sits in this SM's L1.
         if ((int)threadIdx.x < ins.wait_count) {  // the host keeps wait_count <= MK_THREADS
             const int* w = waits + 2 * (ins.wait_begin + threadIdx.x);
             if (w[0] != seen_ctr || (int)(seen_val - (unsigned)w[1]) < 0) {
@@ -198,6 +218,11 @@ __global__ void __launch_bounds__(MK_THREADS, 1) megakernel(
             prof[4 * row + 2] = globaltimer_ns();
             prof[4 * row + 3] = blockIdx.x;
         }
+        // Release side: thread 0's red.release.gpu after the barrier. The release is cumulative:
+        // it orders before the increment every write thread 0 has observed, which the barrier
+        // made every thread's write of the instruction; a consumer whose acquire sees the
+        // increment sees them all. One increment per tile; the host set the target to the tiles
+        // that signal this counter in one step.
         if (threadIdx.x == 0 && ins.signal >= 0) signal_release(ctr + ins.signal, 1u);
     }
     cp_async_wait<0>();  // the stream's tail groups are empty; nothing is left in flight

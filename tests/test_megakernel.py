@@ -179,7 +179,8 @@ def test_gpu_op_attention(rng, dtype, splits, hq, hkv):
     n = 3 * hkv * splits
     ops = [Op("attn", OPCODES["attn"], n, 1)]
     if splits > 1:
-        ops.append(Op("reduce", OPCODES["reduce"], 3 * hkv, 1, deps=(Dep("attn", tuple((t,) for t in range(3 * hkv))),)))
+        own = tuple((t,) for t in range(3 * hkv))  # merge tile t waits for group t: its own splits
+        ops.append(Op("reduce", OPCODES["reduce"], 3 * hkv, 1, deps=(Dep("attn", own),)))
         ops[0] = Op("attn", OPCODES["attn"], n, 1, group_of=tuple(t // splits for t in range(n)))
     m.run(ops, splits)
     kc, vc, live = to_host(m.cache.k[1]), to_host(m.cache.v[1]), m.lengths + 1
@@ -260,7 +261,8 @@ def test_gpu_bad_arguments_raise_before_anything_runs(rng):
                 sampling=m.sampling, counter_capacity=8, blocks=1)
     bad_layers = [SimpleNamespace(**{**vars(m.layers[0]), "wo": m.layers[0].wo.astype(np.float32)}), m.layers[1]]
     for change, exc, pattern in [
-        (dict(layers=bad_layers), TypeError, r"LlamaStep\(\): layers\[0\].wo has dtype float32 but the cache has float16"),
+        (dict(layers=bad_layers), TypeError,
+         r"LlamaStep\(\): layers\[0\].wo has dtype float32 but the cache has float16"),
         (dict(layers=m.layers[:1]), ValueError, "1 layers but the cache has 2"),
         (dict(num_heads=0), ValueError, r"LlamaStep\(\): num_heads must be an integer >= 1"),
         (dict(x=m.x[:2]), ValueError, "x must be a C-contiguous, 16-byte aligned float16 buffer of 216 elements"),
@@ -270,6 +272,9 @@ def test_gpu_bad_arguments_raise_before_anything_runs(rng):
         (dict(blocks=10 ** 6), ValueError, "exceeds the device's"),
         (dict(output=m.tok[:, :64]), ValueError, "output must be C-contiguous, 16-byte aligned, of shape"),
         (dict(att=m.q.reshape(3, -1)), ValueError, r"LlamaStep\(\): q overlaps att in memory"),
+        (dict(tokens=m.cache.lengths[0]), ValueError, r"LlamaStep\(\): tokens overlaps the cache's lengths"),
+        (dict(x=m.layers[0].wqkv.reshape(-1)[:216]), ValueError, r"LlamaStep\(\): x overlaps layers\[0\].wqkv"),
+        (dict(tokens=m.sampling.iparams.reshape(-1)[:3]), ValueError, "tokens overlaps sampling.iparams"),
     ]:
         with pytest.raises(exc, match=pattern):
             LlamaStep(**{**base, **change})

@@ -426,9 +426,9 @@ class Generator:
         """Several prompts (lists of ids, any lengths) -> one GenerationResult each, in order.
 
         They run together, in as few consecutive batches as fit the backend's free memory (see
-        :meth:`batches`; at most 8 per batch with the megakernel); each sequence stops on its own; on_token(i, id) streams; on_prefill(done,
-        total) reports a long prefill; prompt i samples with seed ``seed + i``. Greedy results
-        equal ``generate`` on each prompt alone.
+        :meth:`batches`; at most 8 per batch with the megakernel); each sequence stops on its own;
+        on_token(i, id) streams; on_prefill(done, total) reports a long prefill; prompt i samples
+        with seed ``seed + i``. Greedy results equal ``generate`` on each prompt alone.
         """
         return [r for batch in self.batches(prompts, max_new_tokens, temperature, top_k, top_p, seed, ignore_eos,
                                             on_token, on_prefill, max_batch) for r in batch]

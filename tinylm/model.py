@@ -264,13 +264,13 @@ class Transformer:
         from cupyattn import config
 
         if flag is None:
-            return bool(config.TINYLM_MEGAKERNEL) and self._megakernel_problem() is None
-        why = self._megakernel_problem() if flag else None
+            return bool(config.TINYLM_MEGAKERNEL) and self.megakernel_problem() is None
+        why = self.megakernel_problem() if flag else None
         if why:
             raise ValueError(f"megakernel=True: {why}")
         return bool(flag)
 
-    def _megakernel_problem(self) -> str | None:
+    def megakernel_problem(self) -> str | None:
         """Why this model and backend cannot take the megakernel (None: they can)."""
         from cupyattn import config
 
@@ -290,7 +290,8 @@ class Transformer:
         cc = _loader.device_compute_capability()
         if not impl_runs_on("megakernel", "persistent", self.ops.dtype, cc):
             need = impl_min_cc("megakernel", "persistent", self.ops.dtype)
-            return f"the megakernel needs compute capability {need // 10}.{need % 10}, this device is {cc // 10}.{cc % 10}"
+            return (f"the megakernel needs compute capability {need // 10}.{need % 10}, this device is "
+                    f"{cc // 10}.{cc % 10}")
         return None
 
     def _resolve_fused(self, fused, prefill=False) -> bool:
