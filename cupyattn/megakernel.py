@@ -57,9 +57,9 @@ SPEC = KernelSpec("megakernel", "megakernel.cu", _EXPRS, options=_OPTIONS,
                   needs=tuple((e, config.impl_min_cc("megakernel", "persistent", t), 0)
                               for e, t in zip(_EXPRS, DTYPES)))
 
-# MkModel (megakernel.cu): 15 pointers, 11 integers, 3 doubles, 8 bytes each
-_POINTERS = ("layers", "tok_embd", "out_norm", "out_w", "x", "q", "att", "o_part", "lse_part", "ffn", "logits",
-             "tokens", "fparams", "iparams", "timings")
+# MkModel (megakernel.cu), what a step only reads: 7 pointers, 11 integers, 3 doubles, 8 bytes each.
+# What it writes (MkState) goes as the kernel's pointer arguments instead (LlamaStep.launch).
+_POINTERS = ("layers", "tok_embd", "out_norm", "out_w", "fparams", "iparams", "timings")
 _INTS = ("B", "dim", "Hq", "Hkv", "D", "F", "V", "L", "max_seq", "splits", "neox")
 _DOUBLES = ("eps", "freq_scale", "scale_log2")
 MODEL_DTYPE = np.dtype([("w", np.uint64, (len(_POINTERS) + len(_INTS) + len(_DOUBLES),))])
@@ -180,14 +180,13 @@ class LlamaStep:
         self.cache, self.sampling, self.max_splits = cache, sampling, int(o_part.shape[0])
         self.shape = dict(B=B, dim=dim, Hq=Hq, Hkv=Hkv, D=D, F=F, V=V, L=L)
         # the descriptor's fields, less the split count (set per launch)
-        self._layers = cupy.asarray(np.array([[_ptr(getattr(lp, f)) for f in LAYER_FIELDS]
-                                              + [_ptr(cache.k[i]), _ptr(cache.v[i]), _ptr(cache.lengths[i])]
-                                              for i, lp in enumerate(layers)], dtype=np.uint64).reshape(L, 9))
-        self._keep = (tok_embd, output_norm, output, layers, tokens, x, q, att, ffn, logits, o_part, lse_part, sampling)
+        self._layers = cupy.asarray(np.array([[_ptr(getattr(lp, f)) for f in LAYER_FIELDS] for lp in layers],
+                                             dtype=np.uint64).reshape(L, len(LAYER_FIELDS)))
+        self._keep = (tok_embd, output_norm, output, layers, sampling)
+        # the kernel's MkState arguments, in order: every buffer one block writes and another reads
+        self._state = (x, q, att, o_part, lse_part, ffn, logits, tokens, cache.k, cache.v, cache.lengths)
         self._fields = dict(layers=_ptr(self._layers), tok_embd=_ptr(tok_embd), out_norm=_ptr(output_norm),
-                            out_w=_ptr(output), x=_ptr(x), q=_ptr(q), att=_ptr(att), o_part=_ptr(o_part),
-                            lse_part=_ptr(lse_part), ffn=_ptr(ffn), logits=_ptr(logits), tokens=_ptr(tokens),
-                            fparams=_ptr(None if sampling is None else sampling.fparams),
+                            out_w=_ptr(output), fparams=_ptr(None if sampling is None else sampling.fparams),
                             iparams=_ptr(None if sampling is None else sampling.iparams), timings=0,
                             B=B, dim=dim, Hq=Hq, Hkv=Hkv, D=D, F=F, V=V, L=L, max_seq=cache.max_seq,
                             neox=int(rope_style == "neox"), eps=float(np.float32(eps)),
@@ -290,7 +289,7 @@ class LlamaStep:
         kern = get_function(SPEC, f"megakernel<{ctype(self.dtype)}>", dynamic_smem=self.smem)  # built first
         self.cache.check_room(1, fn)
         kern((self.blocks,), (config.MEGAKERNEL_THREADS,),
-             (self.descriptor(splits, timings), dplan.instr, dplan.queue, dplan.waits, self.counters,
+             (self.descriptor(splits, timings), *self._state, dplan.instr, dplan.queue, dplan.waits, self.counters,
               np.int32(self.capacity), self.step_state, np.int32(self.xs_off)), shared_mem=self.smem)
         if record:
             self.cache.record_advance(1)

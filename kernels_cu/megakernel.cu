@@ -45,7 +45,10 @@
 // the ticket and bumps the epoch, so a CUDA graph of the launch replays without host help.
 // Profiling: with MkModel.timings set, thread 0 stamps each instruction (%globaltimer) when it
 // starts waiting, when its waits are done and when its work is (LlamaStep.profile).
-// Layouts: MkModel below (all 8-byte fields: the host packs them as uint64 words).
+// Layouts: MkModel below (all 8-byte fields: the host packs them as uint64 words): what the step
+// only reads, passed by value. What it writes and another block reads in the same launch (MkState)
+// comes as pointer arguments of its own: on the CPU emulator those arrays are the ones its memory
+// model tracks (tests/emu/README.md), so a missing release or acquire reads poison there.
 #include "common.cuh"
 #include "ptx.cuh"
 #include "sampling.cuh"
@@ -56,16 +59,13 @@
 #define MK_WARPS (MK_THREADS / 32)
 
 // --- the model and the instruction --------------------------------------------------------------
-struct MkLayer {           // one layer's tensors (element type T, the model's)
+struct MkLayer {           // one layer's weights (element type T, the model's)
     const void* attn_norm;  // [dim]
     const void* wqkv;       // [(Hq + 2 Hkv) D, dim] rows of Wq | Wk | Wv
     const void* wo;         // [dim, Hq D]
     const void* ffn_norm;   // [dim]
     const void* w_gate_up;  // [2F, dim] rows of Wgate | Wup
     const void* w_down;     // [dim, F]
-    void* k_cache;          // [B, Hkv, max_seq, D] (this layer)
-    void* v_cache;          // [B, Hkv, max_seq, D]
-    int* lengths;           // [B] tokens cached before this step (advanced at its end)
 };
 
 struct MkModel {
@@ -73,20 +73,35 @@ struct MkModel {
     const void* tok_embd;   // [V, dim]
     const void* out_norm;   // [dim]
     const void* out_w;      // [V, dim] (tok_embd when the embeddings are tied)
-    void* x;                // [B, dim] residual stream
-    void* q;                // [B, Hq, D] rotated queries
-    void* att;              // [B, Hq D] attention output, heads merged
-    float* o_part;          // [splits, B, Hq, D] normalised split partials
-    float* lse_part;        // [splits, B, Hq] their log-sum-exp (natural log)
-    void* ffn;              // [B, F] silu(gate) * up
-    void* logits;           // [B, V]
-    int* tokens;            // [B] this step's input ids; the sampled ids replace them
     const float* fparams;   // [B, 2] SamplingParams (beta, top_p)
-    int* iparams;           // [B, 4] (top_k, seed lo, seed hi, step)
-    unsigned long long* timings;  // [n, 4] per queue row: start, ready, done (globaltimer ns), block; or null
+    int* iparams;           // [B, 4] (top_k, seed lo, seed hi, step): row b is read and advanced
+                            // by sequence b's sampling instruction only
+    unsigned long long* timings;  // [n, 4] per queue row: start, ready, done (globaltimer ns), block;
+                                  // or null. Written by thread 0 of the row's block, read by nobody.
     long long B, dim, Hq, Hkv, D, F, V, L, max_seq, splits, neox;
     double eps, freq_scale, scale_log2;  // RMSNorm eps; RoPE -log2(base) / (D/2); D^-1/2 log2(e)
 };
+
+// The step's buffers (the kernel's pointer arguments, element type T unless said).
+struct MkState {
+    void* x;          // [B, dim] residual stream
+    void* q;          // [B, Hq, D] rotated queries
+    void* att;        // [B, Hq D] attention output, heads merged
+    float* o_part;    // [splits, B, Hq, D] normalised split partials
+    float* lse_part;  // [splits, B, Hq] their log-sum-exp (natural log)
+    void* ffn;        // [B, F] silu(gate) * up
+    void* logits;     // [B, V]
+    int* tokens;      // [B] this step's input ids; the sampled ids replace them
+    void* k_cache;    // [L, B, Hkv, max_seq, D]
+    void* v_cache;    // [L, B, Hkv, max_seq, D]
+    int* lengths;     // [L, B] tokens cached before this step (advanced at its end)
+};
+
+// Layer l of a cache (MkState.k_cache or v_cache): [B, Hkv, max_seq, D].
+template <typename T>
+__device__ __forceinline__ T* mk_layer_cache(const MkModel& m, void* cache, int l) {
+    return (T*)cache + (size_t)l * m.B * m.Hkv * m.max_seq * m.D;
+}
 
 struct MkIns {
     int op, layer, tile, arg0, arg1, signal, wait_begin, wait_count;
@@ -111,15 +126,15 @@ union MkScratch {
 // --- small instructions -------------------------------------------------------------------------
 // x[b] = tok_embd[tokens[b]] for every b; an id outside [0, V) gives a zero row (embedding_kernel).
 template <typename T>
-__device__ void mk_embed(const MkModel& m) {
+__device__ void mk_embed(const MkModel& m, const MkState& st) {
     constexpr int VEC = 16 / sizeof(T);
     const int nc = (int)m.dim / VEC;
     for (int i = threadIdx.x; i < (int)m.B * nc; i += MK_THREADS) {
         const int b = i / nc, c = i % nc;
-        const int id = __ldcg(m.tokens + b);
+        const int id = __ldcg(st.tokens + b);
         uint4 v = {0u, 0u, 0u, 0u};
         if (id >= 0 && id < m.V) v = *(reinterpret_cast<const uint4*>((const T*)m.tok_embd + (size_t)id * m.dim) + c);
-        *(reinterpret_cast<uint4*>((T*)m.x + (size_t)b * m.dim) + c) = v;
+        *(reinterpret_cast<uint4*>((T*)st.x + (size_t)b * m.dim) + c) = v;
     }
 }
 
@@ -131,13 +146,13 @@ __device__ void mk_embed(const MkModel& m) {
 // read of the lengths in this step happens before they advance. The
 // lengths, the ticket and the epoch are then written with plain stores: nothing in this launch
 // reads them again, and the kernel boundary publishes them to the next launch.
-__device__ __forceinline__ void mk_end_of_step(const MkModel& m, unsigned* step, unsigned epoch) {
+__device__ __forceinline__ void mk_end_of_step(const MkModel& m, const MkState& st, unsigned* step, unsigned epoch) {
     __shared__ int last;
     __syncthreads();  // the block's last instruction is done (its signal was sent after a barrier too)
     if (threadIdx.x == 0) last = atomic_add_acq_rel(step + 1, 1u) == gridDim.x - 1;
     __syncthreads();
     if (!last) return;
-    for (int i = threadIdx.x; i < (int)(m.L * m.B); i += MK_THREADS) m.layers[i / m.B].lengths[i % m.B] += 1;
+    for (int i = threadIdx.x; i < (int)(m.L * m.B); i += MK_THREADS) st.lengths[i] += 1;
     if (threadIdx.x == 0) {
         step[1] = 0u;
         step[0] = epoch + 1u;
@@ -148,6 +163,8 @@ __device__ __forceinline__ void mk_end_of_step(const MkModel& m, unsigned* step,
 template <typename T>
 __global__ void __launch_bounds__(MK_THREADS, 1) megakernel(
     const __grid_constant__ MkModel m,
+    void* x, void* q, void* att, float* o_part, float* lse_part, void* ffn, void* logits,  // MkState
+    int* tokens, void* k_cache, void* v_cache, int* lengths,
     const int* __restrict__ instr,   // [n, MK_INSTR_WORDS] the queues back to back
     const int* __restrict__ queue,   // [gridDim.x + 1] block k's rows: queue[k] .. queue[k+1]
     const int* __restrict__ waits,   // [n_waits, 2] (counter, target)
@@ -157,6 +174,7 @@ __global__ void __launch_bounds__(MK_THREADS, 1) megakernel(
     int xs_off) {                    // byte offset of xs in dynamic smem (after the ring)
     extern __shared__ uint4 mk_smem_u4[];
     __shared__ MkScratch scratch;
+    const MkState st{x, q, att, o_part, lse_part, ffn, logits, tokens, k_cache, v_cache, lengths};
     unsigned char* smem = reinterpret_cast<unsigned char*>(mk_smem_u4);
     T* xs = reinterpret_cast<T*>(smem + xs_off);
     // Counter sets: this step counts in set (epoch & 1). The other set, the previous step's and the
@@ -169,7 +187,7 @@ __global__ void __launch_bounds__(MK_THREADS, 1) megakernel(
     for (int i = blockIdx.x * MK_THREADS + threadIdx.x; i < n_alloc; i += gridDim.x * MK_THREADS) other[i] = 0u;
 
     const int q0 = queue[blockIdx.x], q1 = queue[blockIdx.x + 1];
-    WeightStream<T> ws(m, instr, q0, q1, smem);  // the first weight chunks in flight before any wait
+    WeightStream<T> ws(m, st, instr, q0, q1, smem);  // the first weight chunks in flight before any wait
     // Per thread, the last counter it acquired and the target it saw reached: consecutive tiles of
     // one op on a block wait for the same counters, and a wait already seen satisfied needs no
     // second trip to L2 (the earlier acquire still orders this thread's later reads).
@@ -203,15 +221,15 @@ __global__ void __launch_bounds__(MK_THREADS, 1) megakernel(
             // the block's queue follows the global order, so its consecutive tiles of one op see
             // the same input (no other op's write comes between them): load it once
             const int key = ins.op * 65536 + ins.layer;
-            mk_gemv<T>(m, ins, ws, xs, key != xs_key, scratch.gemv);
+            mk_gemv<T>(m, st, ins, ws, xs, key != xs_key, scratch.gemv);
             xs_key = key;
         }
-        else if (ins.op == MK_OP_ATTN) mk_attention<T>(m, ins, scratch.attn);
-        else if (ins.op == MK_OP_REDUCE) mk_attention_reduce<T>(m, ins);
-        else if (ins.op == MK_OP_EMBED) mk_embed<T>(m);
+        else if (ins.op == MK_OP_ATTN) mk_attention<T>(m, st, ins, scratch.attn);
+        else if (ins.op == MK_OP_REDUCE) mk_attention_reduce<T>(m, st, ins);
+        else if (ins.op == MK_OP_EMBED) mk_embed<T>(m, st);
         else if (ins.op == MK_OP_SAMPLE)
-            sample_row<T, MK_THREADS, true>((const T*)m.logits + (size_t)ins.tile * m.V, (int)m.V,
-                                            m.fparams + 2 * ins.tile, m.iparams + 4 * ins.tile, m.tokens + ins.tile,
+            sample_row<T, MK_THREADS, true>((const T*)logits + (size_t)ins.tile * m.V, (int)m.V,
+                                            m.fparams + 2 * ins.tile, m.iparams + 4 * ins.tile, tokens + ins.tile,
                                             scratch.sample);
         __syncthreads();  // every thread's writes of the instruction precede the release
         if (prof != nullptr && threadIdx.x == 0) {
@@ -226,5 +244,5 @@ __global__ void __launch_bounds__(MK_THREADS, 1) megakernel(
         if (threadIdx.x == 0 && ins.signal >= 0) signal_release(ctr + ins.signal, 1u);
     }
     cp_async_wait<0>();  // the stream's tail groups are empty; nothing is left in flight
-    mk_end_of_step(m, step, epoch);
+    mk_end_of_step(m, st, step, epoch);
 }

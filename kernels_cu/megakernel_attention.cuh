@@ -33,22 +33,21 @@ struct AttnSmem {
 };
 
 template <typename T>
-__device__ void mk_attention(const MkModel& m, const MkIns& ins, AttnSmem& sm) {
+__device__ void mk_attention(const MkModel& m, const MkState& st, const MkIns& ins, AttnSmem& sm) {
     constexpr int VEC = 16 / sizeof(T);
-    const MkLayer* Lr = m.layers + ins.layer;
     const int D = (int)m.D, Hq = (int)m.Hq, Hkv = (int)m.Hkv, splits = (int)m.splits, G = Hq / Hkv;
     const int split = ins.tile % splits, kvh = (ins.tile / splits) % Hkv, b = ins.tile / (splits * Hkv);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int len = __ldcg(Lr->lengths + b) + 1;
+    const int len = __ldcg(st.lengths + (size_t)ins.layer * m.B + b) + 1;
     const int chunk = (len + splits - 1) / splits, lo = min(split * chunk, len), hi = min(lo + chunk, len);
     const size_t kv0 = ((size_t)b * Hkv + kvh) * (size_t)m.max_seq * D;
-    const T* kc = (const T*)Lr->k_cache + kv0;
-    const T* vc = (const T*)Lr->v_cache + kv0;
+    const T* kc = mk_layer_cache<T>(m, st.k_cache, ins.layer) + kv0;
+    const T* vc = mk_layer_cache<T>(m, st.v_cache, ins.layer) + kv0;
     const float scale = (float)m.scale_log2;
     for (int g0 = 0; g0 < G; g0 += MK_HEAD_TILE) {
         const int ng = min(MK_HEAD_TILE, G - g0), h0 = kvh * G + g0;
         for (int i = threadIdx.x; i < ng * D; i += MK_THREADS)
-            sm.q[i / D][i % D] = to_float(__ldcg((const T*)m.q + ((size_t)b * Hq + h0 + i / D) * D + i % D)) * scale;
+            sm.q[i / D][i % D] = to_float(__ldcg((const T*)st.q + ((size_t)b * Hq + h0 + i / D) * D + i % D)) * scale;
         __syncthreads();
         float mi[MK_HEAD_TILE], li[MK_HEAD_TILE], o[MK_HEAD_TILE][MK_DLANE];
 #pragma unroll
@@ -134,11 +133,11 @@ __device__ void mk_attention(const MkModel& m, const MkIns& ins, AttnSmem& sm) {
             }
             const float out = L > 0.f ? O / L : 0.f;  // no key at all: zeros (an empty split)
             if (splits == 1) {
-                ((T*)m.att)[((size_t)b * Hq + h) * D + d] = from_float<T>(out);
+                ((T*)st.att)[((size_t)b * Hq + h) * D + d] = from_float<T>(out);
             } else {
                 const size_t r = ((size_t)split * m.B + b) * Hq + h;
-                m.o_part[r * D + d] = out;
-                if (d == 0) m.lse_part[r] = L > 0.f ? (M + log2f(L)) * LN2_F : -CUDART_INF_F;
+                st.o_part[r * D + d] = out;
+                if (d == 0) st.lse_part[r] = L > 0.f ? (M + log2f(L)) * LN2_F : -CUDART_INF_F;
             }
         }
         __syncthreads();  // q, wm, wl, wo are read before the next head tile rewrites them
@@ -148,22 +147,22 @@ __device__ void mk_attention(const MkModel& m, const MkIns& ins, AttnSmem& sm) {
 // att rows of the G heads of (b, kvh) from the splits' partials: lse = max_c lse_c, w_c =
 // exp(lse_c - lse), out = sum_c w_c O_c / sum_c w_c (zeros when every split was empty).
 template <typename T>
-__device__ void mk_attention_reduce(const MkModel& m, const MkIns& ins) {
+__device__ void mk_attention_reduce(const MkModel& m, const MkState& st, const MkIns& ins) {
     const int D = (int)m.D, Hq = (int)m.Hq, Hkv = (int)m.Hkv, splits = (int)m.splits, G = Hq / Hkv;
     const int b = ins.tile / Hkv, kvh = ins.tile % Hkv, B = (int)m.B;
     for (int it = threadIdx.x; it < G * D; it += MK_THREADS) {
         const int h = kvh * G + it / D, d = it % D;
         float M = -CUDART_INF_F;
-        for (int c = 0; c < splits; ++c) M = fmaxf(M, __ldcg(m.lse_part + ((size_t)c * B + b) * Hq + h));
+        for (int c = 0; c < splits; ++c) M = fmaxf(M, __ldcg(st.lse_part + ((size_t)c * B + b) * Hq + h));
         float W = 0.f, O = 0.f;
         if (M > -CUDART_INF_F) {
             for (int c = 0; c < splits; ++c) {
                 const size_t r = ((size_t)c * B + b) * Hq + h;
-                const float w = expf(__ldcg(m.lse_part + r) - M);
+                const float w = expf(__ldcg(st.lse_part + r) - M);
                 W += w;
-                O = fmaf(w, __ldcg(m.o_part + r * D + d), O);
+                O = fmaf(w, __ldcg(st.o_part + r * D + d), O);
             }
         }
-        ((T*)m.att)[((size_t)b * Hq + h) * D + d] = from_float<T>(W > 0.f ? O / W : 0.f);
+        ((T*)st.att)[((size_t)b * Hq + h) * D + d] = from_float<T>(W > 0.f ? O / W : 0.f);
     }
 }

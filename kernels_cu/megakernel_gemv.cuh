@@ -52,7 +52,7 @@ struct GemvTile {
 };
 
 template <typename T>
-__device__ __forceinline__ GemvTile<T> gemv_tile(const MkModel& m, const MkIns& ins) {
+__device__ __forceinline__ GemvTile<T> gemv_tile(const MkModel& m, const MkState& st, const MkIns& ins) {
     constexpr int CH = MK_CHUNK_BYTES / sizeof(T);  // elements of a row per chunk
     const MkLayer* L = m.layers + ins.layer;
     const int t = ins.tile, dim = (int)m.dim, qd = (int)(m.Hq * m.D), F = (int)m.F;
@@ -62,22 +62,22 @@ __device__ __forceinline__ GemvTile<T> gemv_tile(const MkModel& m, const MkIns& 
     g.row[1] = 16 * t + 8;
     if (ins.op == MK_OP_QKV) {
         const int D = (int)m.D, h = t / (D / 16), j = t % (D / 16);
-        g.w = (const T*)L->wqkv; g.x = (const T*)m.x; g.norm = (const T*)L->attn_norm; g.K = dim; g.ld = dim;
+        g.w = (const T*)L->wqkv; g.x = (const T*)st.x; g.norm = (const T*)L->attn_norm; g.K = dim; g.ld = dim;
         g.row[0] = h * D + (m.neox ? 8 * j : 16 * j);
         g.row[1] = m.neox ? h * D + D / 2 + 8 * j : g.row[0] + 8;
         g.end[0] = g.end[1] = (int)((m.Hq + 2 * m.Hkv) * m.D);
     } else if (ins.op == MK_OP_OPROJ) {
-        g.w = (const T*)L->wo; g.x = (const T*)m.att; g.K = qd; g.ld = qd;
+        g.w = (const T*)L->wo; g.x = (const T*)st.att; g.K = qd; g.ld = qd;
         g.end[0] = g.end[1] = dim;
     } else if (ins.op == MK_OP_GATE_UP) {
-        g.w = (const T*)L->w_gate_up; g.x = (const T*)m.x; g.norm = (const T*)L->ffn_norm; g.K = dim; g.ld = dim;
+        g.w = (const T*)L->w_gate_up; g.x = (const T*)st.x; g.norm = (const T*)L->ffn_norm; g.K = dim; g.ld = dim;
         g.row[0] = 8 * t; g.row[1] = F + 8 * t;
         g.end[0] = F; g.end[1] = 2 * F;
     } else if (ins.op == MK_OP_DOWN) {
-        g.w = (const T*)L->w_down; g.x = (const T*)m.ffn; g.K = F; g.ld = F;
+        g.w = (const T*)L->w_down; g.x = (const T*)st.ffn; g.K = F; g.ld = F;
         g.end[0] = g.end[1] = dim;
     } else {  // MK_OP_LM_HEAD
-        g.w = (const T*)m.out_w; g.x = (const T*)m.x; g.norm = (const T*)m.out_norm; g.K = dim; g.ld = dim;
+        g.w = (const T*)m.out_w; g.x = (const T*)st.x; g.norm = (const T*)m.out_norm; g.K = dim; g.ld = dim;
         g.end[0] = g.end[1] = (int)m.V;
     }
     g.nchunks = (g.K + CH - 1) / CH;
@@ -90,13 +90,15 @@ __device__ __forceinline__ GemvTile<T> gemv_tile(const MkModel& m, const MkIns& 
 template <typename T>
 struct WeightStream {
     const MkModel& m;
+    const MkState& st;
     const int* instr;
     unsigned char* ring;  // smem [MK_STAGES][MK_TILE_ROWS][MK_CHUNK_BYTES]
     int row, end, sub, issued, consumed;
     GemvTile<T> tile;
 
-    __device__ WeightStream(const MkModel& m_, const int* instr_, int q0, int q1, unsigned char* ring_)
-        : m(m_), instr(instr_), ring(ring_), row(q0), end(q1), sub(0), issued(0), consumed(0) {
+    __device__ WeightStream(const MkModel& m_, const MkState& st_, const int* instr_, int q0, int q1,
+                            unsigned char* ring_)
+        : m(m_), st(st_), instr(instr_), ring(ring_), row(q0), end(q1), sub(0), issued(0), consumed(0) {
         tile.nchunks = 0;
         for (int s = 0; s < MK_STAGES - 1; ++s) issue_one();  // prologue: the first chunks in flight
     }
@@ -109,7 +111,7 @@ struct WeightStream {
         while (sub >= tile.nchunks && row < end) {
             const MkIns ins = mk_ins(instr, row++);
             if (mk_is_gemv(ins.op)) {
-                tile = gemv_tile<T>(m, ins);
+                tile = gemv_tile<T>(m, st, ins);
                 sub = 0;
             }
         }
@@ -246,8 +248,8 @@ __device__ __forceinline__ void gemv_product(WeightStream<T>& ws, const GemvTile
 // --- epilogues ----------------------------------------------------------------------------------
 // QKV: item (b, p), rotation pair p of the tile's 8 (fused_decode.cu's norm_qkv_rope_append_kernel).
 template <typename T>
-__device__ __forceinline__ void gemv_epilogue_qkv(const MkModel& m, const MkIns& ins, const GemvSmem& sm) {
-    const MkLayer* L = m.layers + ins.layer;
+__device__ __forceinline__ void gemv_epilogue_qkv(const MkModel& m, const MkState& st, const MkIns& ins,
+                                                  const GemvSmem& sm) {
     const int D = (int)m.D, Hq = (int)m.Hq, Hkv = (int)m.Hkv, half = D / 2, B = (int)m.B;
     const int h = ins.tile / (D / 16), j = ins.tile % (D / 16);
     for (int it = threadIdx.x; it < 8 * B; it += MK_THREADS) {
@@ -257,13 +259,14 @@ __device__ __forceinline__ void gemv_epilogue_qkv(const MkModel& m, const MkIns&
         int ia, ib;
         if (m.neox) rope_pair<true>(i, half, &ia, &ib);
         else rope_pair<false>(i, half, &ia, &ib);
-        const int pos = __ldcg(L->lengths + b);
+        const int pos = __ldcg(st.lengths + (size_t)ins.layer * B + b);
         T* dst;
         if (h < Hq) {
-            dst = (T*)m.q + ((size_t)b * Hq + h) * D;
+            dst = (T*)st.q + ((size_t)b * Hq + h) * D;
         } else {
             const int hk = h < Hq + Hkv ? h - Hq : h - Hq - Hkv;
-            dst = (T*)(h < Hq + Hkv ? L->k_cache : L->v_cache) + (((size_t)b * Hkv + hk) * (size_t)m.max_seq + pos) * D;
+            dst = mk_layer_cache<T>(m, h < Hq + Hkv ? st.k_cache : st.v_cache, ins.layer) +
+                  (((size_t)b * Hkv + hk) * (size_t)m.max_seq + pos) * D;
         }
         float y0 = x0, y1 = x1;
         if (h < Hq + Hkv) {  // q and k turn by the position; v is copied
@@ -278,8 +281,8 @@ __device__ __forceinline__ void gemv_epilogue_qkv(const MkModel& m, const MkIns&
 
 // OPROJ, DOWN (x += C, rounded as add(x, gemm_nt(a, w))), GATE_UP (SwiGLU), LM_HEAD (logits).
 template <typename T>
-__device__ __forceinline__ void gemv_epilogue(const MkModel& m, const MkIns& ins, const GemvTile<T>& g,
-                                              const GemvSmem& sm) {
+__device__ __forceinline__ void gemv_epilogue(const MkModel& m, const MkState& st, const MkIns& ins,
+                                              const GemvTile<T>& g, const GemvSmem& sm) {
     const int B = (int)m.B;
     if (ins.op == MK_OP_GATE_UP) {
         const int F = (int)m.F;
@@ -288,7 +291,7 @@ __device__ __forceinline__ void gemv_epilogue(const MkModel& m, const MkIns& ins
             if (j >= F) continue;
             const float gt = to_float(from_float<T>(sm.c[b][c])), up = to_float(from_float<T>(sm.c[b][c + 8]));
             // silu(g) * u as swiglu_kernel: g / (1 + e^-g) goes to -0 for g -> -inf, never NaN
-            ((T*)m.ffn)[(size_t)b * F + j] = from_float<T>(gt / (1.0f + expf(-gt)) * up);
+            ((T*)st.ffn)[(size_t)b * F + j] = from_float<T>(gt / (1.0f + expf(-gt)) * up);
         }
         return;
     }
@@ -298,9 +301,9 @@ __device__ __forceinline__ void gemv_epilogue(const MkModel& m, const MkIns& ins
         if (n >= N) continue;
         const float c = sm.c[b][it % MK_TILE_ROWS];
         if (ins.op == MK_OP_LM_HEAD) {
-            ((T*)m.logits)[(size_t)b * N + n] = from_float<T>(c);
+            ((T*)st.logits)[(size_t)b * N + n] = from_float<T>(c);
         } else {  // OPROJ, DOWN: the one thread that owns x[b][n] reads and writes it
-            T* xe = (T*)m.x + (size_t)b * N + n;
+            T* xe = (T*)st.x + (size_t)b * N + n;
             *xe = from_float<T>(to_float(__ldcg(xe)) + to_float(from_float<T>(c)));
         }
     }
@@ -309,10 +312,11 @@ __device__ __forceinline__ void gemv_epilogue(const MkModel& m, const MkIns& ins
 // One GEMV instruction: the input rows into xs (unless xs holds them already: `load`), the
 // product streamed from the ring, the epilogue.
 template <typename T>
-__device__ void mk_gemv(const MkModel& m, const MkIns& ins, WeightStream<T>& ws, T* xs, bool load, GemvSmem& sm) {
-    const GemvTile<T> g = gemv_tile<T>(m, ins);
+__device__ void mk_gemv(const MkModel& m, const MkState& st, const MkIns& ins, WeightStream<T>& ws, T* xs,
+                        bool load, GemvSmem& sm) {
+    const GemvTile<T> g = gemv_tile<T>(m, st, ins);
     if (load) gemv_load_rows<T>(g, (int)m.B, (float)m.eps, xs);  // ws.next()'s barrier publishes xs
     gemv_product<T>(ws, g, (int)m.B, xs, sm);
-    if (ins.op == MK_OP_QKV) gemv_epilogue_qkv<T>(m, ins, sm);
-    else gemv_epilogue<T>(m, ins, g, sm);
+    if (ins.op == MK_OP_QKV) gemv_epilogue_qkv<T>(m, st, ins, sm);
+    else gemv_epilogue<T>(m, st, ins, g, sm);
 }

@@ -64,7 +64,7 @@ ORDER_MUTANTS = [
     ("counter released without release semantics", "megakernel.cu",
      "signal_release(ctr + ins.signal, 1u);", "atomic_add_relaxed(ctr + ins.signal, 1u);", "megakernel_blocks"),
     ("counter awaited without acquire semantics", "megakernel.cu", "wait_acquire(ctr + w[0], (unsigned)w[1]);",
-     "while ((int)(atomic_add_relaxed(ctr + w[0], 0u) - (unsigned)w[1]) < 0) {}", "megakernel_blocks"),
+     "while ((int)(atomic_add_relaxed(ctr + w[0], 0u) - (unsigned)w[1]) < 0) __nanosleep(32);", "megakernel_blocks"),
     ("no block barrier between an instruction's writes and its release", "megakernel.cu",
      "        __syncthreads();  // every thread's writes of the instruction precede the release\n", "",
      "megakernel_blocks"),
