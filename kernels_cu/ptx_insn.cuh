@@ -11,6 +11,7 @@
 //                                                                                       bf16 sm_80+
 //   mma_m16n8k16_sm80<T>(d, a, b)            mma.sync.aligned.m16n8k16.row.col          sm_80+
 //   griddepcontrol_wait(), _launch_dependents()  griddepcontrol (9.7.12.20)             sm_90+
+//   atomic_add_relaxed(p, v) -> old          atom.relaxed.gpu.global.add.u32 (9.7.13.5) sm_70+
 //
 // PTX_SM is the target these wrappers check: __CUDA_ARCH__, or CUPYATTN_TARGET_SM when the loader
 // compiles for an older family than the device's (CUPYATTN_ARCH, tests: a newer GPU runs the
@@ -145,4 +146,14 @@ template <int DUMMY = 0>
 __device__ __forceinline__ void griddepcontrol_launch_dependents() {
     static_assert(ptx_sm_at_least<900, char[DUMMY + 1]>(), "griddepcontrol requires sm_90 or higher");
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+}
+
+// --- atomics with a named memory order (PTX ISA 8.x memory consistency model) --------------------
+// *p += v as one relaxed read-modify-write at gpu scope; returns the old value. Relaxed: the adds
+// of every thread to one location form a single total order (coherence), and nothing else is
+// ordered by them (a tile counter needs no more: each add only claims a number).
+__device__ __forceinline__ unsigned atomic_add_relaxed(unsigned* p, unsigned v) {
+    unsigned old;
+    asm volatile("atom.relaxed.gpu.global.add.u32 %0, [%1], %2;\n" : "=r"(old) : "l"(p), "r"(v) : "memory");
+    return old;
 }

@@ -180,3 +180,12 @@ template <int DUMMY = 0>
 inline void griddepcontrol_launch_dependents() {
     static_assert(ptx_sm_at_least<900, char[DUMMY + 1]>(), "griddepcontrol requires sm_90 or higher");
 }
+
+// --- atomics with a named memory order ---------------------------------------------------------
+// atom.relaxed.gpu.global.add.u32: fibers switch only at rendezvous points, so the read-modify-
+// write is indivisible here; relaxed orders nothing else, and neither does this model.
+inline unsigned atomic_add_relaxed(unsigned* p, unsigned v) {
+    const unsigned old = *p;
+    *p = old + v;
+    return old;
+}
