@@ -41,9 +41,7 @@
 // rows of a slot after its TMA lands and before the consumers may read it. A row that sees no
 // key keeps m_i = -inf, l_i = 0 and is written as zeros, lse = -inf.
 #include "common.cuh"
-#include "sm90.cuh"
-
-constexpr int FA3_BLOCK_M = 128, FA3_CONSUMERS = 2, FA3_THREADS = 128 * (1 + FA3_CONSUMERS);
+#include "flash_attn_sm90.cuh"
 
 // --- tile scheduler: which (batch*head, query tile) a block computes --------------------------
 // One block per tile, grid = m_tiles x B*Hq. Non-causal: the query tiles of one head are
@@ -67,17 +65,6 @@ __device__ __forceinline__ Fa3Keys fa3_keys(const int* key_lengths, int b, int m
     if (CAUSAL) k_end = min(k_end, m0 + FA3_BLOCK_M + Sk - Sq);
     return {k_end, kl, k_end > 0 ? (k_end + BLOCK_N - 1) / BLOCK_N : 0};
 }
-
-// The additive mask of one (batch, head), or none: element (i, j) at p[i * sq + j * sk].
-struct Fa3Mask { const float* p; long long sq, sk; };
-
-template <int D, int BLOCK_N>
-struct Fa3Smem {
-    static constexpr int BOXES = D / 64;                  // 128-byte column boxes per row
-    static constexpr int Q_BYTES = FA3_BLOCK_M * D * 2;
-    static constexpr int KV_BYTES = BLOCK_N * D * 2;      // one K or V slot
-    static constexpr int Q_BOX = FA3_BLOCK_M * 128, KV_BOX = BLOCK_N * 128;
-};
 
 // --- producer: warp 0; lane 0 issues every TMA copy --------------------------------------------
 // Q_i once (its own barrier), then K_j and V_j into their rings in key order. A V slot that holds
@@ -137,39 +124,7 @@ __device__ __forceinline__ void fa3_produce(const TmaMap* map_q, const TmaMap* m
     }
 }
 
-// --- consumer steps: one warpgroup, query rows m0 + 64 c .. + 63 of the tile --------------------
-// Accumulator fragments (ptx_sm90.cuh): register 4 j + e of s[] / o[] is row 16 w + g + 8 (e / 2),
-// column 8 j + 2 t + e % 2 (w = warp in the warpgroup, g = lane / 4, t = lane % 4), so each
-// thread holds two rows, r = 0 (g) and r = 1 (g + 8), and a row's values are spread over the 4
-// lanes of a quad.
-struct Fa3Row { int row0, t; };  // this thread's first row (the other is row0 + 8), column pair
-
-// S_ij = Q_i K_j^T issued as one wgmma group: D / 16 k-steps, both operands in shared memory.
-template <typename T, int D, int BLOCK_N>
-__device__ __forceinline__ void fa3_issue_s(float (&s)[BLOCK_N / 2], const unsigned char* sq, const unsigned char* kt) {
-    using L = Fa3Smem<D, BLOCK_N>;
-    wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks) {
-        const int off = 32 * (ks % 4);  // k16 step inside the 128-byte row
-        wgmma_ss<T, BLOCK_N, 0, 0>(s, smem_desc(sq + (ks / 4) * L::Q_BOX + off, 16, 1024, SWIZZLE_128B),
-                                   smem_desc(kt + (ks / 4) * L::KV_BOX + off, 16, 1024, SWIZZLE_128B), ks != 0);
-    }
-    wgmma_commit_group();
-}
-
-// O_i += P_ij V_j issued as one wgmma group: BLOCK_N / 16 k-steps, A (P) from registers, V_j
-// MN-major in shared memory.
-template <typename T, int D, int BLOCK_N>
-__device__ __forceinline__ void fa3_issue_pv(float (&o)[D / 2], unsigned (&p)[BLOCK_N / 16][4], const unsigned char* vt) {
-    using L = Fa3Smem<D, BLOCK_N>;
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < BLOCK_N / 16; ++kk)
-        wgmma_rs<T, D, 1>(o, p[kk], smem_desc(vt + 16 * 128 * kk, L::KV_BOX, 1024, SWIZZLE_128B), 1);
-    wgmma_commit_group();
-}
-
+// --- consumer: the softmax of one key tile (the wgmma steps around it: flash_attn_sm90.cuh) ------
 // The softmax of one key tile, in place on S_ij (fp32, registers only: it may run while the
 // previous tile's P V is in flight). Masking first, only on tiles that need it (keys past k_end,
 // keys above the causal diagonal of the tile's first row, a mask tensor, or a negative scale: the
@@ -223,69 +178,6 @@ __device__ __forceinline__ void fa3_softmax(float (&s)[BLOCK_N / 2], float (&m)[
         s[i] = exp2f(fmaf(s[i], mul, -m_use[(i >> 1) & 1]));
         l[(i >> 1) & 1] += s[i];
     }
-}
-
-// Once the previous P V has retired: O_i rescaled by alpha, and P_ij rounded to T as wgmma A
-// fragments (keys 16 kk .. 16 kk + 15 are S registers 8 kk .. 8 kk + 7 = (row g, keys 2t..),
-// (row g+8, 2t..), (row g, 8+2t..), (row g+8, 8+2t..)).
-template <typename T, int D, int BLOCK_N>
-__device__ __forceinline__ void fa3_rescale_and_pack(float (&o)[D / 2], const float (&alpha)[2],
-                                                     const float (&s)[BLOCK_N / 2], unsigned (&p)[BLOCK_N / 16][4]) {
-#pragma unroll
-    for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i >> 1) & 1];
-#pragma unroll
-    for (int kk = 0; kk < BLOCK_N / 16; ++kk)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) p[kk][e] = pack2<T>(s[8 * kk + 2 * e], s[8 * kk + 2 * e + 1]);
-}
-
-// Ping-pong (FA3 section 3.1): the two consumer warpgroups take turns issuing their wgmmas, so one
-// warpgroup's softmax runs while the other's matmuls occupy the tensor cores. Warpgroup c issues
-// only between named_bar_sync(1 + c) and handing the turn over (bar.arrive on the other's
-// barrier); each barrier counts 256 threads: its own 128 waiting, the other's 128 arriving.
-template <bool PINGPONG>
-__device__ __forceinline__ void fa3_turn_begin(int cw) {
-    if constexpr (PINGPONG) named_bar_sync(1 + cw, 256);
-}
-template <bool PINGPONG>
-__device__ __forceinline__ void fa3_turn_end(int cw) {
-    if constexpr (PINGPONG) named_bar_arrive(2 - cw, 256);
-}
-
-// The wgmma group of P V has retired: O_i and P_ij's registers are free, V_j's slot is released.
-template <int D, int BLOCK_N, int STAGES>
-__device__ __forceinline__ void fa3_retire_pv(float (&o)[D / 2], unsigned (&p)[BLOCK_N / 16][4],
-                                              StageRing<STAGES>& vring, bool leader) {
-    wgmma_wait_group<0>();
-    wgmma_fence_acc(o);
-    wgmma_fence_frag(p);
-    if (leader) vring.release(vring.stage);
-    vring.advance();
-}
-
-// S_ij = Q_i K_j^T as one turn of its own: wait for K_j, issue, retire, release K_j's slot.
-template <typename T, int D, int BLOCK_N, int STAGES, bool PINGPONG>
-__device__ __forceinline__ void fa3_s_alone(float (&s)[BLOCK_N / 2], const unsigned char* sq, const unsigned char* sk,
-                                            StageRing<STAGES>& kring, int cw, bool leader) {
-    kring.wait();
-    fa3_turn_begin<PINGPONG>(cw);
-    fa3_issue_s<T, D, BLOCK_N>(s, sq, sk + kring.stage * Fa3Smem<D, BLOCK_N>::KV_BYTES);
-    fa3_turn_end<PINGPONG>(cw);
-    wgmma_wait_group<0>();
-    wgmma_fence_acc(s);
-    if (leader) kring.release(kring.stage);
-    kring.advance();
-}
-
-// O_i += P_ij V_j as one turn of its own: wait for V_j, issue, retire, release V_j's slot.
-template <typename T, int D, int BLOCK_N, int STAGES, bool PINGPONG>
-__device__ __forceinline__ void fa3_pv_alone(float (&o)[D / 2], unsigned (&p)[BLOCK_N / 16][4], const unsigned char* sv,
-                                             StageRing<STAGES>& vring, int cw, bool leader) {
-    vring.wait();
-    fa3_turn_begin<PINGPONG>(cw);
-    fa3_issue_pv<T, D, BLOCK_N>(o, p, sv + vring.stage * Fa3Smem<D, BLOCK_N>::KV_BYTES);
-    fa3_turn_end<PINGPONG>(cw);
-    fa3_retire_pv<D, BLOCK_N, STAGES>(o, p, vring, leader);
 }
 
 // --- consumer: the key loop of one warpgroup ------------------------------------------------------
