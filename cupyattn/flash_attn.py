@@ -4,7 +4,8 @@ and softmax.
 
 Layout ``[B, H, S, D]``; K/V may have fewer heads than Q (GQA/MQA); causal masks with Sq != Sk
 are aligned bottom-right. See ``kernels_cu/flash_attn.cu`` for the kernel and its tile table;
-``impl="wgmma"`` (Hopper, opt-in) lives in :mod:`cupyattn.flash_attn_sm90`.
+``impl="wgmma"`` (Hopper) lives in :mod:`cupyattn.flash_attn_sm90`, ``impl="wgmma_persistent"``
+(Hopper, opt-in: not yet run on a GPU) in :mod:`cupyattn.flash_attn_sm90_persistent`.
 """
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ import cupy
 import numpy as np
 
 from . import _checks
+from . import config as C
 from . import flash_attn_sm90 as _sm90
+from . import flash_attn_sm90_persistent as _sm90p
 from ._checks import check_array, check_choice, check_last_contiguous, check_out, check_same_dtype
 from . import _loader
 from ._loader import KernelSpec, get_function, ptr_or_null
@@ -27,7 +30,9 @@ from .gemm import gemm_nn, gemm_nt
 from .row_softmax import softmax
 
 IMPLS = ("flash", "flash_mma", "naive")
-HOPPER_IMPLS = ("wgmma",)  # sm_90 only (impl=None takes it where config.ATTN_AUTO_WGMMA says): flash_attn_sm90.py
+# sm_90 only: "wgmma" (impl=None takes it where config.ATTN_AUTO_WGMMA says; flash_attn_sm90.py) and
+# its persistent variant (explicit impl only; flash_attn_sm90_persistent.py)
+HOPPER_IMPLS = ("wgmma", "wgmma_persistent")
 # What impl=None runs for each dtype on a GPU that has every instruction and enough shared memory
 # (sm_80 and newer): the fastest correct kernel (tensor cores where they apply). default_impl()
 # says what it runs on the current device.
@@ -210,8 +215,10 @@ def _check_key_lengths(key_lengths, b: int, sk: int):
     return where, kl
 
 
-def _check_args(q, k, v, causal, scale, mask, key_lengths, impl, return_lse, out):
-    """Every check of attention(), before anything is allocated or launched."""
+def _check_args(q, k, v, causal, scale, mask, key_lengths, impl, return_lse, out, plain=True):
+    """Every check of attention(), before anything is allocated or launched. ``plain``: no window
+    or softcap (which impl=None never sends to a Hopper kernel; an explicit impl="wgmma" runs the
+    persistent variant for them, v3 has neither)."""
     _checks.check_bool(_FN, "causal", causal)
     _checks.check_bool(_FN, "return_lse", return_lse)
     if impl is not None:
@@ -251,9 +258,14 @@ def _check_args(q, k, v, causal, scale, mask, key_lengths, impl, return_lse, out
     scale = (1.0 / math.sqrt(d) if d else 1.0) if scale is None else _checks.check_real(_FN, "scale", scale)
     mshape = _check_mask(mask, (b, hq, sq, sk)) if mask is not None else None
     kl = _check_key_lengths(key_lengths, b, sk) if key_lengths is not None else None
-    if auto and _sm90.auto_takes(q, k, v):  # where measured faster (config.ATTN_AUTO_WGMMA)
+    if auto and plain and _sm90.auto_takes(q, k, v):  # where measured faster (config.ATTN_AUTO_WGMMA)
         impl = "wgmma"
-    if impl == "wgmma":
+    if impl == "wgmma" and (not plain or C.ATTN_WGMMA_PERSISTENT):
+        _sm90p.check_dense(_FN, impl, q, k, v)
+        impl = "wgmma_persistent"
+    elif impl == "wgmma_persistent":
+        _sm90p.check_dense(_FN, impl, q, k, v)
+    elif impl == "wgmma":
         _sm90.check(q, k, v)
     if out is not None:
         check_out(_FN, out, (b, hq, sq, d), q.dtype)
@@ -287,7 +299,7 @@ def attention(q, k, v, causal=False, scale=None, mask=None, key_lengths=None, im
     key_lengths : int array [B], optional
         Keys ``j >= key_lengths[b]`` are hidden. Host values (list / NumPy) are checked to lie in
         [0, Sk]; a CuPy array is used as is (not read back: the flash kernel clamps it to [0, Sk]).
-    impl : {None, "flash", "flash_mma", "naive", "wgmma"}
+    impl : {None, "flash", "flash_mma", "naive", "wgmma", "wgmma_persistent"}
         None (default): the fastest correct kernel for the dtype on this GPU,
         ``default_impl(q.dtype, D)`` (``DEFAULT_IMPL[q.dtype]`` from sm_80 on; see README "GPUs").
         ``"flash"``: one fused FlashAttention-2 kernel launch (SIMT, fp32 FMA); S is
@@ -308,7 +320,11 @@ def attention(q, k, v, causal=False, scale=None, mask=None, key_lengths=None, im
         pairs of config.ATTN_AUTO_WGMMA, measured faster on an H100): TMA + wgmma,
         warp-specialised (cupyattn/flash_attn_sm90.py); float16/bfloat16, D of 64, 128 or 256,
         q/k/v that TMA can read (16-byte-aligned base and strides, else a ValueError naming the
-        tensor); masks as ``flash_mma`` takes them.
+        tensor); masks as ``flash_mma`` takes them. With ``window`` or ``softcap`` it runs the
+        persistent variant below (v3 implements neither).
+        ``"wgmma_persistent"``: the same kernel's persistent variant (one block per SM, tiles
+        longest first in L2-sized head sections; every option above, window and softcap
+        included); same inputs. Opt-in: **not yet run on a GPU**.
     return_lse : bool
         Also return the row log-sum-exp of the scaled, masked scores.
     out : cupy.ndarray [B, Hq, Sq, D], optional
@@ -337,8 +353,10 @@ def attention(q, k, v, causal=False, scale=None, mask=None, key_lengths=None, im
     >>> o = attention(q, kv, kv, causal=True)                        # [2, 8, 1000, 64] float16
     >>> o, lse = attention(q, kv, kv, key_lengths=[1000, 17], return_lse=True)
     """
-    impl, scale, mshape, kl = _check_args(q, k, v, causal, scale, mask, key_lengths, impl, return_lse, out)
+    _checks.check_bool(_FN, "causal", causal)
     win, cap = check_window_softcap(_FN, window, softcap, causal)
+    impl, scale, mshape, kl = _check_args(q, k, v, causal, scale, mask, key_lengths, impl, return_lse, out,
+                                          plain=window is None and cap == 0)
     sv = Serving(window=win, softcap=cap) if window is not None or cap > 0 else None
     if sv is not None and impl == "naive":
         raise ValueError(f"{_FN}(): window and softcap need a fused impl ('flash' or 'flash_mma'), "
@@ -364,6 +382,8 @@ def attention(q, k, v, causal=False, scale=None, mask=None, key_lengths=None, im
         _naive(q, k, v, causal, scale, mask, mshape, kl, out, lse)
     elif impl == "wgmma":
         _sm90.run(q, k, v, causal, scale, kl, out, lse, mask, mshape)
+    elif impl == "wgmma_persistent":
+        _sm90p.run_dense(q, k, v, causal, scale, kl, out, lse, mask, mshape, win, cap)
     else:
         _flash(impl, q, k, v, causal, scale, mask, mshape, kl, out, lse, sv)
     return (out, lse) if return_lse else out

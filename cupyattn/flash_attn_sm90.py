@@ -12,6 +12,9 @@ It passed the GPU tier and the sanitizers on an H100 (2026-11-26), and ``impl=No
 sm_90 for the (dtype, head dim) pairs measured faster than ``flash_mma`` there
 (``config.ATTN_AUTO_WGMMA``: fp16 D = 64, 128, 256, bf16 D = 128) wherever it can launch
 (:func:`auto_takes`), tinylm's prefill included; other pairs keep ``flash_mma`` until timed.
+``window`` and ``softcap`` are not implemented here: attention(impl="wgmma") runs the persistent
+variant for them (:mod:`cupyattn.flash_attn_sm90_persistent`), and impl=None never sends them to
+either Hopper kernel.
 :mod:`cupyattn.flash_attn` calls :func:`check` from its argument checks and :func:`run` to launch.
 """
 from __future__ import annotations

@@ -20,12 +20,14 @@ import cupy
 import numpy as np
 
 from . import _checks
+from . import config as C
+from . import flash_attn_sm90_persistent as _sm90p
 from ._checks import check_array, check_out
 from .config import DECODE_MAX_SPLITS, PAGED_MAX_PAGE_SIZE
 from .decode import _auto_splits, _check_args, _check_workspace, _launch, serving_plan
 from .flash_attn import Serving, _flash, check_window_softcap
 from .kvcache import KVCache
-from .varlen import check_grid, check_max_seqlen, check_offsets, check_packed, elem_strides
+from .varlen import WGMMA_IMPLS, check_grid, check_max_seqlen, check_offsets, check_packed, elem_strides
 
 MAX_PAGE_SIZE = PAGED_MAX_PAGE_SIZE
 
@@ -148,7 +150,11 @@ def attention_paged(q, k_pages, v_pages, block_table, seq_lens, cu_seqlens_q=Non
         by ``cu_seqlens_q`` (int32 [B + 1], as attention_varlen) with ``max_seqlen_q``.
     k_pages, v_pages, block_table, seq_lens : as :func:`decode_attention_paged`.
     causal, scale, window, softcap, return_lse, impl : as :func:`cupyattn.attention_varlen`
-        (lse is [B, Hq, Sq] for 4-D q, [Hq, total_q] for packed q).
+        (lse is [B, Hq, Sq] for 4-D q, [Hq, total_q] for packed q). impl="wgmma" /
+        "wgmma_persistent" (the persistent Hopper kernel) reads each key tile's pages by TMA, one
+        copy per page of the tile, the tile's page ids read once by its loader warp; it needs
+        page_size >= 8 (``config.ATTN_WGMMA_MIN_PAGE``: smaller pages would take a copy per 1-4
+        rows) and C-contiguous pages; flash_mma takes any page size.
     out : cupy.ndarray shaped like q, optional
 
     **Not yet run on a GPU.**
@@ -168,8 +174,16 @@ def attention_paged(q, k_pages, v_pages, block_table, seq_lens, cu_seqlens_q=Non
             raise ValueError(f"{fn}(): cu_seqlens_q must have B + 1 >= 1 entries")
     if q3.ndim == 4:  # the checks take [*, Hq, D]
         q3 = q[:, :, 0] if sq else cupy.empty((b, hq, d), dtype=q.dtype)
+    auto = impl is None
     impl, hq, hkv, d, ps, host, lens = _check_pages(fn, q3, k_pages, v_pages, block_table, seq_lens, impl, b)
     check_grid(fn, b, hq)
+    if auto and ps >= C.ATTN_WGMMA_MIN_PAGE and q.size and _sm90p.auto_takes(
+            q, lambda: _sm90p.paged_ops(q, k_pages, v_pages)):
+        impl = "wgmma"
+    if impl in WGMMA_IMPLS:
+        _sm90p.check_pages(fn, impl, ps)
+        if q.size:
+            _sm90p.check_operands(fn, impl, _sm90p.paged_ops(q, k_pages, v_pages), q.dtype)
     if cu_seqlens_q is None:
         shape, out_shape, lse_shape, sq_arg = (b, hq, sq, hkv, sq, 0), (b, hq, sq, d), (b, hq, sq), sq
         cu_q, qs = None, elem_strides(q)[:3]
@@ -192,6 +206,10 @@ def attention_paged(q, k_pages, v_pages, block_table, seq_lens, cu_seqlens_q=Non
     out = cupy.empty(out_shape, dtype=q.dtype) if out is None else out
     lse = cupy.empty(lse_shape, dtype=cupy.float32) if return_lse else None
     if out.size == 0 or sq == 0:
+        return (out, lse) if return_lse else out
+    if impl in WGMMA_IMPLS:
+        longest = int(host.max()) if host is not None and len(host) else block_table.shape[1] * ps
+        _sm90p.run_paged(q, k_pages, v_pages, block_table, lens, cu_q, b, longest, scale, win, cap, out, lse)
         return (out, lse) if return_lse else out
     ks = [0, elem_strides(k_pages)[2], elem_strides(k_pages)[1]]  # head, token (row) strides
     sv = Serving(cu_q=cu_q, cu_k=lens, block_table=block_table, log2_page=ps.bit_length() - 1,

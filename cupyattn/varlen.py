@@ -15,11 +15,16 @@ import cupy
 import numpy as np
 
 from . import _checks
+from . import flash_attn_sm90_persistent as _sm90p
 from ._checks import check_array, check_choice, check_last_contiguous, check_out, check_same_dtype
 from .config import HEAD_DIMS, MAX_GRID_YZ, MMA_DTYPES
 from .flash_attn import Serving, _flash, check_flash_mma_device, check_window_softcap, default_impl
 
 FUSED_IMPLS = ("flash", "flash_mma")
+# Hopper: both names run the persistent wgmma kernel (the one with packed and paged addressing);
+# opt-in, not yet run on a GPU (impl=None takes it only where config.ATTN_AUTO_WGMMA_SERVING says)
+WGMMA_IMPLS = ("wgmma", "wgmma_persistent")
+IMPLS = FUSED_IMPLS + WGMMA_IMPLS
 
 
 def check_offsets(fn: str, name: str, x, n: int, total: int | None):
@@ -59,7 +64,7 @@ def check_packed(fn, q, k, v, impl, kn="k", vn="v"):
     """q [total_q, Hq, D], k/v [*, Hkv, D] (3-D, or pages [N, P, Hkv, D], named ``kn``, ``vn``
     in errors): -> impl, Hq, Hkv, D."""
     if impl is not None:
-        check_choice(fn, "impl", impl, FUSED_IMPLS)
+        check_choice(fn, "impl", impl, IMPLS)
     check_array(fn, "q", q, ndim=3)
     check_array(fn, kn, k, min_ndim=3)
     check_array(fn, vn, v, min_ndim=3)
@@ -80,6 +85,8 @@ def check_packed(fn, q, k, v, impl, kn="k", vn="v"):
         raise TypeError(f"{fn}(): impl='flash_mma' needs float16 or bfloat16 inputs, got float32 (use impl='flash')")
     if impl == "flash_mma":
         check_flash_mma_device(fn, q.dtype, d)
+    if impl in WGMMA_IMPLS:
+        _sm90p.check(fn, impl, q, d)
     for name, x in (("q", q), (kn, k), (vn, v)):
         check_last_contiguous(fn, name, x)
         for n in x.shape:
@@ -134,8 +141,12 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         Also return the log-sum-exp, float32 ``[Hq, total_q]`` (flash-attention's layout).
     out : cupy.ndarray [total_q, Hq, D], optional
         C-contiguous, q's dtype, not overlapping the inputs.
-    impl : {None, "flash", "flash_mma"}
-        As attention(): None is tensor cores for fp16/bf16, SIMT for float32.
+    impl : {None, "flash", "flash_mma", "wgmma", "wgmma_persistent"}
+        As attention(): None is tensor cores for fp16/bf16 (flash_mma), SIMT for float32.
+        "wgmma" and "wgmma_persistent" (sm_90, fp16/bf16, D of 64, 128 or 256, q, k, v that TMA
+        can read) both run the persistent Hopper kernel (cupyattn/flash_attn_sm90_persistent.py:
+        per-sequence tile bounds, causal and window tiles skipped per sequence). **Not yet run
+        on a GPU.**
 
     Rows that see no key (an empty key sequence, a window that hides every key) are zeros with
     lse -inf, as in attention(). **Not yet run on a GPU** (CPU emulator only).
@@ -150,15 +161,20 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     fn = "attention_varlen"
     _checks.check_bool(fn, "causal", causal)
     _checks.check_bool(fn, "return_lse", return_lse)
+    auto = impl is None
     impl, hq, hkv, d = check_packed(fn, q, k, v, impl)
     if k.ndim != 3:
         raise ValueError(f"{fn}(): k must be [total_k, Hkv, D], got shape {tuple(k.shape)}")
+    if auto and _sm90p.auto_takes(q, lambda: _sm90p.varlen_ops(q, k, v)):
+        impl = "wgmma"
+    if impl in WGMMA_IMPLS:
+        _sm90p.check_operands(fn, impl, _sm90p.varlen_ops(q, k, v), q.dtype)
     tq, tk = q.shape[0], k.shape[0]
     b = _checks.check_int(fn, "len(cu_seqlens_q) - 1", len(cu_seqlens_q) - 1, 0)
     cu_q, hcq = check_offsets(fn, "cu_seqlens_q", cu_seqlens_q, b + 1, tq)
     cu_k, hck = check_offsets(fn, "cu_seqlens_k", cu_seqlens_k, b + 1, tk)
     max_q = check_max_seqlen(fn, "max_seqlen_q", max_seqlen_q, hcq)
-    check_max_seqlen(fn, "max_seqlen_k", max_seqlen_k, hck)
+    max_k = check_max_seqlen(fn, "max_seqlen_k", max_seqlen_k, hck)
     check_grid(fn, b, hq)
     win, cap = check_window_softcap(fn, window, softcap, causal)
     scale = 1.0 / math.sqrt(d) if scale is None else _checks.check_real(fn, "scale", scale)
@@ -174,6 +190,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         out.fill(0)
         if lse is not None:
             lse.fill(-np.inf)
+        return (out, lse) if return_lse else out
+    if impl in WGMMA_IMPLS:
+        _sm90p.run_varlen(q, k, v, cu_q, cu_k, b, max_k, scale, win, cap, out, lse)
         return (out, lse) if return_lse else out
     qs, ks, vs = ([0, st[1], st[0]] for st in map(elem_strides, (q, k, v)))
     sv = Serving(cu_q=cu_q, cu_k=cu_k, window=win, softcap=cap)

@@ -1,0 +1,620 @@
+// flash_attn_sm90_persistent.cu: v4, the persistent Hopper attention kernel (sm_90a only). The same
+// FlashAttention-2 algorithm and warp-specialised wgmma pipeline as v3 (flash_attn_sm90.cu, whose
+// header explains the layouts and descriptors; the consumer's wgmma steps are shared through
+// flash_attn_sm90.cuh), with what v3 lacks:
+//   - grid = the SMs; a tile scheduler (Fa3Sched) hands each block tile after tile. Order: one
+//     sequence after another; within it, query heads in sections of `heads_per_section` (whose K/V
+//     fit in L2 together, config.attn_wgmma_heads_per_section); within a section, query-tile ranks
+//     across its heads, heaviest rank first when a right bound (causal) makes tiles unequal.
+//     Static: block i takes tiles i, i + grid, ...; dynamic (`counter`): the scheduler warp claims
+//     the next tile with one relaxed atomic add while the consumers still compute this one.
+//   - packed sequences (cu_q / cu_k, attention_varlen's layout) and paged keys (a block table over
+//     pages [num_pages, page_size, Hkv, D], attention_paged), beside the dense [B, H, S, D] layout;
+//   - window=(left, right) (tiles outside it never loaded) and softcap (the cap on the fp32
+//     scores, before any mask: paged.cuh soft_cap, as flash_attn.cu's serving variants);
+//   - diagonal-only masking: each tile's key tiles fall in three runs, [0, j_left) and
+//     [j_right, n_tiles) masked (window's left edge; diagonal, window's right edge, key end) and
+//     the bulk between them in a loop of its own with no masking at all.
+// impl="wgmma_persistent" (and impl="wgmma" with window / softcap, attention_varlen and
+// attention_paged with impl="wgmma"); not yet run on a GPU (cupyattn/flash_attn_sm90_persistent.py).
+//
+// Tensor maps (cupyattn/flash_attn_sm90_persistent.py builds them): 4-D, innermost first, every
+// box 64 elements wide (one 128-byte swizzle row), coordinates {64 c, row, head, outer}:
+//   q dense [B, Hq, Sq, D]: {D, Sq, Hq, B}, row = m0, outer = b; packed [total_q, Hq, D]:
+//     {D, total_q, Hq, 1}, row = q0 + m0 (q0 = cu_q[b]), outer = 0. Box rows 128.
+//   k, v dense {D, Sk, Hkv, B}, row = n0, outer = b; packed [total_k, Hkv, D] {D, total_k, Hkv, 1},
+//     row = k0 + n0; paged [num_pages, P, Hkv, D] {D, P, Hkv, num_pages}, row = key % P, outer =
+//     its page id. Box rows BLOCK_N, or P when a page holds fewer (P >= 8: each box is whole 1 KB
+//     swizzle atoms): BLOCK_N / P copies per box column, lane l of the loader warp issues the
+//     copy of the tile's page l, whose id it read from the block table itself (one coalesced load
+//     of the tile's page ids per warp and key tile, none per row; FlashInfer stages them in shared
+//     memory for its many loader threads, here the one warp keeps them in registers).
+// TMA reads whatever lies in a box: rows past a packed sequence belong to the next one, rows past
+// a paged sequence to some page. Keys past the sequence's end get S = -inf in the masked run; V
+// rows past it are zeroed in shared memory by the loader before P V reads them (as v3 does for
+// key_lengths), wherever they are not TMA's zero fill. Query rows past a sequence are computed and
+// never stored.
+//
+// Warps: the producer warpgroup (setmaxnreg REG_P) runs the loader (warp 0: every TMA copy) and
+// the scheduler (warp 1: tile order, counter); warps 2-3 leave at once. Two consumer warpgroups
+// (REG_C) compute 64 query rows each, as in v3.
+// Shared memory: v3's (Q, STAGES K and V slots; config.AttnWgmmaTile.smem_bytes), plus static
+// barriers and two work slots. The rings, with their owners:
+//   work  2 slots of Fa3Work   the scheduler warp writes one, arrives on full; the loader warp and
+//                              the consumers read it in place (the registers are the pipeline's):
+//                              the loader's lane 0 arrives on empty once the tile's copies are
+//                              issued, every consumer thread once the tile is stored (count 257)
+//   q     1 slot (Q_i)         loader: expect_tx + TMA; the consumers' leaders release it once
+//                              the tile's last S = Q K^T has retired (count 2)
+//   k, v  STAGES slots each    as v3; the rings run on across tiles (stage and phase carry over)
+//   tail  1 barrier            a V slot whose rows past the keys must be zeroed lands here first
+// Counter (dynamic schedule): unsigned[1] in global memory, 0 at launch. Exactly `total` adds are
+// made in a launch (every block that had a first tile makes one per tile it computed, the last of
+// them claiming past the end), so the add that returns total - 1 is the last one of the launch:
+// that block subtracts `total` again, and the counter is 0 for the next launch (no memset).
+#include "common.cuh"
+#include "paged.cuh"
+#include "flash_attn_sm90.cuh"
+
+// --- the work of one tile, as the scheduler publishes it ----------------------------------------
+struct Fa3Work {
+    int b, h;              // sequence and query head; b < 0: no more work
+    int m0;                // first query row of the tile, in its sequence
+    int q0, k0;            // packed rows of the sequence's query 0 / key 0 (cu_q / cu_k), or 0
+    int sq, sk;            // the sequence's queries and keys (diag = sk - sq: bottom-right)
+    int k_end;             // keys from here on are hidden (key_lengths / seq_lens; <= sk)
+    int n_lo, n_tiles;     // key tiles n_lo + j BLOCK_N, j < n_tiles, are seen by some row
+    int j_left, j_right;   // key tiles [0, j_left) and [j_right, n_tiles) need masking
+    int v_zero_from;       // V rows from here on hold data of others: zeroed (INT_MAX: none)
+};
+
+// What every part of the kernel reads from the arguments.
+struct Fa3Args {
+    const int* kv_lens;    // dense: key_lengths [B] or null; paged: seq_lens [B]
+    const int* cu_q;       // [B + 1] packed query offsets or null
+    const int* cu_k;       // [B + 1] packed key offsets or null
+    const int* table;      // [B, bt_stride] page ids or null
+    int bt_stride, log2_page, num_pages;
+    int B, Hq, Hkv, Sq, Sk, heads_per_section;
+    int win_left, win_right;   // -1: unbounded; causal is right = 0
+    bool all_masked;       // a mask tensor, a negative scale or a softcap: every key tile masked
+};
+
+__device__ __forceinline__ int fa3p_ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+// Query tiles of sequence b (packed: from cu_q; dense: every sequence has Sq rows).
+__device__ __forceinline__ int fa3p_m_tiles(const Fa3Args& a, int b) {
+    const int sq = a.cu_q ? a.cu_q[b + 1] - a.cu_q[b] : a.Sq;
+    return sq > 0 ? fa3p_ceil_div(sq, FA3_BLOCK_M) : 0;
+}
+
+__device__ __forceinline__ int fa3p_warp_max(int v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// --- tile scheduler (FlashAttention-3's hopper/tile_scheduler.hpp, in this kernel's terms) --------
+// Run by the scheduler warp (all 32 lanes, uniformly). get_initial_work / get_next_work give tile
+// indices; work(t) turns one into a Fa3Work. Packed queries: the sequence of tile t is found by a
+// warp scan over 32 sequences at a time, resumed from where the last search stopped (a block's
+// tiles come in increasing order).
+struct Fa3Sched {
+    unsigned* counter;     // dynamic: claim by atomic add; null: static stride
+    int total;             // tiles of the launch
+    int seq0, base;        // packed: first sequence of the scan window, tiles before it
+
+    __device__ int get_initial_work() const { return blockIdx.x; }
+    __device__ int get_next_work(int t) {
+        if (counter == nullptr) return t + gridDim.x;
+        unsigned old = 0;
+        if (threadIdx.x % 32 == 0) {
+            old = atomic_add_relaxed(counter, 1u);
+            if (old == (unsigned)total - 1u) atomic_add_relaxed(counter, 0u - (unsigned)total);  // the launch's last add
+        }
+        return (int)__shfl_sync(0xffffffffu, old, 0) + (int)gridDim.x;
+    }
+
+    // Tiles of the launch: dense B * Hq * m_tiles; packed, summed over the sequences by the warp.
+    __device__ void init(const Fa3Args& a, unsigned* ctr) {
+        counter = ctr;
+        seq0 = base = 0;
+        if (a.cu_q == nullptr) {
+            total = a.B * a.Hq * fa3p_m_tiles(a, 0);
+            return;
+        }
+        int sum = 0;
+        for (int b = threadIdx.x % 32; b < a.B; b += 32) sum += a.Hq * fa3p_m_tiles(a, b);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+        total = sum;
+    }
+
+    // Sequence of tile t (< total) and the tile's rank inside it.
+    __device__ void find(const Fa3Args& a, int t, int& b, int& r) {
+        if (a.cu_q == nullptr) {
+            const int per = a.Hq * fa3p_m_tiles(a, 0);
+            b = t / per;
+            r = t - b * per;
+            return;
+        }
+        const int lane = threadIdx.x % 32;
+        for (;;) {
+            const int sb = seq0 + lane;
+            const int n = sb < a.B ? a.Hq * fa3p_m_tiles(a, sb) : 0;
+            int incl = n;                                  // inclusive prefix over the window
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const int y = __shfl_up_sync(0xffffffffu, incl, o);
+                if (lane >= o) incl += y;
+            }
+            const int window = __shfl_sync(0xffffffffu, incl, 31);
+            if (t < base + window) {                       // in this window: the lane whose range holds t
+                const int hit = fa3p_warp_max(t >= base + incl - n && t < base + incl ? lane : -1);
+                b = seq0 + hit;
+                r = t - base - (__shfl_sync(0xffffffffu, incl - n, hit));
+                return;
+            }
+            base += window;                                // t < total: a later window holds it
+            seq0 += 32;
+        }
+    }
+
+    template <int BLOCK_N>
+    __device__ Fa3Work work(const Fa3Args& a, int t);
+};
+
+// Tile t -> its sequence, head, query tile and key range. All arithmetic on positions that a
+// window can push past int32 is done in 64 bits (scheduler warp only).
+template <int BLOCK_N>
+__device__ Fa3Work Fa3Sched::work(const Fa3Args& a, int t) {
+    Fa3Work w;
+    if (t >= total) {
+        w.b = -1;
+        return w;
+    }
+    int b, r;
+    find(a, t, b, r);
+    w.b = b;
+    // the sequence
+    w.q0 = a.cu_q ? a.cu_q[b] : 0;
+    w.sq = a.cu_q ? a.cu_q[b + 1] - w.q0 : a.Sq;
+    w.k0 = 0;
+    if (a.cu_k) {
+        w.k0 = a.cu_k[b];
+        w.sk = a.cu_k[b + 1] - w.k0;
+    } else if (a.table) {
+        w.sk = min(max(a.kv_lens[b], 0), a.bt_stride << a.log2_page);  // never past the table's row
+    } else {
+        w.sk = a.Sk;
+    }
+    w.k_end = a.table == nullptr && a.kv_lens ? min(w.sk, max(a.kv_lens[b], 0)) : w.sk;
+    // head and query tile: sections of heads, ranks across a section's heads, heaviest first
+    const int nm = fa3p_ceil_div(w.sq, FA3_BLOCK_M), sec = a.heads_per_section;
+    const int s = r / (sec * nm), h0 = s * sec, len = min(sec, a.Hq - h0);
+    const int in_sec = r - s * sec * nm, rank = in_sec / len;
+    w.h = h0 + in_sec % len;
+    w.m0 = (a.win_right >= 0 ? nm - 1 - rank : rank) * FA3_BLOCK_M;
+    // keys: row i sees [i + diag - left, i + diag + right] within [0, k_end)
+    const long long diag = (long long)w.sk - w.sq, first = w.m0 + diag, last = min(w.m0 + FA3_BLOCK_M, w.sq) - 1 + diag;
+    const long long hi = a.win_right < 0 ? w.k_end : min((long long)w.k_end, last + a.win_right + 1);
+    const long long lo = a.win_left < 0 ? 0 : max(first - a.win_left, 0ll) / BLOCK_N * BLOCK_N;
+    w.n_lo = (int)min(lo, max(hi, 0ll));
+    w.n_tiles = hi > w.n_lo ? fa3p_ceil_div((int)hi - w.n_lo, BLOCK_N) : 0;
+    if (a.all_masked) {
+        w.j_left = w.j_right = w.n_tiles;
+    } else {
+        // left: tiles starting below the last row's first key; right: tiles past the first row's
+        // last key or the key end
+        const long long lo_last = a.win_left < 0 ? 0 : last - a.win_left;
+        w.j_left = (int)min(max((lo_last - w.n_lo + BLOCK_N - 1) / BLOCK_N, 0ll), (long long)w.n_tiles);
+        const long long hi_first = a.win_right < 0 ? w.k_end : first + a.win_right + 1;
+        const long long free_end = min(hi_first, (long long)w.k_end) - BLOCK_N;  // last start needing no mask
+        const long long c = free_end < w.n_lo ? 0 : (free_end - w.n_lo) / BLOCK_N + 1;
+        w.j_right = (int)max((long long)w.j_left, min(c, (long long)w.n_tiles));
+    }
+    // V rows past k_end that TMA does not zero-fill (map extent: Sk dense, total_k packed)
+    const bool zero_fill = a.table == nullptr && (a.cu_k ? w.k0 + w.k_end >= a.Sk : w.k_end >= a.Sk);
+    w.v_zero_from = zero_fill ? 0x7fffffff : w.k_end;
+    return w;
+}
+
+// --- scheduler: warp 1 of the producer warpgroup --------------------------------------------------
+// Publishes tile after tile in the work ring. A slot is free once the consumers have stored the
+// tile two back; only then is the next tile claimed, so a block holds the tile it computes and
+// the one it loads next (the loader prefetches it while the consumers finish this one), never
+// more: the counter's tiles go, longest first, to whichever block frees a slot first.
+template <int BLOCK_N>
+__device__ __forceinline__ void fa3p_schedule(StageRing<2>& wring, Fa3Work* slots, const Fa3Args& a, unsigned* counter) {
+    Fa3Sched sched;
+    sched.init(a, counter);
+    int t = sched.get_initial_work();
+    for (bool first = true;; first = false) {
+        wring.acquire();                                  // the loader and both consumer warpgroups are done with it
+        if (!first) t = sched.get_next_work(t);
+        const Fa3Work w = sched.work<BLOCK_N>(a, t);
+        if (threadIdx.x % 32 == 0) {
+            slots[wring.stage] = w;
+            mbar_arrive(wring.full_bar());                // release: the stores above come with it
+        }
+        wring.advance();
+        if (w.b < 0) return;
+    }
+}
+
+// --- loader: warp 0 of the producer warpgroup -----------------------------------------------------
+// Per tile of the work ring: Q_i (once the consumers released the last one), then K_j and V_j in
+// key order. Lane 0 issues every copy, except paged tiles over pages shorter than BLOCK_N: lane l
+// issues page l's. A V slot holding rows past the keys is loaded against `tail_bar` and zeroed
+// there first (v3's scheme; its phase flips on each use).
+template <int D, int BLOCK_N, int STAGES>
+__device__ __forceinline__ void fa3p_load(const TmaMap* map_q, const TmaMap* map_k, const TmaMap* map_v,
+                                          unsigned char* smem, StageRing<STAGES>& kring, StageRing<STAGES>& vring,
+                                          StageRing<1>& qring, StageRing<2>& wring, const Fa3Work* slots,
+                                          unsigned long long* tail_bar, const int* table, int bt_stride, int log2_page,
+                                          int num_pages, int Hq, int Hkv, bool packed_q, bool packed_k) {
+    using L = Fa3Smem<D, BLOCK_N>;
+    const int lane = threadIdx.x % 32;
+    const bool paged = table != nullptr;
+    const int rows = paged ? min(BLOCK_N, 1 << log2_page) : BLOCK_N;  // per copy (the maps' box)
+    const int copies = BLOCK_N / rows;
+    unsigned tail_phase = 0;
+    for (;;) {
+        wring.wait();
+        const Fa3Work& w = slots[wring.stage];            // read in place, where used (few registers here)
+        if (w.b < 0) return;
+        const int hk = w.h / (Hq / Hkv);                  // GQA: K/V never repeated
+        if (w.n_tiles > 0) {
+            if (lane == 0) {                              // Q_i, once the last tile's S are done with its slot
+                qring.acquire();
+                qring.commit(L::Q_BYTES);
+#pragma unroll
+                for (int c = 0; c < L::BOXES; ++c)
+                    tma_load<4>(smem + c * L::Q_BOX, map_q, qring.full_bar(),
+                                {64 * c, w.q0 + w.m0, w.h, packed_q ? 0 : w.b});
+            }
+            qring.advance();
+        }
+        for (int j = 0; j < w.n_tiles; ++j) {
+            const int n0 = w.n_lo + j * BLOCK_N;
+            // this lane's copy: rows n0 + lane * rows .. (+ rows); its page id (a page past the
+            // sequence's keys is never looked up: page 0 stands in, its rows are hidden)
+            const int key = n0 + lane * rows;
+            int row = w.k0 + key, outer = packed_k ? 0 : w.b;
+            if (paged && lane < copies) {
+                const int pg = key < w.sk ? table[(long long)w.b * bt_stride + (key >> log2_page)] : 0;
+                outer = min(max(pg, 0), num_pages - 1);
+                row = key & ((1 << log2_page) - 1);
+            }
+            kring.acquire();                              // every lane that issues has seen the slot free
+            if (lane == 0) kring.commit(L::KV_BYTES);
+            __syncwarp();                                 // expect_tx before any copy completes
+            unsigned char* dk = smem + L::Q_BYTES + kring.stage * L::KV_BYTES + lane * rows * 128;
+            if (lane < copies) {
+#pragma unroll
+                for (int c = 0; c < L::BOXES; ++c)
+                    tma_load<4>(dk + c * L::KV_BOX, map_k, kring.full_bar(), {64 * c, row, hk, outer});
+            }
+            kring.advance();
+            unsigned char* dv = smem + L::Q_BYTES + (STAGES + vring.stage) * L::KV_BYTES;
+            const bool tail = n0 + BLOCK_N > w.v_zero_from;
+            unsigned long long* bar = tail ? tail_bar : vring.full_bar();
+            vring.acquire();
+            if (lane == 0) mbar_arrive_expect_tx(bar, L::KV_BYTES);
+            __syncwarp();
+            if (lane < copies) {
+#pragma unroll
+                for (int c = 0; c < L::BOXES; ++c)
+                    tma_load<4>(dv + lane * rows * 128 + c * L::KV_BOX, map_v, bar, {64 * c, row, hk, outer});
+            }
+            if (tail) {                                   // zero V rows k_end - n0 .. of the slot, then publish it
+                mbar_wait(tail_bar, tail_phase);
+                tail_phase ^= 1u;
+                const int first = max(w.v_zero_from - n0, 0) * 8;  // 16-byte chunks per box before that row
+                uint4 zero;
+                zero.x = zero.y = zero.z = zero.w = 0u;
+#pragma unroll
+                for (int c = 0; c < L::BOXES; ++c) {
+                    uint4* box = reinterpret_cast<uint4*>(dv + c * L::KV_BOX);
+                    for (int i = first + lane; i < BLOCK_N * 8; i += 32) box[i] = zero;
+                }
+                fence_proxy_async_shared();               // generic stores -> visible to wgmma
+                __syncwarp();
+                if (lane == 0) mbar_arrive(vring.full_bar());
+            }
+            vring.advance();
+        }
+        __syncwarp();                                     // every lane is done with the slot
+        if (lane == 0) wring.release(wring.stage);
+        wring.advance();
+    }
+}
+
+// --- consumer: the softmax of one key tile, masked or not (window, softcap, mask tensor) -----------
+// What a masked key tile needs to know about its rows: local row i of the sequence sees keys
+// [lo(i), hi(i)) with lo(i) = i + diag - left, hi(i) = i + diag + right + 1, within [0, k_end).
+struct Fa3Vis {
+    int left, right;       // window; -1 unbounded
+    float softcap_log2;    // 0: off
+    const float* mask;     // additive [b, h, i, j] at b m_sb + h m_sh + i m_sq + j m_sk; or null
+    long long m_sb, m_sh, m_sq, m_sk;
+};
+
+// MASK = false: the bulk, every key visible to every row (fast path: the max of unscaled S, the
+// scale folded into the exp2 FMA; the host takes it only with scale >= 0). MASK = true: S scaled
+// to log2 units, capped (softcap), the mask tensor added, keys outside a row's range -inf. Then
+// the online softmax step of v3's fa3_softmax:
+//   m_i^(j) = max(m_i^(j-1), rowmax(S_ij)), P_ij = exp2(S_ij * mul - m_i^(j)),
+//   l_i^(j) = alpha l_i^(j-1) + rowsum(P_ij), alpha = exp(m_i^(j-1) - m_i^(j)).
+template <int BLOCK_N, bool MASK>
+__device__ __forceinline__ void fa3p_softmax(float (&s)[BLOCK_N / 2], float (&m)[2], float (&l)[2], float (&alpha)[2],
+                                             Fa3Row me, const Fa3Work& w, const Fa3Vis& v, int n0, float scale_log2) {
+    float mul = scale_log2;
+    if constexpr (MASK) {
+        mul = 1.0f;                                       // S in scaled log2 units from here
+        const int k_end = w.k_end, diag = w.sk - w.sq;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int i = me.row0 + 8 * r, pos = i + diag;  // pos: the row's diagonal key
+            const int lo = v.left < 0 || pos <= v.left ? 0 : pos - v.left;
+            const int hi = v.right < 0 || pos >= k_end - 1 - v.right ? k_end : pos + v.right + 1;
+            // a row's mask reads are constant offsets from one pointer (key stride 0 or 1)
+            const float* mrow = v.mask && i < w.sq ? v.mask + w.b * v.m_sb + w.h * v.m_sh + i * v.m_sq
+                                                         + (v.m_sk ? n0 + 2 * me.t : 0) : nullptr;
+#pragma unroll
+            for (int jj = 0; jj < BLOCK_N / 8; ++jj)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    float& x = s[4 * jj + 2 * r + e];
+                    const int j = n0 + 8 * jj + 2 * me.t + e;
+                    const bool seen = j >= lo && j < hi;
+                    float y = soft_cap(x * scale_log2, v.softcap_log2);
+                    if (mrow && seen) {                   // a -inf entry hides the key, even a NaN score
+                        const float add = mrow[v.m_sk ? 8 * jj + e : 0];
+                        y = add == -CUDART_INF_F ? -CUDART_INF_F : fmaf(add, LOG2E_F, y);
+                    }
+                    x = seen ? y : -CUDART_INF_F;
+                }
+        }
+    }
+    float mx[2] = {-CUDART_INF_F, -CUDART_INF_F};
+#pragma unroll
+    for (int i = 0; i < BLOCK_N / 2; ++i) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
+    float m_use[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {                         // mul >= 0: rowmax(S) * mul = max of the scaled row
+        const float m_new = fmaxf(m[r], quad_max(mx[r]) * mul);
+        m_use[r] = m_new == -CUDART_INF_F ? 0.0f : m_new;  // nothing seen yet: exp2 -> 0
+        alpha[r] = exp2f(m[r] - m_use[r]);
+        m[r] = m_new;
+        l[r] *= alpha[r];
+    }
+#pragma unroll
+    for (int i = 0; i < BLOCK_N / 2; ++i) {
+        s[i] = exp2f(fmaf(s[i], mul, -m_use[(i >> 1) & 1]));
+        l[(i >> 1) & 1] += s[i];
+    }
+}
+
+// --- consumer: the key loop of one warpgroup over one tile ---------------------------------------------
+// v3's schedule (fa3_consume: OVERLAP, PINGPONG), in three runs of key tiles: masked [0, j_left),
+// unmasked [j_left, j_right), masked [j_right, n_tiles); each run a loop of its own whose body is
+// straight-line (ptxas tracks wgmma accumulators path by path: C7514). With OVERLAP the first tile
+// is issued alone and always takes the masked softmax (correct for any tile). Q_i's slot is released
+// as soon as the tile's last S has retired, so the producer loads the next Q_i under the last P V.
+// Turns (PINGPONG) carry over from tile to tile: both warpgroups take the same number in each tile,
+// so warpgroup 1's last hand-off of a tile is warpgroup 0's first turn of the next.
+template <typename T, int D, int BLOCK_N, int STAGES, bool PINGPONG, bool MASK>
+__device__ __forceinline__ void fa3p_step_overlap(float (&s)[BLOCK_N / 2], float (&o)[D / 2],
+                                                  unsigned (&p)[BLOCK_N / 16][4], float (&m)[2], float (&l)[2],
+                                                  const unsigned char* sq, const unsigned char* sk, const unsigned char* sv,
+                                                  StageRing<STAGES>& kring, StageRing<STAGES>& vring, int cw, bool leader,
+                                                  Fa3Row me, const Fa3Work& w, const Fa3Vis& v, int n0, float scale_log2) {
+    using L = Fa3Smem<D, BLOCK_N>;
+    float alpha[2];
+    kring.wait();
+    fa3_turn_begin<PINGPONG>(cw);
+    fa3_issue_s<T, D, BLOCK_N>(s, sq, sk + kring.stage * L::KV_BYTES);
+    vring.wait();                                         // P_{j-1} V_{j-1} behind S_j
+    fa3_issue_pv<T, D, BLOCK_N>(o, p, sv + vring.stage * L::KV_BYTES);
+    fa3_turn_end<PINGPONG>(cw);
+    wgmma_wait_group<1>();                                // S_j has retired; P V may still run
+    wgmma_fence_acc(s);
+    if (leader) kring.release(kring.stage);               // K_j read
+    kring.advance();
+    fa3p_softmax<BLOCK_N, MASK>(s, m, l, alpha, me, w, v, n0, scale_log2);
+    fa3_retire_pv<D, BLOCK_N, STAGES>(o, p, vring, leader);  // P_{j-1} V_{j-1}, V_{j-1} read
+    fa3_rescale_and_pack<T, D, BLOCK_N>(o, alpha, s, p);
+}
+
+template <typename T, int D, int BLOCK_N, int STAGES, bool PINGPONG, bool MASK>
+__device__ __forceinline__ void fa3p_step_plain(float (&s)[BLOCK_N / 2], float (&o)[D / 2],
+                                                unsigned (&p)[BLOCK_N / 16][4], float (&m)[2], float (&l)[2],
+                                                const unsigned char* sq, const unsigned char* sk, const unsigned char* sv,
+                                                StageRing<STAGES>& kring, StageRing<STAGES>& vring, int cw, bool leader,
+                                                Fa3Row me, const Fa3Work& w, const Fa3Vis& v, int n0, float scale_log2) {
+    float alpha[2];
+    fa3_s_alone<T, D, BLOCK_N, STAGES, PINGPONG>(s, sq, sk, kring, cw, leader);  // S_ij = Q_i K_j^T
+    fa3p_softmax<BLOCK_N, MASK>(s, m, l, alpha, me, w, v, n0, scale_log2);
+    fa3_rescale_and_pack<T, D, BLOCK_N>(o, alpha, s, p);
+    fa3_pv_alone<T, D, BLOCK_N, STAGES, PINGPONG>(o, p, sv, vring, cw, leader);  // O_i += P_ij V_j
+}
+
+template <typename T, int D, int BLOCK_N, int STAGES, bool OVERLAP, bool PINGPONG>
+__device__ __forceinline__ void fa3p_consume(unsigned char* smem, StageRing<STAGES>& kring, StageRing<STAGES>& vring,
+                                             StageRing<1>& qring, const Fa3Work& w, const Fa3Vis& v, float scale_log2,
+                                             float (&o)[D / 2], float (&m)[2], float (&l)[2]) {
+    using L = Fa3Smem<D, BLOCK_N>;
+    const int cw = threadIdx.x / 128 - 1, wi = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
+    const Fa3Row me{w.m0 + 64 * cw + 16 * wi + lane / 4, lane % 4};
+    const bool leader = threadIdx.x % 128 == 0;
+    const unsigned char* sq = smem + 64 * cw * 128;
+    const unsigned char* sk = smem + L::Q_BYTES;
+    const unsigned char* sv = sk + STAGES * L::KV_BYTES;
+
+    // On chip: O_i = 0, l_i = 0 (this lane's part of the row sum), m_i = -inf (scaled log2 units).
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
+    m[0] = m[1] = -CUDART_INF_F;
+    l[0] = l[1] = 0.0f;
+    if (w.n_tiles == 0) return;
+    qring.wait();                                         // Q_i has landed
+
+    float s[BLOCK_N / 2];
+    unsigned p[BLOCK_N / 16][4];
+    int j = 0;
+    if constexpr (OVERLAP) {
+        float alpha[2];
+        fa3_s_alone<T, D, BLOCK_N, STAGES, PINGPONG>(s, sq, sk, kring, cw, leader);  // tile 0: S_0 alone
+        fa3p_softmax<BLOCK_N, true>(s, m, l, alpha, me, w, v, w.n_lo, scale_log2);
+        fa3_rescale_and_pack<T, D, BLOCK_N>(o, alpha, s, p);
+        for (j = 1; j < w.j_left; ++j)
+            fa3p_step_overlap<T, D, BLOCK_N, STAGES, PINGPONG, true>(s, o, p, m, l, sq, sk, sv, kring, vring, cw, leader,
+                                                                     me, w, v, w.n_lo + j * BLOCK_N, scale_log2);
+        for (; j < w.j_right; ++j)
+            fa3p_step_overlap<T, D, BLOCK_N, STAGES, PINGPONG, false>(s, o, p, m, l, sq, sk, sv, kring, vring, cw, leader,
+                                                                      me, w, v, w.n_lo + j * BLOCK_N, scale_log2);
+        for (; j < w.n_tiles; ++j)
+            fa3p_step_overlap<T, D, BLOCK_N, STAGES, PINGPONG, true>(s, o, p, m, l, sq, sk, sv, kring, vring, cw, leader,
+                                                                     me, w, v, w.n_lo + j * BLOCK_N, scale_log2);
+        if (leader) qring.release(qring.stage);           // every S of the tile has retired
+        qring.advance();
+        fa3_pv_alone<T, D, BLOCK_N, STAGES, PINGPONG>(o, p, sv, vring, cw, leader);  // the last tile's P V
+    } else {
+        for (; j < w.j_left; ++j)
+            fa3p_step_plain<T, D, BLOCK_N, STAGES, PINGPONG, true>(s, o, p, m, l, sq, sk, sv, kring, vring, cw, leader,
+                                                                   me, w, v, w.n_lo + j * BLOCK_N, scale_log2);
+        for (; j < w.j_right; ++j)
+            fa3p_step_plain<T, D, BLOCK_N, STAGES, PINGPONG, false>(s, o, p, m, l, sq, sk, sv, kring, vring, cw, leader,
+                                                                    me, w, v, w.n_lo + j * BLOCK_N, scale_log2);
+        for (; j < w.n_tiles; ++j)
+            fa3p_step_plain<T, D, BLOCK_N, STAGES, PINGPONG, true>(s, o, p, m, l, sq, sk, sv, kring, vring, cw, leader,
+                                                                   me, w, v, w.n_lo + j * BLOCK_N, scale_log2);
+        if (leader) qring.release(qring.stage);
+        qring.advance();
+    }
+}
+
+// --- epilogue: O_i / l_i rounded to T, straight to global memory; lse ---------------------------
+// Local row i of the tile's sequence goes to out row out0 + i * stride (rows of D elements; dense
+// [B, Hq, Sq, D]: out0 = (b Hq + h) Sq, stride 1; packed [total_q, Hq, D]: out0 = q0 Hq + h,
+// stride Hq) and lse[lse0 + i] (dense [B, Hq, Sq]: (b Hq + h) Sq; packed [Hq, total_q]: h total_q
+// + q0). L_i = m_i + log(l_i); no key seen: zeros and -inf (common.cuh row_scale / row_lse).
+template <typename T, int D, int R>
+__device__ __forceinline__ void fa3p_store_row(const float (&o)[D / 2], float m, float l, T* __restrict__ out,
+                                               float* __restrict__ lse, long long out0, int stride, long long lse0,
+                                               int i, int t, int sq, bool pair_store) {
+    const float lsum = quad_sum(l);
+    const float inv = row_scale(lsum);
+    if (i >= sq) return;
+    if (lse && t == 0) lse[lse0 + i] = row_lse(m, lsum);
+    T* orow = out + (out0 + (long long)i * stride) * D;
+#pragma unroll
+    for (int jj = 0; jj < D / 8; ++jj) {
+        const int col = 8 * jj + 2 * t;
+        const float v0 = o[4 * jj + 2 * R] * inv, v1 = o[4 * jj + 2 * R + 1] * inv;
+        if (pair_store) {
+            *reinterpret_cast<unsigned*>(orow + col) = pack2<T>(v0, v1);
+        } else {
+            orow[col] = from_float<T>(v0);
+            orow[col + 1] = from_float<T>(v1);
+        }
+    }
+}
+
+template <typename T, int D>
+__device__ __forceinline__ void fa3p_store(const float (&o)[D / 2], const float (&m)[2], const float (&l)[2],
+                                           T* __restrict__ out, float* __restrict__ lse, long long out0, int stride,
+                                           long long lse0, int m0, int sq, bool pair_store) {
+    const int cw = threadIdx.x / 128 - 1, wi = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
+    const int i = m0 + 64 * cw + 16 * wi + lane / 4;    // rows i (R = 0) and i + 8 (R = 1)
+    fa3p_store_row<T, D, 0>(o, m[0], l[0], out, lse, out0, stride, lse0, i, lane % 4, sq, pair_store);
+    fa3p_store_row<T, D, 1>(o, m[1], l[1], out, lse, out0, stride, lse0, i + 8, lane % 4, sq, pair_store);
+}
+
+// The dynamic shared memory, from its first 1 KB boundary (every 128 B-swizzled box on its pattern).
+__device__ __forceinline__ unsigned char* fa3p_align(uint4* raw) {
+    return reinterpret_cast<unsigned char*>(raw) + (1024 - smem_u32(raw) % 1024) % 1024;
+}
+
+// --- v4: the kernel --------------------------------------------------------------------------------
+// grid = (min(SMs, tiles)), block = 384 (warpgroup 0: producer, 1-2: consumers); dynamic shared
+// memory as v3 (config.AttnWgmmaTile.smem_bytes). Sq: dense rows per sequence, packed total_q (lse's
+// row length); Sk: dense keys, packed total_k (the maps' row extent), paged unused. flags bit 0:
+// out is 4-byte aligned (pairs of elements stored as one 32-bit word).
+template <typename T, int D, int BLOCK_N, int STAGES, bool OVERLAP, bool PINGPONG, int REG_P, int REG_C>
+__global__ void __launch_bounds__(FA3_THREADS, 1)
+flash_attn_wgmma_persistent(const __grid_constant__ TmaMap map_q,   // q, see the header
+                            const __grid_constant__ TmaMap map_k,   // k: dense, packed or pages
+                            const __grid_constant__ TmaMap map_v,   // v: as k
+                            T* __restrict__ out,                    // shaped as q, C-contiguous
+                            float* __restrict__ lse,                // [B, Hq, Sq] / [Hq, total_q] or null
+                            const int* __restrict__ kv_lens,        // key_lengths [B] / seq_lens [B] or null
+                            const float* __restrict__ mask,         // additive, dense only; or null
+                            long long m_sb, long long m_sh, long long m_sq, long long m_sk,
+                            const int* __restrict__ cu_q,           // [B + 1] or null
+                            const int* __restrict__ cu_k,           // [B + 1] or null
+                            const int* __restrict__ block_table,    // [B, bt_stride] or null
+                            int bt_stride, int log2_page, int num_pages,
+                            unsigned* __restrict__ counter,         // [1], 0 at launch; null: static
+                            int B, int Hq, int Hkv, int Sq, int Sk, int heads_per_section,
+                            int win_left, int win_right, float softcap_log2, float scale_log2, int flags) {
+    static_assert(D % 64 == 0 && D <= 256, "D: whole 128-byte boxes, at most 256 (wgmma N)");
+    static_assert(BLOCK_N % 16 == 0 && BLOCK_N <= 256, "BLOCK_N: whole k16 steps of P V, wgmma N <= 256");
+    static_assert(128 * REG_P + 128 * FA3_CONSUMERS * REG_C <= 65536, "register budget of one SM");
+    extern __shared__ uint4 smem_raw[];  // aligned below: an __align__(1024) would pad the static part
+    __shared__ unsigned long long kfull[STAGES], kempty[STAGES], vfull[STAGES], vempty[STAGES];
+    __shared__ unsigned long long qfull[1], qempty[1], wfull[2], wempty[2], tail_bar;
+    __shared__ Fa3Work slots[2];
+    StageRing<STAGES> kring(kfull, kempty), vring(vfull, vempty);
+    StageRing<1> qring(qfull, qempty);
+    StageRing<2> wring(wfull, wempty);
+    if (threadIdx.x == 0) {
+        kring.init(FA3_CONSUMERS);
+        vring.init(FA3_CONSUMERS);
+        qring.init(FA3_CONSUMERS);
+        wring.init(128 * FA3_CONSUMERS + 1);           // every consumer thread and the loader
+        mbar_init(&tail_bar, 1);
+        mbar_fence_init();
+    }
+    __syncthreads();
+
+    // Nothing computed before the role split stays live across it: a value in a register numbered
+    // past a role's setmaxnreg budget would have to be spilled there.
+    if (threadIdx.x < 128) {
+        setmaxnreg_dec<REG_P>();
+        if (threadIdx.x < 32) {
+            unsigned char* smem = fa3p_align(smem_raw);
+            fa3p_load<D, BLOCK_N, STAGES>(&map_q, &map_k, &map_v, smem, kring, vring, qring, wring, slots, &tail_bar,
+                                          block_table, bt_stride, log2_page, num_pages, Hq, Hkv, cu_q != nullptr,
+                                          cu_k != nullptr);
+        } else if (threadIdx.x < 64) {
+            const Fa3Args a{kv_lens, cu_q, cu_k, block_table, bt_stride, log2_page, num_pages, B, Hq, Hkv, Sq, Sk,
+                            heads_per_section, win_left, win_right,
+                            mask != nullptr || scale_log2 < 0.0f || softcap_log2 > 0.0f};
+            fa3p_schedule<BLOCK_N>(wring, slots, a, counter);
+        }
+        return;
+    }
+    setmaxnreg_inc<REG_C>();
+    unsigned char* smem = fa3p_align(smem_raw);
+    const int cw = threadIdx.x / 128 - 1;
+    if (PINGPONG && cw == 1) named_bar_arrive(1, 256);   // warpgroup 0 takes the first turn (of the launch)
+    const bool packed = cu_q != nullptr;
+    float o[D / 2], m[2], l[2];
+    for (;;) {
+        wring.wait();
+        // the work stays in its slot until the tile is stored, read where used: the consumers'
+        // registers are S, O and P's (none of it is held across the key loop)
+        const Fa3Work& w = slots[wring.stage];
+        if (w.b < 0) return;
+        fa3p_consume<T, D, BLOCK_N, STAGES, OVERLAP, PINGPONG>(smem, kring, vring, qring, w,
+                                                               {win_left, win_right, softcap_log2, mask, m_sb, m_sh,
+                                                                m_sq, m_sk}, scale_log2, o, m, l);
+        const long long bh = (long long)w.b * Hq + w.h;
+        fa3p_store<T, D>(o, m, l, out, lse, packed ? (long long)w.q0 * Hq + w.h : bh * Sq, packed ? Hq : 1,
+                         packed ? (long long)w.h * Sq + w.q0 : bh * Sq, w.m0, w.sq, (flags & 1) != 0);
+        wring.release(wring.stage);                       // every consumer thread: done with the slot
+        wring.advance();
+    }
+}
