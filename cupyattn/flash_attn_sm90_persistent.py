@@ -13,8 +13,10 @@ nothing takes it by default.
 
 Inputs as v3 takes them (float16 / bfloat16, D of 64, 128 or 256, what TMA can read: 16-byte
 aligned base and strides that are positive multiples of 16 bytes); pages of at least
-``config.ATTN_WGMMA_MIN_PAGE`` (8) tokens, a power of two, C-contiguous ``[num_pages, page_size,
-Hkv, D]`` (other layouts are refused here).
+``config.ATTN_WGMMA_MIN_PAGE`` (8) tokens, a power of two, handed over as ``[num_pages,
+page_size, Hkv, D]`` (attention_paged's layout). The tensor maps take the pages' own strides, so
+head-major pages (``[num_pages, Hkv, page_size, D]``, FlashInfer's "HND") work as that view of
+them, with no copy.
 
 The dynamic schedule's counter is one uint32 per (device, stream), allocated on the stream's
 first call and left at 0 by every launch (the kernel's last claim resets it): calls stay
@@ -102,7 +104,7 @@ def check(fn: str, impl: str, q, head_dim: int) -> None:
     if head_dim not in C.ATTN_WGMMA_PERSISTENT_TILES:
         raise ValueError(f"{fn}(): head_dim D={head_dim} is not supported by impl={impl!r}; supported: "
                          f"{', '.join(map(str, C.ATTN_WGMMA_PERSISTENT_TILES))} (impl='flash_mma' takes the others)")
-    _checks.require_impl(fn, "attention", IMPL, q.dtype)
+    _checks.require_impl(fn, "attention", impl, q.dtype)
 
 
 def check_operands(fn: str, impl: str, ops, dtype) -> None:
@@ -130,13 +132,25 @@ def check_pages(fn: str, impl: str, page_size: int) -> None:
 
 
 # --- launch --------------------------------------------------------------------------------------
+_DEVICE: dict = {}   # device id -> (SMs, L2 bytes): read once (Device.attributes reads them all)
+
+
+def _device() -> tuple[int, int]:
+    dev = cupy.cuda.Device()
+    got = _DEVICE.get(dev.id)
+    if got is None:
+        a = dev.attributes
+        got = _DEVICE[dev.id] = (int(a["MultiProcessorCount"]), int(a["L2CacheSize"]))
+    return got
+
+
 def _sm_count() -> int:
     """Streaming multiprocessors of the current device: the persistent grid's size."""
-    return int(cupy.cuda.Device().attributes["MultiProcessorCount"])
+    return _device()[0]
 
 
 def _l2_bytes() -> int:
-    return int(cupy.cuda.Device().attributes["L2CacheSize"])
+    return _device()[1]
 
 
 _COUNTERS: dict = {}

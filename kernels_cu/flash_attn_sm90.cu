@@ -128,11 +128,8 @@ __device__ __forceinline__ void fa3_produce(const TmaMap* map_q, const TmaMap* m
 // The softmax of one key tile, in place on S_ij (fp32, registers only: it may run while the
 // previous tile's P V is in flight). Masking first, only on tiles that need it (keys past k_end,
 // keys above the causal diagonal of the tile's first row, a mask tensor, or a negative scale: the
-// fast path takes the max of unscaled S); hidden keys get -inf, so P is exactly 0 there. Then
-//   m_i^(j) = max(m_i^(j-1), rowmax(S_ij))
-//   P_ij = exp2(S_ij * mul - m_i^(j))                  (the scale folded into one FMA)
-//   l_i^(j) = exp(m_i^(j-1) - m_i^(j)) l_i^(j-1) + rowsum(P_ij)
-// and alpha = exp(m_i^(j-1) - m_i^(j)), the factor O_i still has to be rescaled by.
+// fast path takes the max of unscaled S); hidden keys get -inf, so P is exactly 0 there. Then the
+// online softmax step (flash_attn_sm90.cuh fa3_online_softmax: m_i, P_ij, l_i and alpha).
 template <int BLOCK_N, bool CAUSAL>
 __device__ __forceinline__ void fa3_softmax(float (&s)[BLOCK_N / 2], float (&m)[2], float (&l)[2], float (&alpha)[2],
                                             Fa3Row me, Fa3Keys keys, Fa3Mask mask, int n0, int m0, int Sq, int diag,
@@ -161,23 +158,7 @@ __device__ __forceinline__ void fa3_softmax(float (&s)[BLOCK_N / 2], float (&m)[
                 }
         }
     }
-    float mx[2] = {-CUDART_INF_F, -CUDART_INF_F};
-#pragma unroll
-    for (int i = 0; i < BLOCK_N / 2; ++i) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
-    float m_use[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {                         // mul >= 0: rowmax(S) * mul = max of the scaled row
-        const float m_new = fmaxf(m[r], quad_max(mx[r]) * mul);
-        m_use[r] = m_new == -CUDART_INF_F ? 0.0f : m_new;  // nothing seen yet: exp2 -> 0
-        alpha[r] = exp2f(m[r] - m_use[r]);
-        m[r] = m_new;
-        l[r] *= alpha[r];
-    }
-#pragma unroll
-    for (int i = 0; i < BLOCK_N / 2; ++i) {
-        s[i] = exp2f(fmaf(s[i], mul, -m_use[(i >> 1) & 1]));
-        l[(i >> 1) & 1] += s[i];
-    }
+    fa3_online_softmax<BLOCK_N>(s, m, l, alpha, mul);
 }
 
 // --- consumer: the key loop of one warpgroup ------------------------------------------------------

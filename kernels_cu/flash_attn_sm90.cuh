@@ -51,6 +51,35 @@ __device__ __forceinline__ void fa3_issue_pv(float (&o)[D / 2], unsigned (&p)[BL
     wgmma_commit_group();
 }
 
+// The online softmax step of one key tile on S_ij (registers only), after its masking: with S in
+// units where S * mul are scaled log2 scores (mul >= 0: the fast path's unscaled S, mul = scale;
+// masked tiles are already scaled, mul = 1; hidden keys -inf),
+//   m_i^(j) = max(m_i^(j-1), rowmax(S_ij) * mul)
+//   P_ij = exp2(S_ij * mul - m_i^(j))                  (the scale folded into one FMA)
+//   l_i^(j) = exp(m_i^(j-1) - m_i^(j)) l_i^(j-1) + rowsum(P_ij)
+// and alpha = exp(m_i^(j-1) - m_i^(j)), the factor O_i still has to be rescaled by.
+template <int BLOCK_N>
+__device__ __forceinline__ void fa3_online_softmax(float (&s)[BLOCK_N / 2], float (&m)[2], float (&l)[2],
+                                                   float (&alpha)[2], float mul) {
+    float mx[2] = {-CUDART_INF_F, -CUDART_INF_F};
+#pragma unroll
+    for (int i = 0; i < BLOCK_N / 2; ++i) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
+    float m_use[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {                         // mul >= 0: rowmax(S) * mul = max of the scaled row
+        const float m_new = fmaxf(m[r], quad_max(mx[r]) * mul);
+        m_use[r] = m_new == -CUDART_INF_F ? 0.0f : m_new;  // nothing seen yet: exp2 -> 0
+        alpha[r] = exp2f(m[r] - m_use[r]);
+        m[r] = m_new;
+        l[r] *= alpha[r];
+    }
+#pragma unroll
+    for (int i = 0; i < BLOCK_N / 2; ++i) {
+        s[i] = exp2f(fmaf(s[i], mul, -m_use[(i >> 1) & 1]));
+        l[(i >> 1) & 1] += s[i];
+    }
+}
+
 // Once the previous P V has retired: O_i rescaled by alpha, and P_ij rounded to T as wgmma A
 // fragments (keys 16 kk .. 16 kk + 15 are S registers 8 kk .. 8 kk + 7 = (row g, keys 2t..),
 // (row g+8, 2t..), (row g, 8+2t..), (row g+8, 8+2t..)).

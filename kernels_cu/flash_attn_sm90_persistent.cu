@@ -159,9 +159,7 @@ struct Fa3Vis {
 // MASK = false: the bulk, every key visible to every row (fast path: the max of unscaled S, the
 // scale folded into the exp2 FMA; the host takes it only with scale >= 0). MASK = true: S scaled
 // to log2 units, capped (softcap), the mask tensor added, keys outside a row's range -inf. Then
-// the online softmax step of v3's fa3_softmax:
-//   m_i^(j) = max(m_i^(j-1), rowmax(S_ij)), P_ij = exp2(S_ij * mul - m_i^(j)),
-//   l_i^(j) = alpha l_i^(j-1) + rowsum(P_ij), alpha = exp(m_i^(j-1) - m_i^(j)).
+// the online softmax step (flash_attn_sm90.cuh fa3_online_softmax: m_i, P_ij, l_i and alpha).
 template <int BLOCK_N, bool MASK>
 __device__ __forceinline__ void fa3p_softmax(float (&s)[BLOCK_N / 2], float (&m)[2], float (&l)[2], float (&alpha)[2],
                                              Fa3Row me, const Fa3Work& w, const Fa3Vis& v, int n0, float scale_log2) {
@@ -193,23 +191,7 @@ __device__ __forceinline__ void fa3p_softmax(float (&s)[BLOCK_N / 2], float (&m)
                 }
         }
     }
-    float mx[2] = {-CUDART_INF_F, -CUDART_INF_F};
-#pragma unroll
-    for (int i = 0; i < BLOCK_N / 2; ++i) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
-    float m_use[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {                         // mul >= 0: rowmax(S) * mul = max of the scaled row
-        const float m_new = fmaxf(m[r], quad_max(mx[r]) * mul);
-        m_use[r] = m_new == -CUDART_INF_F ? 0.0f : m_new;  // nothing seen yet: exp2 -> 0
-        alpha[r] = exp2f(m[r] - m_use[r]);
-        m[r] = m_new;
-        l[r] *= alpha[r];
-    }
-#pragma unroll
-    for (int i = 0; i < BLOCK_N / 2; ++i) {
-        s[i] = exp2f(fmaf(s[i], mul, -m_use[(i >> 1) & 1]));
-        l[(i >> 1) & 1] += s[i];
-    }
+    fa3_online_softmax<BLOCK_N>(s, m, l, alpha, mul);
 }
 
 // --- consumer: the key loop of one warpgroup over one tile ---------------------------------------------

@@ -22,6 +22,7 @@ from cupyattn import flash_attn as FA
 from cupyattn import flash_attn_sm90_persistent as P
 from cupyattn import reference as ref
 from test_attention import _assert_lse
+from test_serving import _packed, _shuffled_pages
 
 EMULATE = os.environ.get("CUPYATTN_EMULATE") == "1"
 IMPL = "wgmma_persistent"
@@ -185,14 +186,6 @@ def test_l2_sections_of_heads(rng, grid, monkeypatch, causal):
 
 
 # --- GPU tier: attention_varlen ---------------------------------------------------------------------
-def _packed(rng, lens_q, lens_k, hq, hkv, d, dtype):
-    cq, ck = np.cumsum([0] + lens_q).astype(np.int32), np.cumsum([0] + lens_k).astype(np.int32)
-    q, qh = to_device(rand_with_outliers(rng, (int(cq[-1]), hq, d)), dtype)
-    k, kh = to_device(rand_with_outliers(rng, (int(ck[-1]), hkv, d)), dtype)
-    v, vh = to_device(rand_with_outliers(rng, (int(ck[-1]), hkv, d)), dtype)
-    return (q, k, v), (qh, kh, vh), cq, ck
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl", ["wgmma", IMPL])
 @pytest.mark.parametrize("dtype,d,hq,hkv,causal,window,softcap", [
@@ -273,7 +266,6 @@ def test_paged_packed_queries(rng, grid, page_size, d, dtype):
     (a tile inside one page, at its row offset); causal with a window and softcap, GQA."""
     _hopper()
     import cupyattn
-    from test_serving import _shuffled_pages
 
     lens, new, hq, hkv = [150, 9, 300], [20, 9, 130], 4, 2
     kd, vd, table, kh, vh, th = _shuffled_pages(rng, lens, page_size, hkv, d, dtype)
@@ -300,7 +292,6 @@ def test_paged_dense_queries_and_device_lengths(rng, grid):
     import cupy
 
     import cupyattn
-    from test_serving import _shuffled_pages
 
     lens, sq, hq, hkv, d, dtype = [17, 140, 40], 17, 2, 1, 64, "float16"
     kd, vd, table, kh, vh, th = _shuffled_pages(rng, lens, 32, hkv, d, dtype)
@@ -325,7 +316,6 @@ def test_paged_head_major_pages_through_the_maps_strides(rng, grid):
     _hopper()
     import cupy
 
-    from test_serving import _shuffled_pages
 
     lens, new, hq, hkv, d, dtype = [70, 33], [17, 33], 2, 2, 64, "float16"
     kd, vd, table, kh, vh, th = _shuffled_pages(rng, lens, 16, hkv, d, dtype)
@@ -347,7 +337,6 @@ def test_argument_checks(rng):
     import cupyattn
     from cupyattn import _loader
     from cupyattn._checks import ComputeCapabilityError
-    from test_serving import _shuffled_pages
 
     _hopper()
     kd, vd, table, *_ = _shuffled_pages(rng, [9], 4, 1, 64, "float16")
