@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import peers
-from .arrays import rand, to_f64
+from .arrays import rand
 from .specs import varlen_lengths
 
 OURS = {"varlen": ("varlen", "varlen-wgmma", "padded", "padded-wgmma"),

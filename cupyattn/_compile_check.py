@@ -6,7 +6,8 @@ source string and options as the runtime loader, and reads registers / shared me
 spills from ptxas' ``-v`` log. A ptxas report that it ignored an instruction (C7508:
 ``setmaxnreg`` in a kernel without ``__launch_bounds__(threads, 1)``) or serialised every wgmma
 (C7514 / C7515, or any line saying wgmma was serialized: an accumulator read between a wgmma and
-the wait that retires it, as ptxas sees the paths) is an error: the kernel would run, slower than written.
+the wait that retires it, as ptxas sees the paths) is an error: the kernel would run, slower than
+written.
 
 NVRTC is reached through CuPy's private ``_NVRTCProgram`` (it compiles for an explicit arch with
 no device); the check asserts it exists so a CuPy upgrade that removes it fails loudly here.

@@ -95,12 +95,11 @@ def test_persistent_head_dim_256(rng, grid, dtype, causal, shape):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", [IMPL, "wgmma"])
-@pytest.mark.parametrize("dtype,d,causal,window,softcap,shape", [
-    ("float16", 64, False, (40, 7), None, (260, 300)),   # both edges: left-masked, bulk, right-masked runs
-    ("bfloat16", 128, True, (100, -1), 30.0, (200, 260)),  # causal window + softcap (every tile masked)
-    ("float16", 64, False, (-1, -1), 0.5, (97, 130)),    # softcap alone, huge scores (q x 40)
-    ("float16", 128, False, (0, 0), None, (130, 17)),    # Sq > Sk: most rows see no key (zeros)
+@pytest.mark.parametrize("impl,dtype,d,causal,window,softcap,shape", [
+    (IMPL, "float16", 64, False, (40, 7), None, (260, 300)),   # both edges: left-masked, bulk, right-masked runs
+    ("wgmma", "bfloat16", 128, True, (100, -1), 30.0, (200, 260)),  # causal window + softcap (every tile masked)
+    ("wgmma", "float16", 64, False, (-1, -1), 0.5, (97, 130)),    # softcap alone, huge scores (q x 40)
+    (IMPL, "float16", 128, False, (0, 0), None, (130, 17)),    # Sq > Sk: most rows see no key (zeros)
 ])
 def test_window_and_softcap(rng, grid, impl, dtype, d, causal, window, softcap, shape):
     """window and softcap as flash_attn.cu's serving variant takes them (bottom-right positions,
@@ -187,12 +186,11 @@ def test_l2_sections_of_heads(rng, grid, monkeypatch, causal):
 
 # --- GPU tier: attention_varlen ---------------------------------------------------------------------
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["wgmma", IMPL])
-@pytest.mark.parametrize("dtype,d,hq,hkv,causal,window,softcap", [
-    ("float16", 64, 4, 2, True, None, None),
-    ("bfloat16", 128, 2, 1, False, None, None),
-    ("float16", 64, 3, 1, True, (20, -1), 15.0),
-    ("bfloat16", 64, 2, 2, False, (9, 3), None),
+@pytest.mark.parametrize("impl,dtype,d,hq,hkv,causal,window,softcap", [
+    (IMPL, "float16", 64, 4, 2, True, None, None),
+    ("wgmma", "bfloat16", 128, 2, 1, False, None, None),
+    (IMPL, "float16", 64, 3, 1, True, (20, -1), 15.0),
+    ("wgmma", "bfloat16", 64, 2, 2, False, (9, 3), None),
 ])
 def test_varlen(rng, grid, impl, dtype, d, hq, hkv, causal, window, softcap):
     """Ragged packed sequences: a sequence over two query tiles, an empty one, one query over 30
@@ -323,8 +321,9 @@ def test_paged_head_major_pages_through_the_maps_strides(rng, grid):
     cu = np.cumsum([0] + new).astype(np.int32)
     q, qh = to_device(rand_with_outliers(rng, (int(cu[-1]), hq, d)), dtype)
     out = nan_like(q.shape, dtype)
-    P.run_paged(q, k_hnd.transpose(0, 2, 1, 3), v_hnd.transpose(0, 2, 1, 3), table, cupy.asarray(lens, dtype=cupy.int32),
-                cupy.asarray(cu), 2, max(lens), d ** -0.5, (-1, 0), 0.0, out, None)
+    lens_d = cupy.asarray(lens, dtype=cupy.int32)
+    P.run_paged(q, k_hnd.transpose(0, 2, 1, 3), v_hnd.transpose(0, 2, 1, 3), table, lens_d, cupy.asarray(cu), 2,
+                max(lens), d ** -0.5, (-1, 0), 0.0, out, None)
     assert_close(out, ref.attention_paged(qh, cu, kh, vh, th, lens, causal=True), dtype)
 
 
