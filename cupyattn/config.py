@@ -476,10 +476,9 @@ ATTN_AUTO_WGMMA = ((FLOAT16, 64), (FLOAT16, 128), (FLOAT16, 256), (BFLOAT16, 128
 # impl="wgmma_persistent" (kernels_cu/flash_attn_sm90_persistent.cu, v4): v3's tile and pipeline
 # (ATTN_WGMMA_TILES, ATTN_WGMMA_REGS) in a persistent grid of one block per SM with a tile scheduler;
 # also window, softcap, packed (attention_varlen) and paged (attention_paged) sequences. Not yet run
-# on a GPU: every switch below keeps it off the default paths until a GPU run shows it correct and
-# faster in the same run (benchmarks: the attention-causal sweep, the varlen and paged cases).
-# impl="wgmma" runs v4 for plain calls too (window / softcap calls always take v4: v3 has neither).
-ATTN_WGMMA_PERSISTENT = False
+# on a GPU: explicit impl="wgmma_persistent" only (impl=None of attention, attention_varlen and
+# attention_paged never takes it) until a GPU run shows it correct and faster in the same run
+# (benchmarks: the attention-causal sweep, the varlen and paged cases; gpu_run.sh prefill).
 # v4's tiles: v3's, except where v4's own registers do not fit beside them (ptxas, NVRTC 12.9,
 # sm_90a: no spills in any entry). v4's producer warpgroup runs a loader warp and a scheduler warp
 # in 40 registers, leaving the consumers 232 (v3's budget); at D=256 the overlapped softmax (S 32
@@ -491,9 +490,6 @@ ATTN_WGMMA_PERSISTENT_TILES = {
                        "the softmax, P 16 packed after it; 232 registers per consumer thread with no spill "
                        "(overlapped: 240 needed, leaving the producer 32, where its loader spills)", overlap=False),
 }
-# (dtype, head dim) pairs for which impl=None of attention_varlen / attention_paged takes v4 on
-# sm_90: none until measured (they take flash_mma).
-ATTN_AUTO_WGMMA_SERVING = ()
 # Equal tiles (no causal, window or key_lengths on dense inputs) take the static order (block i:
 # tiles i, i + grid, ...); unequal ones are claimed from a counter, longest first.
 ATTN_WGMMA_STATIC_WHEN_EQUAL = True
@@ -645,4 +641,14 @@ DECODE_MMA_SMALL_SMEM_TILES = {
 # paged sequence is read tile by tile exactly as a contiguous one, only the row addresses differ.
 PAGED_MAX_PAGE_SIZE = 256   # pages of 1 .. 256 tokens (powers of two: a position splits by shift
                             # and mask); 16 is the usual vLLM / FlashInfer size
+# softcap (attention, attention_varlen, attention_paged, decode_attention, decode_attention_paged):
+# the kernels cap a score s in log2 units as C tanh(s / C) with C = softcap * log2(e) in float32
+# (kernels_cu/paged.cuh soft_cap), built with -ftz=true. C must be a normal float32: a subnormal C
+# flushes to 0, which means "off" (softcap=1e-50 silently uncapped), and an infinite one makes
+# every score NaN (softcap=1e39). And s / C must not flush to 0 for a score that matters: below
+# 2^100, only |s| < 2^-25 (far under the float32 rounding of a logit near 1) can. So a softcap is
+# 0 / None (off) or lies in [SOFTCAP_MIN, SOFTCAP_MAX] (about 2.4e-38 to 1.3e30; Gemma 2 uses 30
+# and 50); _checks.check_softcap refuses the rest, naming the range.
+SOFTCAP_MIN = 2.0 ** -125
+SOFTCAP_MAX = 2.0 ** 100
 # --- serving attention ---------------------------------------------------------------- end ----

@@ -5,14 +5,13 @@ SM takes tile after tile, longest first within L2-sized head sections
 (:func:`cupyattn.config.attn_wgmma_heads_per_section`), from a counter in global memory where
 tiles are unequal (causal, windows, key lengths, packed and paged sequences). It also reads
 packed sequences (``attention_varlen``) and paged keys (``attention_paged``), and implements
-``window`` and ``softcap``. Reached through ``attention(impl="wgmma_persistent")``, through
-``impl="wgmma"`` for calls with ``window`` / ``softcap`` (v3 has neither) or when
-``config.ATTN_WGMMA_PERSISTENT`` is set, and through ``attention_varlen`` / ``attention_paged``
-with ``impl="wgmma"`` or ``"wgmma_persistent"``. **Not yet run on a GPU** (CPU emulator only):
-nothing takes it by default.
+``window`` and ``softcap``. Reached only by an explicit ``impl="wgmma_persistent"`` of
+``attention``, ``attention_varlen`` and ``attention_paged``: **not yet run on a GPU** (CPU
+emulator only), so impl=None never takes it (cupyattn/options.py lists what it implements).
 
 Inputs as v3 takes them (float16 / bfloat16, D of 64, 128 or 256, what TMA can read: 16-byte
-aligned base and strides that are positive multiples of 16 bytes); pages of at least
+aligned base and strides that are positive multiples of 16 bytes: no broadcast or reversed
+view); pages of at least
 ``config.ATTN_WGMMA_MIN_PAGE`` (8) tokens, a power of two, handed over as ``[num_pages,
 page_size, Hkv, D]`` (attention_paged's layout). The tensor maps take the pages' own strides, so
 head-major pages (``[num_pages, Hkv, page_size, D]``, FlashInfer's "HND") work as that view of
@@ -37,6 +36,8 @@ from . import config as C
 from . import tma
 from ._loader import KernelSpec, get_function, ptr_or_null
 from .config import INT32_MAX, MMA_DTYPES, cbool, ctype
+from .flash_attn_sm90 import _mask_arg, tuning_tiles
+from .gemm import _filled
 
 IMPL = "wgmma_persistent"
 
@@ -53,43 +54,38 @@ SPEC = KernelSpec("flash_attn_sm90_persistent", "flash_attn_sm90_persistent.cu",
 
 
 # --- tensor maps -------------------------------------------------------------------------------
-def _operand(name: str, x, dims, strides, rows: int):
-    """(name, ptr, dims, byte strides, box) of one 4-D map {D, row, head, outer} (innermost first):
-    a dimension of size 1 gets a packed stand-in stride (TMA never applies it, but wants a positive
-    multiple of 16); any other keeps its own, so a broadcast (0) or negative stride is refused by
-    :func:`cupyattn.tma.problem` instead of being rewritten."""
-    out, prev = [], x.itemsize
-    for s, n, extent in zip(strides, dims[1:], dims[:-1]):
-        if n == 1:
-            s = -(-prev * extent // 16) * 16
-            s = s if s < 2**40 else 16
-        out.append(int(s))
-        prev = s
-    return name, x.data.ptr, tuple(int(d) for d in dims), out, (64, rows, 1, 1)
+# An operand: (name, ptr, dims, byte strides of dims 1.., box, dim names), one 4-D map {D, row, head,
+# outer} innermost first, boxes of 64 elements x ``rows``. A dimension of extent 1 gets a packed
+# stand-in stride (gemm._filled); every other keeps its own, so a broadcast (0) or reversed
+# (negative) view is refused by :func:`cupyattn.tma.problem`, naming the dimension, not rewritten.
+def _operand(name: str, x, dims, strides, rows: int, names):
+    return (name, x.data.ptr, tuple(int(d) for d in dims), [int(s) for s in _filled(strides, dims, x.itemsize)],
+            (64, rows, 1, 1), names)
 
 
 def dense_operand(name, x, rows):
     """x [B, H, S, D] -> map {D, S, H, B}."""
     b, h, s, d = x.shape
-    return _operand(name, x, (d, s, h, b), (x.strides[2], x.strides[1], x.strides[0]), rows)
+    return _operand(name, x, (d, s, h, b), (x.strides[2], x.strides[1], x.strides[0]), rows, ("D", "S", "H", "B"))
 
 
 def packed_operand(name, x, rows):
     """x [total, H, D] -> map {D, total, H, 1}."""
     t, h, d = x.shape
-    return _operand(name, x, (d, t, h, 1), (x.strides[0], x.strides[1], 0), rows)
+    return _operand(name, x, (d, t, h, 1), (x.strides[0], x.strides[1], 0), rows, ("D", "total", "H", "-"))
 
 
 def paged_operand(name, x, rows):
     """pages [N, P, Hkv, D] -> map {D, P, Hkv, N}; ``rows`` = min(P, BLOCK_N) per copy."""
     n, p, h, d = x.shape
-    return _operand(name, x, (d, p, h, n), (x.strides[1], x.strides[2], x.strides[0]), rows)
+    return _operand(name, x, (d, p, h, n), (x.strides[1], x.strides[2], x.strides[0]), rows,
+                    ("D", "page_size", "Hkv", "num_pages"))
 
 
 def operand_problem(ops, dtype) -> str | None:
-    """Why TMA cannot read one of ``ops`` (naming it), or None."""
-    for name, ptr, dims, strides, box in ops:
-        why = tma.problem(ptr, dtype, dims, strides, box)
+    """Why TMA cannot read one of ``ops`` (naming it and the dimension), or None."""
+    for name, ptr, dims, strides, box, names in ops:
+        why = tma.problem(ptr, dtype, dims, strides, box, names=names)
         if why is not None:
             return f"{name}: {why}"
     return None
@@ -97,7 +93,7 @@ def operand_problem(ops, dtype) -> str | None:
 
 # --- checks (before anything is allocated) ---------------------------------------------------------
 def check(fn: str, impl: str, q, head_dim: int) -> None:
-    """dtype, head dim and an sm_90 device for ``impl`` ("wgmma" or "wgmma_persistent")."""
+    """dtype, head dim and an sm_90 device."""
     if np.dtype(q.dtype) not in MMA_DTYPES:
         raise TypeError(f"{fn}(): impl={impl!r} needs float16 or bfloat16 inputs, got {np.dtype(q.dtype)} "
                         f"(use impl='flash')")
@@ -107,21 +103,24 @@ def check(fn: str, impl: str, q, head_dim: int) -> None:
     _checks.require_impl(fn, "attention", impl, q.dtype)
 
 
-def check_operands(fn: str, impl: str, ops, dtype) -> None:
-    why = operand_problem(ops, dtype)
+def max_tiles(q, b: int) -> int:
+    """Tiles of a launch: q dense [B, Hq, Sq, D] B Hq ceil(Sq / 128) exactly; packed [total_q, Hq, D]
+    at most Hq (ceil(total_q / 128) + B) (each sequence's last query tile may be partial)."""
+    bm = C.ATTN_WGMMA_PERSISTENT_TILES[q.shape[-1]].block_m   # the kernel's FA3_BLOCK_M
+    if q.ndim == 4:
+        return q.shape[0] * q.shape[1] * -(-q.shape[2] // bm)
+    return q.shape[1] * (-(-q.shape[0] // bm) + b)
+
+
+def check_launch(fn: str, impl: str, ops, q, b: int) -> None:
+    """Before anything is allocated: TMA can read every operand of ``ops``, and the launch's tiles
+    (:func:`max_tiles`, over ``b`` sequences) fit the kernel's int32 tile indices."""
+    why = operand_problem(ops, q.dtype)
     if why is not None:
         raise ValueError(f"{fn}(): impl={impl!r} needs q, k, v that TMA can read: {why} (use impl='flash_mma')")
-
-
-def auto_takes(q, ops) -> bool:
-    """Whether impl=None of attention_varlen / attention_paged runs this kernel: on sm_90, for the
-    (dtype, head dim) pairs of config.ATTN_AUTO_WGMMA_SERVING (none until a GPU run), inputs TMA
-    can read (``ops()``: their operands)."""
-    d = q.shape[-1]
-    if (np.dtype(q.dtype), d) not in C.ATTN_AUTO_WGMMA_SERVING or d not in C.ATTN_WGMMA_PERSISTENT_TILES:
-        return False
-    return (C.impl_runs_on("attention", IMPL, q.dtype, _loader.device_compute_capability())
-            and operand_problem(ops(), q.dtype) is None)
+    if max_tiles(q, b) > INT32_MAX:
+        raise ValueError(f"{fn}(): impl={impl!r} counts its tiles (128 queries of one head) in int32: "
+                         f"{max_tiles(q, b)} is over 2^31-1")
 
 
 def check_pages(fn: str, impl: str, page_size: int) -> None:
@@ -168,18 +167,18 @@ def _counter():
     return c
 
 
-def launch(fn, q, ops, out, lse, *, b, hq, hkv, sq_arg, sk_arg, rows_per_seq, kv_bytes_per_head, scale,
-           window=(-1, -1), softcap=0.0, kv_lens=None, mask=None, mstrides=(0, 0, 0, 0), cu_q=None, cu_k=None,
-           block_table=None, log2_page=0, num_pages=0, dynamic=True, tile=None):
-    """One launch of the kernel (arguments checked by the callers). ``ops``: the q, k, v operands
-    (:func:`dense_operand` and friends); ``rows_per_seq``: query rows of every sequence (dense q),
-    None for packed q (the kernel sums cu_q itself). ``tile`` overrides the config entry
-    (benchmarks.tune); its instantiation must be built."""
+def launch(fn, q, ops, out, lse, *, b, hq, hkv, sq_arg, sk_arg, kv_bytes_per_head, scale, window=(-1, -1),
+           softcap=0.0, kv_lens=None, mask=None, mstrides=(0, 0, 0, 0), cu_q=None, cu_k=None, block_table=None,
+           log2_page=0, num_pages=0, dynamic=True, tile=None):
+    """One launch of the kernel (arguments checked by the callers: :func:`check`,
+    :func:`check_launch`). ``ops``: the q, k, v operands (:func:`dense_operand` and friends);
+    ``sq_arg`` / ``sk_arg``: the kernel's Sq / Sk (its header). The grid: one block per SM, at most
+    one per tile (:func:`max_tiles`: blocks past the tiles would only publish the end). ``tile``
+    overrides the config entry (benchmarks.tune); its instantiation must be built."""
     d = q.shape[-1]
     t = tile or C.ATTN_WGMMA_PERSISTENT_TILES[d]
-    maps = [tma.tensor_map(ptr, q.dtype, dims, st, box, fn=fn, what=name) for name, ptr, dims, st, box in ops]
-    sms = _sm_count()
-    grid = sms if rows_per_seq is None else min(sms, b * hq * -(-rows_per_seq // t.block_m))
+    maps = [tma.tensor_map(ptr, q.dtype, dims, st, box, fn=fn, what=name) for name, ptr, dims, st, box, _ in ops]
+    grid = min(_sm_count(), max_tiles(q, b))
     if grid == 0:
         return
     sec = C.attn_wgmma_heads_per_section(_l2_bytes(), kv_bytes_per_head, hq // hkv, hq)
@@ -204,22 +203,18 @@ def dense_ops(q, k, v, tile=None):
 
 
 def check_dense(fn: str, impl: str, q, k, v) -> None:
-    """attention()'s checks for this kernel, after the generic ones: dtype, D, device, TMA, grid."""
+    """attention()'s checks for this kernel, after the generic ones: dtype, D, device, TMA, tiles."""
     check(fn, impl, q, q.shape[3])
-    b, hq, sq, _ = q.shape
     if q.size == 0 or k.shape[2] == 0:
         return  # nothing is launched
-    check_operands(fn, impl, dense_ops(q, k, v), q.dtype)
-    if b * hq * -(-sq // C.ATTN_WGMMA_PERSISTENT_TILES[q.shape[3]].block_m) > INT32_MAX:
-        raise ValueError(f"{fn}(): impl={impl!r} counts tiles in int32: B*Hq*ceil(Sq/128) is over 2^31-1")
+    check_launch(fn, impl, dense_ops(q, k, v), q, q.shape[0])
 
 
 def run_dense(q, k, v, causal, scale, kl, out, lse, mask=None, mshape=None, window=(-1, -1), softcap=0.0,
               tile=None):
-    """attention() on this kernel (``window`` with causal already folded in, as
-    flash_attn.check_window_softcap returns it)."""
-    from .flash_attn_sm90 import _mask_arg
-
+    """attention() on this kernel (checked: :func:`check_dense`). ``window``: as
+    flash_attn.check_window_softcap returns it, or (-1, -1); causal is folded in here (right = 0).
+    Equal tiles (no causal, window or key lengths) take the static order, others the counter."""
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     if causal:
@@ -227,7 +222,7 @@ def run_dense(q, k, v, causal, scale, kl, out, lse, mask=None, mshape=None, wind
     mask, mstr = _mask_arg(mask, mshape)
     dynamic = kl is not None or window != (-1, -1) or not C.ATTN_WGMMA_STATIC_WHEN_EQUAL
     launch("attention", q, dense_ops(q, k, v, tile), out, lse, b=b, hq=hq, hkv=hkv, sq_arg=sq, sk_arg=sk,
-           rows_per_seq=sq, kv_bytes_per_head=2 * sk * d * q.itemsize, scale=scale, window=window,
+           kv_bytes_per_head=2 * sk * d * q.itemsize, scale=scale, window=window,
            softcap=softcap, kv_lens=kl, mask=mask, mstrides=mstr, dynamic=dynamic, tile=tile)
 
 
@@ -238,11 +233,12 @@ def varlen_ops(q, k, v):
 
 
 def run_varlen(q, k, v, cu_q, cu_k, b, max_k, scale, window, softcap, out, lse):
-    """attention_varlen() on this kernel (checked: :func:`check` and :func:`check_operands` of
-    :func:`varlen_ops`); cu_q / cu_k int32 device offsets [B + 1]."""
+    """attention_varlen() on this kernel (checked: :func:`check` and :func:`check_launch` of
+    :func:`varlen_ops`); cu_q / cu_k int32 device offsets [B + 1]; ``max_k``: the longest key
+    sequence (the L2 section size only)."""
     (tq, hq, d), (tk, hkv) = q.shape, k.shape[:2]
     launch("attention_varlen", q, varlen_ops(q, k, v), out, lse, b=b, hq=hq, hkv=hkv, sq_arg=tq, sk_arg=tk,
-           rows_per_seq=None, kv_bytes_per_head=2 * max_k * d * q.itemsize, scale=scale, window=window,
+           kv_bytes_per_head=2 * max_k * d * q.itemsize, scale=scale, window=window,
            softcap=softcap, cu_q=cu_q, cu_k=cu_k)
 
 
@@ -257,14 +253,12 @@ def paged_ops(q, k_pages, v_pages):
 
 def run_paged(q, k_pages, v_pages, block_table, seq_lens, cu_q, b, longest, scale, window, softcap, out, lse):
     """attention_paged() on this kernel (checked: :func:`check`, :func:`check_pages` and
-    :func:`check_operands` of :func:`paged_ops`). ``longest``: an upper bound of seq_lens (the L2
+    :func:`check_launch` of :func:`paged_ops`). ``longest``: an upper bound of seq_lens (the L2
     section size only)."""
     hq, d = q.shape[1], q.shape[-1]
     n, ps, hkv = k_pages.shape[:3]
-    rows = q.shape[2] if q.ndim == 4 else None
     launch("attention_paged", q, paged_ops(q, k_pages, v_pages), out, lse, b=b, hq=hq, hkv=hkv,
-           sq_arg=q.shape[2] if q.ndim == 4 else q.shape[0], sk_arg=0, rows_per_seq=rows,
-           kv_bytes_per_head=2 * longest * d * q.itemsize, scale=scale, window=window, softcap=softcap,
+           sq_arg=q.shape[2] if q.ndim == 4 else q.shape[0], sk_arg=0, kv_bytes_per_head=2 * longest * d * q.itemsize, scale=scale, window=window, softcap=softcap,
            kv_lens=seq_lens, cu_q=cu_q, block_table=block_table, log2_page=ps.bit_length() - 1, num_pages=n)
 
 
@@ -272,8 +266,6 @@ def tuning_spec() -> KernelSpec:
     """Every tuning candidate of v3 (flash_attn_sm90.tuning_tiles) as a persistent instantiation."""
     global _TUNING_SPEC
     if _TUNING_SPEC is None:
-        from .flash_attn_sm90 import tuning_tiles
-
         exprs = tuple(dict.fromkeys(_expr(dt, d, t) for dt in MMA_DTYPES for d in C.ATTN_WGMMA_TILES
                                     for t in tuning_tiles(d)))
         _TUNING_SPEC = KernelSpec("flash_attn_sm90_persistent_tune", "flash_attn_sm90_persistent.cu", exprs,

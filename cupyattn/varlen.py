@@ -21,10 +21,9 @@ from .config import HEAD_DIMS, MAX_GRID_YZ, MMA_DTYPES
 from .flash_attn import Serving, _flash, check_flash_mma_device, check_window_softcap, default_impl
 
 FUSED_IMPLS = ("flash", "flash_mma")
-# Hopper: both names run the persistent wgmma kernel (the one with packed and paged addressing);
-# opt-in, not yet run on a GPU (impl=None takes it only where config.ATTN_AUTO_WGMMA_SERVING says)
-WGMMA_IMPLS = ("wgmma", "wgmma_persistent")
-IMPLS = FUSED_IMPLS + WGMMA_IMPLS
+# Hopper: the persistent wgmma kernel (packed and paged addressing; v3, attention()'s "wgmma", has
+# neither). Opt-in, not yet run on a GPU: impl=None never takes it.
+IMPLS = FUSED_IMPLS + (_sm90p.IMPL,)
 
 
 def check_offsets(fn: str, name: str, x, n: int, total: int | None):
@@ -41,9 +40,12 @@ def check_offsets(fn: str, name: str, x, n: int, total: int | None):
             raise ValueError(f"{fn}(): {name} must have shape ({n},), got {tuple(x.shape)}")
         return cupy.ascontiguousarray(x), None
     try:
-        h = np.asarray(x)
+        h = None if x is None else np.asarray(x)
     except Exception as e:  # pragma: no cover - exotic objects
         raise TypeError(f"{fn}(): {name} must be an int32 array, got {type(x).__name__}") from e
+    if h is None or h.ndim == 0:
+        raise TypeError(f"{fn}(): {name} must be a 1-D int32 array of {n} entries (CuPy, NumPy or a list), "
+                        f"got {type(x).__name__} {x!r}")
     if h.dtype.kind not in "iu":
         raise TypeError(f"{fn}(): {name} must have an integer dtype, got {h.dtype}")
     if h.ndim != 1 or h.shape[0] != n:
@@ -58,6 +60,24 @@ def check_offsets(fn: str, name: str, x, n: int, total: int | None):
     if n and h.max() >= 2**31:
         raise ValueError(f"{fn}(): {name} values must fit int32, got max {int(h.max())}")
     return cupy.asarray(h.astype(np.int32)), h
+
+
+def offsets_batch(fn: str, name: str, x) -> int:
+    """B from offsets ``x`` of B + 1 entries (a CuPy or NumPy array or a list), before anything
+    else reads it: TypeError / ValueError naming ``name`` for None, a scalar, a 0-d or 2-d array,
+    or no entry at all."""
+    want = "a 1-D int32 array of B + 1 offsets (CuPy, NumPy or a list)"
+    if x is None or isinstance(x, (bool, int, float, np.generic, str, bytes)):
+        raise TypeError(f"{fn}(): {name} must be {want}, got {type(x).__name__} {x!r}")
+    try:
+        shape = tuple(x.shape) if hasattr(x, "shape") else np.shape(x)
+    except Exception as e:  # pragma: no cover - ragged or exotic objects
+        raise TypeError(f"{fn}(): {name} must be {want}, got {type(x).__name__}") from e
+    if len(shape) != 1:
+        raise ValueError(f"{fn}(): {name} must be {want}, got shape {shape}")
+    if shape[0] == 0:
+        raise ValueError(f"{fn}(): {name} must have B + 1 >= 1 entries (0 first), got none")
+    return shape[0] - 1
 
 
 def check_packed(fn, q, k, v, impl, kn="k", vn="v"):
@@ -85,7 +105,7 @@ def check_packed(fn, q, k, v, impl, kn="k", vn="v"):
         raise TypeError(f"{fn}(): impl='flash_mma' needs float16 or bfloat16 inputs, got float32 (use impl='flash')")
     if impl == "flash_mma":
         check_flash_mma_device(fn, q.dtype, d)
-    if impl in WGMMA_IMPLS:
+    if impl == _sm90p.IMPL:
         _sm90p.check(fn, impl, q, d)
     for name, x in (("q", q), (kn, k), (vn, v)):
         check_last_contiguous(fn, name, x)
@@ -136,17 +156,18 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     window : (left, right), optional
         ``i + Sk - Sq - left <= j <= i + Sk - Sq + right``; -1: unbounded.
     softcap : float, optional
-        Scores become ``softcap * tanh(scale * q.k / softcap)`` before masking; 0 / None: off.
+        Scores become ``softcap * tanh(scale * q.k / softcap)`` before masking; 0 / None: off,
+        else within ``[config.SOFTCAP_MIN, config.SOFTCAP_MAX]`` (ValueError outside).
     return_lse : bool
         Also return the log-sum-exp, float32 ``[Hq, total_q]`` (flash-attention's layout).
     out : cupy.ndarray [total_q, Hq, D], optional
         C-contiguous, q's dtype, not overlapping the inputs.
-    impl : {None, "flash", "flash_mma", "wgmma", "wgmma_persistent"}
+    impl : {None, "flash", "flash_mma", "wgmma_persistent"}
         As attention(): None is tensor cores for fp16/bf16 (flash_mma), SIMT for float32.
-        "wgmma" and "wgmma_persistent" (sm_90, fp16/bf16, D of 64, 128 or 256, q, k, v that TMA
-        can read) both run the persistent Hopper kernel (cupyattn/flash_attn_sm90_persistent.py:
-        per-sequence tile bounds, causal and window tiles skipped per sequence). **Not yet run
-        on a GPU.**
+        "wgmma_persistent": the persistent Hopper kernel (cupyattn/flash_attn_sm90_persistent.py;
+        sm_90, fp16/bf16, D of 64, 128 or 256, q, k, v that TMA can read: no broadcast or
+        reversed view), per-sequence tile bounds, causal and window tiles skipped per sequence.
+        Opt-in (impl=None never takes it): **not yet run on a GPU**.
 
     Rows that see no key (an empty key sequence, a window that hides every key) are zeros with
     lse -inf, as in attention(). **Not yet run on a GPU** (CPU emulator only).
@@ -161,21 +182,18 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     fn = "attention_varlen"
     _checks.check_bool(fn, "causal", causal)
     _checks.check_bool(fn, "return_lse", return_lse)
-    auto = impl is None
     impl, hq, hkv, d = check_packed(fn, q, k, v, impl)
     if k.ndim != 3:
         raise ValueError(f"{fn}(): k must be [total_k, Hkv, D], got shape {tuple(k.shape)}")
-    if auto and _sm90p.auto_takes(q, lambda: _sm90p.varlen_ops(q, k, v)):
-        impl = "wgmma"
-    if impl in WGMMA_IMPLS:
-        _sm90p.check_operands(fn, impl, _sm90p.varlen_ops(q, k, v), q.dtype)
     tq, tk = q.shape[0], k.shape[0]
-    b = _checks.check_int(fn, "len(cu_seqlens_q) - 1", len(cu_seqlens_q) - 1, 0)
+    b = offsets_batch(fn, "cu_seqlens_q", cu_seqlens_q)
     cu_q, hcq = check_offsets(fn, "cu_seqlens_q", cu_seqlens_q, b + 1, tq)
     cu_k, hck = check_offsets(fn, "cu_seqlens_k", cu_seqlens_k, b + 1, tk)
     max_q = check_max_seqlen(fn, "max_seqlen_q", max_seqlen_q, hcq)
     max_k = check_max_seqlen(fn, "max_seqlen_k", max_seqlen_k, hck)
     check_grid(fn, b, hq)
+    if impl == _sm90p.IMPL and q.size and k.size:  # (nothing is launched otherwise)
+        _sm90p.check_launch(fn, impl, _sm90p.varlen_ops(q, k, v), q, b)
     win, cap = check_window_softcap(fn, window, softcap, causal)
     scale = 1.0 / math.sqrt(d) if scale is None else _checks.check_real(fn, "scale", scale)
     if out is not None:
@@ -191,7 +209,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         if lse is not None:
             lse.fill(-np.inf)
         return (out, lse) if return_lse else out
-    if impl in WGMMA_IMPLS:
+    if impl == _sm90p.IMPL:
         _sm90p.run_varlen(q, k, v, cu_q, cu_k, b, max_k, scale, win, cap, out, lse)
         return (out, lse) if return_lse else out
     qs, ks, vs = ([0, st[1], st[0]] for st in map(elem_strides, (q, k, v)))

@@ -16,6 +16,10 @@
 //              consumer warpgroups take turns issuing wgmmas through named barriers, so
 //              one's softmax overlaps the other's matmuls (FA3 section 3.1).
 //              impl="wgmma" (impl=None on sm_90 where config.ATTN_AUTO_WGMMA says).
+//   v4 wgmma_  v3 in a persistent grid (one block per SM) fed by a tile scheduler,   f16 bf16
+//      persistent  longest first in L2-sized head sections; also window, softcap, packed
+//              and paged sequences. Its own file, flash_attn_sm90_persistent.cu (the
+//              steps both share: flash_attn_sm90.cuh). Explicit impl only: not yet run on a GPU.
 //
 // Layouts: q [B, Hq, Sq, D], k and v [B, Hkv, Sk, D] (last dim contiguous), reached only through
 // their tensor maps (cupyattn/flash_attn_sm90.py builds them): 4-D, innermost first

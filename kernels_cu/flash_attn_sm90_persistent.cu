@@ -16,8 +16,8 @@
 //   - diagonal-only masking: each tile's key tiles fall in three runs, [0, j_left) and
 //     [j_right, n_tiles) masked (window's left edge; diagonal, window's right edge, key end) and
 //     the bulk between them in a loop of its own with no masking at all.
-// impl="wgmma_persistent" (and impl="wgmma" with window / softcap, attention_varlen and
-// attention_paged with impl="wgmma"); not yet run on a GPU (cupyattn/flash_attn_sm90_persistent.py).
+// impl="wgmma_persistent" of attention, attention_varlen and attention_paged (explicit only: not yet
+// run on a GPU; cupyattn/flash_attn_sm90_persistent.py).
 //
 // Tensor maps (cupyattn/flash_attn_sm90_persistent.py builds them): 4-D, innermost first, every
 // box 64 elements wide (one 128-byte swizzle row), coordinates {64 c, row, head, outer}:

@@ -95,19 +95,19 @@ def test_persistent_head_dim_256(rng, grid, dtype, causal, shape):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl,dtype,d,causal,window,softcap,shape", [
-    (IMPL, "float16", 64, False, (40, 7), None, (260, 300)),   # both edges: left-masked, bulk, right-masked runs
-    ("wgmma", "bfloat16", 128, True, (100, -1), 30.0, (200, 260)),  # causal window + softcap (every tile masked)
-    ("wgmma", "float16", 64, False, (-1, -1), 0.5, (97, 130)),    # softcap alone, huge scores (q x 40)
-    (IMPL, "float16", 128, False, (0, 0), None, (130, 17)),    # Sq > Sk: most rows see no key (zeros)
+@pytest.mark.parametrize("dtype,d,causal,window,softcap,shape", [
+    ("float16", 64, False, (40, 7), None, (260, 300)),      # both edges: left-masked, bulk, right-masked runs
+    ("bfloat16", 128, True, (100, -1), 30.0, (200, 260)),   # causal window + softcap (every tile masked)
+    ("float16", 64, False, (-1, -1), 0.5, (97, 130)),       # softcap alone, huge scores (q x 40)
+    ("float16", 128, False, (0, 0), None, (130, 17)),       # Sq > Sk: most rows see no key (zeros)
 ])
-def test_window_and_softcap(rng, grid, impl, dtype, d, causal, window, softcap, shape):
+def test_window_and_softcap(rng, grid, dtype, d, causal, window, softcap, shape):
     """window and softcap as flash_attn.cu's serving variant takes them (bottom-right positions,
-    the cap on the scaled scores before masking); impl="wgmma" runs v4 for them (v3 has neither).
+    the cap on the scaled scores before masking; v3, impl="wgmma", has neither and refuses them).
     Key tiles entirely outside the window are never loaded: a window that cuts them off shows in
     fewer tiles, not in the result, which the reference checks."""
     _hopper()
-    _dense(rng, dtype, 1, 2, 1, *shape, d, impl=impl, causal=causal, window=window, softcap=softcap,
+    _dense(rng, dtype, 1, 2, 1, *shape, d, causal=causal, window=window, softcap=softcap,
            q_scale=40.0 if softcap else 1.0)
 
 
@@ -186,13 +186,13 @@ def test_l2_sections_of_heads(rng, grid, monkeypatch, causal):
 
 # --- GPU tier: attention_varlen ---------------------------------------------------------------------
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl,dtype,d,hq,hkv,causal,window,softcap", [
-    (IMPL, "float16", 64, 4, 2, True, None, None),
-    ("wgmma", "bfloat16", 128, 2, 1, False, None, None),
-    (IMPL, "float16", 64, 3, 1, True, (20, -1), 15.0),
-    ("wgmma", "bfloat16", 64, 2, 2, False, (9, 3), None),
+@pytest.mark.parametrize("dtype,d,hq,hkv,causal,window,softcap", [
+    ("float16", 64, 4, 2, True, None, None),
+    ("bfloat16", 128, 2, 1, False, None, None),
+    ("float16", 64, 3, 1, True, (20, -1), 15.0),
+    ("bfloat16", 64, 2, 2, False, (9, 3), None),
 ])
-def test_varlen(rng, grid, impl, dtype, d, hq, hkv, causal, window, softcap):
+def test_varlen(rng, grid, dtype, d, hq, hkv, causal, window, softcap):
     """Ragged packed sequences: a sequence over two query tiles, an empty one, one query over 30
     keys, Sq > Sk; a key tile of one sequence reaches into the next (those keys hidden, their V
     rows zeroed). Host offsets first, then device offsets (used unchecked)."""
@@ -207,7 +207,7 @@ def test_varlen(rng, grid, impl, dtype, d, hq, hkv, causal, window, softcap):
     for cu in ((cq, ck), (cupy.asarray(cq), cupy.asarray(ck))):
         out = nan_like(q.shape, dtype)
         got, lse = cupyattn.attention_varlen(q, k, v, *cu, max(lens_q), max(lens_k), causal=causal, window=window,
-                                             softcap=softcap, return_lse=True, out=out, impl=impl)
+                                             softcap=softcap, return_lse=True, out=out, impl=IMPL)
         assert got is out
         assert_close(got, want, dtype)
         _assert_lse(to_host(lse), wlse, 2e-3 if dtype == "float16" else 2e-2)
@@ -285,7 +285,7 @@ def test_paged_packed_queries(rng, grid, page_size, d, dtype):
 @pytest.mark.gpu
 def test_paged_dense_queries_and_device_lengths(rng, grid):
     """q [B, Hq, Sq, D] (every sequence added Sq tokens) over pages of 32, seq_lens on the device
-    (read by the kernel only), lse [B, Hq, Sq]; impl="wgmma" runs v4 too."""
+    (read by the kernel only), lse [B, Hq, Sq]."""
     _hopper()
     import cupy
 
@@ -301,7 +301,7 @@ def test_paged_dense_queries_and_device_lengths(rng, grid):
     wlse = wlse.reshape(hq, 3, sq).transpose(1, 0, 2)
     out = nan_like(q.shape, dtype)
     got, lse = cupyattn.attention_paged(q, kd, vd, table, cupy.asarray(lens, dtype=cupy.int32), causal=True,
-                                        return_lse=True, out=out, impl="wgmma")
+                                        return_lse=True, out=out, impl=IMPL)
     assert_close(got, want, dtype)
     _assert_lse(to_host(lse), wlse, 2e-3)
 
@@ -344,16 +344,20 @@ def test_argument_checks(rng):
     with pytest.raises(ValueError, match=r"attention_paged\(\): impl='wgmma_persistent' needs page_size >= 8 .*got 4"):
         cupyattn.attention_paged(q, kd, vd, table, [9], cu_seqlens_q=[0, 9], max_seqlen_q=9, impl=IMPL, out=out)
     (qv, kv, vv), _, cq, ck = _packed(rng, [5], [5], 2, 1, 32, "float16")
-    with pytest.raises(ValueError, match=r"attention_varlen\(\): head_dim D=32 is not supported by impl='wgmma'"):
-        cupyattn.attention_varlen(qv, kv, vv, cq, ck, 5, 5, impl="wgmma")
+    with pytest.raises(ValueError, match=r"attention_varlen\(\): head_dim D=32 is not supported by "
+                                         r"impl='wgmma_persistent'"):
+        cupyattn.attention_varlen(qv, kv, vv, cq, ck, 5, 5, impl=IMPL)
+    with pytest.raises(ValueError, match=r"attention_varlen\(\): impl='wgmma' is not supported; expected one of"):
+        cupyattn.attention_varlen(qv, kv, vv, cq, ck, 5, 5, impl="wgmma")   # v3: dense inputs only
     q4, _ = to_device(rand_with_outliers(rng, (1, 2, 20, 64)), "float32")
     with pytest.raises(TypeError, match=r"attention\(\): impl='wgmma_persistent' needs float16 or bfloat16"):
         FA.attention(q4, q4, q4, impl=IMPL)
     q4 = q4.astype(cupy.float16)
     wide = to_device(np.zeros((1, 2, 20, 68)), "float16")[0][..., :64]    # rows of 136 bytes
     o4 = nan_like(q4.shape, "float16")
-    with pytest.raises(ValueError, match=r"attention\(\): impl='wgmma' needs q, k, v that TMA can read: k:"):
-        FA.attention(q4, wide, q4, impl="wgmma", window=(3, 3), out=o4)
+    with pytest.raises(ValueError, match=r"attention\(\): impl='wgmma_persistent' needs q, k, v that TMA can "
+                                         r"read: k: its stride of 136 bytes along S"):
+        FA.attention(q4, wide, q4, impl=IMPL, window=(3, 3), out=o4)
     bcast = cupy.broadcast_to(q4[:1, :1], (1, 2, 20, 64))                  # a 0 stride over 2 heads
     with pytest.raises(ValueError, match=r"impl='wgmma_persistent' needs q, k, v that TMA can read: v:"):
         FA.attention(q4, q4, bcast, impl=IMPL, out=o4)
@@ -368,7 +372,8 @@ def test_argument_checks(rng):
 @pytest.mark.gpu
 def test_impl_none_never_takes_v4(rng, monkeypatch):
     """The defaults are unchanged: impl=None runs v3 (or flash_mma) for plain calls, flash_mma for
-    window / softcap (never v4, which has not run on a GPU), and flash_mma for varlen."""
+    window / softcap (never v4, which has not run on a GPU), and flash_mma for varlen and paged
+    prefill (pages of 16, which v4 takes)."""
     _hopper()
     import cupyattn
 
@@ -380,6 +385,8 @@ def test_impl_none_never_takes_v4(rng, monkeypatch):
     FA.attention(q, k, k)
     (qv, kv, vv), _, cq, ck = _packed(rng, [5, 9], [5, 9], 2, 1, 64, "float16")
     cupyattn.attention_varlen(qv, kv, vv, cq, ck, 9, 9, causal=True)
+    kd, vd, table, *_ = _shuffled_pages(rng, [9, 20], 16, 1, 64, "float16")
+    cupyattn.attention_paged(qv, kd, vd, table, [9, 20], cu_seqlens_q=cq, max_seqlen_q=9, causal=True)
     assert calls == []
 
 
@@ -447,7 +454,6 @@ def test_persistent_instantiations_fit_and_are_built():
         assert d in config.ATTN_WGMMA_TILES and t.smem_bytes(d) <= 227 * 1024 and t.reason
     want = {P._expr(dt, d) for dt in config.MMA_DTYPES for d in config.ATTN_WGMMA_PERSISTENT_TILES}
     assert set(P.SPEC.name_expressions) == want and len(want) == 6
-    assert not config.ATTN_WGMMA_PERSISTENT and config.ATTN_AUTO_WGMMA_SERVING == ()
 
 
 @pytest.mark.skipif(EMULATE, reason="the offline compile check needs the real CuPy and NVRTC")
