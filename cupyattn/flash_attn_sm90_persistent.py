@@ -258,8 +258,9 @@ def run_paged(q, k_pages, v_pages, block_table, seq_lens, cu_q, b, longest, scal
     hq, d = q.shape[1], q.shape[-1]
     n, ps, hkv = k_pages.shape[:3]
     launch("attention_paged", q, paged_ops(q, k_pages, v_pages), out, lse, b=b, hq=hq, hkv=hkv,
-           sq_arg=q.shape[2] if q.ndim == 4 else q.shape[0], sk_arg=0, kv_bytes_per_head=2 * longest * d * q.itemsize, scale=scale, window=window, softcap=softcap,
-           kv_lens=seq_lens, cu_q=cu_q, block_table=block_table, log2_page=ps.bit_length() - 1, num_pages=n)
+           sq_arg=q.shape[2] if q.ndim == 4 else q.shape[0], sk_arg=0, kv_bytes_per_head=2 * longest * d * q.itemsize,
+           scale=scale, window=window, softcap=softcap, kv_lens=seq_lens, cu_q=cu_q, block_table=block_table,
+           log2_page=ps.bit_length() - 1, num_pages=n)
 
 
 def tuning_spec() -> KernelSpec:

@@ -34,8 +34,8 @@ MAX_PAGE_SIZE = PAGED_MAX_PAGE_SIZE
 def _check_pages(fn, q, k_pages, v_pages, block_table, seq_lens, impl, b):
     """q [*, Hq, D]; pages [N, P, Hkv, D] (C-contiguous), table int32 [B, max_pages] on the
     device, seq_lens [B] -> (impl, Hq, Hkv, D, page_size, host seq_lens or None, device
-    seq_lens). ``impl`` None, a flash impl or "wgmma_persistent": checked as attention_varlen's; "auto"/"simt"/"mma": decode's
-    (checked by decode's own checks later)."""
+    seq_lens). ``impl`` None, a flash impl or "wgmma_persistent": checked as attention_varlen's;
+    "auto"/"simt"/"mma": decode's (checked by decode's own checks later)."""
     impl, hq, hkv, d = check_packed(fn, q, k_pages, v_pages, None if impl in ("auto", "simt", "mma") else impl,
                                     "k_pages", "v_pages")
     for name, x in (("k_pages", k_pages), ("v_pages", v_pages)):

@@ -112,17 +112,7 @@ __device__ __forceinline__ void fa3_produce(const TmaMap* map_q, const TmaMap* m
         }
         if (tail) {
             mbar_wait(tail_bar, 0);                       // once per block: parity 0
-            const int first = (keys.kl - n0) * 8;         // 16-byte chunks per box before row kl - n0
-            uint4 zero;
-            zero.x = zero.y = zero.z = zero.w = 0u;
-#pragma unroll
-            for (int c = 0; c < L::BOXES; ++c) {
-                uint4* box = reinterpret_cast<uint4*>(dst + c * L::KV_BOX);
-                for (int i = first + lane; i < BLOCK_N * 8; i += 32) box[i] = zero;
-            }
-            fence_proxy_async_shared();                   // generic stores -> visible to wgmma
-            __syncwarp();
-            if (lane == 0) mbar_arrive(vring.full_bar());
+            fa3_zero_v_rows_and_publish<D, BLOCK_N, STAGES>(dst, keys.kl - n0, vring);
         }
         vring.advance();
     }
@@ -153,12 +143,7 @@ __device__ __forceinline__ void fa3_softmax(float (&s)[BLOCK_N / 2], float (&m)[
                 for (int e = 0; e < 2; ++e) {
                     float& x = s[4 * jj + 2 * r + e];
                     const bool seen = n0 + 8 * jj + 2 * me.t + e < lim;
-                    float y = x * scale_log2;
-                    if (mrow && seen) {                   // a -inf entry hides the key, even a NaN score
-                        const float add = mrow[mask.sk ? 8 * jj + e : 0];
-                        y = add == -CUDART_INF_F ? -CUDART_INF_F : fmaf(add, LOG2E_F, y);
-                    }
-                    x = seen ? y : -CUDART_INF_F;
+                    x = fa3_masked_score(x * scale_log2, mrow, mask.sk ? 8 * jj + e : 0, seen);
                 }
         }
     }
@@ -203,36 +188,21 @@ __device__ __forceinline__ void fa3_consume(unsigned char* smem, StageRing<STAGE
     float s[BLOCK_N / 2], alpha[2];
     unsigned p[BLOCK_N / 16][4];
     if (PINGPONG && cw == 1) named_bar_arrive(1, 256);   // warpgroup 0 takes the first turn
-    // Each branch below is straight-line per tile: ptxas tracks wgmma accumulators path by path,
-    // and a wait that only a correlated branch provides makes it serialise every wgmma (C7514).
+    // Each tile's step is straight-line (fa3_key_step): ptxas tracks wgmma accumulators path by
+    // path, and a wait that only a correlated branch provides makes it serialise every wgmma (C7514).
+    int j = 0;
     if constexpr (OVERLAP) {
         fa3_s_alone<T, D, BLOCK_N, STAGES, PINGPONG>(s, sq, sk, kring, cw, leader);  // tile 0: S_0 alone
         fa3_softmax<BLOCK_N, CAUSAL>(s, m, l, alpha, me, keys, mask, 0, m0, Sq, diag, scale_log2);
         fa3_rescale_and_pack<T, D, BLOCK_N>(o, alpha, s, p);
-        for (int j = 1; j < keys.n_tiles; ++j) {
-            kring.wait();
-            fa3_turn_begin<PINGPONG>(cw);
-            fa3_issue_s<T, D, BLOCK_N>(s, sq, sk + kring.stage * L::KV_BYTES);
-            vring.wait();                                 // P_{j-1} V_{j-1} behind S_j
-            fa3_issue_pv<T, D, BLOCK_N>(o, p, sv + vring.stage * L::KV_BYTES);
-            fa3_turn_end<PINGPONG>(cw);
-            wgmma_wait_group<1>();                        // S_j has retired; P V may still run
-            wgmma_fence_acc(s);
-            if (leader) kring.release(kring.stage);       // K_j read
-            kring.advance();
-            fa3_softmax<BLOCK_N, CAUSAL>(s, m, l, alpha, me, keys, mask, j * BLOCK_N, m0, Sq, diag, scale_log2);
-            fa3_retire_pv<D, BLOCK_N, STAGES>(o, p, vring, leader);  // P_{j-1} V_{j-1}, V_{j-1} read
-            fa3_rescale_and_pack<T, D, BLOCK_N>(o, alpha, s, p);
-        }
-        fa3_pv_alone<T, D, BLOCK_N, STAGES, PINGPONG>(o, p, sv, vring, cw, leader);  // the last tile's
-    } else {
-        for (int j = 0; j < keys.n_tiles; ++j) {
-            fa3_s_alone<T, D, BLOCK_N, STAGES, PINGPONG>(s, sq, sk, kring, cw, leader);  // S_ij = Q_i K_j^T
-            fa3_softmax<BLOCK_N, CAUSAL>(s, m, l, alpha, me, keys, mask, j * BLOCK_N, m0, Sq, diag, scale_log2);
-            fa3_rescale_and_pack<T, D, BLOCK_N>(o, alpha, s, p);
-            fa3_pv_alone<T, D, BLOCK_N, STAGES, PINGPONG>(o, p, sv, vring, cw, leader);  // O_i += P_ij V_j
-        }
+        j = 1;
     }
+    for (; j < keys.n_tiles; ++j)
+        fa3_key_step<T, D, BLOCK_N, STAGES, OVERLAP, PINGPONG>(s, o, p, sq, sk, sv, kring, vring, cw, leader,
+                                                               [&](float (&a)[2]) {
+            fa3_softmax<BLOCK_N, CAUSAL>(s, m, l, a, me, keys, mask, j * BLOCK_N, m0, Sq, diag, scale_log2);
+        });
+    if constexpr (OVERLAP) fa3_pv_alone<T, D, BLOCK_N, STAGES, PINGPONG>(o, p, sv, vring, cw, leader);  // the last P V
 }
 
 // --- epilogue: O_i / l_i rounded to T, straight to global memory; lse ---------------------------

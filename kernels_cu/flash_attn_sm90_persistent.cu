@@ -123,20 +123,10 @@ __device__ __forceinline__ void fa3p_load(const TmaMap* map_q, const TmaMap* map
                 for (int c = 0; c < L::BOXES; ++c)
                     tma_load<4>(dv + lane * rows * 128 + c * L::KV_BOX, map_v, bar, {64 * c, row, hk, outer});
             }
-            if (tail) {                                   // zero V rows k_end - n0 .. of the slot, then publish it
+            if (tail) {                                   // zero V rows v_zero_from - n0 .., then publish
                 mbar_wait(tail_bar, tail_phase);
                 tail_phase ^= 1u;
-                const int first = max(w.v_zero_from - n0, 0) * 8;  // 16-byte chunks per box before that row
-                uint4 zero;
-                zero.x = zero.y = zero.z = zero.w = 0u;
-#pragma unroll
-                for (int c = 0; c < L::BOXES; ++c) {
-                    uint4* box = reinterpret_cast<uint4*>(dv + c * L::KV_BOX);
-                    for (int i = first + lane; i < BLOCK_N * 8; i += 32) box[i] = zero;
-                }
-                fence_proxy_async_shared();               // generic stores -> visible to wgmma
-                __syncwarp();
-                if (lane == 0) mbar_arrive(vring.full_bar());
+                fa3_zero_v_rows_and_publish<D, BLOCK_N, STAGES>(dv, max(w.v_zero_from - n0, 0), vring);
             }
             vring.advance();
         }
@@ -182,12 +172,7 @@ __device__ __forceinline__ void fa3p_softmax(float (&s)[BLOCK_N / 2], float (&m)
                     float& x = s[4 * jj + 2 * r + e];
                     const int j = n0 + 8 * jj + 2 * me.t + e;
                     const bool seen = j >= lo && j < hi;
-                    float y = soft_cap(x * scale_log2, v.softcap_log2);
-                    if (mrow && seen) {                   // a -inf entry hides the key, even a NaN score
-                        const float add = mrow[v.m_sk ? 8 * jj + e : 0];
-                        y = add == -CUDART_INF_F ? -CUDART_INF_F : fmaf(add, LOG2E_F, y);
-                    }
-                    x = seen ? y : -CUDART_INF_F;
+                    x = fa3_masked_score(soft_cap(x * scale_log2, v.softcap_log2), mrow, v.m_sk ? 8 * jj + e : 0, seen);
                 }
         }
     }
@@ -202,40 +187,19 @@ __device__ __forceinline__ void fa3p_softmax(float (&s)[BLOCK_N / 2], float (&m)
 // as soon as the tile's last S has retired, so the producer loads the next Q_i under the last P V.
 // Turns (PINGPONG) carry over from tile to tile: both warpgroups take the same number in each tile,
 // so warpgroup 1's last hand-off of a tile is warpgroup 0's first turn of the next.
-template <typename T, int D, int BLOCK_N, int STAGES, bool PINGPONG, bool MASK>
-__device__ __forceinline__ void fa3p_step_overlap(float (&s)[BLOCK_N / 2], float (&o)[D / 2],
-                                                  unsigned (&p)[BLOCK_N / 16][4], float (&m)[2], float (&l)[2],
-                                                  const unsigned char* sq, const unsigned char* sk, const unsigned char* sv,
-                                                  StageRing<STAGES>& kring, StageRing<STAGES>& vring, int cw, bool leader,
-                                                  Fa3Row me, const Fa3Work& w, const Fa3Vis& v, int n0, float scale_log2) {
-    using L = Fa3Smem<D, BLOCK_N>;
-    float alpha[2];
-    kring.wait();
-    fa3_turn_begin<PINGPONG>(cw);
-    fa3_issue_s<T, D, BLOCK_N>(s, sq, sk + kring.stage * L::KV_BYTES);
-    vring.wait();                                         // P_{j-1} V_{j-1} behind S_j
-    fa3_issue_pv<T, D, BLOCK_N>(o, p, sv + vring.stage * L::KV_BYTES);
-    fa3_turn_end<PINGPONG>(cw);
-    wgmma_wait_group<1>();                                // S_j has retired; P V may still run
-    wgmma_fence_acc(s);
-    if (leader) kring.release(kring.stage);               // K_j read
-    kring.advance();
-    fa3p_softmax<BLOCK_N, MASK>(s, m, l, alpha, me, w, v, n0, scale_log2);
-    fa3_retire_pv<D, BLOCK_N, STAGES>(o, p, vring, leader);  // P_{j-1} V_{j-1}, V_{j-1} read
-    fa3_rescale_and_pack<T, D, BLOCK_N>(o, alpha, s, p);
-}
-
-template <typename T, int D, int BLOCK_N, int STAGES, bool PINGPONG, bool MASK>
-__device__ __forceinline__ void fa3p_step_plain(float (&s)[BLOCK_N / 2], float (&o)[D / 2],
-                                                unsigned (&p)[BLOCK_N / 16][4], float (&m)[2], float (&l)[2],
-                                                const unsigned char* sq, const unsigned char* sk, const unsigned char* sv,
-                                                StageRing<STAGES>& kring, StageRing<STAGES>& vring, int cw, bool leader,
-                                                Fa3Row me, const Fa3Work& w, const Fa3Vis& v, int n0, float scale_log2) {
-    float alpha[2];
-    fa3_s_alone<T, D, BLOCK_N, STAGES, PINGPONG>(s, sq, sk, kring, cw, leader);  // S_ij = Q_i K_j^T
-    fa3p_softmax<BLOCK_N, MASK>(s, m, l, alpha, me, w, v, n0, scale_log2);
-    fa3_rescale_and_pack<T, D, BLOCK_N>(o, alpha, s, p);
-    fa3_pv_alone<T, D, BLOCK_N, STAGES, PINGPONG>(o, p, sv, vring, cw, leader);  // O_i += P_ij V_j
+//
+// One key tile of a run: flash_attn_sm90.cuh fa3_key_step with this kernel's softmax (MASK: the
+// masked or the bulk one) at key n0 = n_lo + j BLOCK_N.
+template <typename T, int D, int BLOCK_N, int STAGES, bool OVERLAP, bool PINGPONG, bool MASK>
+__device__ __forceinline__ void fa3p_step(float (&s)[BLOCK_N / 2], float (&o)[D / 2], unsigned (&p)[BLOCK_N / 16][4],
+                                          float (&m)[2], float (&l)[2], const unsigned char* sq, const unsigned char* sk,
+                                          const unsigned char* sv, StageRing<STAGES>& kring, StageRing<STAGES>& vring,
+                                          int cw, bool leader, Fa3Row me, const Fa3Work& w, const Fa3Vis& v, int n0,
+                                          float scale_log2) {
+    fa3_key_step<T, D, BLOCK_N, STAGES, OVERLAP, PINGPONG>(s, o, p, sq, sk, sv, kring, vring, cw, leader,
+                                                           [&](float (&alpha)[2]) {
+        fa3p_softmax<BLOCK_N, MASK>(s, m, l, alpha, me, w, v, n0, scale_log2);
+    });
 }
 
 template <typename T, int D, int BLOCK_N, int STAGES, bool OVERLAP, bool PINGPONG>
@@ -261,36 +225,25 @@ __device__ __forceinline__ void fa3p_consume(unsigned char* smem, StageRing<STAG
     float s[BLOCK_N / 2];
     unsigned p[BLOCK_N / 16][4];
     int j = 0;
-    if constexpr (OVERLAP) {
+    if constexpr (OVERLAP) {                              // tile 0: S_0 alone, masked softmax, P_0 packed
         float alpha[2];
-        fa3_s_alone<T, D, BLOCK_N, STAGES, PINGPONG>(s, sq, sk, kring, cw, leader);  // tile 0: S_0 alone
+        fa3_s_alone<T, D, BLOCK_N, STAGES, PINGPONG>(s, sq, sk, kring, cw, leader);
         fa3p_softmax<BLOCK_N, true>(s, m, l, alpha, me, w, v, w.n_lo, scale_log2);
         fa3_rescale_and_pack<T, D, BLOCK_N>(o, alpha, s, p);
-        for (j = 1; j < w.j_left; ++j)
-            fa3p_step_overlap<T, D, BLOCK_N, STAGES, PINGPONG, true>(s, o, p, m, l, sq, sk, sv, kring, vring, cw, leader,
-                                                                     me, w, v, w.n_lo + j * BLOCK_N, scale_log2);
-        for (; j < w.j_right; ++j)
-            fa3p_step_overlap<T, D, BLOCK_N, STAGES, PINGPONG, false>(s, o, p, m, l, sq, sk, sv, kring, vring, cw, leader,
-                                                                      me, w, v, w.n_lo + j * BLOCK_N, scale_log2);
-        for (; j < w.n_tiles; ++j)
-            fa3p_step_overlap<T, D, BLOCK_N, STAGES, PINGPONG, true>(s, o, p, m, l, sq, sk, sv, kring, vring, cw, leader,
-                                                                     me, w, v, w.n_lo + j * BLOCK_N, scale_log2);
-        if (leader) qring.release(qring.stage);           // every S of the tile has retired
-        qring.advance();
-        fa3_pv_alone<T, D, BLOCK_N, STAGES, PINGPONG>(o, p, sv, vring, cw, leader);  // the last tile's P V
-    } else {
-        for (; j < w.j_left; ++j)
-            fa3p_step_plain<T, D, BLOCK_N, STAGES, PINGPONG, true>(s, o, p, m, l, sq, sk, sv, kring, vring, cw, leader,
-                                                                   me, w, v, w.n_lo + j * BLOCK_N, scale_log2);
-        for (; j < w.j_right; ++j)
-            fa3p_step_plain<T, D, BLOCK_N, STAGES, PINGPONG, false>(s, o, p, m, l, sq, sk, sv, kring, vring, cw, leader,
-                                                                    me, w, v, w.n_lo + j * BLOCK_N, scale_log2);
-        for (; j < w.n_tiles; ++j)
-            fa3p_step_plain<T, D, BLOCK_N, STAGES, PINGPONG, true>(s, o, p, m, l, sq, sk, sv, kring, vring, cw, leader,
-                                                                   me, w, v, w.n_lo + j * BLOCK_N, scale_log2);
-        if (leader) qring.release(qring.stage);
-        qring.advance();
+        j = 1;
     }
+    for (; j < w.j_left; ++j)
+        fa3p_step<T, D, BLOCK_N, STAGES, OVERLAP, PINGPONG, true>(s, o, p, m, l, sq, sk, sv, kring, vring, cw, leader,
+                                                                  me, w, v, w.n_lo + j * BLOCK_N, scale_log2);
+    for (; j < w.j_right; ++j)
+        fa3p_step<T, D, BLOCK_N, STAGES, OVERLAP, PINGPONG, false>(s, o, p, m, l, sq, sk, sv, kring, vring, cw, leader,
+                                                                   me, w, v, w.n_lo + j * BLOCK_N, scale_log2);
+    for (; j < w.n_tiles; ++j)
+        fa3p_step<T, D, BLOCK_N, STAGES, OVERLAP, PINGPONG, true>(s, o, p, m, l, sq, sk, sv, kring, vring, cw, leader,
+                                                                  me, w, v, w.n_lo + j * BLOCK_N, scale_log2);
+    if (leader) qring.release(qring.stage);               // every S of the tile has retired
+    qring.advance();
+    if constexpr (OVERLAP) fa3_pv_alone<T, D, BLOCK_N, STAGES, PINGPONG>(o, p, sv, vring, cw, leader);  // the last P V
 }
 
 // --- epilogue: O_i / l_i rounded to T, straight to global memory; lse ---------------------------

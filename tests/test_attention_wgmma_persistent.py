@@ -52,6 +52,14 @@ def _counter_is_zero():
         assert int(to_host(c)[0]) == 0
 
 
+def _assert_result(got, lse, out, want, wlse, dtype):
+    """The call returned ``out``, close to the reference, lse too; the tile counter is back at 0."""
+    assert got is out
+    assert_close(got, want, dtype)
+    _assert_lse(to_host(lse), wlse, 2e-3 if dtype == "float16" else 2e-2)
+    _counter_is_zero()
+
+
 def _dense(rng, dtype, b, hq, hkv, sq, sk, d, impl=IMPL, causal=False, window=None, softcap=None, mask=None,
            key_lengths=None, scale=None, q_scale=1.0):
     """attention() against reference.attention, out and lse, on fresh inputs with outliers."""
@@ -63,11 +71,8 @@ def _dense(rng, dtype, b, hq, hkv, sq, sk, d, impl=IMPL, causal=False, window=No
                             return_lse=True, out=out, window=window, softcap=softcap)
     want, wl = ref.attention(qr, kr, vr, causal=causal, scale=scale, mask=None if mask is None else to_host(mask),
                              key_lengths=key_lengths, return_lse=True, window=window, softcap=softcap)
-    assert got is out
-    assert_close(got, want, dtype)
-    assert np.all(to_host(got)[~np.isfinite(wl)] == 0.0)
-    _assert_lse(to_host(lse), wl, 2e-3 if dtype == "float16" else 2e-2)
-    _counter_is_zero()
+    _assert_result(got, lse, out, want, wl, dtype)
+    assert np.all(to_host(got)[~np.isfinite(wl)] == 0.0)   # rows that see no key: zeros
     return got
 
 
@@ -208,10 +213,7 @@ def test_varlen(rng, grid, dtype, d, hq, hkv, causal, window, softcap):
         out = nan_like(q.shape, dtype)
         got, lse = cupyattn.attention_varlen(q, k, v, *cu, max(lens_q), max(lens_k), causal=causal, window=window,
                                              softcap=softcap, return_lse=True, out=out, impl=IMPL)
-        assert got is out
-        assert_close(got, want, dtype)
-        _assert_lse(to_host(lse), wlse, 2e-3 if dtype == "float16" else 2e-2)
-        _counter_is_zero()
+        _assert_result(got, lse, out, want, wlse, dtype)
 
 
 @pytest.mark.gpu
@@ -276,10 +278,7 @@ def test_paged_packed_queries(rng, grid, page_size, d, dtype):
         got, lse = cupyattn.attention_paged(q, kd, vd, table, lens, cu_seqlens_q=cu, max_seqlen_q=max(new),
                                             causal=True, window=window, softcap=softcap, return_lse=True, out=out,
                                             impl=IMPL)
-        assert got is out
-        assert_close(got, want, dtype)
-        _assert_lse(to_host(lse), wlse, 2e-3 if dtype == "float16" else 2e-2)
-        _counter_is_zero()
+        _assert_result(got, lse, out, want, wlse, dtype)
 
 
 @pytest.mark.gpu
