@@ -245,7 +245,7 @@ def shallow_rings(compact: bool = False):
 
     fit, tile, fa_tile = decode._fit, gemm._mma_tile, flash_attn._tile
 
-    def small_fit(impl, dtype, d, t, m_tiles, limit, explicit=False):
+    def small_fit(impl, dtype, d, t, m_tiles, limit, explicit=False, staged=False):
         c = cfg.DECODE_MMA_SMALL_SMEM_TILES.get((d, m_tiles))
         if compact and explicit and impl == "mma" and c in decode.mma_tiles(dtype, d, m_tiles):
             return c
