@@ -383,7 +383,8 @@ def _launch(q, cache, layer, scale, num_splits, out, plan, workspace=None, combi
     split partials in ``workspace``, for tests; ``fused_combine``: the decode kernel's last split
     block merges, counted on ``workspace[2]``, and nothing else is launched). ``sv``: Serving
     arguments (the plan must be a serving one); ``split_keys``: 0 for uniform chunks, else the
-    per-sequence chunk length (schedule). ``cache`` may be any object with the KVCache
+    per-sequence chunk length (schedule; a serving plan only, serving_plan(per_sequence=True)).
+    ``cache`` may be any object with the KVCache
     attributes used here (cupyattn.paged passes its pages that way)."""
     b, hq, d = q.shape[0], q.shape[1], q.shape[-1]
     hkv = cache.num_kv_heads
@@ -477,7 +478,8 @@ def decode_attention(q, cache, layer, scale=None, num_splits=None, out=None, wor
     layer, b, hq, d, scale, num_splits, plan = _check_args(fn, q, cache, layer, scale, num_splits, out, impl)
     rule = check_split_rule(fn, split_rule)
     fused_combine = rule == "waves" if fused_combine is None else _checks.check_bool(fn, "fused_combine", fused_combine)
-    sv, plan = serving_plan(fn, window, softcap, impl, q.dtype, d, hq // cache.num_kv_heads, plan)
+    sv, plan = serving_plan(fn, window, softcap, impl, q.dtype, d, hq // cache.num_kv_heads, plan,
+                            per_sequence=rule == "waves")
     num_splits, split_keys = schedule(rule, plan, b, cache.num_kv_heads, cache.host_lengths[layer], num_splits,
                                       sv.win_left if sv else -1)
     if workspace is not None:
@@ -490,14 +492,16 @@ def decode_attention(q, cache, layer, scale=None, num_splits=None, out=None, wor
                    split_keys=split_keys)
 
 
-def serving_plan(fn, window, softcap, impl, dtype, d, group, plan, **paged):
+def serving_plan(fn, window, softcap, impl, dtype, d, group, plan, per_sequence=False, **paged):
     """Window / softcap / paging -> (Serving or None, the plan to launch). ``paged``: Serving's
-    block-table fields; with a block table and config.DECODE_PAGE_STAGING the staged variant."""
+    block-table fields; with a block table and config.DECODE_PAGE_STAGING the staged variant.
+    ``per_sequence`` (the "waves" rule): the serving variant in any case, since only the serving
+    kernels split per sequence (decode.cu SeqSplit); the plain ones stay as measured."""
     from .flash_attn import check_window_softcap
 
     (left, _), cap = check_window_softcap(fn, window, softcap, False)
     sv = Serving(win_left=left, softcap=cap, **paged)
-    if not sv.active:
+    if not sv.active and not per_sequence:
         return None, plan
     staged = sv.block_table is not None and bool(config.DECODE_PAGE_STAGING)
     if isinstance(plan, _Plan):  # the device's choice (impl, tile fitted to its shared memory), serving variant

@@ -111,8 +111,9 @@ def decode_attention_paged(q, k_pages, v_pages, block_table, seq_lens, scale=Non
     out : cupy.ndarray [B, Hq, D], optional
     impl : {"auto", "simt", "mma"}
         As decode_attention.
-    max_seq_len : int, optional
-        Upper bound of seq_lens for the split rule when they are on the device.
+    max_seq_len : int or B host ints, optional
+        Upper bound of seq_lens for the split rule when they are on the device (one for all, or
+        one per sequence: the "waves" rule sizes each sequence's splits by its own).
     workspace : (o_part, lse_part) or (o_part, lse_part, counters), optional
         Split-KV partials (and the fused combine's counters) as :func:`cupyattn.decode_attention`
         takes them (float32 ``[S, B, Hq, D]`` and ``[S, B, Hq]``, ``S >= num_splits``; uint32
@@ -155,10 +156,9 @@ def _decode_paged(fn, q, k_pages, v_pages, block_table, seq_lens, scale, window,
         check_out(fn, out, (b, hq, d), q.dtype)
         _checks.check_no_overlap(fn, out, {"q": q, "k_pages": k_pages, "v_pages": v_pages,
                                            "block_table": block_table, "seq_lens": seq_lens})
-    # the split rule's lengths: host seq_lens, else the caller's bound, else the capacity
-    bound = None if max_seq_len is None else _checks.check_int(fn, "max_seq_len", max_seq_len, 0)
+    # the split rule's lengths: host seq_lens, else the caller's bounds, else the capacity
     if host is None:
-        host = host_lens if host_lens is not None else [stand_in.max_seq if bound is None else bound] * b
+        host = host_lens if host_lens is not None else _bounds(fn, max_seq_len, b, stand_in.max_seq)
     sv, plan = serving_plan(fn, window, softcap, impl, q.dtype, d, hq // hkv, plan, block_table=block_table,
                             log2_page=ps.bit_length() - 1, num_pages=k_pages.shape[0], layout=layout)
     num_splits, split_keys = schedule(rule, plan, b, hkv, host, num_splits, sv.win_left)
@@ -169,6 +169,17 @@ def _decode_paged(fn, q, k_pages, v_pages, block_table, seq_lens, scale, window,
         return out
     return _launch(q, stand_in, 0, scale, num_splits, out, plan, workspace, fused_combine=fused_combine, sv=sv,
                    split_keys=split_keys)
+
+
+def _bounds(fn, max_seq_len, b, capacity):
+    """max_seq_len (None: the capacity; an int; or b host ints >= 0) as b lengths for the split rule."""
+    if max_seq_len is None:
+        return [capacity] * b
+    if isinstance(max_seq_len, (list, tuple, np.ndarray)):
+        if len(max_seq_len) != b:
+            raise ValueError(f"{fn}(): max_seq_len has {len(max_seq_len)} entries, expected one per sequence ({b})")
+        return [_checks.check_int(fn, f"max_seq_len[{i}]", n, 0) for i, n in enumerate(max_seq_len)]
+    return [_checks.check_int(fn, "max_seq_len", max_seq_len, 0)] * b
 
 
 def attention_paged(q, k_pages, v_pages, block_table, seq_lens, cu_seqlens_q=None, max_seqlen_q=None, causal=False,

@@ -36,7 +36,8 @@
 // Split-KV chunking (SeqSplit). Uniform (split_keys = 0; the same as
 // reference.decode_split_partials): a sequence of live length len has splits = num_splits chunks
 // of ceil(len / splits) keys, split c covering [c*chunk, min((c+1)*chunk, len)). Per sequence
-// (split_keys > 0, the "waves" rule of cupyattn/decode.py): splits = min(num_splits,
+// (SERVING variants only, split_keys > 0: the "waves" rule of cupyattn/decode.py, which launches
+// them for any cache; the plain kernels keep the code the H100 measured): splits = min(num_splits,
 // ceil(len / split_keys)) and chunk = ceil(len / splits), so a short sequence of a ragged batch
 // takes few blocks and a long one many, all of about split_keys keys; the blocks of splits past a
 // sequence's count leave at once, and a sequence of one split writes out directly. A chunk may be

@@ -564,6 +564,9 @@ def test_benchmark_rows_paged_decode_and_varlen(tmp_path, monkeypatch, capsys):
         monkeypatch.setattr(timing, "measure_ceilings", lambda **kw: {"copy_gbps": 1.0, "gemm_tflops": 1.0})
     for argv, impls in ((["decode", "--B", "2", "--H", "8", "--Hkv", "2", "--Sk", "256", "--D", "32"],
                          ("split-kv", "paged-16", "paged-1", "paged-256")),
+                        # a ragged batch (lengths 128 .. 256 from seed 5) through the opt-in paths (issue 39)
+                        (["decode", "--B", "3", "--H", "8", "--Hkv", "2", "--Sk", "256", "--D", "32", "--ragged", "5"],
+                         ("split-kv-waves", "naive", "paged-staged-16", "paged-hnd-1", "paged-hnd-waves-16")),
                         (["attention", "--B", "2", "--H", "4", "--Hkv", "2", "--Sq", "33", "--D", "32", "--causal"],
                          ("flash", "varlen"))):
         out = tmp_path / f"{argv[0]}.json"
