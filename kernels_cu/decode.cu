@@ -175,8 +175,8 @@ struct KvStream {
             unsigned char* slot = ring + u % STAGES * SLOT_BYTES;
             if (STAGED) {
                 const int tpw = pw.tiles_per_win(), w = u / tpw;
-                const StagedRows<T> kr{kg.base, kg.stride, kg.page_stride, pw.ids, pw.idx0(w), kg.log2_page};
-                const StagedRows<T> vr{vg.base, vg.stride, vg.page_stride, pw.ids, pw.idx0(w), vg.log2_page};
+                const StagedRows<T> kr{kg.base, kg.stride, pw.ids, pw.idx0(w), kg.log2_page, kg.page_rows};
+                const StagedRows<T> vr{vg.base, vg.stride, pw.ids, pw.idx0(w), vg.log2_page, vg.page_rows};
                 load_kv_tile<T, D, BN, PITCH, NT>(slot, kr, vr, lo + u * BN, hi);
                 if (w >= 1 && u == w * tpw) {
                     pw.fetch(w + 1, pend);

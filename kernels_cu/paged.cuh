@@ -4,12 +4,13 @@
 //   KvRows<T, PAGED>   where key j of one (sequence, kv head) lives: contiguous rows (PAGED = false,
 //                      or a null table) base + j * stride, or through a block table
 //                      (flash_attn_with_kvcache's convention, page_size a power of 2):
-//                      base + table[j / page] * page_stride + (j % page) * stride
+//                      base + (table[j / page] * page_rows + j % page) * stride
 //   Page layouts       NHD pages [num_pages, page_size, Hkv, D] (vLLM, flash-attention: one head's
 //                      rows Hkv * D apart) or HND pages [num_pages, Hkv, page_size, D] (FlashInfer's
 //                      kv_layout="HND": one head's rows of a page contiguous). A page holds
-//                      page_size * Hkv * D elements either way (page_stride); the layouts differ in
-//                      the row stride and the kv head's offset inside a page (paged_rows)
+//                      page_size * Hkv * D elements either way: page_rows = page_size rows of
+//                      stride Hkv * D (NHD) or Hkv * page_size rows of stride D (HND); the layouts
+//                      also differ in the kv head's offset inside a page (paged_rows)
 //   PageWindow         the page ids of one decode split's keys staged in shared memory before
 //                      its K/V ring needs them (decode.cu STAGED): a row address is then a shared
 //                      read, a shift and a multiply-add, with no global load in front of its copy
@@ -29,13 +30,14 @@ struct KvRows {
     const int* table;       // block-table row of the sequence (PAGED only; null: contiguous)
     int log2_page;          // log2(page_size)
     int max_page;           // num_pages - 1
-    long long page_stride;  // elements between pages: page_size * Hkv * D (paged only)
+    int page_rows;          // rows of `stride` elements from one page to the next (paged only)
     __device__ __forceinline__ const T* row(int j) const {
+        long long p = j;
         if (PAGED && table != nullptr) {
             const int pg = min(max(table[j >> log2_page], 0), max_page);
-            return base + pg * page_stride + (long long)(j & ((1 << log2_page) - 1)) * stride;
+            p = (long long)pg * page_rows + (j & ((1 << log2_page) - 1));
         }
-        return base + (long long)j * stride;
+        return base + p * stride;
     }
 };
 
@@ -44,11 +46,10 @@ struct KvRows {
 template <typename T, bool PAGED>
 __device__ __forceinline__ KvRows<T, PAGED> paged_rows(const T* pages, const int* table, int hk, int Hkv, int D,
                                                        int log2_page, int num_pages, int hnd) {
-    const long long page_stride = ((long long)Hkv * D) << log2_page;
     return hnd ? KvRows<T, PAGED>{pages + ((long long)hk * D << log2_page), D, table, log2_page, num_pages - 1,
-                                  page_stride}
+                                  Hkv << log2_page}
                : KvRows<T, PAGED>{pages + (long long)hk * D, (long long)Hkv * D, table, log2_page, num_pages - 1,
-                                  page_stride};
+                                  1 << log2_page};
 }
 
 // The page ids of keys [lo, hi) of one sequence, staged in shared memory a window at a time.
@@ -102,12 +103,12 @@ struct PageWindow {
 template <typename T>
 struct StagedRows {
     const T* base;           // the kv head's row 0 in page 0 (KvRows::base)
-    long long stride, page_stride;
+    long long stride;
     const int* ids;          // PageWindow::ids
-    int idx0, log2_page;
+    int idx0, log2_page, page_rows;
     __device__ __forceinline__ const T* row(int j) const {
         const int pg = ids[idx0 + (j >> log2_page)];
-        return base + pg * page_stride + (long long)(j & ((1 << log2_page) - 1)) * stride;
+        return base + ((long long)pg * page_rows + (j & ((1 << log2_page) - 1))) * stride;
     }
 };
 
