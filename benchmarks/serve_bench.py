@@ -22,22 +22,15 @@ from __future__ import annotations
 
 import statistics
 import time
-import traceback
 
 from . import hf_peer, peers
 from .cases import free_memory
-from .model_bench import load_model, prompt_ids
-from .report import new_record
+from .model_bench import prompt_ids, record_error, start_case
 from .specs import roofline_pct
 
 SERVE_IMPLS = ("tinylm-serve", "tinylm-serve-opt-in")
 # config.py switches of the opt-in run (their defaults stay until a GPU run measures them)
 OPT_IN = {"PAGED_DEFAULT_LAYOUT": "HND", "DECODE_PAGE_STAGING": True, "DECODE_SPLIT_RULE": "waves"}
-
-
-def _one_line(e):
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"[:200]
 
 
 def _fill(rec, runs, weight_bytes, ceilings):
@@ -124,14 +117,10 @@ def run_serve_case(case, impls, opts, ceilings, log) -> list[dict]:
     """Records of one serve case (``case.p['batch']`` slots) for ``impls`` (SERVE_IMPLS and the HF peer)."""
     p = case.p
     slots, n = p["batch"], p["new_tokens"]
-    recs = {name: new_record(case, name, "peer" if name in peers.PEERS["model"] else "ours") for name in impls}
-    try:
-        args, weights, tok, source = load_model(p["model"], opts.seed)
-    except Exception as e:
-        for r in recs.values():
-            r["status"] = f"skipped: {_one_line(e)}"
-        log(f"skipping model {p['model']}: {_one_line(e)}")
+    recs, loaded = start_case(case, impls, opts, log)
+    if loaded is None:
         return list(recs.values())
+    args, weights, tok, source = loaded
     prompts = [prompt_ids(tok, args.vocab_size, p["prompt_len"], opts.seed, i) for i in range(2 * slots)]
     ours_ids = None
     for name in impls:
@@ -142,14 +131,8 @@ def run_serve_case(case, impls, opts, ceilings, log) -> list[dict]:
                 ours_ids = ours_ids or ids
             else:
                 _run_hf(rec, args, weights, prompts, n, slots, ours_ids, opts, ceilings)
-        except peers.PeerUnavailable as e:
-            rec["status"] = f"skipped: {e}"
-            log(f"{case.name} / {name}: skipped ({e})")
-        except Exception as e:
-            rec["status"] = "oom" if "OutOfMemory" in type(e).__name__ else f"error: {_one_line(e)}"
-            log(f"{case.name} / {name}: {rec['status']}")
-            if opts.debug:
-                log(traceback.format_exc())
+        except Exception as e:  # an impl failing must not end the run
+            record_error(rec, f"{case.name} / {name}", e, opts, log)
         finally:
             free_memory()
     return list(recs.values())

@@ -87,12 +87,18 @@ __device__ __forceinline__ void chunk_to_float(const uint4& u, float (&f)[8], __
 // chunking rules in the header). win_left: the window's left bound (-1 unbounded).
 struct SeqSplit {
     int start, len, splits;
+    bool per_seq;
     __device__ __forceinline__ SeqSplit(const int* lengths, int b, int max_seq, int win_left, int num_splits,
                                         int split_keys) {
         len = min(max(lengths[b], 0), max_seq);
         start = win_left >= 0 ? max(len - 1 - win_left, 0) : 0;
         const int n = len - start;
-        splits = split_keys > 0 ? min(num_splits, n > 0 ? (n - 1) / split_keys + 1 : 1) : num_splits;
+        per_seq = split_keys > 0;
+        splits = per_seq ? min(num_splits, n > 0 ? (n - 1) / split_keys + 1 : 1) : num_splits;
+    }
+    // whether a block of a launch that writes split partials writes them (else: out directly)
+    __device__ __forceinline__ bool partials(int write_partials) const {
+        return write_partials && (!per_seq || splits > 1);
     }
     // keys [lo, hi) of split c (c < splits)
     __device__ __forceinline__ void range(int c, int& lo, int& hi) const {
@@ -124,7 +130,8 @@ __device__ __forceinline__ void load_kv_tile(unsigned char* slot, const Rows& kr
 // head kvh; kg, vg: its rows ([max_seq, D] of the contiguous cache, or pages through the block
 // table: SERVING). STAGED: the rows' page ids come from a PageWindow of PW_CAP entries per buffer,
 // enough for the STAGES - 1 tiles in flight at page size 1 (so windows 0 and 1 cover every tile
-// of the prologue); the block-table row is read only by PageWindow::fetch. Use: construct, leave
+// of the prologue), in static shared memory of start(); the block-table row is read only by
+// PageWindow::fetch. Use: construct, leave
 // if the split has no work, start() (the prologue: tiles 0 .. STAGES-2 in flight, one commit
 // group each, empty past the end), then per iteration t publish() before the barrier and
 // issue(ring, t + STAGES - 1) after it.
@@ -154,7 +161,8 @@ struct KvStream {
         }
     }
     // STAGED (the host launches it with a block table only): windows 0 and 1 staged, one barrier
-    __device__ __forceinline__ void start(unsigned char* ring, int* ids_s) {
+    __device__ __forceinline__ void start(unsigned char* ring) {
+        __shared__ int ids_s[STAGED ? 2 * PW_CAP : 1];  // PageWindow buffers [2][PW_CAP] (STAGED)
         if (STAGED) {
             pw.init(ids_s, kg.table, lo, hi, kg.log2_page, kg.max_page + 1);
             int r0[PW::PER_THREAD], r1[PW::PER_THREAD];
@@ -341,17 +349,14 @@ __global__ void __launch_bounds__(NT, (resident_min_blocks<MINB, STAGES * 2 * BN
     const int g_tile = min(GT, G - ht * GT);               // heads in this tile (>= 1)
     const int h0 = kvh * G + ht * GT;                      // first query head of the tile
 
-    // this split's keys (a split past the sequence's count has none: the block leaves); tiles
-    // 0 .. STAGES-2 in flight before anything else
-    const int seq_keys = SERVING ? split_keys : 0;         // per-sequence splits: serving variants only
-    const SeqSplit sp(lengths, b, max_seq, SERVING ? win_left : -1, num_splits, seq_keys);
+    // this split's keys (per-sequence splits, serving variants only: a split past the sequence's
+    // count has none and leaves); tiles 0 .. STAGES-2 in flight before anything else
+    const SeqSplit sp(lengths, b, max_seq, SERVING ? win_left : -1, num_splits, SERVING ? split_keys : 0);
     if (SERVING && split >= sp.splits) return;  // (plain launches have sp.splits = gridDim.x)
-    const bool partials = write_partials && (seq_keys == 0 || sp.splits > 1);  // else: out directly
-    using Stream = KvStream<T, D, BN, PITCH, NT, STAGES, SERVING, STAGED>;
-    Stream kv(k_cache, v_cache, sp, split, b, kvh, Hkv, max_seq, block_table, bt_stride, log2_page, num_pages,
-              page_hnd);
-    __shared__ int page_ids[STAGED ? 2 * Stream::PW_CAP : 1];  // PageWindow buffers (STAGED)
-    kv.start(ring, page_ids);
+    const bool partials = sp.partials(write_partials);
+    KvStream<T, D, BN, PITCH, NT, STAGES, SERVING, STAGED> kv(k_cache, v_cache, sp, split, b, kvh, Hkv, max_seq,
+                                                              block_table, bt_stride, log2_page, num_pages, page_hnd);
+    kv.start(ring);
     const int lo = kv.lo, hi = kv.hi, ntiles = kv.ntiles;
 
     // q tile -> smem, pre-scaled (made visible by the first tile's barrier)
@@ -581,16 +586,13 @@ __global__ void __launch_bounds__(WARPS * 32, (resident_min_blocks<MINB, STAGES 
     const int g_tile = min(ROWS, G - ht * ROWS);
     const int h0 = kvh * G + ht * ROWS;
 
-    // this split's keys (none past the sequence's split count); tiles 0 .. STAGES-2 in flight first
-    const int seq_keys = SERVING ? split_keys : 0;         // per-sequence splits: serving variants only
-    const SeqSplit sp(lengths, b, max_seq, SERVING ? win_left : -1, num_splits, seq_keys);
-    if (SERVING && split >= sp.splits) return;  // (plain launches have sp.splits = gridDim.x)
-    const bool partials = write_partials && (seq_keys == 0 || sp.splits > 1);  // else: out directly
-    using Stream = KvStream<T, D, BN, PITCH, NT, STAGES, SERVING, STAGED>;
-    Stream kv(k_cache, v_cache, sp, split, b, kvh, Hkv, max_seq, block_table, bt_stride, log2_page, num_pages,
-              page_hnd);
-    __shared__ int page_ids[STAGED ? 2 * Stream::PW_CAP : 1];  // PageWindow buffers (STAGED)
-    kv.start(ring, page_ids);
+    // this split's keys, as the SIMT kernel's; tiles 0 .. STAGES-2 in flight first
+    const SeqSplit sp(lengths, b, max_seq, SERVING ? win_left : -1, num_splits, SERVING ? split_keys : 0);
+    if (SERVING && split >= sp.splits) return;
+    const bool partials = sp.partials(write_partials);  // else: this block writes out itself
+    KvStream<T, D, BN, PITCH, NT, STAGES, SERVING, STAGED> kv(k_cache, v_cache, sp, split, b, kvh, Hkv, max_seq,
+                                                              block_table, bt_stride, log2_page, num_pages, page_hnd);
+    kv.start(ring);
     const int lo = kv.lo, hi = kv.hi, ntiles = kv.ntiles;
 
     // q tile -> smem; padded rows are zeros. Negation is exact, so c = |scale| log2(e) >= 0.
