@@ -1,4 +1,5 @@
-"""`python -m cupyattn check [--json] [--only SPEC]`: offline compile check (no GPU needed)."""
+"""`python -m cupyattn check [--json] [--only SPEC]`: offline compile check (no GPU needed).
+`python -m cupyattn options`: the table of options by kernel path (docs/options.md), as markdown."""
 import sys
 
 
@@ -12,7 +13,12 @@ def main(argv=None) -> int:
         from ._compile_check import main as check_main
 
         return check_main(rest)
-    print(f"unknown command {cmd!r}; try: python -m cupyattn check", file=sys.stderr)
+    if cmd == "options":
+        from .options import markdown
+
+        sys.stdout.write(markdown())
+        return 0
+    print(f"unknown command {cmd!r}; try: python -m cupyattn check | options", file=sys.stderr)
     return 2
 
 

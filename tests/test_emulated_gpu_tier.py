@@ -119,9 +119,11 @@ def test_gpu_tier_passes_on_the_cpu_emulator(capsys):
 # impls the device cannot run skip there (conftest.skip_unless_device_runs) and are covered by
 # test_gpu_families.py's error tests.
 SM75_FILES = ("test_ptx.py", "test_gpu_families.py", "test_attention.py", "test_decode.py", "test_gemm.py",
-              "test_softmax.py", "test_layers.py", "test_tinylm_gpu.py")
+              "test_softmax.py", "test_layers.py", "test_tinylm_gpu.py", "test_options_matrix.py")
 SM75_SELECT = " or ".join((
     "test_ldmatrix", "test_mma_m16n8k16", "test_cp_async", "test_gpu_families",
+    # every path x option (issue 42): what the dispatch and an explicit impl= run on Turing
+    "test_every_option_on_every_path",
     # fp16 flash_mma on two m16n8k8 per k-step, every tile sm_75 takes (config: the 32-key tiles at
     # D = 96, 128; D = 256 skips, naming its minimum); the SIMT kernel
     "(test_gpu_flash_mma_every_tile_entry and float16 and not bfloat16)",
@@ -147,6 +149,17 @@ def test_default_paths_pass_on_an_emulated_sm75(capsys):
     _run_emulated("emulated sm_75", ["-m", "gpu and not emu_slow", "-k", SM75_SELECT,
                                      *(str(ROOT / "tests" / f) for f in SM75_FILES)],
                   {"CUPYATTN_EMU_ARCH": "75"}, capsys)
+
+
+# (issue 42) An emulated A100 (compute capability 8.0, 163 KB per block): the paths x options matrix
+# only (every other sm_80 path is sm_90's minus wgmma, which the emulated GPU tier runs), so the
+# family between Turing's fallbacks and Hopper's wgmma dispatch meets every option too.
+@pytest.mark.skipif(EMULATE or HAS_GPU, reason="already emulating, or a real GPU runs the GPU tier")
+@pytest.mark.skipif(shutil.which("g++") is None, reason="the CPU emulator needs g++")
+def test_options_matrix_passes_on_an_emulated_sm80(capsys):
+    _run_emulated("emulated sm_80", ["-m", "gpu and not emu_slow", "-k", "test_every_option_on_every_path",
+                                     str(ROOT / "tests" / "test_options_matrix.py")],
+                  {"CUPYATTN_EMU_ARCH": "80"}, capsys)
 
 
 # (issue 24) An emulated B200 (compute capability 10.0, kernels built with __CUDA_ARCH__ 1000): the
