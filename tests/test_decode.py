@@ -544,6 +544,29 @@ def test_decode_waves_rule_splits_per_sequence(backend, rng, impl, dtype, fused)
                       split_rule="waves", fused_combine=fused)
 
 
+# (batch, kv heads, group, lengths): GQA with a ragged pair, many kv heads at the 256-key split
+# minimum, MQA over one long sequence, MQA over a ragged batch with empty and one-key sequences
+WAVE_SHAPES = [(2, 2, 4, [1100, 40]), (3, 4, 1, [513, 512, 256]), (1, 1, 8, [1500]), (5, 1, 2, [1, 600, 0, 1100, 300])]
+
+
+@pytest.mark.parametrize("sms,b,hkv,group,lengths", [
+    pytest.param(sms, *s, id=f"{sms or 'device'}-sms-B{s[0]}-kv{s[1]}-g{s[2]}") for sms in (None, 4) for s in WAVE_SHAPES])
+def test_decode_waves_rule_over_batch_heads_lengths(backend, rng, monkeypatch, sms, b, hkv, group, lengths):
+    """The "waves" rule's own split count (num_splits=None) over a range of (batch, kv heads,
+    length), on the device's SMs and on 4 (so that blocks, not SMs, are scarce and the count
+    changes): fp16 through impl="auto" (mma from a group of 4) and the SIMT kernel, against the
+    float64 reference. Each shape here is one the rule splits (asserted), so partials, per-
+    sequence chunk counts and the fused combine all run."""
+    if sms is not None:
+        monkeypatch.setattr(decode, "_sm_count", lambda: sms)
+    plan = decode._plan("auto", np.float16, 32, group)
+    s, keys = decode.schedule("waves", plan, b, hkv, lengths)
+    assert s > 1 and keys < max(lengths), (s, keys)  # the longest sequence is split
+    for impl in ("auto", "simt"):
+        _check_decode(backend, rng, "float16", lengths, hkv=hkv, group=group, d=32, splits=None, impl=impl,
+                      split_rule="waves")
+
+
 @pytest.mark.parametrize("impl,dtype", [("simt", "float32"), ("mma", "float16")])
 @pytest.mark.parametrize("splits", [1, 3])
 def test_decode_visible_nan_poisons_only_its_rows(backend, rng, impl, dtype, splits):

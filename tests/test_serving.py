@@ -392,6 +392,36 @@ def test_decode_paged_layouts_staged_and_waves(rng, staging, dtype, page_size, l
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [1, 16, 256])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_decode_paged_mqa_staged_and_waves(rng, staging, layout, page_size):
+    """MQA (16 query heads on one kv head: the mma kernel serves the whole group from each K/V
+    tile) over shuffled pages in either layout, fp16, both kernels: page ids staged under the
+    "waves" rule's own count (the 530-key sequence split, the others one block each), a fixed
+    count with a window, softcap and the separate combine, and per-row page ids with softcap."""
+    import cupyattn
+
+    lens, hq, hkv, dt = [530, 17, 0, 97], 16, 1, "float16"
+    kd, vd, table, kh, vh, th = _shuffled_pages(rng, lens, page_size, hkv, HEAD_DIM, dt, layout=layout)
+    q, qh = to_device(rand_with_outliers(rng, (len(lens), hq, HEAD_DIM)), dt)
+    runs = [  # (staged, window, softcap, keyword arguments)
+        (True, None, None, dict(split_rule="waves")),
+        (True, (200, -1), 3.0, dict(split_rule="waves", num_splits=3, fused_combine=False)),
+        (False, None, 2.0, dict(split_rule="waves", num_splits=2)),
+    ]
+    for staged, window, softcap, kw in runs:
+        staging(staged)
+        want = ref.decode_attention_paged(qh, kh, vh, th, lens, window=window, softcap=softcap)
+        for impl in _decode_impls(dt, hq // hkv):
+            out = nan_like((len(lens), hq, HEAD_DIM), dt)
+            got = cupyattn.decode_attention_paged(q, kd, vd, table, lens, window=window, softcap=softcap, impl=impl,
+                                                  out=out, layout=layout, **kw)
+            assert got is out
+            assert_close(got, want, dt)
+            assert np.all(to_host(got)[2] == 0)  # the empty sequence
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_window_softcap_contiguous_cache(rng, dtype):
     import cupyattn
