@@ -20,6 +20,9 @@
 // model makes cumulative). Fence-SC order (two fence.sc seeing each other without a flag between
 // them) is not modelled: a fence acquires only releases its block observed.
 #pragma once
+#include <signal.h>
+#include <sys/mman.h>
+#include <unistd.h>
 #include <unordered_map>
 
 constexpr unsigned char EMU_GM_POISON = 0xFF;
@@ -58,12 +61,76 @@ struct EmuGm {
     size_t bytes = 0;
     std::vector<unsigned char> latest;  // each byte's last write (coherence order's end)
     std::vector<unsigned> wblk, wrel;   // who wrote it in this launch (0: nobody) and which release published it
+    std::vector<size_t> written;        // the bytes written in this launch (wblk != 0), in first-write order
     std::unordered_map<size_t, EmuClock> sync;  // per location of strong writes: the releases they carried
     std::vector<EmuGmView> views;       // per slot
     int cur = -1;                       // the slot whose view is in memory
     unsigned long long gen = 0;         // bumped by strong writes: wakes threads parked on global values
 };
 inline EmuGm emu_gm;
+
+// --- which pages the running block wrote (TreadMarks' twins, with mprotect) -------------------------
+// The regions' pages are read-only while a block runs; its first store to one faults, the handler
+// makes the page writable and notes it, and a capture compares only the noted pages against the
+// block's view (its twin), then makes them read-only again. A launch that writes a few rows of a
+// large array (a KV cache) costs what it writes, not the array's size, at every fence.
+struct EmuGmPages {
+    uintptr_t size = 4096;
+    std::vector<std::pair<uintptr_t, uintptr_t>> spans;  // page-aligned [lo, hi) over the regions, merged
+    uintptr_t* dirty = nullptr;         // pages written since the last capture: mmap'd, so the handler's
+    size_t ndirty = 0, cap = 0;         // own stores never land on a page it watches
+    struct sigaction saved;             // the SIGSEGV handler before this launch
+};
+inline EmuGmPages emu_gm_pages;
+inline void emu_gm_protect(bool read_only) {
+    for (const auto& [lo, hi] : emu_gm_pages.spans)
+        mprotect(reinterpret_cast<void*>(lo), hi - lo, read_only ? PROT_READ : PROT_READ | PROT_WRITE);
+}
+inline void emu_gm_on_fault(int, siginfo_t* si, void*) {
+    EmuGmPages& p = emu_gm_pages;
+    const uintptr_t a = reinterpret_cast<uintptr_t>(si->si_addr);
+    for (const auto& [lo, hi] : p.spans)
+        if (a >= lo && a < hi && p.ndirty < p.cap) {
+            const uintptr_t page = a & ~(p.size - 1);
+            mprotect(reinterpret_cast<void*>(page), p.size, PROT_READ | PROT_WRITE);
+            p.dirty[p.ndirty++] = page;
+            return;
+        }
+    sigaction(SIGSEGV, &p.saved, nullptr);  // not ours: the store faults again, under the handler before ours
+}
+inline void emu_gm_pages_begin() {
+    EmuGmPages& p = emu_gm_pages;
+    p.size = (uintptr_t)sysconf(_SC_PAGESIZE);
+    p.spans.clear();
+    for (const EmuGmRegion& r : emu_gm.regions) {
+        const uintptr_t lo = reinterpret_cast<uintptr_t>(r.base) & ~(p.size - 1);
+        const uintptr_t hi = (reinterpret_cast<uintptr_t>(r.base) + r.size + p.size - 1) & ~(p.size - 1);
+        if (!p.spans.empty() && lo <= p.spans.back().second) p.spans.back().second = std::max(p.spans.back().second, hi);
+        else p.spans.push_back({lo, hi});
+    }
+    size_t pages = 0;
+    for (const auto& [lo, hi] : p.spans) pages += (hi - lo) / p.size;
+    if (pages > p.cap) {
+        if (p.dirty) munmap(p.dirty, p.cap * sizeof(uintptr_t));
+        void* m = mmap(nullptr, pages * sizeof(uintptr_t), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (m == MAP_FAILED) throw std::runtime_error("emulator: mmap of the memory model's page list failed");
+        p.dirty = static_cast<uintptr_t*>(m);
+        p.cap = pages;
+    }
+    p.ndirty = 0;
+    struct sigaction sa;
+    std::memset(&sa, 0, sizeof sa);
+    sa.sa_sigaction = emu_gm_on_fault;
+    sa.sa_flags = SA_SIGINFO | SA_NODEFER;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGSEGV, &sa, &p.saved);
+    emu_gm_protect(true);
+}
+inline void emu_gm_pages_end() {
+    emu_gm_protect(false);
+    sigaction(SIGSEGV, &emu_gm_pages.saved, nullptr);
+    emu_gm_pages.ndirty = 0;
+}
 
 // Byte index of [p, p + n) in the regions, or -1 when it is not inside one.
 inline long emu_gm_index(const void* p, size_t n) {
@@ -95,6 +162,7 @@ inline void emu_gm_record(int s, size_t i, unsigned char x) {
     const bool mine = prev == me.id && emu_gm.wrel[i] == EMU_GM_UNPUBLISHED;
     me.img[i] = x;
     emu_gm.latest[i] = x;
+    if (prev == 0) emu_gm.written.push_back(i);
     if (!mine) {
         me.dirty.push_back(i);
         for (size_t t = 0; t < emu_gm.views.size(); ++t) {
@@ -105,24 +173,44 @@ inline void emu_gm_record(int s, size_t i, unsigned char x) {
     emu_gm.wblk[i] = me.id;
     emu_gm.wrel[i] = EMU_GM_UNPUBLISHED;
 }
-// The plain stores slot s (in memory now) made since its view was last compared: memory against
-// the view, 64 bytes at a time.
+// The plain stores slot s (in memory now) made to bytes [i0, i0 + n) of one region since its view
+// was last compared: memory against the view, 64 bytes at a time, then bytes where they differ.
 inline void emu_gm_capture_range(int s, size_t i0, size_t n) {
     EmuGmView& me = emu_gm.views[s];
     const unsigned char* m = emu_gm_addr(i0);
+    const unsigned char* v = me.img.data() + i0;
     for (size_t k = 0; k < n; k += 64) {
         const size_t len = std::min<size_t>(64, n - k);
-        if (!std::memcmp(m + k, me.img.data() + i0 + k, len)) continue;
+        if (!std::memcmp(m + k, v + k, len)) continue;
         for (size_t j = k; j < k + len; ++j)
-            if (m[j] != me.img[i0 + j]) emu_gm_record(s, i0 + j, m[j]);
+            if (m[j] != v[j]) emu_gm_record(s, i0 + j, m[j]);
     }
 }
+// Every store of the running slot s since its last capture: the pages it wrote.
 inline void emu_gm_capture(int s) {
     if (s != emu_gm.cur) return;  // a slot out of memory has stored nothing since
-    for (const EmuGmRegion& r : emu_gm.regions) emu_gm_capture_range(s, r.off, r.size);
+    EmuGmPages& p = emu_gm_pages;
+    for (size_t k = 0; k < p.ndirty; ++k) {
+        const uintptr_t lo = p.dirty[k], hi = lo + p.size;
+        for (const EmuGmRegion& r : emu_gm.regions) {
+            const uintptr_t b = reinterpret_cast<uintptr_t>(r.base), e = b + r.size;
+            if (e > lo && b < hi) emu_gm_capture_range(s, r.off + (std::max(b, lo) - b), std::min(e, hi) - std::max(b, lo));
+        }
+        mprotect(reinterpret_cast<void*>(lo), p.size, PROT_READ);
+    }
+    p.ndirty = 0;
 }
+// Memory takes slot s's view where it differs from what is there (the previous slot's view, all
+// captured), 64 bytes at a time.
 inline void emu_gm_load_view(int s) {
-    for (const EmuGmRegion& r : emu_gm.regions) std::memcpy(r.base, emu_gm.views[s].img.data() + r.off, r.size);
+    emu_gm_protect(false);
+    const unsigned char* v = emu_gm.views[s].img.data();
+    for (const EmuGmRegion& r : emu_gm.regions)
+        for (size_t k = 0; k < r.size; k += 64) {
+            const size_t len = std::min<size_t>(64, r.size - k);
+            if (std::memcmp(r.base + k, v + r.off + k, len)) std::memcpy(r.base + k, v + r.off + k, len);
+        }
+    emu_gm_protect(true);
     emu_gm.cur = s;
 }
 // Before a pass of the block in slot s: its view into memory (the previous block's stores captured).
@@ -150,6 +238,7 @@ inline void emu_gm_begin(const unsigned long long* spans, int n) {
     for (const EmuGmRegion& r : g.regions) std::memcpy(g.latest.data() + r.off, r.base, r.size);
     g.wblk.assign(g.bytes, 0);
     g.wrel.assign(g.bytes, 0);
+    if (g.on) emu_gm_pages_begin();
 }
 // A block starts in slot s: it sees what was there before the launch, poison where blocks of this
 // launch have written (nothing orders it after them).
@@ -159,8 +248,8 @@ inline void emu_gm_block_start(int s, unsigned long long block) {
     EmuGmView& v = emu_gm.views[s];
     v = EmuGmView();
     v.id = (unsigned)block + 1;
-    v.img.resize(emu_gm.bytes);
-    for (size_t i = 0; i < emu_gm.bytes; ++i) v.img[i] = emu_gm_seen(v, i);
+    v.img = emu_gm.latest;
+    for (size_t i : emu_gm.written) v.img[i] = emu_gm_seen(v, i);
     if (emu_gm.cur == s) emu_gm_load_view(s);
 }
 // A block ended: its stores are captured; those it never released stay unpublished (poison to
@@ -174,6 +263,7 @@ inline void emu_gm_block_end(int s) {
 inline void emu_gm_end() {
     if (!emu_gm.on) return;
     if (emu_gm.cur >= 0 && emu_gm.views[emu_gm.cur].id) emu_gm_capture(emu_gm.cur);
+    emu_gm_pages_end();
     for (const EmuGmRegion& r : emu_gm.regions) std::memcpy(r.base, emu_gm.latest.data() + r.off, r.size);
     emu_gm = EmuGm();
 }
@@ -197,11 +287,10 @@ inline void emu_gm_acquire() {
     const bool grew = me.vc.join(me.obs);
     me.obs.c.clear();
     if (!grew) return;  // nothing new acquired: the view already is what it may see
-    for (const EmuGmRegion& r : emu_gm.regions) {
-        for (size_t i = r.off; i < r.off + r.size; ++i)
-            if (!(emu_gm.wblk[i] == me.id && emu_gm.wrel[i] == EMU_GM_UNPUBLISHED)) me.img[i] = emu_gm_seen(me, i);
-        std::memcpy(r.base, me.img.data() + r.off, r.size);
-    }
+    emu_gm_protect(false);
+    for (size_t i : emu_gm.written)  // bytes nobody wrote are in the view as they were
+        if (!(emu_gm.wblk[i] == me.id && emu_gm.wrel[i] == EMU_GM_UNPUBLISHED)) *emu_gm_addr(i) = me.img[i] = emu_gm_seen(me, i);
+    emu_gm_protect(true);
 }
 // fence.acq_rel / fence.sc (__threadfence) at gpu scope: a release, then an acquire.
 inline void emu_gm_fence() {
