@@ -57,11 +57,13 @@ struct EmuGmView {                      // the block in one slot
 };
 struct EmuGm {
     bool on = false;
+    bool paged = false;                 // the regions' pages hold nothing else: stores found by mprotect
     std::vector<EmuGmRegion> regions;   // sorted by address
     size_t bytes = 0;
     std::vector<unsigned char> latest;  // each byte's last write (coherence order's end)
     std::vector<unsigned> wblk, wrel;   // who wrote it in this launch (0: nobody) and which release published it
-    std::vector<size_t> written;        // the bytes written in this launch (wblk != 0), in first-write order
+    std::vector<size_t> written;        // the bytes written in this launch (wblk != 0), in first-write order:
+    std::vector<unsigned char*> at;     // the only bytes where views differ; and their addresses
     std::unordered_map<size_t, EmuClock> sync;  // per location of strong writes: the releases they carried
     std::vector<EmuGmView> views;       // per slot
     int cur = -1;                       // the slot whose view is in memory
@@ -70,10 +72,13 @@ struct EmuGm {
 inline EmuGm emu_gm;
 
 // --- which pages the running block wrote (TreadMarks' twins, with mprotect) -------------------------
-// The regions' pages are read-only while a block runs; its first store to one faults, the handler
-// makes the page writable and notes it, and a capture compares only the noted pages against the
-// block's view (its twin), then makes them read-only again. A launch that writes a few rows of a
-// large array (a KV cache) costs what it writes, not the array's size, at every fence.
+// When the regions' pages hold nothing but the regions (fakecupy allocates device arrays on pages
+// of their own), they are read-only while a block runs: its first store to one faults, the
+// handler makes the page writable and notes it, and a capture compares only the noted pages
+// against the block's view (its twin), then makes them all read-only again. A launch that writes
+// a few rows of a large array (a KV cache) then costs what it writes, not the array's size, at
+// every fence. Otherwise (arrays NumPy allocated on the heap, beside the emulator's own state) a
+// capture compares the whole regions.
 struct EmuGmPages {
     uintptr_t size = 4096;
     std::vector<std::pair<uintptr_t, uintptr_t>> spans;  // page-aligned [lo, hi) over the regions, merged
@@ -82,9 +87,12 @@ struct EmuGmPages {
     struct sigaction saved;             // the SIGSEGV handler before this launch
 };
 inline EmuGmPages emu_gm_pages;
+// read_only: only once every store noted so far is captured (the notes are dropped).
 inline void emu_gm_protect(bool read_only) {
+    if (!emu_gm.paged) return;
     for (const auto& [lo, hi] : emu_gm_pages.spans)
         mprotect(reinterpret_cast<void*>(lo), hi - lo, read_only ? PROT_READ : PROT_READ | PROT_WRITE);
+    if (read_only) emu_gm_pages.ndirty = 0;
 }
 inline void emu_gm_on_fault(int, siginfo_t* si, void*) {
     EmuGmPages& p = emu_gm_pages;
@@ -162,7 +170,10 @@ inline void emu_gm_record(int s, size_t i, unsigned char x) {
     const bool mine = prev == me.id && emu_gm.wrel[i] == EMU_GM_UNPUBLISHED;
     me.img[i] = x;
     emu_gm.latest[i] = x;
-    if (prev == 0) emu_gm.written.push_back(i);
+    if (prev == 0) {
+        emu_gm.written.push_back(i);
+        emu_gm.at.push_back(emu_gm_addr(i));
+    }
     if (!mine) {
         me.dirty.push_back(i);
         for (size_t t = 0; t < emu_gm.views.size(); ++t) {
@@ -186,30 +197,35 @@ inline void emu_gm_capture_range(int s, size_t i0, size_t n) {
             if (m[j] != v[j]) emu_gm_record(s, i0 + j, m[j]);
     }
 }
-// Every store of the running slot s since its last capture: the pages it wrote.
+// Every store of the running slot s since its last capture: on the pages it wrote, or anywhere.
 inline void emu_gm_capture(int s) {
     if (s != emu_gm.cur) return;  // a slot out of memory has stored nothing since
+    if (!emu_gm.paged) {
+        for (const EmuGmRegion& r : emu_gm.regions)
+            for (size_t k = 0; k < r.size; k += 4096) {
+                const size_t n = std::min<size_t>(4096, r.size - k);
+                if (std::memcmp(r.base + k, emu_gm.views[s].img.data() + r.off + k, n)) emu_gm_capture_range(s, r.off + k, n);
+            }
+        return;
+    }
     EmuGmPages& p = emu_gm_pages;
+    if (!p.ndirty) return;
+    emu_gm_protect(false);  // the bookkeeping below may store to the same pages
     for (size_t k = 0; k < p.ndirty; ++k) {
         const uintptr_t lo = p.dirty[k], hi = lo + p.size;
         for (const EmuGmRegion& r : emu_gm.regions) {
             const uintptr_t b = reinterpret_cast<uintptr_t>(r.base), e = b + r.size;
             if (e > lo && b < hi) emu_gm_capture_range(s, r.off + (std::max(b, lo) - b), std::min(e, hi) - std::max(b, lo));
         }
-        mprotect(reinterpret_cast<void*>(lo), p.size, PROT_READ);
     }
-    p.ndirty = 0;
+    emu_gm_protect(true);
 }
-// Memory takes slot s's view where it differs from what is there (the previous slot's view, all
-// captured), 64 bytes at a time.
+// Memory takes slot s's view (the previous slot's view in it all captured): views differ only at
+// bytes written in this launch.
 inline void emu_gm_load_view(int s) {
     emu_gm_protect(false);
     const unsigned char* v = emu_gm.views[s].img.data();
-    for (const EmuGmRegion& r : emu_gm.regions)
-        for (size_t k = 0; k < r.size; k += 64) {
-            const size_t len = std::min<size_t>(64, r.size - k);
-            if (std::memcmp(r.base + k, v + r.off + k, len)) std::memcpy(r.base + k, v + r.off + k, len);
-        }
+    for (size_t k = 0; k < emu_gm.written.size(); ++k) *emu_gm.at[k] = v[emu_gm.written[k]];
     emu_gm_protect(true);
     emu_gm.cur = s;
 }
@@ -222,8 +238,9 @@ inline void emu_gm_switch(int s) {
 
 // --- launch, block start and end -------------------------------------------------------------------
 // spans: (address, bytes) pairs of the regions (fakecupy: the non-const pointer arguments' arrays);
-// none: the model is off for this launch (stores visible to every block at once).
-inline void emu_gm_begin(const unsigned long long* spans, int n) {
+// none: the model is off for this launch (stores visible to every block at once). paged: their
+// pages hold nothing else (fakecupy's own allocations).
+inline void emu_gm_begin(const unsigned long long* spans, int n, bool paged) {
     EmuGm& g = emu_gm;
     g = EmuGm();
     for (int k = 0; k < n; ++k)
@@ -234,11 +251,12 @@ inline void emu_gm_begin(const unsigned long long* spans, int n) {
         g.bytes += r.size;
     }
     g.on = !g.regions.empty();
+    g.paged = g.on && paged;
     g.latest.resize(g.bytes);
     for (const EmuGmRegion& r : g.regions) std::memcpy(g.latest.data() + r.off, r.base, r.size);
     g.wblk.assign(g.bytes, 0);
     g.wrel.assign(g.bytes, 0);
-    if (g.on) emu_gm_pages_begin();
+    if (g.paged) emu_gm_pages_begin();
 }
 // A block starts in slot s: it sees what was there before the launch, poison where blocks of this
 // launch have written (nothing orders it after them).
@@ -263,7 +281,7 @@ inline void emu_gm_block_end(int s) {
 inline void emu_gm_end() {
     if (!emu_gm.on) return;
     if (emu_gm.cur >= 0 && emu_gm.views[emu_gm.cur].id) emu_gm_capture(emu_gm.cur);
-    emu_gm_pages_end();
+    if (emu_gm.paged) emu_gm_pages_end();
     for (const EmuGmRegion& r : emu_gm.regions) std::memcpy(r.base, emu_gm.latest.data() + r.off, r.size);
     emu_gm = EmuGm();
 }
@@ -288,8 +306,10 @@ inline void emu_gm_acquire() {
     me.obs.c.clear();
     if (!grew) return;  // nothing new acquired: the view already is what it may see
     emu_gm_protect(false);
-    for (size_t i : emu_gm.written)  // bytes nobody wrote are in the view as they were
-        if (!(emu_gm.wblk[i] == me.id && emu_gm.wrel[i] == EMU_GM_UNPUBLISHED)) *emu_gm_addr(i) = me.img[i] = emu_gm_seen(me, i);
+    for (size_t k = 0; k < emu_gm.written.size(); ++k) {  // bytes nobody wrote are in the view as they were
+        const size_t i = emu_gm.written[k];
+        if (!(emu_gm.wblk[i] == me.id && emu_gm.wrel[i] == EMU_GM_UNPUBLISHED)) *emu_gm.at[k] = me.img[i] = emu_gm_seen(me, i);
+    }
     emu_gm_protect(true);
 }
 // fence.acq_rel / fence.sc (__threadfence) at gpu scope: a release, then an acquire.

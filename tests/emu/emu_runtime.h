@@ -561,11 +561,12 @@ inline bool emu_waits_for_another_block(const EmuSched& S) {
 // order, reversed, or shuffled. While every block in flight waits for another block (a counter
 // that block has to signal), one more starts, up to `capacity` resident blocks (fakecupy: the
 // emulated device's SMs, one block each); past it, the launch is a deadlock and says so.
-// `regions`: (address, bytes) pairs of the global memory the memory model tracks (emu_memory.h).
+// `regions`: (address, bytes) pairs of the global memory the memory model tracks (emu_memory.h);
+// `paged`: their pages hold nothing else (found by mprotect, else by comparing them whole).
 template <typename... A>
 int emu_launch(void (*k)(A...), dim3 g, dim3 b, size_t smem, const long long* iv, const double* dv,
                char* err, int errlen, unsigned long long seed, const unsigned long long* regions, int nregions,
-               int capacity) {
+               int paged, int capacity) {
     gridDim = g; blockDim = b;
     const int n = (int)(b.x * b.y * b.z);
     if (smem > EMU_DYN_SMEM) {
@@ -591,7 +592,7 @@ int emu_launch(void (*k)(A...), dim3 g, dim3 b, size_t smem, const long long* iv
         const unsigned long long j = order_kind == 0 ? i : order_kind == 1 ? nblocks - 1 - i : perm[i];
         return uint3{(unsigned)(j % g.x), (unsigned)(j / g.x % g.y), (unsigned)(j / ((unsigned long long)g.x * g.y))};
     };
-    emu_gm_begin(regions, nregions);
+    emu_gm_begin(regions, nregions, paged != 0);
     std::vector<EmuSched> S;
     S.reserve(max_slots);  // fibers hold references into it: never reallocated
     auto call = [&] { emu_call(k, iv, dv, std::index_sequence_for<A...>{}); };

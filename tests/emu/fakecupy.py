@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import mmap
 import os
 import re
 import subprocess
@@ -154,7 +155,10 @@ def _guarded(x) -> "ndarray":
 
     _refuse("allocating a device array")
     x = np.asarray(x)
-    buf = np.full(x.nbytes + 2 * _GUARD, 0xFF, dtype=np.uint8)
+    # (issue 37) on pages of its own: the memory model write-protects a launch's outputs to find
+    # what each block stores (emu_memory.h), which must not catch anything else's stores
+    buf = np.frombuffer(mmap.mmap(-1, x.nbytes + 2 * _GUARD), dtype=np.uint8)
+    buf[...] = 0xFF
     a = buf[_GUARD:_GUARD + x.nbytes].view(x.dtype).reshape(x.shape)
     a[...] = x
     a = a.view(ndarray)
@@ -586,8 +590,9 @@ _CXX = ["g++", "-std=c++20", "-O1", "-fPIC", "-pthread", "-w", "-fpermissive"]
 
 
 def _pch_dir() -> str | None:
-    """A directory holding emu_runtime.h and its precompiled header (built once per version of
-    the header; about 0.7 s saved per kernel build), or None if g++ cannot make one."""
+    """A directory holding emu_runtime.h (with emu_memory.h, which it includes) and its
+    precompiled header (built once per version of the headers; about 0.7 s saved per kernel
+    build), or None if g++ cannot make one."""
     texts = {f: (_HERE / f).read_text() for f in _PCH_HEADERS}
     d = _BUILD / f"pch_{hashlib.sha256((''.join(texts.values()) + ' '.join(_CXX)).encode()).hexdigest()[:16]}"
     if not (d / "emu_runtime.h.gch").exists():
@@ -619,9 +624,9 @@ class RawModule:
         for i, e in enumerate(self.exprs):
             src.append(f'extern "C" int emu_launch_{i}(unsigned gx, unsigned gy, unsigned gz, unsigned bx, '
                        f'unsigned by, unsigned bz, size_t smem, const long long* iv, const double* dv, char* err, int n, '
-                       f'unsigned long long seed, const unsigned long long* regions, int nregions, int capacity) {{ '
+                       f'unsigned long long seed, const unsigned long long* regions, int nregions, int paged, int capacity) {{ '
                        f'return emu_launch(&{e}, dim3{{gx, gy, gz}}, dim3{{bx, by, bz}}, smem, iv, dv, err, n, seed, '
-                       f'regions, nregions, capacity); }}')
+                       f'regions, nregions, paged, capacity); }}')
             src.append(f'extern "C" int emu_params_{i}(char* k, int* s, char* c) {{ return emu_params(&{e}, k, s, c); }}')
         text = "\n".join(src)
         _BUILD.mkdir(exist_ok=True)
@@ -654,7 +659,7 @@ class _Kernel:
         u = ctypes.c_uint
         self._launch.argtypes = [u, u, u, u, u, u, ctypes.c_size_t, ctypes.POINTER(ctypes.c_longlong),
                                  ctypes.POINTER(ctypes.c_double), ctypes.c_char_p, ctypes.c_int, ctypes.c_ulonglong,
-                                 ctypes.POINTER(ctypes.c_ulonglong), ctypes.c_int, ctypes.c_int]
+                                 ctypes.POINTER(ctypes.c_ulonglong), ctypes.c_int, ctypes.c_int, ctypes.c_int]
         kinds, sizes, consts = ctypes.create_string_buffer(64), (ctypes.c_int * 64)(), ctypes.create_string_buffer(64)
         n = getattr(mod.lib, f"emu_params_{i}")(kinds, sizes, consts)
         self.params = [(kinds.raw[j:j + 1].decode(), sizes[j]) for j in range(n)]
@@ -732,11 +737,16 @@ class _Kernel:
 
     def _regions(self, args):
         """(address, bytes) pairs, flat, of the arrays the kernel may write (its non-const pointer
-        parameters), overlaps merged: the global memory the memory model tracks (emu_memory.h)."""
-        spans = []
+        parameters), overlaps merged: the global memory the memory model tracks (emu_memory.h);
+        their count; and whether all of them lie on pages of their own (_guarded's)."""
+        spans, paged = [], True
         for j in self._writes:
             a = args[j]
             if isinstance(a, np.ndarray) and a.size:
+                root = a
+                while isinstance(root.base, np.ndarray):
+                    root = root.base
+                paged = paged and isinstance(root.base, mmap.mmap)
                 lo = hi = a.__array_interface__["data"][0]
                 for n, st in zip(a.shape, a.strides):
                     lo, hi = (lo + (n - 1) * st, hi) if st < 0 else (lo, hi + (n - 1) * st)
@@ -751,12 +761,12 @@ class _Kernel:
         flat = (ctypes.c_ulonglong * max(1, 2 * len(merged)))()
         for k, (lo, hi) in enumerate(merged):
             flat[2 * k], flat[2 * k + 1] = lo, hi - lo
-        return flat, len(merged)
+        return flat, len(merged), int(paged)
 
     def _run(self, grid, block, smem, iv, dv, regions):
         err = ctypes.create_string_buffer(2048)
         seed = schedule.next_seed()
-        if self._launch(*map(int, grid), *map(int, block), smem, iv, dv, err, 2048, seed, regions[0], regions[1],
+        if self._launch(*map(int, grid), *map(int, block), smem, iv, dv, err, 2048, seed, *regions,
                         emu_sms()):
             raise RuntimeError(f"{self.expr}: {err.value.decode()} ({schedule.describe(seed)})")
         _check_guards(self.expr)
