@@ -151,6 +151,16 @@ __global__ void tma_over_wgmma(const __grid_constant__ TmaMap map, float* y) {
     mbar_wait(&bar, 0);
     y[threadIdx.x] = d[0];
 }
+// A TMA store of a box the block's threads wrote with st.shared: MODE 1 makes the generic proxy's
+// stores visible to the async proxy first (fence.proxy.async), MODE 0 does not.
+template <int MODE>
+__global__ void store_fenced(const __grid_constant__ TmaMap map) {
+    extern __shared__ __align__(128) uint4 smem_raw[];
+    reinterpret_cast<float*>(smem_raw)[threadIdx.x] = 1000.0f + threadIdx.x;
+    if (MODE == 1) fence_proxy_async_shared();
+    __syncthreads();
+    if (threadIdx.x == 0) { tma_store<2>(&map, smem_raw, {0, 0}); bulk_commit_group(); bulk_wait_group<0>(); }
+}
 __global__ void store_unwaited(const __grid_constant__ TmaMap map) {
     extern __shared__ __align__(128) uint4 smem_raw[];
     if (threadIdx.x == 0) { tma_store<2>(&map, smem_raw, {0, 0}); bulk_commit_group(); }
@@ -158,7 +168,7 @@ __global__ void store_unwaited(const __grid_constant__ TmaMap map) {
 """)
 names = ["never_arrives", "too_many", "clobbered", "tma_read<0>", "tma_read<1>", "store_unwaited", "tma_at<0>", "tma_at<1>"] + \
     [f"wg_misuse<{m}>" for m in range(7)] + ["named_misuse<0>", "named_misuse<1>"] + \
-    [f"tma_over_wgmma<{m}>" for m in range(3)]
+    [f"tma_over_wgmma<{m}>" for m in range(3)] + ["store_fenced<0>", "store_fenced<1>"]
 mod = cupy.RawModule(code=SRC, name_expressions=names)
 k = {n: mod.get_function(n) for n in names}
 y = cupy.zeros(128, dtype=np.float32)
@@ -211,6 +221,14 @@ for mode in (0, 1):
 expect(lambda: k["named_misuse<0>"]((1,), (64,), (y,)), "deadlock", "named barrier 1 waits for 64 threads, 32 arrived")
 expect(lambda: k["named_misuse<0>"]((1,), (32,), (y,)), "thread count 64 is not a positive multiple of 32 within the block")
 expect(lambda: k["named_misuse<1>"]((1,), (128,), (y,)), "bar", "barrier 1 named with", "threads while its phase counts")
+# (issue 37) a TMA store reads its source through the async proxy: unfenced generic stores fail on
+# every run, fenced ones land (the box is the whole 4 x 32 tensor)
+for _ in range(3):
+    expect(lambda: k["store_fenced<0>"]((1,), (128,), (m,), shared_mem=512), "cp.async.bulk.tensor (store) reads "
+           "shared memory", "no fence.proxy.async")
+    g[...] = np.nan
+    k["store_fenced<1>"]((1,), (128,), (m,), shared_mem=512)
+    assert np.array_equal(cupy.asnumpy(g).ravel(), 1000 + np.arange(128, dtype=np.float32))
 # the emulator's encoder applies the driver's documented rules on its own (cupyattn validates first)
 expect(lambda: fakecupy._cupyattn_emulator_encode_tiled(6, 2, 16, (8, 8), (24,), (8, 8), (1, 1), 0, 0, 0, 0),
        "CUDA_ERROR_INVALID_VALUE", "multiples of 16")
