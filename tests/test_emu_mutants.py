@@ -36,7 +36,7 @@ _GEMM_WG_RELEASE = ("        wgmma_wait_group<1>();                             
                     "        if (prev >= 0 && leader) ring.release(prev);\n")
 _FA3_RETIRE_PV = ("    wgmma_wait_group<0>();\n    wgmma_fence_acc(o);\n    wgmma_fence_frag(p);\n"
                   "    if (leader) vring.release(vring.stage);\n")
-_TICKET_ACQUIRE = "    if (!last) return;\n    __threadfence();\n"
+_TICKET_ACQUIRE = "            __threadfence();  // acquire: the other blocks' released writes before this block's reads\n"
 
 # (bug class, file, text, mutated text, op, every): each text must occur exactly once in the file;
 # every: the mutant must fail under every schedule (else under at least one)
@@ -65,10 +65,10 @@ MUTANTS = [
      _FA3_RETIRE_PV, _FA3_RETIRE_PV.splitlines(keepends=True)[-1] + "".join(_FA3_RETIRE_PV.splitlines(keepends=True)[:-1]),
      "flash_wgmma", True),
     ("release deleted: no __threadfence before the split-KV combine's ticket (decode.cu)", "decode.cu",
-     "    __threadfence();  // this block's partials are visible device-wide before its ticket\n", "",
+     "    __threadfence();  // release: this thread's writes before the ticket\n", "",
      "decode_fused", True),
     ("acquire deleted: no __threadfence after the last block's ticket, before it reads the partials (decode.cu)",
-     "decode.cu", _TICKET_ACQUIRE, "    if (!last) return;\n", "decode_fused", True),
+     "decode.cu", _TICKET_ACQUIRE, "", "decode_fused", True),
 ]
 MUTANTS = [m if len(m) == 6 else m + (False,) for m in MUTANTS]
 
