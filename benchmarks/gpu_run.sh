@@ -35,10 +35,19 @@
 #   record  as lease, with every op's default cases recorded ($OUT/results/<date>-<gpu>.json, the
 #           headline's reps and budget, no model cases) and the headline model case in place of
 #           the headline
+#   paged   issue 39's decode measurements (none yet): decode-paged, then serve
+#   decode-paged  the default decode cases (B8 L32k, B1 L128k, B16 L4k, MQA B1 L128k, the ragged
+#           batch-64 step) with the contiguous kernel (split-kv, and under the waves split rule),
+#           paged at pages 1/16/256 as today (NHD, page ids per row), with staged page ids, with
+#           HND pages (staged), HND + waves, and torch SDPA, in one run
+#                                                      -> $OUT/decode-paged.{txt,json}
+#   serve   tinylm continuous batching (defaults, and the opt-in paths) at 8, 32, 64 slots beside
+#           HF's batched generate, SmolLM2's shapes: tokens/s, ms per step
+#                                                      -> $OUT/serve.{txt,json}
 #   verify  tests, sanitize, bench and the two short sweeps (softmax-cols, decode-batch): what a
 #           commit needs before its numbers are quoted; `bench` alone took over 230 s on
 #           2026-11-26 (every impl of every case, the compiled-HF peer)
-#   all     tests, sanitize, bench, sweeps (the default)
+#   all     tests, sanitize, bench, sweeps, paged (the default)
 #   summary  (needs no GPU; every stage ends with it) $OUT/results/summary.txt: the commit, pytest's
 #           own last line, the sanitizers' own summary lines and each step's exit code, from the
 #           logs in $OUT, so the evidence travels with the results instead of prose about them
@@ -61,8 +70,9 @@ OUT="${OUT:-$PWD/gpu-out}"
 PY="${PYTHON:-python3}"
 STAGE="${1:-all}"
 case "$STAGE" in
-    all | verify | lease | record | tests | sanitize | bench | headline | sweeps | sweep | quick | model | prefill | summary) ;;
-    *) echo "usage: $0 [all|verify|lease|record|tests|sanitize|bench|headline|sweeps|sweep NAME|quick|model|prefill|summary]" >&2; exit 2 ;;
+    all | verify | lease | record | tests | sanitize | bench | headline | sweeps | sweep | quick | model | prefill | paged | \
+        decode-paged | serve | summary) ;;
+    *) echo "usage: $0 [all|verify|lease|record|tests|sanitize|bench|headline|sweeps|sweep NAME|quick|model|prefill|paged|decode-paged|serve|summary]" >&2; exit 2 ;;
 esac
 mkdir -p "$OUT/results"
 status=0
@@ -178,6 +188,22 @@ run_model() {  # does config.TINYLM_FUSED_DECODE become True? tinylm-fused vs ti
         --json "$OUT/model.json"
 }
 
+# issue 39: paged decode (NHD / staged page ids / HND), the waves split rule, against the contiguous
+# kernel and SDPA on the same keys; none of the opt-in paths has run on a GPU yet
+DECODE_PAGED_IMPLS="split-kv,split-kv-waves,paged-16,paged-1,paged-256,paged-staged-16,paged-staged-1,paged-staged-256,\
+paged-hnd-16,paged-hnd-1,paged-hnd-256,paged-hnd-waves-16,torch-sdpa"
+
+run_decode_paged() {
+    step "decode paged" "$OUT/decode-paged.txt" "$PY" -m benchmarks decode --impl "$DECODE_PAGED_IMPLS" --reps 10 \
+        --warmup 3 --budget-ms 300 --debug --no-progress --json "$OUT/decode-paged.json"
+}
+
+run_serve() {  # continuous batching end to end (tinylm.serve) beside HF's batched generate
+    step "serve" "$OUT/serve.txt" "$PY" -m benchmarks model --serve --model smollm2-135m-shape --batch 8,32,64 \
+        --impl tinylm-serve,tinylm-serve-opt-in,hf-transformers --model-reps 2 --debug --no-progress \
+        --json "$OUT/serve.json"
+}
+
 run_headline() {
     local h=(--reps 10 --warmup 3 --budget-ms 300 --debug --no-progress)
     local att=(--B 4 --H 32 --Sq 4096 --D 128 --dtype float16 --impl flash_mma,wgmma,torch-sdpa)
@@ -254,10 +280,13 @@ case "$STAGE" in
     model) run_model ;;
     prefill) run_prefill ;;
     headline) run_headline ;;
+    paged) run_decode_paged; run_serve ;;
+    decode-paged) run_decode_paged ;;
+    serve) run_serve ;;
     lease) run_lease run_headline ;;
     record) run_lease run_record ;;
     verify) run_tests; run_sanitize; run_bench; run_sweep softmax-cols; run_sweep decode-batch ;;
-    all) run_tests; run_sanitize; run_bench; run_sweeps ;;
+    all) run_tests; run_sanitize; run_bench; run_sweeps; run_decode_paged; run_serve ;;
 esac
 write_summary
 echo "=== done: status $status; outputs in $OUT (summary: $OUT/results/summary.txt)" | tee -a "$OUT/steps.log"

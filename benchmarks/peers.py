@@ -203,8 +203,10 @@ def cupy_naive_attention(q, k, v, causal=False, scale=None):
 
 
 # --- torch peers ------------------------------------------------------------------------------
-def torch_sdpa(q, k, v, causal=False, scale=None):
-    """torch SDPA on DLPack views; bottom-right causal via causal_lower_right when Sq != Sk."""
+def torch_sdpa(q, k, v, causal=False, scale=None, key_lengths=None):
+    """torch SDPA on DLPack views; bottom-right causal via causal_lower_right when Sq != Sk;
+    ``key_lengths`` (host ints, one per batch row): a boolean mask hiding keys past each length
+    (built here, outside the timed call; SDPA then reads every key of the padded batch)."""
     torch = get_torch()
     import torch.nn.functional as F
 
@@ -213,7 +215,12 @@ def torch_sdpa(q, k, v, causal=False, scale=None):
     kw = {"scale": scale}
     if k.shape[1] != q.shape[1]:
         kw["enable_gqa"] = True
-    if causal and sq != sk:
+    if key_lengths is not None:
+        if causal:
+            raise PeerUnavailable("key lengths with a causal mask")
+        lens = torch.tensor(list(key_lengths), device=tq.device)
+        kw["attn_mask"] = (torch.arange(sk, device=tq.device)[None, :] < lens[:, None])[:, None, None, :]
+    elif causal and sq != sk:
         try:
             from torch.nn.attention.bias import causal_lower_right
         except ImportError:

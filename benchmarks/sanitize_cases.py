@@ -98,6 +98,11 @@ def decode(ca, cfg):
                 for splits in (1, 3):
                     _finite(ca.decode_attention(q, cache, 0, num_splits=splits, impl=impl))
                 _finite(ca.decode_attention(q, cache, 0, num_splits=3, impl=impl, fused_combine=True))
+                # the "waves" rule (issue 39): per-sequence chunks (531 keys: 3 splits, 9 keys: 1, written
+                # straight to out) merged in the kernel and by the combine kernel
+                for fused in (True, False):
+                    _finite(ca.decode_attention(q, cache, 0, num_splits=3, impl=impl, split_rule="waves",
+                                                fused_combine=fused))
 
 
 def kvcache(ca, cfg):
@@ -133,16 +138,43 @@ def serving(ca, cfg):
                 cache.append(0, _rand((2, hkv, 531, d), dt, 23), _rand((2, hkv, 531, d), dt, 24), num_new=[531, 9])
                 qd = _rand((2, hq, d), dt, 25)
                 _finite(cache.decode(qd, 0, num_splits=3, impl=impl, window=(100, -1), softcap=20.0))
+                # issue 39: HND pages of 1 token, page ids staged (531 keys in one split: windows refreshed),
+                # the waves rule with its fused combine and with the combine kernel
+                hnd = ca.PagedKVCache(1, 2, hkv, d, num_pages=600, page_size=1, dtype=dt, layout="HND")
+                hnd.append(0, _rand((2, hkv, 531, d), dt, 23), _rand((2, hkv, 531, d), dt, 24), num_new=[531, 9])
+                with staged_pages():
+                    _finite(hnd.decode(qd, 0, num_splits=1, impl=impl), hnd.decode(qd, 0, num_splits=3, impl=impl))
+                    for fused in (True, False):
+                        _finite(hnd.decode(qd, 0, num_splits=3, impl=impl, split_rule="waves", fused_combine=fused,
+                                           window=(400, -1)))
                 if impl == "simt":
                     qp = _rand((9, hq, d), dt, 26)
                     for fimpl in impls + wg:   # the persistent kernel: 8 pages of 16 per key tile
                         _finite(ca.attention_paged(qp, cache.k[0], cache.v[0], cache.block_table, cache.lengths[0],
                                                    cu_seqlens_q=cupy.asarray([0, 0, 9], dtype=cupy.int32),
                                                    max_seqlen_q=9, causal=True, impl=fimpl))
-        cache = ca.PagedKVCache(1, 3, 2, 32, num_pages=12, page_size=4, dtype=dt)
-        for style in ("adjacent", "neox"):
-            for t in (1, 3):
-                _finite(cache.append_qkv(0, _rand((3, t, (4 + 2 + 2) * 32), dt, 27), num_heads=4, rope_style=style))
+        for layout in ("NHD", "HND"):
+            cache = ca.PagedKVCache(1, 3, 2, 32, num_pages=12, page_size=4, dtype=dt, layout=layout)
+            for style in ("adjacent", "neox"):
+                for t in (1, 3):
+                    _finite(cache.append_qkv(0, _rand((3, t, (4 + 2 + 2) * 32), dt, 27), num_heads=4,
+                                             rope_style=style))
+            cache.append(0, _rand((3, 2, 5, 32), dt, 28), _rand((3, 2, 5, 32), dt, 29))
+            _finite(ca.attention_paged(_rand((5, 4, 32), dt, 30), cache.k[0], cache.v[0], cache.block_table,
+                                       cache.lengths[0], cu_seqlens_q=cupy.asarray([0, 2, 3, 5], dtype=cupy.int32),
+                                       max_seqlen_q=2, causal=True, layout=layout))
+
+
+@contextlib.contextmanager
+def staged_pages():
+    """config.DECODE_PAGE_STAGING on (the staged page-id decode kernels; not yet the default)."""
+    from cupyattn import config
+
+    before, config.DECODE_PAGE_STAGING = config.DECODE_PAGE_STAGING, True
+    try:
+        yield
+    finally:
+        config.DECODE_PAGE_STAGING = before
 
 
 def gemm(ca, cfg):
@@ -271,7 +303,7 @@ def shallow_rings(compact: bool = False):
 
     fit, tile, fa_tile = decode._fit, gemm._mma_tile, flash_attn._tile
 
-    def small_fit(impl, dtype, d, t, m_tiles, limit, explicit=False):
+    def small_fit(impl, dtype, d, t, m_tiles, limit, explicit=False, staged=False):
         c = cfg.DECODE_MMA_SMALL_SMEM_TILES.get((d, m_tiles))
         if compact and explicit and impl == "mma" and c in decode.mma_tiles(dtype, d, m_tiles):
             return c

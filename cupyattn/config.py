@@ -267,6 +267,37 @@ DECODE_SPLIT_OVERHEAD_KEYS = 64   # fixed cost of one split (prologue, epilogue,
 # candidates, and re-measuring is left to the next GPU run.
 DECODE_SPLIT_BLOCKS_PER_SM = 1
 
+# --- decode schedule and paged addressing (issue 39) ---- begin ---------------------------------
+# Split rules of decode_attention / decode_attention_paged (split_rule=None takes the default):
+#   "cost"   choose_num_splits: least waves x (keys per split + DECODE_SPLIT_OVERHEAD_KEYS), the
+#            same chunk count for every sequence, a separate combine launch unless fused_combine
+#   "waves"  wave_splits: FlashAttention-3's rule (hopper/heuristics.h num_splits_heuristic): the
+#            smallest split count whose wave efficiency over the SMs is within
+#            DECODE_WAVE_EFFICIENCY of the best, at most DECODE_WAVE_MAX_SPLITS; the efficiency
+#            counts each sequence's own chunks (a ragged batch), each sequence is split into
+#            chunks of about split_keys keys (decode.cu SeqSplit: short sequences take fewer
+#            blocks), and the combine is fused into the decode kernel (no second launch)
+# The default stays "cost" (measured, H100 2026-11-26) until a GPU run measures "waves": it has
+# not yet run on a GPU (CPU emulator only). Switching is this one line.
+DECODE_SPLIT_RULES = ("cost", "waves")
+DECODE_SPLIT_RULE = "cost"
+DECODE_WAVE_EFFICIENCY = 0.85   # FA3: the smallest split count within 85% of the best efficiency
+DECODE_WAVE_MAX_SPLITS = 128    # FA3's cap; MQA at B=1, 128k keys on 132 SMs then takes 109 splits
+# Paged decode addressing: False, each K/V row load first reads its page id from the block table in
+# global memory (the load the H100 run of 2026-11-26 found paged decode waiting on: page 16 at 0.53x
+# of the contiguous kernel); True, the STAGED kernels (decode.cu, paged.cuh PageWindow) stage a
+# split's page ids in shared memory a window ahead of the K/V ring. Not yet run on a GPU (CPU
+# emulator only): False until a GPU run measures it. Switching is this one line.
+DECODE_PAGE_STAGING = False
+# Page layouts of PagedKVCache / the paged ops: "NHD" pages [num_pages, page_size, Hkv, D] (vLLM,
+# flash-attention; one head's rows Hkv * D elements apart), "HND" [num_pages, Hkv, page_size, D]
+# (FlashInfer's kv_layout="HND"; one head's rows of a page contiguous). PagedKVCache's default is
+# "NHD" until a GPU run measures "HND" (not yet run on a GPU); the raw paged functions always
+# default to "NHD" (the caller's arrays say which layout they hold).
+PAGED_LAYOUTS = ("NHD", "HND")
+PAGED_DEFAULT_LAYOUT = "NHD"
+# --- decode schedule and paged addressing (issue 39) ---- end -----------------------------------
+
 # --- KV-cache append (kernels_cu/kvcache.cu) ------------------------------------------------
 KV_APPEND_THREADS = 128
 KV_APPEND_ELEMS_PER_BLOCK = 2048  # tokens per block = this // head_dim

@@ -37,6 +37,10 @@ OPTIONS = {
     "num_splits": "`num_splits=`: split-KV",
     "workspace": "`workspace=`: the caller's split-KV partials",
     "fused_combine": "`fused_combine=True`: the splits merged inside the decode kernel",
+    "split_rule": "`split_rule=\"waves\"`: FlashAttention-3's wave-efficiency split count, chunks per sequence "
+                  "(opt-in, not yet run on a GPU)",
+    "hnd_pages": "`layout=\"HND\"`: pages [num_pages, Hkv, page_size, D] (FlashInfer's; PagedKVCache(layout=)); "
+                 "not yet run on a GPU",
 }
 
 # entry point -> (the impls an explicit impl= names, the options it takes)
@@ -53,9 +57,9 @@ ENTRY_IMPLS = {
 ENTRY_OPTIONS = {
     "attention": _ATTN + ("mask", "key_lengths", "return_lse", "out"),
     "attention_varlen": _ATTN + ("return_lse", "out", "device_lengths"),
-    "attention_paged": _ATTN + ("packed_q", "return_lse", "out", "device_lengths"),
-    "decode_attention": _DECODE + ("fused_combine",),
-    "decode_attention_paged": _DECODE + ("device_lengths",),
+    "attention_paged": _ATTN + ("packed_q", "return_lse", "out", "device_lengths", "hnd_pages"),
+    "decode_attention": _DECODE + ("fused_combine", "split_rule"),
+    "decode_attention_paged": _DECODE + ("device_lengths", "fused_combine", "split_rule", "hnd_pages"),
 }
 # How impl=None / "auto" chooses, per entry point (the docs' note; the code is each module's).
 DEFAULTS = {
@@ -87,7 +91,10 @@ REFUSED = {
     ("attention", "wgmma"): {"window": V3_LACKS, "softcap": V3_LACKS, **TMA_REFUSES},
     ("attention", "wgmma_persistent"): TMA_REFUSES,
     ("attention_varlen", "wgmma_persistent"): TMA_REFUSES,
-    ("attention_paged", "wgmma_persistent"): TMA_REFUSES,
+    ("attention_paged", "wgmma_persistent"): {
+        **TMA_REFUSES,
+        "hnd_pages": "its TMA maps read NHD pages [num_pages, page_size, Hkv, D]; impl=None serves HND",
+    },
 }
 # (entry point, impl, option) -> a condition on an implemented option (the docs' footnotes)
 TMA_STRIDES = "strides and base 16-byte multiples (TMA), else a ValueError naming the operand"

@@ -220,13 +220,17 @@ class Case:
                                                          kw.get("window"), kw.get("softcap"), lse)
 
     def _pages(self, lens):
-        """Shuffled pages of 4 tokens holding ``lens`` keys and values (test_serving's); of 8 for
-        wgmma_persistent, which takes no smaller page (config.ATTN_WGMMA_MIN_PAGE)."""
+        """Shuffled pages of 4 tokens holding ``lens`` keys and values (test_serving's), of 8 for
+        wgmma_persistent, which takes no smaller page (config.ATTN_WGMMA_MIN_PAGE); in the HND
+        layout under hnd_pages."""
         import cupy
         from test_serving import _shuffled_pages
 
         page = 8 if self.impl == "wgmma_persistent" else 4
-        kp, vp, table, kh, vh, th = _shuffled_pages(self.rng, lens, page, self.hkv, self.d, self.dtype)
+        layout = "HND" if "hnd_pages" in self.opts else "NHD"
+        if layout == "HND":
+            self.kw["layout"] = layout
+        kp, vp, table, kh, vh, th = _shuffled_pages(self.rng, lens, page, self.hkv, self.d, self.dtype, layout=layout)
         dev_lens = cupy.asarray(np.asarray(lens, dtype=np.int32)) if "device_lengths" in self.opts else lens
         return kp, vp, table, kh, vh, th, dev_lens
 
@@ -270,9 +274,11 @@ class Case:
             self.kw["num_splits"] = splits
         if "fused_combine" in self.opts:
             self.kw["fused_combine"] = True
+        if "split_rule" in self.opts:  # (its combine is fused unless told otherwise)
+            self.kw["split_rule"] = "waves"
         if "workspace" in self.opts:
             ws = (cupy.full((splits, b, self.hq, d), np.nan, np.float32), cupy.full((splits, b, self.hq), np.nan, np.float32))
-            if "fused_combine" in self.opts:
+            if {"fused_combine", "split_rule"} & self.opts:
                 ws += (cupy.zeros((b, self.hq), np.uint32),)
             self.kw["workspace"] = ws
         return q, qh
@@ -314,7 +320,8 @@ class Case:
 
         lens, d = [13, 5], self.d
         q, qh = self._decode_common(lens)
-        cache = cupyattn.PagedKVCache(1, 2, self.hkv, d, num_pages=8, page_size=4, dtype=np_dtype(self.dtype))
+        cache = cupyattn.PagedKVCache(1, 2, self.hkv, d, num_pages=8, page_size=4, dtype=np_dtype(self.dtype),
+                                      layout="HND" if "hnd_pages" in self.opts else "NHD")
         k, kh = place(self.rng, (2, self.hkv, 13, d), self.dtype, seq_axis=2)
         v, vh = place(self.rng, (2, self.hkv, 13, d), self.dtype, seq_axis=2)
         cache.append(0, k, v, num_new=lens)
@@ -436,7 +443,7 @@ def test_options_table_matches_the_entry_points():
     import cupyattn
     from cupyattn import varlen
 
-    params = {"packed_q": "cu_seqlens_q", "device_lengths": None, "scale": "scale"}
+    params = {"packed_q": "cu_seqlens_q", "device_lengths": None, "scale": "scale", "hnd_pages": "layout"}
     for entry, opts in O.ENTRY_OPTIONS.items():
         sig = inspect.signature(getattr(cupyattn, entry)).parameters
         for o in opts:

@@ -16,7 +16,9 @@
 //     are dropped at the end of the thread;
 //   - alignment: cp.async needs both addresses aligned to its size, ldmatrix 16-byte rows, as a
 //     GPU does (it faults on a misaligned address);
-//   - ldmatrix and mma.sync are warp-collective (.aligned): the 32 lanes meet at the same one.
+//   - ldmatrix and mma.sync are warp-collective (.aligned): the 32 lanes meet at the same one;
+//   - the counters between blocks (signal_release, wait_acquire, ...) with the release / acquire
+//     semantics of the memory model emu_memory.h emulates.
 #pragma once
 
 #if defined(CUPYATTN_TARGET_SM)
@@ -181,11 +183,24 @@ inline void griddepcontrol_launch_dependents() {
     static_assert(ptx_sm_at_least<900, char[DUMMY + 1]>(), "griddepcontrol requires sm_90 or higher");
 }
 
-// --- atomics with a named memory order ---------------------------------------------------------
-// atom.relaxed.gpu.global.add.u32: fibers switch only at rendezvous points, so the read-modify-
-// write is indivisible here; relaxed orders nothing else, and neither does this model.
-inline unsigned atomic_add_relaxed(unsigned* p, unsigned v) {
-    const unsigned old = *p;
-    *p = old + v;
-    return old;
+// --- counters between blocks (issue 37; the model: emu_memory.h) -------------------------------
+// The same six functions as ptx_insn.cuh, with the semantics the PTX ISA gives them: a release
+// publishes the block's stores, an acquire makes visible the releases its strong reads observed;
+// wait_acquire parks the thread until the counter's latest value reaches the target, so other
+// blocks run (and start, up to the device's resident blocks) meanwhile.
+inline void signal_release(unsigned* counter, unsigned inc) {
+    emu_gm_rmw(counter, [inc](unsigned o) { return o + inc; }, EMU_RELEASE, "signal_release", true);
 }
+inline unsigned load_acquire(const unsigned* p) { return emu_gm_load(p, EMU_ACQUIRE, "load_acquire"); }
+inline void wait_acquire(const unsigned* counter, unsigned target) {
+    EmuCounterWait w(counter, emu_gm_strong_index(counter, sizeof(unsigned), "wait_acquire", false), target);
+    emu_wait_until(w);
+    emu_gm_load(counter, EMU_ACQUIRE, "wait_acquire");  // the read that saw it, then the acquire
+}
+inline unsigned atomic_add_relaxed(unsigned* p, unsigned v) {
+    return emu_gm_rmw(p, [v](unsigned o) { return o + v; }, EMU_RELAXED, "atomic_add_relaxed", true);
+}
+inline unsigned atomic_add_acq_rel(unsigned* p, unsigned v) {
+    return emu_gm_rmw(p, [v](unsigned o) { return o + v; }, EMU_ACQ_REL, "atomic_add_acq_rel", true);
+}
+inline void fence_acq_rel_gpu() { emu_gm_fence(); }
