@@ -69,7 +69,7 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=_prog(), description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="sweeps: " + ", ".join(specs.SWEEPS))
-    sub = ap.add_subparsers(dest="op", required=True, metavar="{gemm,softmax,attention,decode,model,all}")
+    sub = ap.add_subparsers(dest="op", required=True, metavar="{gemm,softmax,attention,decode,varlen,paged,model,all}")
 
     def add(name, help_, parents=(common,)):
         return sub.add_parser(name, help=help_, parents=list(parents), description=help_)
@@ -99,6 +99,19 @@ def _parser() -> argparse.ArgumentParser:
                        help="causal mask, bottom-right aligned" if name == "attention"
                        else "ignored: a decode query sees its whole cache")
         sweep_arg(p, name)
+    p = add("varlen", "ragged packed batches: attention_varlen vs the dense kernel and torch SDPA on the padded batch")
+    for k in ("B", "H", "Hkv", "D"):
+        p.add_argument(f"--{k}", type=int)
+    p.add_argument("--lo", type=int, help="shortest sequence (lengths uniform in [lo, hi])")
+    p.add_argument("--hi", type=int, help="longest sequence")
+    p.add_argument("--seed-lens", type=int, dest="seed_lens", help="seed of the lengths (NumPy default_rng)")
+    p.add_argument("--causal", action="store_true", help="causal mask per sequence")
+    p = add("paged", "chunked prefill over a paged KV cache vs the same keys contiguous and torch SDPA")
+    for k in ("B", "H", "Hkv", "Sq", "Sk", "D"):
+        p.add_argument(f"--{k}", type=int, help="cached keys per sequence, the Sq new ones last" if k == "Sk" else None)
+    p.add_argument("--page", type=int, help="tokens per page (a power of two)")
+    p.add_argument("--causal", action="store_true", help="causal mask, bottom-right aligned")
+    sweep_arg(p, "paged")
     mg.add_argument("--model", help="comma-separated: 'smollm2', a tinylm preset or a GGUF file's path "
                     "(default: both smollm2 and --preset)")
     p = add("model", "tinylm end to end (TTFT, decode tok/s) vs HF transformers", (common, m))
@@ -130,7 +143,7 @@ def plan(a) -> list:
 
     if a.op == "all":
         out = []
-        for op in ("gemm", "softmax", "attention", "decode"):
+        for op in ("gemm", "softmax", "attention", "decode", "varlen", "paged"):
             out += defaults(op)
         if a.with_sweeps:
             for name in specs.SWEEPS:
@@ -140,7 +153,7 @@ def plan(a) -> list:
         return out
     if a.op == "model":
         return defaults("model")
-    if a.sweep:
+    if getattr(a, "sweep", None):
         return specs.sweep_cases(a.sweep, a.dtype or "float16")
     one = specs.cli_case(a.op, a)
     return [one] if one is not None else defaults(a.op)

@@ -13,7 +13,7 @@ import traceback
 
 import numpy as np
 
-from . import peers, timing
+from . import peers, serving_cases, timing
 from .arrays import np_dtype, rand, to_f64
 from .report import fill_timing, new_record
 from .specs import case_bytes, case_flops, decode_lengths
@@ -45,7 +45,9 @@ def ours_names(op: str) -> tuple:
     if op == "gemm":
         return ("ours",) + tuple(f"ours-{v}" for v in GEMM_IMPLS if v != "auto")
     if op == "attention":  # "varlen": attention_varlen over the same batch packed (equal lengths)
-        return ATTENTION_IMPLS + ("varlen",)
+        return ATTENTION_IMPLS + ("varlen", "varlen-wgmma")
+    if op in serving_cases.OURS:
+        return serving_cases.OURS[op]
     return OURS[op]
 
 
@@ -92,6 +94,8 @@ def ref_attention(q, k, v, causal, chunk_bytes=512 * 2**20):
 def build_inputs(case) -> dict:
     import cupy
 
+    if case.op in serving_cases.OURS:
+        return serving_cases.build_inputs(case)
     p, dt = case.p, case.dtype
     if case.op == "gemm":
         M, N, K = p["M"], p["N"], p["K"]
@@ -124,6 +128,8 @@ def build_inputs(case) -> dict:
 def reference(case, inp):
     import cupy
 
+    if case.op in serving_cases.OURS:
+        return serving_cases.reference(case, inp)
     if case.op == "gemm":
         b = to_f64(inp["b"])
         return cupy.matmul(to_f64(inp["a"]), b.T if case.p["layout"] == "nt" else b)
@@ -143,6 +149,8 @@ def reference(case, inp):
 def make_impl(case, name: str, inp):
     """Zero-arg callable running impl ``name`` on ``inp`` and returning its output."""
     p, op = case.p, case.op
+    if op in serving_cases.OURS:
+        return serving_cases.make_impl(case, name, inp)
     if op == "gemm":
         if name == "ours" or name.startswith("ours-"):
             from cupyattn import gemm
@@ -167,8 +175,8 @@ def make_impl(case, name: str, inp):
     if name.startswith("paged"):
         variant, size = name.rsplit("-", 1)
         return _paged_decode(inp, int(size), *PAGED_VARIANTS[variant])
-    if name == "varlen":
-        return _varlen_attention(q, k, v, causal, out)
+    if name in ("varlen", "varlen-wgmma"):
+        return _varlen_attention(q, k, v, causal, out, "wgmma_persistent" if name == "varlen-wgmma" else None)
     if name == "naive" or (op == "attention" and name in ours_names(op)):
         from cupyattn import attention
 
@@ -252,9 +260,9 @@ def _paged_decode(inp, page_size, layout="NHD", staged=False, rule="cost"):
     return call
 
 
-def _varlen_attention(q, k, v, causal, out):
-    """attention_varlen on the batch packed as [B*S, H, D] (copies made here, not timed); the
-    result is handed back as a [B, H, S, D] view for the error check."""
+def _varlen_attention(q, k, v, causal, out, impl=None):
+    """attention_varlen (``impl``) on the batch packed as [B*S, H, D] (copies made here, not
+    timed); the result is handed back as a [B, H, S, D] view for the error check."""
     import cupy
 
     from cupyattn import attention_varlen
@@ -264,7 +272,7 @@ def _varlen_attention(q, k, v, causal, out):
     qp, kp, vp = (cupy.ascontiguousarray(x.transpose(0, 2, 1, 3)).reshape(-1, x.shape[1], D) for x in (q, k, v))
     cq, ck = (cupy.arange(B + 1, dtype=cupy.int32) * s for s in (Sq, Sk))
     op = cupy.empty_like(qp)
-    return lambda: attention_varlen(qp, kp, vp, cq, ck, Sq, Sk, causal=causal, out=op).reshape(
+    return lambda: attention_varlen(qp, kp, vp, cq, ck, Sq, Sk, causal=causal, out=op, impl=impl).reshape(
         B, Sq, H, D).transpose(0, 2, 1, 3)
 
 
@@ -304,8 +312,8 @@ def measure_impl(case, name, kind, inp, ref, opts, ceilings, flusher, log) -> di
         fn = make_impl(case, name, inp)
         out = fn()  # first call: compile / plan, and the output we check
         stream.synchronize()
-        if ref is not None:
-            rec["max_abs_err"], rec["rel_err"] = errors(out, ref)
+        if ref is not None:  # (padded serving impls: their real rows, taken out untimed)
+            rec["max_abs_err"], rec["rel_err"] = errors(getattr(fn, "extract", lambda o: o)(out), ref)
             rec["err_ref"] = "float64 cupy"
         del out
         t = _torch_if_loaded()

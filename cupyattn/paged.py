@@ -14,8 +14,10 @@ The kernels are the serving variants of the contiguous ones (``SERVING = true``)
 ``kernels_cu/decode.cu`` (split-KV, GQA packing, tensor cores) with K/V rows looked up through
 the table once per 16-byte load, or, with config.DECODE_PAGE_STAGING, with each split's page ids
 staged in shared memory ahead of its K/V ring (``STAGED``); chunked prefill is
-``kernels_cu/flash_attn.cu``; appends are ``kernels_cu/kvcache.cu``. **None of them has run on a
-GPU yet** (CPU emulator only); neither have the HND layout and the staged page ids.
+``kernels_cu/flash_attn.cu``; appends are ``kernels_cu/kvcache.cu``. Those ran on an H100
+(2026-11-26); the HND layout, the staged page ids and ``impl="wgmma_persistent"`` (the
+persistent Hopper kernel, NHD pages of at least 8 tokens) have not run on a GPU yet (CPU
+emulator only) and are opt-in.
 """
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ import math
 import cupy
 import numpy as np
 
-from . import _checks, config
+from . import _checks, config, options
+from . import flash_attn_sm90_persistent as _sm90p
 from ._checks import check_array, check_choice, check_out
 from .config import PAGED_LAYOUTS, PAGED_MAX_PAGE_SIZE
 from .decode import _check_args, _check_workspace, _launch, check_split_rule, schedule, serving_plan
@@ -49,7 +52,7 @@ def _nhd(x):
 def _check_pages(fn, q, k_pages, v_pages, block_table, seq_lens, impl, b, layout="NHD"):
     """q [*, Hq, D]; pages [N, P, Hkv, D] (NHD) or [N, Hkv, P, D] (HND), C-contiguous; table
     int32 [B, max_pages] on the device, seq_lens [B] -> (impl, Hq, Hkv, D, page_size, host
-    seq_lens or None, device seq_lens). ``impl`` None or a flash impl: checked as attention's;
+    seq_lens or None, device seq_lens). ``impl`` None, a flash impl or "wgmma_persistent": checked as attention_varlen's;
     "auto"/"simt"/"mma": decode's (checked by decode's own checks later)."""
     shape = "[num_pages, page_size, Hkv, D]" if layout == "NHD" else "[num_pages, Hkv, page_size, D]"
     kn, vn = k_pages, v_pages
@@ -196,7 +199,11 @@ def attention_paged(q, k_pages, v_pages, block_table, seq_lens, cu_seqlens_q=Non
         by ``cu_seqlens_q`` (int32 [B + 1], as attention_varlen) with ``max_seqlen_q``.
     k_pages, v_pages, block_table, seq_lens, layout : as :func:`decode_attention_paged`.
     causal, scale, window, softcap, return_lse, impl : as :func:`cupyattn.attention_varlen`
-        (lse is [B, Hq, Sq] for 4-D q, [Hq, total_q] for packed q).
+        (lse is [B, Hq, Sq] for 4-D q, [Hq, total_q] for packed q). impl="wgmma_persistent"
+        (the persistent Hopper kernel) reads each key tile's pages by TMA, one copy per page of
+        the tile, the tile's page ids read once by its loader warp; it needs page_size >= 8
+        (``config.ATTN_WGMMA_MIN_PAGE``: smaller pages would take a copy per 1-4 rows); flash_mma
+        takes any page size.
     out : cupy.ndarray shaped like q, optional
 
     **Not yet run on a GPU.**
@@ -217,6 +224,11 @@ def attention_paged(q, k_pages, v_pages, block_table, seq_lens, cu_seqlens_q=Non
     layout = check_layout(fn, layout)
     impl, hq, hkv, d, ps, host, lens = _check_pages(fn, q3, k_pages, v_pages, block_table, seq_lens, impl, b, layout)
     check_grid(fn, b, hq)
+    if impl == _sm90p.IMPL:
+        options.check(fn, fn, impl, ["hnd_pages"] if layout == "HND" else [])
+        _sm90p.check_pages(fn, impl, ps)
+        if q.size:  # (nothing is launched otherwise)
+            _sm90p.check_launch(fn, impl, _sm90p.paged_ops(q, k_pages, v_pages), q, b)
     if cu_seqlens_q is None:
         shape, out_shape, lse_shape, sq_arg = (b, hq, sq, hkv, sq, 0), (b, hq, sq, d), (b, hq, sq), sq
         cu_q, qs = None, elem_strides(q)[:3]
@@ -240,6 +252,10 @@ def attention_paged(q, k_pages, v_pages, block_table, seq_lens, cu_seqlens_q=Non
     out = cupy.empty(out_shape, dtype=q.dtype) if out is None else out
     lse = cupy.empty(lse_shape, dtype=cupy.float32) if return_lse else None
     if out.size == 0 or sq == 0:
+        return (out, lse) if return_lse else out
+    if impl == _sm90p.IMPL:
+        longest = int(host.max()) if host is not None and len(host) else block_table.shape[1] * ps
+        _sm90p.run_paged(q, k_pages, v_pages, block_table, lens, cu_q, b, longest, scale, win, cap, out, lse)
         return (out, lse) if return_lse else out
     es = elem_strides(k_pages)
     ks = [0, es[2], es[1]] if layout == "NHD" else [0, es[1], es[2]]  # head, token (row) strides in a page

@@ -158,7 +158,7 @@ def test_plan_defaults_sweeps_and_all():
     assert all(c.dtype == "bfloat16" for c in _plan("softmax", "--dtype", "bfloat16"))
     assert len(_plan("attention", "--sweep", "attention-seqlen")) == 24
     every = _plan("all", "--skip-model")
-    assert {c.op for c in every} == {"gemm", "softmax", "attention", "decode"}
+    assert {c.op for c in every} == {"gemm", "softmax", "attention", "decode", "varlen", "paged"}
     with_model = _plan("all", "--preset", "tiny")
     assert [(c.p["model"], c.p["batch"]) for c in with_model if c.op == "model"] == [
         ("smollm2", 1), ("smollm2", 8), ("tiny", 1)]
