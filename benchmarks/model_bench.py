@@ -89,6 +89,19 @@ def _fill(rec, ttfts, toks, prefills, weight_bytes, ceilings, batch=1):
         rec["weight_limit_tok_s"] = ceilings["copy_gbps"] * 1e9 / weight_bytes * batch
 
 
+def record_error(rec, label, e, opts, log):
+    """An impl's failure as its record's status (PeerUnavailable: skipped; out of memory: oom) and
+    one log line (with the traceback under --debug)."""
+    if isinstance(e, peers.PeerUnavailable):
+        rec["status"] = f"skipped: {e}"
+        log(f"{label}: skipped ({e})")
+        return
+    rec["status"] = "oom" if "OutOfMemory" in type(e).__name__ else f"error: {_one_line(e)}"
+    log(f"{label}: {rec['status']}")
+    if opts.debug:
+        log(traceback.format_exc())
+
+
 def _errors(logits, ref):
     d = np.asarray(logits, dtype=np.float64) - ref
     return float(np.abs(d).max()), float(np.linalg.norm(d) / max(np.linalg.norm(ref), 1e-300))
@@ -183,19 +196,28 @@ def _mega_note(rec, gen):
                     f"of work; median work/wait us per instruction: {per_op}")
 
 
+def start_case(case, impls, opts, log):
+    """(a record per impl of a model case, its model as load_model gives it); the model None when
+    it cannot be loaded, every record then skipped with the reason."""
+    recs = {n: new_record(case, n, "peer" if n in peers.PEERS["model"] else "ours") for n in impls}
+    try:
+        return recs, load_model(case.p["model"], opts.seed)
+    except Exception as e:
+        for r in recs.values():
+            r["status"] = f"skipped: {_one_line(e)}"
+        log(f"skipping model {case.p['model']}: {_one_line(e)}")
+        return recs, None
+
+
 def run_model_case(case, impls, opts, ceilings, log) -> list[dict]:
     import cupy
 
     p = case.p
     batch = p.get("batch", 1)
-    recs = {n: new_record(case, n, "peer" if n in peers.PEERS["model"] else "ours") for n in impls}
-    try:
-        args, weights, tok, source = load_model(p["model"], opts.seed)
-    except Exception as e:
-        for r in recs.values():
-            r["status"] = f"skipped: {_one_line(e)}"
-        log(f"skipping model {p['model']}: {_one_line(e)}")
+    recs, loaded = start_case(case, impls, opts, log)
+    if loaded is None:
         return list(recs.values())
+    args, weights, tok, source = loaded
     prompts = [prompt_ids(tok, args.vocab_size, p["prompt_len"], opts.seed, i) for i in range(batch)]
     n = p["new_tokens"]
     ours_ids = None
@@ -299,14 +321,8 @@ def _run_hf(recs, name, case, args, weights, prompts, n, ours_ids, ref_logits, o
             equal = sum(a == b for a, b in zip(ours_ids, theirs))
             rec["note"] = (f"first {same}/{n} greedy tokens equal to tinylm's"
                            + (f"; {equal}/{len(theirs)} sequences identical" if len(theirs) > 1 else ""))
-    except peers.PeerUnavailable as e:
-        rec["status"] = f"skipped: {e}"
-        log(f"{case.name} / {name}: skipped ({e})")
-    except Exception as e:
-        rec["status"] = "oom" if "OutOfMemory" in type(e).__name__ else f"error: {_one_line(e)}"
-        log(f"{case.name} / {name}: {rec['status']}")
-        if opts.debug:
-            log(traceback.format_exc())
+    except Exception as e:  # an impl failing must not end the run
+        record_error(rec, f"{case.name} / {name}", e, opts, log)
     finally:
         del model
         t = peers.get_torch() if "torch" in __import__("sys").modules else None

@@ -5,7 +5,8 @@ backend and the fused step (logits at several positions, split attention with it
 and sampled tokens through graph replays), one launch per step with its counters reset inside
 the kernel, tinylm's refusals, the benchmark's model case, and SmolLM2's real weights (its first
 layer in the CI tier; four layers and the whole vocabulary under emu_slow). Several blocks at once
-need the emulator of issue 37: written, skipped there. CPU: the options' refusals.
+run on the emulator too (its memory model, issue 37: blocks in flight together, a parked block's
+peers run, stores seen by other blocks only through release/acquire). CPU: the options' refusals.
 """
 from __future__ import annotations
 
@@ -15,10 +16,6 @@ import numpy as np
 import pytest
 
 from conftest import EMULATE, skip_unless_device_runs
-
-NEEDS_I37 = pytest.mark.skipif(EMULATE, reason="several blocks of one persistent launch wait for each other: the "
-                                               "emulator must run the other blocks while one is parked (issue 37)")
-
 
 @pytest.fixture(autouse=True)
 def device_runs_the_megakernel(request):
@@ -30,8 +27,8 @@ def device_runs_the_megakernel(request):
 # --- GPU: whole steps (tinylm's tiny preset) ---------------------------------------------------------
 @pytest.fixture(scope="module", autouse=True)
 def one_block_on_the_emulator():
-    """Under the emulator a launch runs one block (until issue 37 lets parked blocks' peers run);
-    on a GPU, one per SM."""
+    """Under the emulator the whole-step tests run one block (its cost; the several-block tests
+    below set their own count); on a GPU, one per SM."""
     from cupyattn import config
 
     saved = config.MEGAKERNEL_BLOCKS
@@ -267,8 +264,7 @@ def test_gpu_real_model_greedy_tokens_equal_numpy(tmp_path_factory):
     assert np.linalg.norm(step - want) / np.linalg.norm(want) <= 2e-2
 
 
-# --- GPU: several blocks at once (issue 37 lets the emulator run them) -------------------------------
-@NEEDS_I37
+# --- GPU: several blocks at once (the emulator runs them concurrently: issue 37) -----------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("blocks", [2, 5, 40])
 def test_gpu_several_blocks_give_the_one_block_logits(monkeypatch, blocks):
@@ -290,7 +286,6 @@ def test_gpu_several_blocks_give_the_one_block_logits(monkeypatch, blocks):
         assert state.mega.step.blocks == blocks and np.array_equal(one, many), splits
 
 
-@NEEDS_I37
 @pytest.mark.gpu
 def test_gpu_several_blocks_generate_the_numpy_tokens(monkeypatch):
     from cupyattn import config

@@ -124,8 +124,12 @@ def load_slot(cache, slot: int, src, n: int) -> None:
     ps = cache.page_size
     for j, page in enumerate(cache.pages_of(slot)):
         a, m = j * ps, min(ps, n - j * ps)
-        cache.k[:, page, :m] = src.k[:, 0, :, a:a + m].transpose(0, 2, 1, 3)
-        cache.v[:, page, :m] = src.v[:, 0, :, a:a + m].transpose(0, 2, 1, 3)
+        if cache.layout == "HND":  # pages [L, N, Hkv, page, D]
+            cache.k[:, page, :, :m] = src.k[:, 0, :, a:a + m]
+            cache.v[:, page, :, :m] = src.v[:, 0, :, a:a + m]
+        else:                      # pages [L, N, page, Hkv, D]
+            cache.k[:, page, :m] = src.k[:, 0, :, a:a + m].transpose(0, 2, 1, 3)
+            cache.v[:, page, :m] = src.v[:, 0, :, a:a + m].transpose(0, 2, 1, 3)
     cache.lengths[:, slot] = n
     cache.record_advance(counts)
 

@@ -16,7 +16,9 @@
 //     are dropped at the end of the thread;
 //   - alignment: cp.async needs both addresses aligned to its size, ldmatrix 16-byte rows, as a
 //     GPU does (it faults on a misaligned address);
-//   - ldmatrix and mma.sync are warp-collective (.aligned): the 32 lanes meet at the same one.
+//   - ldmatrix and mma.sync are warp-collective (.aligned): the 32 lanes meet at the same one;
+//   - the counters between blocks (signal_release, wait_acquire, ...) with the release / acquire
+//     semantics of the memory model emu_memory.h emulates.
 #pragma once
 
 #if defined(CUPYATTN_TARGET_SM)
@@ -184,53 +186,24 @@ inline void griddepcontrol_launch_dependents() {
     static_assert(ptx_sm_at_least<900, char[DUMMY + 1]>(), "griddepcontrol requires sm_90 or higher");
 }
 
-// --- counters between blocks (TEMP, issue 40, until i37's memory model) --------------------------
-// Loads and stores here are immediately visible to every thread (tests/emu/README.md), so the
-// orders are trivially kept; a wait that cannot succeed yet parks the thread (the scheduler polls
-// it). Blocks run 1 to 4 at a time, so a grid that needs more blocks than that in flight at once
-// (every block of a persistent kernel) still deadlocks here until the emulator starts more blocks
-// when all in-flight ones are parked.
-template <int DUMMY = 0>
+// --- counters between blocks (issue 37; the model: emu_memory.h) -------------------------------
+// The same six functions as ptx_insn.cuh, with the semantics the PTX ISA gives them: a release
+// publishes the block's stores, an acquire makes visible the releases its strong reads observed;
+// wait_acquire parks the thread until the counter's latest value reaches the target, so other
+// blocks run (and start, up to the device's resident blocks) meanwhile.
 inline void signal_release(unsigned* counter, unsigned inc) {
-    static_assert(ptx_sm_at_least<700, char[DUMMY + 1]>(), "red.release requires sm_70 or higher");
-    *counter += inc;
+    emu_gm_rmw(counter, [inc](unsigned o) { return o + inc; }, EMU_RELEASE, "signal_release", true);
 }
-template <int DUMMY = 0>
-inline unsigned load_acquire(const unsigned* p) {
-    static_assert(ptx_sm_at_least<700, char[DUMMY + 1]>(), "ld.acquire requires sm_70 or higher");
-    return *p;
-}
-struct EmuCounterWait : EmuWaitable {
-    const unsigned* c;
-    unsigned target;
-    EmuCounterWait(const unsigned* c_, unsigned t) : c(c_), target(t) {}
-    bool ready() override { return (int)(*c - target) >= 0; }
-    std::string what() const override {
-        return "a counter at " + std::to_string((unsigned long long)(uintptr_t)c) + " holds " + std::to_string(*c) +
-               ", waited for " + std::to_string(target);
-    }
-};
-template <int DUMMY = 0>
+inline unsigned load_acquire(const unsigned* p) { return emu_gm_load(p, EMU_ACQUIRE, "load_acquire"); }
 inline void wait_acquire(const unsigned* counter, unsigned target) {
-    static_assert(ptx_sm_at_least<700, char[DUMMY + 1]>(), "ld.acquire requires sm_70 or higher");
-    EmuCounterWait w(counter, target);
+    EmuCounterWait w(counter, emu_gm_strong_index(counter, sizeof(unsigned), "wait_acquire", false), target);
     emu_wait_until(w);
+    emu_gm_load(counter, EMU_ACQUIRE, "wait_acquire");  // the read that saw it, then the acquire
 }
-template <int DUMMY = 0>
 inline unsigned atomic_add_relaxed(unsigned* p, unsigned v) {
-    static_assert(ptx_sm_at_least<700, char[DUMMY + 1]>(), "atom.relaxed requires sm_70 or higher");
-    const unsigned old = *p;
-    *p = old + v;
-    return old;
+    return emu_gm_rmw(p, [v](unsigned o) { return o + v; }, EMU_RELAXED, "atomic_add_relaxed", true);
 }
-template <int DUMMY = 0>
 inline unsigned atomic_add_acq_rel(unsigned* p, unsigned v) {
-    static_assert(ptx_sm_at_least<700, char[DUMMY + 1]>(), "atom.acq_rel requires sm_70 or higher");
-    const unsigned old = *p;
-    *p = old + v;
-    return old;
+    return emu_gm_rmw(p, [v](unsigned o) { return o + v; }, EMU_ACQ_REL, "atomic_add_acq_rel", true);
 }
-template <int DUMMY = 0>
-inline void fence_acq_rel_gpu() {
-    static_assert(ptx_sm_at_least<700, char[DUMMY + 1]>(), "fence.acq_rel requires sm_70 or higher");
-}
+inline void fence_acq_rel_gpu() { emu_gm_fence(); }
