@@ -1,10 +1,10 @@
 """The megakernel's kernel (kernels_cu/megakernel*.cu*, cupyattn.megakernel.LlamaStep), op by op.
 
-CPU tier: the offline compile check (no spills, no stack), the opt-in default (the emulator
-catching a broken weight ring or counter order: tests/test_emu_mutants.py). GPU tier (also on
-the CPU emulator, one block: a single block runs its queue in the global order, so every wait is already satisfied):
-each opcode alone against the float64 reference on fresh inputs with outliers, odd sizes and
-every dtype, outputs NaN-poisoned; bad arguments raise before anything runs. Whole decode steps
+CPU tier: the offline compile check (no spills, no stack), the opt-in default (the emulator catching
+a broken weight ring or counter order: tests/test_emu_mutants.py). GPU tier (also on the CPU
+emulator, one block: a single block runs its queue in the global order, so every wait is already
+satisfied): each opcode alone against the float64 reference on fresh inputs with outliers, odd sizes
+and every dtype, outputs NaN-poisoned; bad arguments raise before anything runs. Whole decode steps
 through tinylm: tests/test_megakernel_tinylm.py (several blocks in flight there, on the emulator
 too); the host plan: tests/test_persistent.py.
 """
