@@ -19,7 +19,7 @@
 //   decode_combine_kernel<T, ...>          merges split partials: O = sum_c exp(lse_c - lse) O_c
 //   fused combine (counters != null)       no combine launch: the last split block of each (sequence,
 //                                          head tile) to finish, found by an atomic ticket
-//                                          (last_block_ticket), merges that tile's partials
+//                                          (last_block_ticket, ptx.cuh), merges that tile's partials
 //                                          (combine_if_last) and resets the counter
 // Both decode kernels stream K/V through the same cp.async ring (load_kv_tile) of STAGES slots
 // in dynamic shared memory, with one block barrier per tile: wait for tile t, barrier, issue the
@@ -237,29 +237,6 @@ __device__ __forceinline__ void combine_row(const float* o_part, const float* ls
         for (int c = 0; c < num_splits; ++c) o += w_s[c] * __ldcg(o_part + ((size_t)c * BH + r) * D + d);
         out[(size_t)r * D + d] = from_float<T>(o * inv_total);
     }
-}
-
-// Whether this block takes the last of `n` tickets on *counter (the n blocks that each wrote one
-// piece of a result; the last one then reads all of them). The whole block calls it. PTX ISA,
-// "Memory Consistency Model": each thread's writes are released by its fence before the barrier
-// that precedes thread 0's atomic (release pattern, ordered through bar.sync); the thread that
-// observes the last ticket fences after observing it (acquire pattern) before the barrier that
-// orders the block's following reads. The last block also resets the counter to 0 for the next
-// launch or graph replay (no other block of this launch touches it again).
-__device__ __forceinline__ bool last_block_ticket(unsigned* counter, unsigned n) {
-    __shared__ bool last;
-    __threadfence();  // release: this thread's writes before the ticket
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        const bool mine = atomicAdd(counter, 1u) == n - 1u;
-        if (mine) {
-            *counter = 0u;
-            __threadfence();  // acquire: the other blocks' released writes before this block's reads
-        }
-        last = mine;
-    }
-    __syncthreads();
-    return last;
 }
 
 // Fused combine, at the end of a split block that wrote its partials for rows [r0, r0 + rows): the

@@ -73,7 +73,6 @@ __global__ void __launch_bounds__(S_WARPS * 32, 1) norm_qkv_rope_append_kernel(
     static_assert(S_NT == 2, "a block owns the 8 rotation pairs of two 8-row groups");
     constexpr int NR = 8 * S_NT, NT = S_WARPS * 32;
     __shared__ float red[S_WARPS][16][NR];
-    __shared__ bool last;
     const SkinnyBlock blk(tiles_n);
     const int half = D / 2, tiles_head = D / 16;
     const int h = blk.tile_n / tiles_head, j = blk.tile_n - h * tiles_head;  // head, pair group
@@ -112,14 +111,7 @@ __global__ void __launch_bounds__(S_WARPS * 32, 1) norm_qkv_rope_append_kernel(
     }
 
     // the last block to finish advances the lengths (every block has read them by its ticket)
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        last = atomicAdd(ticket, 1u) == gridDim.x - 1;
-        if (last) *ticket = 0u;
-    }
-    __syncthreads();
-    if (last)
+    if (last_block_ticket(ticket, gridDim.x))
         for (int b = threadIdx.x; b < B; b += NT) lengths[b] += 1;
 }
 

@@ -139,24 +139,17 @@ __device__ void mk_embed(const MkModel& m, const MkState& st) {
 }
 
 // The end of a block's step: a ticket; the last block advances the lengths and the epoch.
-// Memory order: thread 0 takes the ticket with atom.acq_rel.gpu after the block's closing barrier.
-// Its release half publishes the block's work, as a signal does. The last ticket's acquire half
-// reads the value the ticket before it wrote, which ends a release sequence headed by every other
-// block's ticket (the tickets are one chain of RMWs), so it synchronizes with all of them: every
-// read of the lengths in this step happens before they advance. The
-// lengths, the ticket and the epoch are then written with plain stores: nothing in this launch
-// reads them again, and the kernel boundary publishes them to the next launch.
+// Memory order: thread 0 takes the ticket (last_block_ticket, ptx.cuh: atom.acq_rel.gpu) after the
+// block's closing barrier. Its release half publishes the block's work, as a signal does. The last
+// ticket's acquire half reads the value the ticket before it wrote, which ends a release sequence
+// headed by every other block's ticket (the tickets are one chain of RMWs), so it synchronizes with
+// all of them: every read of the lengths in this step happens before they advance. The lengths,
+// the ticket and the epoch are then written with plain stores: nothing in this launch reads them
+// again, and the kernel boundary publishes them to the next launch.
 __device__ __forceinline__ void mk_end_of_step(const MkModel& m, const MkState& st, unsigned* step, unsigned epoch) {
-    __shared__ int last;
-    __syncthreads();  // the block's last instruction is done (its signal was sent after a barrier too)
-    if (threadIdx.x == 0) last = atomic_add_acq_rel(step + 1, 1u) == gridDim.x - 1;
-    __syncthreads();
-    if (!last) return;
+    if (!last_block_ticket(step + 1, gridDim.x)) return;  // resets step[1]
     for (int i = threadIdx.x; i < (int)(m.L * m.B); i += MK_THREADS) st.lengths[i] += 1;
-    if (threadIdx.x == 0) {
-        step[1] = 0u;
-        step[0] = epoch + 1u;
-    }
+    if (threadIdx.x == 0) step[0] = epoch + 1u;
 }
 
 // --- the kernel -----------------------------------------------------------------------------------

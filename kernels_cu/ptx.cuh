@@ -19,6 +19,8 @@
 //                                        d[0..1] (row g, cols 2t, 2t+1), d[2..3] (row g+8, same)
 //   pdl_wait(), pdl_launch_dependents()  programmatic dependent launch (sm_90+; no-ops below):
 //                                        griddepcontrol.wait / .launch_dependents
+//   last_block_ticket(counter, n)        whole block: whether it takes the last of n tickets on
+//                                        *counter (atom.acq_rel.gpu); that block resets it to 0
 //
 // Per target (PTX ISA "Target ISA Notes" of each instruction; PTX_SM: see ptx_insn.cuh):
 //   helper          sm_80+                         sm_75                          sm_70
@@ -110,4 +112,25 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #if PTX_SM >= 900
     griddepcontrol_launch_dependents();
 #endif
+}
+
+// --- the last of n blocks (a ticket on a global counter) -------------------------------------------
+// Whether this block takes the last of `n` tickets on *counter: the n blocks that each wrote one
+// piece of a result (the split-KV combine, decode.cu) or read something the last one then changes
+// (fused_decode.cu's lengths, megakernel.cu's end of step). The whole block calls it. Memory order
+// (PTX ISA, "Memory Consistency Model"): the barrier orders every thread's earlier accesses before
+// thread 0's atom.acq_rel.gpu (atomic_add_acq_rel, ptx_insn.cuh), whose release half publishes
+// them. The tickets are one chain of RMWs, so the last ticket's acquire half synchronizes with
+// every earlier ticket's release; the barrier after it orders the block's following accesses after
+// that acquire. The last block resets the counter to 0 with a plain store for the next launch or
+// graph replay (no other block of this launch touches it again; the kernel boundary publishes it).
+__device__ __forceinline__ bool last_block_ticket(unsigned* counter, unsigned n) {
+    __shared__ bool last;
+    __syncthreads();  // every thread's earlier accesses precede the ticket's release
+    if (threadIdx.x == 0) {
+        last = atomic_add_acq_rel(counter, 1u) == n - 1u;
+        if (last) *counter = 0u;
+    }
+    __syncthreads();  // the ticket's acquire precedes every thread's later accesses
+    return last;
 }

@@ -40,7 +40,7 @@ _GEMM_WG_RELEASE = ("        wgmma_wait_group<1>();                             
                     "        if (prev >= 0 && leader) ring.release(prev);\n")
 _FA3_RETIRE_PV = ("    wgmma_wait_group<0>();\n    wgmma_fence_acc(o);\n    wgmma_fence_frag(p);\n"
                   "    if (leader) vring.release(vring.stage);\n")
-_TICKET_ACQUIRE = "            __threadfence();  // acquire: the other blocks' released writes before this block's reads\n"
+_TICKET = "        last = atomic_add_acq_rel(counter, 1u) == n - 1u;\n"  # ptx.cuh last_block_ticket
 
 # (bug class, file, text, mutated text, op, every): each text must occur exactly once in the file;
 # every: the mutant must fail under every schedule (else under at least one)
@@ -68,11 +68,14 @@ MUTANTS = [
     ("V slot released before the P V wgmma reading it retired (flash_attn_sm90.cuh)", "flash_attn_sm90.cuh",
      _FA3_RETIRE_PV, _FA3_RETIRE_PV.splitlines(keepends=True)[-1] + "".join(_FA3_RETIRE_PV.splitlines(keepends=True)[:-1]),
      "flash_wgmma", True),
-    ("release deleted: no __threadfence before the split-KV combine's ticket (decode.cu)", "decode.cu",
-     "    __threadfence();  // release: this thread's writes before the ticket\n", "",
+    ("release deleted: the split-KV combine's ticket relaxed, an acquire fence after it (ptx.cuh)", "ptx.cuh",
+     _TICKET, "        last = atomic_add_relaxed(counter, 1u) == n - 1u;\n        fence_acq_rel_gpu();\n",
      "decode_fused", True),
-    ("acquire deleted: no __threadfence after the last block's ticket, before it reads the partials (decode.cu)",
-     "decode.cu", _TICKET_ACQUIRE, "", "decode_fused", True),
+    ("acquire deleted: the split-KV combine's ticket relaxed, a release fence before it (ptx.cuh)", "ptx.cuh",
+     _TICKET, "        fence_acq_rel_gpu();\n        last = atomic_add_relaxed(counter, 1u) == n - 1u;\n",
+     "decode_fused", True),
+    ("no block barrier between the split's partial stores and the ticket's release (ptx.cuh)", "ptx.cuh",
+     "    __syncthreads();  // every thread's earlier accesses precede the ticket's release\n", "", "decode_fused", True),
     # the megakernel's weight ring (megakernel_gemv.cuh), one block: its LM-head tiles wrap the ring 3 times
     ("cp.async.wait_group count off by one (megakernel weight ring)", "megakernel_gemv.cuh",
      "        cp_async_wait<MK_STAGES - 2>();\n", "        cp_async_wait<MK_STAGES - 1>();\n", "megakernel"),
