@@ -6,7 +6,10 @@ emulator error). The unmutated sources must pass the same runs, so a catch is th
 The memory-model classes (issue 37: a stage released before the wgmma reading it retired, a
 missing fence.proxy.async, a missing release or acquire around the split-KV combine's ticket)
 must fail under every one of the 3 schedules, not some: the emulator catches them by its model
-(tests/emu/README.md, "The memory model"), not by a lucky timing.
+(tests/emu/README.md, "The memory model"), not by a lucky timing. So must the persistent
+kernel's tile counter left unreset (its claims are relaxed atomic adds that publish no data, so
+there is no release or acquire to delete; what a launch must get right is that its last claim
+returns the counter to 0 for the next launch).
 
 Runs in a subprocess because the emulator replaces the `cupy` module for the whole process.
 """
@@ -37,6 +40,8 @@ _GEMM_WG_RELEASE = ("        wgmma_wait_group<1>();                             
 _FA3_RETIRE_PV = ("    wgmma_wait_group<0>();\n    wgmma_fence_acc(o);\n    wgmma_fence_frag(p);\n"
                   "    if (leader) vring.release(vring.stage);\n")
 _TICKET_ACQUIRE = "            __threadfence();  // acquire: the other blocks' released writes before this block's reads\n"
+_SCHED_RESET = ("            if (old == (unsigned)total - 1u) atomic_add_relaxed(counter, 0u - (unsigned)total);"
+                "  // the launch's last add\n")
 
 # (bug class, file, text, mutated text, op, every): each text must occur exactly once in the file;
 # every: the mutant must fail under every schedule (else under at least one)
@@ -69,6 +74,8 @@ MUTANTS = [
      "decode_fused", True),
     ("acquire deleted: no __threadfence after the last block's ticket, before it reads the partials (decode.cu)",
      "decode.cu", _TICKET_ACQUIRE, "", "decode_fused", True),
+    ("tile counter not reset by the launch's last claim (flash_attn_sm90_sched.cuh: the next launch skips tiles)",
+     "flash_attn_sm90_sched.cuh", _SCHED_RESET, "", "flash_persistent", True),
 ]
 MUTANTS = [m if len(m) == 6 else m + (False,) for m in MUTANTS]
 
@@ -126,6 +133,14 @@ def run(op, seed):
         cupyattn.decode_attention(q, cache, 0, num_splits=3, impl="simt", out=out, workspace=ws, fused_combine=True)
         assert_close(out, ref.decode_attention(q64, cupy.asnumpy(cache.k[0]), cupy.asnumpy(cache.v[0]), lengths),
                      "float16")
+    elif op == "flash_persistent":  # 2 blocks, 4 causal tiles: 2 from the counter; launch after launch
+        from cupyattn import flash_attn_sm90_persistent as P
+        P._sm_count = lambda: 2
+        for _ in range(2):
+            q, k, v = (to_device(rand_with_outliers(rng, (1, 2, 130, 64)), "float16") for _ in range(3))
+            out = nan_like((1, 2, 130, 64), "float16")
+            cupyattn.attention(q[0], k[0], v[0], causal=True, impl="wgmma_persistent", out=out)
+            assert_close(out, ref.attention(q[1], k[1], v[1], causal=True), "float16")
     elif op == "flash_mma":
         q, k, v = (to_device(rand_with_outliers(rng, (1, 2, s, 64)), "float16") for s in (17, 150, 150))
         out = nan_like((1, 2, 17, 64), "float16")
@@ -181,7 +196,7 @@ def test_each_bug_class_is_caught_on_the_emulator(tmp_path):
     assert r.returncode == 0, report
     controls = [ln for ln in r.stdout.splitlines() if ln.startswith("CONTROL ")]
     verdicts = [ln for ln in r.stdout.splitlines() if ln.startswith("MUTANT ")]
-    assert len(controls) == 7 and all(ln.endswith(": passed") for ln in controls), report
+    assert len(controls) == 8 and all(ln.endswith(": passed") for ln in controls), report
     assert len(verdicts) == len(MUTANTS), report
     missed = [ln for ln in verdicts if ln.endswith(": passed")]
     assert not missed, "mutants the emulated tier did not catch:\n" + "\n".join(missed) + "\n\n" + report
