@@ -29,7 +29,8 @@ OURS = {"softmax": ("ours",),
         "decode": ("split-kv", "unsplit", "naive", "split-kv-waves",
                    "paged-16", "paged-1", "paged-256", "paged-staged-16", "paged-staged-1", "paged-staged-256",
                    "paged-hnd-16", "paged-hnd-1", "paged-hnd-256", "paged-hnd-waves-16"),
-        "model": ("tinylm", "tinylm-fused", "tinylm-eager", "tinylm-serve", "tinylm-serve-opt-in")}
+        "model": ("tinylm", "tinylm-fused", "tinylm-eager", "tinylm-mega", "tinylm-fused-pdl", "tinylm-serve",
+                  "tinylm-serve-opt-in")}
 # Impls of paths that are not yet the defaults (issue 39, config.py; none has run on a GPU): they
 # run when named with --impl (benchmarks/gpu_run.sh paged), and a run without --impl (`all`
 # included) leaves them out, so its length stays what it was.

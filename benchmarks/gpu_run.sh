@@ -2,11 +2,14 @@
 # One command on a GPU machine: GPU tests, the benchmark run (recorded) and the sweeps (plotted).
 # Runs from the source tree (PYTHONPATH=., no pip install); everything it writes goes under $OUT.
 #
-#   OUT=/path/to/out bash benchmarks/gpu_run.sh [all|verify|tests|sanitize|bench|sweeps|sweep NAME|quick|model|summary]
+#   OUT=/path/to/out bash benchmarks/gpu_run.sh [all|verify|tests|sanitize|bench|sweeps|sweep NAME|quick|model|mega|summary]
 #
 # Stages (run them one per call where a call is capped at 10 minutes; `sweeps` may need more,
 # then run `sweep NAME` for each of the six names instead):
 #   tests   pytest -m gpu                              -> $OUT/pytest-gpu.log, pytest-gpu.xml
+#           (tests/test_megakernel*.py in a step of its own, MEGA_TIMEOUT s at most (default
+#           STEP_TIMEOUT, else 300): a persistent kernel that has never run on a GPU could wait forever)
+#                                                      -> $OUT/pytest-mega.log
 #   sanitize  compute-sanitizer memcheck, racecheck, synccheck over benchmarks/sanitize_cases.py
 #           (one small launch of every kernel instantiation; a plain run first compiles them
 #           into CUPY_CACHE_DIR)                       -> $OUT/sanitize-{plain,memcheck,...}.log
@@ -26,6 +29,11 @@
 #           (unfused), tinylm-fused, tinylm-eager, HF eager and HF compiled (static cache +
 #           torch.compile reduce-overhead; its compile time has not been measured here yet)
 #                                                      -> $OUT/model.{txt,json}
+#   mega    the megakernel decision run (issue 40; config.TINYLM_MEGAKERNEL): its GPU tests, then
+#           SmolLM2-135M's shapes in fp16 at batch 1 and 8: tinylm-mega (one persistent kernel per
+#           decode step), tinylm-fused (the default), tinylm-fused-pdl (FUSED_DECODE_PDL), tinylm
+#           (unfused), HF eager and HF compiled; TTFT of the 128-token prompts, tokens/s, ms per
+#           step, share of the weight-read limit    -> $OUT/pytest-mega.log, $OUT/mega.{txt,json}
 #   headline  the README's headline cases by name (attention fp16 D=128 causal and not, GEMM
 #           4096^3, decode 32k, softmax 8192^2, SmolLM2's shapes at batch 1 without compiled HF):
 #           about 90 s on the H100 (2026-11-26)         -> $OUT/headline-<op>.{txt,json}
@@ -70,9 +78,9 @@ OUT="${OUT:-$PWD/gpu-out}"
 PY="${PYTHON:-python3}"
 STAGE="${1:-all}"
 case "$STAGE" in
-    all | verify | lease | record | tests | sanitize | bench | headline | sweeps | sweep | quick | model | prefill | paged | \
+    all | verify | lease | record | tests | sanitize | bench | headline | sweeps | sweep | quick | model | mega | prefill | paged | \
         decode-paged | serve | summary) ;;
-    *) echo "usage: $0 [all|verify|lease|record|tests|sanitize|bench|headline|sweeps|sweep NAME|quick|model|prefill|paged|decode-paged|serve|summary]" >&2; exit 2 ;;
+    *) echo "usage: $0 [all|verify|lease|record|tests|sanitize|bench|headline|sweeps|sweep NAME|quick|model|mega|prefill|paged|decode-paged|serve|summary]" >&2; exit 2 ;;
 esac
 mkdir -p "$OUT/results"
 status=0
@@ -134,7 +142,16 @@ step() {  # step NAME LOGFILE CMD...: run, keep the log, report the exit code, n
 
 run_tests() {
     step "gpu tests" "$OUT/pytest-gpu.log" \
-        "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider ${PYTEST_ARGS:-} --junitxml "$OUT/pytest-gpu.xml"
+        "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider ${PYTEST_ARGS:-} --ignore tests/test_megakernel.py \
+        --ignore tests/test_megakernel_tinylm.py \
+        --junitxml "$OUT/pytest-gpu.xml"
+    run_mega_tests
+}
+
+run_mega_tests() {  # the megakernel has not run on a GPU yet: a hang must not take the whole stage
+    STEP_TIMEOUT="${MEGA_TIMEOUT:-${STEP_TIMEOUT:-300}}" step "megakernel gpu tests" "$OUT/pytest-mega.log" \
+        "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_megakernel.py tests/test_megakernel_tinylm.py \
+        --junitxml "$OUT/pytest-mega.xml"
 }
 
 run_sanitize() {  # SANITIZE_ONLY=attention,decode limits the op families
@@ -188,6 +205,14 @@ run_model() {  # does config.TINYLM_FUSED_DECODE become True? tinylm-fused vs ti
         --json "$OUT/model.json"
 }
 
+run_mega() {  # does config.TINYLM_MEGAKERNEL become True? tinylm-mega vs tinylm-fused (+ PDL), same run
+    run_mega_tests
+    STEP_TIMEOUT="${MEGA_TIMEOUT:-${STEP_TIMEOUT:-300}}" step "model megakernel" "$OUT/mega.txt" \
+        "$PY" -m benchmarks model --model smollm2-135m-shape --batch 1,8 \
+        --impl tinylm-mega,tinylm-fused,tinylm-fused-pdl,tinylm,hf-transformers,hf-compiled \
+        --debug --no-progress --json "$OUT/mega.json"
+}
+
 # issue 39: paged decode (NHD / staged page ids / HND), the waves split rule, against the contiguous
 # kernel and SDPA on the same keys; none of the opt-in paths has run on a GPU yet
 DECODE_PAGED_IMPLS="split-kv,split-kv-waves,paged-16,paged-1,paged-256,paged-staged-16,paged-staged-1,paged-staged-256,\
@@ -222,7 +247,7 @@ run_headline() {
 
 run_headline_model() {  # run_headline_model TIMING_ARGS...: SmolLM2's shapes at batch 1, HF eager beside
     step "headline model" "$OUT/headline-model.txt" "$PY" -m benchmarks model --model smollm2-135m-shape \
-        --batch 1 --impl tinylm,tinylm-fused,hf-transformers "$@" --json "$OUT/headline-model.json"
+        --batch 1 --impl tinylm,tinylm-fused,tinylm-mega,hf-transformers "$@" --json "$OUT/headline-model.json"
 }
 
 run_record() {  # every op's default cases recorded (the results JSON) at the headline's timing, then the model
@@ -278,6 +303,7 @@ case "$STAGE" in
     sweep) run_sweep "${2:-}" ;;
     quick) run_quick ;;
     model) run_model ;;
+    mega) run_mega ;;
     prefill) run_prefill ;;
     headline) run_headline ;;
     paged) run_decode_paged; run_serve ;;

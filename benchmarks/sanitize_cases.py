@@ -22,7 +22,8 @@ import sys
 
 import numpy as np
 
-FAMILIES = ("attention", "decode", "kvcache", "gemm", "softmax", "layers", "sampling", "fused", "serving")
+FAMILIES = ("attention", "decode", "kvcache", "gemm", "softmax", "layers", "sampling", "fused", "serving",
+            "megakernel")
 
 
 def _rand(shape, dtype, seed=0):
@@ -237,6 +238,35 @@ def fused(ca, cfg):
             x = _rand((3, 1, 72), dt, 29)
             _finite(ca.fused.rmsnorm_qkv_rope_append(x, g, _rand(((4 + 2 + 2) * 32, 72), dt, 30), cache, 0, 4,
                                                      rope_style=style))
+
+
+def megakernel(ca, cfg):
+    """Two decode steps of the megakernel per dtype on a small Llama (odd vocabulary and FFN, GQA,
+    batch 3), unsplit and with split attention + merge, sampling inside. One block: it runs its
+    queue in order and never waits, so no sanitizer's serialisation of blocks can hang it (the
+    several-block runs are the GPU tests')."""
+    import cupy
+
+    from tinylm.config import ModelArgs
+    from tinylm.megakernel import llama_ops
+
+    a = ModelArgs(dim=72, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, ffn_dim=40, vocab_size=37, max_seq=16)
+    for dt in cfg.DTYPES:
+        layers = [type("L", (), dict(attn_norm=_rand((72,), dt, 31), wqkv=_rand((256, 72), dt, 32),
+                                     wo=_rand((72, 128), dt, 33), ffn_norm=_rand((72,), dt, 34),
+                                     w_gate_up=_rand((80, 72), dt, 35), w_down=_rand((72, 40), dt, 36)))()
+                  for _ in range(2)]
+        cache, tok = ca.KVCache(2, 3, 2, 16, 32, dt), _rand((37, 72), dt, 37)
+        bufs = dict(tokens=cupy.zeros(3, np.int32), x=cupy.empty((3, 72), dt), q=cupy.empty((3, 4, 32), dt),
+                    att=cupy.empty((3, 128), dt), ffn=cupy.empty((3, 40), dt), logits=cupy.empty((3, 37), dt),
+                    o_part=cupy.empty((2, 3, 4, 32), np.float32), lse_part=cupy.empty((2, 3, 4), np.float32))
+        step = ca.megakernel.LlamaStep(tok_embd=tok, output_norm=_rand((72,), dt, 38), output=tok, layers=layers,
+                                       cache=cache, num_heads=4, eps=1e-5, rope_base=1e4, rope_style="adjacent",
+                                       sampling=ca.SamplingParams(3, temperature=0.7, seed=1), counter_capacity=64,
+                                       blocks=1, **bufs)
+        for splits in (1, 2):
+            step.launch(step.plan(llama_ops(a, 3, splits, sample=True)), splits)
+        _finite(bufs["logits"])
 
 
 def sampling(ca, cfg):

@@ -12,6 +12,7 @@ README's status): the reasons are register, shared-memory and occupancy arithmet
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import ml_dtypes
@@ -427,6 +428,27 @@ TINYLM_FUSED_DECODE = True
 # needs the cuda-bindings package.
 FUSED_DECODE_PDL = False
 
+# --- the megakernel: one persistent kernel per decode step (kernels_cu/megakernel.cu, issue 40) --
+# Not yet run on a GPU: tinylm takes it only when asked (TINYLM_MEGAKERNEL, below). Every value
+# here is arithmetic, to be replaced by measurements (`python -m benchmarks model`, impl
+# tinylm-mega) when a GPU run has them.
+MEGAKERNEL_THREADS = 256      # 8 warps: one weight row pair per warp of a 16-row GEMV tile, one
+                              # batch row per warp when the input rows are loaded (batch <= 8)
+MEGAKERNEL_STAGES = 6         # weight ring: 6 x 8 KB chunks, 5 in flight per SM (about 5 MB over
+                              # 132 SMs, twice what 3 TB/s at ~1 us latency needs); ring + 17 KB
+                              # scratch + batch-8 fp16 rows of SmolLM2's widest input (24 KB) fit
+                              # the 99 KB parts
+MEGAKERNEL_MAX_BATCH = 8      # rows per step (the GEMV keeps 2 x 8 accumulators per lane)
+MEGAKERNEL_MAX_HEAD_DIM = 128  # attention keeps head_dim / 32 output dims per lane and head
+MEGAKERNEL_HEAD_TILE = 4      # query heads of one kv head scored per pass over its keys (GQA
+                              # groups above 4 take several passes)
+MEGAKERNEL_MIN_KEYS_PER_SPLIT = 256  # a decode step splits its keys only when each split gets this many
+MEGAKERNEL_MAX_SPLITS = 32
+MEGAKERNEL_BLOCKS = None      # blocks of a launch (persistent: one per SM); None = the device's SM count
+# tinylm's decode step through the megakernel instead of the fused step: off until a GPU run shows
+# it correct and faster (not yet run on a GPU). TINYLM_MEGAKERNEL=1 in the environment turns it on.
+TINYLM_MEGAKERNEL = os.environ.get("TINYLM_MEGAKERNEL", "") == "1"
+
 # --- row softmax (kernels_cu/row_softmax.cu) --------------------------------------------------
 SOFTMAX_VPTS = (1, 2, 4, 8, 16, 32)     # values per lane of the warp-per-row kernel
 SOFTMAX_WARP_MAX = 32 * SOFTMAX_VPTS[-1]  # longer rows go to the block-per-row kernel
@@ -616,6 +638,8 @@ IMPL_MIN_CC = {
     ("attention", "wgmma"): {FLOAT16: 90, BFLOAT16: 90},  # sm_90a (kernels_cu/flash_attn_sm90.cu)
     ("attention", "wgmma_persistent"): {FLOAT16: 90, BFLOAT16: 90},  # sm_90a (flash_attn_sm90_persistent.cu)
     ("fused", "skinny"): MMA_MIN_CC,                # the fused decode step's projections
+    # the megakernel: its weight ring is cp.async (below sm_80 plain copies would serialise it)
+    ("megakernel", "persistent"): {FLOAT32: 80, FLOAT16: 80, BFLOAT16: 80},
 }
 
 

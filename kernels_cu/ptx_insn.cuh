@@ -4,6 +4,7 @@
 //
 //   wrapper                                  PTX instruction (ISA section)              target
 //   smem_u32(p)                              cvta generic -> .shared                    any
+//   globaltimer_ns()                         mov.u64 from %globaltimer (special regs.)  any
 //   cp_async_sm80<B>(smem, gmem, n)          cp.async.{ca,cg}.shared.global (9.7.9.25)  sm_80+
 //   cp_async_commit_sm80(), _wait_sm80<N>()  cp.async.commit_group / .wait_group        sm_80+
 //   ldmatrix<N, TRANS>(r, smem)              ldmatrix.sync.aligned.m8n8 (9.7.14.5.15)   sm_75+
@@ -51,6 +52,13 @@ template <> struct ptx_mma_type<__nv_bfloat16> { enum { f16 = 0, bf16 = 1 }; };
 
 __device__ __forceinline__ unsigned smem_u32(const void* p) {
     return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+// --- %globaltimer: nanoseconds of a global clock, the same on every SM (profiling only) -----------
+__device__ __forceinline__ unsigned long long globaltimer_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %globaltimer;\n" : "=l"(t));
+    return t;
 }
 
 // --- cp.async (sm_80+) -------------------------------------------------------------------------

