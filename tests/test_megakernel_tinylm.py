@@ -1,12 +1,13 @@
 """tinylm's decode step through the megakernel (tinylm.megakernel, Transformer(megakernel=True)).
 
-GPU tier (also on the CPU emulator, one block per launch there): whole steps against the NumPy
-backend and the fused step (logits at several positions, split attention with its merge, greedy
-and sampled tokens through graph replays), one launch per step with its counters reset inside
-the kernel, tinylm's refusals, the benchmark's model case, and SmolLM2's real weights (its first
-layer in the CI tier; four layers and the whole vocabulary under emu_slow). Several blocks at once
-run on the emulator too (its memory model, issue 37: blocks in flight together, a parked block's
-peers run, stores seen by other blocks only through release/acquire). CPU: the options' refusals.
+GPU tier (also on the CPU emulator: one block per launch there, except in the several-block tests):
+whole steps against the NumPy backend and the fused step (logits at several positions, split
+attention with its merge, greedy and sampled tokens through graph replays), one launch per step with
+its counters reset inside the kernel, tinylm's refusals, the benchmark's model case, and SmolLM2's
+real weights (its first layer in the CI tier; four layers and the whole vocabulary, sampled
+generation against the fused step and 5 blocks under emu_slow). Several blocks at once run on the
+emulator too (its memory model, issue 37: blocks in flight together, a parked block's peers run,
+stores seen by other blocks only through release/acquire). CPU: the options' refusals.
 """
 from __future__ import annotations
 
@@ -81,6 +82,7 @@ def _tiny_weights():
 
 
 @pytest.mark.gpu
+@pytest.mark.emu_slow  # CI's emulated tier: greedy generation through graph replays runs on 4 blocks below
 def test_gpu_generation_equals_numpy_and_fused():
     """Ragged prompts in one batch through graph replays (float32): greedy ids equal the NumPy
     backend's; sampled ids (temperature, top-k, top-p, per-sequence seeds) equal the fused step's,
@@ -266,24 +268,36 @@ def test_gpu_real_model_greedy_tokens_equal_numpy(tmp_path_factory):
 
 # --- GPU: several blocks at once (the emulator runs them concurrently: issue 37) -----------------------
 @pytest.mark.gpu
-@pytest.mark.parametrize("blocks", [2, 5, 40])
+@pytest.mark.parametrize("blocks", [2, pytest.param(5, marks=pytest.mark.emu_slow), 40])
 def test_gpu_several_blocks_give_the_one_block_logits(monkeypatch, blocks):
     """The same instructions on 2, 5 or 40 queues: every tile does the same math wherever it runs,
     so the logits equal the one-block run's bit for bit, with and without split attention, under
     every schedule of the blocks."""
-    from cupyattn import config
-    from tinylm import Transformer, load
     from tinylm.megakernel import MegaDecoder
 
-    ids = [12, 200, 7, 99]
-    args = load("tiny", backend="numpy").args
     for splits in (1, 3):
         monkeypatch.setattr(MegaDecoder, "splits", lambda self, length, s=splits: s)
-        monkeypatch.setattr(config, "MEGAKERNEL_BLOCKS", 1)
-        one, _ = _decode_logits(Transformer(args, _tiny_weights(), "cupy", "float16", megakernel=True), ids)
-        monkeypatch.setattr(config, "MEGAKERNEL_BLOCKS", blocks)
-        many, state = _decode_logits(Transformer(args, _tiny_weights(), "cupy", "float16", megakernel=True), ids)
+        one = _ONE_BLOCK.get(splits)
+        if one is None:  # the same for every block count: run once per module (the emulator's cost)
+            one = _ONE_BLOCK[splits] = _tiny_mega_logits(blocks=1)[0]
+        many, state = _tiny_mega_logits(blocks)
         assert state.mega.step.blocks == blocks and np.array_equal(one, many), splits
+
+
+_ONE_BLOCK: dict = {}
+
+
+def _tiny_mega_logits(blocks):
+    """The tiny preset's float16 megakernel logits of four decode steps on `blocks` queues."""
+    from cupyattn import config
+    from tinylm import Transformer, load
+
+    saved, config.MEGAKERNEL_BLOCKS = config.MEGAKERNEL_BLOCKS, blocks
+    try:
+        args = load("tiny", backend="numpy").args
+        return _decode_logits(Transformer(args, _tiny_weights(), "cupy", "float16", megakernel=True), [12, 200, 7, 99])
+    finally:
+        config.MEGAKERNEL_BLOCKS = saved
 
 
 @pytest.mark.gpu
