@@ -5,8 +5,12 @@ shape under 3 schedules and must fail (a wrong result against the float64 refere
 emulator error). The unmutated sources must pass the same runs, so a catch is the mutant's doing.
 The memory-model classes (issue 37: a stage released before the wgmma reading it retired, a
 missing fence.proxy.async, a missing release or acquire around the split-KV combine's ticket or
-the megakernel's counters, a missing barrier before a counter's release) must fail under every one of the 3 schedules, not some: the emulator catches them by its model
-(tests/emu/README.md, "The memory model"), not by a lucky timing.
+the megakernel's counters, a missing barrier before a counter's release) must fail under every one
+of the 3 schedules, not some: the emulator catches them by its model (tests/emu/README.md, "The
+memory model"), not by a lucky timing. So must the persistent kernel's tile counter left unreset
+(its claims are relaxed atomic adds that publish no data, so there is no release or acquire to
+delete; what a launch must get right is that its last claim returns the counter to 0 for the next
+launch).
 
 Runs in a subprocess because the emulator replaces the `cupy` module for the whole process.
 """
@@ -41,6 +45,8 @@ _GEMM_WG_RELEASE = ("        wgmma_wait_group<1>();                             
 _FA3_RETIRE_PV = ("    wgmma_wait_group<0>();\n    wgmma_fence_acc(o);\n    wgmma_fence_frag(p);\n"
                   "    if (leader) vring.release(vring.stage);\n")
 _TICKET = "        last = atomic_add_acq_rel(counter, 1u) == n - 1u;\n"  # ptx.cuh last_block_ticket
+_SCHED_RESET = ("            if (old == (unsigned)total - 1u) atomic_add_relaxed(counter, 0u - (unsigned)total);"
+                "  // the launch's last add\n")
 
 # (bug class, file, text, mutated text, op, every): each text must occur exactly once in the file;
 # every: the mutant must fail under every schedule (else under at least one)
@@ -83,6 +89,8 @@ MUTANTS = [
      _RING_NEXT, _RING_NEXT.replace("        __syncthreads();\n", "").replace("        issue_one();\n", "")
      .replace("cp_async_wait<MK_STAGES - 2>();\n", "cp_async_wait<MK_STAGES - 2>();\n        issue_one();\n"
               "        __syncthreads();\n"), "megakernel"),
+    ("tile counter not reset by the launch's last claim (flash_attn_sm90_sched.cuh: the next launch skips tiles)",
+     "flash_attn_sm90_sched.cuh", _SCHED_RESET, "", "flash_persistent", True),
 ]
 # The megakernel's counters between blocks (megakernel.cu): caught only by an emulator with a memory
 # model and several blocks in flight while others spin (issue 37); the op runs gate|up then down
@@ -153,6 +161,14 @@ def run(op, seed):
         cupyattn.decode_attention(q, cache, 0, num_splits=3, impl="simt", out=out, workspace=ws, fused_combine=True)
         assert_close(out, ref.decode_attention(q64, cupy.asnumpy(cache.k[0]), cupy.asnumpy(cache.v[0]), lengths),
                      "float16")
+    elif op == "flash_persistent":  # 2 blocks, 4 causal tiles: 2 from the counter; launch after launch
+        from cupyattn import flash_attn_sm90_persistent as P
+        P._sm_count = lambda: 2
+        for _ in range(2):
+            q, k, v = (to_device(rand_with_outliers(rng, (1, 2, 130, 64)), "float16") for _ in range(3))
+            out = nan_like((1, 2, 130, 64), "float16")
+            cupyattn.attention(q[0], k[0], v[0], causal=True, impl="wgmma_persistent", out=out)
+            assert_close(out, ref.attention(q[1], k[1], v[1], causal=True), "float16")
     elif op == "flash_mma":
         q, k, v = (to_device(rand_with_outliers(rng, (1, 2, s, 64)), "float16") for s in (17, 150, 150))
         out = nan_like((1, 2, 17, 64), "float16")
