@@ -5,7 +5,7 @@ whole steps against the NumPy backend and the fused step (logits at several posi
 attention with its merge, greedy and sampled tokens through graph replays), one launch per step with
 its counters reset inside the kernel, tinylm's refusals, the benchmark's model case, and SmolLM2's
 real weights (its first layer in the CI tier; four layers and the whole vocabulary, sampled
-generation against the fused step and 5 blocks under emu_slow). Several blocks at once run on the
+generation against the fused step, 5 and 40 blocks under emu_slow). Several blocks at once run on the
 emulator too (its memory model, issue 37: blocks in flight together, a parked block's peers run,
 stores seen by other blocks only through release/acquire). CPU: the options' refusals.
 """
@@ -268,7 +268,7 @@ def test_gpu_real_model_greedy_tokens_equal_numpy(tmp_path_factory):
 
 # --- GPU: several blocks at once (the emulator runs them concurrently: issue 37) -----------------------
 @pytest.mark.gpu
-@pytest.mark.parametrize("blocks", [2, pytest.param(5, marks=pytest.mark.emu_slow), 40])
+@pytest.mark.parametrize("blocks", [2, *(pytest.param(n, marks=pytest.mark.emu_slow) for n in (5, 40))])
 def test_gpu_several_blocks_give_the_one_block_logits(monkeypatch, blocks):
     """The same instructions on 2, 5 or 40 queues: every tile does the same math wherever it runs,
     so the logits equal the one-block run's bit for bit, with and without split attention, under
