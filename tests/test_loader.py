@@ -110,6 +110,7 @@ def test_every_kernel_file_has_a_spec():
         assert f.name in used, f"kernels_cu/{f.name} is not compiled by any KernelSpec"
 
 
+@pytest.mark.whole_compile_gate
 def test_offline_check_compiles_every_instantiation_without_spills(compile_report):
     """The CI gate: for each GPU family the installed NVRTC knows (sm_75 ... sm_120), every
     instantiation a device of that family runs (no bf16 tensor-core kernels on sm_75, tiles within
@@ -222,6 +223,74 @@ def test_without_a_gpu_the_error_says_so_plainly():
                        (lambda: cupyattn.SamplingParams(1), "SamplingParams")):
         with pytest.raises(RuntimeError, match=rf"^{name}\(\) needs a CUDA GPU: .*NVIDIA"):
             make()
+
+
+def _no_gpu_calls():
+    """(name, call) of every public op and constructor, given NumPy arrays where arrays go: what a
+    user without a GPU may try first."""
+    from cupyattn import fused
+
+    x, i32 = np.ones((1, 2, 4, 64), np.float16), np.zeros(2, np.int32)
+    return [
+        ("attention", lambda: cupyattn.attention(x, x, x)),
+        ("attention_varlen", lambda: cupyattn.attention_varlen(x[0, 0], x[0, 0], x[0, 0], i32, i32, 4, 4)),
+        ("attention_paged", lambda: cupyattn.attention_paged(x, x, x, i32[None], i32[:1])),
+        ("decode_attention_paged", lambda: cupyattn.decode_attention_paged(x[0], x, x, i32[None], i32[:1])),
+        ("softmax", lambda: cupyattn.softmax(x)),
+        ("gemm_nt", lambda: cupyattn.gemm_nt(x, x)),
+        ("gemm_nn", lambda: cupyattn.gemm_nn(x, x)),
+        ("rmsnorm", lambda: cupyattn.rmsnorm(x, x[0, 0, 0])),
+        ("add_rmsnorm", lambda: cupyattn.add_rmsnorm(x, x, x[0, 0, 0])),
+        ("rope", lambda: cupyattn.rope(x, np.arange(4))),
+        ("swiglu", lambda: cupyattn.swiglu(x, x)),
+        ("add", lambda: cupyattn.add(x, x)),
+        ("embedding", lambda: cupyattn.embedding(i32, x[0, 0])),
+        ("sample", lambda: cupyattn.sample(x[0, 0], None)),
+        ("gemm_residual", lambda: fused.gemm_residual(x[0, 0], x[0, 0], x[0, 0])),
+        ("rmsnorm_gemm", lambda: fused.rmsnorm_gemm(x[0, 0], x[0, 0, 0], x[0, 0])),
+        ("KVCache", lambda: cupyattn.KVCache(1, 1, 1, 16, 64, "float16")),
+        ("PagedKVCache", lambda: cupyattn.PagedKVCache(1, 1, 1, 64, 4, 16, "float16")),
+        ("SamplingParams", lambda: cupyattn.SamplingParams(1)),
+        ("auto_num_splits", lambda: cupyattn.auto_num_splits(1, 8, 8, 64, np.float16, 1024)),
+    ]
+
+
+@pytest.mark.parametrize("name,call", _no_gpu_calls(), ids=[n for n, _ in _no_gpu_calls()])
+def test_without_a_gpu_every_op_fails_in_one_line_that_says_what_to_do(name, call):
+    """No chained traceback from CuPy (the cause is suppressed), one line naming the function, the
+    reason and what works without a GPU; never the advice to move NumPy input to the GPU."""
+    import traceback
+
+    from conftest import EMULATE, HAS_GPU
+
+    if HAS_GPU or EMULATE:
+        pytest.skip("this machine has a GPU (or emulates one)")
+    with pytest.raises((TypeError, RuntimeError)) as e:
+        call()
+    msg = str(e.value)
+    assert "\n" not in msg and "cupy.asarray" not in msg, msg
+    assert "cupyattn.gpu_unavailable_reason()" in msg and "tinylm --backend numpy" in msg, msg
+    assert msg.startswith(f"{name}(") or msg.startswith("cupyattn kernel launch needs"), msg
+    shown = "".join(traceback.format_exception(e.value))
+    assert shown.count("Traceback (most recent call last)") == 1 and "CUDARuntimeError" not in shown, shown
+
+
+def test_python_m_cupyattn_follows_argparse_conventions():
+    """No command: usage on stderr, status 2; --help: on stdout, status 0; an unknown command: 2."""
+    import subprocess
+    import sys
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "cupyattn", *args], capture_output=True, text=True,
+                              timeout=120, cwd=KERNELS_DIR.parent)
+
+    r = run()
+    assert r.returncode == 2 and r.stdout == "" and r.stderr.startswith("usage: python -m cupyattn check"), r
+    assert "error: a command is required" in r.stderr
+    r = run("--help")
+    assert r.returncode == 0 and r.stderr == "" and r.stdout.startswith("usage: python -m cupyattn check"), r
+    r = run("nosuch")
+    assert r.returncode == 2 and "unknown command 'nosuch'" in r.stderr and r.stdout == ""
 
 
 # --- CPU tier: the shared-memory opt-in, with ptxas' static sizes ----------------------------
