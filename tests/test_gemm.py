@@ -229,7 +229,7 @@ def test_shared_weight_batch_is_one_gemm(dtype, monkeypatch):
     rng = np.random.default_rng(3)
     log = _LaunchLog(monkeypatch)
     w, w64 = to_device(rand_with_outliers(rng, (40, 72)), dtype)
-    # what auto takes where (README "GPUs"): tensor cores from the dtype's minimum (fp16 7.5, bf16
+    # what auto takes where (docs/gpus.md): tensor cores from the dtype's minimum (fp16 7.5, bf16
     # 8.0), else SIMT; fp32 skinny is FMA-only and runs everywhere
     tc = dtype != "float32" and _loader.device_compute_capability() >= config.MMA_MIN_CC[np_dtype(dtype)]
     small, large = ("skinny" if tc or dtype == "float32" else "simt"), ("mma" if tc else "simt")
