@@ -8,11 +8,24 @@ from __future__ import annotations
 
 import os
 import sys
-import types
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+# One BLAS thread per process. The session keeps every core busy with its own work (tests/tiers.py:
+# the compile gate, the emulated runs, the CPU tests side by side), and OpenBLAS threads that spin
+# on a busy machine cost several times the CPU: tinylm's golden greedy test took 57 s of CPU with
+# 2 threads against 13 s with 1 on this project's loaded 2-core machine. The variables reach the
+# child processes; numpy is already imported here, so threadpoolctl limits this process.
+for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+try:
+    from threadpoolctl import threadpool_limits
+
+    threadpool_limits(int(os.environ["OPENBLAS_NUM_THREADS"]))
+except ImportError:  # a test extra; without it this process keeps BLAS's default
+    pass
 
 EMULATE = os.environ.get("CUPYATTN_EMULATE") == "1"
 if EMULATE:  # run the GPU tier on CPU threads (tests/emu/README.md); must precede any cupy import
@@ -21,6 +34,7 @@ if EMULATE:  # run the GPU tier on CPU threads (tests/emu/README.md); must prece
 
     fakecupy.install()
 
+import tiers  # noqa: E402
 from cupyattn import config  # noqa: E402
 
 
@@ -36,33 +50,67 @@ def _has_gpu() -> bool:
 
 
 HAS_GPU = _has_gpu()
-# The counts of each emulated run tests/test_emulated_gpu_tier.py made in this session (label ->
-# {"passed": n, "skipped": n, ..., "seconds": s}): they join the summary line printed last.
-EMULATED_TIER: dict = {}
+SESSION = tiers.SESSION  # the background work of this test session and its progress lines
+
+
+def pytest_configure(config):
+    if EMULATE:
+        config.pluginmanager.register(tiers.EmuSlowCounter(), "emu-slow-counter")
+
+
+def _in_xdist(config) -> bool:
+    return hasattr(config, "workerinput") or bool(getattr(config.option, "numprocesses", None))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session):
+    """Start the background work (the compile gate, the emulated runs) and the status lines."""
+    config = session.config
+    if config.option.collectonly or EMULATE or _in_xdist(config):
+        return
+    SESSION.total = len(session.items)
+    tr = config.pluginmanager.get_plugin("terminalreporter")
+    if tr is not None:
+        SESSION.attach(tr)
+    SESSION.start_background()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    """An emulated run's total, for the outer session's status lines (tests/tiers.py reads it)."""
+    if EMULATE and not SESSION.total:
+        SESSION.total = len(ids)
+        print(f"\n{len(ids)} tests collected", flush=True)
+
+
+def pytest_runtest_logstart(nodeid, location):
+    import time
+
+    SESSION.current = (nodeid, time.monotonic())
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    SESSION.done += 1
+    SESSION.current = None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session):
+    SESSION.stop()
 
 
 def pytest_terminal_summary(terminalreporter):
-    """Say what the emulated runs ran, and put their counts into pytest's last line."""
-    if not EMULATED_TIER:
-        return
-    terminalreporter.write_sep("-", "emulated GPU tests (CUPYATTN_EMULATE=1, tests/emu)")
-    for label, run in EMULATED_TIER.items():
-        counts = {k: v for k, v in run.items() if k != "seconds"}
-        terminalreporter.write_line(f"{label}: " + ", ".join(f"{n} {k}" for k, n in counts.items())
-                                    + f" in {run['seconds']:.0f} s")
-        for k in ("passed", "skipped", "failed"):
-            if counts.get(k):
-                terminalreporter.stats.setdefault(f"emulated {k}", []).extend(
-                    types.SimpleNamespace(count_towards_summary=True) for _ in range(counts[k]))
-    terminalreporter.write_line("The `gpu` tests skipped above ran there, on the CPU emulator: evidence about "
-                                "kernel logic, not GPU results.")
+    """Say what ran where (this process, the compile gate, the emulator), and count it in the last line."""
+    SESSION.summarize(terminalreporter)
 
 
 # Under the emulator, a `gpu` test whose first run took under EXTRA_SCHEDULES_BELOW_S runs again
 # under EXTRA_SCHEDULES more schedules (seed bases "<test id>#schedule1", ...), until this process
-# has spent EXTRA_SCHEDULES_BUDGET_S on reruns: several schedules where they are cheap, within CI's
-# time. CUPYATTN_EMU_SCHEDULES=n (n >= 1) runs every `gpu` test under n schedules instead.
-EXTRA_SCHEDULES, EXTRA_SCHEDULES_BELOW_S, EXTRA_SCHEDULES_BUDGET_S = 2, 0.25, 60.0
+# has spent EXTRA_SCHEDULES_BUDGET_S on reruns (4x that under CUPYATTN_FULL=1): several schedules
+# where they are cheap, within the test command's time. CUPYATTN_EMU_SCHEDULES=n (n >= 1) runs
+# every `gpu` test under n schedules instead.
+EXTRA_SCHEDULES, EXTRA_SCHEDULES_BELOW_S = 2, 0.25
+EXTRA_SCHEDULES_BUDGET_S = 30.0 * (4 if tiers.FULL else 1)
 _extra_spent = [0.0]
 
 if EMULATE:
@@ -104,18 +152,56 @@ if EMULATE:
             fakecupy.schedule.round = 0
 
 
+@pytest.hookimpl(trylast=True)  # after -k / -m deselection: plan for what will run
 def pytest_collection_modifyitems(config, items):
+    """Under the emulator: skip the `no_emu` cases. In the outer run: plan the background work.
+
+    Without a GPU, when the session holds the emulated tier's checks (``emulated_run`` marks) and
+    g++ is there, the `gpu` tests are taken out of this process (the emulated runs run them) and
+    those runs start as soon as the tests are collected; otherwise the `gpu` tests are skipped,
+    saying how to run them on the emulator. When the session reads the whole compile gate
+    (``whole_compile_gate``), the gate starts in the background too. Tests that wait for
+    background work go last, so the CPU tests run meanwhile.
+    """
     if EMULATE:  # very large cases would take hours on the CPU emulator
-        skip_emu = pytest.mark.skip(reason="not run under CUPYATTN_EMULATE (too large for the CPU emulator)")
+        skip_emu = pytest.mark.skip(reason="too large for the CPU emulator (no_emu)")
         for item in items:
             if "no_emu" in item.keywords:
                 item.add_marker(skip_emu)
-    if HAS_GPU:
+        dropped = []
+        if os.environ.get(tiers.PAIRWISE_ENV) == "1":  # the default run: all pairs of each grid
+            keep = tiers.pairwise_subset(items)
+            kept = set(map(id, keep))
+            dropped = [i for i in items if id(i) not in kept]
+            if dropped:
+                config.hook.pytest_deselected(items=dropped)
+                items[:] = keep
+        tiers.write_run_report(config, pairwise_dropped=len(dropped))
         return
-    skip = pytest.mark.skip(reason="no CUDA device on this machine")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+    background = not _in_xdist(config) and not config.option.collectonly
+    wanted = {m.args[0] for item in items for m in item.iter_markers("emulated_run")}
+    if not HAS_GPU:
+        if wanted and background and tiers.gxx_available():
+            SESSION.runs = [r for r in tiers.emulated_runs() if r.label in wanted]
+            SESSION.moved_gpu = sum("gpu" in item.keywords for item in items)
+            items[:] = [item for item in items if "gpu" not in item.keywords]
+        else:
+            skip = pytest.mark.skip(reason="no CUDA device on this machine (CUPYATTN_EMULATE=1 python -m pytest "
+                                           "-m gpu runs them on the CPU emulator)")
+            for item in items:
+                if "gpu" in item.keywords:
+                    item.add_marker(skip)
+    if background and any(item.get_closest_marker("whole_compile_gate") for item in items):
+        from cupyattn._compile_check import check_arches
+
+        SESSION.gate = tiers.BackgroundGate(check_arches())
+
+    def waits(item):
+        return (2 if item.get_closest_marker("emulated_run") else
+                1 if "compile_report" in getattr(item, "fixturenames", ()) else 0)
+
+    if background and (SESSION.gate is not None or SESSION.runs):
+        items.sort(key=waits)  # stable: the order within each group is pytest's
 
 
 @pytest.fixture(scope="session")
@@ -133,7 +219,14 @@ def compile_report():
             parts = [get(s.name) for s in cupyattn.all_specs()]
             return [r for p in parts for r in p[0]], [e for p in parts for e in p[1]]
         if spec_name not in done:
-            done[spec_name] = run_check(spec_name, check_arches())
+            res = SESSION.gate.result(spec_name) if SESSION.gate is not None else None
+            if res is None:  # no background gate in this session: compile now, progress in the status line
+                def note(reports, n, total):
+                    SESSION.note = f"compiling {spec_name}: {n}/{total} NVRTC jobs"
+
+                res = run_check(spec_name, check_arches(), on_reports=note)
+                SESSION.note = None
+            done[spec_name] = res
         return done[spec_name]
 
     return get

@@ -304,7 +304,7 @@ def test_batch_collapse():
 def test_compile_check_no_spills(compile_report):
     reports, errors = compile_report("gemm")
     assert not errors, errors
-    assert {"sm_75", "sm_90"} <= {r.arch for r in reports}  # the gate: Turing (2-stage tile) and Hopper
+    assert "sm_90" in {r.arch for r in reports}  # the gate: Hopper (CUPYATTN_FULL=1: Turing's 2-stage tile too)
     assert sorted((r.kernel, r.arch) for r in reports) == expected_builds(G.SPEC)
     assert not [f"{r.kernel} {r.arch}" for r in reports if r.spills]
 

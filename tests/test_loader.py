@@ -112,16 +112,17 @@ def test_every_kernel_file_has_a_spec():
 
 @pytest.mark.whole_compile_gate
 def test_offline_check_compiles_every_instantiation_without_spills(compile_report):
-    """The CI gate: for each GPU family the installed NVRTC knows (sm_75 ... sm_120), every
-    instantiation a device of that family runs (no bf16 tensor-core kernels on sm_75, tiles within
-    its shared memory; Hopper-only specs once, for sm_90a), no errors, no spills."""
+    """The compile gate: for each of its GPU families (sm_90; under CUPYATTN_FULL=1 every one the
+    installed NVRTC knows, sm_75 ... sm_120), every instantiation a device of that family runs (no
+    bf16 tensor-core kernels on sm_75, tiles within its shared memory; Hopper-only specs once, for
+    sm_90a), no errors, no spills."""
     reports, errors = compile_report()
     assert errors == [] and [f"{r.kernel} {r.arch}" for r in reports if r.spills] == []
     built = {(r.spec, r.kernel, r.arch) for r in reports}
     want = {(s.name, e, a) for s in cupyattn.all_specs() for e, a in expected_builds(s)}
     assert built == want and len(built) == len(reports)
     assert {f"sm_{a}" for a in cc.check_arches()} | {"sm_90a"} == {r.arch for r in reports}
-    assert {"sm_75", "sm_90"} <= set(f"sm_{a}" for a in cc.GATE_ARCHES)  # CI builds Turing and Hopper
+    assert "90" in cc.GATE_ARCHES  # the default gate builds Hopper whole (CUPYATTN_FULL=1: every family)
 
 
 def test_check_cli_prints_rows_as_it_goes_and_fails_on_unknown_spec(capsys):

@@ -8,7 +8,9 @@ the set is large; tinylm.generate plans them): each batch's results are printed 
 (``[i] text``), or with ``--json`` as one JSON object per line, one per prompt, in order.
 ``--quiet`` leaves stderr to errors. Expected failures (no model file, no GPU for --backend
 cupy, a bad option value, not even one prompt fitting in memory, an allocation failing all the
-same) print one line to stderr and exit with status 2.
+same) print one line to stderr and exit with status 2; what can be checked before the weights
+are read (option values, the GPU, ``--max-new-tokens`` against the context in the GGUF header and
+each prompt's length) is. ``--max-new-tokens 0`` prints each prompt's token count and stops there.
 """
 from __future__ import annotations
 
