@@ -97,6 +97,7 @@ class EmulatedRun:
     args: list
     env: dict
     what: str
+    parallel: bool = True  # on every core (xdist); a small run takes one process beside the others
     rc: int | None = None
     started: float | None = None
     seconds: float = 0.0
@@ -109,7 +110,7 @@ class EmulatedRun:
     done: threading.Event = field(default_factory=threading.Event)
 
     def command(self) -> list:
-        workers = os.cpu_count() or 1
+        workers = (os.cpu_count() or 1) if self.parallel else 1
         parallel = ["-n", str(workers)] if workers > 1 and importlib.util.find_spec("xdist") else []
         return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--maxfail=1",
                 "-o", "console_output_style=count", "-rs", *parallel, *self.args]
@@ -160,15 +161,20 @@ class EmulatedRun:
 
 def emulated_runs() -> list:
     tests = str(ROOT / "tests")
+    # the chosen subsets run once, in one process each, beside the sm_90 run: no schedule reruns
+    # (CUPYATTN_EMU_RERUN_BUDGET_S, tests/conftest.py) and no xdist start-up there
+    subset = {"CUPYATTN_EMU_RERUN_BUDGET_S": "0"}
     return [
         EmulatedRun("sm_90", ["-m", GPU_MARK, tests], {} if FULL else {PAIRWISE_ENV: "1"},
                     "every `gpu` test, as an H100 (sm_90)" + ("" if FULL else "; of a test's parameter grid, "
                                                                "every value and every pair of values")),
         EmulatedRun("sm_75", ["-m", GPU_MARK, "-k", SM75_SELECT, *(f"{tests}/{f}" for f in SM75_FILES)],
-                    {"CUPYATTN_EMU_ARCH": "75"}, "the default paths as a T4 (sm_75, 64 KB per block), a chosen subset"),
+                    {"CUPYATTN_EMU_ARCH": "75", **subset},
+                    "the default paths as a T4 (sm_75, 64 KB per block), a chosen subset", parallel=False),
         EmulatedRun("sm_100", ["-m", GPU_MARK, "-k", SM100_SELECT,
                                f"{tests}/test_gpu_families.py", f"{tests}/test_attention.py"],
-                    {"CUPYATTN_EMU_ARCH": "100"}, "the B200's own D = 64 attention tile (sm_100), a chosen subset"),
+                    {"CUPYATTN_EMU_ARCH": "100", **subset},
+                    "the B200's own D = 64 attention tile (sm_100), a chosen subset", parallel=False),
     ]
 
 
@@ -401,8 +407,14 @@ class Session:
             self._thread.start()
 
     def _run_emulated(self) -> None:
+        """The parallel runs one after another on this thread; the one-process runs on another
+        thread meanwhile."""
+        small = [r for r in self.runs if not r.parallel]
+        if small:
+            threading.Thread(target=lambda: [r.run() for r in small], name="emulated-subsets", daemon=True).start()
         for run in self.runs:
-            run.run()
+            if run.parallel:
+                run.run()
 
     def emulated(self, label: str) -> EmulatedRun | None:
         run = next((r for r in self.runs if r.label == label), None)
