@@ -2,7 +2,8 @@
 
 Tests that need device arrays (kernel runs and the argument checks, which take CuPy arrays) are
 marked `gpu`: they run on a CUDA device, or on the CPU emulator (CUPYATTN_EMULATE=1, tests/emu),
-which the CPU tier drives in a subprocess (tests/test_emulated_gpu_tier.py).
+which a session without a GPU runs in child processes beside its CPU tests, together with the
+compile gate (tests/tiers.py: the background work, the status lines, the summary of what ran where).
 """
 from __future__ import annotations
 
