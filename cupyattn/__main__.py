@@ -1,8 +1,9 @@
-"""usage: python -m cupyattn check [--only SPEC] [--arch ARCH ...] [--json] [--quiet]
+"""usage: python -m cupyattn {check,options} ...
 
 commands:
-  check   compile every kernel instantiation for each GPU family with NVRTC (no GPU needed)
-          and report registers, shared memory and spills; `python -m cupyattn check --help`
+  check     compile every kernel instantiation for each GPU family with NVRTC (no GPU needed)
+            and report registers, shared memory and spills; `python -m cupyattn check --help`
+  options   print the table of options by kernel path (docs/options.md) as markdown
 """
 import sys
 
@@ -17,14 +18,23 @@ def main(argv=None) -> int:
         print(__doc__.rstrip())
         return 0
     if not argv:
-        print(f"{USAGE}\npython -m cupyattn: error: a command is required (check)", file=sys.stderr)
+        print(f"{USAGE}\npython -m cupyattn: error: a command is required (check, options)", file=sys.stderr)
         return 2
     cmd, rest = argv[0], argv[1:]
     if cmd == "check":
         from ._compile_check import main as check_main
 
         return check_main(rest)
-    print(f"{USAGE}\npython -m cupyattn: error: unknown command {cmd!r} (choose check)", file=sys.stderr)
+    if cmd == "options":
+        if rest:
+            print(f"{USAGE}\npython -m cupyattn options: error: takes no arguments, got {' '.join(rest)}",
+                  file=sys.stderr)
+            return 2
+        from .options import markdown
+
+        sys.stdout.write(markdown())
+        return 0
+    print(f"{USAGE}\npython -m cupyattn: error: unknown command {cmd!r} (choose check, options)", file=sys.stderr)
     return 2
 
 

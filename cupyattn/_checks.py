@@ -12,7 +12,7 @@ import cupy
 import numpy as np
 
 from .config import DTYPES as FLOAT_DTYPES
-from .config import INT32_MAX
+from .config import INT32_MAX, MAX_GRID_X, MAX_GRID_YZ, SOFTCAP_MAX, SOFTCAP_MIN
 
 
 def dtype_name(dtype) -> str:
@@ -116,6 +116,44 @@ def check_real(fn: str, name: str, value, *, minimum: float | None = None, stric
         raise ValueError(f"{fn}(): {name} must be finite and {'>' if strict else '>='} {minimum:g}, "
                          f"got {value!r}")
     return v
+
+
+def check_softcap(fn: str, softcap) -> float:
+    """``softcap`` of every attention and decode entry point -> float (0.0: off). None and 0 turn
+    the cap off; any other value must be a real in [SOFTCAP_MIN, SOFTCAP_MAX] (config: the range
+    whose ``softcap * log2(e)`` the kernels take as a normal float32 without overflow or a score
+    flushed to 0), else ValueError naming ``softcap`` and the range (TypeError for a non-real)."""
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, (numbers.Real, np.floating, np.integer)):
+        raise TypeError(f"{fn}(): softcap must be a real number (or None: off), got {softcap!r}")
+    v = float(softcap)
+    if v == 0.0:
+        return 0.0
+    if not SOFTCAP_MIN <= v <= SOFTCAP_MAX:  # NaN and +-inf fail here too
+        raise ValueError(f"{fn}(): softcap must be finite and in [{SOFTCAP_MIN:.3g}, {SOFTCAP_MAX:.3g}] "
+                         f"(0 or None: off), got {softcap!r}: the kernels cap scores with softcap * log2(e) "
+                         f"as a normal float32")
+    return v
+
+
+def check_grid_yz(fn: str, what: str, n: int) -> int:
+    """A count that becomes a launch's grid y or z dimension (a KV cache's batch, a decode call's
+    batch, kv heads): ValueError naming it and the hardware limit, before anything is taken or
+    launched."""
+    if n > MAX_GRID_YZ:
+        raise ValueError(f"{fn}(): {what} = {n} is more than a launch's grid dimension holds ({MAX_GRID_YZ}); "
+                         f"split the work into calls of at most {MAX_GRID_YZ}")
+    return n
+
+
+def check_grid(fn: str, what: str, grid) -> None:
+    """A launch's grid (x, y, z) within the hardware's limits (2^31 - 1, 65535, 65535), checked
+    before anything is taken or written (a refused launch would leave a half-done call behind):
+    ValueError naming the kernel and the dimension."""
+    for axis, n, limit in zip("xyz", grid, (MAX_GRID_X, MAX_GRID_YZ, MAX_GRID_YZ)):
+        if not 1 <= n <= limit:
+            raise ValueError(f"{fn}(): {what} would need a grid {axis} of {n} blocks, outside [1, {limit}]")
 
 
 def check_int32(fn: str, what: str, value: int) -> int:

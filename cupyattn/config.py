@@ -603,4 +603,14 @@ DECODE_MMA_SMALL_SMEM_TILES = {
 # paged sequence is read tile by tile exactly as a contiguous one, only the row addresses differ.
 PAGED_MAX_PAGE_SIZE = 256   # pages of 1 .. 256 tokens (powers of two: a position splits by shift
                             # and mask); 16 is the usual vLLM / FlashInfer size
+# softcap (attention, attention_varlen, attention_paged, decode_attention, decode_attention_paged):
+# the kernels cap a score s in log2 units as C tanh(s / C) with C = softcap * log2(e) in float32
+# (kernels_cu/paged.cuh soft_cap), built with -ftz=true. C must be a normal float32: a subnormal C
+# flushes to 0, which means "off" (softcap=1e-50 silently uncapped), and an infinite one makes
+# every score NaN (softcap=1e39). And s / C must not flush to 0 for a score that matters: below
+# 2^100, only |s| < 2^-25 (far under the float32 rounding of a logit near 1) can. So a softcap is
+# 0 / None (off) or lies in [SOFTCAP_MIN, SOFTCAP_MAX] (about 2.4e-38 to 1.3e30; Gemma 2 uses 30
+# and 50); _checks.check_softcap refuses the rest, naming the range.
+SOFTCAP_MIN = 2.0 ** -125
+SOFTCAP_MAX = 2.0 ** 100
 # --- serving attention ---------------------------------------------------------------- end ----

@@ -277,12 +277,13 @@ def _check_args(fn, q, cache, layer, scale, num_splits, out, impl):
         raise TypeError(f"{fn}(): impl='mma' needs float16 or bfloat16, got {np.dtype(q.dtype)} "
                         f"(use impl='simt' or 'auto')")
     plan = _device_plan(fn, impl, q.dtype, d, hq // cache.num_kv_heads)
-    if cache.num_kv_heads * plan.head_tiles > MAX_GRID_YZ:  # (batch <= MAX_GRID_YZ: KVCache checks it)
+    _checks.check_grid_yz(fn, "the batch (q.shape[0])", b)  # grid z (a paged call's batch is q's own)
+    if cache.num_kv_heads * plan.head_tiles > MAX_GRID_YZ:
         raise ValueError(f"{fn}(): {hq} query heads need {cache.num_kv_heads * plan.head_tiles} blocks in "
                          f"a launch's grid y, more than {MAX_GRID_YZ}")
     if out is not None:
         check_out(fn, out, (b, hq, 1, d), q.dtype)
-        _checks.check_no_overlap(fn, out, {"q": q, "the cache's keys": cache.k, "the cache's values": cache.v})
+        _checks.check_no_overlap(fn, out, {"q": q, **cache.device_arrays()})
     return layer, b, hq, d, float(scale), num_splits, plan
 
 
@@ -361,7 +362,9 @@ def decode_attention(q, cache, layer, scale=None, num_splits=None, out=None, wor
         Sliding window: the query (at position len - 1) sees keys ``j >= len - 1 - left``
         (-1: unbounded); ``right`` cannot hide anything in decode. Serving kernel variant.
     softcap : float, optional
-        Scores become ``softcap * tanh(scale * q.k / softcap)``; 0 / None: off. Same variant.
+        Scores become ``softcap * tanh(scale * q.k / softcap)``; 0 / None: off, else within
+        ``[config.SOFTCAP_MIN, config.SOFTCAP_MAX]`` (about 2.4e-38 to 1.3e30; ValueError
+        outside). Same variant.
 
     Returns
     -------
@@ -380,7 +383,8 @@ def decode_attention(q, cache, layer, scale=None, num_splits=None, out=None, wor
     if num_splits is None:
         num_splits = _auto_splits(plan, b, cache.num_kv_heads, live)
     if workspace is not None:
-        _check_workspace(fn, workspace, num_splits, b, hq, d, q, cache, out, fused_combine)
+        _check_workspace(fn, workspace, num_splits, b, hq, d, {"q": q, "out": out, **cache.device_arrays()},
+                         fused_combine)
     if out is None:
         out = cupy.empty((b, hq, 1, d), dtype=q.dtype)
     if hq == 0:
@@ -403,20 +407,22 @@ def serving_plan(fn, window, softcap, impl, dtype, d, group, plan, max_len, **pa
     return sv, _plan(impl, dtype, d, group, serving=True), live
 
 
-def _check_workspace(fn, workspace, num_splits, b, hq, d, q, cache, out, fused_combine=False):
+def _check_workspace(fn, workspace, num_splits, b, hq, d, inputs, fused_combine=False):
+    """The caller's split-KV workspace: types, shapes, and no overlap with ``inputs`` (every other
+    array of the call, {name: array or None}: q, out, the cache's arrays or pages, tables and
+    lengths) nor with each other."""
     n = 3 if fused_combine else 2
     if not isinstance(workspace, tuple) or len(workspace) not in (n, 3):
         want = "(o_part, lse_part, counters)" if fused_combine else "(o_part, lse_part[, counters])"
         got = f"{len(workspace)} items" if isinstance(workspace, tuple) else type(workspace).__name__
         raise TypeError(f"{fn}(): workspace must be a tuple {want}, got {got}")
     o_part, lse_part = workspace[:2]
-    others = {"q": q, "out": out, "the cache's keys": cache.k, "the cache's values": cache.v}
     for name, x, tail in (("workspace[0]", o_part, (b, hq, d)), ("workspace[1]", lse_part, (b, hq))):
         check_array(fn, name, x, dtypes=(np.dtype(np.float32),), ndim=len(tail) + 1)
         if tuple(x.shape[1:]) != tail or x.shape[0] < num_splits or not x.flags.c_contiguous:
             raise ValueError(f"{fn}(): {name} must be C-contiguous float32 of shape [S >= {num_splits}, "
                              f"{', '.join(map(str, tail))}], got {tuple(x.shape)}")
-        _checks.check_no_overlap(fn, x, others, out_name=name)
+        _checks.check_no_overlap(fn, x, inputs, out_name=name)
     _checks.check_no_overlap(fn, o_part, {"workspace[1]": lse_part}, out_name="workspace[0]")
     if len(workspace) == 3:
         counters = workspace[2]
@@ -424,7 +430,7 @@ def _check_workspace(fn, workspace, num_splits, b, hq, d, q, cache, out, fused_c
         if tuple(counters.shape) != (b, hq) or not counters.flags.c_contiguous:
             raise ValueError(f"{fn}(): workspace[2] (the fused combine's counters) must be C-contiguous "
                              f"uint32 of shape [{b}, {hq}], got {tuple(counters.shape)}")
-        _checks.check_no_overlap(fn, counters, {**others, "workspace[0]": o_part, "workspace[1]": lse_part},
+        _checks.check_no_overlap(fn, counters, {**inputs, "workspace[0]": o_part, "workspace[1]": lse_part},
                                  out_name="workspace[2]")
 
 

@@ -14,7 +14,7 @@ import math
 import cupy
 import numpy as np
 
-from . import _checks
+from . import _checks, options
 from . import flash_attn_sm90 as _sm90
 from ._checks import check_array, check_choice, check_last_contiguous, check_out, check_same_dtype
 from . import _loader
@@ -144,9 +144,10 @@ class Serving:
 
 
 def check_window_softcap(fn: str, window, softcap, causal: bool):
-    """``window`` (None or (left, right), ints >= -1) and ``softcap`` (None or a real >= 0) ->
-    (left, right) with causal folded in as right = 0 (``right`` = min(right, 0)), and the
-    softcap as a float (0 = off). Bounds above 2**30 mean unbounded (-1)."""
+    """``window`` (None or (left, right), ints >= -1) and ``softcap`` (None, 0 or a real in
+    config's [SOFTCAP_MIN, SOFTCAP_MAX]: _checks.check_softcap) -> (left, right) with causal
+    folded in as right = 0 (``right`` = min(right, 0)), and the softcap as a float (0 = off).
+    Bounds above 2**30 mean unbounded (-1)."""
     if window is None:
         left, right = -1, -1
     else:
@@ -156,10 +157,7 @@ def check_window_softcap(fn: str, window, softcap, causal: bool):
     if causal:
         right = 0 if right < 0 else min(right, 0)
     left, right = (-1 if w > 2**30 else w for w in (left, right))
-    softcap = 0.0 if softcap is None else _checks.check_real(fn, "softcap", softcap, minimum=0.0)
-    if not math.isfinite(softcap):
-        raise ValueError(f"{fn}(): softcap must be finite, got {softcap}")
-    return (left, right), softcap
+    return (left, right), _checks.check_softcap(fn, softcap)
 
 
 # --- argument checks ------------------------------------------------------------------------
@@ -210,10 +208,13 @@ def _check_key_lengths(key_lengths, b: int, sk: int):
     return where, kl
 
 
-def _check_args(q, k, v, causal, scale, mask, key_lengths, impl, return_lse, out):
-    """Every check of attention(), before anything is allocated or launched."""
+def _check_args(q, k, v, causal, scale, mask, key_lengths, impl, return_lse, out, window=None, softcap=None):
+    """Every check of attention(), before anything is allocated or launched -> (impl, scale,
+    mask shape, key lengths, Serving or None)."""
     _checks.check_bool(_FN, "causal", causal)
     _checks.check_bool(_FN, "return_lse", return_lse)
+    win, cap = check_window_softcap(_FN, window, softcap, causal)
+    sv = Serving(window=win, softcap=cap) if window is not None or cap > 0 else None
     if impl is not None:
         check_choice(_FN, "impl", impl, IMPLS + HOPPER_IMPLS)
     check_array(_FN, "q", q, ndim=4)
@@ -251,15 +252,22 @@ def _check_args(q, k, v, causal, scale, mask, key_lengths, impl, return_lse, out
     scale = (1.0 / math.sqrt(d) if d else 1.0) if scale is None else _checks.check_real(_FN, "scale", scale)
     mshape = _check_mask(mask, (b, hq, sq, sk)) if mask is not None else None
     kl = _check_key_lengths(key_lengths, b, sk) if key_lengths is not None else None
-    if auto and _sm90.auto_takes(q, k, v):  # where measured faster (config.ATTN_AUTO_WGMMA)
+    # the call options an impl may lack (cupyattn/options.py: the table the docs are made from)
+    window_used = window is not None and win != ((-1, 0) if causal else (-1, -1))
+    used = [o for o, on in (("causal", causal), ("window", window_used), ("softcap", cap > 0),
+                            ("mask", mask is not None), ("key_lengths", key_lengths is not None),
+                            ("scale", scale is not None), ("return_lse", return_lse), ("out", out is not None)) if on]
+    # impl=None takes wgmma where measured faster (config.ATTN_AUTO_WGMMA), for the options it has
+    if auto and options.supports(_FN, "wgmma", used) and _sm90.auto_takes(q, k, v):
         impl = "wgmma"
+    options.check(_FN, _FN, impl, used, "impl=None picks a path that implements it")
     if impl == "wgmma":
         _sm90.check(q, k, v)
     if out is not None:
         check_out(_FN, out, (b, hq, sq, d), q.dtype)
         _checks.check_no_overlap(_FN, out, {"q": q, "k": k, "v": v, "mask": mask,
                                             "key_lengths": key_lengths})
-    return impl, scale, mshape, kl
+    return impl, scale, mshape, kl, sv
 
 
 # --- public op ------------------------------------------------------------------------------
@@ -307,8 +315,9 @@ def attention(q, k, v, causal=False, scale=None, mask=None, key_lengths=None, im
         ``"wgmma"``: Hopper only (sm_90, H100/H200; impl=None takes it for the (dtype, D)
         pairs of config.ATTN_AUTO_WGMMA, measured faster on an H100): TMA + wgmma,
         warp-specialised (cupyattn/flash_attn_sm90.py); float16/bfloat16, D of 64, 128 or 256,
-        q/k/v that TMA can read (16-byte-aligned base and strides, else a ValueError naming the
-        tensor); masks as ``flash_mma`` takes them.
+        q/k/v that TMA can read (16-byte-aligned base and strides, no broadcast or reversed
+        view, else a ValueError naming the tensor and the stride); masks as ``flash_mma`` takes
+        them; no window or softcap yet (ValueError; impl=None takes flash_mma for them).
     return_lse : bool
         Also return the row log-sum-exp of the scaled, masked scores.
     out : cupy.ndarray [B, Hq, Sq, D], optional
@@ -317,10 +326,13 @@ def attention(q, k, v, causal=False, scale=None, mask=None, key_lengths=None, im
     window : (left, right), optional
         Sliding window (flash-attention's ``window_size``): query ``i`` sees keys ``j`` with
         ``i + Sk - Sq - left <= j <= i + Sk - Sq + right``; -1 leaves a side unbounded; with
-        ``causal`` the right side is at most 0. Fused impls only (not "naive").
+        ``causal`` the right side is at most 0. Not in "naive", nor yet in "wgmma" (an
+        explicit impl refuses it; impl=None takes flash_mma): ``cupyattn.options``, the table of
+        every impl's options (docs/options.md).
     softcap : float, optional
         Scores become ``softcap * tanh(scale * q.k / softcap)`` before masking (Gemma 2); 0 or
-        None: off. Fused impls only.
+        None: off, else within ``[config.SOFTCAP_MIN, config.SOFTCAP_MAX]`` (about 2.4e-38 to
+        1.3e30; ValueError outside).
 
     Returns
     -------
@@ -337,12 +349,8 @@ def attention(q, k, v, causal=False, scale=None, mask=None, key_lengths=None, im
     >>> o = attention(q, kv, kv, causal=True)                        # [2, 8, 1000, 64] float16
     >>> o, lse = attention(q, kv, kv, key_lengths=[1000, 17], return_lse=True)
     """
-    impl, scale, mshape, kl = _check_args(q, k, v, causal, scale, mask, key_lengths, impl, return_lse, out)
-    win, cap = check_window_softcap(_FN, window, softcap, causal)
-    sv = Serving(window=win, softcap=cap) if window is not None or cap > 0 else None
-    if sv is not None and impl == "naive":
-        raise ValueError(f"{_FN}(): window and softcap need a fused impl ('flash' or 'flash_mma'), "
-                         f"got impl='naive'")
+    impl, scale, mshape, kl, sv = _check_args(q, k, v, causal, scale, mask, key_lengths, impl, return_lse, out,
+                                              window, softcap)
     b, hq, sq, d = q.shape
     sk = k.shape[2]
     if out is None:

@@ -3,10 +3,12 @@
 FlashAttention-2's algorithm in FlashAttention-3's shape: a producer warp loads Q, K and V by TMA
 into mbarrier-tracked stage rings, two consumer warpgroups compute ``S = Q K^T`` and ``O += P V``
 with ``wgmma``. float16 / bfloat16, head dims ``config.ATTN_WGMMA_TILES`` (64, 128, 256), causal
-(bottom-right), GQA/MQA, ``key_lengths``, additive masks, ``scale``, ``return_lse``, ``out=``.
-It needs an sm_90 device and
+(bottom-right), GQA/MQA, ``key_lengths``, additive masks, ``scale``, ``return_lse``, ``out=``;
+not ``window`` or ``softcap`` yet (cupyattn/options.py REFUSED: an explicit impl="wgmma" raises,
+impl=None takes flash_mma for them). It needs an sm_90 device and
 q, k, v that TMA can read: 16-byte-aligned base pointers and batch / head / row strides that are
-positive multiples of 16 bytes (a contiguous tensor always qualifies: D is 64, 128 or 256).
+positive multiples of 16 bytes (a contiguous tensor always qualifies: D is 64, 128 or 256; a
+broadcast or reversed view never does).
 
 It passed the GPU tier and the sanitizers on an H100 (2026-11-26), and ``impl=None`` takes it on
 sm_90 for the (dtype, head dim) pairs measured faster than ``flash_mma`` there
@@ -49,10 +51,11 @@ SPEC = KernelSpec(
 def _operand(name: str, x, rows: int):
     """(name, ptr, dims, byte strides, box) of a [B, H, S, D] tensor as the kernel's 4-D TMA box
     {D, S, H, B} (innermost first) of 64 elements x ``rows`` positions. A dimension of size 1 has
-    no stride TMA would use; it gets a packed stand-in (TMA still wants a multiple of 16)."""
+    no stride TMA would use; it gets a packed stand-in (TMA still wants a multiple of 16). Every
+    other stride is x's own: a 0 (broadcast) or negative one stays, for tma.problem to refuse."""
     b, h, s, d = x.shape
-    st = [0 if n == 1 else x.strides[i] for i, n in zip((2, 1, 0), (s, h, b))]
-    return name, x.data.ptr, (d, s, h, b), _filled(st, (d, s, h), x.itemsize), (64, rows, 1, 1)
+    st = [x.strides[i] for i in (2, 1, 0)]
+    return name, x.data.ptr, (d, s, h, b), _filled(st, (d, s, h, b), x.itemsize), (64, rows, 1, 1)
 
 
 def _operands(q, k, v, head_dim: int, tile: C.AttnWgmmaTile | None = None):
@@ -66,7 +69,7 @@ def _launch_problem(q, k, v) -> str | None:
     if q.size == 0 or k.shape[2] == 0:
         return None  # nothing is launched
     for name, ptr, dims, strides, box in _operands(q, k, v, d):
-        why = "it has a negative stride" if min(strides) < 0 else tma.problem(ptr, q.dtype, dims, strides, box)
+        why = tma.problem(ptr, q.dtype, dims, strides, box, names=("D", "S", "H", "B"))
         if why is not None:
             return f"needs q, k, v that TMA can read: {name}: {why} (use impl='flash_mma')"
     if -(-sq // C.ATTN_WGMMA_TILES[d].block_m) * b * hq > INT32_MAX:

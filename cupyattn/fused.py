@@ -93,8 +93,9 @@ def _rows(fn, name, x):
     return int(np.prod(x.shape[:-1], dtype=np.int64)), ld
 
 
-def _weights(fn, x, norm_weight, w, w_name, n_rows=None, x_name="x"):
-    """Common checks of x, the norm weight (None: none) and the weight matrix w [N, K]."""
+def _weights(fn, x, norm_weight, w, w_name, n_rows=None, x_name="x", norm=True):
+    """Common checks of x, the norm weight (``norm``: the op has one, so None is an error naming
+    it) and the weight matrix w [N, K]."""
     m, ldx = _rows(fn, x_name, x)
     C.require_impl(fn, "fused", "skinny", x.dtype)   # bf16 below sm_80: no kernel, a clear error
     k = x.shape[-1]
@@ -103,7 +104,7 @@ def _weights(fn, x, norm_weight, w, w_name, n_rows=None, x_name="x"):
     if w.shape[1] != k or (n_rows is not None and w.shape[0] != n_rows) or not w.flags.c_contiguous:
         want = f"[{n_rows if n_rows is not None else 'N'}, K={k}]"
         raise ValueError(f"{fn}(): {w_name} must be C-contiguous of shape {want}, got {tuple(w.shape)}")
-    if norm_weight is not None:
+    if norm:
         C.check_array(fn, "norm_weight", norm_weight, ndim=1)
         C.check_same_dtype(fn, "norm_weight", norm_weight, x_name, x)
         if norm_weight.shape[0] != k or not norm_weight.flags.c_contiguous:
@@ -127,11 +128,11 @@ def _grid(fn, m, n_tiles):
     return (blocks,), (32 * _S.warps,)
 
 
-def _out(fn, out, shape, dtype, inputs):
+def _out(fn, out, shape, dtype, inputs, name="out"):
     if out is None:
         return cupy.empty(shape, dtype=dtype)
-    C.check_out(fn, out, shape, dtype)
-    C.check_no_overlap(fn, out, inputs)
+    C.check_out(fn, out, shape, dtype, name=name)
+    C.check_no_overlap(fn, out, inputs, out_name=name)
     return out
 
 
@@ -193,9 +194,10 @@ def rmsnorm_qkv_rope_append(x, norm_weight, wqkv, cache, layer, num_heads, eps=1
     eps = _eps(fn, eps)
     base = C.check_real(fn, "rope_base", rope_base, minimum=0.0, strict=True)
     C.check_choice(fn, "rope_style", rope_style, ROPE_STYLES)
-    cached = {"the cache's keys": cache.k, "the cache's values": cache.v}
+    cached = cache.device_arrays()
     C.check_no_overlap(fn, x, cached, out_name="x")
-    q_out = _out(fn, q_out, (b, hq, 1, d), x.dtype, {"x": x, "norm_weight": norm_weight, "wqkv": wqkv, **cached})
+    q_out = _out(fn, q_out, (b, hq, 1, d), x.dtype, {"x": x, "norm_weight": norm_weight, "wqkv": wqkv, **cached},
+                 name="q_out")
     cache._check_capacity(fn, np.ones(b, dtype=np.int64), [layer])
     kern = get_function(SPEC, _expr("norm_qkv_rope_append_kernel", x.dtype, rope_style == "neox"))
     i32 = np.int32
@@ -225,7 +227,7 @@ def gemm_residual(x, a, w):
     x
     """
     fn = "gemm_residual"
-    m, lda, k = _weights(fn, a, None, w, "w", x_name="a")
+    m, lda, k = _weights(fn, a, None, w, "w", x_name="a", norm=False)
     C.check_array(fn, "x", x, min_ndim=1)
     if tuple(x.shape) != tuple(a.shape[:-1]) + (w.shape[0],):
         raise ValueError(f"{fn}(): x has shape {tuple(x.shape)}, expected {tuple(a.shape[:-1]) + (w.shape[0],)} "

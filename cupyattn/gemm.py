@@ -253,13 +253,16 @@ def _gemm(fn, a, b, out, impl, nt):
 
 # --- v4 (Hopper): operands through tensor maps ------------------------------------------------------
 def _filled(strides, dims, itemsize):
-    """Byte strides of TMA dims 1.. with a packed stand-in for each 0 (a dimension of size 1,
-    whose stride is never applied, but TMA wants a positive multiple of 16): the previous
-    dimension's stride times its extent, rounded up to 16 bytes."""
+    """Byte strides of TMA dims 1.. (``dims``: all of them, innermost first) with a packed
+    stand-in for the stride of each dimension of extent 1 (never applied, but TMA wants a
+    positive multiple of 16): the previous dimension's stride times its extent, rounded up to 16
+    bytes. The stride of a dimension of more entries is kept as it is, 0 (a broadcast view) and
+    negative ones included, for tma.problem to refuse: a packed stride there would read memory
+    that is not the operand's (issue 42)."""
     out, prev = [], itemsize
-    for s, extent in zip(strides, dims):
-        if s == 0:
-            natural = -(-prev * extent // 16) * 16
+    for s, extent_before, extent in zip(strides, dims, dims[1:]):
+        if extent == 1:
+            natural = -(-prev * extent_before // 16) * 16
             s = natural if natural < 2**40 else 16
         out.append(s)
         prev = s
@@ -283,9 +286,11 @@ def _wgmma_operands(a, b, m, n, k, lda, ldb, dims, nt, bn):
 def _tma_problem(a, b, m, n, k, lda, ldb, dims, nt):
     """Why TMA cannot read an operand (naming it), or None."""
     ops, _ = _wgmma_operands(a, b, m, n, k, lda, ldb, dims, nt, 256)
+    batch = ("the inner batch dim", "the outer batch dim")
+    names = {"a": ("K", "M (a's rows)") + batch, "b": (("K", "N (b's rows)") if nt else ("N", "K (b's rows)")) + batch}
     for name, ptr, d, st, box in ops:
-        if min(st) < 0 or (why := tma.problem(ptr, a.dtype, d, st, box)) is not None:
-            return f"TMA cannot read {name}: " + (why if min(st) >= 0 else "it has a negative stride")
+        if (why := tma.problem(ptr, a.dtype, d, st, box, names=names[name])) is not None:
+            return f"TMA cannot read {name}: {why}"
     if max(dims[0][0], dims[1][0]) > INT32_MAX:
         return "a batch dimension has more than 2^31 - 1 entries"
     return None

@@ -37,7 +37,7 @@ from . import _checks
 from ._checks import check_array, check_last_contiguous, check_same_dtype
 from ._loader import NULL, KernelSpec, get_function
 from .config import (DTYPES, KV_ADVANCE_THREADS, KV_APPEND_ELEMS_PER_BLOCK, KV_APPEND_THREADS,
-                     KV_ROPE_APPEND_ITEMS_PER_BLOCK, KV_ROPE_APPEND_THREADS, MAX_GRID_YZ, cbool,
+                     KV_ROPE_APPEND_ITEMS_PER_BLOCK, KV_ROPE_APPEND_THREADS, cbool,
                      ctype, defines)
 
 ROPE_STYLES = ("adjacent", "neox")
@@ -68,8 +68,9 @@ class KVCache:
     lengths : cupy.ndarray int32 [num_layers, batch]   tokens cached per layer and sequence
     host_lengths : numpy.ndarray int64 [num_layers, batch]   host mirror of ``lengths``
 
-    Failures: every check (capacity on the host mirror included) runs before anything is
-    launched, so a failed call changes neither the cache nor its lengths. The host mirror moves
+    Failures: every check (capacity on the host mirror, launch limits and kernel builds
+    included) runs before anything is launched or taken, so a failed call changes neither the
+    cache nor its lengths (nor a PagedKVCache's pages and tables). The host mirror moves
     only after all of a call's launches were issued without error; if a launch raises, the
     device lengths were not advanced either (the advance comes last, in stream order). A kernel
     fault reported later by CUDA (an asynchronous error at a later sync) leaves the CUDA context
@@ -93,9 +94,7 @@ class KVCache:
         _checks.check_int32(fn, "max_seq (lengths are int32 on the device)", self.max_seq)
         _checks.check_int32(fn, "head_dim", self.head_dim)
         for name, n in (("batch", self.batch), ("num_kv_heads", self.num_kv_heads)):
-            if n > MAX_GRID_YZ:  # the append and decode launches give each one a grid row
-                raise ValueError(f"{fn}(): {name}={n} is more than a launch's grid dimension holds "
-                                 f"({MAX_GRID_YZ})")
+            _checks.check_grid_yz(fn, name, n)  # the append and decode launches give each one a grid row
         try:
             dt = np.dtype(dtype)
         except TypeError:
@@ -113,6 +112,13 @@ class KVCache:
             # finish, found by this ticket, advances the lengths and sets it back to 0.
             self.ticket = cupy.zeros(1, dtype=np.uint32)
         self.host_lengths = np.zeros((self.num_layers, self.batch), dtype=np.int64)
+
+    def device_arrays(self) -> dict:
+        """Every device array of the cache a kernel reads or writes, by the name errors use: what
+        a caller's ``out=``, ``q_out=``, ``workspace=`` or input may not overlap (issue 42: the
+        integer lengths, ticket and block table included)."""
+        return {"the cache's keys": self.k, "the cache's values": self.v, "the cache's lengths": self.lengths,
+                "the cache's ticket": self.ticket}
 
     # Where append kernels write: the contiguous layout here; PagedKVCache overrides both.
     _EXPR_TAIL = ""
@@ -151,10 +157,12 @@ class KVCache:
         Call it before replaying a graph that appends, so that a replay never overflows."""
         counts = self._counts(fn, num_new, None)
         self._check_capacity(fn, counts, slice(None))
+        self._reserve(counts, slice(None))
         return counts
 
     def _check_capacity(self, fn: str, counts, layers) -> None:
-        """ValueError naming the first (layer, sequence) that ``counts`` would overfill."""
+        """ValueError naming the first (layer, sequence) that ``counts`` would overfill. Only
+        checks: :meth:`_reserve` takes the room once every check of the call has passed."""
         over = self.host_lengths[layers] + counts > self.max_seq  # [len(layers), batch], one pass
         if over.any():
             li, i = (int(x) for x in np.argwhere(over)[0])
@@ -173,7 +181,31 @@ class KVCache:
         counts = self._counts(fn, num_new, None)
         sel = slice(None) if layers is None else [self.check_layer(fn, i) for i in layers]
         self._check_capacity(fn, counts, sel)
+        self._reserve(counts, sel)
         self.host_lengths[sel] += counts
+
+    # --- taking room: after every check of a call (issue 42) -----------------------------------
+    def _reserve(self, counts, layers):
+        """Make room for ``counts`` more tokens per sequence in ``layers``, once every check of the
+        call (launch limits and kernel builds included) has passed; returns what :meth:`_release`
+        needs to undo it. The contiguous layout has its room already: nothing to take."""
+        return None
+
+    def _release(self, taken) -> None:
+        """Undo :meth:`_reserve` (its return value) when a launch after it raised."""
+
+    def _commit(self, layer, counts, launches) -> None:
+        """The last step of an append, after every check: take the room, run ``launches`` (a
+        callable issuing the kernels), then move the host mirror. If a launch raises, the room
+        goes back first, so a failed call leaves the allocator, the tables and the lengths (host
+        and device: the device advance is the last launch) as they were."""
+        taken = self._reserve(counts, [layer])
+        try:
+            launches()
+        except BaseException:
+            self._release(taken)
+            raise
+        self.host_lengths[layer] += counts
 
     # --- append -----------------------------------------------------------------------------
     def _counts(self, fn: str, num_new, t) -> np.ndarray:
@@ -230,15 +262,13 @@ class KVCache:
         check_last_contiguous(fn, "k_new", k_new)
         check_last_contiguous(fn, "v_new", v_new)
         _checks.check_int32(fn, "T (k_new.shape[2])", t)
-        for name, x in (("k_new", k_new), ("v_new", v_new)):
-            _checks.check_no_overlap(fn, x, {"the cache's keys": self.k, "the cache's values": self.v},
-                                     out_name=name)
+        for name, x in (("k_new", k_new), ("v_new", v_new)):  # an input the append's writes would change
+            _checks.check_no_overlap(fn, x, self.device_arrays(), out_name=name)
         counts = self._counts(fn, num_new, t)
         self._check_capacity(fn, counts, [layer])
         if not counts.any():
             return
-        self._launch(layer, k_new, v_new, counts, t)
-        self.host_lengths[layer] += counts
+        self._commit(layer, counts, self._append_launches(fn, layer, k_new, v_new, counts, t))
 
     def _device_counts(self, layer, counts):
         """(lengths view, per-sequence counts on the device, uniform): a uniform append passes
@@ -247,24 +277,29 @@ class KVCache:
         lengths = self.lengths[layer]                     # int32 [B] view
         return lengths, (lengths if uniform else cupy.asarray(counts.astype(np.int32))), uniform
 
-    def _launch(self, layer, k_new, v_new, counts, t):
-        lengths, dev_counts, uniform = self._device_counts(layer, counts)
+    def _append_launches(self, fn, layer, k_new, v_new, counts, t):
+        """Check the launch (grid limits) and build its kernels, then return the launches as a
+        callable for :meth:`_commit`: nothing here takes room or writes."""
         d = self.head_dim
         tok_per_block = max(1, KV_APPEND_ELEMS_PER_BLOCK // d)
         n_max = int(counts.max())
         grid = ((n_max + tok_per_block - 1) // tok_per_block, self.num_kv_heads, self.batch)
+        _checks.check_grid(fn, "the append kernel", grid)
+        append = get_function(SPEC, f"kv_append_kernel<{ctype(self.dtype)}{self._EXPR_TAIL}>")
+        advance = self._advance_launch(fn)
         ks = [s // k_new.itemsize for s in k_new.strides[:3]]
         vs = [s // v_new.itemsize for s in v_new.strides[:3]]
         i32, i64 = np.int32, np.int64
-        use_counts = i32(0 if uniform else 1)
-        n_uniform = i32(counts[0])
-        append = get_function(SPEC, f"kv_append_kernel<{ctype(self.dtype)}{self._EXPR_TAIL}>")
-        append(grid, (KV_APPEND_THREADS,),
-               (self.k[layer], self.v[layer], k_new, v_new, lengths, dev_counts,
-                *map(i64, ks), *map(i64, vs),
-                i32(self.num_kv_heads), i32(self.max_seq), i32(d), i32(tok_per_block),
-                n_uniform, use_counts, *self._layout_args()))
-        self._advance(lengths, dev_counts, counts, uniform)
+
+        def launches():
+            lengths, dev_counts, uniform = self._device_counts(layer, counts)
+            append(grid, (KV_APPEND_THREADS,),
+                   (self.k[layer], self.v[layer], k_new, v_new, lengths, dev_counts,
+                    *map(i64, ks), *map(i64, vs),
+                    i32(self.num_kv_heads), i32(self.max_seq), i32(d), i32(tok_per_block),
+                    i32(counts[0]), i32(0 if uniform else 1), *self._layout_args()))
+            advance(lengths, dev_counts, counts, uniform)
+        return launches
 
     # --- fused rope + append ------------------------------------------------------------------
     def append_qkv(self, layer, qkv, num_heads, rope_base=10000.0, rope_style="adjacent",
@@ -321,7 +356,7 @@ class KVCache:
         _checks.check_int32(fn, "the packed width (qkv.shape[2])", width)
         base = _checks.check_real(fn, "rope_base", rope_base, minimum=0.0, strict=True)
         _checks.check_choice(fn, "rope_style", rope_style, ROPE_STYLES)
-        cache = {"the cache's keys": self.k, "the cache's values": self.v}
+        cache = self.device_arrays()
         _checks.check_no_overlap(fn, qkv, cache, out_name="qkv")
         if q_out is not None:
             _checks.check_out(fn, q_out, (b, hq, t, d), self.dtype, name="q_out")
@@ -331,28 +366,38 @@ class KVCache:
         half = d // 2
         tok_per_block = max(1, KV_ROPE_APPEND_ITEMS_PER_BLOCK // ((hq + 2 * hkv) * half))
         n_tiles = -(-t // tok_per_block)
-        if q_out is None:
-            q_out = cupy.empty((b, hq, t, d), dtype=self.dtype)
         if t == 0:
-            return q_out
-        lengths, dev_counts, uniform = self._device_counts(layer, counts)
-        i32, i64 = np.int32, np.int64
+            return cupy.empty((b, hq, t, d), dtype=self.dtype) if q_out is None else q_out
         advance_here = n_tiles == 1  # one block per sequence: it can move its own length
+        _checks.check_grid(fn, "the RoPE + append kernel", (n_tiles, b, 1))
         kern = get_function(SPEC, f"qkv_rope_append_kernel<{ctype(self.dtype)}, {cbool(rope_style == 'neox')}"
                                   f"{self._EXPR_TAIL}>")
-        kern((n_tiles, b), (KV_ROPE_APPEND_THREADS,),
-             (qkv, q_out, self.k[layer], self.v[layer], lengths, dev_counts,
-              i64(qkv.strides[0] // qkv.itemsize), i64(qkv.strides[1] // qkv.itemsize),
-              i32(t), i32(hq), i32(hkv), i32(d), i32(self.max_seq), i32(tok_per_block),
-              i32(counts[0]), i32(0 if uniform else 1), np.float64(-math.log2(base) / half),
-              i32(1 if advance_here else 0), *self._layout_args()))
-        if not advance_here:
-            self._advance(lengths, dev_counts, counts, uniform)
-        self.host_lengths[layer] += counts
+        advance = None if advance_here else self._advance_launch(fn)
+        if q_out is None:
+            q_out = cupy.empty((b, hq, t, d), dtype=self.dtype)
+        i32, i64 = np.int32, np.int64
+
+        def launches():
+            lengths, dev_counts, uniform = self._device_counts(layer, counts)
+            kern((n_tiles, b), (KV_ROPE_APPEND_THREADS,),
+                 (qkv, q_out, self.k[layer], self.v[layer], lengths, dev_counts,
+                  i64(qkv.strides[0] // qkv.itemsize), i64(qkv.strides[1] // qkv.itemsize),
+                  i32(t), i32(hq), i32(hkv), i32(d), i32(self.max_seq), i32(tok_per_block),
+                  i32(counts[0]), i32(0 if uniform else 1), np.float64(-math.log2(base) / half),
+                  i32(1 if advance_here else 0), *self._layout_args()))
+            if advance is not None:
+                advance(lengths, dev_counts, counts, uniform)
+        self._commit(layer, counts, launches)
         return q_out
 
-    def _advance(self, lengths, dev_counts, counts, uniform):
-        """lengths[b] += counts[b] on the device, after the kernels that read them (stream order)."""
+    def _advance_launch(self, fn):
+        """The launch of lengths[b] += counts[b] on the device, after the kernels that read them
+        (stream order), checked and built now: a callable (lengths, dev_counts, counts, uniform)."""
+        grid = (-(-self.batch // KV_ADVANCE_THREADS), 1, 1)
+        _checks.check_grid(fn, "the length advance kernel", grid)
         advance = get_function(SPEC, "kv_advance_lengths_kernel")
-        advance((-(-self.batch // KV_ADVANCE_THREADS),), (KV_ADVANCE_THREADS,),
-                (lengths, dev_counts, np.int32(self.batch), np.int32(counts[0]), np.int32(0 if uniform else 1)))
+
+        def run(lengths, dev_counts, counts, uniform):
+            advance(grid, (KV_ADVANCE_THREADS,),
+                    (lengths, dev_counts, np.int32(self.batch), np.int32(counts[0]), np.int32(0 if uniform else 1)))
+        return run

@@ -25,7 +25,7 @@ from .config import DECODE_MAX_SPLITS, PAGED_MAX_PAGE_SIZE
 from .decode import _auto_splits, _check_args, _check_workspace, _launch, serving_plan
 from .flash_attn import Serving, _flash, check_window_softcap
 from .kvcache import KVCache
-from .varlen import check_grid, check_max_seqlen, check_offsets, check_packed, elem_strides
+from .varlen import check_grid, check_max_seqlen, check_offsets, check_packed, elem_strides, offsets_batch
 
 MAX_PAGE_SIZE = PAGED_MAX_PAGE_SIZE
 
@@ -111,10 +111,10 @@ def decode_attention_paged(q, k_pages, v_pages, block_table, seq_lens, scale=Non
     stand_in.num_layers, stand_in.num_kv_heads, stand_in.head_dim, stand_in.batch = 1, hkv, d, b
     stand_in.max_seq, stand_in.dtype = block_table.shape[1] * ps, np.dtype(k_pages.dtype)
     _, _, _, _, scale, num_splits, plan = _check_args(fn, q[:, :, None], stand_in, 0, scale, num_splits, None, impl)
+    inputs = {"q": q, "k_pages": k_pages, "v_pages": v_pages, "block_table": block_table, "seq_lens": seq_lens}
     if out is not None:
         check_out(fn, out, (b, hq, d), q.dtype)
-        _checks.check_no_overlap(fn, out, {"q": q, "k_pages": k_pages, "v_pages": v_pages,
-                                           "block_table": block_table, "seq_lens": seq_lens})
+        _checks.check_no_overlap(fn, out, inputs)
     # the split rule's longest length: host seq_lens, else the caller's bound, else the capacity
     bound = None if max_seq_len is None else _checks.check_int(fn, "max_seq_len", max_seq_len, 0)
     if host is not None:
@@ -127,7 +127,7 @@ def decode_attention_paged(q, k_pages, v_pages, block_table, seq_lens, scale=Non
     if num_splits is None:
         num_splits = min(_auto_splits(plan, b, hkv, live), DECODE_MAX_SPLITS)
     if workspace is not None:
-        _check_workspace(fn, workspace, num_splits, b, hq, d, q, stand_in, out)
+        _check_workspace(fn, workspace, num_splits, b, hq, d, {**inputs, "out": out})
     out = cupy.empty((b, hq, d), dtype=q.dtype) if out is None else out
     if b == 0 or hq == 0:
         return out
@@ -162,10 +162,8 @@ def attention_paged(q, k_pages, v_pages, block_table, seq_lens, cu_seqlens_q=Non
         q3 = q
     else:
         check_array(fn, "q", q, ndim=3)
-        b = _checks.check_int(fn, "len(cu_seqlens_q) - 1", len(cu_seqlens_q) - 1, 0)
+        b = offsets_batch(fn, "cu_seqlens_q", cu_seqlens_q)
         (tq, hq, d), q3 = q.shape, q
-        if not _checks.is_device_array(cu_seqlens_q) and len(cu_seqlens_q) == 0:
-            raise ValueError(f"{fn}(): cu_seqlens_q must have B + 1 >= 1 entries")
     if q3.ndim == 4:  # the checks take [*, Hq, D]
         q3 = q[:, :, 0] if sq else cupy.empty((b, hq, d), dtype=q.dtype)
     impl, hq, hkv, d, ps, host, lens = _check_pages(fn, q3, k_pages, v_pages, block_table, seq_lens, impl, b)
@@ -188,7 +186,8 @@ def attention_paged(q, k_pages, v_pages, block_table, seq_lens, cu_seqlens_q=Non
     scale = 1.0 / math.sqrt(d) if scale is None else _checks.check_real(fn, "scale", scale)
     if out is not None:
         check_out(fn, out, out_shape, q.dtype)
-        _checks.check_no_overlap(fn, out, {"q": q, "k_pages": k_pages, "v_pages": v_pages})
+        _checks.check_no_overlap(fn, out, {"q": q, "k_pages": k_pages, "v_pages": v_pages, "block_table": block_table,
+                                           "seq_lens": seq_lens, "cu_seqlens_q": cu_seqlens_q})
     out = cupy.empty(out_shape, dtype=q.dtype) if out is None else out
     lse = cupy.empty(lse_shape, dtype=cupy.float32) if return_lse else None
     if out.size == 0 or sq == 0:
@@ -227,9 +226,11 @@ class PagedKVCache(KVCache):
 
     Everything :class:`KVCache` offers works the same way (``append``, ``append_qkv`` with RoPE
     fused and the one-launch decode step, ``check_room``, ``record_advance``, ``seq_lengths``):
-    a call that needs more pages takes them from the free list first (on the host, and the
-    slot's table row is copied to the device), or raises ValueError ("out of pages", naming the
-    slot) before anything is written. :meth:`free` gives a finished slot's pages back and sets
+    a call that needs more pages takes them from the free list (on the host, and the slot's
+    table row is copied to the device) only after every check that can refuse it has passed
+    (arguments, capacity, free pages, launch limits, kernel builds), or raises ValueError ("out
+    of pages", naming the slot) with nothing taken or written; if a launch itself raises, the
+    pages go back and the table rows are restored before the error propagates. :meth:`free` gives a finished slot's pages back and sets
     its lengths to 0, so the next prompt can take the slot at once (continuous batching).
 
     CUDA graphs: the table and lengths arrays never move, so a captured decode step (append_qkv
@@ -256,6 +257,8 @@ class PagedKVCache(KVCache):
         self.num_layers = _checks.check_positive_int(fn, "num_layers", num_layers)
         self.batch = _checks.check_positive_int(fn, "max_batch", max_batch)
         self.num_kv_heads = _checks.check_positive_int(fn, "num_kv_heads", num_kv_heads)
+        for name, n in (("max_batch", self.batch), ("num_kv_heads", self.num_kv_heads)):
+            _checks.check_grid_yz(fn, name, n)  # a grid row each in the append and decode launches
         self.head_dim = _checks.check_positive_int(fn, "head_dim", head_dim)
         self.max_seq = _checks.check_int32(fn, "max_pages_per_seq x page_size", mpp * page_size)
         try:
@@ -283,6 +286,9 @@ class PagedKVCache(KVCache):
                 f"{self.num_kv_heads}, head_dim={self.head_dim}, num_pages={self.num_pages}, page_size="
                 f"{self.page_size}, dtype={self.dtype}, free pages={len(self._free)})")
 
+    def device_arrays(self) -> dict:
+        return {**super().device_arrays(), "the cache's block table": self.block_table}
+
     def _layout_args(self):
         return (self.block_table, np.int32(self.max_pages_per_seq), np.int32(self.page_size.bit_length() - 1),
                 np.int32(self.num_pages))
@@ -302,25 +308,54 @@ class PagedKVCache(KVCache):
             raise IndexError(f"{fn}(): slot {slot} is out of range for {self.batch} slots")
         return int(slot)
 
-    def _check_capacity(self, fn: str, counts, layers) -> None:
-        """KVCache's check (max_seq), then enough pages for every slot's new length: taken from
-        the free list and written to the table (host and device) before the caller launches."""
-        super()._check_capacity(fn, counts, layers)
+    def _shortfall(self, counts, layers):
+        """Pages each slot still needs for ``counts`` more tokens in ``layers`` (int64 [batch])."""
         need = -(-(self.host_lengths[layers].max(axis=0) + counts) // self.page_size)
-        short = need - np.array([len(p) for p in self._pages])
-        total = int(np.maximum(short, 0).sum())
+        return np.maximum(need - np.array([len(p) for p in self._pages]), 0)
+
+    def _check_capacity(self, fn: str, counts, layers) -> None:
+        """KVCache's check (max_seq), then enough free pages for every slot's new length. Only
+        checks: the pages are taken by :meth:`_reserve`, after every other check of the call."""
+        super()._check_capacity(fn, counts, layers)
+        short = self._shortfall(counts, layers)
+        total = int(short.sum())
         if total > len(self._free):
             i = int(np.argmax(short > 0))
             raise ValueError(f"{fn}(): out of pages: slot {i} needs {int(short[i])} more page(s) of "
                              f"{self.page_size} tokens, the cache has {len(self._free)} free of "
                              f"{self.num_pages} ({total} needed in all)")
-        rows = np.flatnonzero(short > 0)
-        for i in rows:
-            for _ in range(int(short[i])):
+
+    def _reserve(self, counts, layers):
+        """Take the pages :meth:`_check_capacity` counted from the free list and write them to the
+        slots' table rows (host, then device); returns (rows, their old host rows, pages per row)
+        for :meth:`_release`."""
+        short = self._shortfall(counts, layers)
+        rows = np.flatnonzero(short)
+        if not rows.size:
+            return None
+        taken = (rows, self.host_table[rows].copy(), [int(short[i]) for i in rows])
+        for i, n in zip(rows, taken[2]):
+            for _ in range(n):
                 self.host_table[i, len(self._pages[i])] = page = self._free.pop()
                 self._pages[i].append(page)
-        if rows.size:
+        try:
             self.block_table[rows] = cupy.asarray(self.host_table[rows])
+        except BaseException:
+            self._release(taken)
+            raise
+        return taken
+
+    def _release(self, taken) -> None:
+        """Give back what :meth:`_reserve` took, in reverse, so that the free list, each slot's
+        pages and both tables are as they were."""
+        if taken is None:
+            return
+        rows, old, counts = taken
+        for i, n in zip(rows[::-1], counts[::-1]):
+            for _ in range(n):
+                self._free.append(self._pages[i].pop())
+        self.host_table[rows] = old
+        self.block_table[rows] = cupy.asarray(old)
 
     def free(self, slot) -> None:
         """Give slot ``slot``'s pages back to the free list and set its lengths (every layer) to 0."""

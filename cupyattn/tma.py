@@ -47,10 +47,13 @@ _CACHE: collections.OrderedDict = collections.OrderedDict()
 _LOCK = threading.Lock()
 
 
-def problem(ptr: int, dtype, dims, strides, box, swizzle: int = 128) -> str | None:
+def problem(ptr: int, dtype, dims, strides, box, swizzle: int = 128, names=None) -> str | None:
     """The first TMA rule the tensor breaks, in words, or None if a map can be built.
 
-    ``dims`` (elements) and ``box`` innermost first; ``strides`` in bytes for dims 1..rank-1."""
+    ``dims`` (elements) and ``box`` innermost first; ``strides`` in bytes for dims 1..rank-1;
+    ``names``: what the caller calls each dim (innermost first), for the message. A stride of 0
+    on a dimension of more than one entry (a broadcast view) or a negative one (a reversed view)
+    cannot be described: the message says which."""
     dtype = np.dtype(dtype)
     if dtype not in DTYPE_ENUM:
         return f"dtype {dtype} has no TMA element type here (float16, bfloat16, float32)"
@@ -61,8 +64,10 @@ def problem(ptr: int, dtype, dims, strides, box, swizzle: int = 128) -> str | No
         return f"its base address is {ptr % 16} bytes past a 16-byte boundary (TMA needs 16-byte alignment)"
     for i, s in enumerate(strides):
         if s <= 0 or s % 16 or s >= 2**40:
-            return (f"its stride of {s} bytes along dimension {i + 1} (innermost first) is not a positive "
-                    f"multiple of 16 below 2^40")
+            where = f"along {names[i + 1]}" if names else f"along dimension {i + 1} (innermost first)"
+            view = (f" (a broadcast view: {dims[i + 1]} entries at one address)" if s == 0 else
+                    " (a reversed view)" if s < 0 else "")
+            return f"its stride of {s} bytes {where}{view} is not a positive multiple of 16 below 2^40"
     for i, d in enumerate(dims):
         if not 1 <= d <= 2**32:
             return f"dimension {i} has {d} elements (TMA: 1 to 2^32)"

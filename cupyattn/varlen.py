@@ -36,9 +36,12 @@ def check_offsets(fn: str, name: str, x, n: int, total: int | None):
             raise ValueError(f"{fn}(): {name} must have shape ({n},), got {tuple(x.shape)}")
         return cupy.ascontiguousarray(x), None
     try:
-        h = np.asarray(x)
+        h = None if x is None else np.asarray(x)
     except Exception as e:  # pragma: no cover - exotic objects
         raise TypeError(f"{fn}(): {name} must be an int32 array, got {type(x).__name__}") from e
+    if h is None or h.ndim == 0:
+        raise TypeError(f"{fn}(): {name} must be a 1-D int32 array of {n} entries (CuPy, NumPy or a list), "
+                        f"got {type(x).__name__} {x!r}")
     if h.dtype.kind not in "iu":
         raise TypeError(f"{fn}(): {name} must have an integer dtype, got {h.dtype}")
     if h.ndim != 1 or h.shape[0] != n:
@@ -53,6 +56,24 @@ def check_offsets(fn: str, name: str, x, n: int, total: int | None):
     if n and h.max() >= 2**31:
         raise ValueError(f"{fn}(): {name} values must fit int32, got max {int(h.max())}")
     return cupy.asarray(h.astype(np.int32)), h
+
+
+def offsets_batch(fn: str, name: str, x) -> int:
+    """B from offsets ``x`` of B + 1 entries (a CuPy or NumPy array or a list), before anything
+    else reads it: TypeError / ValueError naming ``name`` for None, a scalar, a 0-d or 2-d array,
+    or no entry at all."""
+    want = "a 1-D int32 array of B + 1 offsets (CuPy, NumPy or a list)"
+    if x is None or isinstance(x, (bool, int, float, np.generic, str, bytes)):
+        raise TypeError(f"{fn}(): {name} must be {want}, got {type(x).__name__} {x!r}")
+    try:
+        shape = tuple(x.shape) if hasattr(x, "shape") else np.shape(x)
+    except Exception as e:  # pragma: no cover - ragged or exotic objects
+        raise TypeError(f"{fn}(): {name} must be {want}, got {type(x).__name__}") from e
+    if len(shape) != 1:
+        raise ValueError(f"{fn}(): {name} must be {want}, got shape {shape}")
+    if shape[0] == 0:
+        raise ValueError(f"{fn}(): {name} must have B + 1 >= 1 entries (0 first), got none")
+    return shape[0] - 1
 
 
 def check_packed(fn, q, k, v, impl, kn="k", vn="v"):
@@ -129,7 +150,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     window : (left, right), optional
         ``i + Sk - Sq - left <= j <= i + Sk - Sq + right``; -1: unbounded.
     softcap : float, optional
-        Scores become ``softcap * tanh(scale * q.k / softcap)`` before masking; 0 / None: off.
+        Scores become ``softcap * tanh(scale * q.k / softcap)`` before masking; 0 / None: off,
+        else within ``[config.SOFTCAP_MIN, config.SOFTCAP_MAX]`` (ValueError outside).
     return_lse : bool
         Also return the log-sum-exp, float32 ``[Hq, total_q]`` (flash-attention's layout).
     out : cupy.ndarray [total_q, Hq, D], optional
@@ -154,7 +176,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     if k.ndim != 3:
         raise ValueError(f"{fn}(): k must be [total_k, Hkv, D], got shape {tuple(k.shape)}")
     tq, tk = q.shape[0], k.shape[0]
-    b = _checks.check_int(fn, "len(cu_seqlens_q) - 1", len(cu_seqlens_q) - 1, 0)
+    b = offsets_batch(fn, "cu_seqlens_q", cu_seqlens_q)
     cu_q, hcq = check_offsets(fn, "cu_seqlens_q", cu_seqlens_q, b + 1, tq)
     cu_k, hck = check_offsets(fn, "cu_seqlens_k", cu_seqlens_k, b + 1, tk)
     max_q = check_max_seqlen(fn, "max_seqlen_q", max_seqlen_q, hcq)

@@ -203,9 +203,9 @@ def test_naive_accepts_any_head_dim_in_checks():
     import cupy
 
     q = cupy.zeros((1, 2, 4, 48), dtype=cupy.float16)
-    impl, scale, mshape, kl = FA._check_args(q, q, q, False, None, None, None, "naive", False, None)
+    impl, scale, mshape, kl, sv = FA._check_args(q, q, q, False, None, None, None, "naive", False, None)
     assert impl == "naive"
-    assert scale == pytest.approx(1 / math.sqrt(48)) and mshape is None and kl is None
+    assert scale == pytest.approx(1 / math.sqrt(48)) and mshape is None and kl is None and sv is None
 
 
 # --- GPU: both impls against the float64 reference -------------------------------------------

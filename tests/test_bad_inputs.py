@@ -54,6 +54,14 @@ class Dev:
         self.qkv = arr((2, 1, (4 + 4) * 64))
         self.logits = arr((2, 50), np.float32)
         self.tok = cupy.full(2, -7, dtype=cupy.int32)
+        # serving: 2 sequences over 4 pages of 4 tokens, 2 kv heads; packed queries of 1 + 2 tokens
+        self.kp, self.vp = arr((4, 4, 2, 64)), arr((4, 4, 2, 64))
+        self.bt = cupy.asarray(np.array([[0, 1], [2, 3]], dtype=np.int32))
+        self.qp, self.op = arr((2, 4, 64)), self.poison((2, 4, 64))
+        self.qv, self.kv, self.ov = arr((3, 4, 64)), arr((5, 2, 64)), self.poison((3, 4, 64))
+        self.paged = cupyattn.PagedKVCache(1, 2, 2, 64, num_pages=4, page_size=4, dtype=f16)
+        # one int32 buffer whose head is an integer input and whose rest an output that overlaps it
+        self.ints = cupy.zeros(2048, dtype=cupy.int32)
 
     def poison(self, shape, dtype=np.float16):
         return self.cp.full(shape, np.nan, dtype=dtype)
@@ -205,9 +213,9 @@ def _device_cases():
         ("kv-head-dim-float", (1, 1, 1, 8, 64.0, np.float16), TypeError, r"KVCache\(\): head_dim must be an integer"),
         ("kv-dtype", (1, 1, 1, 8, 64, np.int32), TypeError, r"KVCache\(\): dtype .* is not supported"),
         ("kv-batch-grid", (1, 65536, 1, 1, 8, np.float16), ValueError,
-         r"KVCache\(\): batch=65536 is more than a launch's grid dimension holds \(65535\)"),
+         r"KVCache\(\): batch = 65536 is more than a launch's grid dimension holds \(65535\)"),
         ("kv-heads-grid", (1, 1, 65536, 1, 8, np.float16), ValueError,
-         r"KVCache\(\): num_kv_heads=65536 is more than a launch's grid dimension holds"),
+         r"KVCache\(\): num_kv_heads = 65536 is more than a launch's grid dimension holds"),
     ]:
         add(cid, lambda d, args=args: (lambda: K(*args), []), exc, pat)
 
@@ -287,6 +295,106 @@ def _device_cases():
         ValueError, r"decode_attention\(\): 524304 query heads need 65538 blocks in a launch's grid y, "
                     r"more than 65535")
 
+    # softcap outside what the kernels compute (issue 42): C = softcap * log2(e) overflows float32 or
+    # is subnormal (flushed to 0 = off); ValueError naming softcap and the range, on every entry point
+    VL, AP, DP = ca.attention_varlen, ca.attention_paged, ca.decode_attention_paged
+    cap_calls = {
+        "attention": lambda d, c: (lambda: A(d.q, d.k, d.v, softcap=c, out=d.out), [d.out]),
+        "attention_varlen": lambda d, c: (lambda: VL(d.qv, d.kv, d.kv, [0, 1, 3], [0, 2, 5], 2, 3, softcap=c,
+                                                     out=d.ov), [d.ov]),
+        "attention_paged": lambda d, c: (lambda: AP(d.qd, d.kp, d.vp, d.bt, [5, 7], softcap=c, out=d.od), [d.od]),
+        "decode_attention": lambda d, c: (lambda: D(d.qd, d.cache, 1, softcap=c, out=d.od), [d.od] + cache_bufs(d)),
+        "decode_attention_paged": lambda d, c: (lambda: DP(d.qp, d.kp, d.vp, d.bt, [5, 7], softcap=c, out=d.op),
+                                                [d.op]),
+    }
+    for fname, call in cap_calls.items():
+        for cid, cap in (("huge", 1e39), ("tiny", 1e-50), ("negative", -1.0), ("nan", float("nan")),
+                         ("inf", float("inf"))):
+            add(f"{fname}-softcap-{cid}", lambda d, call=call, cap=cap: call(d, cap), ValueError,
+                rf"{fname}\(\): softcap must be finite and in \[2.35e-38, 1.27e\+30\] \(0 or None: off\)")
+        add(f"{fname}-softcap-str", lambda d, call=call: call(d, "30"), TypeError,
+            rf"{fname}\(\): softcap must be a real number")
+
+    # out= / workspace= / q_out= over an integer input (block tables, lengths, offsets: issue 42):
+    # the input is a slice of d.ints near its head, the output a float16 view of d.ints from its head
+    def ints_view(d, shape):
+        return d.ints.view(np.float16)[:int(np.prod(shape))].reshape(shape)
+
+    add("attention_paged-out-over-table", lambda d: (lambda: AP(d.qd, d.kp, d.vp, d.ints[:4].reshape(2, 2), [5, 7],
+                                                                out=ints_view(d, (2, 4, 1, 64))), [d.ints]),
+        ValueError, r"attention_paged\(\): out overlaps block_table in memory")
+    add("attention_paged-out-over-lens", lambda d: (lambda: AP(d.qd, d.kp, d.vp, d.bt, d.ints[2:4],
+                                                               out=ints_view(d, (2, 4, 1, 64))), [d.ints]),
+        ValueError, r"attention_paged\(\): out overlaps seq_lens in memory")
+    add("attention_paged-out-over-cu-q", lambda d: (lambda: AP(d.qp, d.kp, d.vp, d.bt, [5, 7],
+                                                               cu_seqlens_q=d.ints[:3], max_seqlen_q=1,
+                                                               out=ints_view(d, (2, 4, 64))), [d.ints]),
+        ValueError, r"attention_paged\(\): out overlaps cu_seqlens_q in memory")
+    add("decode_attention_paged-out-over-table", lambda d: (lambda: DP(d.qp, d.kp, d.vp, d.ints[:4].reshape(2, 2),
+                                                                       [5, 7], out=ints_view(d, (2, 4, 64))),
+                                                            [d.ints]),
+        ValueError, r"decode_attention_paged\(\): out overlaps block_table in memory")
+    add("decode_attention_paged-workspace-over-table", lambda d: (
+        lambda: DP(d.qp, d.kp, d.vp, d.ints[:4].reshape(2, 2), [5, 7], num_splits=2, out=d.op,
+                   workspace=(d.ints.view(np.float32)[:1024].reshape(2, 2, 4, 64), d.cp.zeros((2, 2, 4), np.float32))),
+        [d.ints, d.op]),
+        ValueError, r"decode_attention_paged\(\): workspace\[0\] overlaps block_table in memory")
+    add("decode_attention_paged-workspace-over-lens", lambda d: (
+        lambda: DP(d.qp, d.kp, d.vp, d.bt, d.ints[1022:1024], num_splits=2, out=d.op,
+                   workspace=(d.cp.zeros((2, 2, 4, 64), np.float32), d.ints.view(np.float32)[1008:1024].reshape(2, 2, 4))),
+        [d.ints, d.op]),
+        ValueError, r"decode_attention_paged\(\): workspace\[1\] overlaps seq_lens in memory")
+    add("decode-out-over-lengths", lambda d: (
+        lambda: D(d.qd, _ints_hold(d, d.cache, "lengths"), 1, out=ints_view(d, (2, 4, 1, 64))), [d.ints]),
+        ValueError, r"decode_attention\(\): out overlaps the cache's lengths in memory")
+    add("decode-workspace-over-lengths", lambda d: (
+        lambda: D(d.qd, _ints_hold(d, d.cache, "lengths"), 1, num_splits=2, out=d.od,
+                  workspace=(d.ints.view(np.float32)[:1024].reshape(2, 2, 4, 64), d.cp.zeros((2, 2, 4), np.float32))),
+        [d.ints, d.od]),
+        ValueError, r"decode_attention\(\): workspace\[0\] overlaps the cache's lengths in memory")
+    add("paged-append_qkv-q_out-over-table", lambda d: (
+        lambda: _ints_hold(d, d.paged, "block_table").append_qkv(0, d.qkv, 4, q_out=ints_view(d, (2, 4, 1, 64))),
+        [d.ints, d.paged.lengths, d.paged.k]),
+        ValueError, r"KVCache.append_qkv\(\): q_out overlaps the cache's block table in memory")
+    add("append_qkv-q_out-over-lengths", lambda d: (
+        lambda: _ints_hold(d, d.cache, "lengths").append_qkv(1, d.qkv, 4, q_out=ints_view(d, (2, 4, 1, 64))),
+        [d.ints, d.cache.k, d.cache.v]),
+        ValueError, r"KVCache.append_qkv\(\): q_out overlaps the cache's lengths in memory")
+    add("fused-qkv-q_out-over-lengths", lambda d: (
+        lambda: ca.fused.rmsnorm_qkv_rope_append(d.x[:2, None], d.w, d.cp.zeros((8 * 64, 64), np.float16),
+                                                 _ints_hold(d, d.cache, "lengths"), 1, 4,
+                                                 q_out=ints_view(d, (2, 4, 1, 64))),
+        [d.ints, d.cache.k, d.cache.v]),
+        ValueError, r"rmsnorm_qkv_rope_append\(\): q_out overlaps the cache's lengths in memory")
+
+    # unclear messages of issue 42 (item 7): the function, the argument and what was expected
+    for cid, cu, exc, pat in [("none", None, TypeError, r"cu_seqlens_q must be a 1-D int32 array of B \+ 1 offsets "
+                                                       r"\(CuPy, NumPy or a list\), got NoneType"),
+                              ("int", 3, TypeError, r"cu_seqlens_q must be a 1-D int32 array .*got int 3"),
+                              ("0d", "0d", ValueError, r"cu_seqlens_q must be a 1-D int32 array .*got shape \(\)"),
+                              ("empty", [], ValueError, r"cu_seqlens_q must have B \+ 1 >= 1 entries")]:
+        add(f"varlen-cu-q-{cid}", lambda d, cu=cu: (
+            lambda: VL(d.qv, d.kv, d.kv, d.cp.asarray(np.int32(3)) if cu == "0d" else cu, [0, 2, 5], 2, 3, out=d.ov),
+            [d.ov]), exc, rf"attention_varlen\(\): {pat}")
+        if cu is not None:  # attention_paged(cu_seqlens_q=None) is the dense-q call
+            add(f"paged-cu-q-{cid}", lambda d, cu=cu: (
+                lambda: AP(d.qp, d.kp, d.vp, d.bt, [5, 7], cu_seqlens_q=d.cp.asarray(np.int32(3)) if cu == "0d" else cu,
+                           max_seqlen_q=1, out=d.op), [d.op]), exc, rf"attention_paged\(\): {pat}")
+    add("varlen-cu-k-none", lambda d: (lambda: VL(d.qv, d.kv, d.kv, [0, 1, 3], None, 2, 3, out=d.ov), [d.ov]),
+        TypeError, r"attention_varlen\(\): cu_seqlens_k must be a 1-D int32 array of 3 entries .*got NoneType")
+    add("rmsnorm_gemm-norm-none", lambda d: (lambda: ca.fused.rmsnorm_gemm(d.x, None, d.cp.zeros((8, 64), np.float16)), []),
+        TypeError, r"rmsnorm_gemm\(\): norm_weight must be a cupy.ndarray on the current device, got NoneType")
+    add("rmsnorm_gate_up_swiglu-norm-none", lambda d: (
+        lambda: ca.fused.rmsnorm_gate_up_swiglu(d.x, None, d.cp.zeros((8, 64), np.float16)), []),
+        TypeError, r"rmsnorm_gate_up_swiglu\(\): norm_weight must be a cupy.ndarray")
+    add("decode_attention_paged-batch-grid", lambda d: (
+        lambda: DP(d.cp.broadcast_to(d.qp[:1], (70000, 4, 64)), d.kp, d.vp, d.cp.broadcast_to(d.bt[:1], (70000, 2)),
+                   d.cp.zeros(70000, np.int32)), []),
+        ValueError, r"decode_attention_paged\(\): the batch \(q.shape\[0\]\) = 70000 is more than a launch's grid "
+                    r"dimension holds \(65535\)")
+    add("paged-cache-batch-grid", lambda d: (lambda: ca.PagedKVCache(1, 70000, 1, 64, 4, 4, np.float16), []),
+        ValueError, r"PagedKVCache\(\): max_batch = 70000 is more than a launch's grid dimension holds \(65535\)")
+
     # layer ops
     add("rmsnorm-eps-neg", lambda d: (lambda: ca.rmsnorm(d.x, d.w, -1.0), [d.x]),
         ValueError, r"rmsnorm\(\): eps must be finite and >= 0")
@@ -356,6 +464,15 @@ def _device_cases():
                                            [d.logits]),
         ValueError, r"sample\(\): out overlaps logits in memory")
     return cases
+
+
+def _ints_hold(d, cache, attr):
+    """``cache`` with its int32 ``attr`` (lengths or block_table) moved, values kept, to the head of
+    d.ints, a buffer the test owns, so that an output can overlap it; returns the cache."""
+    x = getattr(cache, attr)
+    d.ints[:x.size] = x.reshape(-1)
+    setattr(cache, attr, d.ints[:x.size].reshape(x.shape))
+    return cache
 
 
 DEVICE_CASES = _device_cases()

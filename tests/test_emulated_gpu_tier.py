@@ -10,9 +10,10 @@ CUPYATTN_FULL=1 (or run them with ``CUPYATTN_EMULATE=1 python -m pytest -m gpu``
 are skipped under the emulator. On a machine with a GPU the real GPU tier runs instead and these
 tests are skipped.
 
-The runs (tests/tiers.py: as sm_90, then chosen subsets as sm_75 and sm_100) start in the
-background as soon as the session's tests are collected; each test here waits for its run and
-fails with the run's tail unless it passed. Run alone, a test starts its run itself.
+The runs (tests/tiers.py's emulated_runs(): as sm_90, then chosen subsets as sm_75, sm_80 and
+sm_100) start in the background as soon as the session's tests are collected; each case here
+waits for its run and fails with the run's tail unless it passed. Run alone, a case starts its
+run itself.
 """
 import shutil
 import subprocess
@@ -44,21 +45,12 @@ def _check(label: str) -> None:
 
 
 @needs_emulator
-@pytest.mark.emulated_run("sm_90")
-def test_gpu_tier_passes_on_the_cpu_emulator():
-    _check("sm_90")
-
-
-@needs_emulator
-@pytest.mark.emulated_run("sm_75")
-def test_default_paths_pass_on_an_emulated_sm75():
-    _check("sm_75")
-
-
-@needs_emulator
-@pytest.mark.emulated_run("sm_100")
-def test_family_tiles_pass_on_an_emulated_sm100():
-    _check("sm_100")
+@pytest.mark.parametrize("label", [pytest.param(r.label, marks=pytest.mark.emulated_run(r.label))
+                                   for r in tiers.emulated_runs()])
+def test_gpu_tests_pass_on_the_cpu_emulator(label):
+    """One case per run of tiers.emulated_runs() (the whole `gpu` tier as sm_90, the chosen
+    subsets as other families): a run added there is checked here."""
+    _check(label)
 
 
 def test_progress_counts_only_progress_rows():

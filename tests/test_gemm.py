@@ -521,7 +521,8 @@ def test_wgmma_batched_broadcast_persistent(layout, dtype, monkeypatch):
 @pytest.mark.parametrize("layout", ["nt", "nn"])
 def test_wgmma_refuses_what_tma_cannot_read(layout, monkeypatch):
     """Clear errors before anything is launched or written: float32, an odd row stride, a
-    misaligned base, a reversed view; a non-Hopper device names its arch."""
+    misaligned base, a reversed view, broadcast rows (naming the operand and the stride); a
+    non-Hopper device names its arch."""
     import cupy
 
     fn, _ = FNS[layout]
@@ -545,7 +546,13 @@ def test_wgmma_refuses_what_tma_cannot_read(layout, monkeypatch):
     shifted = flat[1:].reshape(20, 24)                                              # 2 bytes past 16
     for x, y, why in [(odd, odd_b, r"TMA cannot read a: its stride of 42 bytes"),
                       (shifted, b, r"TMA cannot read a: its base address is 2 bytes past"),
-                      (a[::-1], b, r"TMA cannot read a: it has a negative stride")]:
+                      (a[::-1], b, r"TMA cannot read a: its stride of -48 bytes along M \(a's rows\) "
+                                   r"\(a reversed view\)"),
+                      # broadcast rows (stride 0, issue 42): never rewritten to a packed stride
+                      (cupy.broadcast_to(a[:1], a.shape), b, r"TMA cannot read a: its stride of 0 bytes along "
+                                                               r"M \(a's rows\) \(a broadcast view: 20 entries"),
+                      (a, cupy.broadcast_to(b[:1], b.shape), r"TMA cannot read b: its stride of 0 bytes along "
+                                                               + ("N" if layout == "nt" else "K") + r" \(b's rows\)")]:
         with pytest.raises(ValueError, match=rf"{name}\(\): impl='wgmma' needs operands TMA can read: {why}"):
             fn(x, y, out=out, impl="wgmma")
         assert bool(cupy.isnan(out.astype(cupy.float32)).all())  # untouched
@@ -555,6 +562,8 @@ def test_wgmma_refuses_what_tma_cannot_read(layout, monkeypatch):
 def test_auto_takes_wgmma_only_when_enabled_and_tma_can_read(monkeypatch):
     """impl="auto" keeps mma below config.GEMM_AUTO_WGMMA's sizes (what a GPU run measured faster);
     within them it takes wgmma on sm_90 for TMA-readable operands and mma for others."""
+    import cupy
+
     _hopper()
     rng = np.random.default_rng(6)
     log = _LaunchLog(monkeypatch)
@@ -572,6 +581,14 @@ def test_auto_takes_wgmma_only_when_enabled_and_tma_can_read(monkeypatch):
     G.gemm_nt(odd, odd_w, out=out)  # 126-byte rows: TMA cannot read them
     assert log.launches[-1][0].startswith("gemm_mma_kernel")
     assert_close(out, ref.gemm_nt(odd64, odd_w64), "float16")
+    # broadcast rows (stride 0 over 40 rows, issue 42): mma reads them right, wgmma never sees them
+    G.gemm_nt(cupy.broadcast_to(a[:1], a.shape), w, out=out)
+    assert log.launches[-1][0].startswith("gemm_mma_kernel")
+    assert_close(out, ref.gemm_nt(np.broadcast_to(a64[:1], a64.shape), w64), "float16")
+    out_nn = nan_like((40, 64), "float16")
+    G.gemm_nn(a[:, :40], cupy.broadcast_to(w[:1], (40, 64)), out=out_nn)
+    assert log.launches[-1][0].startswith("gemm_mma_kernel")
+    assert_close(out_nn, ref.gemm_nn(a64[:, :40], np.broadcast_to(w64[:1], (40, 64))), "float16")
 
 
 def test_wgmma_tile_rule():

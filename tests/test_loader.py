@@ -286,12 +286,15 @@ def test_python_m_cupyattn_follows_argparse_conventions():
                               timeout=120, cwd=KERNELS_DIR.parent)
 
     r = run()
-    assert r.returncode == 2 and r.stdout == "" and r.stderr.startswith("usage: python -m cupyattn check"), r
+    assert r.returncode == 2 and r.stdout == "" and r.stderr.startswith("usage: python -m cupyattn {check,options}"), r
     assert "error: a command is required" in r.stderr
     r = run("--help")
-    assert r.returncode == 0 and r.stderr == "" and r.stdout.startswith("usage: python -m cupyattn check"), r
+    assert r.returncode == 0 and r.stderr == "" and r.stdout.startswith("usage: python -m cupyattn {check,options}"), r
+    assert "  options " in r.stdout
     r = run("nosuch")
     assert r.returncode == 2 and "unknown command 'nosuch'" in r.stderr and r.stdout == ""
+    r = run("options", "--json")
+    assert r.returncode == 2 and "takes no arguments" in r.stderr and r.stdout == ""
 
 
 # --- CPU tier: the shared-memory opt-in, with ptxas' static sizes ----------------------------

@@ -124,6 +124,31 @@ def test_window_folding_and_decode_split_rule_input():
     assert live == 70 and sv.softcap == 30.0 and plan.expr.startswith("decode_kernel<float, 64")
 
 
+def test_softcap_range_is_what_the_kernels_compute():
+    """softcap (issue 42): the kernels cap with C = softcap * log2(e) in float32 (C tanh(s / C),
+    -ftz): accepted values give a normal, finite C, and at the largest one only scores below
+    2^-25 can flush to 0 in s / C; None and 0 mean off; 1e39 (C = inf: NaN everywhere), 1e-50
+    (C subnormal: flushed to 0, the cap silently off) and the rest are refused naming the range."""
+    from cupyattn import config
+    from cupyattn._checks import check_softcap
+
+    tiny, log2e = np.finfo(np.float32).tiny, math.log2(math.e)
+    for v in (config.SOFTCAP_MIN, 1e-30, 0.5, 30, 50.0, np.float32(1e20), config.SOFTCAP_MAX):
+        assert check_softcap("f", v) == float(v)
+        c = np.float32(float(v) * log2e)
+        assert np.isfinite(c) and c >= tiny, v  # a normal float32
+    assert float(np.float32(config.SOFTCAP_MAX * log2e)) * float(tiny) < 2.0 ** -25
+    assert check_softcap("f", None) == check_softcap("f", 0) == check_softcap("f", 0.0) == 0.0
+    for v in (1e39, 1e-50, -1.0, -30, float("nan"), float("inf"), -float("inf"),
+              math.nextafter(config.SOFTCAP_MIN, 0), math.nextafter(config.SOFTCAP_MAX, math.inf)):
+        with pytest.raises(ValueError, match=r"f\(\): softcap must be finite and in \[2.35e-38, 1.27e\+30\] "
+                                             r"\(0 or None: off\), got .*softcap \* log2\(e\) as a normal float32"):
+            check_softcap("f", v)
+    for v in ("30", True, [30.0]):
+        with pytest.raises(TypeError, match=r"f\(\): softcap must be a real number"):
+            check_softcap("f", v)
+
+
 # --- GPU tier: attention(window=, softcap=) and attention_varlen ------------------------------
 def _impls(dtype):
     """The fused attention impls to compare: flash, and flash_mma for 16-bit inputs where the device
@@ -243,7 +268,7 @@ def test_attention_varlen_bad_inputs_raise_before_writing(rng):
         with pytest.raises(exc, match=msg):
             call()
     assert bool(cupy.isnan(out).all())  # nothing was written
-    with pytest.raises(ValueError, match="attention\\(\\): window and softcap need a fused impl"):
+    with pytest.raises(ValueError, match="attention\\(\\): impl='naive' does not implement softcap= "):
         cupyattn.attention(q[None], k[None], v[None], impl="naive", softcap=1.0)
 
 
@@ -434,6 +459,84 @@ def test_paged_cache_out_of_pages_writes_nothing(rng):
     assert (cache.host_table == before[2]).all() and cache.free_pages == 1
     with pytest.raises(ValueError, match="cache is full"):
         cupyattn.PagedKVCache(1, 1, 1, HEAD_DIM, 4, 4, np.float16, max_pages_per_seq=1).check_room(5)
+
+
+def _cache_state(cache):
+    """Everything a refused append must leave byte for byte as it was: the lengths (host and
+    device) and, for a PagedKVCache, the allocator (free list, pages per slot) and both tables."""
+    state = [cache.host_lengths.tobytes(), to_host(cache.lengths).tobytes()]
+    if hasattr(cache, "block_table"):
+        state += [list(cache._free), [list(p) for p in cache._pages], cache.host_table.tobytes(),
+                  to_host(cache.block_table).tobytes()]
+    return state
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("method", ["append", "append_qkv"])
+def test_refusal_at_every_stage_takes_nothing(rng, monkeypatch, paged, method):
+    """Allocation after validation (issue 42, item 5): a refusal injected at each stage of an
+    append (arguments, capacity, free pages, launch limits, kernel build, the launch, the length
+    advance's launch) leaves the lengths, the page allocator and the block tables byte for byte
+    as they were; the same call then succeeds and takes exactly the pages it needs."""
+    import cupy
+
+    import cupyattn
+    from cupyattn import _checks, kvcache
+
+    b, hq, hkv, d, ps = 2, 4, 2, HEAD_DIM, 4
+    if paged:  # 5 pages of 4 tokens, at most 4 per slot; slot 0 holds 5 tokens (2 pages): 3 free
+        cache = cupyattn.PagedKVCache(1, b, hkv, d, num_pages=5, page_size=ps, dtype=np.float16, max_pages_per_seq=4)
+    else:
+        cache = cupyattn.KVCache(1, b, hkv, 16, d, np.float16)
+    first, _ = to_device(rng.standard_normal((b, hkv, 5, d)), "float16")
+    cache.append(0, first, first, num_new=[5, 0])
+    t, counts = 12, [4, 5]  # the call under test: slot 0 -> 9 tokens (+1 page), slot 1 -> 5 (+2 pages)
+    kv, _ = to_device(rng.standard_normal((b, hkv, t, d)), "float16")
+    qkv, _ = to_device(rng.standard_normal((b, t, (hq + 2 * hkv) * d)), "float16")
+
+    def call(num_new=counts, dtype=None):
+        if method == "append":
+            x = kv if dtype is None else kv.astype(dtype)
+            return cache.append(0, x, kv, num_new=num_new)
+        x = qkv if dtype is None else qkv.astype(dtype)
+        return cache.append_qkv(0, x, hq, num_new=num_new)
+
+    def raising(what):
+        def f(*a, **k):
+            raise RuntimeError(f"injected {what}")
+        return f
+
+    real = kvcache.get_function
+    stages = [("arguments", TypeError, "has dtype float32", {"dtype": np.float32}, None),
+              ("capacity", ValueError, "cache is full", {"num_new": [12, 0]}, None)]
+    if paged:
+        stages.append(("pages", ValueError, "out of pages: slot 0 needs 2 more", {"num_new": [11, 12]}, None))
+    stages += [("launch limits", ValueError, "would need a grid y of 2 blocks, outside \\[1, 1\\]", {},
+                lambda m: m.setattr(_checks, "MAX_GRID_YZ", 1)),
+               ("kernel build", RuntimeError, "injected build", {},
+                lambda m: m.setattr(kvcache, "get_function", raising("build"))),
+               ("launch", RuntimeError, "injected launch", {},
+                lambda m: m.setattr(kvcache, "get_function", lambda *a, **k: raising("launch")))]
+    if method == "append":  # the append kernel ran, its length advance's launch fails
+        stages.append(("advance launch", RuntimeError, "injected advance", {}, lambda m: m.setattr(
+            kvcache, "get_function",
+            lambda spec, expr, **k: raising("advance") if expr == "kv_advance_lengths_kernel" else real(spec, expr, **k))))
+    before = _cache_state(cache)
+    for stage, exc, msg, kw, inject in stages:
+        with monkeypatch.context() as m:
+            if inject:
+                inject(m)
+            with pytest.raises(exc, match=msg):
+                call(**kw)
+        assert _cache_state(cache) == before, f"a refusal at the {stage} stage changed the cache"
+    call()
+    assert cache.seq_lengths(0).tolist() == [9, 5] and to_host(cache.lengths).tolist() == [[9, 5]]
+    if paged:
+        pages = [cache.pages_of(0), cache.pages_of(1)]
+        assert [len(p) for p in pages] == [3, 2] and cache.free_pages == 0
+        assert sorted(pages[0] + pages[1]) == list(range(5))
+        assert to_host(cache.block_table)[:, :3].tolist() == cache.host_table[:, :3].tolist()
 
 
 @pytest.mark.gpu

@@ -10,7 +10,8 @@ stays busy:
   tests are collected; the ``compile_report`` fixture hands each test its spec's reports;
 - the `gpu`-marked tests on the CPU emulator (tests/emu), in child pytest processes on every
   core (pytest-xdist): as an sm_90 device (an all-pairs subset of each parameter grid,
-  :func:`pairwise_subset`), then chosen subsets as sm_75 and sm_100 (:func:`emulated_runs`).
+  :func:`pairwise_subset`), and beside it chosen subsets as sm_75, sm_80 and sm_100
+  (:func:`emulated_runs`).
   The `gpu` tests are then taken out of this process's run (they run there, not here), and
   tests/test_emulated_gpu_tier.py checks each child's result.
 
@@ -60,9 +61,11 @@ def _fmt_s(s: float) -> str:
 # impls the device cannot run skip there (conftest.skip_unless_device_runs) and are covered by
 # test_gpu_families.py's error tests.
 SM75_FILES = ("test_ptx.py", "test_gpu_families.py", "test_attention.py", "test_decode.py", "test_gemm.py",
-              "test_softmax.py", "test_layers.py", "test_tinylm_gpu.py")
+              "test_softmax.py", "test_layers.py", "test_tinylm_gpu.py", "test_options_matrix.py")
 SM75_SELECT = " or ".join((
     "test_ldmatrix", "test_mma_m16n8k16", "test_cp_async", "test_gpu_families",
+    # every path x option (issue 42): what the dispatch and an explicit impl= run on Turing
+    "test_every_option_on_every_path",
     # fp16 flash_mma on two m16n8k8 per k-step, every tile sm_75 takes (config: the 32-key tiles at
     # D = 96, 128; D = 256 skips, naming its minimum); the SIMT kernel
     "(test_gpu_flash_mma_every_tile_entry and float16 and not bfloat16)",
@@ -84,6 +87,11 @@ SM75_SELECT = " or ".join((
 # (issue 24) An emulated B200 (compute capability 10.0, kernels built with __CUDA_ARCH__ 1000): the
 # flash_mma tile its family runs in place of the main one (config.FLASH_MMA_FAMILY_TILES, D = 64),
 # plain, causal and serving, and the attention default there.
+# (issue 42) An emulated A100 (compute capability 8.0, 163 KB per block): the paths x options matrix
+# only (every other sm_80 path is sm_90's minus wgmma, which the sm_90 run covers), so the family
+# between Turing's fallbacks and Hopper's wgmma dispatch meets every option too.
+SM80_FILES, SM80_SELECT = ("test_options_matrix.py",), "test_every_option_on_every_path"
+SM100_FILES = ("test_gpu_families.py", "test_attention.py")
 SM100_SELECT = ("test_flash_mma_launches_the_family_tile or (test_gpu_flash_mma_every_tile_entry and 64)"
                 " or test_default_attention_is_what_the_table_says")
 GPU_MARK = "gpu" if FULL else "gpu and not emu_slow"
@@ -160,21 +168,25 @@ class EmulatedRun:
 
 
 def emulated_runs() -> list:
+    """The emulated runs of a session without a GPU, in the order they start. The sm_90 run takes
+    every `gpu` test in tests/ (a new test file is in it by its marker alone); each other family
+    runs a chosen subset, once, in one process beside the sm_90 run: no schedule reruns
+    (CUPYATTN_EMU_RERUN_BUDGET_S, tests/conftest.py) and no xdist start-up for a few dozen tests.
+    tests/test_emulated_gpu_tier.py checks every run listed here."""
     tests = str(ROOT / "tests")
-    # the chosen subsets run once, in one process each, beside the sm_90 run: no schedule reruns
-    # (CUPYATTN_EMU_RERUN_BUDGET_S, tests/conftest.py) and no xdist start-up there
-    subset = {"CUPYATTN_EMU_RERUN_BUDGET_S": "0"}
+
+    def subset(arch: str, files, select: str, what: str) -> EmulatedRun:
+        return EmulatedRun(f"sm_{arch}", ["-m", GPU_MARK, "-k", select, *(f"{tests}/{f}" for f in files)],
+                           {"CUPYATTN_EMU_ARCH": arch, "CUPYATTN_EMU_RERUN_BUDGET_S": "0"},
+                           what + ", a chosen subset", parallel=False)
+
     return [
         EmulatedRun("sm_90", ["-m", GPU_MARK, tests], {} if FULL else {PAIRWISE_ENV: "1"},
                     "every `gpu` test, as an H100 (sm_90)" + ("" if FULL else "; of a test's parameter grid, "
                                                                "every value and every pair of values")),
-        EmulatedRun("sm_75", ["-m", GPU_MARK, "-k", SM75_SELECT, *(f"{tests}/{f}" for f in SM75_FILES)],
-                    {"CUPYATTN_EMU_ARCH": "75", **subset},
-                    "the default paths as a T4 (sm_75, 64 KB per block), a chosen subset", parallel=False),
-        EmulatedRun("sm_100", ["-m", GPU_MARK, "-k", SM100_SELECT,
-                               f"{tests}/test_gpu_families.py", f"{tests}/test_attention.py"],
-                    {"CUPYATTN_EMU_ARCH": "100", **subset},
-                    "the B200's own D = 64 attention tile (sm_100), a chosen subset", parallel=False),
+        subset("75", SM75_FILES, SM75_SELECT, "the default paths as a T4 (sm_75, 64 KB per block)"),
+        subset("80", SM80_FILES, SM80_SELECT, "every path x option as an A100 (sm_80)"),
+        subset("100", SM100_FILES, SM100_SELECT, "the B200's own D = 64 attention tile (sm_100)"),
     ]
 
 

@@ -1,0 +1,155 @@
+"""Which options each attention and decode path implements: one table, read by three parties.
+
+- The dispatch: ``impl=None`` (attention) never picks a path that lacks an option the call uses
+  (:func:`supports`), and an explicit ``impl=`` that lacks it raises a ValueError naming the
+  option before anything is allocated or launched (:func:`check`).
+- The documentation: ``docs/options.md`` is :func:`markdown`'s output (``python -m cupyattn
+  options > docs/options.md``; tests/test_options_matrix.py fails when it is stale).
+- The tests: tests/test_options_matrix.py runs every entry point x impl x option (alone and in
+  pairs) on the emulated families and either compares with the float64 reference or expects the
+  refusal this table states, so a path that silently ignores an option fails there.
+
+Options are of two kinds: call arguments (``causal``, ``window``, ...; the dispatch sees them)
+and input layouts (``gqa``, ``broadcast``, ``strided``, ``negative_stride``; the paths' own
+checks see them, e.g. TMA's rules for ``wgmma``). An option an entry point does not take at all
+is absent from its ``ENTRY_OPTIONS`` row. Turning a refusal into support is deleting its line
+in ``REFUSED`` once the kernel implements it: the matrix test then compares instead of expecting
+the refusal.
+"""
+from __future__ import annotations
+
+# option -> what it means (the docs' legend)
+OPTIONS = {
+    "causal": "`causal=True` (bottom-right aligned when Sq != Sk)",
+    "window": "`window=(left, right)`, a sliding window",
+    "softcap": "`softcap=c`: scores `c * tanh(s / c)` (Gemma 2)",
+    "mask": "`mask=`, an additive float mask broadcast to [B, Hq, Sq, Sk]",
+    "key_lengths": "`key_lengths=`, keys per batch entry",
+    "scale": "`scale=` other than 1/sqrt(D)",
+    "gqa": "GQA / MQA: fewer K/V heads than query heads",
+    "broadcast": "broadcast views: a stride of 0 on a dimension of more than one entry",
+    "strided": "strided views: any strides but a contiguous last dimension",
+    "negative_stride": "reversed views: a negative stride",
+    "return_lse": "`return_lse=True`: the row log-sum-exp too",
+    "out": "`out=`: the caller's output buffer",
+    "packed_q": "`cu_seqlens_q=`: packed queries of different lengths",
+    "device_lengths": "offsets / lengths as CuPy arrays (used unchecked, graph-safe)",
+    "num_splits": "`num_splits=`: split-KV",
+    "workspace": "`workspace=`: the caller's split-KV partials",
+    "fused_combine": "`fused_combine=True`: the splits merged inside the decode kernel",
+}
+
+# entry point -> (the impls an explicit impl= names, the options it takes)
+_ATTN = ("causal", "window", "softcap", "scale", "gqa", "broadcast", "strided", "negative_stride")
+_DECODE = ("window", "softcap", "scale", "gqa", "broadcast", "strided", "negative_stride", "out", "num_splits",
+           "workspace")
+ENTRY_IMPLS = {
+    "attention": ("flash", "flash_mma", "naive", "wgmma"),
+    "attention_varlen": ("flash", "flash_mma"),
+    "attention_paged": ("flash", "flash_mma"),
+    "decode_attention": ("simt", "mma"),
+    "decode_attention_paged": ("simt", "mma"),
+}
+ENTRY_OPTIONS = {
+    "attention": _ATTN + ("mask", "key_lengths", "return_lse", "out"),
+    "attention_varlen": _ATTN + ("return_lse", "out", "device_lengths"),
+    "attention_paged": _ATTN + ("packed_q", "return_lse", "out", "device_lengths"),
+    "decode_attention": _DECODE + ("fused_combine",),
+    "decode_attention_paged": _DECODE + ("device_lengths",),
+}
+# How impl=None / "auto" chooses, per entry point (the docs' note; the code is each module's).
+DEFAULTS = {
+    "attention": "impl=None: `wgmma` on sm_90 for config.ATTN_AUTO_WGMMA's (dtype, D) pairs when it "
+                 "implements every option of the call and TMA can read q, k, v; else `flash_mma` "
+                 "(fp16/bf16 where the device has it), else `flash`",
+    "attention_varlen": "impl=None: `flash_mma` for fp16/bf16 where the device has it, else `flash`",
+    "attention_paged": "impl=None: as attention_varlen",
+    "decode_attention": "impl='auto': `mma` for fp16/bf16 with a GQA group of 4 or more where the device "
+                        "has it, else `simt`",
+    "decode_attention_paged": "impl='auto': as decode_attention; PagedKVCache.decode(q, layer, **kw) "
+                              "forwards to it",
+}
+
+# (entry point, impl) -> {option: why it is refused}. Every other option of ENTRY_OPTIONS[entry]
+# is implemented by that impl. Call options here raise ValueError from :func:`check`; layouts
+# are refused by the path's own checks (their messages name the operand and the stride).
+WGMMA_SOON = "not in kernels_cu/flash_attn_sm90.cu yet"
+REFUSED = {
+    ("attention", "naive"): {
+        "window": "the split pipeline (gemm_nt, softmax, gemm_nn) has no window",
+        "softcap": "the split pipeline (gemm_nt, softmax, gemm_nn) has no softcap",
+    },
+    ("attention", "wgmma"): {
+        "window": WGMMA_SOON,
+        "softcap": WGMMA_SOON,
+        "broadcast": "TMA cannot describe a stride of 0 (a ValueError names the operand and the stride)",
+        "negative_stride": "TMA cannot describe a negative stride (a ValueError names the operand and the stride)",
+    },
+}
+# (entry point, impl, option) -> a condition on an implemented option (the docs' footnotes)
+CONDITIONS = {
+    ("attention", "wgmma", "strided"): "strides and base 16-byte multiples (TMA), else a ValueError naming "
+                                       "the operand; impl=None then takes flash_mma",
+    ("attention", "flash_mma", "strided"): "views not 16-byte aligned take a slower element-wise staging path",
+    ("attention", "naive", "strided"): "non-contiguous k, v are copied first",
+}
+# entry point -> which inputs the layouts (broadcast, strided, negative_stride) apply to, where not all
+LAYOUT_INPUTS = {
+    "attention_paged": "q only: k_pages and v_pages must be C-contiguous",
+    "decode_attention": "q only: the cache's arrays are its own",
+    "decode_attention_paged": "q only: k_pages and v_pages must be C-contiguous",
+}
+LAYOUTS = ("gqa", "broadcast", "strided", "negative_stride")
+
+
+def refused(entry: str, impl: str, option: str) -> str | None:
+    """Why ``impl`` of ``entry`` refuses ``option``, or None when it implements it."""
+    return REFUSED.get((entry, impl), {}).get(option)
+
+
+def supports(entry: str, impl: str, used) -> bool:
+    """Whether ``impl`` of ``entry`` implements every option in ``used``."""
+    return not any(refused(entry, impl, o) for o in used)
+
+
+def check(fn: str, entry: str, impl: str, used, alternative: str | None = None) -> None:
+    """ValueError naming ``fn``, ``impl`` and the first option of ``used`` it does not implement
+    (before anything is allocated or launched); ``alternative``: what to call instead."""
+    for option in used:
+        why = refused(entry, impl, option)
+        if why:
+            alt = f"; {alternative}" if alternative else ""
+            raise ValueError(f"{fn}(): impl={impl!r} does not implement {option}= ({why}){alt}")
+
+
+def cell(entry: str, impl: str, option: str) -> str:
+    """The docs' cell: 'yes', 'yes*' (a condition, in the footnotes), 'no' or '' (not taken)."""
+    if option not in ENTRY_OPTIONS[entry]:
+        return ""
+    if refused(entry, impl, option):
+        return "no"
+    return "yes*" if (entry, impl, option) in CONDITIONS else "yes"
+
+
+def markdown() -> str:
+    """docs/options.md: one table per entry point (impls x options), the refusals and conditions
+    with their reasons, and how impl=None / "auto" chooses."""
+    lines = ["# Options by kernel path", "",
+             "Generated by `python -m cupyattn options` from `cupyattn/options.py`, the table the dispatch",
+             "reads (do not edit by hand; tests/test_options_matrix.py checks it is current and runs",
+             "every cell on the emulated GPU families). `yes`: implemented and tested against the float64",
+             "reference; `no`: refused with a ValueError naming the option (impl=None never picks such a",
+             "path); `yes*`: implemented with a condition (below); empty: the entry point has no such",
+             "option.", ""]
+    for entry, impls in ENTRY_IMPLS.items():
+        opts = ENTRY_OPTIONS[entry]
+        lines += [f"## `{entry}`", "", "| impl | " + " | ".join(opts) + " |",
+                  "|---|" + "---|" * len(opts)]
+        lines += [f"| `{impl}` | " + " | ".join(cell(entry, impl, o) for o in opts) + " |" for impl in impls]
+        notes = [f"- `{impl}`, {o}: no: {why}" for impl in impls for o, why in REFUSED.get((entry, impl), {}).items()]
+        notes += [f"- `{impl}`, {o}: {why}" for (e, impl, o), why in CONDITIONS.items() if e == entry]
+        notes += [f"- broadcast, strided, negative_stride: {LAYOUT_INPUTS[entry]}"] if entry in LAYOUT_INPUTS else []
+        lines += [""] + notes + ([""] if notes else []) + [DEFAULTS[entry] + ".", ""]
+    lines += ["## Options", ""] + [f"- **{o}**: {what}" for o, what in OPTIONS.items()] + [""]
+    return "\n".join(lines)
+
