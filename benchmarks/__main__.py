@@ -17,6 +17,9 @@ from pathlib import Path
 from . import specs
 from .report import RESULTS_DIR
 
+SERVE_SLOTS = (8, 32, 64)  # model --serve: the slot counts of issue 39
+
+
 def _prog() -> str:
     """The command the user typed: the console script, or ``python -m benchmarks`` (checkout) /
     ``python -m cupyattn_benchmarks`` (installed)."""
@@ -54,7 +57,11 @@ def _parser() -> argparse.ArgumentParser:
     mg.add_argument("--prompt-len", type=int, default=128)
     mg.add_argument("--new-tokens", type=int, default=128)
     mg.add_argument("--batch", default=None, metavar="B[,B...]",
-                    help="model batch sizes, comma-separated (default: 1 and 8 for smollm2, 1 otherwise)")
+                    help="model batch sizes, comma-separated (default: 1 and 8 for smollm2, 1 otherwise); "
+                    "with --serve the slot counts (default 8,32,64)")
+    mg.add_argument("--serve", action="store_true",
+                    help="tinylm continuous batching (tinylm-serve: 2 x slots prompts over the slots, "
+                    "paged cache) beside HF's batched generate (batches of slots): tokens/s and ms per step")
     # For the CPU tests of this CLI only: tinylm backend and HF device of the model cases.
     mg.add_argument("--model-backend", default="cupy", help=argparse.SUPPRESS)
     mg.add_argument("--hf-device", default="cuda", help=argparse.SUPPRESS)
@@ -62,7 +69,7 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=_prog(), description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="sweeps: " + ", ".join(specs.SWEEPS))
-    sub = ap.add_subparsers(dest="op", required=True, metavar="{gemm,softmax,attention,decode,model,all}")
+    sub = ap.add_subparsers(dest="op", required=True, metavar="{gemm,softmax,attention,decode,varlen,paged,model,all}")
 
     def add(name, help_, parents=(common,)):
         return sub.add_parser(name, help=help_, parents=list(parents), description=help_)
@@ -80,14 +87,31 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cols", type=int)
     sweep_arg(p, "softmax")
     for name, help_ in (("attention", "attention [B,H,S,D] (flash, naive) vs naive CuPy and torch SDPA"),
-                        ("decode", "one-token decode over a KV cache (split-KV, unsplit, naive, paged with 16 / 1 / 256-token pages)")):
+                        ("decode", "one-token decode over a KV cache (split-KV, unsplit, naive, paged with 16 / 1 / 256-token "
+                                   "pages; the opt-in split rule, staged page ids and HND pages)")):
         p = add(name, help_)
         for k in ("B", "H", "Hkv", "Sq", "Sk", "D"):
             p.add_argument(f"--{k}", type=int, help="cached length" if (name, k) == ("decode", "Sk") else None)
+        if name == "decode":
+            p.add_argument("--ragged", type=int, metavar="SEED",
+                           help="cached lengths 128 .. Sk per sequence, drawn from SEED (a continuous-batching step)")
         p.add_argument("--causal", action="store_true",
                        help="causal mask, bottom-right aligned" if name == "attention"
                        else "ignored: a decode query sees its whole cache")
         sweep_arg(p, name)
+    p = add("varlen", "ragged packed batches: attention_varlen vs the dense kernel and torch SDPA on the padded batch")
+    for k in ("B", "H", "Hkv", "D"):
+        p.add_argument(f"--{k}", type=int)
+    p.add_argument("--lo", type=int, help="shortest sequence (lengths uniform in [lo, hi])")
+    p.add_argument("--hi", type=int, help="longest sequence")
+    p.add_argument("--seed-lens", type=int, dest="seed_lens", help="seed of the lengths (NumPy default_rng)")
+    p.add_argument("--causal", action="store_true", help="causal mask per sequence")
+    p = add("paged", "chunked prefill over a paged KV cache vs the same keys contiguous and torch SDPA")
+    for k in ("B", "H", "Hkv", "Sq", "Sk", "D"):
+        p.add_argument(f"--{k}", type=int, help="cached keys per sequence, the Sq new ones last" if k == "Sk" else None)
+    p.add_argument("--page", type=int, help="tokens per page (a power of two)")
+    p.add_argument("--causal", action="store_true", help="causal mask, bottom-right aligned")
+    sweep_arg(p, "paged")
     mg.add_argument("--model", help="comma-separated: 'smollm2', a tinylm preset or a GGUF file's path "
                     "(default: both smollm2 and --preset)")
     p = add("model", "tinylm end to end (TTFT, decode tok/s) vs HF transformers", (common, m))
@@ -105,18 +129,21 @@ def plan(a) -> list:
             cases = list(dict.fromkeys(specs.make_case(op, a.dtype, **c.p) for c in cases))
         if op == "model":
             pairs = [(c.p["model"], c.p["batch"]) for c in cases]
+            serve = bool(getattr(a, "serve", False))
             if a.model:
                 pairs = [(m, b) for m in a.model.split(",") for b in batches or [1]]
-            if batches:
+            if serve:  # continuous batching at 8, 32 and 64 slots unless --batch says
+                pairs = [(m, b) for m in dict.fromkeys(m for m, _ in pairs) for b in batches or SERVE_SLOTS]
+            elif batches:
                 pairs = list(dict.fromkeys((m, b) for m, _ in pairs for b in batches))
-            cases = [specs.model_case(m, a.prompt_len, a.new_tokens, b) for m, b in pairs]
+            cases = [specs.model_case(m, a.prompt_len, a.new_tokens, b, serve) for m, b in pairs]
         return cases
 
     batches = _batches(getattr(a, "batch", None))
 
     if a.op == "all":
         out = []
-        for op in ("gemm", "softmax", "attention", "decode"):
+        for op in ("gemm", "softmax", "attention", "decode", "varlen", "paged"):
             out += defaults(op)
         if a.with_sweeps:
             for name in specs.SWEEPS:
@@ -126,7 +153,7 @@ def plan(a) -> list:
         return out
     if a.op == "model":
         return defaults("model")
-    if a.sweep:
+    if getattr(a, "sweep", None):
         return specs.sweep_cases(a.sweep, a.dtype or "float16")
     one = specs.cli_case(a.op, a)
     return [one] if one is not None else defaults(a.op)
@@ -146,11 +173,13 @@ def _batches(text) -> list[int]:
 
 
 def select_impls(op: str, impl_arg: str | None, skip) -> list[str]:
-    """Requested impls of ``op`` (all by default), with missing peers skipped by ``skip``."""
+    """Requested impls of ``op`` (by default all but the opt-in ones, cases.OPT_IN), with missing
+    peers skipped by ``skip``."""
     from . import cases, peers
 
     known = cases.impl_names(op)
-    names = list(known) if not impl_arg else [s.strip() for s in impl_arg.split(",") if s.strip()]
+    default = [n for n in known if n not in cases.OPT_IN.get(op, ())]
+    names = default if not impl_arg else [s.strip() for s in impl_arg.split(",") if s.strip()]
     bad = [n for n in names if n not in known]
     if bad:
         raise ValueError(f"unknown impl {', '.join(bad)} for {op}; choose from {', '.join(known)}")
@@ -162,15 +191,24 @@ def impls_for_case(case, impls: list[str]) -> list[str]:
     """Drop impls that do not apply to a case: TF32 is a float32 mode; our tensor-core
     ("mma", "wgmma") variants take 16-bit inputs only; "skinny" is a gemm_nt kernel for small M;
     "cupy-naive" attention needs CuPy's batched matmul, which has no bfloat16 (CuPy 14.2 on the
-    H100: "TypeError: data type 'E' not understood")."""
+    H100: "TypeError: data type 'E' not understood"), and has no key-length mask (a ragged decode
+    case); a continuous-batching model case (serve) runs the tinylm-serve impls beside
+    hf-transformers only, the other model cases every impl but those."""
     from cupyattn.config import GEMM_SKINNY_MAX_M
 
     fp32 = case.dtype == "float32"
     skinny = case.op == "gemm" and case.p["layout"] == "nt" and case.p["M"] <= GEMM_SKINNY_MAX_M
     no_batched_bf16 = case.op in ("attention", "decode") and case.dtype == "bfloat16"
+    ragged = case.op == "decode" and bool(case.p.get("ragged"))
+    if case.op == "model":
+        from .serve_bench import SERVE_IMPLS
+
+        if case.p.get("serve"):
+            return [n for n in impls if n in SERVE_IMPLS + ("hf-transformers",)]
+        return [n for n in impls if n not in SERVE_IMPLS]
     return [n for n in impls if not ((n == "cublas-tf32" and not fp32) or ("mma" in n and fp32)
                                      or ("skinny" in n and not skinny)
-                                     or (n == "cupy-naive" and no_batched_bf16))]
+                                     or (n == "cupy-naive" and (no_batched_bf16 or ragged)))]
 
 
 def _outputs(a, argv, records, ceilings, meta, log) -> None:
@@ -220,7 +258,7 @@ def main(argv=None) -> int:
 def _run(a, argv, cases_) -> int:
     from tqdm import tqdm
 
-    from . import cases, model_bench, peers, report, timing
+    from . import cases, model_bench, peers, report, serve_bench, timing
 
     seen = set()
 
@@ -252,7 +290,9 @@ def _run(a, argv, cases_) -> int:
     for case in bar:
         bar.set_postfix_str(case.name[:48])
         names = impls_for_case(case, impls[case.op])
-        if case.op == "model":
+        if case.op == "model" and case.p.get("serve"):
+            recs = serve_bench.run_serve_case(case, names, a, ceilings, log)
+        elif case.op == "model":
             recs = model_bench.run_model_case(case, names, a, ceilings, log)
         else:
             recs = cases.run_case(case, names, a, ceilings, flusher, log)

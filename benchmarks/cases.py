@@ -13,14 +13,29 @@ import traceback
 
 import numpy as np
 
-from . import peers, timing
+from . import peers, serving_cases, timing
 from .arrays import np_dtype, rand, to_f64
 from .report import fill_timing, new_record
-from .specs import case_bytes, case_flops
+from .specs import case_bytes, case_flops, decode_lengths
 
-# decode "paged-N": decode_attention_paged over the same keys in shuffled pages of N tokens
-OURS = {"softmax": ("ours",), "decode": ("split-kv", "unsplit", "naive", "paged-16", "paged-1", "paged-256"),
-        "model": ("tinylm", "tinylm-fused", "tinylm-eager")}
+# decode "paged-N": decode_attention_paged over the same keys in shuffled pages of N tokens (NHD,
+# page ids read per row, the default split rule); the opt-in paths of issue 39 (not yet the
+# defaults, config.py): "-staged" with the page ids staged in shared memory, "-hnd" HND pages with
+# staged ids, "-waves" the "waves" split rule with its fused combine (a preallocated workspace);
+# "split-kv-waves" the contiguous cache under that rule
+PAGED_VARIANTS = {"paged": ("NHD", False, "cost"), "paged-staged": ("NHD", True, "cost"),
+                  "paged-hnd": ("HND", True, "cost"), "paged-hnd-waves": ("HND", True, "waves")}
+OURS = {"softmax": ("ours",),
+        "decode": ("split-kv", "unsplit", "naive", "split-kv-waves",
+                   "paged-16", "paged-1", "paged-256", "paged-staged-16", "paged-staged-1", "paged-staged-256",
+                   "paged-hnd-16", "paged-hnd-1", "paged-hnd-256", "paged-hnd-waves-16"),
+        "model": ("tinylm", "tinylm-fused", "tinylm-eager", "tinylm-mega", "tinylm-fused-pdl", "tinylm-serve",
+                  "tinylm-serve-opt-in")}
+# Impls of paths that are not yet the defaults (issue 39, config.py; none has run on a GPU): they
+# run when named with --impl (benchmarks/gpu_run.sh paged), and a run without --impl (`all`
+# included) leaves them out, so its length stays what it was.
+OPT_IN = {"decode": ("split-kv-waves", "paged-staged-16", "paged-staged-1", "paged-staged-256", "paged-hnd-16",
+                     "paged-hnd-1", "paged-hnd-256", "paged-hnd-waves-16")}
 
 
 def ours_names(op: str) -> tuple:
@@ -31,7 +46,9 @@ def ours_names(op: str) -> tuple:
     if op == "gemm":
         return ("ours",) + tuple(f"ours-{v}" for v in GEMM_IMPLS if v != "auto")
     if op == "attention":  # "varlen": attention_varlen over the same batch packed (equal lengths)
-        return ATTENTION_IMPLS + ("varlen",)
+        return ATTENTION_IMPLS + ("varlen", "varlen-wgmma")
+    if op in serving_cases.OURS:
+        return serving_cases.OURS[op]
     return OURS[op]
 
 
@@ -78,6 +95,8 @@ def ref_attention(q, k, v, causal, chunk_bytes=512 * 2**20):
 def build_inputs(case) -> dict:
     import cupy
 
+    if case.op in serving_cases.OURS:
+        return serving_cases.build_inputs(case)
     p, dt = case.p, case.dtype
     if case.op == "gemm":
         M, N, K = p["M"], p["N"], p["K"]
@@ -96,19 +115,22 @@ def build_inputs(case) -> dict:
         from cupyattn.kvcache import KVCache
 
         B, H, Hkv, L, D = (p[k] for k in ("B", "H", "Hkv", "L", "D"))
+        lens = decode_lengths(p)  # L each, or ragged
         cache = KVCache(1, B, Hkv, L, D, np_dtype(dt))
         kn, vn = rand((B, Hkv, L, D), dt), rand((B, Hkv, L, D), dt)
-        cache.append(0, kn, vn)
+        cache.append(0, kn, vn, num_new=None if p.get("ragged") is None else lens)
         del kn, vn
         q = rand((B, H, 1, D), dt)
         return {"q": q, "cache": cache, "k": cache.k[0][:, :, :L], "v": cache.v[0][:, :, :L],
-                "out": cupy.empty_like(q)}
+                "out": cupy.empty_like(q), "lens": lens if p.get("ragged") else None}
     raise ValueError(case.op)
 
 
 def reference(case, inp):
     import cupy
 
+    if case.op in serving_cases.OURS:
+        return serving_cases.reference(case, inp)
     if case.op == "gemm":
         b = to_f64(inp["b"])
         return cupy.matmul(to_f64(inp["a"]), b.T if case.p["layout"] == "nt" else b)
@@ -117,12 +139,19 @@ def reference(case, inp):
         e = cupy.exp(x - x.max(axis=-1, keepdims=True))
         return e / e.sum(axis=-1, keepdims=True)
     causal = case.op == "attention" and case.p["causal"]
+    if case.op == "decode" and inp["lens"] is not None:  # ragged: each sequence over its own keys
+        out = cupy.empty(inp["q"].shape, dtype=cupy.float64)
+        for b, n in enumerate(inp["lens"]):
+            out[b:b + 1] = ref_attention(inp["q"][b:b + 1], inp["k"][b:b + 1, :, :n], inp["v"][b:b + 1, :, :n], False)
+        return out
     return ref_attention(inp["q"], inp["k"], inp["v"], causal)
 
 
 def make_impl(case, name: str, inp):
     """Zero-arg callable running impl ``name`` on ``inp`` and returning its output."""
     p, op = case.p, case.op
+    if op in serving_cases.OURS:
+        return serving_cases.make_impl(case, name, inp)
     if op == "gemm":
         if name == "ours" or name.startswith("ours-"):
             from cupyattn import gemm
@@ -143,32 +172,60 @@ def make_impl(case, name: str, inp):
         return peers.torch_softmax(inp["x"])
     causal = op == "attention" and p["causal"]
     q, k, v, out = inp["q"], inp["k"], inp["v"], inp["out"]
-    if name.startswith("paged-"):
-        return _paged_decode(inp, int(name[6:]))
-    if name == "varlen":
-        return _varlen_attention(q, k, v, causal, out)
+    lens = inp.get("lens")  # a ragged decode case's lengths, else None
+    if name.startswith("paged"):
+        variant, size = name.rsplit("-", 1)
+        return _paged_decode(inp, int(size), *PAGED_VARIANTS[variant])
+    if name in ("varlen", "varlen-wgmma"):
+        return _varlen_attention(q, k, v, causal, out, "wgmma_persistent" if name == "varlen-wgmma" else None)
     if name == "naive" or (op == "attention" and name in ours_names(op)):
         from cupyattn import attention
 
-        return lambda: attention(q, k, v, causal=causal, impl=name, out=out)
+        kl = None if lens is None else cupy_lengths(lens)
+        return lambda: attention(q, k, v, causal=causal, impl=name, out=out, key_lengths=kl)
     if name in ("split-kv", "unsplit"):
         from cupyattn.decode import decode_attention
 
         ns = None if name == "split-kv" else 1
         return lambda: decode_attention(q, inp["cache"], 0, num_splits=ns, out=out)
+    if name == "split-kv-waves":
+        from cupyattn.decode import decode_attention
+
+        ws = _waves_workspace(q)
+        return lambda: decode_attention(q, inp["cache"], 0, out=out, workspace=ws, split_rule="waves")
     if name == "cupy-naive":
         return lambda: peers.cupy_naive_attention(q, k, v, causal)
     if name == "torch-sdpa":
-        return peers.torch_sdpa(q, k, v, causal)
+        return peers.torch_sdpa(q, k, v, causal, key_lengths=lens)
     raise ValueError(f"unknown impl {name!r} for {op}")
 
 
-def _paged_decode(inp, page_size):
-    """decode_attention_paged over the case's keys copied into pages of ``page_size`` tokens at
-    shuffled page ids (the copy is made here, outside the timed call)."""
+def cupy_lengths(lens):
     import cupy
 
-    from cupyattn import decode_attention_paged
+    return cupy.asarray(np.asarray(lens, dtype=np.int32))
+
+
+def _waves_workspace(q):
+    """Partials and zeroed counters for the "waves" rule (at most DECODE_WAVE_MAX_SPLITS splits),
+    allocated here, outside the timed calls: each call is then one launch."""
+    import cupy
+
+    from cupyattn.config import DECODE_WAVE_MAX_SPLITS
+
+    b, h, d = q.shape[0], q.shape[1], q.shape[-1]
+    return (cupy.empty((DECODE_WAVE_MAX_SPLITS, b, h, d), dtype=cupy.float32),
+            cupy.empty((DECODE_WAVE_MAX_SPLITS, b, h), dtype=cupy.float32), cupy.zeros((b, h), dtype=cupy.uint32))
+
+
+def _paged_decode(inp, page_size, layout="NHD", staged=False, rule="cost"):
+    """decode_attention_paged over the case's keys copied into ``layout`` pages of ``page_size``
+    tokens at shuffled page ids (the copy is made here, outside the timed call), with the page
+    ids staged or not (config.DECODE_PAGE_STAGING, set around each call) under split rule
+    ``rule``. seq_lens are host ints (the split rule sees each sequence's length)."""
+    import cupy
+
+    from cupyattn import config, decode_attention_paged
 
     q, k, v = inp["q"], inp["k"], inp["v"]  # [B, H, 1, D], [B, Hkv, L, D]
     B, Hkv, L, D = k.shape
@@ -177,20 +234,36 @@ def _paged_decode(inp, page_size):
     n = B * (L // page_size)
     perm = cupy.asarray(np.random.default_rng(0).permutation(n).astype(np.int32))
 
-    def pages(x):  # [B, Hkv, L, D] -> [n, page, Hkv, D] with sequence page i at perm[b * L/page + i]
+    def pages(x):  # [B, Hkv, L, D] -> [n, page, Hkv, D] (HND: [n, Hkv, page, D]), sequence page i at perm[b * L/page + i]
+        if layout == "HND":
+            p = cupy.empty((n, Hkv, page_size, D), dtype=x.dtype)
+            p[perm] = x.reshape(B, Hkv, L // page_size, page_size, D).transpose(0, 2, 1, 3, 4).reshape(
+                n, Hkv, page_size, D)
+            return p
         p = cupy.empty((n, page_size, Hkv, D), dtype=x.dtype)
         p[perm] = x.transpose(0, 2, 1, 3).reshape(n, page_size, Hkv, D)
         return p
 
     kp, vp = pages(k), pages(v)
-    table, lens = perm.reshape(B, L // page_size), cupy.full(B, L, dtype=cupy.int32)
+    table = perm.reshape(B, L // page_size)
+    host = inp["lens"] if inp.get("lens") is not None else [L] * B
+    lens = cupy_lengths(host)  # on the device (no copy per call); host bounds for the split rule
     q3, out3 = q[:, :, 0], inp["out"][:, :, 0]
-    return lambda: decode_attention_paged(q3, kp, vp, table, lens, out=out3, max_seq_len=L)
+    ws = _waves_workspace(q) if rule == "waves" else None
+
+    def call():
+        before, config.DECODE_PAGE_STAGING = config.DECODE_PAGE_STAGING, staged
+        try:
+            return decode_attention_paged(q3, kp, vp, table, lens, out=out3, layout=layout, split_rule=rule,
+                                          workspace=ws, max_seq_len=host)
+        finally:
+            config.DECODE_PAGE_STAGING = before
+    return call
 
 
-def _varlen_attention(q, k, v, causal, out):
-    """attention_varlen on the batch packed as [B*S, H, D] (copies made here, not timed); the
-    result is handed back as a [B, H, S, D] view for the error check."""
+def _varlen_attention(q, k, v, causal, out, impl=None):
+    """attention_varlen (``impl``) on the batch packed as [B*S, H, D] (copies made here, not
+    timed); the result is handed back as a [B, H, S, D] view for the error check."""
     import cupy
 
     from cupyattn import attention_varlen
@@ -200,7 +273,7 @@ def _varlen_attention(q, k, v, causal, out):
     qp, kp, vp = (cupy.ascontiguousarray(x.transpose(0, 2, 1, 3)).reshape(-1, x.shape[1], D) for x in (q, k, v))
     cq, ck = (cupy.arange(B + 1, dtype=cupy.int32) * s for s in (Sq, Sk))
     op = cupy.empty_like(qp)
-    return lambda: attention_varlen(qp, kp, vp, cq, ck, Sq, Sk, causal=causal, out=op).reshape(
+    return lambda: attention_varlen(qp, kp, vp, cq, ck, Sq, Sk, causal=causal, out=op, impl=impl).reshape(
         B, Sq, H, D).transpose(0, 2, 1, 3)
 
 
@@ -240,8 +313,8 @@ def measure_impl(case, name, kind, inp, ref, opts, ceilings, flusher, log) -> di
         fn = make_impl(case, name, inp)
         out = fn()  # first call: compile / plan, and the output we check
         stream.synchronize()
-        if ref is not None:
-            rec["max_abs_err"], rec["rel_err"] = errors(out, ref)
+        if ref is not None:  # (padded serving impls: their real rows, taken out untimed)
+            rec["max_abs_err"], rec["rel_err"] = errors(getattr(fn, "extract", lambda o: o)(out), ref)
             rec["err_ref"] = "float64 cupy"
         del out
         t = _torch_if_loaded()

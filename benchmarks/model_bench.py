@@ -7,7 +7,11 @@ fused prefill and the fused decode step (cupyattn.fused: 7 kernels per layer ins
 the prefill, whose time is the TTFT, and 5 instead of 9 per decode step, whose time is the
 decode rate; measured here beside the unfused ones: what decided ``tinylm.config.FUSED_PREFILL``
 and ``config.TINYLM_FUSED_DECODE``, and keeps checking them), ``tinylm-eager`` launches
-every kernel of both from Python (the TTFT without the prefill graph); all run one
+every kernel of both from Python (the TTFT without the prefill graph), ``tinylm-mega`` replays
+each decode step as one persistent kernel launch (cupyattn.megakernel, sampling inside; the fused
+prefill; not yet run on a GPU: what would decide ``config.TINYLM_MEGAKERNEL``) and
+``tinylm-fused-pdl`` is ``tinylm-fused`` with its kernels launched with programmatic dependent
+launch (``config.FUSED_DECODE_PDL``; skipped below sm_90 or without cuda-bindings); all run one
 warm-up generation of the full length first (it compiles the kernels and captures the graphs of
 every context bucket the timed runs meet, as gpt-fast compiles before timing), then ``reps``
 generations, keeping the medians of TTFT and decode tokens/s (aggregate over the batch). The
@@ -25,12 +29,14 @@ greedy tokens agree with HF's.
 """
 from __future__ import annotations
 
+import contextlib
 import statistics
 import traceback
 
 import numpy as np
 
 from . import hf_peer, peers
+from .cases import OURS
 from .report import new_record
 from .specs import roofline_pct
 
@@ -83,6 +89,19 @@ def _fill(rec, ttfts, toks, prefills, weight_bytes, ceilings, batch=1):
         rec["weight_limit_tok_s"] = ceilings["copy_gbps"] * 1e9 / weight_bytes * batch
 
 
+def record_error(rec, label, e, opts, log):
+    """An impl's failure as its record's status (PeerUnavailable: skipped; out of memory: oom) and
+    one log line (with the traceback under --debug)."""
+    if isinstance(e, peers.PeerUnavailable):
+        rec["status"] = f"skipped: {e}"
+        log(f"{label}: skipped ({e})")
+        return
+    rec["status"] = "oom" if "OutOfMemory" in type(e).__name__ else f"error: {_one_line(e)}"
+    log(f"{label}: {rec['status']}")
+    if opts.debug:
+        log(traceback.format_exc())
+
+
 def _errors(logits, ref):
     d = np.asarray(logits, dtype=np.float64) - ref
     return float(np.abs(d).max()), float(np.linalg.norm(d) / max(np.linalg.norm(ref), 1e-300))
@@ -118,19 +137,87 @@ def _run_tinylm(rec, gen, prompts, n, opts, ceilings):
     return [list(r.generated_ids) for r in runs[0]]
 
 
+def _cannot_run(name, model):
+    """Why impl ``name`` cannot run on ``model``'s backend and device (None: it can)."""
+    if name not in ("tinylm", "tinylm-eager") and not getattr(model.ops, "fused_decode", False):
+        return f"the {model.backend} backend has no fused decode step"
+    if name == "tinylm-mega":
+        return model.megakernel_problem()
+    if name == "tinylm-fused-pdl":
+        import importlib.util
+
+        from cupyattn import _loader
+
+        if _loader.device_compute_capability() < 90:
+            return "programmatic dependent launch needs sm_90 or newer"
+        if importlib.util.find_spec("cuda") is None or importlib.util.find_spec("cuda.bindings") is None:
+            return "programmatic dependent launch needs the cuda-bindings package"
+    return None
+
+
+@contextlib.contextmanager
+def _pdl(on: bool):
+    """config.FUSED_DECODE_PDL on for the block when ``on`` (else as it was), then restored."""
+    from cupyattn import config
+
+    saved = config.FUSED_DECODE_PDL
+    config.FUSED_DECODE_PDL = on or saved
+    try:
+        yield
+    finally:
+        config.FUSED_DECODE_PDL = saved
+
+
+def _first_step_logits(gen, prompt, name):
+    """Logits at the prompt's last token. tinylm-mega: the prompt but its last token prefilled,
+    then one megakernel decode step (the full recompute would measure the prefill kernels)."""
+    if name != "tinylm-mega" or len(prompt) < 2:
+        return gen.logits(prompt)[-1]
+    gen.prefill(prompt[:-1], max_new_tokens=2)
+    return gen.decode_one(prompt[-1])
+
+
+def _mega_note(rec, gen):
+    """Instructions per decode step and blocks of the megakernel (the last plan it ran), and one
+    more step of that plan profiled (cupyattn.megakernel.LlamaStep.profile): its span, the busiest
+    block's work, and per op kind the median work / wait of an instruction in microseconds."""
+    state = gen._state
+    mega = getattr(state, "mega", None) if state is not None else None
+    if mega is None or not mega.plans:
+        return
+    (splits, _), dplan = list(mega.plans.items())[-1]
+    rec["note"] += f", megakernel: {len(dplan.plan.instructions)} instructions on {mega.step.blocks} blocks"
+    if (state.cache.host_lengths + 1 > state.max_seq).any():
+        return
+    with gen.model.ops.stream():
+        prof = mega.step.profile(dplan, splits)
+    per_op = ", ".join(f"{k} {v['work_us']:.1f}/{v['wait_us']:.1f}" for k, v in prof["ops"].items())
+    rec["note"] += (f"; profiled step {prof['step_us']:.0f} us, busiest block {prof['busiest_block_work_us']:.0f} us "
+                    f"of work; median work/wait us per instruction: {per_op}")
+
+
+def start_case(case, impls, opts, log):
+    """(a record per impl of a model case, its model as load_model gives it); the model None when
+    it cannot be loaded, every record then skipped with the reason."""
+    recs = {n: new_record(case, n, "peer" if n in peers.PEERS["model"] else "ours") for n in impls}
+    try:
+        return recs, load_model(case.p["model"], opts.seed)
+    except Exception as e:
+        for r in recs.values():
+            r["status"] = f"skipped: {_one_line(e)}"
+        log(f"skipping model {case.p['model']}: {_one_line(e)}")
+        return recs, None
+
+
 def run_model_case(case, impls, opts, ceilings, log) -> list[dict]:
     import cupy
 
     p = case.p
     batch = p.get("batch", 1)
-    recs = {n: new_record(case, n, "peer" if n in peers.PEERS["model"] else "ours") for n in impls}
-    try:
-        args, weights, tok, source = load_model(p["model"], opts.seed)
-    except Exception as e:
-        for r in recs.values():
-            r["status"] = f"skipped: {_one_line(e)}"
-        log(f"skipping model {p['model']}: {_one_line(e)}")
+    recs, loaded = start_case(case, impls, opts, log)
+    if loaded is None:
         return list(recs.values())
+    args, weights, tok, source = loaded
     prompts = [prompt_ids(tok, args.vocab_size, p["prompt_len"], opts.seed, i) for i in range(batch)]
     n = p["new_tokens"]
     ours_ids = None
@@ -141,7 +228,7 @@ def run_model_case(case, impls, opts, ceilings, log) -> list[dict]:
         ref_logits = tinylm.Transformer(args, weights, "numpy").logits(prompts[0])[-1].astype(np.float64)
     except Exception as e:
         log(f"{case.name}: no NumPy reference logits ({_one_line(e)})")
-    ours = [name for name in ("tinylm", "tinylm-fused", "tinylm-eager") if name in recs]
+    ours = [name for name in OURS["model"] if name in recs]
     model = None
     if ours:
         try:
@@ -155,18 +242,24 @@ def run_model_case(case, impls, opts, ceilings, log) -> list[dict]:
             log(f"{case.name} / tinylm: {_one_line(e)}")
     for name in ours if model is not None else ():
         rec = recs[name]
-        if name == "tinylm-fused" and not getattr(model.ops, "fused_decode", False):
-            rec["status"] = f"skipped: the {model.backend} backend has no fused decode step"
+        why = _cannot_run(name, model)
+        if why:
+            rec["status"] = f"skipped: {why}"
             continue
+        fused = name in ("tinylm-fused", "tinylm-mega", "tinylm-fused-pdl")
         try:
-            model.set_fused(name == "tinylm-fused")
-            model.set_fused_prefill(name == "tinylm-fused")
+            model.set_fused(fused)
+            model.set_fused_prefill(fused)
+            model.set_megakernel(name == "tinylm-mega")
             gen = tinylm.Generator(model, tok, source, graphs=name != "tinylm-eager")
             rec["dtype"] = gen.dtype
-            ids = _run_tinylm(rec, gen, prompts, n, opts, ceilings)
+            with _pdl(name == "tinylm-fused-pdl"):
+                ids = _run_tinylm(rec, gen, prompts, n, opts, ceilings)
+            if name == "tinylm-mega":
+                _mega_note(rec, gen)
             ours_ids = ours_ids or ids
             if ref_logits is not None:
-                rec["max_abs_err"], rec["rel_err"] = _errors(gen.logits(prompts[0])[-1], ref_logits)
+                rec["max_abs_err"], rec["rel_err"] = _errors(_first_step_logits(gen, prompts[0], name), ref_logits)
                 rec["err_ref"] = "tinylm numpy float32 first-step logits"
             del gen
         except Exception as e:
@@ -228,14 +321,8 @@ def _run_hf(recs, name, case, args, weights, prompts, n, ours_ids, ref_logits, o
             equal = sum(a == b for a, b in zip(ours_ids, theirs))
             rec["note"] = (f"first {same}/{n} greedy tokens equal to tinylm's"
                            + (f"; {equal}/{len(theirs)} sequences identical" if len(theirs) > 1 else ""))
-    except peers.PeerUnavailable as e:
-        rec["status"] = f"skipped: {e}"
-        log(f"{case.name} / {name}: skipped ({e})")
-    except Exception as e:
-        rec["status"] = "oom" if "OutOfMemory" in type(e).__name__ else f"error: {_one_line(e)}"
-        log(f"{case.name} / {name}: {rec['status']}")
-        if opts.debug:
-            log(traceback.format_exc())
+    except Exception as e:  # an impl failing must not end the run
+        record_error(rec, f"{case.name} / {name}", e, opts, log)
     finally:
         del model
         t = peers.get_torch() if "torch" in __import__("sys").modules else None

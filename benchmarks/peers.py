@@ -4,6 +4,8 @@
   ``torch-matmul`` (cuBLAS through torch; its float32 default is TF32 off too).
 - softmax: ``cupy-ops`` (max/exp/sum/divide as CuPy ops, float32 math), ``torch``.
 - attention / decode: ``cupy-naive`` (cupy.matmul + CuPy-ops softmax), ``torch-sdpa``.
+- varlen / paged: ``torch-sdpa`` on the padded batch / on the keys in one contiguous buffer
+  (benchmarks/serving_cases.py).
 - model: ``hf-transformers`` (LlamaForCausalLM built from tinylm's config and weights; see
   ``benchmarks/hf_peer.py``), eager; ``hf-compiled``, the same model with a static KV cache and
   ``torch.compile(mode="reduce-overhead")`` (the gpt-fast recipe), HF's own fast path.
@@ -21,6 +23,8 @@ PEERS = {
     "softmax": ("cupy-ops", "torch"),
     "attention": ("cupy-naive", "torch-sdpa"),
     "decode": ("cupy-naive", "torch-sdpa"),
+    "varlen": ("torch-sdpa",),   # on the padded batch (benchmarks/serving_cases.py)
+    "paged": ("torch-sdpa",),    # on the same keys, contiguous
     "model": ("hf-transformers", "hf-compiled"),
 }
 # Which peer a record's single `peer`/`speedup` columns refer to, in order of preference.
@@ -29,6 +33,8 @@ PRIMARY = {
     "softmax": ("torch", "cupy-ops"),
     "attention": ("torch-sdpa", "cupy-naive"),
     "decode": ("torch-sdpa", "cupy-naive"),
+    "varlen": ("torch-sdpa",),
+    "paged": ("torch-sdpa",),
     "model": ("hf-compiled", "hf-transformers"),
 }
 TORCH_PEERS = {"torch", "torch-sdpa", "torch-matmul", "hf-transformers", "hf-compiled"}
@@ -197,8 +203,10 @@ def cupy_naive_attention(q, k, v, causal=False, scale=None):
 
 
 # --- torch peers ------------------------------------------------------------------------------
-def torch_sdpa(q, k, v, causal=False, scale=None):
-    """torch SDPA on DLPack views; bottom-right causal via causal_lower_right when Sq != Sk."""
+def torch_sdpa(q, k, v, causal=False, scale=None, key_lengths=None):
+    """torch SDPA on DLPack views; bottom-right causal via causal_lower_right when Sq != Sk;
+    ``key_lengths`` (host ints, one per batch row): a boolean mask hiding keys past each length
+    (built here, outside the timed call; SDPA then reads every key of the padded batch)."""
     torch = get_torch()
     import torch.nn.functional as F
 
@@ -207,7 +215,12 @@ def torch_sdpa(q, k, v, causal=False, scale=None):
     kw = {"scale": scale}
     if k.shape[1] != q.shape[1]:
         kw["enable_gqa"] = True
-    if causal and sq != sk:
+    if key_lengths is not None:
+        if causal:
+            raise PeerUnavailable("key lengths with a causal mask")
+        lens = torch.tensor(list(key_lengths), device=tq.device)
+        kw["attn_mask"] = (torch.arange(sk, device=tq.device)[None, :] < lens[:, None])[:, None, None, :]
+    elif causal and sq != sk:
         try:
             from torch.nn.attention.bias import causal_lower_right
         except ImportError:

@@ -34,7 +34,7 @@ FIELD_TYPES = {
     "max_abs_err": float, "rel_err": float, "err_ref": str,
     "peer": str, "peer_ms": float, "speedup": float, "speedups": dict,
     "ttft_ms": float, "decode_tok_s": float, "prefill_tok_s": float, "note": str,
-    "launches_per_step": int, "prefill_launches": int,
+    "launches_per_step": int, "prefill_launches": int, "ms_per_step": float,
 }
 FIELDS = tuple(FIELD_TYPES)
 
@@ -110,6 +110,8 @@ def table_rows(records: list[dict]) -> tuple[list[str], list[list[str]]]:
                 ms += f" | {r['launches_per_step']} kernels/step"
             if r.get("prefill_launches"):
                 ms += f" | prefill {r['prefill_launches']} kernels"
+            if r.get("ms_per_step"):
+                ms += f" | {r['ms_per_step']:.3g} ms/step"
         elif r["median_ms"] is not None:
             ms = f"{r['median_ms']:.4g} ({r['min_ms']:.4g}-{r['max_ms']:.4g})"
         else:

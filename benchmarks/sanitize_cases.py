@@ -22,7 +22,8 @@ import sys
 
 import numpy as np
 
-FAMILIES = ("attention", "decode", "kvcache", "gemm", "softmax", "layers", "sampling", "fused", "serving")
+FAMILIES = ("attention", "decode", "kvcache", "gemm", "softmax", "layers", "sampling", "fused", "serving",
+            "megakernel")
 
 
 def _rand(shape, dtype, seed=0):
@@ -70,6 +71,16 @@ def attention(ca, cfg):
                 o, lse = ca.attention(q, k, v, causal=True, impl="wgmma", return_lse=True)
                 o2 = ca.attention(q, k, v, mask=mask, key_lengths=cupy.asarray([77], np.int32), impl="wgmma")
                 _finite(o, lse, o2)
+            if dt in cfg.MMA_DTYPES and d in cfg.ATTN_WGMMA_PERSISTENT_TILES and _hopper():
+                # the persistent variant on a grid of 2 blocks (several tiles each, the counter's
+                # claims): a causal window with softcap (masked and bulk runs), a mask and a key
+                # length inside a loaded tile, a plain call (the static order)
+                with _grid(2):
+                    o, lse = ca.attention(q, k, v, causal=True, window=(60, -1), softcap=20.0, impl="wgmma_persistent",
+                                          return_lse=True)
+                    o2 = ca.attention(q, k, v, mask=mask, key_lengths=cupy.asarray([77], np.int32),
+                                      impl="wgmma_persistent")
+                    _finite(o, lse, o2, ca.attention(q, k, v, impl="wgmma_persistent"))
         _finite(ca.attention(q[:, :, :33], k, v, causal=True, impl="naive"))
 
 
@@ -88,6 +99,11 @@ def decode(ca, cfg):
                 for splits in (1, 3):
                     _finite(ca.decode_attention(q, cache, 0, num_splits=splits, impl=impl))
                 _finite(ca.decode_attention(q, cache, 0, num_splits=3, impl=impl, fused_combine=True))
+                # the "waves" rule (issue 39): per-sequence chunks (531 keys: 3 splits, 9 keys: 1, written
+                # straight to out) merged in the kernel and by the combine kernel
+                for fused in (True, False):
+                    _finite(ca.decode_attention(q, cache, 0, num_splits=3, impl=impl, split_rule="waves",
+                                                fused_combine=fused))
 
 
 def kvcache(ca, cfg):
@@ -111,25 +127,55 @@ def serving(ca, cfg):
         for d in cfg.HEAD_DIMS:
             cu = np.array([0, 7, 90, 130], dtype=np.int32)
             q, k, v = _rand((130, 4, d), dt, 20), _rand((130, 2, d), dt, 21), _rand((130, 2, d), dt, 22)
-            for impl in impls:
-                _finite(ca.attention_varlen(q, k, v, cu, cu, 83, 83, causal=True, window=(40, 0), softcap=30.0,
-                                            impl=impl))
+            wg = ("wgmma_persistent",) if dt in cfg.MMA_DTYPES and d in cfg.ATTN_WGMMA_PERSISTENT_TILES and _hopper() \
+                else ()
+            for impl in impls + wg:
+                with _grid(2) if impl in wg else contextlib.nullcontext():
+                    _finite(ca.attention_varlen(q, k, v, cu, cu, 83, 83, causal=True, window=(40, 0), softcap=30.0,
+                                                impl=impl))
             shapes = [(4, 2, "simt")] + ([(8, 2, "mma"), (40, 2, "mma")] if dt in cfg.MMA_DTYPES else [])
             for hq, hkv, impl in shapes:
                 cache = ca.PagedKVCache(1, 2, hkv, d, num_pages=80, page_size=16, dtype=dt)
                 cache.append(0, _rand((2, hkv, 531, d), dt, 23), _rand((2, hkv, 531, d), dt, 24), num_new=[531, 9])
                 qd = _rand((2, hq, d), dt, 25)
                 _finite(cache.decode(qd, 0, num_splits=3, impl=impl, window=(100, -1), softcap=20.0))
+                # issue 39: HND pages of 1 token, page ids staged (531 keys in one split: windows refreshed),
+                # the waves rule with its fused combine and with the combine kernel
+                hnd = ca.PagedKVCache(1, 2, hkv, d, num_pages=600, page_size=1, dtype=dt, layout="HND")
+                hnd.append(0, _rand((2, hkv, 531, d), dt, 23), _rand((2, hkv, 531, d), dt, 24), num_new=[531, 9])
+                with staged_pages():
+                    _finite(hnd.decode(qd, 0, num_splits=1, impl=impl), hnd.decode(qd, 0, num_splits=3, impl=impl))
+                    for fused in (True, False):
+                        _finite(hnd.decode(qd, 0, num_splits=3, impl=impl, split_rule="waves", fused_combine=fused,
+                                           window=(400, -1)))
                 if impl == "simt":
                     qp = _rand((9, hq, d), dt, 26)
-                    for fimpl in impls:
+                    for fimpl in impls + wg:   # the persistent kernel: 8 pages of 16 per key tile
                         _finite(ca.attention_paged(qp, cache.k[0], cache.v[0], cache.block_table, cache.lengths[0],
                                                    cu_seqlens_q=cupy.asarray([0, 0, 9], dtype=cupy.int32),
                                                    max_seqlen_q=9, causal=True, impl=fimpl))
-        cache = ca.PagedKVCache(1, 3, 2, 32, num_pages=12, page_size=4, dtype=dt)
-        for style in ("adjacent", "neox"):
-            for t in (1, 3):
-                _finite(cache.append_qkv(0, _rand((3, t, (4 + 2 + 2) * 32), dt, 27), num_heads=4, rope_style=style))
+        for layout in ("NHD", "HND"):
+            cache = ca.PagedKVCache(1, 3, 2, 32, num_pages=12, page_size=4, dtype=dt, layout=layout)
+            for style in ("adjacent", "neox"):
+                for t in (1, 3):
+                    _finite(cache.append_qkv(0, _rand((3, t, (4 + 2 + 2) * 32), dt, 27), num_heads=4,
+                                             rope_style=style))
+            cache.append(0, _rand((3, 2, 5, 32), dt, 28), _rand((3, 2, 5, 32), dt, 29))
+            _finite(ca.attention_paged(_rand((5, 4, 32), dt, 30), cache.k[0], cache.v[0], cache.block_table,
+                                       cache.lengths[0], cu_seqlens_q=cupy.asarray([0, 2, 3, 5], dtype=cupy.int32),
+                                       max_seqlen_q=2, causal=True, layout=layout))
+
+
+@contextlib.contextmanager
+def staged_pages():
+    """config.DECODE_PAGE_STAGING on (the staged page-id decode kernels; not yet the default)."""
+    from cupyattn import config
+
+    before, config.DECODE_PAGE_STAGING = config.DECODE_PAGE_STAGING, True
+    try:
+        yield
+    finally:
+        config.DECODE_PAGE_STAGING = before
 
 
 def gemm(ca, cfg):
@@ -194,6 +240,35 @@ def fused(ca, cfg):
                                                      rope_style=style))
 
 
+def megakernel(ca, cfg):
+    """Two decode steps of the megakernel per dtype on a small Llama (odd vocabulary and FFN, GQA,
+    batch 3), unsplit and with split attention + merge, sampling inside. One block: it runs its
+    queue in order and never waits, so no sanitizer's serialisation of blocks can hang it (the
+    several-block runs are the GPU tests')."""
+    import cupy
+
+    from tinylm.config import ModelArgs
+    from tinylm.megakernel import llama_ops
+
+    a = ModelArgs(dim=72, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, ffn_dim=40, vocab_size=37, max_seq=16)
+    for dt in cfg.DTYPES:
+        layers = [type("L", (), dict(attn_norm=_rand((72,), dt, 31), wqkv=_rand((256, 72), dt, 32),
+                                     wo=_rand((72, 128), dt, 33), ffn_norm=_rand((72,), dt, 34),
+                                     w_gate_up=_rand((80, 72), dt, 35), w_down=_rand((72, 40), dt, 36)))()
+                  for _ in range(2)]
+        cache, tok = ca.KVCache(2, 3, 2, 16, 32, dt), _rand((37, 72), dt, 37)
+        bufs = dict(tokens=cupy.zeros(3, np.int32), x=cupy.empty((3, 72), dt), q=cupy.empty((3, 4, 32), dt),
+                    att=cupy.empty((3, 128), dt), ffn=cupy.empty((3, 40), dt), logits=cupy.empty((3, 37), dt),
+                    o_part=cupy.empty((2, 3, 4, 32), np.float32), lse_part=cupy.empty((2, 3, 4), np.float32))
+        step = ca.megakernel.LlamaStep(tok_embd=tok, output_norm=_rand((72,), dt, 38), output=tok, layers=layers,
+                                       cache=cache, num_heads=4, eps=1e-5, rope_base=1e4, rope_style="adjacent",
+                                       sampling=ca.SamplingParams(3, temperature=0.7, seed=1), counter_capacity=64,
+                                       blocks=1, **bufs)
+        for splits in (1, 2):
+            step.launch(step.plan(llama_ops(a, 3, splits, sample=True)), splits)
+        _finite(bufs["logits"])
+
+
 def sampling(ca, cfg):
     for dt in cfg.DTYPES:
         logits = _rand((3, 1000), dt, 22)
@@ -202,6 +277,19 @@ def sampling(ca, cfg):
     from cupyattn import sampling as S
 
     S.philox4x32(np.zeros((5, 4), np.uint32), np.ones((5, 2), np.uint32))
+
+
+@contextlib.contextmanager
+def _grid(n):
+    """The persistent attention kernel on ``n`` blocks (each computes several tiles)."""
+    from cupyattn import flash_attn_sm90_persistent as p
+
+    real = p._sm_count
+    p._sm_count = lambda: n
+    try:
+        yield
+    finally:
+        p._sm_count = real
 
 
 def _hopper() -> bool:
@@ -245,7 +333,7 @@ def shallow_rings(compact: bool = False):
 
     fit, tile, fa_tile = decode._fit, gemm._mma_tile, flash_attn._tile
 
-    def small_fit(impl, dtype, d, t, m_tiles, limit, explicit=False):
+    def small_fit(impl, dtype, d, t, m_tiles, limit, explicit=False, staged=False):
         c = cfg.DECODE_MMA_SMALL_SMEM_TILES.get((d, m_tiles))
         if compact and explicit and impl == "mma" and c in decode.mma_tiles(dtype, d, m_tiles):
             return c

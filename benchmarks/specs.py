@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
-OPS = ("gemm", "softmax", "attention", "decode", "model")
+OPS = ("gemm", "softmax", "attention", "decode", "varlen", "paged", "model")
 DTYPES = ("float16", "bfloat16", "float32")
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 
@@ -23,7 +23,13 @@ class Case:
     """One problem of one op. ``params`` keys depend on ``op``:
 
     gemm: M N K layout batch | softmax: rows cols | attention: B H Hkv Sq Sk D causal |
-    decode: B H Hkv L D | model: model prompt_len new_tokens batch.
+    decode: B H Hkv L D [ragged] | varlen: B H Hkv D causal lo hi seed (B sequences of lengths
+    drawn from [lo, hi] by NumPy's default_rng(seed): :func:`varlen_lengths`) | paged: B H Hkv Sq L
+    D causal page (chunked prefill: Sq new queries per sequence over its L cached keys, the new
+    ones last, in pages of ``page`` tokens) | model: model prompt_len new_tokens batch [serve].
+    A decode case with ``ragged`` (a seed) caches ``decode_lengths`` keys per sequence (128 to L,
+    drawn from that seed) instead of L each; a model case with ``serve`` runs tinylm's continuous
+    batching over ``batch`` slots (2 x batch prompts) beside HF's batched generate.
     ``sweep``/``group``/``x`` place the case on a sweep plot (line group and x-axis value).
     """
 
@@ -69,9 +75,17 @@ def shape_str(op: str, p: dict) -> str:
         c = " causal" if p["causal"] else ""
         return f"B{p['B']} H{p['H']}{kv} Sq{p['Sq']} Sk{p['Sk']} D{p['D']}{c}"
     if op == "decode":
-        return f"B{p['B']} H{p['H']}/{p['Hkv']} L{p['L']} D{p['D']}"
+        ragged = f" ragged{p['ragged']}" if p.get("ragged") else ""
+        return f"B{p['B']} H{p['H']}/{p['Hkv']} L{p['L']} D{p['D']}{ragged}"
+    if op in ("varlen", "paged"):
+        kv = f"/{p['Hkv']}" if p["Hkv"] != p["H"] else ""
+        c = " causal" if p["causal"] else ""
+        if op == "varlen":
+            return f"B{p['B']} H{p['H']}{kv} len {p['lo']}..{p['hi']} seed {p['seed']} D{p['D']}{c}"
+        return f"B{p['B']} H{p['H']}{kv} Sq{p['Sq']} L{p['L']} D{p['D']} page {p['page']}{c}"
     if op == "model":
-        return f"{p['model']} B{p.get('batch', 1)} prompt{p['prompt_len']} new{p['new_tokens']}"
+        mode = f"serve S{p['batch']}" if p.get("serve") else f"B{p.get('batch', 1)}"
+        return f"{p['model']} {mode} prompt{p['prompt_len']} new{p['new_tokens']}"
     raise ValueError(op)
 
 
@@ -100,6 +114,33 @@ def attention_bytes(B: int, H: int, Hkv: int, Sq: int, Sk: int, D: int, itemsize
     return (2 * B * H * Sq * D + 2 * B * Hkv * Sk * D) * itemsize
 
 
+def varlen_lengths(B: int, lo: int, hi: int, seed: int) -> list[int]:
+    """The B sequence lengths of a varlen case: uniform in [lo, hi], NumPy default_rng(seed)."""
+    import numpy as np
+
+    return [int(x) for x in np.random.default_rng(seed).integers(lo, hi + 1, B)]
+
+
+def prefill_pairs(Sq: int, L: int, causal: bool) -> int:
+    """(query, key) pairs Sq new queries see over L keys (the new ones last; causal bottom-right:
+    query i sees L - Sq + i + 1 keys)."""
+    return Sq * (L - Sq) + Sq * (Sq + 1) // 2 if causal else Sq * L
+
+
+def decode_lengths(p: dict) -> list[int]:
+    """Cached keys per sequence of a decode case: L each, or with ``ragged`` (a seed) B lengths
+    drawn uniformly from [min(128, L), L] by NumPy's default_rng(seed), the longest set to L (so
+    the case's L is its longest sequence)."""
+    B, L = p["B"], p["L"]
+    if not p.get("ragged"):
+        return [L] * B
+    import numpy as np
+
+    lens = np.random.default_rng(p["ragged"]).integers(min(128, L), L + 1, B)
+    lens[int(np.argmax(lens))] = L
+    return [int(n) for n in lens]
+
+
 def decode_flops(B: int, H: int, L: int, D: int) -> int:
     """One query token per sequence over L cached keys: attention_flops with Sq=1."""
     return attention_flops(B, H, 1, L, D)
@@ -116,8 +157,13 @@ def case_flops(case: Case) -> int | None:
         return gemm_flops(p["M"], p["N"], p["K"], p.get("batch", 1))
     if case.op == "attention":
         return attention_flops(p["B"], p["H"], p["Sq"], p["Sk"], p["D"], p["causal"])
-    if case.op == "decode":
-        return decode_flops(p["B"], p["H"], p["L"], p["D"])
+    if case.op == "decode":  # (ragged: the cached keys of every sequence, each once)
+        return sum(decode_flops(1, p["H"], n, p["D"]) for n in decode_lengths(p))
+    if case.op == "varlen":
+        return sum(attention_flops(1, p["H"], n, n, p["D"], p["causal"])
+                   for n in varlen_lengths(p["B"], p["lo"], p["hi"], p["seed"]))
+    if case.op == "paged":
+        return 4 * p["B"] * p["H"] * p["D"] * prefill_pairs(p["Sq"], p["L"], p["causal"])
     return None  # softmax: memory bound; model: reported as tokens/s
 
 
@@ -130,7 +176,12 @@ def case_bytes(case: Case) -> int | None:
     if case.op == "attention":
         return attention_bytes(p["B"], p["H"], p["Hkv"], p["Sq"], p["Sk"], p["D"], it)
     if case.op == "decode":
-        return decode_bytes(p["B"], p["H"], p["Hkv"], p["L"], p["D"], it)
+        return sum(decode_bytes(1, p["H"], p["Hkv"], n, p["D"], it) for n in decode_lengths(p))
+    if case.op == "varlen":
+        return sum(attention_bytes(1, p["H"], p["Hkv"], n, n, p["D"], it)
+                   for n in varlen_lengths(p["B"], p["lo"], p["hi"], p["seed"]))
+    if case.op == "paged":
+        return attention_bytes(p["B"], p["H"], p["Hkv"], p["Sq"], p["L"], p["D"], it)
     return None
 
 
@@ -161,6 +212,7 @@ def roofline_pct(tflops: float | None, gbps: float | None, ceilings: dict) -> tu
 
 # --- predefined sweeps -------------------------------------------------------------------------
 SEQ_LENS = (512, 1024, 2048, 4096, 8192, 16384)
+PREFILL_LENS = (128, 256, 512, 1024, 2048, 4096, 8192, 16384)  # the causal prefill sweep (short prompts: TTFT)
 DECODE_LENS = tuple(1024 * 2**i for i in range(8))  # 1k .. 128k
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 # Llama-2-7B (dim 4096, FFN 11008) projections, weights in nn.Linear orientation [N, K]:
@@ -182,6 +234,23 @@ def _attention_sweep(dtype: str) -> list[Case]:
                                      group=f"D{D}{' causal' if causal else ''}", x=S,
                                      B=B, H=H, Hkv=H, Sq=S, Sk=S, D=D, causal=causal))
     return out
+
+
+def _attention_causal_sweep(dtype: str) -> list[Case]:
+    # Causal prefill from short prompts to long ones (issue 38): 16k tokens per batch, 32 heads of
+    # 128 (hidden 4096, a Llama-2-7B layer), the persistent wgmma kernel beside v3, flash_mma and
+    # torch SDPA
+    return [make_case("attention", dtype, sweep="attention-causal", group="D128 causal", x=S,
+                      B=max(1, 16384 // S), H=32, Hkv=32, Sq=S, Sk=S, D=128, causal=True)
+            for S in PREFILL_LENS]
+
+
+def _paged_page_sweep(dtype: str) -> list[Case]:
+    # Chunked prefill over pages of 16 .. 256 tokens: 1024 new tokens over 4096 cached, Llama-3-8B
+    # heads (32 on 8 K/V heads, D 128)
+    return [make_case("paged", dtype, sweep="paged-page", group="B4 Sq1024 L4096", x=page,
+                      B=4, H=32, Hkv=8, Sq=1024, L=4096, D=128, causal=True, page=page)
+            for page in (16, 32, 64, 128, 256)]
 
 
 def _proj_sweep(sweep: str, projections, dtype: str) -> list[Case]:
@@ -218,6 +287,8 @@ def _softmax_sweep(dtype: str) -> list[Case]:
 
 SWEEPS = {  # name -> (op, builder, x-axis label)
     "attention-seqlen": ("attention", _attention_sweep, "sequence length"),
+    "attention-causal": ("attention", _attention_causal_sweep, "sequence length"),
+    "paged-page": ("paged", _paged_page_sweep, "page size (tokens)"),
     "gemm-llama2-7b": ("gemm", _gemm_sweep, "tokens (M)"),
     "gemm-smollm2": ("gemm", _gemm_smollm2_sweep, "tokens (M)"),
     "decode-len": ("decode", _decode_len_sweep, "cached length"),
@@ -262,18 +333,40 @@ def default_cases(op: str, preset: str = "llama2-7b-4layers") -> list[Case]:
                                       ("float16", 32, 256, False), ("float16", 32, 256, True))]
     if op == "decode":
         # the bandwidth goals (fp16, 32 query heads on 8 kv heads, D=128): B=8 at 32k and B=1 at
-        # 128k, reported as GB/s and % of the measured copy ceiling; a short batch; MQA at B=1
+        # 128k, reported as GB/s and % of the measured copy ceiling; a short batch; MQA at B=1;
+        # a continuous-batching step: 64 sequences of 128 to 32k keys (issue 39)
         return ([make_case("decode", "float16", B=B, H=32, Hkv=8, L=L, D=128)
                  for B, L in ((8, 32768), (1, 131072), (16, 4096))]
-                + [make_case("decode", "float16", B=1, H=32, Hkv=1, L=131072, D=128)])
+                + [make_case("decode", "float16", B=1, H=32, Hkv=1, L=131072, D=128),
+                   ragged_decode_case()])
+    if op == "varlen":
+        # ragged batches (issue 38): 16 sequences of 64 .. 4096 tokens (seed 0), 32 heads of 128,
+        # causal and not; D=64 causal
+        return [make_case("varlen", "float16", B=16, H=32, Hkv=32, D=D, causal=c, lo=64, hi=4096, seed=0)
+                for D, c in ((128, True), (128, False), (64, True))]
+    if op == "paged":
+        # chunked prefill (issue 38): 1024 new tokens over 4096 cached, pages of 16, 64, 256
+        return [make_case("paged", "float16", B=4, H=32, Hkv=8, Sq=1024, L=4096, D=128, causal=True, page=pg)
+                for pg in (16, 64, 256)]
     if op == "model":
         # SmolLM2-135M from its GGUF file at batch 1 and 8, and a synthetic preset (random weights).
         return [model_case(m, 128, 128, b) for m, b in (("smollm2", 1), ("smollm2", 8), (preset, 1))]
     raise ValueError(op)
 
 
-def model_case(model: str, prompt_len: int, new_tokens: int, batch: int = 1) -> Case:
-    """tinylm end to end: ``batch`` prompts of ``prompt_len`` tokens, ``new_tokens`` each."""
+def ragged_decode_case(dtype: str = "float16", B: int = 64, L: int = 32768, seed: int = 39, **heads) -> Case:
+    """A continuous-batching decode step: B sequences of 128 to L keys (decode_lengths), Llama-3-8B
+    heads (32 query on 8 kv, D=128) unless given."""
+    kw = {"H": 32, "Hkv": 8, "D": 128, **heads}
+    return make_case("decode", dtype, B=B, L=L, ragged=seed, **kw)
+
+
+def model_case(model: str, prompt_len: int, new_tokens: int, batch: int = 1, serve: bool = False) -> Case:
+    """tinylm end to end: ``batch`` prompts of ``prompt_len`` tokens, ``new_tokens`` each; with
+    ``serve``, continuous batching over ``batch`` slots (benchmarks/serve_bench.py)."""
+    if serve:
+        return make_case("model", "auto", label=f"model {model} serve S{batch}", model=model, prompt_len=prompt_len,
+                         new_tokens=new_tokens, batch=batch, serve=True)
     return make_case("model", "auto", label=f"model {model} B{batch}", model=model, prompt_len=prompt_len,
                      new_tokens=new_tokens, batch=batch)
 
@@ -282,7 +375,9 @@ def cli_case(op: str, a) -> Case | None:
     """The one case described by shape flags on the command line, or None if none were given."""
     keys = {"gemm": ("M", "N", "K", "layout"), "softmax": ("rows", "cols"),
             "attention": ("B", "H", "Hkv", "Sq", "Sk", "D", "causal"),
-            "decode": ("B", "H", "Hkv", "Sk", "D")}.get(op, ())
+            "decode": ("B", "H", "Hkv", "Sk", "D", "ragged"),
+            "varlen": ("B", "H", "Hkv", "D", "causal", "lo", "hi", "seed_lens"),
+            "paged": ("B", "H", "Hkv", "Sq", "Sk", "D", "causal", "page")}.get(op, ())
     if not any(getattr(a, k, None) not in (None, False) for k in keys):
         return None
     dt = a.dtype or "float16"
@@ -296,4 +391,12 @@ def cli_case(op: str, a) -> Case | None:
         Sq = a.Sq or a.Sk or 4096
         return make_case("attention", dt, B=a.B or 4, H=H, Hkv=a.Hkv or H, Sq=Sq, Sk=a.Sk or Sq,
                          D=a.D or 128, causal=bool(a.causal))
-    return make_case("decode", dt, B=a.B or 1, H=H, Hkv=a.Hkv or H, L=a.Sk or 8192, D=a.D or 128)
+    if op == "varlen":
+        return make_case("varlen", dt, B=a.B or 16, H=H, Hkv=a.Hkv or H, D=a.D or 128, causal=bool(a.causal),
+                         lo=a.lo or 64, hi=a.hi or 4096, seed=a.seed_lens or 0)
+    if op == "paged":
+        sq = a.Sq or 1024
+        return make_case("paged", dt, B=a.B or 4, H=H, Hkv=a.Hkv or H, Sq=sq, L=max(a.Sk or 4096, sq), D=a.D or 128,
+                         causal=bool(a.causal), page=a.page or 64)
+    ragged = {"ragged": a.ragged} if getattr(a, "ragged", None) else {}
+    return make_case("decode", dt, B=a.B or 1, H=H, Hkv=a.Hkv or H, L=a.Sk or 8192, D=a.D or 128, **ragged)

@@ -18,7 +18,9 @@
   stages, softmax / P V overlap and consumer ping-pong on and off;
   cupyattn.flash_attn_sm90.tuning_tiles) for D = 64, 128 and 256 at the issue's shape
   (fp16, B=4, H=32, S=4096, causal and not), beside the configured tile, flash_mma and torch
-  SDPA (when importable) in the same process; each output is compared with flash_mma's.
+  SDPA (when importable) in the same process; then the same candidates in the persistent
+  variant (impl="wgmma_persistent", config.ATTN_WGMMA_PERSISTENT_TILES; a candidate whose
+  registers spill there still runs and is timed); each output is compared with flash_mma's.
 
 Timing: CUDA events (benchmarks/timing.py), 3 untimed warm-up calls, median of up to 30 reps,
 L2 not flushed between reps. The candidates of one case are timed interleaved, in ROUNDS rounds,
@@ -235,6 +237,7 @@ def tune_attention_wgmma(emit):
 
     from cupyattn import attention
     from cupyattn import flash_attn_sm90 as W
+    from cupyattn import flash_attn_sm90_persistent as WP
 
     from . import peers
     from .arrays import rand
@@ -246,7 +249,8 @@ def tune_attention_wgmma(emit):
             flops = 4 * 4 * 32 * 4096 * 4096 * d * (0.5 if causal else 1.0)
             want = attention(q, k, v, causal=causal, impl="flash_mma")
             runs = [("flash_mma", lambda: attention(q, k, v, causal=causal, impl="flash_mma")),
-                    ("wgmma", lambda: attention(q, k, v, causal=causal, impl="wgmma"))]
+                    ("wgmma", lambda: attention(q, k, v, causal=causal, impl="wgmma")),
+                    ("wgmma_persistent", lambda: attention(q, k, v, causal=causal, impl="wgmma_persistent"))]
             try:
                 runs.append(("torch-sdpa", peers.torch_sdpa(q, k, v, causal)))
             except Exception as e:  # no torch here: the peer is left out, said once per case
@@ -257,14 +261,16 @@ def tune_attention_wgmma(emit):
                     emit(dict(base, impl=name, ms=ms, tflops=flops / ms / 1e9))
                 except Exception as e:
                     emit(dict(base, impl=name, error=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"))
-            for tile in W.tuning_tiles(d):
-                row = dict(base, impl="wgmma", block_n=tile.block_n, stages=tile.stages, overlap=tile.overlap,
+            for impl, tile in [("wgmma", t) for t in W.tuning_tiles(d)] + [("wgmma_persistent", t)
+                                                                         for t in W.tuning_tiles(d)]:
+                row = dict(base, impl=impl, block_n=tile.block_n, stages=tile.stages, overlap=tile.overlap,
                            pingpong=tile.pingpong, smem=tile.smem_bytes(d))
                 out, lse = cupy.empty_like(q), None
+                run = W.run if impl == "wgmma" else WP.run_dense
                 try:
-                    W.run(q, k, v, causal, d ** -0.5, None, out, lse, tile=tile)
+                    run(q, k, v, causal, d ** -0.5, None, out, lse, tile=tile)
                     row["max_abs_diff"] = float(cupy.abs(out.astype(cupy.float32) - want.astype(cupy.float32)).max())
-                    ms = _ms(lambda: W.run(q, k, v, causal, d ** -0.5, None, out, lse, tile=tile), reps=20)
+                    ms = _ms(lambda: run(q, k, v, causal, d ** -0.5, None, out, lse, tile=tile), reps=20)
                     row.update(ms=ms, tflops=flops / ms / 1e9)
                 except Exception as e:  # a candidate that does not build or launch is a finding
                     row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"

@@ -9,7 +9,7 @@ dtypes, head dims, tile tables and launch constants the Python side and the kern
 >>> q = k = v = cupy.random.standard_normal((1, 8, 1024, 64)).astype(cupy.float16)
 >>> o = cupyattn.attention(q, k, v, causal=True)          # fused FlashAttention-2 forward
 """
-from . import config, fused, reference
+from . import config, fused, megakernel, persistent, reference
 from ._checks import ComputeCapabilityError, gpu_unavailable_reason
 from ._loader import KernelCompileError, KernelSpec, all_specs
 from .config import BFLOAT16 as bfloat16
@@ -32,5 +32,5 @@ __version__ = "0.1.0"
 
 __all__ = ["attention", "attention_varlen", "softmax", "gemm_nt", "gemm_nn", "KVCache", "decode_attention", "PagedKVCache", "decode_attention_paged", "attention_paged", "choose_num_splits", "auto_num_splits",
            "rmsnorm", "add_rmsnorm", "rope", "swiglu", "add", "embedding", "sample", "SamplingParams",
-           "fused", "reference", "config", "bfloat16", "HEAD_DIMS", "ATTENTION_IMPLS", "KernelSpec",
+           "fused", "megakernel", "persistent", "reference", "config", "bfloat16", "HEAD_DIMS", "ATTENTION_IMPLS", "KernelSpec",
            "KernelCompileError", "ComputeCapabilityError", "all_specs", "gpu_unavailable_reason"]

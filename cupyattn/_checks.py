@@ -289,9 +289,9 @@ def require_impl(fn: str, op: str, impl: str, dtype, head_dim: int | None = None
             f"{fn}(): impl={impl!r} at head_dim D={head_dim} needs compute capability {need // 10}.{need % 10}"
             f"{' (' + why + ')' if why else ''}; {device}")
     why = config.MMA_MIN_CC_REASON.get(np.dtype(dtype), "") if need in (75, 80) else ""
-    if impl == "wgmma":
+    if impl.startswith("wgmma"):
         why = "sm_90a code: wgmma and TMA, H100 / H200 only"
-    exact = " exactly" if impl == "wgmma" else ""
+    exact = " exactly" if impl.startswith("wgmma") else ""
     raise ComputeCapabilityError(
         f"{fn}(): impl={impl!r} with {np.dtype(dtype)} inputs needs compute capability "
         f"{need // 10}.{need % 10}{exact}{' (' + why + ')' if why else ''}; {device}")

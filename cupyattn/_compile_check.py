@@ -5,8 +5,9 @@ sm_80; Hopper-only specs, ``sm90a=True``, once, for sm_90a), with no GPU. Uses t
 source string and options as the runtime loader, and reads registers / shared memory / stack /
 spills from ptxas' ``-v`` log. A ptxas report that it ignored an instruction (C7508:
 ``setmaxnreg`` in a kernel without ``__launch_bounds__(threads, 1)``) or serialised every wgmma
-(C7514: an accumulator read between a wgmma and the wait that retires it, as ptxas sees the
-paths) is an error: the kernel would run, slower than written.
+(C7514 / C7515, or any line saying wgmma was serialized: an accumulator read between a wgmma and
+the wait that retires it, as ptxas sees the paths) is an error: the kernel would run, slower than
+written.
 
 NVRTC is reached through CuPy's private ``_NVRTCProgram`` (it compiles for an explicit arch with
 no device); the check asserts it exists so a CuPy upgrade that removes it fails loudly here.
@@ -41,7 +42,9 @@ GATE_ARCHES = ("90",)
 JOB_SIZE = 6  # instantiations per NVRTC program: small enough to spread over the cores
 # ptxas messages that mean an instruction was dropped, each an error of the check. They are printed
 # before the per-kernel rows, so sm_90a instantiations are built one per program to name the kernel.
-_IGNORED_RE = re.compile(r"^ptxas.*\((C7508|C7514)\)(.*)$", re.M)
+_IGNORED_RE = re.compile(r"^ptxas.*\((C7508|C7514|C7515)\)(.*)$", re.M)
+# and any other ptxas line saying it serialised wgmma (the codes of that warning have varied)
+_SERIALISED_RE = re.compile(r"^ptxas.*wgmma.*serializ.*$", re.M | re.I)
 
 _ENTRY_RE = re.compile(r"Compiling entry function '([^']+)' for '(sm_\w+)'")
 _FRAME_RE = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
@@ -115,6 +118,7 @@ def compile_spec(spec: KernelSpec, arch: str, name_expressions=None) -> list[Ker
         raise RuntimeError(f"kernel spec {spec.name!r} ({spec.source}) failed for sm_{arch}:\n"
                            f"{e.get_message()}") from e
     ignored = _IGNORED_RE.findall(log.getvalue())
+    ignored += [("serialised wgmma", ": " + m) for m in _SERIALISED_RE.findall(log.getvalue())]
     if ignored:
         raise RuntimeError(f"kernel spec {spec.name!r} ({spec.source}) for sm_{arch}: ptxas ignored an "
                            f"instruction in {', '.join(exprs)}: ({ignored[0][0]}){ignored[0][1]}")

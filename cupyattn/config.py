@@ -12,6 +12,7 @@ docs/gpus.md): the reasons are register, shared-memory and occupancy arithmetic.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import ml_dtypes
@@ -267,6 +268,37 @@ DECODE_SPLIT_OVERHEAD_KEYS = 64   # fixed cost of one split (prologue, epilogue,
 # candidates, and re-measuring is left to the next GPU run.
 DECODE_SPLIT_BLOCKS_PER_SM = 1
 
+# --- decode schedule and paged addressing (issue 39) ---- begin ---------------------------------
+# Split rules of decode_attention / decode_attention_paged (split_rule=None takes the default):
+#   "cost"   choose_num_splits: least waves x (keys per split + DECODE_SPLIT_OVERHEAD_KEYS), the
+#            same chunk count for every sequence, a separate combine launch unless fused_combine
+#   "waves"  wave_splits: FlashAttention-3's rule (hopper/heuristics.h num_splits_heuristic): the
+#            smallest split count whose wave efficiency over the SMs is within
+#            DECODE_WAVE_EFFICIENCY of the best, at most DECODE_WAVE_MAX_SPLITS; the efficiency
+#            counts each sequence's own chunks (a ragged batch), each sequence is split into
+#            chunks of about split_keys keys (decode.cu SeqSplit: short sequences take fewer
+#            blocks), and the combine is fused into the decode kernel (no second launch)
+# The default stays "cost" (measured, H100 2026-11-26) until a GPU run measures "waves": it has
+# not yet run on a GPU (CPU emulator only). Switching is this one line.
+DECODE_SPLIT_RULES = ("cost", "waves")
+DECODE_SPLIT_RULE = "cost"
+DECODE_WAVE_EFFICIENCY = 0.85   # FA3: the smallest split count within 85% of the best efficiency
+DECODE_WAVE_MAX_SPLITS = 128    # FA3's cap; MQA at B=1, 128k keys on 132 SMs then takes 109 splits
+# Paged decode addressing: False, each K/V row load first reads its page id from the block table in
+# global memory (the load the H100 run of 2026-11-26 found paged decode waiting on: page 16 at 0.53x
+# of the contiguous kernel); True, the STAGED kernels (decode.cu, paged.cuh PageWindow) stage a
+# split's page ids in shared memory a window ahead of the K/V ring. Not yet run on a GPU (CPU
+# emulator only): False until a GPU run measures it. Switching is this one line.
+DECODE_PAGE_STAGING = False
+# Page layouts of PagedKVCache / the paged ops: "NHD" pages [num_pages, page_size, Hkv, D] (vLLM,
+# flash-attention; one head's rows Hkv * D elements apart), "HND" [num_pages, Hkv, page_size, D]
+# (FlashInfer's kv_layout="HND"; one head's rows of a page contiguous). PagedKVCache's default is
+# "NHD" until a GPU run measures "HND" (not yet run on a GPU); the raw paged functions always
+# default to "NHD" (the caller's arrays say which layout they hold).
+PAGED_LAYOUTS = ("NHD", "HND")
+PAGED_DEFAULT_LAYOUT = "NHD"
+# --- decode schedule and paged addressing (issue 39) ---- end -----------------------------------
+
 # --- KV-cache append (kernels_cu/kvcache.cu) ------------------------------------------------
 KV_APPEND_THREADS = 128
 KV_APPEND_ELEMS_PER_BLOCK = 2048  # tokens per block = this // head_dim
@@ -396,6 +428,27 @@ TINYLM_FUSED_DECODE = True
 # needs the cuda-bindings package.
 FUSED_DECODE_PDL = False
 
+# --- the megakernel: one persistent kernel per decode step (kernels_cu/megakernel.cu, issue 40) --
+# Not yet run on a GPU: tinylm takes it only when asked (TINYLM_MEGAKERNEL, below). Every value
+# here is arithmetic, to be replaced by measurements (`python -m benchmarks model`, impl
+# tinylm-mega) when a GPU run has them.
+MEGAKERNEL_THREADS = 256      # 8 warps: one weight row pair per warp of a 16-row GEMV tile, one
+                              # batch row per warp when the input rows are loaded (batch <= 8)
+MEGAKERNEL_STAGES = 6         # weight ring: 6 x 8 KB chunks, 5 in flight per SM (about 5 MB over
+                              # 132 SMs, twice what 3 TB/s at ~1 us latency needs); ring + 17 KB
+                              # scratch + batch-8 fp16 rows of SmolLM2's widest input (24 KB) fit
+                              # the 99 KB parts
+MEGAKERNEL_MAX_BATCH = 8      # rows per step (the GEMV keeps 2 x 8 accumulators per lane)
+MEGAKERNEL_MAX_HEAD_DIM = 128  # attention keeps head_dim / 32 output dims per lane and head
+MEGAKERNEL_HEAD_TILE = 4      # query heads of one kv head scored per pass over its keys (GQA
+                              # groups above 4 take several passes)
+MEGAKERNEL_MIN_KEYS_PER_SPLIT = 256  # a decode step splits its keys only when each split gets this many
+MEGAKERNEL_MAX_SPLITS = 32
+MEGAKERNEL_BLOCKS = None      # blocks of a launch (persistent: one per SM); None = the device's SM count
+# tinylm's decode step through the megakernel instead of the fused step: off until a GPU run shows
+# it correct and faster (not yet run on a GPU). TINYLM_MEGAKERNEL=1 in the environment turns it on.
+TINYLM_MEGAKERNEL = os.environ.get("TINYLM_MEGAKERNEL", "") == "1"
+
 # --- row softmax (kernels_cu/row_softmax.cu) --------------------------------------------------
 SOFTMAX_VPTS = (1, 2, 4, 8, 16, 32)     # values per lane of the warp-per-row kernel
 SOFTMAX_WARP_MAX = 32 * SOFTMAX_VPTS[-1]  # longer rows go to the block-per-row kernel
@@ -472,6 +525,43 @@ ATTN_WGMMA_STAGE_CHOICES = (2, 3, 4)   # what benchmarks.tune may try (shared me
 # vs 5.108), bf16 D=128 causal 1.569 vs 2.207, fp16 D=128 GQA (8 KV heads) causal 1.061 vs 2.204.
 # bf16 at D=64 and 256 passed the GPU tier but were not timed: they keep flash_mma.
 ATTN_AUTO_WGMMA = ((FLOAT16, 64), (FLOAT16, 128), (FLOAT16, 256), (BFLOAT16, 128))
+
+# impl="wgmma_persistent" (kernels_cu/flash_attn_sm90_persistent.cu, v4): v3's tile and pipeline
+# (ATTN_WGMMA_TILES, ATTN_WGMMA_REGS) in a persistent grid of one block per SM with a tile scheduler;
+# also window, softcap, packed (attention_varlen) and paged (attention_paged) sequences. Not yet run
+# on a GPU: explicit impl="wgmma_persistent" only (impl=None of attention, attention_varlen and
+# attention_paged never takes it) until a GPU run shows it correct and faster in the same run
+# (benchmarks: the attention-causal sweep, the varlen and paged cases; gpu_run.sh prefill).
+# v4's tiles: v3's, except where v4's own registers do not fit beside them (ptxas, NVRTC 12.9,
+# sm_90a: no spills in any entry). v4's producer warpgroup runs a loader warp and a scheduler warp
+# in 40 registers, leaving the consumers 232 (v3's budget); at D=256 the overlapped softmax (S 32
+# + P 16 live beside O's 128 while P V runs) needs 240, so v4 takes v3's tile without the overlap.
+ATTN_WGMMA_PERSISTENT_TILES = {
+    64: ATTN_WGMMA_TILES[64],
+    128: ATTN_WGMMA_TILES[128],
+    256: AttnWgmmaTile(64, 2, "v3's D=256 tile without the softmax / P V overlap: O 128 + S 32 registers at "
+                       "the softmax, P 16 packed after it; 232 registers per consumer thread with no spill "
+                       "(overlapped: 240 needed, leaving the producer 32, where its loader spills)", overlap=False),
+}
+# Equal tiles (no causal, window or key_lengths on dense inputs) take the static order (block i:
+# tiles i, i + grid, ...); unequal ones are claimed from a counter, longest first.
+ATTN_WGMMA_STATIC_WHEN_EQUAL = True
+# Share of the L2 the K and V of one head section may take: the tiles in flight (grid = SMs) are
+# those of a few sections, and the K/V they read must stay in L2 beside the Q tiles and O rows
+# streaming through it. FlashAttention-3 (hopper/tile_scheduler.hpp) budgets 32 MB of the H100's
+# 50 MB; the same share here. Unmeasured.
+ATTN_WGMMA_L2_SHARE = 0.64
+# Pages shorter than this take one TMA copy per 1-4 rows of a key tile; refused on v4 (flash_mma
+# reads any page size). 8 rows x 128 B = one 1 KB 128-byte-swizzle atom per copy.
+ATTN_WGMMA_MIN_PAGE = 8
+
+
+def attn_wgmma_heads_per_section(l2_bytes: int, kv_bytes_per_head: int, group: int, hq: int) -> int:
+    """Query heads of one L2 section of v4's tile order: as many whole GQA groups (``group`` query
+    heads share one K/V head of ``kv_bytes_per_head`` bytes, K and V) as ATTN_WGMMA_L2_SHARE of the
+    L2 holds, at least one group, at most ``hq``."""
+    kv_heads = max(1, int(l2_bytes * ATTN_WGMMA_L2_SHARE) // max(1, kv_bytes_per_head))
+    return max(1, min(hq, kv_heads * group))
 # --- end: Hopper attention ---------------------------------------------------------------------
 
 # === GPU families: which kernel each compute capability gets (issue 24) =================
@@ -546,7 +636,10 @@ IMPL_MIN_CC = {
     ("gemm", "skinny"): MMA_MIN_CC,                 # fp32 skinny is FMA-only
     ("gemm", "wgmma"): {FLOAT16: 90, BFLOAT16: 90},  # sm_90a: H100 / H200 only
     ("attention", "wgmma"): {FLOAT16: 90, BFLOAT16: 90},  # sm_90a (kernels_cu/flash_attn_sm90.cu)
+    ("attention", "wgmma_persistent"): {FLOAT16: 90, BFLOAT16: 90},  # sm_90a (flash_attn_sm90_persistent.cu)
     ("fused", "skinny"): MMA_MIN_CC,                # the fused decode step's projections
+    # the megakernel: its weight ring is cp.async (below sm_80 plain copies would serialise it)
+    ("megakernel", "persistent"): {FLOAT32: 80, FLOAT16: 80, BFLOAT16: 80},
 }
 
 
@@ -567,7 +660,7 @@ def impl_runs_on(op: str, impl: str, dtype, cc: int, head_dim: int | None = None
     """Whether a device of compute capability ``cc`` has the instructions (and registers) ``impl``
     needs for ``dtype`` inputs at ``head_dim`` (None: any head dim the impl takes somewhere)."""
     need = impl_min_cc(op, impl, dtype, head_dim)
-    return cc >= need and not (need == 90 and impl == "wgmma" and cc != 90)  # sm_90a code: 9.0 only
+    return cc >= need and not (need == 90 and impl.startswith("wgmma") and cc != 90)  # sm_90a code: 9.0 only
 
 
 def flash_mma_min_cc(dtype, head_dim: int) -> int:

@@ -4,7 +4,8 @@ and softmax.
 
 Layout ``[B, H, S, D]``; K/V may have fewer heads than Q (GQA/MQA); causal masks with Sq != Sk
 are aligned bottom-right. See ``kernels_cu/flash_attn.cu`` for the kernel and its tile table;
-``impl="wgmma"`` (Hopper, opt-in) lives in :mod:`cupyattn.flash_attn_sm90`.
+``impl="wgmma"`` (Hopper) lives in :mod:`cupyattn.flash_attn_sm90`, ``impl="wgmma_persistent"``
+(Hopper, opt-in: not yet run on a GPU) in :mod:`cupyattn.flash_attn_sm90_persistent`.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import numpy as np
 
 from . import _checks, options
 from . import flash_attn_sm90 as _sm90
+from . import flash_attn_sm90_persistent as _sm90p
 from ._checks import check_array, check_choice, check_last_contiguous, check_out, check_same_dtype
 from . import _loader
 from ._loader import KernelSpec, get_function, ptr_or_null
@@ -27,7 +29,9 @@ from .gemm import gemm_nn, gemm_nt
 from .row_softmax import softmax
 
 IMPLS = ("flash", "flash_mma", "naive")
-HOPPER_IMPLS = ("wgmma",)  # sm_90 only (impl=None takes it where config.ATTN_AUTO_WGMMA says): flash_attn_sm90.py
+# sm_90 only: "wgmma" (impl=None takes it where config.ATTN_AUTO_WGMMA says; flash_attn_sm90.py) and
+# its persistent variant (explicit impl only; flash_attn_sm90_persistent.py)
+HOPPER_IMPLS = ("wgmma", "wgmma_persistent")
 # What impl=None runs for each dtype on a GPU that has every instruction and enough shared memory
 # (sm_80 and newer): the fastest correct kernel (tensor cores where they apply). default_impl()
 # says what it runs on the current device.
@@ -263,6 +267,8 @@ def _check_args(q, k, v, causal, scale, mask, key_lengths, impl, return_lse, out
     options.check(_FN, _FN, impl, used, "impl=None picks a path that implements it")
     if impl == "wgmma":
         _sm90.check(q, k, v)
+    elif impl == "wgmma_persistent":
+        _sm90p.check_dense(_FN, impl, q, k, v)
     if out is not None:
         check_out(_FN, out, (b, hq, sq, d), q.dtype)
         _checks.check_no_overlap(_FN, out, {"q": q, "k": k, "v": v, "mask": mask,
@@ -295,7 +301,7 @@ def attention(q, k, v, causal=False, scale=None, mask=None, key_lengths=None, im
     key_lengths : int array [B], optional
         Keys ``j >= key_lengths[b]`` are hidden. Host values (list / NumPy) are checked to lie in
         [0, Sk]; a CuPy array is used as is (not read back: the flash kernel clamps it to [0, Sk]).
-    impl : {None, "flash", "flash_mma", "naive", "wgmma"}
+    impl : {None, "flash", "flash_mma", "naive", "wgmma", "wgmma_persistent"}
         None (default): the fastest correct kernel for the dtype on this GPU,
         ``default_impl(q.dtype, D)`` (``DEFAULT_IMPL[q.dtype]`` from sm_80 on; see docs/gpus.md).
         ``"flash"``: one fused FlashAttention-2 kernel launch (SIMT, fp32 FMA); S is
@@ -317,7 +323,11 @@ def attention(q, k, v, causal=False, scale=None, mask=None, key_lengths=None, im
         warp-specialised (cupyattn/flash_attn_sm90.py); float16/bfloat16, D of 64, 128 or 256,
         q/k/v that TMA can read (16-byte-aligned base and strides, no broadcast or reversed
         view, else a ValueError naming the tensor and the stride); masks as ``flash_mma`` takes
-        them; no window or softcap yet (ValueError; impl=None takes flash_mma for them).
+        them; no window or softcap (ValueError; impl=None takes flash_mma for them).
+        ``"wgmma_persistent"``: its persistent variant (cupyattn/flash_attn_sm90_persistent.py:
+        one block per SM, tiles longest first in L2-sized head sections), the same inputs and
+        options, window and softcap included. Opt-in (impl=None never takes it): **not yet run
+        on a GPU**.
     return_lse : bool
         Also return the row log-sum-exp of the scaled, masked scores.
     out : cupy.ndarray [B, Hq, Sq, D], optional
@@ -372,6 +382,9 @@ def attention(q, k, v, causal=False, scale=None, mask=None, key_lengths=None, im
         _naive(q, k, v, causal, scale, mask, mshape, kl, out, lse)
     elif impl == "wgmma":
         _sm90.run(q, k, v, causal, scale, kl, out, lse, mask, mshape)
+    elif impl == "wgmma_persistent":
+        win, cap = (sv.window, sv.softcap) if sv is not None else ((-1, -1), 0.0)
+        _sm90p.run_dense(q, k, v, causal, scale, kl, out, lse, mask, mshape, win, cap)
     else:
         _flash(impl, q, k, v, causal, scale, mask, mshape, kl, out, lse, sv)
     return (out, lse) if return_lse else out

@@ -4,8 +4,9 @@ FlashAttention-2's algorithm in FlashAttention-3's shape: a producer warp loads 
 into mbarrier-tracked stage rings, two consumer warpgroups compute ``S = Q K^T`` and ``O += P V``
 with ``wgmma``. float16 / bfloat16, head dims ``config.ATTN_WGMMA_TILES`` (64, 128, 256), causal
 (bottom-right), GQA/MQA, ``key_lengths``, additive masks, ``scale``, ``return_lse``, ``out=``;
-not ``window`` or ``softcap`` yet (cupyattn/options.py REFUSED: an explicit impl="wgmma" raises,
-impl=None takes flash_mma for them). It needs an sm_90 device and
+not ``window`` or ``softcap`` (cupyattn/options.py REFUSED: an explicit impl="wgmma" raises,
+impl=None takes flash_mma for them; the persistent variant, impl="wgmma_persistent" in
+:mod:`cupyattn.flash_attn_sm90_persistent`, implements both). It needs an sm_90 device and
 q, k, v that TMA can read: 16-byte-aligned base pointers and batch / head / row strides that are
 positive multiples of 16 bytes (a contiguous tensor always qualifies: D is 64, 128 or 256; a
 broadcast or reversed view never does).

@@ -125,7 +125,7 @@ class KVCache:
 
     def _layout_args(self):
         """The append kernels' KV_PAGED_PARAMS: no block table."""
-        return (NULL, np.int32(0), np.int32(0), np.int32(0))
+        return (NULL, np.int32(0), np.int32(0), np.int32(0), np.int32(0))
 
     def __repr__(self):
         return (f"KVCache(num_layers={self.num_layers}, batch={self.batch}, num_kv_heads="

@@ -37,6 +37,10 @@ OPTIONS = {
     "num_splits": "`num_splits=`: split-KV",
     "workspace": "`workspace=`: the caller's split-KV partials",
     "fused_combine": "`fused_combine=True`: the splits merged inside the decode kernel",
+    "split_rule": "`split_rule=\"waves\"`: FlashAttention-3's wave-efficiency split count, chunks per sequence "
+                  "(opt-in, not yet run on a GPU)",
+    "hnd_pages": "`layout=\"HND\"`: pages [num_pages, Hkv, page_size, D] (FlashInfer's; PagedKVCache(layout=)); "
+                 "not yet run on a GPU",
 }
 
 # entry point -> (the impls an explicit impl= names, the options it takes)
@@ -44,25 +48,26 @@ _ATTN = ("causal", "window", "softcap", "scale", "gqa", "broadcast", "strided", 
 _DECODE = ("window", "softcap", "scale", "gqa", "broadcast", "strided", "negative_stride", "out", "num_splits",
            "workspace")
 ENTRY_IMPLS = {
-    "attention": ("flash", "flash_mma", "naive", "wgmma"),
-    "attention_varlen": ("flash", "flash_mma"),
-    "attention_paged": ("flash", "flash_mma"),
+    "attention": ("flash", "flash_mma", "naive", "wgmma", "wgmma_persistent"),
+    "attention_varlen": ("flash", "flash_mma", "wgmma_persistent"),
+    "attention_paged": ("flash", "flash_mma", "wgmma_persistent"),
     "decode_attention": ("simt", "mma"),
     "decode_attention_paged": ("simt", "mma"),
 }
 ENTRY_OPTIONS = {
     "attention": _ATTN + ("mask", "key_lengths", "return_lse", "out"),
     "attention_varlen": _ATTN + ("return_lse", "out", "device_lengths"),
-    "attention_paged": _ATTN + ("packed_q", "return_lse", "out", "device_lengths"),
-    "decode_attention": _DECODE + ("fused_combine",),
-    "decode_attention_paged": _DECODE + ("device_lengths",),
+    "attention_paged": _ATTN + ("packed_q", "return_lse", "out", "device_lengths", "hnd_pages"),
+    "decode_attention": _DECODE + ("fused_combine", "split_rule"),
+    "decode_attention_paged": _DECODE + ("device_lengths", "fused_combine", "split_rule", "hnd_pages"),
 }
 # How impl=None / "auto" chooses, per entry point (the docs' note; the code is each module's).
 DEFAULTS = {
     "attention": "impl=None: `wgmma` on sm_90 for config.ATTN_AUTO_WGMMA's (dtype, D) pairs when it "
                  "implements every option of the call and TMA can read q, k, v; else `flash_mma` "
-                 "(fp16/bf16 where the device has it), else `flash`",
-    "attention_varlen": "impl=None: `flash_mma` for fp16/bf16 where the device has it, else `flash`",
+                 "(fp16/bf16 where the device has it), else `flash`; never `wgmma_persistent`",
+    "attention_varlen": "impl=None: `flash_mma` for fp16/bf16 where the device has it, else `flash`; never "
+                        "`wgmma_persistent`",
     "attention_paged": "impl=None: as attention_varlen",
     "decode_attention": "impl='auto': `mma` for fp16/bf16 with a GQA group of 4 or more where the device "
                         "has it, else `simt`",
@@ -73,23 +78,31 @@ DEFAULTS = {
 # (entry point, impl) -> {option: why it is refused}. Every other option of ENTRY_OPTIONS[entry]
 # is implemented by that impl. Call options here raise ValueError from :func:`check`; layouts
 # are refused by the path's own checks (their messages name the operand and the stride).
-WGMMA_SOON = "not in kernels_cu/flash_attn_sm90.cu yet"
+V3_LACKS = "not in kernels_cu/flash_attn_sm90.cu (v3); impl='wgmma_persistent' implements it"
+TMA_REFUSES = {  # the Hopper kernels read q, k, v through TMA tensor maps
+    "broadcast": "TMA cannot describe a stride of 0 (a ValueError names the operand and the stride)",
+    "negative_stride": "TMA cannot describe a negative stride (a ValueError names the operand and the stride)",
+}
 REFUSED = {
     ("attention", "naive"): {
         "window": "the split pipeline (gemm_nt, softmax, gemm_nn) has no window",
         "softcap": "the split pipeline (gemm_nt, softmax, gemm_nn) has no softcap",
     },
-    ("attention", "wgmma"): {
-        "window": WGMMA_SOON,
-        "softcap": WGMMA_SOON,
-        "broadcast": "TMA cannot describe a stride of 0 (a ValueError names the operand and the stride)",
-        "negative_stride": "TMA cannot describe a negative stride (a ValueError names the operand and the stride)",
+    ("attention", "wgmma"): {"window": V3_LACKS, "softcap": V3_LACKS, **TMA_REFUSES},
+    ("attention", "wgmma_persistent"): TMA_REFUSES,
+    ("attention_varlen", "wgmma_persistent"): TMA_REFUSES,
+    ("attention_paged", "wgmma_persistent"): {
+        **TMA_REFUSES,
+        "hnd_pages": "its TMA maps read NHD pages [num_pages, page_size, Hkv, D]; impl=None serves HND",
     },
 }
 # (entry point, impl, option) -> a condition on an implemented option (the docs' footnotes)
+TMA_STRIDES = "strides and base 16-byte multiples (TMA), else a ValueError naming the operand"
 CONDITIONS = {
-    ("attention", "wgmma", "strided"): "strides and base 16-byte multiples (TMA), else a ValueError naming "
-                                       "the operand; impl=None then takes flash_mma",
+    ("attention", "wgmma", "strided"): TMA_STRIDES + "; impl=None then takes flash_mma",
+    ("attention", "wgmma_persistent", "strided"): TMA_STRIDES,
+    ("attention_varlen", "wgmma_persistent", "strided"): TMA_STRIDES,
+    ("attention_paged", "wgmma_persistent", "strided"): TMA_STRIDES,
     ("attention", "flash_mma", "strided"): "views not 16-byte aligned take a slower element-wise staging path",
     ("attention", "naive", "strided"): "non-contiguous k, v are copied first",
 }
@@ -100,6 +113,14 @@ LAYOUT_INPUTS = {
     "decode_attention_paged": "q only: k_pages and v_pages must be C-contiguous",
 }
 LAYOUTS = ("gqa", "broadcast", "strided", "negative_stride")
+# (entry point, impl) -> what else the docs say of the path (conditions on no single option)
+NOT_ON_GPU = "opt-in, not yet run on a GPU (CPU emulator only): only an explicit impl= takes it"
+PATH_NOTES = {
+    ("attention", "wgmma_persistent"): NOT_ON_GPU,
+    ("attention_varlen", "wgmma_persistent"): NOT_ON_GPU,
+    ("attention_paged", "wgmma_persistent"): NOT_ON_GPU + "; pages of at least config.ATTN_WGMMA_MIN_PAGE "
+                                             "(8) tokens, else a ValueError naming page_size",
+}
 
 
 def refused(entry: str, impl: str, option: str) -> str | None:
@@ -148,6 +169,7 @@ def markdown() -> str:
         lines += [f"| `{impl}` | " + " | ".join(cell(entry, impl, o) for o in opts) + " |" for impl in impls]
         notes = [f"- `{impl}`, {o}: no: {why}" for impl in impls for o, why in REFUSED.get((entry, impl), {}).items()]
         notes += [f"- `{impl}`, {o}: {why}" for (e, impl, o), why in CONDITIONS.items() if e == entry]
+        notes += [f"- `{impl}`: {why}" for (e, impl), why in PATH_NOTES.items() if e == entry]
         notes += [f"- broadcast, strided, negative_stride: {LAYOUT_INPUTS[entry]}"] if entry in LAYOUT_INPUTS else []
         lines += [""] + notes + ([""] if notes else []) + [DEFAULTS[entry] + ".", ""]
     lines += ["## Options", ""] + [f"- **{o}**: {what}" for o, what in OPTIONS.items()] + [""]

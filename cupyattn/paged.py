@@ -1,16 +1,23 @@
 """Paged KV caches: decode and chunked-prefill attention over pages, and :class:`PagedKVCache`.
 
-Layout (flash-attention's ``flash_attn_with_kvcache`` and vLLM's): keys and values live in
-pages ``[num_pages, page_size, Hkv, D]``; an int32 ``block_table [B, max_pages]`` lists each
-sequence's pages in order, so position ``p`` of sequence ``b`` is row ``p % page_size`` of page
-``block_table[b, p // page_size]``; int32 ``seq_lens [B]`` says how many positions are live.
-Pages may be anywhere and in any order; entries past a sequence's length are never read.
-``page_size`` is a power of two from 1 to 256 (the kernels split a position with a shift).
+Layouts (``layout=``, config.PAGED_LAYOUTS): ``"NHD"`` (flash-attention's
+``flash_attn_with_kvcache`` and vLLM's; the default of every function here) keeps keys and
+values in pages ``[num_pages, page_size, Hkv, D]``; ``"HND"`` (FlashInfer's) in pages
+``[num_pages, Hkv, page_size, D]``, where one head's rows of a page are contiguous. An int32
+``block_table [B, max_pages]`` lists each sequence's pages in order, so position ``p`` of
+sequence ``b`` is row ``p % page_size`` of page ``block_table[b, p // page_size]``; int32
+``seq_lens [B]`` says how many positions are live. Pages may be anywhere and in any order;
+entries past a sequence's length are never read. ``page_size`` is a power of two from 1 to 256
+(the kernels split a position with a shift).
 
 The kernels are the serving variants of the contiguous ones (``SERVING = true``): decode is
 ``kernels_cu/decode.cu`` (split-KV, GQA packing, tensor cores) with K/V rows looked up through
-the table once per 16-byte load; chunked prefill is ``kernels_cu/flash_attn.cu``; appends are
-``kernels_cu/kvcache.cu``. **None of them has run on a GPU yet** (CPU emulator only).
+the table once per 16-byte load, or, with config.DECODE_PAGE_STAGING, with each split's page ids
+staged in shared memory ahead of its K/V ring (``STAGED``); chunked prefill is
+``kernels_cu/flash_attn.cu``; appends are ``kernels_cu/kvcache.cu``. Those ran on an H100
+(2026-11-26); the HND layout, the staged page ids and ``impl="wgmma_persistent"`` (the
+persistent Hopper kernel, NHD pages of at least 8 tokens) have not run on a GPU yet (CPU
+emulator only) and are opt-in.
 """
 from __future__ import annotations
 
@@ -19,10 +26,11 @@ import math
 import cupy
 import numpy as np
 
-from . import _checks
-from ._checks import check_array, check_out
-from .config import DECODE_MAX_SPLITS, PAGED_MAX_PAGE_SIZE
-from .decode import _auto_splits, _check_args, _check_workspace, _launch, serving_plan
+from . import _checks, config, options
+from . import flash_attn_sm90_persistent as _sm90p
+from ._checks import check_array, check_choice, check_out
+from .config import PAGED_LAYOUTS, PAGED_MAX_PAGE_SIZE
+from .decode import _check_args, _check_workspace, _launch, check_split_rule, schedule, serving_plan
 from .flash_attn import Serving, _flash, check_window_softcap
 from .kvcache import KVCache
 from .varlen import check_grid, check_max_seqlen, check_offsets, check_packed, elem_strides, offsets_batch
@@ -30,22 +38,41 @@ from .varlen import check_grid, check_max_seqlen, check_offsets, check_packed, e
 MAX_PAGE_SIZE = PAGED_MAX_PAGE_SIZE
 
 
-def _check_pages(fn, q, k_pages, v_pages, block_table, seq_lens, impl, b):
-    """q [*, Hq, D]; pages [N, P, Hkv, D] (C-contiguous), table int32 [B, max_pages] on the
-    device, seq_lens [B] -> (impl, Hq, Hkv, D, page_size, host seq_lens or None, device
-    seq_lens). ``impl`` None or a flash impl: checked as attention's; "auto"/"simt"/"mma": decode's
-    (checked by decode's own checks later)."""
-    impl, hq, hkv, d = check_packed(fn, q, k_pages, v_pages, None if impl in ("auto", "simt", "mma") else impl,
+def check_layout(fn: str, layout) -> str:
+    """``layout`` as one of config.PAGED_LAYOUTS ("NHD", "HND")."""
+    check_choice(fn, "layout", layout, PAGED_LAYOUTS)
+    return layout
+
+
+def _nhd(x):
+    """HND pages [N, Hkv, P, D] seen as [N, P, Hkv, D] (a view), for the checks that read shapes."""
+    return x.transpose(0, 2, 1, 3)
+
+
+def _check_pages(fn, q, k_pages, v_pages, block_table, seq_lens, impl, b, layout="NHD"):
+    """q [*, Hq, D]; pages [N, P, Hkv, D] (NHD) or [N, Hkv, P, D] (HND), C-contiguous; table
+    int32 [B, max_pages] on the device, seq_lens [B] -> (impl, Hq, Hkv, D, page_size, host
+    seq_lens or None, device seq_lens). ``impl`` None, a flash impl or "wgmma_persistent": checked as attention_varlen's;
+    "auto"/"simt"/"mma": decode's (checked by decode's own checks later)."""
+    shape = "[num_pages, page_size, Hkv, D]" if layout == "NHD" else "[num_pages, Hkv, page_size, D]"
+    kn, vn = k_pages, v_pages
+    if layout == "HND":  # the shape checks below read [N, P, Hkv, D]
+        for name, x in (("k_pages", k_pages), ("v_pages", v_pages)):
+            check_array(fn, name, x, ndim=4)
+        kn, vn = _nhd(k_pages), _nhd(v_pages)
+    impl, hq, hkv, d = check_packed(fn, q, kn, vn, None if impl in ("auto", "simt", "mma") else impl,
                                     "k_pages", "v_pages")
     for name, x in (("k_pages", k_pages), ("v_pages", v_pages)):
         check_array(fn, name, x, ndim=4)
         if not x.flags.c_contiguous:
-            raise ValueError(f"{fn}(): {name} must be C-contiguous [num_pages, page_size, Hkv, D]")
+            raise ValueError(f"{fn}(): {name} must be C-contiguous {shape} (layout={layout!r})")
     if tuple(v_pages.shape) != tuple(k_pages.shape):
         raise ValueError(f"{fn}(): v_pages has shape {tuple(v_pages.shape)} but k_pages has {tuple(k_pages.shape)}")
-    n_pages, ps = k_pages.shape[0], k_pages.shape[1]
+    n_pages, ps = kn.shape[0], kn.shape[1]
     if not (1 <= ps <= MAX_PAGE_SIZE and ps & (ps - 1) == 0):
-        raise ValueError(f"{fn}(): page_size (k_pages.shape[1]) must be a power of two in [1, {MAX_PAGE_SIZE}], got {ps}")
+        axis = 1 if layout == "NHD" else 2
+        raise ValueError(f"{fn}(): page_size (k_pages.shape[{axis}]) must be a power of two in [1, {MAX_PAGE_SIZE}], "
+                         f"got {ps}")
     if n_pages == 0:
         raise ValueError(f"{fn}(): k_pages holds no page")
     check_array(fn, "block_table", block_table, dtypes=(np.dtype(np.int32),), ndim=2)
@@ -63,15 +90,17 @@ def _check_pages(fn, q, k_pages, v_pages, block_table, seq_lens, impl, b):
 
 
 def decode_attention_paged(q, k_pages, v_pages, block_table, seq_lens, scale=None, window=None, softcap=None,
-                           num_splits=None, out=None, impl="auto", max_seq_len=None, workspace=None):
+                           num_splits=None, out=None, impl="auto", max_seq_len=None, workspace=None, layout="NHD",
+                           split_rule=None, fused_combine=None):
     """One query token per sequence over a paged KV cache (``flash_attn_with_kvcache`` layout).
 
     Parameters
     ----------
     q : cupy.ndarray [B, Hq, D]
         float32 / float16 / bfloat16, last dim contiguous; ``Hq % Hkv == 0`` (GQA/MQA).
-    k_pages, v_pages : cupy.ndarray [num_pages, page_size, Hkv, D], C-contiguous, q's dtype
-        ``page_size`` a power of two in [1, 256].
+    k_pages, v_pages : cupy.ndarray, C-contiguous, q's dtype
+        ``[num_pages, page_size, Hkv, D]`` (layout "NHD") or ``[num_pages, Hkv, page_size, D]``
+        ("HND"); ``page_size`` a power of two in [1, 256].
     block_table : cupy.ndarray int32 [B, max_pages]
         Page ids (< num_pages; an out-of-range id is clamped, never read past the pages).
     seq_lens : int32 [B]
@@ -80,18 +109,23 @@ def decode_attention_paged(q, k_pages, v_pages, block_table, seq_lens, scale=Non
     scale, window, softcap :
         As :func:`cupyattn.decode_attention` (window left bound only matters in decode).
     num_splits : int, optional
-        Split-KV count (1 to 512); None: the rule of :func:`cupyattn.choose_num_splits` on the
-        longest length (host ``seq_lens``), or on ``max_seq_len`` when given, else on the table's
-        capacity. Fix it for CUDA graphs.
+        Split-KV count (1 to 512); None: the split rule's choice on the host ``seq_lens``, or on
+        ``max_seq_len`` when given, else on the table's capacity. Fix it for CUDA graphs.
     out : cupy.ndarray [B, Hq, D], optional
     impl : {"auto", "simt", "mma"}
         As decode_attention.
-    max_seq_len : int, optional
-        Upper bound of seq_lens for the split rule when they are on the device.
-    workspace : (o_part, lse_part), optional
-        Split-KV partials as :func:`cupyattn.decode_attention` takes them (float32 ``[S, B, Hq,
-        D]`` and ``[S, B, Hq]``, ``S >= num_splits``): with ``out`` and a fixed ``num_splits``
-        the call allocates nothing and can be captured in a CUDA graph.
+    max_seq_len : int or B host ints, optional
+        Upper bound of seq_lens for the split rule when they are on the device (one for all, or
+        one per sequence: the "waves" rule sizes each sequence's splits by its own).
+    workspace : (o_part, lse_part) or (o_part, lse_part, counters), optional
+        Split-KV partials (and the fused combine's counters) as :func:`cupyattn.decode_attention`
+        takes them (float32 ``[S, B, Hq, D]`` and ``[S, B, Hq]``, ``S >= num_splits``; uint32
+        ``[B, Hq]`` zeros): with ``out`` and a fixed ``num_splits`` the call allocates nothing
+        and can be captured in a CUDA graph.
+    layout : {"NHD", "HND"}
+        Which of the two page layouts k_pages and v_pages hold.
+    split_rule, fused_combine : as :func:`cupyattn.decode_attention` ("waves" and the fused
+        combine by default under it).
 
     Returns
     -------
@@ -102,40 +136,57 @@ def decode_attention_paged(q, k_pages, v_pages, block_table, seq_lens, scale=Non
     --------
     >>> o = decode_attention_paged(q, cache.k[layer], cache.v[layer], cache.block_table, cache.lengths[layer])
     """
-    fn = "decode_attention_paged"
+    return _decode_paged("decode_attention_paged", q, k_pages, v_pages, block_table, seq_lens, scale, window,
+                         softcap, num_splits, out, impl, max_seq_len, workspace, layout, split_rule, fused_combine)
+
+
+def _decode_paged(fn, q, k_pages, v_pages, block_table, seq_lens, scale, window, softcap, num_splits, out, impl,
+                  max_seq_len, workspace, layout, split_rule, fused_combine, host_lens=None):
+    """decode_attention_paged; ``host_lens``: the host's copy of device ``seq_lens`` (a
+    PagedKVCache's mirror), for the split rule only."""
     check_array(fn, "q", q, ndim=3)
     b = q.shape[0]
-    _, hq, hkv, d, ps, host, lens = _check_pages(fn, q, k_pages, v_pages, block_table, seq_lens, impl, b)
+    layout = check_layout(fn, layout)
+    _, hq, hkv, d, ps, host, lens = _check_pages(fn, q, k_pages, v_pages, block_table, seq_lens, impl, b, layout)
     stand_in = KVCache.__new__(KVCache)  # the decode checks and launch read these attributes
     stand_in.k, stand_in.v, stand_in.lengths = k_pages[None], v_pages[None], lens[None]
     stand_in.num_layers, stand_in.num_kv_heads, stand_in.head_dim, stand_in.batch = 1, hkv, d, b
     stand_in.max_seq, stand_in.dtype = block_table.shape[1] * ps, np.dtype(k_pages.dtype)
     _, _, _, _, scale, num_splits, plan = _check_args(fn, q[:, :, None], stand_in, 0, scale, num_splits, None, impl)
+    rule = check_split_rule(fn, split_rule)
+    fused_combine = rule == "waves" if fused_combine is None else _checks.check_bool(fn, "fused_combine", fused_combine)
     inputs = {"q": q, "k_pages": k_pages, "v_pages": v_pages, "block_table": block_table, "seq_lens": seq_lens}
     if out is not None:
         check_out(fn, out, (b, hq, d), q.dtype)
         _checks.check_no_overlap(fn, out, inputs)
-    # the split rule's longest length: host seq_lens, else the caller's bound, else the capacity
-    bound = None if max_seq_len is None else _checks.check_int(fn, "max_seq_len", max_seq_len, 0)
-    if host is not None:
-        longest = int(host.max()) if len(host) else 0
-    else:
-        longest = stand_in.max_seq if bound is None else bound
-    sv, plan, live = serving_plan(fn, window, softcap, impl, q.dtype, d, hq // hkv, plan, longest,
-                                  block_table=block_table, log2_page=ps.bit_length() - 1,
-                                  num_pages=k_pages.shape[0])
-    if num_splits is None:
-        num_splits = min(_auto_splits(plan, b, hkv, live), DECODE_MAX_SPLITS)
+    # the split rule's lengths: host seq_lens, else the caller's bounds, else the capacity
+    if host is None:
+        host = host_lens if host_lens is not None else _bounds(fn, max_seq_len, b, stand_in.max_seq)
+    sv, plan = serving_plan(fn, window, softcap, impl, q.dtype, d, hq // hkv, plan, block_table=block_table,
+                            log2_page=ps.bit_length() - 1, num_pages=k_pages.shape[0], layout=layout)
+    num_splits, split_keys = schedule(rule, plan, b, hkv, host, num_splits, sv.win_left)
     if workspace is not None:
-        _check_workspace(fn, workspace, num_splits, b, hq, d, {**inputs, "out": out})
+        _check_workspace(fn, workspace, num_splits, b, hq, d, {**inputs, "out": out}, fused_combine)
     out = cupy.empty((b, hq, d), dtype=q.dtype) if out is None else out
     if b == 0 or hq == 0:
         return out
-    return _launch(q, stand_in, 0, scale, num_splits, out, plan, workspace, sv=sv)
+    return _launch(q, stand_in, 0, scale, num_splits, out, plan, workspace, fused_combine=fused_combine, sv=sv,
+                   split_keys=split_keys)
+
+
+def _bounds(fn, max_seq_len, b, capacity):
+    """max_seq_len (None: the capacity; an int; or b host ints >= 0) as b lengths for the split rule."""
+    if max_seq_len is None:
+        return [capacity] * b
+    if isinstance(max_seq_len, (list, tuple, np.ndarray)):
+        if len(max_seq_len) != b:
+            raise ValueError(f"{fn}(): max_seq_len has {len(max_seq_len)} entries, expected one per sequence ({b})")
+        return [_checks.check_int(fn, f"max_seq_len[{i}]", n, 0) for i, n in enumerate(max_seq_len)]
+    return [_checks.check_int(fn, "max_seq_len", max_seq_len, 0)] * b
 
 
 def attention_paged(q, k_pages, v_pages, block_table, seq_lens, cu_seqlens_q=None, max_seqlen_q=None, causal=False,
-                    scale=None, window=None, softcap=None, return_lse=False, out=None, impl=None):
+                    scale=None, window=None, softcap=None, return_lse=False, out=None, impl=None, layout="NHD"):
     """Attention of new queries over paged keys/values that already hold them (chunked prefill).
 
     Sequence b has ``seq_lens[b]`` keys in its pages, its new tokens last (append them first,
@@ -146,9 +197,13 @@ def attention_paged(q, k_pages, v_pages, block_table, seq_lens, cu_seqlens_q=Non
     ----------
     q : cupy.ndarray [B, Hq, Sq, D] (every sequence adds Sq tokens) or [total_q, Hq, D] packed
         by ``cu_seqlens_q`` (int32 [B + 1], as attention_varlen) with ``max_seqlen_q``.
-    k_pages, v_pages, block_table, seq_lens : as :func:`decode_attention_paged`.
+    k_pages, v_pages, block_table, seq_lens, layout : as :func:`decode_attention_paged`.
     causal, scale, window, softcap, return_lse, impl : as :func:`cupyattn.attention_varlen`
-        (lse is [B, Hq, Sq] for 4-D q, [Hq, total_q] for packed q).
+        (lse is [B, Hq, Sq] for 4-D q, [Hq, total_q] for packed q). impl="wgmma_persistent"
+        (the persistent Hopper kernel) reads each key tile's pages by TMA, one copy per page of
+        the tile, the tile's page ids read once by its loader warp; it needs page_size >= 8
+        (``config.ATTN_WGMMA_MIN_PAGE``: smaller pages would take a copy per 1-4 rows); flash_mma
+        takes any page size.
     out : cupy.ndarray shaped like q, optional
 
     **Not yet run on a GPU.**
@@ -166,8 +221,14 @@ def attention_paged(q, k_pages, v_pages, block_table, seq_lens, cu_seqlens_q=Non
         (tq, hq, d), q3 = q.shape, q
     if q3.ndim == 4:  # the checks take [*, Hq, D]
         q3 = q[:, :, 0] if sq else cupy.empty((b, hq, d), dtype=q.dtype)
-    impl, hq, hkv, d, ps, host, lens = _check_pages(fn, q3, k_pages, v_pages, block_table, seq_lens, impl, b)
+    layout = check_layout(fn, layout)
+    impl, hq, hkv, d, ps, host, lens = _check_pages(fn, q3, k_pages, v_pages, block_table, seq_lens, impl, b, layout)
     check_grid(fn, b, hq)
+    if impl == _sm90p.IMPL:
+        options.check(fn, fn, impl, ["hnd_pages"] if layout == "HND" else [])
+        _sm90p.check_pages(fn, impl, ps)
+        if q.size:  # (nothing is launched otherwise)
+            _sm90p.check_launch(fn, impl, _sm90p.paged_ops(q, k_pages, v_pages), q, b)
     if cu_seqlens_q is None:
         shape, out_shape, lse_shape, sq_arg = (b, hq, sq, hkv, sq, 0), (b, hq, sq, d), (b, hq, sq), sq
         cu_q, qs = None, elem_strides(q)[:3]
@@ -192,7 +253,12 @@ def attention_paged(q, k_pages, v_pages, block_table, seq_lens, cu_seqlens_q=Non
     lse = cupy.empty(lse_shape, dtype=cupy.float32) if return_lse else None
     if out.size == 0 or sq == 0:
         return (out, lse) if return_lse else out
-    ks = [0, elem_strides(k_pages)[2], elem_strides(k_pages)[1]]  # head, token (row) strides
+    if impl == _sm90p.IMPL:
+        longest = int(host.max()) if host is not None and len(host) else block_table.shape[1] * ps
+        _sm90p.run_paged(q, k_pages, v_pages, block_table, lens, cu_q, b, longest, scale, win, cap, out, lse)
+        return (out, lse) if return_lse else out
+    es = elem_strides(k_pages)
+    ks = [0, es[2], es[1]] if layout == "NHD" else [0, es[1], es[2]]  # head, token (row) strides in a page
     sv = Serving(cu_q=cu_q, cu_k=lens, block_table=block_table, log2_page=ps.bit_length() - 1,
                  num_pages=k_pages.shape[0], window=win, softcap=cap)
     _flash(impl, q, k_pages, v_pages, False, scale, None, None, None, out, lse, sv, shape=shape[:4] + (sq_arg, 0),
@@ -215,11 +281,17 @@ class PagedKVCache(KVCache):
     max_pages_per_seq : int, optional
         Columns of the block table (default: num_pages); a slot holds at most
         ``max_pages_per_seq * page_size`` tokens (``max_seq``).
+    layout : {"NHD", "HND"}, optional
+        Page layout (module docstring); None: config.PAGED_DEFAULT_LAYOUT ("NHD"). "HND" has not
+        yet run on a GPU. ``decode``, ``append`` and ``append_qkv`` follow it; pass
+        ``layout=cache.layout`` to :func:`attention_paged` / :func:`decode_attention_paged`.
 
     Attributes
     ----------
-    k, v : cupy.ndarray [num_layers, num_pages, page_size, num_kv_heads, head_dim]
+    k, v : cupy.ndarray [num_layers, num_pages, page_size, num_kv_heads, head_dim] (NHD) or
+        [num_layers, num_pages, num_kv_heads, page_size, head_dim] (HND)
         ``k[layer]`` is the pages argument of :func:`decode_attention_paged`.
+    layout : str
     block_table : cupy.ndarray int32 [max_batch, max_pages_per_seq]   page ids per slot
     lengths : cupy.ndarray int32 [num_layers, max_batch]; host_lengths its int64 host mirror
     host_table : numpy int32 copy of block_table; ``pages_of(slot)`` the slot's pages
@@ -245,8 +317,9 @@ class PagedKVCache(KVCache):
     _EXPR_TAIL = ", true"
 
     def __init__(self, num_layers, max_batch, num_kv_heads, head_dim, num_pages, page_size, dtype,
-                 max_pages_per_seq=None):
+                 max_pages_per_seq=None, layout=None):
         fn = "PagedKVCache"
+        self.layout = check_layout(fn, config.PAGED_DEFAULT_LAYOUT if layout is None else layout)
         num_pages = _checks.check_positive_int(fn, "num_pages", num_pages)
         page_size = _checks.check_positive_int(fn, "page_size", page_size)
         if page_size > MAX_PAGE_SIZE or page_size & (page_size - 1):
@@ -269,7 +342,8 @@ class PagedKVCache(KVCache):
         if dt not in DTYPES:
             raise TypeError(f"{fn}(): dtype {dtype!r} is not supported; expected one of {', '.join(map(str, DTYPES))}")
         self.dtype, self.num_pages, self.page_size, self.max_pages_per_seq = dt, num_pages, page_size, mpp
-        shape = (self.num_layers, num_pages, page_size, self.num_kv_heads, self.head_dim)
+        shape = ((self.num_layers, num_pages, page_size, self.num_kv_heads, self.head_dim) if self.layout == "NHD"
+                 else (self.num_layers, num_pages, self.num_kv_heads, page_size, self.head_dim))
         with _checks.no_gpu_explained(fn):
             self.k = cupy.zeros(shape, dtype=dt)
             self.v = cupy.zeros(shape, dtype=dt)
@@ -284,14 +358,14 @@ class PagedKVCache(KVCache):
     def __repr__(self):
         return (f"PagedKVCache(num_layers={self.num_layers}, max_batch={self.batch}, num_kv_heads="
                 f"{self.num_kv_heads}, head_dim={self.head_dim}, num_pages={self.num_pages}, page_size="
-                f"{self.page_size}, dtype={self.dtype}, free pages={len(self._free)})")
+                f"{self.page_size}, dtype={self.dtype}, layout={self.layout!r}, free pages={len(self._free)})")
 
     def device_arrays(self) -> dict:
         return {**super().device_arrays(), "the cache's block table": self.block_table}
 
     def _layout_args(self):
         return (self.block_table, np.int32(self.max_pages_per_seq), np.int32(self.page_size.bit_length() - 1),
-                np.int32(self.num_pages))
+                np.int32(self.num_pages), np.int32(self.layout == "HND"))
 
     @property
     def free_pages(self) -> int:
@@ -370,9 +444,12 @@ class PagedKVCache(KVCache):
         for slot in range(self.batch):
             self.free(slot)
 
-    def decode(self, q, layer, **kw):
-        """:func:`decode_attention_paged` of ``q [max_batch, Hq, D]`` over ``layer`` (split
-        count from the host lengths unless ``num_splits`` is given)."""
-        layer = self.check_layer("PagedKVCache.decode", layer)
-        kw.setdefault("max_seq_len", int(self.host_lengths[layer].max()))
-        return decode_attention_paged(q, self.k[layer], self.v[layer], self.block_table, self.lengths[layer], **kw)
+    def decode(self, q, layer, scale=None, window=None, softcap=None, num_splits=None, out=None, impl="auto",
+               workspace=None, split_rule=None, fused_combine=None):
+        """:func:`decode_attention_paged` of ``q [max_batch, Hq, D]`` over ``layer``, in this
+        cache's layout (split count from the host lengths unless ``num_splits`` is given)."""
+        fn = "PagedKVCache.decode"
+        layer = self.check_layer(fn, layer)
+        return _decode_paged(fn, q, self.k[layer], self.v[layer], self.block_table, self.lengths[layer], scale,
+                             window, softcap, num_splits, out, impl, None, workspace, self.layout, split_rule,
+                             fused_combine, host_lens=self.host_lengths[layer])

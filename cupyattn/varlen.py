@@ -15,11 +15,15 @@ import cupy
 import numpy as np
 
 from . import _checks
+from . import flash_attn_sm90_persistent as _sm90p
 from ._checks import check_array, check_choice, check_last_contiguous, check_out, check_same_dtype
 from .config import HEAD_DIMS, MAX_GRID_YZ, MMA_DTYPES
 from .flash_attn import Serving, _flash, check_flash_mma_device, check_window_softcap, default_impl
 
 FUSED_IMPLS = ("flash", "flash_mma")
+# Hopper: the persistent wgmma kernel (packed and paged addressing; v3, attention()'s "wgmma", has
+# neither). Opt-in, not yet run on a GPU: impl=None never takes it.
+IMPLS = FUSED_IMPLS + (_sm90p.IMPL,)
 
 
 def check_offsets(fn: str, name: str, x, n: int, total: int | None):
@@ -80,7 +84,7 @@ def check_packed(fn, q, k, v, impl, kn="k", vn="v"):
     """q [total_q, Hq, D], k/v [*, Hkv, D] (3-D, or pages [N, P, Hkv, D], named ``kn``, ``vn``
     in errors): -> impl, Hq, Hkv, D."""
     if impl is not None:
-        check_choice(fn, "impl", impl, FUSED_IMPLS)
+        check_choice(fn, "impl", impl, IMPLS)
     check_array(fn, "q", q, ndim=3)
     check_array(fn, kn, k, min_ndim=3)
     check_array(fn, vn, v, min_ndim=3)
@@ -101,6 +105,8 @@ def check_packed(fn, q, k, v, impl, kn="k", vn="v"):
         raise TypeError(f"{fn}(): impl='flash_mma' needs float16 or bfloat16 inputs, got float32 (use impl='flash')")
     if impl == "flash_mma":
         check_flash_mma_device(fn, q.dtype, d)
+    if impl == _sm90p.IMPL:
+        _sm90p.check(fn, impl, q, d)
     for name, x in (("q", q), (kn, k), (vn, v)):
         check_last_contiguous(fn, name, x)
         for n in x.shape:
@@ -156,8 +162,12 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         Also return the log-sum-exp, float32 ``[Hq, total_q]`` (flash-attention's layout).
     out : cupy.ndarray [total_q, Hq, D], optional
         C-contiguous, q's dtype, not overlapping the inputs.
-    impl : {None, "flash", "flash_mma"}
-        As attention(): None is tensor cores for fp16/bf16, SIMT for float32.
+    impl : {None, "flash", "flash_mma", "wgmma_persistent"}
+        As attention(): None is tensor cores for fp16/bf16 (flash_mma), SIMT for float32.
+        "wgmma_persistent": the persistent Hopper kernel (cupyattn/flash_attn_sm90_persistent.py;
+        sm_90, fp16/bf16, D of 64, 128 or 256, q, k, v that TMA can read: no broadcast or
+        reversed view), per-sequence tile bounds, causal and window tiles skipped per sequence.
+        Opt-in (impl=None never takes it): **not yet run on a GPU**.
 
     Rows that see no key (an empty key sequence, a window that hides every key) are zeros with
     lse -inf, as in attention(). **Not yet run on a GPU** (CPU emulator only).
@@ -180,8 +190,10 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     cu_q, hcq = check_offsets(fn, "cu_seqlens_q", cu_seqlens_q, b + 1, tq)
     cu_k, hck = check_offsets(fn, "cu_seqlens_k", cu_seqlens_k, b + 1, tk)
     max_q = check_max_seqlen(fn, "max_seqlen_q", max_seqlen_q, hcq)
-    check_max_seqlen(fn, "max_seqlen_k", max_seqlen_k, hck)
+    max_k = check_max_seqlen(fn, "max_seqlen_k", max_seqlen_k, hck)
     check_grid(fn, b, hq)
+    if impl == _sm90p.IMPL and q.size and k.size:  # (nothing is launched otherwise)
+        _sm90p.check_launch(fn, impl, _sm90p.varlen_ops(q, k, v), q, b)
     win, cap = check_window_softcap(fn, window, softcap, causal)
     scale = 1.0 / math.sqrt(d) if scale is None else _checks.check_real(fn, "scale", scale)
     if out is not None:
@@ -196,6 +208,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         out.fill(0)
         if lse is not None:
             lse.fill(-np.inf)
+        return (out, lse) if return_lse else out
+    if impl == _sm90p.IMPL:
+        _sm90p.run_varlen(q, k, v, cu_q, cu_k, b, max_k, scale, win, cap, out, lse)
         return (out, lse) if return_lse else out
     qs, ks, vs = ([0, st[1], st[0]] for st in map(elem_strides, (q, k, v)))
     sv = Serving(cu_q=cu_q, cu_k=cu_k, window=win, softcap=cap)

@@ -11,27 +11,40 @@
 //            key tile with its own softmax state, and the slices are merged at the end
 //   SERVING = true (either kernel)         the serving variant (cupyattn/paged.py, decode_attention(window=,
 //                                          softcap=)): K/V rows through a block table when one is given
-//                                          (pages [num_pages, page_size, Hkv, D], kernels_cu/paged.cuh), a
-//                                          window's left bound moves the first key, softcap caps the scores
+//                                          (NHD or HND pages, kernels_cu/paged.cuh), a window's left
+//                                          bound moves the first key, softcap caps the scores
+//   STAGED = true (with SERVING)           paged addressing off the critical path: the split's page ids
+//                                          are staged in shared memory (PageWindow) a window ahead of
+//                                          the ring, so no K/V copy waits on a block-table load
 //   decode_combine_kernel<T, ...>          merges split partials: O = sum_c exp(lse_c - lse) O_c
 //   fused combine (counters != null)       no combine launch: the last split block of each (sequence,
-//                                          head tile) to finish, found by an atomic counter, merges
-//                                          that tile's partials (combine_if_last) and resets the counter
+//                                          head tile) to finish, found by an atomic ticket
+//                                          (last_block_ticket), merges that tile's partials
+//                                          (combine_if_last) and resets the counter
 // Both decode kernels stream K/V through the same cp.async ring (load_kv_tile) of STAGES slots
 // in dynamic shared memory, with one block barrier per tile: wait for tile t, barrier, issue the
 // load of tile t + STAGES - 1 into the slot everyone finished with, compute tile t.
+// TMA is not used: these kernels run from sm_75 (cp.async becomes plain copies there), a page of
+// 1 or 16 rows is smaller than a ring tile, and a tensor map per layer pointer would be host work
+// per call; cp.async with staged page ids keeps one loader for every layout and page size.
 //
 // Layouts (row-major, last dim contiguous):
 //   cache (one layer)  k, v: [B, Hkv, max_seq, D]   lengths: int32 [B]
 //   q: [B, Hq, 1, D] with strides (q_sb, q_sh, 1) in elements;  out: [B, Hq, 1, D] contiguous
 //   partials: o_part float32 [splits, B, Hq, D], lse_part float32 [splits, B, Hq] (natural log)
 //
-// Split-KV chunking (the same as reference.decode_split_partials): for a sequence of live length
-// len, chunk = ceil(len / splits) and split c covers keys [c*chunk, min((c+1)*chunk, len)); a
-// chunk may be empty (its lse is -inf, its O is 0, and the combine gives it weight 0). Keys at
-// or past the split's end are never read from global memory: their ring rows are zero-filled
-// and their probabilities set to 0 (not computed and multiplied by 0), so a cache row past a
-// sequence's length may hold anything, NaN included.
+// Split-KV chunking (SeqSplit). Uniform (split_keys = 0; the same as
+// reference.decode_split_partials): a sequence of live length len has splits = num_splits chunks
+// of ceil(len / splits) keys, split c covering [c*chunk, min((c+1)*chunk, len)). Per sequence
+// (SERVING variants only, split_keys > 0: the "waves" rule of cupyattn/decode.py, which launches
+// them for any cache; the plain kernels keep the code the H100 measured): splits = min(num_splits,
+// ceil(len / split_keys)) and chunk = ceil(len / splits), so a short sequence of a ragged batch
+// takes few blocks and a long one many, all of about split_keys keys; the blocks of splits past a
+// sequence's count leave at once, and a sequence of one split writes out directly. A chunk may be
+// empty (its lse is -inf, its O is 0, and the combine gives it weight 0). Keys at or past the
+// split's end are never read from global memory: their ring rows are zero-filled and their
+// probabilities set to 0 (not computed and multiplied by 0), so a cache row past a sequence's
+// length may hold anything, NaN included.
 //
 // Tiles (keys per ring slot BN, STAGES, warps, row pitch in bytes, blocks per SM) come from
 // cupyattn/config.py (DECODE_SIMT_TILES, DECODE_MMA_TILES, with the reason for each) as template
@@ -40,10 +53,11 @@
 #include "paged.cuh"
 #include "ptx.cuh"
 
-// The serving arguments both decode kernels take after write_partials (null / 0 / -1 when plain).
+// The serving arguments both decode kernels take after split_keys (null / 0 / -1 when plain).
 #define DECODE_SERVING_PARAMS                                                                      \
     const int* __restrict__ block_table,  /* [B, bt_stride] page ids, or null (contiguous cache) */ \
     int bt_stride, int log2_page, int num_pages,                                                   \
+    int page_hnd,                         /* pages [N, Hkv, page, D] (1) or [N, page, Hkv, D] (0) */ \
     int win_left,                         /* keys >= len - 1 - win_left; -1 unbounded */           \
     float softcap_log2                    /* softcap * log2(e), 0 = off */
 // --- helpers -------------------------------------------------------------------------------
@@ -69,11 +83,36 @@ __device__ __forceinline__ void chunk_to_float(const uint4& u, float (&f)[8], __
     }
 }
 
-// Ring slot `slot` ([K, V][BN][PITCH] bytes) <- keys [t0, t0 + BN) of one kv head (kg, vg: its
-// rows, contiguous or paged). Rows at or past `hi` are zero-filled without reading global memory.
-template <typename T, int D, int BN, int PITCH, int NT, bool PAGED>
-__device__ __forceinline__ void load_kv_tile(unsigned char* slot, const KvRows<T, PAGED>& kg,
-                                             const KvRows<T, PAGED>& vg, int t0, int hi) {
+// The keys a decode query of sequence b sees, [start, len), and how they are split (the
+// chunking rules in the header). win_left: the window's left bound (-1 unbounded).
+struct SeqSplit {
+    int start, len, splits;
+    bool per_seq;
+    __device__ __forceinline__ SeqSplit(const int* lengths, int b, int max_seq, int win_left, int num_splits,
+                                        int split_keys) {
+        len = min(max(lengths[b], 0), max_seq);
+        start = win_left >= 0 ? max(len - 1 - win_left, 0) : 0;
+        const int n = len - start;
+        per_seq = split_keys > 0;
+        splits = per_seq ? min(num_splits, n > 0 ? (n - 1) / split_keys + 1 : 1) : num_splits;
+    }
+    // whether a block of a launch that writes split partials writes them (else: out directly)
+    __device__ __forceinline__ bool partials(int write_partials) const {
+        return write_partials && (!per_seq || splits > 1);
+    }
+    // keys [lo, hi) of split c (c < splits)
+    __device__ __forceinline__ void range(int c, int& lo, int& hi) const {
+        const int chunk = (len - start + splits - 1) / splits;
+        lo = min(start + c * chunk, len);
+        hi = min(lo + chunk, len);
+    }
+};
+
+// Ring slot `slot` ([K, V][BN][PITCH] bytes) <- keys [t0, t0 + BN) of one kv head (kr, vr: its
+// rows, any type with row(j): KvRows, contiguous or paged, or StagedRows). Rows at or past `hi`
+// are zero-filled without reading global memory.
+template <typename T, int D, int BN, int PITCH, int NT, class Rows>
+__device__ __forceinline__ void load_kv_tile(unsigned char* slot, const Rows& kr, const Rows& vr, int t0, int hi) {
     constexpr int VEC = 16 / sizeof(T), NC = D / VEC, PER_KV = BN * NC;
 #pragma unroll
     for (int it = 0; it < (2 * PER_KV + NT - 1) / NT; ++it) {
@@ -81,55 +120,98 @@ __device__ __forceinline__ void load_kv_tile(unsigned char* slot, const KvRows<T
         if (2 * PER_KV % NT == 0 || i < 2 * PER_KV) {
             const int kv = i >= PER_KV, r = i - kv * PER_KV, j = r / NC, c = r - j * NC;
             unsigned char* dst = slot + (kv * BN + j) * PITCH + c * 16;
-            if (t0 + j < hi) cp_async<16>(dst, (kv ? vg : kg).row(t0 + j) + c * VEC);
-            else cp_async_zfill<16>(dst, kg.base, 0);
+            if (t0 + j < hi) cp_async<16>(dst, (kv ? vr : kr).row(t0 + j) + c * VEC);
+            else cp_async_zfill<16>(dst, kr.base, 0);
         }
     }
 }
 
-// The block's share of the cache, and the ring prologue. Keys [lo, hi) of split `split` for a
-// sequence of live length lengths[b] (chunk = ceil(len / splits), as
-// reference.decode_split_partials); kg, vg: the rows of kv head kvh ([max_seq, D] of the
-// contiguous cache, or through the block table: SERVING). With a window (SERVING, win_left >= 0)
-// the keys start at len - 1 - win_left and the splits share [start, len). Tiles 0 .. STAGES-2
-// are put in flight (one commit group each, empty past the end).
-template <typename T, int D, int BN, int PITCH, int NT, int STAGES, bool SERVING>
+// The block's share of the cache and its ring: keys [lo, hi) of split `split` (SeqSplit) of kv
+// head kvh; kg, vg: its rows ([max_seq, D] of the contiguous cache, or pages through the block
+// table: SERVING). STAGED: the rows' page ids come from a PageWindow of PW_CAP entries per buffer,
+// enough for the STAGES - 1 tiles in flight at page size 1 (so windows 0 and 1 cover every tile
+// of the prologue), in static shared memory of start(); the block-table row is read only by
+// PageWindow::fetch. Use: construct, leave
+// if the split has no work, start() (the prologue: tiles 0 .. STAGES-2 in flight, one commit
+// group each, empty past the end), then per iteration t publish() before the barrier and
+// issue(ring, t + STAGES - 1) after it.
+template <typename T, int D, int BN, int PITCH, int NT, int STAGES, bool SERVING, bool STAGED>
 struct KvStream {
+    static constexpr int SLOT_BYTES = 2 * BN * PITCH;
+    static constexpr int PW_CAP = (STAGES - 1) * BN + 32;
+    using PW = PageWindow<PW_CAP, NT, BN>;
     int lo, hi, ntiles;
     KvRows<T, SERVING> kg, vg;
-    __device__ __forceinline__ KvStream(unsigned char* ring, const T* k_cache, const T* v_cache, const int* lengths,
-                                        int b, int kvh, int Hkv, int max_seq, int num_splits, int split,
-                                        const int* table, int bt_stride, int log2_page, int num_pages,
-                                        int win_left) {
-        const int len = min(max(lengths[b], 0), max_seq);
-        const int start = SERVING && win_left >= 0 ? max(len - 1 - win_left, 0) : 0;
-        const int chunk = (len - start + num_splits - 1) / num_splits;
-        lo = min(start + split * chunk, len);
-        hi = min(lo + chunk, len);
+    PW pw;
+    int pend[PW::PER_THREAD], pend_w;  // a fetched window not yet stored (STAGED), -1: none
+    __device__ __forceinline__ KvStream(const T* k_cache, const T* v_cache, const SeqSplit& sp, int split, int b,
+                                        int kvh, int Hkv, int max_seq, const int* table, int bt_stride,
+                                        int log2_page, int num_pages, int page_hnd) {
+        sp.range(split, lo, hi);
         ntiles = (hi - lo + BN - 1) / BN;
-        if (SERVING && table != nullptr) {  // pages [num_pages, page, Hkv, D]: token stride Hkv * D
+        pend_w = -1;
+        if (SERVING && table != nullptr) {
             const int* row = table + (size_t)b * bt_stride;
-            kg = {k_cache + (size_t)kvh * D, (long long)Hkv * D, row, log2_page, num_pages - 1};
-            vg = {v_cache + (size_t)kvh * D, (long long)Hkv * D, row, log2_page, num_pages - 1};
+            kg = paged_rows<T, SERVING>(k_cache, row, kvh, Hkv, D, log2_page, num_pages, page_hnd);
+            vg = paged_rows<T, SERVING>(v_cache, row, kvh, Hkv, D, log2_page, num_pages, page_hnd);
         } else {
             const size_t kv_off = ((size_t)b * Hkv + kvh) * (size_t)max_seq * D;
-            kg = {k_cache + kv_off, D, nullptr, 0, 0};
-            vg = {v_cache + kv_off, D, nullptr, 0, 0};
+            kg = {k_cache + kv_off, D, nullptr, 0, 0, 0};
+            vg = {v_cache + kv_off, D, nullptr, 0, 0, 0};
+        }
+    }
+    // STAGED (the host launches it with a block table only): windows 0 and 1 staged, one barrier
+    __device__ __forceinline__ void start(unsigned char* ring) {
+        __shared__ int ids_s[STAGED ? 2 * PW_CAP : 1];  // PageWindow buffers [2][PW_CAP] (STAGED)
+        if (STAGED) {
+            pw.init(ids_s, kg.table, lo, hi, kg.log2_page, kg.max_page + 1);
+            int r0[PW::PER_THREAD], r1[PW::PER_THREAD];
+            pw.fetch(0, r0);
+            pw.fetch(1, r1);
+            pw.store(0, r0);
+            pw.store(1, r1);
+            __syncthreads();
         }
 #pragma unroll
-        for (int s = 0; s < STAGES - 1; ++s) {
-            if (s < ntiles) load_kv_tile<T, D, BN, PITCH, NT, SERVING>(ring + s * 2 * BN * PITCH, kg, vg, lo + s * BN, hi);
-            cp_async_commit();
+        for (int s = 0; s < STAGES - 1; ++s) issue(ring, s);
+    }
+    // tile u into its ring slot (nothing past the last tile), then a commit; STAGED: when u
+    // starts window w >= 1, window w + 1 is fetched into registers (its buffer's last reader,
+    // window w - 1's last tile, was issued before this iteration's barrier)
+    __device__ __forceinline__ void issue(unsigned char* ring, int u) {
+        if (u < ntiles) {
+            unsigned char* slot = ring + u % STAGES * SLOT_BYTES;
+            if (STAGED) {
+                const int tpw = pw.tiles_per_win(), w = u / tpw;
+                const StagedRows<T> kr{kg.base, kg.stride, pw.ids, pw.idx0(w), kg.log2_page, kg.page_rows};
+                const StagedRows<T> vr{vg.base, vg.stride, pw.ids, pw.idx0(w), vg.log2_page, vg.page_rows};
+                load_kv_tile<T, D, BN, PITCH, NT>(slot, kr, vr, lo + u * BN, hi);
+                if (w >= 1 && u == w * tpw) {
+                    pw.fetch(w + 1, pend);
+                    pend_w = w + 1;
+                }
+            } else {
+                load_kv_tile<T, D, BN, PITCH, NT>(slot, kg, vg, lo + u * BN, hi);
+            }
+        }
+        cp_async_commit();
+    }
+    // STAGED: the window fetched by the last issue() to its buffer; call before the iteration's
+    // barrier, which publishes it before any tile of it is issued
+    __device__ __forceinline__ void publish() {
+        if (STAGED && pend_w >= 0) {
+            pw.store(pend_w, pend);
+            pend_w = -1;
         }
     }
 };
 
 // --- split merge ---------------------------------------------------------------------------
 // Row r = (b, h) by the whole block: lse = logsumexp_c lse_c, w_c = exp(lse_c - max), out = sum_c
-// w_c O_c / sum_c w_c (zeros when every chunk was empty, NaN when one is NaN), as
-// reference.merge_partials. Warp 0 puts the weights in w_s[0, num_splits) and 1 / their sum in
-// w_s[num_splits] (smem); the caller syncs before reusing w_s. Partials are read through L2
-// (__ldcg): in the fused combine other blocks of this kernel wrote them.
+// w_c O_c / sum_c w_c over the row's num_splits partials (zeros when every chunk was empty, NaN
+// when one is NaN), as reference.merge_partials. Warp 0 puts the weights in w_s[0, num_splits) and
+// 1 / their sum in w_s[num_splits] (smem); the caller syncs before reusing w_s. Partials are read
+// through L2 (__ldcg): in the fused combine other blocks of this kernel wrote them.
 template <typename T>
 __device__ __forceinline__ void combine_row(const float* o_part, const float* lse_part, T* out, int num_splits,
                                             int BH, int D, int r, float* w_s) {
@@ -157,26 +239,40 @@ __device__ __forceinline__ void combine_row(const float* o_part, const float* ls
     }
 }
 
+// Whether this block takes the last of `n` tickets on *counter (the n blocks that each wrote one
+// piece of a result; the last one then reads all of them). The whole block calls it. PTX ISA,
+// "Memory Consistency Model": each thread's writes are released by its fence before the barrier
+// that precedes thread 0's atomic (release pattern, ordered through bar.sync); the thread that
+// observes the last ticket fences after observing it (acquire pattern) before the barrier that
+// orders the block's following reads. The last block also resets the counter to 0 for the next
+// launch or graph replay (no other block of this launch touches it again).
+__device__ __forceinline__ bool last_block_ticket(unsigned* counter, unsigned n) {
+    __shared__ bool last;
+    __threadfence();  // release: this thread's writes before the ticket
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const bool mine = atomicAdd(counter, 1u) == n - 1u;
+        if (mine) {
+            *counter = 0u;
+            __threadfence();  // acquire: the other blocks' released writes before this block's reads
+        }
+        last = mine;
+    }
+    __syncthreads();
+    return last;
+}
+
 // Fused combine, at the end of a split block that wrote its partials for rows [r0, r0 + rows): the
 // num_splits blocks of one (sequence, head tile) each take a ticket on *counter after their
 // partials are written; the last one merges the rows (w_s: num_splits + 1 floats of smem the
-// block is done with) and resets the counter to 0 for the next launch or graph replay.
+// block is done with).
 // Not inlined: as a call at the kernel's end it leaves the main loop's register allocation as it
 // was (inlined, it pushed the 80-register D=32 mma kernel into spills).
 template <typename T>
 __device__ __noinline__ void combine_if_last(const float* o_part, const float* lse_part, T* out,
                                                 unsigned* counter, int num_splits, int BH, int D, int r0,
                                                 int rows, float* w_s) {
-    __shared__ bool last;
-    __threadfence();  // this block's partials are visible device-wide before its ticket
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        last = atomicAdd(counter, 1u) == (unsigned)num_splits - 1u;
-        if (last) *counter = 0u;
-    }
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
+    if (!last_block_ticket(counter, (unsigned)num_splits)) return;
     for (int r = r0; r < r0 + rows; ++r) {
         combine_row<T>(o_part, lse_part, out, num_splits, BH, D, r, w_s);
         __syncthreads();  // w_s is rewritten for the next row
@@ -210,18 +306,20 @@ __host__ __device__ constexpr int resident_min_blocks() {
          : (CUPYATTN_SMEM_PER_SM / (RING_BYTES + 1024) < MINB ? CUPYATTN_SMEM_PER_SM / (RING_BYTES + 1024) : MINB);
 }
 
-template <typename T, int D, int NT, int GT, int BN, int STAGES, int PITCH, int MINB, bool SERVING = false>
+template <typename T, int D, int NT, int GT, int BN, int STAGES, int PITCH, int MINB, bool SERVING = false,
+          bool STAGED = false>
 __global__ void __launch_bounds__(NT, (resident_min_blocks<MINB, STAGES * 2 * BN * PITCH>())) decode_kernel(
     const T* __restrict__ q,            // [B, Hq, 1, D], element (b,h,d) at b*q_sb + h*q_sh + d
     const T* __restrict__ k_cache,      // [B, Hkv, max_seq, D] (one layer), contiguous
     const T* __restrict__ v_cache,      // [B, Hkv, max_seq, D]
     const int* __restrict__ lengths,    // [B] live length of each sequence
-    T* __restrict__ out,                // [B, Hq, 1, D] contiguous (when write_partials == 0)
+    T* __restrict__ out,                // [B, Hq, 1, D] contiguous (written by a block that does not split)
     float* __restrict__ o_part,         // [splits, B, Hq, D] (when write_partials == 1)
     float* __restrict__ lse_part,       // [splits, B, Hq]
     unsigned* __restrict__ counters,    // [B, gridDim.y], zero, or null: see combine_if_last
     long long q_sb, long long q_sh,
     int B, int Hq, int Hkv, int max_seq, int num_splits, float scale_log2, int write_partials,
+    int split_keys,                     // 0: uniform chunks; > 0: per-sequence split counts (SeqSplit)
     DECODE_SERVING_PARAMS) {
     constexpr int WARPS = NT / 32, VEC = 16 / sizeof(T), ROW = D * (int)sizeof(T), NC = ROW / 16;
     constexpr int TPK = NT / BN;                        // lanes sharing one key's dot products
@@ -251,10 +349,14 @@ __global__ void __launch_bounds__(NT, (resident_min_blocks<MINB, STAGES * 2 * BN
     const int g_tile = min(GT, G - ht * GT);               // heads in this tile (>= 1)
     const int h0 = kvh * G + ht * GT;                      // first query head of the tile
 
-    // this split's keys; tiles 0 .. STAGES-2 in flight before anything else
-    const KvStream<T, D, BN, PITCH, NT, STAGES, SERVING> kv(ring, k_cache, v_cache, lengths, b, kvh, Hkv, max_seq,
-                                                            num_splits, split, block_table, bt_stride, log2_page,
-                                                            num_pages, win_left);
+    // this split's keys (per-sequence splits, serving variants only: a split past the sequence's
+    // count has none and leaves); tiles 0 .. STAGES-2 in flight before anything else
+    const SeqSplit sp(lengths, b, max_seq, SERVING ? win_left : -1, num_splits, SERVING ? split_keys : 0);
+    if (SERVING && split >= sp.splits) return;  // (plain launches have sp.splits = gridDim.x)
+    const bool partials = sp.partials(write_partials);
+    KvStream<T, D, BN, PITCH, NT, STAGES, SERVING, STAGED> kv(k_cache, v_cache, sp, split, b, kvh, Hkv, max_seq,
+                                                              block_table, bt_stride, log2_page, num_pages, page_hnd);
+    kv.start(ring);
     const int lo = kv.lo, hi = kv.hi, ntiles = kv.ntiles;
 
     // q tile -> smem, pre-scaled (made visible by the first tile's barrier)
@@ -287,12 +389,10 @@ __global__ void __launch_bounds__(NT, (resident_min_blocks<MINB, STAGES * 2 * BN
 
     for (int t = 0; t < ntiles; ++t) {
         const int tile_n = min(BN, hi - lo - t * BN);       // valid keys in this tile (>= 1)
+        kv.publish();                 // (STAGED) a fetched page-id window, before the barrier
         cp_async_wait<STAGES - 2>();  // this thread's copies of tile t have landed
         __syncthreads();              // everyone's have; everyone is done with tile t-1's slot and p_s
-        if (t + STAGES - 1 < ntiles)
-            load_kv_tile<T, D, BN, PITCH, NT, SERVING>(ring + (t + STAGES - 1) % STAGES * SLOT_BYTES, kv.kg, kv.vg,
-                                                       lo + (t + STAGES - 1) * BN, hi);
-        cp_async_commit();            // (an empty group past the end keeps the wait count uniform)
+        kv.issue(ring, t + STAGES - 1);  // (an empty commit group past the end keeps the wait count uniform)
         const unsigned char* k_s = ring + t % STAGES * SLOT_BYTES;
         const unsigned char* v_s = k_s + BN * PITCH;
 
@@ -413,7 +513,7 @@ __global__ void __launch_bounds__(NT, (resident_min_blocks<MINB, STAGES * 2 * BN
         const float l = l_fin[g];
         const float inv_l = row_scale(l);  // empty range -> zeros, NaN row -> NaN
         const int h = h0 + g;
-        if (write_partials) {
+        if (partials) {
             float* op = o_part + (((size_t)split * B + b) * Hq + h) * D + c * VEC;
 #pragma unroll
             for (int e = 0; e < VEC; ++e) op[e] = o[e] * inv_l;
@@ -423,13 +523,13 @@ __global__ void __launch_bounds__(NT, (resident_min_blocks<MINB, STAGES * 2 * BN
             for (int e = 0; e < VEC; ++e) op[e] = from_float<T>(o[e] * inv_l);
         }
     }
-    if (write_partials && tid < g_tile) {
+    if (partials && tid < g_tile) {
         const float l = l_fin[tid];
         lse_part[((size_t)split * B + b) * Hq + h0 + tid] =
             row_lse(m_fin[tid], l);
     }
-    if (write_partials && counters != nullptr)
-        combine_if_last<T>(o_part, lse_part, out, counters + (size_t)b * gridDim.y + blockIdx.y, num_splits,
+    if (partials && counters != nullptr)
+        combine_if_last<T>(o_part, lse_part, out, counters + (size_t)b * gridDim.y + blockIdx.y, sp.splits,
                            B * Hq, D, b * Hq + h0, g_tile, reinterpret_cast<float*>(ring));
 }
 
@@ -446,18 +546,20 @@ __global__ void __launch_bounds__(NT, (resident_min_blocks<MINB, STAGES * 2 * BN
 // Keys at or past the split's end get P = 0 (selected, never multiplied). At the end the KS =
 // WARPS / MT slices of each head are merged: O = sum_s exp2(m_s - m) O_s / sum_s exp2(m_s - m) l_s.
 // Fragment layouts are the PTX ISA's (ptx.cuh); g = lane / 4 and tq = lane % 4 below.
-template <typename T, int D, int MT, int WARPS, int BN, int STAGES, int PITCH, int MINB, bool SERVING = false>
+template <typename T, int D, int MT, int WARPS, int BN, int STAGES, int PITCH, int MINB, bool SERVING = false,
+          bool STAGED = false>
 __global__ void __launch_bounds__(WARPS * 32, (resident_min_blocks<MINB, STAGES * 2 * BN * PITCH>())) decode_mma_kernel(
     const T* __restrict__ q,            // [B, Hq, 1, D], element (b,h,d) at b*q_sb + h*q_sh + d
     const T* __restrict__ k_cache,      // [B, Hkv, max_seq, D] (one layer), contiguous
     const T* __restrict__ v_cache,      // [B, Hkv, max_seq, D]
     const int* __restrict__ lengths,    // [B] live length of each sequence
-    T* __restrict__ out,                // [B, Hq, 1, D] contiguous (when write_partials == 0)
+    T* __restrict__ out,                // [B, Hq, 1, D] contiguous (written by a block that does not split)
     float* __restrict__ o_part,         // [splits, B, Hq, D] (when write_partials == 1)
     float* __restrict__ lse_part,       // [splits, B, Hq]
     unsigned* __restrict__ counters,    // [B, gridDim.y], zero, or null: see combine_if_last
     long long q_sb, long long q_sh,
     int B, int Hq, int Hkv, int max_seq, int num_splits, float scale_log2, int write_partials,
+    int split_keys,                     // 0: uniform chunks; > 0: per-sequence split counts (SeqSplit)
     DECODE_SERVING_PARAMS) {
     constexpr int NT = WARPS * 32, ROWS = 16 * MT, KS = WARPS / MT, KPW = BN / KS;
     constexpr int QP = D + 8;                 // q tile row pitch (elements): conflict-free ldmatrix
@@ -484,10 +586,13 @@ __global__ void __launch_bounds__(WARPS * 32, (resident_min_blocks<MINB, STAGES 
     const int g_tile = min(ROWS, G - ht * ROWS);
     const int h0 = kvh * G + ht * ROWS;
 
-    // this split's keys; tiles 0 .. STAGES-2 in flight before anything else
-    const KvStream<T, D, BN, PITCH, NT, STAGES, SERVING> kv(ring, k_cache, v_cache, lengths, b, kvh, Hkv, max_seq,
-                                                            num_splits, split, block_table, bt_stride, log2_page,
-                                                            num_pages, win_left);
+    // this split's keys, as the SIMT kernel's; tiles 0 .. STAGES-2 in flight first
+    const SeqSplit sp(lengths, b, max_seq, SERVING ? win_left : -1, num_splits, SERVING ? split_keys : 0);
+    if (SERVING && split >= sp.splits) return;
+    const bool partials = sp.partials(write_partials);  // else: this block writes out itself
+    KvStream<T, D, BN, PITCH, NT, STAGES, SERVING, STAGED> kv(k_cache, v_cache, sp, split, b, kvh, Hkv, max_seq,
+                                                              block_table, bt_stride, log2_page, num_pages, page_hnd);
+    kv.start(ring);
     const int lo = kv.lo, hi = kv.hi, ntiles = kv.ntiles;
 
     // q tile -> smem; padded rows are zeros. Negation is exact, so c = |scale| log2(e) >= 0.
@@ -514,12 +619,10 @@ __global__ void __launch_bounds__(WARPS * 32, (resident_min_blocks<MINB, STAGES 
     const int vb_row = (lane & 7) + 8 * ((lane >> 3) & 1), vb_col = 8 * (lane >> 4);
 
     for (int t = 0; t < ntiles; ++t) {
+        kv.publish();     // (STAGED) a fetched page-id window, before the barrier
         cp_async_wait<STAGES - 2>();
         __syncthreads();  // tile t visible to all; tile t-1's slot is free
-        if (t + STAGES - 1 < ntiles)
-            load_kv_tile<T, D, BN, PITCH, NT, SERVING>(ring + (t + STAGES - 1) % STAGES * SLOT_BYTES, kv.kg, kv.vg,
-                                                       lo + (t + STAGES - 1) * BN, hi);
-        cp_async_commit();
+        kv.issue(ring, t + STAGES - 1);
 
         const int nvalid = min(KPW, hi - lo - t * BN - ks * KPW);  // this warp's live keys
         if (nvalid <= 0) continue;  // warp-uniform; the next barrier is at the loop head
@@ -627,7 +730,7 @@ __global__ void __launch_bounds__(WARPS * 32, (resident_min_blocks<MINB, STAGES 
         }
         const float inv_l = row_scale(l);
         const int hq = h0 + row;
-        if (write_partials) {
+        if (partials) {
             o_part[(((size_t)split * B + b) * Hq + hq) * D + d] = acc * inv_l;
             if (d == 0)
                 lse_part[((size_t)split * B + b) * Hq + hq] = row_lse(m, l);
@@ -635,19 +738,28 @@ __global__ void __launch_bounds__(WARPS * 32, (resident_min_blocks<MINB, STAGES 
             out[((size_t)b * Hq + hq) * D + d] = from_float<T>(acc * inv_l);
         }
     }
-    if (write_partials && counters != nullptr)
-        combine_if_last<T>(o_part, lse_part, out, counters + (size_t)b * gridDim.y + blockIdx.y, num_splits,
+    if (partials && counters != nullptr)
+        combine_if_last<T>(o_part, lse_part, out, counters + (size_t)b * gridDim.y + blockIdx.y, sp.splits,
                            B * Hq, D, b * Hq + h0, g_tile, reinterpret_cast<float*>(ring));
 }
 
 // --- combine -------------------------------------------------------------------------------
-// Grid (B * Hq), THREADS threads: row blockIdx.x (combine_row).
+// Grid (B * Hq), THREADS threads: row blockIdx.x = b * Hq + h (combine_row) over its sequence's
+// split count (SeqSplit: num_splits, or per sequence when split_keys > 0; then a sequence of one
+// split was written by its decode block and is left alone).
 template <typename T, int DEC_MAX_SPLITS, int THREADS>
 __global__ void __launch_bounds__(THREADS) decode_combine_kernel(
     const float* __restrict__ o_part,   // [splits, B*Hq, D]
     const float* __restrict__ lse_part, // [splits, B*Hq]
     T* __restrict__ out,                // [B*Hq, D] contiguous
-    int num_splits, int BH, int D) {
+    int num_splits, int BH, int D,
+    const int* __restrict__ lengths,    // [B] as the decode launch read them (split_keys > 0)
+    int Hq, int max_seq, int win_left, int split_keys) {
     __shared__ float w_s[DEC_MAX_SPLITS + 1];  // weight of each split, then 1 / their sum
-    combine_row<T>(o_part, lse_part, out, num_splits, BH, D, blockIdx.x, w_s);
+    int n = num_splits;
+    if (split_keys > 0) {
+        n = SeqSplit(lengths, blockIdx.x / Hq, max_seq, win_left, num_splits, split_keys).splits;
+        if (n == 1) return;
+    }
+    combine_row<T>(o_part, lse_part, out, n, BH, D, blockIdx.x, w_s);
 }

@@ -84,7 +84,9 @@ __device__ __forceinline__ void load_tile(T* __restrict__ dst, const KvRows<T, P
 // (SERVING = false, or no cu_q / cu_k / table): the [B, H, S, D] strided layout of attention().
 // Packed queries (cu_q): q and out [total_q, Hq, D] (q through q_ss, q_sh), lse [Hq, total_q]
 // (flash_attn_varlen_func's layout) with Sq = total_q. Packed keys (cu_k): [total_k, Hkv, D]
-// through k_ss, k_sh. Paged keys (table): pages [num_pages, page, Hkv, D], cu_k[b] keys.
+// through k_ss, k_sh. Paged keys (table): cu_k[b] keys in pages of page_size * Hkv * D elements,
+// NHD [num_pages, page, Hkv, D] or HND [num_pages, Hkv, page, D] (paged.cuh): k_sh and k_ss are the
+// head and row strides inside a page, which say which; page_rows = page elements / k_ss.
 template <typename T, bool SERVING>
 struct FlashSeq {
     int sq, sk;             // this sequence's query rows and keys
@@ -103,7 +105,8 @@ struct FlashSeq {
                                         int Sq, int Sk, long long q_sb, long long q_sh, long long q_ss,
                                         long long k_sb, long long k_sh, long long k_ss, long long v_sb,
                                         long long v_sh, long long v_ss, const int* cu_q, const int* cu_k,
-                                        const int* table, int bt_stride, int log2_page, int num_pages) {
+                                        const int* table, int bt_stride, int log2_page, int num_pages,
+                                        int page_rows) {
         sq = Sq; sk = Sk; q0 = -1;
         q = q_ + b * q_sb + h * q_sh;
         k = {k_ + b * k_sb + hk * k_sh, k_ss, nullptr, 0, 0};
@@ -116,8 +119,8 @@ struct FlashSeq {
         }
         if (table != nullptr) {  // key count clamped to the table's capacity: never past its row
             sk = min(max(cu_k[b], 0), bt_stride << log2_page);
-            k = {k_ + hk * k_sh, k_ss, table + (long long)b * bt_stride, log2_page, num_pages - 1};
-            v = {v_ + hk * v_sh, v_ss, k.table, log2_page, num_pages - 1};
+            k = {k_ + hk * k_sh, k_ss, table + (long long)b * bt_stride, log2_page, num_pages - 1, page_rows};
+            v = {v_ + hk * v_sh, v_ss, k.table, log2_page, num_pages - 1, page_rows};
         } else if (cu_k != nullptr) {
             const int k0 = cu_k[b];
             sk = cu_k[b + 1] - k0;
@@ -176,7 +179,8 @@ flash_attn_fwd(const T* __restrict__ q,          // [B, Hq, Sq, D], strides q_sb
     const int row0 = warp * ROWS;         // first row of this warp inside the tile
 
     const FlashSeq<T, SERVING> seq(q, k, v, b, h, hk, Hq, Sq, Sk, q_sb, q_sh, q_ss, k_sb, k_sh, k_ss, v_sb,
-                                   v_sh, v_ss, cu_q, cu_k, block_table, bt_stride, log2_page, num_pages);
+                                   v_sh, v_ss, cu_q, cu_k, block_table, bt_stride, log2_page, num_pages,
+                                   (int)((((long long)Hkv * HEAD_DIM) << log2_page) / max(k_ss, 1LL)));
     if (SERVING && m0 >= seq.sq) return;  // a short packed sequence: whole CTA leaves together
     if (mask) mask += b * m_sb + h * m_sh;
 
@@ -423,7 +427,8 @@ flash_attn_mma(const T* __restrict__ q,          // [B, Hq, Sq, D], strides q_s*
     const int wrow0 = warp * WROWS;              // first tile row of this warp
 
     const FlashSeq<T, SERVING> seq(q, k, v, b, h, hk, Hq, Sq, Sk, q_sb, q_sh, q_ss, k_sb, k_sh, k_ss, v_sb,
-                                   v_sh, v_ss, cu_q, cu_k, block_table, bt_stride, log2_page, num_pages);
+                                   v_sh, v_ss, cu_q, cu_k, block_table, bt_stride, log2_page, num_pages,
+                                   (int)((((long long)Hkv * HEAD_DIM) << log2_page) / max(k_ss, 1LL)));
     if (SERVING && m0 >= seq.sq) return;  // a short packed sequence: whole CTA leaves together
     if (mask) mask += b * m_sb + h * m_sh;
 

@@ -16,6 +16,10 @@
 //              consumer warpgroups take turns issuing wgmmas through named barriers, so
 //              one's softmax overlaps the other's matmuls (FA3 section 3.1).
 //              impl="wgmma" (impl=None on sm_90 where config.ATTN_AUTO_WGMMA says).
+//   v4 wgmma_  v3 in a persistent grid (one block per SM) fed by a tile scheduler,   f16 bf16
+//      persistent  longest first in L2-sized head sections; also window, softcap, packed
+//              and paged sequences. Its own file, flash_attn_sm90_persistent.cu (the
+//              steps both share: flash_attn_sm90.cuh). Explicit impl only: not yet run on a GPU.
 //
 // Layouts: q [B, Hq, Sq, D], k and v [B, Hkv, Sk, D] (last dim contiguous), reached only through
 // their tensor maps (cupyattn/flash_attn_sm90.py builds them): 4-D, innermost first
@@ -41,9 +45,7 @@
 // rows of a slot after its TMA lands and before the consumers may read it. A row that sees no
 // key keeps m_i = -inf, l_i = 0 and is written as zeros, lse = -inf.
 #include "common.cuh"
-#include "sm90.cuh"
-
-constexpr int FA3_BLOCK_M = 128, FA3_CONSUMERS = 2, FA3_THREADS = 128 * (1 + FA3_CONSUMERS);
+#include "flash_attn_sm90.cuh"
 
 // --- tile scheduler: which (batch*head, query tile) a block computes --------------------------
 // One block per tile, grid = m_tiles x B*Hq. Non-causal: the query tiles of one head are
@@ -67,17 +69,6 @@ __device__ __forceinline__ Fa3Keys fa3_keys(const int* key_lengths, int b, int m
     if (CAUSAL) k_end = min(k_end, m0 + FA3_BLOCK_M + Sk - Sq);
     return {k_end, kl, k_end > 0 ? (k_end + BLOCK_N - 1) / BLOCK_N : 0};
 }
-
-// The additive mask of one (batch, head), or none: element (i, j) at p[i * sq + j * sk].
-struct Fa3Mask { const float* p; long long sq, sk; };
-
-template <int D, int BLOCK_N>
-struct Fa3Smem {
-    static constexpr int BOXES = D / 64;                  // 128-byte column boxes per row
-    static constexpr int Q_BYTES = FA3_BLOCK_M * D * 2;
-    static constexpr int KV_BYTES = BLOCK_N * D * 2;      // one K or V slot
-    static constexpr int Q_BOX = FA3_BLOCK_M * 128, KV_BOX = BLOCK_N * 128;
-};
 
 // --- producer: warp 0; lane 0 issues every TMA copy --------------------------------------------
 // Q_i once (its own barrier), then K_j and V_j into their rings in key order. A V slot that holds
@@ -121,63 +112,18 @@ __device__ __forceinline__ void fa3_produce(const TmaMap* map_q, const TmaMap* m
         }
         if (tail) {
             mbar_wait(tail_bar, 0);                       // once per block: parity 0
-            const int first = (keys.kl - n0) * 8;         // 16-byte chunks per box before row kl - n0
-            uint4 zero;
-            zero.x = zero.y = zero.z = zero.w = 0u;
-#pragma unroll
-            for (int c = 0; c < L::BOXES; ++c) {
-                uint4* box = reinterpret_cast<uint4*>(dst + c * L::KV_BOX);
-                for (int i = first + lane; i < BLOCK_N * 8; i += 32) box[i] = zero;
-            }
-            fence_proxy_async_shared();                   // generic stores -> visible to wgmma
-            __syncwarp();
-            if (lane == 0) mbar_arrive(vring.full_bar());
+            fa3_zero_v_rows_and_publish<D, BLOCK_N, STAGES>(dst, keys.kl - n0, vring);
         }
         vring.advance();
     }
 }
 
-// --- consumer steps: one warpgroup, query rows m0 + 64 c .. + 63 of the tile --------------------
-// Accumulator fragments (ptx_sm90.cuh): register 4 j + e of s[] / o[] is row 16 w + g + 8 (e / 2),
-// column 8 j + 2 t + e % 2 (w = warp in the warpgroup, g = lane / 4, t = lane % 4), so each
-// thread holds two rows, r = 0 (g) and r = 1 (g + 8), and a row's values are spread over the 4
-// lanes of a quad.
-struct Fa3Row { int row0, t; };  // this thread's first row (the other is row0 + 8), column pair
-
-// S_ij = Q_i K_j^T issued as one wgmma group: D / 16 k-steps, both operands in shared memory.
-template <typename T, int D, int BLOCK_N>
-__device__ __forceinline__ void fa3_issue_s(float (&s)[BLOCK_N / 2], const unsigned char* sq, const unsigned char* kt) {
-    using L = Fa3Smem<D, BLOCK_N>;
-    wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks) {
-        const int off = 32 * (ks % 4);  // k16 step inside the 128-byte row
-        wgmma_ss<T, BLOCK_N, 0, 0>(s, smem_desc(sq + (ks / 4) * L::Q_BOX + off, 16, 1024, SWIZZLE_128B),
-                                   smem_desc(kt + (ks / 4) * L::KV_BOX + off, 16, 1024, SWIZZLE_128B), ks != 0);
-    }
-    wgmma_commit_group();
-}
-
-// O_i += P_ij V_j issued as one wgmma group: BLOCK_N / 16 k-steps, A (P) from registers, V_j
-// MN-major in shared memory.
-template <typename T, int D, int BLOCK_N>
-__device__ __forceinline__ void fa3_issue_pv(float (&o)[D / 2], unsigned (&p)[BLOCK_N / 16][4], const unsigned char* vt) {
-    using L = Fa3Smem<D, BLOCK_N>;
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < BLOCK_N / 16; ++kk)
-        wgmma_rs<T, D, 1>(o, p[kk], smem_desc(vt + 16 * 128 * kk, L::KV_BOX, 1024, SWIZZLE_128B), 1);
-    wgmma_commit_group();
-}
-
+// --- consumer: the softmax of one key tile (the wgmma steps around it: flash_attn_sm90.cuh) ------
 // The softmax of one key tile, in place on S_ij (fp32, registers only: it may run while the
 // previous tile's P V is in flight). Masking first, only on tiles that need it (keys past k_end,
 // keys above the causal diagonal of the tile's first row, a mask tensor, or a negative scale: the
-// fast path takes the max of unscaled S); hidden keys get -inf, so P is exactly 0 there. Then
-//   m_i^(j) = max(m_i^(j-1), rowmax(S_ij))
-//   P_ij = exp2(S_ij * mul - m_i^(j))                  (the scale folded into one FMA)
-//   l_i^(j) = exp(m_i^(j-1) - m_i^(j)) l_i^(j-1) + rowsum(P_ij)
-// and alpha = exp(m_i^(j-1) - m_i^(j)), the factor O_i still has to be rescaled by.
+// fast path takes the max of unscaled S); hidden keys get -inf, so P is exactly 0 there. Then the
+// online softmax step (flash_attn_sm90.cuh fa3_online_softmax: m_i, P_ij, l_i and alpha).
 template <int BLOCK_N, bool CAUSAL>
 __device__ __forceinline__ void fa3_softmax(float (&s)[BLOCK_N / 2], float (&m)[2], float (&l)[2], float (&alpha)[2],
                                             Fa3Row me, Fa3Keys keys, Fa3Mask mask, int n0, int m0, int Sq, int diag,
@@ -197,95 +143,11 @@ __device__ __forceinline__ void fa3_softmax(float (&s)[BLOCK_N / 2], float (&m)[
                 for (int e = 0; e < 2; ++e) {
                     float& x = s[4 * jj + 2 * r + e];
                     const bool seen = n0 + 8 * jj + 2 * me.t + e < lim;
-                    float y = x * scale_log2;
-                    if (mrow && seen) {                   // a -inf entry hides the key, even a NaN score
-                        const float add = mrow[mask.sk ? 8 * jj + e : 0];
-                        y = add == -CUDART_INF_F ? -CUDART_INF_F : fmaf(add, LOG2E_F, y);
-                    }
-                    x = seen ? y : -CUDART_INF_F;
+                    x = fa3_masked_score(x * scale_log2, mrow, mask.sk ? 8 * jj + e : 0, seen);
                 }
         }
     }
-    float mx[2] = {-CUDART_INF_F, -CUDART_INF_F};
-#pragma unroll
-    for (int i = 0; i < BLOCK_N / 2; ++i) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
-    float m_use[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {                         // mul >= 0: rowmax(S) * mul = max of the scaled row
-        const float m_new = fmaxf(m[r], quad_max(mx[r]) * mul);
-        m_use[r] = m_new == -CUDART_INF_F ? 0.0f : m_new;  // nothing seen yet: exp2 -> 0
-        alpha[r] = exp2f(m[r] - m_use[r]);
-        m[r] = m_new;
-        l[r] *= alpha[r];
-    }
-#pragma unroll
-    for (int i = 0; i < BLOCK_N / 2; ++i) {
-        s[i] = exp2f(fmaf(s[i], mul, -m_use[(i >> 1) & 1]));
-        l[(i >> 1) & 1] += s[i];
-    }
-}
-
-// Once the previous P V has retired: O_i rescaled by alpha, and P_ij rounded to T as wgmma A
-// fragments (keys 16 kk .. 16 kk + 15 are S registers 8 kk .. 8 kk + 7 = (row g, keys 2t..),
-// (row g+8, 2t..), (row g, 8+2t..), (row g+8, 8+2t..)).
-template <typename T, int D, int BLOCK_N>
-__device__ __forceinline__ void fa3_rescale_and_pack(float (&o)[D / 2], const float (&alpha)[2],
-                                                     const float (&s)[BLOCK_N / 2], unsigned (&p)[BLOCK_N / 16][4]) {
-#pragma unroll
-    for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i >> 1) & 1];
-#pragma unroll
-    for (int kk = 0; kk < BLOCK_N / 16; ++kk)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) p[kk][e] = pack2<T>(s[8 * kk + 2 * e], s[8 * kk + 2 * e + 1]);
-}
-
-// Ping-pong (FA3 section 3.1): the two consumer warpgroups take turns issuing their wgmmas, so one
-// warpgroup's softmax runs while the other's matmuls occupy the tensor cores. Warpgroup c issues
-// only between named_bar_sync(1 + c) and handing the turn over (bar.arrive on the other's
-// barrier); each barrier counts 256 threads: its own 128 waiting, the other's 128 arriving.
-template <bool PINGPONG>
-__device__ __forceinline__ void fa3_turn_begin(int cw) {
-    if constexpr (PINGPONG) named_bar_sync(1 + cw, 256);
-}
-template <bool PINGPONG>
-__device__ __forceinline__ void fa3_turn_end(int cw) {
-    if constexpr (PINGPONG) named_bar_arrive(2 - cw, 256);
-}
-
-// The wgmma group of P V has retired: O_i and P_ij's registers are free, V_j's slot is released.
-template <int D, int BLOCK_N, int STAGES>
-__device__ __forceinline__ void fa3_retire_pv(float (&o)[D / 2], unsigned (&p)[BLOCK_N / 16][4],
-                                              StageRing<STAGES>& vring, bool leader) {
-    wgmma_wait_group<0>();
-    wgmma_fence_acc(o);
-    wgmma_fence_frag(p);
-    if (leader) vring.release(vring.stage);
-    vring.advance();
-}
-
-// S_ij = Q_i K_j^T as one turn of its own: wait for K_j, issue, retire, release K_j's slot.
-template <typename T, int D, int BLOCK_N, int STAGES, bool PINGPONG>
-__device__ __forceinline__ void fa3_s_alone(float (&s)[BLOCK_N / 2], const unsigned char* sq, const unsigned char* sk,
-                                            StageRing<STAGES>& kring, int cw, bool leader) {
-    kring.wait();
-    fa3_turn_begin<PINGPONG>(cw);
-    fa3_issue_s<T, D, BLOCK_N>(s, sq, sk + kring.stage * Fa3Smem<D, BLOCK_N>::KV_BYTES);
-    fa3_turn_end<PINGPONG>(cw);
-    wgmma_wait_group<0>();
-    wgmma_fence_acc(s);
-    if (leader) kring.release(kring.stage);
-    kring.advance();
-}
-
-// O_i += P_ij V_j as one turn of its own: wait for V_j, issue, retire, release V_j's slot.
-template <typename T, int D, int BLOCK_N, int STAGES, bool PINGPONG>
-__device__ __forceinline__ void fa3_pv_alone(float (&o)[D / 2], unsigned (&p)[BLOCK_N / 16][4], const unsigned char* sv,
-                                             StageRing<STAGES>& vring, int cw, bool leader) {
-    vring.wait();
-    fa3_turn_begin<PINGPONG>(cw);
-    fa3_issue_pv<T, D, BLOCK_N>(o, p, sv + vring.stage * Fa3Smem<D, BLOCK_N>::KV_BYTES);
-    fa3_turn_end<PINGPONG>(cw);
-    fa3_retire_pv<D, BLOCK_N, STAGES>(o, p, vring, leader);
+    fa3_online_softmax<BLOCK_N>(s, m, l, alpha, mul);
 }
 
 // --- consumer: the key loop of one warpgroup ------------------------------------------------------
@@ -326,36 +188,21 @@ __device__ __forceinline__ void fa3_consume(unsigned char* smem, StageRing<STAGE
     float s[BLOCK_N / 2], alpha[2];
     unsigned p[BLOCK_N / 16][4];
     if (PINGPONG && cw == 1) named_bar_arrive(1, 256);   // warpgroup 0 takes the first turn
-    // Each branch below is straight-line per tile: ptxas tracks wgmma accumulators path by path,
-    // and a wait that only a correlated branch provides makes it serialise every wgmma (C7514).
+    // Each tile's step is straight-line (fa3_key_step): ptxas tracks wgmma accumulators path by
+    // path, and a wait that only a correlated branch provides makes it serialise every wgmma (C7514).
+    int j = 0;
     if constexpr (OVERLAP) {
         fa3_s_alone<T, D, BLOCK_N, STAGES, PINGPONG>(s, sq, sk, kring, cw, leader);  // tile 0: S_0 alone
         fa3_softmax<BLOCK_N, CAUSAL>(s, m, l, alpha, me, keys, mask, 0, m0, Sq, diag, scale_log2);
         fa3_rescale_and_pack<T, D, BLOCK_N>(o, alpha, s, p);
-        for (int j = 1; j < keys.n_tiles; ++j) {
-            kring.wait();
-            fa3_turn_begin<PINGPONG>(cw);
-            fa3_issue_s<T, D, BLOCK_N>(s, sq, sk + kring.stage * L::KV_BYTES);
-            vring.wait();                                 // P_{j-1} V_{j-1} behind S_j
-            fa3_issue_pv<T, D, BLOCK_N>(o, p, sv + vring.stage * L::KV_BYTES);
-            fa3_turn_end<PINGPONG>(cw);
-            wgmma_wait_group<1>();                        // S_j has retired; P V may still run
-            wgmma_fence_acc(s);
-            if (leader) kring.release(kring.stage);       // K_j read
-            kring.advance();
-            fa3_softmax<BLOCK_N, CAUSAL>(s, m, l, alpha, me, keys, mask, j * BLOCK_N, m0, Sq, diag, scale_log2);
-            fa3_retire_pv<D, BLOCK_N, STAGES>(o, p, vring, leader);  // P_{j-1} V_{j-1}, V_{j-1} read
-            fa3_rescale_and_pack<T, D, BLOCK_N>(o, alpha, s, p);
-        }
-        fa3_pv_alone<T, D, BLOCK_N, STAGES, PINGPONG>(o, p, sv, vring, cw, leader);  // the last tile's
-    } else {
-        for (int j = 0; j < keys.n_tiles; ++j) {
-            fa3_s_alone<T, D, BLOCK_N, STAGES, PINGPONG>(s, sq, sk, kring, cw, leader);  // S_ij = Q_i K_j^T
-            fa3_softmax<BLOCK_N, CAUSAL>(s, m, l, alpha, me, keys, mask, j * BLOCK_N, m0, Sq, diag, scale_log2);
-            fa3_rescale_and_pack<T, D, BLOCK_N>(o, alpha, s, p);
-            fa3_pv_alone<T, D, BLOCK_N, STAGES, PINGPONG>(o, p, sv, vring, cw, leader);  // O_i += P_ij V_j
-        }
+        j = 1;
     }
+    for (; j < keys.n_tiles; ++j)
+        fa3_key_step<T, D, BLOCK_N, STAGES, OVERLAP, PINGPONG>(s, o, p, sq, sk, sv, kring, vring, cw, leader,
+                                                               [&](float (&a)[2]) {
+            fa3_softmax<BLOCK_N, CAUSAL>(s, m, l, a, me, keys, mask, j * BLOCK_N, m0, Sq, diag, scale_log2);
+        });
+    if constexpr (OVERLAP) fa3_pv_alone<T, D, BLOCK_N, STAGES, PINGPONG>(o, p, sv, vring, cw, leader);  // the last P V
 }
 
 // --- epilogue: O_i / l_i rounded to T, straight to global memory; lse ---------------------------

@@ -9,8 +9,9 @@
 //                                (decode), advance lengths[b] itself: one launch instead of rope q,
 //                                rope k, head-split copies, append and advance.
 //   PAGED = true (both append kernels)  the same into a paged cache (cupyattn.paged.PagedKVCache):
-//                                pages [num_pages, page_size, Hkv, D], position p of sequence b in
-//                                row p % page_size of page block_table[b, p / page_size]
+//                                pages [num_pages, page_size, Hkv, D] (NHD) or [num_pages, Hkv,
+//                                page_size, D] (HND, page_hnd = 1; paged.cuh), position p of
+//                                sequence b in row p % page_size of page block_table[b, p / page_size]
 //
 // Layouts (row-major, last dim contiguous): cache (one layer) k, v [B, Hkv, max_seq, D],
 // lengths int32 [B]. Launch shapes: cupyattn/config.py KV_APPEND_* / KV_ADVANCE_THREADS /
@@ -25,17 +26,21 @@
 // The extra arguments of the append kernels (null / 0 for the contiguous cache).
 #define KV_PAGED_PARAMS                                                                            \
     const int* __restrict__ block_table,  /* [B, bt_stride] page ids (PAGED) */                     \
-    int bt_stride, int log2_page, int num_pages
+    int bt_stride, int log2_page, int num_pages,                                                   \
+    int page_hnd                          /* pages HND (1) or NHD (0) */
 
 // Element offset of row (sequence b, kv head hk, position p): [B, Hkv, max_seq, D], or through
-// the block table into pages [num_pages, page, Hkv, D] (page ids clamped as KvRows does).
+// the block table into pages [num_pages, page, Hkv, D] (NHD) or [num_pages, Hkv, page, D] (HND)
+// (page ids clamped as KvRows does).
 template <bool PAGED>
 __device__ __forceinline__ size_t cache_row(int b, int hk, int p, int Hkv, int max_seq, int D,
-                                            const int* table, int bt_stride, int log2_page, int num_pages) {
+                                            const int* table, int bt_stride, int log2_page, int num_pages,
+                                            int page_hnd) {
     if (!PAGED) return (((size_t)b * Hkv + hk) * (size_t)max_seq + (size_t)p) * D;
     const int pg = min(max(table[(size_t)b * bt_stride + (p >> log2_page)], 0), num_pages - 1);
-    const size_t phys = ((size_t)pg << log2_page) | (size_t)(p & ((1 << log2_page) - 1));
-    return (phys * Hkv + hk) * D;
+    const size_t in_page = (size_t)(p & ((1 << log2_page) - 1));
+    if (page_hnd) return ((((size_t)pg * Hkv + hk) << log2_page) | in_page) * D;
+    return ((((size_t)pg << log2_page) | in_page) * Hkv + hk) * D;
 }
 
 // --- append --------------------------------------------------------------------------------
@@ -67,7 +72,7 @@ __global__ void kv_append_kernel(
         const int t = i / D, d = i - t * D;
         // destination row of position base + t0 + t (consecutive rows unless paged)
         const size_t row = cache_row<PAGED>(b, h, base + t0 + t, Hkv, max_seq, D, block_table, bt_stride,
-                                            log2_page, num_pages);
+                                            log2_page, num_pages, page_hnd);
         k_cache[row + d] = ks[t * k_st + d];
         v_cache[row + d] = vs[t * v_st + d];
     }
@@ -125,7 +130,7 @@ __global__ void __launch_bounds__(KV_ROPE_APPEND_THREADS) qkv_rope_append_kernel
         } else {
             const int hk = h < Hq + Hkv ? h - Hq : h - Hq - Hkv;
             const size_t row = cache_row<PAGED>(b, hk, base + t, Hkv, max_seq, D, block_table, bt_stride,
-                                                log2_page, num_pages);
+                                                log2_page, num_pages, page_hnd);
             dst = (h < Hq + Hkv ? k_cache : v_cache) + row;
             if (h >= Hq + Hkv) {  // v: copied as it is
                 dst[ia] = src[ia];

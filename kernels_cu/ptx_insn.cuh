@@ -4,6 +4,7 @@
 //
 //   wrapper                                  PTX instruction (ISA section)              target
 //   smem_u32(p)                              cvta generic -> .shared                    any
+//   globaltimer_ns()                         mov.u64 from %globaltimer (special regs.)  any
 //   cp_async_sm80<B>(smem, gmem, n)          cp.async.{ca,cg}.shared.global (9.7.9.25)  sm_80+
 //   cp_async_commit_sm80(), _wait_sm80<N>()  cp.async.commit_group / .wait_group        sm_80+
 //   ldmatrix<N, TRANS>(r, smem)              ldmatrix.sync.aligned.m8n8 (9.7.14.5.15)   sm_75+
@@ -11,6 +12,12 @@
 //                                                                                       bf16 sm_80+
 //   mma_m16n8k16_sm80<T>(d, a, b)            mma.sync.aligned.m16n8k16.row.col          sm_80+
 //   griddepcontrol_wait(), _launch_dependents()  griddepcontrol (9.7.12.20)             sm_90+
+//   signal_release(counter, inc)             red.release.gpu.global.add.u32             sm_70+
+//   load_acquire(p) -> value                 ld.acquire.gpu.global.u32                  sm_70+
+//   wait_acquire(counter, target)            load_acquire spin (+ __nanosleep backoff)  sm_70+
+//   atomic_add_relaxed(p, v) -> old          atom.relaxed.gpu.global.add.u32            sm_70+
+//   atomic_add_acq_rel(p, v) -> old          atom.acq_rel.gpu.global.add.u32            sm_70+
+//   fence_acq_rel_gpu()                      fence.acq_rel.gpu                          sm_70+
 //
 // PTX_SM is the target these wrappers check: __CUDA_ARCH__, or CUPYATTN_TARGET_SM when the loader
 // compiles for an older family than the device's (CUPYATTN_ARCH, tests: a newer GPU runs the
@@ -45,6 +52,13 @@ template <> struct ptx_mma_type<__nv_bfloat16> { enum { f16 = 0, bf16 = 1 }; };
 
 __device__ __forceinline__ unsigned smem_u32(const void* p) {
     return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+// --- %globaltimer: nanoseconds of a global clock, the same on every SM (profiling only) -----------
+__device__ __forceinline__ unsigned long long globaltimer_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %globaltimer;\n" : "=l"(t));
+    return t;
 }
 
 // --- cp.async (sm_80+) -------------------------------------------------------------------------
@@ -146,3 +160,56 @@ __device__ __forceinline__ void griddepcontrol_launch_dependents() {
     static_assert(ptx_sm_at_least<900, char[DUMMY + 1]>(), "griddepcontrol requires sm_90 or higher");
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 }
+
+// --- counters between blocks: device-scope release / acquire (sm_70+) ----------------------------
+// For kernels whose blocks wait on each other (persistent kernels, "last block" tickets): a
+// producer block writes its data, then one thread (after a __syncthreads that orders the block's
+// other stores before it) releases a counter; a consumer thread acquires it, then a __syncthreads
+// hands the data to its block. PTX ISA, Memory Consistency Model:
+//   - "Release and Acquire Patterns": a .release operation, or fence.acq_rel/fence.sc followed by
+//     a strong write, is a release; a .acquire operation, or a strong read followed by
+//     fence.acq_rel/fence.sc, is an acquire. When the acquire reads the value the release wrote
+//     (or a later value of the same chain of atomic read-modify-writes), the release
+//     synchronizes with it ("Memory synchronization"; "Causality order": cumulative, so it also
+//     covers the stores other threads ordered before the release with bar.sync);
+//   - "Scope": .gpu, so blocks on any SM take part; "Morally strong operations": the counter is
+//     read and written only by these (strong, same scope) operations, never by plain ones;
+//   - plain loads and stores (and __ldcg, ld.global.cg) are weak: they order nothing.
+// wait_acquire's target compares modulo 2^32 ((int)(value - target) >= 0), so a counter that only
+// grows may wrap. The CPU emulator (tests/emu/emu_ptx.h, emu_memory.h) models exactly this: a
+// store another block has not released and this block has not acquired reads as poison there.
+__device__ __forceinline__ void signal_release(unsigned* counter, unsigned inc) {
+    asm volatile("red.release.gpu.global.add.u32 [%0], %1;\n" ::"l"(counter), "r"(inc) : "memory");
+}
+
+__device__ __forceinline__ unsigned load_acquire(const unsigned* p) {
+    unsigned v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// Spin until *counter reaches target; the backoff keeps spinning threads off the memory system.
+__device__ __forceinline__ void wait_acquire(const unsigned* counter, unsigned target) {
+    unsigned ns = 32;
+    while ((int)(load_acquire(counter) - target) < 0) {
+        __nanosleep(ns);
+        if (ns < 1024) ns *= 2;
+    }
+}
+
+// A tile counter (relaxed: it hands out indices, it publishes no data); returns the old value.
+__device__ __forceinline__ unsigned atomic_add_relaxed(unsigned* p, unsigned v) {
+    unsigned old;
+    asm volatile("atom.relaxed.gpu.global.add.u32 %0, [%1], %2;\n" : "=r"(old) : "l"(p), "r"(v) : "memory");
+    return old;
+}
+
+// Release this thread's (and its block's, after a __syncthreads) stores and acquire what the
+// counter's earlier adds released: a "last block" ticket in one instruction. Returns the old value.
+__device__ __forceinline__ unsigned atomic_add_acq_rel(unsigned* p, unsigned v) {
+    unsigned old;
+    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;\n" : "=r"(old) : "l"(p), "r"(v) : "memory");
+    return old;
+}
+
+__device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;\n" ::: "memory"); }

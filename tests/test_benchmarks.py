@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import builtins
 import hashlib
+import importlib.util
 import json
 import math
 import subprocess
@@ -157,7 +158,7 @@ def test_plan_defaults_sweeps_and_all():
     assert all(c.dtype == "bfloat16" for c in _plan("softmax", "--dtype", "bfloat16"))
     assert len(_plan("attention", "--sweep", "attention-seqlen")) == 24
     every = _plan("all", "--skip-model")
-    assert {c.op for c in every} == {"gemm", "softmax", "attention", "decode"}
+    assert {c.op for c in every} == {"gemm", "softmax", "attention", "decode", "varlen", "paged"}
     with_model = _plan("all", "--preset", "tiny")
     assert [(c.p["model"], c.p["batch"]) for c in with_model if c.op == "model"] == [
         ("smollm2", 1), ("smollm2", 8), ("tiny", 1)]
@@ -196,6 +197,37 @@ def test_impl_selection_and_tf32_only_for_float32():
     assert impls_for_case(attn["bfloat16"], ["flash", "cupy-naive"]) == ["flash"]  # CuPy: no batched bf16
 
 
+def test_issue39_cases_and_impls():
+    """The ragged decode case (lengths from a fixed seed, bytes and FLOPs over the live keys only),
+    the opt-in decode impls (run when named, left out of the default selection), the serve cases
+    (slots 8, 32, 64 unless --batch) and which impls apply to them."""
+    from benchmarks import cases
+
+    rag = specs.ragged_decode_case()
+    lens = specs.decode_lengths(rag.p)
+    assert rag in specs.default_cases("decode") and rag.shape == "B64 H32/8 L32768 D128 ragged39"
+    assert len(lens) == 64 and min(lens) >= 128 and max(lens) == 32768 and len(set(lens)) > 32
+    assert lens == specs.decode_lengths(rag.p)  # fixed by the seed
+    assert specs.case_bytes(rag) == sum(specs.decode_bytes(1, 32, 8, n, 128, 2) for n in lens)
+    assert specs.case_bytes(rag) < specs.case_bytes(specs.make_case("decode", "float16", B=64, H=32, Hkv=8,
+                                                                    L=32768, D=128))
+    quiet = []
+    default = select_impls("decode", None, quiet.append)
+    assert not set(cases.OPT_IN["decode"]) & set(default) and "paged-16" in default
+    assert select_impls("decode", "paged-hnd-1,split-kv-waves", quiet.append) == ["paged-hnd-1", "split-kv-waves"]
+    assert impls_for_case(rag, ["split-kv", "cupy-naive", "torch-sdpa"]) == ["split-kv", "torch-sdpa"]
+    serve = _plan("model", "--serve", "--model", "tiny")
+    assert [c.name for c in serve] == [f"model tiny serve S{s}" for s in (8, 32, 64)]
+    assert [c.p["batch"] for c in _plan("model", "--serve", "--model", "tiny", "--batch", "2")] == [2]
+    names = ["tinylm", "tinylm-serve", "tinylm-serve-opt-in", "hf-transformers", "hf-compiled"]
+    assert impls_for_case(serve[0], names) == ["tinylm-serve", "tinylm-serve-opt-in", "hf-transformers"]
+    plain = _plan("model", "--model", "tiny")[0]
+    assert impls_for_case(plain, names) == ["tinylm", "hf-transformers", "hf-compiled"]
+    args = _parser().parse_args(["decode", "--B", "4", "--Sk", "1000", "--ragged", "3"])
+    (one,) = plan(args)
+    assert one.p["ragged"] == 3 and specs.decode_lengths(one.p)[0] <= 1000
+
+
 def test_our_impl_names_follow_the_op_modules():
     from benchmarks import cases
 
@@ -230,7 +262,8 @@ def test_torch_peers_skipped_with_one_line_when_torch_is_absent(no_torch):
     assert select_impls("softmax", None, lines.append) == ["ours", "cupy-ops"]
     assert len(lines) == 1 and "skipping peer torch" in lines[0]
     lines.clear()
-    assert select_impls("model", None, lines.append) == ["tinylm", "tinylm-fused", "tinylm-eager"]
+    assert select_impls("model", None, lines.append) == ["tinylm", "tinylm-fused", "tinylm-eager", "tinylm-mega",
+                                                         "tinylm-fused-pdl", "tinylm-serve", "tinylm-serve-opt-in"]
     assert len(lines) == 2 and "hf-transformers" in lines[0] and "hf-compiled" in lines[1]
     with pytest.raises(peers.PeerUnavailable):
         peers.get_torch()
@@ -630,6 +663,34 @@ def test_cli_model_graphs_and_eager_on_device(tmp_path, monkeypatch, capsys):
     assert "graph replays/run" in recs[0]["note"] and "batch 2" in recs[-1]["note"]
 
 
+@pytest.mark.gpu
+@pytest.mark.emu_slow  # about 90 s on the emulator (two warm-ups and two timed runs); the paths: tests/test_continuous_batching.py
+def test_cli_serve_small(tmp_path, monkeypatch, capsys):
+    """model --serve end to end on the device (or emulator): the tiny preset in float32 over 2
+    slots (4 prompts), tinylm's continuous batching with the defaults and with the opt-in paths
+    (HND pages, staged page ids, the waves split rule), and HF's batched generate on the CPU when
+    torch is here: tokens/s and ms per step for each, the config restored after the opt-in run."""
+    from cupyattn import config
+
+    _no_ceilings_on_the_emulator(monkeypatch)
+    hf = importlib.util.find_spec("torch") is not None and importlib.util.find_spec("transformers") is not None
+    impls = ["tinylm-serve", "tinylm-serve-opt-in"] + (["hf-transformers"] if hf else [])
+    before = (config.PAGED_DEFAULT_LAYOUT, config.DECODE_PAGE_STAGING, config.DECODE_SPLIT_RULE)
+    rc = main(["model", "--serve", "--model", "tiny", "--batch", "2", "--new-tokens", "4", "--prompt-len", "5",
+               "--model-dtype", "float32", "--impl", ",".join(impls), "--model-reps", "1", "--hf-device", "cpu",
+               "--no-progress", "--json", str(tmp_path / "s.json")])
+    assert rc == 0, capsys.readouterr().err[-3000:]
+    assert (config.PAGED_DEFAULT_LAYOUT, config.DECODE_PAGE_STAGING, config.DECODE_SPLIT_RULE) == before
+    recs = report.read_json(tmp_path / "s.json")["records"]
+    assert [(r["case"], r["impl"]) for r in recs] == [("model tiny serve S2", i) for i in impls]
+    for r in recs:
+        assert r["status"] == "ok" and r["decode_tok_s"] > 0 and r["ms_per_step"] > 0 and r["ttft_ms"] > 0, r
+        assert r["median_ms"] == pytest.approx(1e3 / r["decode_tok_s"])
+    assert "2 slots, 4 prompts" in recs[0]["note"] and "HND pages" in recs[1]["note"]
+    if hf:
+        assert "prompts' greedy tokens equal to tinylm-serve's" in recs[2]["note"]
+
+
 def test_plot_of_a_sweep(tmp_path):
     pytest.importorskip("matplotlib")
     ceil = {"gemm_tflops": 800.0, "copy_gbps": 3000.0}
@@ -694,6 +755,22 @@ def test_gpu_run_headline_names_real_ops_and_impls():
     for op, args in runs:
         impls = re.search(r"--impl (\S+)", args).group(1).split(",")
         assert set(impls) <= set(cases.impl_names(op)), (op, impls)
+
+
+def test_gpu_run_paged_stage_names_real_impls():
+    """The paged stage (issue 39) measures every paged variant and both split rules beside the
+    contiguous kernel and SDPA, and the serve stage the continuous-batching impls beside HF."""
+    import re
+
+    from benchmarks import cases
+
+    text = (ROOT / "benchmarks" / "gpu_run.sh").read_text()
+    impls = re.search(r'DECODE_PAGED_IMPLS="(.*?)"', text, re.S).group(1).replace("\\\n", "").split(",")
+    assert set(impls) <= set(cases.impl_names("decode")) and set(cases.OPT_IN["decode"]) <= set(impls)
+    assert {"split-kv", "torch-sdpa", "paged-1", "paged-16", "paged-256"} <= set(impls)
+    serve = re.search(r"run_serve\(\) \{.*?\n\}", text, re.S).group(0)
+    assert "--serve" in serve and "--batch 8,32,64" in serve
+    assert set(re.search(r"--impl (\S+)", serve).group(1).split(",")) <= set(cases.impl_names("model"))
 
 
 def test_gpu_run_step_timeout_stops_a_step_and_keeps_going(tmp_path):

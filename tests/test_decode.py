@@ -10,6 +10,8 @@ caches; all but the longest also run on the CPU emulator (tests/emu).
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -128,6 +130,72 @@ def test_choose_num_splits_properties():
             if _s_max(n) * blocks <= slots:
                 assert s == _s_max(n)
         assert seq[-1] * blocks >= slots - blocks  # long enough: a whole wave
+
+
+# --- CPU tier: the "waves" split rule (issue 39) ---------------------------------------------
+def _fa3_num_splits(blocks, sms, n_blocks, max_splits=128):
+    """FlashAttention-3's num_splits_heuristic (hopper/heuristics.h) without its early return,
+    written from its description: the smallest count whose wave efficiency (blocks * s / sms
+    over its ceiling) is at least 85% of the best, up to min(max_splits, sms, n_blocks)."""
+    top = max(1, min(max_splits, sms, n_blocks))
+    effs = []
+    for s in range(1, top + 1):
+        waves = blocks * s / sms
+        effs.append(waves / math.ceil(waves))
+    return next(s for s, e in enumerate(effs, 1) if e >= 0.85 * max(effs))
+
+
+def test_wave_splits_is_fa3s_rule_on_uniform_batches():
+    """Every sequence as long: the count is FlashAttention-3's (n_blocks: the 256-key minimum per
+    split), each chunk ceil(length / count); MQA at B=1, 128k keys on 132 SMs takes 109, as the
+    issue quotes FA3 taking there."""
+    assert decode.wave_splits([131072], 1, 132) == (109, -(-131072 // 109))
+    for b, bps, length, sms in [(1, 1, 131072, 132), (8, 8, 32768, 132), (16, 8, 4096, 132), (1, 8, 131072, 132),
+                                (4, 8, 65536, 132), (2, 3, 100000, 108), (1, 1, 1000, 132), (3, 5, 256, 7),
+                                (64, 8, 32768, 132)]:
+        s, keys = decode.wave_splits([length] * b, bps, sms)
+        assert s == _fa3_num_splits(b * bps, sms, length // config.DECODE_MIN_KEYS_PER_SPLIT), (b, bps, length)
+        assert keys == -(-length // s)
+
+
+def _ragged_efficiency(lens, keys, bps, slots):
+    """Useful work over occupied wave slots when each sequence is cut into chunks of ``keys``."""
+    items = bps * sum(max(1, -(-n // keys)) for n in lens)
+    return bps * sum(lens) / (keys * -(-items // slots) * slots)
+
+
+def test_wave_splits_on_a_ragged_batch_splits_where_it_pays():
+    """Batch 64, lengths 128 .. 32k from a fixed seed, 8 kv heads: one split per sequence leaves
+    the longest running alone (about half the slots idle); the rule takes the smallest count
+    whose efficiency, computed here one sequence at a time, is within 85% of the best, so the
+    long sequences are cut and the short ones are not."""
+    lens = np.random.default_rng(39).integers(128, 32768, 64).tolist()
+    s, keys = decode.wave_splits(lens, 8, 132)
+    effs = {c: _ragged_efficiency(lens, -(-max(lens) // c), 8, 132) for c in range(1, 129)}
+    assert s == min(c for c, e in effs.items() if e >= 0.85 * max(effs.values()))
+    assert keys == -(-max(lens) // s) and 1 < s <= config.DECODE_WAVE_MAX_SPLITS
+    assert effs[1] < 0.6 < 0.85 * max(effs.values()) <= effs[s]
+    assert min(lens) < keys < max(lens)   # a short sequence keeps one block, a long one gets several
+    assert decode.wave_splits([0, 0], 8, 132) == (1, 1) and decode.wave_splits([], 8, 132) == (1, 1)
+    assert decode.wave_splits([255], 1, 132)[0] == 1   # below the 256-key minimum: never split
+
+
+def test_schedule_of_each_rule(monkeypatch):
+    """schedule(): "cost" is choose_num_splits on the longest live length with uniform chunks
+    (split_keys 0); "waves" with a given count cuts chunks of ceil(longest / count) keys; a
+    window caps every length at left + 1 first."""
+    monkeypatch.setattr(decode, "_sm_count", lambda: 132)
+    plan = decode._plan("auto", np.float16, 128, 4)
+    lens = [100, 5000, 70000, 0]
+    assert decode.schedule("cost", plan, 4, 8, lens) == (choose_num_splits(4, 8, 70000, 132, 1), 0)
+    assert decode.schedule("cost", plan, 4, 8, lens, 7) == (7, 0)
+    assert decode.schedule("waves", plan, 4, 8, lens, 7) == (7, 10000)
+    assert decode.schedule("waves", plan, 4, 8, lens) == decode.wave_splits(lens, 8, 132)
+    assert decode.schedule("waves", plan, 4, 8, lens, 3, win_left=999) == (3, 334)
+    assert decode.schedule("waves", plan, 4, 8, lens, win_left=999) == decode.wave_splits([100, 1000, 1000, 0], 8, 132)
+    with pytest.raises(ValueError, match="split_rule"):
+        decode.check_split_rule("decode_attention", "fastest")
+    assert decode.check_split_rule("f", None) == config.DECODE_SPLIT_RULE == "cost"   # the default until a GPU run
 
 
 @pytest.mark.gpu
@@ -287,13 +355,15 @@ def test_decode_spec_compiles_without_spills(compile_report):
 
 
 def _tiles():
-    """(name expression, tile) of every decode kernel instantiation."""
+    """(name expression, tile) of every decode kernel instantiation of the configured tiles, in
+    each variant (plain, serving, staged page ids: the staged page window is static smem)."""
     for dt in config.DTYPES:
         for d in config.HEAD_DIMS:
-            yield decode._simt_expr(dt, d), config.DECODE_SIMT_TILES[(d, dt.itemsize)]
-            if dt in config.MMA_DTYPES:
-                for mt in range(1, config.DECODE_MMA_MAX_MTILES + 1):
-                    yield decode._mma_expr(dt, d, mt), config.DECODE_MMA_TILES[(d, mt)]
+            for sv, st in decode.VARIANTS:
+                yield decode._simt_expr(dt, d, None, sv, st), config.DECODE_SIMT_TILES[(d, dt.itemsize)]
+                if dt in config.MMA_DTYPES:
+                    for mt in range(1, config.DECODE_MMA_MAX_MTILES + 1):
+                        yield decode._mma_expr(dt, d, mt, None, sv, st), config.DECODE_MMA_TILES[(d, mt)]
 
 
 def test_decode_tiles_fit_their_blocks_per_sm(compile_report):
@@ -436,14 +506,14 @@ IMPL_DTYPES = [pytest.param(i, d, id=f"{i}-{d}") for i in ("simt", "mma") for d 
                if i == "simt" or d != "float32"]
 
 
-def _check_decode(be, rng, dtype, lengths, hkv, group, d, splits, tol=None, max_seq=None, impl="auto"):
+def _check_decode(be, rng, dtype, lengths, hkv, group, d, splits, tol=None, max_seq=None, impl="auto", **kw):
     skip_unless_device_runs("decode", impl, dtype)
     cache, kf, vf = _filled_cache(be, rng, dtype, lengths, hkv, d, max_seq=max_seq)
     hq = hkv * group
     q64 = rand_with_outliers(rng, (len(lengths), hq, 1, d)).astype(np_dtype(dtype))
     q = be.asarray(q64)
     out = be.nan((len(lengths), hq, 1, d), dtype)
-    res = decode_attention(q, cache, 1, num_splits=splits, out=out, impl=impl)
+    res = decode_attention(q, cache, 1, num_splits=splits, out=out, impl=impl, **kw)
     assert res is out
     want = ref.decode_attention(q64.astype(np.float64), kf, vf, lengths)
     tol = tol or (1e-5 if dtype == "float32" else TOL[dtype])
@@ -460,6 +530,41 @@ def test_decode_ragged_lengths(backend, rng, impl, dtype, splits):
     """Lengths 1, 17, 0, 97 and 1000 in one batch (tails of every tile size, an empty sequence,
     several tiles per split so the ring wraps), GQA group 4, rows past each length NaN."""
     _check_decode(backend, rng, dtype, [1, 17, 0, 97, 1000], hkv=2, group=4, d=64, splits=splits, impl=impl)
+
+
+@pytest.mark.parametrize("impl,dtype", [("simt", "float32"), ("mma", "float16"), ("simt", "bfloat16")])
+@pytest.mark.parametrize("fused", [True, False])
+def test_decode_waves_rule_splits_per_sequence(backend, rng, impl, dtype, fused):
+    """split_rule="waves" (decode.cu SeqSplit): at most 5 splits over lengths 1, 17, 0, 97, 1000
+    cut chunks of 200 keys, so four sequences take one block each (written straight to out) and
+    the 1000-key one five (merged by the fused combine or by the combine kernel, which leaves the
+    one-split rows alone); then the rule's own count. (Windows: tests/test_serving.py.)"""
+    for splits in (5, None):
+        _check_decode(backend, rng, dtype, [1, 17, 0, 97, 1000], hkv=2, group=4, d=32, splits=splits, impl=impl,
+                      split_rule="waves", fused_combine=fused)
+
+
+# (batch, kv heads, group, lengths): GQA with a ragged pair, many kv heads at the 256-key split
+# minimum, MQA over one long sequence, MQA over a ragged batch with empty and one-key sequences
+WAVE_SHAPES = [(2, 2, 4, [1100, 40]), (3, 4, 1, [513, 512, 256]), (1, 1, 8, [1500]), (5, 1, 2, [1, 600, 0, 1100, 300])]
+
+
+@pytest.mark.parametrize("sms,b,hkv,group,lengths", [
+    pytest.param(sms, *s, id=f"{sms or 'device'}-sms-B{s[0]}-kv{s[1]}-g{s[2]}") for sms in (None, 4) for s in WAVE_SHAPES])
+def test_decode_waves_rule_over_batch_heads_lengths(backend, rng, monkeypatch, sms, b, hkv, group, lengths):
+    """The "waves" rule's own split count (num_splits=None) over a range of (batch, kv heads,
+    length), on the device's SMs and on 4 (so that blocks, not SMs, are scarce and the count
+    changes): fp16 through impl="auto" (mma from a group of 4) and the SIMT kernel, against the
+    float64 reference. Each shape here is one the rule splits (asserted), so partials, per-
+    sequence chunk counts and the fused combine all run."""
+    if sms is not None:
+        monkeypatch.setattr(decode, "_sm_count", lambda: sms)
+    plan = decode._plan("auto", np.float16, 32, group)
+    s, keys = decode.schedule("waves", plan, b, hkv, lengths)
+    assert s > 1 and keys < max(lengths), (s, keys)  # the longest sequence is split
+    for impl in ("auto", "simt"):
+        _check_decode(backend, rng, "float16", lengths, hkv=hkv, group=group, d=32, splits=None, impl=impl,
+                      split_rule="waves")
 
 
 @pytest.mark.parametrize("impl,dtype", [("simt", "float32"), ("mma", "float16")])

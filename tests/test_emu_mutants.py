@@ -3,6 +3,10 @@ otherwise. Each mutant below is one seeded bug of a named class, applied as a te
 kernel source (a copy of kernels_cu/); the op that launches it runs on the CPU emulator at a small
 shape under 3 schedules and must fail (a wrong result against the float64 reference, NaN, or an
 emulator error). The unmutated sources must pass the same runs, so a catch is the mutant's doing.
+The memory-model classes (issue 37: a stage released before the wgmma reading it retired, a
+missing fence.proxy.async, a missing release or acquire around the split-KV combine's ticket or
+the megakernel's counters, a missing barrier before a counter's release) must fail under every one of the 3 schedules, not some: the emulator catches them by its model
+(tests/emu/README.md, "The memory model"), not by a lucky timing.
 
 Runs in a subprocess because the emulator replaces the `cupy` module for the whole process.
 """
@@ -28,7 +32,18 @@ _FLASH_V = ("        stage_rows<T, BLOCK_N, HEAD_DIM, LDS, THREADS>(v_s, seq.v, 
 _FLASH_COMMENT = ("        // Issue V_j (into the V buffer P V_{j-1} released) and K_{j+1} (into the K stage S_{j-1}\n"
                   "        // released); two groups, so that the V wait below can leave K_{j+1} in flight.\n")
 
-# (bug class, file, text, mutated text, op): each text must occur exactly once in the file
+_RING_NEXT = ("        cp_async_wait<MK_STAGES - 2>();\n        __syncthreads();\n"
+              "        const unsigned char* slot = ring + (consumed % MK_STAGES) * MK_STAGE_BYTES;\n"
+              "        ++consumed;\n        issue_one();\n")
+
+_GEMM_WG_RELEASE = ("        wgmma_wait_group<1>();                               // k-block kb-1 has read its stage\n"
+                    "        if (prev >= 0 && leader) ring.release(prev);\n")
+_FA3_RETIRE_PV = ("    wgmma_wait_group<0>();\n    wgmma_fence_acc(o);\n    wgmma_fence_frag(p);\n"
+                  "    if (leader) vring.release(vring.stage);\n")
+_TICKET_ACQUIRE = "            __threadfence();  // acquire: the other blocks' released writes before this block's reads\n"
+
+# (bug class, file, text, mutated text, op, every): each text must occur exactly once in the file;
+# every: the mutant must fail under every schedule (else under at least one)
 MUTANTS = [
     ("barrier removed (softmax v3: red_l read before every warp wrote it)", "row_softmax.cu",
      "    if (lane == 0) red_l[warp] = l;\n    __syncthreads();\n", "    if (lane == 0) red_l[warp] = l;\n",
@@ -45,7 +60,41 @@ MUTANTS = [
     ("tail read past the end (a row's last tile loaded without its bound: row_softmax.cu row_load)",
      "row_softmax.cu", "v[i] = j < kv ? to_float(xr[j]) * scale : -CUDART_INF_F;", "v[i] = to_float(xr[j]) * scale;",
      "softmax_warp"),
+    ("stage released before the wgmma reading it retired (gemm_sm90.cu ring)", "gemm_sm90.cu",
+     _GEMM_WG_RELEASE, "".join(reversed(_GEMM_WG_RELEASE.splitlines(keepends=True))), "gemm_wgmma", True),
+    ("fence.proxy.async deleted after the generic stores a wgmma reads (flash_attn_sm90.cuh V-tail zeroing)",
+     "flash_attn_sm90.cuh", "    fence_proxy_async_shared();                           // generic stores -> visible to wgmma\n",
+     "", "flash_wgmma", True),
+    ("V slot released before the P V wgmma reading it retired (flash_attn_sm90.cuh)", "flash_attn_sm90.cuh",
+     _FA3_RETIRE_PV, _FA3_RETIRE_PV.splitlines(keepends=True)[-1] + "".join(_FA3_RETIRE_PV.splitlines(keepends=True)[:-1]),
+     "flash_wgmma", True),
+    ("release deleted: no __threadfence before the split-KV combine's ticket (decode.cu)", "decode.cu",
+     "    __threadfence();  // release: this thread's writes before the ticket\n", "",
+     "decode_fused", True),
+    ("acquire deleted: no __threadfence after the last block's ticket, before it reads the partials (decode.cu)",
+     "decode.cu", _TICKET_ACQUIRE, "", "decode_fused", True),
+    # the megakernel's weight ring (megakernel_gemv.cuh), one block: its LM-head tiles wrap the ring 3 times
+    ("cp.async.wait_group count off by one (megakernel weight ring)", "megakernel_gemv.cuh",
+     "        cp_async_wait<MK_STAGES - 2>();\n", "        cp_async_wait<MK_STAGES - 1>();\n", "megakernel"),
+    ("ring refill moved before the barrier that retires its readers (megakernel weight ring)", "megakernel_gemv.cuh",
+     _RING_NEXT, _RING_NEXT.replace("        __syncthreads();\n", "").replace("        issue_one();\n", "")
+     .replace("cp_async_wait<MK_STAGES - 2>();\n", "cp_async_wait<MK_STAGES - 2>();\n        issue_one();\n"
+              "        __syncthreads();\n"), "megakernel"),
 ]
+# The megakernel's counters between blocks (megakernel.cu): caught only by an emulator with a memory
+# model and several blocks in flight while others spin (issue 37); the op runs gate|up then down
+# (whose tiles wait for every gate|up tile) on 4 blocks.
+ORDER_MUTANTS = [
+    ("counter released without release semantics", "megakernel.cu",
+     "signal_release(ctr + ins.signal, 1u);", "atomic_add_relaxed(ctr + ins.signal, 1u);", "megakernel_blocks"),
+    ("counter awaited without acquire semantics", "megakernel.cu", "wait_acquire(ctr + w[0], (unsigned)w[1]);",
+     "while ((int)(atomic_add_relaxed(ctr + w[0], 0u) - (unsigned)w[1]) < 0) __nanosleep(32);", "megakernel_blocks"),
+    ("no block barrier between an instruction's writes and its release", "megakernel.cu",
+     "        __syncthreads();  // every thread's writes of the instruction precede the release\n", "",
+     "megakernel_blocks"),
+]
+MUTANTS = [m if len(m) == 6 else m + (False,) for m in MUTANTS]
+ORDER_MUTANTS = [m + (True,) for m in ORDER_MUTANTS]  # the memory model catches each every time
 
 SCRIPT = r'''
 import os, shutil, sys, tempfile
@@ -54,6 +103,7 @@ os.environ["CUPYATTN_EMULATE"] = "1"
 os.environ["CUPYATTN_QUIET"] = "1"
 sys.path.insert(0, {tests!r})
 import conftest  # installs the emulated cupy
+import cupy
 import numpy as np
 from conftest import assert_close, nan_like, rand_with_outliers, to_device
 import cupyattn
@@ -76,11 +126,49 @@ def run(op, seed):
         out = nan_like((70, 40), "float16")
         cupyattn.gemm_nt(a, b, out=out, impl="mma")
         assert_close(out, ref.gemm_nt(a64, b64), "float16")
+    elif op == "gemm_wgmma":  # K = 456: 8 k-blocks through the 4- or 6-stage ring, which wraps
+        pitch = (rng.standard_normal((17, 456)), rng.standard_normal((40, 456)) * 0.1)
+        (a, a64), (b, b64) = (to_device(x, "float16") for x in pitch)
+        out = nan_like((17, 40), "float16")
+        cupyattn.gemm_nt(a, b, out=out, impl="wgmma")
+        assert_close(out, ref.gemm_nt(a64, b64), "float16")
+    elif op == "flash_wgmma":  # 4 key tiles of 128 through the 3-slot rings; the last ends at key 430
+        q, k, v = (to_device(rand_with_outliers(rng, (1, 1, s, 64)), "float16") for s in (17, 450, 450))
+        kl = np.array([430], dtype=np.int32)
+        out = nan_like((1, 1, 17, 64), "float16")
+        cupyattn.attention(q[0], k[0], v[0], key_lengths=cupy.asarray(kl), impl="wgmma", out=out)
+        assert_close(out, ref.attention(q[1], k[1], v[1], key_lengths=kl), "float16")
+    elif op == "decode_fused":  # 3 splits per (sequence, head tile); their last block merges them
+        from cupyattn.kvcache import KVCache
+        b, hq, hkv, d, lengths = 2, 4, 2, 32, [70, 45]
+        cache = KVCache(1, b, hkv, 80, d, np.float16)
+        (k, k64), (v, v64) = (to_device(rng.standard_normal((b, hkv, 70, d)), "float16") for _ in range(2))
+        cache.append(0, k, v, num_new=lengths)
+        q, q64 = to_device(rng.standard_normal((b, hq, 1, d)), "float16")
+        ws = (cupy.empty((3, b, hq, d), np.float32), cupy.empty((3, b, hq), np.float32), cupy.zeros((b, hq), np.uint32))
+        out = nan_like((b, hq, 1, d), "float16")
+        cupyattn.decode_attention(q, cache, 0, num_splits=3, impl="simt", out=out, workspace=ws, fused_combine=True)
+        assert_close(out, ref.decode_attention(q64, cupy.asnumpy(cache.k[0]), cupy.asnumpy(cache.v[0]), lengths),
+                     "float16")
     elif op == "flash_mma":
         q, k, v = (to_device(rand_with_outliers(rng, (1, 2, s, 64)), "float16") for s in (17, 150, 150))
         out = nan_like((1, 2, 17, 64), "float16")
         cupyattn.attention(q[0], k[0], v[0], impl="flash_mma", out=out)
         assert_close(out, ref.attention(q[1], k[1], v[1]), "float16")
+    elif op == "megakernel":  # one block: 10 LM-head tiles of 2 weight-ring chunks each
+        from test_megakernel import _Model, _op
+        m = _Model(rng, "float16", dim=296, v=150)
+        m.run([_op("lm_head", m, layer=0)])
+        assert_close(m.logits, ref.gemm_nt(ref.rmsnorm(m.h.x, m.h.out_norm, 1e-5), m.h.tok), "float16")
+    elif op == "megakernel_blocks":  # 4 blocks: down tiles wait for every gate|up tile's ffn rows
+        from cupyattn.persistent import Dep
+        from test_megakernel import _Model, _op
+        m = _Model(rng, "float16")
+        m.step.blocks = 4
+        m.run([_op("gate_up", m), _op("down", m, deps=(Dep("gate_up"),))])
+        L1, f = m.h.layers[1], m.s["f"]
+        gu = ref.gemm_nt(ref.rmsnorm(m.h.x, L1.ffn_norm, 1e-5), L1.w_gate_up)
+        assert_close(m.x, m.h.x + ref.gemm_nt(ref.swiglu(gu[:, :f], gu[:, f:]), L1.w_down), "float16")
     else:
         rows, n = (3, 1500) if op == "softmax_block" else (17, 97)
         x, x64 = to_device(rand_with_outliers(rng, (rows, n), scale=3.0), "float32")
@@ -88,41 +176,59 @@ def run(op, seed):
         cupyattn.softmax(x, out=out)
         assert_close(out, ref.softmax(x64), "float32")
 
-def verdict(op):
-    """'passed', or how the first of 3 schedules that failed showed it."""
-    for seed in range(3):
-        try:
-            run(op, seed)
-        except AssertionError as e:
-            return "wrong result: " + str(e).splitlines()[0][:150]
-        except Exception as e:
-            return f"{{type(e).__name__}}: " + str(e).splitlines()[0][:150]
+def outcome(op, seed):
+    """'passed', or how this schedule's run failed."""
+    try:
+        run(op, seed)
+    except AssertionError as e:
+        return "wrong result: " + str(e).splitlines()[0][:150]
+    except Exception as e:
+        return f"{{type(e).__name__}}: " + str(e).splitlines()[0][:150]
     return "passed"
+
+def verdict(op, every=False):
+    """'passed' if the 3 schedules all passed (every: if any did), else how the first failed."""
+    outs = []
+    for seed in range(3):
+        outs.append(outcome(op, seed))
+        if not every and outs[-1] != "passed":
+            break
+    failed = [o for o in outs if o != "passed"]
+    return "passed" if not failed or (every and len(failed) < len(outs)) else failed[0]
 
 for op in sorted({{m[4] for m in MUTANTS}}):
     use_sources(ORIGINAL)
     print(f"CONTROL {{op}}: {{verdict(op)}}", flush=True)
-for i, (cls, name, text, mutated, op) in enumerate(MUTANTS):
+for i, (cls, name, text, mutated, op, every) in enumerate(MUTANTS):
     tmp = Path(tempfile.mkdtemp(prefix="cupyattn-mutant-"))
     shutil.copytree(ORIGINAL, tmp / "kernels_cu", ignore=shutil.ignore_patterns("__pycache__"))
     src = (tmp / "kernels_cu" / name).read_text()
     assert src.count(text) == 1, f"mutant {{i}} ({{cls}}): its text no longer occurs once in {{name}}; update it"
     (tmp / "kernels_cu" / name).write_text(src.replace(text, mutated))
     use_sources(tmp / "kernels_cu")
-    print(f"MUTANT {{i}} {{cls}}: {{verdict(op)}}", flush=True)
+    print(f"MUTANT {{i}} {{cls}}: {{verdict(op, every)}}", flush=True)
     shutil.rmtree(tmp)
 '''
 
 
 def test_each_bug_class_is_caught_on_the_emulator(tmp_path):
+    _caught(tmp_path, MUTANTS)
+
+
+def test_megakernel_counter_order_is_caught_on_the_emulator(tmp_path):
+    _caught(tmp_path, ORDER_MUTANTS)
+
+
+def _caught(tmp_path, mutants):
     script = tmp_path / "mutants.py"
-    script.write_text(SCRIPT.format(tests=str(ROOT / "tests"), mutants=MUTANTS))
+    script.write_text(SCRIPT.format(tests=str(ROOT / "tests"), mutants=mutants))
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=900, cwd=ROOT)
     report = r.stdout + r.stderr[-3000:]
     assert r.returncode == 0, report
     controls = [ln for ln in r.stdout.splitlines() if ln.startswith("CONTROL ")]
     verdicts = [ln for ln in r.stdout.splitlines() if ln.startswith("MUTANT ")]
-    assert len(controls) == 4 and all(ln.endswith(": passed") for ln in controls), report
-    assert len(verdicts) == len(MUTANTS), report
+    ops = {m[4] for m in mutants}
+    assert len(controls) == len(ops) and all(ln.endswith(": passed") for ln in controls), report
+    assert len(verdicts) == len(mutants), report
     missed = [ln for ln in verdicts if ln.endswith(": passed")]
     assert not missed, "mutants the emulated tier did not catch:\n" + "\n".join(missed) + "\n\n" + report

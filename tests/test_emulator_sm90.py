@@ -78,12 +78,14 @@ __global__ void tma_read(const __grid_constant__ TmaMap map, float* y) {
 }
 // MODE 0: reads the accumulators before wgmma.wait_group; 1: writes them; 2: never waits;
 // 3: the warpgroup's threads disagree on scale-d; 4: one warp never joins the wgmma;
-// 5: overwrites its shared operands while it is in flight
+// 5: overwrites its shared operands while it is in flight; 6: its operands were stored with no
+// fence.proxy.async before it (the async proxy may not see them)
 template <int MODE>
 __global__ void wg_misuse(float* y) {
     extern __shared__ __align__(1024) uint4 smem_raw[];
     unsigned char* s = reinterpret_cast<unsigned char*>(smem_raw) + (1024 - smem_u32(smem_raw) % 1024) % 1024;
     for (int i = threadIdx.x; i < 4096; i += 128) s[i] = 0;
+    if (MODE != 6) fence_proxy_async_shared();
     __syncthreads();
     float d[8];
     for (int j = 0; j < 8; ++j) d[j] = 1.0f;
@@ -96,6 +98,7 @@ __global__ void wg_misuse(float* y) {
     if (MODE == 1) d[0] = 5.0f;
     if (MODE == 5) {
         for (int i = threadIdx.x; i < 4096; i += 128) s[i] = i % 2 ? 0x3c : 0;  // fp16 1.0
+        fence_proxy_async_shared();
         __syncthreads();
     }
     if (MODE != 2) wgmma_wait_group<0>();
@@ -124,13 +127,48 @@ __global__ void tma_at(const __grid_constant__ TmaMap map, int x, float* y) {
     if (MODE == 0) mbar_wait(&bar, 0);
     y[threadIdx.x] = 1.0f;
 }
+// A stage refilled by TMA while the wgmma reading it is in flight (released before it retired),
+// MODE 1; MODE 0 waits for the wgmma first. MODE 2: the barrier's init never made visible to the
+// async proxy (no fence.mbarrier_init) before a TMA load completes on it.
+template <int MODE>
+__global__ void tma_over_wgmma(const __grid_constant__ TmaMap map, float* y) {
+    extern __shared__ __align__(1024) uint4 smem_raw[];
+    unsigned char* s = reinterpret_cast<unsigned char*>(smem_raw) + (1024 - smem_u32(smem_raw) % 1024) % 1024;
+    __shared__ unsigned long long bar;
+    for (int i = threadIdx.x; i < 8192; i += 128) s[i] = 0;  // A: 64 rows of 128 B
+    fence_proxy_async_shared();
+    __syncthreads();
+    if (threadIdx.x == 0) { mbar_init(&bar, 1); if (MODE != 2) mbar_fence_init(); }
+    __syncthreads();
+    float d[8];
+    const unsigned long long desc = smem_desc(s, 16, 1024, SWIZZLE_128B);
+    wgmma_fence();
+    wgmma_ss<__half, 16, 0, 0>(d, desc, desc, 0);
+    wgmma_commit_group();
+    if (MODE != 1) wgmma_wait_group<0>();
+    if (threadIdx.x == 0) { mbar_arrive_expect_tx(&bar, 32 * 4 * 4); tma_load<2>((void*)s, &map, &bar, {0, 0}); }
+    if (MODE == 1) wgmma_wait_group<0>();
+    mbar_wait(&bar, 0);
+    y[threadIdx.x] = d[0];
+}
+// A TMA store of a box the block's threads wrote with st.shared: MODE 1 makes the generic proxy's
+// stores visible to the async proxy first (fence.proxy.async), MODE 0 does not.
+template <int MODE>
+__global__ void store_fenced(const __grid_constant__ TmaMap map) {
+    extern __shared__ __align__(128) uint4 smem_raw[];
+    reinterpret_cast<float*>(smem_raw)[threadIdx.x] = 1000.0f + threadIdx.x;
+    if (MODE == 1) fence_proxy_async_shared();
+    __syncthreads();
+    if (threadIdx.x == 0) { tma_store<2>(&map, smem_raw, {0, 0}); bulk_commit_group(); bulk_wait_group<0>(); }
+}
 __global__ void store_unwaited(const __grid_constant__ TmaMap map) {
     extern __shared__ __align__(128) uint4 smem_raw[];
     if (threadIdx.x == 0) { tma_store<2>(&map, smem_raw, {0, 0}); bulk_commit_group(); }
 }
 """)
 names = ["never_arrives", "too_many", "clobbered", "tma_read<0>", "tma_read<1>", "store_unwaited", "tma_at<0>", "tma_at<1>"] + \
-    [f"wg_misuse<{m}>" for m in range(6)] + ["named_misuse<0>", "named_misuse<1>"]
+    [f"wg_misuse<{m}>" for m in range(7)] + ["named_misuse<0>", "named_misuse<1>"] + \
+    [f"tma_over_wgmma<{m}>" for m in range(3)] + ["store_fenced<0>", "store_fenced<1>"]
 mod = cupy.RawModule(code=SRC, name_expressions=names)
 k = {n: mod.get_function(n) for n in names}
 y = cupy.zeros(128, dtype=np.float32)
@@ -164,6 +202,15 @@ expect(lambda: k["wg_misuse<4>"]((1,), (128,), (y,), shared_mem=8192), "deadlock
        "meets at wgmma.mma_async with 96 of 128 threads")
 expect(lambda: k["wg_misuse<0>"]((1,), (96,), (y,), shared_mem=8192), "not whole warpgroups of 128")
 expect(lambda: k["store_unwaited"]((1,), (32,), (m,), shared_mem=512), "never retired by cp.async.bulk.wait_group")
+# (issue 37) proxies and stage reuse: each misuse fails on every run, whatever the schedule
+for _ in range(4):
+    expect(lambda: k["wg_misuse<6>"]((1,), (128,), (y,), shared_mem=8192), "wgmma.mma_async reads shared memory",
+           "no fence.proxy.async")
+    expect(lambda: k["tma_over_wgmma<1>"]((1,), (128,), (m, y), shared_mem=9216),
+           "that a wgmma.mma_async in flight still reads")
+    expect(lambda: k["tma_over_wgmma<2>"]((1,), (128,), (m, y), shared_mem=9216), "no fence.mbarrier_init")
+    k["tma_over_wgmma<0>"]((1,), (128,), (m, y), shared_mem=9216)
+    assert (cupy.asnumpy(y) == 0).all()
 # an innermost start off a 16-byte boundary (float32: x = 2 is 8 bytes in) stops the kernel, as it
 # did on the H100; x = 4 (16 bytes) and x = -4 copy
 for mode in (0, 1):
@@ -174,6 +221,14 @@ for mode in (0, 1):
 expect(lambda: k["named_misuse<0>"]((1,), (64,), (y,)), "deadlock", "named barrier 1 waits for 64 threads, 32 arrived")
 expect(lambda: k["named_misuse<0>"]((1,), (32,), (y,)), "thread count 64 is not a positive multiple of 32 within the block")
 expect(lambda: k["named_misuse<1>"]((1,), (128,), (y,)), "bar", "barrier 1 named with", "threads while its phase counts")
+# (issue 37) a TMA store reads its source through the async proxy: unfenced generic stores fail on
+# every run, fenced ones land (the box is the whole 4 x 32 tensor)
+for _ in range(3):
+    expect(lambda: k["store_fenced<0>"]((1,), (128,), (m,), shared_mem=512), "cp.async.bulk.tensor (store) reads "
+           "shared memory", "no fence.proxy.async")
+    g[...] = np.nan
+    k["store_fenced<1>"]((1,), (128,), (m,), shared_mem=512)
+    assert np.array_equal(cupy.asnumpy(g).ravel(), 1000 + np.arange(128, dtype=np.float32))
 # the emulator's encoder applies the driver's documented rules on its own (cupyattn validates first)
 expect(lambda: fakecupy._cupyattn_emulator_encode_tiled(6, 2, 16, (8, 8), (24,), (8, 8), (1, 1), 0, 0, 0, 0),
        "CUDA_ERROR_INVALID_VALUE", "multiples of 16")

@@ -124,6 +124,11 @@ def test_decode_plans_fit_the_device(limit, cc):
                 p = decode._plan("auto", dt, d, group, cc, limit)
                 m_tiles = int(p.expr.split(",")[2]) if p.impl == "mma" else 1
                 assert p.tile.ring_bytes + decode.static_smem_bytes(p.impl, d, dt.itemsize, p.tile, m_tiles) <= limit
+                ps = decode._plan("auto", dt, d, group, cc, limit, serving=True, staged=True)  # + the page window
+                m_tiles = int(ps.expr.split(",")[2]) if ps.impl == "mma" else 1
+                assert ps.tile.ring_bytes + decode.static_smem_bytes(ps.impl, d, dt.itemsize, ps.tile, m_tiles,
+                                                                      staged=True) <= limit
+                assert ps.expr.endswith(", true, true>")
                 if dt == BF16 and cc < 80:
                     assert p.impl == "simt"
                 assert decode._plan("auto", dt, d, group, 90, 227 * 1024) == decode._plan("auto", dt, d, group)
@@ -143,15 +148,15 @@ def test_static_smem_bound_holds_for_every_decode_kernel(compile_report):
     checked = 0
     for dt in config.DTYPES:
         for d in config.HEAD_DIMS:
-            for sv in (False, True):   # the serving variants (issue 25) have the same static arrays
+            for sv, st in decode.VARIANTS:  # serving (issue 25): the same static arrays; staged: + page window
                 for tile in decode._tiles_and_small(config.DECODE_SIMT_TILES[(d, dt.itemsize)]):
-                    bound = decode.static_smem_bytes("simt", d, dt.itemsize, tile)
-                    assert by_kernel[decode._simt_expr(dt, d, tile, sv)] <= bound, (dt, d, tile, sv)
+                    bound = decode.static_smem_bytes("simt", d, dt.itemsize, tile, staged=st)
+                    assert by_kernel[decode._simt_expr(dt, d, tile, sv, st)] <= bound, (dt, d, tile, sv, st)
                     checked += 1
                 for m in range(1, config.DECODE_MMA_MAX_MTILES + 1):
                     for tile in decode.mma_tiles(dt, d, m) if dt != F32 else ():
-                        bound = decode.static_smem_bytes("mma", d, dt.itemsize, tile, m)
-                        assert by_kernel[decode._mma_expr(dt, d, m, tile, sv)] <= bound, (dt, d, m, tile, sv)
+                        bound = decode.static_smem_bytes("mma", d, dt.itemsize, tile, m, st)
+                        assert by_kernel[decode._mma_expr(dt, d, m, tile, sv, st)] <= bound, (dt, d, m, tile, sv, st)
                         checked += 1
     assert checked == len(decode.SPEC.needs)
 

@@ -29,7 +29,8 @@ from cupyattn import reference as ref
 BLOCK = 5  # options per combined case: every pair of options meets in at least one of them
 # per impl: (dtype, head dim); one head dim per tile class (wgmma's smallest is 64)
 SETUP = {"flash": ("float32", 32), "flash_mma": ("float16", 32), "naive": ("float16", 32),
-         "wgmma": ("float16", 64), None: ("float16", 64),   # attention's impl=None: wgmma's pairs on sm_90
+         "wgmma": ("float16", 64), "wgmma_persistent": ("float16", 64),
+         None: ("float16", 64),   # attention's impl=None: wgmma's pairs on sm_90
          "simt": ("float32", 32), "mma": ("float16", 32), "auto": ("float16", 32)}
 # options whose absence changes the reference: a path that ignores one of them cannot pass
 CHANGES_VALUES = ("causal", "window", "softcap", "scale", "mask", "key_lengths")
@@ -219,11 +220,17 @@ class Case:
                                                          kw.get("window"), kw.get("softcap"), lse)
 
     def _pages(self, lens):
-        """Shuffled pages of 4 tokens holding ``lens`` keys and values (test_serving's)."""
+        """Shuffled pages of 4 tokens holding ``lens`` keys and values (test_serving's), of 8 for
+        wgmma_persistent, which takes no smaller page (config.ATTN_WGMMA_MIN_PAGE); in the HND
+        layout under hnd_pages."""
         import cupy
         from test_serving import _shuffled_pages
 
-        kp, vp, table, kh, vh, th = _shuffled_pages(self.rng, lens, 4, self.hkv, self.d, self.dtype)
+        page = 8 if self.impl == "wgmma_persistent" else 4
+        layout = "HND" if "hnd_pages" in self.opts else "NHD"
+        if layout == "HND":
+            self.kw["layout"] = layout
+        kp, vp, table, kh, vh, th = _shuffled_pages(self.rng, lens, page, self.hkv, self.d, self.dtype, layout=layout)
         dev_lens = cupy.asarray(np.asarray(lens, dtype=np.int32)) if "device_lengths" in self.opts else lens
         return kp, vp, table, kh, vh, th, dev_lens
 
@@ -267,9 +274,11 @@ class Case:
             self.kw["num_splits"] = splits
         if "fused_combine" in self.opts:
             self.kw["fused_combine"] = True
+        if "split_rule" in self.opts:  # (its combine is fused unless told otherwise)
+            self.kw["split_rule"] = "waves"
         if "workspace" in self.opts:
             ws = (cupy.full((splits, b, self.hq, d), np.nan, np.float32), cupy.full((splits, b, self.hq), np.nan, np.float32))
-            if "fused_combine" in self.opts:
+            if {"fused_combine", "split_rule"} & self.opts:
                 ws += (cupy.zeros((b, self.hq), np.uint32),)
             self.kw["workspace"] = ws
         return q, qh
@@ -311,7 +320,8 @@ class Case:
 
         lens, d = [13, 5], self.d
         q, qh = self._decode_common(lens)
-        cache = cupyattn.PagedKVCache(1, 2, self.hkv, d, num_pages=8, page_size=4, dtype=np_dtype(self.dtype))
+        cache = cupyattn.PagedKVCache(1, 2, self.hkv, d, num_pages=8, page_size=4, dtype=np_dtype(self.dtype),
+                                      layout="HND" if "hnd_pages" in self.opts else "NHD")
         k, kh = place(self.rng, (2, self.hkv, 13, d), self.dtype, seq_axis=2)
         v, vh = place(self.rng, (2, self.hkv, 13, d), self.dtype, seq_axis=2)
         cache.append(0, k, v, num_new=lens)
@@ -431,8 +441,9 @@ def test_options_table_matches_the_entry_points():
     import inspect
 
     import cupyattn
+    from cupyattn import varlen
 
-    params = {"packed_q": "cu_seqlens_q", "device_lengths": None, "scale": "scale"}
+    params = {"packed_q": "cu_seqlens_q", "device_lengths": None, "scale": "scale", "hnd_pages": "layout"}
     for entry, opts in O.ENTRY_OPTIONS.items():
         sig = inspect.signature(getattr(cupyattn, entry)).parameters
         for o in opts:
@@ -443,7 +454,10 @@ def test_options_table_matches_the_entry_points():
             for o, why in O.REFUSED.get((entry, impl), {}).items():
                 assert o in opts and why, (entry, impl, o)
     assert O.ENTRY_IMPLS["attention"] == cupyattn.ATTENTION_IMPLS
+    assert O.ENTRY_IMPLS["attention_varlen"] == O.ENTRY_IMPLS["attention_paged"] == varlen.IMPLS
     with pytest.raises(ValueError, match=r"f\(\): impl='wgmma' does not implement window= \(not in kernels_cu"):
         O.check("f", "attention", "wgmma", ["causal", "window"])
     assert O.supports("attention", "wgmma", ["causal", "mask"]) and not O.supports("attention", "naive", ["softcap"])
     assert "| `wgmma` | yes | no | no |" in O.markdown()
+    assert O.supports("attention", "wgmma_persistent", ["causal", "window", "softcap", "mask", "key_lengths"])
+    assert "| `wgmma_persistent` | yes | yes | yes |" in O.markdown()

@@ -101,9 +101,11 @@ def test_reference_paged_append_writes_rope_rows_at_each_position(rng):
     np.testing.assert_allclose(q[1, :, 2], ref.rope(heads[1, 2, :hq][None, :, None], np.array([[4]]))[0, :, 0])
 
 
-def test_window_folding_and_decode_split_rule_input():
+def test_window_folding_and_decode_split_rule_input(monkeypatch):
     """causal folds into the window's right side; the decode split rule sees only the keys a
-    window leaves (left + 1), and plain calls keep the plain kernel."""
+    window leaves (left + 1); plain calls keep the plain kernel, a block table with
+    config.DECODE_PAGE_STAGING takes the staged one."""
+    from cupyattn import config, decode
     from cupyattn.decode import serving_plan
     from cupyattn.flash_attn import check_window_softcap
 
@@ -116,12 +118,20 @@ def test_window_folding_and_decode_split_rule_input():
             check_window_softcap("f", bad, None, False)
     with pytest.raises(ValueError, match="f\\(\\): softcap must be finite"):
         check_window_softcap("f", None, float("inf"), False)
-    sv, plan, live = serving_plan("f", None, None, "auto", np.float16, 64, 4, "plain-plan", 5000)
-    assert sv is None and plan == "plain-plan" and live == 5000
-    sv, plan, live = serving_plan("f", (99, -1), None, "auto", np.float16, 64, 4, "plain-plan", 5000)
-    assert live == 100 and sv.win_left == 99 and plan.expr.endswith(", true>") and plan.impl == "mma"
-    sv, plan, live = serving_plan("f", None, 30.0, "simt", np.float32, 64, 1, None, 70)
-    assert live == 70 and sv.softcap == 30.0 and plan.expr.startswith("decode_kernel<float, 64")
+    sv, plan = serving_plan("f", None, None, "auto", np.float16, 64, 4, "plain-plan")
+    assert sv is None and plan == "plain-plan"
+    sv, plan = serving_plan("f", (99, -1), None, "auto", np.float16, 64, 4, "plain-plan")
+    assert sv.win_left == 99 and plan.expr.endswith(", true>") and plan.impl == "mma"
+    monkeypatch.setattr(decode, "_sm_count", lambda: 132)
+    assert decode.schedule("cost", plan, 1, 2, [5000], None, sv.win_left) == \
+        (decode.choose_num_splits(1, 2, 100, 132, config.DECODE_SPLIT_BLOCKS_PER_SM), 0)
+    sv, plan = serving_plan("f", None, 30.0, "simt", np.float32, 64, 1, None)
+    assert sv.softcap == 30.0 and plan.expr.startswith("decode_kernel<float, 64")
+    for staging, tail in ((False, ", true>"), (True, ", true, true>")):
+        monkeypatch.setattr(config, "DECODE_PAGE_STAGING", staging)
+        sv, plan = serving_plan("f", None, None, "simt", np.float16, 64, 1, None, block_table=np.zeros((2, 3), np.int32),
+                                log2_page=4, num_pages=9, layout="HND")
+        assert plan.expr.endswith(tail) and sv.layout == "HND" and sv.args()[4] == 1  # page_hnd
 
 
 def test_softcap_range_is_what_the_kernels_compute():
@@ -273,10 +283,11 @@ def test_attention_varlen_bad_inputs_raise_before_writing(rng):
 
 
 # --- GPU tier: decode over pages, and window / softcap on both decode paths -------------------
-def _shuffled_pages(rng, lens, page_size, hkv, d, dtype, spare=3):
+def _shuffled_pages(rng, lens, page_size, hkv, d, dtype, spare=3, layout="NHD"):
     """Pages holding each sequence's keys/values at shuffled page ids (spare pages NaN-filled,
-    as are rows past a sequence's length): -> (k_pages, v_pages, table) on the device, and the
-    rounded float64 host copies for the reference."""
+    as are rows past a sequence's length): -> (k_pages, v_pages, table) on the device in
+    ``layout`` ("HND": [N, Hkv, page, D]), and the rounded float64 host copies for the reference
+    (always NHD [N, page, Hkv, D], the reference's layout)."""
     import cupy
 
     per = [max(1, -(-n // page_size)) for n in lens]
@@ -293,7 +304,10 @@ def _shuffled_pages(rng, lens, page_size, hkv, d, dtype, spare=3):
             vh[table[b, p // page_size], p % page_size] = rand_with_outliers(rng, (hkv, d), outliers=1)
     table[:, -1] = perm[-1]  # a spare (NaN) page: past every length, so never read
     kd, vd = (cupy.asarray(x.astype(np_dtype(dtype))) for x in (kh, vh))
-    return kd, vd, cupy.asarray(table), to_host(kd), to_host(vd), table
+    kr, vr = to_host(kd), to_host(vd)
+    if layout == "HND":
+        kd, vd = (cupy.ascontiguousarray(x.transpose(0, 2, 1, 3)) for x in (kd, vd))
+    return kd, vd, cupy.asarray(table), kr, vr, table
 
 
 def _decode_impls(dtype, group):
@@ -324,6 +338,87 @@ def test_decode_attention_paged(rng, dtype, page_size, hq, hkv):
                 assert got is out
                 assert_close(got, want, dtype)
                 assert np.all(to_host(got)[2] == 0)  # the empty sequence
+
+
+@pytest.fixture
+def staging(monkeypatch):
+    """Sets config.DECODE_PAGE_STAGING (the staged page-id kernels) for one test."""
+    from cupyattn import config
+
+    return lambda on: monkeypatch.setattr(config, "DECODE_PAGE_STAGING", on)
+
+
+def _layout_cases():
+    """(dtype, page size, layout): fp16 (both kernels) at pages 1, 16, 256 in both layouts and one
+    case of each other dtype; the rest (and page 4) in the emu_slow set."""
+    fast = {("float32", 16, "HND"), ("bfloat16", 256, "NHD")}
+    for layout in ("NHD", "HND"):
+        for ps in (1, 4, 16, 256):
+            for dt in DTYPES:
+                slow = (dt, ps, layout) not in fast and (dt != "float16" or ps == 4)
+                yield pytest.param(dt, ps, layout, marks=[pytest.mark.emu_slow] if slow else [])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,page_size,layout", list(_layout_cases()))
+def test_decode_paged_layouts_staged_and_waves(rng, staging, dtype, page_size, layout):
+    """Both page layouts over shuffled pages, the page ids looked up per row and staged in shared
+    memory (decode.cu STAGED), the "cost" and "waves" split rules, fused and separate combines.
+    At pages 1 and 4, 1300 keys in one split take 10 and 3 page-id windows (a window holds
+    ring-depth x tile keys' pages), so windows are refreshed while the ring runs."""
+    import cupyattn
+
+    lens = [1300, 17, 0, 300] if page_size <= 4 else [300, 17, 0, 97]
+    hq, hkv = 8, 2
+    kd, vd, table, kh, vh, th = _shuffled_pages(rng, lens, page_size, hkv, HEAD_DIM, dtype, layout=layout)
+    q, qh = to_device(rand_with_outliers(rng, (len(lens), hq, HEAD_DIM)), dtype)
+    runs = [  # (staged, window, softcap, keyword arguments)
+        (False, None, None, dict(num_splits=3)),
+        (True, None, None, dict(num_splits=1)),
+        (True, (300, -1), 2.0, dict(num_splits=3)),
+        (True, None, None, dict(split_rule="waves", num_splits=4, fused_combine=False)),
+        (True, (400, -1), None, dict(split_rule="waves")),
+    ]
+    for staged, window, softcap, kw in runs:
+        staging(staged)
+        want = ref.decode_attention_paged(qh, kh, vh, th, lens, window=window, softcap=softcap)
+        for impl in _decode_impls(dtype, hq // hkv):
+            out = nan_like((len(lens), hq, HEAD_DIM), dtype)
+            got = cupyattn.decode_attention_paged(q, kd, vd, table, lens, window=window, softcap=softcap, impl=impl,
+                                                  out=out, layout=layout, **kw)
+            assert got is out
+            assert_close(got, want, dtype)
+            assert np.all(to_host(got)[2] == 0)  # the empty sequence
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [1, 16, 256])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_decode_paged_mqa_staged_and_waves(rng, staging, layout, page_size):
+    """MQA (16 query heads on one kv head: the mma kernel serves the whole group from each K/V
+    tile) over shuffled pages in either layout, fp16, both kernels: page ids staged under the
+    "waves" rule's own count (the 530-key sequence split, the others one block each), a fixed
+    count with a window, softcap and the separate combine, and per-row page ids with softcap."""
+    import cupyattn
+
+    lens, hq, hkv, dt = [530, 17, 0, 97], 16, 1, "float16"
+    kd, vd, table, kh, vh, th = _shuffled_pages(rng, lens, page_size, hkv, HEAD_DIM, dt, layout=layout)
+    q, qh = to_device(rand_with_outliers(rng, (len(lens), hq, HEAD_DIM)), dt)
+    runs = [  # (staged, window, softcap, keyword arguments)
+        (True, None, None, dict(split_rule="waves")),
+        (True, (200, -1), 3.0, dict(split_rule="waves", num_splits=3, fused_combine=False)),
+        (False, None, 2.0, dict(split_rule="waves", num_splits=2)),
+    ]
+    for staged, window, softcap, kw in runs:
+        staging(staged)
+        want = ref.decode_attention_paged(qh, kh, vh, th, lens, window=window, softcap=softcap)
+        for impl in _decode_impls(dt, hq // hkv):
+            out = nan_like((len(lens), hq, HEAD_DIM), dt)
+            got = cupyattn.decode_attention_paged(q, kd, vd, table, lens, window=window, softcap=softcap, impl=impl,
+                                                  out=out, layout=layout, **kw)
+            assert got is out
+            assert_close(got, want, dt)
+            assert np.all(to_host(got)[2] == 0)  # the empty sequence
 
 
 @pytest.mark.gpu
@@ -360,18 +455,21 @@ def _left_window_mask(lens, sk, window):
 
 # --- GPU tier: PagedKVCache and chunked prefill over pages --------------------------------------
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("page_size", [1, 16])
-def test_paged_cache_prefill_decode_free_reuse(rng, dtype, page_size):
+@pytest.mark.parametrize("dtype,page_size,layout", [
+    pytest.param(dt, ps, lay, marks=[pytest.mark.emu_slow] if lay == "HND" and (dt, ps) != ("float16", 16) else [])
+    for lay in ("NHD", "HND") for ps in (1, 16) for dt in DTYPES])
+def test_paged_cache_prefill_decode_free_reuse(rng, dtype, page_size, layout):
     """Chunked prefill (two chunks, ragged), then decode steps, against the reference of every
-    step; then a slot is freed and a new prompt reuses its pages."""
+    step; then a slot is freed and a new prompt reuses its pages. Both page layouts (the
+    appends with RoPE, the prefill and the decode kernels all follow the cache's)."""
     import cupy
 
     import cupyattn
 
     b, hq, hkv, d = 3, 4, 2, HEAD_DIM
     cache = cupyattn.PagedKVCache(2, b, hkv, d, num_pages=64, page_size=page_size, dtype=np_dtype(dtype),
-                                  max_pages_per_seq=128 // page_size)
+                                  max_pages_per_seq=128 // page_size, layout=layout)
+    as_nhd = (lambda x: x) if layout == "NHD" else (lambda x: x.transpose(0, 2, 1, 3))
     kh = np.zeros((64, page_size, hkv, d))
     vh = np.zeros_like(kh)
     lens = np.zeros(b, dtype=np.int64)
@@ -381,7 +479,8 @@ def test_paged_cache_prefill_decode_free_reuse(rng, dtype, page_size):
         q = cache.append_qkv(1, qkv, hq, rope_base=100.0, num_new=chunk)
         th = cache.host_table.copy()
         qw, kh, vh, lens = ref.paged_append_qkv(qkvh, kh, vh, th, lens, hq, base=100.0, num_new=chunk)
-        assert_close(cache.k[1][:, :, :, :], np.where(np.isnan(kh), 0, kh), dtype)
+        assert_close(as_nhd(cache.k[1]), np.where(np.isnan(kh), 0, kh), dtype)
+        assert_close(as_nhd(cache.v[1]), np.where(np.isnan(vh), 0, vh), dtype)
         # chunked prefill over the pages: each sequence's new queries, packed
         cu = np.cumsum([0] + chunk).astype(np.int32)
         packed = cupy.concatenate([q[i, :, :n].transpose(1, 0, 2) for i, n in enumerate(chunk)])
@@ -390,7 +489,8 @@ def test_paged_cache_prefill_decode_free_reuse(rng, dtype, page_size):
         for impl in _impls(dtype):
             out = nan_like(packed.shape, dtype)
             got = cupyattn.attention_paged(packed, cache.k[1], cache.v[1], cache.block_table, cache.lengths[1],
-                                           cu_seqlens_q=cu, max_seqlen_q=t, causal=True, impl=impl, out=out)
+                                           cu_seqlens_q=cu, max_seqlen_q=t, causal=True, impl=impl, out=out,
+                                           layout=cache.layout)
             assert_close(got, want, dtype)
         if t == 1:  # a decode step: the paged decode kernel on the same cache
             got = cache.decode(q[:, :, 0], 1, num_splits=2)
@@ -409,13 +509,14 @@ def test_paged_cache_prefill_decode_free_reuse(rng, dtype, page_size):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_attention_paged_dense_queries(rng, dtype):
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_attention_paged_dense_queries(rng, dtype, layout):
     """q [B, Hq, Sq, D] (every sequence added Sq tokens, the last of its seq_lens keys) over
-    shuffled pages of 4 tokens, with a window and softcap; lse [B, Hq, Sq]."""
+    shuffled pages of 4 tokens in either layout, with a window and softcap; lse [B, Hq, Sq]."""
     import cupyattn
 
     lens, sq, hq, hkv = [17, 5, 40], 5, 6, 3
-    kd, vd, table, kh, vh, th = _shuffled_pages(rng, lens, 4, hkv, HEAD_DIM, dtype)
+    kd, vd, table, kh, vh, th = _shuffled_pages(rng, lens, 4, hkv, HEAD_DIM, dtype, layout=layout)
     q, qh = to_device(rand_with_outliers(rng, (3, hq, sq, HEAD_DIM)), dtype)
     cu = np.arange(4) * sq
     want, wlse = ref.attention_paged(qh.transpose(0, 2, 1, 3).reshape(-1, hq, HEAD_DIM), cu, kh, vh, th, lens,
@@ -425,7 +526,7 @@ def test_attention_paged_dense_queries(rng, dtype):
     for impl in _impls(dtype):
         out = nan_like(q.shape, dtype)
         got, lse = cupyattn.attention_paged(q, kd, vd, table, lens, causal=True, window=(6, -1), softcap=4.0,
-                                            return_lse=True, out=out, impl=impl)
+                                            return_lse=True, out=out, impl=impl, layout=layout)
         assert got is out
         assert_close(got, want, dtype)
         np.testing.assert_allclose(to_host(lse), wlse, rtol=1e-4, atol=1e-4)
@@ -436,22 +537,26 @@ def _rounded(x, dtype):
 
 
 @pytest.mark.gpu
-def test_paged_cache_out_of_pages_writes_nothing(rng):
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_paged_cache_out_of_pages_writes_nothing(rng, layout):
     import cupy
 
     import cupyattn
 
-    cache = cupyattn.PagedKVCache(1, 2, 1, HEAD_DIM, num_pages=3, page_size=4, dtype=np.float16)
-    k, kh = to_device(rng.standard_normal((2, 1, 5, HEAD_DIM)), "float16")
-    v, vh = to_device(rng.standard_normal((2, 1, 5, HEAD_DIM)), "float16")
+    cache = cupyattn.PagedKVCache(1, 2, 2, HEAD_DIM, num_pages=3, page_size=4, dtype=np.float16, layout=layout)
+    assert cache.k.shape == ((1, 3, 4, 2, HEAD_DIM) if layout == "NHD" else (1, 3, 2, 4, HEAD_DIM))
+    k, kh = to_device(rng.standard_normal((2, 2, 5, HEAD_DIM)), "float16")
+    v, vh = to_device(rng.standard_normal((2, 2, 5, HEAD_DIM)), "float16")
     cache.append(0, k, v, num_new=[5, 0])  # two pages for slot 0: positions 0-3, then 4
     pages = cache.pages_of(0)
     assert len(pages) == 2 and cache.seq_lengths(0).tolist() == [5, 0]
     for p in range(5):  # each position's row of its page, through the device table
         page = int(cache.block_table[0, p // 4])
         assert page == pages[p // 4]
-        np.testing.assert_array_equal(to_host(cache.k[0, page, p % 4, 0]), kh[0, 0, p])
-        np.testing.assert_array_equal(to_host(cache.v[0, page, p % 4, 0]), vh[0, 0, p])
+        for h in range(2):
+            at = (0, page, p % 4, h) if layout == "NHD" else (0, page, h, p % 4)
+            np.testing.assert_array_equal(to_host(cache.k[at]), kh[0, h, p])
+            np.testing.assert_array_equal(to_host(cache.v[at]), vh[0, h, p])
     before = cache.k.copy(), cache.lengths.copy(), cache.host_table.copy()
     with pytest.raises(ValueError, match="out of pages: slot 1 needs 2 more page"):
         cache.append(0, k, k, num_new=[0, 5])
@@ -592,6 +697,9 @@ def test_benchmark_rows_paged_decode_and_varlen(tmp_path, monkeypatch, capsys):
         monkeypatch.setattr(timing, "measure_ceilings", lambda **kw: {"copy_gbps": 1.0, "gemm_tflops": 1.0})
     for argv, impls in ((["decode", "--B", "2", "--H", "8", "--Hkv", "2", "--Sk", "256", "--D", "32"],
                          ("split-kv", "paged-16", "paged-1", "paged-256")),
+                        # a ragged batch (lengths 128 .. 256 from seed 5) through the opt-in paths (issue 39)
+                        (["decode", "--B", "3", "--H", "8", "--Hkv", "2", "--Sk", "256", "--D", "32", "--ragged", "5"],
+                         ("split-kv-waves", "naive", "paged-staged-16", "paged-hnd-1", "paged-hnd-waves-16")),
                         (["attention", "--B", "2", "--H", "4", "--Hkv", "2", "--Sq", "33", "--D", "32", "--causal"],
                          ("flash", "varlen"))):
         out = tmp_path / f"{argv[0]}.json"
@@ -666,13 +774,17 @@ def test_property_varlen_and_paged_prefill():
 
 @pytest.mark.gpu
 def test_property_paged_decode():
-    """Random paged decode: lengths 0 to 70, page sizes 1 to 256, splits, windows, softcap."""
+    """Random paged decode: lengths 0 to 70, page sizes 1 to 256, splits, windows, softcap, both
+    page layouts, page ids per row or staged, both split rules."""
     from hypothesis import given
     from hypothesis import strategies as st
 
+    from cupyattn import config
+
     @_property_settings(40)
-    @given(_serving_case(), st.sampled_from([None, 1, 2, 5]))
-    def run(c, splits):
+    @given(_serving_case(), st.sampled_from([None, 1, 2, 5]), st.sampled_from(["NHD", "HND"]), st.booleans(),
+           st.sampled_from(["cost", "waves"]))
+    def run(c, splits, layout, staged, rule):
         import cupyattn
 
         rng = np.random.default_rng(c["seed"])
@@ -680,12 +792,16 @@ def test_property_paged_decode():
         impl = "mma" if c["mma"] and dt != "float32" and not device_cannot_run("decode", "mma", dt) else "simt"
         hq, hkv = c["heads"]
         lens = [n + e for n, e in zip(c["lens_q"], c["extra_k"])]
-        kd, vd, table, kh, vh, th = _shuffled_pages(rng, lens, c["page"], hkv, HEAD_DIM, dt)
+        kd, vd, table, kh, vh, th = _shuffled_pages(rng, lens, c["page"], hkv, HEAD_DIM, dt, layout=layout)
         q, qh = to_device(rand_with_outliers(rng, (len(lens), hq, HEAD_DIM)), dt)
         want = ref.decode_attention_paged(qh, kh, vh, th, lens, window=c["window"], softcap=c["softcap"])
         out = nan_like(q.shape, dt)
-        cupyattn.decode_attention_paged(q, kd, vd, table, lens, window=c["window"], softcap=c["softcap"],
-                                        num_splits=splits, impl=impl, out=out)
+        before, config.DECODE_PAGE_STAGING = config.DECODE_PAGE_STAGING, staged
+        try:
+            cupyattn.decode_attention_paged(q, kd, vd, table, lens, window=c["window"], softcap=c["softcap"],
+                                            num_splits=splits, impl=impl, out=out, layout=layout, split_rule=rule)
+        finally:
+            config.DECODE_PAGE_STAGING = before
         assert_close(out, want, dt)
 
     run()
@@ -693,17 +809,22 @@ def test_property_paged_decode():
 
 # --- GPU tier: a captured decode step over a PagedKVCache (how tinylm would use it) --------------
 @pytest.mark.gpu
-def test_paged_decode_step_replays_from_a_cuda_graph(rng):
+@pytest.mark.parametrize("opt_in", [False, True], ids=["defaults", "hnd-staged-waves"])
+def test_paged_decode_step_replays_from_a_cuda_graph(rng, staging, opt_in):
     """append_qkv (one token per slot, lengths advanced in the kernel) + decode_attention_paged
     (fixed splits, a workspace) captured once, replayed for 6 steps: check_room(1) before each
     replay takes a new page when a slot crosses a page boundary (the table changes in place),
-    record_advance(1) after. Each step equals the reference chain."""
+    record_advance(1) after. Each step equals the reference chain. opt_in: the HND layout, staged
+    page ids and the "waves" rule (per-sequence chunks fixed at capture, the fused combine's
+    counters in the workspace), the paths that are not yet the defaults."""
     import cupy
 
     import cupyattn
 
     b, hq, hkv, d, ps, dt = 2, 4, 2, HEAD_DIM, 4, "float16"
-    cache = cupyattn.PagedKVCache(1, b, hkv, d, num_pages=16, page_size=ps, dtype=np.float16)
+    staging(opt_in)
+    cache = cupyattn.PagedKVCache(1, b, hkv, d, num_pages=16, page_size=ps, dtype=np.float16,
+                                  layout="HND" if opt_in else "NHD")
     prompt, _ = to_device(rng.standard_normal((b, 3, (hq + 2 * hkv) * d)), dt)
     cache.append_qkv(0, prompt, hq, num_new=[3, 2])  # slot 1 starts one token shorter
     kh = np.zeros((16, ps, hkv, d))
@@ -713,7 +834,8 @@ def test_paged_decode_step_replays_from_a_cuda_graph(rng):
     qkv = cupy.zeros((b, 1, (hq + 2 * hkv) * d), dtype=cupy.float16)
     q_buf = cupy.empty((b, hq, 1, d), dtype=cupy.float16)
     out = cupy.empty((b, hq, d), dtype=cupy.float16)
-    ws = (cupy.zeros((2, b, hq, d), dtype=cupy.float32), cupy.zeros((2, b, hq), dtype=cupy.float32))
+    ws = (cupy.zeros((2, b, hq, d), dtype=cupy.float32), cupy.zeros((2, b, hq), dtype=cupy.float32),
+          cupy.zeros((b, hq), dtype=cupy.uint32))
     cache.check_room(1)
     mirror = cache.host_lengths.copy()
     stream = cupy.cuda.Stream()
@@ -721,7 +843,8 @@ def test_paged_decode_step_replays_from_a_cuda_graph(rng):
         stream.begin_capture()
         cache.append_qkv(0, qkv, hq, q_out=q_buf)
         cupyattn.decode_attention_paged(q_buf[:, :, 0], cache.k[0], cache.v[0], cache.block_table, cache.lengths[0],
-                                        num_splits=2, out=out, workspace=ws)
+                                        num_splits=2, out=out, workspace=ws, layout=cache.layout,
+                                        split_rule="waves" if opt_in else "cost")
         graph = stream.end_capture()
     cache.host_lengths[...] = mirror  # capturing ran nothing on the device
     for step in range(6):
@@ -737,3 +860,4 @@ def test_paged_decode_step_replays_from_a_cuda_graph(rng):
         want = ref.decode_attention_paged(_rounded(qw[:, :, 0], dt), kh, vh, cache.host_table, lens)
         assert_close(out, want, dt)
     assert [len(cache.pages_of(i)) for i in range(b)] == [3, 2]  # 9 and 8 tokens in pages of 4
+    assert not to_host(ws[2]).any()  # the fused combine leaves its counters at zero

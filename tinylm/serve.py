@@ -124,8 +124,12 @@ def load_slot(cache, slot: int, src, n: int) -> None:
     ps = cache.page_size
     for j, page in enumerate(cache.pages_of(slot)):
         a, m = j * ps, min(ps, n - j * ps)
-        cache.k[:, page, :m] = src.k[:, 0, :, a:a + m].transpose(0, 2, 1, 3)
-        cache.v[:, page, :m] = src.v[:, 0, :, a:a + m].transpose(0, 2, 1, 3)
+        if cache.layout == "HND":  # pages [L, N, Hkv, page, D]
+            cache.k[:, page, :, :m] = src.k[:, 0, :, a:a + m]
+            cache.v[:, page, :, :m] = src.v[:, 0, :, a:a + m]
+        else:                      # pages [L, N, page, Hkv, D]
+            cache.k[:, page, :m] = src.k[:, 0, :, a:a + m].transpose(0, 2, 1, 3)
+            cache.v[:, page, :m] = src.v[:, 0, :, a:a + m].transpose(0, 2, 1, 3)
     cache.lengths[:, slot] = n
     cache.record_advance(counts)
 
@@ -140,9 +144,9 @@ class Scheduler:
 
     def __init__(self, model: Transformer, prompts, max_new_tokens: int, slots: int, positions: int,
                  stop_ids=frozenset(), graphs: bool = True, prefill_graphs: bool = False):
-        if getattr(model, "fused", False):
+        if getattr(model, "fused", False) or getattr(model, "megakernel", False):
             raise ValueError("continuous batching decodes through a paged cache: the fused decode step "
-                             "takes contiguous caches only (load without fused)")
+                             "and the megakernel take contiguous caches only (load without them)")
         self.model, self.prompts, self.max_new = model, [list(p) for p in prompts], max_new_tokens
         self.slots, self.stop_ids, self.prefill_graphs = slots, frozenset(stop_ids), prefill_graphs
         self.state = slot_state(model, slots, positions)
@@ -264,8 +268,8 @@ def serve(gen, prompts, max_new_tokens: int, max_batch: int, ignore_eos: bool = 
     results' ``extra["batch"]`` says how many ran); yields ``(index, GenerationResult)`` as each
     prompt finishes (``text`` decoded when a tokenizer is known). Arguments and memory are
     checked before anything runs (RuntimeError if not even one slot fits). Decode steps take the
-    unfused kernels whatever ``gen``'s setting (the fused step, the cupy backend's default,
-    writes contiguous caches only); ``gen`` is left as it was."""
+    unfused kernels whatever ``gen``'s setting (the fused step, the cupy backend's default, and
+    the megakernel write contiguous caches only); ``gen`` is left as it was."""
     from .generate import _check_max_new
 
     fn = "tinylm.serve"
@@ -279,8 +283,9 @@ def serve(gen, prompts, max_new_tokens: int, max_batch: int, ignore_eos: bool = 
     positions = gen.positions(fn, longest, max_new_tokens)
     gen._state = None  # the Generator's own state is not used here: free it first
     slots = slots_that_fit(gen.model, int(max_batch), longest, positions, gen.model.ops.free_memory(), fn)
-    fused = gen.model.fused
+    fused, mega = gen.model.fused, gen.model.megakernel
     gen.model.set_fused(False)
+    gen.model.set_megakernel(False)
     try:
         sched = Scheduler(gen.model, prompts, max_new_tokens, slots, positions,
                           frozenset() if ignore_eos else gen.stop_ids, gen.graphs, gen.prefill_graphs)
@@ -290,3 +295,4 @@ def serve(gen, prompts, max_new_tokens: int, max_batch: int, ignore_eos: bool = 
             yield i, res
     finally:
         gen.model.set_fused(fused)
+        gen.model.set_megakernel(mega)

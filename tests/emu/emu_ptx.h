@@ -16,7 +16,9 @@
 //     are dropped at the end of the thread;
 //   - alignment: cp.async needs both addresses aligned to its size, ldmatrix 16-byte rows, as a
 //     GPU does (it faults on a misaligned address);
-//   - ldmatrix and mma.sync are warp-collective (.aligned): the 32 lanes meet at the same one.
+//   - ldmatrix and mma.sync are warp-collective (.aligned): the 32 lanes meet at the same one;
+//   - the counters between blocks (signal_release, wait_acquire, ...) with the release / acquire
+//     semantics of the memory model emu_memory.h emulates.
 #pragma once
 
 #if defined(CUPYATTN_TARGET_SM)
@@ -35,6 +37,9 @@ template <> struct ptx_mma_type<__half> { enum { f16 = 1, bf16 = 0 }; };
 template <> struct ptx_mma_type<__nv_bfloat16> { enum { f16 = 0, bf16 = 1 }; };
 
 inline unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+
+// --- %globaltimer: here the launch's scheduling tick, a clock every block of the launch shares -----
+inline unsigned long long globaltimer_ns() { return emu_tick; }
 
 inline void emu_check_align(const void* p, int n, const char* what) {
     if ((uintptr_t)p % (uintptr_t)n)
@@ -180,3 +185,25 @@ template <int DUMMY = 0>
 inline void griddepcontrol_launch_dependents() {
     static_assert(ptx_sm_at_least<900, char[DUMMY + 1]>(), "griddepcontrol requires sm_90 or higher");
 }
+
+// --- counters between blocks (issue 37; the model: emu_memory.h) -------------------------------
+// The same six functions as ptx_insn.cuh, with the semantics the PTX ISA gives them: a release
+// publishes the block's stores, an acquire makes visible the releases its strong reads observed;
+// wait_acquire parks the thread until the counter's latest value reaches the target, so other
+// blocks run (and start, up to the device's resident blocks) meanwhile.
+inline void signal_release(unsigned* counter, unsigned inc) {
+    emu_gm_rmw(counter, [inc](unsigned o) { return o + inc; }, EMU_RELEASE, "signal_release", true);
+}
+inline unsigned load_acquire(const unsigned* p) { return emu_gm_load(p, EMU_ACQUIRE, "load_acquire"); }
+inline void wait_acquire(const unsigned* counter, unsigned target) {
+    EmuCounterWait w(counter, emu_gm_strong_index(counter, sizeof(unsigned), "wait_acquire", false), target);
+    emu_wait_until(w);
+    emu_gm_load(counter, EMU_ACQUIRE, "wait_acquire");  // the read that saw it, then the acquire
+}
+inline unsigned atomic_add_relaxed(unsigned* p, unsigned v) {
+    return emu_gm_rmw(p, [v](unsigned o) { return o + v; }, EMU_RELAXED, "atomic_add_relaxed", true);
+}
+inline unsigned atomic_add_acq_rel(unsigned* p, unsigned v) {
+    return emu_gm_rmw(p, [v](unsigned o) { return o + v; }, EMU_ACQ_REL, "atomic_add_acq_rel", true);
+}
+inline void fence_acq_rel_gpu() { emu_gm_fence(); }

@@ -19,7 +19,11 @@
 //     accumulators poisoned (NaN) from issue until the wgmma.wait_group that retires the op
 //     (writing them meanwhile is an error; emu_wgmma_complete delivers), ops chained on the same
 //     accumulators in issue order;
-//   - stmatrix (9.7.14.5.16) as the inverse of ldmatrix; setmaxnreg and the fences are no-ops.
+//   - stmatrix (9.7.14.5.16) as the inverse of ldmatrix; setmaxnreg and the wgmma fences are no-ops;
+//   - (issue 37) the async proxy's view of shared memory: a wgmma or TMA store reading what the
+//     generic proxy stored with no fence.proxy.async between is an error, as is a TMA load into
+//     shared memory an unretired wgmma reads, or completing on an mbarrier whose init was not
+//     fenced; a plain mbarrier arrival makes its thread lag (emu_lag).
 // Tensor maps are this emulator's own 128-byte format (EmuTmaDesc), encoded by fakecupy's
 // encode_tensor_map_tiled, which applies the driver's documented checks.
 #pragma once
@@ -60,7 +64,11 @@ inline std::string emu_hex(unsigned v) {
 }
 
 // --- per-block state ----------------------------------------------------------------------------
-struct EmuMbar { unsigned count = 0, pending = 0, phase = 0; long long tx = 0; };
+struct EmuMbar {
+    unsigned count = 0, pending = 0, phase = 0;
+    long long tx = 0;
+    bool async_ok = false;  // its init made visible to the async proxy (fence.mbarrier_init / fence.proxy.async)
+};
 struct EmuTmaLoad { EmuTmaDesc map; int c[5]; unsigned dst, bar, bytes; unsigned long long due; };
 struct EmuTmaStore { EmuTmaDesc map; int c[5]; unsigned src; int group; };
 struct EmuWgOp {                // one wgmma.mma_async of a warpgroup
@@ -93,11 +101,49 @@ struct EmuSm90 {
     std::vector<int> store_groups;              // per thread: bulk groups committed
     std::vector<EmuWarpgroup> wgs;
     std::string error;                          // found where nothing can throw (the scheduler)
+    std::vector<unsigned> reading;              // per 16 bytes of dynamic smem: in-flight wgmma reads of them
 };
 inline EmuSm90 emu_sm90_slots[EMU_MAX_SLOTS];  // one per block in flight
 #define emu_sm90 (emu_sm90_slots[emu_slot])
-
 [[noreturn]] inline void emu_sm90_fail(const std::string& m) { throw std::runtime_error(m); }
+
+// --- the async proxy's view of shared memory (issue 37; PTX ISA, Memory Consistency Model,
+// "Proxies") -------------------------------------------------------------------------------------
+// TMA and wgmma read and write shared memory through the async proxy; st.shared, stmatrix and
+// cp.async through the generic proxy. A generic-proxy store is seen by the async proxy only after
+// a fence.proxy.async (fence_proxy_async_shared) that follows it. Here the dynamic shared memory of
+// each block has a second image, what the async proxy sees: TMA loads write both, a
+// fence.proxy.async by any thread of the block copies the generic image into it (an
+// over-approximation: the fence of one thread publishes every thread's stores), and an async-proxy
+// read (a wgmma operand, a TMA store's source) of a byte where the two differ is an error.
+alignas(1024) inline unsigned char emu_async_smem_buf[EMU_MAX_SLOTS][EMU_DYN_SMEM];
+// The async image of [addr, addr + n) when it lies in the block's dynamic shared memory, else null.
+inline unsigned char* emu_async_of(unsigned addr, unsigned n) {
+    const unsigned base = smem_u32(emu_dyn_smem);
+    if (addr < base || addr + n > base + emu_dyn_smem_bytes) return nullptr;
+    return emu_async_smem_buf[emu_slot] + (addr - base);
+}
+inline void emu_async_check(unsigned addr, unsigned n, const char* reader) {
+    const unsigned char* a = emu_async_of(addr, n);
+    if (!a || !std::memcmp(a, emu_shared_ptr(addr), n) || !emu_sm90.error.empty()) return;
+    emu_sm90.error = std::string(reader) + " reads shared memory at " + emu_hex(addr) + " that the generic proxy "
+                     "(st.shared, stmatrix) wrote with no fence.proxy.async (fence_proxy_async_shared) between the "
+                     "store and the read, or while the read was in flight";
+}
+// A TMA load may write its box at any moment from its issue on: none of it may be shared memory
+// that a wgmma still in flight reads (wgmma_reads counts them per 16 bytes from issue to the
+// wgmma.wait_group that retires it). With the lag after each mbarrier arrival, a stage released
+// before its wgmma retired is refilled while the wgmma is in flight, and this fails every run.
+inline void emu_wg_check_unread(unsigned addr, unsigned n) {
+    const unsigned base = smem_u32(emu_dyn_smem);
+    if (emu_sm90.reading.empty() || !n || addr < base || addr + n > base + EMU_DYN_SMEM) return;
+    for (unsigned c = (addr - base) / 16; c <= (addr + n - 1 - base) / 16; ++c)
+        if (emu_sm90.reading[c])
+            emu_sm90_fail("cp.async.bulk.tensor (load): writes shared memory at " + emu_hex(base + 16 * c) + " that a "
+                          "wgmma.mma_async in flight still reads (not retired by wgmma.wait_group yet): the stage was "
+                          "released to the producer before the wgmma reading it retired");
+}
+
 inline int emu_tid() { return emu_s->cur; }
 
 // --- mbarrier (PTX ISA 9.7.13.15) ---------------------------------------------------------------
@@ -150,10 +196,13 @@ inline void mbar_init(unsigned long long* bar, unsigned count) {
     b.count = b.pending = count;
     b.phase = 0;
     b.tx = 0;
+    b.async_ok = false;
     const uint64_t tag = emu_mbar_tag(addr);
     std::memcpy(emu_shared_ptr(addr), &tag, 8);
 }
-inline void mbar_fence_init() {}
+inline void mbar_fence_init() {
+    for (auto& kv : emu_sm90.bars) kv.second.async_ok = true;
+}
 inline void emu_mbar_arrive(unsigned addr, const char* what) {
     EmuMbar& b = emu_mbar(addr);
     if (b.pending == 0)
@@ -162,7 +211,12 @@ inline void emu_mbar_arrive(unsigned addr, const char* what) {
     --b.pending;
     emu_mbar_try_complete(b);
 }
-inline void mbar_arrive(unsigned long long* bar) { emu_mbar_arrive(smem_u32(bar), "mbarrier.arrive"); }
+// A plain arrival releases a resource (a stage's empty barrier): the arriving thread lags
+// (emu_lag) while the rest of its block, the producer that refills the stage included, runs on.
+inline void mbar_arrive(unsigned long long* bar) {
+    emu_mbar_arrive(smem_u32(bar), "mbarrier.arrive");
+    emu_lag();
+}
 inline void mbar_arrive_expect_tx(unsigned long long* bar, unsigned bytes) {
     EmuMbar& b = emu_mbar(smem_u32(bar));
     b.tx += bytes;  // expect-tx first, then the arrive-on (9.7.13.15.13)
@@ -280,9 +334,11 @@ inline unsigned emu_tma_bytes(const EmuTmaDesc& t) {
 // The one place a TMA load lands: write the box (swizzled) and complete_tx its bytes.
 inline void emu_sm90_complete_tma(const EmuTmaLoad& op) {
     emu_tma_box(op.map, op.c, [&](long long off, const unsigned char* g) {
-        unsigned char* s = emu_shared_ptr(emu_swizzle(op.dst + (unsigned)off, op.map.swizzle * 16u));
+        const unsigned at = emu_swizzle(op.dst + (unsigned)off, op.map.swizzle * 16u);
+        unsigned char* s = emu_shared_ptr(at);
         if (g) std::memcpy(s, g, op.map.esize);
         else std::memset(s, 0, op.map.esize);
+        if (unsigned char* a = emu_async_of(at, op.map.esize)) std::memcpy(a, s, op.map.esize);
     });
     emu_mbar_complete_tx(op.bar, op.bytes);
 }
@@ -300,12 +356,20 @@ inline void tma_load(void* dst, const TmaMap* map, unsigned long long* bar, cons
     for (int d = 0; d < 5; ++d) op.c[d] = d < R ? c[d] : 0;
     emu_tma_check_coords(op.map, op.c, "cp.async.bulk.tensor (load)");
     op.bytes = emu_tma_bytes(op.map);
+    if (!emu_mbar(op.bar).async_ok)
+        emu_sm90_fail("cp.async.bulk.tensor: completes on the mbarrier at shared " + emu_hex(op.bar) + ", whose "
+                      "mbarrier.init no fence.mbarrier_init (mbar_fence_init) or fence.proxy.async has made "
+                      "visible to the async proxy");
+    emu_wg_check_unread(op.dst, op.bytes);
     op.due = emu_async_due();
     if (op.due == 0) {  // lands at issue
         emu_sm90_complete_tma(op);
         return;
     }
-    if (emu_pick(2)) std::memset(emu_shared_ptr(op.dst), 0xFF, op.bytes);  // in flight: poison, or old bytes
+    if (emu_pick(2)) {  // in flight: poison, or the old bytes
+        std::memset(emu_shared_ptr(op.dst), 0xFF, op.bytes);
+        if (unsigned char* a = emu_async_of(op.dst, op.bytes)) std::memset(a, 0xFF, op.bytes);
+    }
     emu_sm90.loads.push_back(op);
 }
 
@@ -332,15 +396,24 @@ inline void emu_bulk_wait(int n) {
             keep.push_back(op);
             continue;
         }
-        emu_tma_box(op.map, op.c, [&](long long off, unsigned char* g) {
-            if (g) std::memcpy(g, emu_shared_ptr(emu_swizzle(op.src + (unsigned)off, op.map.swizzle * 16u)), op.map.esize);
+        emu_tma_box(op.map, op.c, [&](long long off, unsigned char* g) {  // the source through the async proxy
+            const unsigned at = emu_swizzle(op.src + (unsigned)off, op.map.swizzle * 16u);
+            emu_async_check(at, op.map.esize, "cp.async.bulk.tensor (store)");
+            const unsigned char* a = emu_async_of(at, op.map.esize);
+            if (g) std::memcpy(g, a ? a : emu_shared_ptr(at), op.map.esize);
         }, /*store=*/true);
+        if (!emu_sm90.error.empty()) emu_sm90_fail(emu_sm90.error);
     }
     mine.swap(keep);
 }
 template <int N> inline void bulk_wait_group_read() { emu_bulk_wait(N); }
 template <int N> inline void bulk_wait_group() { emu_bulk_wait(N); }
-inline void fence_proxy_async_shared() {}
+// fence.proxy.async.shared::cta: the generic proxy's stores so far are the async proxy's view (and
+// an mbarrier's init with them).
+inline void fence_proxy_async_shared() {
+    std::memcpy(emu_async_smem_buf[emu_slot], emu_dyn_smem, emu_dyn_smem_bytes);
+    for (auto& kv : emu_sm90.bars) kv.second.async_ok = true;
+}
 
 // --- warpgroup collectives ----------------------------------------------------------------------
 // The 128 threads of a warpgroup meet: each fills its slot, the last to arrive runs `last` for all
@@ -424,10 +497,21 @@ inline unsigned emu_wg_addr(unsigned long long desc, bool mn_major, int mn, int 
     }
     return emu_swizzle(a, mode == 0 ? 16 : w);
 }
+// Every shared-memory element op reads (A unless it comes from registers, and B), counted in or
+// out (delta) of the in-flight reads of its 16 bytes.
+inline void emu_wg_reads(const EmuWgOp& op, int delta) {
+    const unsigned base = smem_u32(emu_dyn_smem);
+    if (emu_sm90.reading.empty()) emu_sm90.reading.assign(EMU_DYN_SMEM / 16, 0u);
+    for (int k = 0; k < 16; ++k) {
+        for (int r = 0; r < 64 && !op.rs; ++r) emu_sm90.reading[(emu_wg_addr(op.desc_a, op.trans_a, r, k) - base) / 16] += delta;
+        for (int c = 0; c < op.n; ++c) emu_sm90.reading[(emu_wg_addr(op.desc_b, op.trans_b, c, k) - base) / 16] += delta;
+    }
+}
 inline float emu_b16v(unsigned bits, bool bf16) {
     return bf16 ? emu_b16(bits, __nv_bfloat16()) : emu_b16(bits, __half());
 }
 inline float emu_wg_elem(unsigned addr, bool bf16) {
+    emu_async_check(addr, 2, "wgmma.mma_async");
     uint16_t bits;
     std::memcpy(&bits, emu_shared_ptr(addr), 2);
     return emu_b16v(bits, bf16);
@@ -472,6 +556,7 @@ inline void emu_wgmma_compute(EmuWarpgroup& w, EmuWgOp& op) {
 // values (poisoned from issue until now).
 inline void emu_wgmma_complete(EmuWarpgroup& w, EmuWgOp& op) {
     emu_wgmma_compute(w, op);
+    emu_wg_reads(op, -1);
     for (int t = 0; t < 128; ++t) {
         for (int j = 0; j < op.n / 2; ++j) {
             float* reg = op.d[t] + j;
@@ -515,6 +600,7 @@ inline void emu_wgmma_issue(EmuWgSlot s) {
             }
         op.due = emu_async_due();
         w.ops.push_back(op);
+        emu_wg_reads(w.ops.back(), +1);
         if (op.due == 0) emu_wgmma_compute(w, w.ops.back());
     });
 }
@@ -637,6 +723,8 @@ inline void emu_sm90_block_begin(int threads) {
     emu_sm90.wgs.resize((threads + 127) / 128);
     emu_sm90.error.clear();
     for (EmuNamedBar& b : emu_sm90.named) b = EmuNamedBar();
+    std::fill(emu_sm90.reading.begin(), emu_sm90.reading.end(), 0u);
+    std::memset(emu_async_smem_buf[emu_slot], 0xFF, emu_dyn_smem_bytes);  // poisoned as the generic image is
 }
 inline std::string emu_sm90_block_end() {
     if (!emu_sm90.error.empty()) return emu_sm90.error;

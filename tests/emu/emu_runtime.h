@@ -1,8 +1,9 @@
 // emu_runtime.h: just enough of the CUDA C execution model to run SIMT kernels on the CPU, for
 // testing kernel logic on machines without a GPU (tests/emu/README.md). Each CUDA thread is a
 // fiber on one OS thread; 1 to 4 blocks are in flight at once under a seeded adversarial schedule
-// (emu_launch), each with its own static `__shared__` arena (fakecupy rewrites the declarations)
-// and dynamic shared memory, poisoned per block. __syncthreads, warp shuffles, ldmatrix and mma are
+// (emu_launch; more while all of them wait for another block), each with its own static
+// `__shared__` arena (fakecupy rewrites the declarations), dynamic shared memory, poisoned per
+// block, and view of global memory (emu_memory.h). __syncthreads, warp shuffles, ldmatrix and mma are
 // rendezvous points; a thread that returns drops out of them, as an exited thread does on the GPU.
 // The kernels' inline PTX lives in kernels_cu/ptx.cuh only, which the emulator swaps for
 // emu_ptx.h (the same functions in C++); any other inline PTX is refused.
@@ -61,6 +62,7 @@ enum EmuState { EMU_RUN, EMU_WAIT_BLOCK, EMU_WAIT_WARP, EMU_WAIT_COND, EMU_DONE 
 struct EmuWaitable {
     virtual bool ready() = 0;
     virtual std::string what() const = 0;
+    virtual bool global() const { return false; }  // waits for another block (emu_memory.h)
 };
 // A cp.async copy in flight (emu_ptx.h): delivered at a moment the schedule picks between its
 // issue and the cp.async.wait_group that retires its group (`due`: a scheduling tick, or never
@@ -72,6 +74,7 @@ struct EmuFiber {
     std::vector<EmuCopy> pending;  // cp.async copies not yet delivered
     int committed = 0;             // cp.async groups committed so far
     EmuWaitable* waiting_on = nullptr;  // EMU_WAIT_COND: what it waits for (lives on its stack)
+    unsigned lag = 0;              // > 0: held back (emu_lag), the larger the more recently
 };
 // A warp's rendezvous (shuffles, __syncwarp, ldmatrix, mma): the lanes named in the mask meet at
 // one call site (`site`: a source line, or an instruction's name) with one mask.
@@ -91,6 +94,10 @@ struct EmuSched {                  // one block in flight (a slot of the launch)
     uint3 block;
     int red[3] = {0, 0, 0};        // __syncthreads_count/or/and tallies, one slot per barrier mod 3
     unsigned long long next_due = EMU_NEVER;  // earliest tick a cp.async of this block may land early
+    unsigned lag_stamp = 0;        // emu_lag: fibers held back, and the last stamp given
+    int lagging = 0;
+    bool stalled = false;          // its last pass moved nothing, and some thread waits for another block:
+    unsigned long long stall_gen = 0;  // it may move again once emu_gm.gen has changed since
     std::function<void()> call;
     bool failed = false;
     std::string msg;
@@ -116,7 +123,10 @@ inline unsigned long long emu_async_due() {
         default: return emu_tick + 1 + emu_pick(96);
     }
 }
-constexpr int EMU_MAX_SLOTS = 4;   // blocks in flight at once
+// 1 to EMU_START_SLOTS blocks start in flight; more start while every block in flight waits for
+// another block (a persistent kernel's co-resident blocks), up to the launch's resident capacity.
+constexpr int EMU_START_SLOTS = 4, EMU_MAX_SLOTS = 160;
+inline size_t emu_dyn_smem_bytes = 0;  // the launch's dynamic shared memory (shared_mem=)
 inline int emu_slot = 0;           // the slot of the block now running
 // ---- hooks for tests/emu/emu_ptx_sm90.h (issue 21): per-block state of the Hopper emulation is
 // reset when a block starts; at its end, a non-empty string is the block's error (async work
@@ -155,6 +165,17 @@ inline void emu_wait_until(EmuWaitable& w) {
     me.waiting_on = &w;
     emu_yield(EMU_WAIT_COND, 0);
     me.waiting_on = nullptr;
+}
+// (issue 37) Hold the current thread back: it goes on only when no other thread of its block can
+// (the most recently held first), so a thread that has just released a resource (an mbarrier
+// arrival) lags while its block's other threads, the producer refilling that slot included, run
+// as far as they can. A release-early bug then shows on every run, not by chance.
+inline void emu_lag() {
+    EmuSched& S = *emu_s;
+    EmuFiber& me = S.f[S.cur];
+    me.lag = ++S.lag_stamp;
+    ++S.lagging;
+    emu_yield(EMU_RUN, 0);
 }
 inline void __syncthreads() {
     EmuSched& S = *emu_s;
@@ -207,10 +228,7 @@ inline int __syncthreads_and(int pred) { return emu_sync_count(!pred) == 0; }
 inline void __syncwarp(unsigned mask = 0xffffffffu, int line = __builtin_LINE()) {
     emu_warp_barrier(mask, line, "__syncwarp");
 }
-inline void __threadfence() {}
-inline void __threadfence_block() {}
-// Cache-hinted loads (ld.global.cg: L2 only, for data other blocks wrote during this kernel).
-template <typename T> T __ldcg(const T* p) { return *p; }
+#include "emu_memory.h"  // global memory across blocks: views, fences, atomics (issue 37)
 
 template <typename T> T emu_shfl(unsigned mask, T v, int kind, int arg, int width, int line) {
     static_assert(sizeof(T) <= 8, "shuffle of a type larger than 8 bytes");
@@ -256,11 +274,6 @@ inline unsigned __ballot_sync(unsigned mask, int pred, int line = __builtin_LINE
 }
 inline int __any_sync(unsigned m, int p, int line = __builtin_LINE()) { return __ballot_sync(m, p, line) != 0; }
 inline int __all_sync(unsigned m, int p, int line = __builtin_LINE()) { return (__ballot_sync(m, !p, line) & m) == 0; }
-
-// --- atomics ---------------------------------------------------------------------------------
-template <typename T> T atomicAdd(T* p, T v) { T old = *p; *p = old + v; return old; }
-template <typename T> T atomicMax(T* p, T v) { T old = *p; if (v > old) *p = v; return old; }
-template <typename T> T atomicExch(T* p, T v) { T old = *p; *p = v; return old; }
 
 // --- math intrinsics -------------------------------------------------------------------------
 inline float __expf(float x) { return std::exp(x); }
@@ -399,7 +412,7 @@ inline void emu_fiber_entry() {
 
 constexpr size_t EMU_STACK = 256 * 1024;
 inline std::vector<char*> emu_stacks;  // reused by every launch; pages are touched lazily
-constexpr int EMU_MAX_FIBERS = 4096;   // threads of all blocks in flight at once
+constexpr int EMU_MAX_FIBERS = 16384;  // threads of all blocks in flight at once
 
 // The current block is the one in slot S: the globals a kernel reads point at its state.
 inline void emu_enter_slot(EmuSched& S) {
@@ -430,12 +443,13 @@ inline void emu_deliver_due(EmuSched& S) {
 }
 
 // Start block `blk` in slot S: fresh fibers and warps, the slot's shared memory poisoned (0xFF:
-// NaN / -1) as far as the launch uses it.
+// NaN / -1) as far as the launch uses it, its view of global memory (emu_gm_block_start).
 inline void emu_block_start(EmuSched& S, uint3 blk, int n, size_t smem, const std::vector<char*>& stacks) {
     S.block = blk;
     emu_enter_slot(S);
     S.live = n; S.block_arrived = 0; S.block_gen = 0; S.next_due = EMU_NEVER;
     S.red[0] = S.red[1] = S.red[2] = 0;
+    S.lag_stamp = 0; S.lagging = 0; S.stalled = false;
     for (size_t w = 0; w < S.warps.size(); ++w) {
         EmuWarp& wp = S.warps[w];
         wp.live = std::min(32, n - (int)w * 32);
@@ -445,6 +459,7 @@ inline void emu_block_start(EmuSched& S, uint3 blk, int n, size_t smem, const st
     std::memset(emu_dyn_smem_buf[S.slot], 0xFF, smem);
     std::memset(emu_static_smem_buf[S.slot], 0xFF, emu_static_arena[S.slot].top);
     if (emu_hook_block_begin) emu_hook_block_begin(n);
+    emu_gm_block_start(S.slot, blk.x + (unsigned long long)gridDim.x * (blk.y + (unsigned long long)gridDim.y * blk.z));
     for (int t = 0; t < n; ++t) {
         EmuFiber& f = S.f[t];
         f.tid = {t % blockDim.x, (t / blockDim.x) % blockDim.y, t / (blockDim.x * blockDim.y)};
@@ -453,6 +468,7 @@ inline void emu_block_start(EmuSched& S, uint3 blk, int n, size_t smem, const st
         f.committed = 0;
         f.started = false;
         f.waiting_on = nullptr;
+        f.lag = 0;
         getcontext(&f.ctx);
         f.ctx.uc_stack.ss_sp = stacks[S.slot * n + t];
         f.ctx.uc_stack.ss_size = EMU_STACK;
@@ -480,62 +496,90 @@ inline void emu_step(EmuSched& S, int t) {
     if (S.next_due <= emu_tick) emu_deliver_due(S);
     if (emu_hook_tick) emu_hook_tick();
 }
-// One scheduling pass over block S; false if no fiber could move (a deadlock). A pass either
-// steps every ready fiber once in a fresh random order, or lets whole warps in a random order run
-// as far as they can (to the next __syncthreads or mbarrier wait): one warp a phase ahead.
+// One scheduling pass over block S; false if no fiber could move. A pass either steps every ready
+// fiber once in a fresh random order, or lets whole warps in a random order run as far as they
+// can (to the next __syncthreads or mbarrier wait): one warp a phase ahead. Fibers held back
+// (emu_lag) are left out; when nothing else can move, the most recently held one goes on.
 inline bool emu_pass(EmuSched& S, std::vector<int>& order) {
     bool progress = false;
     const int n = (int)S.f.size();
+    auto runnable = [&](int t) { return !S.f[t].lag && emu_fiber_ready(S, t); };
     if (emu_pick(2) == 0) {
         std::shuffle(order.begin(), order.end(), emu_rng);
         for (int t : order)
-            if (emu_fiber_ready(S, t)) { emu_step(S, t); progress = true; }
-        return progress;
-    }
-    std::vector<int> warps(S.warps.size());
-    for (size_t w = 0; w < warps.size(); ++w) warps[w] = (int)w;
-    std::shuffle(warps.begin(), warps.end(), emu_rng);
-    for (int w : warps) {
-        const int lo = 32 * w, hi = std::min(n, lo + 32);
-        for (bool moved = true; moved && !S.failed;) {
-            moved = false;
-            const unsigned r = emu_pick(32);  // lanes start from a random one
-            for (int i = 0; i < hi - lo; ++i) {
-                const int t = lo + (int)((i + r) % (unsigned)(hi - lo));
-                if (emu_fiber_ready(S, t)) { emu_step(S, t); moved = progress = true; }
+            if (runnable(t)) { emu_step(S, t); progress = true; }
+    } else {
+        std::vector<int> warps(S.warps.size());
+        for (size_t w = 0; w < warps.size(); ++w) warps[w] = (int)w;
+        std::shuffle(warps.begin(), warps.end(), emu_rng);
+        for (int w : warps) {
+            const int lo = 32 * w, hi = std::min(n, lo + 32);
+            for (bool moved = true; moved && !S.failed;) {
+                moved = false;
+                const unsigned r = emu_pick(32);  // lanes start from a random one
+                for (int i = 0; i < hi - lo; ++i) {
+                    const int t = lo + (int)((i + r) % (unsigned)(hi - lo));
+                    if (runnable(t)) { emu_step(S, t); moved = progress = true; }
+                }
             }
         }
     }
-    return progress;
+    if (progress || S.lagging == 0) return progress;
+    int last = -1;
+    for (int t = 0; t < n; ++t)
+        if (S.f[t].lag && emu_fiber_ready(S, t) && (last < 0 || S.f[t].lag > S.f[last].lag)) last = t;
+    if (last < 0) return false;
+    S.f[last].lag = 0;
+    --S.lagging;
+    emu_step(S, last);
+    return true;
 }
 
-inline std::string emu_deadlock(const EmuSched& S) {
+inline std::string emu_waits(const EmuSched& S) {
     std::string why;  // (issue 21) what EMU_WAIT_COND fibers wait for, each kind once
     for (const EmuFiber& g : S.f)
         if (g.state == EMU_WAIT_COND && why.find(g.waiting_on->what()) == std::string::npos)
             why += "; " + g.waiting_on->what();
-    return "deadlock in block (" + std::to_string(S.block.x) + "," + std::to_string(S.block.y) + "," +
-           std::to_string(S.block.z) + "): threads wait at a barrier that other threads of the block or warp "
-           "never reach" + why;
+    return why;
+}
+inline std::string emu_block_name(uint3 b) {
+    return "(" + std::to_string(b.x) + "," + std::to_string(b.y) + "," + std::to_string(b.z) + ")";
+}
+inline std::string emu_deadlock(const EmuSched& S) {
+    return "deadlock in block " + emu_block_name(S.block) + ": threads wait at a barrier that other threads of the "
+           "block or warp never reach" + emu_waits(S);
+}
+// A pass of S moved nothing: a deadlock of the block, unless a thread waits for another block.
+inline bool emu_waits_for_another_block(const EmuSched& S) {
+    for (const EmuFiber& g : S.f)
+        if (g.state == EMU_WAIT_COND && g.waiting_on->global()) return true;
+    return false;
 }
 
-// Blocks run 1 to 4 at a time (each with its own fibers, shared memory and Hopper state), their
-// passes interleaved in a seeded order; blocks start in grid order, reversed, or shuffled.
+// Blocks run 1 to EMU_START_SLOTS at a time (each with its own fibers, shared memory, Hopper state
+// and view of global memory), their passes interleaved in a seeded order; blocks start in grid
+// order, reversed, or shuffled. While every block in flight waits for another block (a counter
+// that block has to signal), one more starts, up to `capacity` resident blocks (fakecupy: the
+// emulated device's SMs, one block each); past it, the launch is a deadlock and says so.
+// `regions`: (address, bytes) pairs of the global memory the memory model tracks (emu_memory.h);
+// `paged`: their pages hold nothing else (found by mprotect, else by comparing them whole).
 template <typename... A>
 int emu_launch(void (*k)(A...), dim3 g, dim3 b, size_t smem, const long long* iv, const double* dv,
-               char* err, int errlen, unsigned long long seed) {
+               char* err, int errlen, unsigned long long seed, const unsigned long long* regions, int nregions,
+               int paged, int capacity) {
     gridDim = g; blockDim = b;
     const int n = (int)(b.x * b.y * b.z);
     if (smem > EMU_DYN_SMEM) {
         std::snprintf(err, errlen, "dynamic shared memory %zu B exceeds 228 KB", smem);
         return 1;
     }
+    emu_dyn_smem_bytes = smem;
     emu_rng.seed(seed);
     emu_tick = 0;
     const unsigned long long nblocks = (unsigned long long)g.x * g.y * g.z;
-    int slots = 1 + (int)emu_pick(EMU_MAX_SLOTS);
-    slots = (int)std::min<unsigned long long>({(unsigned long long)slots, nblocks,
-                                               (unsigned long long)std::max(1, EMU_MAX_FIBERS / n)});
+    const int max_slots = std::max(1, std::min({capacity, EMU_MAX_SLOTS, EMU_MAX_FIBERS / n}));
+    int slots = 1 + (int)emu_pick(EMU_START_SLOTS);
+    slots = (int)std::min<unsigned long long>({(unsigned long long)slots, nblocks, (unsigned long long)max_slots});
     // block order: 0 grid order, 1 reversed, 2 shuffled (grids of at most 2^20 blocks)
     const unsigned order_kind = emu_pick(nblocks <= (1u << 20) ? 3 : 2);
     std::vector<unsigned> perm;
@@ -548,10 +592,17 @@ int emu_launch(void (*k)(A...), dim3 g, dim3 b, size_t smem, const long long* iv
         const unsigned long long j = order_kind == 0 ? i : order_kind == 1 ? nblocks - 1 - i : perm[i];
         return uint3{(unsigned)(j % g.x), (unsigned)(j / g.x % g.y), (unsigned)(j / ((unsigned long long)g.x * g.y))};
     };
-    while ((int)emu_stacks.size() < slots * n) emu_stacks.push_back((char*)std::malloc(EMU_STACK));
-    std::vector<EmuSched> S(slots);
+    emu_gm_begin(regions, nregions, paged != 0);
+    std::vector<EmuSched> S;
+    S.reserve(max_slots);  // fibers hold references into it: never reallocated
     auto call = [&] { emu_call(k, iv, dv, std::index_sequence_for<A...>{}); };
-    for (int s = 0; s < slots; ++s) {
+    std::vector<int> order(n);
+    for (int t = 0; t < n; ++t) order[t] = t;
+    std::vector<int> active;
+    unsigned long long next_block = 0;
+    auto add_slot = [&] {
+        const int s = (int)S.size();
+        S.emplace_back();
         S[s].slot = s;
         S[s].f.resize(n);
         S[s].warps.resize((n + 31) / 32);
@@ -560,33 +611,54 @@ int emu_launch(void (*k)(A...), dim3 g, dim3 b, size_t smem, const long long* iv
         // write past the `smem` bytes the host launched with is reported after the launch.
         std::memset(emu_dyn_smem_buf[s], 0xFF, EMU_DYN_SMEM);
         emu_static_arena[s] = {};
-    }
-    std::vector<int> order(n);
-    for (int t = 0; t < n; ++t) order[t] = t;
-    std::vector<int> active;
-    unsigned long long next_block = 0;
-    for (int s = 0; s < slots; ++s) { emu_block_start(S[s], block_of(next_block++), n, smem, emu_stacks); active.push_back(s); }
+        while ((int)emu_stacks.size() < (s + 1) * n) emu_stacks.push_back((char*)std::malloc(EMU_STACK));
+        emu_block_start(S[s], block_of(next_block++), n, smem, emu_stacks);
+        active.push_back(s);
+    };
+    for (int s = 0; s < slots; ++s) add_slot();
     std::string fail;
+    std::vector<int> can;
     while (!active.empty() && fail.empty()) {
-        const size_t i = emu_pick((unsigned)active.size());
-        EmuSched& B = S[active[i]];
+        can.clear();
+        for (int s : active)
+            if (!S[s].stalled || S[s].stall_gen != emu_gm.gen) can.push_back(s);
+        if (can.empty()) {  // every block in flight waits for another block
+            if (next_block < nblocks && (int)S.size() < max_slots) { add_slot(); continue; }
+            fail = "deadlock: every block in flight waits for a value another block must write";
+            for (int s : active) {
+                emu_enter_slot(S[s]);  // what() of an mbarrier wait reads its block's Hopper state
+                fail += "; block " + emu_block_name(S[s].block) + emu_waits(S[s]);
+            }
+            if (next_block < nblocks)
+                fail += "; the grid's other " + std::to_string(nblocks - next_block) + " blocks cannot start: the "
+                        "emulated device holds " + std::to_string(max_slots) + " resident blocks of " +
+                        std::to_string(n) + " threads (its SMs, one block each; CUPYATTN_EMU_SMS sets them), and a "
+                        "kernel whose blocks wait on each other needs all of them resident";
+            break;
+        }
+        EmuSched& B = S[can[emu_pick((unsigned)can.size())]];
         emu_enter_slot(B);
+        emu_gm_switch(B.slot);
         const bool progress = emu_pass(B, order);
         if (B.failed) { fail = B.msg; break; }
         if (B.live > 0) {
-            if (!progress) fail = emu_deadlock(B);
+            B.stalled = !progress;
+            B.stall_gen = emu_gm.gen;
+            if (!progress && !emu_waits_for_another_block(B)) fail = emu_deadlock(B);
             continue;
         }
         if (emu_hook_block_end) {
             const std::string e = emu_hook_block_end();
             if (!e.empty()) { fail = e; break; }
         }
+        emu_gm_block_end(B.slot);
         if (next_block < nblocks) emu_block_start(B, block_of(next_block++), n, smem, emu_stacks);
-        else active.erase(active.begin() + (long)i);
+        else active.erase(std::find(active.begin(), active.end(), B.slot));
     }
+    emu_gm_end();
     emu_s = nullptr;
     if (!fail.empty()) { std::snprintf(err, errlen, "%s", fail.c_str()); return 1; }
-    for (int s = 0; s < slots; ++s)
+    for (size_t s = 0; s < S.size(); ++s)
         for (size_t i = smem; i < EMU_DYN_SMEM; ++i)
             if (emu_dyn_smem_buf[s][i] != 0xFF) {
                 std::snprintf(err, errlen, "wrote dynamic shared memory at byte %zu, past the %zu B the launch "
@@ -596,9 +668,16 @@ int emu_launch(void (*k)(A...), dim3 g, dim3 b, size_t smem, const long long* iv
     return 0;
 }
 
-template <typename... A> int emu_params(void (*)(A...), char* kinds, int* sizes) {
+// Each parameter's kind, size, and (pointers) whether it points to const: fakecupy checks the
+// arguments against them and takes the memory model's regions from the non-const pointers.
+template <typename A> constexpr char emu_points_to_const() {
+    if constexpr (std::is_pointer_v<A>) return std::is_const_v<std::remove_pointer_t<A>>;
+    else return 0;
+}
+template <typename... A> int emu_params(void (*)(A...), char* kinds, int* sizes, char* consts) {
     const char k[] = {(char)emu_kind<std::remove_cv_t<A>>()..., 0};
     const int s[] = {(int)sizeof(A)..., 0};
-    for (size_t i = 0; i < sizeof...(A); ++i) { kinds[i] = k[i]; sizes[i] = s[i]; }
+    const char c[] = {emu_points_to_const<std::remove_cv_t<A>>()..., 0};
+    for (size_t i = 0; i < sizeof...(A); ++i) { kinds[i] = k[i]; sizes[i] = s[i]; consts[i] = c[i]; }
     return (int)sizeof...(A);
 }

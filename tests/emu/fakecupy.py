@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import mmap
 import os
 import re
 import subprocess
@@ -154,7 +155,10 @@ def _guarded(x) -> "ndarray":
 
     _refuse("allocating a device array")
     x = np.asarray(x)
-    buf = np.full(x.nbytes + 2 * _GUARD, 0xFF, dtype=np.uint8)
+    # (issue 37) on pages of its own: the memory model write-protects a launch's outputs to find
+    # what each block stores (emu_memory.h), which must not catch anything else's stores
+    buf = np.frombuffer(mmap.mmap(-1, x.nbytes + 2 * _GUARD), dtype=np.uint8)
+    buf[...] = 0xFF
     a = buf[_GUARD:_GUARD + x.nbytes].view(x.dtype).reshape(x.shape)
     a[...] = x
     a = a.view(ndarray)
@@ -296,11 +300,26 @@ if EMU_ARCH not in _EMU_DEVICES:
     raise ValueError(f"CUPYATTN_EMU_ARCH={EMU_ARCH!r}: expected one of {', '.join(_EMU_DEVICES)}")
 
 
+def emu_sms() -> int:
+    """The emulated device's SM count: the family's, or CUPYATTN_EMU_SMS (read at each use, so a test
+    can shrink the device a persistent kernel fills). It is also the launch's resident capacity:
+    while every block in flight waits for another block, more start, one per SM (emu_launch)."""
+    v = os.environ.get("CUPYATTN_EMU_SMS")
+    if not v:
+        return _EMU_DEVICES[EMU_ARCH][0]
+    if not v.isdigit() or not 1 <= int(v) <= 160:
+        raise ValueError(f"CUPYATTN_EMU_SMS={v!r}: expected an SM count in 1..160")
+    return int(v)
+
+
 class Device:
     id = 0
     compute_capability = EMU_ARCH
-    attributes = dict(zip(("MultiProcessorCount", "L2CacheSize", "MaxSharedMemoryPerBlockOptin"),
-                          _EMU_DEVICES[EMU_ARCH]))
+
+    @property
+    def attributes(self):
+        return {"MultiProcessorCount": emu_sms(), "L2CacheSize": _EMU_DEVICES[EMU_ARCH][1],
+                "MaxSharedMemoryPerBlockOptin": _EMU_DEVICES[EMU_ARCH][2]}
 
     def __init__(self, i=0):
         pass
@@ -392,7 +411,7 @@ class Graph:
     """The launches recorded by a capture, replayed in order by :meth:`launch`."""
 
     def __init__(self):
-        self.nodes = []  # (kernel, grid, block, shared_mem, iv, dv, owners: weakrefs of the arrays)
+        self.nodes = []  # (kernel, grid, block, shared_mem, iv, dv, owners: weakrefs of the arrays, regions)
 
     def launch(self, stream=None):
         if _CAPTURING is not None:
@@ -400,13 +419,13 @@ class Graph:
                                 "records no child graphs)")
         counters["graph_launches"] += 1
         _check_guards("Graph.launch")  # also drops the registry's hold on arrays freed since
-        for kern, grid, block, smem, iv, dv, owners in self.nodes:
+        for kern, grid, block, smem, iv, dv, owners, regions in self.nodes:
             for j, ref in owners:
                 if ref() is None:
                     raise RuntimeError(f"Graph.launch: argument {j} of {kern.expr} points into memory "
                                        f"freed after the capture (a GPU would reuse it for other data)")
             counters["graph_nodes"] += 1
-            kern._run(grid, block, smem, iv, dv)
+            kern._run(grid, block, smem, iv, dv, regions)
 
     def upload(self, stream=None):
         pass
@@ -460,8 +479,8 @@ cuda.compiler = types.SimpleNamespace(CompileException=CompileException)
 cuda.nvrtc = types.SimpleNamespace(getVersion=lambda: (0, 0))
 cuda.runtime = types.SimpleNamespace(
     getDeviceCount=lambda: 1, driverGetVersion=lambda: 0, runtimeGetVersion=lambda: 0,
-    getDeviceProperties=lambda i=0: {"multiProcessorCount": 132, "name": b"CPU emulator",
-                                     "l2CacheSize": 50 * 2**20, "totalGlobalMem": 8 * 2**30},
+    getDeviceProperties=lambda i=0: {"multiProcessorCount": emu_sms(), "name": b"CPU emulator",
+                                     "l2CacheSize": _EMU_DEVICES[EMU_ARCH][1], "totalGlobalMem": 8 * 2**30},
     memGetInfo=lambda: (6 * 2**30, 8 * 2**30),  # (free, total) of the 8 GiB the properties claim
     deviceSynchronize=lambda: _refuse("cudaDeviceSynchronize"))
 cuda.get_current_stream = get_current_stream
@@ -478,7 +497,17 @@ _PTX_BLOCK = re.compile(r"// ---- begin ptx_insn\.cuh\n.*?\n// ---- end ptx_insn
 # (issue 21) the Hopper header, swapped first: it may hold the inlined ptx.cuh, which its
 # emulation includes in turn
 _PTX_SM90_BLOCK = re.compile(r"// ---- begin ptx_sm90\.cuh\n.*?\n// ---- end ptx_sm90\.cuh", re.S)
-_RUNTIME_HEADERS = ("emu_runtime.h", "emu_ptx.h", "emu_ptx_sm90.h")
+_RUNTIME_HEADERS = ("emu_runtime.h", "emu_memory.h", "emu_ptx.h", "emu_ptx_sm90.h")
+_PCH_HEADERS = ("emu_runtime.h", "emu_memory.h")  # the precompiled part
+# (issue 37) A module that synchronises blocks through global memory gets the memory model
+# (emu_memory.h) on its launches; others see every store at once, at no cost.
+_SYNC_RE = re.compile(r"\b(atomic\w*|__threadfence\w*|__nanosleep|volatile|signal_release|wait_acquire|"
+                      r"load_acquire|fence_acq_rel_gpu)\b")
+# CUPYATTN_EMU_MEMMODEL: "auto" (the default: modules _SYNC_RE finds), "all" (every launch: to
+# measure what it costs), "off"
+_MEMMODEL = os.environ.get("CUPYATTN_EMU_MEMMODEL", "auto")
+if _MEMMODEL not in ("auto", "all", "off"):
+    raise ValueError(f"CUPYATTN_EMU_MEMMODEL={_MEMMODEL!r}: expected auto, all or off")
 _COMMENT = re.compile(r'("(?:\\.|[^"\\\n])*")|//[^\n]*|/\*.*?\*/', re.S)
 
 
@@ -561,13 +590,15 @@ _CXX = ["g++", "-std=c++20", "-O1", "-fPIC", "-pthread", "-w", "-fpermissive"]
 
 
 def _pch_dir() -> str | None:
-    """A directory holding emu_runtime.h and its precompiled header (built once per version of
-    the header; about 0.7 s saved per kernel build), or None if g++ cannot make one."""
-    text = (_HERE / "emu_runtime.h").read_text()
-    d = _BUILD / f"pch_{hashlib.sha256((text + ' '.join(_CXX)).encode()).hexdigest()[:16]}"
+    """A directory holding emu_runtime.h (with emu_memory.h, which it includes) and its
+    precompiled header (built once per version of the headers; about 0.7 s saved per kernel
+    build), or None if g++ cannot make one."""
+    texts = {f: (_HERE / f).read_text() for f in _PCH_HEADERS}
+    d = _BUILD / f"pch_{hashlib.sha256((''.join(texts.values()) + ' '.join(_CXX)).encode()).hexdigest()[:16]}"
     if not (d / "emu_runtime.h.gch").exists():
         d.mkdir(parents=True, exist_ok=True)
-        (d / "emu_runtime.h").write_text(text)
+        for f, text in texts.items():
+            (d / f).write_text(text)
         tmp = d / f"emu_runtime.h.gch.{os.getpid()}_{threading.get_ident()}"
         r = subprocess.run([*_CXX, "-x", "c++-header", str(d / "emu_runtime.h"), "-o", str(tmp)],
                            capture_output=True, text=True)
@@ -583,17 +614,20 @@ class RawModule:
         self.defines = [o for o in options if o.startswith("-D")]  # spec-wide constants
         self.defines.append(f"-D__CUDA_ARCH__={EMU_ARCH}0")         # the emulated device's target
         self.lib = None
+        self.memmodel = False  # set by compile()
 
     def compile(self, log_stream=None):
         if self.lib is not None:
             return
         src = ['#include "emu_runtime.h"', _translate(self.code)]
+        self.memmodel = _MEMMODEL == "all" or (_MEMMODEL == "auto" and bool(_SYNC_RE.search(src[1])))
         for i, e in enumerate(self.exprs):
             src.append(f'extern "C" int emu_launch_{i}(unsigned gx, unsigned gy, unsigned gz, unsigned bx, '
                        f'unsigned by, unsigned bz, size_t smem, const long long* iv, const double* dv, char* err, int n, '
-                       f'unsigned long long seed) {{ return emu_launch(&{e}, dim3{{gx, gy, gz}}, dim3{{bx, by, bz}}, '
-                       f'smem, iv, dv, err, n, seed); }}')
-            src.append(f'extern "C" int emu_params_{i}(char* k, int* s) {{ return emu_params(&{e}, k, s); }}')
+                       f'unsigned long long seed, const unsigned long long* regions, int nregions, int paged, int capacity) {{ '
+                       f'return emu_launch(&{e}, dim3{{gx, gy, gz}}, dim3{{bx, by, bz}}, smem, iv, dv, err, n, seed, '
+                       f'regions, nregions, paged, capacity); }}')
+            src.append(f'extern "C" int emu_params_{i}(char* k, int* s, char* c) {{ return emu_params(&{e}, k, s, c); }}')
         text = "\n".join(src)
         _BUILD.mkdir(exist_ok=True)
         runtime = "".join((_HERE / f).read_text() for f in _RUNTIME_HEADERS)
@@ -624,10 +658,13 @@ class _Kernel:
         self._launch = getattr(mod.lib, f"emu_launch_{i}")
         u = ctypes.c_uint
         self._launch.argtypes = [u, u, u, u, u, u, ctypes.c_size_t, ctypes.POINTER(ctypes.c_longlong),
-                                 ctypes.POINTER(ctypes.c_double), ctypes.c_char_p, ctypes.c_int, ctypes.c_ulonglong]
-        kinds, sizes = ctypes.create_string_buffer(64), (ctypes.c_int * 64)()
-        n = getattr(mod.lib, f"emu_params_{i}")(kinds, sizes)
+                                 ctypes.POINTER(ctypes.c_double), ctypes.c_char_p, ctypes.c_int, ctypes.c_ulonglong,
+                                 ctypes.POINTER(ctypes.c_ulonglong), ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        kinds, sizes, consts = ctypes.create_string_buffer(64), (ctypes.c_int * 64)(), ctypes.create_string_buffer(64)
+        n = getattr(mod.lib, f"emu_params_{i}")(kinds, sizes, consts)
         self.params = [(kinds.raw[j:j + 1].decode(), sizes[j]) for j in range(n)]
+        # (issue 37) the pointer parameters the kernel may write through: the memory model's regions
+        self._writes = [j for j in range(n) if self.params[j][0] == "p" and consts.raw[j] == 0] if mod.memmodel else []
         # static __shared__ bytes: unknown here (the emulator maps them to C++ statics), so 0;
         # the driver's default attribute is 48 KB minus them, as on a GPU
         self.shared_size_bytes = 0
@@ -693,15 +730,44 @@ class _Kernel:
                 raise NotCapturable(f"not capturable: {self.expr} launched on another stream while a "
                                     f"stream captures (it would run now, outside the graph)")
             owners = [(j, _owner_ref(a)) for j, a in enumerate(args) if isinstance(a, np.ndarray)]
-            _CAPTURING._graph.nodes.append((self, grid, block, int(shared_mem), iv, dv, owners))
+            _CAPTURING._graph.nodes.append((self, grid, block, int(shared_mem), iv, dv, owners, self._regions(args)))
             return
         counters["kernels"] += 1
-        self._run(grid, block, int(shared_mem), iv, dv)
+        self._run(grid, block, int(shared_mem), iv, dv, self._regions(args))
 
-    def _run(self, grid, block, smem, iv, dv):
+    def _regions(self, args):
+        """(address, bytes) pairs, flat, of the arrays the kernel may write (its non-const pointer
+        parameters), overlaps merged: the global memory the memory model tracks (emu_memory.h);
+        their count; and whether all of them lie on pages of their own (_guarded's)."""
+        spans, paged = [], True
+        for j in self._writes:
+            a = args[j]
+            if isinstance(a, np.ndarray) and a.size:
+                root = a
+                while isinstance(root.base, np.ndarray):
+                    root = root.base
+                paged = paged and isinstance(root.base, mmap.mmap)
+                lo = hi = a.__array_interface__["data"][0]
+                for n, st in zip(a.shape, a.strides):
+                    lo, hi = (lo + (n - 1) * st, hi) if st < 0 else (lo, hi + (n - 1) * st)
+                spans.append([lo, hi + a.itemsize])
+        spans.sort()
+        merged = []
+        for lo, hi in spans:
+            if merged and lo <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], hi)
+            else:
+                merged.append([lo, hi])
+        flat = (ctypes.c_ulonglong * max(1, 2 * len(merged)))()
+        for k, (lo, hi) in enumerate(merged):
+            flat[2 * k], flat[2 * k + 1] = lo, hi - lo
+        return flat, len(merged), int(paged)
+
+    def _run(self, grid, block, smem, iv, dv, regions):
         err = ctypes.create_string_buffer(2048)
         seed = schedule.next_seed()
-        if self._launch(*map(int, grid), *map(int, block), smem, iv, dv, err, 2048, seed):
+        if self._launch(*map(int, grid), *map(int, block), smem, iv, dv, err, 2048, seed, *regions,
+                        emu_sms()):
             raise RuntimeError(f"{self.expr}: {err.value.decode()} ({schedule.describe(seed)})")
         _check_guards(self.expr)
 

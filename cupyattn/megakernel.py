@@ -1,0 +1,324 @@
+"""One persistent kernel per decode step of a Llama-style model (kernels_cu/megakernel.cu).
+
+Not yet run on a GPU: built and checked on the CPU emulator and the offline NVRTC check; tinylm
+takes it only when asked (``config.TINYLM_MEGAKERNEL`` / ``TINYLM_MEGAKERNEL=1``,
+``tinylm.load(..., megakernel=True)``, ``python -m tinylm --megakernel``).
+
+The kernel interprets per-block queues of instructions planned on the host
+(:mod:`cupyattn.persistent`): its opcodes (:data:`OPCODES`) are the fused ops of a Llama layer,
+and the op list, the data, says how many tiles of each and who waits for whom, so another model
+of the same family needs a new op list (tinylm/megakernel.py builds SmolLM2's from its
+ModelArgs), not new CUDA.
+
+:class:`LlamaStep` binds the kernel to one model's tensors and one decode state's buffers: it
+packs their addresses into the kernel's descriptor (``MkModel``, passed by value), owns the
+dependency counters and the step state (epoch, ticket), uploads plans and launches steps. A step
+reads ``tokens``, writes ``logits`` (and, with a sampling op, the sampled ids back into
+``tokens``), appends to the KV cache and advances every layer's lengths by one, all on the device:
+a launch needs no host input, so it can be captured in a CUDA graph and replayed.
+
+Example
+-------
+>>> step = LlamaStep(tok_embd=..., output_norm=..., output=..., layers=[...], cache=cache,
+...                  num_heads=9, eps=1e-5, rope_base=1e5, rope_style="adjacent", tokens=tokens,
+...                  x=x, q=q, att=att, ffn=ffn, logits=logits, o_part=o_part, lse_part=lse_part,
+...                  counter_capacity=512)
+>>> plan = step.plan(ops)          # ops: a list of persistent.Op using OPCODES
+>>> step.launch(plan, splits=1)    # one decode step
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import cupy
+import numpy as np
+
+from . import _checks as C
+from . import config, persistent
+from ._loader import KernelSpec, get_function
+from .config import DTYPES, SAMPLING_MASS_BITS, ctype, defines
+from .kvcache import ROPE_STYLES, KVCache
+
+# The instruction set (kernels_cu/megakernel.cu's table); the kernel gets these as -D options.
+OPCODES = {"embed": 1, "qkv": 2, "attn": 3, "reduce": 4, "oproj": 5, "gate_up": 6, "down": 7, "lm_head": 8,
+           "sample": 9}
+TILE_ROWS = 16          # weight rows per GEMV tile (megakernel_gemv.cuh MK_TILE_ROWS)
+STAGE_BYTES = 16 * 512  # one weight-ring chunk: 16 rows x 512 bytes
+LAYER_FIELDS = ("attn_norm", "wqkv", "wo", "ffn_norm", "w_gate_up", "w_down")  # MkLayer's weights, in order
+
+_OPTIONS = defines(MK_THREADS=config.MEGAKERNEL_THREADS, MK_STAGES=config.MEGAKERNEL_STAGES,
+                   MK_MAX_BATCH=config.MEGAKERNEL_MAX_BATCH, MK_MAX_HEAD_DIM=config.MEGAKERNEL_MAX_HEAD_DIM,
+                   MK_HEAD_TILE=config.MEGAKERNEL_HEAD_TILE, MK_INSTR_WORDS=persistent.INSTR_WORDS,
+                   SAMPLING_MASS_BITS=SAMPLING_MASS_BITS,
+                   **{f"MK_OP_{k.upper()}": v for k, v in OPCODES.items()})
+_EXPRS = tuple(f"megakernel<{ctype(t)}>" for t in DTYPES)
+SPEC = KernelSpec("megakernel", "megakernel.cu", _EXPRS, options=_OPTIONS,
+                  needs=tuple((e, config.impl_min_cc("megakernel", "persistent", t), 0)
+                              for e, t in zip(_EXPRS, DTYPES)))
+
+# MkModel (megakernel.cu), what a step only reads: 7 pointers, 11 integers, 3 doubles, 8 bytes each.
+# What it writes (MkState) goes as the kernel's pointer arguments instead (LlamaStep.launch).
+_POINTERS = ("layers", "tok_embd", "out_norm", "out_w", "fparams", "iparams", "timings")
+_INTS = ("B", "dim", "Hq", "Hkv", "D", "F", "V", "L", "max_seq", "splits", "neox")
+_DOUBLES = ("eps", "freq_scale", "scale_log2")
+MODEL_DTYPE = np.dtype([("w", np.uint64, (len(_POINTERS) + len(_INTS) + len(_DOUBLES),))])
+
+
+@dataclass
+class DevicePlan:
+    """A :class:`persistent.Plan` on the device (its arrays uploaded once; replays reuse them)."""
+
+    plan: persistent.Plan
+    instr: object
+    queue: object
+    waits: object
+    attn_tiles: int = 0  # tiles of its largest attention op: at most B * Hkv * splits at launch
+
+
+def _ptr(a) -> int:
+    return 0 if a is None else int(a.data.ptr)
+
+
+class LlamaStep:
+    """The megakernel bound to a Llama-style model's tensors and one decode state's buffers.
+
+    Parameters (all CuPy arrays of the cache's dtype unless said otherwise, C-contiguous, 16-byte
+    aligned; B = cache.batch <= config.MEGAKERNEL_MAX_BATCH)
+    ----------
+    tok_embd : [V, dim]
+    output_norm : [dim]
+    output : [V, dim] (tok_embd itself when the embeddings are tied)
+    layers : one object per layer with attributes ``attn_norm`` [dim], ``wqkv``
+        [(Hq + 2 Hkv) D, dim], ``wo`` [dim, Hq D], ``ffn_norm`` [dim], ``w_gate_up`` [2F, dim],
+        ``w_down`` [dim, F] (tinylm.model.LayerParams)
+    cache : KVCache with cache.num_layers == len(layers); head_dim D a multiple of 16, at most
+        config.MEGAKERNEL_MAX_HEAD_DIM
+    num_heads : int, Hq (a multiple of cache.num_kv_heads)
+    eps, rope_base, rope_style : RMSNorm epsilon, RoPE base and pair style ("adjacent" / "neox")
+    tokens : int32 [B] or [B, 1]: the step's input ids (the sampling op writes the next ones here)
+    x : [B, dim] (or [B, 1, dim]); q : [B, Hq, D] (or [B, Hq, 1, D]); att : [B, Hq D] (any shape of
+        that size); ffn : [B, F]; logits : [B, V]: the step's buffers
+    o_part, lse_part : float32 [S, B, Hq, D] and [S, B, Hq], S >= the largest split count used
+    sampling : cupyattn.SamplingParams for B sequences, or None (plans without a sampling op)
+    counter_capacity : counters per set: at least the n_counters of any plan this step will run
+    blocks : int, or None: config.MEGAKERNEL_BLOCKS, else the device's SM count (a persistent
+        launch needs every block resident at once: never more than the SMs)
+    """
+
+    def __init__(self, *, tok_embd, output_norm, output, layers, cache, num_heads, eps, rope_base, rope_style,
+                 tokens, x, q, att, ffn, logits, o_part, lse_part, sampling=None, counter_capacity=1,
+                 blocks=None):
+        fn = "LlamaStep"
+        if not isinstance(cache, KVCache) or hasattr(cache, "block_table"):
+            raise TypeError(f"{fn}(): cache must be a cupyattn.KVCache (contiguous), got {type(cache).__name__}")
+        dt = np.dtype(cache.dtype)
+        self.dtype = dt
+        C.require_impl(fn, "megakernel", "persistent", dt)
+        B, Hkv, D, L = cache.batch, cache.num_kv_heads, cache.head_dim, cache.num_layers
+        Hq = C.check_positive_int(fn, "num_heads", num_heads)
+        if Hq % Hkv:
+            raise ValueError(f"{fn}(): num_heads={Hq} is not a multiple of the cache's num_kv_heads={Hkv}")
+        if B > config.MEGAKERNEL_MAX_BATCH:
+            raise ValueError(f"{fn}(): the cache's batch {B} exceeds config.MEGAKERNEL_MAX_BATCH="
+                             f"{config.MEGAKERNEL_MAX_BATCH}")
+        if D % 16 or D > config.MEGAKERNEL_MAX_HEAD_DIM:
+            raise ValueError(f"{fn}(): the cache's head_dim {D} must be a multiple of 16 and at most "
+                             f"{config.MEGAKERNEL_MAX_HEAD_DIM}")
+        C.check_array(fn, "tok_embd", tok_embd, ndim=2)
+        V, dim = (int(n) for n in tok_embd.shape)
+        if len(layers) != L:
+            raise ValueError(f"{fn}(): {len(layers)} layers but the cache has {L}")
+        w0 = getattr(layers[0], "w_gate_up", None) if layers else None
+        F = int(w0.shape[0]) // 2 if w0 is not None else 0
+        want = {"tok_embd": (V, dim), "output_norm": (dim,), "output": (V, dim)}
+        arrays = {"tok_embd": tok_embd, "output_norm": output_norm, "output": output}
+        lshape = {"attn_norm": (dim,), "wqkv": ((Hq + 2 * Hkv) * D, dim), "wo": (dim, Hq * D), "ffn_norm": (dim,),
+                  "w_gate_up": (2 * F, dim), "w_down": (dim, F)}
+        for i, lp in enumerate(layers):
+            for f in LAYER_FIELDS:
+                arrays[f"layers[{i}].{f}"], want[f"layers[{i}].{f}"] = getattr(lp, f, None), lshape[f]
+        for name, a in arrays.items():
+            self._check_tensor(fn, name, a, want[name], dt)
+        vec = 16 // dt.itemsize
+        for what, n in (("dim", dim), ("num_heads * head_dim", Hq * D), ("ffn_dim", F)):
+            if n < 1 or n % vec:
+                raise ValueError(f"{fn}(): {what}={n} must be a positive multiple of {vec} (16-byte rows of "
+                                 f"{dt})")
+        bufs = {"x": (x, B * dim), "q": (q, B * Hq * D), "att": (att, B * Hq * D), "ffn": (ffn, B * F),
+                "logits": (logits, B * V)}
+        for name, (a, size) in bufs.items():
+            self._check_buffer(fn, name, a, size, dt)
+        self._check_buffer(fn, "tokens", tokens, B, np.dtype(np.int32))
+        for name, a, nd in (("o_part", o_part, 4), ("lse_part", lse_part, 3)):
+            C.check_array(fn, name, a, dtypes=(np.dtype(np.float32),), ndim=nd)
+            if tuple(a.shape[1:3]) != (B, Hq) or (nd == 4 and a.shape[3] != D) or not a.flags.c_contiguous:
+                raise ValueError(f"{fn}(): {name} must be C-contiguous float32 [splits, {B}, {Hq}"
+                                 f"{', ' + str(D) if nd == 4 else ''}], got {tuple(a.shape)}")
+        if o_part.shape[0] != lse_part.shape[0]:
+            raise ValueError(f"{fn}(): o_part and lse_part hold {o_part.shape[0]} and {lse_part.shape[0]} splits")
+        if sampling is not None:
+            from .sampling import SamplingParams
+
+            if not isinstance(sampling, SamplingParams) or sampling.batch != B:
+                raise TypeError(f"{fn}(): sampling must be a cupyattn.SamplingParams for {B} sequences")
+        # The step writes these buffers, the cache (keys, values, lengths) and the sampler's RNG
+        # steps while it reads the weights: no written buffer may share memory with anything else
+        # the step reads or writes.
+        written = dict(tokens=tokens, x=x, q=q, att=att, ffn=ffn, logits=logits, o_part=o_part, lse_part=lse_part)
+        touched = {**cache.device_arrays(), **arrays}
+        if sampling is not None:
+            touched |= {"sampling.fparams": sampling.fparams, "sampling.iparams": sampling.iparams}
+        names = list(written)
+        for i, name in enumerate(names):
+            C.check_no_overlap(fn, written[name], {k: written[k] for k in names[i + 1:]} | touched, out_name=name)
+        C.check_choice(fn, "rope_style", rope_style, ROPE_STYLES)
+        eps = C.check_real(fn, "eps", eps, minimum=0.0)
+        base = C.check_real(fn, "rope_base", rope_base, minimum=0.0, strict=True)
+        self.blocks = self._blocks(fn, blocks)
+        self.capacity = C.check_positive_int(fn, "counter_capacity", counter_capacity)
+        self.cache, self.sampling, self.max_splits = cache, sampling, int(o_part.shape[0])
+        self.shape = dict(B=B, dim=dim, Hq=Hq, Hkv=Hkv, D=D, F=F, V=V, L=L)
+        # the descriptor's fields, less the split count (set per launch)
+        self._layers = cupy.asarray(np.array([[_ptr(getattr(lp, f)) for f in LAYER_FIELDS] for lp in layers],
+                                             dtype=np.uint64).reshape(L, len(LAYER_FIELDS)))
+        self._keep = (tok_embd, output_norm, output, layers, sampling)
+        # the kernel's MkState arguments, in order: every buffer one block writes and another reads
+        self._state = (x, q, att, o_part, lse_part, ffn, logits, tokens, cache.k, cache.v, cache.lengths)
+        self._fields = dict(layers=_ptr(self._layers), tok_embd=_ptr(tok_embd), out_norm=_ptr(output_norm),
+                            out_w=_ptr(output), fparams=_ptr(None if sampling is None else sampling.fparams),
+                            iparams=_ptr(None if sampling is None else sampling.iparams), timings=0,
+                            B=B, dim=dim, Hq=Hq, Hkv=Hkv, D=D, F=F, V=V, L=L, max_seq=cache.max_seq,
+                            neox=int(rope_style == "neox"), eps=float(np.float32(eps)),
+                            freq_scale=-math.log2(base) / (D // 2), scale_log2=D ** -0.5 * math.log2(math.e))
+        # counters [2, capacity] (both sets zero at first); step state (epoch, ticket)
+        with C.no_gpu_explained(fn):
+            self.counters = cupy.zeros((2, self.capacity), dtype=np.uint32)
+            self.step_state = cupy.zeros(2, dtype=np.uint32)
+        stages = config.MEGAKERNEL_STAGES * STAGE_BYTES
+        self.xs_off = stages
+        self.smem = stages + -(-B * max(dim, Hq * D, F) * dt.itemsize // 16) * 16
+
+    @staticmethod
+    def _check_tensor(fn, name, a, shape, dt):
+        C.check_array(fn, name, a)
+        if np.dtype(a.dtype) != dt:
+            raise TypeError(f"{fn}(): {name} has dtype {a.dtype} but the cache has {dt}")
+        if tuple(a.shape) != tuple(shape) or not a.flags.c_contiguous or a.data.ptr % 16:
+            raise ValueError(f"{fn}(): {name} must be C-contiguous, 16-byte aligned, of shape {tuple(shape)}; got "
+                             f"{tuple(a.shape)}")
+
+    @staticmethod
+    def _check_buffer(fn, name, a, size, dt):
+        C.check_array(fn, name, a, dtypes=None)
+        if np.dtype(a.dtype) != dt or a.size != size or not a.flags.c_contiguous or a.data.ptr % 16:
+            raise ValueError(f"{fn}(): {name} must be a C-contiguous, 16-byte aligned {dt} buffer of {size} elements, "
+                             f"got {a.dtype} of shape {tuple(a.shape)}")
+
+    @staticmethod
+    def _blocks(fn, blocks) -> int:
+        with C.no_gpu_explained(fn):
+            sms = int(cupy.cuda.Device().attributes["MultiProcessorCount"])
+        if blocks is None:
+            blocks = config.MEGAKERNEL_BLOCKS or sms
+        blocks = C.check_positive_int(fn, "blocks", blocks)
+        if blocks > sms:
+            raise ValueError(f"{fn}(): blocks={blocks} exceeds the device's {sms} SMs: a persistent launch needs "
+                             "every block resident at once")
+        return blocks
+
+    # --- plans and launches ----------------------------------------------------------------------
+    def plan(self, ops) -> DevicePlan:
+        """Plan ``ops`` (persistent.Op of OPCODES) on this step's blocks and upload the queues."""
+        fn = "LlamaStep.plan"
+        names = {v: k for k, v in OPCODES.items()}
+        limits = self._tile_limits()
+        attn = 0
+        for op in ops:
+            kind = names.get(getattr(op, "opcode", None))
+            if kind is None:
+                raise ValueError(f"{fn}(): op {getattr(op, 'name', op)!r} has opcode "
+                                 f"{getattr(op, 'opcode', None)!r}, not one of megakernel.OPCODES")
+            if kind == "sample" and self.sampling is None:
+                raise ValueError(f"{fn}(): op {op.name!r} samples, but the step was made with sampling=None")
+            if not 0 <= op.layer < self.shape["L"]:
+                raise ValueError(f"{fn}(): op {op.name!r} names layer {op.layer} of {self.shape['L']}")
+            if kind == "attn":
+                attn = max(attn, op.tiles)
+            elif op.tiles > limits[kind]:
+                raise ValueError(f"{fn}(): op {op.name!r} has {op.tiles} tiles; a {kind} op of this model has "
+                                 f"at most {limits[kind]}")
+        p = persistent.plan(ops, self.blocks)
+        if p.n_counters > self.capacity:
+            raise ValueError(f"{fn}(): the plan needs {p.n_counters} counters, the step holds {self.capacity} "
+                             "(counter_capacity)")
+        most = max((int(w) for w in p.instructions[:, persistent.WAIT_COUNT]), default=0)
+        if most > config.MEGAKERNEL_THREADS:
+            raise ValueError(f"{fn}(): an instruction waits for {most} counters, more than the "
+                             f"{config.MEGAKERNEL_THREADS} threads that wait for one each")
+        return DevicePlan(p, cupy.asarray(p.instructions), cupy.asarray(p.queue_start), cupy.asarray(p.waits), attn)
+
+    def _tile_limits(self) -> dict:
+        """The tiles a model of this shape has per op kind (attention: per split, times the splits)."""
+        s = self.shape
+        rows = lambda n: -(-n // TILE_ROWS)  # noqa: E731
+        return {"embed": 1, "qkv": (s["Hq"] + 2 * s["Hkv"]) * s["D"] // 16, "attn": s["B"] * s["Hkv"],
+                "reduce": s["B"] * s["Hkv"], "oproj": rows(s["dim"]), "gate_up": -(-s["F"] // 8),
+                "down": rows(s["dim"]), "lm_head": rows(s["V"]), "sample": s["B"]}
+
+    def descriptor(self, splits: int, timings=None) -> np.void:
+        """The kernel's MkModel by value (a NumPy structured scalar of uint64 words)."""
+        f = dict(self._fields, splits=int(splits), timings=_ptr(timings))
+        words = [f[k] for k in _POINTERS] + [f[k] for k in _INTS]
+        words += [int(np.array(f[k], dtype=np.float64).view(np.uint64)) for k in _DOUBLES]
+        return np.array([(np.array(words, dtype=np.uint64),)], dtype=MODEL_DTYPE)[0]
+
+    def launch(self, dplan: DevicePlan, splits: int = 1, record: bool = True, timings=None) -> None:
+        """One decode step with ``dplan`` on the current stream. ``splits``: key splits of its
+        attention ops (in [1, o_part's S]). The cache must have room for one more token in every
+        layer (checked on the host mirror first: a full cache raises before anything runs);
+        ``record``: advance the host mirror of the lengths. ``timings``: uint64 [n, 4] on the device
+        to profile the step into (see :meth:`profile`)."""
+        fn = "LlamaStep.launch"
+        if not isinstance(dplan, DevicePlan) or dplan.plan.blocks != self.blocks:
+            raise TypeError(f"{fn}(): dplan must be a DevicePlan made by this step's plan()")
+        splits = C.check_int(fn, "splits", splits, minimum=1, maximum=self.max_splits)
+        if dplan.attn_tiles > self._tile_limits()["attn"] * splits:
+            raise ValueError(f"{fn}(): the plan's attention op has {dplan.attn_tiles} tiles, more than "
+                             f"batch x kv heads x splits = {self._tile_limits()['attn'] * splits}")
+        kern = get_function(SPEC, f"megakernel<{ctype(self.dtype)}>", dynamic_smem=self.smem)  # built first
+        self.cache.check_room(1, fn)
+        kern((self.blocks,), (config.MEGAKERNEL_THREADS,),
+             (self.descriptor(splits, timings), *self._state, dplan.instr, dplan.queue, dplan.waits, self.counters,
+              np.int32(self.capacity), self.step_state, np.int32(self.xs_off)), shared_mem=self.smem)
+        if record:
+            self.cache.record_advance(1)
+
+    def profile(self, dplan: DevicePlan, splits: int = 1) -> dict:
+        """Run one step (a real one: it appends to the cache and advances the lengths) with every
+        instruction stamped by %globaltimer, and summarise: per op kind the instructions, the
+        median and largest wait (start -> waits done) and work (waits done -> done) in
+        microseconds; the step's span; the busiest block's work. Emulated: scheduling ticks."""
+        n = len(dplan.plan.instructions)
+        t = cupy.zeros((n, 4), dtype=np.uint64)
+        self.launch(dplan, splits, timings=t)
+        return profile_summary(dplan.plan, cupy.asnumpy(t))
+
+
+def profile_summary(p: persistent.Plan, t: np.ndarray) -> dict:
+    """LlamaStep.profile's numbers from the stamps ``t`` [n, 4] (start, ready, done, block) of the
+    rows of plan ``p``."""
+    names = {v: k for k, v in OPCODES.items()}
+    t = t.astype(np.int64)
+    start, ready, done, block = t[:, 0], t[:, 1], t[:, 2], t[:, 3]
+    ops = {}
+    for code in sorted(set(int(c) for c in p.instructions[:, persistent.OPCODE])):
+        rows = p.instructions[:, persistent.OPCODE] == code
+        wait, work = (ready - start)[rows] / 1e3, (done - ready)[rows] / 1e3
+        ops[names[code]] = dict(n=int(rows.sum()), wait_us=float(np.median(wait)), max_wait_us=float(wait.max()),
+                                work_us=float(np.median(work)), max_work_us=float(work.max()))
+    busy = np.bincount(block, weights=(done - ready), minlength=p.blocks) / 1e3
+    return dict(step_us=float((done.max() - start.min()) / 1e3), busiest_block_work_us=float(busy.max()), ops=ops)
+
+
+__all__ = ["OPCODES", "LlamaStep", "DevicePlan", "SPEC", "profile_summary"]

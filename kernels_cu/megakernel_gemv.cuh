@@ -1,0 +1,322 @@
+// megakernel_gemv.cuh: the matrix-vector instructions of the megakernel (megakernel.cu) and the
+// weight stream that feeds them.
+//
+//   opcode         rows of W (a 16-row tile t)              x rows (B of them)    epilogue
+//   MK_OP_QKV      Wqkv: 8 rotation pairs of head h          rmsnorm(x, attn_norm) RoPE; q -> q buffer,
+//                  (adjacent: rows hD+16j..+15; NeoX: hD+8j..+7                    k, v -> cache row
+//                  and hD+D/2+8j..+7), t = h * D/16 + j                            lengths[b]
+//   MK_OP_OPROJ    Wo rows 16t..16t+15                       att (heads merged)    x += C
+//   MK_OP_GATE_UP  gate rows 8t..+7, up rows F+8t..+7        rmsnorm(x, ffn_norm)  ffn = silu(g) * u
+//   MK_OP_DOWN     Wdown rows 16t..16t+15                    ffn                   x += C
+//   MK_OP_LM_HEAD  output rows 16t..16t+15 (the tied         rmsnorm(x, out_norm)  logits = C
+//                  embedding when tied)
+//
+// Every rounding of the fused step (fused_decode.cu) is kept: the normalised rows are
+// T(x * inv_rms * w) as rmsnorm writes them, C is rounded to T before RoPE / the residual add /
+// SwiGLU, and each epilogue computes in float32. The products run on CUDA cores (float FMAs, one
+// per weight element and row): at batch <= 8 a tensor-core tile would pad the 1-8 rows to 16, and
+// 8 FMAs per weight element (about 37 us per SmolLM2 step at an H100's FP32 rate, against 90 us
+// to read the weights) stay under the weight stream. Not yet run on a GPU: no measurement chose it.
+//
+// The weight stream (WeightStream): a block's GEMV instructions, in queue order, are one sequence
+// of chunks, each 16 rows x MK_CHUNK_BYTES of W (8 KB), moved by cp.async into a ring of MK_STAGES
+// slots that stays MK_STAGES - 1 chunks ahead of the math. Weights do not depend on activations, so
+// the next instruction's first chunks are in flight while this one computes and while the block
+// waits for the counters of the next: the wait hides the weight latency instead of adding to it.
+// Ring protocol (as decode.cu's K/V ring): consuming chunk c waits until at most MK_STAGES - 2 copy
+// groups are pending (chunk c has landed), a barrier (every thread's copies visible, every thread
+// done with chunk c - 1), then the chunk MK_STAGES - 1 ahead goes into chunk c - 1's slot.
+#pragma once
+#include "common.cuh"
+#include "ptx.cuh"
+#include "rope.cuh"
+
+#define MK_CHUNK_BYTES 512                   // per weight row per chunk: 32 lanes x 16 bytes
+#define MK_TILE_ROWS 16                      // weight rows per GEMV tile (two groups of 8)
+#define MK_STAGE_BYTES (MK_TILE_ROWS * MK_CHUNK_BYTES)
+
+__device__ __forceinline__ bool mk_is_gemv(int op) {
+    return op == MK_OP_QKV || op == MK_OP_OPROJ || op == MK_OP_GATE_UP || op == MK_OP_DOWN || op == MK_OP_LM_HEAD;
+}
+
+// --- what a GEMV instruction reads --------------------------------------------------------------
+// Weight tile: rows row[g] .. row[g] + 7 of w [N, K] for groups g = 0, 1 (tile rows 8g .. 8g + 7),
+// rows at or past end[g] read as zero. Input: x rows [B, K] at stride ld, normalised with norm
+// (or not: null).
+template <typename T>
+struct GemvTile {
+    const T* w;
+    const T* x;
+    const T* norm;
+    int K, ld, row[2], end[2], nchunks;
+};
+
+template <typename T>
+__device__ __forceinline__ GemvTile<T> gemv_tile(const MkModel& m, const MkState& st, const MkIns& ins) {
+    constexpr int CH = MK_CHUNK_BYTES / sizeof(T);  // elements of a row per chunk
+    const MkLayer* L = m.layers + ins.layer;
+    const int t = ins.tile, dim = (int)m.dim, qd = (int)(m.Hq * m.D), F = (int)m.F;
+    GemvTile<T> g;
+    g.norm = nullptr;
+    g.row[0] = 16 * t;
+    g.row[1] = 16 * t + 8;
+    if (ins.op == MK_OP_QKV) {
+        const int D = (int)m.D, h = t / (D / 16), j = t % (D / 16);
+        g.w = (const T*)L->wqkv; g.x = (const T*)st.x; g.norm = (const T*)L->attn_norm; g.K = dim; g.ld = dim;
+        g.row[0] = h * D + (m.neox ? 8 * j : 16 * j);
+        g.row[1] = m.neox ? h * D + D / 2 + 8 * j : g.row[0] + 8;
+        g.end[0] = g.end[1] = (int)((m.Hq + 2 * m.Hkv) * m.D);
+    } else if (ins.op == MK_OP_OPROJ) {
+        g.w = (const T*)L->wo; g.x = (const T*)st.att; g.K = qd; g.ld = qd;
+        g.end[0] = g.end[1] = dim;
+    } else if (ins.op == MK_OP_GATE_UP) {
+        g.w = (const T*)L->w_gate_up; g.x = (const T*)st.x; g.norm = (const T*)L->ffn_norm; g.K = dim; g.ld = dim;
+        g.row[0] = 8 * t; g.row[1] = F + 8 * t;
+        g.end[0] = F; g.end[1] = 2 * F;
+    } else if (ins.op == MK_OP_DOWN) {
+        g.w = (const T*)L->w_down; g.x = (const T*)st.ffn; g.K = F; g.ld = F;
+        g.end[0] = g.end[1] = dim;
+    } else {  // MK_OP_LM_HEAD
+        g.w = (const T*)m.out_w; g.x = (const T*)st.x; g.norm = (const T*)m.out_norm; g.K = dim; g.ld = dim;
+        g.end[0] = g.end[1] = (int)m.V;
+    }
+    g.nchunks = (g.K + CH - 1) / CH;
+    return g;
+}
+
+// --- the weight stream --------------------------------------------------------------------------
+// Every thread of the block holds the same copy (uniform control flow). `row` is the next queue
+// row to look at for the issue side, `sub` the next chunk of `tile` to issue.
+template <typename T>
+struct WeightStream {
+    const MkModel& m;
+    const MkState& st;
+    const int* instr;
+    unsigned char* ring;  // smem [MK_STAGES][MK_TILE_ROWS][MK_CHUNK_BYTES]
+    int row, end, sub, issued, consumed;
+    GemvTile<T> tile;
+
+    __device__ WeightStream(const MkModel& m_, const MkState& st_, const int* instr_, int q0, int q1,
+                            unsigned char* ring_)
+        : m(m_), st(st_), instr(instr_), ring(ring_), row(q0), end(q1), sub(0), issued(0), consumed(0) {
+        tile.nchunks = 0;
+        for (int s = 0; s < MK_STAGES - 1; ++s) issue_one();  // prologue: the first chunks in flight
+    }
+
+    // The next chunk of the block's GEMV sequence into slot issued % MK_STAGES (one commit group
+    // per call, empty once the sequence is exhausted, so the group count stays what the wait in
+    // next() assumes).
+    __device__ void issue_one() {
+        constexpr int VEC = 16 / sizeof(T), CH = MK_CHUNK_BYTES / sizeof(T);
+        while (sub >= tile.nchunks && row < end) {
+            const MkIns ins = mk_ins(instr, row++);
+            if (mk_is_gemv(ins.op)) {
+                tile = gemv_tile<T>(m, st, ins);
+                sub = 0;
+            }
+        }
+        if (sub < tile.nchunks) {
+            unsigned char* slot = ring + (issued % MK_STAGES) * MK_STAGE_BYTES;
+#pragma unroll
+            for (int u = 0; u < MK_STAGE_BYTES / 16 / MK_THREADS; ++u) {
+                const int q = threadIdx.x + u * MK_THREADS, r = q / 32, cl = q % 32;
+                const bool hi = r >= 8;  // group 1 (selects, not a dynamic index: no local memory)
+                const int wrow = (hi ? tile.row[1] : tile.row[0]) + r % 8, col = sub * CH + cl * VEC;
+                const bool ok = wrow < (hi ? tile.end[1] : tile.end[0]) && col < tile.K;  // whole chunks
+                cp_async_zfill<16>(slot + r * MK_CHUNK_BYTES + cl * 16,
+                                   ok ? (const void*)(tile.w + (size_t)wrow * tile.K + col) : (const void*)tile.w,
+                                   ok ? 16 : 0);
+            }
+            ++sub;
+        }
+        cp_async_commit();
+        ++issued;
+    }
+
+    // The slot holding the next chunk to compute, once it has landed and every thread is done
+    // with the previous one (whose slot the chunk MK_STAGES - 1 ahead then refills).
+    __device__ const unsigned char* next() {
+        cp_async_wait<MK_STAGES - 2>();
+        __syncthreads();
+        const unsigned char* slot = ring + (consumed % MK_STAGES) * MK_STAGE_BYTES;
+        ++consumed;
+        issue_one();
+        return slot;
+    }
+};
+
+// --- the math -----------------------------------------------------------------------------------
+// sum_e a[e] * b[e] over the T elements of two 16-byte chunks, in float32.
+template <typename T>
+__device__ __forceinline__ float chunk_dot(const uint4& a, const uint4& b) {
+    const T* x = reinterpret_cast<const T*>(&a);
+    const T* y = reinterpret_cast<const T*>(&b);
+    float s = 0.f;
+#pragma unroll
+    for (int e = 0; e < 16 / (int)sizeof(T); ++e) s = fmaf(to_float(x[e]), to_float(y[e]), s);
+    return s;
+}
+
+// xs [B][K] <- rows of x (stride ld), each normalised as rmsnorm writes it when norm is given:
+// warp b owns row b (B <= MK_WARPS), so the sum of squares needs no block barrier, and each lane
+// rescales exactly the chunks it stored. x was written by other blocks during this kernel: read
+// through L2 (__ldcg). The caller's next barrier makes xs visible to the block.
+template <typename T>
+__device__ __forceinline__ void gemv_load_rows(const GemvTile<T>& g, int B, float eps, T* xs) {
+    constexpr int VEC = 16 / sizeof(T), BATCH = 4;
+    const int lane = threadIdx.x & 31, b = threadIdx.x >> 5, nc = g.K / VEC;
+    if (b >= B) return;  // whole warps leave together
+    const T* src = g.x + (size_t)b * g.ld;
+    uint4* dst = reinterpret_cast<uint4*>(xs + (size_t)b * g.K);
+    float ss = 0.f;
+    for (int c0 = lane; c0 < nc; c0 += 32 * BATCH) {
+        uint4 v[BATCH];  // BATCH loads in flight before the first store
+#pragma unroll
+        for (int u = 0; u < BATCH; ++u)
+            if (c0 + 32 * u < nc) v[u] = __ldcg(reinterpret_cast<const uint4*>(src) + c0 + 32 * u);
+#pragma unroll
+        for (int u = 0; u < BATCH; ++u)
+            if (c0 + 32 * u < nc) {
+                dst[c0 + 32 * u] = v[u];
+                const T* e = reinterpret_cast<const T*>(&v[u]);
+#pragma unroll
+                for (int i = 0; i < VEC; ++i) ss = fmaf(to_float(e[i]), to_float(e[i]), ss);
+            }
+    }
+    if (g.norm == nullptr) return;
+    const float inv_rms = 1.0f / sqrtf(warp_reduce_sum(ss) / (float)g.K + eps);
+    for (int c = lane; c < nc; c += 32) {
+        uint4 v = dst[c];
+        const uint4 w = *(reinterpret_cast<const uint4*>(g.norm) + c);
+        T* e = reinterpret_cast<T*>(&v);
+        const T* we = reinterpret_cast<const T*>(&w);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) e[i] = from_float<T>(to_float(e[i]) * inv_rms * to_float(we[i]));
+        dst[c] = v;
+    }
+}
+
+// The scratch of a GEMV instruction: the lanes' partial sums, then the finished tile C.
+struct GemvSmem {
+    float red[MK_TILE_ROWS][MK_MAX_BATCH][33];  // [tile row][b][lane], padded: conflict-free sums
+    float c[MK_MAX_BATCH][MK_TILE_ROWS];        // C[b][tile row]
+};
+
+// C[b][r] = sum_k xs[b][k] * W[tile row r][k] for the B rows: warp w owns tile rows 2w, 2w + 1,
+// lane l the 16-byte column chunk l of each ring chunk.
+template <typename T>
+__device__ __forceinline__ void gemv_product(WeightStream<T>& ws, const GemvTile<T>& g, int B, const T* xs,
+                                             GemvSmem& sm) {
+    constexpr int VEC = 16 / sizeof(T), CH = MK_CHUNK_BYTES / sizeof(T);
+    const int lane = threadIdx.x & 31, r0 = 2 * (threadIdx.x >> 5);
+    float acc[2][MK_MAX_BATCH];
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+        for (int b = 0; b < MK_MAX_BATCH; ++b) acc[r][b] = 0.f;
+    for (int c = 0; c < g.nchunks; ++c) {
+        const unsigned char* slot = ws.next();
+        const int col = c * CH + lane * VEC;
+        if (col < g.K) {
+            const uint4 w0 = *reinterpret_cast<const uint4*>(slot + r0 * MK_CHUNK_BYTES + lane * 16);
+            const uint4 w1 = *reinterpret_cast<const uint4*>(slot + (r0 + 1) * MK_CHUNK_BYTES + lane * 16);
+#pragma unroll
+            for (int b = 0; b < MK_MAX_BATCH; ++b)
+                if (b < B) {
+                    const uint4 xv = *reinterpret_cast<const uint4*>(xs + (size_t)b * g.K + col);
+                    acc[0][b] += chunk_dot<T>(w0, xv);
+                    acc[1][b] += chunk_dot<T>(w1, xv);
+                }
+        }
+    }
+#pragma unroll
+    for (int b = 0; b < MK_MAX_BATCH; ++b)
+        if (b < B) {
+            sm.red[r0][b][lane] = acc[0][b];
+            sm.red[r0 + 1][b][lane] = acc[1][b];
+        }
+    __syncthreads();
+    if (threadIdx.x < MK_TILE_ROWS * B) {
+        const int r = threadIdx.x % MK_TILE_ROWS, b = threadIdx.x / MK_TILE_ROWS;
+        float s = 0.f;
+        for (int l = 0; l < 32; ++l) s += sm.red[r][b][l];
+        sm.c[b][r] = s;
+    }
+    __syncthreads();
+}
+
+// --- epilogues ----------------------------------------------------------------------------------
+// QKV: item (b, p), rotation pair p of the tile's 8 (fused_decode.cu's norm_qkv_rope_append_kernel).
+template <typename T>
+__device__ __forceinline__ void gemv_epilogue_qkv(const MkModel& m, const MkState& st, const MkIns& ins,
+                                                  const GemvSmem& sm) {
+    const int D = (int)m.D, Hq = (int)m.Hq, Hkv = (int)m.Hkv, half = D / 2, B = (int)m.B;
+    const int h = ins.tile / (D / 16), j = ins.tile % (D / 16);
+    for (int it = threadIdx.x; it < 8 * B; it += MK_THREADS) {
+        const int b = it / 8, p = it % 8, i = 8 * j + p;
+        const int c0 = m.neox ? p : 2 * p, c1 = m.neox ? p + 8 : 2 * p + 1;
+        const float x0 = to_float(from_float<T>(sm.c[b][c0])), x1 = to_float(from_float<T>(sm.c[b][c1]));
+        int ia, ib;
+        if (m.neox) rope_pair<true>(i, half, &ia, &ib);
+        else rope_pair<false>(i, half, &ia, &ib);
+        const int pos = __ldcg(st.lengths + (size_t)ins.layer * B + b);
+        T* dst;
+        if (h < Hq) {
+            dst = (T*)st.q + ((size_t)b * Hq + h) * D;
+        } else {
+            const int hk = h < Hq + Hkv ? h - Hq : h - Hq - Hkv;
+            dst = mk_layer_cache<T>(m, h < Hq + Hkv ? st.k_cache : st.v_cache, ins.layer) +
+                  (((size_t)b * Hkv + hk) * (size_t)m.max_seq + pos) * D;
+        }
+        float y0 = x0, y1 = x1;
+        if (h < Hq + Hkv) {  // q and k turn by the position; v is copied
+            float s, c;
+            rope_sincos(pos, rope_inv_freq(i, m.freq_scale), &s, &c);
+            rope_rotate(x0, x1, s, c, &y0, &y1);
+        }
+        dst[ia] = from_float<T>(y0);
+        dst[ib] = from_float<T>(y1);
+    }
+}
+
+// OPROJ, DOWN (x += C, rounded as add(x, gemm_nt(a, w))), GATE_UP (SwiGLU), LM_HEAD (logits).
+template <typename T>
+__device__ __forceinline__ void gemv_epilogue(const MkModel& m, const MkState& st, const MkIns& ins,
+                                              const GemvTile<T>& g, const GemvSmem& sm) {
+    const int B = (int)m.B;
+    if (ins.op == MK_OP_GATE_UP) {
+        const int F = (int)m.F;
+        for (int it = threadIdx.x; it < 8 * B; it += MK_THREADS) {
+            const int b = it / 8, c = it % 8, j = 8 * ins.tile + c;
+            if (j >= F) continue;
+            const float gt = to_float(from_float<T>(sm.c[b][c])), up = to_float(from_float<T>(sm.c[b][c + 8]));
+            // silu(g) * u as swiglu_kernel: g / (1 + e^-g) goes to -0 for g -> -inf, never NaN
+            ((T*)st.ffn)[(size_t)b * F + j] = from_float<T>(gt / (1.0f + expf(-gt)) * up);
+        }
+        return;
+    }
+    const int N = g.end[0], n0 = 16 * ins.tile;
+    for (int it = threadIdx.x; it < MK_TILE_ROWS * B; it += MK_THREADS) {
+        const int b = it / MK_TILE_ROWS, n = n0 + it % MK_TILE_ROWS;
+        if (n >= N) continue;
+        const float c = sm.c[b][it % MK_TILE_ROWS];
+        if (ins.op == MK_OP_LM_HEAD) {
+            ((T*)st.logits)[(size_t)b * N + n] = from_float<T>(c);
+        } else {  // OPROJ, DOWN: the one thread that owns x[b][n] reads and writes it
+            T* xe = (T*)st.x + (size_t)b * N + n;
+            *xe = from_float<T>(to_float(__ldcg(xe)) + to_float(from_float<T>(c)));
+        }
+    }
+}
+
+// One GEMV instruction: the input rows into xs (unless xs holds them already: `load`), the
+// product streamed from the ring, the epilogue.
+template <typename T>
+__device__ void mk_gemv(const MkModel& m, const MkState& st, const MkIns& ins, WeightStream<T>& ws, T* xs,
+                        bool load, GemvSmem& sm) {
+    const GemvTile<T> g = gemv_tile<T>(m, st, ins);
+    if (load) gemv_load_rows<T>(g, (int)m.B, (float)m.eps, xs);  // ws.next()'s barrier publishes xs
+    gemv_product<T>(ws, g, (int)m.B, xs, sm);
+    if (ins.op == MK_OP_QKV) gemv_epilogue_qkv<T>(m, st, ins, sm);
+    else gemv_epilogue<T>(m, st, ins, g, sm);
+}
