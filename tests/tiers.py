@@ -32,6 +32,7 @@ import json
 import os
 import re
 import select
+import shlex
 import shutil
 import subprocess
 import sys
@@ -95,6 +96,8 @@ SM100_FILES = ("test_gpu_families.py", "test_attention.py")
 SM100_SELECT = ("test_flash_mma_launches_the_family_tile or (test_gpu_flash_mma_every_tile_entry and 64)"
                 " or test_default_attention_is_what_the_table_says")
 GPU_MARK = "gpu" if FULL else "gpu and not emu_slow"
+EMU_ARGS_ENV = "CUPYATTN_EMU_PYTEST_ARGS"  # more arguments for every emulated run (``--durations=30``)
+EMU_LOG_ENV = "CUPYATTN_EMU_LOG"  # a folder: each emulated run's whole output lands in <label>.log there
 
 
 @dataclass
@@ -109,6 +112,7 @@ class EmulatedRun:
     rc: int | None = None
     started: float | None = None
     seconds: float = 0.0
+    cpu_s: float = 0.0                              # user + sys of the child and its descendants
     counts: dict = field(default_factory=dict)      # passed / failed / skipped / deselected / errors
     skips: dict = field(default_factory=dict)       # reason -> count
     out: list = field(default_factory=list)
@@ -121,7 +125,8 @@ class EmulatedRun:
         workers = (os.cpu_count() or 1) if self.parallel else 1
         parallel = ["-n", str(workers)] if workers > 1 and importlib.util.find_spec("xdist") else []
         return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--maxfail=1",
-                "-o", "console_output_style=count", "-rs", *parallel, *self.args]
+                "-o", "console_output_style=count", "-rs", *parallel, *self.args,
+                *shlex.split(os.environ.get(EMU_ARGS_ENV, ""))]
 
     def run(self) -> None:
         """Run to the end (called on a background thread); the result lands in the fields."""
@@ -136,13 +141,19 @@ class EmulatedRun:
                                                 env={**os.environ, "CUPYATTN_EMULATE": "1", REPORT_ENV: str(report),
                                                      **self.env})
             _stream(proc, self.prog, self.out)
-            self.rc = proc.wait()
+            # wait4, not wait: the child's CPU time, its xdist workers' and g++'s included (they
+            # are its reaped descendants), for the summary's accounting
+            _, status, usage = os.wait4(proc.pid, 0)
+            self.rc = proc.returncode = os.waitstatus_to_exitcode(status)
+            self.cpu_s = usage.ru_utime + usage.ru_stime
         except Exception as e:  # noqa: BLE001  (reported by the test that checks this run)
             self.out.append(f"\n{type(e).__name__}: {e}\n")
             self.rc = -1
         finally:
             self.seconds = time.monotonic() - self.started
             text = "".join(self.out)
+            if os.environ.get(EMU_LOG_ENV):  # the whole output, e.g. with --durations in EMU_ARGS_ENV
+                Path(os.environ[EMU_LOG_ENV], f"{self.label}.log").write_text(text)
             last = [ln for ln in text.splitlines() if re.search(r"\d+ (passed|failed|skipped|error)", ln)]
             if last:
                 self.counts = {k.rstrip("s") if k.startswith("error") else k: int(n) for n, k in
@@ -476,6 +487,24 @@ class Session:
             if run.proc is not None and run.proc.poll() is None:
                 run.proc.kill()
 
+    def cpu_accounting(self) -> str:
+        """CPU seconds (user + sys) by part, which is what a machine's cores bound, unlike wall time
+        on a shared machine. Called on the main thread, which ran the CPU tests; the compile gate is
+        this process's other threads (with the status lines, a few seconds); the CPU tests'
+        subprocesses are the reaped children that are not emulated runs."""
+        import resource
+
+        me, kids = (resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+        main = time.thread_time()
+        own, children = me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime
+        emulated = sum(r.cpu_s for r in self.runs)
+        parts = [f"CPU tests {main + children - emulated:.0f} (their subprocesses {children - emulated:.0f})"]
+        if self.gate is not None:
+            parts.append(f"compile gate {own - main:.0f}")
+        parts += [f"emulator {r.label} {r.cpu_s:.0f}" for r in self.runs]
+        return (f"CPU time (user + sys, s): " + ", ".join(parts) +
+                f"; {own + children:.0f} in all over {time.monotonic() - self.t0:.0f} s of wall time")
+
     # the end: what ran where
     def summarize(self, terminalreporter) -> None:
         if not (self.gate or self.runs or self.moved_gpu):
@@ -491,7 +520,8 @@ class Session:
         for run in self.runs:
             c = {k: n for k, n in run.counts.items() if k != "deselected"}
             head = ", ".join(f"{n} {k}" for k, n in c.items()) or "no result"
-            tr.write_line(f"CPU emulator as {run.label} ({run.what}): {head} in {run.seconds:.0f} s")
+            tr.write_line(f"CPU emulator as {run.label} ({run.what}): {head} in {run.seconds:.0f} s "
+                          f"({run.cpu_s:.0f} CPU-s)")
             for reason, n in sorted(run.skips.items(), key=lambda kv: -kv[1])[:6]:
                 tr.write_line(f"    {n} skipped: {reason}")
             if run.label == "sm_90":
@@ -505,8 +535,21 @@ class Session:
                           f"tests, and {left['pairwise_dropped']} parameter combinations beyond all pairs")
             tr.stats.setdefault("not run (CUPYATTN_FULL=1 runs them)", []).extend(
                 _Counted() for _ in range(left["emu_slow"] + left["pairwise_dropped"]))
+        tr.write_line(self.cpu_accounting())
+        tr.write_line(self.cpu_line())
         tr.write_line("The emulator runs the real kernel sources on CPU threads: evidence about kernel logic, "
                       "not GPU results. Without a GPU nothing here ran on one.")
+
+    def cpu_line(self) -> str:
+        """CPU seconds (user + sys) by where they went, for sizing the run against CI's cores."""
+        import resource
+
+        me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        own, main = me.ru_utime + me.ru_stime, time.thread_time()  # called on the main thread
+        emu = sum(r.cpu_s for r in self.runs)
+        other = kids.ru_utime + kids.ru_stime - emu
+        return (f"CPU time: {own + other + emu:.0f} CPU-s = tests in this process {main:.0f} + compile gate "
+                f"and other threads {own - main:.0f} + emulated runs {emu:.0f} + other subprocesses {other:.0f}")
 
 
 class _Counted:
