@@ -92,6 +92,32 @@ def pytest_runtest_logstart(nodeid, location):
     SESSION.current = (nodeid, time.monotonic())
 
 
+CPU_PROFILE = os.environ.get("CUPYATTN_CPU_PROFILE")  # a file: each test's CPU seconds are appended there
+
+if CPU_PROFILE:
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item, nextitem):
+        """Append ``where<TAB>test id<TAB>CPU s<TAB>wall s`` for each test: CPU time (user + sys) of
+        this thread (the outer process, whose other threads run the compile gate) or this process
+        (an emulated run's worker) and of its reaped subprocesses (g++, the CLIs), which unlike wall
+        time does not grow with the machine's load. The outer process leaves out the emulated runs
+        it reaps meanwhile (tests/tiers.py counts them)."""
+        import resource
+        import time
+
+        def cpu():
+            me = resource.getrusage(resource.RUSAGE_SELF)
+            kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+            own = me.ru_utime + me.ru_stime if EMULATE else time.thread_time()
+            return own + kids.ru_utime + kids.ru_stime - sum(r.cpu_s for r in SESSION.runs)
+
+        c0, t0 = cpu(), time.monotonic()
+        yield
+        where = f"sm_{os.environ.get('CUPYATTN_EMU_ARCH', '90')}" if EMULATE else "cpu"
+        with open(CPU_PROFILE, "a") as f:
+            f.write(f"{where}\t{item.nodeid}\t{cpu() - c0:.2f}\t{time.monotonic() - t0:.2f}\n")
+
+
 def pytest_runtest_logfinish(nodeid, location):
     SESSION.done += 1
     SESSION.current = None
