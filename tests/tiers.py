@@ -536,20 +536,8 @@ class Session:
             tr.stats.setdefault("not run (CUPYATTN_FULL=1 runs them)", []).extend(
                 _Counted() for _ in range(left["emu_slow"] + left["pairwise_dropped"]))
         tr.write_line(self.cpu_accounting())
-        tr.write_line(self.cpu_line())
         tr.write_line("The emulator runs the real kernel sources on CPU threads: evidence about kernel logic, "
                       "not GPU results. Without a GPU nothing here ran on one.")
-
-    def cpu_line(self) -> str:
-        """CPU seconds (user + sys) by where they went, for sizing the run against CI's cores."""
-        import resource
-
-        me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-        own, main = me.ru_utime + me.ru_stime, time.thread_time()  # called on the main thread
-        emu = sum(r.cpu_s for r in self.runs)
-        other = kids.ru_utime + kids.ru_stime - emu
-        return (f"CPU time: {own + other + emu:.0f} CPU-s = tests in this process {main:.0f} + compile gate "
-                f"and other threads {own - main:.0f} + emulated runs {emu:.0f} + other subprocesses {other:.0f}")
 
 
 class _Counted:
