@@ -135,12 +135,12 @@ def pytest_terminal_summary(terminalreporter):
 
 # Under the emulator, a `gpu` test whose first run took under EXTRA_SCHEDULES_BELOW_S runs again
 # under EXTRA_SCHEDULES more schedules (seed bases "<test id>#schedule1", ...), until this process
-# has spent EXTRA_SCHEDULES_BUDGET_S on reruns (4x that under CUPYATTN_FULL=1; the chosen subsets
+# has spent EXTRA_SCHEDULES_BUDGET_S on reruns (8x that under CUPYATTN_FULL=1; the chosen subsets
 # as sm_75 / sm_100 set CUPYATTN_EMU_RERUN_BUDGET_S=0): several schedules where they are cheap,
 # within the test command's time. CUPYATTN_EMU_SCHEDULES=n (n >= 1) runs every `gpu` test under
 # n schedules instead.
 EXTRA_SCHEDULES, EXTRA_SCHEDULES_BELOW_S = 2, 0.25
-EXTRA_SCHEDULES_BUDGET_S = float(os.environ.get("CUPYATTN_EMU_RERUN_BUDGET_S", 30.0 * (4 if tiers.FULL else 1)))
+EXTRA_SCHEDULES_BUDGET_S = float(os.environ.get("CUPYATTN_EMU_RERUN_BUDGET_S", 15.0 * (8 if tiers.FULL else 1)))
 _extra_spent = [0.0]
 
 if EMULATE:
@@ -238,9 +238,12 @@ def pytest_collection_modifyitems(config, items):
 def compile_report():
     """``compile_report(spec_name=None) -> (reports, errors)``: the offline NVRTC compile check
     (_compile_check.check_arches(): every arch of ARCHES the installed NVRTC knows, or those of
-    CUPYATTN_CHECK_ARCHES) of one spec, or of all, run at most once per spec per test session."""
+    CUPYATTN_CHECK_ARCHES) of one spec, or of all, run at most once per spec per test session.
+    Unless CUPYATTN_FULL=1, of each kernel template's instantiations it builds an all-pairs subset
+    of the template arguments (_compile_check.gate_exprs); tests that read one instantiation's
+    report use :func:`gate_built` to skip those it left out."""
     import cupyattn
-    from cupyattn._compile_check import check_arches, run_check
+    from cupyattn._compile_check import check_arches, gate_pairs, run_check
 
     done: dict = {}
 
@@ -254,7 +257,7 @@ def compile_report():
                 def note(reports, n, total):
                     SESSION.note = f"compiling {spec_name}: {n}/{total} NVRTC jobs"
 
-                res = run_check(spec_name, check_arches(), on_reports=note)
+                res = run_check(spec_name, check_arches(), on_reports=note, pairs=gate_pairs())
                 SESSION.note = None
             done[spec_name] = res
         return done[spec_name]
@@ -264,12 +267,27 @@ def compile_report():
 
 def expected_builds(spec, exprs=None):
     """Sorted (name expression, arch) pairs the compile gate builds for ``spec`` (optionally only
-    those of ``exprs``): per gate arch, what a device of that compute capability can run."""
-    from cupyattn._compile_check import check_arches
+    those of ``exprs``): per gate arch, what a device of that compute capability can run (unless
+    CUPYATTN_FULL=1, its all-pairs subset: _compile_check.gate_exprs)."""
+    from cupyattn._compile_check import check_arches, gate_exprs, gate_pairs
 
     keep = None if exprs is None else set(exprs)
     return sorted((e, f"sm_{a}a" if spec.sm90a else f"sm_{a}") for a in check_arches()
-                  for e in spec.exprs_for(int(a)) if keep is None or e in keep)
+                  for e in gate_exprs(spec, a, gate_pairs()) if keep is None or e in keep)
+
+
+def gate_built(reports, exprs, arch="sm_90"):
+    """``{expr: report}`` for those of ``exprs`` the gate built for ``arch``: every one under
+    CUPYATTN_FULL=1, else the all-pairs subset (at least one, or the selection is broken)."""
+    from cupyattn._compile_check import gate_pairs
+
+    exprs = list(exprs)
+    by_kernel = {r.kernel: r for r in reports if r.arch == arch}
+    got = {e: by_kernel[e] for e in exprs if e in by_kernel}
+    assert got, f"the compile gate built none of {len(exprs)} instantiations for {arch}"
+    missing = [e for e in exprs if e not in got]
+    assert gate_pairs() or not missing, f"the full compile gate did not build {missing[:5]}"
+    return got
 
 
 DTYPES = ("float32", "float16", "bfloat16")

@@ -123,7 +123,10 @@ class EmulatedRun:
 
     def command(self) -> list:
         workers = (os.cpu_count() or 1) if self.parallel else 1
-        parallel = ["-n", str(workers)] if workers > 1 and importlib.util.find_spec("xdist") else []
+        # worksteal: a worker that runs out takes tests queued on the other, so a few long tests
+        # at the end of the collection do not leave a core idle
+        parallel = (["-n", str(workers), "--dist", "worksteal"]
+                    if workers > 1 and importlib.util.find_spec("xdist") else [])
         return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--maxfail=1",
                 "-o", "console_output_style=count", "-rs", *parallel, *self.args,
                 *shlex.split(os.environ.get(EMU_ARGS_ENV, ""))]
@@ -263,12 +266,19 @@ def _stream(proc, prog: _Progress, out: list, every_s: float | None = None, show
 PAIRWISE_ENV = "CUPYATTN_EMU_PAIRWISE"  # set on the sm_90 emulated run unless CUPYATTN_FULL=1
 
 
+# The parameters that choose the kernel instantiation a test runs (its dtype, impl, head dim,
+# GEMM layout, causal mask; the options matrix's entry): their pairs are kept; a shape or flag runs
+# each of its values once.
+KERNEL_PARAMS = frozenset({"dtype", "impl", "d", "layout", "causal", "entry"})
+
+
 def pairwise_subset(items) -> list:
     """The items to keep so that, for every parametrized test function, every value of each
-    parameter and every pair of values of two parameters still runs at least once (an all-pairs
-    covering array, chosen greedily in collection order); unparametrized tests are all kept.
-    Combinations of three or more values are left to CUPYATTN_FULL=1."""
-    import itertools
+    parameter still runs at least once and every pair of values of two kernel parameters
+    (:data:`KERNEL_PARAMS`) too: the instantiations run, their shapes and flags once each (a
+    greedy covering array in collection order, _compile_check.all_pairs); unparametrized tests
+    are all kept. Every combination runs under CUPYATTN_FULL=1."""
+    from cupyattn._compile_check import all_pairs
 
     groups: dict = {}
     for item in items:
@@ -280,17 +290,8 @@ def pairwise_subset(items) -> list:
         if getattr(group[0], "callspec", None) is None or len(group) == 1:
             keep.update(map(id, group))
             continue
-
-        def features(item):
-            vals = sorted((n, repr(v)) for n, v in item.callspec.params.items())
-            return set(vals) | set(itertools.combinations(vals, 2))
-
-        feats = {id(i): features(i) for i in group}
-        need = set().union(*feats.values())
-        while need:
-            best = max(group, key=lambda i: len(feats[id(i)] & need))  # first of the best: stable
-            keep.add(id(best))
-            need -= feats[id(best)]
+        keep.update(map(id, all_pairs(group, lambda i: [(n, repr(v)) for n, v in i.callspec.params.items()],
+                                      paired=KERNEL_PARAMS.__contains__)))
     return [i for i in items if id(i) in keep]
 
 
@@ -321,10 +322,12 @@ class BackgroundGate:
 
     def __init__(self, arches):
         import cupyattn  # noqa: F401  (registers every spec)
+        from cupyattn._compile_check import gate_exprs, gate_pairs
         from cupyattn._loader import all_specs
 
-        self.arches, self.specs = tuple(arches), all_specs()
-        self.total = sum(len(s.exprs_for(int(a))) for s in self.specs for a in self.arches)
+        self.arches, self.specs, self.pairs = tuple(arches), all_specs(), gate_pairs()
+        self.total = sum(len(gate_exprs(s, a, self.pairs)) for s in self.specs for a in self.arches)
+        self.every = sum(len(s.exprs_for(int(a))) for s in self.specs for a in self.arches)
         self.built, self.results, self.t0, self.seconds = 0, {}, None, 0.0
         self.events = {s.name: threading.Event() for s in self.specs}
         self.thread = threading.Thread(target=self._run, name="compile-gate", daemon=True)
@@ -341,7 +344,7 @@ class BackgroundGate:
 
         for spec in self.specs:
             try:
-                self.results[spec.name] = run_check(spec.name, self.arches, on_reports=count)
+                self.results[spec.name] = run_check(spec.name, self.arches, on_reports=count, pairs=self.pairs)
             except Exception as e:  # noqa: BLE001  (the test that reads this spec reports it)
                 self.results[spec.name] = ([], [f"the compile gate failed for {spec.name}: {type(e).__name__}: {e}"])
             self.events[spec.name].set()
@@ -369,9 +372,10 @@ class BackgroundGate:
         errors = sum(len(e) for _, e in self.results.values())
         spills = sum(r.spills and r.hot for r in reports)
         arches = sorted({r.arch for r in reports}, key=lambda a: (len(a), a))
-        return (f"compile gate (NVRTC, {', '.join(arches) or 'no arch'}): {len(reports)} kernel builds, "
-                f"{errors} errors, {spills} hot kernels with spills in {self.seconds:.0f} s"
-                + ("" if FULL else " (CUPYATTN_FULL=1: every GPU family)"))
+        return (f"compile gate (NVRTC, {', '.join(arches) or 'no arch'}): {len(reports)} kernel builds"
+                + (f" (all pairs of template arguments of {self.every} instantiations)" if self.pairs else "")
+                + f", {errors} errors, {spills} hot kernels with spills in {self.seconds:.0f} s"
+                + ("" if FULL else " (CUPYATTN_FULL=1: every instantiation, every GPU family)"))
 
 
 # --- the session: what runs where, progress lines ------------------------------------------------
