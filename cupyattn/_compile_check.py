@@ -208,7 +208,7 @@ def gate_exprs(spec: KernelSpec, arch, pairs: bool = False) -> tuple[str, ...]:
     by_kernel: dict = {}
     for e in exprs:
         by_kernel.setdefault(e.partition("<")[0], []).append(e)
-    keep = {e for group in by_kernel.values() for e in all_pairs(group, _template_args)}
+    keep = {e for group in by_kernel.values() for e in (group if len(group) == 1 else all_pairs(group, _template_args))}
     return tuple(e for e in exprs if e in keep)
 
 

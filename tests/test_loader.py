@@ -364,3 +364,43 @@ def test_every_dynamic_smem_launch_is_opted_in_as_the_driver_requires(compile_re
     assert opted > 0  # some launches need the opt-in (flash_mma, float32 decode)
     smallest = min(launches, key=lambda t: static[(t[0].name, t[1])] + t[2])
     assert static[(smallest[0].name, smallest[1])] + smallest[2] <= 48 * 1024  # and some do not
+
+
+def test_gate_builds_every_template_argument_value_and_pair():
+    """The test command's compile gate (_compile_check.gate_exprs with pairs): per kernel template,
+    every value of each template argument and every pair of values of two still builds; the
+    Hopper kernels whole; fewer builds than every instantiation."""
+    import itertools
+
+    kept = every = 0
+    for spec in cupyattn.all_specs():
+        full, sub = spec.exprs_for(90), cc.gate_exprs(spec, "90", pairs=True)
+        assert set(sub) <= set(full) and cc.gate_exprs(spec, "90") == full
+        if spec.sm90a:
+            assert sub == full, spec.name
+        for kernel in {e.partition("<")[0] for e in full}:
+            def features(exprs):
+                out = set()
+                for e in exprs:
+                    if e.partition("<")[0] == kernel:
+                        args = list(enumerate(e.partition("<")[2].rpartition(">")[0].split(",")))
+                        out |= set(args) | set(itertools.combinations(args, 2))
+                return out
+            assert features(sub) == features(full), (spec.name, kernel)
+        kept, every = kept + len(sub), every + len(full)
+    assert kept < every / 2, (kept, every)
+
+
+def test_all_pairs_keeps_each_value_and_the_pairs_asked_for():
+    """tests/tiers.py's subset of a parameter grid: each value of every parameter, each pair of
+    values of the paired parameters, not every combination."""
+    import itertools
+
+    grid = [(("dtype", dt), ("n", n), ("flag", f)) for dt in "abc" for n in range(5) for f in (0, 1)]
+    keep = cc.all_pairs(grid, list, paired={"dtype", "flag"}.__contains__)
+    assert {p for item in keep for p in item} == {p for item in grid for p in item}
+    assert {(item[0], item[2]) for item in keep} == {(item[0], item[2]) for item in grid}
+    assert len(keep) < len(grid) and keep == [g for g in grid if g in keep]
+    every_pair = cc.all_pairs(grid, list)
+    assert {(a, b) for item in every_pair for a, b in itertools.combinations(item, 2)} == \
+        {(a, b) for item in grid for a, b in itertools.combinations(item, 2)}
