@@ -9,7 +9,7 @@ stays busy:
   the loader knows, for the gate's arches) on threads of this process, started as soon as the
   tests are collected; the ``compile_report`` fixture hands each test its spec's reports;
 - the `gpu`-marked tests on the CPU emulator (tests/emu), in child pytest processes on every
-  core (pytest-xdist): as an sm_90 device (an all-pairs subset of each parameter grid,
+  core (pytest-xdist): as an sm_90 device (of each parameter grid, the pairs of kernel parameters,
   :func:`pairwise_subset`), and beside it chosen subsets as sm_75, sm_80 and sm_100
   (:func:`emulated_runs`).
   The `gpu` tests are then taken out of this process's run (they run there, not here), and
@@ -197,7 +197,8 @@ def emulated_runs() -> list:
     return [
         EmulatedRun("sm_90", ["-m", GPU_MARK, tests], {} if FULL else {PAIRWISE_ENV: "1"},
                     "every `gpu` test, as an H100 (sm_90)" + ("" if FULL else "; of a test's parameter grid, "
-                                                               "every value and every pair of values")),
+                                                               "every value, and every pair of values of "
+                                                               "its dtype, impl, head dim, layout, causal")),
         subset("75", SM75_FILES, SM75_SELECT, "the default paths as a T4 (sm_75, 64 KB per block)"),
         subset("80", SM80_FILES, SM80_SELECT, "every path x option as an A100 (sm_80)"),
         subset("100", SM100_FILES, SM100_SELECT, "the B200's own D = 64 attention tile (sm_100)"),
@@ -536,7 +537,8 @@ class Session:
                     tr.stats.setdefault(label, []).extend(_Counted() for _ in range(c[k]))
         if not FULL and (left["emu_slow"] or left["pairwise_dropped"]):
             tr.write_line(f"Not run (CUPYATTN_FULL=1 runs them on the emulator): {left['emu_slow']} `emu_slow` "
-                          f"tests, and {left['pairwise_dropped']} parameter combinations beyond all pairs")
+                          f"tests, and {left['pairwise_dropped']} parameter combinations beyond the pairs of "
+                          "kernel parameters")
             tr.stats.setdefault("not run (CUPYATTN_FULL=1 runs them)", []).extend(
                 _Counted() for _ in range(left["emu_slow"] + left["pairwise_dropped"]))
         tr.write_line(self.cpu_accounting())
