@@ -34,7 +34,7 @@
 #           decode step), tinylm-fused (the default), tinylm-fused-pdl (FUSED_DECODE_PDL), tinylm
 #           (unfused), HF eager and HF compiled; TTFT of the 128-token prompts, tokens/s, ms per
 #           step, share of the weight-read limit    -> $OUT/pytest-mega.log, $OUT/mega.{txt,json}
-#   headline  the README's headline cases by name (attention fp16 D=128 causal and not, GEMM
+#   headline  the headline cases by name (attention fp16 D=128 causal and not, GEMM
 #           4096^3, decode 32k, softmax 8192^2, SmolLM2's shapes at batch 1 without compiled HF):
 #           about 90 s on the H100 (2026-11-26)         -> $OUT/headline-<op>.{txt,json}
 #   lease   tests and sanitize side by side (correctness only: their timings do not matter),

@@ -37,8 +37,11 @@ def check_array(fn: str, name: str, x, *, dtypes=FLOAT_DTYPES, ndim=None, min_nd
     """A CuPy array on the current device, with a supported dtype and rank."""
     if not is_device_array(x):
         kind = "a NumPy array" if isinstance(x, np.ndarray) else type(x).__name__
-        raise TypeError(f"{fn}(): {name} must be a cupy.ndarray on the current device, got {kind}"
-                        + (" (move it with cupy.asarray)" if isinstance(x, np.ndarray) else ""))
+        hint = ""
+        if isinstance(x, np.ndarray):  # cupy.asarray is the fix only where there is a GPU to move it to
+            why = gpu_unavailable_reason()
+            hint = f" (move it with cupy.asarray)" if why is None else f"; {_no_gpu_here(why)}"
+        raise TypeError(f"{fn}(): {name} must be a cupy.ndarray on the current device, got {kind}{hint}")
     check_device(fn, name, x)
     if dtypes is not None and np.dtype(x.dtype) not in dtypes:
         raise TypeError(f"{fn}(): {name} has dtype {dtype_name(x.dtype)}, expected one of {_names(dtypes)}")
@@ -199,7 +202,12 @@ def check_no_overlap(fn: str, out, inputs: dict, in_place: tuple = (), out_name:
 
 
 # --- is there a GPU at all? -----------------------------------------------------------------
-WITHOUT_GPU = "without one, tinylm --backend numpy and python -m cupyattn check still work"
+WITHOUT_GPU = ("without one, cupyattn.reference (NumPy versions of every op), tinylm --backend numpy and "
+               "python -m cupyattn check still work")
+
+
+def _no_gpu_here(reason: str) -> str:
+    return f"this machine has no usable CUDA GPU: {reason} (cupyattn.gpu_unavailable_reason()); {WITHOUT_GPU}"
 
 
 def gpu_unavailable_reason() -> str | None:
@@ -223,22 +231,38 @@ def gpu_unavailable_reason() -> str | None:
     return None
 
 
+class GPUUnavailableError(RuntimeError):
+    """No usable CUDA device (a RuntimeError, as callers catch it); an outer
+    :func:`no_gpu_explained` renames it after its own function."""
+
+
+def _needs_gpu(fn: str, reason: str) -> RuntimeError:
+    who = fn if " " in fn else f"{fn}()"  # a function name, or words such as "cupyattn kernel launch"
+    return GPUUnavailableError(f"{who} needs a CUDA GPU: {reason} (cupyattn.gpu_unavailable_reason()); {WITHOUT_GPU}")
+
+
 def require_gpu(fn: str) -> None:
     """RuntimeError naming ``fn`` when no CUDA device can be used, before CuPy fails deeper."""
     reason = gpu_unavailable_reason()
     if reason:
-        raise RuntimeError(f"{fn}() needs a CUDA GPU: {reason}; {WITHOUT_GPU}")
+        raise _needs_gpu(fn, reason)
 
 
 @contextlib.contextmanager
 def no_gpu_explained(fn: str):
     """Around a first device allocation or query: a CUDA runtime error on a machine without a
-    usable GPU becomes :func:`require_gpu`'s RuntimeError naming ``fn`` and what still works."""
+    usable GPU becomes :func:`require_gpu`'s RuntimeError naming ``fn`` and what still works, one
+    message with CuPy's own error out of the traceback (``from None``: CuPy's chain says the same
+    in 30 lines)."""
     try:
         yield
-    except cupy.cuda.runtime.CUDARuntimeError:
-        require_gpu(fn)
-        raise
+    except (cupy.cuda.runtime.CUDARuntimeError, GPUUnavailableError):  # also from an inner guard
+        reason = gpu_unavailable_reason()
+        if reason is None:
+            raise
+    else:
+        return
+    raise _needs_gpu(fn, reason) from None
 
 
 # --- can this device run that kernel? (config.IMPL_MIN_CC, issue 24) ---------------------------

@@ -29,16 +29,20 @@ from ._loader import KernelSpec, all_specs
 
 ARCHES = ("75", "80", "86", "89", "90", "100", "120")   # the families of config.GPU_FAMILIES, sm_70 aside
 ALL_ARCHES = ("70",) + ARCHES   # sm_70 (Volta: SIMT kernels only) on request: NVRTC 12 deprecates it
-# What the test suite's compile gate builds by default (CI): Turing and Hopper (+ sm_90a), each
-# family's whole set with no errors or spills. `python -m cupyattn check` (every arch) on
-# 2026-11-26 (NVRTC 12.9, the 2-core machine alone): no errors or spills anywhere, 15 min wall;
-# sm_75 326 builds, sm_80 441, sm_86 429, sm_89 429, sm_90 441, sm_100 441, sm_120 429, sm_90a 20
-# (about 2.3 min wall each, 255-290 s of NVRTC summed over 2 workers; `--arch 70`: 279). CI's whole
-# run must stay under 20 minutes, so it keeps to sm_75 (the Turing branches of ptx.cuh, 64 KB
-# tiles) and sm_90 (+ sm_90a). sm_80 takes the same source as sm_90 (every ptx.cuh branch is >=
-# 800) with a looser launch-bounds cap (fewer blocks of a tile fit its 164 KB per SM); sm_100 is
-# tested for what it runs in place of what spilled there (tests/test_gpu_families.py).
-GATE_ARCHES = ("75", "90")
+# What the test suite's compile gate builds by default: Hopper, the GPU every figure was measured
+# on, whole (sm_90, + sm_90a for the Hopper kernels), no errors or spills. Each family takes 4-5
+# minutes of NVRTC on one core (sm_75 326 builds, sm_90 441), so the default test command, which
+# must finish in minutes on 2 cores beside the emulated GPU tests, gates sm_90 alone;
+# CUPYATTN_FULL=1 (tests/tiers.py) gates every family in ARCHES, sm_75's Turing branches of
+# ptx.cuh and 64 KB tiles among them (the default run still builds and runs Turing's default paths
+# on the emulator as sm_75). sm_80 takes the same source as sm_90 (every ptx.cuh branch is >= 800)
+# with a looser launch-bounds cap; sm_100 is tested for what it runs in place of what spilled there
+# (tests/test_gpu_families.py).
+GATE_ARCHES = ("90",)
+# Of those, the test command's gate builds an all-pairs subset (:func:`gate_exprs`): per kernel
+# template, every value of each template argument and every pair of values of two arguments
+# (decode: 38 of 261 sm_90 instantiations, flash_attn 31 of 96), the Hopper kernels (sm_90a) whole.
+# `python -m cupyattn check` and CUPYATTN_FULL=1 build every instantiation.
 JOB_SIZE = 6  # instantiations per NVRTC program: small enough to spread over the cores
 # ptxas messages that mean an instruction was dropped, each an error of the check. They are printed
 # before the per-kernel rows, so sm_90a instantiations are built one per program to name the kernel.
@@ -144,13 +148,21 @@ def nvrtc_arches(arches=ARCHES) -> tuple[str, ...]:
     return tuple(a for a in arches if a in known)
 
 
+def gate_pairs() -> bool:
+    """Whether the test suite's compile gate builds :func:`gate_exprs`' all-pairs subset: yes,
+    unless CUPYATTN_FULL=1."""
+    return os.environ.get("CUPYATTN_FULL", "").strip() in ("", "0")
+
+
 def check_arches() -> tuple[str, ...]:
     """The arches the test suite's compile gate builds: CUPYATTN_CHECK_ARCHES (comma-separated, e.g.
-    "75,80,90" to trim CI time, "all" for every ARCHES entry; 80 and 90 are always added, the tests
-    read their reports), else GATE_ARCHES; only those the installed NVRTC knows."""
+    "75,80,90", "all" for every ARCHES entry; 80 and 90 are always added, the tests read their
+    reports), else every ARCHES entry under CUPYATTN_FULL=1, else GATE_ARCHES; only those the
+    installed NVRTC knows."""
     v = os.environ.get("CUPYATTN_CHECK_ARCHES", "").strip()
     if not v:
-        return nvrtc_arches(GATE_ARCHES)
+        full = os.environ.get("CUPYATTN_FULL", "").strip() not in ("", "0")
+        return nvrtc_arches() if full else nvrtc_arches(GATE_ARCHES)
     if v == "all":
         return nvrtc_arches()
     wanted = {a.strip() for a in v.split(",") if a.strip()} | {"80", "90"}
@@ -160,13 +172,54 @@ def check_arches() -> tuple[str, ...]:
     return nvrtc_arches(tuple(a for a in ALL_ARCHES if a in wanted))
 
 
-def _jobs(specs, arches):
+def all_pairs(items, params, paired=None) -> list:
+    """The items to keep (in their order) so that every value of each parameter and every pair of
+    values of two parameters (both ``paired(name)``, if given) still occurs: a greedy all-pairs
+    covering array, first of the best at each step. ``params(item)`` -> (name, value) pairs,
+    hashable."""
+    import itertools
+
+    def features(ps):
+        ps = sorted(ps)
+        return set(ps) | set(itertools.combinations([p for p in ps if paired is None or paired(p[0])], 2))
+
+    feats = [features(params(item)) for item in items]
+    need, keep = set().union(*feats) if feats else set(), set()
+    while need:
+        best = max(range(len(items)), key=lambda i: len(feats[i] & need))
+        keep.add(best)
+        need -= feats[best]
+    return [item for i, item in enumerate(items) if i in keep]
+
+
+def _template_args(expr: str):
+    """``k<float, 64, true>`` -> ((0, 'float'), (1, '64'), (2, 'true'))."""
+    args = expr.partition("<")[2].rpartition(">")[0]
+    return tuple(enumerate(a.strip() for a in args.split(","))) if args else ()
+
+
+def gate_exprs(spec: KernelSpec, arch, pairs: bool = False) -> tuple[str, ...]:
+    """The instantiations of ``spec`` the check builds for ``arch``: all a device of that compute
+    capability runs, or with ``pairs`` (the test command's gate) an all-pairs subset of each kernel
+    template's arguments (:func:`all_pairs`)."""
+    exprs = spec.exprs_for(int(arch))
+    if not pairs or spec.sm90a:  # the Hopper kernels whole: few, and the likeliest to spill or serialise
+        return exprs
+    by_kernel: dict = {}
+    for e in exprs:
+        by_kernel.setdefault(e.partition("<")[0], []).append(e)
+    keep = {e for group in by_kernel.values() for e in (group if len(group) == 1 else all_pairs(group, _template_args))}
+    return tuple(e for e in exprs if e in keep)
+
+
+def _jobs(specs, arches, pairs=False):
     """(spec, arch, name expressions) jobs of at most JOB_SIZE instantiations each: per arch, the
-    instantiations a device of that compute capability can run."""
+    instantiations a device of that compute capability can run (with ``pairs``, :func:`gate_exprs`'
+    subset)."""
     jobs = []
     for spec in specs:
         for arch in arches:
-            exprs, size = spec.exprs_for(int(arch)), 1 if spec.sm90a else JOB_SIZE
+            exprs, size = gate_exprs(spec, arch, pairs), 1 if spec.sm90a else JOB_SIZE
             jobs += [(spec, arch, exprs[i:i + size]) for i in range(0, len(exprs), size)]
     return jobs
 
@@ -177,9 +230,10 @@ ARCH_SECONDS: dict[str, float] = {}
 _LOCK = threading.Lock()
 
 
-def run_check(only: str | None = None, arches=None, on_reports=None, workers: int | None = None):
+def run_check(only: str | None = None, arches=None, on_reports=None, workers: int | None = None,
+              pairs: bool = False):
     """Compile every spec (or the one named ``only``) for ``arches`` (default: the ARCHES the
-    installed NVRTC knows) -> (reports, errors).
+    installed NVRTC knows) -> (reports, errors); with ``pairs``, :func:`gate_exprs`' subset.
 
     ``on_reports(reports, done, total)`` is called after each finished job (progress output).
     Reports come back in spec, arch and instantiation order whatever order the jobs finish in.
@@ -190,7 +244,7 @@ def run_check(only: str | None = None, arches=None, on_reports=None, workers: in
     specs = [s for s in all_specs() if only is None or s.name == only]
     if only is not None and not specs:
         return [], [f"no kernel spec named {only!r}; known: {', '.join(s.name for s in all_specs())}"]
-    jobs = _jobs(specs, arches)
+    jobs = _jobs(specs, arches, pairs)
     results: dict[int, list] = {}
     errors = []
     ARCH_SECONDS.clear()

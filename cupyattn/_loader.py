@@ -276,7 +276,7 @@ def get_function(spec: KernelSpec, name_expression: str, dynamic_smem: int = 0):
             raise ComputeCapabilityError(
                 f"{name_expression} (kernel spec {spec.name!r}) needs compute capability "
                 f"{spec.min_cc(name_expression) // 10}.{spec.min_cc(name_expression) % 10}; this device "
-                f"is {cc // 10}.{cc % 10} (README \"GPUs\")")
+                f"is {cc // 10}.{cc % 10} (docs/gpus.md)")
         with _LOCK:
             fn = _FUNCTIONS.get(key)
             if fn is None:

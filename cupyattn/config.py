@@ -7,8 +7,8 @@ options (:func:`defines`; a ``.cu`` file that needs one fails to compile without
 head dim or a tile entry is an edit here; the op modules, the offline compile check
 (``python -m cupyattn check``), the tests and the benchmarks read the tables from this module.
 
-Each tile table entry carries its reason. Nothing here has been tuned on a GPU yet (see the
-README's status): the reasons are register, shared-memory and occupancy arithmetic.
+Each tile table entry carries its reason. Nothing here has been tuned on a GPU yet (see
+docs/gpus.md): the reasons are register, shared-memory and occupancy arithmetic.
 """
 from __future__ import annotations
 
@@ -579,7 +579,7 @@ class GpuFamily:
     name: str
     smem_optin: int   # shared memory per block with the opt-in attribute (CUDA C Programming Guide,
                       # "Technical Specifications per Compute Capability")
-    kernels: str      # what the defaults dispatch to there (README "GPUs")
+    kernels: str      # what the defaults dispatch to there (docs/gpus.md)
     smem_per_sm: int  # shared memory per SM (same table): how many blocks of a tile can be resident,
                       # so what a __launch_bounds__ minimum may ask for there (-DCUPYATTN_SMEM_PER_SM)
 

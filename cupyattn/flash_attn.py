@@ -303,7 +303,7 @@ def attention(q, k, v, causal=False, scale=None, mask=None, key_lengths=None, im
         [0, Sk]; a CuPy array is used as is (not read back: the flash kernel clamps it to [0, Sk]).
     impl : {None, "flash", "flash_mma", "naive", "wgmma", "wgmma_persistent"}
         None (default): the fastest correct kernel for the dtype on this GPU,
-        ``default_impl(q.dtype, D)`` (``DEFAULT_IMPL[q.dtype]`` from sm_80 on; see README "GPUs").
+        ``default_impl(q.dtype, D)`` (``DEFAULT_IMPL[q.dtype]`` from sm_80 on; see docs/gpus.md).
         ``"flash"``: one fused FlashAttention-2 kernel launch (SIMT, fp32 FMA); S is
         never written to memory and only ``out`` (and ``lse``, and a B-element int32 copy of
         host key_lengths) are allocated. D must be one of

@@ -5,7 +5,7 @@ computes in float64 and returns float64. Layouts match the kernels: attention is
 ``[B, H, S, D]``; causal masks for Sq != Sk are aligned bottom-right (query i sees keys
 ``j <= i + Sk - Sq``), and a row that sees no key produces zeros (its log-sum-exp is -inf).
 
-Non-finite values (the semantics every kernel follows; README "Errors and edge cases"):
+Non-finite values (the semantics every kernel follows; docs/api.md "Non-finite values"):
 - a hidden score (causal, key_lengths, an additive mask of -inf) is -inf whatever q . k is, so a
   NaN in a hidden key's K never matters, and softmax gives hidden positions exactly 0;
 - keys hidden by ``key_lengths`` (or a KV cache's length) never contribute at all: their V rows

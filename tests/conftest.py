@@ -2,17 +2,31 @@
 
 Tests that need device arrays (kernel runs and the argument checks, which take CuPy arrays) are
 marked `gpu`: they run on a CUDA device, or on the CPU emulator (CUPYATTN_EMULATE=1, tests/emu),
-which the CPU tier drives in a subprocess (tests/test_emulated_gpu_tier.py).
+which a session without a GPU runs in child processes beside its CPU tests, together with the
+compile gate (tests/tiers.py: the background work, the status lines, the summary of what ran where).
 """
 from __future__ import annotations
 
 import os
 import sys
-import types
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+# One BLAS thread per process. The session keeps every core busy with its own work (tests/tiers.py:
+# the compile gate, the emulated runs, the CPU tests side by side), and OpenBLAS threads that spin
+# on a busy machine cost several times the CPU: tinylm's golden greedy test took 57 s of CPU with
+# 2 threads against 13 s with 1 on this project's loaded 2-core machine. The variables reach the
+# child processes; numpy is already imported here, so threadpoolctl limits this process.
+for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+try:
+    from threadpoolctl import threadpool_limits
+
+    threadpool_limits(int(os.environ["OPENBLAS_NUM_THREADS"]))
+except ImportError:  # a test extra; without it this process keeps BLAS's default
+    pass
 
 EMULATE = os.environ.get("CUPYATTN_EMULATE") == "1"
 if EMULATE:  # run the GPU tier on CPU threads (tests/emu/README.md); must precede any cupy import
@@ -21,6 +35,7 @@ if EMULATE:  # run the GPU tier on CPU threads (tests/emu/README.md); must prece
 
     fakecupy.install()
 
+import tiers  # noqa: E402
 from cupyattn import config  # noqa: E402
 
 
@@ -36,33 +51,96 @@ def _has_gpu() -> bool:
 
 
 HAS_GPU = _has_gpu()
-# The counts of each emulated run tests/test_emulated_gpu_tier.py made in this session (label ->
-# {"passed": n, "skipped": n, ..., "seconds": s}): they join the summary line printed last.
-EMULATED_TIER: dict = {}
+SESSION = tiers.SESSION  # the background work of this test session and its progress lines
+
+
+def pytest_configure(config):
+    if EMULATE:
+        config.pluginmanager.register(tiers.EmuSlowCounter(), "emu-slow-counter")
+
+
+def _in_xdist(config) -> bool:
+    return hasattr(config, "workerinput") or bool(getattr(config.option, "numprocesses", None))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session):
+    """Start the background work (the compile gate, the emulated runs) and the status lines."""
+    config = session.config
+    if EMULATE and not _in_xdist(config) and not config.option.collectonly:
+        print(f"\n{len(session.items)} tests collected", flush=True)  # an emulated run's total, for the outer session
+    if config.option.collectonly or EMULATE or _in_xdist(config):
+        return
+    SESSION.total = len(session.items)
+    tr = config.pluginmanager.get_plugin("terminalreporter")
+    if tr is not None:
+        SESSION.attach(tr)
+    SESSION.start_background()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    """An emulated run's total, for the outer session's status lines (tests/tiers.py reads it)."""
+    if EMULATE and not SESSION.total:
+        SESSION.total = len(ids)
+        print(f"\n{len(ids)} tests collected", flush=True)
+
+
+def pytest_runtest_logstart(nodeid, location):
+    import time
+
+    SESSION.current = (nodeid, time.monotonic())
+
+
+CPU_PROFILE = os.environ.get("CUPYATTN_CPU_PROFILE")  # a file: each test's CPU seconds are appended there
+
+if CPU_PROFILE:
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item, nextitem):
+        """Append ``where<TAB>test id<TAB>CPU s<TAB>wall s`` for each test: CPU time (user + sys) of
+        this thread (the outer process, whose other threads run the compile gate) or this process
+        (an emulated run's worker) and of its reaped subprocesses (g++, the CLIs), which unlike wall
+        time does not grow with the machine's load. The outer process leaves out the emulated runs
+        it reaps meanwhile (tests/tiers.py counts them)."""
+        import resource
+        import time
+
+        def cpu():
+            me = resource.getrusage(resource.RUSAGE_SELF)
+            kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+            own = me.ru_utime + me.ru_stime if EMULATE else time.thread_time()
+            return own + kids.ru_utime + kids.ru_stime - sum(r.cpu_s for r in SESSION.runs)
+
+        c0, t0 = cpu(), time.monotonic()
+        yield
+        where = f"sm_{os.environ.get('CUPYATTN_EMU_ARCH', '90')}" if EMULATE else "cpu"
+        with open(CPU_PROFILE, "a") as f:
+            f.write(f"{where}\t{item.nodeid}\t{cpu() - c0:.2f}\t{time.monotonic() - t0:.2f}\n")
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    SESSION.done += 1
+    SESSION.current = None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session):
+    SESSION.stop()
 
 
 def pytest_terminal_summary(terminalreporter):
-    """Say what the emulated runs ran, and put their counts into pytest's last line."""
-    if not EMULATED_TIER:
-        return
-    terminalreporter.write_sep("-", "emulated GPU tests (CUPYATTN_EMULATE=1, tests/emu)")
-    for label, run in EMULATED_TIER.items():
-        counts = {k: v for k, v in run.items() if k != "seconds"}
-        terminalreporter.write_line(f"{label}: " + ", ".join(f"{n} {k}" for k, n in counts.items())
-                                    + f" in {run['seconds']:.0f} s")
-        for k in ("passed", "skipped", "failed"):
-            if counts.get(k):
-                terminalreporter.stats.setdefault(f"emulated {k}", []).extend(
-                    types.SimpleNamespace(count_towards_summary=True) for _ in range(counts[k]))
-    terminalreporter.write_line("The `gpu` tests skipped above ran there, on the CPU emulator: evidence about "
-                                "kernel logic, not GPU results.")
+    """Say what ran where (this process, the compile gate, the emulator), and count it in the last line."""
+    SESSION.summarize(terminalreporter)
 
 
 # Under the emulator, a `gpu` test whose first run took under EXTRA_SCHEDULES_BELOW_S runs again
 # under EXTRA_SCHEDULES more schedules (seed bases "<test id>#schedule1", ...), until this process
-# has spent EXTRA_SCHEDULES_BUDGET_S on reruns: several schedules where they are cheap, within CI's
-# time. CUPYATTN_EMU_SCHEDULES=n (n >= 1) runs every `gpu` test under n schedules instead.
-EXTRA_SCHEDULES, EXTRA_SCHEDULES_BELOW_S, EXTRA_SCHEDULES_BUDGET_S = 2, 0.25, 60.0
+# has spent EXTRA_SCHEDULES_BUDGET_S on reruns (8x that under CUPYATTN_FULL=1; the chosen subsets
+# as sm_75 / sm_100 set CUPYATTN_EMU_RERUN_BUDGET_S=0): several schedules where they are cheap,
+# within the test command's time. CUPYATTN_EMU_SCHEDULES=n (n >= 1) runs every `gpu` test under
+# n schedules instead.
+EXTRA_SCHEDULES, EXTRA_SCHEDULES_BELOW_S = 2, 0.25
+EXTRA_SCHEDULES_BUDGET_S = float(os.environ.get("CUPYATTN_EMU_RERUN_BUDGET_S", 15.0 * (8 if tiers.FULL else 1)))
 _extra_spent = [0.0]
 
 if EMULATE:
@@ -104,27 +182,68 @@ if EMULATE:
             fakecupy.schedule.round = 0
 
 
+@pytest.hookimpl(trylast=True)  # after -k / -m deselection: plan for what will run
 def pytest_collection_modifyitems(config, items):
+    """Under the emulator: skip the `no_emu` cases. In the outer run: plan the background work.
+
+    Without a GPU, when the session holds the emulated tier's checks (``emulated_run`` marks) and
+    g++ is there, the `gpu` tests are taken out of this process (the emulated runs run them) and
+    those runs start as soon as the tests are collected; otherwise the `gpu` tests are skipped,
+    saying how to run them on the emulator. When the session reads the whole compile gate
+    (``whole_compile_gate``), the gate starts in the background too. Tests that wait for
+    background work go last, so the CPU tests run meanwhile.
+    """
     if EMULATE:  # very large cases would take hours on the CPU emulator
-        skip_emu = pytest.mark.skip(reason="not run under CUPYATTN_EMULATE (too large for the CPU emulator)")
+        skip_emu = pytest.mark.skip(reason="too large for the CPU emulator (no_emu)")
         for item in items:
             if "no_emu" in item.keywords:
                 item.add_marker(skip_emu)
-    if HAS_GPU:
+        dropped = []
+        if os.environ.get(tiers.PAIRWISE_ENV) == "1":  # the default run: all pairs of each grid
+            keep = tiers.pairwise_subset(items)
+            kept = set(map(id, keep))
+            dropped = [i for i in items if id(i) not in kept]
+            if dropped:
+                config.hook.pytest_deselected(items=dropped)
+                items[:] = keep
+        tiers.write_run_report(config, pairwise_dropped=len(dropped))
         return
-    skip = pytest.mark.skip(reason="no CUDA device on this machine")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+    background = not _in_xdist(config) and not config.option.collectonly
+    wanted = {m.args[0] for item in items for m in item.iter_markers("emulated_run")}
+    if not HAS_GPU:
+        if wanted and background and tiers.gxx_available():
+            SESSION.runs = [r for r in tiers.emulated_runs() if r.label in wanted]
+            SESSION.moved_gpu = sum("gpu" in item.keywords for item in items)
+            items[:] = [item for item in items if "gpu" not in item.keywords]
+        else:
+            skip = pytest.mark.skip(reason="no CUDA device on this machine (CUPYATTN_EMULATE=1 python -m pytest "
+                                           "-m gpu runs them on the CPU emulator)")
+            for item in items:
+                if "gpu" in item.keywords:
+                    item.add_marker(skip)
+    if background and any(item.get_closest_marker("whole_compile_gate") for item in items):
+        from cupyattn._compile_check import check_arches
+
+        SESSION.gate = tiers.BackgroundGate(check_arches())
+
+    def waits(item):
+        return (2 if item.get_closest_marker("emulated_run") else
+                1 if "compile_report" in getattr(item, "fixturenames", ()) else 0)
+
+    if background and (SESSION.gate is not None or SESSION.runs):
+        items.sort(key=waits)  # stable: the order within each group is pytest's
 
 
 @pytest.fixture(scope="session")
 def compile_report():
     """``compile_report(spec_name=None) -> (reports, errors)``: the offline NVRTC compile check
     (_compile_check.check_arches(): every arch of ARCHES the installed NVRTC knows, or those of
-    CUPYATTN_CHECK_ARCHES) of one spec, or of all, run at most once per spec per test session."""
+    CUPYATTN_CHECK_ARCHES) of one spec, or of all, run at most once per spec per test session.
+    Unless CUPYATTN_FULL=1, of each kernel template's instantiations it builds an all-pairs subset
+    of the template arguments (_compile_check.gate_exprs); tests that read one instantiation's
+    report use :func:`gate_built` to skip those it left out."""
     import cupyattn
-    from cupyattn._compile_check import check_arches, run_check
+    from cupyattn._compile_check import check_arches, gate_pairs, run_check
 
     done: dict = {}
 
@@ -133,7 +252,14 @@ def compile_report():
             parts = [get(s.name) for s in cupyattn.all_specs()]
             return [r for p in parts for r in p[0]], [e for p in parts for e in p[1]]
         if spec_name not in done:
-            done[spec_name] = run_check(spec_name, check_arches())
+            res = SESSION.gate.result(spec_name) if SESSION.gate is not None else None
+            if res is None:  # no background gate in this session: compile now, progress in the status line
+                def note(reports, n, total):
+                    SESSION.note = f"compiling {spec_name}: {n}/{total} NVRTC jobs"
+
+                res = run_check(spec_name, check_arches(), on_reports=note, pairs=gate_pairs())
+                SESSION.note = None
+            done[spec_name] = res
         return done[spec_name]
 
     return get
@@ -141,12 +267,27 @@ def compile_report():
 
 def expected_builds(spec, exprs=None):
     """Sorted (name expression, arch) pairs the compile gate builds for ``spec`` (optionally only
-    those of ``exprs``): per gate arch, what a device of that compute capability can run."""
-    from cupyattn._compile_check import check_arches
+    those of ``exprs``): per gate arch, what a device of that compute capability can run (unless
+    CUPYATTN_FULL=1, its all-pairs subset: _compile_check.gate_exprs)."""
+    from cupyattn._compile_check import check_arches, gate_exprs, gate_pairs
 
     keep = None if exprs is None else set(exprs)
     return sorted((e, f"sm_{a}a" if spec.sm90a else f"sm_{a}") for a in check_arches()
-                  for e in spec.exprs_for(int(a)) if keep is None or e in keep)
+                  for e in gate_exprs(spec, a, gate_pairs()) if keep is None or e in keep)
+
+
+def gate_built(reports, exprs, arch="sm_90"):
+    """``{expr: report}`` for those of ``exprs`` the gate built for ``arch``: every one under
+    CUPYATTN_FULL=1, else the all-pairs subset (at least one, or the selection is broken)."""
+    from cupyattn._compile_check import gate_pairs
+
+    exprs = list(exprs)
+    by_kernel = {r.kernel: r for r in reports if r.arch == arch}
+    got = {e: by_kernel[e] for e in exprs if e in by_kernel}
+    assert got, f"the compile gate built none of {len(exprs)} instantiations for {arch}"
+    missing = [e for e in exprs if e not in got]
+    assert gate_pairs() or not missing, f"the full compile gate did not build {missing[:5]}"
+    return got
 
 
 DTYPES = ("float32", "float16", "bfloat16")

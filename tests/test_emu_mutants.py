@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import tiers
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator needs g++")
 ROOT = Path(__file__).resolve().parent.parent
@@ -106,6 +107,18 @@ ORDER_MUTANTS = [
 ]
 MUTANTS = [m if len(m) == 6 else m + (False,) for m in MUTANTS]
 ORDER_MUTANTS = [m + (True,) for m in ORDER_MUTANTS]  # the memory model catches each every time
+# Second instances of a class caught above in another kernel (the same mistake elsewhere): each
+# mutant costs a g++ build of its kernel and 3 runs, so the test command runs one instance per
+# class and CUPYATTN_FULL=1 these too (docs/testing.md).
+SECOND_INSTANCES = {
+    "ring refill moved before the barrier that retires its readers (flash_attn.cu V buffer)",
+    "cp.async.wait_group count off by one (megakernel weight ring)",
+    "ring refill moved before the barrier that retires its readers (megakernel weight ring)",
+    "V slot released before the P V wgmma reading it retired (flash_attn_sm90.cuh)",
+    "counter released without release semantics",   # decode.cu's deleted release
+    "counter awaited without acquire semantics",    # decode.cu's deleted acquire
+}
+assert SECOND_INSTANCES <= {m[0] for m in MUTANTS + ORDER_MUTANTS}
 
 SCRIPT = r'''
 import os, shutil, sys, tempfile
@@ -231,11 +244,16 @@ for i, (cls, name, text, mutated, op, every) in enumerate(MUTANTS):
 
 
 def test_each_bug_class_is_caught_on_the_emulator(tmp_path):
-    _caught(tmp_path, MUTANTS)
+    _caught(tmp_path, [m for m in MUTANTS if m[0] not in SECOND_INSTANCES])
 
 
 def test_megakernel_counter_order_is_caught_on_the_emulator(tmp_path):
-    _caught(tmp_path, ORDER_MUTANTS)
+    _caught(tmp_path, [m for m in ORDER_MUTANTS if m[0] not in SECOND_INSTANCES])
+
+
+@pytest.mark.skipif(not tiers.FULL, reason="second instances of caught bug classes: CUPYATTN_FULL=1 runs them")
+def test_second_instances_of_each_bug_class_are_caught_on_the_emulator(tmp_path):
+    _caught(tmp_path, [m for m in MUTANTS + ORDER_MUTANTS if m[0] in SECOND_INSTANCES])
 
 
 def _caught(tmp_path, mutants):

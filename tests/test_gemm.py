@@ -229,7 +229,7 @@ def test_shared_weight_batch_is_one_gemm(dtype, monkeypatch):
     rng = np.random.default_rng(3)
     log = _LaunchLog(monkeypatch)
     w, w64 = to_device(rand_with_outliers(rng, (40, 72)), dtype)
-    # what auto takes where (README "GPUs"): tensor cores from the dtype's minimum (fp16 7.5, bf16
+    # what auto takes where (docs/gpus.md): tensor cores from the dtype's minimum (fp16 7.5, bf16
     # 8.0), else SIMT; fp32 skinny is FMA-only and runs everywhere
     tc = dtype != "float32" and _loader.device_compute_capability() >= config.MMA_MIN_CC[np_dtype(dtype)]
     small, large = ("skinny" if tc or dtype == "float32" else "simt"), ("mma" if tc else "simt")
@@ -304,7 +304,7 @@ def test_batch_collapse():
 def test_compile_check_no_spills(compile_report):
     reports, errors = compile_report("gemm")
     assert not errors, errors
-    assert {"sm_75", "sm_90"} <= {r.arch for r in reports}  # the gate: Turing (2-stage tile) and Hopper
+    assert "sm_90" in {r.arch for r in reports}  # the gate: Hopper (CUPYATTN_FULL=1: Turing's 2-stage tile too)
     assert sorted((r.kernel, r.arch) for r in reports) == expected_builds(G.SPEC)
     assert not [f"{r.kernel} {r.arch}" for r in reports if r.spills]
 

@@ -110,17 +110,19 @@ def test_every_kernel_file_has_a_spec():
         assert f.name in used, f"kernels_cu/{f.name} is not compiled by any KernelSpec"
 
 
+@pytest.mark.whole_compile_gate
 def test_offline_check_compiles_every_instantiation_without_spills(compile_report):
-    """The CI gate: for each GPU family the installed NVRTC knows (sm_75 ... sm_120), every
-    instantiation a device of that family runs (no bf16 tensor-core kernels on sm_75, tiles within
-    its shared memory; Hopper-only specs once, for sm_90a), no errors, no spills."""
+    """The compile gate: for each of its GPU families (sm_90; under CUPYATTN_FULL=1 every one the
+    installed NVRTC knows, sm_75 ... sm_120), every instantiation a device of that family runs (no
+    bf16 tensor-core kernels on sm_75, tiles within its shared memory; Hopper-only specs once, for
+    sm_90a), no errors, no spills."""
     reports, errors = compile_report()
     assert errors == [] and [f"{r.kernel} {r.arch}" for r in reports if r.spills] == []
     built = {(r.spec, r.kernel, r.arch) for r in reports}
     want = {(s.name, e, a) for s in cupyattn.all_specs() for e, a in expected_builds(s)}
     assert built == want and len(built) == len(reports)
     assert {f"sm_{a}" for a in cc.check_arches()} | {"sm_90a"} == {r.arch for r in reports}
-    assert {"sm_75", "sm_90"} <= set(f"sm_{a}" for a in cc.GATE_ARCHES)  # CI builds Turing and Hopper
+    assert "90" in cc.GATE_ARCHES  # the default gate builds Hopper whole (CUPYATTN_FULL=1: every family)
 
 
 def test_check_cli_prints_rows_as_it_goes_and_fails_on_unknown_spec(capsys):
@@ -224,6 +226,77 @@ def test_without_a_gpu_the_error_says_so_plainly():
             make()
 
 
+def _no_gpu_calls():
+    """(name, call) of every public op and constructor, given NumPy arrays where arrays go: what a
+    user without a GPU may try first."""
+    from cupyattn import fused
+
+    x, i32 = np.ones((1, 2, 4, 64), np.float16), np.zeros(2, np.int32)
+    return [
+        ("attention", lambda: cupyattn.attention(x, x, x)),
+        ("attention_varlen", lambda: cupyattn.attention_varlen(x[0, 0], x[0, 0], x[0, 0], i32, i32, 4, 4)),
+        ("attention_paged", lambda: cupyattn.attention_paged(x, x, x, i32[None], i32[:1])),
+        ("decode_attention_paged", lambda: cupyattn.decode_attention_paged(x[0], x, x, i32[None], i32[:1])),
+        ("softmax", lambda: cupyattn.softmax(x)),
+        ("gemm_nt", lambda: cupyattn.gemm_nt(x, x)),
+        ("gemm_nn", lambda: cupyattn.gemm_nn(x, x)),
+        ("rmsnorm", lambda: cupyattn.rmsnorm(x, x[0, 0, 0])),
+        ("add_rmsnorm", lambda: cupyattn.add_rmsnorm(x, x, x[0, 0, 0])),
+        ("rope", lambda: cupyattn.rope(x, np.arange(4))),
+        ("swiglu", lambda: cupyattn.swiglu(x, x)),
+        ("add", lambda: cupyattn.add(x, x)),
+        ("embedding", lambda: cupyattn.embedding(i32, x[0, 0])),
+        ("sample", lambda: cupyattn.sample(x[0, 0], None)),
+        ("gemm_residual", lambda: fused.gemm_residual(x[0, 0], x[0, 0], x[0, 0])),
+        ("rmsnorm_gemm", lambda: fused.rmsnorm_gemm(x[0, 0], x[0, 0, 0], x[0, 0])),
+        ("KVCache", lambda: cupyattn.KVCache(1, 1, 1, 16, 64, "float16")),
+        ("PagedKVCache", lambda: cupyattn.PagedKVCache(1, 1, 1, 64, 4, 16, "float16")),
+        ("SamplingParams", lambda: cupyattn.SamplingParams(1)),
+        ("auto_num_splits", lambda: cupyattn.auto_num_splits(1, 8, 8, 64, np.float16, 1024)),
+    ]
+
+
+@pytest.mark.parametrize("name,call", _no_gpu_calls(), ids=[n for n, _ in _no_gpu_calls()])
+def test_without_a_gpu_every_op_fails_in_one_line_that_says_what_to_do(name, call):
+    """No chained traceback from CuPy (the cause is suppressed), one line naming the function, the
+    reason and what works without a GPU; never the advice to move NumPy input to the GPU."""
+    import traceback
+
+    from conftest import EMULATE, HAS_GPU
+
+    if HAS_GPU or EMULATE:
+        pytest.skip("this machine has a GPU (or emulates one)")
+    with pytest.raises((TypeError, RuntimeError)) as e:
+        call()
+    msg = str(e.value)
+    assert "\n" not in msg and "cupy.asarray" not in msg, msg
+    assert "cupyattn.gpu_unavailable_reason()" in msg and "tinylm --backend numpy" in msg, msg
+    assert msg.startswith(f"{name}(") or msg.startswith("cupyattn kernel launch needs"), msg
+    shown = "".join(traceback.format_exception(e.value))
+    assert shown.count("Traceback (most recent call last)") == 1 and "CUDARuntimeError" not in shown, shown
+
+
+def test_python_m_cupyattn_follows_argparse_conventions():
+    """No command: usage on stderr, status 2; --help: on stdout, status 0; an unknown command: 2."""
+    import subprocess
+    import sys
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "cupyattn", *args], capture_output=True, text=True,
+                              timeout=120, cwd=KERNELS_DIR.parent)
+
+    r = run()
+    assert r.returncode == 2 and r.stdout == "" and r.stderr.startswith("usage: python -m cupyattn {check,options}"), r
+    assert "error: a command is required" in r.stderr
+    r = run("--help")
+    assert r.returncode == 0 and r.stderr == "" and r.stdout.startswith("usage: python -m cupyattn {check,options}"), r
+    assert "  options " in r.stdout
+    r = run("nosuch")
+    assert r.returncode == 2 and "unknown command 'nosuch'" in r.stderr and r.stdout == ""
+    r = run("options", "--json")
+    assert r.returncode == 2 and "takes no arguments" in r.stderr and r.stdout == ""
+
+
 # --- CPU tier: the shared-memory opt-in, with ptxas' static sizes ----------------------------
 def _dynamic_smem_launches():
     """(spec, name expression, dynamic bytes) of every launch the ops make with dynamic smem."""
@@ -265,6 +338,10 @@ def test_every_dynamic_smem_launch_is_opted_in_as_the_driver_requires(compile_re
         reports, errors = compile_report(spec.name)
         assert not errors, errors
         static.update({(spec.name, r.kernel): r.smem_bytes for r in reports if r.arch in ("sm_90", "sm_90a")})
+    # the launches of the instantiations the gate built (all of them under CUPYATTN_FULL=1)
+    built = [t for t in launches if (t[0].name, t[1]) in static]
+    assert built and (cc.gate_pairs() or len(built) == len(launches)), (len(built), len(launches))
+    launches = built
 
     class StandIn:
         def __init__(self, static_bytes):
@@ -287,3 +364,43 @@ def test_every_dynamic_smem_launch_is_opted_in_as_the_driver_requires(compile_re
     assert opted > 0  # some launches need the opt-in (flash_mma, float32 decode)
     smallest = min(launches, key=lambda t: static[(t[0].name, t[1])] + t[2])
     assert static[(smallest[0].name, smallest[1])] + smallest[2] <= 48 * 1024  # and some do not
+
+
+def test_gate_builds_every_template_argument_value_and_pair():
+    """The test command's compile gate (_compile_check.gate_exprs with pairs): per kernel template,
+    every value of each template argument and every pair of values of two still builds; the
+    Hopper kernels whole; fewer builds than every instantiation."""
+    import itertools
+
+    kept = every = 0
+    for spec in cupyattn.all_specs():
+        full, sub = spec.exprs_for(90), cc.gate_exprs(spec, "90", pairs=True)
+        assert set(sub) <= set(full) and cc.gate_exprs(spec, "90") == full
+        if spec.sm90a:
+            assert sub == full, spec.name
+        for kernel in {e.partition("<")[0] for e in full}:
+            def features(exprs):
+                out = set()
+                for e in exprs:
+                    if e.partition("<")[0] == kernel:
+                        args = list(enumerate(e.partition("<")[2].rpartition(">")[0].split(",")))
+                        out |= set(args) | set(itertools.combinations(args, 2))
+                return out
+            assert features(sub) == features(full), (spec.name, kernel)
+        kept, every = kept + len(sub), every + len(full)
+    assert kept < every / 2, (kept, every)
+
+
+def test_all_pairs_keeps_each_value_and_the_pairs_asked_for():
+    """tests/tiers.py's subset of a parameter grid: each value of every parameter, each pair of
+    values of the paired parameters, not every combination."""
+    import itertools
+
+    grid = [(("dtype", dt), ("n", n), ("flag", f)) for dt in "abc" for n in range(5) for f in (0, 1)]
+    keep = cc.all_pairs(grid, list, paired={"dtype", "flag"}.__contains__)
+    assert {p for item in keep for p in item} == {p for item in grid for p in item}
+    assert {(item[0], item[2]) for item in keep} == {(item[0], item[2]) for item in grid}
+    assert len(keep) < len(grid) and keep == [g for g in grid if g in keep]
+    every_pair = cc.all_pairs(grid, list)
+    assert {(a, b) for item in every_pair for a, b in itertools.combinations(item, 2)} == \
+        {(a, b) for item in grid for a, b in itertools.combinations(item, 2)}

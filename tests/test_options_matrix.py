@@ -12,7 +12,7 @@ option fails here, and turning a refusal into support in the table makes this te
 
 Tiny shapes and one head dim per tile class keep the emulator's cost in seconds per path; the
 CPU tier runs this file on emulated sm_90 (the GPU tier), sm_80 and sm_75
-(tests/test_emulated_gpu_tier.py).
+(tests/tiers.py's emulated_runs()).
 """
 from __future__ import annotations
 

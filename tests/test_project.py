@@ -98,3 +98,94 @@ def test_no_generated_files_in_git_and_build_outputs_ignored():
                "gpu-out/env.txt"]
     r = subprocess.run(["git", "check-ignore", "--no-index", *outputs], cwd=ROOT, capture_output=True, text=True)
     assert sorted(r.stdout.split()) == sorted(outputs)
+
+
+# --- the README and docs/ ------------------------------------------------------------------------
+DOCS = ("api.md", "options.md", "serving.md", "hopper.md", "gpus.md", "tinylm.md", "benchmarks.md", "testing.md",
+        "CHANGELOG.md")
+
+
+def test_readme_results_table_is_generated_from_the_newest_results_json():
+    """Regenerate the table from the newest benchmarks/results/*.json and compare: a hand edit,
+    or a newer results file without `python -m benchmarks.readme_table --write`, fails here."""
+    from benchmarks import readme_table as rt
+
+    text = (ROOT / "README.md").read_text()
+    newest = rt.newest()
+    block = rt.table(newest)
+    assert block in text, ("README.md's results table is not the one generated from "
+                           f"{newest.name}: run python -m benchmarks.readme_table --write")
+    assert newest.name in block and block.count("\n| ") >= 5  # header + at least a few cases
+
+
+def test_readme_is_a_front_page():
+    """At most about 150 lines; no commit ids or log file names outside the generated table;
+    every relative link resolves; every page of docs/ is linked."""
+    from benchmarks import readme_table as rt
+
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 150
+    i, j = text.index(rt.BEGIN), text.index(rt.END)
+    prose = text[:i] + text[j:]
+    assert not re.findall(r"\b(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}\b", prose), "a commit id in the README"
+    assert not re.findall(r"[\w.-]+\.(?:log|txt)\b", prose), "a log file name in the README"
+    links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", text)
+    assert [l for l in links if not l.startswith("http") and not (ROOT / l).exists()] == []
+    assert {f"docs/{d}" for d in DOCS} <= set(links)
+
+
+def test_docs_pages_exist_and_their_links_and_results_files_resolve():
+    """Each page of docs/ is there; its relative links resolve; every results file a page (or the
+    README) names exists, so each figure can be traced to what measured it."""
+    for name in DOCS:
+        assert (ROOT / "docs" / name).is_file(), name
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = page.read_text()
+        for link in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", text):
+            if not link.startswith("http"):
+                assert (page.parent / link).exists(), f"{page.name}: broken link {link}"
+        for path in re.findall(r"benchmarks/results/[\w./-]+", text):
+            path = path.rstrip(".")
+            if "<" not in path:
+                assert (ROOT / path).exists(), f"{page.name} names {path}, which is not committed"
+    assert "](options.md)" in (ROOT / "docs" / "api.md").read_text()
+
+
+# a measured figure in the docs: "0.725 ms", "968 tokens/s", or a list "0.232 / 0.217 / 0.348 ms"
+FIGURE = re.compile(r"((?:\d+(?:\.\d+)? / )*\d+(?:\.\d+)?) (ms|tokens/s)\b")
+MEASURED = {"ms": ("median_ms", "ttft_ms"), "tokens/s": ("decode_tok_s",)}
+
+
+def test_docs_figures_come_from_the_results_file_they_cite():
+    """Every timing in docs/ ("<n> ms", "<n> tokens/s") stands in a paragraph that names a results
+    JSON under benchmarks/results/, and equals, at the precision shown, a measured field of one of
+    its records (median_ms or ttft_ms; decode_tok_s): a figure typed by hand, or one left behind
+    when its file changed, fails here. (The README's table is test_readme_results_table_...'s.)"""
+    import json
+
+    bad = []
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        for para in re.split(r"\n\s*\n", page.read_text()):
+            figures = [(f, unit) for fs, unit in FIGURE.findall(para) for f in fs.split(" / ")]
+            if not figures:
+                continue
+            files = [f for f in re.findall(r"benchmarks/results/[\w./-]+\.json", para)]
+            if not files:
+                bad.append(f"{page.name}: {figures} in a paragraph that names no results JSON")
+                continue
+            records = [r for f in files for r in json.loads((ROOT / f).read_text())["records"]]
+            for f, unit in figures:
+                digits = len(f.split(".")[1]) if "." in f else 0
+                values = [r[k] for r in records for k in MEASURED[unit] if isinstance(r.get(k), (int, float))]
+                if not any(round(v, digits) == float(f) for v in values):
+                    bad.append(f"{page.name}: {f} {unit} is in none of {files}")
+    assert bad == []
+
+
+def test_tinylm_docs_list_every_cli_option():
+    """docs/tinylm.md's option summary names every option `tinylm --help` lists."""
+    from tinylm.__main__ import build_parser
+
+    text = (ROOT / "docs" / "tinylm.md").read_text()
+    options = [o for a in build_parser()._actions for o in a.option_strings if o not in ("-h", "--help")]
+    assert [o for o in options if not re.search(re.escape(o) + r"\b", text)] == []

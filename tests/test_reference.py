@@ -137,7 +137,7 @@ def test_rope_rotation_properties(rng):
     np.testing.assert_allclose(y[..., 2], x[..., 2] * np.cos(ang) - x[..., 3] * np.sin(ang), rtol=1e-12)
 
 
-# --- non-finite inputs: the semantics every kernel follows (README "Errors and edge cases") ------
+# --- non-finite inputs: the semantics every kernel follows (docs/api.md "Non-finite values") ------
 def test_softmax_nan_propagates_to_visible_and_hidden_positions_stay_zero():
     rng = np.random.default_rng(11)
     x = rng.standard_normal((3, 5, 7))

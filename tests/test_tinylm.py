@@ -646,13 +646,122 @@ def test_cli_errors_are_one_line_exit_2(argv, needle, capsys):
     assert needle in err and err.count("\n") == 1 and "Traceback" not in err
 
 
-def test_cli_cupy_without_gpu_is_exit_2():
+def test_cli_cupy_without_gpu_is_exit_2_before_the_model_loads(monkeypatch, capsys):
+    """--backend cupy on a machine without a GPU: one line naming the option, the reason and the
+    NumPy backend, before anything of the model is read."""
     from conftest import HAS_GPU
 
     if HAS_GPU:
         pytest.skip("a CUDA device is present")
+    import tinylm.__main__ as cli
+
+    monkeypatch.setattr(cli, "_Model", _never("the model"))
+    assert cli_main(["x", "--backend", "cupy"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("tinylm: error: --backend cupy needs a CUDA GPU: "), err
+    assert "--backend numpy" in err
     r = _run_cli("x", "--preset", "tiny", "--backend", "cupy")
-    assert r.returncode == 2 and "CUDA device" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 2 and r.stderr.startswith("tinylm: error: --backend cupy") and "Traceback" not in r.stderr
+
+
+def _never(what):
+    def fail(*a, **k):
+        raise AssertionError(f"{what} was touched")
+    return fail
+
+
+TOKENS_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    """A 2-layer Llama GGUF with random weights, a context of 128 tokens and a byte-level BPE
+    vocabulary (3 control tokens, the 256 bytes, one merge): what the CLI reads from a real file."""
+    import dataclasses
+
+    gguf = pytest.importorskip("gguf")
+    from test_gguf import TINY, write_llama_gguf
+    from tinylm.tokenizer import CONTROL, NORMAL, _byte_to_unicode
+
+    tokens = TOKENS_SPECIALS + [_byte_to_unicode()[b] for b in range(256)] + ["Ġt"]
+
+    def tokenizer(w: "gguf.GGUFWriter"):
+        w.add_tokenizer_model("gpt2")
+        w.add_token_list(tokens)
+        w.add_token_types([CONTROL] * 3 + [NORMAL] * 257)
+        w.add_token_merges(["Ġ t"])
+        w.add_eos_token_id(2)
+        w.add_bos_token_id(1)
+
+    path = tmp_path_factory.mktemp("cli") / "tiny-tok.gguf"
+    write_llama_gguf(path, dataclasses.replace(TINY, vocab_size=len(tokens)), edit=tokenizer)
+    return path
+
+
+def test_cli_checks_max_new_tokens_against_the_context_before_loading(tiny_gguf, monkeypatch, capsys):
+    """The context comes from the GGUF header: more new tokens than it holds fail before the file's
+    metadata is parsed; a prompt plus new tokens past it fail once the prompt is tokenized, before
+    any weight is read. Both name --max-new-tokens; one line, exit 2. Exactly full still runs."""
+    import tinylm.gguf_io as gio
+
+    monkeypatch.setattr(gio.GGUFModel, "__init__", _never("the GGUF metadata"))
+    assert cli_main(["hi", "--model", str(tiny_gguf), "--max-new-tokens", "129"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("tinylm: error: --max-new-tokens 129 is more than the model's context of 128 tokens "
+                   "(llama.context_length of tiny-tok.gguf)\n")
+    monkeypatch.undo()
+    monkeypatch.setattr(gio, "load_gguf", _never("the weights"))
+    assert cli_main(["hello", "--model", str(tiny_gguf), "--max-new-tokens", "125"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("tinylm: error: --max-new-tokens 125: a prompt of 5 tokens and 125 new tokens need 129 cache "
+                   "positions, more than the model's context of 128 tokens (llama.context_length of "
+                   "tiny-tok.gguf); at most 124 new tokens fit after this prompt\n")
+    monkeypatch.undo()
+    assert cli_main(["hello", "--model", str(tiny_gguf), "--max-new-tokens", "124", "--ignore-eos", "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["generated_ids"]) == 124
+    assert cli_main(["x", "--preset", "tiny", "--max-new-tokens", "257"]) == 2
+    assert "of 256 tokens (the preset 'tiny')" in capsys.readouterr().err
+
+
+def test_cli_max_new_tokens_zero_counts_prompt_tokens_without_the_model(tiny_gguf, monkeypatch, capsys):
+    import tinylm.gguf_io as gio
+
+    monkeypatch.setattr(gio, "load_gguf", _never("the weights"))
+    assert cli_main(["hello", "--model", str(tiny_gguf), "--max-new-tokens", "0"]) == 0
+    out, err = capsys.readouterr()
+    assert out == "5 prompt tokens\n"
+    assert err.startswith("tinylm: --max-new-tokens 0: nothing to generate") and err.count("\n") == 1
+    argv = ["--prompt", "ab", "--prompt", "hello", "--model", str(tiny_gguf), "--max-new-tokens", "0"]
+    assert cli_main(argv) == 0
+    assert capsys.readouterr().out == "[0] 2 prompt tokens\n[1] 5 prompt tokens\n"
+    assert cli_main([*argv, "--json"]) == 0
+    out, err = capsys.readouterr()
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [r["prompt_ids"] for r in rows] == [[3 + ord(c) for c in "ab"], [3 + ord(c) for c in "hello"]]
+    assert all(r["generated_ids"] == [] and r["model_run"] is False for r in rows) and err == ""
+
+
+def test_cli_an_empty_answer_says_so(tiny_gguf, monkeypatch, capsys):
+    """A model whose first token is end-of-sequence: ``[i] (empty: the model ended at once)`` with
+    several prompts; one prompt keeps stdout to the text and says it on stderr."""
+    import importlib
+
+    g = importlib.import_module("tinylm.generate")  # the module (tinylm.generate is also a function)
+    monkeypatch.setattr(g, "host_sample", lambda sampler, logits: 2)  # <|im_end|>, the file's EOS
+    assert cli_main(["--prompt", "ab", "--prompt", "c", "--model", str(tiny_gguf), "--quiet"]) == 0
+    assert capsys.readouterr().out == "[0] (empty: the model ended at once)\n[1] (empty: the model ended at once)\n"
+    assert cli_main(["ab", "--model", str(tiny_gguf)]) == 0
+    out, err = capsys.readouterr()
+    assert out == "\n" and "tinylm: the answer is (empty: the model ended at once)" in err
+
+
+def test_cli_usage_names_the_command_as_typed(monkeypatch, capsys):
+    r = _run_cli("--help")
+    assert r.returncode == 0 and r.stdout.startswith("usage: python -m tinylm ")
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/tinylm", "--help"])
+    with pytest.raises(SystemExit) as e:
+        cli_main()
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("usage: tinylm ")
 
 
 # --- the real model (SmolLM2-135M-Instruct) against golden values ---------------------------

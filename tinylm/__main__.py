@@ -8,7 +8,9 @@ the set is large; tinylm.generate plans them): each batch's results are printed 
 (``[i] text``), or with ``--json`` as one JSON object per line, one per prompt, in order.
 ``--quiet`` leaves stderr to errors. Expected failures (no model file, no GPU for --backend
 cupy, a bad option value, not even one prompt fitting in memory, an allocation failing all the
-same) print one line to stderr and exit with status 2.
+same) print one line to stderr and exit with status 2; what can be checked before the weights
+are read (option values, the GPU, ``--max-new-tokens`` against the context in the GGUF header and
+each prompt's length) is. ``--max-new-tokens 0`` prints each prompt's token count and stops there.
 """
 from __future__ import annotations
 
@@ -20,11 +22,19 @@ import sys
 import time
 
 
+def prog_name() -> str:
+    """The command as the user typed it: ``tinylm`` (the script) or ``python -m tinylm``."""
+    import os
+
+    name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    return "python -m tinylm" if name in ("", "__main__.py", "-c") else name
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .config import PRESETS
 
     p = argparse.ArgumentParser(
-        prog="python -m tinylm",
+        prog=prog_name(),
         description="Generate text with SmolLM2-135M-Instruct (or a synthetic preset) on NumPy or cupyattn.",
         epilog="The stats line on stderr: load time; prompt tokens and the time to first token (TTFT: "
                "prefill + first sample); decode tokens (those after each prompt's first) per second; and "
@@ -189,6 +199,12 @@ def _check_options(args) -> None:
         raise _OptionError(f"--{name.replace('_', '-')} {rest}") from None
     if args.system is not None and not args.chat:
         raise _OptionError("--system needs --chat")
+    if args.backend == "cupy" and (why := gpu_unavailable()):
+        raise _OptionError(f"--backend cupy needs a CUDA GPU: {why}; use --backend numpy (or leave --backend "
+                           f"out: auto picks numpy on this machine)")
+    if args.dtype not in (None, "float32") and resolve_backend(args.backend) == "numpy":
+        raise _OptionError(f"--dtype {args.dtype}: the numpy backend computes in float32 only (float16 and "
+                           f"bfloat16 run on --backend cupy, with a CUDA GPU)")
     for flag in ("fused", "fused_prefill", "megakernel"):
         if getattr(args, flag) and resolve_backend(args.backend) != "cupy":
             raise _OptionError(f"--{flag.replace('_', '-')} needs the cupy backend (a CUDA device)")
@@ -200,6 +216,102 @@ def _check_options(args) -> None:
     if args.preset is not None and args.preset not in PRESETS:
         raise _OptionError(f"--preset {args.preset!r} is not a known preset; choose from "
                            f"{', '.join(sorted(PRESETS))}")
+
+
+def gpu_unavailable() -> str | None:
+    """Why the cupy backend cannot run here (cupyattn.gpu_unavailable_reason()), or None."""
+    try:
+        import cupyattn
+    except Exception as e:  # noqa: BLE001  (a broken CuPy install: say what failed)
+        return f"cupyattn cannot be imported ({type(e).__name__}: {e})"
+    return cupyattn.gpu_unavailable_reason()
+
+
+class _Model:
+    """What the CLI knows of the model before its weights are read: where it comes from, its
+    context (from the GGUF header, or the preset), and once opened its tokenizer."""
+
+    def __init__(self, args):
+        from .config import PRESETS
+        from .generate import model_path
+        from .gguf_io import context_length
+
+        self.preset = args.preset
+        if self.preset is not None:
+            a = PRESETS[self.preset]
+            self.path, self.context, self.vocab_size = None, a.max_seq, a.vocab_size
+            self.where = f"the preset {self.preset!r}"
+        else:
+            self.path = model_path(args.model)
+            self.context, self.vocab_size = context_length(self.path), None
+            self.where = f"llama.context_length of {self.path.name}"
+        self.opened = None
+
+    def open(self):
+        """Parse the file's metadata and build its tokenizer (seconds for SmolLM2's vocabulary),
+        weights still unread."""
+        if self.path is not None and self.opened is None:
+            from .gguf_io import GGUFModel
+
+            self.opened = GGUFModel(self.path)
+            self.vocab_size = self.opened.args.vocab_size
+        return self
+
+    def encode(self, args, text: str) -> list:
+        from .generate import encode
+
+        tok = self.opened.tokenizer if self.opened is not None else None
+        return encode(tok, self.vocab_size, text, chat=args.chat, system=args.system,
+                      allow_special=args.allow_special)
+
+    def check_budget(self, n: int, prompt_len: int | None = None) -> None:
+        """_OptionError naming --max-new-tokens when a prompt of ``prompt_len`` tokens (None: not
+        yet known, at least 1) and ``n`` new tokens need more cache positions than the context."""
+        p = 1 if prompt_len is None else prompt_len
+        need = p + max(n, 1) - 1  # the last new token is never fed back
+        if need <= self.context:
+            return
+        if prompt_len is None:
+            raise _OptionError(f"--max-new-tokens {n} is more than the model's context of {self.context} tokens "
+                               f"({self.where})")
+        raise _OptionError(f"--max-new-tokens {n}: a prompt of {p} tokens and {n} new tokens need {need} cache "
+                           f"positions, more than the model's context of {self.context} tokens ({self.where}); "
+                           f"at most {max(self.context - p + 1, 0)} new tokens fit after this prompt")
+
+    def load(self, args):
+        from . import load
+
+        return load(self.preset or self.opened or self.path, backend=args.backend, dtype=args.dtype,
+                    graphs=not args.no_graph, fused=args.fused,
+                    prefill_graphs=False if args.no_prefill_graph else None, fused_prefill=args.fused_prefill,
+                    megakernel=args.megakernel)
+
+
+def _print_prompt_stats(model: _Model, ids: list, as_json: bool, quiet: bool) -> None:
+    """--max-new-tokens 0: each prompt's token count (its ids with --json); the model does not run."""
+    several = len(ids) > 1
+    for i, p in enumerate(ids):
+        if as_json:
+            d = {"prompt_ids": p, "prompt_tokens": len(p), "generated_ids": [], "text": "",
+                 "stop_reason": "length", "context": model.context, "model_run": False}
+            print(json.dumps({"index": i, **d} if several else d))
+        else:
+            print(f"[{i}] {len(p)} prompt tokens" if several else f"{len(p)} prompt tokens")
+    if not (as_json or quiet):
+        print(f"tinylm: --max-new-tokens 0: nothing to generate, so the weights were not loaded and the model "
+              f"did not run (context: {model.context} tokens)", file=sys.stderr)
+
+
+EMPTY_ANSWER = "(empty: the model ended at once)"
+
+
+def _shown(res, text: str) -> str:
+    """An answer as printed after ``[i]``: an empty one says so."""
+    if text:
+        return text
+    if res.stop_reason == "eos" and len(res.generated_ids) <= 1:
+        return EMPTY_ANSWER
+    return f"(empty: {len(res.generated_ids)} tokens that decode to no text)"
 
 
 PROGRESS_AFTER_S = 1.0  # a prefill still running after this long shows its progress
@@ -267,7 +379,7 @@ def _print_indexed(gen, i: int, res, load_s, as_json: bool) -> None:
     """One result of several prompts on stdout: ``[i] text``, or its JSON object with "index"."""
     text = res.text if res.text is not None else gen.decode(res.generated_ids)
     out = {"index": i, **_result_json(res, text, load_s, batched=True)} if as_json else None
-    print(json.dumps(out) if as_json else f"[{i}] {text}", flush=True)
+    print(json.dumps(out) if as_json else f"[{i}] {_shown(res, text)}", flush=True)
 
 
 def main(argv=None) -> int:
@@ -286,19 +398,23 @@ def main(argv=None) -> int:
         if args.fused or args.megakernel:
             return _fail("--max-batch with more prompts than slots (continuous batching) decodes through a "
                          f"paged cache, which --{'fused' if args.fused else 'megakernel'} does not take")
-    from . import load
     from .gguf_io import GGUFError
 
     expected = (FileNotFoundError, GGUFError, ValueError, RuntimeError, ImportError, OSError, KeyError)
     results, n_batches, streamer = [], 0, None
     try:
         t0 = time.perf_counter()
-        gen = load(args.preset or args.model, backend=args.backend, dtype=args.dtype, graphs=not args.no_graph,
-                   fused=args.fused, prefill_graphs=False if args.no_prefill_graph else None,
-                   fused_prefill=args.fused_prefill, megakernel=args.megakernel)
+        # what can be checked before the weights are read, cheapest first: the token budget against
+        # the context in the GGUF header, then (tokenizer built) against each prompt's length
+        model = _Model(args)
+        model.check_budget(args.max_new_tokens)
+        ids = [model.open().encode(args, t) for t in texts]
+        model.check_budget(args.max_new_tokens, max(len(i) for i in ids))
+        if args.max_new_tokens == 0:
+            _print_prompt_stats(model, ids, args.json, args.quiet)
+            return 0
+        gen = model.load(args)
         load_s = time.perf_counter() - t0
-        ids = [gen.encode(t, chat=args.chat, system=args.system, allow_special=args.allow_special)
-               for t in texts]
         kw = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                   ignore_eos=args.ignore_eos)
         progress = None if args.json or args.quiet else _PrefillProgress(sys.stderr)
@@ -311,6 +427,9 @@ def main(argv=None) -> int:
                                               load_s, batched=False)))
             else:
                 streamer.close()
+                res = results[0]
+                if not args.quiet and not (res.text if res.text is not None else gen.decode(res.generated_ids)):
+                    print(f"tinylm: the answer is {_shown(res, '')}", file=sys.stderr)
         elif args.max_batch is not None and len(ids) > args.max_batch:  # continuous batching (tinylm.serve)
             from .serve import serve
 
@@ -325,6 +444,8 @@ def main(argv=None) -> int:
                     _print_indexed(gen, len(results), res, load_s, args.json)
                     results.append(res)
                 n_batches += 1
+    except _OptionError as e:
+        return _fail(str(e))
     except (*expected, MemoryError) as e:
         msg = str(e) or type(e).__name__
         if isinstance(e, KeyError):

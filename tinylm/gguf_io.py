@@ -26,6 +26,7 @@ Llama forward pass would not read.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.metadata
 import os
@@ -264,11 +265,25 @@ class _Scan:
             self.value(etype, what, depth + 1)
 
 
-def _prescan(path: Path) -> None:
+def _scalar(raw, vtype: int, order: str):
+    """A scalar metadata value's bytes as Python int / float / bool / str (None for an array)."""
+    if vtype == _STRING:
+        return bytes(raw).decode("utf-8")
+    if vtype in (6, 12):  # float32, float64
+        return float(np.frombuffer(bytes(raw), dtype=f"{order}f{len(raw)}")[0])
+    if vtype == 7:
+        return bool(raw[0])
+    if vtype in _SCALAR_BYTES:
+        return int.from_bytes(raw, "little" if order == "<" else "big", signed=vtype in (1, 3, 5, 11))
+    return None
+
+
+def _prescan(path: Path) -> dict:
     """Walk the header, metadata and tensor table of a GGUF file checking every count, length and
     offset against the bytes that are really there, before gguf's reader sees it: a corrupt
     count (a string of 2^60 bytes, an array of 2^40 items, a tensor past the end) becomes a
-    GGUFError naming the field, never a hang or a huge allocation in the reader."""
+    GGUFError naming the field, never a hang or a huge allocation in the reader. Returns the
+    scalar metadata values (arrays left out) as :func:`header_scalars` describes."""
     import mmap
 
     import gguf
@@ -285,11 +300,13 @@ def _prescan(path: Path) -> None:
         if n_kv * 13 > sc.size or n_tensors * 28 > sc.size:  # the least bytes each can take
             sc.fail(f"the header claims {n_kv} metadata entries and {n_tensors} tensors, more than "
                     f"the file can hold")
-        alignment = 32
+        alignment, scalars = 32, {}
         for i in range(n_kv):
             key = bytes(sc.string(f"metadata key {i}")).decode("utf-8", "replace")
             vtype = sc.u32(f"the type of metadata {key!r}")
             raw = sc.value(vtype, f"metadata {key!r}")
+            if vtype != _ARRAY:
+                scalars[key] = _scalar(raw, vtype, sc.order)
             if key == "general.alignment":
                 alignment = int.from_bytes(raw, "little" if sc.order == "<" else "big") if vtype == 4 else 0
                 if alignment == 0 or alignment & (alignment - 1):
@@ -313,17 +330,39 @@ def _prescan(path: Path) -> None:
             if n == 0 or n % block or data_start + offset + nbytes > sc.size:
                 sc.fail(f"tensor {name!r} of dims {dims} and type {ttype} ({nbytes} bytes at data offset "
                         f"{offset}) does not fit the file")
+    return scalars
 
 
-def _open(path: Path):
-    """GGUFReader over ``path``, with every failure turned into a GGUFError naming the file."""
+def _check_file(path: Path) -> dict:
+    """GGUFError naming ``path`` unless it is a GGUF file whose counts and offsets hold
+    (:func:`_prescan`); its scalar metadata values otherwise."""
     if not path.is_file():
         raise GGUFError(f"{path}: no such file")
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != GGUF_MAGIC:
         raise GGUFError(f"{path}: not a GGUF file (starts with {magic!r}, expected {GGUF_MAGIC!r})")
-    _prescan(path)
+    return _prescan(path)
+
+
+def header_scalars(path) -> dict:
+    """The scalar metadata of a GGUF file (numbers, bools and strings; arrays such as the
+    vocabulary left out), read by walking its header with the loader's checks: well under a
+    second, where gguf's reader spends seconds on SmolLM2's 49152-token vocabulary. For what can
+    be checked before a model is loaded (tinylm's CLI: the context length)."""
+    return _check_file(Path(os.fspath(path)))
+
+
+def context_length(path) -> int:
+    """The model's context in tokens (``llama.context_length``; 2048 when absent, as
+    :func:`args_from_metadata`), from the header alone."""
+    path = Path(os.fspath(path))
+    return _int(header_scalars(path), "llama.context_length", path, default=2048)
+
+
+def _open(path: Path):
+    """GGUFReader over ``path``, with every failure turned into a GGUFError naming the file."""
+    _check_file(path)
     try:
         return _reader_class()(str(path))
     except Exception as e:  # the reader raises bare ValueError/IndexError on short files
@@ -435,8 +474,31 @@ def _refuse_unimplemented(meta: dict, tensor_names, args: ModelArgs, path) -> No
         raise GGUFError(f"{path}: the model needs {what}; tinylm does not implement it")
 
 
+class GGUFModel:
+    """An opened Llama GGUF file whose header was checked, tensors not yet read: ``path``,
+    ``meta`` (every metadata value as plain Python), ``args`` (ModelArgs). Opening it refuses
+    what tinylm does not implement (as :func:`load_gguf`); ``tinylm.load`` takes one, so a
+    caller can build the tokenizer and check a prompt against the context before the weights
+    are dequantized (tinylm's CLI)."""
+
+    def __init__(self, path):
+        self.path = Path(os.fspath(path))
+        self.reader = _open(self.path)
+        self.meta = read_metadata(self.reader, self.path)
+        self.args = args_from_metadata(self.meta, self.path)
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        _refuse_unimplemented(self.meta, self.tensors, self.args, self.path)
+
+    @functools.cached_property
+    def tokenizer(self):
+        """The file's tokenizer (built once)."""
+        from .tokenizer import Tokenizer
+
+        return Tokenizer.from_gguf_metadata(self.meta)
+
+
 def load_gguf(path, dtype=np.float32):
-    """Load a Llama GGUF model.
+    """Load a Llama GGUF model (a path, or a :class:`GGUFModel` already opened).
 
     Returns ``(args, weights, meta)``: ModelArgs from the metadata, Weights with every tensor
     dequantized to ``dtype`` (float32 by default) in nn.Linear orientation, and the metadata
@@ -445,12 +507,9 @@ def load_gguf(path, dtype=np.float32):
     does not implement (RoPE scaling, experts, biases, unknown tensors), a missing tensor, a
     tensor of an unexpected shape, or a tensor type neither we nor gguf can dequantize.
     """
-    path = Path(os.fspath(path))
-    reader = _open(path)
-    meta = read_metadata(reader, path)
-    args = args_from_metadata(meta, path)
-    tensors = {t.name: t for t in reader.tensors}
-    _refuse_unimplemented(meta, tensors, args, path)
+    f = path if isinstance(path, GGUFModel) else GGUFModel(path)
+    path, meta, tensors = f.path, f.meta, f.tensors
+    args = dataclasses.replace(f.args)
 
     def get(name, shape):
         t = tensors.get(name)
