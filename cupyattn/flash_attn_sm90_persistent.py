@@ -11,11 +11,9 @@ emulator only), so impl=None never takes it (cupyattn/options.py lists what it i
 
 Inputs as v3 takes them (float16 / bfloat16, D of 64, 128 or 256, what TMA can read: 16-byte
 aligned base and strides that are positive multiples of 16 bytes: no broadcast or reversed
-view); pages of at least
-``config.ATTN_WGMMA_MIN_PAGE`` (8) tokens, a power of two, handed over as ``[num_pages,
-page_size, Hkv, D]`` (attention_paged's layout). The tensor maps take the pages' own strides, so
-head-major pages (``[num_pages, Hkv, page_size, D]``, FlashInfer's "HND") work as that view of
-them, with no copy.
+view); pages of at least ``config.ATTN_WGMMA_MIN_PAGE`` (8) tokens, a power of two, in the
+NHD layout ``[num_pages, page_size, Hkv, D]``; ``attention_paged(layout="HND")`` is refused here
+(cupyattn/options.py) and served by impl=None.
 
 The dynamic schedule's counter is one uint32 per (device, stream), allocated on the stream's
 first call and left at 0 by every launch (the kernel's last claim resets it): calls stay

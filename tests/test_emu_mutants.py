@@ -114,10 +114,11 @@ SECOND_INSTANCES = {
     "ring refill moved before the barrier that retires its readers (flash_attn.cu V buffer)",
     "cp.async.wait_group count off by one (megakernel weight ring)",
     "ring refill moved before the barrier that retires its readers (megakernel weight ring)",
-    "V slot released before the P V wgmma reading it retired (flash_attn_sm90.cuh)",
-    "counter released without release semantics",   # decode.cu's deleted release
-    "counter awaited without acquire semantics",    # decode.cu's deleted acquire
+    "counter released without release semantics",   # the split-KV ticket's relaxed-ticket mutants
+    "counter awaited without acquire semantics",    # (ptx.cuh last_block_ticket) stand for these
 }
+# (issue 37) a release-early, a missing proxy fence and a missing release / acquire each stay in the
+# default run for the wgmma GEMM, the wgmma attention and the split-KV combine
 assert SECOND_INSTANCES <= {m[0] for m in MUTANTS + ORDER_MUTANTS}
 
 SCRIPT = r'''
