@@ -239,7 +239,7 @@ def test_context_boundary_exactly_full_and_one_past(tiny, capsys):
     assert cli_main([*argv, "57"]) == 0 and len(json.loads(capsys.readouterr().out)["generated_ids"]) == 57
     assert cli_main([*argv, "58"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "needs 257 cache positions" in err
+    assert err.count("\n") == 1 and "--max-new-tokens 58" in err and "257 cache positions" in err
 
 
 # --- batches that fit in memory -----------------------------------------------------------------
