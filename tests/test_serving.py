@@ -359,6 +359,25 @@ def _layout_cases():
                 yield pytest.param(dt, ps, layout, marks=[pytest.mark.emu_slow] if slow else [])
 
 
+def _check_paged_decode_runs(staging, runs, q, qh, k, v, table, lens, dtype, layout):
+    """Each (staged, window, softcap, keyword arguments) run of decode_attention_paged, through
+    every decode impl of the group, against the float64 reference; sequence 2 is empty (zeros).
+    k, v, table: (device, host) pairs."""
+    import cupyattn
+
+    hq, hkv = q.shape[1], k[1].shape[2]  # (the host copies are NHD)
+    for staged, window, softcap, kw in runs:
+        staging(staged)
+        want = ref.decode_attention_paged(qh, k[1], v[1], table[1], lens, window=window, softcap=softcap)
+        for impl in _decode_impls(dtype, hq // hkv):
+            out = nan_like((len(lens), hq, HEAD_DIM), dtype)
+            got = cupyattn.decode_attention_paged(q, k[0], v[0], table[0], lens, window=window, softcap=softcap,
+                                                  impl=impl, out=out, layout=layout, **kw)
+            assert got is out
+            assert_close(got, want, dtype)
+            assert np.all(to_host(got)[2] == 0)  # the empty sequence
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,page_size,layout", list(_layout_cases()))
 def test_decode_paged_layouts_staged_and_waves(rng, staging, dtype, page_size, layout):
@@ -366,8 +385,6 @@ def test_decode_paged_layouts_staged_and_waves(rng, staging, dtype, page_size, l
     memory (decode.cu STAGED), the "cost" and "waves" split rules, fused and separate combines.
     At pages 1 and 4, 1300 keys in one split take 10 and 3 page-id windows (a window holds
     ring-depth x tile keys' pages), so windows are refreshed while the ring runs."""
-    import cupyattn
-
     lens = [1300, 17, 0, 300] if page_size <= 4 else [300, 17, 0, 97]
     hq, hkv = 8, 2
     kd, vd, table, kh, vh, th = _shuffled_pages(rng, lens, page_size, hkv, HEAD_DIM, dtype, layout=layout)
@@ -379,16 +396,7 @@ def test_decode_paged_layouts_staged_and_waves(rng, staging, dtype, page_size, l
         (True, None, None, dict(split_rule="waves", num_splits=4, fused_combine=False)),
         (True, (400, -1), None, dict(split_rule="waves")),
     ]
-    for staged, window, softcap, kw in runs:
-        staging(staged)
-        want = ref.decode_attention_paged(qh, kh, vh, th, lens, window=window, softcap=softcap)
-        for impl in _decode_impls(dtype, hq // hkv):
-            out = nan_like((len(lens), hq, HEAD_DIM), dtype)
-            got = cupyattn.decode_attention_paged(q, kd, vd, table, lens, window=window, softcap=softcap, impl=impl,
-                                                  out=out, layout=layout, **kw)
-            assert got is out
-            assert_close(got, want, dtype)
-            assert np.all(to_host(got)[2] == 0)  # the empty sequence
+    _check_paged_decode_runs(staging, runs, q, qh, (kd, kh), (vd, vh), (table, th), lens, dtype, layout)
 
 
 @pytest.mark.gpu
@@ -399,8 +407,6 @@ def test_decode_paged_mqa_staged_and_waves(rng, staging, layout, page_size):
     tile) over shuffled pages in either layout, fp16, both kernels: page ids staged under the
     "waves" rule's own count (the 530-key sequence split, the others one block each), a fixed
     count with a window, softcap and the separate combine, and per-row page ids with softcap."""
-    import cupyattn
-
     lens, hq, hkv, dt = [530, 17, 0, 97], 16, 1, "float16"
     kd, vd, table, kh, vh, th = _shuffled_pages(rng, lens, page_size, hkv, HEAD_DIM, dt, layout=layout)
     q, qh = to_device(rand_with_outliers(rng, (len(lens), hq, HEAD_DIM)), dt)
@@ -409,16 +415,7 @@ def test_decode_paged_mqa_staged_and_waves(rng, staging, layout, page_size):
         (True, (200, -1), 3.0, dict(split_rule="waves", num_splits=3, fused_combine=False)),
         (False, None, 2.0, dict(split_rule="waves", num_splits=2)),
     ]
-    for staged, window, softcap, kw in runs:
-        staging(staged)
-        want = ref.decode_attention_paged(qh, kh, vh, th, lens, window=window, softcap=softcap)
-        for impl in _decode_impls(dt, hq // hkv):
-            out = nan_like((len(lens), hq, HEAD_DIM), dt)
-            got = cupyattn.decode_attention_paged(q, kd, vd, table, lens, window=window, softcap=softcap, impl=impl,
-                                                  out=out, layout=layout, **kw)
-            assert got is out
-            assert_close(got, want, dt)
-            assert np.all(to_host(got)[2] == 0)  # the empty sequence
+    _check_paged_decode_runs(staging, runs, q, qh, (kd, kh), (vd, vh), (table, th), lens, dt, layout)
 
 
 @pytest.mark.gpu
