@@ -86,7 +86,9 @@ __device__ __forceinline__ void load_tile(T* __restrict__ dst, const KvRows<T, P
 // (flash_attn_varlen_func's layout) with Sq = total_q. Packed keys (cu_k): [total_k, Hkv, D]
 // through k_ss, k_sh. Paged keys (table): cu_k[b] keys in pages of page_size * Hkv * D elements,
 // NHD [num_pages, page, Hkv, D] or HND [num_pages, Hkv, page, D] (paged.cuh): k_sh and k_ss are the
-// head and row strides inside a page, which say which; page_rows = page elements / k_ss.
+// head and row strides inside a page, which say which: page_rows (page elements / k_ss) is
+// Hkv << log2_page for HND (k_ss == D) and 1 << log2_page for NHD (both when Hkv == 1); the callers
+// compute it without a 64-bit division, which took the sm_86/89 D=64 serving tile into spills.
 template <typename T, bool SERVING>
 struct FlashSeq {
     int sq, sk;             // this sequence's query rows and keys
@@ -180,7 +182,7 @@ flash_attn_fwd(const T* __restrict__ q,          // [B, Hq, Sq, D], strides q_sb
 
     const FlashSeq<T, SERVING> seq(q, k, v, b, h, hk, Hq, Sq, Sk, q_sb, q_sh, q_ss, k_sb, k_sh, k_ss, v_sb,
                                    v_sh, v_ss, cu_q, cu_k, block_table, bt_stride, log2_page, num_pages,
-                                   (int)((((long long)Hkv * HEAD_DIM) << log2_page) / max(k_ss, 1LL)));
+                                   (k_ss == HEAD_DIM ? Hkv : 1) << log2_page);
     if (SERVING && m0 >= seq.sq) return;  // a short packed sequence: whole CTA leaves together
     if (mask) mask += b * m_sb + h * m_sh;
 
@@ -428,7 +430,7 @@ flash_attn_mma(const T* __restrict__ q,          // [B, Hq, Sq, D], strides q_s*
 
     const FlashSeq<T, SERVING> seq(q, k, v, b, h, hk, Hq, Sq, Sk, q_sb, q_sh, q_ss, k_sb, k_sh, k_ss, v_sb,
                                    v_sh, v_ss, cu_q, cu_k, block_table, bt_stride, log2_page, num_pages,
-                                   (int)((((long long)Hkv * HEAD_DIM) << log2_page) / max(k_ss, 1LL)));
+                                   (k_ss == HEAD_DIM ? Hkv : 1) << log2_page);
     if (SERVING && m0 >= seq.sq) return;  // a short packed sequence: whole CTA leaves together
     if (mask) mask += b * m_sb + h * m_sh;
 

@@ -204,10 +204,12 @@ struct SampleSmem {
     int chosen;
 };
 
-// One sequence's token by the whole block (NT threads): row [V] (last dim contiguous),
+// One sequence's token by the whole block of NT threads: row [V] (last dim contiguous),
 // fparams [2] = (beta, top_p), iparams [4] = (top_k, seed lo, seed hi, step: advanced by one),
-// the id (or -1) to *out. CG: read the logits through L2 only (__ldcg), for logits other blocks
-// of the same kernel wrote (the megakernel); else plain loads.
+// the id (or -1) to *out. blockDim.x must be NT: the loops stride by the constant NT (with
+// blockDim.x strides, sample_kernel spilled at its 64-register bound on sm_120). CG: read the
+// logits through L2 only (__ldcg), for logits other blocks of the same kernel wrote (the
+// megakernel); else plain loads.
 template <typename T, int NT, bool CG>
 __device__ void sample_row(const T* __restrict__ row, int V, const float* __restrict__ fparams,
                            int* __restrict__ iparams, int* __restrict__ out, SampleSmem<NT>& sm) {
@@ -225,7 +227,7 @@ __device__ void sample_row(const T* __restrict__ row, int V, const float* __rest
     // step 1: max logit and its smallest index (the greedy answer; l_max for the masses)
     float best = -CUDART_INF_F;
     int best_i = 0x7fffffff;
-    for (int i = threadIdx.x; i < V; i += blockDim.x) {
+    for (int i = threadIdx.x; i < V; i += NT) {
         const float l = to_float(sample_load<CG>(row + i));
         const float v = l != l ? -CUDART_INF_F : l;  // NaN never wins
         if (arg_better(v, i, best, best_i)) {
@@ -245,7 +247,7 @@ __device__ void sample_row(const T* __restrict__ row, int V, const float* __rest
         // step 3: top-p cut among the top-k survivors
         if (top_p < 1.0f) {
             u64 own = 0ull, kept = 0ull;
-            for (int i = threadIdx.x; i < V; i += blockDim.x) {
+            for (int i = threadIdx.x; i < V; i += NT) {
                 const float l = to_float(sample_load<CG>(row + i));
                 if (order_key(l) >= thr) own += mass_of(l, best, beta);
             }
