@@ -224,17 +224,52 @@ def _announce(spec: KernelSpec, name_expression: str, arch: str) -> None:
           file=sys.stderr, flush=True)
 
 
+# Modules that hold a chunk of a spec's instantiations (the CPU emulator only: _module_exprs).
+_MODULES: dict = {}
+
+
+def _module_exprs(spec: KernelSpec, name_expression: str, arch: str) -> tuple[str, ...]:
+    """The instantiations to build together with ``name_expression``: on a GPU only itself (NVRTC
+    builds each instantiation alone, when it first launches); under the CPU emulator, whose g++
+    builds cost seconds of start-up and little per instantiation, its chunk of
+    ``cupy._cupyattn_emulator_chunk`` consecutive instantiations of those the device runs
+    (tests/emu/fakecupy.py)."""
+    n = getattr(cupy, "_cupyattn_emulator_chunk", 1)
+    exprs = spec.exprs_for(device_compute_capability()) if n > 1 else ()  # CUPYATTN_ARCH's too
+    if name_expression not in exprs:
+        return (name_expression,)
+    i = exprs.index(name_expression) // n * n
+    return exprs[i:i + n]
+
+
+def _build_function(spec: KernelSpec, name_expression: str, arch: str):
+    exprs = _module_exprs(spec, name_expression, arch)
+    if len(exprs) > 1:
+        key = (cupy.RawModule, spec.name, spec.code(), arch, exprs)
+        mod = _MODULES.get(key)
+        if mod is None:
+            mod = cupy.RawModule(code=spec.code(), options=spec.options_for(arch), name_expressions=exprs)
+            try:
+                mod.compile()
+                _MODULES[key] = mod
+            except cupy.cuda.compiler.CompileException:  # built alone below: its own error, if any
+                mod = None
+        if mod is not None:
+            return mod.get_function(name_expression)
+    mod = cupy.RawModule(code=spec.code(), options=spec.options_for(arch), name_expressions=(name_expression,))
+    return mod.get_function(name_expression)
+
+
 def _compile(spec: KernelSpec, name_expression: str, arch: str):
-    """Build one instantiation; announce it on stderr if it takes over ANNOUNCE_AFTER_S."""
+    """Build one instantiation (with its chunk under the emulator: _module_exprs); announce it on
+    stderr if it takes over ANNOUNCE_AFTER_S."""
     timer = None
     if os.environ.get("CUPYATTN_QUIET", "") in ("", "0"):
         timer = threading.Timer(ANNOUNCE_AFTER_S, _announce, (spec, name_expression, arch))
         timer.daemon = True
         timer.start()
     try:
-        mod = cupy.RawModule(code=spec.code(), options=spec.options_for(arch),
-                             name_expressions=(name_expression,))
-        return mod.get_function(name_expression)
+        return _build_function(spec, name_expression, arch)
     except cupy.cuda.compiler.CompileException as e:
         raise KernelCompileError(
             f"compiling {name_expression} from kernel spec {spec.name!r} ({spec.source}) for "

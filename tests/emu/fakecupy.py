@@ -20,7 +20,9 @@ graph nodes, cupy-level array kernels, graph launches) for tests and launch-coun
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import hashlib
 import mmap
 import os
@@ -588,6 +590,16 @@ def _launch_bounds(code: str) -> str:
 
 _CXX = ["g++", "-std=c++20", "-O1", "-fPIC", "-pthread", "-w", "-fpermissive"]
 
+# A g++ build costs 2 to 5 CPU-s of start-up (parsing the spec's source and the emulation headers,
+# linking) and only 0.1 to 0.25 s more per kernel instantiation in it (measured on the 2-core CI
+# machine: decode 3.4 s for one, 6.9 s for 16; flash_attn 2.1 s for one, 4.1 s for 16). So the
+# loader (cupyattn/_loader.py, _module_exprs) builds a spec's instantiations this many at a time,
+# consecutive in the spec's order for the device, the first time any of them launches. 1: one
+# build per instantiation, as NVRTC on a GPU. CUPYATTN_EMU_CHUNK sets it.
+_cupyattn_emulator_chunk = int(os.environ.get("CUPYATTN_EMU_CHUNK", "16"))
+if _cupyattn_emulator_chunk < 1:
+    raise ValueError(f"CUPYATTN_EMU_CHUNK={_cupyattn_emulator_chunk}: expected a positive count")
+
 
 def _pch_dir() -> str | None:
     """A directory holding emu_runtime.h (with emu_memory.h, which it includes) and its
@@ -606,6 +618,19 @@ def _pch_dir() -> str | None:
             return None
         os.replace(tmp, d / "emu_runtime.h.gch")
     return str(d)
+
+
+@contextlib.contextmanager
+def _build_lock(so: Path):
+    """An exclusive lock on ``so``'s build among the processes of a test session (the xdist workers
+    often need the same chunk of a spec at once): the second waits for the first's file instead of
+    building it too. Released when the holder exits, however it exits."""
+    with open(f"{so}.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 class RawModule:
@@ -633,19 +658,24 @@ class RawModule:
         runtime = "".join((_HERE / f).read_text() for f in _RUNTIME_HEADERS)
         h = hashlib.sha256((text + runtime + " ".join(self.defines)).encode()).hexdigest()[:16]
         so = _BUILD / f"k_{h}.so"
-        if not so.exists():  # several test processes may build the same file: private temp names
-            tmp = f"{os.getpid()}_{threading.get_ident()}"
-            cpp = _BUILD / f"k_{h}_{tmp}.cpp"
-            cpp.write_text(text)
-            pch = _pch_dir()
-            inc = ([f"-I{pch}"] if pch else []) + [f"-I{_HERE}"]
-            r = subprocess.run([*_CXX, "-shared", *inc, *self.defines, str(cpp), "-o", f"{so}.{tmp}"],
-                               capture_output=True, text=True)
-            cpp.unlink()
-            if r.returncode:
-                raise CompileException(f"emulator build failed for {self.exprs[:3]}...:\n{r.stderr[-4000:]}")
-            os.replace(f"{so}.{tmp}", so)
+        if not so.exists():
+            with _build_lock(so):  # one build per file: another process needing it waits for it
+                if not so.exists():
+                    self._build(text, h, so)
         self.lib = ctypes.CDLL(str(so))
+
+    def _build(self, text, h, so):
+        tmp = f"{os.getpid()}_{threading.get_ident()}"  # private temp names, then an atomic rename
+        cpp = _BUILD / f"k_{h}_{tmp}.cpp"
+        cpp.write_text(text)
+        pch = _pch_dir()
+        inc = ([f"-I{pch}"] if pch else []) + [f"-I{_HERE}"]
+        r = subprocess.run([*_CXX, "-shared", *inc, *self.defines, str(cpp), "-o", f"{so}.{tmp}"],
+                           capture_output=True, text=True)
+        cpp.unlink()
+        if r.returncode:
+            raise CompileException(f"emulator build failed for {self.exprs[:3]}...:\n{r.stderr[-4000:]}")
+        os.replace(f"{so}.{tmp}", so)
 
     def get_function(self, expr):
         self.compile()
