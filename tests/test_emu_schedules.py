@@ -114,12 +114,21 @@ __global__ void half_warp(float* y) {  // a partial mask used as intended: only 
     if (threadIdx.x < 16) v += __shfl_xor_sync(0x0000ffffu, v, 1);
     y[threadIdx.x] = v;
 }
+// Half the warp goes on shuffling while the other half may not have read the last whole-warp
+// shuffle yet: the emulator's exchange buffers (EmuWarp::xchg) must not hand it a newer value.
+__global__ void relay(float* y) {
+    float v = threadIdx.x;
+    v = __shfl_xor_sync(0xffffffffu, v, 1);
+    if (threadIdx.x < 16)
+        for (int o = 1; o < 16; o <<= 1) v += __shfl_xor_sync(0x0000ffffu, v, o);
+    y[threadIdx.x] = v;
+}
 """
 names = ("ring<false>", "ring<true>", "handoff<false>", "handoff<true>", "chain", "stale_static<false>",
          "stale_static<true>", "bounded", "warp_sum<0xffffffffu>", "warp_sum<0x0000ffffu>", "two_sites",
-         "half_warp")
+         "half_warp", "relay")
 (ring_early, ring_ok, handoff_racy, handoff_ok, chain, stale, stale_ok, bounded, warp_full, warp_half,
- two_sites, half_warp) = module(SRC, *names)
+ two_sites, half_warp, relay) = module(SRC, *names)
 
 tiles = 6
 x = cupy.asarray(np.arange(tiles * 256, dtype=np.float32))
@@ -157,6 +166,11 @@ expect(lambda: warp_half((1,), (32,), (y,)), "is not in its own mask 0x0000ffff"
 expect(lambda: two_sites((1,), (32,), (y,)), "meet at different warp-synchronous points")
 half_warp((1,), (32,), (y,))
 assert (cupy.asnumpy(y) == np.r_[np.full(16, 2.0), np.ones(16)]).all()
+lane = np.arange(32)
+v = (lane ^ 1).astype(np.float32)
+for o in (1, 2, 4, 8):
+    v[:16] = v[:16] + v[:16][lane[:16] ^ o]
+assert outcomes(relay, (1,), (32,), (y,), y, v) == SEEDS, "a shuffle read another exchange's value"
 
 # a seed reproduces a schedule, and an error names it
 y = cupy.empty(tiles * 64, dtype=np.float32)

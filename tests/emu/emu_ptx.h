@@ -100,22 +100,22 @@ inline void ldmatrix(unsigned (&r)[NUM], const void* smem) {
     static_assert(NUM == 1 || NUM == 2 || NUM == 4, "ldmatrix loads 1, 2 or 4 matrices");
     EmuWarp& w = emu_s->warps[emu_warp];
     if (emu_lane < 8 * NUM) emu_check_align(smem, 16, "ldmatrix row address");
-    w.xchg[emu_lane][8] = smem_u32(smem);
+    const unsigned b = emu_xchg_begin(w);
+    const auto& x = w.xchg[b];
+    w.xchg[b][emu_lane][8] = smem_u32(smem);
     emu_warp_barrier(0xffffffffu, -1, "ldmatrix");
     const int g = emu_lane / 4, t = emu_lane % 4;
-    unsigned vals[NUM];
     for (int i = 0; i < NUM; ++i) {
         if (!TRANS) {
-            std::memcpy(&vals[i], emu_shared_ptr(w.xchg[8 * i + g][8]) + 4 * t, 4);
+            std::memcpy(&r[i], emu_shared_ptr(x[8 * i + g][8]) + 4 * t, 4);
         } else {
             uint16_t lo, hi;
-            std::memcpy(&lo, emu_shared_ptr(w.xchg[8 * i + 2 * t][8]) + 2 * g, 2);
-            std::memcpy(&hi, emu_shared_ptr(w.xchg[8 * i + 2 * t + 1][8]) + 2 * g, 2);
-            vals[i] = (unsigned)lo | ((unsigned)hi << 16);
+            std::memcpy(&lo, emu_shared_ptr(x[8 * i + 2 * t][8]) + 2 * g, 2);
+            std::memcpy(&hi, emu_shared_ptr(x[8 * i + 2 * t + 1][8]) + 2 * g, 2);
+            r[i] = (unsigned)lo | ((unsigned)hi << 16);
         }
     }
-    emu_warp_barrier(0xffffffffu, -1, "ldmatrix");  // every lane has read the addresses before any publishes new ones
-    for (int i = 0; i < NUM; ++i) r[i] = vals[i];
+    emu_xchg_end(w, b);
 }
 
 // --- mma.sync.m16n8k{8,16}.row.col.f32.{f16,bf16}.{f16,bf16}.f32 -------------------------------
@@ -130,14 +130,15 @@ template <typename T, int K>
 inline void emu_mma(float (&d)[4], const unsigned* a, const unsigned* b) {
     static_assert(ptx_mma_type<T>::f16 || ptx_mma_type<T>::bf16, "mma.sync: f16 or bf16");
     EmuWarp& w = emu_s->warps[emu_warp];
-    for (int i = 0; i < K / 4; ++i) w.xchg[emu_lane][i] = a[i];
-    for (int i = 0; i < K / 8; ++i) w.xchg[emu_lane][4 + i] = b[i];
+    const unsigned x = emu_xchg_begin(w);
+    for (int i = 0; i < K / 4; ++i) w.xchg[x][emu_lane][i] = a[i];
+    for (int i = 0; i < K / 8; ++i) w.xchg[x][emu_lane][4 + i] = b[i];
     emu_warp_barrier(0xffffffffu, -2, "mma.sync");
     float A[16][16], B[16][8];
     for (int src = 0; src < 32; ++src) {
         const int g = src / 4, t = src % 4;
-        const unsigned* ra = w.xchg[src];
-        const unsigned* rb = w.xchg[src] + 4;
+        const unsigned* ra = w.xchg[x][src];
+        const unsigned* rb = w.xchg[x][src] + 4;
         for (int h = 0; h < 2; ++h) {
             A[g][2 * t + h] = emu_b16(ra[0] >> (16 * h) & 0xffff, T());
             A[g + 8][2 * t + h] = emu_b16(ra[1] >> (16 * h) & 0xffff, T());
@@ -149,7 +150,7 @@ inline void emu_mma(float (&d)[4], const unsigned* a, const unsigned* b) {
             }
         }
     }
-    emu_warp_barrier(0xffffffffu, -2, "mma.sync");  // nobody overwrites xchg before all have read it
+    emu_xchg_end(w, x);
     const int g = emu_lane / 4, t = emu_lane % 4;
     for (int i = 0; i < 4; ++i) {
         const int row = g + 8 * (i / 2), col = 2 * t + (i % 2);

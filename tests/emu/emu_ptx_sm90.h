@@ -653,21 +653,25 @@ inline void stmatrix(void* smem, const unsigned (&r)[NUM]) {
     static_assert(NUM == 1 || NUM == 2 || NUM == 4, "stmatrix stores 1, 2 or 4 matrices");
     EmuWarp& w = emu_s->warps[emu_warp];
     if (emu_lane < 8 * NUM) emu_check_align(smem, 16, "stmatrix row address");
-    w.xchg[emu_lane][8] = smem_u32(smem);
+    const unsigned b = emu_xchg_begin(w);
+    const auto& x = w.xchg[b];
+    w.xchg[b][emu_lane][8] = smem_u32(smem);
     emu_warp_barrier(0xffffffffu, -3, "stmatrix");
     const int g = emu_lane / 4, t = emu_lane % 4;
     for (int i = 0; i < NUM; ++i) {
         const uint16_t lo = r[i] & 0xFFFF, hi = r[i] >> 16;
         if (!TRANS) {
-            unsigned char* row = emu_shared_ptr(w.xchg[8 * i + g][8]);
+            unsigned char* row = emu_shared_ptr(x[8 * i + g][8]);
             std::memcpy(row + 4 * t, &lo, 2);
             std::memcpy(row + 4 * t + 2, &hi, 2);
         } else {
-            std::memcpy(emu_shared_ptr(w.xchg[8 * i + 2 * t][8]) + 2 * g, &lo, 2);
-            std::memcpy(emu_shared_ptr(w.xchg[8 * i + 2 * t + 1][8]) + 2 * g, &hi, 2);
+            std::memcpy(emu_shared_ptr(x[8 * i + 2 * t][8]) + 2 * g, &lo, 2);
+            std::memcpy(emu_shared_ptr(x[8 * i + 2 * t + 1][8]) + 2 * g, &hi, 2);
         }
     }
-    emu_warp_barrier(0xffffffffu, -3, "stmatrix");  // every lane has read the addresses before any publishes new ones
+    emu_xchg_end(w, b);
+    // the warp's stores are all made before any lane goes on (stmatrix is one warp-wide store)
+    emu_warp_barrier(0xffffffffu, -3, "stmatrix");
 }
 
 // --- named barriers (bar.sync / bar.arrive, PTX ISA 9.7.13.1) ---------------------------------------

@@ -11,7 +11,6 @@
 #include <atomic>
 #include <functional>
 #include <random>
-#include <setjmp.h>
 #include <ucontext.h>
 #include <cmath>
 #include <cstdint>
@@ -50,7 +49,42 @@ struct alignas(16) int4 { int x, y, z, w; };
 inline float2 make_float2(float x, float y) { return {x, y}; }
 inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
 
-// --- fibers: every CUDA thread of a block is a ucontext fiber on one OS thread -----------------
+// --- fibers: every CUDA thread of a block is a fiber (its own stack) on one OS thread ------------
+// A switch saves the callee-saved registers on the current stack and continues on another (what
+// a call would preserve is all there is to save: a switch is a function call). On x86-64 that is
+// 14 instructions (emu_switch_x86), without the pointer mangling and cancellation-handler
+// unwinding of glibc's _setjmp/_longjmp, used before. Elsewhere: ucontext.
+#if defined(__x86_64__)
+struct EmuCtx { void* sp = nullptr; };
+// save the registers on this stack, *save = its pointer; continue on the stack at `to`. The
+// x87 and MXCSR control words are callee-saved too but never changed by a fiber: not saved.
+static __attribute__((naked, noinline)) void emu_switch_x86(void** /*save*/, void* /*to*/) {
+    __asm__("pushq %rbp\n\t" "pushq %rbx\n\t" "pushq %r12\n\t" "pushq %r13\n\t" "pushq %r14\n\t"
+            "pushq %r15\n\t" "movq %rsp, (%rdi)\n\t" "movq %rsi, %rsp\n\t" "popq %r15\n\t"
+            "popq %r14\n\t" "popq %r13\n\t" "popq %r12\n\t" "popq %rbx\n\t" "popq %rbp\n\t" "ret\n\t");
+}
+inline void emu_ctx_switch(EmuCtx& from, const EmuCtx& to) { emu_switch_x86(&from.sp, to.sp); }
+// A fresh fiber's stack as a switch away from it would leave it: six registers, then `entry` as
+// the return address, and below the 16-byte aligned top a null one (entry never returns), so
+// entry starts with the stack aligned as after a call.
+inline void emu_ctx_init(EmuCtx& c, char* stack, size_t size, void (*entry)()) {
+    void** sp = reinterpret_cast<void**>(reinterpret_cast<uintptr_t>(stack + size) & ~uintptr_t(15));
+    *--sp = nullptr;
+    *--sp = reinterpret_cast<void*>(entry);
+    for (int i = 0; i < 6; ++i) *--sp = nullptr;
+    c.sp = sp;
+}
+#else
+struct EmuCtx { ucontext_t uc; };
+inline void emu_ctx_switch(EmuCtx& from, const EmuCtx& to) { swapcontext(&from.uc, &to.uc); }
+inline void emu_ctx_init(EmuCtx& c, char* stack, size_t size, void (*entry)()) {
+    getcontext(&c.uc);
+    c.uc.uc_stack.ss_sp = stack;
+    c.uc.uc_stack.ss_size = size;
+    c.uc.uc_link = nullptr;  // entry never returns
+    makecontext(&c.uc, entry, 0);
+}
+#endif
 // A fiber runs until it reaches a barrier (__syncthreads, a warp rendezvous, a condition such as
 // an mbarrier phase) or returns; the scheduler resumes waiting fibers once every live member has
 // arrived. A thread that returns stops counting, as an exited thread does on the GPU. A block in
@@ -69,8 +103,7 @@ struct EmuWaitable {
 // before the wait).
 struct EmuCopy { unsigned char* dst; const unsigned char* src; int bytes, src_bytes, group; unsigned long long due; };
 struct EmuFiber {
-    ucontext_t ctx; EmuState state; unsigned gen; uint3 tid;
-    jmp_buf jb; bool started;      // after its first start a fiber is switched by _setjmp/_longjmp
+    EmuCtx ctx; EmuState state; unsigned gen; uint3 tid;
     std::vector<EmuCopy> pending;  // cp.async copies not yet delivered
     int committed = 0;             // cp.async groups committed so far
     EmuWaitable* waiting_on = nullptr;  // EMU_WAIT_COND: what it waits for (lives on its stack)
@@ -78,15 +111,21 @@ struct EmuFiber {
 };
 // A warp's rendezvous (shuffles, __syncwarp, ldmatrix, mma): the lanes named in the mask meet at
 // one call site (`site`: a source line, or an instruction's name) with one mask.
+// The exchanges among them (a shuffle's values, ldmatrix's row addresses, mma's fragments) go
+// through two buffers, xchg[gen & 1]: each lane writes its part, the lanes meet, each reads the
+// others'. xgen tags a lane's part with the rendezvous it wrote it for (a lane that did not take
+// part has an older tag), and a lane about to write a buffer that lanes of the exchange two
+// rendezvous back have still to read waits for them (emu_xchg_begin): one meeting per exchange.
 struct EmuWarp {
     int live = 0, arrived = 0; unsigned gen = 0, live_mask = 0, arrived_mask = 0, met = 0, mask = 0;
     long site = 0; const char* what = "";
-    alignas(8) unsigned char slot[32][8]; unsigned xchg[32][16];
+    unsigned xchg[2][32][16], xgen[2][32];
+    int xleft[2] = {0, 0};         // lanes of the buffer's exchange that have yet to read it
+    unsigned xuser[2] = {0, 0};    // the rendezvous that exchange belongs to
 };
 constexpr unsigned long long EMU_NEVER = ~0ull;
 struct EmuSched {                  // one block in flight (a slot of the launch)
-    ucontext_t main;
-    jmp_buf main_jb;               // the scheduler's resume point
+    EmuCtx main;                   // the scheduler's resume point
     std::vector<EmuFiber> f;
     std::vector<EmuWarp> warps;
     int cur = 0, live = 0, block_arrived = 0, slot = 0;
@@ -139,8 +178,7 @@ inline void (*emu_hook_tick)() = nullptr;
 inline void emu_yield(EmuState st, unsigned gen) {
     EmuFiber& me = emu_s->f[emu_s->cur];
     me.state = st; me.gen = gen;
-    // _setjmp/_longjmp save no signal mask: no system call per switch (swapcontext makes one)
-    if (!_setjmp(me.jb)) _longjmp(emu_s->main_jb, 1);
+    emu_ctx_switch(me.ctx, emu_s->main);
 }
 inline void emu_block_arrive_check() {
     EmuSched& S = *emu_s;
@@ -212,6 +250,27 @@ inline void emu_warp_barrier(unsigned mask, long site, const char* what) {
     emu_warp_arrive_check(w);
     if (w.gen == g) emu_yield(EMU_WAIT_WARP, g);
 }
+// The exchange buffer (EmuWarp::xchg) of the rendezvous the calling lane is about to join, once
+// no lane of the exchange that last used it has still to read it; the lane's part is tagged.
+// After the meeting, each lane reads and calls emu_xchg_end. (xuser[b] is the rendezvous's
+// generation from here until the last reader is done: the readers compare tags with it.)
+struct EmuXchgFree : EmuWaitable {
+    const EmuWarp* w; unsigned g;
+    EmuXchgFree(const EmuWarp* w_, unsigned g_) : w(w_), g(g_) {}
+    // free, or taken by a lane of the same rendezvous that waited here too
+    bool ready() override { return w->xleft[g & 1] == 0 || w->xuser[g & 1] == g; }
+    std::string what() const override { return "a warp exchange buffer that lanes two rendezvous back still read"; }
+};
+inline unsigned emu_xchg_begin(EmuWarp& w) {
+    const unsigned g = w.gen, b = g & 1;
+    EmuXchgFree free_(&w, g);
+    emu_wait_until(free_);
+    w.xuser[b] = g;
+    ++w.xleft[b];
+    w.xgen[b][emu_lane] = g;
+    return b;
+}
+inline void emu_xchg_end(EmuWarp& w, unsigned b) { --w.xleft[b]; }
 // __syncthreads_count/or/and: a barrier that also tallies a predicate. Barrier g uses slot g % 3,
 // cleared when barrier g - 1 completed (any barrier, plain ones too): the readers of its previous
 // use, barrier g - 3, read it on waking, before they could arrive at barrier g - 1.
@@ -237,7 +296,8 @@ template <typename T> T emu_shfl(unsigned mask, T v, int kind, int arg, int widt
         throw std::runtime_error(emu_site_name(line, names[kind]) + ": width " + std::to_string(width) +
                                  " is not a power of 2 in [1, 32]");
     EmuWarp& w = emu_s->warps[emu_warp];
-    std::memcpy(w.slot[emu_lane], &v, sizeof(T));
+    const unsigned b = emu_xchg_begin(w);
+    std::memcpy(w.xchg[b][emu_lane], &v, sizeof(T));
     emu_warp_barrier(mask, line, names[kind]);
     int base = emu_lane & ~(width - 1), lane = emu_lane - base, src = lane;
     if (kind == 0) src = lane ^ arg;                                   // xor
@@ -246,9 +306,9 @@ template <typename T> T emu_shfl(unsigned mask, T v, int kind, int arg, int widt
     else src = lane - arg >= 0 ? lane - arg : lane;                    // up
     const int from = base + (src < width ? src : lane);
     T r;
-    if (w.met >> from & 1) std::memcpy(&r, w.slot[from], sizeof(T));
+    if (w.xgen[b][from] == w.xuser[b]) std::memcpy(&r, w.xchg[b][from], sizeof(T));
     else std::memset(&r, 0xFF, sizeof(T));  // a lane that did not take part: undefined, here poison
-    emu_warp_barrier(mask, line, names[kind]);
+    emu_xchg_end(w, b);
     return r;
 }
 template <typename T> T __shfl_xor_sync(unsigned mask, T v, int m, int width = 32, int line = __builtin_LINE()) {
@@ -265,11 +325,12 @@ template <typename T> T __shfl_up_sync(unsigned mask, T v, unsigned d, int width
 }
 inline unsigned __ballot_sync(unsigned mask, int pred, int line = __builtin_LINE()) {
     EmuWarp& w = emu_s->warps[emu_warp];
-    w.xchg[emu_lane][9] = pred != 0;
+    const unsigned b = emu_xchg_begin(w);
+    w.xchg[b][emu_lane][0] = pred != 0;
     emu_warp_barrier(mask, line, "__ballot_sync");
     unsigned r = 0;
-    for (int o = 0; o < 32; ++o) r |= (unsigned)((w.met >> o & 1) && w.xchg[o][9]) << o;
-    emu_warp_barrier(mask, line, "__ballot_sync");
+    for (int o = 0; o < 32; ++o) r |= (unsigned)(w.xgen[b][o] == w.xuser[b] && w.xchg[b][o][0]) << o;
+    emu_xchg_end(w, b);
     return r;
 }
 inline int __any_sync(unsigned m, int p, int line = __builtin_LINE()) { return __ballot_sync(m, p, line) != 0; }
@@ -407,10 +468,14 @@ inline void emu_fiber_entry() {
     --w.live;
     w.live_mask &= ~(1u << emu_lane);
     emu_warp_arrive_check(w);
-    _longjmp(S.main_jb, 1);  // back to the scheduler; this fiber is never resumed
+    emu_ctx_switch(S.f[S.cur].ctx, S.main);  // back to the scheduler; this fiber is never resumed
 }
 
 constexpr size_t EMU_STACK = 256 * 1024;
+// The stacks are malloc'd 256 KB apart, so their tops, where every fiber switch lands, would all
+// fall in the same cache sets and evict each other; each fiber's stack top is moved down by its
+// own multiple of 9 cache lines (up to 64 KB), which spreads them over the sets.
+inline size_t emu_stack_color(int t) { return (size_t)(t % 113) * 576; }
 inline std::vector<char*> emu_stacks;  // reused by every launch; pages are touched lazily
 constexpr int EMU_MAX_FIBERS = 16384;  // threads of all blocks in flight at once
 
@@ -455,6 +520,8 @@ inline void emu_block_start(EmuSched& S, uint3 blk, int n, size_t smem, const st
         wp.live = std::min(32, n - (int)w * 32);
         wp.live_mask = wp.live == 32 ? 0xffffffffu : (1u << wp.live) - 1;
         wp.arrived = 0; wp.arrived_mask = 0; wp.met = 0; wp.gen = 0;
+        wp.xleft[0] = wp.xleft[1] = 0; wp.xuser[0] = wp.xuser[1] = 0;
+        std::memset(wp.xgen, 0xFF, sizeof wp.xgen);  // no part from an earlier block counts
     }
     std::memset(emu_dyn_smem_buf[S.slot], 0xFF, smem);
     std::memset(emu_static_smem_buf[S.slot], 0xFF, emu_static_arena[S.slot].top);
@@ -466,14 +533,9 @@ inline void emu_block_start(EmuSched& S, uint3 blk, int n, size_t smem, const st
         f.state = EMU_RUN;
         f.pending.clear();
         f.committed = 0;
-        f.started = false;
         f.waiting_on = nullptr;
         f.lag = 0;
-        getcontext(&f.ctx);
-        f.ctx.uc_stack.ss_sp = stacks[S.slot * n + t];
-        f.ctx.uc_stack.ss_size = EMU_STACK;
-        f.ctx.uc_link = nullptr;  // emu_fiber_entry never returns
-        makecontext(&f.ctx, emu_fiber_entry, 0);
+        emu_ctx_init(f.ctx, stacks[S.slot * n + t], EMU_STACK - emu_stack_color(t), emu_fiber_entry);
     }
 }
 
@@ -488,10 +550,7 @@ inline void emu_step(EmuSched& S, int t) {
     EmuFiber& f = S.f[t];
     f.state = EMU_RUN;
     S.cur = t; threadIdx = f.tid; emu_lane = t % 32; emu_warp = t / 32;
-    if (!_setjmp(S.main_jb)) {
-        if (!f.started) { f.started = true; swapcontext(&S.main, &f.ctx); }
-        else _longjmp(f.jb, 1);
-    }
+    emu_ctx_switch(S.main, f.ctx);
     ++emu_tick;
     if (S.next_due <= emu_tick) emu_deliver_due(S);
     if (emu_hook_tick) emu_hook_tick();
