@@ -157,6 +157,45 @@ def test_a_call_compiles_only_the_instantiation_it_launches(monkeypatch):
 
 
 @pytest.mark.gpu
+def test_emulator_builds_a_chunk_once_and_a_failed_chunk_falls_back_to_one(monkeypatch):
+    """Under the CPU emulator the loader builds a spec's instantiations a chunk at a time (a g++
+    start-up costs more than the kernels): the chunk holding the one launched, memoised for its
+    neighbours; if the chunk does not build, the instantiation alone (its own error, if any)."""
+    import cupy
+
+    from cupyattn import kvcache
+
+    if not hasattr(cupy, "_cupyattn_emulator_chunk"):
+        pytest.skip("NVRTC builds one instantiation at a time: the emulator's chunks only")
+    _, arch = _loader._device_arch()
+    exprs = kvcache.SPEC.exprs_for(_loader.device_compute_capability())
+    monkeypatch.setattr(cupy, "_cupyattn_emulator_chunk", 4)
+    assert _loader._module_exprs(kvcache.SPEC, exprs[5], arch) == exprs[4:8]
+    assert _loader._module_exprs(kvcache.SPEC, exprs[-1], arch) == exprs[(len(exprs) - 1) // 4 * 4:]
+    built, fail_chunks = [], []
+
+    class Recording(cupy.RawModule):
+        def __init__(self, code, options=(), name_expressions=(), **kw):
+            built.append(tuple(name_expressions))
+            super().__init__(code, options, name_expressions, **kw)
+
+        def compile(self, log_stream=None):
+            if fail_chunks and len(self.exprs) > 1:
+                raise cupy.cuda.compiler.CompileException("a chunk that does not build")
+            super().compile(log_stream)
+
+    monkeypatch.setattr(cupy, "RawModule", Recording)
+    monkeypatch.setattr(_loader, "_FUNCTIONS", {})
+    monkeypatch.setattr(_loader, "_MODULES", {})
+    _loader.get_function(kvcache.SPEC, exprs[5])
+    _loader.get_function(kvcache.SPEC, exprs[6])  # its neighbour: no second build
+    assert built == [exprs[4:8]]
+    fail_chunks.append(True)
+    assert _loader.get_function(kvcache.SPEC, exprs[0]).expr == exprs[0]
+    assert built[1:] == [exprs[0:4], (exprs[0],)]
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("quiet", [False, True])
 def test_a_slow_compile_is_announced_on_stderr(monkeypatch, capfd, quiet):
     """A compile still running after ANNOUNCE_AFTER_S prints one line naming the kernel."""
