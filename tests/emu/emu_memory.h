@@ -64,6 +64,8 @@ struct EmuGm {
     std::vector<unsigned> wblk, wrel;   // who wrote it in this launch (0: nobody) and which release published it
     std::vector<size_t> written;        // the bytes written in this launch (wblk != 0), in first-write order:
     std::vector<unsigned char*> at;     // the only bytes where views differ; and their addresses
+    std::vector<std::pair<size_t, size_t>> runs;  // `written` as sorted (first byte, length) runs, none across regions
+    size_t runs_of = 0;                 // how many bytes of `written` the runs hold
     std::unordered_map<size_t, EmuClock> sync;  // per location of strong writes: the releases they carried
     std::vector<EmuGmView> views;       // per slot
     int cur = -1;                       // the slot whose view is in memory
@@ -220,12 +222,37 @@ inline void emu_gm_capture(int s) {
     }
     emu_gm_protect(true);
 }
+// The written bytes as runs (EmuGm::runs): the bytes new since the last call are sorted and
+// merged in. Kernels write rows, so there are few runs, and copying a view is a few memcpy.
+inline bool emu_gm_region_start(size_t i) {
+    for (const EmuGmRegion& r : emu_gm.regions)
+        if (r.off == i) return true;
+    return false;
+}
+inline const std::vector<std::pair<size_t, size_t>>& emu_gm_runs() {
+    EmuGm& g = emu_gm;
+    if (g.runs_of == g.written.size()) return g.runs;
+    std::vector<std::pair<size_t, size_t>> all(g.runs);
+    std::vector<size_t> fresh(g.written.begin() + (long)g.runs_of, g.written.end());
+    std::sort(fresh.begin(), fresh.end());
+    for (size_t i : fresh) all.push_back({i, 1});
+    std::inplace_merge(all.begin(), all.begin() + (long)g.runs.size(), all.end());
+    g.runs.clear();
+    for (const auto& r : all) {  // a byte enters `written` once: the runs are disjoint
+        if (!g.runs.empty() && g.runs.back().first + g.runs.back().second == r.first && !emu_gm_region_start(r.first))
+            g.runs.back().second += r.second;
+        else
+            g.runs.push_back(r);
+    }
+    g.runs_of = g.written.size();
+    return g.runs;
+}
 // Memory takes slot s's view (the previous slot's view in it all captured): views differ only at
 // bytes written in this launch.
 inline void emu_gm_load_view(int s) {
     emu_gm_protect(false);
     const unsigned char* v = emu_gm.views[s].img.data();
-    for (size_t k = 0; k < emu_gm.written.size(); ++k) *emu_gm.at[k] = v[emu_gm.written[k]];
+    for (const auto& [i, n] : emu_gm_runs()) std::memcpy(emu_gm_addr(i), v + i, n);
     emu_gm_protect(true);
     emu_gm.cur = s;
 }
@@ -267,7 +294,8 @@ inline void emu_gm_block_start(int s, unsigned long long block) {
     v = EmuGmView();
     v.id = (unsigned)block + 1;
     v.img = emu_gm.latest;
-    for (size_t i : emu_gm.written) v.img[i] = emu_gm_seen(v, i);
+    // it has acquired nothing: every byte a block of this launch wrote is poison to it (emu_gm_seen)
+    for (const auto& [i, n] : emu_gm_runs()) std::memset(v.img.data() + i, EMU_GM_POISON, n);
     if (emu_gm.cur == s) emu_gm_load_view(s);
 }
 // A block ended: its stores are captured; those it never released stay unpublished (poison to
