@@ -137,10 +137,15 @@ from cupyattn import _loader, reference as ref
 MUTANTS = {mutants!r}
 ORIGINAL = _loader.KERNELS_DIR
 
+CHUNK = cupy._cupyattn_emulator_chunk
+
 def use_sources(path):
     _loader.KERNELS_DIR = Path(path)
     _loader._code.cache_clear()
     _loader._FUNCTIONS.clear()
+    # a mutant's kernel is built alone (its source is built once); the controls by the chunks the
+    # emulated tier builds anyway
+    cupy._cupyattn_emulator_chunk = CHUNK if Path(path) == ORIGINAL else 1
 
 def run(op, seed):
     """One run of `op` at a small odd shape on fresh inputs; raises if the result is wrong."""
