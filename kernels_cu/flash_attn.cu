@@ -89,6 +89,9 @@ __device__ __forceinline__ void load_tile(T* __restrict__ dst, const KvRows<T, P
 // head and row strides inside a page, which say which: page_rows (page elements / k_ss) is
 // Hkv << log2_page for HND (k_ss == D) and 1 << log2_page for NHD (both when Hkv == 1); the callers
 // compute it without a 64-bit division, which took the sm_86/89 D=64 serving tile into spills.
+// That tile (4 warps, 255 registers) still spills 8 B on sm_75 with the page step live; a
+// kernel argument in its place did not help. Fix to try: an sm_75 family tile (config.py
+// FLASH_MMA_FAMILY_TILES), as sm_100 has, once measured.
 template <typename T, bool SERVING>
 struct FlashSeq {
     int sq, sk;             // this sequence's query rows and keys
