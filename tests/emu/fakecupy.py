@@ -604,12 +604,12 @@ def _cpu_has(flag: str) -> bool:
 if _cpu_has("f16c"):
     _CXX.append("-mf16c")
 
-# A g++ build costs 2 to 5 CPU-s of start-up (parsing the spec's source and the emulation headers,
-# linking) and only 0.1 to 0.25 s more per kernel instantiation in it (measured on the 2-core CI
-# machine: decode 3.4 s for one, 6.9 s for 16; flash_attn 2.1 s for one, 4.1 s for 16). So the
-# loader (cupyattn/_loader.py, _module_exprs) builds a spec's instantiations this many at a time,
-# consecutive in the spec's order for the device, the first time any of them launches. 1: one
-# build per instantiation, as NVRTC on a GPU. CUPYATTN_EMU_CHUNK sets it.
+# A g++ build costs 2 to 5 CPU-s of start-up (the emulation runtime's own code, the spec's source,
+# linking) and only 0.1 to 0.25 s more per kernel instantiation in it (measured on a 2-core
+# development machine: decode 3.4 s for one, 6.9 s for 16; flash_attn 2.1 s for one, 4.1 s for
+# 16). So the loader (cupyattn/_loader.py, _module_exprs) builds a spec's instantiations this many
+# at a time, consecutive in the spec's order for the device, the first time any of them launches.
+# 1: one build per instantiation, as NVRTC on a GPU. CUPYATTN_EMU_CHUNK sets it.
 _cupyattn_emulator_chunk = int(os.environ.get("CUPYATTN_EMU_CHUNK", "16"))
 if _cupyattn_emulator_chunk < 1:
     raise ValueError(f"CUPYATTN_EMU_CHUNK={_cupyattn_emulator_chunk}: expected a positive count")
