@@ -622,10 +622,12 @@ inline bool emu_waits_for_another_block(const EmuSched& S) {
 // emulated device's SMs, one block each); past it, the launch is a deadlock and says so.
 // `regions`: (address, bytes) pairs of the global memory the memory model tracks (emu_memory.h);
 // `paged`: their pages hold nothing else (found by mprotect, else by comparing them whole).
-template <typename... A>
-int emu_launch(void (*k)(A...), dim3 g, dim3 b, size_t smem, const long long* iv, const double* dv,
-               char* err, int errlen, unsigned long long seed, const unsigned long long* regions, int nregions,
-               int paged, int capacity) {
+// The launch itself, for any kernel: `run(kernel)` runs one thread's kernel body (emu_launch below
+// binds the kernel and its arguments). Not a template, so a build compiles the scheduler once,
+// not once per kernel signature (about 1 CPU-s each).
+inline int emu_launch_erased(void (*run)(const void*), const void* kernel, dim3 g, dim3 b, size_t smem,
+                             char* err, int errlen, unsigned long long seed, const unsigned long long* regions,
+                             int nregions, int paged, int capacity) {
     gridDim = g; blockDim = b;
     const int n = (int)(b.x * b.y * b.z);
     if (smem > EMU_DYN_SMEM) {
@@ -654,7 +656,7 @@ int emu_launch(void (*k)(A...), dim3 g, dim3 b, size_t smem, const long long* iv
     emu_gm_begin(regions, nregions, paged != 0);
     std::vector<EmuSched> S;
     S.reserve(max_slots);  // fibers hold references into it: never reallocated
-    auto call = [&] { emu_call(k, iv, dv, std::index_sequence_for<A...>{}); };
+    auto call = [run, kernel] { run(kernel); };
     std::vector<int> order(n);
     for (int t = 0; t < n; ++t) order[t] = t;
     std::vector<int> active;
@@ -725,6 +727,18 @@ int emu_launch(void (*k)(A...), dim3 g, dim3 b, size_t smem, const long long* iv
                 return 1;
             }
     return 0;
+}
+
+template <typename... A>
+int emu_launch(void (*k)(A...), dim3 g, dim3 b, size_t smem, const long long* iv, const double* dv,
+               char* err, int errlen, unsigned long long seed, const unsigned long long* regions, int nregions,
+               int paged, int capacity) {
+    struct Bound { void (*k)(A...); const long long* iv; const double* dv; } bound{k, iv, dv};
+    auto run = [](const void* p) {
+        const Bound& c = *static_cast<const Bound*>(p);
+        emu_call(c.k, c.iv, c.dv, std::index_sequence_for<A...>{});
+    };
+    return emu_launch_erased(run, &bound, g, b, smem, err, errlen, seed, regions, nregions, paged, capacity);
 }
 
 // Each parameter's kind, size, and (pointers) whether it points to const: fakecupy checks the
