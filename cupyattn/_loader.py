@@ -244,11 +244,12 @@ def _module_exprs(spec: KernelSpec, name_expression: str, arch: str) -> tuple[st
 
 def _build_function(spec: KernelSpec, name_expression: str, arch: str):
     exprs = _module_exprs(spec, name_expression, arch)
+    options = spec.options_for(arch)  # CUPYATTN_ARCH's target among them: part of the key
     if len(exprs) > 1:
-        key = (cupy.RawModule, spec.name, spec.code(), arch, exprs)
+        key = (cupy.RawModule, spec.code(), options, exprs)
         mod = _MODULES.get(key)
         if mod is None:
-            mod = cupy.RawModule(code=spec.code(), options=spec.options_for(arch), name_expressions=exprs)
+            mod = cupy.RawModule(code=spec.code(), options=options, name_expressions=exprs)
             try:
                 mod.compile()
                 _MODULES[key] = mod
@@ -256,7 +257,7 @@ def _build_function(spec: KernelSpec, name_expression: str, arch: str):
                 mod = None
         if mod is not None:
             return mod.get_function(name_expression)
-    mod = cupy.RawModule(code=spec.code(), options=spec.options_for(arch), name_expressions=(name_expression,))
+    mod = cupy.RawModule(code=spec.code(), options=options, name_expressions=(name_expression,))
     return mod.get_function(name_expression)
 
 

@@ -190,9 +190,17 @@ def test_emulator_builds_a_chunk_once_and_a_failed_chunk_falls_back_to_one(monke
     _loader.get_function(kvcache.SPEC, exprs[5])
     _loader.get_function(kvcache.SPEC, exprs[6])  # its neighbour: no second build
     assert built == [exprs[4:8]]
+    # the same chunk for an older target (CUPYATTN_ARCH: other -D options) is another build
+    assert kvcache.SPEC.exprs_for(75) == exprs
+    monkeypatch.setenv("CUPYATTN_ARCH", "75")
+    monkeypatch.setattr(_loader, "_FUNCTIONS", {})
+    _loader.get_function(kvcache.SPEC, exprs[5])
+    assert built == [exprs[4:8], exprs[4:8]]
+    monkeypatch.delenv("CUPYATTN_ARCH")
+    built.clear()
     fail_chunks.append(True)
     assert _loader.get_function(kvcache.SPEC, exprs[0]).expr == exprs[0]
-    assert built[1:] == [exprs[0:4], (exprs[0],)]
+    assert built == [exprs[0:4], (exprs[0],)]
 
 
 @pytest.mark.gpu

@@ -117,7 +117,7 @@ struct EmuFiber {
 // part has an older tag), and a lane about to write a buffer that lanes of the exchange two
 // rendezvous back have still to read waits for them (emu_xchg_begin): one meeting per exchange.
 struct EmuWarp {
-    int live = 0, arrived = 0; unsigned gen = 0, live_mask = 0, arrived_mask = 0, met = 0, mask = 0;
+    int live = 0, arrived = 0; unsigned gen = 0, live_mask = 0, arrived_mask = 0, mask = 0;
     long site = 0; const char* what = "";
     unsigned xchg[2][32][16], xgen[2][32];
     int xleft[2] = {0, 0};         // lanes of the buffer's exchange that have yet to read it
@@ -188,11 +188,10 @@ inline void emu_block_arrive_check() {
         S.red[S.block_gen % 3] = 0;  // the tally of the next barrier (its last readers passed this one)
     }
 }
-// A warp rendezvous completes when every live lane named in the mask has arrived; `met` keeps the
-// lanes that took part (a shuffle from a lane outside it reads poison, as on a GPU it is undefined).
+// A warp rendezvous completes when every live lane named in the mask has arrived (which lanes took
+// part, for the exchanges: EmuWarp::xgen).
 inline void emu_warp_arrive_check(EmuWarp& w) {
     if (w.arrived > 0 && (w.arrived_mask & w.live_mask) == (w.mask & w.live_mask)) {
-        w.met = w.arrived_mask;
         w.arrived = 0; w.arrived_mask = 0; ++w.gen;
     }
 }
@@ -519,7 +518,7 @@ inline void emu_block_start(EmuSched& S, uint3 blk, int n, size_t smem, const st
         EmuWarp& wp = S.warps[w];
         wp.live = std::min(32, n - (int)w * 32);
         wp.live_mask = wp.live == 32 ? 0xffffffffu : (1u << wp.live) - 1;
-        wp.arrived = 0; wp.arrived_mask = 0; wp.met = 0; wp.gen = 0;
+        wp.arrived = 0; wp.arrived_mask = 0; wp.gen = 0;
         wp.xleft[0] = wp.xleft[1] = 0; wp.xuser[0] = wp.xuser[1] = 0;
         std::memset(wp.xgen, 0xFF, sizeof wp.xgen);  // no part from an earlier block counts
     }
