@@ -86,12 +86,7 @@ __device__ __forceinline__ void load_tile(T* __restrict__ dst, const KvRows<T, P
 // (flash_attn_varlen_func's layout) with Sq = total_q. Packed keys (cu_k): [total_k, Hkv, D]
 // through k_ss, k_sh. Paged keys (table): cu_k[b] keys in pages of page_size * Hkv * D elements,
 // NHD [num_pages, page, Hkv, D] or HND [num_pages, Hkv, page, D] (paged.cuh): k_sh and k_ss are the
-// head and row strides inside a page, which say which: page_rows (page elements / k_ss) is
-// Hkv << log2_page for HND (k_ss == D) and 1 << log2_page for NHD (both when Hkv == 1); the callers
-// compute it without a 64-bit division, which took the sm_86/89 D=64 serving tile into spills.
-// That tile (4 warps, 255 registers) still spills 8 B on sm_75 with the page step live; a
-// kernel argument in its place did not help. Fix to try: an sm_75 family tile (config.py
-// FLASH_MMA_FAMILY_TILES), as sm_100 has, once measured.
+// head and row strides inside a page, which say which: page_rows (flash_page_rows).
 template <typename T, bool SERVING>
 struct FlashSeq {
     int sq, sk;             // this sequence's query rows and keys
@@ -134,6 +129,19 @@ struct FlashSeq {
         }
     }
 };
+
+// Rows of k_ss elements from one page to the next: page elements (Hkv * D << log2_page) / k_ss,
+// i.e. Hkv << log2_page for HND (k_ss == D) and 1 << log2_page for NHD (both when Hkv == 1). Two
+// ways to compute the same number, because the D=64 serving tile of flash_attn_mma (4 warps, at
+// its 255 registers) spills with either on some targets: the division on sm_86/89 (24 B), the
+// comparison on sm_75 (8 B). The offline check holds each target to no spill.
+__device__ __forceinline__ int flash_page_rows(int Hkv, int D, long long k_ss, int log2_page) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+    return (int)((((long long)Hkv * D) << log2_page) / max(k_ss, 1LL));
+#else
+    return (k_ss == D ? Hkv : 1) << log2_page;
+#endif
+}
 
 // The serving arguments every flash kernel takes after scale_log2 (null / -1 / 0 in plain calls).
 #define FLASH_SERVING_PARAMS                                                                       \
@@ -185,7 +193,7 @@ flash_attn_fwd(const T* __restrict__ q,          // [B, Hq, Sq, D], strides q_sb
 
     const FlashSeq<T, SERVING> seq(q, k, v, b, h, hk, Hq, Sq, Sk, q_sb, q_sh, q_ss, k_sb, k_sh, k_ss, v_sb,
                                    v_sh, v_ss, cu_q, cu_k, block_table, bt_stride, log2_page, num_pages,
-                                   (k_ss == HEAD_DIM ? Hkv : 1) << log2_page);
+                                   flash_page_rows(Hkv, HEAD_DIM, k_ss, log2_page));
     if (SERVING && m0 >= seq.sq) return;  // a short packed sequence: whole CTA leaves together
     if (mask) mask += b * m_sb + h * m_sh;
 
@@ -433,7 +441,7 @@ flash_attn_mma(const T* __restrict__ q,          // [B, Hq, Sq, D], strides q_s*
 
     const FlashSeq<T, SERVING> seq(q, k, v, b, h, hk, Hq, Sq, Sk, q_sb, q_sh, q_ss, k_sb, k_sh, k_ss, v_sb,
                                    v_sh, v_ss, cu_q, cu_k, block_table, bt_stride, log2_page, num_pages,
-                                   (k_ss == HEAD_DIM ? Hkv : 1) << log2_page);
+                                   flash_page_rows(Hkv, HEAD_DIM, k_ss, log2_page));
     if (SERVING && m0 >= seq.sq) return;  // a short packed sequence: whole CTA leaves together
     if (mask) mask += b * m_sb + h * m_sh;
 
