@@ -141,17 +141,19 @@ struct EmuSched {                  // one block in flight (a slot of the launch)
     bool failed = false;
     std::string msg;
 };
-inline EmuSched* emu_s = nullptr;
-inline uint3 threadIdx, blockIdx;
-inline dim3 blockDim, gridDim;
-inline int emu_lane = 0, emu_warp = 0;
-inline unsigned char* emu_dyn_smem = nullptr;
+// The emulator's state lives in its runtime library (emu_runtime.cpp, built once; a kernel build
+// links to it): one copy in the process, whichever kernel modules are loaded.
+extern EmuSched* emu_s;
+extern uint3 threadIdx, blockIdx;
+extern dim3 blockDim, gridDim;
+extern int emu_lane, emu_warp;
+extern unsigned char* emu_dyn_smem;
 constexpr int warpSize = 32;
 // ---- the adversarial schedule (tests/emu/README.md): one seeded generator per launch makes every
 // choice (block order and concurrency, fiber order, warp skew, when async copies land), so a seed
 // reproduces a run. `emu_tick` counts the launch's scheduling points (fiber steps).
-inline std::mt19937_64 emu_rng;
-inline unsigned long long emu_tick = 0;
+extern std::mt19937_64 emu_rng;
+extern unsigned long long emu_tick;
 inline unsigned emu_pick(unsigned n) { return (unsigned)(emu_rng() % n); }
 // When an asynchronous operation issued now completes: 0 = at issue, EMU_NEVER = at the wait that
 // guarantees it (the latest legal moment), else a scheduling tick in between.
@@ -165,15 +167,15 @@ inline unsigned long long emu_async_due() {
 // 1 to EMU_START_SLOTS blocks start in flight; more start while every block in flight waits for
 // another block (a persistent kernel's co-resident blocks), up to the launch's resident capacity.
 constexpr int EMU_START_SLOTS = 4, EMU_MAX_SLOTS = 160;
-inline size_t emu_dyn_smem_bytes = 0;  // the launch's dynamic shared memory (shared_mem=)
-inline int emu_slot = 0;           // the slot of the block now running
+extern size_t emu_dyn_smem_bytes;  // the launch's dynamic shared memory (shared_mem=)
+extern int emu_slot;               // the slot of the block now running
 // ---- hooks for tests/emu/emu_ptx_sm90.h (issue 21): per-block state of the Hopper emulation is
 // reset when a block starts; at its end, a non-empty string is the block's error (async work
 // issued and never waited for, a barrier left mid-phase). `emu_hook_tick` runs after every fiber
 // step: asynchronous work whose due tick has come lands there.
-inline void (*emu_hook_block_begin)(int threads) = nullptr;
-inline std::string (*emu_hook_block_end)() = nullptr;
-inline void (*emu_hook_tick)() = nullptr;
+extern void (*emu_hook_block_begin)(int threads);
+extern std::string (*emu_hook_block_end)();
+extern void (*emu_hook_tick)();
 
 inline void emu_yield(EmuState st, unsigned gen) {
     EmuFiber& me = emu_s->f[emu_s->cur];
@@ -356,29 +358,16 @@ template <typename T> T min(T a, T b) { return a < b ? a : b; }
 template <typename T> T max(T a, T b) { return a > b ? a : b; }
 inline long long min(long long a, int b) { return a < b ? a : b; }
 inline long long max(long long a, int b) { return a > b ? a : b; }
-// Shared memory (the static arenas, the dynamic buffers) lives in this library's .bss, so a 32-bit
+// Shared memory (the static arenas, the dynamic buffers) lives in the runtime library's .bss, so a 32-bit
 // offset from one origin addresses all of it, as a .shared address does on the GPU. Each block in
 // flight (slot) has its own: static `__shared__` variables are placed in the slot's arena
 // (fakecupy turns each declaration into an emu_static_smem call), poisoned when a block starts.
 constexpr size_t EMU_DYN_SMEM = 228 * 1024, EMU_STATIC_SMEM = 48 * 1024;
-alignas(128) inline unsigned char emu_shared_origin[128];
-alignas(1024) inline unsigned char emu_dyn_smem_buf[EMU_MAX_SLOTS][EMU_DYN_SMEM];
-alignas(1024) inline unsigned char emu_static_smem_buf[EMU_MAX_SLOTS][EMU_STATIC_SMEM];
-struct EmuStaticArena { std::vector<std::pair<const void*, unsigned>> off; size_t top = 0; };
-inline EmuStaticArena emu_static_arena[EMU_MAX_SLOTS];
+extern unsigned char emu_shared_origin[128];
+extern unsigned char emu_dyn_smem_buf[EMU_MAX_SLOTS][EMU_DYN_SMEM];
+extern unsigned char emu_static_smem_buf[EMU_MAX_SLOTS][EMU_STATIC_SMEM];
 // The slot's copy of the static __shared__ variable whose declaration owns `tag`.
-inline void* emu_static_smem(const void* tag, size_t size, size_t align) {
-    EmuStaticArena& a = emu_static_arena[emu_slot];
-    for (const auto& [t, o] : a.off)
-        if (t == tag) return emu_static_smem_buf[emu_slot] + o;
-    const size_t o = (a.top + align - 1) / align * align;
-    if (o + size > EMU_STATIC_SMEM)
-        throw std::runtime_error("static __shared__ variables exceed 48 KB per block");
-    a.off.push_back({tag, (unsigned)o});
-    a.top = o + size;
-    std::memset(emu_static_smem_buf[emu_slot] + o, 0xFF, size);  // placed during this block: poison it now
-    return emu_static_smem_buf[emu_slot] + o;
-}
+void* emu_static_smem(const void* tag, size_t size, size_t align);
 // A kernel's __launch_bounds__(max threads): fakecupy moves it to the kernel body's first
 // statement, so every thread of a launch the driver would refuse stops before it does anything.
 inline void emu_check_launch_bounds(long long max_threads) {
@@ -452,168 +441,6 @@ void emu_call(void (*k)(A...), const long long* iv, const double* dv, std::index
     k(emu_arg<std::remove_cv_t<A>>(iv[I], dv[I])...);
 }
 
-inline void emu_fiber_entry() {
-    EmuSched& S = *emu_s;
-    try {
-        S.call();
-    } catch (const std::exception& e) {
-        if (!S.failed) { S.failed = true; S.msg = e.what(); }
-    }
-    // leave the block and the warp: barriers now wait for one thread fewer
-    S.f[S.cur].state = EMU_DONE;
-    --S.live;
-    emu_block_arrive_check();
-    EmuWarp& w = S.warps[emu_warp];
-    --w.live;
-    w.live_mask &= ~(1u << emu_lane);
-    emu_warp_arrive_check(w);
-    emu_ctx_switch(S.f[S.cur].ctx, S.main);  // back to the scheduler; this fiber is never resumed
-}
-
-constexpr size_t EMU_STACK = 256 * 1024;
-// The stacks are malloc'd 256 KB apart, so their tops, where every fiber switch lands, would all
-// fall in the same cache sets and evict each other; each fiber's stack top is moved down by its
-// own multiple of 9 cache lines (up to 64 KB), which spreads them over the sets.
-inline size_t emu_stack_color(int t) { return (size_t)(t % 113) * 576; }
-inline std::vector<char*> emu_stacks;  // reused by every launch; pages are touched lazily
-constexpr int EMU_MAX_FIBERS = 16384;  // threads of all blocks in flight at once
-
-// The current block is the one in slot S: the globals a kernel reads point at its state.
-inline void emu_enter_slot(EmuSched& S) {
-    emu_s = &S;
-    emu_slot = S.slot;
-    blockIdx = S.block;
-    emu_dyn_smem = emu_dyn_smem_buf[S.slot];
-}
-
-// Deliver the cp.async copies of block S whose due tick has come (emu_async_due).
-inline void emu_deliver_due(EmuSched& S) {
-    unsigned long long next = EMU_NEVER;
-    for (EmuFiber& f : S.f) {
-        if (f.pending.empty()) continue;
-        size_t k = 0;
-        for (const EmuCopy& c : f.pending) {
-            if (c.due <= emu_tick) {
-                std::memcpy(c.dst, c.src, (size_t)c.src_bytes);
-                std::memset(c.dst + c.src_bytes, 0, (size_t)(c.bytes - c.src_bytes));
-            } else {
-                next = std::min(next, c.due);
-                f.pending[k++] = c;
-            }
-        }
-        f.pending.resize(k);
-    }
-    S.next_due = next;
-}
-
-// Start block `blk` in slot S: fresh fibers and warps, the slot's shared memory poisoned (0xFF:
-// NaN / -1) as far as the launch uses it, its view of global memory (emu_gm_block_start).
-inline void emu_block_start(EmuSched& S, uint3 blk, int n, size_t smem, const std::vector<char*>& stacks) {
-    S.block = blk;
-    emu_enter_slot(S);
-    S.live = n; S.block_arrived = 0; S.block_gen = 0; S.next_due = EMU_NEVER;
-    S.red[0] = S.red[1] = S.red[2] = 0;
-    S.lag_stamp = 0; S.lagging = 0; S.stalled = false;
-    for (size_t w = 0; w < S.warps.size(); ++w) {
-        EmuWarp& wp = S.warps[w];
-        wp.live = std::min(32, n - (int)w * 32);
-        wp.live_mask = wp.live == 32 ? 0xffffffffu : (1u << wp.live) - 1;
-        wp.arrived = 0; wp.arrived_mask = 0; wp.gen = 0;
-        wp.xleft[0] = wp.xleft[1] = 0; wp.xuser[0] = wp.xuser[1] = 0;
-        std::memset(wp.xgen, 0xFF, sizeof wp.xgen);  // no part from an earlier block counts
-    }
-    std::memset(emu_dyn_smem_buf[S.slot], 0xFF, smem);
-    std::memset(emu_static_smem_buf[S.slot], 0xFF, emu_static_arena[S.slot].top);
-    if (emu_hook_block_begin) emu_hook_block_begin(n);
-    emu_gm_block_start(S.slot, blk.x + (unsigned long long)gridDim.x * (blk.y + (unsigned long long)gridDim.y * blk.z));
-    for (int t = 0; t < n; ++t) {
-        EmuFiber& f = S.f[t];
-        f.tid = {t % blockDim.x, (t / blockDim.x) % blockDim.y, t / (blockDim.x * blockDim.y)};
-        f.state = EMU_RUN;
-        f.pending.clear();
-        f.committed = 0;
-        f.waiting_on = nullptr;
-        f.lag = 0;
-        emu_ctx_init(f.ctx, stacks[S.slot * n + t], EMU_STACK - emu_stack_color(t), emu_fiber_entry);
-    }
-}
-
-inline bool emu_fiber_ready(const EmuSched& S, int t) {
-    const EmuFiber& f = S.f[t];
-    return f.state == EMU_RUN || (f.state == EMU_WAIT_BLOCK && f.gen != S.block_gen) ||
-           (f.state == EMU_WAIT_WARP && f.gen != S.warps[t / 32].gen) ||
-           (f.state == EMU_WAIT_COND && f.waiting_on->ready());
-}
-// Run fiber t of block S to its next barrier (or its end); then let due async work land.
-inline void emu_step(EmuSched& S, int t) {
-    EmuFiber& f = S.f[t];
-    f.state = EMU_RUN;
-    S.cur = t; threadIdx = f.tid; emu_lane = t % 32; emu_warp = t / 32;
-    emu_ctx_switch(S.main, f.ctx);
-    ++emu_tick;
-    if (S.next_due <= emu_tick) emu_deliver_due(S);
-    if (emu_hook_tick) emu_hook_tick();
-}
-// One scheduling pass over block S; false if no fiber could move. A pass either steps every ready
-// fiber once in a fresh random order, or lets whole warps in a random order run as far as they
-// can (to the next __syncthreads or mbarrier wait): one warp a phase ahead. Fibers held back
-// (emu_lag) are left out; when nothing else can move, the most recently held one goes on.
-inline bool emu_pass(EmuSched& S, std::vector<int>& order) {
-    bool progress = false;
-    const int n = (int)S.f.size();
-    auto runnable = [&](int t) { return !S.f[t].lag && emu_fiber_ready(S, t); };
-    if (emu_pick(2) == 0) {
-        std::shuffle(order.begin(), order.end(), emu_rng);
-        for (int t : order)
-            if (runnable(t)) { emu_step(S, t); progress = true; }
-    } else {
-        std::vector<int> warps(S.warps.size());
-        for (size_t w = 0; w < warps.size(); ++w) warps[w] = (int)w;
-        std::shuffle(warps.begin(), warps.end(), emu_rng);
-        for (int w : warps) {
-            const int lo = 32 * w, hi = std::min(n, lo + 32);
-            for (bool moved = true; moved && !S.failed;) {
-                moved = false;
-                const unsigned r = emu_pick(32);  // lanes start from a random one
-                for (int i = 0; i < hi - lo; ++i) {
-                    const int t = lo + (int)((i + r) % (unsigned)(hi - lo));
-                    if (runnable(t)) { emu_step(S, t); moved = progress = true; }
-                }
-            }
-        }
-    }
-    if (progress || S.lagging == 0) return progress;
-    int last = -1;
-    for (int t = 0; t < n; ++t)
-        if (S.f[t].lag && emu_fiber_ready(S, t) && (last < 0 || S.f[t].lag > S.f[last].lag)) last = t;
-    if (last < 0) return false;
-    S.f[last].lag = 0;
-    --S.lagging;
-    emu_step(S, last);
-    return true;
-}
-
-inline std::string emu_waits(const EmuSched& S) {
-    std::string why;  // (issue 21) what EMU_WAIT_COND fibers wait for, each kind once
-    for (const EmuFiber& g : S.f)
-        if (g.state == EMU_WAIT_COND && why.find(g.waiting_on->what()) == std::string::npos)
-            why += "; " + g.waiting_on->what();
-    return why;
-}
-inline std::string emu_block_name(uint3 b) {
-    return "(" + std::to_string(b.x) + "," + std::to_string(b.y) + "," + std::to_string(b.z) + ")";
-}
-inline std::string emu_deadlock(const EmuSched& S) {
-    return "deadlock in block " + emu_block_name(S.block) + ": threads wait at a barrier that other threads of the "
-           "block or warp never reach" + emu_waits(S);
-}
-// A pass of S moved nothing: a deadlock of the block, unless a thread waits for another block.
-inline bool emu_waits_for_another_block(const EmuSched& S) {
-    for (const EmuFiber& g : S.f)
-        if (g.state == EMU_WAIT_COND && g.waiting_on->global()) return true;
-    return false;
-}
-
 // Blocks run 1 to EMU_START_SLOTS at a time (each with its own fibers, shared memory, Hopper state
 // and view of global memory), their passes interleaved in a seeded order; blocks start in grid
 // order, reversed, or shuffled. While every block in flight waits for another block (a counter
@@ -622,111 +449,11 @@ inline bool emu_waits_for_another_block(const EmuSched& S) {
 // `regions`: (address, bytes) pairs of the global memory the memory model tracks (emu_memory.h);
 // `paged`: their pages hold nothing else (found by mprotect, else by comparing them whole).
 // The launch itself, for any kernel: `run(kernel)` runs one thread's kernel body (emu_launch below
-// binds the kernel and its arguments). Not a template, so a build compiles the scheduler once,
-// not once per kernel signature (about 1 CPU-s each).
-inline int emu_launch_erased(void (*run)(const void*), const void* kernel, dim3 g, dim3 b, size_t smem,
-                             char* err, int errlen, unsigned long long seed, const unsigned long long* regions,
-                             int nregions, int paged, int capacity) {
-    gridDim = g; blockDim = b;
-    const int n = (int)(b.x * b.y * b.z);
-    if (smem > EMU_DYN_SMEM) {
-        std::snprintf(err, errlen, "dynamic shared memory %zu B exceeds 228 KB", smem);
-        return 1;
-    }
-    emu_dyn_smem_bytes = smem;
-    emu_rng.seed(seed);
-    emu_tick = 0;
-    const unsigned long long nblocks = (unsigned long long)g.x * g.y * g.z;
-    const int max_slots = std::max(1, std::min({capacity, EMU_MAX_SLOTS, EMU_MAX_FIBERS / n}));
-    int slots = 1 + (int)emu_pick(EMU_START_SLOTS);
-    slots = (int)std::min<unsigned long long>({(unsigned long long)slots, nblocks, (unsigned long long)max_slots});
-    // block order: 0 grid order, 1 reversed, 2 shuffled (grids of at most 2^20 blocks)
-    const unsigned order_kind = emu_pick(nblocks <= (1u << 20) ? 3 : 2);
-    std::vector<unsigned> perm;
-    if (order_kind == 2) {
-        perm.resize(nblocks);
-        for (unsigned i = 0; i < nblocks; ++i) perm[i] = i;
-        std::shuffle(perm.begin(), perm.end(), emu_rng);
-    }
-    auto block_of = [&](unsigned long long i) {
-        const unsigned long long j = order_kind == 0 ? i : order_kind == 1 ? nblocks - 1 - i : perm[i];
-        return uint3{(unsigned)(j % g.x), (unsigned)(j / g.x % g.y), (unsigned)(j / ((unsigned long long)g.x * g.y))};
-    };
-    emu_gm_begin(regions, nregions, paged != 0);
-    std::vector<EmuSched> S;
-    S.reserve(max_slots);  // fibers hold references into it: never reallocated
-    auto call = [run, kernel] { run(kernel); };
-    std::vector<int> order(n);
-    for (int t = 0; t < n; ++t) order[t] = t;
-    std::vector<int> active;
-    unsigned long long next_block = 0;
-    auto add_slot = [&] {
-        const int s = (int)S.size();
-        S.emplace_back();
-        S[s].slot = s;
-        S[s].f.resize(n);
-        S[s].warps.resize((n + 31) / 32);
-        S[s].call = call;
-        // Poison the whole dynamic buffer: a read of shared memory nobody wrote sees NaN / -1, and a
-        // write past the `smem` bytes the host launched with is reported after the launch.
-        std::memset(emu_dyn_smem_buf[s], 0xFF, EMU_DYN_SMEM);
-        emu_static_arena[s] = {};
-        while ((int)emu_stacks.size() < (s + 1) * n) emu_stacks.push_back((char*)std::malloc(EMU_STACK));
-        emu_block_start(S[s], block_of(next_block++), n, smem, emu_stacks);
-        active.push_back(s);
-    };
-    for (int s = 0; s < slots; ++s) add_slot();
-    std::string fail;
-    std::vector<int> can;
-    while (!active.empty() && fail.empty()) {
-        can.clear();
-        for (int s : active)
-            if (!S[s].stalled || S[s].stall_gen != emu_gm.gen) can.push_back(s);
-        if (can.empty()) {  // every block in flight waits for another block
-            if (next_block < nblocks && (int)S.size() < max_slots) { add_slot(); continue; }
-            fail = "deadlock: every block in flight waits for a value another block must write";
-            for (int s : active) {
-                emu_enter_slot(S[s]);  // what() of an mbarrier wait reads its block's Hopper state
-                fail += "; block " + emu_block_name(S[s].block) + emu_waits(S[s]);
-            }
-            if (next_block < nblocks)
-                fail += "; the grid's other " + std::to_string(nblocks - next_block) + " blocks cannot start: the "
-                        "emulated device holds " + std::to_string(max_slots) + " resident blocks of " +
-                        std::to_string(n) + " threads (its SMs, one block each; CUPYATTN_EMU_SMS sets them), and a "
-                        "kernel whose blocks wait on each other needs all of them resident";
-            break;
-        }
-        EmuSched& B = S[can[emu_pick((unsigned)can.size())]];
-        emu_enter_slot(B);
-        emu_gm_switch(B.slot);
-        const bool progress = emu_pass(B, order);
-        if (B.failed) { fail = B.msg; break; }
-        if (B.live > 0) {
-            B.stalled = !progress;
-            B.stall_gen = emu_gm.gen;
-            if (!progress && !emu_waits_for_another_block(B)) fail = emu_deadlock(B);
-            continue;
-        }
-        if (emu_hook_block_end) {
-            const std::string e = emu_hook_block_end();
-            if (!e.empty()) { fail = e; break; }
-        }
-        emu_gm_block_end(B.slot);
-        if (next_block < nblocks) emu_block_start(B, block_of(next_block++), n, smem, emu_stacks);
-        else active.erase(std::find(active.begin(), active.end(), B.slot));
-    }
-    emu_gm_end();
-    emu_s = nullptr;
-    if (!fail.empty()) { std::snprintf(err, errlen, "%s", fail.c_str()); return 1; }
-    for (size_t s = 0; s < S.size(); ++s)
-        for (size_t i = smem; i < EMU_DYN_SMEM; ++i)
-            if (emu_dyn_smem_buf[s][i] != 0xFF) {
-                std::snprintf(err, errlen, "wrote dynamic shared memory at byte %zu, past the %zu B the launch "
-                              "asked for (shared_mem=)", i, smem);
-                return 1;
-            }
-    return 0;
-}
+// binds the kernel and its arguments). Not a template, and in the runtime library
+// (emu_runtime.cpp): kernel builds do not compile the scheduler.
+int emu_launch_erased(void (*run)(const void*), const void* kernel, dim3 g, dim3 b, size_t smem,
+                      char* err, int errlen, unsigned long long seed, const unsigned long long* regions,
+                      int nregions, int paged, int capacity);
 
 template <typename... A>
 int emu_launch(void (*k)(A...), dim3 g, dim3 b, size_t smem, const long long* iv, const double* dv,

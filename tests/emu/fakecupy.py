@@ -501,6 +501,7 @@ _PTX_BLOCK = re.compile(r"// ---- begin ptx_insn\.cuh\n.*?\n// ---- end ptx_insn
 _PTX_SM90_BLOCK = re.compile(r"// ---- begin ptx_sm90\.cuh\n.*?\n// ---- end ptx_sm90\.cuh", re.S)
 _RUNTIME_HEADERS = ("emu_runtime.h", "emu_memory.h", "emu_ptx.h", "emu_ptx_sm90.h")
 _PCH_HEADERS = ("emu_runtime.h", "emu_memory.h")  # the precompiled part
+_LIB_SOURCES = ("emu_runtime.cpp", "emu_memory.cpp")  # the runtime library (_runtime_lib)
 # (issue 37) A module that synchronises blocks through global memory gets the memory model
 # (emu_memory.h) on its launches; others see every store at once, at no cost.
 _SYNC_RE = re.compile(r"\b(atomic\w*|__threadfence\w*|__nanosleep|volatile|signal_release|wait_acquire|"
@@ -634,6 +635,28 @@ def _pch_dir() -> str | None:
     return str(d)
 
 
+def _runtime_lib() -> Path:
+    """The emulator's runtime library: its state, the scheduler and the memory model
+    (emu_runtime.cpp, emu_memory.cpp), built once per version of them and of the headers, and
+    linked to every kernel build. A kernel build then compiles its kernels and the headers' inline
+    parts only: it had compiled the runtime too, about 1.8 of the 2.9 CPU-s a one-kernel build
+    took on the development machine."""
+    text = "".join((_HERE / f).read_text() for f in _PCH_HEADERS + _LIB_SOURCES) + " ".join(_CXX)
+    so = _BUILD / f"libemu_rt_{hashlib.sha256(text.encode()).hexdigest()[:16]}.so"
+    if not so.exists():
+        _BUILD.mkdir(exist_ok=True)
+        with _build_lock(so):
+            if not so.exists():
+                tmp = f"{so}.{os.getpid()}_{threading.get_ident()}"
+                # -O2: built once, and the scheduler's loops run at every fiber step
+                r = subprocess.run([*_CXX, "-O2", "-shared", f"-I{_HERE}", *(str(_HERE / f) for f in _LIB_SOURCES),
+                                    "-o", tmp], capture_output=True, text=True)
+                if r.returncode:
+                    raise CompileException(f"emulator runtime library build failed:\n{r.stderr[-4000:]}")
+                os.replace(tmp, so)
+    return so
+
+
 @contextlib.contextmanager
 def _build_lock(so: Path):
     """An exclusive lock on ``so``'s build among the processes of a test session (the xdist workers
@@ -669,7 +692,7 @@ class RawModule:
             src.append(f'extern "C" int emu_params_{i}(char* k, int* s, char* c) {{ return emu_params(&{e}, k, s, c); }}')
         text = "\n".join(src)
         _BUILD.mkdir(exist_ok=True)
-        runtime = "".join((_HERE / f).read_text() for f in _RUNTIME_HEADERS)
+        runtime = "".join((_HERE / f).read_text() for f in _RUNTIME_HEADERS) + _runtime_lib().name
         h = hashlib.sha256((text + runtime + " ".join(self.defines + _CXX)).encode()).hexdigest()[:16]
         so = _BUILD / f"k_{h}.so"
         if not so.exists():
@@ -684,7 +707,8 @@ class RawModule:
         cpp.write_text(text)
         pch = _pch_dir()
         inc = ([f"-I{pch}"] if pch else []) + [f"-I{_HERE}"]
-        r = subprocess.run([*_CXX, "-shared", *inc, *self.defines, str(cpp), "-o", f"{so}.{tmp}"],
+        # the runtime library by its path: the module needs it (DT_NEEDED), and the loader finds it there
+        r = subprocess.run([*_CXX, "-shared", *inc, *self.defines, str(cpp), str(_runtime_lib()), "-o", f"{so}.{tmp}"],
                            capture_output=True, text=True)
         cpp.unlink()
         if r.returncode:
