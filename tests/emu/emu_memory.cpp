@@ -103,6 +103,15 @@ static unsigned char emu_gm_seen(const EmuGmView& v, size_t i) {
     return r != EMU_GM_UNPUBLISHED && v.vc.at(w) >= r ? emu_gm.latest[i] : EMU_GM_POISON;
 }
 
+// Byte written[k] of view v may differ from a fresh block's (EmuGmView::own).
+static void emu_gm_own(EmuGmView& v, size_t k) {
+    if (v.owned.size() <= k) v.owned.resize(emu_gm.written.size(), 0);
+    if (!v.owned[k]) {
+        v.owned[k] = 1;
+        v.own.push_back(k);
+    }
+}
+
 void emu_gm_record(int s, size_t i, unsigned char x) {
     EmuGmView& me = emu_gm.views[s];
     const unsigned prev = emu_gm.wblk[i];
@@ -110,9 +119,12 @@ void emu_gm_record(int s, size_t i, unsigned char x) {
     me.img[i] = x;
     emu_gm.latest[i] = x;
     if (prev == 0) {
+        emu_gm.fresh[i] = EMU_GM_POISON;
+        emu_gm.windex[i] = emu_gm.written.size();
         emu_gm.written.push_back(i);
         emu_gm.at.push_back(emu_gm_addr(i));
     }
+    emu_gm_own(me, emu_gm.windex[i]);
     if (!mine) {
         me.dirty.push_back(i);
         for (size_t t = 0; t < emu_gm.views.size(); ++t) {
@@ -160,39 +172,16 @@ static void emu_gm_capture(int s) {
     emu_gm_protect(true);
 }
 
-// The written bytes as runs (EmuGm::runs): the bytes new since the last call are sorted and
-// merged in. Kernels write rows, so there are few runs, and copying a view is a few memcpy.
-static bool emu_gm_region_start(size_t i) {
-    for (const EmuGmRegion& r : emu_gm.regions)
-        if (r.off == i) return true;
-    return false;
+// Memory takes slot s's view at the bytes `own` lists (indices into `written`).
+static void emu_gm_put(const EmuGmView& v, const std::vector<size_t>& own) {
+    for (size_t k : own) *emu_gm.at[k] = v.img[emu_gm.written[k]];
 }
-
-static const std::vector<std::pair<size_t, size_t>>& emu_gm_runs() {
-    EmuGm& g = emu_gm;
-    if (g.runs_of == g.written.size()) return g.runs;
-    std::vector<std::pair<size_t, size_t>> all(g.runs);
-    std::vector<size_t> fresh(g.written.begin() + (long)g.runs_of, g.written.end());
-    std::sort(fresh.begin(), fresh.end());
-    for (size_t i : fresh) all.push_back({i, 1});
-    std::inplace_merge(all.begin(), all.begin() + (long)g.runs.size(), all.end());
-    g.runs.clear();
-    for (const auto& r : all) {  // a byte enters `written` once: the runs are disjoint
-        if (!g.runs.empty() && g.runs.back().first + g.runs.back().second == r.first && !emu_gm_region_start(r.first))
-            g.runs.back().second += r.second;
-        else
-            g.runs.push_back(r);
-    }
-    g.runs_of = g.written.size();
-    return g.runs;
-}
-
-// Memory takes slot s's view (the previous slot's view in it all captured): views differ only at
-// bytes written in this launch.
+// Memory takes slot s's view (the previous slot's view in it all captured). The two differ only
+// where either block wrote or acquired (EmuGmView::own).
 static void emu_gm_load_view(int s) {
     emu_gm_protect(false);
-    const unsigned char* v = emu_gm.views[s].img.data();
-    for (const auto& [i, n] : emu_gm_runs()) std::memcpy(emu_gm_addr(i), v + i, n);
+    if (emu_gm.cur >= 0) emu_gm_put(emu_gm.views[s], emu_gm.views[emu_gm.cur].own);
+    emu_gm_put(emu_gm.views[s], emu_gm.views[s].own);
     emu_gm_protect(true);
     emu_gm.cur = s;
 }
@@ -219,6 +208,8 @@ void emu_gm_begin(const unsigned long long* spans, int n, bool paged) {
     for (const EmuGmRegion& r : g.regions) std::memcpy(g.latest.data() + r.off, r.base, r.size);
     g.wblk.assign(g.bytes, 0);
     g.wrel.assign(g.bytes, 0);
+    g.windex.resize(g.bytes);
+    g.fresh = g.latest;
     if (g.paged) emu_gm_pages_begin();
 }
 
@@ -226,12 +217,18 @@ void emu_gm_block_start(int s, unsigned long long block) {
     if (!emu_gm.on) return;
     if ((int)emu_gm.views.size() <= s) emu_gm.views.resize(s + 1);
     EmuGmView& v = emu_gm.views[s];
+    const std::vector<size_t> before = std::move(v.own);  // where memory may hold the slot's last block's view
+    std::vector<unsigned char> img = std::move(v.img);    // (its allocation, reused)
     v = EmuGmView();
     v.id = (unsigned)block + 1;
-    v.img = emu_gm.latest;
     // it has acquired nothing: every byte a block of this launch wrote is poison to it (emu_gm_seen)
-    for (const auto& [i, n] : emu_gm_runs()) std::memset(v.img.data() + i, EMU_GM_POISON, n);
-    if (emu_gm.cur == s) emu_gm_load_view(s);
+    img.assign(emu_gm.fresh.begin(), emu_gm.fresh.end());
+    v.img = std::move(img);
+    if (emu_gm.cur == s) {
+        emu_gm_protect(false);
+        emu_gm_put(v, before);
+        emu_gm_protect(true);
+    }
 }
 
 void emu_gm_block_end(int s) {
@@ -270,7 +267,9 @@ void emu_gm_acquire() {
     emu_gm_protect(false);
     for (size_t k = 0; k < emu_gm.written.size(); ++k) {  // bytes nobody wrote are in the view as they were
         const size_t i = emu_gm.written[k];
-        if (!(emu_gm.wblk[i] == me.id && emu_gm.wrel[i] == EMU_GM_UNPUBLISHED)) *emu_gm.at[k] = me.img[i] = emu_gm_seen(me, i);
+        if (emu_gm.wblk[i] == me.id && emu_gm.wrel[i] == EMU_GM_UNPUBLISHED) continue;
+        *emu_gm.at[k] = me.img[i] = emu_gm_seen(me, i);
+        if (me.img[i] != EMU_GM_POISON) emu_gm_own(me, k);
     }
     emu_gm_protect(true);
 }

@@ -51,6 +51,12 @@ struct EmuGmView {                      // the block in one slot
     EmuClock carry;                     // what its strong writes carry: vc at its last release + that release
     std::vector<size_t> dirty;          // bytes it wrote and has not released
     std::vector<unsigned char> img;     // its view (while it runs: the view it was switched in with)
+    // Where img may differ from what a block that has just started sees (the bytes written in this
+    // launch poisoned, the others as before it): bytes it wrote or acquired, as indices into
+    // EmuGm::written, each once (`owned`: which are in). Elsewhere the views of the blocks in
+    // flight are equal, so a switch between two blocks copies these bytes of theirs only.
+    std::vector<size_t> own;
+    std::vector<unsigned char> owned;
 };
 struct EmuGm {
     bool on = false;
@@ -61,8 +67,8 @@ struct EmuGm {
     std::vector<unsigned> wblk, wrel;   // who wrote it in this launch (0: nobody) and which release published it
     std::vector<size_t> written;        // the bytes written in this launch (wblk != 0), in first-write order:
     std::vector<unsigned char*> at;     // the only bytes where views differ; and their addresses
-    std::vector<std::pair<size_t, size_t>> runs;  // `written` as sorted (first byte, length) runs, none across regions
-    size_t runs_of = 0;                 // how many bytes of `written` the runs hold
+    std::vector<size_t> windex;         // each written byte's index in `written`
+    std::vector<unsigned char> fresh;   // what a block starting now sees: `latest`, the bytes written in this launch poisoned
     std::unordered_map<size_t, EmuClock> sync;  // per location of strong writes: the releases they carried
     std::vector<EmuGmView> views;       // per slot
     int cur = -1;                       // the slot whose view is in memory
