@@ -58,7 +58,8 @@ inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z,
 struct EmuCtx { void* sp = nullptr; };
 // save the registers on this stack, *save = its pointer; continue on the stack at `to`. The
 // x87 and MXCSR control words are callee-saved too but never changed by a fiber: not saved.
-static __attribute__((naked, noinline)) void emu_switch_x86(void** /*save*/, void* /*to*/) {
+// noipa: callers must assume it reads and writes any memory (other fibers run meanwhile).
+static __attribute__((naked, noinline, noipa)) void emu_switch_x86(void** /*save*/, void* /*to*/) {
     __asm__("pushq %rbp\n\t" "pushq %rbx\n\t" "pushq %r12\n\t" "pushq %r13\n\t" "pushq %r14\n\t"
             "pushq %r15\n\t" "movq %rsp, (%rdi)\n\t" "movq %rsi, %rsp\n\t" "popq %r15\n\t"
             "popq %r14\n\t" "popq %r13\n\t" "popq %r12\n\t" "popq %rbx\n\t" "popq %rbp\n\t" "ret\n\t");
