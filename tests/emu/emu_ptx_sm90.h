@@ -755,5 +755,4 @@ inline void emu_sm90_tick() {
         for (EmuWgOp& op : w.ops)
             if (!op.computed && op.due <= emu_tick) emu_wgmma_compute(w, op);
 }
-static const bool emu_sm90_hooked = (emu_hook_block_begin = emu_sm90_block_begin, emu_hook_tick = emu_sm90_tick,
-                                     emu_hook_block_end = emu_sm90_block_end, true);
+static const bool emu_sm90_hooked = (emu_module_hooks = {emu_sm90_block_begin, emu_sm90_block_end, emu_sm90_tick}, true);

@@ -13,9 +13,7 @@ std::mt19937_64 emu_rng;
 unsigned long long emu_tick = 0;
 size_t emu_dyn_smem_bytes = 0;
 int emu_slot = 0;
-void (*emu_hook_block_begin)(int threads) = nullptr;
-std::string (*emu_hook_block_end)() = nullptr;
-void (*emu_hook_tick)() = nullptr;
+EmuHooks emu_hooks;
 
 alignas(128) unsigned char emu_shared_origin[128];
 alignas(1024) unsigned char emu_dyn_smem_buf[EMU_MAX_SLOTS][EMU_DYN_SMEM];
@@ -108,7 +106,7 @@ static void emu_block_start(EmuSched& S, uint3 blk, int n, size_t smem, const st
     }
     std::memset(emu_dyn_smem_buf[S.slot], 0xFF, smem);
     std::memset(emu_static_smem_buf[S.slot], 0xFF, emu_static_arena[S.slot].top);
-    if (emu_hook_block_begin) emu_hook_block_begin(n);
+    if (emu_hooks.block_begin) emu_hooks.block_begin(n);
     emu_gm_block_start(S.slot, blk.x + (unsigned long long)gridDim.x * (blk.y + (unsigned long long)gridDim.y * blk.z));
     for (int t = 0; t < n; ++t) {
         EmuFiber& f = S.f[t];
@@ -136,7 +134,7 @@ static void emu_step(EmuSched& S, int t) {
     emu_ctx_switch(S.main, f.ctx);
     ++emu_tick;
     if (S.next_due <= emu_tick) emu_deliver_due(S);
-    if (emu_hook_tick) emu_hook_tick();
+    if (emu_hooks.tick) emu_hooks.tick();
 }
 // One scheduling pass over block S; false if no fiber could move. A pass either steps every ready
 // fiber once in a fresh random order, or lets whole warps in a random order run as far as they
@@ -201,8 +199,9 @@ static bool emu_waits_for_another_block(const EmuSched& S) {
 // The launch (emu_runtime.h says what it does).
 int emu_launch_erased(void (*run)(const void*), const void* kernel, dim3 g, dim3 b, size_t smem,
                       char* err, int errlen, unsigned long long seed, const unsigned long long* regions,
-                      int nregions, int paged, int capacity) {
+                      int nregions, int paged, int capacity, const EmuHooks& hooks) {
     gridDim = g; blockDim = b;
+    emu_hooks = hooks;
     const int n = (int)(b.x * b.y * b.z);
     if (smem > EMU_DYN_SMEM) {
         std::snprintf(err, errlen, "dynamic shared memory %zu B exceeds 228 KB", smem);
@@ -282,8 +281,8 @@ int emu_launch_erased(void (*run)(const void*), const void* kernel, dim3 g, dim3
             if (!progress && !emu_waits_for_another_block(B)) fail = emu_deadlock(B);
             continue;
         }
-        if (emu_hook_block_end) {
-            const std::string e = emu_hook_block_end();
+        if (emu_hooks.block_end) {
+            const std::string e = emu_hooks.block_end();
             if (!e.empty()) { fail = e; break; }
         }
         emu_gm_block_end(B.slot);
@@ -292,6 +291,7 @@ int emu_launch_erased(void (*run)(const void*), const void* kernel, dim3 g, dim3
     }
     emu_gm_end();
     emu_s = nullptr;
+    emu_hooks = EmuHooks();
     if (!fail.empty()) { std::snprintf(err, errlen, "%s", fail.c_str()); return 1; }
     for (size_t s = 0; s < S.size(); ++s)
         for (size_t i = smem; i < EMU_DYN_SMEM; ++i)

@@ -172,11 +172,17 @@ extern size_t emu_dyn_smem_bytes;  // the launch's dynamic shared memory (shared
 extern int emu_slot;               // the slot of the block now running
 // ---- hooks for tests/emu/emu_ptx_sm90.h (issue 21): per-block state of the Hopper emulation is
 // reset when a block starts; at its end, a non-empty string is the block's error (async work
-// issued and never waited for, a barrier left mid-phase). `emu_hook_tick` runs after every fiber
+// issued and never waited for, a barrier left mid-phase). `tick` runs after every fiber
 // step: asynchronous work whose due tick has come lands there.
-extern void (*emu_hook_block_begin)(int threads);
-extern std::string (*emu_hook_block_end)();
-extern void (*emu_hook_tick)();
+// A module whose source includes that header sets its build's own hooks (emu_module_hooks);
+// emu_launch hands them to the launch, which runs them: a launch of any other module runs none.
+struct EmuHooks {
+    void (*block_begin)(int threads) = nullptr;
+    std::string (*block_end)() = nullptr;
+    void (*tick)() = nullptr;
+};
+static EmuHooks emu_module_hooks;  // this build's (internal linkage: one per kernel module)
+extern EmuHooks emu_hooks;         // the running launch's
 
 inline void emu_yield(EmuState st, unsigned gen) {
     EmuFiber& me = emu_s->f[emu_s->cur];
@@ -454,7 +460,7 @@ void emu_call(void (*k)(A...), const long long* iv, const double* dv, std::index
 // (emu_runtime.cpp): kernel builds do not compile the scheduler.
 int emu_launch_erased(void (*run)(const void*), const void* kernel, dim3 g, dim3 b, size_t smem,
                       char* err, int errlen, unsigned long long seed, const unsigned long long* regions,
-                      int nregions, int paged, int capacity);
+                      int nregions, int paged, int capacity, const EmuHooks& hooks);
 
 template <typename... A>
 int emu_launch(void (*k)(A...), dim3 g, dim3 b, size_t smem, const long long* iv, const double* dv,
@@ -465,7 +471,8 @@ int emu_launch(void (*k)(A...), dim3 g, dim3 b, size_t smem, const long long* iv
         const Bound& c = *static_cast<const Bound*>(p);
         emu_call(c.k, c.iv, c.dv, std::index_sequence_for<A...>{});
     };
-    return emu_launch_erased(run, &bound, g, b, smem, err, errlen, seed, regions, nregions, paged, capacity);
+    return emu_launch_erased(run, &bound, g, b, smem, err, errlen, seed, regions, nregions, paged, capacity,
+                             emu_module_hooks);
 }
 
 // Each parameter's kind, size, and (pointers) whether it points to const: fakecupy checks the
