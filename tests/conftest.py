@@ -206,6 +206,7 @@ def pytest_collection_modifyitems(config, items):
             if dropped:
                 config.hook.pytest_deselected(items=dropped)
                 items[:] = keep
+        items.sort(key=tiers.emulated_order)
         tiers.write_run_report(config, pairwise_dropped=len(dropped))
         return
     background = not _in_xdist(config) and not config.option.collectonly

@@ -265,6 +265,16 @@ def _stream(proc, prog: _Progress, out: list, every_s: float | None = None, show
 
 # --- all pairs of parameter values (the default emulated run) -------------------------------------
 PAIRWISE_ENV = "CUPYATTN_EMU_PAIRWISE"  # set on the sm_90 emulated run unless CUPYATTN_FULL=1
+# An emulated run starts with these files' tests (5 to 30 CPU-s each there: whole tinylm decode
+# loops, the 1024-thread sampler over many rows): a run ends when its last test does, and one of
+# them last would keep a core idle meanwhile. In file order otherwise (module fixtures stay shared).
+EMU_LONG_FILES = ("test_tinylm_gpu.py", "test_megakernel_tinylm.py", "test_fused_ops.py",
+                  "test_continuous_batching.py")
+
+
+def emulated_order(item) -> int:
+    """Sort key of an emulated run's tests (stable: pytest's order within each group)."""
+    return 0 if item.path.name in EMU_LONG_FILES else 1
 
 
 # The parameters that choose the kernel instantiation a test runs (its dtype, impl, head dim,
