@@ -365,9 +365,9 @@ template <typename T> T min(T a, T b) { return a < b ? a : b; }
 template <typename T> T max(T a, T b) { return a > b ? a : b; }
 inline long long min(long long a, int b) { return a < b ? a : b; }
 inline long long max(long long a, int b) { return a > b ? a : b; }
-// Shared memory (the static arenas, the dynamic buffers) lives in the runtime library's .bss, so a 32-bit
-// offset from one origin addresses all of it, as a .shared address does on the GPU. Each block in
-// flight (slot) has its own: static `__shared__` variables are placed in the slot's arena
+// Shared memory (the static arenas, the dynamic buffers) lives in the runtime library's .bss, so
+// a 32-bit offset from one origin addresses all of it, as a .shared address does on the GPU. Each
+// block in flight (slot) has its own: static `__shared__` variables are placed in the slot's arena
 // (fakecupy turns each declaration into an emu_static_smem call), poisoned when a block starts.
 constexpr size_t EMU_DYN_SMEM = 228 * 1024, EMU_STATIC_SMEM = 48 * 1024;
 extern unsigned char emu_shared_origin[128];
