@@ -608,12 +608,14 @@ def _cpu_has(flag: str) -> bool:
 if _cpu_has("f16c"):
     _CXX.append("-mf16c")
 
-# A g++ build costs 2 to 5 CPU-s of start-up (the emulation runtime's own code, the spec's source,
-# linking) and only 0.1 to 0.25 s more per kernel instantiation in it (measured on a 2-core
-# development machine: decode 3.4 s for one, 6.9 s for 16; flash_attn 2.1 s for one, 4.1 s for
-# 16). So the loader (cupyattn/_loader.py, _module_exprs) builds a spec's instantiations this many
-# at a time, consecutive in the spec's order for the device, the first time any of them launches.
-# 1: one build per instantiation, as NVRTC on a GPU. CUPYATTN_EMU_CHUNK sets it.
+# A g++ build costs about half a second of start-up (the spec's source, the headers' inline parts,
+# linking; the runtime is a library built once, _runtime_lib) and 0.02 to 0.3 s more per kernel
+# instantiation in it (measured on a 2-core development machine). So the loader
+# (cupyattn/_loader.py, _module_exprs) builds a spec's instantiations this many at a time,
+# consecutive in the spec's order for the device, the first time any of them launches: of the
+# instantiations the sm_90 tier launches, chunks of 16 cost the least g++ time (estimated 86
+# CPU-s; 8: 90, 4: 107, 1: 179). 1: one build per instantiation, as NVRTC on a GPU.
+# CUPYATTN_EMU_CHUNK sets it.
 _cupyattn_emulator_chunk = int(os.environ.get("CUPYATTN_EMU_CHUNK", "16"))
 if _cupyattn_emulator_chunk < 1:
     raise ValueError(f"CUPYATTN_EMU_CHUNK={_cupyattn_emulator_chunk}: expected a positive count")
@@ -695,23 +697,24 @@ class RawModule:
             src.append(f'extern "C" int emu_params_{i}(char* k, int* s, char* c) {{ return emu_params(&{e}, k, s, c); }}')
         text = "\n".join(src)
         _BUILD.mkdir(exist_ok=True)
-        runtime = "".join((_HERE / f).read_text() for f in _RUNTIME_HEADERS) + _runtime_lib().name
+        lib = _runtime_lib()
+        runtime = "".join((_HERE / f).read_text() for f in _RUNTIME_HEADERS) + lib.name
         h = hashlib.sha256((text + runtime + " ".join(self.defines + _CXX)).encode()).hexdigest()[:16]
         so = _BUILD / f"k_{h}.so"
         if not so.exists():
             with _build_lock(so):  # one build per file: another process needing it waits for it
                 if not so.exists():
-                    self._build(text, h, so)
+                    self._build(text, h, so, lib)
         self.lib = ctypes.CDLL(str(so))
 
-    def _build(self, text, h, so):
+    def _build(self, text, h, so, lib):
         tmp = f"{os.getpid()}_{threading.get_ident()}"  # private temp names, then an atomic rename
         cpp = _BUILD / f"k_{h}_{tmp}.cpp"
         cpp.write_text(text)
         pch = _pch_dir()
         inc = ([f"-I{pch}"] if pch else []) + [f"-I{_HERE}"]
         # the runtime library by its path: the module needs it (DT_NEEDED), and the loader finds it there
-        r = subprocess.run([*_CXX, "-shared", *inc, *self.defines, str(cpp), str(_runtime_lib()), "-o", f"{so}.{tmp}"],
+        r = subprocess.run([*_CXX, "-shared", *inc, *self.defines, str(cpp), str(lib), "-o", f"{so}.{tmp}"],
                            capture_output=True, text=True)
         cpp.unlink()
         if r.returncode:
