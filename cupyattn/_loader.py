@@ -386,6 +386,9 @@ def launch(fn, grid, block, args, shared_mem: int = 0, pdl: bool = False) -> Non
     ptrs, _values = kernel_params(args)
     import ctypes
 
-    err, = driver.cuLaunchKernelEx(cfg, driver.CUfunction(fn.ptr), ctypes.addressof(ptrs), 0)
+    # CuPy's RawModule.get_function gives a RawKernel, whose CUfunction is .kernel.ptr (a
+    # cupy.cuda.function.Function has .ptr itself)
+    handle = getattr(fn, "kernel", fn).ptr
+    err, = driver.cuLaunchKernelEx(cfg, driver.CUfunction(handle), ctypes.addressof(ptrs), 0)
     if err != driver.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"cuLaunchKernelEx failed: {err}")

@@ -45,6 +45,44 @@ def test_pdl_kernel_params_point_at_values_of_the_kernel_types():
         kernel_params((3,))
 
 
+def test_pdl_launch_passes_the_raw_kernels_function_handle(monkeypatch):
+    """launch(pdl=True) hands cuLaunchKernelEx the CUfunction of what RawModule.get_function
+    returns, a RawKernel: its .kernel.ptr (it has no .ptr; the H100 run of 2026-11-27 failed
+    there), with the grid, block, shared memory, stream and the serialisation attribute."""
+    import sys
+    import types
+
+    from cupyattn import _loader
+
+    seen = {}
+
+    class Attr:
+        def __init__(self):
+            self.value = types.SimpleNamespace()
+
+    def launch_ex(cfg, fn, params, extra):
+        seen.update(fn=fn, cfg=cfg, params=params)
+        return (0,)
+
+    driver = types.SimpleNamespace(
+        CUlaunchConfig=types.SimpleNamespace, CUstream=lambda p: ("stream", p), CUfunction=lambda p: ("function", p),
+        CUlaunchAttribute=Attr, cuLaunchKernelEx=launch_ex, CUresult=types.SimpleNamespace(CUDA_SUCCESS=0),
+        CUlaunchAttributeID=types.SimpleNamespace(CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION=6))
+    bindings = types.ModuleType("cuda.bindings")
+    bindings.driver = driver
+    monkeypatch.setitem(sys.modules, "cuda", types.ModuleType("cuda"))
+    monkeypatch.setitem(sys.modules, "cuda.bindings", bindings)
+    stream = types.SimpleNamespace(get_current_stream=lambda: types.SimpleNamespace(ptr=77))
+    monkeypatch.setattr(_loader, "cupy", types.SimpleNamespace(ndarray=type("ndarray", (), {}), cuda=stream))
+    raw_kernel = types.SimpleNamespace(kernel=types.SimpleNamespace(ptr=0xABC))  # no .ptr of its own
+    _loader.launch(raw_kernel, (5,), (128, 2), (np.int32(3),), shared_mem=96, pdl=True)
+    cfg = seen["cfg"]
+    assert seen["fn"] == ("function", 0xABC) and cfg.hStream == ("stream", 77) and cfg.sharedMemBytes == 96
+    dims = (cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ, cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ)
+    assert dims == (5, 1, 1, 128, 2, 1)
+    assert cfg.numAttrs == 1 and cfg.attrs[0].id == 6 and cfg.attrs[0].value.programmaticStreamSerializationAllowed == 1
+
+
 def test_fused_decode_is_default_and_pdl_opt_in():
     """The fused step is tinylm's default since an H100 run measured it faster (config.py cites
     the numbers); PDL launches stay opt-in until a GPU run times them."""
@@ -223,18 +261,23 @@ def test_gpu_pdl_flag_without_cuda_bindings_says_so(monkeypatch):
 
 @pytest.mark.gpu
 def test_gpu_pdl_flag_routes_every_fused_launch(monkeypatch, rng):
-    """With config.FUSED_DECODE_PDL every fused kernel is launched through the PDL path (here a
-    recorder that launches it plainly: the emulator has no cuLaunchKernelEx), with the same
-    results as without the flag."""
+    """With config.FUSED_DECODE_PDL every fused kernel is launched through the PDL path, with the
+    same results as without the flag: on a GPU with cuda-bindings through cuLaunchKernelEx
+    itself (a RawKernel's handle is .kernel.ptr: the H100 run of 2026-11-27 found .ptr), else
+    (the emulator has no cuLaunchKernelEx) recorded and launched plainly."""
+    import importlib.util
+
     import cupy
 
     from cupyattn import _loader, config, fused
 
+    real = not EMULATE and importlib.util.find_spec("cuda") is not None \
+        and importlib.util.find_spec("cuda.bindings") is not None
     calls = []
 
     def record(fn, grid, block, args, shared_mem=0, pdl=False):
         calls.append(pdl)
-        _loader.launch(fn, grid, block, args, shared_mem)
+        _loader.launch(fn, grid, block, args, shared_mem, pdl=pdl and real)
 
     x0, _ = _w(rng, (3, 64), "float16")
     g, _ = to_device(1 + 0.1 * rng.standard_normal(64), "float16")
