@@ -95,6 +95,8 @@ def _parser() -> argparse.ArgumentParser:
         if name == "decode":
             p.add_argument("--ragged", type=int, metavar="SEED",
                            help="cached lengths 128 .. Sk per sequence, drawn from SEED (a continuous-batching step)")
+            p.add_argument("--splits", type=int, metavar="N",
+                           help="split-kv's split count (default: the automatic choice, decode.choose_num_splits)")
         p.add_argument("--causal", action="store_true",
                        help="causal mask, bottom-right aligned" if name == "attention"
                        else "ignored: a decode query sees its whole cache")

@@ -186,7 +186,7 @@ def make_impl(case, name: str, inp):
     if name in ("split-kv", "unsplit"):
         from cupyattn.decode import decode_attention
 
-        ns = None if name == "split-kv" else 1
+        ns = case.p.get("splits") if name == "split-kv" else 1  # None: the automatic count
         return lambda: decode_attention(q, inp["cache"], 0, num_splits=ns, out=out)
     if name == "split-kv-waves":
         from cupyattn.decode import decode_attention

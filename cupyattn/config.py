@@ -525,13 +525,31 @@ ATTN_WGMMA_STAGE_CHOICES = (2, 3, 4)   # what benchmarks.tune may try (shared me
 # vs 5.108), bf16 D=128 causal 1.569 vs 2.207, fp16 D=128 GQA (8 KV heads) causal 1.061 vs 2.204.
 # bf16 at D=64 and 256 passed the GPU tier but were not timed: they keep flash_mma.
 ATTN_AUTO_WGMMA = ((FLOAT16, 64), (FLOAT16, 128), (FLOAT16, 256), (BFLOAT16, 128))
+# impl=None of each entry point takes wgmma_persistent on sm_90 for these (dtype, head dim) pairs:
+# shown correct by the GPU tier and faster than the previous default in the same run. H100,
+# 2026-11-27 (benchmarks/results/2026-11-27-h100, commit 0b5fe26, medians of 10, fp16 unless said):
+#   attention_varlen, ragged B=16 H=32 lengths 64..4096: D=128 causal 3.223 ms vs flash_mma 6.196
+#     (torch SDPA 3.457), non-causal 5.548 vs 6.310; D=64 causal 2.621 vs 5.469. Equal lengths
+#     packed (B=4 H=32 S=4096): D=128 2.132 vs 4.299 (causal 1.946 vs 4.075; GQA 8 KV heads causal
+#     1.634 vs 4.095), D=64 1.413 vs 1.960 (causal 1.588 vs 3.617), D=256 4.880 vs 11.17 (causal
+#     2.155 vs 7.608), bf16 D=128 causal 1.918 vs 4.064;
+#   attention_paged, B=4 H=32/8 Sq=1024 over 4096 cached keys, D=128 causal: pages of 16 tokens
+#     0.788 vs 1.864, 64: 0.682 vs 1.893, 256: 0.683 vs 1.888 (SDPA on the keys contiguous 0.74);
+#   attention, causal only: D=256 2.224 vs wgmma (v3) 3.149 (non-causal v3 stays: 3.598 vs 4.197;
+#     at D=64 and 128 v3 was faster, causal too: 0.922 vs 1.634, 1.575 vs 1.967).
+# Not timed (they keep the previous default): bf16 except varlen D=128, paged at D=64 and 256.
+# The run's racecheck reported hazards between the scheduler's work-slot stores and the loader
+# lanes' reads (a lane-0 release after __syncwarp); every loader lane releases since (08ca433).
+ATTN_AUTO_PERSISTENT = {
+    "attention": ((FLOAT16, 256),),   # causal calls only
+    "attention_varlen": ((FLOAT16, 64), (FLOAT16, 128), (FLOAT16, 256), (BFLOAT16, 128)),
+    "attention_paged": ((FLOAT16, 128),),
+}
 
 # impl="wgmma_persistent" (kernels_cu/flash_attn_sm90_persistent.cu, v4): v3's tile and pipeline
 # (ATTN_WGMMA_TILES, ATTN_WGMMA_REGS) in a persistent grid of one block per SM with a tile scheduler;
-# also window, softcap, packed (attention_varlen) and paged (attention_paged) sequences. Not yet run
-# on a GPU: explicit impl="wgmma_persistent" only (impl=None of attention, attention_varlen and
-# attention_paged never takes it) until a GPU run shows it correct and faster in the same run
-# (benchmarks: the attention-causal sweep, the varlen and paged cases; gpu_run.sh prefill).
+# also window, softcap, packed (attention_varlen) and paged (attention_paged) sequences. First run
+# on a GPU 2026-11-27 (H100): impl=None takes it where ATTN_AUTO_PERSISTENT (above) says.
 # v4's tiles: v3's, except where v4's own registers do not fit beside them (ptxas, NVRTC 12.9,
 # sm_90a: no spills in any entry). v4's producer warpgroup runs a loader warp and a scheduler warp
 # in 40 registers, leaving the consumers 232 (v3's budget); at D=256 the overlapped softmax (S 32

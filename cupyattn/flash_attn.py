@@ -5,7 +5,7 @@ and softmax.
 Layout ``[B, H, S, D]``; K/V may have fewer heads than Q (GQA/MQA); causal masks with Sq != Sk
 are aligned bottom-right. See ``kernels_cu/flash_attn.cu`` for the kernel and its tile table;
 ``impl="wgmma"`` (Hopper) lives in :mod:`cupyattn.flash_attn_sm90`, ``impl="wgmma_persistent"``
-(Hopper, opt-in: not yet run on a GPU) in :mod:`cupyattn.flash_attn_sm90_persistent`.
+(Hopper; impl=None takes it for causal fp16 at D = 256) in :mod:`cupyattn.flash_attn_sm90_persistent`.
 """
 from __future__ import annotations
 
@@ -261,8 +261,12 @@ def _check_args(q, k, v, causal, scale, mask, key_lengths, impl, return_lse, out
     used = [o for o, on in (("causal", causal), ("window", window_used), ("softcap", cap > 0),
                             ("mask", mask is not None), ("key_lengths", key_lengths is not None),
                             ("scale", scale is not None), ("return_lse", return_lse), ("out", out is not None)) if on]
-    # impl=None takes wgmma where measured faster (config.ATTN_AUTO_WGMMA), for the options it has
-    if auto and options.supports(_FN, "wgmma", used) and _sm90.auto_takes(q, k, v):
+    # impl=None takes a Hopper kernel where measured faster (config.ATTN_AUTO_PERSISTENT: causal
+    # calls; ATTN_AUTO_WGMMA), for the options it has and operands TMA can read
+    if (auto and causal and q.size and sk and options.supports(_FN, "wgmma_persistent", used)
+            and _sm90p.auto_takes(_FN, q, lambda: _sm90p.dense_ops(q, k, v), b)):
+        impl = "wgmma_persistent"
+    elif auto and options.supports(_FN, "wgmma", used) and _sm90.auto_takes(q, k, v):
         impl = "wgmma"
     options.check(_FN, _FN, impl, used, "impl=None picks a path that implements it")
     if impl == "wgmma":
@@ -326,8 +330,9 @@ def attention(q, k, v, causal=False, scale=None, mask=None, key_lengths=None, im
         them; no window or softcap (ValueError; impl=None takes flash_mma for them).
         ``"wgmma_persistent"``: its persistent variant (cupyattn/flash_attn_sm90_persistent.py:
         one block per SM, tiles longest first in L2-sized head sections), the same inputs and
-        options, window and softcap included. Opt-in (impl=None never takes it): **not yet run
-        on a GPU**.
+        options, window and softcap included; impl=None takes it for causal calls of the
+        (dtype, D) pairs of config.ATTN_AUTO_PERSISTENT["attention"] (fp16 at D = 256, measured
+        faster than wgmma on an H100; wgmma stays faster elsewhere).
     return_lse : bool
         Also return the row log-sum-exp of the scaled, masked scores.
     out : cupy.ndarray [B, Hq, Sq, D], optional

@@ -5,9 +5,10 @@ SM takes tile after tile, longest first within L2-sized head sections
 (:func:`cupyattn.config.attn_wgmma_heads_per_section`), from a counter in global memory where
 tiles are unequal (causal, windows, key lengths, packed and paged sequences). It also reads
 packed sequences (``attention_varlen``) and paged keys (``attention_paged``), and implements
-``window`` and ``softcap``. Reached only by an explicit ``impl="wgmma_persistent"`` of
-``attention``, ``attention_varlen`` and ``attention_paged``: **not yet run on a GPU** (CPU
-emulator only), so impl=None never takes it (cupyattn/options.py lists what it implements).
+``window`` and ``softcap``. ``impl="wgmma_persistent"`` of ``attention``, ``attention_varlen``
+and ``attention_paged``; impl=None takes it on sm_90 where an H100 run (2026-11-27) measured it
+faster than the previous default (config.ATTN_AUTO_PERSISTENT: packed and paged sequences, causal
+attention at D = 256) and TMA can read the operands (cupyattn/options.py lists what it implements).
 
 Inputs as v3 takes them (float16 / bfloat16, D of 64, 128 or 256, what TMA can read: 16-byte
 aligned base and strides that are positive multiples of 16 bytes: no broadcast or reversed
@@ -119,6 +120,19 @@ def check_launch(fn: str, impl: str, ops, q, b: int) -> None:
     if max_tiles(q, b) > INT32_MAX:
         raise ValueError(f"{fn}(): impl={impl!r} counts its tiles (128 queries of one head) in int32: "
                          f"{max_tiles(q, b)} is over 2^31-1")
+
+
+def auto_takes(fn: str, q, ops, b: int) -> bool:
+    """Whether impl=None of entry point ``fn`` runs this kernel: on sm_90, for the (dtype, head
+    dim) pairs of config.ATTN_AUTO_PERSISTENT[fn] (measured faster on a GPU), operands that TMA
+    can read (``ops()``: dense_ops, varlen_ops or paged_ops of the call, built only for such a
+    pair) and tiles that fit int32; else the previous default runs, refusing nothing."""
+    d = q.shape[-1]
+    if (np.dtype(q.dtype), d) not in C.ATTN_AUTO_PERSISTENT.get(fn, ()) or d not in C.ATTN_WGMMA_PERSISTENT_TILES:
+        return False
+    if not C.impl_runs_on("attention", IMPL, q.dtype, _loader.device_compute_capability()):
+        return False
+    return operand_problem(ops(), q.dtype) is None and max_tiles(q, b) <= INT32_MAX
 
 
 def check_pages(fn: str, impl: str, page_size: int) -> None:

@@ -63,12 +63,15 @@ ENTRY_OPTIONS = {
 }
 # How impl=None / "auto" chooses, per entry point (the docs' note; the code is each module's).
 DEFAULTS = {
-    "attention": "impl=None: `wgmma` on sm_90 for config.ATTN_AUTO_WGMMA's (dtype, D) pairs when it "
-                 "implements every option of the call and TMA can read q, k, v; else `flash_mma` "
-                 "(fp16/bf16 where the device has it), else `flash`; never `wgmma_persistent`",
-    "attention_varlen": "impl=None: `flash_mma` for fp16/bf16 where the device has it, else `flash`; never "
-                        "`wgmma_persistent`",
-    "attention_paged": "impl=None: as attention_varlen",
+    "attention": "impl=None: on sm_90, `wgmma_persistent` for causal calls of "
+                 "config.ATTN_AUTO_PERSISTENT['attention']'s (dtype, D) pairs (fp16, D=256), else `wgmma` for "
+                 "config.ATTN_AUTO_WGMMA's, each when it implements every option of the call and TMA can read "
+                 "q, k, v; else `flash_mma` (fp16/bf16 where the device has it), else `flash`",
+    "attention_varlen": "impl=None: on sm_90 `wgmma_persistent` for config.ATTN_AUTO_PERSISTENT's (dtype, D) "
+                        "pairs (fp16 at D=64, 128, 256; bf16 at D=128) when TMA can read q, k, v; else "
+                        "`flash_mma` for fp16/bf16 where the device has it, else `flash`",
+    "attention_paged": "impl=None: as attention_varlen, `wgmma_persistent` for fp16 at D=128 with NHD pages "
+                       "of 8 tokens or more",
     "decode_attention": "impl='auto': `mma` for fp16/bf16 with a GQA group of 4 or more where the device "
                         "has it, else `simt`",
     "decode_attention_paged": "impl='auto': as decode_attention; PagedKVCache.decode(q, layer, **kw) "
@@ -114,12 +117,9 @@ LAYOUT_INPUTS = {
 }
 LAYOUTS = ("gqa", "broadcast", "strided", "negative_stride")
 # (entry point, impl) -> what else the docs say of the path (conditions on no single option)
-NOT_ON_GPU = "opt-in, not yet run on a GPU (CPU emulator only): only an explicit impl= takes it"
 PATH_NOTES = {
-    ("attention", "wgmma_persistent"): NOT_ON_GPU,
-    ("attention_varlen", "wgmma_persistent"): NOT_ON_GPU,
-    ("attention_paged", "wgmma_persistent"): NOT_ON_GPU + "; pages of at least config.ATTN_WGMMA_MIN_PAGE "
-                                             "(8) tokens, else a ValueError naming page_size",
+    ("attention_paged", "wgmma_persistent"): "pages of at least config.ATTN_WGMMA_MIN_PAGE (8) tokens, else a "
+                                             "ValueError naming page_size",
 }
 
 

@@ -14,10 +14,11 @@ The kernels are the serving variants of the contiguous ones (``SERVING = true``)
 ``kernels_cu/decode.cu`` (split-KV, GQA packing, tensor cores) with K/V rows looked up through
 the table once per 16-byte load, or, with config.DECODE_PAGE_STAGING, with each split's page ids
 staged in shared memory ahead of its K/V ring (``STAGED``); chunked prefill is
-``kernels_cu/flash_attn.cu``; appends are ``kernels_cu/kvcache.cu``. Those ran on an H100
-(2026-11-26); the HND layout, the staged page ids and ``impl="wgmma_persistent"`` (the
-persistent Hopper kernel, NHD pages of at least 8 tokens) have not run on a GPU yet (CPU
-emulator only) and are opt-in.
+``kernels_cu/flash_attn.cu``, or on sm_90 ``impl="wgmma_persistent"`` (the persistent Hopper
+kernel, NHD pages of at least 8 tokens; impl=None takes it for fp16 at D = 128, measured faster
+on an H100: config.ATTN_AUTO_PERSISTENT); appends are ``kernels_cu/kvcache.cu``. Those ran on an
+H100 (2026-11-26, 2026-11-27: GPU tier); the HND layout and the staged page ids have been
+compiled and emulated and passed the GPU tier of 2026-11-27, but have not been timed: opt-in.
 """
 from __future__ import annotations
 
@@ -202,11 +203,11 @@ def attention_paged(q, k_pages, v_pages, block_table, seq_lens, cu_seqlens_q=Non
         (lse is [B, Hq, Sq] for 4-D q, [Hq, total_q] for packed q). impl="wgmma_persistent"
         (the persistent Hopper kernel) reads each key tile's pages by TMA, one copy per page of
         the tile, the tile's page ids read once by its loader warp; it needs page_size >= 8
-        (``config.ATTN_WGMMA_MIN_PAGE``: smaller pages would take a copy per 1-4 rows); flash_mma
-        takes any page size.
+        (``config.ATTN_WGMMA_MIN_PAGE``: smaller pages would take a copy per 1-4 rows) and NHD
+        pages; flash_mma takes any page size and layout. impl=None takes wgmma_persistent on sm_90
+        for fp16 at D = 128 with NHD pages of 8 tokens or more (config.ATTN_AUTO_PERSISTENT),
+        else flash_mma (fp16/bf16) or flash.
     out : cupy.ndarray shaped like q, optional
-
-    **Not yet run on a GPU.**
     """
     fn = "attention_paged"
     _checks.check_bool(fn, "causal", causal)
@@ -222,9 +223,13 @@ def attention_paged(q, k_pages, v_pages, block_table, seq_lens, cu_seqlens_q=Non
     if q3.ndim == 4:  # the checks take [*, Hq, D]
         q3 = q[:, :, 0] if sq else cupy.empty((b, hq, d), dtype=q.dtype)
     layout = check_layout(fn, layout)
+    auto = impl is None
     impl, hq, hkv, d, ps, host, lens = _check_pages(fn, q3, k_pages, v_pages, block_table, seq_lens, impl, b, layout)
     check_grid(fn, b, hq)
-    if impl == _sm90p.IMPL:
+    if (auto and layout == "NHD" and ps >= config.ATTN_WGMMA_MIN_PAGE and q.size
+            and _sm90p.auto_takes(fn, q, lambda: _sm90p.paged_ops(q, k_pages, v_pages), b)):
+        impl = _sm90p.IMPL  # NHD pages of 8 tokens or more: every other option it implements
+    elif impl == _sm90p.IMPL:
         options.check(fn, fn, impl, ["hnd_pages"] if layout == "HND" else [])
         _sm90p.check_pages(fn, impl, ps)
         if q.size:  # (nothing is launched otherwise)

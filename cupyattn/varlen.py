@@ -22,7 +22,7 @@ from .flash_attn import Serving, _flash, check_flash_mma_device, check_window_so
 
 FUSED_IMPLS = ("flash", "flash_mma")
 # Hopper: the persistent wgmma kernel (packed and paged addressing; v3, attention()'s "wgmma", has
-# neither). Opt-in, not yet run on a GPU: impl=None never takes it.
+# neither). impl=None takes it where config.ATTN_AUTO_PERSISTENT says (_sm90p.auto_takes).
 IMPLS = FUSED_IMPLS + (_sm90p.IMPL,)
 
 
@@ -163,14 +163,15 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     out : cupy.ndarray [total_q, Hq, D], optional
         C-contiguous, q's dtype, not overlapping the inputs.
     impl : {None, "flash", "flash_mma", "wgmma_persistent"}
-        As attention(): None is tensor cores for fp16/bf16 (flash_mma), SIMT for float32.
+        None: "wgmma_persistent" on sm_90 for fp16 at D of 64, 128 and 256 and bf16 at D = 128
+        (config.ATTN_AUTO_PERSISTENT, measured faster on an H100) when TMA can read q, k, v; else
+        tensor cores for fp16/bf16 (flash_mma), SIMT for float32.
         "wgmma_persistent": the persistent Hopper kernel (cupyattn/flash_attn_sm90_persistent.py;
         sm_90, fp16/bf16, D of 64, 128 or 256, q, k, v that TMA can read: no broadcast or
         reversed view), per-sequence tile bounds, causal and window tiles skipped per sequence.
-        Opt-in (impl=None never takes it): **not yet run on a GPU**.
 
     Rows that see no key (an empty key sequence, a window that hides every key) are zeros with
-    lse -inf, as in attention(). **Not yet run on a GPU** (CPU emulator only).
+    lse -inf, as in attention().
 
     Examples
     --------
@@ -182,6 +183,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     fn = "attention_varlen"
     _checks.check_bool(fn, "causal", causal)
     _checks.check_bool(fn, "return_lse", return_lse)
+    auto = impl is None
     impl, hq, hkv, d = check_packed(fn, q, k, v, impl)
     if k.ndim != 3:
         raise ValueError(f"{fn}(): k must be [total_k, Hkv, D], got shape {tuple(k.shape)}")
@@ -192,7 +194,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     max_q = check_max_seqlen(fn, "max_seqlen_q", max_seqlen_q, hcq)
     max_k = check_max_seqlen(fn, "max_seqlen_k", max_seqlen_k, hck)
     check_grid(fn, b, hq)
-    if impl == _sm90p.IMPL and q.size and k.size:  # (nothing is launched otherwise)
+    if auto and q.size and k.size and _sm90p.auto_takes(fn, q, lambda: _sm90p.varlen_ops(q, k, v), b):
+        impl = _sm90p.IMPL  # (it implements every option of this entry point: cupyattn/options.py)
+    elif impl == _sm90p.IMPL and q.size and k.size:  # (nothing is launched otherwise)
         _sm90p.check_launch(fn, impl, _sm90p.varlen_ops(q, k, v), q, b)
     win, cap = check_window_softcap(fn, window, softcap, causal)
     scale = 1.0 / math.sqrt(d) if scale is None else _checks.check_real(fn, "scale", scale)

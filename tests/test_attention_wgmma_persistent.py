@@ -377,24 +377,63 @@ def test_argument_checks(rng):
 
 
 @pytest.mark.gpu
-def test_impl_none_never_takes_v4(rng, monkeypatch):
-    """The defaults are unchanged: impl=None runs v3 (or flash_mma) for plain calls, flash_mma for
-    window / softcap (never v4, which has not run on a GPU), and flash_mma for varlen and paged
-    prefill (pages of 16, which v4 takes)."""
+def test_impl_none_takes_v4_where_measured(rng, grid, monkeypatch):
+    """impl=None runs v4 for the (dtype, D) pairs of config.ATTN_AUTO_PERSISTENT (measured faster
+    on an H100, 2026-11-27) and inputs it can launch on, with the reference's results; the
+    previous default elsewhere: attention non-causal (v3), pairs outside the table, operands TMA
+    cannot read (a broadcast key), pages under 8 tokens and HND pages."""
     _hopper()
+    import cupy
+
     import cupyattn
 
     calls = []
-    monkeypatch.setattr(P, "launch", lambda *a, **k: calls.append(1))
+    real = P.launch
+    monkeypatch.setattr(P, "launch", lambda fn, *a, **k: calls.append(fn) or real(fn, *a, **k))
+    f16 = np.dtype(np.float16)
+    monkeypatch.setattr(config, "ATTN_AUTO_PERSISTENT", {"attention": ((f16, 64),), "attention_varlen": ((f16, 64),),
+                                                         "attention_paged": ((f16, 64),)})
     (q, qr), (k, kr) = (to_device(rand_with_outliers(rng, s), "float16") for s in ((1, 2, 40, 64), (1, 1, 70, 64)))
-    assert_close(FA.attention(q, k, k, causal=True, window=(5, 0), softcap=3.0),
-                 ref.attention(qr, kr, kr, causal=True, window=(5, 0), softcap=3.0), "float16")
-    FA.attention(q, k, k)
-    (qv, kv, vv), _, cq, ck = _packed(rng, [5, 9], [5, 9], 2, 1, 64, "float16")
-    cupyattn.attention_varlen(qv, kv, vv, cq, ck, 9, 9, causal=True)
-    kd, vd, table, *_ = _shuffled_pages(rng, [9, 20], 16, 1, 64, "float16")
-    cupyattn.attention_paged(qv, kd, vd, table, [9, 20], cu_seqlens_q=cq, max_seqlen_q=9, causal=True)
+    for causal, window, softcap, runs in ((True, None, None, ["attention"]), (True, (5, 0), 3.0, ["attention"]),
+                                          (False, None, None, [])):
+        calls.clear()
+        want = ref.attention(qr, kr, kr, causal=causal, window=window, softcap=softcap)
+        got = FA.attention(q, k, k, causal=causal, window=window, softcap=softcap, out=nan_like(q.shape, "float16"))
+        assert_close(got, want, "float16")
+        assert calls == runs, (causal, window, calls)
+    calls.clear()
+    bcast = cupy.broadcast_to(k[:, :, :1], k.shape)  # a 0 key stride: TMA cannot read it
+    want = ref.attention(qr, kr, np.broadcast_to(kr[:, :, :1], kr.shape), causal=True)
+    assert_close(FA.attention(q, k, bcast, causal=True, out=nan_like(q.shape, "float16")), want, "float16")
     assert calls == []
+
+    (qv, kv, vv), (qvh, kvh, vvh), cq, ck = _packed(rng, [5, 9], [5, 9], 2, 1, 64, "float16")
+    want = ref.attention_varlen(qvh, kvh, vvh, cq, ck, causal=True)
+    got = cupyattn.attention_varlen(qv, kv, vv, cq, ck, 9, 9, causal=True, out=nan_like(qv.shape, "float16"))
+    assert_close(got, want, "float16")
+    assert calls == ["attention_varlen"]
+    calls.clear()
+    cupyattn.attention_varlen(qv.astype(cupy.float32), kv.astype(cupy.float32), vv.astype(cupy.float32), cq, ck, 9, 9)
+    assert calls == []  # float32: flash
+
+    lens = [9, 20]
+    for page, layout, runs in ((16, "NHD", ["attention_paged"]), (4, "NHD", []), (16, "HND", [])):
+        calls.clear()
+        kd, vd, table, kh, vh, th = _shuffled_pages(rng, lens, page, 1, 64, "float16", layout=layout)
+        want = ref.attention_paged(qvh, cq, kh, vh, th, lens, causal=True)
+        got = cupyattn.attention_paged(qv, kd, vd, table, lens, cu_seqlens_q=cq, max_seqlen_q=9, causal=True,
+                                       layout=layout, out=nan_like(qv.shape, "float16"))
+        assert_close(got, want, "float16")
+        assert calls == runs, (page, layout, calls)
+    _counter_is_zero()
+
+
+def test_impl_none_table_names_built_pairs():
+    """config.ATTN_AUTO_PERSISTENT names the entry points that read it and (dtype, D) pairs the
+    kernel is built for."""
+    assert set(config.ATTN_AUTO_PERSISTENT) == {"attention", "attention_varlen", "attention_paged"}
+    for pairs in config.ATTN_AUTO_PERSISTENT.values():
+        assert all(dt in config.MMA_DTYPES and d in config.ATTN_WGMMA_PERSISTENT_TILES for dt, d in pairs)
 
 
 # --- the benchmark rows of issue 38 (the CLI end to end on tiny cases) ---------------------------------

@@ -228,6 +228,25 @@ def test_issue39_cases_and_impls():
     assert one.p["ragged"] == 3 and specs.decode_lengths(one.p)[0] <= 1000
 
 
+def test_decode_splits_option_fixes_split_kvs_count(monkeypatch):
+    """`decode --splits N`: the case says so in its name, split-kv calls decode_attention with
+    num_splits=N (the automatic count without it), unsplit with 1."""
+    from benchmarks import cases
+    from cupyattn import decode
+
+    seen = []
+    monkeypatch.setattr(decode, "decode_attention", lambda q, cache, layer, num_splits=None, out=None:
+                        seen.append(num_splits))
+    inp = {"q": None, "k": None, "v": None, "cache": None, "out": None, "lens": None}
+    for argv, want in ((["--splits", "33"], [33, 1]), ([], [None, 1])):
+        (case,) = plan(_parser().parse_args(["decode", "--B", "1", "--Sk", "131072", *argv]))
+        assert case.shape.endswith(" splits33") == bool(argv) and case.p.get("splits") == (33 if argv else None)
+        seen.clear()
+        for name in ("split-kv", "unsplit"):
+            cases.make_impl(case, name, inp)()
+        assert seen == want
+
+
 def test_our_impl_names_follow_the_op_modules():
     from benchmarks import cases
 
