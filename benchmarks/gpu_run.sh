@@ -180,9 +180,9 @@ sanitize_tool() {  # sanitize_tool TOOL [--only FAMILIES]; SANITIZE_KERNEL=subst
 }
 
 # What the H100 run of 2026-11-27 (benchmarks/results/2026-11-27-h100) left to confirm, first:
-# the fixed tests, racecheck over the persistent attention kernel alone (its loader lanes now
-# release the work slot themselves), and decode B1 Hq32 Hkv8 131072 keys (split-kv 3.1 ms there,
-# 0.21 ms the day before) with fixed split counts beside the automatic one.
+# the fixed tests, racecheck over the persistent attention kernel alone (its work-slot reports:
+# docs/hopper.md names the candidate change to run it with), and decode B1 Hq32 Hkv8 131072 keys
+# (split-kv 3.1 ms there, 0.21 ms the day before) at fixed split counts beside the automatic one.
 run_recheck() {
     local h=(--warmup 3 --debug --no-progress) n
     step "recheck tests" "$OUT/pytest-recheck.log" "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider -n 8 \

@@ -43,11 +43,8 @@
 // barriers and two work slots. The rings, with their owners:
 //   work  2 slots of Fa3Work   the scheduler warp writes one, arrives on full; the loader warp and
 //                              the consumers read it in place (the registers are the pipeline's):
-//                              every thread that read it arrives on empty itself, a loader lane
-//                              once the tile's copies are issued, a consumer thread once the tile
-//                              is stored (count 288; an arrive by lane 0 after a __syncwarp was
-//                              as correct, but compute-sanitizer's racecheck does not carry a
-//                              __syncwarp into an mbarrier: H100, 2026-11-27)
+//                              the loader's lane 0 arrives on empty once the tile's copies are
+//                              issued, every consumer thread once the tile is stored (count 257)
 //   q     1 slot (Q_i)         loader: expect_tx + TMA; the consumers' leaders release it once
 //                              the tile's last S = Q K^T has retired (count 2)
 //   k, v  STAGES slots each    as v3; the rings run on across tiles (stage and phase carry over)
@@ -133,7 +130,8 @@ __device__ __forceinline__ void fa3p_load(const TmaMap* map_q, const TmaMap* map
             }
             vring.advance();
         }
-        wring.release(wring.stage);                       // every lane: done with the slot
+        __syncwarp();                                     // every lane is done with the slot
+        if (lane == 0) wring.release(wring.stage);
         wring.advance();
     }
 }
@@ -326,7 +324,7 @@ flash_attn_wgmma_persistent(const __grid_constant__ TmaMap map_q,   // q, see th
         kring.init(FA3_CONSUMERS);
         vring.init(FA3_CONSUMERS);
         qring.init(FA3_CONSUMERS);
-        wring.init(128 * FA3_CONSUMERS + 32);          // every consumer thread and loader lane
+        wring.init(128 * FA3_CONSUMERS + 1);           // every consumer thread and the loader
         mbar_init(&tail_bar, 1);
         mbar_fence_init();
     }

@@ -31,6 +31,9 @@ BLOCK = 5  # options per combined case: every pair of options meets in at least 
 SETUP = {"flash": ("float32", 32), "flash_mma": ("float16", 32), "naive": ("float16", 32),
          "wgmma": ("float16", 64), "wgmma_persistent": ("float16", 64),
          None: ("float16", 64),   # attention's impl=None: wgmma's pairs on sm_90
+         # the packed entry points' impl=None: pairs where sm_90 takes wgmma_persistent
+         # (config.ATTN_AUTO_PERSISTENT), flash_mma elsewhere
+         ("attention_varlen", None): ("float16", 64), ("attention_paged", None): ("float16", 128),
          "simt": ("float32", 32), "mma": ("float16", 32), "auto": ("float16", 32)}
 # options whose absence changes the reference: a path that ignores one of them cannot pass
 CHANGES_VALUES = ("causal", "window", "softcap", "scale", "mask", "key_lengths")
@@ -47,9 +50,10 @@ def table_entry(entry):
 
 def setup(entry, impl):
     """(dtype, head dim) of a path; impl None is the dispatch's choice: as attention's at D = 64
-    (where sm_90 takes wgmma), as flash_mma's for the packed entry points, "auto" for decode."""
+    (where sm_90 takes wgmma), for the packed entry points where sm_90 takes wgmma_persistent,
+    "auto" for decode."""
     if impl is None and entry != "attention":
-        return SETUP["auto" if entry.startswith(("decode", "Paged")) else "flash_mma"]
+        return SETUP.get((entry, None)) or SETUP["auto"]
     return SETUP[impl]
 
 
@@ -77,8 +81,9 @@ def covering(opts, size=BLOCK):
 def cases(entry, impl):
     """The option sets to run for ``impl`` of ``entry``: none, each alone, the pair covering of
     those it implements, each refused one beside out=. Where the path is another's under a
-    choice that no option changes (impl=None of the packed and decode entry points: the default
-    impl of the dtype; PagedKVCache.decode: decode_attention_paged's), each option alone."""
+    choice that no option refuses (impl=None of the packed and decode entry points: an explicit
+    impl's path, or its fallback where the kernel cannot take the call; PagedKVCache.decode:
+    decode_attention_paged's), each option alone."""
     opts = [o for o in O.ENTRY_OPTIONS[table_entry(entry)]
             if not (entry == "PagedKVCache.decode" and o == "device_lengths")]  # the cache's are on the device
     singles = [()] + [(o,) for o in opts]
@@ -221,12 +226,12 @@ class Case:
 
     def _pages(self, lens):
         """Shuffled pages of 4 tokens holding ``lens`` keys and values (test_serving's), of 8 for
-        wgmma_persistent, which takes no smaller page (config.ATTN_WGMMA_MIN_PAGE); in the HND
-        layout under hnd_pages."""
+        wgmma_persistent, which takes no smaller page (config.ATTN_WGMMA_MIN_PAGE), and for
+        impl=None, which takes it there on sm_90; in the HND layout under hnd_pages."""
         import cupy
         from test_serving import _shuffled_pages
 
-        page = 8 if self.impl == "wgmma_persistent" else 4
+        page = 8 if self.impl in ("wgmma_persistent", None) else 4
         layout = "HND" if "hnd_pages" in self.opts else "NHD"
         if layout == "HND":
             self.kw["layout"] = layout
