@@ -111,28 +111,37 @@ def max_tiles(q, b: int) -> int:
     return q.shape[1] * (-(-q.shape[0] // bm) + b)
 
 
-def check_launch(fn: str, impl: str, ops, q, b: int) -> None:
-    """Before anything is allocated: TMA can read every operand of ``ops``, and the launch's tiles
-    (:func:`max_tiles`, over ``b`` sequences) fit the kernel's int32 tile indices."""
+def launch_problem(fn: str, impl: str, ops, q, b: int) -> str | None:
+    """Why this launch cannot run (the message check_launch raises), or None: TMA can read every
+    operand of ``ops``, and the launch's tiles (:func:`max_tiles`, over ``b`` sequences) fit the
+    kernel's int32 tile indices."""
     why = operand_problem(ops, q.dtype)
     if why is not None:
-        raise ValueError(f"{fn}(): impl={impl!r} needs q, k, v that TMA can read: {why} (use impl='flash_mma')")
+        return f"{fn}(): impl={impl!r} needs q, k, v that TMA can read: {why} (use impl='flash_mma')"
     if max_tiles(q, b) > INT32_MAX:
-        raise ValueError(f"{fn}(): impl={impl!r} counts its tiles (128 queries of one head) in int32: "
-                         f"{max_tiles(q, b)} is over 2^31-1")
+        return (f"{fn}(): impl={impl!r} counts its tiles (128 queries of one head) in int32: "
+                f"{max_tiles(q, b)} is over 2^31-1")
+    return None
+
+
+def check_launch(fn: str, impl: str, ops, q, b: int) -> None:
+    """Before anything is allocated: ValueError with :func:`launch_problem`'s reason, if any."""
+    why = launch_problem(fn, impl, ops, q, b)
+    if why is not None:
+        raise ValueError(why)
 
 
 def auto_takes(fn: str, q, ops, b: int) -> bool:
     """Whether impl=None of entry point ``fn`` runs this kernel: on sm_90, for the (dtype, head
-    dim) pairs of config.ATTN_AUTO_PERSISTENT[fn] (measured faster on a GPU), operands that TMA
-    can read (``ops()``: dense_ops, varlen_ops or paged_ops of the call, built only for such a
-    pair) and tiles that fit int32; else the previous default runs, refusing nothing."""
+    dim) pairs of config.ATTN_AUTO_PERSISTENT[fn] (measured faster on a GPU), when
+    :func:`launch_problem` finds none (``ops()``: dense_ops, varlen_ops or paged_ops of the call,
+    built only for such a pair); else the previous default runs, refusing nothing."""
     d = q.shape[-1]
     if (np.dtype(q.dtype), d) not in C.ATTN_AUTO_PERSISTENT.get(fn, ()) or d not in C.ATTN_WGMMA_PERSISTENT_TILES:
         return False
     if not C.impl_runs_on("attention", IMPL, q.dtype, _loader.device_compute_capability()):
         return False
-    return operand_problem(ops(), q.dtype) is None and max_tiles(q, b) <= INT32_MAX
+    return launch_problem(fn, IMPL, ops(), q, b) is None
 
 
 def check_pages(fn: str, impl: str, page_size: int) -> None:
