@@ -296,7 +296,9 @@ def _hf_timed_runs(name, model, prompts, n, reps, torch, device):
 def _run_hf(recs, name, case, args, weights, prompts, n, ours_ids, ref_logits, opts, ceilings, log):
     rec = recs[name]
     dt = next((r["dtype"] for r in recs.values() if r["kind"] == "ours" and r["dtype"] in
-               ("float16", "bfloat16", "float32")), None) or opts.model_dtype or "float16"
+               ("float16", "bfloat16", "float32")), None)
+    if dt is None:  # no tinylm record ran: --model-dtype, else float16
+        dt = "float16" if opts.model_dtype is None else opts.model_dtype
     rec["dtype"] = dt
     model = None
     try:
