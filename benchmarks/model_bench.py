@@ -9,7 +9,7 @@ decode rate; measured here beside the unfused ones: what decided ``tinylm.config
 and ``config.TINYLM_FUSED_DECODE``, and keeps checking them), ``tinylm-eager`` launches
 every kernel of both from Python (the TTFT without the prefill graph), ``tinylm-mega`` replays
 each decode step as one persistent kernel launch (cupyattn.megakernel, sampling inside; the fused
-prefill; not yet run on a GPU: what would decide ``config.TINYLM_MEGAKERNEL``) and
+prefill; what decides ``config.TINYLM_MEGAKERNEL``) and
 ``tinylm-fused-pdl`` is ``tinylm-fused`` with its kernels launched with programmatic dependent
 launch (``config.FUSED_DECODE_PDL``; skipped below sm_90 or without cuda-bindings); all run one
 warm-up generation of the full length first (it compiles the kernels and captures the graphs of
