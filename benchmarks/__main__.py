@@ -41,8 +41,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--impl", type=cli_args.name_list, metavar="IMPL[,IMPL...]",
                    help="comma-separated impls to run (ours and peers); default: all but the opt-in ones")
     g.add_argument("--reps", type=pos, default=30, help="timed repetitions per impl (median reported)")
-    g.add_argument("--warmup", type=nonneg, default=3, help="untimed calls before timing (0: none beyond "
-                   "the first, checked call)")
+    g.add_argument("--warmup", type=nonneg, default=3, help="untimed calls before timing (0: none but the "
+                   "first, checked call and the one that sizes the reps)")
     g.add_argument("--budget-ms", type=cli_args.positive_float, default=1000.0,
                    help="cap on timed reps per impl, in ms (at least 5 reps run)")
     g.add_argument("--no-flush", action="store_true", help="do not flush L2 between timed reps")
