@@ -3,9 +3,12 @@
     python -m benchmarks attention --B 4 --H 16 --Sq 4096 --D 128 --causal --dtype float16
     python -m benchmarks attention --sweep attention-seqlen --plot attn.png --json attn.json
     python -m benchmarks all --record            # default cases of every op -> benchmarks/results/
+    python -m benchmarks compare NEW.json        # against the newest earlier run on that GPU model
 
 Every run first measures the device's two ceilings (D2D copy GB/s, cuBLAS fp16 TFLOP/s) and
-reports each case against them. No device: one line on stderr and exit status 1.
+reports each case against them. A bad flag: one line naming it, exit status 2 (before any device).
+No device: one line, exit status 1. A GPU another process uses: refused, exit status 3, unless
+--allow-shared (gpu_guard.py).
 """
 from __future__ import annotations
 
@@ -135,7 +138,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-model", action="store_true", help="leave out the model cases")
     p = sub.add_parser("compare", help="compare a results JSON with the newest earlier run on the same GPU model",
                        description="compare NEW.json with OLD.json (default: the newest earlier run on the same GPU "
-                       "model in benchmarks/results/): ratio per case, flags for > 10%% slower and max/min "
+                       "model in benchmarks/results/): ratio per case, flags for > 10% slower and max/min "
                        "spread > 1.5")
     p.add_argument("new", type=path, metavar="NEW.json")
     p.add_argument("old", type=path, metavar="OLD.json", nargs="?", default=None)
