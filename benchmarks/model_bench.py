@@ -9,7 +9,7 @@ decode rate; measured here beside the unfused ones: what decided ``tinylm.config
 and ``config.TINYLM_FUSED_DECODE``, and keeps checking them), ``tinylm-eager`` launches
 every kernel of both from Python (the TTFT without the prefill graph), ``tinylm-mega`` replays
 each decode step as one persistent kernel launch (cupyattn.megakernel, sampling inside; the fused
-prefill; not yet run on a GPU: what would decide ``config.TINYLM_MEGAKERNEL``) and
+prefill; what decides ``config.TINYLM_MEGAKERNEL``) and
 ``tinylm-fused-pdl`` is ``tinylm-fused`` with its kernels launched with programmatic dependent
 launch (``config.FUSED_DECODE_PDL``; skipped below sm_90 or without cuda-bindings); all run one
 warm-up generation of the full length first (it compiles the kernels and captures the graphs of
@@ -296,7 +296,9 @@ def _hf_timed_runs(name, model, prompts, n, reps, torch, device):
 def _run_hf(recs, name, case, args, weights, prompts, n, ours_ids, ref_logits, opts, ceilings, log):
     rec = recs[name]
     dt = next((r["dtype"] for r in recs.values() if r["kind"] == "ours" and r["dtype"] in
-               ("float16", "bfloat16", "float32")), None) or opts.model_dtype or "float16"
+               ("float16", "bfloat16", "float32")), None)
+    if dt is None:  # no tinylm record ran: --model-dtype, else float16
+        dt = "float16" if opts.model_dtype is None else opts.model_dtype
     rec["dtype"] = dt
     model = None
     try:

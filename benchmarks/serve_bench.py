@@ -89,7 +89,7 @@ def _run_tinylm(rec, name, args, weights, tok, source, prompts, n, slots, opts, 
 def _run_hf(rec, args, weights, prompts, n, slots, ours_ids, opts, ceilings):
     torch = peers.get_torch()
     device = getattr(opts, "hf_device", "cuda")
-    dt = opts.model_dtype or "float16"
+    dt = "float16" if opts.model_dtype is None else opts.model_dtype
     rec["dtype"] = dt
     model = hf_peer.build_hf_llama(args, weights, dt, device)
     batches = [prompts[i:i + slots] for i in range(0, len(prompts), slots)]

@@ -76,8 +76,8 @@ def shape_str(op: str, p: dict) -> str:
         c = " causal" if p["causal"] else ""
         return f"B{p['B']} H{p['H']}{kv} Sq{p['Sq']} Sk{p['Sk']} D{p['D']}{c}"
     if op == "decode":
-        ragged = f" ragged{p['ragged']}" if p.get("ragged") else ""
-        splits = f" splits{p['splits']}" if p.get("splits") else ""
+        ragged = f" ragged{p['ragged']}" if p.get("ragged") is not None else ""
+        splits = f" splits{p['splits']}" if p.get("splits") is not None else ""
         return f"B{p['B']} H{p['H']}/{p['Hkv']} L{p['L']} D{p['D']}{ragged}{splits}"
     if op in ("varlen", "paged"):
         kv = f"/{p['Hkv']}" if p["Hkv"] != p["H"] else ""
@@ -134,7 +134,7 @@ def decode_lengths(p: dict) -> list[int]:
     drawn uniformly from [min(128, L), L] by NumPy's default_rng(seed), the longest set to L (so
     the case's L is its longest sequence)."""
     B, L = p["B"], p["L"]
-    if not p.get("ragged"):
+    if p.get("ragged") is None:  # (seed 0 is a seed)
         return [L] * B
     import numpy as np
 
@@ -373,32 +373,44 @@ def model_case(model: str, prompt_len: int, new_tokens: int, batch: int = 1, ser
                      new_tokens=new_tokens, batch=batch)
 
 
+# The CLI's shape flags per op (argparse dest names)
+SHAPE_FLAGS = {"gemm": ("M", "N", "K", "layout"), "softmax": ("rows", "cols"),
+               "attention": ("B", "H", "Hkv", "Sq", "Sk", "D", "causal"),
+               "decode": ("B", "H", "Hkv", "Sk", "D", "ragged", "splits"),
+               "varlen": ("B", "H", "Hkv", "D", "causal", "lo", "hi", "seed_lens"),
+               "paged": ("B", "H", "Hkv", "Sq", "Sk", "D", "causal", "page")}
+
+
 def cli_case(op: str, a) -> Case | None:
-    """The one case described by shape flags on the command line, or None if none were given."""
-    keys = {"gemm": ("M", "N", "K", "layout"), "softmax": ("rows", "cols"),
-            "attention": ("B", "H", "Hkv", "Sq", "Sk", "D", "causal"),
-            "decode": ("B", "H", "Hkv", "Sk", "D", "ragged", "splits"),
-            "varlen": ("B", "H", "Hkv", "D", "causal", "lo", "hi", "seed_lens"),
-            "paged": ("B", "H", "Hkv", "Sq", "Sk", "D", "causal", "page")}.get(op, ())
-    if not any(getattr(a, k, None) not in (None, False) for k in keys):
+    """The one case described by shape flags on the command line, or None if none were given.
+    A flag not given (None) takes the default below; a given value is used as it is (the CLI's
+    types have range-checked it, cli_args)."""
+    if not any(getattr(a, k, None) is not None and getattr(a, k) is not False for k in SHAPE_FLAGS.get(op, ())):
         return None
-    dt = a.dtype or "float16"
+
+    def get(key, default):
+        v = getattr(a, key, None)
+        return default if v is None else v
+
+    dt = get("dtype", "float16")
     if op == "gemm":
-        M = a.M or 4096
-        return make_case("gemm", dt, M=M, N=a.N or M, K=a.K or M, layout=a.layout or "nt", batch=1)
+        M = get("M", 4096)
+        return make_case("gemm", dt, M=M, N=get("N", M), K=get("K", M), layout=get("layout", "nt"), batch=1)
     if op == "softmax":
-        return make_case("softmax", dt, rows=a.rows or 8192, cols=a.cols or 4096)
-    H = a.H or 16
+        return make_case("softmax", dt, rows=get("rows", 8192), cols=get("cols", 4096))
+    H = get("H", 16)
+    Hkv, D = get("Hkv", H), get("D", 128)
     if op == "attention":
-        Sq = a.Sq or a.Sk or 4096
-        return make_case("attention", dt, B=a.B or 4, H=H, Hkv=a.Hkv or H, Sq=Sq, Sk=a.Sk or Sq,
-                         D=a.D or 128, causal=bool(a.causal))
-    if op == "varlen":
-        return make_case("varlen", dt, B=a.B or 16, H=H, Hkv=a.Hkv or H, D=a.D or 128, causal=bool(a.causal),
-                         lo=a.lo or 64, hi=a.hi or 4096, seed=a.seed_lens or 0)
-    if op == "paged":
-        sq = a.Sq or 1024
-        return make_case("paged", dt, B=a.B or 4, H=H, Hkv=a.Hkv or H, Sq=sq, L=max(a.Sk or 4096, sq), D=a.D or 128,
-                         causal=bool(a.causal), page=a.page or 64)
-    extra = {k: getattr(a, k) for k in ("ragged", "splits") if getattr(a, k, None)}
-    return make_case("decode", dt, B=a.B or 1, H=H, Hkv=a.Hkv or H, L=a.Sk or 8192, D=a.D or 128, **extra)
+        Sq = get("Sq", get("Sk", 4096))
+        return make_case("attention", dt, B=get("B", 4), H=H, Hkv=Hkv, Sq=Sq, Sk=get("Sk", Sq), D=D,
+                         causal=bool(a.causal))
+    if op == "varlen":  # lengths in [lo, hi]: a default bound moves to meet a given one
+        lo = get("lo", min(64, get("hi", 64)))
+        return make_case("varlen", dt, B=get("B", 16), H=H, Hkv=Hkv, D=D, causal=bool(a.causal),
+                         lo=lo, hi=get("hi", max(4096, lo)), seed=get("seed_lens", 0))
+    if op == "paged":  # Sq new tokens among Sk cached: a default moves to fit a given one
+        sq = get("Sq", min(1024, get("Sk", 1024)))
+        return make_case("paged", dt, B=get("B", 4), H=H, Hkv=Hkv, Sq=sq, L=get("Sk", max(4096, sq)), D=D,
+                         causal=bool(a.causal), page=get("page", 64))
+    extra = {k: getattr(a, k) for k in ("ragged", "splits") if getattr(a, k, None) is not None}
+    return make_case("decode", dt, B=get("B", 1), H=H, Hkv=Hkv, L=get("Sk", 8192), D=D, **extra)

@@ -71,14 +71,15 @@ def time_fn(fn, warmup: int = 3, reps: int = 30, budget_ms: float = 2000.0, flus
             sync=None) -> Timing:
     """Median/min/max milliseconds of ``fn()`` over timed reps, measured with CUDA events.
 
-    ``warmup`` untimed calls first (compilation, handle creation, allocator growth); the number of
-    timed reps is cut so they fit roughly in ``budget_ms``. ``sync`` (optional) is called before
+    ``warmup`` untimed calls first (compilation, handle creation, allocator growth; 0: none, the
+    one untimed estimate below aside); the number of timed reps is cut so they fit roughly in
+    ``budget_ms``. ``sync`` (optional) is called before
     events are read, for peers whose work runs on another library's queue.
     """
     import cupy
 
     stream = cupy.cuda.get_current_stream()
-    for _ in range(max(1, warmup)):
+    for _ in range(warmup):
         fn()
     # One timed estimate (queue drained first) decides how many reps fit in the budget.
     if sync:

@@ -292,7 +292,8 @@ def parse_args(argv=None):
     bad = [p for p in a.parts if p not in PARTS]
     if bad:
         ap.error(f"unknown part {bad[0]!r}; choose from {', '.join(PARTS)}")
-    a.parts = a.parts or list(PARTS)
+    if not a.parts:  # (nargs="*": none named means all of them)
+        a.parts = list(PARTS)
     return a
 
 

@@ -28,7 +28,7 @@ config.DECODE_SPLIT_RULES):
 - ``"cost"`` (the default): sequence b's live length ``len_b`` is split into ``num_splits``
   chunks of ``ceil(len_b / num_splits)`` keys, as ``reference.decode_split_partials`` does; the
   automatic count is :func:`choose_num_splits`.
-- ``"waves"`` (opt-in, not yet run on a GPU): FlashAttention-3's wave-efficiency count
+- ``"waves"`` (opt-in; its GPU runs: docs/ran-where.md): FlashAttention-3's wave-efficiency count
   (:func:`wave_splits`) over the SMs, each sequence split into chunks of about ``split_keys``
   keys (at most ``num_splits`` of them: a short sequence of a ragged batch takes few blocks, a
   long one many) and the combine fused into the decode kernel by default.
@@ -466,7 +466,7 @@ def decode_attention(q, cache, layer, scale=None, num_splits=None, out=None, wor
         outside). Same variant.
     split_rule : {"cost", "waves"}, optional
         How the keys are split (module docstring); None: config.DECODE_SPLIT_RULE ("cost").
-        "waves" has not yet run on a GPU.
+        "waves" is opt-in (its GPU runs: docs/ran-where.md).
 
     Returns
     -------

@@ -1,7 +1,7 @@
 """One persistent kernel per decode step of a Llama-style model (kernels_cu/megakernel.cu).
 
-Not yet run on a GPU: built and checked on the CPU emulator and the offline NVRTC check; tinylm
-takes it only when asked (``config.TINYLM_MEGAKERNEL`` / ``TINYLM_MEGAKERNEL=1``,
+Opt-in (where it has run on a GPU: docs/ran-where.md; docs/megakernel.md): tinylm takes it only
+when asked (``config.TINYLM_MEGAKERNEL`` / ``TINYLM_MEGAKERNEL=1``,
 ``tinylm.load(..., megakernel=True)``, ``python -m tinylm --megakernel``).
 
 The kernel interprets per-block queues of instructions planned on the host

@@ -38,9 +38,9 @@ OPTIONS = {
     "workspace": "`workspace=`: the caller's split-KV partials",
     "fused_combine": "`fused_combine=True`: the splits merged inside the decode kernel",
     "split_rule": "`split_rule=\"waves\"`: FlashAttention-3's wave-efficiency split count, chunks per sequence "
-                  "(opt-in, not yet run on a GPU)",
+                  "(opt-in; where it has run: docs/ran-where.md)",
     "hnd_pages": "`layout=\"HND\"`: pages [num_pages, Hkv, page_size, D] (FlashInfer's; PagedKVCache(layout=)); "
-                 "not yet run on a GPU",
+                 "opt-in (where it has run: docs/ran-where.md)",
 }
 
 # entry point -> (the impls an explicit impl= names, the options it takes)

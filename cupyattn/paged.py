@@ -131,7 +131,7 @@ def decode_attention_paged(q, k_pages, v_pages, block_table, seq_lens, scale=Non
     Returns
     -------
     cupy.ndarray [B, Hq, D]; a sequence of length 0 (or whose window hides every key) gives
-    zeros. **Not yet run on a GPU.**
+    zeros. Where it has run on a GPU: docs/ran-where.md.
 
     Examples
     --------
@@ -287,8 +287,8 @@ class PagedKVCache(KVCache):
         Columns of the block table (default: num_pages); a slot holds at most
         ``max_pages_per_seq * page_size`` tokens (``max_seq``).
     layout : {"NHD", "HND"}, optional
-        Page layout (module docstring); None: config.PAGED_DEFAULT_LAYOUT ("NHD"). "HND" has not
-        yet run on a GPU. ``decode``, ``append`` and ``append_qkv`` follow it; pass
+        Page layout (module docstring); None: config.PAGED_DEFAULT_LAYOUT ("NHD"); "HND" is opt-in
+        (its GPU runs: docs/ran-where.md). ``decode``, ``append`` and ``append_qkv`` follow it; pass
         ``layout=cache.layout`` to :func:`attention_paged` / :func:`decode_attention_paged`.
 
     Attributes

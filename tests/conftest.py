@@ -28,6 +28,10 @@ try:
 except ImportError:  # a test extra; without it this process keeps BLAS's default
     pass
 
+# Tests that run the benchmark CLI share the GPU by design (pytest-xdist's workers, the GPU tier beside
+# the sanitizers): its idle-GPU guard (benchmarks/gpu_guard.py) records them as shared instead of refusing.
+os.environ.setdefault("CUPYATTN_BENCH_ALLOW_SHARED", "1")
+
 EMULATE = os.environ.get("CUPYATTN_EMULATE") == "1"
 if EMULATE:  # run the GPU tier on CPU threads (tests/emu/README.md); must precede any cupy import
     sys.path.insert(0, str(Path(__file__).parent / "emu"))

@@ -10,6 +10,8 @@ import hashlib
 import importlib.util
 import json
 import math
+import os
+import re
 import subprocess
 import time
 import sys
@@ -154,7 +156,7 @@ def test_plan_from_shape_flags():
     assert s.p == {"rows": 7, "cols": 9}
 
 
-def test_plan_defaults_sweeps_and_all():
+def test_plan_defaults_sweeps_and_all(tmp_path, monkeypatch):
     assert all(c.dtype == "bfloat16" for c in _plan("softmax", "--dtype", "bfloat16"))
     assert len(_plan("attention", "--sweep", "attention-seqlen")) == 24
     every = _plan("all", "--skip-model")
@@ -168,7 +170,10 @@ def test_plan_defaults_sweeps_and_all():
     assert m.p == {"model": "tiny", "prompt_len": 128, "new_tokens": 5, "batch": 1}
     assert m.name == "model tiny B1" and m.shape == "tiny B1 prompt128 new5"
     assert [c.p["batch"] for c in _plan("model", "--model", "tiny", "--batch", "1,8")] == [1, 8]
-    two = _plan("all", "--skip-model", "--model", "x"), _plan("all", "--model", "tiny,a/b.gguf", "--batch", "1,8")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "b.gguf").write_bytes(b"")  # --model checks that a GGUF file exists
+    two = _plan("all", "--skip-model", "--model", "tiny"), _plan("all", "--model", "tiny,a/b.gguf", "--batch", "1,8")
     assert not [c for c in two[0] if c.op == "model"]
     assert [(c.p["model"], c.p["batch"]) for c in two[1] if c.op == "model"] == [
         ("tiny", 1), ("tiny", 8), ("a/b.gguf", 1), ("a/b.gguf", 8)]
@@ -178,9 +183,9 @@ def test_plan_defaults_sweeps_and_all():
 
 def test_impl_selection_and_tf32_only_for_float32():
     quiet = []
-    assert select_impls("attention", "flash,cupy-naive", quiet.append) == ["flash", "cupy-naive"]
-    with pytest.raises(ValueError, match="unknown impl"):
-        select_impls("attention", "flashy", quiet.append)
+    assert select_impls("attention", ["flash", "cupy-naive"], quiet.append) == ["flash", "cupy-naive"]
+    with pytest.raises(ValueError, match="argument --impl: unknown impl"):
+        select_impls("attention", ["flashy"], quiet.append)
     fp16 = specs.make_case("gemm", "float16", M=8, N=8, K=8, layout="nt", batch=1)
     fp32 = specs.make_case("gemm", "float32", M=8, N=8, K=8, layout="nt", batch=1)
     assert impls_for_case(fp16, ["ours", "cublas", "cublas-tf32"]) == ["ours", "cublas"]
@@ -214,7 +219,7 @@ def test_issue39_cases_and_impls():
     quiet = []
     default = select_impls("decode", None, quiet.append)
     assert not set(cases.OPT_IN["decode"]) & set(default) and "paged-16" in default
-    assert select_impls("decode", "paged-hnd-1,split-kv-waves", quiet.append) == ["paged-hnd-1", "split-kv-waves"]
+    assert select_impls("decode", ["paged-hnd-1", "split-kv-waves"], quiet.append) == ["paged-hnd-1", "split-kv-waves"]
     assert impls_for_case(rag, ["split-kv", "cupy-naive", "torch-sdpa"]) == ["split-kv", "torch-sdpa"]
     serve = _plan("model", "--serve", "--model", "tiny")
     assert [c.name for c in serve] == [f"model tiny serve S{s}" for s in (8, 32, 64)]
@@ -759,21 +764,69 @@ def test_gpu_run_script_is_valid_bash_and_runs_everything():
     assert r.returncode == 2 and "usage" in r.stderr
 
 
-def test_gpu_run_headline_names_real_ops_and_impls():
-    """The headline stage's commands (typed by hand) name ops and impls the CLI has."""
-    import re
+def _gpu_run_dry(tmp_path, stage, *arg):
+    """The steps gpu_run.sh STAGE would run, as (name, argv) (GPU_RUN_DRY=1: printed, not run)."""
+    out = tmp_path / stage
+    r = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_run.sh"), stage, *arg], capture_output=True, text=True,
+                       timeout=120, env={"PATH": os.environ["PATH"], "OUT": str(out), "GPU_RUN_DRY": "1",
+                                         "PYTHON": sys.executable})
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = (out / "dry-run.tsv").read_text().splitlines() if (out / "dry-run.tsv").exists() else []
+    return [(row.split("\t")[0], row.split("\t")[1:-1]) for row in rows]
 
+
+def test_gpu_run_every_benchmark_command_parses(tmp_path, capsys):
+    """Every `-m benchmarks` command of every stage (settle included) passes the CLI's own checks
+    (flags, their ranges, impl names): a typo there would cost a GPU session's minutes. Every test
+    file a stage names exists. Each stage runs at least one step."""
+    from benchmarks import cases, cli_args
+    from benchmarks.__main__ import requested_impls
+
+    stages = re.findall(r"^stage_(\w+)\(\)", (ROOT / "benchmarks" / "gpu_run.sh").read_text(), re.M)
+    assert {"settle", "tests", "recheck", "lease", "record", "all", "decode_paged"} <= set(stages)
+    seen = 0
+    for stage in stages:
+        if stage == "summary":
+            continue
+        steps = _gpu_run_dry(tmp_path, stage.replace("_", "-"), *(["softmax-cols"] if stage == "sweep" else []))
+        assert steps, stage
+        for name, argv in steps:
+            if "benchmarks" in argv and argv[argv.index("benchmarks") - 1] == "-m":
+                bench = argv[argv.index("benchmarks") + 1:]
+                a = _parser().parse_args(bench)  # SystemExit(2) on a bad flag
+                if a.op == "compare":
+                    continue
+                assert cli_args.check_combinations(a) is None, (stage, name, bench)
+                for op in dict.fromkeys(c.op for c in plan(a)):
+                    assert set(requested_impls(op, a.impl if a.op != "all" else None)) <= set(cases.impl_names(op))
+                seen += 1
+            for t in (x for x in argv if x.startswith("tests/")):
+                assert (ROOT / t).is_file(), (stage, t)
+    assert seen > 20
+
+
+def test_gpu_run_settle_fits_one_call_and_times_what_issue_57_asks(tmp_path):
+    """settle: one stage under 10 minutes (its budget, every step's cap cut to it); decode B1
+    Hq32 Hkv8 L131072 at split counts auto/16/32/33/64 beside unsplit with --reps 50; GEMM M=1;
+    the opt-in decode variants on the paged and MQA cases; then the GPU tests of what changed."""
+    text = (ROOT / "benchmarks" / "gpu_run.sh").read_text()
+    budget = int(re.search(r"SETTLE_BUDGET:-(\d+)", text).group(1))
+    assert budget <= 570
+    steps = dict(_gpu_run_dry(tmp_path, "settle"))
+    decode = steps["settle decode B1 L128k"]
+    assert "--splits" in decode and decode[decode.index("--splits") + 1] == "auto,16,32,33,64"
+    assert decode[decode.index("--reps") + 1] == "50" and "unsplit" in decode[decode.index("--impl") + 1]
+    gemm = steps["settle gemm M1"]
+    assert gemm[gemm.index("--M") + 1] == "1" and {"ours", "ours-skinny", "cublas"} <= set(gemm[gemm.index("--impl") + 1].split(","))
+    paged = steps["settle-decode-paged"]
+    assert set(cases_opt_in()) <= set(paged[paged.index("--impl") + 1].split(","))
+    assert steps["gpu tests"][:5] == [sys.executable, "-m", "pytest", "-m", "gpu"]
+
+
+def cases_opt_in():
     from benchmarks import cases
 
-    text = (ROOT / "benchmarks" / "gpu_run.sh").read_text()
-    body = text[text.index("run_headline() {"):text.index("run_record() {")]  # + run_headline_model
-    body = body.replace("\\\n", " ")
-    att = re.search(r'local att=\((.*?)\)', body).group(1)
-    runs = re.findall(r'-m benchmarks (\w+) (.*?)--json', body.replace('"${att[@]}"', att))
-    assert [op for op, _ in runs] == ["attention", "attention", "gemm", "decode", "softmax", "model"]
-    for op, args in runs:
-        impls = re.search(r"--impl (\S+)", args).group(1).split(",")
-        assert set(impls) <= set(cases.impl_names(op)), (op, impls)
+    return cases.OPT_IN["decode"]
 
 
 def test_gpu_run_paged_stage_names_real_impls():
@@ -790,6 +843,29 @@ def test_gpu_run_paged_stage_names_real_impls():
     serve = re.search(r"run_serve\(\) \{.*?\n\}", text, re.S).group(0)
     assert "--serve" in serve and "--batch 8,32,64" in serve
     assert set(re.search(r"--impl (\S+)", serve).group(1).split(",")) <= set(cases.impl_names("model"))
+
+
+def test_gpu_run_kills_a_step_as_a_process_group_and_says_so(tmp_path):
+    """A step past its cap is killed with everything it started (a child that ignores SIGTERM
+    and a grandchild included: SIGKILL after KILL_GRACE), the next step starts after, and the
+    summary says which step was killed at its cap."""
+    fake = tmp_path / "python"
+    fake.write_text('#!/bin/sh\nif [ "$2" = pytest ]; then trap "" TERM; sleep 120 & echo $! >> "$OUT/kids"; '
+                    'sleep 120; fi\nexit 0\n')
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    t0 = time.monotonic()
+    r = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_run.sh"), "tests"], capture_output=True, text=True,
+                       timeout=60, env={"PATH": "/usr/bin:/bin", "OUT": str(out), "PYTHON": str(fake),
+                                        "STEP_TIMEOUT": "1", "MEGA_TIMEOUT": "1", "KILL_GRACE": "1"})
+    assert time.monotonic() - t0 < 30 and r.returncode == 1
+    kids = [int(x) for x in (out / "kids").read_text().split()]
+    assert len(kids) == 2  # one per step: the second started after the first was gone
+    for pid in kids:
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+    summary = (out / "results" / "summary.txt").read_text()
+    assert "=== gpu tests: exit 124 after" in summary and "(killed at its cap of 1 s)" in summary
+    assert "=== megakernel gpu tests: exit 124" in summary
 
 
 def test_gpu_run_step_timeout_stops_a_step_and_keeps_going(tmp_path):
@@ -827,6 +903,11 @@ def test_gpu_run_keeps_the_logs_summary_lines_beside_the_results(tmp_path):
     assert "sanitize-memcheck.log: ERROR SUMMARY: 0 errors" in text
     assert "sanitize-racecheck.log: RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)" in text
     assert "=== gpu tests: exit 1 after 96 s" in text
+    (tmp_path / "compare-bench.txt").write_text("new: x\nflags: 1 of 3 timed records\n  FLAG decode / split-kv: slower\n")
+    subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_run.sh"), "summary"], capture_output=True, text=True,
+                   env={"OUT": str(tmp_path), "PATH": "/usr/bin:/bin", "CUPYATTN_GIT_COMMIT": "abc123"}, timeout=60)
+    lines = (tmp_path / "results" / "summary.txt").read_text().splitlines()
+    assert lines[2].startswith("compare flags") and lines[3] == "  FLAG decode / split-kv: slower"
 
 
 def test_tune_times_candidates_interleaved(monkeypatch):

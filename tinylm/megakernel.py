@@ -1,6 +1,6 @@
 """tinylm's decode step as one persistent kernel launch (cupyattn.megakernel): the Llama op list.
 
-Not yet run on a GPU: opt-in (``Transformer(megakernel=True)``, ``load(..., megakernel=True)``,
+Opt-in (``Transformer(megakernel=True)``, ``load(..., megakernel=True)``,
 ``python -m tinylm --megakernel``, or ``TINYLM_MEGAKERNEL=1``: cupyattn.config.TINYLM_MEGAKERNEL);
 the fused step (5 kernels per layer) stays the default and the reference.
 

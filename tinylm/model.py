@@ -226,7 +226,7 @@ class Transformer:
         per layer instead of 10); None = ``tinylm.config.FUSED_PREFILL`` (on: measured faster on an
         H100). Same backend and head_dim rules as ``fused``.
     megakernel : decode steps as one persistent kernel launch each (cupyattn.megakernel, sampling
-        inside; batch <= 8). Not yet run on a GPU, so None = ``cupyattn.config.TINYLM_MEGAKERNEL``
+        inside; batch <= 8). Opt-in (docs/ran-where.md), so None = ``cupyattn.config.TINYLM_MEGAKERNEL``
         (off unless TINYLM_MEGAKERNEL=1) where the backend, model and device take it; True where
         they do not is a ValueError saying why.
     """

@@ -15,7 +15,7 @@ Backends:
   A finished slot's pages go back to the free list (``free``) before the next prompt takes new
   ones; decode steps are CUDA graph replays over the fixed slots (tinylm.graphs.DecodeRunner:
   ``check_room(1)`` before each replay, ``record_advance(1)`` after), lengths on the device.
-  **Not yet run on a GPU** (CPU emulator only).
+  Where it has run on a GPU: docs/ran-where.md.
 - ``numpy``: the same scheduler over the contiguous NumpyCache (a slot is freed by setting its
   length to 0); decode steps are eager.
 

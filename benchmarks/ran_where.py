@@ -1,0 +1,280 @@
+"""What has run on a GPU, per path: generated from the recorded results and GPU-tier logs.
+
+    python -m benchmarks.ran_where            # print docs/ran-where.md
+    python -m benchmarks.ran_where --write    # rewrite it (python -m benchmarks.docs --write does too)
+
+Two kinds of evidence, both read from ``benchmarks/results/``:
+
+- **GPU tests**: a session folder's ``steps.log`` names each pytest step's command and log; the
+  log's FAILURES section names what failed. A test file counts for a path when the step's command
+  selected it (``-m gpu`` over tests/, minus ``--ignore``, or the files it names), the file existed
+  at the session's commit and held the path's tests then (a pattern, read with ``git show``), and
+  the step ended with pytest's own summary line (a step killed at its cap proves nothing).
+- **Timed**: a results JSON record of one of the path's benchmark impls with status ``ok`` (timed,
+  and checked against the float64 reference unless ``--no-check``).
+
+A path with neither says so; that sentence is the only "not run on a GPU" the docs may carry
+(tests/test_docs.py). The rows are the options table's (``cupyattn.options.ENTRY_IMPLS``) plus
+the opt-in switches, the GEMM impls and tinylm's paths (:data:`EXTRA`).
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+from .report import RESULTS_DIR
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGE = ROOT / "docs" / "ran-where.md"
+NEVER = "not run on a GPU"
+
+# options-table row (entry point, impl) -> GPU test files (file, pattern the file held at the run's
+# commit: the path's tests existed) and benchmark impls (op, impl) that run it by name
+ENTRY_EVIDENCE = {
+    ("attention", "flash"): ((("tests/test_attention.py", r'"flash"'),), (("attention", "flash"),)),
+    ("attention", "flash_mma"): ((("tests/test_attention.py", r'"flash_mma"'),), (("attention", "flash_mma"),)),
+    ("attention", "naive"): ((("tests/test_attention.py", r'"naive"'),), (("attention", "naive"),)),
+    ("attention", "wgmma"): ((("tests/test_attention_wgmma.py", r"wgmma"),), (("attention", "wgmma"),)),
+    ("attention", "wgmma_persistent"): ((("tests/test_attention_wgmma_persistent.py", r"attention\("),),
+                                        (("attention", "wgmma_persistent"), ("paged", "contiguous-wgmma"))),
+    ("attention_varlen", "flash"): ((("tests/test_serving.py", r"attention_varlen"),), ()),
+    ("attention_varlen", "flash_mma"): ((("tests/test_serving.py", r"attention_varlen"),), ()),
+    ("attention_varlen", "wgmma_persistent"): ((("tests/test_attention_wgmma_persistent.py", r"attention_varlen"),),
+                                               (("attention", "varlen-wgmma"), ("varlen", "varlen-wgmma"))),
+    ("attention_paged", "flash"): ((("tests/test_serving.py", r"attention_paged"),), ()),
+    ("attention_paged", "flash_mma"): ((("tests/test_serving.py", r"attention_paged"),), ()),
+    ("attention_paged", "wgmma_persistent"): ((("tests/test_attention_wgmma_persistent.py", r"attention_paged"),),
+                                              (("paged", "paged-wgmma"),)),
+    ("decode_attention", "simt"): ((("tests/test_decode.py", r'"simt"'),), ()),
+    ("decode_attention", "mma"): ((("tests/test_decode.py", r'"mma"'),), ()),
+    ("decode_attention_paged", "simt"): ((("tests/test_serving.py", r"decode_attention_paged"),), ()),
+    ("decode_attention_paged", "mma"): ((("tests/test_serving.py", r"decode_attention_paged"),), ()),
+}
+_PAGED = ("paged-16", "paged-1", "paged-256")
+# further paths: (label, GPU test files with patterns, benchmark impls)
+EXTRA = (
+    ("decode_attention, impl='auto', the automatic split count", (("tests/test_decode.py", r"decode_attention"),),
+     (("decode", "split-kv"), ("decode", "unsplit"))),
+    ('decode_attention split_rule="waves"', (("tests/test_decode.py", r"waves"),), (("decode", "split-kv-waves"),)),
+    ("decode_attention fused_combine=True", (("tests/test_fused_decode.py", r"fused_combine"),), ()),
+    ("decode_attention_paged, NHD pages (the default)", (("tests/test_serving.py", r"decode_attention_paged"),),
+     tuple(("decode", i) for i in _PAGED)),
+    ("decode_attention_paged, staged page ids (config.DECODE_PAGE_STAGING)", (("tests/test_serving.py", r"stag"),),
+     tuple(("decode", i.replace("paged", "paged-staged")) for i in _PAGED)),
+    ('decode_attention_paged layout="HND"', (("tests/test_serving.py", r"HND"),),
+     tuple(("decode", i.replace("paged", "paged-hnd")) for i in _PAGED)),
+    ('decode_attention_paged layout="HND", split_rule="waves"', (("tests/test_serving.py", r"waves"),),
+     (("decode", "paged-hnd-waves-16"),)),
+    ('gemm impl="auto"', (("tests/test_gemm.py", r"gemm_nt"),), (("gemm", "ours"),)),
+    *((f'gemm impl="{i}"', (("tests/test_gemm.py", rf'"{i}"'),), (("gemm", f"ours-{i}"),))
+      for i in ("simt", "mma", "skinny", "wgmma")),
+    ("softmax", (("tests/test_softmax.py", r"softmax"),), (("softmax", "ours"),)),
+    ("layers (rmsnorm, add_rmsnorm, rope, swiglu, add, embedding)", (("tests/test_layers.py", r"rmsnorm"),), ()),
+    ("sample (device sampling)", (("tests/test_fused_ops.py", r"sample"),), ()),
+    ("tinylm cupy backend, CUDA graphs", (("tests/test_tinylm_gpu.py", r"def test_"),), (("model", "tinylm"),)),
+    ("tinylm cupy backend, eager", (("tests/test_tinylm_gpu.py", r"graphs=False|no-graph"),),
+     (("model", "tinylm-eager"),)),
+    ("tinylm fused decode step and prefill", (("tests/test_fused_decode.py", r"fused_greedy"),),
+     (("model", "tinylm-fused"),)),
+    ("tinylm fused step with PDL (config.FUSED_DECODE_PDL)", (("tests/test_fused_decode.py", r"pdl"),
+                                                              ("tests/test_megakernel_tinylm.py", r"fused-pdl")),
+     (("model", "tinylm-fused-pdl"),)),
+    ("tinylm megakernel (--megakernel)", (("tests/test_megakernel.py", r"def test_gpu"),
+                                          ("tests/test_megakernel_tinylm.py", r"def test_gpu")),
+     (("model", "tinylm-mega"),)),
+    ("tinylm continuous batching (--max-batch)", (("tests/test_continuous_batching.py", r"mark\.gpu"),),
+     (("model", "tinylm-serve"),)),
+    ("tinylm continuous batching, opt-in decode paths", (), (("model", "tinylm-serve-opt-in"),)),
+)
+
+
+def rows() -> list[tuple[str, tuple, tuple]]:
+    """(label, GPU test files with patterns, benchmark impls) per path: the options table's
+    (entry point, impl) rows first, then :data:`EXTRA`."""
+    from cupyattn import options
+
+    out = []
+    for entry, impls in options.ENTRY_IMPLS.items():
+        for impl in impls:
+            files, timed = ENTRY_EVIDENCE.get((entry, impl), ((), ()))
+            out.append((f"{entry} impl={impl!r}", files, timed))
+    return out + [tuple(r) for r in EXTRA]
+
+
+# --- sessions and their GPU-tier steps ------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def at_commit(commit: str, path: str) -> str | None:
+    """``path``'s text at ``commit`` (git), None where it did not exist. RuntimeError when git
+    cannot read the commit (a shallow clone): the page cannot be generated there."""
+    r = subprocess.run(["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=ROOT, capture_output=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"git cannot read commit {commit} (a shallow clone?)")
+    r = subprocess.run(["git", "show", f"{commit}:{path}"], cwd=ROOT, capture_output=True)
+    return r.stdout.decode(errors="replace") if r.returncode == 0 else None
+
+
+def failures(log_text: str) -> dict[str, list[str]]:
+    """test file -> names of its failed tests, from pytest's FAILURES section (each failure's
+    header line, then the first ``tests/<file>.py:<line>:`` location under it)."""
+    out: dict[str, list[str]] = {}
+    if "= FAILURES =" not in log_text:
+        return out
+    body = log_text.split("= FAILURES =", 1)[1].split("short test summary info", 1)[0]
+    parts = re.split(r"\n_{3,} (\S.*?) _{3,}\n", "\n" + body)
+    for name, text in zip(parts[1::2], parts[2::2]):
+        m = re.search(r"^(tests/[\w/]+\.py):\d+: ", text, re.M)
+        out.setdefault(m.group(1) if m else "?", []).append(name)
+    return out
+
+
+def _selected(argv: list[str], files: list[str]) -> list[str]:
+    """The test files a ``pytest -m gpu`` command line selects among ``files`` (None: not a GPU
+    tier command, or filtered by -k / ::node ids we cannot follow)."""
+    if not any(argv[i:i + 2] == ["-m", "gpu"] for i in range(len(argv))) or "-k" in argv:
+        return None
+    if any("::" in a for a in argv):
+        return None
+    ignored = {argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--ignore"}
+    named = [a for i, a in enumerate(argv) if a.startswith("tests/") and a.endswith(".py") and argv[i - 1] != "--ignore"]
+    base = named if named else files
+    return [f for f in base if f not in ignored]
+
+
+def sessions(results_dir=RESULTS_DIR) -> list[dict]:
+    """Every session folder with a steps.log: its commit, date, GPU and GPU-test steps (command,
+    log, exit, whether pytest finished, failures by file)."""
+    out = []
+    for d in sorted(p for p in Path(results_dir).iterdir() if p.is_dir() and (p / "steps.log").is_file()):
+        text = "".join(f.read_text() for f in sorted(d.glob("summary*.txt")))
+        commit = re.search(r"^commit: (\S+)", text, re.M)
+        date = re.search(r"^summary written: (\S+)", text, re.M)
+        env = (d / "env.txt").read_text() if (d / "env.txt").is_file() else ""
+        gpu = re.search(r"(NVIDIA [^|]*?)\s{2,}", env)
+        steps, cmds = [], {}
+        for line in (d / "steps.log").read_text().splitlines():
+            m = re.match(r"=== (.+?): exit (\d+) after \d+ s.*\(log: (.+)\)$", line)
+            if m and m.group(1) in cmds and (d / Path(m.group(3)).name).is_file():
+                log = d / Path(m.group(3)).name
+                ltext = log.read_text(errors="replace")
+                finished = re.search(r"^=*\s*\d+ (passed|failed)", ltext.splitlines()[-1] if ltext.strip() else "")
+                steps.append({"step": m.group(1), "argv": cmds[m.group(1)], "log": log, "exit": int(m.group(2)),
+                              "finished": bool(finished), "failures": failures(ltext)})
+                continue
+            m = re.match(r"=== (.+?): (\S+ -m pytest .*)$", line)
+            if m:
+                cmds[m.group(1)] = shlex.split(re.sub(r" \(cap \d+ s\)$", "", m.group(2)))
+        if commit and steps:
+            out.append({"dir": d, "commit": commit.group(1), "date": (date.group(1) if date else "")[:10],
+                        "gpu": gpu.group(1).strip() if gpu else "a GPU", "steps": steps})
+    return out
+
+
+def timed_runs(results_dir=RESULTS_DIR) -> list[dict]:
+    """Every results JSON (recorded runs and session folders) with meta and records."""
+    out = []
+    for p in sorted(Path(results_dir).rglob("*.json")):
+        try:
+            run = json.loads(p.read_text())
+        except json.JSONDecodeError:
+            continue
+        if isinstance(run, dict) and "records" in run and "meta" in run:
+            out.append({"path": p, "meta": run["meta"], "records": run["records"]})
+    return out
+
+
+# --- evidence per path ----------------------------------------------------------------------------
+def _rel(p: Path) -> str:
+    return p.resolve().relative_to(ROOT).as_posix()
+
+
+def test_evidence(files, sess: list[dict]) -> str:
+    """The newest session whose GPU-test steps ran ``files`` (with their patterns), with every
+    failure in those files, as a table cell."""
+    if not files:
+        return "no GPU tests"
+    for s in sorted(sess, key=lambda s: s["date"], reverse=True):
+        hits, failed, logs = set(), [], []
+        for st in s["steps"]:
+            chosen = _selected(st["argv"], sorted({f for f, _ in files} | set(st["failures"])))
+            ran = [f for f, pat in files if st["finished"] and chosen and f in chosen
+                   and re.search(pat, at_commit(s["commit"], f) or "(?!)") is not None]
+            if ran:
+                hits.update(ran)
+                failed += [n for f in ran for n in st["failures"].get(f, [])]
+                logs.append(f"`{_rel(st['log'])}`")
+        if hits:
+            result = f"**{len(failed)} failed**: {', '.join(failed)}" if failed else "passed"
+            return f"{s['date']}, {s['gpu']}, {s['commit'][:7]}: {result} ({', '.join(logs)})"
+    return NEVER
+
+
+def timing_evidence(pairs, runs: list[dict]) -> str:
+    """The newest results JSON with an ``ok`` record of one of ``pairs``, as a table cell."""
+    if not pairs:
+        return "no benchmark impl"
+    for run in sorted(runs, key=lambda r: r["meta"].get("date_utc", ""), reverse=True):
+        ok = sorted({r["impl"] for r in run["records"] if (r.get("op"), r.get("impl")) in set(pairs)
+                     and r.get("status") == "ok" and r.get("median_ms")})
+        if ok:
+            m = run["meta"]
+            return (f"{m.get('date_utc', '')[:10]}, {m.get('gpu')}, {(m.get('commit') or '?')[:7]}: "
+                    f"{', '.join(ok)} (`{_rel(run['path'])}`)")
+    return "not timed on a GPU"
+
+
+def families(runs: list[dict]) -> list[str]:
+    """Markdown rows: per GPU family (config.GPU_FAMILIES), the GPUs of that compute capability
+    that recorded runs used, with the newest run's date and file."""
+    from cupyattn.config import GPU_FAMILIES
+
+    out = []
+    for cc, fam in GPU_FAMILIES.items():
+        seen = {}
+        for run in sorted(runs, key=lambda r: r["meta"].get("date_utc", "")):
+            if str(run["meta"].get("compute_capability")) == str(cc):
+                seen[run["meta"].get("gpu")] = run
+        cell = "; ".join(f"{gpu}, newest {r['meta'].get('date_utc', '')[:10]} (`{_rel(r['path'])}`)"
+                         for gpu, r in seen.items()) or f"{NEVER} of this family"
+        out.append(f"| sm_{cc} {fam.name} | {cell} |")
+    return out
+
+
+def markdown(results_dir=RESULTS_DIR) -> str:
+    sess, runs = sessions(results_dir), timed_runs(results_dir)
+    lines = ["# Where each path has run on a GPU", "",
+             "Generated by `python -m benchmarks.ran_where --write` from the GPU-test logs and results JSONs in",
+             "`benchmarks/results/` (do not edit; tests/test_docs.py checks it is current). Per path: the newest",
+             "GPU session whose GPU-test step ran its tests, with their result at that commit, and the newest",
+             "recorded benchmark that timed it. The CPU emulator's runs are not listed: they are not GPU runs.", "",
+             "## Paths", "", "| path | GPU tests (newest run) | timed (newest run) |", "|---|---|---|"]
+    for label, files, pairs in rows():
+        lines.append(f"| `{label}` | {test_evidence(files, sess)} | {timing_evidence(pairs, runs)} |")
+    lines += ["", "## GPU families", "", "Recorded benchmark runs by the compute capability of their GPU.", "",
+              "| family | GPUs (newest recorded run) |", "|---|---|", *families(runs)]
+    lines += ["", "GPU sessions read: " + "; ".join(
+        f"`{_rel(s['dir'])}` ({s['gpu']}, {s['date']}, commit {s['commit'][:7]}: "
+        + ", ".join(f"{st['step']} exit {st['exit']}" for st in s["steps"]) + ")" for s in sess) + ".", ""]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.ran_where", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--write", action="store_true", help=f"rewrite {_rel(PAGE)}")
+    a = ap.parse_args(argv)
+    text = markdown()
+    if a.write:
+        PAGE.write_text(text)
+        print(f"wrote {PAGE}", file=sys.stderr)
+    else:
+        print(text, end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
