@@ -259,8 +259,9 @@ class _Model:
 
     def encode(self, args, text: str) -> list:
         from .generate import encode
+        from .tokenizer import Tokenizer
 
-        tok = self.opened.tokenizer if self.opened is not None else None
+        tok = Tokenizer.of(self.opened) if self.opened is not None else None
         return encode(tok, self.vocab_size, text, chat=args.chat, system=args.system,
                       allow_special=args.allow_special)
 

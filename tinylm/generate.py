@@ -563,6 +563,6 @@ def load(model=None, backend: str = "auto", dtype: str | None = None, max_seq: i
         args, weights, meta = load_gguf(opened or path)
         if max_seq is not None:
             args = dataclasses.replace(args, max_seq=int(max_seq))
-        tokenizer = opened.tokenizer if opened is not None else Tokenizer.from_gguf_metadata(meta)
+        tokenizer = Tokenizer.of(opened) if opened is not None else Tokenizer.from_gguf_metadata(meta, source)
     return Generator(Transformer(args, weights, backend, dtype, fused, fused_prefill, megakernel), tokenizer,
                      source, graphs, prefill_graphs)

@@ -1,0 +1,122 @@
+"""Every model family tinylm runs, against Hugging Face transformers' goldens.
+
+The tiny GGUF files (tests/golden/family_models.py: 2-3 layers, random weights, each family's
+quirks on) are written here at run time and must hash as the ones the goldens were made from
+(tests/golden/make_family_goldens.py: HF transformers on CPU torch, float32, eager attention).
+Each backend prefills the prompt and decodes HF's greedy tokens one step at a time; every
+position's logits must agree with HF's to 1e-3 of the row's largest logit, and a greedy
+generation must give HF's tokens.
+"""
+from __future__ import annotations
+
+import base64
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+GOLDEN_DIR = Path(__file__).resolve().parent / "golden"
+GOLDEN = json.loads((GOLDEN_DIR / "families_golden.json").read_text())
+FAMILIES = list(GOLDEN["families"])
+RTOL = 1e-3
+
+
+def _maker():
+    spec = importlib.util.spec_from_file_location("family_models", GOLDEN_DIR / "family_models.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """family -> path of its tiny GGUF, written now and checked against the goldens' hash."""
+    fm = _maker()
+    d = tmp_path_factory.mktemp("families")
+    out = {}
+    for fam in FAMILIES:
+        path = fm.write(fam, d / f"{fam}.gguf")
+        assert fm.content_hash(path) == GOLDEN["families"][fam]["hash"], \
+            f"{fam}: the file written now is not the one the goldens were made from"
+        out[fam] = path
+    return out
+
+
+def golden_logits(fam):
+    g = GOLDEN["families"][fam]
+    return np.frombuffer(base64.b64decode(g["logits_f32_b64"]), dtype="<f4").reshape(g["logits_shape"])
+
+
+def step_logits(model, tokens):
+    """Logits of every position [T, V]: prefill of the prompt (one forward, its rows), then one
+    decode step per further token, as generation runs them."""
+    from tinylm.generate import decode_one
+
+    prompt = GOLDEN["prompt"]
+    state = model.new_state(1, len(tokens) + 1)
+    with model.ops.stream():
+        rows = list(model.ops.to_numpy(model.forward(model.ops.ids(np.array([prompt])), state,
+                                                     all_logits=True))[0])
+        for tok in tokens[len(prompt):]:
+            rows.append(model.ops.to_numpy(decode_one(model, state, tok))[0])
+    return np.array(rows)
+
+
+def check_logits(fam, got):
+    want = golden_logits(fam)
+    assert got.shape == want.shape and np.isfinite(got).all()
+    err = np.abs(got - want).max(axis=-1) / np.abs(want).max(axis=-1)
+    assert err.max() < RTOL, f"{fam}: worst row {int(err.argmax())} off by {err.max():.2e} of its largest logit"
+
+
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_numpy_backend_matches_hf(files, fam):
+    from tinylm.generate import generate, load
+
+    gen = load(files[fam], backend="numpy")
+    g = GOLDEN["families"][fam]
+    tokens = GOLDEN["prompt"] + g["tokens"]
+    check_logits(fam, step_logits(gen.model, tokens))
+    from tinylm.sampling import Sampler
+
+    state = gen.model.new_state(1, len(tokens))
+    r = generate(gen.model, state, GOLDEN["prompt"], len(g["tokens"]), Sampler(), graphs=False)
+    assert r.generated_ids == g["tokens"]
+
+
+def test_family_args(files):
+    """What each file's metadata turns into (tinylm.families), family by family."""
+    from tinylm.gguf_io import GGUFModel
+
+    a = {fam: GGUFModel(files[fam]).args for fam in FAMILIES}
+    assert a["llama3"].rope_style == "adjacent" and len(a["llama3"].rope_factors) == 16
+    assert a["mistral"].sliding_window == 5 and a["mistral"].is_local(1) and not a["mistral"].tie_embeddings
+    assert a["qwen2"].qkv_bias and a["qwen2"].rope_style == "neox" and a["qwen2"].n_heads // a["qwen2"].n_kv_heads == 7
+    assert a["qwen3"].qk_norm and a["qwen3"].head_dim == 64 != a["qwen3"].dim // a["qwen3"].n_heads
+    g2, g3 = a["gemma2"], a["gemma3"]
+    assert (g2.attn_softcap, g2.final_softcap, g2.head_dim, g2.act) == (2.0, 0.8, 256, "gelu_tanh")
+    assert [g2.is_local(i) for i in range(2)] == [True, False]
+    assert [g3.is_local(i) for i in range(3)] == [True, True, False]
+    assert g3.rope(0) == (10000.0, ()) and g3.rope(2) == (1e6, (2.0,) * 64)
+    assert g2.embed_scale == pytest.approx(8.0) and g3.qk_norm and g3.post_norms
+
+
+def test_unsupported_architecture_is_one_line(tmp_path):
+    import gguf
+
+    from tinylm.gguf_io import GGUFError, GGUFModel
+
+    path = tmp_path / "phi.gguf"
+    w = gguf.GGUFWriter(str(path), "phi3")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((4, 4), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(GGUFError) as e:
+        GGUFModel(path)
+    msg = str(e.value)
+    assert "\n" not in msg and "'phi3'" in msg and "llama, mistral, qwen2, qwen3, gemma2, gemma3" in msg
