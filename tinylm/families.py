@@ -164,7 +164,7 @@ def args_from_metadata(meta: dict, tensor_names=(), path="<gguf>", rope_freqs=No
         extras.update(rope_local_base=_num(meta, p + "rope.freq_base_swa", path, 10000.0))
     bias = [f"blk.0.attn_{x}.bias" in names for x in "qkv"]
     if any(bias) and not all(bias):
-        raise GGUFError(f"{path}: biases on only some of the Q, K, V projections are not implemented by tinylm")
+        raise GGUFError(f"{path}: a bias on only some of the Q, K, V projections is not implemented by tinylm")
     norms = ["blk.0.attn_q_norm.weight" in names, "blk.0.attn_k_norm.weight" in names]
     if any(norms) and not all(norms):
         raise GGUFError(f"{path}: a norm on only one of the Q, K heads is not implemented by tinylm")

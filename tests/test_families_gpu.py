@@ -1,0 +1,73 @@
+"""Every model family on the cupy backend (cupyattn kernels; the CPU emulator without a GPU)
+against Hugging Face transformers' goldens, on the tiny files of tests/test_families.py.
+
+float32, so the goldens' 1e-3 holds: the unfused prefill and decode steps give every position's
+logits; greedy generation through CUDA graphs (decode and padded prefill), the path the
+defaults pick (fused where the family allows it), and continuous batching (tinylm.serve) give
+HF's tokens. A path that cannot run a family is refused by name when the model is made.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from test_families import FAMILIES, GOLDEN, check_logits, files, step_logits  # noqa: F401 (fixture)
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_cupy_backend_matches_hf(files, fam):  # noqa: F811
+    from tinylm.generate import load
+
+    g = GOLDEN["families"][fam]
+    prompt, want = GOLDEN["prompt"], g["tokens"]
+    gen = load(files[fam], backend="cupy", dtype="float32", fused=False, fused_prefill=False)
+    check_logits(fam, step_logits(gen.model, prompt + want))
+    # graphs (decode steps and the padded prefill), then a ragged batch: each row as if alone
+    gen.graphs = gen.prefill_graphs = True
+    assert gen.generate(prompt, len(want)).generated_ids == want
+    rows = gen.generate_batch([prompt, prompt[:5]], len(want))
+    assert rows[0].generated_ids == want
+    # the defaults: fused decode / prefill where the family allows them, else the unfused path
+    gen = load(files[fam], backend="cupy", dtype="float32")
+    assert gen.model.fused == (gen.model.fused_problem() is None and gen.model.fused)
+    assert gen.generate(prompt, len(want)).generated_ids == want
+    # continuous batching: paged cache, unfused decode
+    from tinylm.serve import serve
+
+    out = dict(serve(gen, [prompt, prompt[:7]], len(want), max_batch=1, ignore_eos=True))
+    assert out[0].generated_ids == want
+
+
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_paths_that_cannot_run_a_family_refuse_it(files, fam):  # noqa: F811
+    from tinylm.generate import load
+    from tinylm.gguf_io import GGUFModel
+
+    args = GGUFModel(files[fam]).args
+    quirks = args.quirks()
+    with pytest.raises(ValueError, match=f"megakernel=True: the megakernel's op list is Llama's; this "
+                                         f"{args.arch} model needs {quirks[0]}"):
+        load(files[fam], backend="cupy", dtype="float32", megakernel=True)
+    decode_lacks = [q for q in ("post_norms", "act=gelu_tanh", "qkv_bias", "qk_norm", "rope_factors") if q in quirks]
+    if decode_lacks:
+        with pytest.raises(ValueError, match=f"fused decode does not implement {decode_lacks[0]}"):
+            load(files[fam], backend="cupy", dtype="float32", fused=True, fused_prefill=False)
+    prefill_lacks = [q for q in ("post_norms", "act=gelu_tanh") if q in quirks]
+    if prefill_lacks:
+        with pytest.raises(ValueError, match=f"fused prefill does not implement {prefill_lacks[0]}"):
+            load(files[fam], backend="cupy", dtype="float32", fused=False, fused_prefill=True)
+
+
+def test_head_dim_the_kernels_do_not_take_is_refused_at_load():
+    """A head_dim no attention kernel takes (16) fails when the model is made, naming it, not at
+    the first prompt."""
+    from tinylm.config import PRESETS
+    from tinylm.model import Transformer
+    from tinylm.weights import synthetic
+
+    args = PRESETS["tiny"].with_(head_dim=16)
+    with pytest.raises(ValueError, match="backend='cupy': head_dim 16 is not one the attention kernels take"):
+        Transformer(args, synthetic(args), backend="cupy", dtype="float32")
+    assert np.isfinite(Transformer(args, synthetic(args), backend="numpy").logits([1, 2, 3])).all()
