@@ -1,8 +1,8 @@
 """Every model family on the cupy backend (cupyattn kernels; the CPU emulator without a GPU)
 against Hugging Face transformers' goldens, on the tiny files of tests/test_families.py.
 
-float32, so the goldens' 1e-3 holds: the unfused prefill and decode steps give every position's
-logits; greedy generation through CUDA graphs (decode and padded prefill), the path the
+float32, so the goldens' 1e-3 holds: the unfused prefill and decode steps give the logits of the
+prompt's positions and of STEPS decode steps; greedy generation through CUDA graphs (decode and padded prefill), the path the
 defaults pick (fused where the family allows it), and continuous batching (tinylm.serve) give
 HF's tokens. A path that cannot run a family is refused by name when the model is made.
 """
@@ -14,30 +14,41 @@ import pytest
 from test_families import FAMILIES, GOLDEN, check_logits, files, step_logits  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.gpu
+STEPS = 4  # decode steps checked here (of the goldens' 8: the emulator runs every thread on the CPU)
 
 
 @pytest.mark.parametrize("fam", FAMILIES)
 def test_cupy_backend_matches_hf(files, fam):  # noqa: F811
+    """Every position's logits (eager unfused prefill, then decode steps), and greedy tokens
+    through CUDA graphs (the padded prefill and the decode steps)."""
     from tinylm.generate import load
 
     g = GOLDEN["families"][fam]
-    prompt, want = GOLDEN["prompt"], g["tokens"]
+    prompt, want = GOLDEN["prompt"], g["tokens"][:STEPS]
     gen = load(files[fam], backend="cupy", dtype="float32", fused=False, fused_prefill=False)
     check_logits(fam, step_logits(gen.model, prompt + want))
-    # graphs (decode steps and the padded prefill), then a ragged batch: each row as if alone
     gen.graphs = gen.prefill_graphs = True
     assert gen.generate(prompt, len(want)).generated_ids == want
-    rows = gen.generate_batch([prompt, prompt[:5]], len(want))
-    assert rows[0].generated_ids == want
-    # the defaults: fused decode / prefill where the family allows them, else the unfused path
-    gen = load(files[fam], backend="cupy", dtype="float32")
-    assert gen.model.fused == (gen.model.fused_problem() is None and gen.model.fused)
-    assert gen.generate(prompt, len(want)).generated_ids == want
-    # continuous batching: paged cache, unfused decode
+
+
+# one family per kind of path choice: fused decode on (mistral's window inside it), fused prefill
+# only (qwen3's head norms between its kernels), neither (gemma2)
+@pytest.mark.parametrize("fam", ["mistral", "qwen3", "gemma2"])
+def test_cupy_default_paths_batches_and_serving(files, fam):  # noqa: F811
+    """The paths the defaults pick (fused where the family allows it), a ragged batch (each row
+    as if alone), and continuous batching (paged cache, unfused decode) give HF's tokens."""
+    from tinylm.generate import load
     from tinylm.serve import serve
 
-    out = dict(serve(gen, [prompt, prompt[:7]], len(want), max_batch=1, ignore_eos=True))
-    assert out[0].generated_ids == want
+    prompt, want = GOLDEN["prompt"], GOLDEN["families"][fam]["tokens"][:STEPS]
+    gen = load(files[fam], backend="cupy", dtype="float32")
+    m = gen.model
+    assert (m.fused, m.fused_prefill) == {"mistral": (True, True), "qwen3": (False, True),
+                                          "gemma2": (False, False)}[fam]
+    rows = gen.generate_batch([prompt, prompt[:5]], len(want))
+    assert rows[0].generated_ids == want
+    out = dict(serve(gen, [prompt[:7], prompt], len(want), max_batch=1, ignore_eos=True))
+    assert out[1].generated_ids == want
 
 
 @pytest.mark.parametrize("fam", FAMILIES)

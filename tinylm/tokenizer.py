@@ -99,8 +99,9 @@ class Tokenizer:
         self.sentencepiece = merges is None  # SentencePiece-style: merges from scores, byte fallback
         if self.sentencepiece:
             hf = _sentencepiece_bpe(tokens, token_types, scores, add_space_prefix, unk_id)
+            self._hf_plain_inner = _sentencepiece_bpe(tokens, token_types, scores, False, unk_id)
         else:
-            hf = _byte_level_bpe(vocab, merges, pre)
+            hf = self._hf_plain_inner = _byte_level_bpe(vocab, merges, pre)
         special = [i for i, ty in enumerate(token_types) if ty == CONTROL]
         user = [i for i, ty in enumerate(token_types) if ty == USER_DEFINED]
         if user:
@@ -315,8 +316,9 @@ class Tokenizer:
         for piece in pieces:
             if isinstance(piece, int):
                 ids.append(piece)
-            elif piece:
-                ids += self._hf_plain.encode(piece, add_special_tokens=False).ids
+            elif piece:  # a run after a control token takes no SentencePiece space prefix (as in HF)
+                hf = self._hf_plain if not ids else self._hf_plain_inner
+                ids += hf.encode(piece, add_special_tokens=False).ids
         if self.add_bos and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
             ids.insert(0, self.bos_id)
         return ids
@@ -397,10 +399,10 @@ def _sentencepiece_bpe(tokens, token_types, scores, add_space_prefix: bool, unk_
     """HF ``tokenizers`` BPE that encodes as SentencePiece's BPE does over a GGUF "llama"
     vocabulary: spaces become U+2581 (one prepended with ``add_space_prefix``), adjacent pieces
     merge best score first (merges derived from the scores: every split of a piece into two
-    pieces of the vocabulary, ranked by the piece's score), and characters without a piece fall
-    back to their UTF-8 bytes' ``<0xXX>`` tokens."""
+    pieces of the vocabulary, ranked by the piece's score, as HF builds them), and characters
+    without a piece fall back to their UTF-8 bytes' ``<0xXX>`` tokens."""
     from tokenizers import Tokenizer as _HFTokenizer
-    from tokenizers import decoders, models, normalizers
+    from tokenizers import decoders, models, pre_tokenizers
 
     vocab = {t: i for i, t in enumerate(tokens)}
     normal = {t for t, ty in zip(tokens, token_types) if ty in (NORMAL, USER_DEFINED)}
@@ -414,8 +416,10 @@ def _sentencepiece_bpe(tokens, token_types, scores, add_space_prefix: bool, unk_
     unk = tokens[unk_id] if unk_id is not None else None
     hf = _HFTokenizer(models.BPE(vocab=vocab, merges=[r[3] for r in ranked], unk_token=unk, fuse_unk=True,
                                  byte_fallback=True))
-    steps = [normalizers.Prepend("\u2581")] if add_space_prefix else []
-    hf.normalizer = normalizers.Sequence(steps + [normalizers.Replace(" ", "\u2581")])
+    # as HF's tokenizer of the file: one U+2581 before the text unless it starts with a space (a
+    # text that follows a control token gets none), spaces kept whole (no split on them)
+    hf.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", split=False,
+                                                prepend_scheme="first" if add_space_prefix else "never")
     hf.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
     return hf
 

@@ -13,7 +13,8 @@ tokens after the prompt (family_models.PROMPT), and run once more over the promp
 to record the logits of every position. HF's GGUF loader does not read everything a file says
 (DESIGN.md, "The real model"): the config values it misses are set by hand from what the file
 says, in OVERRIDES below, and listed in the JSON under each family's "config_set_by_hand".
-The tokenizer check encodes a few texts with HF's tokenizer built from the same file.
+The tokenizer check encodes a few texts, and a few chat turns through the file's chat template
+(``apply_chat_template``), with HF's tokenizer built from the same file.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ import family_models as fm  # noqa: E402
 GREEDY = 8
 OUT = HERE / "families_golden.json"
 TEXTS = ["hello world", "the end, and 42 things!", "  in it\non  at", "héllo ünïcode ☃"]
+CHATS = [(None, "hello world"), ("the end", "is it on?")]  # (system, user) turns for apply_chat_template
 
 
 def overrides(family: str) -> dict:
@@ -114,6 +116,14 @@ def main():
             try:
                 tok = AutoTokenizer.from_pretrained(tmp, gguf_file=path.name)
                 entry["tokenizer"] = {t: tok.encode(t, add_special_tokens=False) for t in TEXTS}
+                chats = []
+                for system, user in CHATS:
+                    msgs = ([] if system is None else [{"role": "system", "content": system}]) + \
+                        [{"role": "user", "content": user}]
+                    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+                    ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+                    chats.append({"system": system, "user": user, "ids": list(map(int, ids))})
+                entry["chat"] = chats
             except Exception as e:  # noqa: BLE001 - recorded: the test then has no tokenizer golden
                 entry["tokenizer_error"] = f"{type(e).__name__}: {e}"[:200]
             out["families"][family] = entry
