@@ -114,8 +114,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--page", type=int, help="tokens per page (a power of two)")
     p.add_argument("--causal", action="store_true", help="causal mask, bottom-right aligned")
     sweep_arg(p, "paged")
-    mg.add_argument("--model", help="comma-separated: 'smollm2', a tinylm preset or a GGUF file's path "
-                    "(default: both smollm2 and --preset)")
+    mg.add_argument("--model", help="comma-separated: 'smollm2', a tinylm preset, 'families' (the shapes of "
+                    "Llama 3.2-1B, Mistral-7B (4 layers), Qwen2.5-0.5B, Qwen3-0.6B, Gemma-2-2B, Gemma-3-1B) "
+                    "or a GGUF file's path (default: both smollm2 and --preset)")
     p = add("model", "tinylm end to end (TTFT, decode tok/s) vs HF transformers", (common, m))
     p = add("all", "default cases of every op (and model)", (common, m))
     p.add_argument("--with-sweeps", action="store_true", help="also run every predefined sweep")
@@ -133,7 +134,10 @@ def plan(a) -> list:
             pairs = [(c.p["model"], c.p["batch"]) for c in cases]
             serve = bool(getattr(a, "serve", False))
             if a.model:
-                pairs = [(m, b) for m in a.model.split(",") for b in batches or [1]]
+                from tinylm.config import FAMILY_PRESETS  # "families": each family's small model's shapes
+
+                names = [n for m in a.model.split(",") for n in (FAMILY_PRESETS if m == "families" else [m])]
+                pairs = [(m, b) for m in names for b in batches or [1]]
             if serve:  # continuous batching at 8, 32 and 64 slots unless --batch says
                 pairs = [(m, b) for m in dict.fromkeys(m for m, _ in pairs) for b in batches or SERVE_SLOTS]
             elif batches:

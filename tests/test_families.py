@@ -160,3 +160,14 @@ def test_tokenizer_and_chat_template_match_hf(files, fam):
         assert tok.decode(ids) == text or tok.sentencepiece  # SentencePiece decodes its space marks
     for chat in g["chat"]:
         assert tok.encode_chat(chat["user"], system=chat["system"]) == chat["ids"], chat
+
+
+def test_benchmark_plans_every_family_at_batch_1_and_8():
+    """``benchmarks model --model families --batch 1,8``: each family's small model's shapes (the
+    run itself, against HF's class of the family, needs a GPU)."""
+    from benchmarks.__main__ import _parser, plan
+    from tinylm.config import FAMILY_PRESETS, PRESETS
+
+    cases = plan(_parser().parse_args(["model", "--model", "families", "--batch", "1,8"]))
+    assert [(c.p["model"], c.p["batch"]) for c in cases] == [(m, b) for m in FAMILY_PRESETS for b in (1, 8)]
+    assert {PRESETS[m].arch for m in FAMILY_PRESETS} == {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3"}

@@ -6,6 +6,7 @@ need no file.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 ROPE_STYLES = ("adjacent", "neox")
@@ -171,6 +172,22 @@ class ModelArgs:
         return replace(self, **changes)
 
 
+def llama3_rope_factors(head_dim: int, base: float, factor: float, low: float, high: float, orig: int) -> tuple:
+    """Llama 3.1+'s per-pair RoPE frequency divisors (what its GGUF's ``rope_freqs`` tensor holds):
+    1 for wavelengths under ``orig / high``, ``factor`` over ``orig / low``, smooth between."""
+    out = []
+    for i in range(head_dim // 2):
+        wavelen = 2 * math.pi * base ** (2 * i / head_dim)
+        if wavelen < orig / high:
+            out.append(1.0)
+        elif wavelen > orig / low:
+            out.append(float(factor))
+        else:
+            smooth = (orig / wavelen - low) / (high - low)
+            out.append(1.0 / ((1 - smooth) / factor + smooth))
+    return tuple(out)
+
+
 PRESETS: dict[str, ModelArgs] = {
     # Fast tests: head_dim 32 is the smallest the GPU attention kernels take; GQA group of 2.
     "tiny": ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, ffn_dim=256,
@@ -183,4 +200,29 @@ PRESETS: dict[str, ModelArgs] = {
     "smollm2-135m-shape": ModelArgs(dim=576, n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64,
                                     ffn_dim=1536, vocab_size=49152, norm_eps=1e-5,
                                     rope_base=100000.0, max_seq=8192, tie_embeddings=True),
+    # The families' small models, as their GGUF files describe them (benchmarks: `model --model NAME`)
+    "llama3.2-1b-shape": ModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, head_dim=64, ffn_dim=8192,
+                                   vocab_size=128256, rope_base=500000.0, max_seq=8192,
+                                   rope_factors=llama3_rope_factors(64, 500000.0, 32.0, 1.0, 4.0, 8192)),
+    "mistral-7b-4layers": ModelArgs(dim=4096, n_layers=4, n_heads=32, n_kv_heads=8, head_dim=128, ffn_dim=14336,
+                                    vocab_size=32000, rope_base=10000.0, max_seq=8192, tie_embeddings=False,
+                                    arch="mistral", sliding_window=4096),  # v0.1: a 4096-key window
+    "qwen2.5-0.5b-shape": ModelArgs(dim=896, n_layers=24, n_heads=14, n_kv_heads=2, head_dim=64, ffn_dim=4864,
+                                    vocab_size=151936, norm_eps=1e-6, rope_base=1000000.0, rope_style="neox",
+                                    max_seq=8192, arch="qwen2", qkv_bias=True),
+    "qwen3-0.6b-shape": ModelArgs(dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, head_dim=128, ffn_dim=3072,
+                                  vocab_size=151936, norm_eps=1e-6, rope_base=1000000.0, rope_style="neox",
+                                  max_seq=8192, arch="qwen3", qk_norm=True),
+    "gemma2-2b-shape": ModelArgs(dim=2304, n_layers=26, n_heads=8, n_kv_heads=4, head_dim=256, ffn_dim=9216,
+                                 vocab_size=256000, norm_eps=1e-6, rope_base=10000.0, rope_style="neox",
+                                 max_seq=8192, arch="gemma2", act="gelu_tanh", embed_scale=2304 ** 0.5,
+                                 post_norms=True, attn_softcap=50.0, final_softcap=30.0, sliding_window=4096,
+                                 local_layers=tuple(range(0, 26, 2))),
+    "gemma3-1b-shape": ModelArgs(dim=1152, n_layers=26, n_heads=4, n_kv_heads=1, head_dim=256, ffn_dim=6912,
+                                 vocab_size=262144, norm_eps=1e-6, rope_base=1000000.0, rope_style="neox",
+                                 max_seq=8192, arch="gemma3", act="gelu_tanh", embed_scale=1152 ** 0.5,
+                                 post_norms=True, qk_norm=True, sliding_window=512, rope_local_base=10000.0,
+                                 local_layers=tuple(i for i in range(26) if i % 6 < 5)),
 }
+FAMILY_PRESETS = ("llama3.2-1b-shape", "mistral-7b-4layers", "qwen2.5-0.5b-shape", "qwen3-0.6b-shape",
+                  "gemma2-2b-shape", "gemma3-1b-shape")
