@@ -79,6 +79,27 @@ def test_head_dim_the_kernels_do_not_take_is_refused_at_load():
     from tinylm.weights import synthetic
 
     args = PRESETS["tiny"].with_(head_dim=16)
-    with pytest.raises(ValueError, match="backend='cupy': head_dim 16 is not one the attention kernels take"):
-        Transformer(args, synthetic(args), backend="cupy", dtype="float32")
+    for kw in ({}, {"megakernel": True}, {"fused": True}):
+        with pytest.raises(ValueError, match="backend='cupy': head_dim 16 is not one the attention kernels take"):
+            Transformer(args, synthetic(args), backend="cupy", dtype="float32", **kw)
     assert np.isfinite(Transformer(args, synthetic(args), backend="numpy").logits([1, 2, 3])).all()
+
+
+def test_fused_step_the_device_cannot_run_is_refused_at_load(monkeypatch):
+    """bfloat16's fused kernels need sm_80: asked for on a Turing device (dispatched as one), the
+    fused step is refused when the model is made, naming the compute capability; the default
+    leaves it off."""
+    from cupyattn import config
+    from tinylm.config import PRESETS
+    from tinylm.model import Transformer
+    from tinylm.weights import synthetic
+
+    monkeypatch.setenv("CUPYATTN_ARCH", "75")
+    need = config.impl_min_cc("fused", "skinny", config.BFLOAT16)
+    assert need > 75
+    w = synthetic(PRESETS["tiny"])
+    with pytest.raises(ValueError, match=rf"fused decode needs compute capability {need // 10}.{need % 10} for "
+                                         r"bfloat16, this device is 7.5"):
+        Transformer(PRESETS["tiny"], w, backend="cupy", dtype="bfloat16", fused=True, fused_prefill=False)
+    m = Transformer(PRESETS["tiny"], w, backend="cupy", dtype="bfloat16")
+    assert (m.fused, m.fused_prefill) == (False, False)

@@ -267,10 +267,10 @@ class Transformer:
         self.ops = make_ops(backend, dtype) if isinstance(backend, str) else backend
         self.backend = self.ops.name
         self.dtype = np.dtype(self.ops.dtype).name
-        self._check_kernels()
         self.fused = self._resolve_fused(fused)
         self.fused_prefill = self._resolve_fused(fused_prefill, prefill=True)
         self.megakernel = self._resolve_megakernel(megakernel)
+        self._check_kernels()  # after the options: an option asked for is named first
         with self.ops.stream():
             self.params = Params.upload(weights, self.ops, args)
         self.weight_bytes = self.params.nbytes()
@@ -360,6 +360,13 @@ class Transformer:
             return bool(default and self._device_runs_fused())
         if fused and why:
             raise ValueError(why)
+        if fused and not self._device_runs_fused():  # refused here, not by the first prompt's launch
+            from cupyattn import _loader
+            from cupyattn.config import impl_min_cc
+
+            need, cc = impl_min_cc("fused", "skinny", self.ops.dtype), _loader.device_compute_capability()
+            raise ValueError(f"{'fused prefill' if prefill else 'fused decode'} needs compute capability "
+                             f"{need // 10}.{need % 10} for {self.dtype}, this device is {cc // 10}.{cc % 10}")
         return bool(fused)
 
     def _check_kernels(self) -> None:
