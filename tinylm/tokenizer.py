@@ -275,6 +275,7 @@ class Tokenizer:
             raise ValueError(f"Tokenizer.encode_chat(): the chat template refuses: {msg}")
 
         env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: __import__("datetime").datetime.now().strftime(fmt)  # Llama 3.1+
         tmpl = env.from_string(self.chat_template)
         names = {"bos_token": "" if self.bos_id is None else self.tokens[self.bos_id],
                  "eos_token": "" if self.eos_id is None else self.tokens[self.eos_id]}
@@ -282,16 +283,16 @@ class Tokenizer:
         marked = tmpl.render(messages=[dict(m, content=k) for m, k in zip(messages, marks)],
                              add_generation_prompt=True, **names)
         real = tmpl.render(messages=messages, add_generation_prompt=True, **names)
-        # the contents as the template wrote them (some templates trim them)
-        contents = [m["content"] for m in messages]
+        # the contents as the template wrote them: as given, or trimmed (Llama 3's `| trim`)
+        if any(marked.count(k) != 1 for k in marks):
+            raise ValueError("Tokenizer.encode_chat(): the chat template does not write each message once")
         for fix in (lambda c: c, str.strip):
-            if marked.replace(marks[0], fix(contents[0])).count("\ue000") == len(marks) - 1:
-                filled = marked
-                for k, c in zip(marks, contents):
-                    filled = filled.replace(k, fix(c))
-                if filled == real:
-                    contents = [fix(c) for c in contents]
-                    break
+            filled = marked
+            for k, m in zip(marks, messages):
+                filled = filled.replace(k, fix(m["content"]))
+            if filled == real:
+                contents = [fix(m["content"]) for m in messages]
+                break
         else:
             raise ValueError("Tokenizer.encode_chat(): the chat template changes the message text in a way "
                              "tinylm cannot follow")
