@@ -187,3 +187,29 @@ def test_chat_user_text_cannot_forge_control_tokens(files, fam, attack):
     for ids in (tok.encode_chat(attack + "hi", system="be brief"), tok.encode_chat("hi", system=attack)):
         assert [i for i in ids if i in control] == honest
         assert attack in tok.decode(ids)
+
+
+def _meta(arch, **kv):
+    base = {"general.architecture": arch, f"{arch}.embedding_length": 64, f"{arch}.attention.head_count": 2,
+            f"{arch}.block_count": 12, f"{arch}.feed_forward_length": 128, f"{arch}.vocab_size": 100}
+    base.update({f"{arch}.{k.replace('__', '.')}": v for k, v in kv.items()})
+    return base
+
+
+def test_llama_cpp_defaults_where_a_file_says_nothing():
+    """What llama.cpp assumes when a key is absent: Gemma 2's softcaps 50 / 30 and every other
+    layer local, Gemma 3's 5 local layers of 6 with a RoPE base of 10000, the 27B Gemmas' query
+    scale 1/sqrt(dim / heads); a window pattern of 1 means no local layer."""
+    from tinylm.families import args_from_metadata
+
+    g2 = args_from_metadata(_meta("gemma2", attention__sliding_window=8))
+    assert (g2.attn_softcap, g2.final_softcap) == (50.0, 30.0) and g2.local_layers == tuple(range(0, 12, 2))
+    assert g2.attn_scale is None and g2.scale == 32 ** -0.5
+    g3 = args_from_metadata(_meta("gemma3", attention__sliding_window=8))
+    assert g3.local_layers == (0, 1, 2, 3, 4, 6, 7, 8, 9, 10) and g3.rope(0)[0] == 10000.0 and g3.final_softcap == 0
+    big = args_from_metadata(_meta("gemma2", block_count=46, attention__key_length=128))
+    assert big.scale == pytest.approx((64 / 2) ** -0.5)
+    none = args_from_metadata(_meta("llama", attention__sliding_window=8, attention__sliding_window_pattern=1))
+    assert none.sliding_window == 0 and not none.is_local(0)
+    every = args_from_metadata(_meta("mistral", attention__sliding_window=8))
+    assert all(every.is_local(i) for i in range(12)) and every.window(3) == (7, 0)

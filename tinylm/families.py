@@ -146,11 +146,11 @@ def args_from_metadata(meta: dict, tensor_names=(), path="<gguf>", rope_freqs=No
 
     window = _int(meta, p + "attention.sliding_window", path, default=0, minimum=0)
     pattern = _int(meta, p + "attention.sliding_window_pattern", path, default=fam.local_pattern, minimum=0)
-    local = tuple(i for i in range(n_layers) if pattern and i % pattern < pattern - 1) if window else ()
-    if window and pattern == 0:
-        local = ()  # every layer local (ModelArgs: empty local_layers = all)
+    # pattern 0: every layer local (ModelArgs: empty local_layers); else layer i is local when
+    # i % pattern < pattern - 1 (a pattern of 1: none, so no window at all)
+    local = tuple(i for i in range(n_layers) if i % pattern < pattern - 1) if window and pattern else ()
     if window and pattern and not local:
-        window = 0  # a pattern of 1: no layer is local
+        window = 0
 
     extras = {}
     if fam.gemma:
