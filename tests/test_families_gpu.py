@@ -31,9 +31,9 @@ def test_cupy_backend_matches_hf(files, fam):  # noqa: F811
     assert gen.generate(prompt, len(want)).generated_ids == want
 
 
-# one family per kind of path choice: fused decode on (mistral's window inside it), fused prefill
-# only (qwen3's head norms between its kernels), neither (gemma2)
-@pytest.mark.parametrize("fam", ["mistral", "qwen3", "gemma2"])
+# one family per kind of path choice: fused decode on (llama3's RoPE divisors inside it), fused
+# prefill only (qwen3's head norms between its kernels), neither (gemma2)
+@pytest.mark.parametrize("fam", ["llama3", "qwen3", "gemma2"])
 def test_cupy_default_paths_batches_and_serving(files, fam):  # noqa: F811
     """The paths the defaults pick (fused where the family allows it), a ragged batch (each row
     as if alone), and continuous batching (paged cache, unfused decode) give HF's tokens."""
@@ -43,7 +43,7 @@ def test_cupy_default_paths_batches_and_serving(files, fam):  # noqa: F811
     prompt, want = GOLDEN["prompt"], GOLDEN["families"][fam]["tokens"][:STEPS]
     gen = load(files[fam], backend="cupy", dtype="float32")
     m = gen.model
-    assert (m.fused, m.fused_prefill) == {"mistral": (True, True), "qwen3": (False, True),
+    assert (m.fused, m.fused_prefill) == {"llama3": (True, True), "qwen3": (False, True),
                                           "gemma2": (False, False)}[fam]
     rows = gen.generate_batch([prompt, prompt[:5]], len(want))
     assert rows[0].generated_ids == want
@@ -61,7 +61,7 @@ def test_paths_that_cannot_run_a_family_refuse_it(files, fam):  # noqa: F811
     with pytest.raises(ValueError, match=f"megakernel=True: the megakernel's op list is Llama's; this "
                                          f"{args.arch} model needs {quirks[0]}"):
         load(files[fam], backend="cupy", dtype="float32", megakernel=True)
-    decode_lacks = [q for q in ("post_norms", "act=gelu_tanh", "qkv_bias", "qk_norm", "rope_factors") if q in quirks]
+    decode_lacks = [q for q in ("post_norms", "act=gelu_tanh", "qkv_bias", "qk_norm") if q in quirks]
     if decode_lacks:
         with pytest.raises(ValueError, match=f"fused decode does not implement {decode_lacks[0]}"):
             load(files[fam], backend="cupy", dtype="float32", fused=True, fused_prefill=False)

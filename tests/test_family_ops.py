@@ -104,3 +104,27 @@ def test_append_qkv_with_frequency_divisors(rng, dtype, style):
     with pytest.raises(TypeError, match="rope_freq_div"):
         cache.append_qkv(0, qkv, hq, rope_freq_div=cupy.asarray(div.astype(np.float16)))
     assert to_host(cache.lengths).tolist() == [[start + t] * b]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_norm_qkv_rope_append_with_frequency_divisors(rng, dtype):
+    """The fused decode step's first kernel with Llama 3's divisors: q and the cached k as the
+    float64 reference rotates rmsnorm(x) Wqkv^T at each sequence's position."""
+    import cupy
+
+    import cupyattn
+    from cupyattn import fused
+    from conftest import np_dtype
+
+    b, hq, hkv, d, k = 3, 4, 2, 32, 64
+    cache = cupyattn.KVCache(1, b, hkv, 16, d, np_dtype(dtype))
+    cache.append(0, *(cupy.zeros((b, hkv, 5, d), cache.dtype) for _ in range(2)))
+    x, x64 = to_device(rand_with_outliers(rng, (b, 1, k)), dtype)
+    nw, nw64 = to_device(1 + 0.2 * rng.standard_normal(k), dtype)
+    w, w64 = to_device(rng.standard_normal(((hq + 2 * hkv) * d, k)) / 8, dtype)
+    div = np.exp(rng.uniform(0, 3, d // 2)).astype(np.float32)
+    q = fused.rmsnorm_qkv_rope_append(x, nw, w, cache, 0, hq, 1e-5, 5e5, "adjacent", rope_freq_div=cupy.asarray(div))
+    qkv = (ref.rmsnorm(x64, nw64, 1e-5) @ w64.T).reshape(b, 1, hq + 2 * hkv, d).transpose(0, 2, 1, 3)
+    pos = np.full((b, 1), 5)
+    assert_close(q, ref.rope(qkv[:, :hq], pos, 5e5, freq_div=div), dtype)
+    assert_close(cache.k[0][:, :, 5:6], ref.rope(qkv[:, hq:hq + hkv], pos, 5e5, freq_div=div), dtype)

@@ -333,7 +333,7 @@ class Transformer:
         backend (None: it can). Its kernels fold the norms into the projections and the residual
         adds into the projections after them, with SiLU and, in decode, plain RoPE: a family that
         needs a step between those (Gemma's post-norms, GeGLU; in decode, Qwen's bias and head
-        norms and Llama 3's RoPE divisors) runs the unfused path, which has each step."""
+        norms) runs the unfused path, which has each step."""
         a = self.args
         what = "fused prefill" if prefill else "fused decode"
         if not getattr(self.ops, "fused_decode", False):
@@ -342,8 +342,7 @@ class Transformer:
             return f"{what} needs a head_dim that is a multiple of 16, got {a.head_dim}"
         lacks = [name for name, on in (("post_norms", a.post_norms), ("act=gelu_tanh", a.act != "silu"),
                                        ("qkv_bias", a.qkv_bias and not prefill),
-                                       ("qk_norm", a.qk_norm and not prefill),
-                                       ("rope_factors", bool(a.rope_factors) and not prefill)) if on]
+                                       ("qk_norm", a.qk_norm and not prefill)) if on]
         if lacks:
             return f"{what} does not implement {', '.join(lacks)} of this {a.arch} model (the unfused path does)"
         return None
@@ -550,8 +549,9 @@ class Transformer:
         b = ids.shape[0]
         x = ops.embedding(ids, p.tok_embd, out=state.x)  # the residual stream, updated in place
         for i, lp in enumerate(p.layers):
-            q = ops.norm_qkv_rope_append(x, lp.attn_norm, lp.wqkv, cache, i, a.n_heads, a.norm_eps,
-                                         a.rope(i)[0], a.rope_style, out=state.q_rot)
+            base, factors = a.rope(i)
+            q = ops.norm_qkv_rope_append(x, lp.attn_norm, lp.wqkv, cache, i, a.n_heads, a.norm_eps, base,
+                                         a.rope_style, out=state.q_rot, factors=p.rope_factors if factors else None)
             o = ops.attend_decode(q, cache, i, out=state.att, workspace=state.workspace, num_splits=splits,
                                   fused_combine=True, **self._attn_options(i))
             ops.matmul_residual(x, o.reshape(b, 1, a.n_heads * a.head_dim), lp.wo)

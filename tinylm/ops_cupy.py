@@ -191,8 +191,9 @@ class CupyOps:
         return layers.embedding(flat, x.reshape(b * t, d), out=dst).reshape(b, 1, d)
 
     # --- the fused decode step (tinylm.model.Transformer._decode_fused) -------------------
-    def norm_qkv_rope_append(self, x, norm_w, wqkv, cache, layer, n_heads, eps, base, style, out=None):
-        return fused.rmsnorm_qkv_rope_append(x, norm_w, wqkv, cache, layer, n_heads, eps, base, style, q_out=out)
+    def norm_qkv_rope_append(self, x, norm_w, wqkv, cache, layer, n_heads, eps, base, style, out=None, factors=None):
+        return fused.rmsnorm_qkv_rope_append(x, norm_w, wqkv, cache, layer, n_heads, eps, base, style, q_out=out,
+                                             rope_freq_div=factors)
 
     def matmul_residual(self, x, a, w):
         """x += a @ w^T, in place."""
