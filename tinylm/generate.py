@@ -389,7 +389,7 @@ class Generator:
 
     def encode(self, text: str, chat: bool = False, system: str | None = None,
                allow_special: bool = False) -> list:
-        """Prompt text -> ids (ChatML when chat). Without a tokenizer: UTF-8 bytes mod vocab.
+        """Prompt text -> ids (through the file's chat template when chat). Without a tokenizer: UTF-8 bytes mod vocab.
 
         User text (``text``, ``system``) is encoded as plain text: control tokens such as
         ``<|im_start|>`` come only from the chat template. ``allow_special=True`` lets a raw

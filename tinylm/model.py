@@ -9,6 +9,14 @@
                 x = x + (silu(h Wgate^T) * h Wup^T) Wdown^T; h = rmsnorm(x, next norm)
     logits = h Wout^T                                       (the last "next norm" is output_norm)
 
+A family's own steps (tinylm.config.ModelArgs, read by tinylm.families) sit in that loop where the
+family has them: the Q/K/V bias and the per-head Q/K norms between the QKV projection and RoPE
+(``_qkv_tail``; RoPE with the layer's base and frequency divisors), the attention's scale, window
+and softcap per layer (``_attn_options``), a norm of each block's output before its residual add
+(Gemma's post-norms), GeGLU for SwiGLU, and a softcap of the logits. The embedding scale is
+folded into the uploaded table (``Params.upload``). The fused steps and the megakernel take only
+the families their kernels implement; ``fused_problem`` / ``megakernel_problem`` say why not.
+
 Every sequence of a batch has its own cache length: a prompt batch is right-padded, with the
 real token count of each sequence given as ``num_new`` (its logits are taken at its last real
 token), and decode steps place each sequence's token at its own position. A decode step (T = 1)
