@@ -130,8 +130,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--causal", action="store_true", help="causal mask, bottom-right aligned")
     sweep_arg(p, "paged")
     mg.add_argument("--model", type=cli_args.model_list,
-                    help="comma-separated: 'smollm2', a tinylm preset or a GGUF file's path "
-                    "(default: both smollm2 and --preset)")
+                    help="comma-separated: 'smollm2', a tinylm preset, 'families' (the shapes of "
+                    "Llama 3.2-1B, Mistral-7B (4 layers), Qwen2.5-0.5B, Qwen3-0.6B, Gemma-2-2B, Gemma-3-1B) "
+                    "or a GGUF file's path (default: both smollm2 and --preset)")
     p = add("model", "tinylm end to end (TTFT, decode tok/s) vs HF transformers", (common, m))
     p = add("all", "default cases of every op (and model)", (common, m))
     p.add_argument("--with-sweeps", action="store_true", help="also run every predefined sweep")

@@ -118,18 +118,19 @@ def preset(text: str) -> str:
 
 
 def model_list(text: str) -> list[str]:
-    """An argparse type: models separated by commas, each 'smollm2', a tinylm preset or an existing
-    GGUF file (benchmarks.model_bench.load_model's three kinds)."""
+    """An argparse type: models separated by commas, each 'smollm2', a tinylm preset, 'families' (each
+    family's preset, tinylm.config.FAMILY_PRESETS) or an existing GGUF file (benchmarks.model_bench.
+    load_model's three kinds)."""
     import os
 
-    from tinylm.config import PRESETS
+    from tinylm.config import FAMILY_PRESETS, PRESETS
 
-    names = name_list(text)
+    names = [n for m in name_list(text) for n in (FAMILY_PRESETS if m == "families" else [m])]
     for n in names:
         if n == "smollm2" or n in PRESETS:
             continue
         if not n.endswith(".gguf"):
-            raise argparse.ArgumentTypeError(f"expected smollm2, a tinylm preset ({', '.join(PRESETS)}) or a "
+            raise argparse.ArgumentTypeError(f"expected smollm2, families, a tinylm preset ({', '.join(PRESETS)}) or a "
                                              f".gguf file, got {n!r}")
         if not os.path.isfile(n):
             raise argparse.ArgumentTypeError(f"no GGUF file at {n!r}")

@@ -34,7 +34,12 @@ def hf_config(args, torch_dtype=None):
 
 
 def build_hf_llama(args, weights, dtype: str = "float16", device: str = "cuda"):
-    """LlamaForCausalLM on ``device`` holding tinylm ``weights`` (``dtype`` a torch dtype name)."""
+    """LlamaForCausalLM on ``device`` holding tinylm ``weights`` (``dtype`` a torch dtype name);
+    another family (``args.quirks()``), its own HF class (hf_family_peer)."""
+    if getattr(args, "arch", "llama") != "llama" or args.quirks():
+        from .hf_family_peer import build_hf_family
+
+        return build_hf_family(args, weights, dtype, device)
     torch = get_torch()
     tf = get_transformers()
     tdtype = getattr(torch, dtype)

@@ -44,7 +44,7 @@ import numpy as np
 
 from . import _checks as C
 from . import _loader, config
-from ._loader import KernelSpec, get_function, launch
+from ._loader import KernelSpec, get_function, launch, ptr_or_null
 from .config import DTYPES, FUSED_SKINNY, INT32_MAX, MMA_DTYPES, VEC16, cbool, ctype
 from .kvcache import ROPE_STYLES, KVCache
 
@@ -142,7 +142,7 @@ def _eps(fn, eps):
 
 # --- ops -----------------------------------------------------------------------------------------
 def rmsnorm_qkv_rope_append(x, norm_weight, wqkv, cache, layer, num_heads, eps=1e-5, rope_base=10000.0,
-                            rope_style="adjacent", q_out=None):
+                            rope_style="adjacent", q_out=None, rope_freq_div=None):
     """One decode token per sequence: RMSNorm, the packed QKV projection, RoPE and the cache
     append, in one kernel; the layer's lengths advance by one.
 
@@ -167,6 +167,8 @@ def rmsnorm_qkv_rope_append(x, norm_weight, wqkv, cache, layer, num_heads, eps=1
         As :meth:`KVCache.append_qkv`.
     q_out : cupy.ndarray [batch, num_heads, 1, head_dim], optional
         C-contiguous, the cache's dtype.
+    rope_freq_div : cupy.ndarray [head_dim / 2], float32, optional
+        As :meth:`KVCache.append_qkv`: pair i's frequency divided by ``rope_freq_div[i]``.
 
     Returns
     -------
@@ -198,6 +200,11 @@ def rmsnorm_qkv_rope_append(x, norm_weight, wqkv, cache, layer, num_heads, eps=1
     C.check_no_overlap(fn, x, cached, out_name="x")
     q_out = _out(fn, q_out, (b, hq, 1, d), x.dtype, {"x": x, "norm_weight": norm_weight, "wqkv": wqkv, **cached},
                  name="q_out")
+    if rope_freq_div is not None:
+        C.check_array(fn, "rope_freq_div", rope_freq_div, dtypes=(np.dtype(np.float32),), ndim=1)
+        if rope_freq_div.shape[0] != d // 2 or not rope_freq_div.flags.c_contiguous:
+            raise ValueError(f"{fn}(): rope_freq_div must be C-contiguous of shape ({d // 2},) (head_dim / 2), "
+                             f"got {tuple(rope_freq_div.shape)}")
     cache._check_capacity(fn, np.ones(b, dtype=np.int64), [layer])
     kern = get_function(SPEC, _expr("norm_qkv_rope_append_kernel", x.dtype, rope_style == "neox"))
     i32 = np.int32
@@ -205,7 +212,8 @@ def rmsnorm_qkv_rope_append(x, norm_weight, wqkv, cache, layer, num_heads, eps=1
     launch(kern, grid, block,
            (x, norm_weight, wqkv, q_out, cache.k[layer], cache.v[layer], cache.lengths[layer], cache.ticket,
             i32(b), i32(k), np.int64(ldx), i32(hq), i32(hkv), i32(d), i32(cache.max_seq), i32(n // 16), eps,
-            np.float64(-math.log2(base) / (d // 2)), i32(_vec_ok(x, ldx, norm_weight, wqkv))), pdl=_pdl())
+            np.float64(-math.log2(base) / (d // 2)), ptr_or_null(rope_freq_div), i32(_vec_ok(x, ldx, norm_weight, wqkv))),
+           pdl=_pdl())
     cache.host_lengths[layer] += 1
     return q_out
 

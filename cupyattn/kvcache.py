@@ -35,7 +35,7 @@ import numpy as np
 
 from . import _checks
 from ._checks import check_array, check_last_contiguous, check_same_dtype
-from ._loader import NULL, KernelSpec, get_function
+from ._loader import NULL, KernelSpec, get_function, ptr_or_null
 from .config import (DTYPES, KV_ADVANCE_THREADS, KV_APPEND_ELEMS_PER_BLOCK, KV_APPEND_THREADS,
                      KV_ROPE_APPEND_ITEMS_PER_BLOCK, KV_ROPE_APPEND_THREADS, cbool,
                      ctype, defines)
@@ -303,7 +303,7 @@ class KVCache:
 
     # --- fused rope + append ------------------------------------------------------------------
     def append_qkv(self, layer, qkv, num_heads, rope_base=10000.0, rope_style="adjacent",
-                   num_new=None, q_out=None):
+                   num_new=None, q_out=None, rope_freq_div=None):
         """RoPE and cache append straight from a packed QKV projection, in one kernel.
 
         Token t of sequence b is at position ``p = lengths[layer, b] + t`` (read on the device):
@@ -329,6 +329,10 @@ class KVCache:
             of padding tokens are still rotated (at the positions they would have).
         q_out : cupy.ndarray [batch, num_heads, T, head_dim], optional
             C-contiguous, cache dtype.
+        rope_freq_div : cupy.ndarray [head_dim / 2], float32, optional
+            Pair i's frequency ``rope_base**(-2i/head_dim)`` is divided by ``rope_freq_div[i]``
+            (Llama 3.1+'s ``rope_freqs`` table; linear RoPE scaling is every entry equal to its
+            factor). C-contiguous; its values are used as they are.
 
         Returns
         -------
@@ -361,6 +365,11 @@ class KVCache:
         if q_out is not None:
             _checks.check_out(fn, q_out, (b, hq, t, d), self.dtype, name="q_out")
             _checks.check_no_overlap(fn, q_out, {"qkv": qkv, **cache}, out_name="q_out")
+        if rope_freq_div is not None:
+            check_array(fn, "rope_freq_div", rope_freq_div, dtypes=(np.dtype(np.float32),), ndim=1)
+            if rope_freq_div.shape[0] != d // 2 or not rope_freq_div.flags.c_contiguous:
+                raise ValueError(f"{fn}(): rope_freq_div must be C-contiguous of shape ({d // 2},) (head_dim / 2), "
+                                 f"got {tuple(rope_freq_div.shape)}")
         counts = self._counts(fn, num_new, t)
         self._check_capacity(fn, counts, [layer])
         half = d // 2
@@ -384,7 +393,7 @@ class KVCache:
                   i64(qkv.strides[0] // qkv.itemsize), i64(qkv.strides[1] // qkv.itemsize),
                   i32(t), i32(hq), i32(hkv), i32(d), i32(self.max_seq), i32(tok_per_block),
                   i32(counts[0]), i32(0 if uniform else 1), np.float64(-math.log2(base) / half),
-                  i32(1 if advance_here else 0), *self._layout_args()))
+                  ptr_or_null(rope_freq_div), i32(1 if advance_here else 0), *self._layout_args()))
             if advance is not None:
                 advance(lengths, dev_counts, counts, uniform)
         self._commit(layer, counts, launches)

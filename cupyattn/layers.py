@@ -40,8 +40,9 @@ def _exprs():
     for t in cts:
         out += [f"rope_kernel<{t}, {cbool(neox)}, {cbool(pv)}, {i}>" for neox, pv in
                 ((False, False), (False, True), (True, False)) for i in INDEX_CTYPES.values()]
-    for kind in ("swiglu_kernel", "add_kernel"):
+    for kind in ("swiglu_kernel", "geglu_kernel", "add_kernel"):
         out += [f"{kind}<{t}, {v}>" for t in cts for v in (1, VEC16[t])]
+    out += [f"{kind}<{t}>" for kind in ("bias_add_kernel", "softcap_kernel", "head_rmsnorm_kernel") for t in cts]
     out += [f"embedding_kernel<{t}, {i}, {v}>" for t in cts for i in INDEX_CTYPES.values()
             for v in (1, VEC16[t])]
     return tuple(out)
@@ -314,7 +315,16 @@ def swiglu(gate, up, out=None):
     no allocation); other layouts are copied first. out: C-contiguous, same shape/dtype; may be
     gate or up when those are C-contiguous.
     """
-    fn = "swiglu"
+    return _gated("swiglu", "swiglu_kernel", gate, up, out)
+
+
+def geglu(gate, up, out=None):
+    """``gelu(gate) * up`` with GELU's tanh form (Gemma's FFN gate), float32 math; arguments as
+    :func:`swiglu`."""
+    return _gated("geglu", "geglu_kernel", gate, up, out)
+
+
+def _gated(fn, kernel, gate, up, out):
     out = _check_pair(fn, "gate", gate, "up", up, out)
     if out.size == 0:
         return out
@@ -338,7 +348,7 @@ def swiglu(gate, up, out=None):
     if not (cols % v == 0 and all(ld % v == 0 for ld in lds) and _aligned(16, gate, up, out)):
         v = 1
     nv = rows * (cols // v)
-    kern = get_function(SPEC, f"swiglu_kernel<{ct}, {v}>")
+    kern = get_function(SPEC, f"{kernel}<{ct}, {v}>")
     kern((min(-(-nv // LAYERS_THREADS), LAYERS_MAX_BLOCKS * 8),), (LAYERS_THREADS,),
          (gate, up, out, np.int64(rows), np.int64(cols // v), *map(np.int64, lds)))
     return out
@@ -393,3 +403,65 @@ def embedding(ids, table, out=None):
     kern((min(-(-n // by), LAYERS_MAX_BLOCKS),), (bx, by),
          (ids, table, out, np.int64(n), np.int32(d), np.int64(vocab), np.int64(ld)))
     return out
+
+
+# --- a model family's extras (tinylm: Qwen2's biases, Qwen3 / Gemma 3's QK norm, Gemma 2's softcap) --
+def bias_add(x, bias):
+    """``x += bias`` over the last dim, in place: x [..., N] whose leading dims collapse to one
+    row stride (a C-contiguous array, or rows of a wider buffer); bias [N] of x's dtype."""
+    fn = "bias_add"
+    C.check_array(fn, "x", x, min_ndim=1)
+    C.check_array(fn, "bias", bias, ndim=1)
+    C.check_same_dtype(fn, "bias", bias, "x", x)
+    n = x.shape[-1]
+    if bias.shape[0] != n or not bias.flags.c_contiguous:
+        raise ValueError(f"{fn}(): bias must be C-contiguous of shape ({n},) (last dim of x), got {tuple(bias.shape)}")
+    geo = _rows(x)
+    if geo is None:
+        raise ValueError(f"{fn}(): x is updated in place and its leading dims must collapse to one row stride")
+    C.check_no_overlap(fn, x, {"bias": bias}, out_name="x")
+    rows = x.size // n if n else 0
+    if rows == 0:
+        return x
+    kern = get_function(SPEC, f"bias_add_kernel<{ctype(x.dtype)}>")
+    kern((min(-(-(rows * n) // LAYERS_THREADS), LAYERS_MAX_BLOCKS * 8),), (LAYERS_THREADS,),
+         (x, bias, np.int64(rows), np.int64(n), np.int64(geo[1])))
+    return x
+
+
+def softcap(x, cap):
+    """``x = cap * tanh(x / cap)`` elementwise, in place (x C-contiguous); cap > 0."""
+    fn = "softcap"
+    C.check_array(fn, "x", x)
+    cap = C.check_real(fn, "cap", cap, minimum=0.0, strict=True)
+    if not x.flags.c_contiguous:
+        raise ValueError(f"{fn}(): x is updated in place and must be C-contiguous")
+    if x.size:
+        kern = get_function(SPEC, f"softcap_kernel<{ctype(x.dtype)}>")
+        kern((min(-(-x.size // LAYERS_THREADS), LAYERS_MAX_BLOCKS * 8),), (LAYERS_THREADS,),
+             (x, np.int64(x.size), np.float32(cap)))
+    return x
+
+
+def head_rmsnorm(x, weight, eps=1e-6):
+    """RMSNorm over the last dim of every head of x [N, H, D], in place, with one weight [D]
+    for all heads: x's strides must be (ld, D, 1) in elements, e.g. the query heads
+    ``qkv.reshape(N, Hq + 2 * Hkv, D)[:, :Hq]`` of a packed projection."""
+    fn = "head_rmsnorm"
+    C.check_array(fn, "x", x, ndim=3)
+    C.check_array(fn, "weight", weight, ndim=1)
+    C.check_same_dtype(fn, "weight", weight, "x", x)
+    n, h, d = x.shape
+    if weight.shape[0] != d or not weight.flags.c_contiguous:
+        raise ValueError(f"{fn}(): weight must be C-contiguous of shape ({d},) (last dim of x), got {tuple(weight.shape)}")
+    es = [st // x.itemsize for st in x.strides]
+    if (es[2] != 1 and d > 1) or (es[1] != d and h > 1) or (es[0] < h * d and n > 1):
+        raise ValueError(f"{fn}(): x must have element strides (ld >= H*D, D, 1), got {tuple(es)}")
+    eps = C.check_real(fn, "eps", eps, minimum=0.0)
+    rows = n * h
+    if rows:
+        kern = get_function(SPEC, f"head_rmsnorm_kernel<{ctype(x.dtype)}>")
+        kern((-(-rows // RMSNORM_WARPS),), (32 * RMSNORM_WARPS,),
+             (x, weight, np.int64(rows), np.int32(h), np.int32(d), np.int64(es[0] if n > 1 else h * d),
+              np.float32(eps)))
+    return x

@@ -327,15 +327,18 @@ def rmsnorm(x, weight, eps=1e-5):
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * _f64(weight)
 
 
-def rope(x, positions, base=10000.0, style="adjacent"):
+def rope(x, positions, base=10000.0, style="adjacent", freq_div=None):
     """Rotary embedding of x [B, H, T, D] at integer positions [B, T].
 
     ``adjacent`` rotates pairs (x[2i], x[2i+1]) (GGUF / llama.cpp "normal"); ``neox`` rotates
-    (x[i], x[i + D/2]). Pair i turns by angle ``pos * base**(-2i/D)``.
+    (x[i], x[i + D/2]). Pair i turns by angle ``pos * base**(-2i/D) / freq_div[i]`` (freq_div
+    None: 1).
     """
     x = _f64(x)
     d = x.shape[-1]
     inv = base ** (-np.arange(0, d, 2, dtype=np.float64) / d)  # [D/2]
+    if freq_div is not None:
+        inv = inv / _f64(freq_div)
     ang = np.asarray(positions, dtype=np.float64)[:, None, :, None] * inv  # [B,1,T,D/2]
     c, s = np.cos(ang), np.sin(ang)
     if style == "adjacent":
@@ -358,6 +361,17 @@ def silu(x):
 def swiglu(gate, up):
     """``silu(gate) * up``."""
     return silu(gate) * _f64(up)
+
+
+def geglu(gate, up):
+    """``gelu(gate) * up`` with GELU's tanh form (Gemma's gate)."""
+    g = _f64(gate)
+    return 0.5 * g * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (g + 0.044715 * g ** 3))) * _f64(up)
+
+
+def softcap(x, cap):
+    """``cap * tanh(x / cap)``."""
+    return cap * np.tanh(_f64(x) / cap)
 
 
 def embedding(ids, table):

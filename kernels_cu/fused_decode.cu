@@ -69,7 +69,9 @@ __global__ void __launch_bounds__(S_WARPS * 32, 1) norm_qkv_rope_append_kernel(
     int* __restrict__ lengths,          // [B] tokens cached before this token (advanced by one)
     unsigned* __restrict__ ticket,      // [1], 0 between launches
     int B, int K, long long ldx, int Hq, int Hkv, int D, int max_seq, int tiles_n, float eps,
-    double freq_scale, int vec_ok) {
+    double freq_scale,
+    const float* __restrict__ freq_div,  // [D/2] per-pair frequency divisors (Llama 3's rope_freqs), or null
+    int vec_ok) {
     static_assert(S_NT == 2, "a block owns the 8 rotation pairs of two 8-row groups");
     constexpr int NR = 8 * S_NT, NT = S_WARPS * 32;
     __shared__ float red[S_WARPS][16][NR];
@@ -103,7 +105,8 @@ __global__ void __launch_bounds__(S_WARPS * 32, 1) norm_qkv_rope_append_kernel(
         float y0 = x0, y1 = x1;
         if (h < Hq + Hkv) {  // q and k turn by the position; v is copied
             float s, c;
-            rope_sincos(pos, rope_inv_freq(i, freq_scale), &s, &c);
+            const double inv_freq = rope_inv_freq(i, freq_scale);
+            rope_sincos(pos, freq_div ? inv_freq / (double)freq_div[i] : inv_freq, &s, &c);
             rope_rotate(x0, x1, s, c, &y0, &y1);
         }
         dst[ia] = from_float<T>(y0);

@@ -109,7 +109,9 @@ __global__ void __launch_bounds__(KV_ROPE_APPEND_THREADS) qkv_rope_append_kernel
     const int* __restrict__ num_new,    // [B] tokens to append per sequence (if use_counts)
     long long qkv_sb, long long qkv_st,
     int T_, int Hq, int Hkv, int D, int max_seq, int tok_per_block, int uniform_n, int use_counts,
-    double freq_scale, int advance, KV_PAGED_PARAMS) {
+    double freq_scale,
+    const float* __restrict__ freq_div,  // [D/2] per-pair frequency divisors (Llama 3's rope_freqs), or null
+    int advance, KV_PAGED_PARAMS) {
     const int b = blockIdx.y;
     const int base = lengths[b];
     const int n = use_counts ? num_new[b] : uniform_n;
@@ -140,7 +142,8 @@ __global__ void __launch_bounds__(KV_ROPE_APPEND_THREADS) qkv_rope_append_kernel
         }
         // q and k: rotated by position base + t
         float s, c, y0, y1;
-        rope_sincos(base + t, rope_inv_freq(i, freq_scale), &s, &c);
+        const double inv_freq = rope_inv_freq(i, freq_scale);
+        rope_sincos(base + t, freq_div ? inv_freq / (double)freq_div[i] : inv_freq, &s, &c);
         rope_rotate(to_float(src[ia]), to_float(src[ib]), s, c, &y0, &y1);
         dst[ia] = from_float<T>(y0);
         dst[ib] = from_float<T>(y1);

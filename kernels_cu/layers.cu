@@ -18,6 +18,11 @@
 //   swiglu_kernel<T,V>          grid-strided silu(gate) * up over V-vectors of [rows, cols] with
 //                               a row stride per operand: gate and up may be the two halves of a
 //                               packed [.., 2F] gate|up projection, read in place (no copies).
+//   geglu_kernel<T,V>           swiglu_kernel with GELU (tanh form) for silu (Gemma's gate).
+//   bias_add_kernel<T>          x += bias over rows of a strided [rows, n] view, in place (Qwen2).
+//   softcap_kernel<T>           x = cap * tanh(x / cap), in place (Gemma 2's final logits).
+//   head_rmsnorm_kernel<T>      one warp per head: RMSNorm over D of x [N, H, D] with a row stride,
+//                               in place (Qwen3 / Gemma 3's QK norm on a packed projection).
 //   add_kernel<T,V>             grid-strided elementwise x + y over V-vectors (residual add).
 //   embedding_kernel<T,I,V>     one row of threads per token id (I = int or long long); an id
 //                               outside [0, vocab) writes a zero row instead of reading.
@@ -210,6 +215,68 @@ __global__ void __launch_bounds__(LAYERS_THREADS) swiglu_kernel(
         }
         store_vec<T, V>(y + r * ldy + c, o);
     }
+}
+
+// geglu: swiglu's layout with GELU (tanh form) for silu, Gemma's gate:
+// gelu(g) = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))); tanhf saturates, so no overflow.
+template <typename T, int V>
+__global__ void __launch_bounds__(LAYERS_THREADS) geglu_kernel(
+    const T* gate, const T* up, T* y, long long rows, long long nvc,
+    long long ldg, long long ldu, long long ldy) {
+    const long long step = (long long)gridDim.x * blockDim.x;
+    const long long nv = rows * nvc;
+    for (long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x; j < nv; j += step) {
+        const long long r = j / nvc, c = (j - r * nvc) * V;
+        const Vec<T, V> g = load_vec<T, V>(gate + r * ldg + c);
+        const Vec<T, V> u = load_vec<T, V>(up + r * ldu + c);
+        Vec<T, V> o;
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+            const float gf = to_float(g.v[k]);
+            const float inner = 0.7978845608028654f * (gf + 0.044715f * gf * gf * gf);
+            o.v[k] = from_float<T>(0.5f * gf * (1.0f + tanhf(inner)) * to_float(u.v[k]));
+        }
+        store_vec<T, V>(y + r * ldy + c, o);
+    }
+}
+
+// bias_add: x [rows, n] with row stride ld (elements), last dim contiguous, in place: x += bias [n].
+template <typename T>
+__global__ void __launch_bounds__(LAYERS_THREADS) bias_add_kernel(T* x, const T* __restrict__ bias,
+                                                                  long long rows, long long n, long long ld) {
+    const long long step = (long long)gridDim.x * blockDim.x;
+    for (long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x; j < rows * n; j += step) {
+        const long long r = j / n, c = j - r * n;
+        x[r * ld + c] = from_float<T>(to_float(x[r * ld + c]) + to_float(bias[c]));
+    }
+}
+
+// softcap: x [n] C-contiguous, in place: x = cap * tanh(x / cap) (Gemma 2's final logits).
+template <typename T>
+__global__ void __launch_bounds__(LAYERS_THREADS) softcap_kernel(T* x, long long n, float cap) {
+    const long long step = (long long)gridDim.x * blockDim.x;
+    for (long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x; j < n; j += step)
+        x[j] = from_float<T>(cap * tanhf(to_float(x[j]) / cap));
+}
+
+// head_rmsnorm: RMSNorm over each head of x [N, H, D] (element strides ld, D, 1), in place, one
+// warp per head row (RMSNORM_WARPS rows per block); w [D] shared by every head (Qwen3 / Gemma 3's
+// q_norm and k_norm on the heads of a packed QKV projection).
+template <typename T>
+__global__ void __launch_bounds__(32 * RMSNORM_WARPS) head_rmsnorm_kernel(
+    T* x, const T* __restrict__ w, long long rows, int H, int D, long long ld, float eps) {
+    const int lane = threadIdx.x & 31;
+    const long long row = (long long)blockIdx.x * RMSNORM_WARPS + (threadIdx.x >> 5);
+    if (row >= rows) return;  // whole warp leaves together
+    T* xr = x + (row / H) * ld + (row % H) * (long long)D;
+    float ss = 0.f;
+    for (int j = lane; j < D; j += 32) {
+        const float f = to_float(xr[j]);
+        ss = fmaf(f, f, ss);
+    }
+    ss = warp_reduce_sum(ss);
+    const float inv_rms = 1.0f / sqrtf(ss / (float)D + eps);
+    for (int j = lane; j < D; j += 32) xr[j] = from_float<T>(to_float(xr[j]) * inv_rms * to_float(w[j]));
 }
 
 // add: all arrays [n] C-contiguous, n = nv * V; y may be any of the inputs.

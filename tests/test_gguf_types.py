@@ -203,15 +203,13 @@ def _kv(key, value):
 
 
 @pytest.mark.parametrize("extra,edit,message", [
-    (None, _kv("llama.rope.scaling.type", "linear"), r"RoPE scaling \(llama.rope.scaling.type 'linear'"),
-    (None, _kv("llama.rope.scaling.factor", 8.0), r"RoPE scaling .*factor 8.0"),
-    (None, _kv("llama.rope.scale_linear", 2.0), r"RoPE scaling .*factor 2.0"),
+    (None, _kv("llama.rope.scaling.type", "yarn"), r"RoPE scaling \(llama.rope.scaling.type 'yarn'\)"),
     (None, _kv("llama.expert_count", 8), r"a mixture of experts \(llama.expert_count = 8\)"),
-    ({"rope_freqs.weight": np.ones(TINY.head_dim // 2)}, None, r"a rope_freqs tensor \(RoPE frequency scaling"),
-    ({"blk.0.attn_q.bias": np.zeros(TINY.dim)}, None, r"biases \(tensor 'blk.0.attn_q.bias'\)"),
+    ({"blk.0.attn_q.bias": np.zeros(TINY.dim)}, None, r"a bias on only some of the Q, K, V projections"),
+    ({"blk.0.attn_output.bias": np.zeros(TINY.dim)}, None, r"biases \(tensor 'blk.0.attn_output.bias'\)"),
     ({"blk.1.ffn_gate_inp.weight": np.zeros((4, TINY.dim))}, None, r"a mixture of experts \(tensor 'blk.1.ffn_gate_inp"),
-    ({"blk.0.attn_rot_embd": np.zeros(8)}, None, r"tensor 'blk.0.attn_rot_embd', which tinylm's Llama does not read"),
-], ids=["rope-type", "rope-factor", "rope-linear", "experts", "rope-freqs", "bias", "moe-tensor", "unknown"])
+    ({"blk.0.attn_rot_embd": np.zeros(8)}, None, r"tensor 'blk.0.attn_rot_embd', which tinylm's llama does not read"),
+], ids=["rope-yarn", "experts", "bias-q-only", "bias-output", "moe-tensor", "unknown"])
 def test_unimplemented_features_are_refused(tmp_path, extra, edit, message):
     path = tmp_path / "m.gguf"
     write_llama_gguf(path, extra=extra, edit=edit)
@@ -219,6 +217,18 @@ def test_unimplemented_features_are_refused(tmp_path, extra, edit, message):
         load_gguf(path)
     assert "\n" not in str(e.value) and ("tinylm does not implement it" in str(e.value)
                                          or "is not implemented by tinylm" in str(e.value))
+
+
+@pytest.mark.parametrize("extra,edit,factors", [
+    (None, _kv("llama.rope.scaling.type", "linear"), None),  # a type without a factor: 1, nothing to do
+    (None, _kv("llama.rope.scaling.factor", 8.0), (8.0,) * 16),  # a factor without a type is linear
+    (None, _kv("llama.rope.scale_linear", 2.0), (2.0,) * 16),
+    ({"rope_freqs.weight": np.arange(1, 17)}, None, tuple(float(i) for i in range(1, 17))),  # Llama 3.1+
+], ids=["linear-no-factor", "factor", "scale-linear", "rope-freqs"])
+def test_rope_scaling_becomes_frequency_divisors(tmp_path, extra, edit, factors):
+    path = tmp_path / "m.gguf"
+    write_llama_gguf(path, extra=extra, edit=edit)
+    assert load_gguf(path)[0].rope_factors == (factors or ())
 
 
 def test_rope_scaling_none_still_loads(tmp_path):
@@ -231,18 +241,18 @@ def test_rope_scaling_none_still_loads(tmp_path):
 def test_cli_refuses_an_unimplemented_model_in_one_line(tmp_path, capsys):
     from tinylm.__main__ import main
 
-    path = tmp_path / "llama31.gguf"
-    write_llama_gguf(path, extra={"rope_freqs.weight": np.ones(TINY.head_dim // 2)})
+    path = tmp_path / "yarn.gguf"
+    write_llama_gguf(path, edit=_kv("llama.rope.scaling.type", "yarn"))
     assert main(["hi", "--model", str(path), "--backend", "numpy"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "rope_freqs" in err and "tinylm does not implement it" in err
+    assert err.count("\n") == 1 and "'yarn'" in err and "is not implemented by tinylm" in err
 
 
 def test_other_pre_tokenizers_are_refused():
     from tinylm.tokenizer import Tokenizer
 
-    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "llama-bpe", "tokenizer.ggml.tokens": ["a", "b"],
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "deepseek-llm", "tokenizer.ggml.tokens": ["a", "b"],
             "tokenizer.ggml.merges": []}
-    with pytest.raises(GGUFError, match=r"tokenizer.ggml.pre is 'llama-bpe'; tinylm implements the 'smollm' "
-                                        r"pre-tokenizer only"):
+    with pytest.raises(GGUFError, match=r"tokenizer.ggml.pre is 'deepseek-llm'; tinylm implements the "
+                                        r"pre-tokenizers smollm, llama-bpe, llama3, qwen2"):
         Tokenizer.from_gguf_metadata(meta, "x.gguf")

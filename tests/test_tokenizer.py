@@ -119,8 +119,14 @@ def test_stream_decoder_holds_partial_characters(small):
 
 
 def test_rejects_other_tokenizer_models():
-    with pytest.raises(ValueError, match="only byte-level BPE"):
-        Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "llama"})
+    with pytest.raises(ValueError, match=r"tokenizer.ggml.model is 'bert'; tinylm implements byte-level BPE \('gpt2'\) "
+                                         r"and SentencePiece-style BPE with byte fallback \('llama'\)"):
+        Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "bert"})
+    with pytest.raises(ValueError, match="tokenizer.ggml.scores"):  # a "llama" vocabulary needs its scores
+        Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": ["a", "b"]})
+    with pytest.raises(ValueError, match="tokenizer.ggml.pre is 'falcon'; tinylm implements the pre-tokenizers "
+                                         "smollm, llama-bpe, llama3, qwen2"):
+        Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "falcon"})
 
 
 def test_token_id_range(small):

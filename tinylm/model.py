@@ -9,6 +9,14 @@
                 x = x + (silu(h Wgate^T) * h Wup^T) Wdown^T; h = rmsnorm(x, next norm)
     logits = h Wout^T                                       (the last "next norm" is output_norm)
 
+A family's own steps (tinylm.config.ModelArgs, read by tinylm.families) sit in that loop where the
+family has them: the Q/K/V bias and the per-head Q/K norms between the QKV projection and RoPE
+(``_qkv_tail``; RoPE with the layer's base and frequency divisors), the attention's scale, window
+and softcap per layer (``_attn_options``), a norm of each block's output before its residual add
+(Gemma's post-norms), GeGLU for SwiGLU, and a softcap of the logits. The embedding scale is
+folded into the uploaded table (``Params.upload``). The fused steps and the megakernel take only
+the families their kernels implement; ``fused_problem`` / ``megakernel_problem`` say why not.
+
 Every sequence of a batch has its own cache length: a prompt batch is right-padded, with the
 real token count of each sequence given as ``num_new`` (its logits are taken at its last real
 token), and decode steps place each sequence's token at its own position. A decode step (T = 1)
@@ -122,6 +130,12 @@ class LayerParams:
     ffn_norm: object  # [dim]
     w_gate_up: object  # [2 * ffn_dim, dim] = rows of w_gate, w_up
     w_down: object  # [dim, ffn_dim]
+    # a family's extras (None where it has none: tinylm.config.ModelArgs)
+    bqkv: object = None  # [(n_heads + 2 * n_kv_heads) * head_dim] = bq | bk | bv
+    q_norm: object = None  # [head_dim]
+    k_norm: object = None  # [head_dim]
+    post_attn_norm: object = None  # [dim]
+    post_ffn_norm: object = None  # [dim]
 
 
 @dataclass
@@ -130,18 +144,42 @@ class Params:
     output_norm: object  # [dim]
     output: object  # [vocab, dim]; the same array as tok_embd when the embeddings are tied
     layers: list
+    rope_factors: object = None  # float32 [head_dim / 2] per-pair frequency divisors, or None
 
     @classmethod
-    def upload(cls, weights, ops) -> "Params":
-        """Copy host weights to the backend once, in its dtype; keeps the embedding tie."""
+    def upload(cls, weights, ops, args=None) -> "Params":
+        """Copy host weights to the backend once, in its dtype; keeps the embedding tie.
+
+        A model whose embeddings are scaled (``args.embed_scale``, Gemma's sqrt(dim)) gets its
+        table scaled here once, in float32 as the reference scales each row, so that every path
+        (fused steps, graphs) embeds with the plain gather; a tied output then sees the scaled
+        table, and the output norm's weight is divided by the scale to give the same logits.
+        """
         up = ops.upload
-        layers = [LayerParams(attn_norm=up(lw.attn_norm), wqkv=up(np.concatenate([lw.wq, lw.wk, lw.wv])),
-                              wo=up(lw.wo), ffn_norm=up(lw.ffn_norm),
-                              w_gate_up=up(np.concatenate([lw.w_gate, lw.w_up])), w_down=up(lw.w_down))
-                  for lw in weights.layers]
-        tok = ops.upload(weights.tok_embd)
-        out = tok if weights.output is weights.tok_embd else ops.upload(weights.output)
-        return cls(tok, ops.upload(weights.output_norm), out, layers)
+        opt = lambda a: None if a is None else up(a)  # noqa: E731
+
+        def layer(lw):
+            bqkv = None if lw.bq is None else up(np.concatenate([lw.bq, lw.bk, lw.bv]))
+            return LayerParams(attn_norm=up(lw.attn_norm), wqkv=up(np.concatenate([lw.wq, lw.wk, lw.wv])),
+                               wo=up(lw.wo), ffn_norm=up(lw.ffn_norm),
+                               w_gate_up=up(np.concatenate([lw.w_gate, lw.w_up])), w_down=up(lw.w_down),
+                               bqkv=bqkv, q_norm=opt(lw.q_norm), k_norm=opt(lw.k_norm),
+                               post_attn_norm=opt(lw.post_attn_norm), post_ffn_norm=opt(lw.post_ffn_norm))
+
+        layers = [layer(lw) for lw in weights.layers]
+        scale = 1.0 if args is None else float(args.embed_scale)
+        tied = weights.output is weights.tok_embd
+        table, norm = weights.tok_embd, weights.output_norm
+        if scale != 1.0:
+            table = np.asarray(table, dtype=np.float32) * np.float32(scale)
+            if tied:
+                norm = np.asarray(norm, dtype=np.float32) / np.float32(scale)
+        tok = ops.upload(table)
+        out = tok if tied else ops.upload(weights.output)
+        factors = None
+        if args is not None and args.rope_factors:
+            factors = ops.upload_f32(np.asarray(args.rope_factors, dtype=np.float32))
+        return cls(tok, ops.upload(norm), out, layers, factors)
 
     def nbytes(self) -> int:
         """Bytes of distinct weight arrays: what one decode step streams from memory."""
@@ -149,7 +187,7 @@ class Params:
         arrays = [self.tok_embd, self.output_norm, self.output]
         arrays += [getattr(lp, f.name) for lp in self.layers for f in fields(LayerParams)]
         for a in arrays:
-            if id(a) not in seen:
+            if a is not None and id(a) not in seen:
                 seen.add(id(a))
                 total += a.nbytes
         return total
@@ -240,8 +278,9 @@ class Transformer:
         self.fused = self._resolve_fused(fused)
         self.fused_prefill = self._resolve_fused(fused_prefill, prefill=True)
         self.megakernel = self._resolve_megakernel(megakernel)
+        self._check_kernels()  # after the options: an option asked for is named first
         with self.ops.stream():
-            self.params = Params.upload(weights, self.ops)
+            self.params = Params.upload(weights, self.ops, args)
         self.weight_bytes = self.params.nbytes()
 
     def set_fused(self, fused) -> None:
@@ -277,6 +316,9 @@ class Transformer:
         a = self.args
         if not getattr(self.ops, "fused_decode", False):
             return f"the megakernel needs the cupy backend, not {self.backend!r}"
+        if a.quirks():  # its op list (tinylm.megakernel) is Llama's decode step and nothing else
+            return (f"the megakernel's op list is Llama's; this {a.arch} model needs {', '.join(a.quirks())} "
+                    f"(use the fused or unfused decode step)")
         if a.head_dim % 16 or a.head_dim > config.MEGAKERNEL_MAX_HEAD_DIM:
             return (f"the megakernel needs a head_dim that is a multiple of 16 and at most "
                     f"{config.MEGAKERNEL_MAX_HEAD_DIM}, got {a.head_dim}")
@@ -294,22 +336,55 @@ class Transformer:
                     f"{cc // 10}.{cc % 10}")
         return None
 
-    def _resolve_fused(self, fused, prefill=False) -> bool:
-        has = getattr(self.ops, "fused_decode", False)
+    def fused_problem(self, prefill: bool = False) -> str | None:
+        """Why the fused decode step (``prefill``: the fused prefill) cannot run this model on this
+        backend (None: it can). Its kernels fold the norms into the projections and the residual
+        adds into the projections after them, with SiLU and, in decode, plain RoPE: a family that
+        needs a step between those (Gemma's post-norms, GeGLU; in decode, Qwen's bias and head
+        norms) runs the unfused path, which has each step."""
+        a = self.args
         what = "fused prefill" if prefill else "fused decode"
+        if not getattr(self.ops, "fused_decode", False):
+            return f"{what} needs the cupy backend, not {self.backend!r}"
+        if a.head_dim % 16:
+            return f"{what} needs a head_dim that is a multiple of 16, got {a.head_dim}"
+        lacks = [name for name, on in (("post_norms", a.post_norms), ("act=gelu_tanh", a.act != "silu"),
+                                       ("qkv_bias", a.qkv_bias and not prefill),
+                                       ("qk_norm", a.qk_norm and not prefill)) if on]
+        if lacks:
+            return f"{what} does not implement {', '.join(lacks)} of this {a.arch} model (the unfused path does)"
+        return None
+
+    def _resolve_fused(self, fused, prefill=False) -> bool:
+        why = self.fused_problem(prefill)
         if fused is None:
-            if not has:
+            if why is not None:
                 return False
             if prefill:
                 from .config import FUSED_PREFILL as default
             else:
                 from cupyattn.config import TINYLM_FUSED_DECODE as default
-            return bool(default and self.args.head_dim % 16 == 0 and self._device_runs_fused())
-        if fused and not has:
-            raise ValueError(f"{what} needs the cupy backend, not {self.backend!r}")
-        if fused and self.args.head_dim % 16:
-            raise ValueError(f"{what} needs a head_dim that is a multiple of 16, got {self.args.head_dim}")
+            return bool(default and self._device_runs_fused())
+        if fused and why:
+            raise ValueError(why)
+        if fused and not self._device_runs_fused():  # refused here, not by the first prompt's launch
+            from cupyattn import _loader
+            from cupyattn.config import impl_min_cc
+
+            need, cc = impl_min_cc("fused", "skinny", self.ops.dtype), _loader.device_compute_capability()
+            raise ValueError(f"{'fused prefill' if prefill else 'fused decode'} needs compute capability "
+                             f"{need // 10}.{need % 10} for {self.dtype}, this device is {cc // 10}.{cc % 10}")
         return bool(fused)
+
+    def _check_kernels(self) -> None:
+        """ValueError at load, naming the option, when a kernel the cupy backend will launch for
+        this model cannot take it: every prefill and decode attention kernel takes the head dims
+        of cupyattn.config.HEAD_DIMS only."""
+        from cupyattn.config import HEAD_DIMS
+
+        if self.ops.name == "cupy" and self.args.head_dim not in HEAD_DIMS:
+            raise ValueError(f"backend='cupy': head_dim {self.args.head_dim} is not one the attention kernels "
+                             f"take ({', '.join(map(str, HEAD_DIMS))}); use backend='numpy'")
 
     def _device_runs_fused(self) -> bool:
         """Whether this device has the fused step's instructions for the model's dtype (bf16 needs
@@ -403,24 +478,59 @@ class Transformer:
         for i, lp in enumerate(p.layers):
             # attention block: projection, rope + cache append, attention, residual + next norm
             qkv = ops.matmul(h, lp.wqkv, out=buf("qkv"))
-            q = ops.qkv_rope_append(qkv, cache, i, a.n_heads, a.rope_base, a.rope_style, num_new=counts,
-                                    out=buf("q_rot"))
+            q = self._qkv_tail(qkv, cache, i, lp, counts, buf("q_rot"))
             if decode:
-                o = ops.attend_decode(q, cache, i, out=buf("att"), workspace=state.workspace, num_splits=splits)
+                o = ops.attend_decode(q, cache, i, out=buf("att"), workspace=state.workspace, num_splits=splits,
+                                      **self._attn_options(i))
             else:
-                o = ops.attend_prefill(q, cache, i, start, key_lengths, out=buf("att"))
+                o = ops.attend_prefill(q, cache, i, start, key_lengths, out=buf("att"), **self._attn_options(i))
             o = ops.merge_heads(o, out=buf("att_rows"))
-            x, h = ops.add_rmsnorm(x, ops.matmul(o, lp.wo, out=buf("proj")), lp.ffn_norm, a.norm_eps,
-                                   out=buf("h"))
-            # feed-forward block (SwiGLU) and the next block's (or the output's) norm
+            x, h = ops.add_rmsnorm(x, self._post_norm(ops.matmul(o, lp.wo, out=buf("proj")), lp.post_attn_norm),
+                                   lp.ffn_norm, a.norm_eps, out=buf("h"))
+            # feed-forward block (SwiGLU / GeGLU) and the next block's (or the output's) norm
             gu = ops.matmul(h, lp.w_gate_up, out=buf("gate_up"))
-            y = ops.swiglu(gu[..., :f], gu[..., f:], out=buf("ffn"))
+            gate = ops.geglu if a.act == "gelu_tanh" else ops.swiglu
+            y = gate(gu[..., :f], gu[..., f:], out=buf("ffn"))
             nxt = p.layers[i + 1].attn_norm if i + 1 < len(p.layers) else p.output_norm
-            x, h = ops.add_rmsnorm(x, ops.matmul(y, lp.w_down, out=buf("proj")), nxt, a.norm_eps,
-                                   out=buf("h"))
+            x, h = ops.add_rmsnorm(x, self._post_norm(ops.matmul(y, lp.w_down, out=buf("proj")), lp.post_ffn_norm),
+                                   nxt, a.norm_eps, out=buf("h"))
         if last is not None:
             h = ops.gather_rows(h, last, out=buf("h_last"))
-        return ops.matmul(h, p.output, out=buf("logits"))
+        return self._softcap(ops.matmul(h, p.output, out=buf("logits")))
+
+    # --- a family's extra steps (ModelArgs says which are on) ------------------------------
+    def _qkv_tail(self, qkv, cache, layer, lp, counts, out):
+        """From the packed QKV projection to the rotated queries: the bias (Qwen2), the per-head
+        norms (Qwen3, Gemma 3), then RoPE (the layer's base and frequency divisors) with the
+        cache append."""
+        a, ops = self.args, self.ops
+        if lp.bqkv is not None:
+            ops.add_bias(qkv, lp.bqkv)
+        if lp.q_norm is not None:
+            ops.head_rmsnorm(qkv, lp.q_norm, lp.k_norm, a.n_heads, a.n_kv_heads, a.norm_eps)
+        base, factors = a.rope(layer)
+        return ops.qkv_rope_append(qkv, cache, layer, a.n_heads, base, a.rope_style, num_new=counts, out=out,
+                                   factors=self.params.rope_factors if factors else None)
+
+    def _attn_options(self, layer) -> dict:
+        """The attention options of ``layer`` that differ from the defaults (scale, window,
+        softcap), as keyword arguments of attend_prefill / attend_decode."""
+        a, kw = self.args, {}
+        if a.attn_scale is not None:
+            kw["scale"] = a.attn_scale
+        if a.window(layer) is not None:
+            kw["window"] = a.window(layer)
+        if a.attn_softcap:
+            kw["softcap"] = a.attn_softcap
+        return kw
+
+    def _post_norm(self, y, weight):
+        """Gemma's norm of a block's output before the residual add (in place); y itself else."""
+        return y if weight is None else self.ops.rmsnorm(y, weight, self.args.norm_eps, out=y)
+
+    def _softcap(self, logits):
+        """Gemma 2's final logit softcap, in place (logits unchanged without one)."""
+        return self.ops.softcap(logits, self.args.final_softcap) if self.args.final_softcap else logits
 
     def _prefill_fused(self, ids, state, buf, counts, start, key_lengths, last):
         """A multi-token forward in 7 kernels per layer (``fused_prefill``): each norm folded into
@@ -431,16 +541,15 @@ class Transformer:
         x = ops.embedding(ids, p.tok_embd, out=buf("x"))  # the residual stream, updated in place
         for i, lp in enumerate(p.layers):
             qkv = ops.norm_matmul(x, lp.attn_norm, lp.wqkv, a.norm_eps, out=buf("qkv"))
-            q = ops.qkv_rope_append(qkv, cache, i, a.n_heads, a.rope_base, a.rope_style, num_new=counts,
-                                    out=buf("q_rot"))
-            o = ops.merge_heads(ops.attend_prefill(q, cache, i, start, key_lengths, out=buf("att")),
-                                out=buf("att_rows"))
+            q = self._qkv_tail(qkv, cache, i, lp, counts, buf("q_rot"))
+            o = ops.merge_heads(ops.attend_prefill(q, cache, i, start, key_lengths, out=buf("att"),
+                                                   **self._attn_options(i)), out=buf("att_rows"))
             ops.matmul_residual(x, o, lp.wo)
             y = ops.norm_gate_up_swiglu(x, lp.ffn_norm, lp.w_gate_up, a.norm_eps, out=buf("ffn"))
             ops.matmul_residual(x, y, lp.w_down)
         if last is not None:
             x = ops.gather_rows(x, last, out=buf("h_last"))
-        return ops.norm_matmul(x, p.output_norm, p.output, a.norm_eps, out=buf("logits"))
+        return self._softcap(ops.norm_matmul(x, p.output_norm, p.output, a.norm_eps, out=buf("logits")))
 
     def _decode_fused(self, ids, state, splits):
         """A decode step in 5 kernels per layer (module docstring), into RunState's buffers."""
@@ -448,14 +557,15 @@ class Transformer:
         b = ids.shape[0]
         x = ops.embedding(ids, p.tok_embd, out=state.x)  # the residual stream, updated in place
         for i, lp in enumerate(p.layers):
-            q = ops.norm_qkv_rope_append(x, lp.attn_norm, lp.wqkv, cache, i, a.n_heads, a.norm_eps,
-                                         a.rope_base, a.rope_style, out=state.q_rot)
+            base, factors = a.rope(i)
+            q = ops.norm_qkv_rope_append(x, lp.attn_norm, lp.wqkv, cache, i, a.n_heads, a.norm_eps, base,
+                                         a.rope_style, out=state.q_rot, factors=p.rope_factors if factors else None)
             o = ops.attend_decode(q, cache, i, out=state.att, workspace=state.workspace, num_splits=splits,
-                                  fused_combine=True)
+                                  fused_combine=True, **self._attn_options(i))
             ops.matmul_residual(x, o.reshape(b, 1, a.n_heads * a.head_dim), lp.wo)
             y = ops.norm_gate_up_swiglu(x, lp.ffn_norm, lp.w_gate_up, a.norm_eps, out=state.ffn)
             ops.matmul_residual(x, y, lp.w_down)
-        return ops.norm_matmul(x, p.output_norm, p.output, a.norm_eps, out=state.logits)
+        return self._softcap(ops.norm_matmul(x, p.output_norm, p.output, a.norm_eps, out=state.logits))
 
     def _decode_mega(self, state, sample: bool) -> None:
         """A decode step as one megakernel launch (tinylm.megakernel): logits of state.tokens into

@@ -64,6 +64,10 @@ class CupyOps:
     def new_cache(self, n_layers, batch, n_kv_heads, max_seq, head_dim):
         return cupyattn.KVCache(n_layers, batch, n_kv_heads, max_seq, head_dim, self.dtype)
 
+    def upload_f32(self, a):
+        """Host array -> float32 device array whatever the compute dtype (RoPE divisors)."""
+        return cupy.asarray(np.ascontiguousarray(a, dtype=np.float32))
+
     def empty(self, shape):
         return cupy.empty(shape, dtype=self.dtype)
 
@@ -116,17 +120,17 @@ class CupyOps:
     def add_rmsnorm(self, x, r, weight, eps, out=None):
         return layers.add_rmsnorm(x, r, weight, eps=eps, out=out)
 
-    def qkv_rope_append(self, qkv, cache, layer, n_heads, base, style, num_new=None, out=None):
+    def qkv_rope_append(self, qkv, cache, layer, n_heads, base, style, num_new=None, out=None, factors=None):
         return cache.append_qkv(layer, qkv, n_heads, rope_base=base, rope_style=style,
-                                num_new=num_new, q_out=out)
+                                num_new=num_new, q_out=out, rope_freq_div=factors)
 
-    def attend_prefill(self, q, cache, layer, start, key_lengths=None, out=None):
+    def attend_prefill(self, q, cache, layer, start, key_lengths=None, out=None, **options):
         """Causal flash attention of q [B, Hq, T, D] over the cached keys 0..start+T-1 (read in
         place: attention takes strided K/V); key_lengths [B] hides keys past each sequence's
-        own end (right-padded prompts)."""
+        own end (right-padded prompts). options: scale, window, softcap (a family's)."""
         s = start + q.shape[2]
         return cupyattn.attention(q, cache.k[layer, :, :, :s], cache.v[layer, :, :, :s], causal=True,
-                                  key_lengths=key_lengths, out=out)
+                                  key_lengths=key_lengths, out=out, **options)
 
     def merge_heads(self, o, out=None):
         """o [B, H, T, D] -> [B, T, H * D] C-contiguous (the O projection's input). T = 1 is a
@@ -143,13 +147,34 @@ class CupyOps:
         dst = None if out is None else out.reshape(b * t * h, d)
         return layers.embedding(idx, o.reshape(b * h * t, d), out=dst).reshape(b, t, h * d)
 
-    def attend_decode(self, q, cache, layer, out=None, workspace=None, num_splits=None, fused_combine=None):
+    def attend_decode(self, q, cache, layer, out=None, workspace=None, num_splits=None, fused_combine=None,
+                      **options):
+        """options: scale, window, softcap (a family's), as decode_attention takes them."""
         if isinstance(cache, cupyattn.PagedKVCache):  # continuous batching (tinylm.serve)
             o = cache.decode(q[:, :, 0], layer, num_splits=num_splits, out=None if out is None else out[:, :, 0],
-                             workspace=workspace, fused_combine=fused_combine)
+                             workspace=workspace, fused_combine=fused_combine, **options)
             return o[:, :, None] if out is None else out
         return cupyattn.decode_attention(q, cache, layer, num_splits=num_splits, out=out, workspace=workspace,
-                                         fused_combine=fused_combine)
+                                         fused_combine=fused_combine, **options)
+
+    # --- a family's extra ops (tinylm.config.ModelArgs) ------------------------------------
+    def add_bias(self, x, bias):
+        return layers.bias_add(x, bias)
+
+    def head_rmsnorm(self, qkv, q_weight, k_weight, n_heads, n_kv_heads, eps):
+        """Query heads by q_weight, key heads by k_weight, of qkv [B, T, (Hq + 2 Hkv) D], in place."""
+        b, t, w = qkv.shape
+        d = q_weight.shape[0]
+        heads = qkv.reshape(b * t, w // d, d)
+        layers.head_rmsnorm(heads[:, :n_heads], q_weight, eps)
+        layers.head_rmsnorm(heads[:, n_heads:n_heads + n_kv_heads], k_weight, eps)
+        return qkv
+
+    def geglu(self, gate, up, out=None):
+        return layers.geglu(gate, up, out=out)
+
+    def softcap(self, x, cap):
+        return layers.softcap(x, cap)
 
     def swiglu(self, gate, up, out=None):
         return layers.swiglu(gate, up, out=out)
@@ -166,8 +191,9 @@ class CupyOps:
         return layers.embedding(flat, x.reshape(b * t, d), out=dst).reshape(b, 1, d)
 
     # --- the fused decode step (tinylm.model.Transformer._decode_fused) -------------------
-    def norm_qkv_rope_append(self, x, norm_w, wqkv, cache, layer, n_heads, eps, base, style, out=None):
-        return fused.rmsnorm_qkv_rope_append(x, norm_w, wqkv, cache, layer, n_heads, eps, base, style, q_out=out)
+    def norm_qkv_rope_append(self, x, norm_w, wqkv, cache, layer, n_heads, eps, base, style, out=None, factors=None):
+        return fused.rmsnorm_qkv_rope_append(x, norm_w, wqkv, cache, layer, n_heads, eps, base, style, q_out=out,
+                                             rope_freq_div=factors)
 
     def matmul_residual(self, x, a, w):
         """x += a @ w^T, in place."""

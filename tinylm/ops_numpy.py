@@ -93,6 +93,8 @@ class NumpyOps:
     def upload(self, a):
         return np.ascontiguousarray(a, dtype=F32)
 
+    upload_f32 = upload  # tables that stay float32 whatever the compute dtype (RoPE divisors)
+
     def new_cache(self, n_layers, batch, n_kv_heads, max_seq, head_dim):
         return NumpyCache(n_layers, batch, n_kv_heads, max_seq, head_dim)
 
@@ -154,13 +156,17 @@ class NumpyOps:
         np.add(x, r, out=x)
         return x, self.rmsnorm(x, weight, eps, out=out)
 
-    def _tables(self, dim, base, upto):
-        """cos/sin float32 [n, dim/2] with angle ``pos * base^(-2i/dim)``, grown on demand."""
-        key = (dim, float(base))
+    def _tables(self, dim, base, upto, factors=None):
+        """cos/sin float32 [n, dim/2] with angle ``pos * base^(-2i/dim) / factors[i]``, grown on
+        demand (``factors``: None, or dim/2 per-pair divisors, Llama 3's rope_freqs)."""
+        fkey = None if factors is None else tuple(np.asarray(factors, dtype=np.float64).tolist())
+        key = (dim, float(base), fkey)
         cs = self._rope_tables.get(key)
         if cs is None or cs[0].shape[0] < upto:
             n = max(upto, 256)
             inv = float(base) ** (-np.arange(0, dim, 2, dtype=np.float64) / dim)
+            if fkey is not None:
+                inv = inv / np.asarray(fkey)
             ang = np.arange(n, dtype=np.float64)[:, None] * inv[None, :]
             cs = (np.cos(ang).astype(F32), np.sin(ang).astype(F32))
             self._rope_tables[key] = cs
@@ -185,16 +191,16 @@ class NumpyOps:
         np.add(x0 * s, x1 * c, out=o1)
         return out
 
-    def rope(self, x, positions, base, style, out=None):
+    def rope(self, x, positions, base, style, out=None, factors=None):
         """Rotary embedding of x [B, H, T, D] at positions [B, T].
 
         ``adjacent`` turns pairs (x[2i], x[2i+1]) (GGUF layout), ``neox`` pairs (x[i], x[i+D/2]).
         """
         positions = np.asarray(positions)
-        cos_t, sin_t = self._tables(x.shape[-1], base, int(positions.max()) + 1)
+        cos_t, sin_t = self._tables(x.shape[-1], base, int(positions.max()) + 1, factors)
         return self._rotate(x, cos_t[positions][:, None], sin_t[positions][:, None], style, out)
 
-    def qkv_rope_append(self, qkv, cache, layer, n_heads, base, style, num_new=None, out=None):
+    def qkv_rope_append(self, qkv, cache, layer, n_heads, base, style, num_new=None, out=None, factors=None):
         """The step after the packed QKV projection qkv [B, T, (Hq + 2 Hkv) D]: q and k rotated
         at positions lengths[layer, b] + t, k and v appended for t < num_new[b] (default all T),
         lengths advanced. Returns q [B, Hq, T, D] (in ``out`` when given)."""
@@ -204,7 +210,7 @@ class NumpyOps:
         heads = qkv.reshape(b, t, n_heads + 2 * hkv, d).transpose(0, 2, 1, 3)  # [B, heads, T, D]
         start = cache.lengths[layer].copy()
         pos = start[:, None] + np.arange(t)[None, :]
-        cos_t, sin_t = self._tables(d, base, int(pos.max()) + 1)
+        cos_t, sin_t = self._tables(d, base, int(pos.max()) + 1, factors)
         c, s = cos_t[pos][:, None], sin_t[pos][:, None]  # [B, 1, T, D/2], shared by q and k
         q = self._rotate(heads[:, :n_heads], c, s, style, out)
         k = self._rotate(heads[:, n_heads:n_heads + hkv], c, s, style)
@@ -216,22 +222,33 @@ class NumpyOps:
         cache.lengths[layer] = start + counts
         return q
 
-    def _attend(self, q, k, v, start, out=None):
-        """softmax(q k^T / sqrt(D)) v, causal with the queries at positions start..start+T-1.
+    def _attend(self, q, k, v, start, out=None, scale=None, window=None, softcap=0.0):
+        """softmax(q k^T * scale) v, causal with the queries at positions start..start+T-1.
 
         q [B, Hq, T, D], k/v [B, Hkv, S, D] with S = start + T -> [B, Hq, T, D].
         GQA: the g = Hq/Hkv query heads sharing one KV head become g*T rows of one matmul.
+        scale: None = 1/sqrt(D); window (left, 0): a query at p sees keys j >= p - left only;
+        softcap c > 0: scores become c * tanh(scores / c) before the mask (Gemma 2).
         """
         b, hq, t, d = q.shape
         hkv, s = k.shape[1], k.shape[2]
         g = hq // hkv
         qg = q.reshape(b, hkv, g * t, d)
         scores = np.matmul(qg, k.transpose(0, 1, 3, 2))  # [B, Hkv, g*T, S]
-        scores *= np.float32(1.0 / np.sqrt(d))
-        if t > 1:
-            # query row r is token r % T at position start + r % T; it sees keys j <= that
-            qpos = start + np.tile(np.arange(t), g)
-            scores[..., np.arange(s)[None, :] > qpos[:, None]] = -np.inf
+        scores *= np.float32(1.0 / np.sqrt(d) if scale is None else scale)
+        if softcap:
+            scores /= np.float32(softcap)
+            np.tanh(scores, out=scores)
+            scores *= np.float32(softcap)
+        # query row r is token r % T at position start + r % T; it sees keys j <= that (and,
+        # in a window, j >= that - left)
+        qpos = start + np.tile(np.arange(t), g)
+        keys = np.arange(s)[None, :]
+        hidden = keys > qpos[:, None]
+        if window is not None:
+            hidden |= keys < qpos[:, None] - window[0]
+        if hidden.any():
+            scores[..., hidden] = -np.inf
         scores -= scores.max(axis=-1, keepdims=True)
         np.exp(scores, out=scores)
         scores /= scores.sum(axis=-1, keepdims=True)
@@ -242,38 +259,82 @@ class NumpyOps:
         out[...] = o
         return out
 
-    def attend_prefill(self, q, cache, layer, start, key_lengths=None, out=None):
+    def attend_prefill(self, q, cache, layer, start, key_lengths=None, out=None, scale=None, window=None,
+                       softcap=0.0):
         """Causal attention of q [B, Hq, T, D] (positions start..start+T-1) over the cached keys.
 
         key_lengths [B] (host ints): sequence b sees keys j < key_lengths[b] only, and its query
         rows t >= key_lengths[b] - start (right padding) are zeros. Each such sequence is
         computed alone, with exactly the shapes a batch of one would have. ``out`` is ignored
-        (the NumPy backend allocates; the argument is for the ops interface).
+        (the NumPy backend allocates; the argument is for the ops interface). scale, window,
+        softcap: as ``_attend``.
         """
         t = q.shape[2]
         k, v = cache.k[layer], cache.v[layer]
+        kw = dict(scale=scale, window=window, softcap=softcap)
         if key_lengths is None or all(int(n) == start + t for n in key_lengths):
-            return self._attend(q, k[:, :, :start + t], v[:, :, :start + t], start)
+            return self._attend(q, k[:, :, :start + t], v[:, :, :start + t], start, **kw)
         out = np.zeros(q.shape, dtype=F32)
         for i, kl in enumerate(int(n) for n in key_lengths):
             n = kl - start
             if n > 0:
-                out[i:i + 1, :, :n] = self._attend(q[i:i + 1, :, :n], k[i:i + 1, :, :kl], v[i:i + 1, :, :kl], start)
+                out[i:i + 1, :, :n] = self._attend(q[i:i + 1, :, :n], k[i:i + 1, :, :kl], v[i:i + 1, :, :kl], start,
+                                                   **kw)
         return out
 
-    def attend_decode(self, q, cache, layer, out=None, workspace=None, num_splits=None):
+    def attend_decode(self, q, cache, layer, out=None, workspace=None, num_splits=None, scale=None, window=None,
+                      softcap=0.0):
         """One query per sequence, q [B, Hq, 1, D], over each sequence's whole live cache
         (sequences of different lengths are computed one by one)."""
         lens = cache.lengths[layer]
         k, v = cache.k[layer], cache.v[layer]
+        kw = dict(scale=scale, window=window, softcap=softcap)
         if (lens == lens[0]).all():
             s = int(lens[0])
-            return self._attend(q, k[:, :, :s], v[:, :, :s], s - 1, out)
+            return self._attend(q, k[:, :, :s], v[:, :, :s], s - 1, out, **kw)
         if out is None:
             out = np.empty(q.shape, dtype=F32)
         for i, s in enumerate(int(n) for n in lens):
-            self._attend(q[i:i + 1], k[i:i + 1, :, :s], v[i:i + 1, :, :s], s - 1, out[i:i + 1])
+            self._attend(q[i:i + 1], k[i:i + 1, :, :s], v[i:i + 1, :, :s], s - 1, out[i:i + 1], **kw)
         return out
+
+    # --- a family's extra ops (tinylm.config.ModelArgs) ------------------------------------
+    def add_bias(self, x, bias):
+        """x [..., N] += bias [N], in place (Qwen2's Q/K/V biases on the packed projection)."""
+        x += bias
+        return x
+
+    def head_rmsnorm(self, qkv, q_weight, k_weight, n_heads, n_kv_heads, eps):
+        """RMSNorm of every query head (weight q_weight [D]) and key head (k_weight) of a packed
+        projection qkv [B, T, (Hq + 2 Hkv) D], in place; the value heads are left alone."""
+        b, t, w = qkv.shape
+        d = q_weight.shape[0]
+        heads = qkv.reshape(b, t, w // d, d)
+        for lo, hi, weight in ((0, n_heads, q_weight), (n_heads, n_heads + n_kv_heads, k_weight)):
+            part = heads[:, :, lo:hi]
+            part[...] = self.rmsnorm(part, weight, eps)
+        return qkv
+
+    def geglu(self, gate, up, out=None):
+        """``gelu_tanh(gate) * up`` (Gemma's gate): 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))."""
+        g = np.asarray(gate, dtype=F32)
+        inner = g * g
+        inner *= np.float32(0.044715)
+        inner += np.float32(1.0)
+        inner *= g
+        inner *= np.float32(np.sqrt(2.0 / np.pi))
+        np.tanh(inner, out=inner)
+        inner += np.float32(1.0)
+        inner *= np.float32(0.5)
+        inner *= g
+        return np.multiply(inner, up, out=out)
+
+    def softcap(self, x, cap):
+        """x = cap * tanh(x / cap), in place (Gemma 2's final logits)."""
+        x /= np.float32(cap)
+        np.tanh(x, out=x)
+        x *= np.float32(cap)
+        return x
 
     def swiglu(self, gate, up, out=None):
         """``silu(gate) * up`` with sigmoid(g) = (1 + tanh(g/2)) / 2, which cannot overflow."""

@@ -20,6 +20,9 @@ import codecs
 import re
 from typing import Iterable
 
+from .errors import GGUFError
+from .gguf_io import load_metadata
+
 # llama.cpp token types (gguf.TokenType)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
@@ -44,6 +47,8 @@ def _byte_to_unicode() -> dict[int, str]:
 
 
 _UNICODE_TO_BYTE = {c: b for b, c in _byte_to_unicode().items()}
+# control tokens that end a turn or a text: ChatML, Llama 3 (<|eot_id|>, <|eom_id|>), Gemma
+END_OF_TURN = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<end_of_turn>")
 _SYSTEM_RE = re.compile(r"<\|im_start\|>system\n(.*?)<\|im_end\|>", re.DOTALL)
 
 
@@ -77,12 +82,12 @@ class Tokenizer:
         text = tok.decode(ids)
     """
 
-    def __init__(self, tokens: list[str], merges: list[str], token_types: list[int] | None = None,
+    def __init__(self, tokens: list[str], merges: list[str] | None, token_types: list[int] | None = None,
                  eos_id: int | None = None, bos_id: int | None = None, add_bos: bool = False,
-                 chat_template: str | None = None):
+                 chat_template: str | None = None, pre: str | None = "smollm", scores=None,
+                 add_space_prefix: bool = True, unk_id: int | None = None):
         from tokenizers import AddedToken
         from tokenizers import Tokenizer as _HFTokenizer
-        from tokenizers import decoders, models, pre_tokenizers
 
         n = len(tokens)
         token_types = list(token_types) if token_types is not None else [NORMAL] * n
@@ -91,14 +96,12 @@ class Tokenizer:
         vocab = {t: i for i, t in enumerate(tokens)}
         if len(vocab) != n:
             raise ValueError("Tokenizer: the vocabulary has duplicate tokens")
-        pairs = [tuple(m.split(" ", 1)) for m in merges]
-        bpe = models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False)
-        hf = _HFTokenizer(bpe)
-        hf.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-        ])
-        hf.decoder = decoders.ByteLevel()
+        self.sentencepiece = merges is None  # SentencePiece-style: merges from scores, byte fallback
+        if self.sentencepiece:
+            hf = _sentencepiece_bpe(tokens, token_types, scores, add_space_prefix, unk_id)
+            self._hf_plain_inner = _sentencepiece_bpe(tokens, token_types, scores, False, unk_id)
+        else:
+            hf = self._hf_plain_inner = _byte_level_bpe(vocab, merges, pre)
         special = [i for i, ty in enumerate(token_types) if ty == CONTROL]
         user = [i for i, ty in enumerate(token_types) if ty == USER_DEFINED]
         if user:
@@ -113,7 +116,13 @@ class Tokenizer:
         # user-defined tokens are their own UTF-8 text.
         self._bytes: list[bytes] = []
         for tok, ty in zip(tokens, token_types):
-            if ty in (CONTROL, USER_DEFINED) or any(c not in _UNICODE_TO_BYTE for c in tok):
+            if self.sentencepiece:  # "<0x41>" is byte 0x41; "▁" stands for a space
+                if ty == BYTE and re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", tok):
+                    self._bytes.append(bytes([int(tok[3:5], 16)]))
+                else:
+                    self._bytes.append(tok.encode("utf-8") if ty in (CONTROL, UNKNOWN) else
+                                       tok.replace("\u2581", " ").encode("utf-8"))
+            elif ty in (CONTROL, USER_DEFINED) or any(c not in _UNICODE_TO_BYTE for c in tok):
                 self._bytes.append(tok.encode("utf-8"))
             else:
                 self._bytes.append(bytes(_UNICODE_TO_BYTE[c] for c in tok))
@@ -121,9 +130,13 @@ class Tokenizer:
         # Byte values with no token of their own. BPE (here, in HF and in llama.cpp alike) drops
         # them silently; SmolLM2 lacks 21: six ASCII controls (0x04 0x06 0x13 0x14 0x16 0x1d),
         # bytes never valid in UTF-8 (0xc0 0xc1 0xf5-0xff) and the lead bytes 0xf1 0xf2 of code
-        # points U+40000-U+BFFFF. Text without them round-trips exactly.
-        b2u = _byte_to_unicode()
-        self.missing_bytes = frozenset(b for b in range(256) if b2u[b] not in vocab)
+        # points U+40000-U+BFFFF. Text without them round-trips exactly. A SentencePiece vocabulary
+        # falls back to its <0xXX> tokens.
+        if self.sentencepiece:
+            self.missing_bytes = frozenset(b for b in range(256) if f"<0x{b:02X}>" not in vocab)
+        else:
+            b2u = _byte_to_unicode()
+            self.missing_bytes = frozenset(b for b in range(256) if b2u[b] not in vocab)
         self.tokens = list(tokens)
         self.token_types = token_types
         self.vocab_size = n
@@ -141,23 +154,28 @@ class Tokenizer:
     def from_gguf_metadata(cls, meta: dict, path="<gguf>") -> "Tokenizer":
         """Build from the metadata dict ``tinylm.gguf_io.load_gguf`` returns; metadata that is
         absent or of the wrong type or range raises GGUFError naming ``path`` and the key."""
-        from .gguf_io import GGUFError
 
         def bad(key, want):
             return GGUFError(f"{path}: metadata {key!r} must be {want}, got {_short(meta.get(key))}")
 
         model = meta.get(_KEY + "model")
-        if model != "gpt2":
-            raise GGUFError(f"{path}: tokenizer.ggml.model is {_short(model)}; only byte-level BPE "
-                            "('gpt2') is supported")
+        if model not in ("gpt2", "llama"):
+            raise GGUFError(f"{path}: tokenizer.ggml.model is {_short(model)}; tinylm implements byte-level "
+                            "BPE ('gpt2') and SentencePiece-style BPE with byte fallback ('llama')")
         pre = meta.get(_KEY + "pre")
-        if pre is not None and pre != "smollm":
-            raise GGUFError(f"{path}: tokenizer.ggml.pre is {_short(pre)}; tinylm implements the 'smollm' "
-                            "pre-tokenizer only (digits one by one, then GPT-2's split)")
+        if model == "gpt2" and pre is not None and pre not in PRE_TOKENIZERS:
+            raise GGUFError(f"{path}: tokenizer.ggml.pre is {_short(pre)}; tinylm implements the pre-tokenizers "
+                            f"{', '.join(PRE_TOKENIZERS)}")
         tokens, merges = meta.get(_KEY + "tokens"), meta.get(_KEY + "merges")
         if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) and t for t in tokens):
             raise bad(_KEY + "tokens", "a list of non-empty strings")
-        if not isinstance(merges, list) or not all(isinstance(m, str) and m.count(" ") == 1 for m in merges):
+        scores = None
+        if model == "llama":
+            merges, scores = None, meta.get(_KEY + "scores")
+            if not isinstance(scores, list) or len(scores) != len(tokens) or not all(
+                    isinstance(v, (int, float)) and not isinstance(v, bool) for v in scores):
+                raise bad(_KEY + "scores", f"{len(tokens)} numbers (one per token)")
+        elif not isinstance(merges, list) or not all(isinstance(m, str) and m.count(" ") == 1 for m in merges):
             raise bad(_KEY + "merges", "a list of strings 'left right'")
         n = len(tokens)
         types = meta.get(_KEY + "token_type")
@@ -171,15 +189,20 @@ class Tokenizer:
                 raise bad(key, f"a token id in [0, {n})")
             return v
 
-        add_bos = meta.get(_KEY + "add_bos_token", False)
+        add_bos = meta.get(_KEY + "add_bos_token", model == "llama")
         if not isinstance(add_bos, bool):
             raise bad(_KEY + "add_bos_token", "a bool")
+        prefix = meta.get(_KEY + "add_space_prefix", meta.get("general.architecture") not in ("gemma2", "gemma3"))
+        if not isinstance(prefix, bool):
+            raise bad(_KEY + "add_space_prefix", "a bool")
         template = meta.get("tokenizer.chat_template")
         if template is not None and not isinstance(template, str):
             raise bad("tokenizer.chat_template", "a string")
         try:
             return cls(tokens=tokens, merges=merges, token_types=types, eos_id=opt_id(_KEY + "eos_token_id"),
-                       bos_id=opt_id(_KEY + "bos_token_id"), add_bos=add_bos, chat_template=template)
+                       bos_id=opt_id(_KEY + "bos_token_id"), add_bos=add_bos, chat_template=template,
+                       pre=pre or "smollm", scores=scores, add_space_prefix=prefix,
+                       unk_id=opt_id(_KEY + "unknown_token_id"))
         except Exception as e:  # duplicate tokens, merges of unknown tokens (tokenizers' own errors)
             msg = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise GGUFError(f"{path}: cannot build the tokenizer from its metadata: {msg}") from None
@@ -187,9 +210,15 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, path) -> "Tokenizer":
         """Read only the metadata of a GGUF file (errors as tinylm.gguf_io.GGUFError)."""
-        from .gguf_io import load_metadata
-
         return cls.from_gguf_metadata(load_metadata(path), path)
+
+    @classmethod
+    def of(cls, opened) -> "Tokenizer":
+        """The tokenizer of a ``tinylm.gguf_io.GGUFModel`` (built once, kept on it)."""
+        tok = getattr(opened, "_tokenizer", None)
+        if tok is None:
+            tok = opened._tokenizer = cls.from_gguf_metadata(opened.meta, opened.path)
+        return tok
 
     # --- encode / decode -------------------------------------------------------------------
 
@@ -219,6 +248,8 @@ class Tokenizer:
         if system is not None:
             check_text("Tokenizer.encode_chat", "system", system)
         start, end = self.special_ids.get("<|im_start|>"), self.special_ids.get("<|im_end|>")
+        if self.chat_template and "<|im_start|>" not in self.chat_template:
+            return self._encode_template(prompt, system)  # Llama 3 headers, Gemma turns, [INST], ...
         if start is None or end is None:
             raise ValueError("Tokenizer.encode_chat(): this vocabulary has no ChatML control tokens "
                              "<|im_start|> / <|im_end|>")
@@ -228,6 +259,70 @@ class Tokenizer:
         if system is not None:
             ids += [start, *plain("system\n" + system), end, *plain("\n")]
         return ids + [start, *plain("user\n" + prompt), end, *plain("\n"), start, *plain("assistant\n")]
+
+    def _encode_template(self, prompt: str, system: str | None) -> list[int]:
+        """One user turn (after a system message when given) through the file's own chat template
+        (Jinja, as Hugging Face renders it), with add_generation_prompt. Control tokens come from
+        the template's text only: the message contents are marked while rendering, and control
+        token text found inside them stays plain text."""
+        import jinja2.sandbox
+
+        messages = ([] if system is None else [{"role": "system", "content": system}]) + \
+            [{"role": "user", "content": prompt}]
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+        def raise_exception(msg):
+            raise ValueError(f"Tokenizer.encode_chat(): the chat template refuses: {msg}")
+
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: __import__("datetime").datetime.now().strftime(fmt)  # Llama 3.1+
+        tmpl = env.from_string(self.chat_template)
+        names = {"bos_token": "" if self.bos_id is None else self.tokens[self.bos_id],
+                 "eos_token": "" if self.eos_id is None else self.tokens[self.eos_id]}
+        marks = [f"\ue000{i}\ue001" for i in range(len(messages))]
+        marked = tmpl.render(messages=[dict(m, content=k) for m, k in zip(messages, marks)],
+                             add_generation_prompt=True, **names)
+        real = tmpl.render(messages=messages, add_generation_prompt=True, **names)
+        # the contents as the template wrote them: as given, or trimmed (Llama 3's `| trim`)
+        if any(marked.count(k) != 1 for k in marks):
+            raise ValueError("Tokenizer.encode_chat(): the chat template does not write each message once")
+        for fix in (lambda c: c, str.strip):
+            filled = marked
+            for k, m in zip(marks, messages):
+                filled = filled.replace(k, fix(m["content"]))
+            if filled == real:
+                contents = [fix(m["content"]) for m in messages]
+                break
+        else:
+            raise ValueError("Tokenizer.encode_chat(): the chat template changes the message text in a way "
+                             "tinylm cannot follow")
+        # split the template's own text at control tokens; plain runs (template text and
+        # contents together, as one string would be encoded) are encoded as plain text
+        control = sorted(self.special_ids, key=len, reverse=True)
+        pattern = re.compile("|".join(re.escape(t) for t in control)) if control else None
+        pieces, run = [], ""
+        for part in re.split("(\ue000\\d+\ue001)", marked):
+            m = re.fullmatch("\ue000(\\d+)\ue001", part)
+            if m:
+                run += contents[int(m.group(1))]
+                continue
+            pos = 0
+            for hit in (pattern.finditer(part) if pattern else ()):
+                run += part[pos:hit.start()]
+                pieces += [run, self.special_ids[hit.group()]]
+                run, pos = "", hit.end()
+            run += part[pos:]
+        pieces.append(run)
+        ids = []
+        for piece in pieces:
+            if isinstance(piece, int):
+                ids.append(piece)
+            elif piece:  # a run after a control token takes no SentencePiece space prefix (as in HF)
+                hf = self._hf_plain if not ids else self._hf_plain_inner
+                ids += hf.encode(piece, add_special_tokens=False).ids
+        if self.add_bos and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
+            ids.insert(0, self.bos_id)
+        return ids
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for (a token may hold part of a UTF-8 character)."""
@@ -251,10 +346,10 @@ class Tokenizer:
 
     @property
     def stop_ids(self) -> frozenset[int]:
-        """Ids that end a generation: EOS (``<|im_end|>`` for SmolLM2) and ``<|endoftext|>``."""
+        """Ids that end a generation: EOS (``<|im_end|>`` for SmolLM2) and the control tokens that end
+        a turn or a text in the families' vocabularies (END_OF_TURN), as llama.cpp stops on them."""
         ids = {self.eos_id} if self.eos_id is not None else set()
-        if "<|endoftext|>" in self.special_ids:
-            ids.add(self.special_ids["<|endoftext|>"])
+        ids |= {self.special_ids[t] for t in END_OF_TURN if t in self.special_ids}
         return frozenset(ids)
 
     # --- chat ------------------------------------------------------------------------------
@@ -270,6 +365,64 @@ class Tokenizer:
 
     def stream(self, skip_special: bool = False) -> "StreamDecoder":
         return StreamDecoder(self, skip_special=skip_special)
+
+
+# llama.cpp pre-tokenizer name -> the split before the byte-to-unicode map (None: SmolLM2's digits
+# one by one, then GPT-2's own split). Llama 3's and Qwen2's regexes as their tokenizer.json has them.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+PRE_TOKENIZERS = {"smollm": None, "llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT,
+                  "qwen2": _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")}
+
+
+def _byte_level_bpe(vocab: dict, merges: list, pre: str):
+    """HF ``tokenizers`` BPE over a byte-level vocabulary with the named pre-tokenizer."""
+    from tokenizers import Regex
+    from tokenizers import Tokenizer as _HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    hf = _HFTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
+    split = PRE_TOKENIZERS[pre]
+    if split is None:
+        hf.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    else:
+        hf.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    hf.decoder = decoders.ByteLevel()
+    return hf
+
+
+def _sentencepiece_bpe(tokens, token_types, scores, add_space_prefix: bool, unk_id):
+    """HF ``tokenizers`` BPE that encodes as SentencePiece's BPE does over a GGUF "llama"
+    vocabulary: spaces become U+2581 (one prepended with ``add_space_prefix``), adjacent pieces
+    merge best score first (merges derived from the scores: every split of a piece into two
+    pieces of the vocabulary, ranked by the piece's score, as HF builds them), and characters
+    without a piece fall back to their UTF-8 bytes' ``<0xXX>`` tokens."""
+    from tokenizers import Tokenizer as _HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    vocab = {t: i for i, t in enumerate(tokens)}
+    normal = {t for t, ty in zip(tokens, token_types) if ty in (NORMAL, USER_DEFINED)}
+    ranked = []
+    for t in normal:
+        for i in range(1, len(t)):
+            left, right = t[:i], t[i:]
+            if left in normal and right in normal:
+                ranked.append((-float(scores[vocab[t]]), vocab[t], vocab[left], (left, right)))
+    ranked.sort()
+    unk = tokens[unk_id] if unk_id is not None else None
+    hf = _HFTokenizer(models.BPE(vocab=vocab, merges=[r[3] for r in ranked], unk_token=unk, fuse_unk=True,
+                                 byte_fallback=True))
+    # as HF's tokenizer of the file: one U+2581 before the text unless it starts with a space (a
+    # text that follows a control token gets none), spaces kept whole (no split on them)
+    hf.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", split=False,
+                                                prepend_scheme="first" if add_space_prefix else "never")
+    hf.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    return hf
 
 
 def default_system_message(chat_template: str | None) -> str | None:

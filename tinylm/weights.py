@@ -25,17 +25,34 @@ class LayerWeights:
     w_gate: np.ndarray  # [ffn_dim, dim]
     w_up: np.ndarray  # [ffn_dim, dim]
     w_down: np.ndarray  # [dim, ffn_dim]
+    # a family's extras (None where ModelArgs says it has none)
+    bq: np.ndarray | None = None  # [n_heads * hd] (qkv_bias)
+    bk: np.ndarray | None = None  # [n_kv_heads * hd]
+    bv: np.ndarray | None = None  # [n_kv_heads * hd]
+    q_norm: np.ndarray | None = None  # [hd] (qk_norm: one weight shared by every query head)
+    k_norm: np.ndarray | None = None  # [hd]
+    post_attn_norm: np.ndarray | None = None  # [dim] (post_norms)
+    post_ffn_norm: np.ndarray | None = None  # [dim]
 
 
-LAYER_FIELDS = tuple(f.name for f in fields(LayerWeights))
+ALL_LAYER_FIELDS = tuple(f.name for f in fields(LayerWeights))
+LAYER_FIELDS = ALL_LAYER_FIELDS[:9]  # every family has these
+EXTRA_FIELDS = ALL_LAYER_FIELDS[9:]
 
 
 def layer_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
-    """The shape every LayerWeights field must have for ``args``."""
-    d, f = args.dim, args.ffn_dim
-    return {"attn_norm": (d,), "wq": (args.q_dim, d), "wk": (args.kv_dim, d),
-            "wv": (args.kv_dim, d), "wo": (d, args.q_dim), "ffn_norm": (d,),
-            "w_gate": (f, d), "w_up": (f, d), "w_down": (d, f)}
+    """The shape every LayerWeights field ``args`` uses must have (the extras only where on)."""
+    d, f, hd = args.dim, args.ffn_dim, args.head_dim
+    shapes = {"attn_norm": (d,), "wq": (args.q_dim, d), "wk": (args.kv_dim, d),
+              "wv": (args.kv_dim, d), "wo": (d, args.q_dim), "ffn_norm": (d,),
+              "w_gate": (f, d), "w_up": (f, d), "w_down": (d, f)}
+    if args.qkv_bias:
+        shapes.update(bq=(args.q_dim,), bk=(args.kv_dim,), bv=(args.kv_dim,))
+    if args.qk_norm:
+        shapes.update(q_norm=(hd,), k_norm=(hd,))
+    if args.post_norms:
+        shapes.update(post_attn_norm=(d,), post_ffn_norm=(d,))
+    return shapes
 
 
 @dataclass
@@ -58,8 +75,9 @@ class Weights:
         if not self.tied:
             yield "output", self.output
         for i, layer in enumerate(self.layers):
-            for name in LAYER_FIELDS:
-                yield f"layers.{i}.{name}", getattr(layer, name)
+            for name in ALL_LAYER_FIELDS:
+                if getattr(layer, name) is not None:
+                    yield f"layers.{i}.{name}", getattr(layer, name)
 
     def nbytes(self) -> int:
         """Bytes of all distinct arrays: what one decode step streams through memory."""
@@ -71,7 +89,8 @@ class Weights:
             return np.asarray(a, dtype=dtype)
         emb = cast(self.tok_embd)
         out = emb if self.tied else cast(self.output)
-        layers = [LayerWeights(**{n: cast(getattr(l, n)) for n in LAYER_FIELDS}) for l in self.layers]
+        layers = [LayerWeights(**{n: None if getattr(l, n) is None else cast(getattr(l, n))
+                                  for n in ALL_LAYER_FIELDS}) for l in self.layers]
         return Weights(tok_embd=emb, output_norm=cast(self.output_norm), output=out, layers=layers)
 
     def check(self, args: ModelArgs) -> None:
@@ -83,6 +102,11 @@ class Weights:
         if self.tied != args.tie_embeddings:
             raise ValueError(f"Weights: tied={self.tied} but args.tie_embeddings={args.tie_embeddings}")
         per_layer = layer_shapes(args)
+        for i, layer in enumerate(self.layers):
+            have = {n for n in ALL_LAYER_FIELDS if getattr(layer, n) is not None}
+            if have != set(per_layer):
+                raise ValueError(f"Weights: layer {i} has {sorted(have ^ set(per_layer))} against args "
+                                 f"(quirks {args.quirks()})")
         for name, a in self.arrays():
             key = name.rsplit(".", 1)[-1]
             shape = want.get(key) or per_layer[key]
@@ -118,6 +142,10 @@ def synthetic(args: ModelArgs, seed: int = 0, dtype=np.float32) -> Weights:
                 arrays[name] = norm_weight()
             else:
                 arrays[name] = normal(shapes[name], out_std if name in ("wo", "w_down") else std)
+        for name in (n for n in EXTRA_FIELDS if n in shapes):  # a family's extras, drawn after
+            n = shapes[name][0]
+            arrays[name] = (normal((n,), 0.5) if name.startswith("b")
+                            else (1.0 + 0.1 * rng.standard_normal(n, dtype=np.float32)).astype(dtype))
         layers.append(LayerWeights(**arrays))
     tok_embd = normal((args.vocab_size, args.dim), std)
     output_norm = norm_weight()

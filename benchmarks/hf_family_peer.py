@@ -1,0 +1,126 @@
+"""The model peer for every tinylm family: HF transformers' own model class of the family, built
+from tinylm's ModelArgs and Weights (hf_peer.build_hf_llama hands families other than plain Llama
+here).
+
+    arch (tinylm)          HF class                  what is carried over
+    llama (+ window)       Llama (Mistral)           Q/K rows to NeoX order; RoPE divisors into inv_freq
+    mistral                Mistral                   as llama
+    qwen2                  Qwen2                     Q/K/V biases
+    qwen3                  Qwen3                     head_dim, q_norm / k_norm
+    gemma2                 Gemma2                    norms as w - 1 (HF computes x * (1 + w)), softcaps,
+                                                     query scale, local layers
+    gemma3                 Gemma3 (text)             as gemma2, QK norms, local RoPE base, linear scaling
+
+The benchmark compares the peer's first-step logits with tinylm's (model_bench), so a peer built
+wrong shows in the results as a logits error, not as a silent speed number.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .hf_peer import neox_row_order
+from .peers import get_torch, get_transformers
+
+
+def _layer_types(args):
+    return ["sliding_attention" if args.is_local(i) else "full_attention" for i in range(args.n_layers)]
+
+
+def hf_family_config(args):
+    """(HF model class, its config) for tinylm ``args``."""
+    tf = get_transformers()
+    common = dict(vocab_size=args.vocab_size, hidden_size=args.dim, intermediate_size=args.ffn_dim,
+                  num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads,
+                  num_key_value_heads=args.n_kv_heads, head_dim=args.head_dim, rms_norm_eps=args.norm_eps,
+                  max_position_embeddings=args.max_seq, tie_word_embeddings=bool(args.tie_embeddings))
+    rope = {"rope_type": "default", "rope_theta": float(args.rope_base)}
+    if args.arch in ("llama", "mistral"):
+        if args.sliding_window:
+            return tf.MistralForCausalLM, tf.MistralConfig(**common, rope_parameters=rope,
+                                                           sliding_window=args.sliding_window)
+        return tf.LlamaForCausalLM, tf.LlamaConfig(**common, rope_parameters=rope, attention_bias=False)
+    if args.arch == "qwen2":
+        return tf.Qwen2ForCausalLM, tf.Qwen2Config(**common, rope_parameters=rope, use_sliding_window=False)
+    if args.arch == "qwen3":
+        return tf.Qwen3ForCausalLM, tf.Qwen3Config(**common, rope_parameters=rope, use_sliding_window=False)
+    qpas = args.scale ** -2  # HF's query scale is query_pre_attn_scalar ** -0.5 (an int in its config)
+    gemma = dict(common, query_pre_attn_scalar=int(round(qpas)) if abs(qpas - round(qpas)) < 1e-6 else qpas, sliding_window=args.sliding_window or None,
+                 layer_types=_layer_types(args), hidden_activation="gelu_pytorch_tanh")
+    if args.arch == "gemma2":
+        return tf.Gemma2ForCausalLM, tf.Gemma2Config(
+            **gemma, rope_parameters=rope, attn_logit_softcapping=args.attn_softcap or None,
+            final_logit_softcapping=args.final_softcap or None)
+    if args.arch == "gemma3":
+        full = dict(rope)
+        if args.rope_factors:
+            full.update(rope_type="linear", factor=float(args.rope_factors[0]))
+        local = {"rope_type": "default", "rope_theta": float(args.rope_local_base or args.rope_base)}
+        return tf.Gemma3ForCausalLM, tf.Gemma3TextConfig(
+            **gemma, rope_parameters={"full_attention": full, "sliding_attention": local})
+    raise ValueError(f"no HF peer for tinylm architecture {args.arch!r}")
+
+
+def build_hf_family(args, weights, dtype: str = "float16", device: str = "cuda"):
+    """HF's model of ``args.arch`` on ``device`` holding tinylm ``weights`` (``dtype`` a torch
+    dtype name)."""
+    torch = get_torch()
+    cls, cfg = hf_family_config(args)
+    if args.arch == "gemma3" and args.rope_factors and len(set(args.rope_factors)) > 1:
+        raise ValueError("no HF peer for Gemma 3 with per-pair RoPE divisors (HF scales it linearly)")
+    cfg._attn_implementation = "eager" if args.arch.startswith("gemma") else "sdpa"
+    with torch.device(device):
+        model = cls(cfg)
+    model = model.to(dtype=getattr(torch, dtype)).eval()
+    gemma = args.arch.startswith("gemma")
+    adjacent = args.rope_style == "adjacent"
+    perm_q = neox_row_order(args.n_heads, args.head_dim) if adjacent else None
+    perm_k = neox_row_order(args.n_kv_heads, args.head_dim) if adjacent else None
+
+    def put(param, arr, perm=None, norm=False):
+        a = np.asarray(arr, dtype=np.float32)
+        if perm is not None:
+            a = a[perm]
+        if norm and gemma:  # tinylm (and the GGUF file) store 1 + w; HF multiplies by 1 + w itself
+            a = a - 1.0
+        if tuple(param.shape) != a.shape:
+            raise ValueError(f"HF parameter shape {tuple(param.shape)} != tinylm weight {a.shape}")
+        param.copy_(torch.from_numpy(np.ascontiguousarray(a)).to(device=param.device, dtype=param.dtype))
+
+    with torch.no_grad():
+        m = model.model
+        put(m.embed_tokens.weight, weights.tok_embd)
+        put(m.norm.weight, weights.output_norm, norm=True)
+        if not cfg.tie_word_embeddings:
+            put(model.lm_head.weight, weights.output)
+        for layer, lw in zip(m.layers, weights.layers):
+            at, mlp = layer.self_attn, layer.mlp
+            put(layer.input_layernorm.weight, lw.attn_norm, norm=True)
+            if gemma:
+                put(layer.post_attention_layernorm.weight, lw.post_attn_norm, norm=True)
+                put(layer.pre_feedforward_layernorm.weight, lw.ffn_norm, norm=True)
+                put(layer.post_feedforward_layernorm.weight, lw.post_ffn_norm, norm=True)
+            else:
+                put(layer.post_attention_layernorm.weight, lw.ffn_norm)
+            put(at.q_proj.weight, lw.wq, perm_q)
+            put(at.k_proj.weight, lw.wk, perm_k)
+            put(at.v_proj.weight, lw.wv)
+            put(at.o_proj.weight, lw.wo)
+            if lw.bq is not None:
+                put(at.q_proj.bias, lw.bq, perm_q)
+                put(at.k_proj.bias, lw.bk, perm_k)
+                put(at.v_proj.bias, lw.bv)
+            if lw.q_norm is not None:
+                put(at.q_norm.weight, lw.q_norm, norm=True)
+                put(at.k_norm.weight, lw.k_norm, norm=True)
+            put(mlp.gate_proj.weight, lw.w_gate)
+            put(mlp.up_proj.weight, lw.w_up)
+            put(mlp.down_proj.weight, lw.w_down)
+        if args.rope_factors and args.arch != "gemma3":  # Llama 3's divisors, straight into inv_freq
+            rot = m.rotary_emb
+            inv = args.rope_base ** (-np.arange(0, args.head_dim, 2, dtype=np.float64) / args.head_dim)
+            inv = torch.from_numpy(inv / np.asarray(args.rope_factors)).to(device=rot.inv_freq.device,
+                                                                          dtype=rot.inv_freq.dtype)
+            rot.inv_freq.copy_(inv)
+            if hasattr(rot, "original_inv_freq"):
+                rot.original_inv_freq = inv.clone()
+    return model
