@@ -134,9 +134,10 @@ def parse_sass(text: str) -> dict[str, tuple[list[Insn], dict[str, int]]]:
 
 @dataclass
 class LoopReport:
-    start: int          # byte offsets of the loop's first instruction and of its backward branch
+    start: int          # byte offsets of the loop's header and of its last instruction
     end: int
-    insns: int
+    insns: int          # of its own body: the counts below leave out loops nested in it
+    nested: int         # instructions of the loops nested in it
     hgmma: int
     depbar: int         # WARPGROUP.DEPBAR (wgmma.wait_group)
     bar: int            # BAR.SYNC / BAR.ARV (named barriers: ping-pong turns)
@@ -148,8 +149,13 @@ class LoopReport:
 
     @property
     def kind(self) -> str:
+        """consumer key loops: "masked" (a select of -inf per pair of scores at least) or
+        "unmasked"; "consumer, tile": the consumers' loop over tiles (its own body: no softmax);
+        "producer": TMA copies inside; "other"."""
+        if self.hgmma and not self.ex2:
+            return "consumer, tile"
         if self.hgmma:
-            return "consumer, masked" if self.mask else "consumer, unmasked"
+            return "consumer, masked" if self.mask >= 8 else "consumer, unmasked"
         return "producer" if self.utmaldg else "other"
 
 
@@ -177,8 +183,9 @@ def _blocks(insns: list[Insn], labels: dict[str, int]):
         m = _TARGET_RE.search(last.args) if last.op.startswith("BRA") else None
         if m and m.group(1) in labels and labels[m.group(1)] in index:
             out.append(of[index[labels[m.group(1)]]])
+        # BRA P1, `(...)` / BRA.DIV UR4, `(...)`: an operand before the target makes it conditional
         unconditional = (last.op.startswith(("BRA", "EXIT", "RET", "JMP", "BRX")) and not last.pred
-                         and "P" not in last.args.split("`")[0])  # BRA P1, `(...)`: a predicate operand
+                         and not last.op.startswith("BRA.DIV") and not last.args.split("`")[0].strip())
         if not unconditional and k + 1 < len(spans):
             out.append(k + 1)
         succ.append(out)
@@ -212,8 +219,8 @@ def loops(insns: list[Insn], labels: dict[str, int]) -> list[LoopReport]:
     """Every natural loop of MIN_LOOP instructions or more (a branch to a block that dominates it:
     the out-of-line retry blocks of mbarrier waits, which jump back into straight code, are not
     loops), its body the blocks that reach the back edge without passing the header. Loops with one
-    header are merged; a loop nested in another is reported on its own and counted in the outer one.
-    Order inside a body: by address from the header on (the order ptxas laid it out)."""
+    header are merged; a loop nested in another is reported on its own and left out of the outer
+    one's counts. Order inside a body: by address from the header on (the order ptxas laid it out)."""
     if not insns:
         return []
     spans, succ = _blocks(insns, labels)
@@ -233,7 +240,10 @@ def loops(insns: list[Insn], labels: dict[str, int]) -> list[LoopReport]:
     out = []
     for h, body in sorted(bodies.items()):
         hs = spans[h][0]
-        order = sorted(body, key=lambda k: (spans[k][0] < hs, spans[k][0]))
+        # the loop's own blocks: a nested loop (its header inside this body) is reported on its own
+        inner = set().union(*[b for h2, b in bodies.items() if h2 != h and h2 in body and b < body])
+        own = body - inner
+        order = sorted(own, key=lambda k: (spans[k][0] < hs, spans[k][0]))
         seq = [insns[n] for k in order for n in range(spans[k][0], spans[k][1] + 1)]
         if len(seq) < MIN_LOOP:
             continue
@@ -241,12 +251,14 @@ def loops(insns: list[Insn], labels: dict[str, int]) -> list[LoopReport]:
         w0 = next((k for k, x in enumerate(seq) if _is_wait0(x)), None)
         out.append(LoopReport(
             start=insns[hs].offset, end=max(insns[spans[k][1]].offset for k in body), insns=len(seq),
+            nested=sum(spans[k][1] - spans[k][0] + 1 for k in inner),
             hgmma=sum(x.op.startswith("HGMMA") for x in seq),
             depbar=sum(x.op.startswith("WARPGROUP.DEPBAR") for x in seq),
             bar=sum(x.op.startswith(("BAR.SYNC", "BAR.ARV", "BAR.RED")) for x in seq),
             ex2=len(ex2), predicated=sum(bool(x.pred) for x in seq),
             mask=sum(x.op.startswith("FSEL") and "-INF" in x.args for x in seq),
-            utmaldg=sum(x.op.startswith("UTMALDG") for x in seq),
+            # TMA copies sit in ptxas' one-lane-at-a-time loops (ELECT, BRA.U.ANY): counted whole
+            utmaldg=sum(insns[n].op.startswith("UTMALDG") for k in body for n in range(spans[k][0], spans[k][1] + 1)),
             ex2_before_wait0=None if w0 is None else sum(k < w0 for k in ex2)))
     return out
 
@@ -260,11 +272,11 @@ class SassReport:
     spill_bytes: int
     insns: int
     loops: list[LoopReport] = field(default_factory=list)
+    serialised: str = ""   # ptxas' note that it serialised the wgmmas (C7514 / C7515 / C7520), if any
 
-    def consumer_loops(self) -> list[LoopReport]:
-        """The key loops (HGMMA inside), innermost first: a loop holding another is left out."""
-        ls = [x for x in self.loops if x.hgmma]
-        return [x for x in ls if not any(y is not x and x.start <= y.start and y.end <= x.end for y in ls)]
+    def key_loops(self, kind: str) -> list[LoopReport]:
+        """The consumer's loops of one kind ("consumer, unmasked" / "consumer, masked")."""
+        return [x for x in self.loops if x.kind == kind]
 
 
 def disassemble(cubin: bytes, nvdisasm: str | None = None) -> str:
@@ -309,8 +321,9 @@ def report(spec, expr: str, nvdisasm: str | None = None) -> SassReport:
             regs, spill = r, st + ld
     funcs = parse_sass(disassemble(cubin, nvdisasm))
     insns, labels = funcs.get(mangled, ([], {}))
+    ser = re.search(r"^ptxas.*wgmma.*serializ.*$", log, re.M | re.I)
     return SassReport(expr, spec.name, text_sizes(cubin).get(mangled, 16 * len(insns)), regs, spill, len(insns),
-                      loops(insns, labels))
+                      loops(insns, labels), ser.group(0).strip()[:200] if ser else "")
 
 
 def hopper_exprs(only: str | None = None):
@@ -343,11 +356,14 @@ def format_report(r: SassReport) -> str:
     """A few lines per instantiation: size, registers, then one line per loop with HGMMAs or TMA."""
     lines = [f"{r.kernel}  [{r.spec}]  {r.code_bytes / 1024:.1f} KB code, {r.insns} instructions, "
              f"{r.registers} registers, {r.spill_bytes} B spilled"]
+    if r.serialised:
+        lines.append(f"    SERIALISED: {r.serialised}")
     for lp in r.loops:
         if lp.kind == "other":
             continue
         w = "" if lp.ex2_before_wait0 is None else f", wait0 after {lp.ex2_before_wait0}/{lp.ex2} EX2"
-        lines.append(f"    loop {lp.start:#07x}-{lp.end:#07x} {lp.kind:<18} {lp.insns:5d} insns: HGMMA {lp.hgmma}, "
+        lines.append(f"    loop {lp.start:#07x}-{lp.end:#07x} {lp.kind:<18} {lp.insns:5d} insns"
+                     f"{f' (+{lp.nested} nested)' if lp.nested else ''}: HGMMA {lp.hgmma}, "
                      f"DEPBAR {lp.depbar}, BAR {lp.bar}, EX2 {lp.ex2}, predicated {lp.predicated}, "
                      f"mask {lp.mask}, UTMALDG {lp.utmaldg}{w}")
     return "\n".join(lines)

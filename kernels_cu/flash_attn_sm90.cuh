@@ -199,18 +199,6 @@ struct Fa3Pipe {
     bool leader;               // thread 0 of the warpgroup: releases the ring slots
 };
 
-// Every wgmma group has retired: O_i and P's registers are free again, and (v_read: a P V was in
-// flight) the V slot it read is released.
-template <int D, int BLOCK_N, int STAGES>
-__device__ __forceinline__ void fa3_retire_pv(float (&o)[D / 2], unsigned (&p)[BLOCK_N / 16][4], Fa3Pipe<STAGES>& q,
-                                              bool v_read) {
-    wgmma_wait_group<0>();
-    wgmma_fence_acc(o);
-    wgmma_fence_frag(p);
-    if (q.leader && v_read) q.vring.release(q.vring.stage);
-    if (v_read) q.vring.advance();
-}
-
 // O_i += P_ij V_j as one turn of its own: wait for V_j, issue, retire, release V_j's slot.
 template <typename T, int D, int BLOCK_N, int STAGES, bool PINGPONG>
 __device__ __forceinline__ void fa3_pv_alone(float (&o)[D / 2], unsigned (&p)[BLOCK_N / 16][4], Fa3Pipe<STAGES>& q) {
@@ -219,7 +207,11 @@ __device__ __forceinline__ void fa3_pv_alone(float (&o)[D / 2], unsigned (&p)[BL
     fa3_issue_pv<T, D, BLOCK_N>(o, p, q.sv + q.vring.stage * BLOCK_N * D * 2);
     wgmma_commit_group();
     fa3_turn_end<PINGPONG>(q.cw);
-    fa3_retire_pv<D, BLOCK_N, STAGES>(o, p, q, true);
+    wgmma_wait_group<0>();
+    wgmma_fence_acc(o);
+    wgmma_fence_frag(p);
+    if (q.leader) q.vring.release(q.vring.stage);
+    q.vring.advance();
 }
 
 // One key tile j of a warpgroup's key loop. ``softmax(alpha)``: the masking (for a masked step) and
@@ -232,8 +224,9 @@ __device__ __forceinline__ void fa3_pv_alone(float (&o)[D / 2], unsigned (&p)[BL
 // row sums, a branch it cannot remove, holds the exp2s before it (check --sass: "wait0 after").
 // Without OVERLAP: S_ij, softmax, P_ij V_j in order, each its own turn.
 // A K slot is released once its S has retired, a V slot once its P V has. Straight-line for ptxas,
-// which tracks wgmma accumulators path by path (C7514); the one branch, around P_{j-1} V_{j-1}'s
-// issue, covers no wait.
+// which tracks wgmma accumulators path by path (C7514); the branches on j > 0 cover no wait (written
+// another way, as `if (leader && j > 0) release; if (j > 0) advance;`, ptxas C7520 serialised every
+// wgmma of the kernel: check --sass shows a DEPBAR per HGMMA then).
 template <typename T, int D, int BLOCK_N, int STAGES, bool OVERLAP, bool PINGPONG, typename Softmax>
 __device__ __forceinline__ void fa3_key_step(float (&s)[BLOCK_N / 2], float (&o)[D / 2], unsigned (&p)[BLOCK_N / 16][4],
                                              Fa3Pipe<STAGES>& q, int j, Softmax&& softmax) {
@@ -260,7 +253,13 @@ __device__ __forceinline__ void fa3_key_step(float (&s)[BLOCK_N / 2], float (&o)
     const float sums = softmax(alpha);
     if constexpr (OVERLAP) {
         keep_before(sums);                                // every exp2 of the softmax before the wait
-        fa3_retire_pv<D, BLOCK_N, STAGES>(o, p, q, j > 0);  // P_{j-1} V_{j-1}; V_{j-1} read
+        wgmma_wait_group<0>();                            // P_{j-1} V_{j-1} has retired
+        wgmma_fence_acc(o);
+        wgmma_fence_frag(p);
+        if (j > 0) {
+            if (q.leader) q.vring.release(q.vring.stage);  // V_{j-1} read
+            q.vring.advance();
+        }
         fa3_rescale_and_pack<T, D, BLOCK_N>(o, alpha, s, p);
     } else {
         fa3_rescale_and_pack<T, D, BLOCK_N>(o, alpha, s, p);
