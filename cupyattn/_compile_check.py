@@ -24,6 +24,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
+from struct import error as struct_error
 
 from ._loader import KernelSpec, all_specs
 
@@ -68,6 +69,7 @@ class KernelReport:
     spill_loads: int
     hot: bool
     code_bytes: int = 0   # machine code of the kernel (its cubin's .text section)
+    loops: list | None = None   # sm_90a with nvdisasm installed: _sass.loop_summary's loops of the kernel
 
     @property
     def spills(self) -> bool:
@@ -128,14 +130,19 @@ def compile_spec(spec: KernelSpec, arch: str, name_expressions=None) -> list[Ker
         raise RuntimeError(f"kernel spec {spec.name!r} ({spec.source}) for sm_{arch}: ptxas ignored an "
                            f"instruction in {', '.join(exprs)}: ({ignored[0][0]}){ignored[0][1]}")
     mangled = {v: k for k, v in mapping.items()}
+    sizes, loops = {}, {}
     try:
-        from ._sass import pad_elf, text_sizes
+        from ._sass import loop_summary, pad_elf, text_sizes
 
-        sizes = {mangled.get(m, m): n for m, n in text_sizes(pad_elf(bytes(cubin))).items()}
-    except Exception:  # a container this parser does not know: sizes unknown (0), the check goes on
-        sizes = {}
+        elf = pad_elf(bytes(cubin))
+        sizes = {mangled.get(m, m): n for m, n in text_sizes(elf).items()}
+        if spec.sm90a:   # the Hopper kernels' loops, for the machine-code invariants the tests hold
+            loops = loop_summary(elf, mangled)
+    except (ValueError, IndexError, struct_error, RuntimeError):  # sizes / loops unknown; the check goes on
+        pass
     # a non-template kernel is compiled by every program of its file: keep only what was asked
-    reports = [KernelReport(spec.name, expr, a, *vals, hot=spec.hot, code_bytes=sizes.get(expr, 0))
+    reports = [KernelReport(spec.name, expr, a, *vals, hot=spec.hot, code_bytes=sizes.get(expr, 0),
+                            loops=loops.get(expr))
                for expr, a, *vals in parse_ptxas_log(log.getvalue(), mangled) if expr in exprs]
     missing = set(exprs) - {r.kernel for r in reports}
     if missing:

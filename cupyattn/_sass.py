@@ -92,7 +92,7 @@ def text_sizes(elf: bytes) -> dict[str, int]:
 
 
 # --- the disassembly ---------------------------------------------------------------------------------
-_INSN_RE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);")
+_INSN_RE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][\w.]*)\s*([^;]*);")
 _LABEL_RE = re.compile(r"^\s*(\.L_x_\d+):")
 _FUNC_RE = re.compile(r"^\s*\.text\.(\S+):")
 _TARGET_RE = re.compile(r"`\((\.L_x_\d+)\)")
@@ -295,6 +295,20 @@ def disassemble(cubin: bytes, nvdisasm: str | None = None) -> str:
     if res.returncode != 0:
         raise RuntimeError(f"nvdisasm failed ({res.returncode}): {res.stderr.strip()[:400]}")
     return res.stdout
+
+
+def loop_summary(cubin: bytes, mangled: dict[str, str]) -> dict[str, list[dict]]:
+    """Expression -> its loops (LoopReport fields and kind) for each kernel of a cubin whose mangled
+    name ``mangled`` maps; {} without nvdisasm. The compile check attaches it to its sm_90a reports
+    (one disassembly per build, no second compile), which the CPU tests read."""
+    exe = nvdisasm_path()
+    if exe is None:
+        return {}
+    out = {}
+    for name, (insns, labels) in parse_sass(disassemble(cubin, exe)).items():
+        if name in mangled:
+            out[mangled[name]] = [dict(asdict(lp), kind=lp.kind) for lp in loops(insns, labels)]
+    return out
 
 
 def compile_cubin(spec, expr: str, arch: str = "90"):
