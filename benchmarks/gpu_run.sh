@@ -25,6 +25,13 @@
 #           the ragged varlen cases (against SDPA and the dense kernels on the padded batch) and
 #           paged prefill at pages of 16..256 (against the same keys contiguous); each step
 #           under STEP_TIMEOUT if set          -> $OUT/pytest-prefill.log, $OUT/prefill-*.{txt,json,png}
+#   causal  the Hopper attention decision run (issue 55; benchmarks/causal_sweep.py): every variant of
+#           kernels_cu/flash_attn_sm90.cu (schedulers, overlap, 176-key tile, section sizes) beside
+#           impl=None, flash_mma and torch SDPA on fp16/bf16 B4 H32 S4096 D64/128/256 causal and not,
+#           GQA 32/8, varlen (same tokens, ragged), paged prefill; the K/V traffic model beside each
+#           time; then ncu --clock-control none on the two fastest and the default (fp16 D128
+#           causal). One step of at most 300 s (CAUSAL_TIMEOUT)
+#                                                      -> $OUT/causal-sweep.{txt,json}, $OUT/ncu-*.log
 #   quick   one small case per op, few reps (smoke test of the CLI on this machine)
 #   model   the decode decision run: SmolLM2-135M's shapes in fp16 at batch 1 and 8, tinylm
 #           (unfused), tinylm-fused, tinylm-eager, HF eager and HF compiled (static cache +
@@ -85,8 +92,8 @@ PY="${PYTHON:-python3}"
 STAGE="${1:-all}"
 case "$STAGE" in
     all | verify | lease | record | tests | sanitize | bench | headline | sweeps | sweep | quick | model | mega | prefill | paged | \
-        decode-paged | serve | recheck | summary) ;;
-    *) echo "usage: $0 [all|verify|lease|record|tests|sanitize|bench|headline|sweeps|sweep NAME|quick|model|mega|prefill|paged|decode-paged|serve|recheck|summary]" >&2; exit 2 ;;
+        decode-paged | serve | recheck | causal | summary) ;;
+    *) echo "usage: $0 [all|verify|lease|record|tests|sanitize|bench|headline|sweeps|sweep NAME|quick|model|mega|prefill|paged|decode-paged|serve|recheck|causal|summary]" >&2; exit 2 ;;
 esac
 mkdir -p "$OUT/results"
 status=0
@@ -317,6 +324,11 @@ run_prefill() {  # issue 38: the persistent kernel's tests, then its three bench
         --D 128 --causal --impl wgmma,wgmma_persistent,torch-sdpa "${h[@]}" --json "$OUT/prefill-goal.json"
 }
 
+run_causal() {  # issue 55: one self-contained step (no tests: run `tests` first where the budget allows)
+    STEP_TIMEOUT="${CAUSAL_TIMEOUT:-300}" step "causal sweep" "$OUT/causal-sweep.log" \
+        "$PY" -m benchmarks.causal_sweep --out "$OUT"
+}
+
 run_quick() {
     local q=(--reps 5 --warmup 2 --debug --no-progress)
     step "quick gemm" "$OUT/quick-gemm.txt" "$PY" -m benchmarks gemm --M 1024 "${q[@]}"
@@ -340,6 +352,7 @@ case "$STAGE" in
     model) run_model ;;
     mega) run_mega ;;
     prefill) run_prefill ;;
+    causal) run_causal ;;
     headline) run_headline ;;
     paged) run_decode_paged; run_serve ;;
     decode-paged) run_decode_paged ;;
