@@ -187,14 +187,14 @@ sanitize_tool() {  # sanitize_tool TOOL [--only FAMILIES]; SANITIZE_KERNEL=subst
 }
 
 # What the H100 run of 2026-11-27 (benchmarks/results/2026-11-27-h100) left to confirm, first:
-# the fixed tests, racecheck over the persistent attention kernel alone (its work-slot reports:
-# docs/hopper.md names the candidate change to run it with), and decode B1 Hq32 Hkv8 131072 keys
+# the fixed tests, racecheck over the Hopper attention kernel alone (the persistent kernel's
+# work-slot reports of that run: every loader lane now releases the slot itself), and decode B1 Hq32 Hkv8 131072 keys
 # (split-kv 3.1 ms there, 0.21 ms the day before) at fixed split counts beside the automatic one.
 run_recheck() {
     local h=(--warmup 3 --debug --no-progress) n
     step "recheck tests" "$OUT/pytest-recheck.log" "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider -n 8 \
         tests/test_attention_wgmma_persistent.py tests/test_megakernel_tinylm.py tests/test_fused_decode.py
-    SANITIZE_KERNEL=flash_attn_wgmma_persistent sanitize_tool racecheck --only attention,serving
+    SANITIZE_KERNEL=flash_attn_sm90 sanitize_tool racecheck --only attention,serving   # both schedulers now
     step "recheck decode B1 L128k" "$OUT/recheck-decode.txt" "$PY" -m benchmarks decode --B 1 --H 32 --Hkv 8 \
         --Sk 131072 --D 128 --dtype float16 --impl split-kv,unsplit,paged-16,torch-sdpa --reps 50 \
         --budget-ms 2000 "${h[@]}" --json "$OUT/recheck-decode.json"
