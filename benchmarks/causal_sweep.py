@@ -275,7 +275,7 @@ def ncu(variant: str, out_dir: str, metrics=NCU_METRICS, timeout=120) -> dict:
     exe = "ncu"
     cmd = [exe, "--clock-control", "none", "--kernel-name", "regex:flash_attn|attention", "--launch-skip", "1",
            "--launch-count", "1", "--csv", "--page", "raw", "--metrics", ",".join(metrics),
-           sys.executable, "-m", "benchmarks.causal_sweep", "--one", variant]
+           sys.executable, "-m", f"{__package__}.causal_sweep", "--one", variant]   # installed or checkout
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
                              env=dict(os.environ, PYTHONPATH=os.environ.get("PYTHONPATH", ".")))
