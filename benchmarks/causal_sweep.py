@@ -207,7 +207,7 @@ def run_case(name, kind, dt, p, ceil_gbps, rows, log, reps):
         q = rand((b, h, sq, d), dt)
         k, v = rand((b, hkv, L, d), dt), rand((b, hkv, L, d), dt)
         n_pages = b * L // page
-        perm = cupy.random.permutation(n_pages).astype(cupy.int32)
+        perm = cupy.asarray(np.random.default_rng(0).permutation(n_pages).astype(np.int32))   # shuffled pages
         table = perm.reshape(b, L // page)
         kp = cupy.empty((n_pages, page, hkv, d), dtype=q.dtype)
         vp = cupy.empty_like(kp)
