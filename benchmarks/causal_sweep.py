@@ -31,12 +31,31 @@ import sys
 import time
 
 HEADLINE = ("float16", 128, True)
-NCU_METRICS = ("dram__bytes_read.sum", "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",
-               "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active",
-               "smsp__warp_issue_stalled_no_instruction_per_warp_active.pct",
-               "smsp__warp_issue_stalled_barrier_per_warp_active.pct",
-               "smsp__warp_issue_stalled_long_scoreboard_per_warp_active.pct")
-NCU_MINIMAL = NCU_METRICS[:2]
+# What ncu measures (the first of each tuple this ncu knows: `ncu --query-metrics` names the bases)
+NCU_WANTED = (("dram__bytes_read.sum",),
+              ("gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",),
+              ("sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active",
+               "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active",
+               "sm__inst_executed_pipe_tensor_op_gmma.avg.pct_of_peak_sustained_active"),
+              ("smsp__warp_issue_stalled_no_instruction_per_warp_active.pct",
+               "smsp__average_warp_latency_issue_stalled_no_instruction.ratio"),
+              ("smsp__warp_issue_stalled_barrier_per_warp_active.pct",
+               "smsp__average_warp_latency_issue_stalled_barrier.ratio"),
+              ("smsp__warp_issue_stalled_long_scoreboard_per_warp_active.pct",
+               "smsp__average_warp_latency_issue_stalled_long_scoreboard.ratio"))
+NCU_MINIMAL = ("dram__bytes_read.sum", "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed")
+
+
+def ncu_metrics(exe: str = "ncu") -> tuple:
+    """The metrics of NCU_WANTED this ncu knows (its --query-metrics output); NCU_MINIMAL when the
+    query fails."""
+    try:
+        res = subprocess.run([exe, "--query-metrics"], capture_output=True, text=True, timeout=60)
+        known = {ln.split()[0] for ln in res.stdout.splitlines() if ln.strip() and "__" in ln.split()[0]}
+    except (OSError, subprocess.TimeoutExpired):
+        return NCU_MINIMAL
+    got = tuple(next((m for m in alts if m.split(".")[0] in known), None) for alts in NCU_WANTED)
+    return tuple(m for m in got if m) or NCU_MINIMAL
 
 
 def cases(quick: bool):
@@ -270,7 +289,7 @@ def _variant_call(variant: str):
     cupy.cuda.get_current_stream().synchronize()
 
 
-def ncu(variant: str, out_dir: str, metrics=NCU_METRICS, timeout=120) -> dict:
+def ncu(variant: str, out_dir: str, metrics=NCU_MINIMAL, timeout=120) -> dict:
     """ncu's metrics of the second attention launch of ``variant`` at the headline case."""
     exe = "ncu"
     cmd = [exe, "--clock-control", "none", "--kernel-name", "regex:flash_attn|attention", "--launch-skip", "1",
@@ -348,8 +367,10 @@ def main(argv=None) -> int:
         ours = [r for r in rows if r["case"] == "dense D128 causal" and r["dtype"] == HEADLINE[0] and "ms" in r
                 and r["variant"] not in ("torch-sdpa", "flash_mma")]
         best = [r["variant"] for r in sorted(ours, key=lambda r: r["ms"])[:2]]
+        metrics = ncu_metrics()
+        log(f"ncu metrics: {', '.join(metrics)}")
         for variant in dict.fromkeys(best + ["default"]):
-            profiles.append(ncu(variant, a.out))
+            profiles.append(ncu(variant, a.out, metrics))
             log(f"ncu {variant}: {json.dumps(profiles[-1])}")
     meta = report.run_meta(["causal_sweep"] + (argv or sys.argv[1:]))
     run = report.run_dict(meta, ceil, rows)
