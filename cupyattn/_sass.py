@@ -150,10 +150,11 @@ class LoopReport:
     @property
     def kind(self) -> str:
         """consumer key loops: "masked" (a select of -inf per pair of scores at least) or
-        "unmasked"; "consumer, tile": the consumers' loop over tiles (its own body: no softmax);
+        "unmasked"; "consumer, tile": a loop around such loops (the consumers' loop over tiles,
+        its own body: no softmax); "consumer, mma": wgmma without a softmax (a GEMM's k loop);
         "producer": TMA copies inside; "other"."""
         if self.hgmma and not self.ex2:
-            return "consumer, tile"
+            return "consumer, tile" if self.nested >= 100 else "consumer, mma"
         if self.hgmma:
             return "consumer, masked" if self.mask >= 8 else "consumer, unmasked"
         return "producer" if self.utmaldg else "other"
