@@ -41,6 +41,13 @@
 #   serve     tinylm continuous batching (defaults and opt-in paths) at 8, 32, 64 slots beside HF's
 #             batched generate                          -> serve.{txt,json}
 #   paged     decode-paged, then serve
+#   causal    the Hopper attention decision run (benchmarks/causal_sweep.py): every variant of
+#             kernels_cu/flash_attn_sm90.cu (schedulers, overlap, 176-key tile, section sizes) beside
+#             impl=None, flash_mma and torch SDPA on fp16/bf16 B4 H32 S4096 D64/128/256 causal and not,
+#             GQA 32/8, varlen (same tokens, ragged), paged prefill; the K/V traffic model beside each
+#             time; then ncu --clock-control none on the two fastest and the default. One step, at most
+#             CAUSAL_TIMEOUT (300) s; run `tests` first: the unified kernel has not run on a GPU
+#                                                       -> causal-sweep.{log,json}, ncu-*.log
 #   recheck   the files fixed after 2026-11-27 (GPU tests), racecheck over the persistent attention
 #             kernel alone, decode B1 Hq32 Hkv8 L131072 at the automatic and fixed split counts
 #   settle    everything a GPU session owes from 2026-11-27, at most SETTLE_BUDGET (540) s, in order:
@@ -320,11 +327,16 @@ run_lease() {  # run_lease NEXT: tests beside sanitize, then NEXT alone, then on
 run_recheck() {  # what 2026-11-27 left: the fixed files' tests, racecheck of the persistent kernel, decode B1 L128k
     PYTEST_FILES="tests/test_attention_wgmma_persistent.py tests/test_megakernel_tinylm.py tests/test_fused_decode.py" \
         PYTEST_ARGS="-n 8" run_tests
-    SANITIZE_KERNEL=flash_attn_wgmma_persistent sanitize_tool racecheck --only attention,serving
+    SANITIZE_KERNEL=flash_attn_sm90 sanitize_tool racecheck --only attention,serving
     bench_step "recheck decode B1 L128k" "$OUT/recheck-decode.txt" "$OUT/recheck-decode.json" "$PY" -m benchmarks \
         decode --B 1 --H 32 --Hkv 8 --Sk 131072 --D 128 --dtype float16 --splits auto,8,16,32,33,64 \
         --impl split-kv,unsplit,paged-16,torch-sdpa --reps 50 --budget-ms 2000 --warmup 3 --debug --no-progress \
         --json "$OUT/recheck-decode.json"
+}
+
+run_causal() {  # one self-contained timing step (the sweep waits for nothing else; it writes its own JSON)
+    wait_gpu_free "before causal sweep"
+    CAP="${CAUSAL_TIMEOUT:-300}" step "causal sweep" "$OUT/causal-sweep.log" "$PY" -m benchmarks.causal_sweep --out "$OUT"
 }
 
 # ncu's view of one paged decode call (issue 57: why paged / MQA decode fall short of copy bandwidth)
@@ -414,6 +426,7 @@ stage_decode_paged() { run_decode_paged; }
 stage_serve() { run_serve; }
 stage_paged() { run_decode_paged; run_serve; }
 stage_recheck() { run_recheck; }
+stage_causal() { run_causal; }
 stage_settle() { run_settle; }
 stage_verify() { run_tests; run_mega_tests; run_sanitize; run_bench; run_sweep softmax-cols; run_sweep decode-batch; }
 stage_all() { run_tests; run_mega_tests; run_sanitize; run_bench; run_sweeps; run_decode_paged; run_serve; }

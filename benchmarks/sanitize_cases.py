@@ -81,7 +81,30 @@ def attention(ca, cfg):
                     o2 = ca.attention(q, k, v, mask=mask, key_lengths=cupy.asarray([77], np.int32),
                                       impl="wgmma_persistent")
                     _finite(o, lse, o2, ca.attention(q, k, v, impl="wgmma_persistent"))
+            if dt in cfg.MMA_DTYPES and d in cfg.ATTN_WGMMA_TILES and _hopper():
+                # the Hopper kernel's opt-in variants (config.ATTN_SM90_*): each instantiation a
+                # knob can ask for, causal with lse (the 176-key tile takes no causal)
+                for knob, value, impl, causal in _SM90_VARIANTS:
+                    with _config(cfg, knob, value):
+                        _finite(*ca.attention(q, k, v, causal=causal, impl=impl, return_lse=True))
         _finite(ca.attention(q[:, :, :33], k, v, causal=True, impl="naive"))
+
+
+# (config knob, value, impl, causal): what launches every variant instantiation of
+# cupyattn.flash_attn_sm90.instantiations() beside the tile tables' own
+_SM90_VARIANTS = (("ATTN_SM90_DENSE_SCHEDULER", "persistent", "wgmma", True),
+                  ("ATTN_SM90_OVERLAP", False, "wgmma", True), ("ATTN_SM90_OVERLAP", False, "wgmma_persistent", True),
+                  ("ATTN_SM90_OVERLAP", True, "wgmma_persistent", True), ("ATTN_SM90_WIDE_N", True, "wgmma", False))
+
+
+@contextlib.contextmanager
+def _config(cfg, name, value):
+    old = getattr(cfg, name)
+    setattr(cfg, name, value)
+    try:
+        yield
+    finally:
+        setattr(cfg, name, old)
 
 
 def decode(ca, cfg):

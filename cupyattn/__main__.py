@@ -2,7 +2,8 @@
 
 commands:
   check     compile every kernel instantiation for each GPU family with NVRTC (no GPU needed)
-            and report registers, shared memory and spills; `python -m cupyattn check --help`
+            and report registers, shared memory, spills and code size; `check --sass`: the
+            Hopper kernels' machine code (loops, waits; needs nvdisasm); `python -m cupyattn check --help`
   options   print the table of options by kernel path (docs/options.md) as markdown
 """
 import sys

@@ -24,6 +24,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
+from struct import error as struct_error
 
 from ._loader import KernelSpec, all_specs
 
@@ -67,6 +68,8 @@ class KernelReport:
     spill_stores: int
     spill_loads: int
     hot: bool
+    code_bytes: int = 0   # machine code of the kernel (its cubin's .text section)
+    loops: list | None = None   # sm_90a with nvdisasm installed: _sass.loop_summary's loops of the kernel
 
     @property
     def spills(self) -> bool:
@@ -117,7 +120,7 @@ def compile_spec(spec: KernelSpec, arch: str, name_expressions=None) -> list[Ker
     prog = compiler._NVRTCProgram(spec.code(), f"{spec.name}.cu", name_expressions=exprs, method="cubin")
     log = io.StringIO()
     try:
-        _, mapping = prog.compile(rawmodule_options(spec, arch), log_stream=log)
+        cubin, mapping = prog.compile(rawmodule_options(spec, arch), log_stream=log)
     except compiler.CompileException as e:
         raise RuntimeError(f"kernel spec {spec.name!r} ({spec.source}) failed for sm_{arch}:\n"
                            f"{e.get_message()}") from e
@@ -127,8 +130,19 @@ def compile_spec(spec: KernelSpec, arch: str, name_expressions=None) -> list[Ker
         raise RuntimeError(f"kernel spec {spec.name!r} ({spec.source}) for sm_{arch}: ptxas ignored an "
                            f"instruction in {', '.join(exprs)}: ({ignored[0][0]}){ignored[0][1]}")
     mangled = {v: k for k, v in mapping.items()}
+    sizes, loops = {}, {}
+    try:
+        from ._sass import loop_summary, pad_elf, text_sizes
+
+        elf = pad_elf(bytes(cubin))
+        sizes = {mangled.get(m, m): n for m, n in text_sizes(elf).items()}
+        if spec.sm90a:   # the Hopper kernels' loops, for the machine-code invariants the tests hold
+            loops = loop_summary(elf, mangled)
+    except (ValueError, IndexError, struct_error, RuntimeError):  # sizes / loops unknown; the check goes on
+        pass
     # a non-template kernel is compiled by every program of its file: keep only what was asked
-    reports = [KernelReport(spec.name, expr, a, *vals, hot=spec.hot)
+    reports = [KernelReport(spec.name, expr, a, *vals, hot=spec.hot, code_bytes=sizes.get(expr, 0),
+                            loops=loops.get(expr))
                for expr, a, *vals in parse_ptxas_log(log.getvalue(), mangled) if expr in exprs]
     missing = set(exprs) - {r.kernel for r in reports}
     if missing:
@@ -286,7 +300,8 @@ def per_arch_summary(reports) -> dict:
     return out
 
 
-_COLS = (("kernel", 64), ("arch", 6), ("regs", 5), ("smem B", 7), ("stack B", 8), ("spill st/ld", 11))
+_COLS = (("kernel", 64), ("arch", 6), ("regs", 5), ("smem B", 7), ("stack B", 8), ("spill st/ld", 11),
+         ("code KB", 8))
 
 
 def _row(values) -> str:
@@ -308,8 +323,14 @@ def main(argv=None) -> int:
     p.add_argument("--arch", action="append", choices=ALL_ARCHES,
                    help="restrict to these arches (70: Volta, SIMT kernels only, on request)")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr with --json")
+    p.add_argument("--sass", action="store_true",
+                   help="the machine-code report of the Hopper (sm_90a) kernels instead: code size, registers, "
+                        "each loop's instruction mix and where the P V wait sits among the exp2s (needs nvdisasm: "
+                        "pip install nvidia-cuda-nvdisasm, or CUPYATTN_NVDISASM)")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
+    if args.sass:
+        return _sass_main(args, json)
 
     def progress(reports, done, total):
         if args.json:
@@ -318,7 +339,7 @@ def main(argv=None) -> int:
             return
         for r in reports:
             print(_row((r.kernel, r.arch, r.registers, r.smem_bytes, r.stack_bytes,
-                        f"{r.spill_stores}/{r.spill_loads}")), flush=True)
+                        f"{r.spill_stores}/{r.spill_loads}", f"{r.code_bytes / 1024:.1f}")), flush=True)
 
     if not args.json:
         print("compiling every kernel instantiation with NVRTC (rows appear as each batch finishes)",
@@ -342,3 +363,26 @@ def main(argv=None) -> int:
         for e in errors:
             print("ERROR:", e)
     return 1 if errors or spills else 0
+
+
+def _sass_main(args, json) -> int:
+    """``check --sass``: cupyattn._sass's report of every sm_90a instantiation (of ``--only``)."""
+    from . import _sass
+
+    if _sass.nvdisasm_path() is None:
+        print("python -m cupyattn check --sass: no nvdisasm found (pip install nvidia-cuda-nvdisasm, or set "
+              f"{_sass.NVDISASM_ENV})", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    on = None if args.json else (lambda r: print(_sass.format_report(r), flush=True))
+    try:
+        reports = _sass.run(args.only, on_report=on)
+    except RuntimeError as e:
+        print("ERROR:", e)
+        return 1
+    if args.json:
+        print(json.dumps({"kernels": [_sass.as_dict(r) for r in reports],
+                          "seconds": round(time.perf_counter() - t0, 1)}, indent=1))
+    else:
+        print(f"{len(reports)} sm_90a instantiations ({time.perf_counter() - t0:.0f} s)")
+    return 1 if any(r.spill_bytes for r in reports) else 0

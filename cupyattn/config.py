@@ -482,7 +482,7 @@ VEC16 = {CTYPES[d]: 16 // d.itemsize for d in DTYPES}
 # rmsnorm weight types: the activation's own, or float32 next to fp16/bf16 activations
 RMSNORM_WEIGHT_CTYPES = {CTYPES[d]: tuple(dict.fromkeys((CTYPES[d], CTYPES[FLOAT32]))) for d in DTYPES}
 
-# --- begin: Hopper attention (impl="wgmma", kernels_cu/flash_attn_sm90.cu) ---------------------
+# --- begin: Hopper attention (impl="wgmma", "wgmma_persistent": kernels_cu/flash_attn_sm90.cu) ----
 # One block per 128-query tile: a producer warpgroup (one warp issues TMA) and two consumer
 # warpgroups of 64 rows each (384 threads, one block per SM). Per consumer thread: S_ij takes
 # block_n / 2 fp32 registers, O_i head_dim / 2, P_ij block_n / 4 (16-bit pairs). Shared memory: Q_i
@@ -547,20 +547,17 @@ ATTN_AUTO_PERSISTENT = {
     "attention_paged": ((FLOAT16, 128),),
 }
 
-# impl="wgmma_persistent" (kernels_cu/flash_attn_sm90_persistent.cu, v4): v3's tile and pipeline
-# (ATTN_WGMMA_TILES, ATTN_WGMMA_REGS) in a persistent grid of one block per SM with a tile scheduler;
-# also window, softcap, packed (attention_varlen) and paged (attention_paged) sequences. First run
-# on a GPU 2026-11-27 (H100): impl=None takes it where ATTN_AUTO_PERSISTENT (above) says.
-# v4's tiles: v3's, except where v4's own registers do not fit beside them (ptxas, NVRTC 12.9,
-# sm_90a: no spills in any entry). v4's producer warpgroup runs a loader warp and a scheduler warp
-# in 40 registers, leaving the consumers 232 (v3's budget); at D=256 the overlapped softmax (S 32
-# + P 16 live beside O's 128 while P V runs) needs 240, so v4 takes v3's tile without the overlap.
+# impl="wgmma_persistent": the same kernel (kernels_cu/flash_attn_sm90.cu) under its persistent
+# scheduler, one block per SM; also window, softcap, packed (attention_varlen) and paged
+# (attention_paged) sequences. First run on a GPU 2026-11-27 (H100, then its own kernel file):
+# impl=None takes it where ATTN_AUTO_PERSISTENT (above) says. Its tiles: impl="wgmma"'s, except at
+# D=256, measured on 2026-11-27 without the softmax / P V overlap (the kernel of that run needed 240
+# registers for it; the unified kernel fits it in 232 with no spill: ATTN_SM90_OVERLAP=True).
 ATTN_WGMMA_PERSISTENT_TILES = {
     64: ATTN_WGMMA_TILES[64],
     128: ATTN_WGMMA_TILES[128],
-    256: AttnWgmmaTile(64, 2, "v3's D=256 tile without the softmax / P V overlap: O 128 + S 32 registers at "
-                       "the softmax, P 16 packed after it; 232 registers per consumer thread with no spill "
-                       "(overlapped: 240 needed, leaving the producer 32, where its loader spills)", overlap=False),
+    256: AttnWgmmaTile(64, 2, "impl='wgmma''s D=256 tile without the softmax / P V overlap, as measured on "
+                       "2026-11-27: O 128 + S 32 registers at the softmax, P 16 packed after it", overlap=False),
 }
 # Equal tiles (no causal, window or key_lengths on dense inputs) take the static order (block i:
 # tiles i, i + grid, ...); unequal ones are claimed from a counter, longest first.
@@ -576,11 +573,33 @@ ATTN_WGMMA_MIN_PAGE = 8
 
 
 def attn_wgmma_heads_per_section(l2_bytes: int, kv_bytes_per_head: int, group: int, hq: int) -> int:
-    """Query heads of one L2 section of v4's tile order: as many whole GQA groups (``group`` query
-    heads share one K/V head of ``kv_bytes_per_head`` bytes, K and V) as ATTN_WGMMA_L2_SHARE of the
-    L2 holds, at least one group, at most ``hq``."""
+    """Query heads of one L2 section of the Hopper kernel's tile order where the traffic model is
+    not run (packed and paged sequences, windows): as many whole GQA groups (``group`` query heads
+    share one K/V head of ``kv_bytes_per_head`` bytes, K and V) as ATTN_WGMMA_L2_SHARE of the L2
+    holds, at least one group, at most ``hq``."""
     kv_heads = max(1, int(l2_bytes * ATTN_WGMMA_L2_SHARE) // max(1, kv_bytes_per_head))
     return max(1, min(hq, kv_heads * group))
+
+
+# Variants of the Hopper kernel (kernels_cu/flash_attn_sm90.cu), each built by the offline check and
+# tested on the CPU emulator, none yet run on a GPU: opt-in until `benchmarks/gpu_run.sh causal`
+# (benchmarks/causal_sweep.py) times them beside the defaults and torch SDPA in one run.
+# The scheduler of impl="wgmma" (and of impl=None where it takes "wgmma"): "grid" (one block per
+# tile; the default) or "persistent" (one block per SM, as impl="wgmma_persistent").
+ATTN_SM90_DENSE_SCHEDULER = "grid"
+# Query heads per L2 section of the tile order (both schedulers): None lets the K/V traffic model
+# (cupyattn/kv_traffic.py) pick it for dense calls (the rule above elsewhere); an int fixes it
+# (whole GQA groups, at most Hq).
+ATTN_SM90_SECTION = None
+# impl="wgmma" at D=128 without causal or window: FlashAttention-3's 128 x 176 tile (more keys per
+# wgmma, fewer softmax rounds) in place of 128 x 128. Without the softmax / P V overlap: overlapped,
+# ptxas (NVRTC 12.9) spills 80 B at 232 registers (S 88 + O 64 + P 44 live at once).
+ATTN_SM90_WIDE_N = False
+ATTN_SM90_WIDE_TILE = AttnWgmmaTile(176, 2, "S 88 + O 64 registers at the softmax, P 44 after it; 44 KB per "
+                                    "slot, 2 stages = 209 KB; no overlap (it would spill)", overlap=False)
+# FlashAttention-3's intra-warpgroup overlap forced on (True) or off (False) where the tile tables
+# say otherwise; built for D=128 (both schedulers) and the persistent D=256 tile. None: the tables.
+ATTN_SM90_OVERLAP = None
 # --- end: Hopper attention ---------------------------------------------------------------------
 
 # === GPU families: which kernel each compute capability gets (issue 24) =================
@@ -655,7 +674,7 @@ IMPL_MIN_CC = {
     ("gemm", "skinny"): MMA_MIN_CC,                 # fp32 skinny is FMA-only
     ("gemm", "wgmma"): {FLOAT16: 90, BFLOAT16: 90},  # sm_90a: H100 / H200 only
     ("attention", "wgmma"): {FLOAT16: 90, BFLOAT16: 90},  # sm_90a (kernels_cu/flash_attn_sm90.cu)
-    ("attention", "wgmma_persistent"): {FLOAT16: 90, BFLOAT16: 90},  # sm_90a (flash_attn_sm90_persistent.cu)
+    ("attention", "wgmma_persistent"): {FLOAT16: 90, BFLOAT16: 90},  # sm_90a (flash_attn_sm90.cu, persistent)
     ("fused", "skinny"): MMA_MIN_CC,                # the fused decode step's projections
     # the megakernel: its weight ring is cp.async (below sm_80 plain copies would serialise it)
     ("megakernel", "persistent"): {FLOAT32: 80, FLOAT16: 80, BFLOAT16: 80},

@@ -51,7 +51,7 @@
 //   wgmma_ss<T, N, TRANS_A, TRANS_B>(d, desc_a, desc_b, scale_d)  A, B in shared memory
 //   wgmma_rs<T, N, TRANS_B>(d, a, desc_b, scale_d)                A in registers
 //                                            scale_d = 0: D = A B (d is not read), 1: D += A B.
-//                                            T = __half or __nv_bfloat16; N = 16, 32, 64, 128, 256
+//                                            T = __half or __nv_bfloat16; N = 16, 32, 64, 128, 176, 256
 //   wgmma_commit_group(), wgmma_wait_group<N>()  close a group; wait until at most N groups are
 //                                            pending. d and a must not be touched in between.
 //   wgmma_fence_acc(d)                       compiler-only: d is read and written here, so its
@@ -59,6 +59,8 @@
 //   wgmma_fence_frag(a)                      compiler-only, for RS A fragments a[R][4]: they stay
 //                                            live (unchanged) up to here, after the wait_group that
 //                                            retires the wgmma reading them
+//   keep_before(x)                           scheduling only: x is computed before this point
+//                                            (and before a wgmma_wait_group that follows it)
 // Others:
 //   setmaxnreg_inc<R>(), setmaxnreg_dec<R>() (9.7.19.6) a warpgroup's per-thread register budget;
 //                                            needs __launch_bounds__(threads, 1) (else ptxas
@@ -177,6 +179,15 @@ __device__ __forceinline__ void wgmma_fence_frag(unsigned (&a)[R][4]) {
         for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a[i][e])::"memory");
 }
 
+// A branch on x that ptxas cannot remove (x is never the signalling NaN 0x7f800001: arithmetic only
+// makes quiet NaNs, so the trap never runs): whatever computes x stays ahead of it, and so ahead of
+// a wgmma_wait_group placed after it, which ptxas otherwise hoists into the first latency gap it
+// finds (it treats the wait as free to move up). fa3_key_step keeps the softmax's exp2s before the
+// P V wait with it.
+__device__ __forceinline__ void keep_before(float x) {
+    if (__float_as_uint(x) == 0x7f800001u) asm volatile("trap;\n");
+}
+
 // Operand lists: the N/2 accumulators are %0 .. %(N/2 - 1), eight at a time.
 #define WG_R0 "%0, %1, %2, %3, %4, %5, %6, %7"
 #define WG_R1 "%8, %9, %10, %11, %12, %13, %14, %15"
@@ -198,6 +209,8 @@ __device__ __forceinline__ void wgmma_fence_frag(unsigned (&a)[R][4]) {
 #define WG_D32 "{" WG_R0 ", " WG_R1 "}"
 #define WG_D64 "{" WG_R0 ", " WG_R1 ", " WG_R2 ", " WG_R3 "}"
 #define WG_D128 "{" WG_R0 ", " WG_R1 ", " WG_R2 ", " WG_R3 ", " WG_R4 ", " WG_R5 ", " WG_R6 ", " WG_R7 "}"
+#define WG_D176 "{" WG_R0 ", " WG_R1 ", " WG_R2 ", " WG_R3 ", " WG_R4 ", " WG_R5 ", " WG_R6 ", " WG_R7 ", " \
+    WG_R8 ", " WG_R9 ", " WG_R10 "}"
 #define WG_D256 "{" WG_R0 ", " WG_R1 ", " WG_R2 ", " WG_R3 ", " WG_R4 ", " WG_R5 ", " WG_R6 ", " WG_R7 ", " \
     WG_R8 ", " WG_R9 ", " WG_R10 ", " WG_R11 ", " WG_R12 ", " WG_R13 ", " WG_R14 ", " WG_R15 "}"
 #define WG_F8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), \
@@ -206,6 +219,7 @@ __device__ __forceinline__ void wgmma_fence_frag(unsigned (&a)[R][4]) {
 #define WG_F32 WG_F8(0), WG_F8(8)
 #define WG_F64 WG_F32, WG_F8(16), WG_F8(24)
 #define WG_F128 WG_F64, WG_F8(32), WG_F8(40), WG_F8(48), WG_F8(56)
+#define WG_F176 WG_F128, WG_F8(64), WG_F8(72), WG_F8(80)
 #define WG_F256 WG_F128, WG_F8(64), WG_F8(72), WG_F8(80), WG_F8(88), WG_F8(96), WG_F8(104), WG_F8(112), WG_F8(120)
 
 template <typename T> struct WgmmaType;
@@ -248,27 +262,32 @@ WG_DEFINE_N(16, "8", "9", "10", "11", "12", "13", "14")
 WG_DEFINE_N(32, "16", "17", "18", "19", "20", "21", "22")
 WG_DEFINE_N(64, "32", "33", "34", "35", "36", "37", "38")
 WG_DEFINE_N(128, "64", "65", "66", "67", "68", "69", "70")
+WG_DEFINE_N(176, "88", "89", "90", "91", "92", "93", "94")
 WG_DEFINE_N(256, "128", "129", "130", "131", "132", "133", "134")
 
 template <typename T, int N, int TRANS_A, int TRANS_B>
 __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], unsigned long long desc_a, unsigned long long desc_b,
                                          int scale_d) {
-    static_assert(N == 16 || N == 32 || N == 64 || N == 128 || N == 256, "wgmma_ss: N = 16, 32, 64, 128 or 256");
+    static_assert(N == 16 || N == 32 || N == 64 || N == 128 || N == 176 || N == 256,
+                  "wgmma_ss: N = 16, 32, 64, 128, 176 or 256");
     if constexpr (N == 16) wgmma_ss_n16<T, TRANS_A, TRANS_B>(d, desc_a, desc_b, scale_d);
     else if constexpr (N == 32) wgmma_ss_n32<T, TRANS_A, TRANS_B>(d, desc_a, desc_b, scale_d);
     else if constexpr (N == 64) wgmma_ss_n64<T, TRANS_A, TRANS_B>(d, desc_a, desc_b, scale_d);
     else if constexpr (N == 128) wgmma_ss_n128<T, TRANS_A, TRANS_B>(d, desc_a, desc_b, scale_d);
+    else if constexpr (N == 176) wgmma_ss_n176<T, TRANS_A, TRANS_B>(d, desc_a, desc_b, scale_d);
     else wgmma_ss_n256<T, TRANS_A, TRANS_B>(d, desc_a, desc_b, scale_d);
 }
 
 template <typename T, int N, int TRANS_B>
 __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const unsigned (&a)[4], unsigned long long desc_b,
                                          int scale_d) {
-    static_assert(N == 16 || N == 32 || N == 64 || N == 128 || N == 256, "wgmma_rs: N = 16, 32, 64, 128 or 256");
+    static_assert(N == 16 || N == 32 || N == 64 || N == 128 || N == 176 || N == 256,
+                  "wgmma_rs: N = 16, 32, 64, 128, 176 or 256");
     if constexpr (N == 16) wgmma_rs_n16<T, TRANS_B>(d, a, desc_b, scale_d);
     else if constexpr (N == 32) wgmma_rs_n32<T, TRANS_B>(d, a, desc_b, scale_d);
     else if constexpr (N == 64) wgmma_rs_n64<T, TRANS_B>(d, a, desc_b, scale_d);
     else if constexpr (N == 128) wgmma_rs_n128<T, TRANS_B>(d, a, desc_b, scale_d);
+    else if constexpr (N == 176) wgmma_rs_n176<T, TRANS_B>(d, a, desc_b, scale_d);
     else wgmma_rs_n256<T, TRANS_B>(d, a, desc_b, scale_d);
 }
 

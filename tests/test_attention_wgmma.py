@@ -1,4 +1,5 @@
-"""attention(impl="wgmma"), the Hopper kernel (kernels_cu/flash_attn_sm90.cu): GPU tier against
+"""attention(impl="wgmma"), the Hopper kernel (kernels_cu/flash_attn_sm90.cu) under its grid scheduler,
+and the kernel's variants (config.ATTN_SM90_*): GPU tier against
 the float64 reference (on an H100, or on the CPU emulator, whose wgmma / TMA / mbarrier model is
 tests/emu/emu_ptx_sm90.h), argument checks, and the offline sm_90a compile check (CPU tier).
 
@@ -131,6 +132,33 @@ def test_wgmma_tuning_variants_match_reference(rng, monkeypatch, d, block_n, sta
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("impl,knob,value,d,causal,shape,tile", [
+    ("wgmma", "ATTN_SM90_DENSE_SCHEDULER", "persistent", 64, True, (130, 200), "64, 128, 3, true, true, 1,"),
+    ("wgmma", "ATTN_SM90_WIDE_N", True, 128, False, (97, 380), "128, 176, 2, false, true, 0,"),
+    ("wgmma", "ATTN_SM90_OVERLAP", False, 128, True, (130, 200), "128, 128, 2, false, true, 0,"),
+    ("wgmma_persistent", "ATTN_SM90_OVERLAP", True, 256, True, (17, 130), "256, 64, 2, true, true, 1,"),
+    ("wgmma", "ATTN_SM90_SECTION", 2, 64, True, (200, 200), "64, 128, 3, true, true, 0,"),
+])
+def test_variant_knobs_match_reference(rng, monkeypatch, impl, knob, value, d, causal, shape, tile):
+    """Each opt-in variant (config.ATTN_SM90_*) computes the reference's result and launches the
+    instantiation it names: the persistent scheduler under impl="wgmma", the 128 x 176 tile (380
+    keys: the third key tile ends inside its box and past the keys), the overlap switched off and on,
+    sections of one GQA group; key lengths ending inside a tile, lse, GQA."""
+    _hopper()
+    import cupy
+
+    monkeypatch.setattr(config, knob, value)
+    launched = []
+    real = W.get_function
+    monkeypatch.setattr(W, "get_function", lambda spec, expr, **kw: launched.append(expr) or real(spec, expr, **kw))
+    sq, sk = shape
+    dtype, b, hq, hkv = "bfloat16" if d == 128 else "float16", 2, 4, 2
+    kl = cupy.asarray([sk, sk - 33], dtype=cupy.int32)
+    _run(rng, dtype, b, hq, hkv, sq, sk, d, impl, causal=causal, key_lengths=kl, return_lse=True)
+    assert launched and all(tile in e for e in launched), launched
+
+
+@pytest.mark.gpu
 def test_wgmma_nan_semantics_follow_the_reference(rng):
     """test_attention's NaN rules, for wgmma: a NaN key behind a -inf mask entry is hidden; a NaN
     query makes only its own row NaN (out and lse), even when the mask leaves it one key."""
@@ -227,23 +255,49 @@ def test_impl_none_takes_wgmma_only_when_enabled_and_launchable(rng, monkeypatch
 
 # --- CPU tier: tile table, instantiations, offline compile for sm_90a ------------------------------------
 def test_wgmma_tile_table_fits_and_is_built():
-    """Every head dim of the table has an instantiation per dtype and mask, a tile the kernel's
-    static_asserts take, and shared memory within an H100's 227 KB; impl=None takes it only for
-    (dtype, head dim) pairs the table has."""
+    """Every head dim of both tables has an instantiation per dtype under its scheduler, a tile the
+    kernel's static_asserts take, and shared memory within an H100's 227 KB; so has every variant a
+    config knob can ask for; impl=None takes wgmma only for (dtype, head dim) pairs the table has."""
     for d, t in config.ATTN_WGMMA_TILES.items():
-        assert d % 64 == 0 and d <= 256 and t.block_n % 16 == 0 and t.block_n in (16, 32, 64, 128, 256), (d, t)
-        assert t.smem_bytes(d) <= 227 * 1024, (d, t)
+        assert d % 64 == 0 and d <= 256 and t.block_n % 16 == 0 and t.block_n <= 256, (d, t)
         assert t.reason
-    want = {W._expr(dt, d, c) for dt in config.MMA_DTYPES for d in config.ATTN_WGMMA_TILES for c in (False, True)}
-    assert set(W.SPEC.name_expressions) == want and len(want) == 12
+    built = set(W.SPEC.name_expressions)
+    for dt, d, t, sched in W.instantiations():
+        assert W.smem_bytes(t, d, sched) <= 227 * 1024, (d, t, sched)
+        assert W._expr(dt, d, t, sched) in built
+    for dt in config.MMA_DTYPES:
+        for d in config.ATTN_WGMMA_TILES:
+            assert W._expr(dt, d, config.ATTN_WGMMA_TILES[d], W.GRID) in built
+            assert W._expr(dt, d, config.ATTN_WGMMA_PERSISTENT_TILES[d], W.PERSIST) in built
+    assert len(built) == 20   # 2 dtypes x (3 D x 2 schedulers + 3 overlap switches + the wide tile)
     assert "wgmma" not in FA.DEFAULT_IMPL.values()
     assert all(dt in config.MMA_DTYPES and d in config.ATTN_WGMMA_TILES for dt, d in config.ATTN_AUTO_WGMMA)
+
+
+def test_variant_knobs_pick_built_tiles(monkeypatch):
+    """Each knob's tile is an instantiation of the spec; the wide tile only for the grid at D = 128
+    with no causal / window; an overlap switch nobody built falls back to the table's tile."""
+    for d in config.ATTN_WGMMA_TILES:
+        for impl, sched in (("wgmma", W.GRID), ("wgmma", W.PERSIST), ("wgmma_persistent", W.PERSIST)):
+            for wide in (False, True):
+                for ov in (None, False, True):
+                    monkeypatch.setattr(config, "ATTN_SM90_WIDE_N", wide)
+                    monkeypatch.setattr(config, "ATTN_SM90_OVERLAP", ov)
+                    for masked in (False, True):
+                        t = W.tile_for(impl, d, sched, masked)
+                        assert W._expr("float16", d, t, sched) in W.SPEC.name_expressions, (impl, d, wide, ov)
+                        assert (t.block_n == 176) == (wide and impl == "wgmma" and sched == W.GRID and d == 128
+                                                      and not masked)
+    monkeypatch.setattr(config, "ATTN_SM90_WIDE_N", False)
+    monkeypatch.setattr(config, "ATTN_SM90_OVERLAP", False)
+    assert not W.tile_for("wgmma", 128, W.GRID, True).overlap
+    assert W.tile_for("wgmma", 64, W.GRID, True).overlap   # D = 64: no switched tile built
 
 
 def test_wgmma_tuning_candidates_fit():
     for d in config.ATTN_WGMMA_TILES:
         tiles = W.tuning_tiles(d)
-        assert tiles and all(t.smem_bytes(d) <= 227 * 1024 for t in tiles)
+        assert tiles and all(W.smem_bytes(t, d, W.GRID) <= 227 * 1024 for t in tiles)
         c = config.ATTN_WGMMA_TILES[d]
         key = lambda t: (t.block_n, t.stages, t.overlap, t.pingpong)  # noqa: E731
         assert key(c) in {key(t) for t in tiles}, d
@@ -253,11 +307,13 @@ def test_wgmma_tuning_candidates_fit():
 
 @pytest.mark.skipif(EMULATE, reason="the offline compile check needs the real CuPy and NVRTC")
 def test_wgmma_compiles_for_sm90a_without_spills_within_shared_memory(compile_report):
+    """Both schedulers and every variant: no spills, no serialised wgmma (the check fails on ptxas'
+    C7514 / C7515), one block per SM at 384 threads, static + dynamic shared memory within 227 KB."""
     reports, errors = compile_report("flash_attn_sm90")
     assert not errors, errors
     assert sorted(r.kernel for r in reports) == sorted(W.SPEC.name_expressions)
+    smem = {W._expr(dt, d, t, s): W.smem_bytes(t, d, s) for dt, d, t, s in W.instantiations()}
     for r in reports:
         assert r.arch == "sm_90a" and not r.spills, r
-        d = int(r.kernel.split(", ")[1])  # flash_attn_wgmma<T, D, BLOCK_N, STAGES, OVERLAP, PINGPONG, ...>
-        assert r.smem_bytes + config.ATTN_WGMMA_TILES[d].smem_bytes(d) <= 227 * 1024, r.kernel
+        assert r.smem_bytes + smem[r.kernel] <= 227 * 1024, r.kernel
         assert r.registers * 384 <= 65536, r.kernel  # one block per SM at the entry budget

@@ -43,8 +43,9 @@ _RING_NEXT = ("        cp_async_wait<MK_STAGES - 2>();\n        __syncthreads();
 
 _GEMM_WG_RELEASE = ("        wgmma_wait_group<1>();                               // k-block kb-1 has read its stage\n"
                     "        if (prev >= 0 && leader) ring.release(prev);\n")
-_FA3_RETIRE_PV = ("    wgmma_wait_group<0>();\n    wgmma_fence_acc(o);\n    wgmma_fence_frag(p);\n"
-                  "    if (leader) vring.release(vring.stage);\n")
+_FA3_RETIRE_PV = ("        wgmma_wait_group<0>();                            // P_{j-1} V_{j-1} has retired\n"
+                  "        wgmma_fence_acc(o);\n        wgmma_fence_frag(p);\n        if (j > 0) {\n"
+                  "            if (q.leader) q.vring.release(q.vring.stage);  // V_{j-1} read\n")
 _TICKET = "        last = atomic_add_acq_rel(counter, 1u) == n - 1u;\n"  # ptx.cuh last_block_ticket
 _SCHED_RESET = ("            if (old == (unsigned)total - 1u) atomic_add_relaxed(counter, 0u - (unsigned)total);"
                 "  // the launch's last add\n")

@@ -347,7 +347,7 @@ def test_python_m_cupyattn_follows_argparse_conventions():
 # --- CPU tier: the shared-memory opt-in, with ptxas' static sizes ----------------------------
 def _dynamic_smem_launches():
     """(spec, name expression, dynamic bytes) of every launch the ops make with dynamic smem."""
-    from cupyattn import decode, flash_attn, flash_attn_sm90, flash_attn_sm90_persistent, gemm
+    from cupyattn import decode, flash_attn, flash_attn_sm90, gemm
     from cupyattn import config as C
 
     for dt in C.DTYPES:
@@ -364,11 +364,8 @@ def _dynamic_smem_launches():
                 yield gemm.SPEC, gemm._expr("mma", dt, nt), C.gemm_mma_smem_bytes(C.GEMM_TILES["mma"], nt)
                 for bn, tile in C.GEMM_WGMMA_TILES.items():
                     yield gemm.SPEC_SM90, gemm._expr("wgmma", dt, nt, bn), tile.smem_bytes
-            for d, t in C.ATTN_WGMMA_TILES.items():   # the Hopper attention kernels, v3 and v4
-                for causal in (False, True):
-                    yield flash_attn_sm90.SPEC, flash_attn_sm90._expr(dt, d, causal), t.smem_bytes(d)
-                pt = C.ATTN_WGMMA_PERSISTENT_TILES[d]
-                yield flash_attn_sm90_persistent.SPEC, flash_attn_sm90_persistent._expr(dt, d), pt.smem_bytes(d)
+    for dt, d, t, sched in flash_attn_sm90.instantiations():   # the Hopper attention kernel, every variant
+        yield flash_attn_sm90.SPEC, flash_attn_sm90._expr(dt, d, t, sched), flash_attn_sm90.smem_bytes(t, d, sched)
 
 
 def test_every_dynamic_smem_launch_is_opted_in_as_the_driver_requires(compile_report, monkeypatch):
