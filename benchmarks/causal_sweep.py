@@ -7,7 +7,8 @@ Cases (fp16 and bf16): B=4 H=32 S=4096 at D = 64, 128, 256, causal and not; GQA 
 attention_varlen over the same tokens (4 x 4096, D=128); ragged varlen (B=16, lengths 64..4096 of
 benchmarks.specs' fixed seed, D=128); paged prefill (B=4, 1024 queries over 4096 cached keys in
 pages of 64, H=32/8, D=128). Causal everywhere but the dense "full" rows.
-Variants of the dense cases: ``default`` (impl=None), ``wgmma`` (the grid scheduler), ``wgmma+persist``
+Variants of the dense cases: ``default`` (impl=None), ``wgmma`` (the grid scheduler in v3's order, the
+default), ``-sections`` (the traffic model's order, config.ATTN_SM90_ORDER), ``wgmma+persist``
 (impl="wgmma" under the persistent scheduler, config.ATTN_SM90_DENSE_SCHEDULER), ``wgmma_persistent``,
 the overlap switched where built (config.ATTN_SM90_OVERLAP), the 128 x 176 tile at D=128 without
 causal (config.ATTN_SM90_WIDE_N), fixed section sizes at the headline case (config.ATTN_SM90_SECTION),
@@ -93,19 +94,22 @@ def knobs(**kw):
 
 def dense_variants(dt, d, causal, headline):
     """(name, impl, knobs) of the dense rows."""
-    v = [("default", None, {}), ("wgmma", "wgmma", {}),
-         ("wgmma+persist", "wgmma", {"ATTN_SM90_DENSE_SCHEDULER": "persistent"}),
-         ("wgmma_persistent", "wgmma_persistent", {}), ("flash_mma", "flash_mma", {})]
+    sec = {"ATTN_SM90_ORDER": "sections"}   # the traffic model's order (the default keeps v3's)
+    v = [("default", None, {}), ("wgmma", "wgmma", {}), ("wgmma-sections", "wgmma", sec),
+         ("wgmma+persist", "wgmma", {**sec, "ATTN_SM90_DENSE_SCHEDULER": "persistent"}),
+         ("wgmma_persistent", "wgmma_persistent", {}), ("wgmma_persistent-sections", "wgmma_persistent", sec),
+         ("flash_mma", "flash_mma", {})]
     if d == 128:
         v += [("wgmma-overlap-off", "wgmma", {"ATTN_SM90_OVERLAP": False}),
-              ("wgmma+persist-overlap-off", "wgmma", {"ATTN_SM90_DENSE_SCHEDULER": "persistent",
+              ("wgmma-sections-overlap-off", "wgmma", {**sec, "ATTN_SM90_OVERLAP": False}),
+              ("wgmma+persist-overlap-off", "wgmma", {**sec, "ATTN_SM90_DENSE_SCHEDULER": "persistent",
                                                        "ATTN_SM90_OVERLAP": False})]
         if not causal:
             v.append(("wgmma-wide176", "wgmma", {"ATTN_SM90_WIDE_N": True}))
     if d == 256:
         v.append(("wgmma_persistent-overlap-on", "wgmma_persistent", {"ATTN_SM90_OVERLAP": True}))
     if headline:
-        v += [(f"wgmma-sec{n}", "wgmma", {"ATTN_SM90_SECTION": n}) for n in (4, 8, 32)]
+        v += [(f"wgmma-sec{n}", "wgmma", {**sec, "ATTN_SM90_SECTION": n}) for n in (4, 8, 32)]
     return v
 
 
@@ -191,17 +195,12 @@ def run_case(name, kind, dt, p, ceil_gbps, rows, log, reps):
                     t = W.tile_for(which, d, sched, causal)
                     dyn = causal or sched == W.GRID
                     sec = W.section(h, hkv, 2 * s * d * q.itemsize, dense=(b, s, s, d, q.itemsize, causal, t.block_n),
-                                    policy="greedy" if dyn else "stride")
+                                    policy="greedy" if dyn else "stride", grid=sched == W.GRID)
+                    order = {"order": "v3"} if sec == 0 else {"section": sec}   # 0: the kernel's v3 grid order
                     traffic = kv_traffic.dense_traffic(b, h, hkv, s, s, d, q.itemsize, causal, block_n=t.block_n,
-                                                       section=sec, sms=sms, l2_bytes=l2,
-                                                       policy="greedy" if dyn else "stride")["kv_read"]
+                                                       sms=sms, l2_bytes=l2, policy="greedy" if dyn else "stride",
+                                                       **order)["kv_read"]
                 add(variant, lambda: cupyattn.attention(q, k, v, causal=causal, impl=impl), ref, flops, traffic)
-        if headline:   # the 2026-11-27 grid order, modelled only (the kernel no longer has it)
-            old = kv_traffic.dense_traffic(b, h, hkv, s, s, d, q.itemsize, causal, block_n=128, order="v3",
-                                           sms=sms, l2_bytes=l2)["kv_read"]
-            rows.append(dict(case=name, kind="model", dtype=dt, variant="v3-order (model only)", **p,
-                             model_kv_gb=old / 1e9, model_floor_ms=old / (ceil_gbps * 1e6)))
-            log(rows[-1])
     elif kind in ("varlen", "ragged"):
         h, hkv = p["H"], p.get("Hkv", p["H"])
         lens = [p["S"]] * p["B"] if kind == "varlen" else specs.varlen_lengths(p["B"], p["lo"], p["hi"], 0)

@@ -587,7 +587,14 @@ def attn_wgmma_heads_per_section(l2_bytes: int, kv_bytes_per_head: int, group: i
 # The scheduler of impl="wgmma" (and of impl=None where it takes "wgmma"): "grid" (one block per
 # tile; the default) or "persistent" (one block per SM, as impl="wgmma_persistent").
 ATTN_SM90_DENSE_SCHEDULER = "grid"
-# Query heads per L2 section of the tile order (both schedulers): None lets the K/V traffic model
+# The tile order: "v3" (the default, as the 2026-11-27 run measured it): impl="wgmma" on dense inputs
+# keeps the grid order of the kernel before the schedulers were split out (causal: rank r of every
+# (sequence, head) side by side, heaviest first; otherwise head after head), which the traffic model
+# puts at 4.2 GB of K/V at B4 H32 S4096 D128 causal, and the persistent scheduler sections heads by
+# the L2-share rule below. "sections": both take dense calls in head sections the traffic model
+# sizes (0.27 GB there); the knob below applies to it.
+ATTN_SM90_ORDER = "v3"
+# Query heads per L2 section of the tile order (both schedulers; ATTN_SM90_ORDER = "sections"): None lets the K/V traffic model
 # (cupyattn/kv_traffic.py) pick it for dense calls (the rule above elsewhere); an int fixes it
 # (whole GQA groups, at most Hq).
 ATTN_SM90_SECTION = None

@@ -178,12 +178,20 @@ def counter():
 MODEL_MAX_READS = 300_000   # key-tile reads past which the traffic model is not run (about 1 s)
 
 
-def section(hq: int, hkv: int, kv_bytes_per_head: int, *, dense=None, policy: str = "greedy") -> int:
-    """Query heads per L2 section: config.ATTN_SM90_SECTION when set (whole GQA groups, at most hq);
+def section(hq: int, hkv: int, kv_bytes_per_head: int, *, dense=None, policy: str = "greedy", grid: bool = False) -> int:
+    """Query heads per L2 section. Under config.ATTN_SM90_ORDER = "v3" (the default): 0 for a dense
+    launch of the grid scheduler (``grid``; the kernel then takes the grid order it had before the
+    schedulers were split out), else the L2-share rule (config.attn_wgmma_heads_per_section).
+    Under "sections": config.ATTN_SM90_SECTION when set (whole GQA groups, at most hq);
     else for a dense launch (``dense`` = (B, Sq, Sk, D, itemsize, causal, block_n)) the traffic
     model's best (kv_traffic.best_section, memoised per shape), and otherwise or for launches too
     large to model cheaply the L2-share rule (config.attn_wgmma_heads_per_section)."""
     group = hq // hkv
+    if C.ATTN_SM90_ORDER == "v3":
+        # the order measured on 2026-11-27: v3's grid order for dense grid launches (0, the kernel's
+        # sentinel), the L2-share rule for the persistent scheduler and for packed / paged sequences
+        return 0 if dense is not None and policy == "greedy" and grid else C.attn_wgmma_heads_per_section(
+            device_sms_l2()[1], kv_bytes_per_head, group, hq)
     if C.ATTN_SM90_SECTION is not None:
         return max(group, min(hq, int(C.ATTN_SM90_SECTION) // group * group))
     sms, l2 = device_sms_l2()
@@ -257,7 +265,7 @@ def run_dense(fn, impl, q, k, v, causal, scale, kl, out, lse, *, sched, sms, mas
     modelled = window in ((-1, -1), (-1, 0))   # the model knows no windows
     heads = section(hq, hkv, 2 * sk * d * q.itemsize,
                     dense=(b, sq, sk, d, q.itemsize, window == (-1, 0), t.block_n) if modelled else None,
-                    policy="greedy" if sched == GRID or dynamic else "stride")
+                    policy="greedy" if sched == GRID or dynamic else "stride", grid=sched == GRID)
     launch(fn, q, dense_ops(q, k, v, t), out, lse, sched=sched, tile=t, b=b, hq=hq, hkv=hkv, sq_arg=sq, sk_arg=sk,
            heads=heads, sms=sms, scale=scale, window=window, softcap=softcap, kv_lens=kl, mask=mask, mstrides=mstr,
            dynamic=dynamic, spec=spec)

@@ -132,22 +132,26 @@ def test_wgmma_tuning_variants_match_reference(rng, monkeypatch, d, block_n, sta
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl,knob,value,d,causal,shape,tile", [
-    ("wgmma", "ATTN_SM90_DENSE_SCHEDULER", "persistent", 64, True, (130, 200), "64, 128, 3, true, true, 1,"),
-    ("wgmma", "ATTN_SM90_WIDE_N", True, 128, False, (97, 380), "128, 176, 2, false, true, 0,"),
-    ("wgmma", "ATTN_SM90_OVERLAP", False, 128, True, (130, 200), "128, 128, 2, false, true, 0,"),
-    ("wgmma_persistent", "ATTN_SM90_OVERLAP", True, 256, True, (17, 130), "256, 64, 2, true, true, 1,"),
-    ("wgmma", "ATTN_SM90_SECTION", 2, 64, True, (200, 200), "64, 128, 3, true, true, 0,"),
+@pytest.mark.parametrize("impl,knobs,d,causal,shape,tile", [
+    ("wgmma", {"ATTN_SM90_DENSE_SCHEDULER": "persistent"}, 64, True, (130, 200), "64, 128, 3, true, true, 1,"),
+    ("wgmma", {"ATTN_SM90_WIDE_N": True}, 128, False, (97, 380), "128, 176, 2, false, true, 0,"),
+    ("wgmma", {"ATTN_SM90_OVERLAP": False}, 128, True, (130, 200), "128, 128, 2, false, true, 0,"),
+    ("wgmma_persistent", {"ATTN_SM90_OVERLAP": True}, 256, True, (17, 130), "256, 64, 2, true, true, 1,"),
+    ("wgmma", {"ATTN_SM90_ORDER": "sections"}, 64, False, (200, 200), "64, 128, 3, true, true, 0,"),
+    ("wgmma", {"ATTN_SM90_ORDER": "sections", "ATTN_SM90_SECTION": 2}, 64, True, (200, 200),
+     "64, 128, 3, true, true, 0,"),
 ])
-def test_variant_knobs_match_reference(rng, monkeypatch, impl, knob, value, d, causal, shape, tile):
+def test_variant_knobs_match_reference(rng, monkeypatch, impl, knobs, d, causal, shape, tile):
     """Each opt-in variant (config.ATTN_SM90_*) computes the reference's result and launches the
     instantiation it names: the persistent scheduler under impl="wgmma", the 128 x 176 tile (380
     keys: the third key tile ends inside its box and past the keys), the overlap switched off and on,
-    sections of one GQA group; key lengths ending inside a tile, lse, GQA."""
+    the traffic model's section order, sections of one GQA group; key lengths ending inside a tile,
+    lse, GQA."""
     _hopper()
     import cupy
 
-    monkeypatch.setattr(config, knob, value)
+    for knob, value in knobs.items():
+        monkeypatch.setattr(config, knob, value)
     launched = []
     real = W.get_function
     monkeypatch.setattr(W, "get_function", lambda spec, expr, **kw: launched.append(expr) or real(spec, expr, **kw))

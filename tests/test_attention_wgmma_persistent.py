@@ -194,6 +194,7 @@ def test_l2_sections_of_heads(rng, grid, monkeypatch, causal):
     in sections of 4 query heads, the last section short (2): every (head, query tile) is computed
     once, whatever order the blocks claim them in."""
     _hopper()
+    monkeypatch.setattr(config, "ATTN_SM90_ORDER", "sections")
     monkeypatch.setattr(config, "ATTN_SM90_SECTION", 4)
     _dense(rng, "float16", 1, 6, 3, 200, 150, 64, causal=causal)
 
