@@ -248,7 +248,7 @@ def megakernel(ca, cfg):
     import cupy
 
     from tinylm.config import ModelArgs
-    from tinylm.megakernel import llama_ops
+    from cupyattn.megakernel_llama import llama_ops
 
     a = ModelArgs(dim=72, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, ffn_dim=40, vocab_size=37, max_seq=16)
     for dt in cfg.DTYPES:

@@ -300,11 +300,12 @@ def simulate(p: Plan, rng=None) -> list[tuple[int, int]]:
 @dataclass(frozen=True)
 class Machine:
     """The constants of the cost model. The defaults are an H100 SXM's (132 SMs, 3.0 TB/s copy
-    measured here) and per-event latencies fitted to the one measured megakernel step
-    (2026-11-27: 2.07 ms for today's SmolLM2 plan, with waits that back off to 1024 ns): about
-    4 us per hand-off (a release's membar, the L2 trip of the increment, the waiter's poll and
-    sleep, the block barrier), 0.5 us per dependent L2 round trip, 0.3 us per instruction (its
-    decode and barriers). Estimates for a GPU run to correct (``LlamaStep.profile``)."""
+    measured here) and the per-event latencies of the offline analysis of the one measured
+    megakernel step (2026-11-27: 2.07 ms for SmolLM2's plan with waits that back off to 1024 ns;
+    these constants predict 2.23 ms for it): 4 us per hand-off (a release's membar, the L2 trip
+    of the increment, the waiter's poll and sleep, the block barrier), 0.5 us per dependent L2
+    round trip, 0.3 us per instruction (its decode and barriers). Estimates for a GPU run to
+    correct (``LlamaStep.profile`` prints the model's figures beside the measured ones)."""
 
     name: str = "H100 estimate"
     sms: int = 132

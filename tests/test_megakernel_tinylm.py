@@ -57,10 +57,10 @@ def test_gpu_step_logits_equal_recompute_and_fused(monkeypatch, dtype, tol, spli
     in float32 unsplit, against the fused step's (5 kernels per layer) to float32 summation order.
     splits=3 forces the split attention with its merge op (one block never splits on its own)."""
     from tinylm import Transformer, load
-    from tinylm.megakernel import MegaDecoder
+    from cupyattn.megakernel_llama import LlamaDecoder
 
     if splits:
-        monkeypatch.setattr(MegaDecoder, "splits", lambda self, length: splits)
+        monkeypatch.setattr(LlamaDecoder, "splits", lambda self, length: splits)
     ids = [12, 200, 7, 99, 31]
     ref_gen = load("tiny", backend="numpy")
     want = ref_gen.logits(ids)
@@ -210,13 +210,22 @@ def _smollm2_path():
 
 
 @pytest.mark.gpu
-def test_gpu_real_layer_decode_steps_equal_numpy():
+@pytest.mark.parametrize("plan", ["today", "new"])
+def test_gpu_real_layer_decode_steps_equal_numpy(monkeypatch, plan):
     """SmolLM2's real first layer, real RMSNorm and embedding rows (the vocabulary cut to its
     first 3584 ids, so the emulator's LM head stays small), float32: "The capital of" fed by three
     megakernel steps from an empty cache, each step's logits against the NumPy backend's full
-    recompute, then two greedy tokens sampled inside the kernel against NumPy's greedy ids."""
+    recompute, then two greedy tokens sampled inside the kernel against NumPy's greedy ids; with
+    today's plan and with the new one (NEW_PLAN on 3 blocks: ring attention over split keys and
+    heads, split projections, two-level sampling over 2 vocabulary chunks)."""
+    from cupyattn import config
+    from cupyattn.megakernel_llama import NEW_PLAN
     from tinylm import Transformer
     from tinylm.gguf_io import load_gguf
+
+    if plan == "new":
+        _use_knobs(monkeypatch, NEW_PLAN)
+        monkeypatch.setattr(config, "MEGAKERNEL_BLOCKS", 3)
 
     args, w, _ = load_gguf(_smollm2_path())  # the whole file loads faster than a reduced copy is written
     n = 3584
@@ -273,10 +282,10 @@ def test_gpu_several_blocks_give_the_one_block_logits(monkeypatch, blocks):
     """The same instructions on 2, 5 or 40 queues: every tile does the same math wherever it runs,
     so the logits equal the one-block run's bit for bit, with and without split attention, under
     every schedule of the blocks."""
-    from tinylm.megakernel import MegaDecoder
+    from cupyattn.megakernel_llama import LlamaDecoder
 
     for splits in (1, 3):
-        monkeypatch.setattr(MegaDecoder, "splits", lambda self, length, s=splits: s)
+        monkeypatch.setattr(LlamaDecoder, "splits", lambda self, length, s=splits: s)
         one = _ONE_BLOCK.get(splits)
         if one is None:  # the same for every block count: run once per module (the emulator's cost)
             one = _ONE_BLOCK[splits] = _tiny_mega_logits(blocks=1)[0]
@@ -312,6 +321,78 @@ def test_gpu_several_blocks_generate_the_numpy_tokens(monkeypatch):
     assert [r.generated_ids for r in got] == [numpy.generate(p, 6).generated_ids for p in prompts]
 
 
+# --- GPU: the plan's knobs (cupyattn.megakernel_llama.MegaKnobs, config's MEGAKERNEL_* block) -----------
+def _use_knobs(monkeypatch, knobs):
+    from cupyattn import config
+
+    for name, value in knobs.as_config().items():
+        monkeypatch.setattr(config, name, value)
+
+
+def _knob_sets():
+    from cupyattn.megakernel_llama import NEW_PLAN, MegaKnobs
+
+    return {"ring": MegaKnobs(attn="ring"), "fold": MegaKnobs(fold_merge=True), "fine": MegaKnobs(deps="fine"),
+            "new": NEW_PLAN}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,blocks", [("ring", 1), ("fold", 1), ("fine", 1), ("new", 1), ("new", 3)])
+def test_gpu_knob_plans_give_numpy_logits(monkeypatch, name, blocks):
+    """Each new plan knob alone, and all of them (NEW_PLAN), with the keys split 3 ways: the logits
+    of five decode steps against the NumPy backend's full recompute (float32), on one block and, for
+    the new plan, on 3 blocks in flight together (the emulator's memory model checks every wait)."""
+    from cupyattn import config
+    from cupyattn.megakernel_llama import LlamaDecoder
+    from tinylm import Transformer, load
+
+    _use_knobs(monkeypatch, _knob_sets()[name])
+    monkeypatch.setattr(config, "MEGAKERNEL_BLOCKS", blocks)
+    monkeypatch.setattr(LlamaDecoder, "splits", lambda self, keys: 3)
+    ids = [12, 200, 7, 99, 31]
+    ref_gen = load("tiny", backend="numpy")
+    want = ref_gen.logits(ids)
+    got, state = _decode_logits(Transformer(ref_gen.args, _tiny_weights(), "cupy", "float32", megakernel=True), ids)
+    err = np.linalg.norm(got - want) / np.linalg.norm(want)
+    assert np.isfinite(got).all() and err <= 1e-6, err
+    assert state.mega.knobs == _knob_sets()[name] and state.mega.step.blocks == blocks
+
+
+@pytest.mark.gpu
+def test_gpu_new_plan_is_the_same_on_any_number_of_blocks(monkeypatch):
+    """The split projections sum their partial slots in a fixed order (no atomics): the new plan's
+    float16 logits on 1 and 4 blocks are equal bit for bit."""
+    from cupyattn.megakernel_llama import NEW_PLAN, LlamaDecoder
+
+    _use_knobs(monkeypatch, NEW_PLAN)
+    monkeypatch.setattr(LlamaDecoder, "splits", lambda self, keys: 3)
+    one, many = _tiny_mega_logits(1)[0], _tiny_mega_logits(4)[0]
+    assert np.array_equal(one, many)
+
+
+@pytest.mark.gpu
+def test_gpu_new_plan_generates_the_numpy_and_fused_tokens(monkeypatch):
+    """The new plan on 4 blocks through graph replays, two-level sampling inside: greedy ids equal
+    the NumPy backend's, sampled ids (top-k with top-p: chunk candidates; no top-k: the whole row)
+    the fused step's, whose sampling kernel draws from the same logits."""
+    from cupyattn import config
+    from cupyattn.megakernel_llama import NEW_PLAN
+    from tinylm import load
+
+    _use_knobs(monkeypatch, NEW_PLAN)
+    monkeypatch.setattr(config, "MEGAKERNEL_BLOCKS", 4)
+    prompts = [[10, 20, 30, 40, 50], [200, 1, 2, 150, 3, 4, 99, 98, 0, 5, 6]]
+    mega = load("tiny", backend="cupy", dtype="float32", max_seq=64, megakernel=True)
+    assert [r.generated_ids for r in mega.generate_batch(prompts, 5)] == \
+        [load("tiny", backend="numpy").generate(p, 5).generated_ids for p in prompts]
+    fused = load("tiny", backend="cupy", dtype="float32", max_seq=64, fused=True)
+    for kw in (dict(temperature=0.8, top_k=20, top_p=0.9, seed=5), dict(temperature=0.7, seed=3)):
+        assert ([r.generated_ids for r in mega.generate_batch(prompts, 5, **kw)]
+                == [r.generated_ids for r in fused.generate_batch(prompts, 5, **kw)]), kw
+    plans = mega._state.mega.plans
+    assert plans and all(k[1] for k in plans)  # every step sampled inside the kernel
+
+
 # --- CPU: options --------------------------------------------------------------------------------------
 def test_megakernel_needs_the_cupy_backend():
     import contextlib
@@ -338,7 +419,7 @@ def test_gpu_profile_stamps_every_instruction():
 
     from cupyattn.megakernel import profile_summary
     from tinylm import load
-    from tinylm.megakernel import llama_ops
+    from cupyattn.megakernel_llama import llama_ops
 
     g = load("tiny", backend="cupy", dtype="float32", max_seq=64, megakernel=True, graphs=False)
     g.prefill([1, 2, 3], 4)
