@@ -30,11 +30,16 @@
 #           (unfused), tinylm-fused, tinylm-eager, HF eager and HF compiled (static cache +
 #           torch.compile reduce-overhead; its compile time has not been measured here yet)
 #                                                      -> $OUT/model.{txt,json}
-#   mega    the megakernel decision run (issue 40; config.TINYLM_MEGAKERNEL): its GPU tests, then
-#           SmolLM2-135M's shapes in fp16 at batch 1 and 8: tinylm-mega (one persistent kernel per
-#           decode step), tinylm-fused (the default), tinylm-fused-pdl (FUSED_DECODE_PDL), tinylm
-#           (unfused), HF eager and HF compiled; TTFT of the 128-token prompts, tokens/s, ms per
-#           step, share of the weight-read limit    -> $OUT/pytest-mega.log, $OUT/mega.{txt,json}
+#   mega    the megakernel's speed run (config.TINYLM_MEGAKERNEL and its MEGAKERNEL_* plan knobs),
+#           at most 5 minutes in four steps, each under its own timeout: its GPU tests (100 s, the
+#           kernel's compile included); the A/B of the plan knobs on SmolLM2-135M's shapes, fp16,
+#           batch 1 (tinylm-mega = today's plan, -new = every knob, -ring, -fine, -spin64, -spin0,
+#           -sample2 = one each; each record's note and "profile": a profiled step per op beside
+#           the cost model) beside the fused step (70 s); batch 1 and 8 of the fused step, today's
+#           plan, the new one and HF eager (70 s); HF compiled beside the new plan (torch.compile,
+#           its compile inside, 60 s)
+#                                   -> $OUT/pytest-mega.log, $OUT/mega-ab.{txt,json}, mega.{txt,json},
+#                                      mega-hf-compiled.{txt,json}
 #   headline  the headline cases by name (attention fp16 D=128 causal and not, GEMM
 #           4096^3, decode 32k, softmax 8192^2, SmolLM2's shapes at batch 1 without compiled HF):
 #           about 90 s on the H100 (2026-11-26)         -> $OUT/headline-<op>.{txt,json}
@@ -240,12 +245,16 @@ run_model() {  # does config.TINYLM_FUSED_DECODE become True? tinylm-fused vs ti
         --json "$OUT/model.json"
 }
 
-run_mega() {  # does config.TINYLM_MEGAKERNEL become True? tinylm-mega vs tinylm-fused (+ PDL), same run
-    run_mega_tests
-    STEP_TIMEOUT="${MEGA_TIMEOUT:-${STEP_TIMEOUT:-300}}" step "model megakernel" "$OUT/mega.txt" \
-        "$PY" -m benchmarks model --model smollm2-135m-shape --batch 1,8 \
-        --impl tinylm-mega,tinylm-fused,tinylm-fused-pdl,tinylm,hf-transformers,hf-compiled \
-        --debug --no-progress --json "$OUT/mega.json"
+run_mega() {  # the megakernel's plan knobs A/B and its tokens/s against the fused step and HF (usage above)
+    local m=(--model smollm2-135m-shape --debug --no-progress)
+    MEGA_TIMEOUT="${MEGA_TIMEOUT:-100}" run_mega_tests  # compiles the kernel (cached for the steps after)
+    STEP_TIMEOUT=70 step "mega knobs A/B" "$OUT/mega-ab.txt" "$PY" -m benchmarks model "${m[@]}" --batch 1 \
+        --new-tokens 64 --model-reps 2 --json "$OUT/mega-ab.json" --impl \
+        tinylm-fused,tinylm-mega,tinylm-mega-new,tinylm-mega-ring,tinylm-mega-fine,tinylm-mega-spin64,tinylm-mega-spin0,tinylm-mega-sample2
+    STEP_TIMEOUT=70 step "mega vs fused and HF" "$OUT/mega.txt" "$PY" -m benchmarks model "${m[@]}" --batch 1,8 \
+        --impl tinylm-fused,tinylm-mega,tinylm-mega-new,hf-transformers --json "$OUT/mega.json"
+    STEP_TIMEOUT=60 step "mega vs HF compiled" "$OUT/mega-hf-compiled.txt" "$PY" -m benchmarks model "${m[@]}" \
+        --batch 1,8 --impl tinylm-mega-new,hf-compiled --json "$OUT/mega-hf-compiled.json"
 }
 
 # issue 39: paged decode (NHD / staged page ids / HND), the waves split rule, against the contiguous

@@ -408,32 +408,50 @@ class LlamaStep:
         if record:
             self.cache.record_advance(1)
 
-    def profile(self, dplan: DevicePlan, splits: int = 1) -> dict:
+    def profile(self, dplan: DevicePlan, splits: int = 1, machine: persistent.Machine | None = None) -> dict:
         """Run one step (a real one: it appends to the cache and advances the lengths) with every
         instruction stamped by %globaltimer, and summarise: per op kind the instructions, the
         median and largest wait (start -> waits done) and work (waits done -> done) in
-        microseconds; the step's span; the busiest block's work. Emulated: scheduling ticks."""
+        microseconds; the step's span; the busiest block's work; beside each, the cost model's
+        prediction for the plan (``machine``: None, the H100 estimates with this step's spin).
+        Emulated: scheduling ticks."""
         n = len(dplan.plan.instructions)
         t = cupy.zeros((n, 4), dtype=np.uint64)
         self.launch(dplan, splits, timings=t)
-        return profile_summary(dplan.plan, cupy.asnumpy(t))
+        m = machine or persistent.Machine().with_(handoff_us=handoff_us(self._fields["spin_ns"]))
+        return profile_summary(dplan.plan, cupy.asnumpy(t), m)
 
 
-def profile_summary(p: persistent.Plan, t: np.ndarray) -> dict:
+def handoff_us(spin_ns: int) -> float:
+    """The cost model's hand-off for a waiter's longest sleep (persistent.Machine.handoff_us): the
+    4 us of today's 1024 ns cap less the sleep it no longer oversleeps (a counter that arrives
+    during a sleep waits half the sleep on average)."""
+    return 4.0 - (1024 - min(int(spin_ns), 1024)) / 2000.0
+
+
+def profile_summary(p: persistent.Plan, t: np.ndarray, machine: persistent.Machine | None = None) -> dict:
     """LlamaStep.profile's numbers from the stamps ``t`` [n, 4] (start, ready, done, block) of the
-    rows of plan ``p``."""
+    rows of plan ``p``, and the cost model's for the same plan on ``machine`` (None: its defaults):
+    per op kind ``model_wait_us`` / ``model_work_us`` (medians: a row's start less its block's
+    previous end, its end less its start), the step ``model_step_us``."""
     names = {v: k for k, v in OPCODES.items()}
     t = t.astype(np.int64)
     start, ready, done, block = t[:, 0], t[:, 1], t[:, 2], t[:, 3]
+    c = persistent.estimate(p, machine)
+    prev = np.concatenate([[0.0], c.end[:-1]])
+    prev[p.queue_start[:-1][np.diff(p.queue_start) > 0]] = 0.0  # a queue's first row waits from the launch
+    m_wait, m_work = c.start - prev, c.end - c.start
     ops = {}
-    for code in sorted(set(int(c) for c in p.instructions[:, persistent.OPCODE])):
+    for code in sorted(set(int(x) for x in p.instructions[:, persistent.OPCODE])):
         rows = p.instructions[:, persistent.OPCODE] == code
         wait, work = (ready - start)[rows] / 1e3, (done - ready)[rows] / 1e3
         ops[names[code]] = dict(n=int(rows.sum()), wait_us=float(np.median(wait)), max_wait_us=float(wait.max()),
-                                work_us=float(np.median(work)), max_work_us=float(work.max()))
+                                work_us=float(np.median(work)), max_work_us=float(work.max()),
+                                model_wait_us=float(np.median(m_wait[rows])), model_work_us=float(np.median(m_work[rows])))
     busy = np.bincount(block, weights=(done - ready), minlength=p.blocks) / 1e3
-    return dict(step_us=float((done.max() - start.min()) / 1e3), busiest_block_work_us=float(busy.max()), ops=ops)
+    return dict(step_us=float((done.max() - start.min()) / 1e3), busiest_block_work_us=float(busy.max()), ops=ops,
+                model_step_us=c.step_us, model=c.summary())
 
 
-__all__ = ["OPCODES", "GEOMETRY", "LlamaStep", "DevicePlan", "SPEC", "profile_summary", "down_chunks", "sample_parts_of",
+__all__ = ["OPCODES", "GEOMETRY", "LlamaStep", "DevicePlan", "SPEC", "profile_summary", "down_chunks", "sample_parts_of", "handoff_us",
            "max_tiles"]

@@ -42,7 +42,7 @@ from dataclasses import dataclass, fields, replace
 import numpy as np
 
 from . import config
-from .megakernel import GEOMETRY, OPCODES, LlamaStep, down_chunks, sample_parts_of
+from .megakernel import GEOMETRY, OPCODES, LlamaStep, down_chunks, handoff_us, sample_parts_of
 from .persistent import Cost, Dep, Op
 
 TILE_ROWS = GEOMETRY["MK_TILE_ROWS"][0]
@@ -291,13 +291,6 @@ def instruction_counts(ops) -> dict:
         kind = op.name.split(".")[0]
         out[kind] = out.get(kind, 0) + op.tiles
     return out
-
-
-def handoff_us(spin_ns: int) -> float:
-    """The cost model's hand-off for a waiter's longest sleep (persistent.Machine.handoff_us): the
-    4 us of today's 1024 ns cap less the sleep it no longer oversleeps (a counter that arrives
-    during a sleep waits half the sleep on average)."""
-    return 4.0 - (1024 - min(int(spin_ns), 1024)) / 2000.0
 
 
 # --- binding a model and a decode state ------------------------------------------------------------------

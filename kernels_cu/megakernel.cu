@@ -154,7 +154,6 @@ union MkScratch {
     GemvSmem gemv;
     AttnSmem attn;
     AttnRingSmem ring;
-    SampleSmem<MK_THREADS> sample;
     SamplePartSmem sample_part;
     SampleMergeSmem sample_merge;
 };
@@ -266,8 +265,7 @@ __global__ void __launch_bounds__(MK_THREADS, 1) megakernel(
             } else if (ins.op == MK_OP_SAMPLE_PART) {
                 mk_sample_part<T>(m, st, ins, scratch.sample_part);
             } else if (ins.op == MK_OP_SAMPLE) {
-                if (ins.arg0 > 0) mk_sample_merge<T>(m, st, ins, scratch.sample_merge);
-                else mk_sample_row<T>(m, st, ins, scratch.sample);
+                mk_sample<T>(m, st, ins, scratch.sample_merge);
             }
         }
         __syncthreads();  // every thread's writes of the instruction precede the release

@@ -211,38 +211,38 @@ __device__ void mk_attention_ring(const MkModel& m, const MkState& st, const MkI
     const size_t kv0 = ((size_t)a.b * Hkv + a.kvh) * (size_t)m.max_seq * D;
     const T* kc = mk_layer_cache<T>(m, st.k_cache, ins.layer) + kv0;
     const T* vc = mk_layer_cache<T>(m, st.v_cache, ins.layer) + kv0;
-    // chunk c's K rows (then its V rows) into slot c & 1, zero-filled past hi
-    auto issue = [&](int c) {
-        unsigned char* base = slots + (size_t)(c & 1) * 2 * CK * RB;
-        const int k0 = a.lo + c * CK;
-        for (int i = threadIdx.x; i < 2 * CK * NV; i += MK_THREADS) {
-            const int which = i / (CK * NV), r = (i / NV) % CK, v = i % NV, key = k0 + r;
-            const bool ok = key < a.hi;
-            const T* src = (which ? vc : kc) + (size_t)(ok ? key : 0) * D + v * VEC;
-            cp_async_zfill<16>(base + (size_t)which * CK * RB + (size_t)r * RB + v * 16, src, ok ? 16 : 0);
-        }
-        cp_async_commit();
-    };
-    if (nchunks > 0) issue(0);  // K/V first: the queries load while they are in flight
-    const float scale = (float)m.scale_log2;
-    for (int i = threadIdx.x; i < ng * D; i += MK_THREADS)
-        sm.q[i / D][i % D] = to_float(__ldcg((const T*)st.q + ((size_t)a.b * Hq + h0 + i / D) * D + i % D)) * scale;
-    if ((int)threadIdx.x < MK_HEAD_TILE) {
-        sm.m[threadIdx.x] = -CUDART_INF_F;
-        sm.l[threadIdx.x] = 0.f;
-    }
     float o[MK_ATTN_OUT];
 #pragma unroll
     for (int j = 0; j < MK_ATTN_OUT; ++j) o[j] = 0.f;
-    for (int c = 0; c < nchunks; ++c) {
-        __syncthreads();  // every thread is done with chunk c - 1 (its slot refills next); q, m, l set
-        if (c + 1 < nchunks) {
-            issue(c + 1);
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
+    // c = -1 issues chunk 0 and loads the queries while it is in flight; c >= 0 issues chunk c + 1
+    // (into chunk c - 1's slot) and computes chunk c
+    for (int c = -1; c < nchunks; ++c) {
+        if (c >= 0) __syncthreads();  // every thread is done with chunk c - 1 (its slot refills next)
+        if (c + 1 < nchunks) {  // chunk c + 1's K rows (then its V rows) into slot (c + 1) & 1, zero-filled past hi
+            unsigned char* base = slots + (size_t)((c + 1) & 1) * 2 * CK * RB;
+            const int k0 = a.lo + (c + 1) * CK;
+            for (int i = threadIdx.x; i < 2 * CK * NV; i += MK_THREADS) {
+                const int which = i / (CK * NV), r = (i / NV) % CK, v = i % NV, key = k0 + r;
+                const bool ok = key < a.hi;
+                const T* src = (which ? vc : kc) + (size_t)(ok ? key : 0) * D + v * VEC;
+                cp_async_zfill<16>(base + (size_t)which * CK * RB + (size_t)r * RB + v * 16, src, ok ? 16 : 0);
+            }
+            cp_async_commit();
         }
-        __syncthreads();  // chunk c has landed for every thread
+        if (c < 0) {  // the queries (scaled) and the softmax state, while chunk 0 is in flight
+            const float scale = (float)m.scale_log2;
+            for (int i = threadIdx.x; i < ng * D; i += MK_THREADS)
+                sm.q[i / D][i % D] =
+                    to_float(__ldcg((const T*)st.q + ((size_t)a.b * Hq + h0 + i / D) * D + i % D)) * scale;
+            if ((int)threadIdx.x < MK_HEAD_TILE) {
+                sm.m[threadIdx.x] = -CUDART_INF_F;
+                sm.l[threadIdx.x] = 0.f;
+            }
+            continue;
+        }
+        if (c + 1 < nchunks) cp_async_wait<1>();
+        else cp_async_wait<0>();
+        __syncthreads();  // chunk c has landed for every thread; q, m, l are set
         const unsigned char* ks = slots + (size_t)(c & 1) * 2 * CK * RB;
         const unsigned char* vs = ks + (size_t)CK * RB;
         const int k0 = a.lo + c * CK;

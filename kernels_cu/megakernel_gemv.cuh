@@ -243,22 +243,13 @@ __device__ __forceinline__ float fmaf_chunk(const uint4& v, float ss) {
     return ss;
 }
 
-// 16-byte vector c of input row b composed from its buffer and the partial slots, or attention
-// merged from the split partials (the tile's src, see the file's header).
+// 16-byte vector c of input row b composed from its buffer and the partial slots (mode 1 or 2, see
+// the file's header).
 template <typename T>
 __device__ __forceinline__ uint4 gemv_fetch(const MkModel& m, const MkState& st, const GemvTile<T>& g, int b, int c) {
     constexpr int VEC = 16 / sizeof(T);
     uint4 out;
     T* o = reinterpret_cast<T*>(&out);
-    if (g.src == MK_SRC_MERGE) {
-        const int D = (int)m.D;
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) {
-            const int col = g.col0 + c * VEC + e;
-            o[e] = from_float<T>(mk_merge(m, st, b, col / D, col % D));
-        }
-        return out;
-    }
     const uint4 xv = __ldcg(reinterpret_cast<const uint4*>(g.x + (size_t)b * g.ld) + c);
     const T* xe = reinterpret_cast<const T*>(&xv);
     const size_t slot = (size_t)m.B * m.dim;  // one slot: [B, dim] floats
@@ -315,7 +306,15 @@ __device__ __forceinline__ void gemv_load_rows(const MkModel& m, const MkState& 
                     ss = fmaf_chunk<T>(v[u], ss);
                 }
         }
-    } else {  // composed or merged: each vector's loads (slots, splits) are independent of each other
+    } else if (g.src == MK_SRC_MERGE) {  // element by element (the merge's loops are not unrolled per vector)
+        const int D = (int)m.D;
+        T* row = xs + (size_t)b * g.K;
+        for (int k = lane; k < g.K; k += 32) {
+            const T v = from_float<T>(mk_merge(m, st, b, (g.col0 + k) / D, (g.col0 + k) % D));
+            row[k] = v;
+            ss = fmaf(to_float(v), to_float(v), ss);
+        }
+    } else {  // composed: each vector's slot loads are independent of each other
         for (int c = lane; c < nc; c += 32) {
             const uint4 v = gemv_fetch<T>(m, st, g, b, c);
             dst[c] = v;

@@ -108,23 +108,10 @@ __device__ void mk_sample_part(const MkModel& m, const MkState& st, const MkIns&
     }
 }
 
-// The one-block sampler (arg0 = 0): sampling.cuh's sample_row, with the megakernel's source type.
+// MK_OP_SAMPLE: arg0 = P chunks (the merge above), or 0: the draw over the whole row on this block
+// (sampling.cuh's sample_row). One function for both, so the kernel holds one copy of the draw.
 template <typename T>
-__device__ void mk_sample_row(const MkModel& m, const MkState& st, const MkIns& ins, SampleSmem<MK_THREADS>& sm) {
-    const int b = ins.tile;
-    int* ip = m.iparams + 4 * b;
-    const int step = ip[3];
-    const int token = sample_draw<MK_THREADS>(MkSampleSrc<T>{nullptr, (const T*)st.logits + (size_t)b * m.V}, (int)m.V,
-                                              m.fparams[2 * b], m.fparams[2 * b + 1], ip[0], (unsigned)ip[1],
-                                              (unsigned)ip[2], step, sm);
-    if (threadIdx.x == 0) {
-        st.tokens[b] = token;
-        ip[3] = step + 1;  // every thread read step at the top
-    }
-}
-
-template <typename T>
-__device__ void mk_sample_merge(const MkModel& m, const MkState& st, const MkIns& ins, SampleMergeSmem& sm) {
+__device__ void mk_sample(const MkModel& m, const MkState& st, const MkIns& ins, SampleMergeSmem& sm) {
     const int P = ins.arg0, b = ins.tile, V = (int)m.V;
     const float* fp = m.fparams + 2 * b;
     int* ip = m.iparams + 4 * b;
@@ -144,11 +131,11 @@ __device__ void mk_sample_merge(const MkModel& m, const MkState& st, const MkIns
             best_i = i;
         }
     }
-    block_argmax<MK_THREADS>(best, best_i, sm.s.sv, sm.s.si);
+    if (P > 0) block_argmax<MK_THREADS>(best, best_i, sm.s.sv, sm.s.si);
     int token = best > -CUDART_INF_F ? best_i : -1;
-    if (token >= 0 && beta < CUDART_INF_F) {
+    if (P == 0 || (token >= 0 && beta < CUDART_INF_F)) {
         if (threadIdx.x == 0) {  // the candidates' offsets, or -1 when a chunk kept none / too many
-            int total = 0;
+            int total = P > 0 ? 0 : -1;
             for (int p = 0; p < P && total >= 0; ++p) {
                 const int c = __ldcg(ids + (size_t)p * (2 + MK_SAMPLE_CAND) + 1);
                 sm.off[p] = total;

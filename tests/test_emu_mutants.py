@@ -92,10 +92,11 @@ MUTANTS = [
               "        __syncthreads();\n"), "megakernel"),
     # the megakernel's ring attention (megakernel_attention.cuh), one block: 151 keys in 3 staged chunks
     ("cp.async.wait_group count off by one (megakernel ring attention)", "megakernel_attention.cuh",
-     "            cp_async_wait<1>();\n", "            cp_async_wait<2>();\n", "megakernel_ring"),
+     "        if (c + 1 < nchunks) cp_async_wait<1>();\n", "        if (c + 1 < nchunks) cp_async_wait<2>();\n",
+     "megakernel_ring"),
     ("ring refill moved before the barrier that retires its readers (megakernel ring attention)",
      "megakernel_attention.cuh",
-     "        __syncthreads();  // every thread is done with chunk c - 1 (its slot refills next); q, m, l set\n", "",
+     "        if (c >= 0) __syncthreads();  // every thread is done with chunk c - 1 (its slot refills next)\n", "",
      "megakernel_ring"),
     ("tile counter not reset by the launch's last claim (flash_attn_sm90_sched.cuh: the next launch skips tiles)",
      "flash_attn_sm90_sched.cuh", _SCHED_RESET, "", "flash_persistent", True),
