@@ -428,10 +428,9 @@ TINYLM_FUSED_DECODE = True
 # needs the cuda-bindings package.
 FUSED_DECODE_PDL = False
 
-# --- the megakernel: one persistent kernel per decode step (kernels_cu/megakernel.cu, issue 40) --
-# Not yet run on a GPU: tinylm takes it only when asked (TINYLM_MEGAKERNEL, below). Every value
-# here is arithmetic, to be replaced by measurements (`python -m benchmarks model`, impl
-# tinylm-mega) when a GPU run has them.
+# --- the megakernel: one persistent kernel per decode step (kernels_cu/megakernel.cu) -------------
+# tinylm takes it only when asked (TINYLM_MEGAKERNEL, below). Every value here is arithmetic, to be
+# replaced by measurements (`bash benchmarks/gpu_run.sh mega`) when a GPU run has them.
 MEGAKERNEL_THREADS = 256      # 8 warps: one weight row pair per warp of a 16-row GEMV tile, one
                               # batch row per warp when the input rows are loaded (batch <= 8)
 MEGAKERNEL_STAGES = 6         # weight ring: 6 x 8 KB chunks, 5 in flight per SM (about 5 MB over
@@ -464,7 +463,8 @@ MEGAKERNEL_SPIN_NS = 1024     # a waiter's longest sleep between polls (it backs
 MEGAKERNEL_SAMPLE = "block"   # "block": one block draws a sequence's token; "two_level": chunks of the
                               # vocabulary on many blocks (argmax, top-k candidates), then one merge
 # tinylm's decode step through the megakernel instead of the fused step: off until a GPU run shows
-# it correct and faster (not yet run on a GPU). TINYLM_MEGAKERNEL=1 in the environment turns it on.
+# it faster (H100, 2026-11-27: correct, slower than the fused step, 484 against 872 tokens/s).
+# TINYLM_MEGAKERNEL=1 in the environment turns it on.
 TINYLM_MEGAKERNEL = os.environ.get("TINYLM_MEGAKERNEL", "") == "1"
 
 # --- row softmax (kernels_cu/row_softmax.cu) --------------------------------------------------

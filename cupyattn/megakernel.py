@@ -424,9 +424,9 @@ class LlamaStep:
 
 def handoff_us(spin_ns: int) -> float:
     """The cost model's hand-off for a waiter's longest sleep (persistent.Machine.handoff_us): the
-    4 us of today's 1024 ns cap less the sleep it no longer oversleeps (a counter that arrives
-    during a sleep waits half the sleep on average)."""
-    return 4.0 - (1024 - min(int(spin_ns), 1024)) / 2000.0
+    1.4 us fitted at today's 1024 ns cap less the sleep it no longer oversleeps (a counter that
+    arrives during a sleep waits half the sleep on average)."""
+    return persistent.Machine.handoff_us - (1024 - min(int(spin_ns), 1024)) / 2000.0
 
 
 def profile_summary(p: persistent.Plan, t: np.ndarray, machine: persistent.Machine | None = None) -> dict:

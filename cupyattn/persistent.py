@@ -299,18 +299,19 @@ def simulate(p: Plan, rng=None) -> list[tuple[int, int]]:
 # --- the cost model -----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Machine:
-    """The constants of the cost model. The defaults are an H100 SXM's (132 SMs, 3.0 TB/s copy
-    measured here) and the per-event latencies of the offline analysis of the one measured
-    megakernel step (2026-11-27: 2.07 ms for SmolLM2's plan with waits that back off to 1024 ns;
-    these constants predict 2.23 ms for it): 4 us per hand-off (a release's membar, the L2 trip
-    of the increment, the waiter's poll and sleep, the block barrier), 0.5 us per dependent L2
-    round trip, 0.3 us per instruction (its decode and barriers). Estimates for a GPU run to
-    correct (``LlamaStep.profile`` prints the model's figures beside the measured ones)."""
+    """The constants of the cost model: an H100 SXM's (132 SMs, 3.0 TB/s copy measured here) and
+    latencies fitted to the one profiled megakernel step (2026-11-27, SmolLM2, today's plan at 256
+    keys: 1956 us; the median work per instruction of each op kind, 2.3 to 35 us, is matched by
+    the trips the op list declares at 0.5 us per dependent L2 round trip and 0.3 us per
+    instruction, its decode and barriers): 1.4 us per hand-off (a release's membar, the L2 trip
+    of the increment, the waiter's poll and its sleep, which backs off to 1024 ns there, the
+    block barrier). Estimates from one run: ``LlamaStep.profile`` prints the model's figures
+    beside the measured ones, to correct them."""
 
     name: str = "H100 estimate"
     sms: int = 132
     hbm_gbps: float = 3000.0
-    handoff_us: float = 4.0
+    handoff_us: float = 1.4
     trip_us: float = 0.5
     instr_us: float = 0.3
 

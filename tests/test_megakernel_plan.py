@@ -114,8 +114,9 @@ def test_two_level_sampling_chunks_wait_for_their_lm_head_tiles():
 
 
 def test_smollm2_plans_within_the_limits():
-    """SmolLM2-135M on 132 blocks, the cost model (persistent.Machine's H100 estimates): today's plan
-    predicts within about 10% of the 2.07 ms measured (2026-11-27, contexts of 128-255 keys); the
+    """SmolLM2-135M on 132 blocks, the cost model (persistent.Machine's H100 estimates, fitted to the
+    1956 us step profiled on 2026-11-27): today's plan at 128 keys within about 10% of the 2.07 ms
+    per step of that run's generation (contexts of 128-255 keys); the
     new plan (NEW_PLAN) keeps attention on at least half the SMs at every context from 64 keys,
     at most 3 dependent L2 trips per attention tile up to 1024 keys of the batch, two device-wide waits
     per layer, five

@@ -1,13 +1,14 @@
-"""tinylm's decode step through the megakernel (tinylm.megakernel, Transformer(megakernel=True)).
+"""tinylm's decode step through the megakernel (cupyattn.megakernel_llama, Transformer(megakernel=True)).
 
 GPU tier (also on the CPU emulator: one block per launch there, except in the several-block tests):
 whole steps against the NumPy backend and the fused step (logits at several positions, split
 attention with its merge, greedy and sampled tokens through graph replays), one launch per step with
 its counters reset inside the kernel, tinylm's refusals, the benchmark's model case, and SmolLM2's
 real weights (its first layer in the CI tier; four layers and the whole vocabulary, sampled
-generation against the fused step, 5 and 40 blocks under emu_slow). Several blocks at once run on the
-emulator too (its memory model, issue 37: blocks in flight together, a parked block's peers run,
-stores seen by other blocks only through release/acquire). CPU: the options' refusals.
+generation against the fused step, 5 and 40 blocks under emu_slow), today's plan and the new one
+(the plan's knobs: each alone and all together). Several blocks at once run on the emulator too
+(its memory model: blocks in flight together, a parked block's peers run, stores seen by other
+blocks only through release/acquire). CPU: the options' refusals.
 """
 from __future__ import annotations
 
@@ -152,15 +153,16 @@ def test_gpu_tinylm_refusals():
 
 @pytest.mark.gpu
 def test_gpu_benchmark_model_case_runs_the_megakernel(tmp_path, monkeypatch, capsys):
-    """`python -m benchmarks model --impl tinylm-mega` (tiny preset, float32): the record says one
-    kernel per decode step, its instructions and blocks, and logits close to NumPy's; the PDL
+    """`python -m benchmarks model --impl tinylm-mega,tinylm-mega-new` (tiny preset, float32): the
+    record says one kernel per decode step, its instructions and blocks, and logits close to
+    NumPy's; the new plan's record its knobs and a profiled step beside the cost model; the PDL
     impl runs where the device and cuda-bindings allow, else says why it was skipped."""
     from benchmarks import report, timing
     from benchmarks.__main__ import main
 
     if EMULATE:
         monkeypatch.setattr(timing, "measure_ceilings", lambda **kw: {"copy_gbps": 1.0, "gemm_tflops": 1.0})
-    impls = "tinylm-mega" if EMULATE else "tinylm-mega,tinylm-fused-pdl"  # no cuLaunchKernelEx on the emulator
+    impls = "tinylm-mega,tinylm-mega-new" + ("" if EMULATE else ",tinylm-fused-pdl")  # no cuLaunchKernelEx emulated
     rc = main(["model", "--model", "tiny", "--new-tokens", "3", "--prompt-len", "5", "--model-dtype", "float32",
                "--impl", impls, "--model-reps", "1", "--no-progress", "--json", str(tmp_path / "m.json")])
     assert rc == 0, capsys.readouterr().err[-3000:]
@@ -168,6 +170,11 @@ def test_gpu_benchmark_model_case_runs_the_megakernel(tmp_path, monkeypatch, cap
     mega = by["tinylm-mega"]
     assert mega["status"] == "ok" and mega["launches_per_step"] == 1 and mega["rel_err"] < 1e-4, mega
     assert re.search(r"megakernel: \d+ instructions on \d+ blocks", mega["note"]) and mega["decode_tok_s"] > 0
+    new = by["tinylm-mega-new"]  # the A/B's all-knobs impl: its knobs (its profile needs room in the cache)
+    assert new["status"] == "ok" and new["rel_err"] < 1e-4 and "attn='ring'" in new["note"], new
+    from cupyattn import config
+
+    assert config.MEGAKERNEL_ATTN == "v1"  # the knobs restored after the impl
     if not EMULATE:
         pdl = by["tinylm-fused-pdl"]
         assert pdl["status"] == "ok" or pdl["status"].startswith("skipped: programmatic dependent launch needs"), pdl

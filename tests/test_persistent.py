@@ -1,7 +1,8 @@
-"""The host plan of a persistent kernel (cupyattn.persistent) and the Llama op list tinylm plans
-with it (tinylm.megakernel.llama_ops), on the CPU: round-robin queues, counters and their
-step-relative targets, refusals of what is not a topological op list; a simulated run of the
-queues under random interleavings finishes, a queue out of the global order deadlocks."""
+"""The host plan of a persistent kernel (cupyattn.persistent) and the Llama op list planned with
+it (cupyattn.megakernel_llama.llama_ops), on the CPU: round-robin queues, counters and their
+step-relative targets, refusals of what is not a topological op list or does not fit the
+kernel's int32 words; a simulated run of the queues under random interleavings finishes, a
+queue out of the global order deadlocks; the cost model in closed form."""
 from __future__ import annotations
 
 import numpy as np
