@@ -45,7 +45,8 @@ from .specs import roofline_pct
 
 # The megakernel's A/B (cupyattn.megakernel_llama.MegaKnobs fields changed from config's defaults,
 # today's measured plan): "new" is every knob on (NEW_PLAN), the others one change each.
-MEGA_VARIANTS = {"tinylm-mega": {}, "tinylm-mega-new": "NEW_PLAN", "tinylm-mega-ring": {"attn": "ring", "attn_share": 0.5},
+MEGA_VARIANTS = {"tinylm-mega": {}, "tinylm-mega-new": "NEW_PLAN",
+                 "tinylm-mega-ring": {"attn": "ring", "attn_share": 0.5},
                  "tinylm-mega-fine": {"deps": "fine"}, "tinylm-mega-spin64": {"spin_ns": 64},
                  "tinylm-mega-spin0": {"spin_ns": 0}, "tinylm-mega-sample2": {"sample": "two_level"}}
 
@@ -223,7 +224,8 @@ def _mega_note(rec, gen):
     per_op = ", ".join(f"{k} {v['work_us']:.1f}/{v['wait_us']:.1f} [{v['model_work_us']:.1f}/{v['model_wait_us']:.1f}]"
                        for k, v in prof["ops"].items())
     rec["profile"] = prof
-    rec["note"] += (f"; knobs {mega.knobs}; profiled step {prof['step_us']:.0f} us [model {prof['model_step_us']:.0f}], "
+    rec["note"] += (f"; knobs {mega.knobs}; profiled step {prof['step_us']:.0f} us "
+                    f"[model {prof['model_step_us']:.0f}], "
                     f"busiest block {prof['busiest_block_work_us']:.0f} us of work; median work/wait us per "
                     f"instruction [model]: {per_op}")
 

@@ -356,7 +356,8 @@ class LlamaStep:
         if kind == "attn":  # v1 loops over head tiles; the ring holds one (at most MEGAKERNEL_HEAD_TILE heads)
             lo = -(-G // config.MEGAKERNEL_HEAD_TILE) if a1 == 1 else 0
             if not lo <= a0 <= G or a1 not in (0, 1):
-                return f"attention args ({a0}, {a1}) must be (head splits in [{max(lo, 1)}, {G}] (0: 1), variant 0 or 1)"
+                return (f"attention args ({a0}, {a1}) must be (head splits in [{max(lo, 1)}, {G}] (0: 1), "
+                        "variant 0 or 1)")
         elif kind in ("oproj", "down"):  # args[0] 0 or 1: no column chunks
             a0 = max(a0, 1)
             width = s["Hq"] * s["D"] if kind == "oproj" else s["F"]
@@ -372,8 +373,10 @@ class LlamaStep:
             if a0 not in (0, 1, 2) or (a0 and not (slots_ok and high < s["L"])):
                 return f"args ({a0}, {a1}) must be (mode 0, 1 or 2; slots within the step's {self.slots})"
         elif kind == "sample_part":
-            if a0 > GEOMETRY["MK_SAMPLE_MAX_PARTS"][0] or not 1 <= a0 <= self.parts or a1 < 1 or a1 % TILE_ROWS or a0 * a1 < s["V"] or (a0 - 1) * a1 >= s["V"]:
-                return f"args ({a0}, {a1}) must be (chunks <= {self.parts}, whole LM-head tiles covering the vocabulary)"
+            covers = a1 >= 1 and a1 % TILE_ROWS == 0 and a0 * a1 >= s["V"] > (a0 - 1) * a1
+            if not 1 <= a0 <= min(self.parts, GEOMETRY["MK_SAMPLE_MAX_PARTS"][0]) or not covers:
+                return (f"args ({a0}, {a1}) must be (chunks <= {self.parts}, logits per chunk: whole LM-head tiles, "
+                        "the chunks covering the vocabulary, none empty)")
         elif kind == "sample":
             if not 0 <= a0 <= self.parts:
                 return f"args[0]={a0} must be 0 (one block) or the chunks of its sample_part op"
@@ -447,11 +450,12 @@ def profile_summary(p: persistent.Plan, t: np.ndarray, machine: persistent.Machi
         wait, work = (ready - start)[rows] / 1e3, (done - ready)[rows] / 1e3
         ops[names[code]] = dict(n=int(rows.sum()), wait_us=float(np.median(wait)), max_wait_us=float(wait.max()),
                                 work_us=float(np.median(work)), max_work_us=float(work.max()),
-                                model_wait_us=float(np.median(m_wait[rows])), model_work_us=float(np.median(m_work[rows])))
+                                model_wait_us=float(np.median(m_wait[rows])),
+                                model_work_us=float(np.median(m_work[rows])))
     busy = np.bincount(block, weights=(done - ready), minlength=p.blocks) / 1e3
     return dict(step_us=float((done.max() - start.min()) / 1e3), busiest_block_work_us=float(busy.max()), ops=ops,
                 model_step_us=c.step_us, model=c.summary())
 
 
-__all__ = ["OPCODES", "GEOMETRY", "LlamaStep", "DevicePlan", "SPEC", "profile_summary", "down_chunks", "sample_parts_of", "handoff_us",
-           "max_tiles"]
+__all__ = ["OPCODES", "GEOMETRY", "LlamaStep", "DevicePlan", "SPEC", "profile_summary", "down_chunks",
+           "sample_parts_of", "handoff_us", "max_tiles"]

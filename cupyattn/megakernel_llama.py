@@ -182,7 +182,7 @@ def head_splits(shape, batch: int, splits: int, blocks: int, knobs: MegaKnobs | 
     per = int(batch) * s.n_kv_heads * splits
     while k.attn_share > 0 and hs < G and per * hs < k.attn_share * blocks and per * (hs + 1) <= blocks:
         hs += 1
-    return hs
+    return -(-G // -(-G // hs))  # no tile left without a head (7 heads in 5 splits: 4 of 2 heads)
 
 
 # --- the op list ---------------------------------------------------------------------------------------
@@ -232,7 +232,8 @@ def llama_ops(shape, batch: int, splits: int = 1, sample: bool = True, *, knobs:
     per_split = -(-keys // splits)
     kv_bytes = 2 * per_split * d * itemsize
     if k.attn == "ring":
-        chunk = max(1, min(GEOMETRY["MK_ATTN_MAX_KEYS"][0], config.MEGAKERNEL_ATTN_STAGE_BYTES // (2 * (d * itemsize + 16))))
+        row = d * itemsize + 16  # LlamaStep.attn_keys: keys per staged chunk
+        chunk = max(1, min(GEOMETRY["MK_ATTN_MAX_KEYS"][0], config.MEGAKERNEL_ATTN_STAGE_BYTES // (2 * row)))
         attn_trips = 2 + 0.5 * (-(-per_split // chunk) - 1)
     else:  # each warp's 32-key tile: D / vec dependent K loads, then 32 keys x D / 32 dependent V loads
         # (72 for SmolLM2 in fp16; 64 fit the profile: the compiler overlaps a few)
@@ -264,8 +265,8 @@ def llama_ops(shape, batch: int, splits: int = 1, sample: bool = True, *, knobs:
                       deps=(Dep(f"oproj.{i}"),), cost=gemv(s.dim, 5)))
         d_rows = rows(s.dim)
         d_dep = Dep(f"gate_up.{i}", tuple((t % kd,) for t in range(d_rows * kd))) if k.fine else Dep(f"gate_up.{i}")
-        ops.append(Op(f"down.{i}", OPCODES["down"], d_rows * kd, i, args=(kd, _slots(ko, kd, 2 * k.fine)), deps=(d_dep,),
-                      cost=gemv(s.ffn_dim // kd, 4 if k.fine else 5)))
+        ops.append(Op(f"down.{i}", OPCODES["down"], d_rows * kd, i, args=(kd, _slots(ko, kd, 2 * k.fine)),
+                      deps=(d_dep,), cost=gemv(s.ffn_dim // kd, 4 if k.fine else 5)))
         prev = f"down.{i}"
     n_lm = rows(s.vocab_size)
     parts = per_part = 0
@@ -280,10 +281,10 @@ def llama_ops(shape, batch: int, splits: int = 1, sample: bool = True, *, knobs:
         ops.append(Op("sample_part", OPCODES["sample_part"], n, args=(parts, TILE_ROWS * per_part),
                       group_of=tuple(t // parts for t in range(n)),
                       deps=(Dep("lm_head", tuple((t % parts,) for t in range(n))),),
-                      cost=Cost(-(-s.vocab_size // parts) * itemsize * B, 6)))
-        ops.append(Op("sample", OPCODES["sample"], B, args=(parts, 0), deps=(Dep("sample_part", tuple((b,) for b in range(B))),),
-                      cost=Cost(parts * 8, 3)))
-    elif sample:  # greedy: one pass over the row (about 48 rounds of loads); sampling adds the radix passes
+                      cost=Cost(TILE_ROWS * per_part * itemsize, 6)))
+        ops.append(Op("sample", OPCODES["sample"], B, args=(parts, 0),
+                      deps=(Dep("sample_part", tuple((b,) for b in range(B))),), cost=Cost(parts * 8, 3)))
+    elif sample:  # one block reads the whole row: 24 trips fit the profile's 16.4 us (greedy)
         ops.append(Op("sample", OPCODES["sample"], B, deps=(Dep("lm_head"),),
                       cost=Cost(s.vocab_size * itemsize, 24)))
     return ops
@@ -369,5 +370,5 @@ class LlamaDecoder:
         self.step.launch(dplan, splits)
 
 
-__all__ = ["LlamaShape", "MegaKnobs", "NEW_PLAN", "CONFIG_NAMES", "llama_problem", "step_splits", "head_splits", "llama_ops",
-           "instruction_counts", "handoff_us", "LlamaDecoder"]
+__all__ = ["LlamaShape", "MegaKnobs", "NEW_PLAN", "CONFIG_NAMES", "llama_problem", "step_splits", "head_splits",
+           "llama_ops", "instruction_counts", "handoff_us", "LlamaDecoder"]

@@ -143,7 +143,8 @@ class Plan:
                  f"  {'op':<14}{'tiles':>6}{'blocks':>7}{'waits':>6}{'wide':>5}{'KB/tile':>9}{'trips':>6}"
                  f"{'KB/block':>9}{'start':>9}{'end':>9}"]
         for r in c.ops:
-            lines.append(f"  {r['op']:<14}{r['tiles']:>6}{r['blocks']:>7}{r['waits']:>6}{'yes' if r['device_wide'] else '':>5}"
+            wide = "yes" if r["device_wide"] else ""
+            lines.append(f"  {r['op']:<14}{r['tiles']:>6}{r['blocks']:>7}{r['waits']:>6}{wide:>5}"
                          f"{r['bytes_per_tile'] / 1e3:>9.1f}{r['trips_per_tile']:>6.0f}"
                          f"{r['max_bytes_per_block'] / 1e3:>9.1f}{r['start_us']:>9.1f}{r['end_us']:>9.1f}")
         if limit is None:

@@ -262,7 +262,8 @@ def test_gpu_op_split_projections_and_composed_loads(rng, dtype):
     xa, xah = _w(rng, (B, dim), dtype)
     m.step.xalt[...] = xa
     rnd = lambda v: to_host(cupy.asarray(v.astype(np_dtype(dtype))))  # noqa: E731  (a rounding to the dtype)
-    fsum = lambda slots: functools.reduce(lambda acc, v: (acc + v).astype(np.float32), slots, np.float32(0))  # noqa: E731
+    fsum = lambda slots: functools.reduce(lambda acc, v: (acc + v).astype(np.float32), slots,  # noqa: E731
+                                          np.float32(0))
     x1 = rnd(xah + rnd(fsum(part[:ko])))  # the slots summed in order in float32, as the kernel does
     m.run([_op("gate_up", m, args=(1, _slots(ko, kd, 1)))])
     gu = ref.gemm_nt(ref.rmsnorm(x1, L1.ffn_norm, 1e-5), L1.w_gate_up)
@@ -290,7 +291,8 @@ def test_gpu_op_oproj_merges_split_attention_on_load(rng, dtype):
     m = _Model(rng, dtype, hq=4, hkv=2, lengths=(5, 0, 17))
     qr_dev, qr = _w(rng, (3, 4, m.s["d"]), dtype)
     m.q[...] = qr_dev
-    m.run([Op("attn", OPCODES["attn"], 3 * 2 * 3, 1), _op("oproj", m, args=(1, _slots(1, 1, 1)), deps=(Dep("attn"),))], 3)
+    m.run([Op("attn", OPCODES["attn"], 3 * 2 * 3, 1),
+           _op("oproj", m, args=(1, _slots(1, 1, 1)), deps=(Dep("attn"),))], 3)
     kc, vc = to_host(m.cache.k[1]), to_host(m.cache.v[1])
     att = ref.decode_attention(qr[:, :, None], kc, vc, m.lengths + 1)[:, :, 0].reshape(3, -1)
     assert_close(m.x, m.h.x + ref.gemm_nt(att, m.h.layers[1].wo), dtype)
@@ -319,7 +321,8 @@ def test_gpu_op_sample_two_level(rng, dtype):
            Op("sample", OPCODES["sample"], 3, args=(2, 0), deps=(Dep("sample_part", ((0,), (1,), (2,))),))]
     for logits, host in ((z, zh), (tz, tzh)):
         m.logits[...] = logits
-        for step, (temp, k, p) in enumerate([(0.0, 0, 1.0), (0.9, 5, 0.8), (1.2, 70, 1.0), (0.7, 0, 0.9), (1.0, 3, 1.0)]):
+        settings = [(0.0, 0, 1.0), (0.9, 5, 0.8), (1.2, 70, 1.0), (0.7, 0, 0.9), (1.0, 3, 1.0)]
+        for step, (temp, k, p) in enumerate(settings):
             m.sampling.set(temp, k, p, seed=11, step=step)
             m.run(ops)
             want = [ref.sample_token(host[b], temp, k, p, seed=11 + b, step=step) for b in range(3)]
