@@ -338,13 +338,12 @@ class LlamaDecoder:
         self.plans = {}
 
     def _counters(self) -> int:
-        """Counters of the largest plan this decoder may run (split attention, its merges)."""
-        from .persistent import plan
-
-        G = self.shape.n_heads // self.shape.n_kv_heads
-        worst = [llama_ops(self.shape, self.batch, 2, True, knobs=self.knobs, heads=h, itemsize=self.itemsize)
-                 for h in {1, G}]
-        return max(plan(ops, 1).n_counters for ops in worst)
+        """Counters of the largest plan this decoder may run: split attention (its merges, or its
+        per-kv-head groups) with sampling; as persistent.plan counts them (a group per waited-for
+        op's group), without laying the plan out. The head splits change no group."""
+        ops = llama_ops(self.shape, self.batch, 2, True, knobs=self.knobs, heads=1, itemsize=self.itemsize)
+        waited = {d.op for op in ops for d in op.deps}
+        return sum(op.groups for op in ops if op.name in waited)
 
     def splits(self, keys: int) -> int:
         """Key splits of a step whose longest sequence holds ``keys`` keys (pass the lower end of
