@@ -261,11 +261,19 @@ def test_gpu_real_layer_decode_steps_equal_numpy(monkeypatch, plan):
 
 @pytest.mark.gpu
 @pytest.mark.emu_slow
-def test_gpu_real_model_greedy_tokens_equal_numpy(tmp_path_factory):
+@pytest.mark.parametrize("plan", ["today", "new"])
+def test_gpu_real_model_greedy_tokens_equal_numpy(tmp_path_factory, monkeypatch, plan):
     """SmolLM2's first 4 layers, the whole vocabulary and the real tokenizer: 12 greedy tokens of
     two prompts in one batch (graph replays, the fused prefill) equal the NumPy backend's, in
-    float32; in float16 the logits of the first decode step are within its tolerance."""
+    float32; in float16 the logits of the first decode step are within its tolerance; with
+    today's plan and the new one (NEW_PLAN on 6 blocks: 24 vocabulary chunks in the sampler)."""
+    from cupyattn import config
+    from cupyattn.megakernel_llama import NEW_PLAN
     from tinylm import load
+
+    if plan == "new":
+        _use_knobs(monkeypatch, NEW_PLAN)
+        monkeypatch.setattr(config, "MEGAKERNEL_BLOCKS", 6)
 
     from tinylm.reduce_gguf import reduce_gguf
 
