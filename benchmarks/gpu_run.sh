@@ -26,8 +26,14 @@
 #   quick     one small case per op, few reps (smoke test of the CLI on this machine)
 #   model     SmolLM2-135M's shapes, fp16, batch 1 and 8: tinylm (fused, unfused, eager), HF eager and
 #             compiled                                  -> model.{txt,json}
-#   mega      the megakernel decision run: its GPU tests, then tinylm-mega beside tinylm-fused (+ PDL),
-#             tinylm, HF eager and compiled, batch 1 and 8 -> pytest-mega.log, mega.{txt,json}
+#   mega      the megakernel's speed run (config.TINYLM_MEGAKERNEL and its MEGAKERNEL_* plan knobs), at
+#             most 5 minutes in four steps under their own caps: its GPU tests (100 s, the compile
+#             included); the A/B of the plan knobs on SmolLM2-135M's shapes, fp16, batch 1 (tinylm-mega =
+#             today's plan, -new = every knob, -ring, -fine, -spin64, -spin0, -sample2 = one each; each
+#             record's note and "profile": a profiled step per op beside the cost model) beside the fused
+#             step (70 s); batch 1 and 8 of the fused step (+ PDL), today's plan, the new one and HF eager
+#             (70 s); HF compiled beside the new plan (60 s)
+#                                   -> pytest-mega.log, mega-ab.{txt,json}, mega.{txt,json}, mega-hf-compiled.{txt,json}
 #   prefill   the persistent wgmma attention: its GPU tests, the causal prefill sweep, ragged varlen,
 #             paged prefill at pages of 16..256, the goal shapes -> pytest-prefill.log, prefill-*.{txt,json,png}
 #   headline  the headline cases by name (attention fp16 D=128 causal and not, GEMM 4096^3, decode
@@ -398,12 +404,16 @@ stage_model() {  # does config.TINYLM_FUSED_DECODE hold? tinylm-fused vs tinylm,
     bench_step "model decode" "$OUT/model.txt" "$OUT/model.json" "$PY" -m benchmarks model --model smollm2-135m-shape \
         --batch 1,8 --debug --no-progress --json "$OUT/model.json"
 }
-stage_mega() {  # does config.TINYLM_MEGAKERNEL become True? tinylm-mega vs tinylm-fused (+ PDL), same run
-    run_mega_tests
-    CAP="${MEGA_TIMEOUT:-${STEP_TIMEOUT:-300}}" bench_step "model megakernel" "$OUT/mega.txt" "$OUT/mega.json" \
-        "$PY" -m benchmarks model --model smollm2-135m-shape --batch 1,8 \
-        --impl tinylm-mega,tinylm-fused,tinylm-fused-pdl,tinylm,hf-transformers,hf-compiled \
-        --debug --no-progress --json "$OUT/mega.json"
+stage_mega() {  # the megakernel's plan knobs A/B and its tokens/s against the fused step and HF, same run
+    local m=(--model smollm2-135m-shape --debug --no-progress)
+    MEGA_TIMEOUT="${MEGA_TIMEOUT:-100}" run_mega_tests  # compiles the kernel (cached for the steps after)
+    CAP=70 bench_step "mega knobs A/B" "$OUT/mega-ab.txt" "$OUT/mega-ab.json" "$PY" -m benchmarks model "${m[@]}" \
+        --batch 1 --new-tokens 64 --model-reps 2 --json "$OUT/mega-ab.json" --impl \
+        tinylm-fused,tinylm-mega,tinylm-mega-new,tinylm-mega-ring,tinylm-mega-fine,tinylm-mega-spin64,tinylm-mega-spin0,tinylm-mega-sample2
+    CAP=70 bench_step "mega vs fused and HF" "$OUT/mega.txt" "$OUT/mega.json" "$PY" -m benchmarks model "${m[@]}" \
+        --batch 1,8 --impl tinylm-fused,tinylm-fused-pdl,tinylm-mega,tinylm-mega-new,hf-transformers --json "$OUT/mega.json"
+    CAP=60 bench_step "mega vs HF compiled" "$OUT/mega-hf-compiled.txt" "$OUT/mega-hf-compiled.json" "$PY" -m benchmarks \
+        model "${m[@]}" --batch 1,8 --impl tinylm-mega-new,hf-compiled --json "$OUT/mega-hf-compiled.json"
 }
 stage_prefill() {  # the persistent kernel's tests, then its benchmarks beside v3 and SDPA
     local h=("${HEADLINE[@]}")

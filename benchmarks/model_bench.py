@@ -9,7 +9,10 @@ decode rate; measured here beside the unfused ones: what decided ``tinylm.config
 and ``config.TINYLM_FUSED_DECODE``, and keeps checking them), ``tinylm-eager`` launches
 every kernel of both from Python (the TTFT without the prefill graph), ``tinylm-mega`` replays
 each decode step as one persistent kernel launch (cupyattn.megakernel, sampling inside; the fused
-prefill; what decides ``config.TINYLM_MEGAKERNEL``) and
+prefill; what would decide ``config.TINYLM_MEGAKERNEL``), the ``tinylm-mega-*`` impls
+(``MEGA_VARIANTS``, run only when named) the same with its plan's knobs changed (the A/B of
+``benchmarks/gpu_run.sh mega``; each record's note has a profiled step beside the cost model's
+prediction) and
 ``tinylm-fused-pdl`` is ``tinylm-fused`` with its kernels launched with programmatic dependent
 launch (``config.FUSED_DECODE_PDL``; skipped below sm_90 or without cuda-bindings); all run one
 warm-up generation of the full length first (it compiles the kernels and captures the graphs of
@@ -39,6 +42,13 @@ from . import hf_peer, peers
 from .cases import OURS
 from .report import new_record
 from .specs import roofline_pct
+
+# The megakernel's A/B (cupyattn.megakernel_llama.MegaKnobs fields changed from config's defaults,
+# today's measured plan): "new" is every knob on (NEW_PLAN), the others one change each.
+MEGA_VARIANTS = {"tinylm-mega": {}, "tinylm-mega-new": "NEW_PLAN",
+                 "tinylm-mega-ring": {"attn": "ring", "attn_share": 0.5},
+                 "tinylm-mega-fine": {"deps": "fine"}, "tinylm-mega-spin64": {"spin_ns": 64},
+                 "tinylm-mega-spin0": {"spin_ns": 0}, "tinylm-mega-sample2": {"sample": "two_level"}}
 
 SMOLLM2_PROMPT = ("The history of computing is a story of machines that became faster, smaller "
                   "and cheaper every decade, from vacuum tubes to transistors to chips. ")
@@ -141,7 +151,7 @@ def _cannot_run(name, model):
     """Why impl ``name`` cannot run on ``model``'s backend and device (None: it can)."""
     if name not in ("tinylm", "tinylm-eager") and not getattr(model.ops, "fused_decode", False):
         return f"the {model.backend} backend has no fused decode step"
-    if name == "tinylm-mega":
+    if name in MEGA_VARIANTS:
         return model.megakernel_problem()
     if name == "tinylm-fused-pdl":
         import importlib.util
@@ -153,6 +163,25 @@ def _cannot_run(name, model):
         if importlib.util.find_spec("cuda") is None or importlib.util.find_spec("cuda.bindings") is None:
             return "programmatic dependent launch needs the cuda-bindings package"
     return None
+
+
+@contextlib.contextmanager
+def mega_knobs(name: str):
+    """config's MEGAKERNEL_* knobs set to impl ``name``'s (MEGA_VARIANTS) for the block, then
+    restored; nothing for any other impl."""
+    from cupyattn import config
+    from cupyattn.megakernel_llama import NEW_PLAN, MegaKnobs
+
+    change = MEGA_VARIANTS.get(name, {})
+    knobs = NEW_PLAN if change == "NEW_PLAN" else MegaKnobs.from_config().with_(**change)
+    saved = MegaKnobs.from_config().as_config()
+    try:
+        for k, v in knobs.as_config().items():
+            setattr(config, k, v)
+        yield knobs
+    finally:
+        for k, v in saved.items():
+            setattr(config, k, v)
 
 
 @contextlib.contextmanager
@@ -171,7 +200,7 @@ def _pdl(on: bool):
 def _first_step_logits(gen, prompt, name):
     """Logits at the prompt's last token. tinylm-mega: the prompt but its last token prefilled,
     then one megakernel decode step (the full recompute would measure the prefill kernels)."""
-    if name != "tinylm-mega" or len(prompt) < 2:
+    if name not in MEGA_VARIANTS or len(prompt) < 2:
         return gen.logits(prompt)[-1]
     gen.prefill(prompt[:-1], max_new_tokens=2)
     return gen.decode_one(prompt[-1])
@@ -180,7 +209,8 @@ def _first_step_logits(gen, prompt, name):
 def _mega_note(rec, gen):
     """Instructions per decode step and blocks of the megakernel (the last plan it ran), and one
     more step of that plan profiled (cupyattn.megakernel.LlamaStep.profile): its span, the busiest
-    block's work, and per op kind the median work / wait of an instruction in microseconds."""
+    block's work, and per op kind the median work / wait of an instruction in microseconds, each
+    beside the cost model's prediction (in brackets); the whole profile in ``rec["profile"]``."""
     state = gen._state
     mega = getattr(state, "mega", None) if state is not None else None
     if mega is None or not mega.plans:
@@ -191,9 +221,13 @@ def _mega_note(rec, gen):
         return
     with gen.model.ops.stream():
         prof = mega.step.profile(dplan, splits)
-    per_op = ", ".join(f"{k} {v['work_us']:.1f}/{v['wait_us']:.1f}" for k, v in prof["ops"].items())
-    rec["note"] += (f"; profiled step {prof['step_us']:.0f} us, busiest block {prof['busiest_block_work_us']:.0f} us "
-                    f"of work; median work/wait us per instruction: {per_op}")
+    per_op = ", ".join(f"{k} {v['work_us']:.1f}/{v['wait_us']:.1f} [{v['model_work_us']:.1f}/{v['model_wait_us']:.1f}]"
+                       for k, v in prof["ops"].items())
+    rec["profile"] = prof
+    rec["note"] += (f"; knobs {mega.knobs}; profiled step {prof['step_us']:.0f} us "
+                    f"[model {prof['model_step_us']:.0f}], "
+                    f"busiest block {prof['busiest_block_work_us']:.0f} us of work; median work/wait us per "
+                    f"instruction [model]: {per_op}")
 
 
 def start_case(case, impls, opts, log):
@@ -246,21 +280,22 @@ def run_model_case(case, impls, opts, ceilings, log) -> list[dict]:
         if why:
             rec["status"] = f"skipped: {why}"
             continue
-        fused = name in ("tinylm-fused", "tinylm-mega", "tinylm-fused-pdl")
+        mega = name in MEGA_VARIANTS
+        fused = name in ("tinylm-fused", "tinylm-fused-pdl") or mega
         try:
             model.set_fused(fused)
             model.set_fused_prefill(fused)
-            model.set_megakernel(name == "tinylm-mega")
+            model.set_megakernel(mega)
             gen = tinylm.Generator(model, tok, source, graphs=name != "tinylm-eager")
             rec["dtype"] = gen.dtype
-            with _pdl(name == "tinylm-fused-pdl"):
+            with _pdl(name == "tinylm-fused-pdl"), mega_knobs(name):
                 ids = _run_tinylm(rec, gen, prompts, n, opts, ceilings)
-            if name == "tinylm-mega":
-                _mega_note(rec, gen)
+                if mega:
+                    _mega_note(rec, gen)
+                if ref_logits is not None:
+                    rec["max_abs_err"], rec["rel_err"] = _errors(_first_step_logits(gen, prompts[0], name), ref_logits)
+                    rec["err_ref"] = "tinylm numpy float32 first-step logits"
             ours_ids = ours_ids or ids
-            if ref_logits is not None:
-                rec["max_abs_err"], rec["rel_err"] = _errors(_first_step_logits(gen, prompts[0], name), ref_logits)
-                rec["err_ref"] = "tinylm numpy float32 first-step logits"
             del gen
         except Exception as e:
             rec["status"] = "oom" if "OutOfMemory" in type(e).__name__ else f"error: {_one_line(e)}"

@@ -265,13 +265,14 @@ def fused(ca, cfg):
 
 def megakernel(ca, cfg):
     """Two decode steps of the megakernel per dtype on a small Llama (odd vocabulary and FFN, GQA,
-    batch 3), unsplit and with split attention + merge, sampling inside. One block: it runs its
+    batch 3), unsplit and with split attention + merge, sampling inside, today's plan and the new
+    one (cupyattn.megakernel_llama.NEW_PLAN). One block: it runs its
     queue in order and never waits, so no sanitizer's serialisation of blocks can hang it (the
     several-block runs are the GPU tests')."""
     import cupy
 
     from tinylm.config import ModelArgs
-    from tinylm.megakernel import llama_ops
+    from cupyattn.megakernel_llama import NEW_PLAN, llama_ops
 
     a = ModelArgs(dim=72, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, ffn_dim=40, vocab_size=37, max_seq=16)
     for dt in cfg.DTYPES:
@@ -285,10 +286,14 @@ def megakernel(ca, cfg):
                     o_part=cupy.empty((2, 3, 4, 32), np.float32), lse_part=cupy.empty((2, 3, 4), np.float32))
         step = ca.megakernel.LlamaStep(tok_embd=tok, output_norm=_rand((72,), dt, 38), output=tok, layers=layers,
                                        cache=cache, num_heads=4, eps=1e-5, rope_base=1e4, rope_style="adjacent",
-                                       sampling=ca.SamplingParams(3, temperature=0.7, seed=1), counter_capacity=64,
-                                       blocks=1, **bufs)
-        for splits in (1, 2):
-            step.launch(step.plan(llama_ops(a, 3, splits, sample=True)), splits)
+                                       sampling=ca.SamplingParams(3, temperature=0.7, top_k=5, seed=1),
+                                       counter_capacity=64, blocks=1, **bufs)
+        # today's plan, then every knob of the new one (ring attention over split keys and heads, split
+        # projections into partial slots, the merge on load, two-level sampling)
+        for knobs in (None, NEW_PLAN):
+            for splits in (1, 2):
+                ops = llama_ops(a, 3, splits, sample=True, knobs=knobs, itemsize=np.dtype(dt).itemsize, heads=None)
+                step.launch(step.plan(ops), splits)
         _finite(bufs["logits"])
 
 

@@ -428,10 +428,9 @@ TINYLM_FUSED_DECODE = True
 # needs the cuda-bindings package.
 FUSED_DECODE_PDL = False
 
-# --- the megakernel: one persistent kernel per decode step (kernels_cu/megakernel.cu, issue 40) --
-# Not yet run on a GPU: tinylm takes it only when asked (TINYLM_MEGAKERNEL, below). Every value
-# here is arithmetic, to be replaced by measurements (`python -m benchmarks model`, impl
-# tinylm-mega) when a GPU run has them.
+# --- the megakernel: one persistent kernel per decode step (kernels_cu/megakernel.cu) -------------
+# tinylm takes it only when asked (TINYLM_MEGAKERNEL, below). Every value here is arithmetic, to be
+# replaced by measurements (`bash benchmarks/gpu_run.sh mega`) when a GPU run has them.
 MEGAKERNEL_THREADS = 256      # 8 warps: one weight row pair per warp of a 16-row GEMV tile, one
                               # batch row per warp when the input rows are loaded (batch <= 8)
 MEGAKERNEL_STAGES = 6         # weight ring: 6 x 8 KB chunks, 5 in flight per SM (about 5 MB over
@@ -445,8 +444,27 @@ MEGAKERNEL_HEAD_TILE = 4      # query heads of one kv head scored per pass over 
 MEGAKERNEL_MIN_KEYS_PER_SPLIT = 256  # a decode step splits its keys only when each split gets this many
 MEGAKERNEL_MAX_SPLITS = 32
 MEGAKERNEL_BLOCKS = None      # blocks of a launch (persistent: one per SM); None = the device's SM count
+# The plan's knobs (cupyattn.megakernel_llama.MegaKnobs reads them; `benchmarks/gpu_run.sh mega` A/Bs
+# them). Each default is the plan the 2026-11-27 H100 run measured; the other values are correct on
+# the emulator and predicted faster by the cost model (docs/megakernel.md), not yet run on a GPU.
+MEGAKERNEL_ATTN = "v1"        # attention instruction: "v1" (a lane per key, each load consumed as it is
+                              # issued) or "ring" (K/V chunks staged by cp.async one chunk ahead)
+MEGAKERNEL_ATTN_SHARE = 0.0   # split keys, then heads, until the attention tiles fill this share of the
+                              # blocks (0: only MIN_KEYS_PER_SPLIT decides, today's rule)
+MEGAKERNEL_ATTN_MIN_KEYS = 8   # keys per split at least when ATTN_SHARE drives the splits (SmolLM2 at 64-127
+                              # keys: 8 splits x 3 kv heads x 3 head splits = 72 tiles on 132 SMs)
+MEGAKERNEL_ATTN_STAGE_BYTES = 12 * 1024  # one staged K+V chunk of the ring attention (two are in flight):
+                              # 42 keys of SmolLM2's fp16 rows, 11 of fp32 head_dim 128
+MEGAKERNEL_DEPS = "layer"     # "layer": a projection waits for every tile of the op before it; "fine":
+                              # split-K O and down projections into fp32 partial slots, each waiting only
+                              # for the tiles whose rows it reads (two device-wide waits per layer)
+MEGAKERNEL_FOLD_MERGE = False  # merge split attention partials in the O projection's load (no reduce op)
+MEGAKERNEL_SPIN_NS = 1024     # a waiter's longest sleep between polls (it backs off from 32 ns); 0: no sleep
+MEGAKERNEL_SAMPLE = "block"   # "block": one block draws a sequence's token; "two_level": chunks of the
+                              # vocabulary on many blocks (argmax, top-k candidates), then one merge
 # tinylm's decode step through the megakernel instead of the fused step: off until a GPU run shows
-# it correct and faster (not yet run on a GPU). TINYLM_MEGAKERNEL=1 in the environment turns it on.
+# it faster (H100, 2026-11-27: correct, slower than the fused step, 484 against 872 tokens/s).
+# TINYLM_MEGAKERNEL=1 in the environment turns it on.
 TINYLM_MEGAKERNEL = os.environ.get("TINYLM_MEGAKERNEL", "") == "1"
 
 # --- row softmax (kernels_cu/row_softmax.cu) --------------------------------------------------

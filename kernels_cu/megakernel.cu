@@ -1,26 +1,43 @@
 // megakernel.cu: one persistent kernel per decode step of a Llama-style model (spec "megakernel",
-// cupyattn/megakernel.py; the plan: cupyattn/persistent.py; the Llama op list: tinylm/megakernel.py).
-// Not yet run on a GPU: opt-in (config.TINYLM_MEGAKERNEL) until a GPU run shows it correct and faster.
+// cupyattn/megakernel.py; the plan: cupyattn/persistent.py; the Llama op list:
+// cupyattn/megakernel_llama.py). Correct on an H100, slower than the fused step there (2026-11-27):
+// opt-in (config.TINYLM_MEGAKERNEL) until a GPU run shows it faster.
 //
 // One block per SM; block k interprets its queue instr[queue[k] .. queue[k+1]) of fixed-size
 // instructions (persistent.py's table: opcode, layer, tile, arg0, arg1, signal, wait_begin,
 // wait_count) in order. The instruction set (opcodes are -D options from cupyattn/megakernel.py):
 //
-//   opcode          file                       what one instruction does
-//   MK_OP_EMBED     here                       x[b] = tok_embd[tokens[b]] for every b
-//   MK_OP_QKV       megakernel_gemv.cuh        RMSNorm + 16 rows of the QKV projection + RoPE +
-//                                              KV-cache append (8 rotation pairs of one head)
-//   MK_OP_ATTN      megakernel_attention.cuh   attention partials over one split of the keys
-//   MK_OP_REDUCE    megakernel_attention.cuh   the splits merged into att
-//   MK_OP_OPROJ     megakernel_gemv.cuh        16 outputs of att Wo^T added to x
-//   MK_OP_GATE_UP   megakernel_gemv.cuh        RMSNorm + 8 gate and 8 up rows + SwiGLU
-//   MK_OP_DOWN      megakernel_gemv.cuh        16 outputs of ffn Wdown^T added to x
-//   MK_OP_LM_HEAD   megakernel_gemv.cuh        final RMSNorm + 16 logits
-//   MK_OP_SAMPLE    here (sampling.cuh)        one sequence's next token from its logits
+//   opcode            file                       what one instruction does
+//   MK_OP_EMBED       here                       x[b] = tok_embd[tokens[b]] for every b
+//   MK_OP_QKV         megakernel_gemv.cuh        RMSNorm + 16 rows of the QKV projection + RoPE +
+//                                                KV-cache append (8 rotation pairs of one head)
+//   MK_OP_ATTN        megakernel_attention.cuh   attention of some query heads of a kv head over
+//                                                one split of the keys (v1, or the ring: arg1)
+//   MK_OP_REDUCE      megakernel_attention.cuh   the splits merged into att
+//   MK_OP_OPROJ       megakernel_gemv.cuh        16 outputs of att Wo^T (one column chunk of kc)
+//                                                added to x, or into a partial slot
+//   MK_OP_GATE_UP     megakernel_gemv.cuh        RMSNorm + 8 gate and 8 up rows + SwiGLU
+//   MK_OP_DOWN        megakernel_gemv.cuh        16 outputs of ffn Wdown^T (one column chunk of kc)
+//                                                added to x, or into a partial slot
+//   MK_OP_LM_HEAD     megakernel_gemv.cuh        final RMSNorm + 16 logits
+//   MK_OP_SAMPLE      here / megakernel_sample   one sequence's next token: from its whole row
+//                                                (arg0 = 0) or from its chunks' answers
+//   MK_OP_SAMPLE_PART megakernel_sample.cuh      one vocabulary chunk's max and top-k candidates
+//
+// Instruction arguments (the op list, cupyattn/megakernel_llama.py, writes them; LlamaStep.plan
+// checks them against the step's buffers):
+//   MK_OP_ATTN                  arg0 head splits (>= 1), arg1 0 = v1, 1 = ring
+//   MK_OP_OPROJ, MK_OP_DOWN     arg0 column chunks kc; arg1 = KO | KD << 8 | flags << 16, flags bit
+//                               0: merge the split attention on load (O only), bit 1: write the
+//                               float32 partial to slot c (O) / KO + c (down) of part[layer & 1]
+//   MK_OP_QKV, _GATE_UP, _LM_HEAD  arg0 input mode: 0 x as it is; 1 x_s + the O slots of layer s;
+//                               2 that + the down slots of layer s (s = arg1 >> 16; KO, KD as above)
+//   MK_OP_SAMPLE_PART           arg0 chunks P, arg1 logits per chunk C;  MK_OP_SAMPLE: arg0 P or 0
 //
 // Dependencies are counters in global memory, never grid barriers: an instruction waits until
-// each counter of its waits[] rows reaches its target (wait_acquire: ld.acquire.gpu spin, one
-// thread per counter, then the block barrier passes what they acquired to every thread), runs, and
+// each counter of its waits[] rows reaches its target (wait_acquire: ld.acquire.gpu poll, one
+// thread per counter, sleeping at most m.spin_ns between polls, then the block barrier passes
+// what they acquired to every thread), runs, and
 // after a block barrier (every thread's writes done) thread 0 bumps its signal counter
 // (signal_release: red.release.gpu). Targets are step-relative; the counters are reset inside the
 // kernel with no race by keeping two sets (the step's epoch picks one) and having every block clear
@@ -33,12 +50,18 @@
 //                                               across instructions: chunks of the next GEMV are in
 //                                               flight during any instruction and any wait
 //                 xs [B][K] T (offset xs_off)   a GEMV's input rows, from its load to the last
-//                                               consecutive tile of the same op on the block
+//                                               consecutive tile of the same op and chunk on the
+//                                               block; or, during a ring attention instruction,
+//                                               its two K/V chunk slots (then xs holds nothing)
 //   static smem   MkScratch (a union)           one instruction's scratch: GEMV sums, attention
 //                                               state, the sampler's; free after the instruction's
 //                                               closing barrier
 //   global        counters [2][n_alloc] u32     set (epoch & 1) this step; the other set cleared
 //                 step [2] u32                  epoch (steps done), ticket (blocks done this step)
+//                 xalt, part                    the split projections' residual buffer and partial
+//                                               slots: layer s writes parity s & 1, which layer s + 2
+//                                               reuses only after every reader of layer s is done
+//                                               (each waits, through layer s + 1's device-wide waits)
 //
 // End of the step: each block takes a ticket (atom.acq_rel) after its queue; the last one (every
 // other block's work now happens-before it) advances every layer's cache lengths by one, resets
@@ -53,7 +76,9 @@
 #include "ptx.cuh"
 #include "sampling.cuh"
 #if !defined(MK_THREADS) || !defined(MK_STAGES) || !defined(MK_MAX_BATCH) || !defined(MK_MAX_HEAD_DIM) || \
-    !defined(MK_HEAD_TILE) || !defined(MK_INSTR_WORDS) || !defined(MK_OP_SAMPLE)
+    !defined(MK_HEAD_TILE) || !defined(MK_INSTR_WORDS) || !defined(MK_OP_SAMPLE_PART) || !defined(MK_TILE_ROWS) || \
+    !defined(MK_GATE_UP_ROWS) || !defined(MK_CHUNK_BYTES) || !defined(MK_ATTN_MAX_KEYS) || !defined(MK_SAMPLE_CAND) || \
+    !defined(MK_SAMPLE_MAX_CANDS) || !defined(MK_SAMPLE_MAX_PARTS) || !defined(MK_SAMPLE_CHUNK)
 #error "compile with the -D options of cupyattn/megakernel.py (the megakernel KernelSpec passes them)"
 #endif
 #define MK_WARPS (MK_THREADS / 32)
@@ -79,6 +104,9 @@ struct MkModel {
     unsigned long long* timings;  // [n, 4] per queue row: start, ready, done (globaltimer ns), block;
                                   // or null. Written by thread 0 of the row's block, read by nobody.
     long long B, dim, Hq, Hkv, D, F, V, L, max_seq, splits, neox;
+    long long spin_ns;    // a waiter's longest sleep between polls (0: none)
+    long long attn_keys;  // keys per staged chunk of the ring attention
+    long long parts;      // vocabulary chunks the sampler's buffers hold per sequence
     double eps, freq_scale, scale_log2;  // RMSNorm eps; RoPE -log2(base) / (D/2); D^-1/2 log2(e)
 };
 
@@ -95,6 +123,10 @@ struct MkState {
     void* k_cache;    // [L, B, Hkv, max_seq, D]
     void* v_cache;    // [L, B, Hkv, max_seq, D]
     int* lengths;     // [L, B] tokens cached before this step (advanced at its end)
+    void* xalt;       // [B, dim] the residual of odd layers (split projections; x holds even ones)
+    float* part;      // [2, KO + KD, B, dim] the split projections' partial slots, by layer parity
+    float* sp_val;    // [B, parts, 1 + MK_SAMPLE_CAND] the two-level sampler's chunk answers
+    int* sp_idx;      // [B, parts, 2 + MK_SAMPLE_CAND] (megakernel_sample.cuh)
 };
 
 // Layer l of a cache (MkState.k_cache or v_cache): [B, Hkv, max_seq, D].
@@ -115,12 +147,15 @@ __device__ __forceinline__ MkIns mk_ins(const int* instr, int row) {
 
 #include "megakernel_gemv.cuh"
 #include "megakernel_attention.cuh"
+#include "megakernel_sample.cuh"
 
 // One instruction's scratch (static shared memory, reused by every instruction).
 union MkScratch {
     GemvSmem gemv;
     AttnSmem attn;
-    SampleSmem<MK_THREADS> sample;
+    AttnRingSmem ring;
+    SamplePartSmem sample_part;
+    SampleMergeSmem sample_merge;
 };
 
 // --- small instructions -------------------------------------------------------------------------
@@ -157,7 +192,7 @@ template <typename T>
 __global__ void __launch_bounds__(MK_THREADS, 1) megakernel(
     const __grid_constant__ MkModel m,
     void* x, void* q, void* att, float* o_part, float* lse_part, void* ffn, void* logits,  // MkState
-    int* tokens, void* k_cache, void* v_cache, int* lengths,
+    int* tokens, void* k_cache, void* v_cache, int* lengths, void* xalt, float* part, float* sp_val, int* sp_idx,
     const int* __restrict__ instr,   // [n, MK_INSTR_WORDS] the queues back to back
     const int* __restrict__ queue,   // [gridDim.x + 1] block k's rows: queue[k] .. queue[k+1]
     const int* __restrict__ waits,   // [n_waits, 2] (counter, target)
@@ -167,7 +202,8 @@ __global__ void __launch_bounds__(MK_THREADS, 1) megakernel(
     int xs_off) {                    // byte offset of xs in dynamic smem (after the ring)
     extern __shared__ uint4 mk_smem_u4[];
     __shared__ MkScratch scratch;
-    const MkState st{x, q, att, o_part, lse_part, ffn, logits, tokens, k_cache, v_cache, lengths};
+    const MkState st{x, q, att, o_part, lse_part, ffn, logits, tokens, k_cache, v_cache, lengths, xalt, part, sp_val,
+                     sp_idx};
     unsigned char* smem = reinterpret_cast<unsigned char*>(mk_smem_u4);
     T* xs = reinterpret_cast<T*>(smem + xs_off);
     // Counter sets: this step counts in set (epoch & 1). The other set, the previous step's and the
@@ -186,7 +222,7 @@ __global__ void __launch_bounds__(MK_THREADS, 1) megakernel(
     // second trip to L2 (the earlier acquire still orders this thread's later reads).
     int seen_ctr = -1;
     unsigned seen_val = 0u;
-    int xs_key = -1;  // (op, layer) whose input rows xs holds: the same for every tile of an op
+    long long xs_key = -1;  // (op, layer, column chunk) whose input rows xs holds: the same for every tile
     unsigned long long* prof = m.timings;  // profiling (LlamaStep.profile): thread 0 stamps each instruction
     for (int row = q0; row < q1; ++row) {
         const MkIns ins = mk_ins(instr, row);
@@ -203,7 +239,7 @@ __global__ void __launch_bounds__(MK_THREADS, 1) megakernel(
         if ((int)threadIdx.x < ins.wait_count) {  // the host keeps wait_count <= MK_THREADS
             const int* w = waits + 2 * (ins.wait_begin + threadIdx.x);
             if (w[0] != seen_ctr || (int)(seen_val - (unsigned)w[1]) < 0) {
-                wait_acquire(ctr + w[0], (unsigned)w[1]);
+                wait_acquire(ctr + w[0], (unsigned)w[1], (unsigned)m.spin_ns);
                 seen_ctr = w[0];
                 seen_val = (unsigned)w[1];
             }
@@ -211,19 +247,27 @@ __global__ void __launch_bounds__(MK_THREADS, 1) megakernel(
         __syncthreads();
         if (prof != nullptr && threadIdx.x == 0) prof[4 * row + 1] = globaltimer_ns();
         if (mk_is_gemv(ins.op)) {
-            // the block's queue follows the global order, so its consecutive tiles of one op see
-            // the same input (no other op's write comes between them): load it once
-            const int key = ins.op * 65536 + ins.layer;
+            // the block's queue follows the global order, so its consecutive tiles of one op (and
+            // column chunk) see the same input (no other op's write comes between them): load it once
+            const int chunk = (ins.op == MK_OP_OPROJ || ins.op == MK_OP_DOWN) && ins.arg0 > 1 ? ins.tile % ins.arg0 : 0;
+            const long long key = ((long long)ins.op * 65536 + ins.layer) * 65536 + chunk;
             mk_gemv<T>(m, st, ins, ws, xs, key != xs_key, scratch.gemv);
             xs_key = key;
+        } else {
+            xs_key = -1;  // a ring attention reuses xs' memory; nothing else keeps it valid either
+            if (ins.op == MK_OP_ATTN) {
+                if (ins.arg1 == 1) mk_attention_ring<T>(m, st, ins, scratch.ring, reinterpret_cast<unsigned char*>(xs));
+                else mk_attention<T>(m, st, ins, scratch.attn);
+            } else if (ins.op == MK_OP_REDUCE) {
+                mk_attention_reduce<T>(m, st, ins);
+            } else if (ins.op == MK_OP_EMBED) {
+                mk_embed<T>(m, st);
+            } else if (ins.op == MK_OP_SAMPLE_PART) {
+                mk_sample_part<T>(m, st, ins, scratch.sample_part);
+            } else if (ins.op == MK_OP_SAMPLE) {
+                mk_sample<T>(m, st, ins, scratch.sample_merge);
+            }
         }
-        else if (ins.op == MK_OP_ATTN) mk_attention<T>(m, st, ins, scratch.attn);
-        else if (ins.op == MK_OP_REDUCE) mk_attention_reduce<T>(m, st, ins);
-        else if (ins.op == MK_OP_EMBED) mk_embed<T>(m, st);
-        else if (ins.op == MK_OP_SAMPLE)
-            sample_row<T, MK_THREADS, true>((const T*)logits + (size_t)ins.tile * m.V, (int)m.V,
-                                            m.fparams + 2 * ins.tile, m.iparams + 4 * ins.tile, tokens + ins.tile,
-                                            scratch.sample);
         __syncthreads();  // every thread's writes of the instruction precede the release
         if (prof != nullptr && threadIdx.x == 0) {
             prof[4 * row + 2] = globaltimer_ns();

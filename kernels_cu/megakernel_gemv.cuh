@@ -5,11 +5,22 @@
 //   MK_OP_QKV      Wqkv: 8 rotation pairs of head h          rmsnorm(x, attn_norm) RoPE; q -> q buffer,
 //                  (adjacent: rows hD+16j..+15; NeoX: hD+8j..+7                    k, v -> cache row
 //                  and hD+D/2+8j..+7), t = h * D/16 + j                            lengths[b]
-//   MK_OP_OPROJ    Wo rows 16t..16t+15                       att (heads merged)    x += C
+//   MK_OP_OPROJ    Wo rows 16r..16r+15, columns of chunk c   att (heads merged)    x += C, or C -> slot c
 //   MK_OP_GATE_UP  gate rows 8t..+7, up rows F+8t..+7        rmsnorm(x, ffn_norm)  ffn = silu(g) * u
-//   MK_OP_DOWN     Wdown rows 16t..16t+15                    ffn                   x += C
+//   MK_OP_DOWN     Wdown rows 16r..16r+15, columns of chunk c ffn                  x += C, or C -> slot KO + c
 //   MK_OP_LM_HEAD  output rows 16t..16t+15 (the tied         rmsnorm(x, out_norm)  logits = C
 //                  embedding when tied)
+//
+// Split projections (the op list's deps="fine"; instruction words as megakernel.cu's table): an
+// O or down projection of kc column chunks has tiles t = r * kc + c, each the product of rows
+// 16r.. with the columns of chunk c only, written in float32 to partial slot c (O: the kv head c's
+// heads) or KO + c (down) of part[layer & 1] instead of added to x. The loaders that read the
+// residual after them sum the slots in a fixed order (gemv_fetch: no atomics, the same sum on any
+// number of blocks): mode 1 (gate|up of layer s) x' = T(x_s + T(sum of the O slots)); mode 2 (QKV
+// of layer s + 1, the LM head) T(x' + T(sum of the down slots)), which the QKV tile 0 of layer s + 1
+// also stores as x_{s+1} (buffer (s + 1) & 1 of x, xalt). The rounding is the fused step's, the
+// float32 sums in another order. With the merge flag the O projection's input is the split
+// attention's partials merged as they load (mk_merge: the reduce op's arithmetic), no att rows.
 //
 // Every rounding of the fused step (fused_decode.cu) is kept: the normalised rows are
 // T(x * inv_rms * w) as rmsnorm writes them, C is rounded to T before RoPE / the residual add /
@@ -31,24 +42,35 @@
 #include "ptx.cuh"
 #include "rope.cuh"
 
-#define MK_CHUNK_BYTES 512                   // per weight row per chunk: 32 lanes x 16 bytes
-#define MK_TILE_ROWS 16                      // weight rows per GEMV tile (two groups of 8)
+// The geometry (cupyattn/megakernel.py GEOMETRY: MK_TILE_ROWS, MK_GATE_UP_ROWS, MK_CHUNK_BYTES) and
+// what this file's code assumes of it: warp w owns tile rows 2w and 2w + 1, a gate|up tile is its
+// two 8-row groups, a QKV tile 8 rotation pairs, a chunk a 16-byte vector per lane.
+static_assert(MK_TILE_ROWS == 2 * MK_WARPS, "a GEMV tile is a row pair per warp");
+static_assert(MK_GATE_UP_ROWS * 2 == MK_TILE_ROWS && MK_GATE_UP_ROWS == 8, "gate|up and QKV tiles are two groups of 8 rows");
+static_assert(MK_CHUNK_BYTES == 32 * 16, "a weight chunk row is one 16-byte vector per lane");
 #define MK_STAGE_BYTES (MK_TILE_ROWS * MK_CHUNK_BYTES)
+// the loaders' input (GemvTile::src)
+#define MK_SRC_PLAIN 0    // rows of x / att / ffn as they are
+#define MK_SRC_COMPOSE 1  // the residual summed from a buffer and partial slots (mode 1 or 2)
+#define MK_SRC_MERGE 2    // attention rows merged from the split partials
 
 __device__ __forceinline__ bool mk_is_gemv(int op) {
     return op == MK_OP_QKV || op == MK_OP_OPROJ || op == MK_OP_GATE_UP || op == MK_OP_DOWN || op == MK_OP_LM_HEAD;
 }
 
 // --- what a GEMV instruction reads --------------------------------------------------------------
-// Weight tile: rows row[g] .. row[g] + 7 of w [N, K] for groups g = 0, 1 (tile rows 8g .. 8g + 7),
-// rows at or past end[g] read as zero. Input: x rows [B, K] at stride ld, normalised with norm
-// (or not: null).
+// Weight tile: rows row[g] .. row[g] + 7 of w (row stride wld, K columns used) for groups g = 0, 1
+// (tile rows 8g .. 8g + 7), rows at or past end[g] read as zero. Input: x rows [B, K] at stride ld
+// (src MK_SRC_PLAIN), normalised with norm (or not: null); col0 the first column of a chunk.
+// Compose: mode 1/2, parity par of the slots and the source buffer, ko + kd slots, the loaded
+// rows stored to xdst as well when not null. Epilogue: slot >= 0 writes C to that partial slot.
 template <typename T>
 struct GemvTile {
     const T* w;
     const T* x;
     const T* norm;
-    int K, ld, row[2], end[2], nchunks;
+    T* xdst;
+    int K, wld, ld, row[2], end[2], nchunks, src, mode, par, ko, kd, col0, slot;
 };
 
 template <typename T>
@@ -58,33 +80,66 @@ __device__ __forceinline__ GemvTile<T> gemv_tile(const MkModel& m, const MkState
     const int t = ins.tile, dim = (int)m.dim, qd = (int)(m.Hq * m.D), F = (int)m.F;
     GemvTile<T> g;
     g.norm = nullptr;
-    g.row[0] = 16 * t;
-    g.row[1] = 16 * t + 8;
+    g.xdst = nullptr;
+    g.src = MK_SRC_PLAIN;
+    g.mode = 0;
+    g.col0 = 0;
+    g.slot = -1;
+    g.ko = ins.arg1 & 255;
+    g.kd = (ins.arg1 >> 8) & 255;
+    const int high = ins.arg1 >> 16;
+    g.row[0] = MK_TILE_ROWS * t;
+    g.row[1] = MK_TILE_ROWS * t + 8;
     if (ins.op == MK_OP_QKV) {
         const int D = (int)m.D, h = t / (D / 16), j = t % (D / 16);
         g.w = (const T*)L->wqkv; g.x = (const T*)st.x; g.norm = (const T*)L->attn_norm; g.K = dim; g.ld = dim;
         g.row[0] = h * D + (m.neox ? 8 * j : 16 * j);
         g.row[1] = m.neox ? h * D + D / 2 + 8 * j : g.row[0] + 8;
         g.end[0] = g.end[1] = (int)((m.Hq + 2 * m.Hkv) * m.D);
-    } else if (ins.op == MK_OP_OPROJ) {
-        g.w = (const T*)L->wo; g.x = (const T*)st.att; g.K = qd; g.ld = qd;
+    } else if (ins.op == MK_OP_OPROJ || ins.op == MK_OP_DOWN) {
+        // tile t = r * kc + c: rows 16r.., columns [c K, (c + 1) K) of the kc chunks
+        const int kc = ins.arg0 > 1 ? ins.arg0 : 1, r = t / kc, c = t % kc, width = ins.op == MK_OP_OPROJ ? qd : F;
+        g.K = width / kc;
+        g.col0 = c * g.K;
+        g.w = (const T*)(ins.op == MK_OP_OPROJ ? L->wo : L->w_down) + g.col0;
+        g.x = (const T*)(ins.op == MK_OP_OPROJ ? st.att : st.ffn) + g.col0;
+        g.ld = width;
+        g.wld = width;
+        g.row[0] = MK_TILE_ROWS * r;
+        g.row[1] = MK_TILE_ROWS * r + 8;
         g.end[0] = g.end[1] = dim;
+        if (ins.op == MK_OP_OPROJ && (high & 1)) g.src = MK_SRC_MERGE;
+        if (high & 2) g.slot = ins.op == MK_OP_OPROJ ? c : g.ko + c;
+        g.par = ins.layer & 1;
     } else if (ins.op == MK_OP_GATE_UP) {
         g.w = (const T*)L->w_gate_up; g.x = (const T*)st.x; g.norm = (const T*)L->ffn_norm; g.K = dim; g.ld = dim;
         g.row[0] = 8 * t; g.row[1] = F + 8 * t;
         g.end[0] = F; g.end[1] = 2 * F;
-    } else if (ins.op == MK_OP_DOWN) {
-        g.w = (const T*)L->w_down; g.x = (const T*)st.ffn; g.K = F; g.ld = F;
-        g.end[0] = g.end[1] = dim;
     } else {  // MK_OP_LM_HEAD
         g.w = (const T*)m.out_w; g.x = (const T*)st.x; g.norm = (const T*)m.out_norm; g.K = dim; g.ld = dim;
         g.end[0] = g.end[1] = (int)m.V;
+    }
+    if (ins.op != MK_OP_OPROJ && ins.op != MK_OP_DOWN) {
+        g.wld = g.K;
+        if (ins.arg0 > 0) {  // the residual composed from a buffer and the partial slots of layer `high`
+            g.src = MK_SRC_COMPOSE;
+            g.mode = ins.arg0;
+            g.par = high & 1;
+            g.x = (const T*)(g.par ? st.xalt : st.x);
+            if (ins.op == MK_OP_QKV && ins.arg0 == 2 && t == 0) g.xdst = (T*)(g.par ? st.x : st.xalt);
+        }
     }
     g.nchunks = (g.K + CH - 1) / CH;
     return g;
 }
 
 // --- the weight stream --------------------------------------------------------------------------
+template <typename T>
+struct WeightRows {
+    const T* w;
+    int wld, K, row[2], end[2], nchunks;
+};
+
 // Every thread of the block holds the same copy (uniform control flow). `row` is the next queue
 // row to look at for the issue side, `sub` the next chunk of `tile` to issue.
 template <typename T>
@@ -94,7 +149,8 @@ struct WeightStream {
     const int* instr;
     unsigned char* ring;  // smem [MK_STAGES][MK_TILE_ROWS][MK_CHUNK_BYTES]
     int row, end, sub, issued, consumed;
-    GemvTile<T> tile;
+    WeightRows<T> tile;  // what the issue side needs of the current tile (the stream lives across the
+                         // whole queue: a slim copy keeps its registers few)
 
     __device__ WeightStream(const MkModel& m_, const MkState& st_, const int* instr_, int q0, int q1,
                             unsigned char* ring_)
@@ -111,7 +167,8 @@ struct WeightStream {
         while (sub >= tile.nchunks && row < end) {
             const MkIns ins = mk_ins(instr, row++);
             if (mk_is_gemv(ins.op)) {
-                tile = gemv_tile<T>(m, st, ins);
+                const GemvTile<T> g = gemv_tile<T>(m, st, ins);
+                tile = WeightRows<T>{g.w, g.wld, g.K, {g.row[0], g.row[1]}, {g.end[0], g.end[1]}, g.nchunks};
                 sub = 0;
             }
         }
@@ -124,7 +181,7 @@ struct WeightStream {
                 const int wrow = (hi ? tile.row[1] : tile.row[0]) + r % 8, col = sub * CH + cl * VEC;
                 const bool ok = wrow < (hi ? tile.end[1] : tile.end[0]) && col < tile.K;  // whole chunks
                 cp_async_zfill<16>(slot + r * MK_CHUNK_BYTES + cl * 16,
-                                   ok ? (const void*)(tile.w + (size_t)wrow * tile.K + col) : (const void*)tile.w,
+                                   ok ? (const void*)(tile.w + (size_t)wrow * tile.wld + col) : (const void*)tile.w,
                                    ok ? 16 : 0);
             }
             ++sub;
@@ -157,34 +214,116 @@ __device__ __forceinline__ float chunk_dot(const uint4& a, const uint4& b) {
     return s;
 }
 
-// xs [B][K] <- rows of x (stride ld), each normalised as rmsnorm writes it when norm is given:
-// warp b owns row b (B <= MK_WARPS), so the sum of squares needs no block barrier, and each lane
-// rescales exactly the chunks it stored. x was written by other blocks during this kernel: read
-// through L2 (__ldcg). The caller's next barrier makes xs visible to the block.
+// One attention output element of sequence b, head h, dim d merged from the split partials:
+// lse = max_c lse_c, w_c = exp(lse_c - lse), out = sum_c w_c O_c / sum_c w_c (zeros when every
+// split was empty). The reduce op and the merge-on-load of the O projection share it, so both
+// round the same.
+__device__ __forceinline__ float mk_merge(const MkModel& m, const MkState& st, int b, int h, int d) {
+    const int splits = (int)m.splits, B = (int)m.B, Hq = (int)m.Hq, D = (int)m.D;
+    float M = -CUDART_INF_F;
+    for (int c = 0; c < splits; ++c) M = fmaxf(M, __ldcg(st.lse_part + ((size_t)c * B + b) * Hq + h));
+    float W = 0.f, O = 0.f;
+    if (M > -CUDART_INF_F) {
+        for (int c = 0; c < splits; ++c) {
+            const size_t r = ((size_t)c * B + b) * Hq + h;
+            const float w = expf(__ldcg(st.lse_part + r) - M);
+            W += w;
+            O = fmaf(w, __ldcg(st.o_part + r * D + d), O);
+        }
+    }
+    return W > 0.f ? O / W : 0.f;
+}
+
+// ss + the sum of squares of a 16-byte vector's elements.
 template <typename T>
-__device__ __forceinline__ void gemv_load_rows(const GemvTile<T>& g, int B, float eps, T* xs) {
+__device__ __forceinline__ float fmaf_chunk(const uint4& v, float ss) {
+    const T* e = reinterpret_cast<const T*>(&v);
+#pragma unroll
+    for (int i = 0; i < 16 / (int)sizeof(T); ++i) ss = fmaf(to_float(e[i]), to_float(e[i]), ss);
+    return ss;
+}
+
+// 16-byte vector c of input row b composed from its buffer and the partial slots (mode 1 or 2, see
+// the file's header).
+template <typename T>
+__device__ __forceinline__ uint4 gemv_fetch(const MkModel& m, const MkState& st, const GemvTile<T>& g, int b, int c) {
+    constexpr int VEC = 16 / sizeof(T);
+    uint4 out;
+    T* o = reinterpret_cast<T*>(&out);
+    const uint4 xv = __ldcg(reinterpret_cast<const uint4*>(g.x + (size_t)b * g.ld) + c);
+    const T* xe = reinterpret_cast<const T*>(&xv);
+    const size_t slot = (size_t)m.B * m.dim;  // one slot: [B, dim] floats
+    const float* p = st.part + (size_t)g.par * (g.ko + g.kd) * slot + (size_t)b * m.dim + (size_t)c * VEC;
+    float so[VEC], sd[VEC];
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) so[e] = sd[e] = 0.f;
+    for (int s = 0; s < g.ko + (g.mode == 2 ? g.kd : 0); ++s) {  // slots in order: a fixed sum
+        float v[VEC];
+#pragma unroll
+        for (int e = 0; e < VEC; e += 4) {
+            const float4 f = __ldcg(reinterpret_cast<const float4*>(p + s * slot + e));
+            v[e] = f.x; v[e + 1] = f.y; v[e + 2] = f.z; v[e + 3] = f.w;
+        }
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+            if (s < g.ko) so[e] += v[e];
+            else sd[e] += v[e];
+        }
+    }
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+        float r = to_float(from_float<T>(to_float(xe[e]) + to_float(from_float<T>(so[e]))));  // + O projection
+        if (g.mode == 2) r = to_float(from_float<T>(r + to_float(from_float<T>(sd[e]))));        // + down projection
+        o[e] = from_float<T>(r);
+    }
+    return out;
+}
+
+// xs [B][K] <- the tile's input rows (gemv_fetch), each normalised as rmsnorm writes it when norm
+// is given: warp b owns row b (B <= MK_WARPS), so the sum of squares needs no block barrier, and
+// each lane rescales exactly the chunks it stored. The rows were written by other blocks during
+// this kernel: read through L2 (__ldcg). A composed residual also goes to xdst when set (the QKV
+// tile 0 of a layer). The caller's next barrier makes xs visible to the block.
+template <typename T>
+__device__ __forceinline__ void gemv_load_rows(const MkModel& m, const MkState& st, const GemvTile<T>& g, T* xs) {
     constexpr int VEC = 16 / sizeof(T), BATCH = 4;
+    const int B = (int)m.B;
     const int lane = threadIdx.x & 31, b = threadIdx.x >> 5, nc = g.K / VEC;
     if (b >= B) return;  // whole warps leave together
-    const T* src = g.x + (size_t)b * g.ld;
     uint4* dst = reinterpret_cast<uint4*>(xs + (size_t)b * g.K);
     float ss = 0.f;
-    for (int c0 = lane; c0 < nc; c0 += 32 * BATCH) {
-        uint4 v[BATCH];  // BATCH loads in flight before the first store
+    if (g.src == MK_SRC_PLAIN) {
+        const uint4* src = reinterpret_cast<const uint4*>(g.x + (size_t)b * g.ld);
+        for (int c0 = lane; c0 < nc; c0 += 32 * BATCH) {
+            uint4 v[BATCH];  // BATCH loads in flight before the first store
 #pragma unroll
-        for (int u = 0; u < BATCH; ++u)
-            if (c0 + 32 * u < nc) v[u] = __ldcg(reinterpret_cast<const uint4*>(src) + c0 + 32 * u);
+            for (int u = 0; u < BATCH; ++u)
+                if (c0 + 32 * u < nc) v[u] = __ldcg(src + c0 + 32 * u);
 #pragma unroll
-        for (int u = 0; u < BATCH; ++u)
-            if (c0 + 32 * u < nc) {
-                dst[c0 + 32 * u] = v[u];
-                const T* e = reinterpret_cast<const T*>(&v[u]);
-#pragma unroll
-                for (int i = 0; i < VEC; ++i) ss = fmaf(to_float(e[i]), to_float(e[i]), ss);
-            }
+            for (int u = 0; u < BATCH; ++u)
+                if (c0 + 32 * u < nc) {
+                    dst[c0 + 32 * u] = v[u];
+                    ss = fmaf_chunk<T>(v[u], ss);
+                }
+        }
+    } else if (g.src == MK_SRC_MERGE) {  // element by element (the merge's loops are not unrolled per vector)
+        const int D = (int)m.D;
+        T* row = xs + (size_t)b * g.K;
+        for (int k = lane; k < g.K; k += 32) {
+            const T v = from_float<T>(mk_merge(m, st, b, (g.col0 + k) / D, (g.col0 + k) % D));
+            row[k] = v;
+            ss = fmaf(to_float(v), to_float(v), ss);
+        }
+    } else {  // composed: each vector's slot loads are independent of each other
+        for (int c = lane; c < nc; c += 32) {
+            const uint4 v = gemv_fetch<T>(m, st, g, b, c);
+            dst[c] = v;
+            if (g.xdst != nullptr) *(reinterpret_cast<uint4*>(g.xdst + (size_t)b * g.ld) + c) = v;
+            ss = fmaf_chunk<T>(v, ss);
+        }
     }
     if (g.norm == nullptr) return;
-    const float inv_rms = 1.0f / sqrtf(warp_reduce_sum(ss) / (float)g.K + eps);
+    const float inv_rms = 1.0f / sqrtf(warp_reduce_sum(ss) / (float)g.K + (float)m.eps);
     for (int c = lane; c < nc; c += 32) {
         uint4 v = dst[c];
         const uint4 w = *(reinterpret_cast<const uint4*>(g.norm) + c);
@@ -295,12 +434,14 @@ __device__ __forceinline__ void gemv_epilogue(const MkModel& m, const MkState& s
         }
         return;
     }
-    const int N = g.end[0], n0 = 16 * ins.tile;
+    const int N = g.end[0], n0 = g.row[0];
     for (int it = threadIdx.x; it < MK_TILE_ROWS * B; it += MK_THREADS) {
         const int b = it / MK_TILE_ROWS, n = n0 + it % MK_TILE_ROWS;
         if (n >= N) continue;
         const float c = sm.c[b][it % MK_TILE_ROWS];
-        if (ins.op == MK_OP_LM_HEAD) {
+        if (g.slot >= 0) {  // a column chunk's float32 partial into its slot (the file's header)
+            st.part[(((size_t)g.par * (g.ko + g.kd) + g.slot) * B + b) * N + n] = c;
+        } else if (ins.op == MK_OP_LM_HEAD) {
             ((T*)st.logits)[(size_t)b * N + n] = from_float<T>(c);
         } else {  // OPROJ, DOWN: the one thread that owns x[b][n] reads and writes it
             T* xe = (T*)st.x + (size_t)b * N + n;
@@ -315,7 +456,7 @@ template <typename T>
 __device__ void mk_gemv(const MkModel& m, const MkState& st, const MkIns& ins, WeightStream<T>& ws, T* xs,
                         bool load, GemvSmem& sm) {
     const GemvTile<T> g = gemv_tile<T>(m, st, ins);
-    if (load) gemv_load_rows<T>(g, (int)m.B, (float)m.eps, xs);  // ws.next()'s barrier publishes xs
+    if (load) gemv_load_rows<T>(m, st, g, xs);  // ws.next()'s barrier publishes xs
     gemv_product<T>(ws, g, (int)m.B, xs, sm);
     if (ins.op == MK_OP_QKV) gemv_epilogue_qkv<T>(m, st, ins, sm);
     else gemv_epilogue<T>(m, st, ins, g, sm);

@@ -14,7 +14,7 @@
 //   griddepcontrol_wait(), _launch_dependents()  griddepcontrol (9.7.12.20)             sm_90+
 //   signal_release(counter, inc)             red.release.gpu.global.add.u32             sm_70+
 //   load_acquire(p) -> value                 ld.acquire.gpu.global.u32                  sm_70+
-//   wait_acquire(counter, target)            load_acquire spin (+ __nanosleep backoff)  sm_70+
+//   wait_acquire(counter, target, max_ns)    load_acquire poll (+ __nanosleep backoff)  sm_70+
 //   atomic_add_relaxed(p, v) -> old          atom.relaxed.gpu.global.add.u32            sm_70+
 //   atomic_add_acq_rel(p, v) -> old          atom.acq_rel.gpu.global.add.u32            sm_70+
 //   fence_acq_rel_gpu()                      fence.acq_rel.gpu                          sm_70+
@@ -178,6 +178,21 @@ __device__ __forceinline__ void griddepcontrol_launch_dependents() {
 // wait_acquire's target compares modulo 2^32 ((int)(value - target) >= 0), so a counter that only
 // grows may wrap. The CPU emulator (tests/emu/emu_ptx.h, emu_memory.h) models exactly this: a
 // store another block has not released and this block has not acquired reads as poison there.
+// Why these are the narrowest correct forms (a hand-off is on the critical path of every
+// dependent instruction of a persistent kernel):
+//   - release: one .release RMW at .gpu scope (ptxas: MEMBAR.GPU + RED.STRONG.GPU). The same
+//     pattern from a fence (fence.acq_rel.gpu + a relaxed add) is the same membar; fence.sc and
+//     .sys scope are wider; a plain (weak) store would not be a release at all.
+//   - acquire: the poll itself is ld.acquire.gpu (LDG.STRONG.GPU + an L1 invalidation, CCTL.IVALL).
+//     Polling relaxed and acquiring once after (a second ld.acquire, or fence.acq_rel) would move
+//     the invalidation off the failing polls but add a dependent L2 trip after the successful one,
+//     which is the trip every consumer waits for; one thread per counter polls, the others sleep
+//     at the block barrier, so the failed polls' invalidations cost nothing the block needs (its
+//     operands live in shared memory and registers, its L2 reads bypass L1).
+//   - the sleep between polls: max_ns caps the backoff (32 ns doubling). A long cap oversleeps a
+//     counter that arrives just after a poll by up to the cap (1024 ns: about half a microsecond
+//     on average per hand-off); 0 polls without sleeping, costing L2 traffic one poll per L2
+//     round trip per waiting block.
 __device__ __forceinline__ void signal_release(unsigned* counter, unsigned inc) {
     asm volatile("red.release.gpu.global.add.u32 [%0], %1;\n" ::"l"(counter), "r"(inc) : "memory");
 }
@@ -188,12 +203,15 @@ __device__ __forceinline__ unsigned load_acquire(const unsigned* p) {
     return v;
 }
 
-// Spin until *counter reaches target; the backoff keeps spinning threads off the memory system.
-__device__ __forceinline__ void wait_acquire(const unsigned* counter, unsigned target) {
-    unsigned ns = 32;
+// Poll until *counter reaches target, sleeping 32 ns, 64 ns, ... up to max_ns between polls (0:
+// no sleep); the backoff keeps long waits off the memory system.
+__device__ __forceinline__ void wait_acquire(const unsigned* counter, unsigned target, unsigned max_ns = 1024u) {
+    unsigned ns = max_ns < 32u ? max_ns : 32u;
     while ((int)(load_acquire(counter) - target) < 0) {
-        __nanosleep(ns);
-        if (ns < 1024) ns *= 2;
+        if (ns != 0u) {
+            __nanosleep(ns);
+            ns = ns < max_ns / 2u ? 2u * ns : max_ns;
+        }
     }
 }
 

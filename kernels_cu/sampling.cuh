@@ -6,7 +6,9 @@
 //   order_key, mass_of          the monotone key of a logit and its fixed-point probability mass
 //   block_argmax, block_exclusive_scan   block reductions (NT threads)
 //   radix_threshold             the top-k / top-p cut by 8-bit radix selection
-//   sample_row                  the whole draw for one row of logits
+//   sample_draw                 the whole draw over a source of n logits (RowSrc: a row in global
+//                               memory; the megakernel's merge: its top-k candidates in shared memory)
+//   sample_row                  sample_draw over one row of logits, its RNG step advanced
 //
 // SAMPLING_MASS_BITS comes from cupyattn/config.py as a -D option (the specs that include this
 // file pass it).
@@ -27,6 +29,14 @@ __device__ __forceinline__ T sample_load(const T* p) {
     if constexpr (CG) return __ldcg(p);
     else return *p;
 }
+
+// The logits a draw reads: src(i) is logit i (as float) of n. The draw's answer is an index i; the
+// caller maps it to a token id (a row: i itself).
+template <typename T, bool CG>
+struct RowSrc {
+    const T* row;
+    __device__ __forceinline__ float operator()(int i) const { return to_float(sample_load<CG>(row + i)); }
+};
 
 // --- Philox-4x32-10 (Salmon et al., SC'11; the Random123 definition) -------------------------
 struct Philox4 {
@@ -139,8 +149,8 @@ __device__ u64 block_exclusive_scan(u64 x, u64* total, u64* sw) {
 // match the digits chosen so far, then one warp finds the digit at which the weight counted from
 // the largest digit down reaches what is still needed. Integer weights: the histogram does not
 // depend on the order of the atomic adds.
-template <typename T, bool MASS, bool CG>
-__device__ unsigned radix_threshold(const T* row, int V, unsigned floor_key, u64 need, float lmax,
+template <bool MASS, typename Src>
+__device__ unsigned radix_threshold(const Src& row, int V, unsigned floor_key, u64 need, float lmax,
                                     float beta, u64* hist, unsigned* sel_digit, u64* sel_need) {
     const int lane = threadIdx.x & 31;
     unsigned prefix = 0u, mask = 0u;
@@ -148,7 +158,7 @@ __device__ unsigned radix_threshold(const T* row, int V, unsigned floor_key, u64
         for (int j = threadIdx.x; j < RADIX_BINS; j += blockDim.x) hist[j] = 0ull;
         __syncthreads();
         for (int i = threadIdx.x; i < V; i += blockDim.x) {
-            const float l = to_float(sample_load<CG>(row + i));
+            const float l = row(i);
             const unsigned key = order_key(l);
             if (key < floor_key || (key & mask) != prefix) continue;
             atomicAdd(&hist[(key >> shift) & 255u], MASS ? mass_of(l, lmax, beta) : 1ull);
@@ -204,15 +214,15 @@ struct SampleSmem {
     int chosen;
 };
 
-// One sequence's token by the whole block of NT threads: row [V] (last dim contiguous),
-// fparams [2] = (beta, top_p), iparams [4] = (top_k, seed lo, seed hi, step: advanced by one),
-// the id (or -1) to *out. blockDim.x must be NT: the loops stride by the constant NT (with
-// blockDim.x strides, sample_kernel spilled at its 64-register bound on sm_120). CG: read the
-// logits through L2 only (__ldcg), for logits other blocks of the same kernel wrote (the
-// megakernel); else plain loads.
-template <typename T, int NT, bool CG>
-__device__ void sample_row(const T* __restrict__ row, int V, const float* __restrict__ fparams,
-                           int* __restrict__ iparams, int* __restrict__ out, SampleSmem<NT>& sm) {
+// One draw by the whole block of NT threads over the n logits of `row` (a Src: src(i) is logit i),
+// with beta (inverse temperature), top_p, top_k and the RNG's seed and step: the index drawn, or
+// -1 when no logit is a candidate (all NaN or -inf). blockDim.x must be NT: the loops stride by
+// the constant NT (with blockDim.x strides, sample_kernel spilled at its 64-register bound on
+// sm_120). The logits are an order: the argmax takes the smallest index of the largest, the
+// inverse CDF runs in index order (so a source in token-id order draws what the whole row would).
+template <int NT, typename Src>
+__device__ int sample_draw(const Src& row, int V, float beta, float top_p, int top_k, unsigned seed_lo,
+                           unsigned seed_hi, int step, SampleSmem<NT>& sm) {
     u64* hist = sm.hist;
     u64* sw = sm.sw;
     float* sv = sm.sv;
@@ -220,15 +230,12 @@ __device__ void sample_row(const T* __restrict__ row, int V, const float* __rest
     unsigned& sel_digit = sm.sel_digit;
     u64& sel_need = sm.sel_need;
     int& chosen = sm.chosen;
-    const float beta = fparams[0], top_p = fparams[1];
-    const int top_k = iparams[0], step = iparams[3];
-    const unsigned seed_lo = (unsigned)iparams[1], seed_hi = (unsigned)iparams[2];
 
     // step 1: max logit and its smallest index (the greedy answer; l_max for the masses)
     float best = -CUDART_INF_F;
     int best_i = 0x7fffffff;
     for (int i = threadIdx.x; i < V; i += NT) {
-        const float l = to_float(sample_load<CG>(row + i));
+        const float l = row(i);
         const float v = l != l ? -CUDART_INF_F : l;  // NaN never wins
         if (arg_better(v, i, best, best_i)) {
             best = v;
@@ -243,27 +250,26 @@ __device__ void sample_row(const T* __restrict__ row, int V, const float* __rest
         // step 2: top-k cut, the k-th largest key (ties kept)
         unsigned thr = 0u;
         if (top_k > 0 && top_k < V)
-            thr = radix_threshold<T, false, CG>(row, V, 0u, (u64)top_k, best, beta, hist, &sel_digit, &sel_need);
+            thr = radix_threshold<false>(row, V, 0u, (u64)top_k, best, beta, hist, &sel_digit, &sel_need);
         // step 3: top-p cut among the top-k survivors
         if (top_p < 1.0f) {
             u64 own = 0ull, kept = 0ull;
             for (int i = threadIdx.x; i < V; i += NT) {
-                const float l = to_float(sample_load<CG>(row + i));
+                const float l = row(i);
                 if (order_key(l) >= thr) own += mass_of(l, best, beta);
             }
             block_exclusive_scan<NT>(own, &kept, sw);
             double want = ceil((double)top_p * (double)kept);
             const u64 need = want < 1.0 ? 1ull : (want >= (double)kept ? kept : (u64)want);
-            const unsigned thr_p = radix_threshold<T, true, CG>(row, V, thr, need, best, beta, hist, &sel_digit,
-                                                            &sel_need);
+            const unsigned thr_p = radix_threshold<true>(row, V, thr, need, best, beta, hist, &sel_digit, &sel_need);
             thr = thr_p > thr ? thr_p : thr;
         }
-        // step 4: inverse CDF in id order; thread t owns the ids [t*C, (t+1)*C)
+        // step 4: inverse CDF in index order; thread t owns the indices [t*C, (t+1)*C)
         const int chunk = (V + NT - 1) / NT;
         const int lo = min(V, (int)threadIdx.x * chunk), hi = min(V, lo + chunk);
         u64 own = 0ull, total = 0ull;
         for (int i = lo; i < hi; ++i) {
-            const float l = to_float(sample_load<CG>(row + i));
+            const float l = row(i);
             if (order_key(l) >= thr) own += mass_of(l, best, beta);
         }
         const u64 before = block_exclusive_scan<NT>(own, &total, sw);
@@ -276,7 +282,7 @@ __device__ void sample_row(const T* __restrict__ row, int V, const float* __rest
             if (before <= r && r < before + own) {  // exactly one thread's chunk holds r
                 u64 cum = before;
                 for (int i = lo; i < hi; ++i) {
-                    const float l = to_float(sample_load<CG>(row + i));
+                    const float l = row(i);
                     if (order_key(l) >= thr) cum += mass_of(l, best, beta);
                     if (r < cum) {
                         chosen = i;
@@ -288,6 +294,19 @@ __device__ void sample_row(const T* __restrict__ row, int V, const float* __rest
             token = chosen;
         }
     }
+    return token;
+}
+
+// One sequence's token by the whole block of NT threads: row [V] (last dim contiguous),
+// fparams [2] = (beta, top_p), iparams [4] = (top_k, seed lo, seed hi, step: advanced by one),
+// the id (or -1) to *out. CG: read the logits through L2 only (__ldcg), for logits other blocks
+// of the same kernel wrote (the megakernel); else plain loads.
+template <typename T, int NT, bool CG>
+__device__ void sample_row(const T* __restrict__ row, int V, const float* __restrict__ fparams,
+                           int* __restrict__ iparams, int* __restrict__ out, SampleSmem<NT>& sm) {
+    const int step = iparams[3];
+    const int token = sample_draw<NT>(RowSrc<T, CG>{row}, V, fparams[0], fparams[1], iparams[0],
+                                      (unsigned)iparams[1], (unsigned)iparams[2], step, sm);
     if (threadIdx.x == 0) {
         *out = token;
         iparams[3] = step + 1;  // every thread read step at the top

@@ -91,6 +91,14 @@ MUTANTS = [
      _RING_NEXT, _RING_NEXT.replace("        __syncthreads();\n", "").replace("        issue_one();\n", "")
      .replace("cp_async_wait<MK_STAGES - 2>();\n", "cp_async_wait<MK_STAGES - 2>();\n        issue_one();\n"
               "        __syncthreads();\n"), "megakernel"),
+    # the megakernel's ring attention (megakernel_attention.cuh), one block: 151 keys in 3 staged chunks
+    ("cp.async.wait_group count off by one (megakernel ring attention)", "megakernel_attention.cuh",
+     "        if (c + 1 < nchunks) cp_async_wait<1>();\n", "        if (c + 1 < nchunks) cp_async_wait<2>();\n",
+     "megakernel_ring"),
+    ("ring refill moved before the barrier that retires its readers (megakernel ring attention)",
+     "megakernel_attention.cuh",
+     "        if (c >= 0) __syncthreads();  // every thread is done with chunk c - 1 (its slot refills next)\n", "",
+     "megakernel_ring"),
     ("tile counter not reset by the launch's last claim (flash_attn_sm90_sched.cuh: the next launch skips tiles)",
      "flash_attn_sm90_sched.cuh", _SCHED_RESET, "", "flash_persistent", True),
 ]
@@ -100,7 +108,8 @@ MUTANTS = [
 ORDER_MUTANTS = [
     ("counter released without release semantics", "megakernel.cu",
      "signal_release(ctr + ins.signal, 1u);", "atomic_add_relaxed(ctr + ins.signal, 1u);", "megakernel_blocks"),
-    ("counter awaited without acquire semantics", "megakernel.cu", "wait_acquire(ctr + w[0], (unsigned)w[1]);",
+    ("counter awaited without acquire semantics", "megakernel.cu",
+     "wait_acquire(ctr + w[0], (unsigned)w[1], (unsigned)m.spin_ns);",
      "while ((int)(atomic_add_relaxed(ctr + w[0], 0u) - (unsigned)w[1]) < 0) __nanosleep(32);", "megakernel_blocks"),
     ("no block barrier between an instruction's writes and its release", "megakernel.cu",
      "        __syncthreads();  // every thread's writes of the instruction precede the release\n", "",
@@ -115,6 +124,8 @@ SECOND_INSTANCES = {
     "ring refill moved before the barrier that retires its readers (flash_attn.cu V buffer)",
     "cp.async.wait_group count off by one (megakernel weight ring)",
     "ring refill moved before the barrier that retires its readers (megakernel weight ring)",
+    "cp.async.wait_group count off by one (megakernel ring attention)",
+    "ring refill moved before the barrier that retires its readers (megakernel ring attention)",
     "counter released without release semantics",   # the split-KV ticket's relaxed-ticket mutants
     "counter awaited without acquire semantics",    # (ptx.cuh last_block_ticket) stand for these
 }
@@ -199,6 +210,17 @@ def run(op, seed):
         m = _Model(rng, "float16", dim=296, v=150)
         m.run([_op("lm_head", m, layer=0)])
         assert_close(m.logits, ref.gemm_nt(ref.rmsnorm(m.h.x, m.h.out_norm, 1e-5), m.h.tok), "float16")
+    elif op == "megakernel_ring":  # one block: the ring attention over 151 keys, 3 staged chunks of 64
+        from cupyattn.megakernel import OPCODES
+        from cupyattn.persistent import Op
+        from test_megakernel import _Model
+        m = _Model(rng, "float16", hq=4, hkv=2, lengths=(150, 0, 47), max_seq=160)
+        q, q64 = to_device(rng.standard_normal((3, 4, 32)), "float16")
+        m.q[...] = q
+        m.run([Op("attn", OPCODES["attn"], 6, 1, args=(1, 1))], 1)
+        kc, vc = cupy.asnumpy(m.cache.k[1]).astype(np.float64), cupy.asnumpy(m.cache.v[1]).astype(np.float64)
+        want = ref.decode_attention(q64[:, :, None], kc, vc, m.lengths + 1)[:, :, 0]
+        assert_close(m.att.reshape(3, 4, -1), want, "float16")
     elif op == "megakernel_blocks":  # 4 blocks: down tiles wait for every gate|up tile's ffn rows
         from cupyattn.persistent import Dep
         from test_megakernel import _Model, _op

@@ -10,6 +10,7 @@ too); the host plan: tests/test_persistent.py.
 """
 from __future__ import annotations
 
+import functools
 import os
 from types import SimpleNamespace
 
@@ -30,11 +31,16 @@ def device_runs_the_megakernel(request):
 
 
 # --- CPU ----------------------------------------------------------------------------------------------
-def test_megakernel_is_opt_in_until_a_gpu_run():
+def test_megakernel_is_opt_in_until_a_gpu_run_shows_it_faster():
+    """The megakernel stays opt-in, and so does every new plan knob (their defaults are the plan the
+    2026-11-27 H100 run measured: megakernel_llama.MegaKnobs())."""
     from cupyattn import config
+    from cupyattn.megakernel_llama import MegaKnobs
 
     assert config.TINYLM_MEGAKERNEL is (os.environ.get("TINYLM_MEGAKERNEL", "") == "1")
-    assert "not yet run on a GPU" in open(config.__file__).read().split("TINYLM_MEGAKERNEL =")[0][-400:]
+    assert "slower than the fused step" in open(config.__file__).read().split("TINYLM_MEGAKERNEL =")[0][-400:]
+    assert MegaKnobs.from_config() == MegaKnobs(attn="v1", attn_share=0.0, min_keys_per_split=256, deps="layer",
+                                                fold_merge=False, spin_ns=1024, sample="block")
 
 
 def test_compile_check_no_errors_no_spills(compile_report):
@@ -58,7 +64,7 @@ class _Model:
     """Random weights, a KV cache holding random rows and ``lengths`` tokens per sequence, NaN-
     poisoned buffers, and a one-block LlamaStep over them; ``h`` holds float64 copies."""
 
-    def __init__(self, rng, dtype, style="adjacent", lengths=(5, 1, 17), max_splits=4, **shape):
+    def __init__(self, rng, dtype, style="adjacent", lengths=(5, 1, 17), max_splits=4, sample_parts=None, **shape):
         import cupy
 
         from cupyattn.kvcache import KVCache
@@ -102,7 +108,7 @@ class _Model:
                               cache=self.cache, num_heads=hq, eps=1e-5, rope_base=1e4, rope_style=style,
                               tokens=self.tokens, x=self.x, q=self.q, att=self.att, ffn=self.ffn, logits=self.logits,
                               o_part=self.o_part, lse_part=self.lse_part, sampling=self.sampling,
-                              counter_capacity=8, blocks=1)
+                              counter_capacity=16, blocks=1, sample_parts=sample_parts)
 
     def run(self, ops, splits=1):
         import cupy
@@ -163,25 +169,31 @@ def test_gpu_op_qkv(rng, dtype, style):
     assert cupy.asnumpy(m.cache.lengths).tolist() == [new_len.tolist()] * 2 == m.cache.host_lengths.tolist()
 
 
+_ATTN_CASES = [(1, 3, 1, 1), (3, 3, 1, 1), (2, 6, 1, 2), (1, 4, 2, 1), (3, 6, 2, 3)]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("splits,hq,hkv", [(1, 3, 1), (3, 3, 1), (2, 6, 1), (1, 4, 2)])
-def test_gpu_op_attention(rng, dtype, splits, hq, hkv):
-    """Attention over lengths[b] + 1 keys (the step's own token included); with splits > 1 the
-    partials (normalised O_c, natural-log lse_c) against the reference's and the merge op's output;
-    6 heads per kv head take two passes over the keys (head tile 4); a sequence of 1 key leaves
-    splits empty."""
+@pytest.mark.parametrize("variant", ["v1", "ring"])
+@pytest.mark.parametrize("splits,hq,hkv,hs", _ATTN_CASES)
+def test_gpu_op_attention(rng, dtype, variant, splits, hq, hkv, hs):
+    """Attention over lengths[b] + 1 keys (the step's own token included), the query heads of a kv
+    head over hs tiles; with splits > 1 the partials (normalised O_c, natural-log lse_c) against
+    the reference's and the merge op's output. v1: 6 heads per kv head in one tile take two passes
+    over the keys (head tile 4); the ring: 150 keys of a sequence go through it in several staged
+    chunks (42 or 64 keys each). A sequence of 1 key leaves splits empty."""
     from cupyattn.megakernel import OPCODES
 
-    m = _Model(rng, dtype, hq=hq, hkv=hkv, lengths=(5, 0, 17))
+    lengths, max_seq = ((5, 0, 17), 40) if variant == "v1" else ((150, 0, 47), 160)
+    m = _Model(rng, dtype, hq=hq, hkv=hkv, lengths=lengths, max_seq=max_seq)
     qr_dev, qr = _w(rng, (3, hq, m.s["d"]), dtype)
     m.q[...] = qr_dev
-    n = 3 * hkv * splits
-    ops = [Op("attn", OPCODES["attn"], n, 1)]
+    n, args = 3 * hkv * hs * splits, (hs, int(variant == "ring"))
+    ops = [Op("attn", OPCODES["attn"], n, 1, args=args)]
     if splits > 1:
         own = tuple((t,) for t in range(3 * hkv))  # merge tile t waits for group t: its own splits
         ops.append(Op("reduce", OPCODES["reduce"], 3 * hkv, 1, deps=(Dep("attn", own),)))
-        ops[0] = Op("attn", OPCODES["attn"], n, 1, group_of=tuple(t // splits for t in range(n)))
+        ops[0] = Op("attn", OPCODES["attn"], n, 1, args=args, group_of=tuple(t // (hs * splits) for t in range(n)))
     m.run(ops, splits)
     kc, vc, live = to_host(m.cache.k[1]), to_host(m.cache.v[1]), m.lengths + 1
     want = ref.decode_attention(qr[:, :, None], kc, vc, live)[:, :, 0]
@@ -205,6 +217,117 @@ def test_gpu_op_projection_residual(rng, dtype, op):
     src[...] = a
     m.run([_op(op, m)])
     assert_close(m.x, m.h.x + ref.gemm_nt(ah, getattr(m.h.layers[1], w)), dtype)
+
+
+def _slots(ko, kd, high=0):
+    return ko | kd << 8 | high << 16
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_op_split_projections_and_composed_loads(rng, dtype):
+    """The "fine" plan's pieces, layer 1 (odd: slots and residual of parity 1): the O projection
+    split over its 2 kv heads' columns and the down projection over its column chunks (ffn 512:
+    2 chunks in fp16/bf16, 4 in fp32) write float32 partials to their slots, nothing to x; then a
+    gate|up tile composes x' = xalt + (sum of the O slots) before its RMSNorm (mode 1), and a QKV
+    tile composes x' + (sum of the down slots) (mode 2), which its tile 0 also stores into x, the
+    next layer's residual. Against the float64 reference of the same rounding."""
+    import cupy
+
+    from cupyattn.megakernel import down_chunks
+
+    m = _Model(rng, dtype, hq=4, hkv=2, f=512)
+    s, B, dim, it = m.s, 3, m.s["dim"], np.dtype(np_dtype(dtype)).itemsize
+    ko, kd = 2, down_chunks(512, it)
+    assert kd == (4 if dtype == "float32" else 2) and m.step.slots >= ko + kd
+    a, ah = _w(rng, m.att.shape, dtype)
+    f, fh = _w(rng, m.ffn.shape, dtype)
+    m.att[...], m.ffn[...] = a, f
+    m.step.part[...] = np.nan
+    x_before = to_host(m.x)
+    rows = -(-dim // 16)
+    m.run([_op("oproj", m, tiles=rows * ko, args=(ko, _slots(ko, kd, 2))),
+           _op("down", m, tiles=rows * kd, args=(kd, _slots(ko, kd, 2)))])
+    L1 = m.h.layers[1]
+    part = to_host(m.step.part[1])
+    for c in range(ko):
+        cols = slice(c * 64, (c + 1) * 64)
+        assert_close(part[c], ref.gemm_nt(ah[:, cols], L1.wo[:, cols]), "float32")
+    w = 512 // kd
+    for c in range(kd):
+        cols = slice(c * w, (c + 1) * w)
+        assert_close(part[ko + c], ref.gemm_nt(fh[:, cols], L1.w_down[:, cols]), "float32")
+    assert np.array_equal(to_host(m.x), x_before)  # split tiles leave x alone
+    # mode 1: gate|up of layer 1 reads xalt (parity 1) + the O slots
+    xa, xah = _w(rng, (B, dim), dtype)
+    m.step.xalt[...] = xa
+    rnd = lambda v: to_host(cupy.asarray(v.astype(np_dtype(dtype))))  # noqa: E731  (a rounding to the dtype)
+    fsum = lambda slots: functools.reduce(lambda acc, v: (acc + v).astype(np.float32), slots,  # noqa: E731
+                                          np.float32(0))
+    x1 = rnd(xah + rnd(fsum(part[:ko])))  # the slots summed in order in float32, as the kernel does
+    m.run([_op("gate_up", m, args=(1, _slots(ko, kd, 1)))])
+    gu = ref.gemm_nt(ref.rmsnorm(x1, L1.ffn_norm, 1e-5), L1.w_gate_up)
+    assert_close(m.ffn, ref.swiglu(gu[:, :512], gu[:, 512:]), dtype)
+    # mode 2: QKV of layer 0 (as layer 2 would: slots of layer 1) reads x1 + the down slots; its tile 0
+    # stores the composed rows into x (parity 0)
+    x2 = rnd(x1 + rnd(fsum(part[ko:])))
+    k0, pos = to_host(m.cache.k), cupy.asnumpy(m.cache.lengths[0])  # each launch advanced the lengths
+    m.x[...] = np.nan
+    m.run([_op("qkv", m, layer=0, args=(2, _slots(ko, kd, 1)))])
+    qkv = ref.gemm_nt(ref.rmsnorm(x2[:, None], m.h.layers[0].attn_norm, 1e-5), m.h.layers[0].wqkv)
+    q, _, _, _ = ref.qkv_rope_append(qkv, k0[0], to_host(m.cache.v)[0], pos, 4, 1e4, "adjacent")
+    assert_close(m.q, q[:, :, 0], dtype)
+    assert_close(m.x, x2, dtype, tol=0.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_op_oproj_merges_split_attention_on_load(rng, dtype):
+    """The merge folded into the O projection (flags bit 0): 3 key splits of each (sequence, kv
+    head) write partials, and the O projection, waiting for them, merges them as it loads its
+    input: x += attention(q) Wo^T with no reduce op (att stays poisoned)."""
+    from cupyattn.megakernel import OPCODES
+
+    m = _Model(rng, dtype, hq=4, hkv=2, lengths=(5, 0, 17))
+    qr_dev, qr = _w(rng, (3, 4, m.s["d"]), dtype)
+    m.q[...] = qr_dev
+    m.run([Op("attn", OPCODES["attn"], 3 * 2 * 3, 1),
+           _op("oproj", m, args=(1, _slots(1, 1, 1)), deps=(Dep("attn"),))], 3)
+    kc, vc = to_host(m.cache.k[1]), to_host(m.cache.v[1])
+    att = ref.decode_attention(qr[:, :, None], kc, vc, m.lengths + 1)[:, :, 0].reshape(3, -1)
+    assert_close(m.x, m.h.x + ref.gemm_nt(att, m.h.layers[1].wo), dtype)
+    assert np.isnan(to_host(m.att)).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_op_sample_two_level(rng, dtype):
+    """The two-level sampler: 150 logits in 2 chunks of 80 (sample_part), then one merge per
+    sequence (sample), on 2 blocks: greedy, top-k with top-p (chunk candidates), top-k above the
+    chunks' capacity and no top-k (the merge draws over the whole row), logits with ties (a
+    chunk of 80 equal logits keeps too many candidates: the whole row again): each id equal to
+    reference.sample_token's on the same logits, seeds and steps; the RNG step advances once."""
+    import cupy
+
+    from cupyattn.megakernel import OPCODES
+
+    m = _Model(rng, dtype, v=150, sample_parts=2)
+    m.step.blocks = 2
+    z, zh = _w(rng, m.logits.shape, dtype, 3.0)
+    ties = np.round(zh * 2) / 2
+    ties[1, :80] = 1.5  # chunk 0 of sequence 1: 80 equal logits
+    tz, tzh = to_device(ties, dtype)
+    ops = [Op("sample_part", OPCODES["sample_part"], 3 * 2, args=(2, 80), group_of=(0, 0, 1, 1, 2, 2)),
+           Op("sample", OPCODES["sample"], 3, args=(2, 0), deps=(Dep("sample_part", ((0,), (1,), (2,))),))]
+    for logits, host in ((z, zh), (tz, tzh)):
+        m.logits[...] = logits
+        settings = [(0.0, 0, 1.0), (0.9, 5, 0.8), (1.2, 70, 1.0), (0.7, 0, 0.9), (1.0, 3, 1.0)]
+        for step, (temp, k, p) in enumerate(settings):
+            m.sampling.set(temp, k, p, seed=11, step=step)
+            m.run(ops)
+            want = [ref.sample_token(host[b], temp, k, p, seed=11 + b, step=step) for b in range(3)]
+            assert cupy.asnumpy(m.tokens).tolist() == want, (temp, k, p)
+            assert cupy.asnumpy(m.sampling.iparams[:, 3]).tolist() == [step + 1] * 3
 
 
 @pytest.mark.gpu

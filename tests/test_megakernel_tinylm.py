@@ -1,13 +1,14 @@
-"""tinylm's decode step through the megakernel (tinylm.megakernel, Transformer(megakernel=True)).
+"""tinylm's decode step through the megakernel (cupyattn.megakernel_llama, Transformer(megakernel=True)).
 
 GPU tier (also on the CPU emulator: one block per launch there, except in the several-block tests):
 whole steps against the NumPy backend and the fused step (logits at several positions, split
 attention with its merge, greedy and sampled tokens through graph replays), one launch per step with
 its counters reset inside the kernel, tinylm's refusals, the benchmark's model case, and SmolLM2's
 real weights (its first layer in the CI tier; four layers and the whole vocabulary, sampled
-generation against the fused step, 5 and 40 blocks under emu_slow). Several blocks at once run on the
-emulator too (its memory model, issue 37: blocks in flight together, a parked block's peers run,
-stores seen by other blocks only through release/acquire). CPU: the options' refusals.
+generation against the fused step, 5 and 40 blocks under emu_slow), today's plan and the new one
+(the plan's knobs: each alone and all together). Several blocks at once run on the emulator too
+(its memory model: blocks in flight together, a parked block's peers run, stores seen by other
+blocks only through release/acquire). CPU: the options' refusals.
 """
 from __future__ import annotations
 
@@ -57,10 +58,10 @@ def test_gpu_step_logits_equal_recompute_and_fused(monkeypatch, dtype, tol, spli
     in float32 unsplit, against the fused step's (5 kernels per layer) to float32 summation order.
     splits=3 forces the split attention with its merge op (one block never splits on its own)."""
     from tinylm import Transformer, load
-    from tinylm.megakernel import MegaDecoder
+    from cupyattn.megakernel_llama import LlamaDecoder
 
     if splits:
-        monkeypatch.setattr(MegaDecoder, "splits", lambda self, length: splits)
+        monkeypatch.setattr(LlamaDecoder, "splits", lambda self, length: splits)
     ids = [12, 200, 7, 99, 31]
     ref_gen = load("tiny", backend="numpy")
     want = ref_gen.logits(ids)
@@ -152,15 +153,16 @@ def test_gpu_tinylm_refusals():
 
 @pytest.mark.gpu
 def test_gpu_benchmark_model_case_runs_the_megakernel(tmp_path, monkeypatch, capsys):
-    """`python -m benchmarks model --impl tinylm-mega` (tiny preset, float32): the record says one
-    kernel per decode step, its instructions and blocks, and logits close to NumPy's; the PDL
+    """`python -m benchmarks model --impl tinylm-mega,tinylm-mega-new` (tiny preset, float32): the
+    record says one kernel per decode step, its instructions and blocks, and logits close to
+    NumPy's; the new plan's record its knobs and a profiled step beside the cost model; the PDL
     impl runs where the device and cuda-bindings allow, else says why it was skipped."""
     from benchmarks import report, timing
     from benchmarks.__main__ import main
 
     if EMULATE:
         monkeypatch.setattr(timing, "measure_ceilings", lambda **kw: {"copy_gbps": 1.0, "gemm_tflops": 1.0})
-    impls = "tinylm-mega" if EMULATE else "tinylm-mega,tinylm-fused-pdl"  # no cuLaunchKernelEx on the emulator
+    impls = "tinylm-mega,tinylm-mega-new" + ("" if EMULATE else ",tinylm-fused-pdl")  # no cuLaunchKernelEx emulated
     rc = main(["model", "--model", "tiny", "--new-tokens", "3", "--prompt-len", "5", "--model-dtype", "float32",
                "--impl", impls, "--model-reps", "1", "--no-progress", "--json", str(tmp_path / "m.json")])
     assert rc == 0, capsys.readouterr().err[-3000:]
@@ -168,6 +170,11 @@ def test_gpu_benchmark_model_case_runs_the_megakernel(tmp_path, monkeypatch, cap
     mega = by["tinylm-mega"]
     assert mega["status"] == "ok" and mega["launches_per_step"] == 1 and mega["rel_err"] < 1e-4, mega
     assert re.search(r"megakernel: \d+ instructions on \d+ blocks", mega["note"]) and mega["decode_tok_s"] > 0
+    new = by["tinylm-mega-new"]  # the A/B's all-knobs impl: its knobs (its profile needs room in the cache)
+    assert new["status"] == "ok" and new["rel_err"] < 1e-4 and "attn='ring'" in new["note"], new
+    from cupyattn import config
+
+    assert config.MEGAKERNEL_ATTN == "v1"  # the knobs restored after the impl
     if not EMULATE:
         pdl = by["tinylm-fused-pdl"]
         assert pdl["status"] == "ok" or pdl["status"].startswith("skipped: programmatic dependent launch needs"), pdl
@@ -210,13 +217,22 @@ def _smollm2_path():
 
 
 @pytest.mark.gpu
-def test_gpu_real_layer_decode_steps_equal_numpy():
+@pytest.mark.parametrize("plan", ["today", "new"])
+def test_gpu_real_layer_decode_steps_equal_numpy(monkeypatch, plan):
     """SmolLM2's real first layer, real RMSNorm and embedding rows (the vocabulary cut to its
     first 3584 ids, so the emulator's LM head stays small), float32: "The capital of" fed by three
     megakernel steps from an empty cache, each step's logits against the NumPy backend's full
-    recompute, then two greedy tokens sampled inside the kernel against NumPy's greedy ids."""
+    recompute, then two greedy tokens sampled inside the kernel against NumPy's greedy ids; with
+    today's plan and with the new one (NEW_PLAN on 3 blocks: ring attention over split keys and
+    heads, split projections, two-level sampling over 2 vocabulary chunks)."""
+    from cupyattn import config
+    from cupyattn.megakernel_llama import NEW_PLAN
     from tinylm import Transformer
     from tinylm.gguf_io import load_gguf
+
+    if plan == "new":
+        _use_knobs(monkeypatch, NEW_PLAN)
+        monkeypatch.setattr(config, "MEGAKERNEL_BLOCKS", 3)
 
     args, w, _ = load_gguf(_smollm2_path())  # the whole file loads faster than a reduced copy is written
     n = 3584
@@ -245,11 +261,19 @@ def test_gpu_real_layer_decode_steps_equal_numpy():
 
 @pytest.mark.gpu
 @pytest.mark.emu_slow
-def test_gpu_real_model_greedy_tokens_equal_numpy(tmp_path_factory):
+@pytest.mark.parametrize("plan", ["today", "new"])
+def test_gpu_real_model_greedy_tokens_equal_numpy(tmp_path_factory, monkeypatch, plan):
     """SmolLM2's first 4 layers, the whole vocabulary and the real tokenizer: 12 greedy tokens of
     two prompts in one batch (graph replays, the fused prefill) equal the NumPy backend's, in
-    float32; in float16 the logits of the first decode step are within its tolerance."""
+    float32; in float16 the logits of the first decode step are within its tolerance; with
+    today's plan and the new one (NEW_PLAN on 6 blocks: 24 vocabulary chunks in the sampler)."""
+    from cupyattn import config
+    from cupyattn.megakernel_llama import NEW_PLAN
     from tinylm import load
+
+    if plan == "new":
+        _use_knobs(monkeypatch, NEW_PLAN)
+        monkeypatch.setattr(config, "MEGAKERNEL_BLOCKS", 6)
 
     from tinylm.reduce_gguf import reduce_gguf
 
@@ -273,10 +297,10 @@ def test_gpu_several_blocks_give_the_one_block_logits(monkeypatch, blocks):
     """The same instructions on 2, 5 or 40 queues: every tile does the same math wherever it runs,
     so the logits equal the one-block run's bit for bit, with and without split attention, under
     every schedule of the blocks."""
-    from tinylm.megakernel import MegaDecoder
+    from cupyattn.megakernel_llama import LlamaDecoder
 
     for splits in (1, 3):
-        monkeypatch.setattr(MegaDecoder, "splits", lambda self, length, s=splits: s)
+        monkeypatch.setattr(LlamaDecoder, "splits", lambda self, length, s=splits: s)
         one = _ONE_BLOCK.get(splits)
         if one is None:  # the same for every block count: run once per module (the emulator's cost)
             one = _ONE_BLOCK[splits] = _tiny_mega_logits(blocks=1)[0]
@@ -312,6 +336,78 @@ def test_gpu_several_blocks_generate_the_numpy_tokens(monkeypatch):
     assert [r.generated_ids for r in got] == [numpy.generate(p, 6).generated_ids for p in prompts]
 
 
+# --- GPU: the plan's knobs (cupyattn.megakernel_llama.MegaKnobs, config's MEGAKERNEL_* block) -----------
+def _use_knobs(monkeypatch, knobs):
+    from cupyattn import config
+
+    for name, value in knobs.as_config().items():
+        monkeypatch.setattr(config, name, value)
+
+
+def _knob_sets():
+    from cupyattn.megakernel_llama import NEW_PLAN, MegaKnobs
+
+    return {"ring": MegaKnobs(attn="ring"), "fold": MegaKnobs(fold_merge=True), "fine": MegaKnobs(deps="fine"),
+            "new": NEW_PLAN}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,blocks", [("ring", 1), ("fold", 1), ("fine", 1), ("new", 1), ("new", 3)])
+def test_gpu_knob_plans_give_numpy_logits(monkeypatch, name, blocks):
+    """Each new plan knob alone, and all of them (NEW_PLAN), with the keys split 3 ways: the logits
+    of five decode steps against the NumPy backend's full recompute (float32), on one block and, for
+    the new plan, on 3 blocks in flight together (the emulator's memory model checks every wait)."""
+    from cupyattn import config
+    from cupyattn.megakernel_llama import LlamaDecoder
+    from tinylm import Transformer, load
+
+    _use_knobs(monkeypatch, _knob_sets()[name])
+    monkeypatch.setattr(config, "MEGAKERNEL_BLOCKS", blocks)
+    monkeypatch.setattr(LlamaDecoder, "splits", lambda self, keys: 3)
+    ids = [12, 200, 7, 99, 31]
+    ref_gen = load("tiny", backend="numpy")
+    want = ref_gen.logits(ids)
+    got, state = _decode_logits(Transformer(ref_gen.args, _tiny_weights(), "cupy", "float32", megakernel=True), ids)
+    err = np.linalg.norm(got - want) / np.linalg.norm(want)
+    assert np.isfinite(got).all() and err <= 1e-6, err
+    assert state.mega.knobs == _knob_sets()[name] and state.mega.step.blocks == blocks
+
+
+@pytest.mark.gpu
+def test_gpu_new_plan_is_the_same_on_any_number_of_blocks(monkeypatch):
+    """The split projections sum their partial slots in a fixed order (no atomics): the new plan's
+    float16 logits on 1 and 4 blocks are equal bit for bit."""
+    from cupyattn.megakernel_llama import NEW_PLAN, LlamaDecoder
+
+    _use_knobs(monkeypatch, NEW_PLAN)
+    monkeypatch.setattr(LlamaDecoder, "splits", lambda self, keys: 3)
+    one, many = _tiny_mega_logits(1)[0], _tiny_mega_logits(4)[0]
+    assert np.array_equal(one, many)
+
+
+@pytest.mark.gpu
+def test_gpu_new_plan_generates_the_numpy_and_fused_tokens(monkeypatch):
+    """The new plan on 4 blocks through graph replays, two-level sampling inside: greedy ids equal
+    the NumPy backend's, sampled ids (top-k with top-p: chunk candidates; no top-k: the whole row)
+    the fused step's, whose sampling kernel draws from the same logits."""
+    from cupyattn import config
+    from cupyattn.megakernel_llama import NEW_PLAN
+    from tinylm import load
+
+    _use_knobs(monkeypatch, NEW_PLAN)
+    monkeypatch.setattr(config, "MEGAKERNEL_BLOCKS", 4)
+    prompts = [[10, 20, 30, 40, 50], [200, 1, 2, 150, 3, 4, 99, 98, 0, 5, 6]]
+    mega = load("tiny", backend="cupy", dtype="float32", max_seq=64, megakernel=True)
+    assert [r.generated_ids for r in mega.generate_batch(prompts, 5)] == \
+        [load("tiny", backend="numpy").generate(p, 5).generated_ids for p in prompts]
+    fused = load("tiny", backend="cupy", dtype="float32", max_seq=64, fused=True)
+    for kw in (dict(temperature=0.8, top_k=20, top_p=0.9, seed=5), dict(temperature=0.7, seed=3)):
+        assert ([r.generated_ids for r in mega.generate_batch(prompts, 5, **kw)]
+                == [r.generated_ids for r in fused.generate_batch(prompts, 5, **kw)]), kw
+    plans = mega._state.mega.plans
+    assert plans and all(k[1] for k in plans)  # every step sampled inside the kernel
+
+
 # --- CPU: options --------------------------------------------------------------------------------------
 def test_megakernel_needs_the_cupy_backend():
     import contextlib
@@ -338,14 +434,14 @@ def test_gpu_profile_stamps_every_instruction():
 
     from cupyattn.megakernel import profile_summary
     from tinylm import load
-    from tinylm.megakernel import llama_ops
+    from cupyattn.megakernel_llama import llama_ops
 
     g = load("tiny", backend="cupy", dtype="float32", max_seq=64, megakernel=True, graphs=False)
     g.prefill([1, 2, 3], 4)
     g.decode_one(3)
     state = g._state
     step = state.mega.step
-    dplan = step.plan(llama_ops(g.args, 1, 1, sample=False))
+    dplan = step.plan(llama_ops(g.args, 1, 1, sample=False, itemsize=4))
     t = cupy.zeros((len(dplan.plan.instructions), 4), dtype=np.uint64)
     step.launch(dplan, 1, timings=t)
     t = cupy.asnumpy(t).astype(np.int64)
@@ -354,6 +450,9 @@ def test_gpu_profile_stamps_every_instruction():
     prof = profile_summary(dplan.plan, t)
     assert set(prof["ops"]) == {"embed", "qkv", "attn", "oproj", "gate_up", "down", "lm_head"}
     assert prof["ops"]["qkv"]["n"] == g.args.n_layers * (4 + 2 * 2) * 2 and prof["step_us"] > 0
+    # the cost model's figures beside the measured ones (its H100 estimates: 0.3 us per instruction at least)
+    assert prof["model_step_us"] > 0 and all(v["model_work_us"] >= 0.3 and v["model_wait_us"] >= 0
+                                             for v in prof["ops"].values())
     assert state.cache.host_lengths.tolist() == [[5], [5]] == cupy.asnumpy(state.cache.lengths).tolist()
     assert step.profile(dplan, 1)["ops"]["lm_head"]["n"] == 16
     assert state.cache.host_lengths.tolist() == [[6], [6]] == cupy.asnumpy(state.cache.lengths).tolist()

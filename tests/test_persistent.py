@@ -1,7 +1,8 @@
-"""The host plan of a persistent kernel (cupyattn.persistent) and the Llama op list tinylm plans
-with it (tinylm.megakernel.llama_ops), on the CPU: round-robin queues, counters and their
-step-relative targets, refusals of what is not a topological op list; a simulated run of the
-queues under random interleavings finishes, a queue out of the global order deadlocks."""
+"""The host plan of a persistent kernel (cupyattn.persistent) and the Llama op list planned with
+it (cupyattn.megakernel_llama.llama_ops), on the CPU: round-robin queues, counters and their
+step-relative targets, refusals of what is not a topological op list or does not fit the
+kernel's int32 words; a simulated run of the queues under random interleavings finishes, a
+queue out of the global order deadlocks; the cost model in closed form."""
 from __future__ import annotations
 
 import numpy as np
@@ -55,7 +56,7 @@ def test_simulated_queues_finish_under_any_interleaving(blocks):
     """Every block runs as far as its waits allow, in a random order each move: all finish. One
     block runs the global order and never waits."""
     from tinylm.config import PRESETS
-    from tinylm.megakernel import llama_ops
+    from cupyattn.megakernel_llama import llama_ops
 
     p = plan(llama_ops(PRESETS["tiny"].with_(n_layers=3), 2, 3), blocks)
     for seed in range(3):
@@ -82,7 +83,7 @@ def test_llama_ops_of_smollm2():
     the 5 heads' QKV tiles of its group (3 q, k, v: 5 x 4 tiles), and the merge present only when
     the keys are split."""
     from tinylm.config import PRESETS
-    from tinylm.megakernel import instruction_counts, llama_ops
+    from cupyattn.megakernel_llama import instruction_counts, llama_ops
 
     a = PRESETS["smollm2-135m-shape"]
     one = instruction_counts(llama_ops(a, 1, 1))
@@ -100,7 +101,7 @@ def test_llama_ops_of_smollm2():
 def test_step_splits():
     from cupyattn import config
     from tinylm.config import PRESETS
-    from tinylm.megakernel import step_splits
+    from cupyattn.megakernel_llama import step_splits
 
     a = PRESETS["smollm2-135m-shape"]
     keys = config.MEGAKERNEL_MIN_KEYS_PER_SPLIT
@@ -109,3 +110,73 @@ def test_step_splits():
     assert step_splits(a, 8, 64 * keys, 132, 512) == 132 // 24       # no more attention tiles than blocks
     assert step_splits(a, 1, 10 ** 6, 132, 512) == config.MEGAKERNEL_MAX_SPLITS
     assert step_splits(a, 1, 10 ** 6, 132, 3) == 3 and step_splits(a, 4, 10 ** 6, 1, 512) == 1
+
+
+# --- validation (every op checked before anything is laid out) -------------------------------------
+@pytest.mark.parametrize("op, pattern", [
+    (Op("a", 2 ** 40, 1), r"plan\(\): ops\[0\] \('a'\): opcode=1099511627776 does not fit an int32 instruction word"),
+    (Op("a", -2 ** 31 - 1, 1), "opcode=-2147483649 does not fit"),
+    (Op("a", True, 1), r"opcode must be an int, got True \(bool\)"),
+    (Op("a", 1.0, 1), r"opcode must be an int, got 1.0 \(float\)"),
+    (Op("a", 1, True), r"op 'a' has tiles=True, expected an int >= 0"),
+    (Op("a", 1, 2.0), r"op 'a' has tiles=2.0, expected an int >= 0"),
+    (Op("a", 1, -1), r"op 'a' has tiles=-1, expected an int >= 0"),
+    (Op("a", 1, 2 ** 31), r"tiles=2147483648 does not fit an int32 instruction word"),
+    (Op("a", 1, 1, layer=2 ** 31), "layer=2147483648 does not fit"),
+    (Op("a", 1, 1, layer=False), r"layer must be an int, got False \(bool\)"),
+    (Op("a", 1, 1, args=(1, 2 ** 33)), r"args\[1\]=8589934592 does not fit"),
+    (Op("a", 1, 1, args=(1, 2, 3)), "args must be a tuple of at most 2 ints"),
+    (Op("a", 1, 1, args=("x",)), r"args\[0\] must be an int, got 'x' \(str\)"),
+    (Op("a", 1, 2, group_of=(0, 0.5)), "group_of must give a group >= 0 for each of its 2 tiles, got 0.5"),
+    (Op("a", 1, 2, group_of=(0, -1)), "got -1"),
+    (Op("", 1, 1), r"ops\[0\]: name must be a non-empty str"),
+    (Op("a", 1, 1, deps=(Dep("a"),)), "depends on 'a', which is not an earlier op"),
+    (Op("a", 1, 1, deps=("b",)), r"deps must hold persistent.Dep, got str"),
+    (Op("a", 1, 1, cost=(1, 2)), r"cost must be a persistent.Cost or None, got tuple"),
+])
+def test_plan_validates_every_op_with_a_clear_error(op, pattern):
+    with pytest.raises((TypeError, ValueError), match=pattern):
+        plan([op], 2)
+
+
+def test_plan_validates_the_op_list_and_blocks():
+    with pytest.raises(TypeError, match=r"plan\(\): ops must be a sequence of persistent.Op, got str"):
+        plan("abc", 1)
+    with pytest.raises(TypeError, match=r"plan\(\): ops\[1\] must be a persistent.Op, got dict"):
+        plan([Op("a", 1, 1), {"name": "b"}], 1)
+    with pytest.raises(ValueError, match="waits for group True of 'a'"):
+        plan([Op("a", 1, 2, group_of=(0, 1)), Op("b", 2, 1, deps=(Dep("a", ((True,),)),))], 1)
+    for bad in (True, 1.0, 2 ** 31, -1):
+        with pytest.raises(ValueError, match="blocks must be an int >= 1"):
+            plan(_chain(), bad)
+    p = plan([Op("a", np.int64(3), np.int32(2), layer=np.int16(1))], np.int64(2))  # NumPy ints are ints
+    assert p.instructions[:, 0].tolist() == [3, 3] and p.instructions.dtype == np.int32
+
+
+# --- the cost model ------------------------------------------------------------------------------------
+def test_cost_model_in_closed_form():
+    """a (2 tiles, 1 trip) on blocks 0 and 1; b (2 tiles, 2 trips) waits for a; c (1 tile of 2000
+    bytes) waits for b. With 0.5 us per instruction, 1 us per trip, 3 us per hand-off and 1000
+    bytes per us per block: a ends at 1.5, b starts at 1.5 + 3 and ends at 7, c starts at 10 and
+    ends at 10 + 0.5 + 2 = 12.5; the critical path is a -> b -> c with two hand-offs."""
+    from cupyattn.persistent import Cost, Machine
+
+    ops = [Op("a", 1, 2, cost=Cost(0, 1)), Op("b", 2, 2, deps=(Dep("a"),), cost=Cost(0, 2)),
+           Op("c", 3, 1, deps=(Dep("b"),), cost=Cost(2000, 0))]
+    p = plan(ops, 2)
+    m = Machine(sms=2, hbm_gbps=2.0, handoff_us=3.0, trip_us=1.0, instr_us=0.5)
+    c = p.cost(m)
+    assert c.step_us == pytest.approx(12.5)
+    assert [round(r["start_us"], 6) for r in c.ops] == [0.0, 4.5, 10.0]
+    assert [round(r["end_us"], 6) for r in c.ops] == [1.5, 7.0, 12.5]
+    assert len(c.path) == 3 and c.path_handoffs == 2
+    assert [p.ops[int(np.searchsorted(np.cumsum([o.tiles for o in p.ops]), p.order[r], side="right"))].name
+            for r in c.path] == ["a", "b", "c"]
+    assert [r["device_wide"] for r in c.ops] == [False, True, True] and c.device_wide_waits == 2
+    assert c.busiest_block_us == pytest.approx(1.5 + 2.5 + 2.5) and c.max_block_bytes == 2000
+    text = p.table(machine=m)
+    assert "step 12.5 us; critical path 3 instructions, 2 hand-offs" in text and "block 0 #0" not in text
+    assert "block 0 #0: a layer 0 tile 0" in p.table(limit=1, machine=m)
+    # one block: everything in a row, each wait still a hand-off (the block polls its own release)
+    one = plan(ops, 1).cost(m)
+    assert len(one.path) == 5 and one.step_us == pytest.approx(3 + 3 + 5 + 3 + 2.5)

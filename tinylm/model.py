@@ -36,7 +36,7 @@ same thing in 5 kernels per layer instead of 9, each norm folded into the projec
 
 The megakernel step (``Transformer(megakernel=True)``, cupy backend; ``_decode_mega``, not yet
 run on a GPU, so opt-in) runs the same decode step, sampling included, as one persistent kernel
-launch (cupyattn.megakernel; the op list: tinylm.megakernel).
+launch (cupyattn.megakernel; the Llama op list and the binding: cupyattn.megakernel_llama).
 
 A prefill (T > 1) runs the layer loop above over all prompt tokens: 10 kernels per layer on the
 cupy backend (the head merge after attention is one of them), which tinylm.prefill pads to a
@@ -223,7 +223,7 @@ class RunState:
         self.workspace = ops.decode_workspace(b, a.n_heads, a.head_dim)  # split-KV partials or None
         self.sampling = ops.sampling_params(b) if hasattr(ops, "sampling_params") else None
         self.graphs = {}  # context bucket -> captured decode step (tinylm.graphs)
-        self.mega = None  # tinylm.megakernel.MegaDecoder, made by the first megakernel step
+        self.mega = None  # cupyattn.megakernel_llama.LlamaDecoder, made by the first megakernel step
         self.prefill_buffers = {}  # padded prompt length -> tinylm.prefill.PrefillBuffers (+ graph)
         self.warm = set()  # buckets whose kernels an eager step has loaded
 
@@ -310,31 +310,18 @@ class Transformer:
         return bool(flag)
 
     def megakernel_problem(self) -> str | None:
-        """Why this model and backend cannot take the megakernel (None: they can)."""
-        from cupyattn import config
-
-        a = self.args
+        """Why this model and backend cannot take the megakernel (None: they can): the cupy backend,
+        then what cupyattn.megakernel_llama.llama_problem says of the model and the device."""
         if not getattr(self.ops, "fused_decode", False):
             return f"the megakernel needs the cupy backend, not {self.backend!r}"
-        if a.quirks():  # its op list (tinylm.megakernel) is Llama's decode step and nothing else
+        a = self.args
+        if a.quirks():  # its op list (cupyattn.megakernel_llama) is Llama's decode step and nothing else
             return (f"the megakernel's op list is Llama's; this {a.arch} model needs {', '.join(a.quirks())} "
                     f"(use the fused or unfused decode step)")
-        if a.head_dim % 16 or a.head_dim > config.MEGAKERNEL_MAX_HEAD_DIM:
-            return (f"the megakernel needs a head_dim that is a multiple of 16 and at most "
-                    f"{config.MEGAKERNEL_MAX_HEAD_DIM}, got {a.head_dim}")
-        vec = 16 // np.dtype(self.ops.dtype).itemsize
-        for what, n in (("dim", a.dim), ("n_heads * head_dim", a.q_dim), ("ffn_dim", a.ffn_dim)):
-            if n % vec:
-                return f"the megakernel needs {what} a multiple of {vec} ({self.dtype} 16-byte rows), got {n}"
         from cupyattn import _loader
-        from cupyattn.config import impl_min_cc, impl_runs_on
+        from cupyattn.megakernel_llama import llama_problem
 
-        cc = _loader.device_compute_capability()
-        if not impl_runs_on("megakernel", "persistent", self.ops.dtype, cc):
-            need = impl_min_cc("megakernel", "persistent", self.ops.dtype)
-            return (f"the megakernel needs compute capability {need // 10}.{need % 10}, this device is "
-                    f"{cc // 10}.{cc % 10}")
-        return None
+        return llama_problem(self.args, self.ops.dtype, cc=_loader.device_compute_capability())
 
     def fused_problem(self, prefill: bool = False) -> str | None:
         """Why the fused decode step (``prefill``: the fused prefill) cannot run this model on this
@@ -568,14 +555,16 @@ class Transformer:
         return self._softcap(ops.norm_matmul(x, p.output_norm, p.output, a.norm_eps, out=state.logits))
 
     def _decode_mega(self, state, sample: bool) -> None:
-        """A decode step as one megakernel launch (tinylm.megakernel): logits of state.tokens into
-        state.logits and, with ``sample``, the next ids into state.tokens (state.sampling's
-        settings); every layer's cache lengths advance by one."""
+        """A decode step as one megakernel launch (cupyattn.megakernel_llama.LlamaDecoder of the
+        model's weights and this state): logits of state.tokens into state.logits and, with
+        ``sample``, the next ids into state.tokens (state.sampling's settings); every layer's cache
+        lengths advance by one. Its split count follows the context bucket's lower end, as the
+        other decode steps' does."""
         if state.mega is None:
-            from .megakernel import MegaDecoder
+            from cupyattn.megakernel_llama import LlamaDecoder
 
-            state.mega = MegaDecoder(self, state)
-        state.mega.run(state.length + 1, sample)
+            state.mega = LlamaDecoder(self.params, self.args, state)
+        state.mega.run(1 << (context_bucket(state.length + 1) - 1), sample)
 
     def decode_and_sample(self, state) -> None:
         """The megakernel's decode step with sampling inside (tinylm.graphs.decode_step)."""

@@ -196,7 +196,7 @@ inline void signal_release(unsigned* counter, unsigned inc) {
     emu_gm_rmw(counter, [inc](unsigned o) { return o + inc; }, EMU_RELEASE, "signal_release", true);
 }
 inline unsigned load_acquire(const unsigned* p) { return emu_gm_load(p, EMU_ACQUIRE, "load_acquire"); }
-inline void wait_acquire(const unsigned* counter, unsigned target) {
+inline void wait_acquire(const unsigned* counter, unsigned target, unsigned /*max_ns: the backoff, not modelled*/ = 1024u) {
     EmuCounterWait w(counter, emu_gm_strong_index(counter, sizeof(unsigned), "wait_acquire", false), target);
     emu_wait_until(w);
     emu_gm_load(counter, EMU_ACQUIRE, "wait_acquire");  // the read that saw it, then the acquire
