@@ -357,8 +357,9 @@ def _is_wide(op: Op, dep: Dep, producer: Op) -> bool:
     return any(len(set(gs)) >= producer.groups for gs in dep.groups)
 
 
-def estimate(p: Plan, machine: Machine | None = None) -> PlanCost:
-    """Predict one step of plan ``p`` on ``machine`` (module docstring, "The cost model")."""
+def estimate(plan: Plan, machine: Machine | None = None) -> PlanCost:
+    """Predict one step of ``plan`` on ``machine`` (module docstring, "The cost model")."""
+    p = plan
     m = machine or Machine()
     n = len(p.instructions)
     by_name = {op.name: op for op in p.ops}
