@@ -54,6 +54,7 @@ COVER = {
     "megakernel.cu": (("tests/test_megakernel.py", "tests/test_megakernel_tinylm.py"), ("megakernel",)),
     "megakernel_attention.cuh": (("tests/test_megakernel.py", "tests/test_megakernel_tinylm.py"), ("megakernel",)),
     "megakernel_gemv.cuh": (("tests/test_megakernel.py", "tests/test_megakernel_tinylm.py"), ("megakernel",)),
+    "megakernel_sample.cuh": (("tests/test_megakernel.py", "tests/test_megakernel_tinylm.py"), ("megakernel",)),
     "common.cuh": SHARED, "ptx.cuh": SHARED, "ptx_insn.cuh": SHARED, "__init__.py": SHARED,
 }
 # GPU tests that failed in the last recorded run and whose fixes have not run on a GPU since

@@ -12,6 +12,7 @@
 import inspect
 import json
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -69,6 +70,33 @@ def test_ran_where_lists_every_options_row_and_reads_failures_by_file():
     assert ran_where._selected(argv[:5] + ["tests/test_m.py"], ["tests/test_k.py", "tests/test_m.py"]) == ["tests/test_m.py"]
     assert ran_where._selected(argv[:5] + ["-k", "x"], ["tests/test_k.py"]) is None
     assert ran_where._selected(["python3", "-m", "pytest", "tests/test_k.py"], ["tests/test_k.py"]) is None
+
+
+def test_ran_where_names_the_kernels_changed_since_a_tests_run(tmp_path, monkeypatch):
+    """A GPU-test result covers the kernel sources of its commit only: a kernel file those tests
+    launch whose text differs now is named beside the result, one that does not is not."""
+    from benchmarks import ran_where, settle
+
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    if not head:
+        pytest.skip("no git history")
+    kernels = tmp_path / "kernels_cu"
+    kernels.mkdir()
+    names = subprocess.run(["git", "ls-tree", "--name-only", head, "kernels_cu/"], cwd=ROOT, capture_output=True,
+                           text=True).stdout.split()
+    for path in names:  # the kernels as committed at HEAD
+        (tmp_path / path).write_text(_git_show(head, path))
+    (kernels / "gemm.cu").write_text("// edited\n" + (kernels / "gemm.cu").read_text())
+    monkeypatch.setattr(ran_where, "ROOT", tmp_path)
+    monkeypatch.setattr(ran_where, "at_commit", lambda c, path: _git_show(head, path))
+    assert ran_where.kernels_changed(head, ["tests/test_gemm.py"]) == ["gemm.cu"]
+    assert ran_where.kernels_changed(head, ["tests/test_decode.py"]) == []
+    assert "gemm.cu" in settle.COVER and ran_where.shared_changed(head) == []
+
+
+def _git_show(commit, path):
+    r = subprocess.run(["git", "show", f"{commit}:{path}"], cwd=ROOT, capture_output=True)
+    return r.stdout.decode(errors="replace") if r.returncode == 0 else None
 
 
 # --- signatures ------------------------------------------------------------------------------------
