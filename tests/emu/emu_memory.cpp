@@ -290,3 +290,17 @@ long emu_gm_strong_index(const void* p, size_t n, const char* what, bool global_
     if (i >= 0 && emu_gm.cur != emu_slot) throw std::runtime_error("emulator: memory model out of step with the scheduler");
     return i;
 }
+
+void emu_gm_load_nc(const void* p, void* out, size_t n) {
+    std::memcpy(out, p, n);
+    if (!emu_gm.on) return;
+    const long i = emu_gm_index(p, n);
+    if (i < 0) return;  // outside the regions: nothing of it is written in the launch
+    const int s = emu_gm.cur;
+    emu_gm_capture_range(s, (size_t)i, n);  // its own stores so far are known as its own
+    const unsigned me = emu_gm.views[s].id;
+    for (size_t k = 0; k < n; ++k) {
+        const unsigned w = emu_gm.wblk[(size_t)i + k];
+        if (w != 0 && w != me) static_cast<unsigned char*>(out)[k] = EMU_GM_POISON;
+    }
+}

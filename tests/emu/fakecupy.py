@@ -504,8 +504,9 @@ _PCH_HEADERS = ("emu_runtime.h", "emu_memory.h")  # the precompiled part
 _LIB_SOURCES = ("emu_runtime.cpp", "emu_memory.cpp")  # the runtime library (_runtime_lib)
 # (issue 37) A module that synchronises blocks through global memory gets the memory model
 # (emu_memory.h) on its launches; others see every store at once, at no cost.
+# __ldg too: its non-coherent loads of what another block wrote in the launch read poison (emu_memory.h).
 _SYNC_RE = re.compile(r"\b(atomic\w*|__threadfence\w*|__nanosleep|volatile|signal_release|wait_acquire|"
-                      r"load_acquire|fence_acq_rel_gpu)\b")
+                      r"load_acquire|fence_acq_rel_gpu|__ldg)\b")
 # CUPYATTN_EMU_MEMMODEL: "auto" (the default: modules _SYNC_RE finds), "all" (every launch: to
 # measure what it costs), "off"
 _MEMMODEL = os.environ.get("CUPYATTN_EMU_MEMMODEL", "auto")
