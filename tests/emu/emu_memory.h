@@ -75,6 +75,10 @@ struct EmuGm {
     unsigned long long gen = 0;         // bumped by strong writes: wakes threads parked on global values
 };
 extern EmuGm emu_gm;  // (emu_memory.cpp)
+// The emulator's one SIGSEGV handler (emu_runtime.cpp) serves the pages this model watches and the
+// tracked dynamic shared memory (emu_runtime.h, EmuHooks::smem_store): installed while either needs it.
+void emu_fault_handler(bool install);
+bool emu_gm_fault(uintptr_t addr);  // a store fault on a page of the regions: noted
 
 // Slot s wrote value x at byte i (found by a capture, or an atomic): it is the latest value; other
 // blocks in flight lose it from their views (they read it racily now) unless it was their own store.
