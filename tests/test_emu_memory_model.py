@@ -24,6 +24,7 @@ SEEDS = 6  # launches per kernel, each under its own schedule
 
 SCRIPT = r'''
 import os, sys
+sys.path.insert(0, {root!r})  # this checkout's cupyattn, whatever is installed
 sys.path.insert(0, {emu!r})
 import fakecupy
 fakecupy.install()
@@ -172,7 +173,7 @@ print("MEMORY-MODEL-OK")
 
 def test_release_acquire_between_blocks_and_co_residency(tmp_path):
     script = tmp_path / "emu_memory_model.py"
-    script.write_text(SCRIPT.replace("{emu!r}", repr(str(EMU))).replace("{seeds}", str(SEEDS)))
+    script.write_text(SCRIPT.replace("{emu!r}", repr(str(EMU))).replace("{root!r}", repr(str(EMU.resolve().parent.parent))).replace("{seeds}", str(SEEDS)))
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600,
                        cwd=Path(__file__).parent.parent)
     assert r.returncode == 0 and "MEMORY-MODEL-OK" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]

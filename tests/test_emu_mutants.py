@@ -58,8 +58,10 @@ _SCHED_RESET = ("            if (old == (unsigned)total - 1u) atomic_add_relaxed
 # The loader lanes' __syncwarp between their zeroing (each lane's stores and its fence.proxy.async) and
 # lane 0's arrival that publishes the V slot (flash_attn_sm90.cuh, v3 and v4 alike):
 _FA3_TAIL_SYNCWARP = re.compile(r"__syncwarp\(\);[^\n]*\n(\s*if \(lane == 0\) mbar_arrive\()")
-# The persistent kernel's consumers release their work slot after the epilogue, which reads the slot:
-_FA3P_STORE_RELEASE = re.compile(r"(\n[ \t]*)(fa3p_store<[^;]*;[^\n]*)\n[ \t]*wring\.release\(wring\.stage\);[^\n]*")
+# The Hopper attention's consumers release their work slot after the epilogue, which reads the slot:
+_FA3_STORE_RELEASE = re.compile(r"(\n[ \t]*)(\w*_store<[^;]*;[^\n]*)\n[ \t]*wring\.release\(wring\.stage\);[^\n]*")
+# The work ring's empty barrier: its count, one arrival short (every thread that releases the slot)
+_FA3_WRING_INIT = re.compile(r"(wring\.init\()([^;]*)(\);)")
 
 # (bug class, file, text, mutated text, op, every): each text (a string, or a compiled pattern and its
 # replacement) must occur exactly once in the file; every: the mutant must fail under every schedule
@@ -121,13 +123,12 @@ MUTANTS = [
      "flash_attn_sm90.cuh", _FA3_TAIL_SYNCWARP, r"\1", "flash_persistent_tail", True),
     # an early release on a ring whose producer publishes with a plain arrive: the scheduler refills the
     # work slot while consumers still read it
-    ("work slot released before the epilogue reads it (flash_attn_sm90_persistent.cu consumers)",
-     "flash_attn_sm90_persistent.cu", _FA3P_STORE_RELEASE, r"\1wring.release(wring.stage);\1\2",
-     "flash_persistent", True),
-    # an mbarrier initialised with one arrival too few: 257 threads arrive on init(256)
-    ("mbarrier count one short of its arrivals (flash_attn_sm90_persistent.cu work ring: init(256), 257 arrive)",
-     "flash_attn_sm90_persistent.cu", "wring.init(128 * FA3_CONSUMERS + 1)", "wring.init(128 * FA3_CONSUMERS)",
-     "flash_persistent", True),
+    ("work slot released before the epilogue reads it (flash_attn_sm90.cu consumers, persistent)",
+     "flash_attn_sm90.cu", _FA3_STORE_RELEASE, r"\1wring.release(wring.stage);\1\2", "flash_persistent", True),
+    # an mbarrier initialised with one arrival too few (init(255) where 256 consumer threads and the
+    # loader arrive, init(287) where the 32 loader lanes do)
+    ("mbarrier count one short of its arrivals (flash_attn_sm90.cu work ring)", "flash_attn_sm90.cu",
+     _FA3_WRING_INIT, r"\g<1>\g<2> - 1\g<3>", "flash_persistent", True),
     # a non-coherent load (ld.global.nc) of what another block wrote in the same launch
     ("__ldg of another block's output of the same launch (decode.cu split-KV combine's partials)", "decode.cu",
      "__ldcg(o_part + ", "__ldg(o_part + ", "decode_fused", True),
@@ -173,6 +174,7 @@ import os, re, shutil, sys, tempfile
 from pathlib import Path
 os.environ["CUPYATTN_EMULATE"] = "1"
 os.environ["CUPYATTN_QUIET"] = "1"
+sys.path.insert(0, {root!r})  # this checkout's cupyattn and kernels_cu, whatever is installed
 sys.path.insert(0, {tests!r})
 import conftest  # installs the emulated cupy
 import cupy
@@ -337,7 +339,7 @@ def test_second_instances_of_each_bug_class_are_caught_on_the_emulator(tmp_path)
 
 def _caught(tmp_path, mutants):
     script = tmp_path / "mutants.py"
-    script.write_text(SCRIPT.format(tests=str(ROOT / "tests"), mutants=mutants))
+    script.write_text(SCRIPT.format(root=str(ROOT), tests=str(ROOT / "tests"), mutants=mutants))
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=900, cwd=ROOT)
     report = r.stdout + r.stderr[-3000:]
     assert r.returncode == 0, report
