@@ -223,10 +223,13 @@ static void emu_block_start(EmuSched& S, uint3 blk, int n, size_t smem, const st
         std::memset(wp.xgen, 0xFF, sizeof wp.xgen);  // no part from an earlier block counts
     }
     if (emu_smem.on) {  // the slot's buffer and its shadow poisoned alike, then watched again
-        auto& hot = emu_smem.hot;
+        auto& hot = emu_smem.hot;  // the slot's pages, written or hot, forgotten: all read-only again below
         hot.erase(std::remove_if(hot.begin(), hot.end(), [&](const EmuSmemHot& h) { return h.slot == S.slot; }),
                   hot.end());
         emu_smem_nhot = (int)hot.size();
+        const uintptr_t lo = reinterpret_cast<uintptr_t>(emu_dyn_smem_buf[S.slot]), hi = lo + EMU_DYN_SMEM;
+        emu_smem_ndirty = (int)(std::remove_if(emu_smem.dirty, emu_smem.dirty + emu_smem_ndirty,
+                                               [&](uintptr_t pg) { return pg >= lo && pg < hi; }) - emu_smem.dirty);
         emu_smem_protect(S.slot, false);
         std::memset(emu_dyn_smem_buf[S.slot], 0xFF, smem);
         std::memset(emu_smem.shadow[S.slot].data(), 0xFF, emu_smem.bytes);

@@ -539,8 +539,9 @@ _DECLARATOR = re.compile(r"^\s*(\w+)\s*((?:\[[^\]]*\]\s*)*)$")
 
 def _static_shared(m: re.Match) -> str:
     """``__shared__ [__align__(n)] T a[N], b;`` -> per-block variables in the slot's arena: each
-    name becomes a reference to ``emu_static_smem(tag, size, align)``, the tag a function-local
-    static (one per declaration and template instantiation)."""
+    name becomes a reference to ``emu_static_smem(tag, size, align, "name")``, the tag a
+    function-local static (one per declaration and template instantiation), the name for the
+    emulator's messages."""
     align = re.search(r"\d+", m.group(1))
     parts = [p.strip() for p in m.group(2).split(",")]
     first = re.match(r"^(.*?\S)\s+(\w+\s*(?:\[[^\]]*\]\s*)*)$", parts[0])
