@@ -133,8 +133,7 @@ MUTANTS = [
     ("__ldg of another block's output of the same launch (decode.cu split-KV combine's partials)", "decode.cu",
      "__ldcg(o_part + ", "__ldg(o_part + ", "decode_fused", True),
     ("__ldg of another block's output of the same launch (megakernel_gemv.cuh input rows)", "megakernel_gemv.cuh",
-     "__ldcg(reinterpret_cast<const uint4*>(src)", "__ldg(reinterpret_cast<const uint4*>(src)", "megakernel_blocks",
-     True),
+     "__ldcg(src + c0", "__ldg(src + c0", "megakernel_blocks", True),
 ]
 # The megakernel's counters between blocks (megakernel.cu): caught only by an emulator with a memory
 # model and several blocks in flight while others spin (issue 37); the op runs gate|up then down
