@@ -1,7 +1,8 @@
 """CPU tier: the CPU emulator's memory model (tests/emu/README.md, "The memory model"; issue 37).
 Blocks that hand data to each other through global memory must release and acquire it as the
 PTX ISA's memory consistency model says; a missing release, a missing acquire, a signal sent
-before the data is written fail here on every run, whatever the schedule, and the right versions
+before the data is written, a non-coherent load (__ldg) of another block's output fail here on
+every run, whatever the schedule, and the right versions
 pass under every schedule. Blocks that wait for each other run interleaved and start while
 others wait, up to the device's resident blocks (CUPYATTN_EMU_SMS); past that the launch is a
 deadlock that says so. The Hopper kernels' bug classes (a stage released before the wgmma
@@ -23,6 +24,7 @@ SEEDS = 6  # launches per kernel, each under its own schedule
 
 SCRIPT = r'''
 import os, sys
+sys.path.insert(0, {root!r})  # this checkout's cupyattn, whatever is installed
 sys.path.insert(0, {emu!r})
 import fakecupy
 fakecupy.install()
@@ -38,7 +40,9 @@ SRC = r"""
 // it waits for). MODE 0: signal_release / wait_acquire; 1: the signal is a relaxed add (no
 // release); 2: the wait is a relaxed spin (no acquire); 3: a relaxed spin, then fence.acq_rel
 // (an acquire pattern); 4: fence.acq_rel, then a relaxed add (a release pattern); 5: the signal
-// goes before the data is written.
+// goes before the data is written; 6: as 0, but the data read with __ldg (ld.global.nc: another
+// block's store of the launch may be a stale line there, acquired or not); 7: as 0, and each block
+// reads back its own stores with __ldg (its own: right).
 template <int MODE>
 __global__ void relay(float* data, unsigned* ready) {
     const int b = blockIdx.x, t = threadIdx.x;
@@ -53,7 +57,7 @@ __global__ void relay(float* data, unsigned* ready) {
             }
         }
         __syncthreads();
-        prev = data[(b - 1) * 32 + t];
+        prev = MODE == 6 ? __ldg(&data[(b - 1) * 32 + t]) : data[(b - 1) * 32 + t];
     }
     if (MODE == 5) {
         __syncthreads();
@@ -61,9 +65,15 @@ __global__ void relay(float* data, unsigned* ready) {
     }
     data[b * 32 + t] = prev + 1.0f;
     __syncthreads();
+    if (MODE == 7) {
+        const float mine = __ldg(&data[b * 32 + (t + 1) % 32]);
+        __syncthreads();
+        data[b * 32 + t] = mine;
+        __syncthreads();
+    }
     if (t == 0 && MODE == 1) atomic_add_relaxed(&ready[b], 1u);
     if (t == 0 && MODE == 4) { fence_acq_rel_gpu(); atomic_add_relaxed(&ready[b], 1u); }
-    if (t == 0 && (MODE == 0 || MODE == 2 || MODE == 3)) signal_release(&ready[b], 1u);
+    if (t == 0 && (MODE == 0 || MODE == 2 || MODE == 3 || MODE >= 6)) signal_release(&ready[b], 1u);
 }
 // ticket: every block writes its 32 values and takes a ticket; the last one sums all blocks'.
 // MODE 0: __threadfence before the ticket and after it (decode.cu's combine); 1: none before (no
@@ -97,7 +107,7 @@ __global__ void untracked(const unsigned* c, float* y) {
     y[threadIdx.x] = 1.0f;
 }
 """
-names = [f"relay<{m}>" for m in range(6)] + [f"ticket<{m}>" for m in range(4)] + ["grid_barrier", "untracked"]
+names = [f"relay<{m}>" for m in range(8)] + [f"ticket<{m}>" for m in range(4)] + ["grid_barrier", "untracked"]
 mod = cupy.RawModule(code=_loader.inline_source(SRC), name_expressions=names)
 k = {n: mod.get_function(n) for n in names}
 
@@ -121,9 +131,10 @@ def reset_relay():
     ready[...] = 0
 want = np.repeat(np.arange(1, n + 1, dtype=np.float32), 32)
 relay = {m: runs(f"relay<{m}>", n, (data, ready), reset_relay, lambda: np.array_equal(cupy.asnumpy(data), want))
-         for m in range(6)}
-assert relay[0] == relay[3] == relay[4] == SEEDS, ("a right release/acquire failed", relay)
-assert relay[1] == relay[2] == relay[5] == 0, ("a missing release, a missing acquire or an early signal passed", relay)
+         for m in range(8)}
+assert relay[0] == relay[3] == relay[4] == relay[7] == SEEDS, ("a right release/acquire failed", relay)
+assert relay[1] == relay[2] == relay[5] == relay[6] == 0, \
+    ("a missing release, a missing acquire, an early signal or a non-coherent load passed", relay)
 
 part, count, total = cupy.empty(n * 32, dtype=np.float32), cupy.zeros(1, dtype=np.uint32), cupy.empty(32, dtype=np.float32)
 def reset_ticket():
@@ -162,7 +173,7 @@ print("MEMORY-MODEL-OK")
 
 def test_release_acquire_between_blocks_and_co_residency(tmp_path):
     script = tmp_path / "emu_memory_model.py"
-    script.write_text(SCRIPT.replace("{emu!r}", repr(str(EMU))).replace("{seeds}", str(SEEDS)))
+    script.write_text(SCRIPT.replace("{emu!r}", repr(str(EMU))).replace("{root!r}", repr(str(EMU.resolve().parent.parent))).replace("{seeds}", str(SEEDS)))
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600,
                        cwd=Path(__file__).parent.parent)
     assert r.returncode == 0 and "MEMORY-MODEL-OK" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]

@@ -3,17 +3,20 @@ otherwise. Each mutant below is one seeded bug of a named class, applied as a te
 kernel source (a copy of kernels_cu/); the op that launches it runs on the CPU emulator at a small
 shape under 3 schedules and must fail (a wrong result against the float64 reference, NaN, or an
 emulator error). The unmutated sources must pass the same runs, so a catch is the mutant's doing.
-The memory-model classes (issue 37: a stage released before the wgmma reading it retired, a
-missing fence.proxy.async, a missing release or acquire around the split-KV combine's ticket or
-the megakernel's counters, a missing barrier before a counter's release) must fail under every one
-of the 3 schedules, not some: the emulator catches them by its model (tests/emu/README.md, "The
-memory model"), not by a lucky timing. So must the persistent kernel's tile counter left unreset
+The memory-model classes (a stage released before the wgmma reading it retired, a missing
+fence.proxy.async, a missing release or acquire around the split-KV combine's ticket or the
+megakernel's counters, a missing barrier before a counter's release; a missing __syncwarp between
+the loader lanes' zeroing and lane 0's arrival, a work slot released before its last read, an
+mbarrier count one short of its arrivals, __ldg of another block's output of the launch) must fail
+under every one of the 3 schedules, not some: the emulator catches them by its model
+(tests/emu/README.md, "The memory model"), not by a lucky timing. So must the persistent kernel's tile counter left unreset
 (its claims are relaxed atomic adds that publish no data, so there is no release or acquire to
 delete; what a launch must get right is that its last claim returns the counter to 0 for the next
 launch).
 
 Runs in a subprocess because the emulator replaces the `cupy` module for the whole process.
 """
+import re
 import shutil
 import subprocess
 import sys
@@ -50,8 +53,19 @@ _TICKET = "        last = atomic_add_acq_rel(counter, 1u) == n - 1u;\n"  # ptx.c
 _SCHED_RESET = ("            if (old == (unsigned)total - 1u) atomic_add_relaxed(counter, 0u - (unsigned)total);"
                 "  // the launch's last add\n")
 
-# (bug class, file, text, mutated text, op, every): each text must occur exactly once in the file;
-# every: the mutant must fail under every schedule (else under at least one)
+# Snippets the other classes match as patterns (re): short and stable, so that a modest refactor of the
+# kernel keeps them applicable; a pattern that no longer matches exactly once fails the test loudly.
+# The loader lanes' __syncwarp between their zeroing (each lane's stores and its fence.proxy.async) and
+# lane 0's arrival that publishes the V slot (flash_attn_sm90.cuh, v3 and v4 alike):
+_FA3_TAIL_SYNCWARP = re.compile(r"__syncwarp\(\);[^\n]*\n(\s*if \(lane == 0\) mbar_arrive\()")
+# The Hopper attention's consumers release their work slot after the epilogue, which reads the slot:
+_FA3_STORE_RELEASE = re.compile(r"(\n[ \t]*)(\w*_store<[^;]*;[^\n]*)\n[ \t]*wring\.release\(wring\.stage\);[^\n]*")
+# The work ring's empty barrier: its count, one arrival short (every thread that releases the slot)
+_FA3_WRING_INIT = re.compile(r"(wring\.init\()([^;]*)(\);)")
+
+# (bug class, file, text, mutated text, op, every): each text (a string, or a compiled pattern and its
+# replacement) must occur exactly once in the file; every: the mutant must fail under every schedule
+# (else under at least one)
 MUTANTS = [
     ("barrier removed (softmax v3: red_l read before every warp wrote it)", "row_softmax.cu",
      "    if (lane == 0) red_l[warp] = l;\n    __syncthreads();\n", "    if (lane == 0) red_l[warp] = l;\n",
@@ -101,6 +115,25 @@ MUTANTS = [
      "megakernel_ring"),
     ("tile counter not reset by the launch's last claim (flash_attn_sm90_sched.cuh: the next launch skips tiles)",
      "flash_attn_sm90_sched.cuh", _SCHED_RESET, "", "flash_persistent", True),
+    # lanes of one warp out of step: without the __syncwarp, lane 0 publishes the slot while other lanes
+    # may not have zeroed their rows yet, or their fences are not ordered before the consumers' wgmma
+    ("__syncwarp deleted between the loader lanes' zeroing and lane 0's arrival (flash_attn_sm90.cuh, v3)",
+     "flash_attn_sm90.cuh", _FA3_TAIL_SYNCWARP, r"\1", "flash_wgmma", True),
+    ("__syncwarp deleted between the loader lanes' zeroing and lane 0's arrival (flash_attn_sm90.cuh, v4)",
+     "flash_attn_sm90.cuh", _FA3_TAIL_SYNCWARP, r"\1", "flash_persistent_tail", True),
+    # an early release on a ring whose producer publishes with a plain arrive: the scheduler refills the
+    # work slot while consumers still read it
+    ("work slot released before the epilogue reads it (flash_attn_sm90.cu consumers, persistent)",
+     "flash_attn_sm90.cu", _FA3_STORE_RELEASE, r"\1wring.release(wring.stage);\1\2", "flash_persistent", True),
+    # an mbarrier initialised with one arrival too few (init(255) where 256 consumer threads and the
+    # loader arrive, init(287) where the 32 loader lanes do)
+    ("mbarrier count one short of its arrivals (flash_attn_sm90.cu work ring)", "flash_attn_sm90.cu",
+     _FA3_WRING_INIT, r"\g<1>\g<2> - 1\g<3>", "flash_persistent", True),
+    # a non-coherent load (ld.global.nc) of what another block wrote in the same launch
+    ("__ldg of another block's output of the same launch (decode.cu split-KV combine's partials)", "decode.cu",
+     "__ldcg(o_part + ", "__ldg(o_part + ", "decode_fused", True),
+    ("__ldg of another block's output of the same launch (megakernel_gemv.cuh input rows)", "megakernel_gemv.cuh",
+     "__ldcg(src + c0", "__ldg(src + c0", "megakernel_blocks", True),
 ]
 # The megakernel's counters between blocks (megakernel.cu): caught only by an emulator with a memory
 # model and several blocks in flight while others spin (issue 37); the op runs gate|up then down
@@ -128,16 +161,19 @@ SECOND_INSTANCES = {
     "ring refill moved before the barrier that retires its readers (megakernel ring attention)",
     "counter released without release semantics",   # the split-KV ticket's relaxed-ticket mutants
     "counter awaited without acquire semantics",    # (ptx.cuh last_block_ticket) stand for these
+    "__syncwarp deleted between the loader lanes' zeroing and lane 0's arrival (flash_attn_sm90.cuh, v4)",
+    "__ldg of another block's output of the same launch (megakernel_gemv.cuh input rows)",
 }
 # (issue 37) a release-early, a missing proxy fence and a missing release / acquire each stay in the
 # default run for the wgmma GEMM, the wgmma attention and the split-KV combine
 assert SECOND_INSTANCES <= {m[0] for m in MUTANTS + ORDER_MUTANTS}
 
 SCRIPT = r'''
-import os, shutil, sys, tempfile
+import os, re, shutil, sys, tempfile
 from pathlib import Path
 os.environ["CUPYATTN_EMULATE"] = "1"
 os.environ["CUPYATTN_QUIET"] = "1"
+sys.path.insert(0, {root!r})  # this checkout's cupyattn and kernels_cu, whatever is installed
 sys.path.insert(0, {tests!r})
 import conftest  # installs the emulated cupy
 import cupy
@@ -177,6 +213,8 @@ def run(op, seed):
     elif op == "flash_wgmma":  # 4 key tiles of 128 through the 3-slot rings; the last ends at key 430
         q, k, v = (to_device(rand_with_outliers(rng, (1, 1, s, 64)), "float16") for s in (17, 450, 450))
         kl = np.array([430], dtype=np.int32)
+        k[0][..., 430:, :] = np.nan  # an unwritten cache past the length: the V rows must be zeroed
+        v[0][..., 430:, :] = np.nan
         out = nan_like((1, 1, 17, 64), "float16")
         cupyattn.attention(q[0], k[0], v[0], key_lengths=cupy.asarray(kl), impl="wgmma", out=out)
         assert_close(out, ref.attention(q[1], k[1], v[1], key_lengths=kl), "float16")
@@ -200,6 +238,17 @@ def run(op, seed):
             out = nan_like((1, 2, 130, 64), "float16")
             cupyattn.attention(q[0], k[0], v[0], causal=True, impl="wgmma_persistent", out=out)
             assert_close(out, ref.attention(q[1], k[1], v[1], causal=True), "float16")
+    elif op == "flash_persistent_tail":  # one block, 3 sequences whose last key tiles end past their lengths
+        from cupyattn import flash_attn_sm90_persistent as P
+        P._sm_count = lambda: 1
+        q, k, v = (to_device(rand_with_outliers(rng, (3, 2, s, 64)), "float16") for s in (20, 200, 200))
+        kl = np.array([130, 61, 200], dtype=np.int32)
+        for b in range(3):
+            k[0][b, :, kl[b]:] = np.nan
+            v[0][b, :, kl[b]:] = np.nan
+        out = nan_like((3, 2, 20, 64), "float16")
+        cupyattn.attention(q[0], k[0], v[0], key_lengths=cupy.asarray(kl), impl="wgmma_persistent", out=out)
+        assert_close(out, ref.attention(q[1], k[1], v[1], key_lengths=kl), "float16")
     elif op == "flash_mma":
         q, k, v = (to_device(rand_with_outliers(rng, (1, 2, s, 64)), "float16") for s in (17, 150, 150))
         out = nan_like((1, 2, 17, 64), "float16")
@@ -264,8 +313,10 @@ for i, (cls, name, text, mutated, op, every) in enumerate(MUTANTS):
     tmp = Path(tempfile.mkdtemp(prefix="cupyattn-mutant-"))
     shutil.copytree(ORIGINAL, tmp / "kernels_cu", ignore=shutil.ignore_patterns("__pycache__"))
     src = (tmp / "kernels_cu" / name).read_text()
-    assert src.count(text) == 1, f"mutant {{i}} ({{cls}}): its text no longer occurs once in {{name}}; update it"
-    (tmp / "kernels_cu" / name).write_text(src.replace(text, mutated))
+    found = len(text.findall(src)) if isinstance(text, re.Pattern) else src.count(text)
+    assert found == 1, f"mutant {{i}} ({{cls}}): its text occurs {{found}} times in {{name}}, not once; update it"
+    mutant = text.sub(mutated, src) if isinstance(text, re.Pattern) else src.replace(text, mutated)
+    (tmp / "kernels_cu" / name).write_text(mutant)
     use_sources(tmp / "kernels_cu")
     print(f"MUTANT {{i}} {{cls}}: {{verdict(op, every)}}", flush=True)
     shutil.rmtree(tmp)
@@ -287,7 +338,7 @@ def test_second_instances_of_each_bug_class_are_caught_on_the_emulator(tmp_path)
 
 def _caught(tmp_path, mutants):
     script = tmp_path / "mutants.py"
-    script.write_text(SCRIPT.format(tests=str(ROOT / "tests"), mutants=mutants))
+    script.write_text(SCRIPT.format(root=str(ROOT), tests=str(ROOT / "tests"), mutants=mutants))
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=900, cwd=ROOT)
     report = r.stdout + r.stderr[-3000:]
     assert r.returncode == 0, report

@@ -19,6 +19,7 @@ SEEDS = 8  # launches per kernel, each under its own schedule
 
 SCRIPT = r'''
 import os, sys
+sys.path.insert(0, {root!r})  # this checkout's cupyattn, whatever is installed
 sys.path.insert(0, {emu!r})
 import fakecupy
 fakecupy.install()
@@ -190,7 +191,7 @@ print("SCHEDULES-OK")
 
 def test_adversarial_schedules_show_races_and_refuse_what_a_gpu_refuses(tmp_path):
     script = tmp_path / "emu_schedules.py"
-    script.write_text(SCRIPT.replace("{emu!r}", repr(str(EMU))).replace("{seeds}", str(SEEDS)))
+    script.write_text(SCRIPT.replace("{emu!r}", repr(str(EMU))).replace("{root!r}", repr(str(EMU.resolve().parent.parent))).replace("{seeds}", str(SEEDS)))
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600,
                        cwd=Path(__file__).parent.parent)
     assert r.returncode == 0 and "SCHEDULES-OK" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]

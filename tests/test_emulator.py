@@ -17,6 +17,7 @@ EMU = Path(__file__).parent / "emu"
 
 SCRIPT = r'''
 import sys
+sys.path.insert(0, {root!r})  # this checkout's cupyattn, whatever is installed
 sys.path.insert(0, {emu!r})
 import fakecupy
 fakecupy.install()
@@ -149,6 +150,6 @@ print("EMULATOR-OK")
 
 def test_emulator_runs_kernels_and_catches_bugs(tmp_path):
     script = tmp_path / "emu_selftest.py"
-    script.write_text(SCRIPT.replace("{emu!r}", repr(str(EMU))))
+    script.write_text(SCRIPT.replace("{emu!r}", repr(str(EMU))).replace("{root!r}", repr(str(EMU.resolve().parent.parent))))
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "EMULATOR-OK" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]

@@ -4,7 +4,10 @@ that never meets in full) ends with a report naming what it waits for; more arri
 barrier's count, a barrier overwritten by a store, a TMA box read before its barrier's phase, an
 accumulator read or written while its wgmma is in flight, a wgmma or TMA store never waited for,
 warpgroup threads issuing different wgmmas, a named barrier (bar.sync) whose thread count never
-arrives or that two calls name with different counts. (Each instruction's results are checked against NumPy
+arrives or that two calls name with different counts; lanes of a warp out of step (an operand
+published before every lane's stores and fences are ordered before its reader), a work slot
+released before it is read (the releasing threads lag, the lone publisher refills the slot), an
+mbarrier whose count does not match the threads that arrive on it. (Each instruction's results are checked against NumPy
 by tests/test_ptx_sm90.py, on the emulator and on a GPU.)
 
 Runs in a subprocess because the emulator replaces the `cupy` module for the whole process.
@@ -165,10 +168,81 @@ __global__ void store_unwaited(const __grid_constant__ TmaMap map) {
     extern __shared__ __align__(128) uint4 smem_raw[];
     if (threadIdx.x == 0) { tma_store<2>(&map, smem_raw, {0, 0}); bulk_commit_group(); }
 }
+// Lanes of one warp out of step: each lane of warp 0 zeroes its share of a wgmma operand (8 KB) and
+// makes its stores visible to the async proxy (fence.proxy.async); lane 0 publishes the operand
+// with an mbarrier arrival; warpgroup 1 waits for it and reads it with a wgmma (d = 1 + 0). MODE 0:
+// a __syncwarp between the lanes' fences and lane 0's arrival; 1: none, so lane 0 may arrive before
+// another lane has stored, and no lane's fence but lane 0's is ordered before the wgmma.
+template <int MODE>
+__global__ void lanes_publish(float* y) {
+    extern __shared__ __align__(1024) uint4 smem_raw[];
+    unsigned char* s = reinterpret_cast<unsigned char*>(smem_raw) + (1024 - smem_u32(smem_raw) % 1024) % 1024;
+    __shared__ unsigned long long full;
+    if (threadIdx.x == 0) { mbar_init(&full, 1); mbar_fence_init(); }
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        uint4 z;
+        z.x = z.y = z.z = z.w = 0u;
+        for (int i = threadIdx.x; i < 512; i += 32) reinterpret_cast<uint4*>(s)[i] = z;
+        fence_proxy_async_shared();
+        if (MODE == 0) __syncwarp();
+        if (threadIdx.x == 0) mbar_arrive(&full);
+    } else if (threadIdx.x >= 128) {
+        mbar_wait(&full, 0);
+        float d[8];
+        for (int j = 0; j < 8; ++j) d[j] = 1.0f;
+        const unsigned long long desc = smem_desc(s, 16, 1024, SWIZZLE_128B);
+        wgmma_fence();
+        wgmma_ss<__half, 16, 0, 0>(d, desc, desc, 1);
+        wgmma_commit_group();
+        wgmma_wait_group<0>();
+        y[threadIdx.x - 128] = d[0];
+    }
+}
+// A ring of two work slots: thread 32 (a scheduler) writes item i into slot i % 2 and publishes it
+// with a plain arrival (count 1); warp 0's lanes read it and release the slot (count 32). MODE 1
+// releases before reading: the scheduler may refill the slot first.
+template <int MODE>
+__global__ void work_ring(int items, float* y) {
+    __shared__ unsigned long long full[2], empty[2];
+    __shared__ int slot[2];
+    if (threadIdx.x == 0)
+        for (int s = 0; s < 2; ++s) { mbar_init(&full[s], 1); mbar_init(&empty[s], 32); }
+    __syncthreads();
+    for (int i = 0; i < items; ++i) {
+        const int s = i % 2;
+        const unsigned phase = (i / 2) & 1;
+        if (threadIdx.x == 32) {
+            mbar_wait(&empty[s], phase ^ 1u);
+            slot[s] = i;
+            mbar_arrive(&full[s]);
+        } else if (threadIdx.x < 32) {
+            mbar_wait(&full[s], phase);
+            int v = 0;
+            if (MODE == 0) v = slot[s];
+            mbar_arrive(&empty[s]);
+            if (MODE == 1) v = slot[s];
+            y[i * 32 + threadIdx.x] = (float)v;
+        }
+    }
+}
+// An mbarrier of count 2 that three threads arrive on, `uses` times: the third arrival spills into
+// the next phase.
+__global__ void miscounted(int uses, float* y) {
+    __shared__ unsigned long long bar;
+    if (threadIdx.x == 0) mbar_init(&bar, 2);
+    __syncthreads();
+    for (int u = 0; u < uses; ++u) {
+        if (threadIdx.x < 3) mbar_arrive(&bar);
+        __syncthreads();
+    }
+    y[threadIdx.x] = 1.0f;
+}
 """)
 names = ["never_arrives", "too_many", "clobbered", "tma_read<0>", "tma_read<1>", "store_unwaited", "tma_at<0>", "tma_at<1>"] + \
     [f"wg_misuse<{m}>" for m in range(7)] + ["named_misuse<0>", "named_misuse<1>"] + \
-    [f"tma_over_wgmma<{m}>" for m in range(3)] + ["store_fenced<0>", "store_fenced<1>"]
+    [f"tma_over_wgmma<{m}>" for m in range(3)] + ["store_fenced<0>", "store_fenced<1>"] + \
+    ["lanes_publish<0>", "lanes_publish<1>", "work_ring<0>", "work_ring<1>", "miscounted"]
 mod = cupy.RawModule(code=SRC, name_expressions=names)
 k = {n: mod.get_function(n) for n in names}
 y = cupy.zeros(128, dtype=np.float32)
@@ -188,10 +262,14 @@ for _ in range(8):  # each launch under its own schedule: the box lands at issue
     seen.add("right" if np.array_equal(cupy.asnumpy(y), np.arange(128)) else "wrong")
 assert "wrong" in seen, "a TMA box read before its barrier's phase must not reliably be right"
 seen = set()
-for _ in range(8):  # operands read at issue (zeros: d = 1) or later (ones: d = 17), as the schedule picks
-    k["wg_misuse<5>"]((1,), (128,), (y,), shared_mem=8192)
-    seen.add(float(cupy.asnumpy(y)[0]))
-assert seen == {1.0, 17.0}, seen
+for _ in range(16):  # operands read at issue (zeros: d = 1) or later, as the schedule picks: then the
+    try:             # ones overwritten while the wgmma was in flight are read, and their fences are
+        k["wg_misuse<5>"]((1,), (128,), (y,), shared_mem=8192)  # not ordered before its issue
+        seen.add(float(cupy.asnumpy(y)[0]))
+    except RuntimeError as e:
+        assert "nothing orders that fence before the read's issue" in str(e), str(e)
+        seen.add("unordered")
+assert seen == {1.0, "unordered"}, seen
 
 k["wg_misuse<0>"]((1,), (128,), (y,), shared_mem=8192)
 assert np.isnan(cupy.asnumpy(y)).all(), "accumulators read before wgmma.wait_group must be poison"
@@ -229,6 +307,32 @@ for _ in range(3):
     g[...] = np.nan
     k["store_fenced<1>"]((1,), (128,), (m,), shared_mem=512)
     assert np.array_equal(cupy.asnumpy(g).ravel(), 1000 + np.arange(128, dtype=np.float32))
+# Lanes of a warp interleave between its synchronising points, and a lane's fence.proxy.async hands
+# the async proxy only the stores ordered before it: without the __syncwarp, lane 0's arrival
+# publishes an operand other lanes have not stored yet (NaN), not fenced yet, or fenced where no
+# synchronisation orders it before the wgmma, on every run; with it, every run is right.
+for _ in range(4):
+    k["lanes_publish<0>"]((1,), (256,), (y,), shared_mem=9216)
+    assert (cupy.asnumpy(y) == 1).all()
+    try:
+        k["lanes_publish<1>"]((1,), (256,), (y,), shared_mem=9216)
+        assert not (cupy.asnumpy(y) == 1).all(), "an operand published before its lanes' stores was right"
+    except RuntimeError as e:
+        assert "reads shared memory" in str(e) and "fence" in str(e), str(e)
+# A slot released before it is read: the scheduler (a lone publisher, never held back) refills it
+# while the releasing lanes are held back, on every run; read first, every run is right.
+wy = cupy.zeros(6 * 32, dtype=np.float32)
+for _ in range(4):
+    k["work_ring<0>"]((1,), (64,), (np.int32(6), wy))
+    assert np.array_equal(cupy.asnumpy(wy), np.repeat(np.arange(6, dtype=np.float32), 32))
+    k["work_ring<1>"]((1,), (64,), (np.int32(6), wy))
+    assert not np.array_equal(cupy.asnumpy(wy), np.repeat(np.arange(6, dtype=np.float32), 32))
+# mbarrier arrival accounting: a phase completed by other threads than the last one, or arrivals
+# left in a phase at the block's end, name the barrier (the kernel: fakecupy prefixes it)
+expect(lambda: k["miscounted"]((1,), (32,), (np.int32(2), y)), "miscounted: mbarrier `bar` (static __shared__)",
+       "(count 2): phase 1 was completed by other threads than phase 0", "arrival count does not match")
+expect(lambda: k["miscounted"]((1,), (32,), (np.int32(1), y)), "mbarrier `bar` (static __shared__)",
+       "ended the block with 1 arrival(s) in phase 1 that never completes")
 # the emulator's encoder applies the driver's documented rules on its own (cupyattn validates first)
 expect(lambda: fakecupy._cupyattn_emulator_encode_tiled(6, 2, 16, (8, 8), (24,), (8, 8), (1, 1), 0, 0, 0, 0),
        "CUDA_ERROR_INVALID_VALUE", "multiples of 16")

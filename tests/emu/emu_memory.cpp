@@ -20,7 +20,6 @@ struct EmuGmPages {
     std::vector<std::pair<uintptr_t, uintptr_t>> spans;  // page-aligned [lo, hi) over the regions, merged
     uintptr_t* dirty = nullptr;         // pages written since the last capture: mmap'd, so the handler's
     size_t ndirty = 0, cap = 0;         // own stores never land on a page it watches
-    struct sigaction saved;             // the SIGSEGV handler before this launch
 };
 static EmuGmPages emu_gm_pages;
 
@@ -32,17 +31,19 @@ static void emu_gm_protect(bool read_only) {
     if (read_only) emu_gm_pages.ndirty = 0;
 }
 
-static void emu_gm_on_fault(int, siginfo_t* si, void*) {
+// A store fault on a watched page: noted (true), or not ours (false). Called by the emulator's one
+// SIGSEGV handler (emu_runtime.cpp, emu_fault_handler).
+bool emu_gm_fault(uintptr_t a) {
     EmuGmPages& p = emu_gm_pages;
-    const uintptr_t a = reinterpret_cast<uintptr_t>(si->si_addr);
+    if (!emu_gm.paged) return false;
     for (const auto& [lo, hi] : p.spans)
         if (a >= lo && a < hi && p.ndirty < p.cap) {
             const uintptr_t page = a & ~(p.size - 1);
             mprotect(reinterpret_cast<void*>(page), p.size, PROT_READ | PROT_WRITE);
             p.dirty[p.ndirty++] = page;
-            return;
+            return true;
         }
-    sigaction(SIGSEGV, &p.saved, nullptr);  // not ours: the store faults again, under the handler before ours
+    return false;
 }
 
 static void emu_gm_pages_begin() {
@@ -65,18 +66,13 @@ static void emu_gm_pages_begin() {
         p.cap = pages;
     }
     p.ndirty = 0;
-    struct sigaction sa;
-    std::memset(&sa, 0, sizeof sa);
-    sa.sa_sigaction = emu_gm_on_fault;
-    sa.sa_flags = SA_SIGINFO | SA_NODEFER;
-    sigemptyset(&sa.sa_mask);
-    sigaction(SIGSEGV, &sa, &p.saved);
+    emu_fault_handler(true);
     emu_gm_protect(true);
 }
 
 static void emu_gm_pages_end() {
     emu_gm_protect(false);
-    sigaction(SIGSEGV, &emu_gm_pages.saved, nullptr);
+    emu_fault_handler(false);
     emu_gm_pages.ndirty = 0;
 }
 
@@ -289,4 +285,18 @@ long emu_gm_strong_index(const void* p, size_t n, const char* what, bool global_
                                  "tracks (tests/emu/README.md)");
     if (i >= 0 && emu_gm.cur != emu_slot) throw std::runtime_error("emulator: memory model out of step with the scheduler");
     return i;
+}
+
+void emu_gm_load_nc(const void* p, void* out, size_t n) {
+    std::memcpy(out, p, n);
+    if (!emu_gm.on) return;
+    const long i = emu_gm_index(p, n);
+    if (i < 0) return;  // outside the regions: nothing of it is written in the launch
+    const int s = emu_gm.cur;
+    emu_gm_capture_range(s, (size_t)i, n);  // its own stores so far are known as its own
+    const unsigned me = emu_gm.views[s].id;
+    for (size_t k = 0; k < n; ++k) {
+        const unsigned w = emu_gm.wblk[(size_t)i + k];
+        if (w != 0 && w != me) static_cast<unsigned char*>(out)[k] = EMU_GM_POISON;
+    }
 }

@@ -75,6 +75,10 @@ struct EmuGm {
     unsigned long long gen = 0;         // bumped by strong writes: wakes threads parked on global values
 };
 extern EmuGm emu_gm;  // (emu_memory.cpp)
+// The emulator's one SIGSEGV handler (emu_runtime.cpp) serves the pages this model watches and the
+// tracked dynamic shared memory (emu_runtime.h, EmuHooks::smem_store): installed while either needs it.
+void emu_fault_handler(bool install);
+bool emu_gm_fault(uintptr_t addr);  // a store fault on a page of the regions: noted
 
 // Slot s wrote value x at byte i (found by a capture, or an atomic): it is the latest value; other
 // blocks in flight lose it from their views (they read it racily now) unless it was their own store.
@@ -188,8 +192,27 @@ inline void __nanosleep(unsigned) {
 // --- CUDA's fences, atomics and cache-hinted loads ----------------------------------------------------
 inline void __threadfence() { emu_gm_fence(); }
 inline void __threadfence_block() {}  // a block's threads share one view: nothing to order here
-// ld.global.cg: a weak load with a cache hint (L2 only), not an acquire.
+// ld.global.cg: a weak load with a cache hint (L2 only), not an acquire. The other coherent cache
+// hints (ld.global.ca / .cs / .lu / .cv, st.global.wb / .cg / .cs / .wt) are weak loads and stores of
+// the block's view as well.
 template <typename T> T __ldcg(const T* p) { return *p; }
+template <typename T> T __ldca(const T* p) { return *p; }
+template <typename T> T __ldcs(const T* p) { return *p; }
+template <typename T> T __ldlu(const T* p) { return *p; }
+template <typename T> T __ldcv(const T* p) { return *p; }
+template <typename T> void __stwb(T* p, T v) { *p = v; }
+template <typename T> void __stcg(T* p, T v) { *p = v; }
+template <typename T> void __stcs(T* p, T v) { *p = v; }
+template <typename T> void __stwt(T* p, T v) { *p = v; }
+// ld.global.nc (__ldg): the non-coherent path, for data that stays read-only while the kernel runs
+// (PTX ISA, ld.global.nc). An SM may hold a stale line of it whatever it acquired, so a byte another
+// block of the launch wrote reads as poison here, acquired or not; the rest as the block's view.
+void emu_gm_load_nc(const void* p, void* out, size_t n);
+template <typename T> T __ldg(const T* p) {
+    T v;
+    emu_gm_load_nc(p, &v, sizeof(T));
+    return v;
+}
 template <typename T> T atomicAdd(T* p, T v) { return emu_gm_rmw(p, [v](T o) { return (T)(o + v); }, EMU_RELAXED, "atomicAdd"); }
 template <typename T> T atomicSub(T* p, T v) { return emu_gm_rmw(p, [v](T o) { return (T)(o - v); }, EMU_RELAXED, "atomicSub"); }
 template <typename T> T atomicMax(T* p, T v) { return emu_gm_rmw(p, [v](T o) { return v > o ? v : o; }, EMU_RELAXED, "atomicMax"); }

@@ -4,7 +4,9 @@
 //   - mbarrier: count, pending arrivals, tx-count and phase (9.7.13.15); a try_wait that cannot
 //     succeed parks the thread, and a kernel that would hang on a GPU ends with a deadlock report
 //     naming the barrier and its state; more arrivals than the count in one phase, a barrier used
-//     before mbarrier.init or overwritten by a store, are errors;
+//     before mbarrier.init or overwritten by a store, a phase completed by other threads than the
+//     phase before it or left part-arrived at the block's end (a count its threads do not match),
+//     are errors;
 //   - TMA loads (cp.async.bulk.tensor, 9.7.9.25.5): an innermost start coordinate off a 16-byte
 //     boundary is an error (measured on the H100: emu_tma_check_coords); the box is read with out-of-bounds elements
 //     zero-filled and written in the map's swizzle; the copy lands, with its complete_tx, at a
@@ -20,15 +22,17 @@
 //     (writing them meanwhile is an error; emu_wgmma_complete delivers), ops chained on the same
 //     accumulators in issue order;
 //   - stmatrix (9.7.14.5.16) as the inverse of ldmatrix; setmaxnreg and the wgmma fences are no-ops;
-//   - (issue 37) the async proxy's view of shared memory: a wgmma or TMA store reading what the
-//     generic proxy stored with no fence.proxy.async between is an error, as is a TMA load into
+//   - the async proxy's view of shared memory: a wgmma or TMA store reading what the generic proxy
+//     stored with no fence.proxy.async between, or through a fence not ordered before the read
+//     (happens-before inside the block: EmuKnow, emu_runtime.h), is an error, as is a TMA load into
 //     shared memory an unretired wgmma reads, or completing on an mbarrier whose init was not
-//     fenced; a plain mbarrier arrival makes its thread lag (emu_lag).
+//     fenced; a plain mbarrier arrival makes its thread lag (emu_lag), a lone producer's excepted.
 // Tensor maps are this emulator's own 128-byte format (EmuTmaDesc), encoded by fakecupy's
 // encode_tensor_map_tiled, which applies the driver's documented checks.
 #pragma once
 #include "emu_ptx.h"
 #include <deque>
+#include <iterator>
 #include <map>
 #include <unordered_map>
 
@@ -68,10 +72,14 @@ struct EmuMbar {
     unsigned count = 0, pending = 0, phase = 0;
     long long tx = 0;
     bool async_ok = false;  // its init made visible to the async proxy (fence.mbarrier_init / fence.proxy.async)
+    std::vector<uint16_t> arrived, last;  // who arrived in this phase; who completed the last one (sorted)
+    bool completed = false; // a phase has completed since its init
+    EmuKnow kn, done;       // what this phase's arrivals released; what the completed phases did (EmuKnow)
 };
 struct EmuTmaLoad { EmuTmaDesc map; int c[5]; unsigned dst, bar, bytes; unsigned long long due; };
-struct EmuTmaStore { EmuTmaDesc map; int c[5]; unsigned src; int group; };
+struct EmuTmaStore { EmuTmaDesc map; int c[5]; unsigned src; int group; EmuKnow kn; };  // kn: its issuer's, at issue
 struct EmuWgOp {                // one wgmma.mma_async of a warpgroup
+    EmuKnow kn;                 // what its 128 threads knew at issue: the async reads are ordered after it
     bool rs, bf16;
     int n, trans_a, trans_b, scale_d, group = -1;  // group -1: not committed yet
     bool computed = false;      // shared memory read and the chain advanced (emu_wgmma_compute)
@@ -89,9 +97,17 @@ struct EmuWarpgroup {
     EmuWgSlot slot[128];
     std::deque<EmuWgOp> ops;     // in issue order
     int committed = 0;
+    EmuKnow kn;                  // what the threads of the collective being completed know together
     std::unordered_map<float*, std::pair<float, int>> acc;  // register -> (value in flight, ops pending on it)
 };
-struct EmuNamedBar { int expected = 0, arrived = 0; unsigned gen = 0; };  // bar.sync / bar.arrive id
+// A generic-proxy store to a byte of dynamic shared memory (tracked: EmuHooks::smem_store) and the
+// fence.proxy.async that handed it to the async proxy: 1 + the thread, and its epoch (EmuKnow). w = 0:
+// the async proxy (a TMA load) wrote the byte last; f = 0: not handed over yet.
+struct EmuStoreRec { uint16_t w = 0, f = 0; unsigned we = 0, fe = 0; };
+struct EmuNamedBar {  // bar.sync / bar.arrive id
+    int expected = 0, arrived = 0; unsigned gen = 0;
+    EmuKnow kn, done;    // what this phase's arrivals released; what the completed phases did
+};
 struct EmuSm90 {
     int threads = 0;
     EmuNamedBar named[16];                      // named barriers 0..15 (0 is __syncthreads')
@@ -102,6 +118,13 @@ struct EmuSm90 {
     std::vector<EmuWarpgroup> wgs;
     std::string error;                          // found where nothing can throw (the scheduler)
     std::vector<unsigned> reading;              // per 16 bytes of dynamic smem: in-flight wgmma reads of them
+    std::vector<EmuStoreRec> rec;               // per byte of dynamic smem, once a thread stored to it
+    // per writer thread, the bytes it stored and no fence has handed to the async proxy yet, in
+    // epoch order (a fence takes each writer's prefix it knows of); entries a later write made
+    // stale are skipped then
+    std::map<int, std::deque<std::pair<unsigned, unsigned>>> unpub;  // writer -> (epoch, byte)
+    size_t stored = 0;                          // bytes whose last write is a tracked store (rec[b].w != 0)
+    unsigned rec_lo = ~0u, rec_hi = 0;          // while stored > 0: they all lie in [rec_lo, rec_hi)
 };
 inline EmuSm90 emu_sm90_slots[EMU_MAX_SLOTS];  // one per block in flight
 #define emu_sm90 (emu_sm90_slots[emu_slot])
@@ -112,10 +135,12 @@ inline EmuSm90 emu_sm90_slots[EMU_MAX_SLOTS];  // one per block in flight
 // TMA and wgmma read and write shared memory through the async proxy; st.shared, stmatrix and
 // cp.async through the generic proxy. A generic-proxy store is seen by the async proxy only after
 // a fence.proxy.async (fence_proxy_async_shared) that follows it. Here the dynamic shared memory of
-// each block has a second image, what the async proxy sees: TMA loads write both, a
-// fence.proxy.async by any thread of the block copies the generic image into it (an
-// over-approximation: the fence of one thread publishes every thread's stores), and an async-proxy
-// read (a wgmma operand, a TMA store's source) of a byte where the two differ is an error.
+// each block has a second image, what the async proxy sees: TMA loads write both; the emulator
+// knows which thread made each generic store (EmuHooks::smem_store) and when (EmuKnow), and a
+// thread's fence.proxy.async copies into the async image the stores that happen before it (its
+// own, and those a barrier, __syncwarp or mbarrier ordered before it), no others. An async-proxy
+// read (a wgmma operand, a TMA store's source) is an error where the two images differ, or where
+// the fence that handed the byte over does not happen before the read's issue.
 alignas(1024) inline unsigned char emu_async_smem_buf[EMU_MAX_SLOTS][EMU_DYN_SMEM];
 // The async image of [addr, addr + n) when it lies in the block's dynamic shared memory, else null.
 inline unsigned char* emu_async_of(unsigned addr, unsigned n) {
@@ -123,12 +148,50 @@ inline unsigned char* emu_async_of(unsigned addr, unsigned n) {
     if (addr < base || addr + n > base + emu_dyn_smem_bytes) return nullptr;
     return emu_async_smem_buf[emu_slot] + (addr - base);
 }
-inline void emu_async_check(unsigned addr, unsigned n, const char* reader) {
+// `known`: what the threads that issued the read knew at its issue, as a table by thread of the
+// epochs covered (emu_known_table), or null while no tracked store is in shared memory.
+inline std::vector<unsigned> emu_known_table(const EmuKnow& kn) {
+    std::vector<unsigned> t(emu_sm90.threads, 0u);
+    if (kn.p)
+        for (const auto& [src, e] : *kn.p)
+            if (src < t.size()) t[src] = e;
+    return t;
+}
+inline void emu_async_check_slow(unsigned addr, unsigned n, const char* reader, const unsigned* known);
+inline void emu_async_check(unsigned addr, unsigned n, const char* reader, const unsigned* known) {
     const unsigned char* a = emu_async_of(addr, n);
-    if (!a || !std::memcmp(a, emu_shared_ptr(addr), n) || !emu_sm90.error.empty()) return;
-    emu_sm90.error = std::string(reader) + " reads shared memory at " + emu_hex(addr) + " that the generic proxy "
-                     "(st.shared, stmatrix) wrote with no fence.proxy.async (fence_proxy_async_shared) between the "
-                     "store and the read, or while the read was in flight";
+    if (!a) return;
+    bool suspect = std::memcmp(a, emu_shared_ptr(addr), n) != 0;
+    const unsigned off = addr - smem_u32(emu_dyn_smem);
+    if (known && !suspect && off + n > emu_sm90.rec_lo && off < emu_sm90.rec_hi) {
+        const EmuStoreRec* r = emu_sm90.rec.data() + off;
+        for (unsigned b = 0; b < n; ++b) suspect |= r[b].f != 0;
+    }
+    if (suspect) emu_async_check_slow(addr, n, reader, known);
+}
+__attribute__((noinline)) inline void emu_async_check_slow(unsigned addr, unsigned n, const char* reader,
+                                                         const unsigned* known) {
+    const unsigned char* a = emu_async_of(addr, n);
+    if (!emu_sm90.error.empty()) return;
+    if (std::memcmp(a, emu_shared_ptr(addr), n)) {
+        emu_sm90.error = std::string(reader) + " reads shared memory at " + emu_hex(addr) + " that the generic proxy "
+                         "(st.shared, stmatrix) wrote with no fence.proxy.async (fence_proxy_async_shared) between the "
+                         "store and the read (by the storing thread, or by one the store is ordered before), or "
+                         "while the read was in flight";
+        return;
+    }
+    const unsigned off = addr - smem_u32(emu_dyn_smem);
+    for (unsigned b = off; b < off + n; ++b) {
+        const EmuStoreRec& r = emu_sm90.rec[b];
+        if (!r.f || known[r.f - 1u] > r.fe) continue;
+        emu_sm90.error = std::string(reader) + " reads shared memory at " + emu_hex(addr) + " (byte " +
+                         std::to_string(b) + " of dynamic shared memory) that thread " + std::to_string(r.w - 1) +
+                         " stored and thread " + std::to_string(r.f - 1) + "'s fence.proxy.async handed to the async "
+                         "proxy, but nothing orders that fence before the read's issue: no __syncwarp, barrier or "
+                         "mbarrier arrive / wait between the fencing thread and the issuing threads (PTX ISA, Memory "
+                         "Consistency Model: causality order, proxies)";
+        return;
+    }
 }
 // A TMA load may write its box at any moment from its issue on: none of it may be shared memory
 // that a wgmma still in flight reads (wgmma_reads counts them per 16 bytes from issue to the
@@ -146,129 +209,44 @@ inline void emu_wg_check_unread(unsigned addr, unsigned n) {
 
 inline int emu_tid() { return emu_s->cur; }
 
-// --- mbarrier (PTX ISA 9.7.13.15) ---------------------------------------------------------------
-// The 8 bytes of a barrier hold a tag while it is valid, so a store over it shows.
-inline uint64_t emu_mbar_tag(unsigned addr) { return 0x4D42415200000000ull | addr; }
-inline EmuMbar* emu_mbar_find(unsigned addr, std::string* err) {
-    auto it = emu_sm90.bars.find(addr);
-    uint64_t tag;
-    std::memcpy(&tag, emu_shared_ptr(addr), 8);
-    if (it == emu_sm90.bars.end()) {
-        *err = "mbarrier at shared " + emu_hex(addr) + " used before mbarrier.init";
-        return nullptr;
-    }
-    if (tag != emu_mbar_tag(addr)) {
-        *err = "mbarrier at shared " + emu_hex(addr) + " was overwritten by an ordinary store";
-        return nullptr;
-    }
-    return &it->second;
-}
-inline EmuMbar& emu_mbar(unsigned addr) {
-    std::string err;
-    EmuMbar* b = emu_mbar_find(addr, &err);
-    if (!b) emu_sm90_fail(err);
-    return *b;
-}
-// A phase completes when no arrival is pending and tx-count is 0: the phase advances and the
-// pending count is reset to the expected count.
-inline void emu_mbar_try_complete(EmuMbar& b) {
-    if (b.pending == 0 && b.tx == 0) {
-        ++b.phase;
-        b.pending = b.count;
+// Thread t's generic stores to bytes [off, off + n) of the dynamic shared memory (EmuHooks::smem_store),
+// unpublished to the async proxy until a fence that follows them (fence_proxy_async_shared).
+inline void emu_sm90_smem_store(size_t off, size_t n, int t) {
+    EmuSm90& H = emu_sm90;
+    if (H.rec.size() < emu_dyn_smem_bytes) H.rec.resize(emu_dyn_smem_bytes);
+    emu_hb_source(*emu_s, t);
+    const unsigned e = emu_s->f[t].epoch;
+    auto& mine = H.unpub[t];
+    H.rec_lo = std::min(H.rec_lo, (unsigned)off);
+    H.rec_hi = std::max(H.rec_hi, (unsigned)std::min(off + n, H.rec.size()));
+    for (size_t b = off; b < off + n && b < H.rec.size(); ++b) {
+        EmuStoreRec& r = H.rec[b];
+        H.stored += !r.w;
+        if (r.w != t + 1 || r.f || r.we != e) mine.push_back({e, (unsigned)b});  // else listed already
+        r = {(uint16_t)(t + 1), 0, e, 0};
     }
 }
-inline void emu_mbar_complete_tx(unsigned addr, unsigned bytes) {
-    std::string err;
-    EmuMbar* b = emu_mbar_find(addr, &err);
-    if (!b) {
-        if (emu_sm90.error.empty()) emu_sm90.error = "complete_tx of a TMA copy: " + err;
-        return;
+// The async proxy (a TMA load) wrote [addr, addr + n) of the dynamic shared memory: no generic store
+// is there any more, and the shadow of the tracked buffer follows (emu_runtime.cpp).
+unsigned char* emu_smem_shadow(unsigned addr, unsigned n);
+inline void emu_sm90_async_wrote(unsigned addr, unsigned n) {
+    if (unsigned char* sh = emu_smem_shadow(addr, n)) std::memcpy(sh, emu_shared_ptr(addr), n);
+    EmuSm90& H = emu_sm90;
+    const unsigned off = addr - smem_u32(emu_dyn_smem);
+    if (!H.stored || off + n <= H.rec_lo || off >= H.rec_hi) return;
+    for (unsigned b = std::max(off, H.rec_lo); b < std::min(off + n, H.rec_hi); ++b) {
+        H.stored -= H.rec[b].w != 0;
+        H.rec[b] = EmuStoreRec();
     }
-    b->tx -= bytes;
-    emu_mbar_try_complete(*b);
-}
-
-inline void mbar_init(unsigned long long* bar, unsigned count) {
-    const unsigned addr = smem_u32(bar);
-    if (addr % 8) emu_sm90_fail("mbarrier.init: address " + emu_hex(addr) + " is not 8-byte aligned");
-    if (count < 1 || count > (1u << 20) - 1) emu_sm90_fail("mbarrier.init: count outside [1, 2^20 - 1]");
-    EmuMbar& b = emu_sm90.bars[addr];
-    b.count = b.pending = count;
-    b.phase = 0;
-    b.tx = 0;
-    b.async_ok = false;
-    const uint64_t tag = emu_mbar_tag(addr);
-    std::memcpy(emu_shared_ptr(addr), &tag, 8);
-}
-inline void mbar_fence_init() {
-    for (auto& kv : emu_sm90.bars) kv.second.async_ok = true;
-}
-inline void emu_mbar_arrive(unsigned addr, const char* what) {
-    EmuMbar& b = emu_mbar(addr);
-    if (b.pending == 0)
-        emu_sm90_fail(std::string(what) + ": mbarrier at shared " + emu_hex(addr) + " got more arrivals than its "
-                      "count (" + std::to_string(b.count) + ") in one phase");
-    --b.pending;
-    emu_mbar_try_complete(b);
-}
-// A plain arrival releases a resource (a stage's empty barrier): the arriving thread lags
-// (emu_lag) while the rest of its block, the producer that refills the stage included, runs on.
-inline void mbar_arrive(unsigned long long* bar) {
-    emu_mbar_arrive(smem_u32(bar), "mbarrier.arrive");
-    emu_lag();
-}
-inline void mbar_arrive_expect_tx(unsigned long long* bar, unsigned bytes) {
-    EmuMbar& b = emu_mbar(smem_u32(bar));
-    b.tx += bytes;  // expect-tx first, then the arrive-on (9.7.13.15.13)
-    if (b.tx >= (1ll << 20)) emu_sm90_fail("mbarrier.expect_tx: tx-count passes 2^20 - 1");
-    emu_mbar_arrive(smem_u32(bar), "mbarrier.arrive.expect_tx");
-}
-
-void emu_sm90_complete_tma(const EmuTmaLoad& op);
-// Deliver every TMA load still in flight towards barrier `addr` (all of them if addr is ~0u).
-inline void emu_sm90_deliver_loads(unsigned addr) {
-    for (size_t i = 0; i < emu_sm90.loads.size();) {
-        if (addr == ~0u || emu_sm90.loads[i].bar == addr) {
-            const EmuTmaLoad op = emu_sm90.loads[i];
-            emu_sm90.loads.erase(emu_sm90.loads.begin() + (long)i);
-            emu_sm90_complete_tma(op);
-        } else {
-            ++i;
-        }
+    if (!H.stored) {  // no tracked store left: nothing to order until the next (EmuKnow)
+        H.unpub.clear();
+        H.rec_lo = ~0u;
+        H.rec_hi = 0;
+        emu_hb_forget(*emu_s);
     }
 }
 
-// try_wait.parity: true once the phase with that parity has completed, i.e. the current
-// (incomplete) phase has the other parity. The copies the phase waits for land now, at the latest.
-struct EmuMbarWait : EmuWaitable {
-    unsigned addr, parity;
-    EmuMbarWait(unsigned a, unsigned p) : addr(a), parity(p) {}
-    bool ready() override {
-        std::string err;
-        EmuMbar* b = emu_mbar_find(addr, &err);
-        if (!b) return true;  // the caller re-checks and throws
-        if ((b->phase & 1u) != parity) return true;
-        emu_sm90_deliver_loads(addr);
-        return (b->phase & 1u) != parity;
-    }
-    std::string what() const override {
-        if (!emu_sm90.error.empty()) return emu_sm90.error;
-        auto it = emu_sm90.bars.find(addr);
-        if (it == emu_sm90.bars.end()) return "mbarrier " + emu_hex(addr) + " (not initialised)";
-        const EmuMbar& b = it->second;
-        return "mbarrier at shared " + emu_hex(addr) + " waited on for parity " + std::to_string(parity) +
-               " never completes its phase " + std::to_string(b.phase) + " (" + std::to_string(b.pending) + " of " +
-               std::to_string(b.count) + " arrivals pending, tx-count " + std::to_string(b.tx) + ")";
-    }
-};
-inline bool mbar_try_wait(unsigned long long* bar, unsigned parity) {
-    if (parity > 1) emu_sm90_fail("mbarrier.try_wait.parity: parity must be 0 or 1");
-    emu_mbar(smem_u32(bar));
-    EmuMbarWait w(smem_u32(bar), parity);
-    emu_wait_until(w);
-    emu_mbar(smem_u32(bar));  // still a barrier (not overwritten while waiting)
-    return true;
-}
+#include "emu_sm90_barriers.h"  // mbarriers (with their arrival accounting), named barriers
 
 // --- TMA (cp.async.bulk.tensor, PTX ISA 9.7.9.25.5) ---------------------------------------------
 inline EmuTmaDesc emu_tma_desc(const TmaMap* map, int rank, const char* what) {
@@ -340,6 +318,7 @@ inline void emu_sm90_complete_tma(const EmuTmaLoad& op) {
         else std::memset(s, 0, op.map.esize);
         if (unsigned char* a = emu_async_of(at, op.map.esize)) std::memcpy(a, s, op.map.esize);
     });
+    emu_sm90_async_wrote(op.dst, op.bytes);  // the box's bytes (the swizzle permutes 16-byte chunks inside them)
     emu_mbar_complete_tx(op.bar, op.bytes);
 }
 
@@ -369,6 +348,7 @@ inline void tma_load(void* dst, const TmaMap* map, unsigned long long* bar, cons
     if (emu_pick(2)) {  // in flight: poison, or the old bytes
         std::memset(emu_shared_ptr(op.dst), 0xFF, op.bytes);
         if (unsigned char* a = emu_async_of(op.dst, op.bytes)) std::memset(a, 0xFF, op.bytes);
+        emu_sm90_async_wrote(op.dst, op.bytes);
     }
     emu_sm90.loads.push_back(op);
 }
@@ -383,6 +363,8 @@ inline void tma_store(const TmaMap* map, const void* src, const int (&c)[R]) {
     for (int d = 0; d < 5; ++d) op.c[d] = d < R ? c[d] : 0;
     emu_tma_check_coords(op.map, op.c, "cp.async.bulk.tensor (store)");
     op.group = emu_sm90.store_groups[emu_tid()];
+    emu_hb_flush();
+    if (emu_s->sources) op.kn = emu_hb_snapshot(*emu_s, emu_tid());
     emu_sm90.stores[emu_tid()].push_back(op);
 }
 inline void bulk_commit_group() { ++emu_sm90.store_groups[emu_tid()]; }
@@ -396,9 +378,11 @@ inline void emu_bulk_wait(int n) {
             keep.push_back(op);
             continue;
         }
+        const std::vector<unsigned> table = emu_sm90.stored ? emu_known_table(op.kn) : std::vector<unsigned>();
+        const unsigned* known = table.empty() ? nullptr : table.data();
         emu_tma_box(op.map, op.c, [&](long long off, unsigned char* g) {  // the source through the async proxy
             const unsigned at = emu_swizzle(op.src + (unsigned)off, op.map.swizzle * 16u);
-            emu_async_check(at, op.map.esize, "cp.async.bulk.tensor (store)");
+            emu_async_check(at, op.map.esize, "cp.async.bulk.tensor (store)", known);
             const unsigned char* a = emu_async_of(at, op.map.esize);
             if (g) std::memcpy(g, a ? a : emu_shared_ptr(at), op.map.esize);
         }, /*store=*/true);
@@ -408,10 +392,35 @@ inline void emu_bulk_wait(int n) {
 }
 template <int N> inline void bulk_wait_group_read() { emu_bulk_wait(N); }
 template <int N> inline void bulk_wait_group() { emu_bulk_wait(N); }
-// fence.proxy.async.shared::cta: the generic proxy's stores so far are the async proxy's view (and
-// an mbarrier's init with them).
+// fence.proxy.async.shared::cta: the generic-proxy stores that happen before it (the thread's own,
+// and those ordered before it by a barrier, __syncwarp or mbarrier: EmuKnow) become the async proxy's
+// view; other threads' stores stay unseen by it until a fence of theirs (or one they are ordered
+// before) follows them. (An mbarrier's init, too.) The thread steps aside first (emu_interleave).
 inline void fence_proxy_async_shared() {
-    std::memcpy(emu_async_smem_buf[emu_slot], emu_dyn_smem, emu_dyn_smem_bytes);
+    emu_interleave();
+    emu_hb_flush();
+    EmuSm90& H = emu_sm90;
+    EmuSched& S = *emu_s;
+    const int t = S.cur;
+    if (!H.unpub.empty()) {
+        emu_hb_source(S, t);
+        const unsigned e = S.f[t].epoch;
+        unsigned char* a = emu_async_smem_buf[emu_slot];
+        for (auto it = H.unpub.begin(); it != H.unpub.end();) {
+            const int w = it->first;
+            auto& q = it->second;
+            while (!q.empty() && emu_hb_knows(S, t, (unsigned)w, q.front().first)) {
+                const auto [we, b] = q.front();
+                q.pop_front();
+                EmuStoreRec& r = H.rec[b];
+                if (r.w != w + 1 || r.we != we || r.f) continue;  // rewritten since, or handed over already
+                a[b] = emu_dyn_smem[b];
+                r.f = (uint16_t)(t + 1);
+                r.fe = e;
+            }
+            it = q.empty() ? H.unpub.erase(it) : std::next(it);
+        }
+    }
     for (auto& kv : emu_sm90.bars) kv.second.async_ok = true;
 }
 
@@ -429,8 +438,11 @@ struct EmuWgWait : EmuWaitable {
                std::to_string(w->arrived) + " of 128 threads";
     }
 };
+// The collective synchronises its 128 threads (EmuKnow): w.kn, while `last` runs, is what they know
+// together.
 template <typename Last>
 inline void emu_wg_collective(const EmuWgSlot& mine, Last last) {
+    emu_hb_flush();
     if (emu_sm90.threads % 128)
         emu_sm90_fail(std::string(mine.what) + ": the block's " + std::to_string(emu_sm90.threads) +
                       " threads are not whole warpgroups of 128");
@@ -447,6 +459,11 @@ inline void emu_wg_collective(const EmuWgSlot& mine, Last last) {
         return;
     }
     w.arrived = 0;
+    w.kn.clear();
+    if (emu_s->sources) {
+        w.kn = emu_s->floor;
+        w.kn.join(emu_hb_meet(*emu_s, 128 * wg, 128 * wg + 128));
+    }
     std::string err;
     try {
         last(w);
@@ -510,8 +527,8 @@ inline void emu_wg_reads(const EmuWgOp& op, int delta) {
 inline float emu_b16v(unsigned bits, bool bf16) {
     return bf16 ? emu_b16(bits, __nv_bfloat16()) : emu_b16(bits, __half());
 }
-inline float emu_wg_elem(unsigned addr, bool bf16) {
-    emu_async_check(addr, 2, "wgmma.mma_async");
+inline float emu_wg_elem(unsigned addr, bool bf16, const unsigned* known) {
+    emu_async_check(addr, 2, "wgmma.mma_async", known);
     uint16_t bits;
     std::memcpy(&bits, emu_shared_ptr(addr), 2);
     return emu_b16v(bits, bf16);
@@ -527,11 +544,13 @@ inline void emu_wgmma_compute(EmuWarpgroup& w, EmuWgOp& op) {
         emu_wgmma_compute(w, before);
     }
     op.computed = true;
+    const std::vector<unsigned> table = emu_sm90.stored ? emu_known_table(op.kn) : std::vector<unsigned>();
+    const unsigned* known = table.empty() ? nullptr : table.data();
     float A[64][16], B[16][256];
     for (int r = 0; r < 64; ++r)
         for (int k = 0; k < 16; ++k) {
             if (!op.rs) {
-                A[r][k] = emu_wg_elem(emu_wg_addr(op.desc_a, op.trans_a, r, k), op.bf16);
+                A[r][k] = emu_wg_elem(emu_wg_addr(op.desc_a, op.trans_a, r, k), op.bf16, known);
                 continue;
             }
             // RS: thread 32 (r / 16) + 4 (r % 8) + (k % 8) / 2 holds it in a[(r % 16) / 8 + 2 (k / 8)]
@@ -539,7 +558,7 @@ inline void emu_wgmma_compute(EmuWarpgroup& w, EmuWgOp& op) {
             A[r][k] = emu_b16v((op.a[t][reg] >> (16 * (k % 2))) & 0xFFFF, op.bf16);
         }
     for (int k = 0; k < 16; ++k)
-        for (int c = 0; c < op.n; ++c) B[k][c] = emu_wg_elem(emu_wg_addr(op.desc_b, op.trans_b, c, k), op.bf16);
+        for (int c = 0; c < op.n; ++c) B[k][c] = emu_wg_elem(emu_wg_addr(op.desc_b, op.trans_b, c, k), op.bf16, known);
     for (int t = 0; t < 128; ++t) {
         const int wp = t / 32, l = t % 32;
         for (int j = 0; j < op.n / 2; ++j) {
@@ -581,6 +600,7 @@ inline void emu_wgmma_issue(EmuWgSlot s) {
         EmuWgOp op;
         op.rs = s0.rs; op.bf16 = s0.bf16; op.n = s0.n; op.trans_a = s0.ta; op.trans_b = s0.tb;
         op.scale_d = s0.sd; op.desc_a = s0.da; op.desc_b = s0.db;
+        op.kn = w.kn;
         for (int t = 0; t < 128; ++t) {
             const EmuWgSlot& s = w.slot[t];
             if (s.rs != op.rs || s.bf16 != op.bf16 || s.n != op.n || s.ta != op.trans_a || s.tb != op.trans_b ||
@@ -677,48 +697,6 @@ inline void stmatrix(void* smem, const unsigned (&r)[NUM]) {
     emu_warp_barrier(0xffffffffu, -3, "stmatrix");
 }
 
-// --- named barriers (bar.sync / bar.arrive, PTX ISA 9.7.13.1) ---------------------------------------
-// Barrier id counts arriving threads; when `threads` have arrived (sync and arrive alike) it
-// completes and releases the threads waiting in bar.sync. Every arrival of one phase must name the
-// same count. Arrivals left at the end of a block are allowed (a final hand-off nobody takes).
-// The barriers are the block's own (blocks in flight together never share one); a waiter keeps a
-// pointer to its block's barrier, since the scheduler polls it while another block may be current.
-struct EmuNamedWait : EmuWaitable {
-    const EmuNamedBar* bar;
-    int id;
-    unsigned gen;
-    EmuNamedWait(const EmuNamedBar* b, int i, unsigned g) : bar(b), id(i), gen(g) {}
-    bool ready() override { return bar->gen != gen; }
-    std::string what() const override {
-        const EmuNamedBar& b = *bar;
-        return "named barrier " + std::to_string(id) + " waits for " + std::to_string(b.expected) + " threads, " +
-               std::to_string(b.arrived) + " arrived";
-    }
-};
-inline void emu_named_bar(int id, int threads, bool wait, const char* what) {
-    if (id < 1 || id > 15) emu_sm90_fail(std::string(what) + ": barrier id " + std::to_string(id) + " outside 1..15");
-    if (threads <= 0 || threads % 32 || threads > emu_sm90.threads)
-        emu_sm90_fail(std::string(what) + ": thread count " + std::to_string(threads) +
-                      " is not a positive multiple of 32 within the block");
-    EmuNamedBar& b = emu_sm90.named[id];
-    if (b.arrived == 0) b.expected = threads;
-    else if (b.expected != threads)
-        emu_sm90_fail(std::string(what) + ": barrier " + std::to_string(id) + " named with " + std::to_string(threads) +
-                      " threads while its phase counts " + std::to_string(b.expected));
-    const unsigned gen = b.gen;
-    if (++b.arrived == b.expected) {
-        b.arrived = 0;
-        ++b.gen;
-        return;
-    }
-    if (wait) {
-        EmuNamedWait w(&b, id, gen);
-        emu_wait_until(w);
-    }
-}
-inline void named_bar_sync(int id, int threads) { emu_named_bar(id, threads, true, "bar.sync"); }
-inline void named_bar_arrive(int id, int threads) { emu_named_bar(id, threads, false, "bar.arrive"); }
-
 // --- block begin / end ----------------------------------------------------------------------------
 inline void emu_sm90_block_begin(int threads) {
     emu_sm90.threads = threads;
@@ -731,6 +709,11 @@ inline void emu_sm90_block_begin(int threads) {
     emu_sm90.error.clear();
     for (EmuNamedBar& b : emu_sm90.named) b = EmuNamedBar();
     std::fill(emu_sm90.reading.begin(), emu_sm90.reading.end(), 0u);
+    if (emu_sm90.stored) std::fill(emu_sm90.rec.begin(), emu_sm90.rec.end(), EmuStoreRec());
+    emu_sm90.unpub.clear();
+    emu_sm90.stored = 0;
+    emu_sm90.rec_lo = ~0u;
+    emu_sm90.rec_hi = 0;
     std::memset(emu_async_smem_buf[emu_slot], 0xFF, emu_dyn_smem_bytes);  // poisoned as the generic image is
 }
 inline std::string emu_sm90_block_end() {
@@ -741,6 +724,14 @@ inline std::string emu_sm90_block_end() {
         if (!emu_sm90.wgs[i].ops.empty())
             return "warpgroup " + std::to_string(i) + " ended with a wgmma.mma_async never retired by wgmma.wait_group";
     if (!emu_sm90.loads.empty()) return "a TMA load was issued and never waited for (its mbarrier phase never polled)";
+    for (auto& [addr, b] : emu_sm90.bars)  // arrivals left in a phase: a count its threads do not match
+        if (!b.arrived.empty()) {
+            std::sort(b.arrived.begin(), b.arrived.end());
+            return emu_mbar_name(addr) + " (count " + std::to_string(b.count) + ") ended the block with " +
+                   std::to_string(b.arrived.size()) + " arrival(s) in phase " + std::to_string(b.phase) + " that never "
+                   "completes (thread(s) " + emu_mbar_threads(b.arrived, {}) + "): its arrival count does not match "
+                   "the threads that arrive on it";
+        }
     return "";
 }
 // After every fiber step: TMA loads and wgmma operand reads whose due tick has come happen now.
@@ -758,4 +749,5 @@ inline void emu_sm90_tick() {
         for (EmuWgOp& op : w.ops)
             if (!op.computed && op.due <= emu_tick) emu_wgmma_compute(w, op);
 }
-static const bool emu_sm90_hooked = (emu_module_hooks = {emu_sm90_block_begin, emu_sm90_block_end, emu_sm90_tick}, true);
+static const bool emu_sm90_hooked =
+    (emu_module_hooks = {emu_sm90_block_begin, emu_sm90_block_end, emu_sm90_tick, emu_sm90_smem_store}, true);

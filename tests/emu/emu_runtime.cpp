@@ -2,6 +2,8 @@
 // shared-memory arenas and the launch's scheduler. fakecupy builds it once (with emu_memory.cpp)
 // and links every kernel build to it, so a kernel build compiles only its kernels and the
 // inline parts of the headers.
+#include <signal.h>
+#include <sys/mman.h>
 #include "emu_runtime.h"
 
 EmuSched* emu_s = nullptr;
@@ -16,28 +18,142 @@ int emu_slot = 0;
 EmuHooks emu_hooks;
 
 alignas(128) unsigned char emu_shared_origin[128];
-alignas(1024) unsigned char emu_dyn_smem_buf[EMU_MAX_SLOTS][EMU_DYN_SMEM];
+// page-aligned, whole pages per slot: a slot's buffer is write-protected on its own (EmuSmemTrack)
+alignas(4096) unsigned char emu_dyn_smem_buf[EMU_MAX_SLOTS][EMU_DYN_SMEM];
+static_assert(EMU_DYN_SMEM % 4096 == 0, "whole pages per slot");
 alignas(1024) unsigned char emu_static_smem_buf[EMU_MAX_SLOTS][EMU_STATIC_SMEM];
-struct EmuStaticArena { std::vector<std::pair<const void*, unsigned>> off; size_t top = 0; };
+struct EmuStaticVar { const void* tag; unsigned off, size; const char* name; };
+struct EmuStaticArena { std::vector<EmuStaticVar> vars; size_t top = 0; };
 static EmuStaticArena emu_static_arena[EMU_MAX_SLOTS];
 // The slot's copy of the static __shared__ variable whose declaration owns `tag`.
-void* emu_static_smem(const void* tag, size_t size, size_t align) {
+void* emu_static_smem(const void* tag, size_t size, size_t align, const char* name) {
     EmuStaticArena& a = emu_static_arena[emu_slot];
-    for (const auto& [t, o] : a.off)
-        if (t == tag) return emu_static_smem_buf[emu_slot] + o;
+    for (const EmuStaticVar& v : a.vars)
+        if (v.tag == tag) return emu_static_smem_buf[emu_slot] + v.off;
     const size_t o = (a.top + align - 1) / align * align;
     if (o + size > EMU_STATIC_SMEM)
         throw std::runtime_error("static __shared__ variables exceed 48 KB per block");
-    a.off.push_back({tag, (unsigned)o});
+    a.vars.push_back({tag, (unsigned)o, (unsigned)size, name});
     a.top = o + size;
     std::memset(emu_static_smem_buf[emu_slot] + o, 0xFF, size);  // placed during this block: poison it now
     return emu_static_smem_buf[emu_slot] + o;
+}
+std::string emu_smem_name(unsigned addr, unsigned elem) {
+    const unsigned char* p = emu_shared_ptr(addr);
+    const unsigned char* st = emu_static_smem_buf[emu_slot];
+    if (p >= st && p < st + EMU_STATIC_SMEM)
+        for (const EmuStaticVar& v : emu_static_arena[emu_slot].vars) {
+            const unsigned o = (unsigned)(p - st);
+            if (o < v.off || o >= v.off + v.size) continue;
+            std::string n = std::string("`") + v.name;
+            if (v.size > elem) n += "[" + std::to_string((o - v.off) / elem) + "]";
+            return n + "` (static __shared__)";
+        }
+    const unsigned char* dyn = emu_dyn_smem_buf[emu_slot];
+    if (p >= dyn && p < dyn + EMU_DYN_SMEM) return "byte " + std::to_string(p - dyn) + " of dynamic shared memory";
+    return "shared address " + std::to_string(addr);
+}
+
+// --- the generic stores to a slot's dynamic shared memory (EmuHooks::smem_store) -----------------
+// While a launch tracks them, each block's buffer (the launch's bytes, in whole pages) is read-only:
+// the first store to a page faults, and the handler makes the page writable and notes it. The page
+// stays writable ("hot") while threads keep writing it: whenever the thread that ran stops or
+// synchronises (emu_smem_flush), the block's hot pages are compared with a shadow copy of the
+// buffer and each changed run is handed to the module as that thread's store; a page unchanged
+// for EMU_SMEM_IDLE such checks is read-only again. (A loader warp zeroing rows writes each page
+// from every lane: one fault per page, not one per lane and page.) The emulator's own writes of the
+// buffer (TMA landing, the poison of a block's start) keep the shadow equal, so they are never
+// taken for a thread's stores.
+constexpr int EMU_SMEM_IDLE = 32;
+struct EmuSmemHot { uintptr_t page; int slot, idle; };
+struct EmuSmemTrack {
+    bool on = false;
+    size_t bytes = 0;                            // per slot: the launch's dynamic bytes in whole pages
+    std::vector<std::vector<unsigned char>> shadow;  // per slot
+    uintptr_t dirty[EMU_MAX_SLOTS * (EMU_DYN_SMEM / 4096)];  // faulted since the last flush
+    std::vector<EmuSmemHot> hot;                 // writable pages, checked at each flush
+};
+static EmuSmemTrack emu_smem;
+int emu_smem_ndirty = 0, emu_smem_nhot = 0;
+
+static void emu_smem_protect(int slot, bool read_only) {
+    if (emu_smem.bytes) mprotect(emu_dyn_smem_buf[slot], emu_smem.bytes, read_only ? PROT_READ : PROT_READ | PROT_WRITE);
+}
+unsigned char* emu_smem_shadow(unsigned addr, unsigned n) {
+    if (!emu_smem.on) return nullptr;
+    const unsigned char* p = emu_shared_ptr(addr);
+    const unsigned char* b = emu_dyn_smem_buf[emu_slot];
+    if (p < b || p + n > b + emu_smem.bytes) return nullptr;
+    return emu_smem.shadow[emu_slot].data() + (p - b);
+}
+// A store fault in a tracked buffer: noted (true), or not ours (false).
+static bool emu_smem_fault(uintptr_t a) {
+    const uintptr_t lo = reinterpret_cast<uintptr_t>(emu_dyn_smem_buf), hi = lo + sizeof emu_dyn_smem_buf;
+    if (!emu_smem.on || a < lo || a >= hi || (a - lo) % EMU_DYN_SMEM >= emu_smem.bytes) return false;
+    const uintptr_t page = a & ~uintptr_t(4095);
+    mprotect(reinterpret_cast<void*>(page), 4096, PROT_READ | PROT_WRITE);
+    emu_smem.dirty[emu_smem_ndirty++] = page;
+    return true;
+}
+// The stores on the running block's hot pages since the last flush: `thread`'s.
+void emu_smem_flush(int thread) {
+    for (int k = 0; k < emu_smem_ndirty; ++k) {
+        const size_t at = (size_t)(reinterpret_cast<unsigned char*>(emu_smem.dirty[k]) - &emu_dyn_smem_buf[0][0]);
+        emu_smem.hot.push_back({emu_smem.dirty[k], (int)(at / EMU_DYN_SMEM), 0});
+    }
+    emu_smem_ndirty = 0;
+    size_t keep = 0;
+    for (EmuSmemHot h : emu_smem.hot) {
+        unsigned char* page = reinterpret_cast<unsigned char*>(h.page);
+        if (h.slot != emu_slot) { emu_smem.hot[keep++] = h; continue; }  // its block did not run
+        const size_t off = (size_t)(page - emu_dyn_smem_buf[h.slot]);
+        unsigned char* sh = emu_smem.shadow[h.slot].data() + off;
+        bool changed = false;
+        for (size_t c = 0; c < 4096 && std::memcmp(page, sh, 4096); c += 64) {
+            if (!std::memcmp(page + c, sh + c, 64)) continue;
+            for (size_t i = c; i < c + 64;) {  // runs of changed bytes
+                if (page[i] == sh[i]) { ++i; continue; }
+                size_t j = i;
+                while (j < c + 64 && page[j] != sh[j]) sh[j] = page[j], ++j;
+                if (emu_hooks.smem_store) emu_hooks.smem_store(off + i, j - i, thread);
+                changed = true;
+                i = j;
+            }
+        }
+        h.idle = changed ? 0 : h.idle + 1;
+        if (h.idle < EMU_SMEM_IDLE) emu_smem.hot[keep++] = h;
+        else mprotect(page, 4096, PROT_READ);
+    }
+    emu_smem.hot.resize(keep);
+    emu_smem_nhot = (int)keep;
+}
+
+// --- one SIGSEGV handler for the pages the emulator watches (here and emu_memory.cpp) --------------
+static struct sigaction emu_fault_saved;
+static int emu_fault_users = 0;
+static void emu_on_fault(int, siginfo_t* si, void*) {
+    const uintptr_t a = reinterpret_cast<uintptr_t>(si->si_addr);
+    if (emu_smem_fault(a) || emu_gm_fault(a)) return;
+    sigaction(SIGSEGV, &emu_fault_saved, nullptr);  // not ours: the store faults again, under the handler before ours
+}
+void emu_fault_handler(bool install) {
+    if (install && emu_fault_users++ == 0) {
+        struct sigaction sa;
+        std::memset(&sa, 0, sizeof sa);
+        sa.sa_sigaction = emu_on_fault;
+        sa.sa_flags = SA_SIGINFO | SA_NODEFER;
+        sigemptyset(&sa.sa_mask);
+        sigaction(SIGSEGV, &sa, &emu_fault_saved);
+    } else if (!install && --emu_fault_users == 0) {
+        sigaction(SIGSEGV, &emu_fault_saved, nullptr);
+    }
 }
 
 static void emu_fiber_entry() {
     EmuSched& S = *emu_s;
     try {
         S.call();
+        emu_hb_flush();  // its last stores: never released now
     } catch (const std::exception& e) {
         if (!S.failed) { S.failed = true; S.msg = e.what(); }
     }
@@ -84,6 +200,7 @@ static void emu_deliver_due(EmuSched& S) {
             }
         }
         f.pending.resize(k);
+        if (emu_smem_ndirty | emu_smem_nhot) emu_smem_flush((int)(&f - S.f.data()));  // the thread's stores, landed now
     }
     S.next_due = next;
 }
@@ -95,7 +212,8 @@ static void emu_block_start(EmuSched& S, uint3 blk, int n, size_t smem, const st
     emu_enter_slot(S);
     S.live = n; S.block_arrived = 0; S.block_gen = 0; S.next_due = EMU_NEVER;
     S.red[0] = S.red[1] = S.red[2] = 0;
-    S.lag_stamp = 0; S.lagging = 0; S.stalled = false;
+    S.lagging = 0; S.stalled = false;
+    S.sources = 0; S.floor.clear();
     for (size_t w = 0; w < S.warps.size(); ++w) {
         EmuWarp& wp = S.warps[w];
         wp.live = std::min(32, n - (int)w * 32);
@@ -104,7 +222,21 @@ static void emu_block_start(EmuSched& S, uint3 blk, int n, size_t smem, const st
         wp.xleft[0] = wp.xleft[1] = 0; wp.xuser[0] = wp.xuser[1] = 0;
         std::memset(wp.xgen, 0xFF, sizeof wp.xgen);  // no part from an earlier block counts
     }
-    std::memset(emu_dyn_smem_buf[S.slot], 0xFF, smem);
+    if (emu_smem.on) {  // the slot's buffer and its shadow poisoned alike, then watched again
+        auto& hot = emu_smem.hot;  // the slot's pages, written or hot, forgotten: all read-only again below
+        hot.erase(std::remove_if(hot.begin(), hot.end(), [&](const EmuSmemHot& h) { return h.slot == S.slot; }),
+                  hot.end());
+        emu_smem_nhot = (int)hot.size();
+        const uintptr_t lo = reinterpret_cast<uintptr_t>(emu_dyn_smem_buf[S.slot]), hi = lo + EMU_DYN_SMEM;
+        emu_smem_ndirty = (int)(std::remove_if(emu_smem.dirty, emu_smem.dirty + emu_smem_ndirty,
+                                               [&](uintptr_t pg) { return pg >= lo && pg < hi; }) - emu_smem.dirty);
+        emu_smem_protect(S.slot, false);
+        std::memset(emu_dyn_smem_buf[S.slot], 0xFF, smem);
+        std::memset(emu_smem.shadow[S.slot].data(), 0xFF, emu_smem.bytes);
+        emu_smem_protect(S.slot, true);
+    } else {
+        std::memset(emu_dyn_smem_buf[S.slot], 0xFF, smem);
+    }
     std::memset(emu_static_smem_buf[S.slot], 0xFF, emu_static_arena[S.slot].top);
     if (emu_hooks.block_begin) emu_hooks.block_begin(n);
     emu_gm_block_start(S.slot, blk.x + (unsigned long long)gridDim.x * (blk.y + (unsigned long long)gridDim.y * blk.z));
@@ -116,6 +248,7 @@ static void emu_block_start(EmuSched& S, uint3 blk, int n, size_t smem, const st
         f.committed = 0;
         f.waiting_on = nullptr;
         f.lag = 0;
+        f.kn.clear(); f.epoch = 0; f.source = false;
         emu_ctx_init(f.ctx, stacks[S.slot * n + t], EMU_STACK - emu_stack_color(t), emu_fiber_entry);
     }
 }
@@ -132,6 +265,7 @@ static void emu_step(EmuSched& S, int t) {
     f.state = EMU_RUN;
     S.cur = t; threadIdx = f.tid; emu_lane = t % 32; emu_warp = t / 32;
     emu_ctx_switch(S.main, f.ctx);
+    if (emu_smem_ndirty | emu_smem_nhot) emu_smem_flush(t);  // what it stored since it last synchronised
     ++emu_tick;
     if (S.next_due <= emu_tick) emu_deliver_due(S);
     if (emu_hooks.tick) emu_hooks.tick();
@@ -139,7 +273,9 @@ static void emu_step(EmuSched& S, int t) {
 // One scheduling pass over block S; false if no fiber could move. A pass either steps every ready
 // fiber once in a fresh random order, or lets whole warps in a random order run as far as they
 // can (to the next __syncthreads or mbarrier wait): one warp a phase ahead. Fibers held back
-// (emu_lag) are left out; when nothing else can move, the most recently held one goes on.
+// (emu_lag) are left out; when nothing else can move, one of them goes on, which one the seed picks
+// (always the most recent first would resume the threads held after releasing a slot before a
+// publisher held earlier, every time: an early release would never meet the refill).
 static bool emu_pass(EmuSched& S, std::vector<int>& order) {
     bool progress = false;
     const int n = (int)S.f.size();
@@ -165,13 +301,13 @@ static bool emu_pass(EmuSched& S, std::vector<int>& order) {
         }
     }
     if (progress || S.lagging == 0) return progress;
-    int last = -1;
-    for (int t = 0; t < n; ++t)
-        if (S.f[t].lag && emu_fiber_ready(S, t) && (last < 0 || S.f[t].lag > S.f[last].lag)) last = t;
-    if (last < 0) return false;
-    S.f[last].lag = 0;
+    int held = 0, pick = -1;
+    for (int t = 0; t < n; ++t)  // one of the ready held fibers, uniformly (reservoir sampling)
+        if (S.f[t].lag && emu_fiber_ready(S, t) && emu_pick((unsigned)++held) == 0) pick = t;
+    if (pick < 0) return false;
+    S.f[pick].lag = 0;
     --S.lagging;
-    emu_step(S, last);
+    emu_step(S, pick);
     return true;
 }
 
@@ -227,6 +363,11 @@ int emu_launch_erased(void (*run)(const void*), const void* kernel, dim3 g, dim3
         return uint3{(unsigned)(j % g.x), (unsigned)(j / g.x % g.y), (unsigned)(j / ((unsigned long long)g.x * g.y))};
     };
     emu_gm_begin(regions, nregions, paged != 0);
+    emu_smem.on = hooks.smem_store != nullptr;
+    emu_smem.bytes = emu_smem.on ? (smem + 4095) / 4096 * 4096 : 0;
+    emu_smem_ndirty = emu_smem_nhot = 0;
+    emu_smem.hot.clear();
+    if (emu_smem.on) emu_fault_handler(true);
     std::vector<EmuSched> S;
     S.reserve(max_slots);  // fibers hold references into it: never reallocated
     auto call = [run, kernel] { run(kernel); };
@@ -245,6 +386,10 @@ int emu_launch_erased(void (*run)(const void*), const void* kernel, dim3 g, dim3
         // write past the `smem` bytes the host launched with is reported after the launch.
         std::memset(emu_dyn_smem_buf[s], 0xFF, EMU_DYN_SMEM);
         emu_static_arena[s] = {};
+        if (emu_smem.on) {
+            if (emu_smem.shadow.size() <= (size_t)s) emu_smem.shadow.resize(s + 1);
+            emu_smem.shadow[s].assign(emu_smem.bytes, 0xFF);
+        }
         while ((int)emu_stacks.size() < (s + 1) * n) emu_stacks.push_back((char*)std::malloc(EMU_STACK));
         emu_block_start(S[s], block_of(next_block++), n, smem, emu_stacks);
         active.push_back(s);
@@ -290,6 +435,14 @@ int emu_launch_erased(void (*run)(const void*), const void* kernel, dim3 g, dim3
         else active.erase(std::find(active.begin(), active.end(), B.slot));
     }
     emu_gm_end();
+    if (emu_smem.on) {
+        for (size_t s = 0; s < S.size(); ++s) emu_smem_protect((int)s, false);
+        emu_fault_handler(false);
+        emu_smem.on = false;
+        emu_smem.bytes = 0;
+        emu_smem_ndirty = emu_smem_nhot = 0;
+        emu_smem.hot.clear();
+    }
     emu_s = nullptr;
     emu_hooks = EmuHooks();
     if (!fail.empty()) { std::snprintf(err, errlen, "%s", fail.c_str()); return 1; }

@@ -103,12 +103,16 @@ struct EmuWaitable {
 // issue and the cp.async.wait_group that retires its group (`due`: a scheduling tick, or never
 // before the wait).
 struct EmuCopy { unsigned char* dst; const unsigned char* src; int bytes, src_bytes, group; unsigned long long due; };
+#include "emu_hb.h"  // happens-before inside a block: EmuKnow, emu_hb_meet, ...
 struct EmuFiber {
     EmuCtx ctx; EmuState state; unsigned gen; uint3 tid;
     std::vector<EmuCopy> pending;  // cp.async copies not yet delivered
     int committed = 0;             // cp.async groups committed so far
     EmuWaitable* waiting_on = nullptr;  // EMU_WAIT_COND: what it waits for (lives on its stack)
-    unsigned lag = 0;              // > 0: held back (emu_lag), the larger the more recently
+    unsigned lag = 0;              // > 0: held back (emu_lag)
+    EmuKnow kn;                    // what it knows of the block's sources (beyond the block's floor)
+    unsigned epoch = 0;            // its own events' epoch (a source's)
+    bool source = false;           // it has made an event the block orders
 };
 // A warp's rendezvous (shuffles, __syncwarp, ldmatrix, mma): the lanes named in the mask meet at
 // one call site (`site`: a source line, or an instruction's name) with one mask.
@@ -134,8 +138,9 @@ struct EmuSched {                  // one block in flight (a slot of the launch)
     uint3 block;
     int red[3] = {0, 0, 0};        // __syncthreads_count/or/and tallies, one slot per barrier mod 3
     unsigned long long next_due = EMU_NEVER;  // earliest tick a cp.async of this block may land early
-    unsigned lag_stamp = 0;        // emu_lag: fibers held back, and the last stamp given
-    int lagging = 0;
+    int lagging = 0;               // emu_lag: fibers held back
+    int sources = 0;               // fibers that have made an event the block orders (EmuKnow)
+    EmuKnow floor;                 // what every thread of the block knows (the last __syncthreads)
     bool stalled = false;          // its last pass moved nothing, and some thread waits for another block:
     unsigned long long stall_gen = 0;  // it may move again once emu_gm.gen has changed since
     std::function<void()> call;
@@ -176,10 +181,14 @@ extern int emu_slot;               // the slot of the block now running
 // step: asynchronous work whose due tick has come lands there.
 // A module whose source includes that header sets its build's own hooks (emu_module_hooks);
 // emu_launch hands them to the launch, which runs them: a launch of any other module runs none.
+// `smem_store`: the launch tracks the generic stores to dynamic shared memory (emu_runtime.cpp finds
+// them by write-protecting the block's buffer) and hands each, with the thread that made it, to the
+// module (emu_ptx_sm90.h: the async proxy's view).
 struct EmuHooks {
     void (*block_begin)(int threads) = nullptr;
     std::string (*block_end)() = nullptr;
     void (*tick)() = nullptr;
+    void (*smem_store)(size_t offset, size_t bytes, int thread) = nullptr;
 };
 static EmuHooks emu_module_hooks;  // this build's (internal linkage: one per kernel module)
 extern EmuHooks emu_hooks;         // the running launch's
@@ -189,18 +198,42 @@ inline void emu_yield(EmuState st, unsigned gen) {
     me.state = st; me.gen = gen;
     emu_ctx_switch(me.ctx, emu_s->main);
 }
+// Independent thread scheduling (Volta and later): the lanes of a warp are not in step between its
+// synchronising points. A thread about to publish something (a fence.proxy.async, a plain
+// mbarrier arrival: emu_ptx_sm90.h) steps aside first, so the scheduler may run other lanes in
+// between.
+inline void emu_interleave() { emu_yield(EMU_RUN, 0); }
+
+// The stores the running thread made to tracked dynamic shared memory since it last switched out
+// are handed to the module (EmuHooks::smem_store) before it synchronises, so they carry the epoch
+// they were made in (emu_runtime.cpp).
+extern int emu_smem_ndirty, emu_smem_nhot;  // pages that faulted since the last hand-off; writable ones
+void emu_smem_flush(int thread);
+inline void emu_hb_flush() {
+    if (emu_smem_ndirty | emu_smem_nhot) emu_smem_flush(emu_s->cur);
+}
 inline void emu_block_arrive_check() {
     EmuSched& S = *emu_s;
     if (S.live > 0 && S.block_arrived == S.live) {
         S.block_arrived = 0;
         ++S.block_gen;
         S.red[S.block_gen % 3] = 0;  // the tally of the next barrier (its last readers passed this one)
+        if (S.sources)               // __syncthreads: every live thread released, every one acquires
+            for (size_t t = 0; t < S.f.size(); ++t)
+                if (S.f[t].state != EMU_DONE) {
+                    emu_hb_give(S, (int)t, S.floor);
+                    S.f[t].kn.clear();
+                }
     }
 }
 // A warp rendezvous completes when every live lane named in the mask has arrived (which lanes took
-// part, for the exchanges: EmuWarp::xgen).
+// part, for the exchanges: EmuWarp::xgen); they synchronise (emu_hb_meet).
 inline void emu_warp_arrive_check(EmuWarp& w) {
     if (w.arrived > 0 && (w.arrived_mask & w.live_mask) == (w.mask & w.live_mask)) {
+        if (emu_s->sources) {
+            const int lo = 32 * (int)(&w - emu_s->warps.data());
+            emu_hb_meet(*emu_s, lo, std::min(lo + 32, (int)emu_s->f.size()), w.arrived_mask & w.live_mask);
+        }
         w.arrived = 0; w.arrived_mask = 0; ++w.gen;
     }
 }
@@ -212,18 +245,20 @@ inline void emu_wait_until(EmuWaitable& w) {
     emu_yield(EMU_WAIT_COND, 0);
     me.waiting_on = nullptr;
 }
-// (issue 37) Hold the current thread back: it goes on only when no other thread of its block can
-// (the most recently held first), so a thread that has just released a resource (an mbarrier
-// arrival) lags while its block's other threads, the producer refilling that slot included, run
-// as far as they can. A release-early bug then shows on every run, not by chance.
+// Hold the current thread back: it goes on only when no other thread of its block can (the held
+// ones then go on one at a time, in an order the seed picks), so a thread that has just released
+// a resource (an mbarrier arrival) lags while its block's other threads, the producer refilling
+// that slot included, run as far as they can. A release-early bug then shows on every run, not by
+// chance.
 inline void emu_lag() {
     EmuSched& S = *emu_s;
     EmuFiber& me = S.f[S.cur];
-    me.lag = ++S.lag_stamp;
+    me.lag = 1;
     ++S.lagging;
     emu_yield(EMU_RUN, 0);
 }
 inline void __syncthreads() {
+    emu_hb_flush();
     EmuSched& S = *emu_s;
     unsigned g = S.block_gen;
     ++S.block_arrived;
@@ -237,6 +272,7 @@ inline std::string emu_site_name(long site, const char* what) {
 // call site with the same mask (PTX ISA: .sync instructions by lanes outside the mask, or by
 // lanes of one mask at different instructions, are undefined or hang).
 inline void emu_warp_barrier(unsigned mask, long site, const char* what) {
+    emu_hb_flush();
     EmuWarp& w = emu_s->warps[emu_warp];
     const unsigned bit = 1u << emu_lane;
     if (!(mask & bit)) {
@@ -373,8 +409,11 @@ constexpr size_t EMU_DYN_SMEM = 228 * 1024, EMU_STATIC_SMEM = 48 * 1024;
 extern unsigned char emu_shared_origin[128];
 extern unsigned char emu_dyn_smem_buf[EMU_MAX_SLOTS][EMU_DYN_SMEM];
 extern unsigned char emu_static_smem_buf[EMU_MAX_SLOTS][EMU_STATIC_SMEM];
-// The slot's copy of the static __shared__ variable whose declaration owns `tag`.
-void* emu_static_smem(const void* tag, size_t size, size_t align);
+// The slot's copy of the static __shared__ variable `name` whose declaration owns `tag`.
+void* emu_static_smem(const void* tag, size_t size, size_t align, const char* name);
+// A shared address as the kernel's source names it: `name[i]` of a static __shared__ array of
+// `elem`-byte elements, or a byte of the dynamic shared memory.
+std::string emu_smem_name(unsigned addr, unsigned elem);
 // A kernel's __launch_bounds__(max threads): fakecupy moves it to the kernel body's first
 // statement, so every thread of a launch the driver would refuse stops before it does anything.
 inline void emu_check_launch_bounds(long long max_threads) {

@@ -499,13 +499,14 @@ _PTX_BLOCK = re.compile(r"// ---- begin ptx_insn\.cuh\n.*?\n// ---- end ptx_insn
 # (issue 21) the Hopper header, swapped first: it may hold the inlined ptx.cuh, which its
 # emulation includes in turn
 _PTX_SM90_BLOCK = re.compile(r"// ---- begin ptx_sm90\.cuh\n.*?\n// ---- end ptx_sm90\.cuh", re.S)
-_RUNTIME_HEADERS = ("emu_runtime.h", "emu_memory.h", "emu_ptx.h", "emu_ptx_sm90.h")
-_PCH_HEADERS = ("emu_runtime.h", "emu_memory.h")  # the precompiled part
+_RUNTIME_HEADERS = ("emu_runtime.h", "emu_hb.h", "emu_memory.h", "emu_ptx.h", "emu_ptx_sm90.h", "emu_sm90_barriers.h")
+_PCH_HEADERS = ("emu_runtime.h", "emu_hb.h", "emu_memory.h")  # the precompiled part
 _LIB_SOURCES = ("emu_runtime.cpp", "emu_memory.cpp")  # the runtime library (_runtime_lib)
 # (issue 37) A module that synchronises blocks through global memory gets the memory model
 # (emu_memory.h) on its launches; others see every store at once, at no cost.
+# __ldg too: its non-coherent loads of what another block wrote in the launch read poison (emu_memory.h).
 _SYNC_RE = re.compile(r"\b(atomic\w*|__threadfence\w*|__nanosleep|volatile|signal_release|wait_acquire|"
-                      r"load_acquire|fence_acq_rel_gpu)\b")
+                      r"load_acquire|fence_acq_rel_gpu|__ldg)\b")
 # CUPYATTN_EMU_MEMMODEL: "auto" (the default: modules _SYNC_RE finds), "all" (every launch: to
 # measure what it costs), "off"
 _MEMMODEL = os.environ.get("CUPYATTN_EMU_MEMMODEL", "auto")
@@ -538,8 +539,9 @@ _DECLARATOR = re.compile(r"^\s*(\w+)\s*((?:\[[^\]]*\]\s*)*)$")
 
 def _static_shared(m: re.Match) -> str:
     """``__shared__ [__align__(n)] T a[N], b;`` -> per-block variables in the slot's arena: each
-    name becomes a reference to ``emu_static_smem(tag, size, align)``, the tag a function-local
-    static (one per declaration and template instantiation)."""
+    name becomes a reference to ``emu_static_smem(tag, size, align, "name")``, the tag a
+    function-local static (one per declaration and template instantiation), the name for the
+    emulator's messages."""
     align = re.search(r"\d+", m.group(1))
     parts = [p.strip() for p in m.group(2).split(",")]
     first = re.match(r"^(.*?\S)\s+(\w+\s*(?:\[[^\]]*\]\s*)*)$", parts[0])
@@ -555,7 +557,7 @@ def _static_shared(m: re.Match) -> str:
         al = f"std::max<size_t>({align.group(0)}, alignof(emu_ty_{name}))" if align else f"alignof(emu_ty_{name})"
         out.append(f"static char emu_tag_{name}; using emu_ty_{name} = {ctype} {dims}; "
                    f"emu_ty_{name}& {name} = *reinterpret_cast<emu_ty_{name}*>("
-                   f"emu_static_smem(&emu_tag_{name}, sizeof(emu_ty_{name}), {al}));")
+                   f"emu_static_smem(&emu_tag_{name}, sizeof(emu_ty_{name}), {al}, \"{name}\"));")
     return " ".join(out)
 
 
