@@ -270,6 +270,11 @@ class ComputeCapabilityError(ValueError):
     """An explicit ``impl=`` that the current device's compute capability cannot run."""
 
 
+def _picks(op: str) -> str:
+    """The alternative a refusal of an explicit impl= offers: impl=None, on the ops that take it."""
+    return "; impl=None picks a kernel this device runs" if op in ("attention", "decode", "gemm") else ""
+
+
 def require_impl(fn: str, op: str, impl: str, dtype, head_dim: int | None = None) -> int:
     """The device's compute capability (CUPYATTN_ARCH respected); ComputeCapabilityError naming
     ``impl``, the device and the minimum when ``impl`` of ``op`` cannot run there with ``dtype``
@@ -287,11 +292,11 @@ def require_impl(fn: str, op: str, impl: str, dtype, head_dim: int | None = None
         why = config.IMPL_MIN_CC_BY_HEAD_DIM_REASON.get((op, impl), "")
         raise ComputeCapabilityError(
             f"{fn}(): impl={impl!r} at head_dim D={head_dim} needs compute capability {need // 10}.{need % 10}"
-            f"{' (' + why + ')' if why else ''}; {device}")
+            f"{' (' + why + ')' if why else ''}; {device}{_picks(op)}")
     why = config.MMA_MIN_CC_REASON.get(np.dtype(dtype), "") if need in (75, 80) else ""
     if impl.startswith("wgmma"):
         why = "sm_90a code: wgmma and TMA, H100 / H200 only"
     exact = " exactly" if impl.startswith("wgmma") else ""
     raise ComputeCapabilityError(
         f"{fn}(): impl={impl!r} with {np.dtype(dtype)} inputs needs compute capability "
-        f"{need // 10}.{need % 10}{exact}{' (' + why + ')' if why else ''}; {device}")
+        f"{need // 10}.{need % 10}{exact}{' (' + why + ')' if why else ''}; {device}{_picks(op)}")

@@ -268,7 +268,7 @@ def _check_args(q, k, v, causal, scale, mask, key_lengths, impl, return_lse, out
         impl = "wgmma_persistent"
     elif auto and options.supports(_FN, "wgmma", used) and _sm90.auto_takes(q, k, v):
         impl = "wgmma"
-    options.check(_FN, _FN, impl, used, "impl=None picks a path that implements it")
+    options.check(_FN, _FN, impl, used)
     if impl == "wgmma":
         _sm90.check(q, k, v)
     elif impl == "wgmma_persistent":

@@ -43,6 +43,23 @@ OPTIONS = {
                  "not yet run on a GPU",
 }
 
+# option -> how the caller writes it (what a refusal names); "<option>=" where not listed
+ARGUMENTS = {
+    "hnd_pages": "layout='HND'",
+    "packed_q": "cu_seqlens_q=",
+    "device_lengths": "device offsets / lengths",
+    "gqa": "k/v with fewer heads than q",
+    "broadcast": "a broadcast view",
+    "strided": "a strided view",
+    "negative_stride": "a reversed view",
+}
+
+
+def argument(option: str) -> str:
+    """How the caller writes ``option`` (``window=``, ``layout='HND'``): what a refusal names."""
+    return ARGUMENTS.get(option, f"{option}=")
+
+
 # entry point -> (the impls an explicit impl= names, the options it takes)
 _ATTN = ("causal", "window", "softcap", "scale", "gqa", "broadcast", "strided", "negative_stride")
 _DECODE = ("window", "softcap", "scale", "gqa", "broadcast", "strided", "negative_stride", "out", "num_splits",
@@ -133,14 +150,20 @@ def supports(entry: str, impl: str, used) -> bool:
     return not any(refused(entry, impl, o) for o in used)
 
 
-def check(fn: str, entry: str, impl: str, used, alternative: str | None = None) -> None:
-    """ValueError naming ``fn``, ``impl`` and the first option of ``used`` it does not implement
-    (before anything is allocated or launched); ``alternative``: what to call instead."""
+def implementing(entry: str, option: str) -> tuple[str, ...]:
+    """The impls of ``entry`` that implement ``option`` (in ENTRY_IMPLS' order)."""
+    return tuple(i for i in ENTRY_IMPLS[entry] if not refused(entry, i, option))
+
+
+def check(fn: str, entry: str, impl: str, used) -> None:
+    """ValueError naming ``fn``, ``impl``, the argument of the first option of ``used`` it does not
+    implement and the impls of ``entry`` that do (before anything is allocated or launched)."""
     for option in used:
         why = refused(entry, impl, option)
         if why:
-            alt = f"; {alternative}" if alternative else ""
-            raise ValueError(f"{fn}(): impl={impl!r} does not implement {option}= ({why}){alt}")
+            others = ", ".join(f"impl={i!r}" for i in implementing(entry, option))
+            raise ValueError(f"{fn}(): impl={impl!r} does not implement {argument(option)} ({why}); "
+                             f"{others} or impl=None (which picks one that does) implement it")
 
 
 def cell(entry: str, impl: str, option: str) -> str:

@@ -80,18 +80,15 @@ def offsets_batch(fn: str, name: str, x) -> int:
     return shape[0] - 1
 
 
-def check_packed(fn, q, k, v, impl, kn="k", vn="v"):
+def check_packed(fn, q, k, v, kn="k", vn="v"):
     """q [total_q, Hq, D], k/v [*, Hkv, D] (3-D, or pages [N, P, Hkv, D], named ``kn``, ``vn``
-    in errors): -> impl, Hq, Hkv, D."""
-    if impl is not None:
-        check_choice(fn, "impl", impl, IMPLS)
+    in errors): -> Hq, Hkv, D."""
     check_array(fn, "q", q, ndim=3)
     check_array(fn, kn, k, min_ndim=3)
     check_array(fn, vn, v, min_ndim=3)
     check_same_dtype(fn, kn, k, "q", q)
     check_same_dtype(fn, vn, v, "q", q)
     hq, d = q.shape[1], q.shape[2]
-    impl = default_impl(q.dtype, d) if impl is None else impl
     hkv = k.shape[-2]
     if tuple(v.shape) != tuple(k.shape):
         raise ValueError(f"{fn}(): {vn} has shape {tuple(v.shape)} but {kn} has {tuple(k.shape)}")
@@ -101,17 +98,26 @@ def check_packed(fn, q, k, v, impl, kn="k", vn="v"):
         raise ValueError(f"{fn}(): q heads Hq={hq} must be a multiple of {kn}/{vn} heads Hkv={hkv}")
     if d not in HEAD_DIMS:
         raise ValueError(f"{fn}(): head_dim D={d} is not supported; supported: {', '.join(map(str, HEAD_DIMS))}")
+    for name, x in (("q", q), (kn, k), (vn, v)):
+        check_last_contiguous(fn, name, x)
+        for n in x.shape:
+            _checks.check_int32(fn, f"{name} size", n)
+    return hq, hkv, d
+
+
+def check_impl(fn, impl, q, d):
+    """An explicit ``impl`` of the packed entry points (attention_varlen, attention_paged) for
+    q's dtype and head dim ``d`` on this device; None: the default kernel -> the impl."""
+    if impl is not None:
+        check_choice(fn, "impl", impl, IMPLS)
+    impl = default_impl(q.dtype, d) if impl is None else impl
     if impl == "flash_mma" and np.dtype(q.dtype) not in MMA_DTYPES:
         raise TypeError(f"{fn}(): impl='flash_mma' needs float16 or bfloat16 inputs, got float32 (use impl='flash')")
     if impl == "flash_mma":
         check_flash_mma_device(fn, q.dtype, d)
     if impl == _sm90p.IMPL:
         _sm90p.check(fn, impl, q, d)
-    for name, x in (("q", q), (kn, k), (vn, v)):
-        check_last_contiguous(fn, name, x)
-        for n in x.shape:
-            _checks.check_int32(fn, f"{name} size", n)
-    return impl, hq, hkv, d
+    return impl
 
 
 def check_grid(fn, b, hq):
@@ -184,7 +190,10 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     _checks.check_bool(fn, "causal", causal)
     _checks.check_bool(fn, "return_lse", return_lse)
     auto = impl is None
-    impl, hq, hkv, d = check_packed(fn, q, k, v, impl)
+    if impl is not None:
+        check_choice(fn, "impl", impl, IMPLS)
+    hq, hkv, d = check_packed(fn, q, k, v)
+    impl = check_impl(fn, impl, q, d)
     if k.ndim != 3:
         raise ValueError(f"{fn}(): k must be [total_k, Hkv, D], got shape {tuple(k.shape)}")
     tq, tk = q.shape[0], k.shape[0]
