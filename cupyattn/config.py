@@ -299,6 +299,11 @@ PAGED_LAYOUTS = ("NHD", "HND")
 PAGED_DEFAULT_LAYOUT = "NHD"
 # --- decode schedule and paged addressing (issue 39) ---- end -----------------------------------
 
+# --- RoPE (kernels_cu/rope.cuh: layers.rope, the cache appends, the fused step, the megakernel) ---
+# Rotation pairs: "adjacent" (x[2i], x[2i+1]), GGUF / llama.cpp's "normal" style; "neox" (x[i],
+# x[i + D/2]), the NEOX template flag of the kernels.
+ROPE_STYLES = ("adjacent", "neox")
+
 # --- KV-cache append (kernels_cu/kvcache.cu) ------------------------------------------------
 KV_APPEND_THREADS = 128
 KV_APPEND_ELEMS_PER_BLOCK = 2048  # tokens per block = this // head_dim

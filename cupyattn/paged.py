@@ -31,11 +31,12 @@ import numpy as np
 from . import _checks, config, options
 from . import flash_attn_sm90_persistent as _sm90p
 from ._checks import check_array, check_choice, check_out
-from .config import DECODE_IMPLS, PAGED_LAYOUTS, PAGED_MAX_PAGE_SIZE
-from .decode import _check_args, _check_workspace, _launch, check_split_rule, schedule, serving_plan
-from .flash_attn import Serving, _flash, check_window_softcap
+from . import decode_launch as DL
+from .config import PAGED_LAYOUTS, PAGED_MAX_PAGE_SIZE
+from .splits import check_split_rule, schedule
+from .flash_launch import Serving, check_window_softcap, choose, elem_strides, launch
 from .kvcache import KVCache
-from .varlen import (IMPLS, check_grid, check_impl, check_max_seqlen, check_offsets, check_packed, elem_strides,
+from .varlen import (IMPLS, call_options, check_grid, check_impl, check_max_seqlen, check_offsets, check_packed,
                      offsets_batch)
 
 MAX_PAGE_SIZE = PAGED_MAX_PAGE_SIZE
@@ -144,7 +145,7 @@ def _check_pages(fn, q, k_pages, v_pages, block_table, seq_lens, b, layout="NHD"
 
 
 def decode_attention_paged(q, k_pages, v_pages=None, block_table=None, seq_lens=None, scale=None, window=None,
-                           softcap=None, num_splits=None, out=None, impl="auto", max_seq_len=None, workspace=None,
+                           softcap=None, num_splits=None, out=None, impl=None, max_seq_len=None, workspace=None,
                            layout=None, split_rule=None, fused_combine=None):
     """One query token per sequence over a paged KV cache (``flash_attn_with_kvcache`` layout).
 
@@ -170,7 +171,7 @@ def decode_attention_paged(q, k_pages, v_pages=None, block_table=None, seq_lens=
         Split-KV count (1 to 512); None: the split rule's choice on the host ``seq_lens``, or on
         ``max_seq_len`` when given, else on the table's capacity. Fix it for CUDA graphs.
     out : cupy.ndarray [B, Hq, D], optional
-    impl : {"auto", "simt", "mma"}
+    impl : {None, "simt", "mma"} ("auto": None)
         As decode_attention.
     max_seq_len : int or B host ints, optional
         Upper bound of seq_lens for the split rule when they are on the device (one for all, or
@@ -205,37 +206,36 @@ def _decode_paged(fn, q, k_pages, v_pages, block_table, seq_lens, scale, window,
                   max_seq_len, workspace, layout, split_rule, fused_combine, host_lens=None):
     """decode_attention_paged; ``host_lens``: the host's copy of device ``seq_lens`` (a
     PagedKVCache's mirror), for the split rule only."""
-    check_choice(fn, "impl", impl, DECODE_IMPLS)  # decode's impls, before the attention checks
+    check_choice(fn, "impl", impl, DL.IMPLS)  # decode's impls, before the attention checks
     k_pages, v_pages, block_table, seq_lens, layout, mirror = _pages_of(fn, k_pages, v_pages, block_table, seq_lens,
                                                                         layout)
     host_lens = mirror if host_lens is None else host_lens
     check_array(fn, "q", q, ndim=3)
     b = q.shape[0]
     hq, hkv, d, ps, host, lens = _check_pages(fn, q, k_pages, v_pages, block_table, seq_lens, b, layout)
-    stand_in = KVCache.__new__(KVCache)  # the decode checks and launch read these attributes
-    stand_in.k, stand_in.v, stand_in.lengths = k_pages[None], v_pages[None], lens[None]
-    stand_in.num_layers, stand_in.num_kv_heads, stand_in.head_dim, stand_in.batch = 1, hkv, d, b
-    stand_in.max_seq, stand_in.dtype = block_table.shape[1] * ps, np.dtype(k_pages.dtype)
-    _, _, _, _, scale, num_splits, plan = _check_args(fn, q[:, :, None], stand_in, 0, scale, num_splits, None, impl)
+    kv = DL.KvView(k_pages, v_pages, lens, hkv, d, b, block_table.shape[1] * ps, np.dtype(k_pages.dtype),
+                   {"k_pages": k_pages, "v_pages": v_pages, "block_table": block_table, "seq_lens": seq_lens})
+    _, _, _, scale, num_splits, plan = DL.check(fn, q[:, :, None], kv, scale, num_splits, None, impl)
     rule = check_split_rule(fn, split_rule)
     fused_combine = rule == "waves" if fused_combine is None else _checks.check_bool(fn, "fused_combine", fused_combine)
-    inputs = {"q": q, "k_pages": k_pages, "v_pages": v_pages, "block_table": block_table, "seq_lens": seq_lens}
+    inputs = {"q": q, **kv.arrays}
     if out is not None:
         check_out(fn, out, (b, hq, d), q.dtype)
         _checks.check_no_overlap(fn, out, inputs)
     # the split rule's lengths: host seq_lens, else the caller's bounds, else the capacity
     if host is None:
-        host = host_lens if host_lens is not None else _bounds(fn, max_seq_len, b, stand_in.max_seq)
-    sv, plan = serving_plan(fn, window, softcap, impl, q.dtype, d, hq // hkv, plan, block_table=block_table,
-                            log2_page=ps.bit_length() - 1, num_pages=k_pages.shape[0], layout=layout)
+        host = host_lens if host_lens is not None else _bounds(fn, max_seq_len, b, kv.max_seq)
+    sv, plan = DL.serving_plan(fn, window, softcap, impl, q.dtype, d, hq // hkv, plan, block_table=block_table,
+                               log2_page=ps.bit_length() - 1, num_pages=k_pages.shape[0], layout=layout)
     num_splits, split_keys = schedule(rule, plan, b, hkv, host, num_splits, sv.win_left)
     if workspace is not None:
-        _check_workspace(fn, workspace, num_splits, b, hq, d, {**inputs, "out": out}, fused_combine)
+        DL.check_workspace(fn, workspace, num_splits, b, hq, d, {**inputs, "out": out}, fused_combine)
     out = cupy.empty((b, hq, d), dtype=q.dtype) if out is None else out
     if b == 0 or hq == 0:
         return out
-    return _launch(q, stand_in, 0, scale, num_splits, out, plan, workspace, fused_combine=fused_combine, sv=sv,
-                   split_keys=split_keys)
+    DL.launch(q, kv, scale, num_splits, out, plan, workspace, fused_combine=fused_combine, sv=sv,
+              split_keys=split_keys)
+    return out
 
 
 def _bounds(fn, max_seq_len, b, capacity):
@@ -293,11 +293,14 @@ def attention_paged(q, k_pages, v_pages=None, block_table=None, seq_lens=None, c
     if impl is not None:
         check_choice(fn, "impl", impl, IMPLS)
     hq, hkv, d, ps, host, lens = _check_pages(fn, q3, k_pages, v_pages, block_table, seq_lens, b, layout, mirror)
-    impl = check_impl(fn, impl, q3, d)
+    if not auto:
+        check_impl(fn, impl, q3, d)
     check_grid(fn, b, hq)
-    if (auto and layout == "NHD" and ps >= config.ATTN_WGMMA_MIN_PAGE and q.size
-            and _sm90p.auto_takes(fn, q, lambda: _sm90p.paged_ops(q, k_pages, v_pages), b)):
-        impl = _sm90p.IMPL  # NHD pages of 8 tokens or more: every other option it implements
+    used = call_options(causal, window, softcap, scale, return_lse, out) + (["hnd_pages"] if layout == "HND" else [])
+    if auto:  # options.DEFAULTS["attention_paged"]
+        impl = choose(fn, q, d, used=used, causal=causal, launches=bool(q.size), page_size=ps,
+                      problem=lambda i: _sm90p.launch_problem(fn, i, _sm90p.paged_ops(q, k_pages, v_pages), q, b))
+        check_impl(fn, impl, q3, d)
     elif impl == _sm90p.IMPL:
         options.check(fn, fn, impl, ["hnd_pages"] if layout == "HND" else [])
         _sm90p.check_pages(fn, impl, ps)
@@ -335,7 +338,7 @@ def attention_paged(q, k_pages, v_pages=None, block_table=None, seq_lens=None, c
     ks = [0, es[2], es[1]] if layout == "NHD" else [0, es[1], es[2]]  # head, token (row) strides in a page
     sv = Serving(cu_q=cu_q, cu_k=lens, block_table=block_table, log2_page=ps.bit_length() - 1,
                  num_pages=k_pages.shape[0], window=win, softcap=cap)
-    _flash(impl, q, k_pages, v_pages, False, scale, None, None, None, out, lse, sv, shape=shape[:4] + (sq_arg, 0),
+    launch(impl, q, k_pages, v_pages, False, scale, None, None, None, out, lse, sv, shape=shape[:4] + (sq_arg, 0),
            strides=(qs, ks, ks))
     return (out, lse) if return_lse else out
 
@@ -520,12 +523,22 @@ class PagedKVCache(KVCache):
         for slot in range(self.batch):
             self.free(slot)
 
-    def decode(self, q, layer, scale=None, window=None, softcap=None, num_splits=None, out=None, impl="auto",
-               workspace=None, split_rule=None, fused_combine=None):
-        """:func:`decode_attention_paged` of ``q [max_batch, Hq, D]`` over ``layer``, in this
-        cache's layout (split count from the host lengths unless ``num_splits`` is given)."""
+    def decode(self, q, layer, scale=None, num_splits=None, out=None, workspace=None, impl=None, fused_combine=None,
+               window=None, softcap=None, split_rule=None):
+        """:func:`decode_attention_paged` of ``q`` over ``layer``, in this cache's layout (split
+        count from the host lengths unless ``num_splits`` is given): q [max_batch, Hq, D] or
+        [max_batch, Hq, 1, D], the result (and ``out``) shaped like q, as :meth:`KVCache.decode`."""
         fn = "PagedKVCache.decode"
         layer = self.check_layer(fn, layer)
-        return _decode_paged(fn, q, self.k[layer], self.v[layer], self.block_table, self.lengths[layer], scale,
-                             window, softcap, num_splits, out, impl, None, workspace, self.layout, split_rule,
-                             fused_combine, host_lens=self.host_lengths[layer])
+        four = _checks.is_device_array(q) and q.ndim == 4
+        if four:  # [B, Hq, 1, D] (KVCache.decode's shape) as the [B, Hq, D] the paged kernels read
+            check_array(fn, "q", q, ndim=4)
+            if q.shape[2] != 1:
+                raise ValueError(f"{fn}(): q has shape {tuple(q.shape)}, expected [batch, Hq, 1, D] or [batch, Hq, D]")
+            if out is not None:
+                check_out(fn, out, q.shape, q.dtype)
+        o = _decode_paged(fn, q[:, :, 0] if four else q, self.k[layer], self.v[layer], self.block_table,
+                          self.lengths[layer], scale, window, softcap, num_splits,
+                          out[:, :, 0] if four and out is not None else out, impl, None, workspace, self.layout,
+                          split_rule, fused_combine, host_lens=self.host_lengths[layer])
+        return (out if out is not None else o[:, :, None]) if four else o

@@ -111,13 +111,20 @@ def test_every_refusal_names_impl_and_an_alternative_of_its_entry_point(monkeypa
                     why = check_message(entry, impl, str(e))
                     if why:
                         bad.append(f"{entry}(impl={impl!r}) {dtype} sm_{arch}: {why}: {e}")
+            try:  # the alternative every refusal may offer: impl=None runs on every entry point
+                call(None)
+                bad.append(f"{entry}(impl=None) {dtype} sm_{arch}: launched nothing")
+            except _Launched:
+                pass
+            except (TypeError, ValueError) as e:
+                bad.append(f"{entry}(impl=None) {dtype} sm_{arch}: refused: {e}")
     assert refused > 40  # the invalid names alone: 8 entry points x 3 dtypes
     assert not bad, "\n".join(bad)
     # the cases the issue names
     x = calls["float32"]
     for impl in ("wgmma_persistent", "flash_mma"):
         with pytest.raises(ValueError, match=r"decode_attention_paged\(\): impl='\w+' is not supported; expected one "
-                                             r"of 'auto', 'simt', 'mma'"):
+                                             r"of None, 'auto', 'simt', 'mma'"):
             x["decode_attention_paged"](impl)
     del cupyattn
 

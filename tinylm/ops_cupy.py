@@ -144,12 +144,9 @@ class CupyOps:
         return layers.embedding(idx, o.reshape(b * h * t, d), out=dst).reshape(b, t, h * d)
 
     def attend_decode(self, q, cache, layer, out=None, workspace=None, num_splits=None, fused_combine=None):
-        if isinstance(cache, cupyattn.PagedKVCache):  # continuous batching (tinylm.serve)
-            o = cache.decode(q[:, :, 0], layer, num_splits=num_splits, out=None if out is None else out[:, :, 0],
-                             workspace=workspace, fused_combine=fused_combine)
-            return o[:, :, None] if out is None else out
-        return cupyattn.decode_attention(q, cache, layer, num_splits=num_splits, out=out, workspace=workspace,
-                                         fused_combine=fused_combine)
+        """q [B, Hq, 1, D] over the cache's layer: KVCache and PagedKVCache (continuous batching,
+        tinylm.serve) decode through the same method."""
+        return cache.decode(q, layer, num_splits=num_splits, out=out, workspace=workspace, fused_combine=fused_combine)
 
     def swiglu(self, gate, up, out=None):
         return layers.swiglu(gate, up, out=out)
