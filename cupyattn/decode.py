@@ -97,7 +97,7 @@ def decode_attention(q, cache, layer, scale=None, num_splits=None, out=None, wor
     fused_combine : bool, optional
         Merge the splits inside the decode kernel (the last split block of each head tile to
         finish merges, found by an atomic counter) instead of a second kernel: one launch per
-        call (tinylm's fused decode step uses it: config.TINYLM_FUSED_DECODE). None: True under
+        call (tinylm's fused decode step uses it: tinylm.config.TINYLM_FUSED_DECODE). None: True under
         split_rule="waves", else False.
     window : (left, right), optional
         Sliding window: the query (at position len - 1) sees keys ``j >= len - 1 - left``

@@ -17,12 +17,12 @@ import numpy as np
 
 from . import _checks, _loader, options
 from ._checks import check_array, check_choice, check_last_contiguous, check_out, check_same_dtype
-from ._loader import NULL, KernelSpec, get_function
+from ._loader import NULL, KernelSpec, ctype, get_function
 from . import config
 from .config import (DECODE_COMBINE_THREADS, DECODE_HEAD_TILE, DECODE_IMPLS, DECODE_MAX_SPLITS, DECODE_MMA_MAX_MTILES,
                      DECODE_MMA_ROWS, DECODE_MMA_SMALL_SMEM_TILES, DECODE_MMA_TILES, DECODE_SIMT_TILES,
                      DECODE_SMALL_SMEM_STAGES, DTYPES, HEAD_DIMS, MAX_GRID_YZ, MMA_DTYPES, MMA_MIN_CC, DecodeTile,
-                     a_family_has_less, ctype)
+                     a_family_has_less)
 from .flash_launch import check_window_softcap
 from .splits import check_split_rule, schedule
 

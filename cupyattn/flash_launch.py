@@ -14,10 +14,10 @@ import cupy
 import numpy as np
 
 from . import _checks, _loader, options
-from ._loader import KernelSpec, get_function, ptr_or_null
+from ._loader import KernelSpec, cbool, ctype, defines, get_function, ptr_or_null
 from .config import (DTYPES, FLASH_MMA_FAMILY_TILES, FLASH_MMA_K_STAGES, FLASH_MMA_PAD, FLASH_MMA_SMALL_SMEM_TILES,
                      FLASH_MMA_TILES, FLASH_SIMT_TILES, GPU_FAMILIES, HEAD_DIMS, MAX_GRID_YZ, MMA_DTYPES,
-                     a_family_has_less, cbool, ctype, defines, flash_mma_main_tile, flash_mma_min_cc,
+                     a_family_has_less, flash_mma_main_tile, flash_mma_min_cc,
                      flash_mma_smem_bytes, flash_mma_tile)
 
 

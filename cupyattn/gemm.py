@@ -41,11 +41,11 @@ from __future__ import annotations
 import cupy
 import numpy as np
 
-from . import _checks, _loader, options, tma
-from ._loader import KernelSpec, get_function
+from . import _checks, _loader, device, options, tma
+from ._loader import KernelSpec, cbool, ctype, get_function
 from . import config as C
 from .config import (DTYPES, GEMM_GROUP_M, GEMM_IMPLS, GEMM_MMA_PAD, GEMM_SKINNY,
-                     GEMM_TILES, INT32_MAX, MAX_GRID_YZ, MMA_DTYPES, cbool, ctype, gemm_mma_smem_bytes)
+                     GEMM_TILES, INT32_MAX, MAX_GRID_YZ, MMA_DTYPES, gemm_mma_smem_bytes)
 
 
 def _expr(impl: str, dtype, nt: bool, bn: int = 256, tile: C.GemmTile | None = None) -> str:
@@ -295,7 +295,7 @@ def _tma_problem(a, b, m, n, k, lda, ldb, dims, nt):
 
 def _sm_count() -> int:
     """Streaming multiprocessors of the current device: the persistent grid's size."""
-    return int(cupy.cuda.Device().attributes["MultiProcessorCount"])
+    return device.sm_count()
 
 
 def _launch_wgmma(fn, a, b, out, m, n, k, lda, ldb, dims, nt):

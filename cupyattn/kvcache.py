@@ -35,12 +35,11 @@ import numpy as np
 
 from . import _checks
 from ._checks import check_array, check_last_contiguous, check_same_dtype
-from ._loader import NULL, KernelSpec, get_function
+from ._loader import NULL, KernelSpec, cbool, ctype, defines, get_function
 from .decode_launch import KvView
 from .decode_launch import decode as _decode
 from .config import (ROPE_STYLES, DTYPES, KV_ADVANCE_THREADS, KV_APPEND_ELEMS_PER_BLOCK, KV_APPEND_THREADS,
-                     KV_ROPE_APPEND_ITEMS_PER_BLOCK, KV_ROPE_APPEND_THREADS, cbool,
-                     ctype, defines)
+                     KV_ROPE_APPEND_ITEMS_PER_BLOCK, KV_ROPE_APPEND_THREADS)
 
 
 

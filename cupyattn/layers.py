@@ -25,10 +25,12 @@ import numpy as np
 
 from . import _checks as C
 from . import options
-from ._loader import KernelSpec, get_function, ptr_or_null
-from .config import (ROPE_STYLES, DTYPES, INDEX_CTYPES, INT32_MAX, LAYERS_MAX_BLOCKS, LAYERS_THREADS, MAX_GRID_X,
-                     RMSNORM_IMPLS, RMSNORM_WARPS, RMSNORM_WEIGHT_CTYPES, VEC16,
-                     cbool, ctype, defines)
+from ._loader import CTYPES, INDEX_CTYPES, VEC16, KernelSpec, cbool, ctype, defines, get_function, ptr_or_null
+
+# rmsnorm weight types: the activation's own, or float32 next to fp16/bf16 activations
+RMSNORM_WEIGHT_CTYPES = {c: tuple(dict.fromkeys((c, CTYPES[np.dtype(np.float32)]))) for c in CTYPES.values()}
+from .config import (ROPE_STYLES, DTYPES, INT32_MAX, LAYERS_MAX_BLOCKS, LAYERS_THREADS, MAX_GRID_X,
+                     RMSNORM_IMPLS, RMSNORM_WARPS)
 
 
 # --- kernel spec: every instantiation the dispatch below can ask for -----------------------------

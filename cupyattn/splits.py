@@ -11,15 +11,11 @@ from __future__ import annotations
 
 import functools
 
-import cupy
 import numpy as np
 
-from . import config
+from . import config, device
 from ._checks import check_choice
 from .config import DECODE_MAX_SPLITS, DECODE_MIN_KEYS_PER_SPLIT, DECODE_SPLIT_BLOCKS_PER_SM, DECODE_SPLIT_OVERHEAD_KEYS
-
-_SM_COUNT: dict[int, int] = {}
-
 
 @functools.lru_cache(maxsize=4096)
 def choose_num_splits(batch: int, kv_heads: int, max_len: int, sm_count: int, blocks_per_sm: int = 1) -> int:
@@ -119,11 +115,7 @@ def schedule(rule: str, plan, batch: int, num_kv_heads: int, lengths, num_splits
 
 
 def sm_count() -> int:
-    """Streaming multiprocessors of the current device (read once per device)."""
-    dev = cupy.cuda.Device()
-    n = _SM_COUNT.get(dev.id)
-    if n is None:
-        n = _SM_COUNT[dev.id] = int(dev.attributes["MultiProcessorCount"])
-    return n
+    """Streaming multiprocessors of the current device (the split rules' wave size)."""
+    return device.sm_count()
 
 

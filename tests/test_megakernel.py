@@ -31,7 +31,7 @@ def device_runs_the_megakernel(request):
 
 # --- CPU ----------------------------------------------------------------------------------------------
 def test_megakernel_is_opt_in_until_a_gpu_run():
-    from cupyattn import config
+    from tinylm import config
 
     assert config.TINYLM_MEGAKERNEL is (os.environ.get("TINYLM_MEGAKERNEL", "") == "1")
     assert "not yet run on a GPU" in open(config.__file__).read().split("TINYLM_MEGAKERNEL =")[0][-400:]
