@@ -112,9 +112,12 @@ struct FlashSeq {
         k = {k_ + b * k_sb + hk * k_sh, k_ss, nullptr, 0, 0};
         v = {v_ + b * v_sb + hk * v_sh, v_ss, nullptr, 0, 0};
         if (!SERVING) return;
+        // Device offsets are the caller's: clamped to the packed rows (Sq = total_q, Sk = total_k),
+        // so offsets past the end, negative or decreasing give wrong or empty rows, never a read or
+        // write outside q, k, v, out or lse.
         if (cu_q != nullptr) {
-            q0 = cu_q[b];
-            sq = cu_q[b + 1] - q0;
+            q0 = min(max(cu_q[b], 0), Sq);
+            sq = min(max(cu_q[b + 1], q0), Sq) - q0;
             q = q_ + q0 * q_ss + h * q_sh;
         }
         if (table != nullptr) {  // key count clamped to the table's capacity: never past its row
@@ -122,8 +125,8 @@ struct FlashSeq {
             k = {k_ + hk * k_sh, k_ss, table + (long long)b * bt_stride, log2_page, num_pages - 1, page_rows};
             v = {v_ + hk * v_sh, v_ss, k.table, log2_page, num_pages - 1, page_rows};
         } else if (cu_k != nullptr) {
-            const int k0 = cu_k[b];
-            sk = cu_k[b + 1] - k0;
+            const int k0 = min(max(cu_k[b], 0), Sk);
+            sk = min(max(cu_k[b + 1], k0), Sk) - k0;
             k.base = k_ + k0 * k_ss + hk * k_sh;
             v.base = v_ + k0 * v_ss + hk * v_sh;
         }
