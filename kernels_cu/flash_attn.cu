@@ -80,6 +80,62 @@ __device__ __forceinline__ void load_tile(T* __restrict__ dst, const KvRows<T, P
     }
 }
 
+// --- the launch's arguments: one struct, by value (FlashAttention's Flash_fwd_params) ---------
+// Built by cupyattn/flash_launch.py (FLASH_PARAMS: the same fields in the same order, as a NumPy
+// structured scalar; FLASH_PARAMS_BYTES, from there, checks the size). Pointers first, then 64-bit
+// strides, then 32-bit fields: C++ and NumPy (align=True) lay them out alike, with no padding inside.
+#ifndef FLASH_PARAMS_BYTES
+#error "FLASH_PARAMS_BYTES (the size of cupyattn/flash_launch.py's FLASH_PARAMS) comes from the flash_attn spec"
+#endif
+struct FlashParams {
+    const void* q;              // [B, Hq, Sq, D] by q_s* (packed: [total_q, Hq, D]); last dim contiguous
+    const void* k;              // [B, Hkv, Sk, D] by k_s* (packed [total_k, Hkv, D]; paged: FlashSeq)
+    const void* v;              // as k, by v_s*
+    void* out;                  // shaped as q, C-contiguous
+    float* lse;                 // [B, Hq, Sq] (packed: [Hq, total_q]), natural log; or null
+    const float* mask;          // additive, broadcast to [B, Hq, Sq, Sk] by m_s*; or null
+    const int* key_lengths;     // [B] (clamped to [0, Sk]); or null
+    const int* cu_q;            // [B+1] packed query offsets (clamped to [0, Sq]), or null
+    const int* cu_k;            // [B+1] packed key offsets / [B] paged key counts, or null
+    const int* block_table;     // [B, bt_stride] page ids (clamped to the pages), or null
+    long long q_sb, q_sh, q_ss, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss;   // element strides
+    long long m_sb, m_sh, m_sq, m_sk;
+    int B, Hq, Hkv, Sq, Sk;     // packed: Sq = total_q, Sk = total_k; paged: Sk unused
+    float scale_log2;           // softmax scale * log2(e)
+    int bt_stride, log2_page, num_pages;
+    int win_left, win_right;    // window; -1 unbounded (causal folded in as right = 0 by the host)
+    float softcap_log2;         // softcap * log2(e), 0 = off
+    int vec;                    // flash_mma: 1 q, 2 k, 4 v staged by 16-byte cp.async; 8 out 16-byte stores
+};
+static_assert(sizeof(FlashParams) == FLASH_PARAMS_BYTES, "FlashParams and flash_launch.FLASH_PARAMS differ");
+
+// The keys query rows [m0, m0 + BLOCK_M) of a sequence may see, [n_lo, k_end) with n_lo a
+// multiple of BLOCK_N (key tiles stay aligned), the one key range of both kernels: the sequence's
+// keys, key_lengths[b] clamped to [0, Sk], causal (bottom-right: the last row's j <= m0 + BLOCK_M
+// - 1 + diag, so later tiles are skipped, not computed and masked) and a window's right side bound
+// k_end; the window's left side at the first row bounds n_lo. Where that lies at or past k_end the
+// tile sees no key at all: the range is empty (no key tile is loaded), not a tile of masked keys.
+struct KeyRange {
+    int n_lo, k_end;
+    __device__ __forceinline__ int tiles(int block_n) const { return k_end > n_lo ? (k_end - n_lo + block_n - 1) / block_n : 0; }
+};
+template <int BLOCK_M, int BLOCK_N, bool CAUSAL, bool SERVING>
+__device__ __forceinline__ KeyRange key_range(const Window& win, int sk, const int* key_lengths, int b, int m0) {
+    int k_end = sk;
+    if (key_lengths) k_end = min(k_end, max(key_lengths[b], 0));
+    if (CAUSAL) k_end = min(k_end, m0 + BLOCK_M + win.diag);
+    int n_lo = 0;
+    if (SERVING) {
+        if (win.right >= 0) k_end = min(k_end, max(win.hi(m0 + BLOCK_M - 1) + 1, 0));
+        if (win.left >= 0) {
+            const int lo = max(win.lo(m0), 0);
+            if (lo >= k_end) return {0, 0};
+            n_lo = lo / BLOCK_N * BLOCK_N;
+        }
+    }
+    return {n_lo, k_end};
+}
+
 // One CTA's sequence: where its queries, keys, values, output rows and lse entries are. Dense
 // (SERVING = false, or no cu_q / cu_k / table): the [B, H, S, D] strided layout of attention().
 // Packed queries (cu_q): q and out [total_q, Hq, D] (q through q_ss, q_sh), lse [Hq, total_q]
@@ -101,34 +157,33 @@ struct FlashSeq {
     __device__ __forceinline__ long long lse_index(int i, long long bh, int h, int Sq) const {
         return SERVING && q0 >= 0 ? (long long)h * Sq + q0 + i : bh * Sq + i;
     }
-    __device__ __forceinline__ FlashSeq(const T* q_, const T* k_, const T* v_, int b, int h, int hk, int Hq,
-                                        int Sq, int Sk, long long q_sb, long long q_sh, long long q_ss,
-                                        long long k_sb, long long k_sh, long long k_ss, long long v_sb,
-                                        long long v_sh, long long v_ss, const int* cu_q, const int* cu_k,
-                                        const int* table, int bt_stride, int log2_page, int num_pages,
-                                        int page_rows) {
-        sq = Sq; sk = Sk; q0 = -1;
-        q = q_ + b * q_sb + h * q_sh;
-        k = {k_ + b * k_sb + hk * k_sh, k_ss, nullptr, 0, 0};
-        v = {v_ + b * v_sb + hk * v_sh, v_ss, nullptr, 0, 0};
+    __device__ __forceinline__ FlashSeq(const FlashParams& p, int b, int h, int hk, int page_rows) {
+        const T* q_ = static_cast<const T*>(p.q);
+        const T* k_ = static_cast<const T*>(p.k);
+        const T* v_ = static_cast<const T*>(p.v);
+        sq = p.Sq; sk = p.Sk; q0 = -1;
+        q = q_ + b * p.q_sb + h * p.q_sh;
+        k = {k_ + b * p.k_sb + hk * p.k_sh, p.k_ss, nullptr, 0, 0};
+        v = {v_ + b * p.v_sb + hk * p.v_sh, p.v_ss, nullptr, 0, 0};
         if (!SERVING) return;
         // Device offsets are the caller's: clamped to the packed rows (Sq = total_q, Sk = total_k),
         // so offsets past the end, negative or decreasing give wrong or empty rows, never a read or
         // write outside q, k, v, out or lse.
-        if (cu_q != nullptr) {
-            q0 = min(max(cu_q[b], 0), Sq);
-            sq = min(max(cu_q[b + 1], q0), Sq) - q0;
-            q = q_ + q0 * q_ss + h * q_sh;
+        if (p.cu_q != nullptr) {
+            q0 = min(max(p.cu_q[b], 0), p.Sq);
+            sq = min(max(p.cu_q[b + 1], q0), p.Sq) - q0;
+            q = q_ + q0 * p.q_ss + h * p.q_sh;
         }
-        if (table != nullptr) {  // key count clamped to the table's capacity: never past its row
-            sk = min(max(cu_k[b], 0), bt_stride << log2_page);
-            k = {k_ + hk * k_sh, k_ss, table + (long long)b * bt_stride, log2_page, num_pages - 1, page_rows};
-            v = {v_ + hk * v_sh, v_ss, k.table, log2_page, num_pages - 1, page_rows};
-        } else if (cu_k != nullptr) {
-            const int k0 = min(max(cu_k[b], 0), Sk);
-            sk = min(max(cu_k[b + 1], k0), Sk) - k0;
-            k.base = k_ + k0 * k_ss + hk * k_sh;
-            v.base = v_ + k0 * v_ss + hk * v_sh;
+        if (p.block_table != nullptr) {  // key count clamped to the table's capacity: never past its row
+            sk = min(max(p.cu_k[b], 0), p.bt_stride << p.log2_page);
+            k = {k_ + hk * p.k_sh, p.k_ss, p.block_table + (long long)b * p.bt_stride, p.log2_page, p.num_pages - 1,
+                 page_rows};
+            v = {v_ + hk * p.v_sh, p.v_ss, k.table, p.log2_page, p.num_pages - 1, page_rows};
+        } else if (p.cu_k != nullptr) {
+            const int k0 = min(max(p.cu_k[b], 0), p.Sk);
+            sk = min(max(p.cu_k[b + 1], k0), p.Sk) - k0;
+            k.base = k_ + k0 * p.k_ss + hk * p.k_sh;
+            v.base = v_ + k0 * p.v_ss + hk * p.v_sh;
         }
     }
 };
@@ -146,33 +201,18 @@ __device__ __forceinline__ int flash_page_rows(int Hkv, int D, long long k_ss, i
 #endif
 }
 
-// The serving arguments every flash kernel takes after scale_log2 (null / -1 / 0 in plain calls).
-#define FLASH_SERVING_PARAMS                                                                       \
-    const int* __restrict__ cu_q,         /* [B+1] packed query offsets, or null */                \
-    const int* __restrict__ cu_k,         /* [B+1] packed key offsets / [B] paged key counts */    \
-    const int* __restrict__ block_table,  /* [B, bt_stride] page ids, or null */                   \
-    int bt_stride, int log2_page, int num_pages,                                                   \
-    int win_left, int win_right,          /* window; -1 unbounded */                               \
-    float softcap_log2                    /* softcap * log2(e), 0 = off */
-
 // --- v1: SIMT FlashAttention-2 forward -----------------------------------------------------
 // grid (ceil(Sq / BLOCK_M), min(B*Hq, 65535), ceil(B*Hq / 65535)); block NUM_WARPS * 32.
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, bool CAUSAL, bool SERVING = false>
 __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
-flash_attn_fwd(const T* __restrict__ q,          // [B, Hq, Sq, D], strides q_sb/q_sh/q_ss, last dim contiguous
-               const T* __restrict__ k,          // [B, Hkv, Sk, D], strides k_s*
-               const T* __restrict__ v,          // [B, Hkv, Sk, D], strides v_s*
-               T* __restrict__ out,              // [B, Hq, Sq, D] C-contiguous
-               float* __restrict__ lse,          // [B, Hq, Sq] C-contiguous, natural log; or null
-               const float* __restrict__ mask,   // additive, broadcast to [B, Hq, Sq, Sk] by m_s*; or null
-               const int* __restrict__ key_lengths,  // [B]; or null
-               int B, int Hq, int Hkv, int Sq, int Sk,
-               long long q_sb, long long q_sh, long long q_ss,
-               long long k_sb, long long k_sh, long long k_ss,
-               long long v_sb, long long v_sh, long long v_ss,
-               long long m_sb, long long m_sh, long long m_sq, long long m_sk,
-               float scale_log2,                  // softmax scale * log2(e)
-               FLASH_SERVING_PARAMS) {
+flash_attn_fwd(const FlashParams p) {
+    const T* __restrict__ q = static_cast<const T*>(p.q);
+    T* __restrict__ out = static_cast<T*>(p.out);
+    float* __restrict__ lse = p.lse;
+    const float* __restrict__ mask = p.mask;
+    const int B = p.B, Hq = p.Hq, Hkv = p.Hkv, Sq = p.Sq;
+    const long long m_sq = p.m_sq, m_sk = p.m_sk;
+    const float scale_log2 = p.scale_log2, softcap_log2 = p.softcap_log2;
     constexpr int THREADS = NUM_WARPS * 32;
     constexpr int ROWS = BLOCK_M / NUM_WARPS;      // query rows per warp
     constexpr int KEYS = BLOCK_N / 32;             // keys per lane in S_ij
@@ -194,28 +234,19 @@ flash_attn_fwd(const T* __restrict__ q,          // [B, Hq, Sq, D], strides q_sb
     const int m0 = blockIdx.x * BLOCK_M;  // first query row of Q_i
     const int row0 = warp * ROWS;         // first row of this warp inside the tile
 
-    const FlashSeq<T, SERVING> seq(q, k, v, b, h, hk, Hq, Sq, Sk, q_sb, q_sh, q_ss, k_sb, k_sh, k_ss, v_sb,
-                                   v_sh, v_ss, cu_q, cu_k, block_table, bt_stride, log2_page, num_pages,
-                                   flash_page_rows(Hkv, HEAD_DIM, k_ss, log2_page));
+    const FlashSeq<T, SERVING> seq(p, b, h, hk, flash_page_rows(Hkv, HEAD_DIM, p.k_ss, p.log2_page));
     if (SERVING && m0 >= seq.sq) return;  // a short packed sequence: whole CTA leaves together
-    if (mask) mask += b * m_sb + h * m_sh;
+    if (mask) mask += b * p.m_sb + h * p.m_sh;
 
-    // Keys this tile may see: [n_lo, k_end). Causal (bottom-right): row i sees j <= i + Sk - Sq, so
-    // key tiles from the last row's limit on are skipped entirely, not computed and masked; a
-    // window also skips the tiles before the first row's lower limit.
-    const Window win{SERVING ? win_left : -1, SERVING ? win_right : -1, seq.sk - seq.sq};
+    // Keys this tile may see: [n_lo, k_end) (key_range). Causal (bottom-right): row i sees
+    // j <= i + Sk - Sq; a window bounds both ends.
+    const Window win{SERVING ? p.win_left : -1, SERVING ? p.win_right : -1, seq.sk - seq.sq};
     const int diag = win.diag;
-    int k_end = seq.sk;
-    if (key_lengths) k_end = min(k_end, max(key_lengths[b], 0));
-    if (CAUSAL) k_end = min(k_end, m0 + BLOCK_M + diag);  // last row's j <= m0 + BLOCK_M - 1 + diag
-    int n_lo = 0;
-    if (SERVING) {
-        if (win.right >= 0) k_end = min(k_end, max(win.hi(m0 + BLOCK_M - 1) + 1, 0));
-        if (win.left >= 0) n_lo = max(win.lo(m0), 0) / BLOCK_N * BLOCK_N;
-    }
+    const KeyRange kr = key_range<BLOCK_M, BLOCK_N, CAUSAL, SERVING>(win, seq.sk, p.key_lengths, b, m0);
+    const int n_lo = kr.n_lo, k_end = kr.k_end;
 
     // Load Q_i from HBM to SRAM (rows past Sq as zeros; they are computed but never stored).
-    load_tile<T, HEAD_DIM, HEAD_DIM, BLOCK_M, THREADS>(q_s, KvRows<T, false>{seq.q, q_ss}, m0, seq.sq - m0);
+    load_tile<T, HEAD_DIM, HEAD_DIM, BLOCK_M, THREADS>(q_s, KvRows<T, false>{seq.q, p.q_ss}, m0, seq.sq - m0);
 
     // On chip: O_i = 0, l_i = 0, m_i = -inf. l holds this lane's partial row sum: the rescale
     // factor is the same for every lane, so one warp reduction at the end suffices.
@@ -399,19 +430,13 @@ __device__ __forceinline__ void stage_rows(T* __restrict__ dst, const KvRows<T, 
 // every key below the causal diagonal of the tile's first row and inside k_end) skip it.
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, bool CAUSAL, bool SERVING = false>
 __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
-flash_attn_mma(const T* __restrict__ q,          // [B, Hq, Sq, D], strides q_s*, last dim contiguous
-               const T* __restrict__ k,          // [B, Hkv, Sk, D], strides k_s*
-               const T* __restrict__ v,          // [B, Hkv, Sk, D], strides v_s*
-               T* __restrict__ out,              // [B, Hq, Sq, D] C-contiguous
-               float* __restrict__ lse,          // [B, Hq, Sq] or null
-               const float* __restrict__ mask,   // additive, broadcast by m_s*; or null
-               const int* __restrict__ key_lengths,  // [B] or null
-               int B, int Hq, int Hkv, int Sq, int Sk,
-               long long q_sb, long long q_sh, long long q_ss,
-               long long k_sb, long long k_sh, long long k_ss,
-               long long v_sb, long long v_sh, long long v_ss,
-               long long m_sb, long long m_sh, long long m_sq, long long m_sk,
-               float scale_log2, int vec, FLASH_SERVING_PARAMS) {
+flash_attn_mma(const FlashParams p) {
+    T* __restrict__ out = static_cast<T*>(p.out);
+    float* __restrict__ lse = p.lse;
+    const float* __restrict__ mask = p.mask;
+    const int B = p.B, Hq = p.Hq, Hkv = p.Hkv, Sq = p.Sq, vec = p.vec;
+    const long long m_sq = p.m_sq, m_sk = p.m_sk;
+    const float scale_log2 = p.scale_log2, softcap_log2 = p.softcap_log2;
     constexpr int THREADS = NUM_WARPS * 32;
     constexpr int WROWS = BLOCK_M / NUM_WARPS;   // query rows per warp
     constexpr int MT = WROWS / 16;               // m16 tiles per warp
@@ -442,25 +467,17 @@ flash_attn_mma(const T* __restrict__ q,          // [B, Hq, Sq, D], strides q_s*
     const int m0 = m_blk * BLOCK_M;
     const int wrow0 = warp * WROWS;              // first tile row of this warp
 
-    const FlashSeq<T, SERVING> seq(q, k, v, b, h, hk, Hq, Sq, Sk, q_sb, q_sh, q_ss, k_sb, k_sh, k_ss, v_sb,
-                                   v_sh, v_ss, cu_q, cu_k, block_table, bt_stride, log2_page, num_pages,
-                                   flash_page_rows(Hkv, HEAD_DIM, k_ss, log2_page));
+    const FlashSeq<T, SERVING> seq(p, b, h, hk, flash_page_rows(Hkv, HEAD_DIM, p.k_ss, p.log2_page));
     if (SERVING && m0 >= seq.sq) return;  // a short packed sequence: whole CTA leaves together
-    if (mask) mask += b * m_sb + h * m_sh;
+    if (mask) mask += b * p.m_sb + h * p.m_sh;
 
-    // Keys this tile may see: [n_lo, k_end); causal (bottom-right) row i sees j <= i + diag; a
-    // window (SERVING) bounds both ends.
-    const Window win{SERVING ? win_left : -1, SERVING ? win_right : -1, seq.sk - seq.sq};
+    // Keys this tile may see: [n_lo, k_end) (key_range); causal (bottom-right) row i sees
+    // j <= i + diag; a window (SERVING) bounds both ends.
+    const Window win{SERVING ? p.win_left : -1, SERVING ? p.win_right : -1, seq.sk - seq.sq};
     const int diag = win.diag;
-    int k_end = seq.sk;
-    if (key_lengths) k_end = min(k_end, max(key_lengths[b], 0));
-    if (CAUSAL) k_end = min(k_end, m0 + BLOCK_M + diag);
-    int n_lo = 0;
-    if (SERVING) {
-        if (win.right >= 0) k_end = min(k_end, max(win.hi(m0 + BLOCK_M - 1) + 1, 0));
-        if (win.left >= 0) n_lo = min(max(win.lo(m0), 0), max(k_end, 0)) / BLOCK_N * BLOCK_N;
-    }
-    const int n_tiles = k_end > n_lo ? (k_end - n_lo + BLOCK_N - 1) / BLOCK_N : 0;
+    const KeyRange kr = key_range<BLOCK_M, BLOCK_N, CAUSAL, SERVING>(win, seq.sk, p.key_lengths, b, m0);
+    const int n_lo = kr.n_lo, k_end = kr.k_end;
+    const int n_tiles = kr.tiles(BLOCK_N);
     // Every tile needs the masking step when a mask tensor is given or the scale is negative
     // (the fast path takes the row max of unscaled S, which only a scale >= 0 preserves), and
     // with a window or softcap.
@@ -468,7 +485,7 @@ flash_attn_mma(const T* __restrict__ q,          // [B, Hq, Sq, D], strides q_s*
                           (SERVING && (win.left >= 0 || win.right >= 0 || softcap_log2 > 0.0f));
 
     // Prologue: load Q_i and K_0 from HBM to SRAM (one cp.async group each).
-    stage_rows<T, BLOCK_M, HEAD_DIM, LDS, THREADS>(q_s, KvRows<T, false>{seq.q, q_ss}, m0, seq.sq - m0, vec & 1);
+    stage_rows<T, BLOCK_M, HEAD_DIM, LDS, THREADS>(q_s, KvRows<T, false>{seq.q, p.q_ss}, m0, seq.sq - m0, vec & 1);
     cp_async_commit();
     if (n_tiles > 0) stage_rows<T, BLOCK_N, HEAD_DIM, LDS, THREADS>(k_s, seq.k, n_lo, k_end - n_lo, vec & 2);
     cp_async_commit();
