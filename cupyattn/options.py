@@ -226,9 +226,14 @@ class Call:
 
 @dataclass(frozen=True)
 class If:
-    """One condition of a default rule: how the docs say it, and whether it holds for (call, impl)."""
-    text: str
+    """One condition of a default rule: how the docs say it (a string, or a function of nothing that
+    writes it from config's current values), and whether it holds for (call, impl)."""
+    said: object
     holds: Callable[[Call, str], bool]
+
+    @property
+    def text(self) -> str:
+        return self.said() if callable(self.said) else self.said
 
 
 def _pairs(pairs) -> str:
@@ -239,9 +244,11 @@ def _pairs(pairs) -> str:
     return "; ".join(f"{dt} at D = {', '.join(ds)}" for dt, ds in by.items())
 
 
-def _auto_pairs(entry: str, name: str, pairs, tiles) -> If:
-    return If(f"(dtype, D) is in config.{name} ({_pairs(pairs)})",
-              lambda c, i: (np.dtype(c.dtype), c.head_dim) in pairs and c.head_dim in tiles)
+def _auto_pairs(name: str, pairs: Callable, tiles: Callable) -> If:
+    """(dtype, D) in the config table ``name`` (``pairs()``: its value now, so a change to config is
+    what the dispatch and the docs read) and D in its kernel's tile table (``tiles()``)."""
+    return If(lambda: f"(dtype, D) is in config.{name} ({_pairs(pairs())})",
+              lambda c, i: (np.dtype(c.dtype), c.head_dim) in pairs() and c.head_dim in tiles())
 
 
 def _runs(op: str, at_d: bool = False) -> If:
@@ -250,8 +257,8 @@ def _runs(op: str, at_d: bool = False) -> If:
 
 
 def _persistent(entry: str) -> If:
-    return _auto_pairs(entry, f"ATTN_AUTO_PERSISTENT[{entry!r}]", C.ATTN_AUTO_PERSISTENT.get(entry, ()),
-                       C.ATTN_WGMMA_PERSISTENT_TILES)
+    return _auto_pairs(f"ATTN_AUTO_PERSISTENT[{entry!r}]", lambda: C.ATTN_AUTO_PERSISTENT.get(entry, ()),
+                       lambda: C.ATTN_WGMMA_PERSISTENT_TILES)
 
 
 CAUSAL = If("the call is causal", lambda c, i: c.causal)
@@ -268,7 +275,7 @@ PAGES = If(f"pages hold at least config.ATTN_WGMMA_MIN_PAGE ({C.ATTN_WGMMA_MIN_P
            lambda c, i: c.page_size >= C.ATTN_WGMMA_MIN_PAGE)
 GROUP = If(f"a kv head serves at least config.DECODE_MMA_MIN_GROUP ({C.DECODE_MMA_MIN_GROUP}) query heads",
            lambda c, i: c.group >= C.DECODE_MMA_MIN_GROUP)
-GEMM_LARGE = If(f"M, N and K are at least config.GEMM_AUTO_WGMMA's size for the dtype "
+GEMM_LARGE = If(lambda: "M, N and K are at least config.GEMM_AUTO_WGMMA's size for the dtype "
                 f"({', '.join(f'{np.dtype(d)} {n}' for d, n in C.GEMM_AUTO_WGMMA.items())})",
                 lambda c, i: min(c.m, c.n, c.k) >= C.GEMM_AUTO_WGMMA.get(np.dtype(c.dtype), float("inf")))
 SKINNY_M = If(f"M (a shared-weight batch folded in) is at most config.GEMM_SKINNY_MAX_M ({C.GEMM_SKINNY_MAX_M})",
@@ -285,7 +292,7 @@ _DECODE_RULES = (("mma", (MMA_DTYPE, GROUP, _runs("decode"), FITS)), ("simt", ()
 DEFAULTS = {
     "attention": (("wgmma_persistent", (CAUSAL, LAUNCHES, _persistent("attention"), _runs("attention"), IMPLEMENTS,
                                         TMA)),
-                  ("wgmma", (_auto_pairs("attention", "ATTN_AUTO_WGMMA", C.ATTN_AUTO_WGMMA, C.ATTN_WGMMA_TILES),
+                  ("wgmma", (_auto_pairs("ATTN_AUTO_WGMMA", lambda: C.ATTN_AUTO_WGMMA, lambda: C.ATTN_WGMMA_TILES),
                              _runs("attention"), IMPLEMENTS, TMA)))
     + _FLASH,
     "attention_varlen": (("wgmma_persistent", (LAUNCHES, _persistent("attention_varlen"), _runs("attention"),

@@ -104,11 +104,11 @@ def cases():
                 out.append(("decode_attention_paged", f"{dt}-D{d}-group{group}",
                             lambda qd=qd, c=paged: cupyattn.decode_attention_paged(qd[:, :, 0], c, 0),
                             dict(dtype=dt, head_dim=d, group=group)))
+        big = arr((4096, 4096), dt)  # one square operand serves both sides of the large shape
         for m, n, k in ((1, 64, 64), (16, 96, 64), (17, 33, 64), (4096, 4096, 4096)):
-            a, b = arr((m, k), dt), arr((n, k), dt)
-            for entry, fn, bb in (("gemm_nt", cupyattn.gemm_nt, b), ("gemm_nn", cupyattn.gemm_nn, b[:, :n].T)):
-                if entry == "gemm_nn":
-                    bb = arr((k, n), dt)
+            a = big if m == 4096 else arr((m, k), dt)
+            for entry, fn, bb in (("gemm_nt", cupyattn.gemm_nt, big if m == 4096 else arr((n, k), dt)),
+                                  ("gemm_nn", cupyattn.gemm_nn, big if m == 4096 else arr((k, n), dt))):
                 out.append((entry, f"{dt}-{m}x{n}x{k}", lambda fn=fn, a=a, bb=bb: fn(a, bb),
                             dict(dtype=dt, m=m, n=n, k=k)))
         for d in (64, 2048):
