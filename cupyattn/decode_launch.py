@@ -17,7 +17,7 @@ import numpy as np
 
 from . import _checks, _loader, options
 from ._checks import check_array, check_choice, check_last_contiguous, check_out, check_same_dtype
-from ._loader import NULL, KernelSpec, ctype, defines, get_function, params, params_dtype
+from ._loader import NULL, KernelSpec, ctype, get_function
 from . import config
 from .config import (DECODE_COMBINE_THREADS, DECODE_HEAD_TILE, DECODE_IMPLS, DECODE_MAX_SPLITS, DECODE_MMA_MAX_MTILES,
                      DECODE_MMA_ROWS, DECODE_MMA_SMALL_SMEM_TILES, DECODE_MMA_TILES, DECODE_SIMT_TILES,
@@ -122,16 +122,10 @@ _MMA_NEEDS = tuple((_mma_expr(t, d, m, tile, sv, st), MMA_MIN_CC[t], _smem("mma"
                    for sv, st in VARIANTS
                    for t in MMA_DTYPES for d in HEAD_DIMS for m in range(1, DECODE_MMA_MAX_MTILES + 1)
                    for tile in mma_tiles(t, d, m))
-# the decode kernels' argument: kernels_cu/decode.cu DecodeParams, field for field
-DECODE_PARAMS = params_dtype(
-    [(n, "ptr") for n in ("q", "k_cache", "v_cache", "lengths", "block_table")] + [("q_sb", "i64"), ("q_sh", "i64")]
-    + [(n, "i32") for n in ("B", "Hq", "Hkv", "max_seq", "num_splits")] + [("scale_log2", "f32")]
-    + [(n, "i32") for n in ("write_partials", "split_keys", "bt_stride", "log2_page", "num_pages", "page_hnd",
-                            "win_left")] + [("softcap_log2", "f32")])
 SPEC = KernelSpec(
     "decode", "decode.cu",
     tuple(e for e, _, _ in _SIMT_NEEDS + _MMA_NEEDS) + tuple(_combine_expr(t) for t in DTYPES),
-    defines(DECODE_PARAMS_BYTES=DECODE_PARAMS.itemsize), needs=_SIMT_NEEDS + _MMA_NEEDS)
+    needs=_SIMT_NEEDS + _MMA_NEEDS)
 
 
 # --- plans: which kernel and tile a call launches ------------------------------------------------
@@ -146,7 +140,7 @@ class Plan:
 
 @dataclasses.dataclass(frozen=True)
 class Serving:
-    """The serving arguments of a decode launch (kernels_cu/decode.cu DecodeParams' last fields): a
+    """The serving arguments of a decode launch (kernels_cu/decode.cu DECODE_SERVING_PARAMS): a
     block table over pages (None: the contiguous cache) in ``layout`` "NHD" or "HND", the
     window's left bound (-1: none) and the softcap (0: off). ``max_seq`` of a paged launch is
     max_pages * page_size."""
@@ -161,12 +155,11 @@ class Serving:
     def active(self) -> bool:
         return self.block_table is not None or self.win_left >= 0 or self.softcap > 0
 
-    def fields(self) -> dict:
-        """Its DECODE_PARAMS fields."""
+    def args(self):
         bt = self.block_table
-        return dict(block_table=bt, bt_stride=bt.shape[1] if bt is not None else 0, log2_page=self.log2_page,
-                    num_pages=self.num_pages, page_hnd=int(self.layout == "HND"), win_left=self.win_left,
-                    softcap_log2=self.softcap * math.log2(math.e))
+        return (bt if bt is not None else NULL, np.int32(bt.shape[1] if bt is not None else 0),
+                np.int32(self.log2_page), np.int32(self.num_pages), np.int32(self.layout == "HND"),
+                np.int32(self.win_left), np.float32(self.softcap * math.log2(math.e)))
 
 
 def make_plan(impl, dtype, d: int, group: int, cc: int | None = None, smem_limit: int | None = None,
@@ -289,14 +282,15 @@ def launch(q, kv: KvView, scale, num_splits, out, plan, workspace=None, combine=
         out_arg = out if counters is not NULL or split_keys else o_part
     else:
         out_arg = o_part = lse_part = out  # the kernel writes only out
-    i32 = np.int32
+    i32, i64 = np.int32, np.int64
     sv = sv or Serving()
     smem = plan.tile.ring_bytes
-    p = params(DECODE_PARAMS, q=q, k_cache=kv.k, v_cache=kv.v, lengths=kv.lengths, q_sb=q.strides[0] // q.itemsize,
-               q_sh=q.strides[1] // q.itemsize, B=b, Hq=hq, Hkv=hkv, max_seq=kv.max_seq, num_splits=num_splits,
-               scale_log2=scale * math.log2(math.e), write_partials=int(split), split_keys=split_keys, **sv.fields())
     kern = get_function(SPEC, plan.expr, dynamic_smem=smem)
-    kern((num_splits, hkv * plan.head_tiles, b), (plan.tile.threads,), (p, out_arg, o_part, lse_part, counters),
+    kern((num_splits, hkv * plan.head_tiles, b), (plan.tile.threads,),
+         (q, kv.k, kv.v, kv.lengths, out_arg, o_part, lse_part, counters,
+          i64(q.strides[0] // q.itemsize), i64(q.strides[1] // q.itemsize),
+          i32(b), i32(hq), i32(hkv), i32(kv.max_seq), i32(num_splits),
+          np.float32(scale * math.log2(math.e)), i32(1 if split else 0), i32(split_keys), *sv.args()),
          shared_mem=smem)
     if split and combine and counters is NULL:
         merge = get_function(SPEC, _combine_expr(kv.dtype))

@@ -53,45 +53,13 @@
 #include "paged.cuh"
 #include "ptx.cuh"
 
-// --- the launch's arguments: one struct, by value (FlashAttention's Flash_fwd_params) ----------
-// The read-only inputs and scalars of both decode kernels, built by cupyattn/decode_launch.py
-// (DECODE_PARAMS, field for field; DECODE_PARAMS_BYTES checks the size): pointers first, then
-// 64-bit, then 32-bit fields, so NumPy's aligned layout is the compiler's. What the blocks write
-// (out, the split partials, the fused combine's counters) stays in parameters of its own: blocks
-// hand those to each other (the fused combine), and the CPU emulator's memory model tracks the
-// pointer parameters a kernel writes through.
-#ifndef DECODE_PARAMS_BYTES
-#error "DECODE_PARAMS_BYTES (the size of cupyattn/decode_launch.py's DECODE_PARAMS) comes from the decode spec"
-#endif
-struct DecodeParams {
-    const void* q;              // [B, Hq, 1, D], element (b,h,d) at b*q_sb + h*q_sh + d
-    const void* k_cache;        // [B, Hkv, max_seq, D] (one layer), contiguous; or pages (block_table)
-    const void* v_cache;        // as k_cache
-    const int* lengths;         // [B] live length of each sequence (clamped to [0, max_seq])
-    const int* block_table;     // [B, bt_stride] page ids (clamped to the pages), or null (contiguous cache)
-    long long q_sb, q_sh;
-    int B, Hq, Hkv, max_seq, num_splits;
-    float scale_log2;           // softmax scale * log2(e)
-    int write_partials;         // 1: split partials (o_part, lse_part), 0: out directly
-    int split_keys;             // 0: uniform chunks; > 0: per-sequence split counts (SeqSplit)
-    int bt_stride, log2_page, num_pages;
-    int page_hnd;               // pages [N, Hkv, page, D] (1) or [N, page, Hkv, D] (0)
-    int win_left;               // keys >= len - 1 - win_left; -1 unbounded
-    float softcap_log2;         // softcap * log2(e), 0 = off
-};
-static_assert(sizeof(DecodeParams) == DECODE_PARAMS_BYTES, "DecodeParams and decode_launch.DECODE_PARAMS differ");
-
-// The fields as the kernels' bodies name them (one line per kernel instead of 13 in each signature).
-#define DECODE_UNPACK_PARAMS(T)                                                                    \
-    const T* __restrict__ q = static_cast<const T*>(p.q);                                          \
-    const T* __restrict__ k_cache = static_cast<const T*>(p.k_cache);                              \
-    const T* __restrict__ v_cache = static_cast<const T*>(p.v_cache);                              \
-    const int* __restrict__ lengths = p.lengths;                                                   \
-    const long long q_sb = p.q_sb, q_sh = p.q_sh;                                                  \
-    const int B = p.B, Hq = p.Hq, Hkv = p.Hkv, max_seq = p.max_seq, num_splits = p.num_splits;    \
-    const float scale_log2 = p.scale_log2, softcap_log2 = p.softcap_log2;                          \
-    const int write_partials = p.write_partials, split_keys = p.split_keys, win_left = p.win_left
-
+// The serving arguments both decode kernels take after split_keys (null / 0 / -1 when plain).
+#define DECODE_SERVING_PARAMS                                                                      \
+    const int* __restrict__ block_table,  /* [B, bt_stride] page ids, or null (contiguous cache) */ \
+    int bt_stride, int log2_page, int num_pages,                                                   \
+    int page_hnd,                         /* pages [N, Hkv, page, D] (1) or [N, page, Hkv, D] (0) */ \
+    int win_left,                         /* keys >= len - 1 - win_left; -1 unbounded */           \
+    float softcap_log2                    /* softcap * log2(e), 0 = off */
 // --- helpers -------------------------------------------------------------------------------
 // One 16-byte chunk of T elements -> VEC floats.
 __device__ __forceinline__ void chunk_to_float(const uint4& u, float (&f)[4], float) {
@@ -318,12 +286,18 @@ __host__ __device__ constexpr int resident_min_blocks() {
 template <typename T, int D, int NT, int GT, int BN, int STAGES, int PITCH, int MINB, bool SERVING = false,
           bool STAGED = false>
 __global__ void __launch_bounds__(NT, (resident_min_blocks<MINB, STAGES * 2 * BN * PITCH>())) decode_kernel(
-    const DecodeParams p,
+    const T* __restrict__ q,            // [B, Hq, 1, D], element (b,h,d) at b*q_sb + h*q_sh + d
+    const T* __restrict__ k_cache,      // [B, Hkv, max_seq, D] (one layer), contiguous
+    const T* __restrict__ v_cache,      // [B, Hkv, max_seq, D]
+    const int* __restrict__ lengths,    // [B] live length of each sequence
     T* __restrict__ out,                // [B, Hq, 1, D] contiguous (written by a block that does not split)
     float* __restrict__ o_part,         // [splits, B, Hq, D] (when write_partials == 1)
     float* __restrict__ lse_part,       // [splits, B, Hq]
-    unsigned* __restrict__ counters) {  // [B, gridDim.y], zero, or null: see combine_if_last
-    DECODE_UNPACK_PARAMS(T);
+    unsigned* __restrict__ counters,    // [B, gridDim.y], zero, or null: see combine_if_last
+    long long q_sb, long long q_sh,
+    int B, int Hq, int Hkv, int max_seq, int num_splits, float scale_log2, int write_partials,
+    int split_keys,                     // 0: uniform chunks; > 0: per-sequence split counts (SeqSplit)
+    DECODE_SERVING_PARAMS) {
     constexpr int WARPS = NT / 32, VEC = 16 / sizeof(T), ROW = D * (int)sizeof(T), NC = ROW / 16;
     constexpr int TPK = NT / BN;                        // lanes sharing one key's dot products
     constexpr int CPT = (NC + TPK - 1) / TPK;           // chunks per lane in a dot product
@@ -358,8 +332,7 @@ __global__ void __launch_bounds__(NT, (resident_min_blocks<MINB, STAGES * 2 * BN
     if (SERVING && split >= sp.splits) return;  // (plain launches have sp.splits = gridDim.x)
     const bool partials = sp.partials(write_partials);
     KvStream<T, D, BN, PITCH, NT, STAGES, SERVING, STAGED> kv(k_cache, v_cache, sp, split, b, kvh, Hkv, max_seq,
-                                                              p.block_table, p.bt_stride, p.log2_page, p.num_pages,
-                                                              p.page_hnd);
+                                                              block_table, bt_stride, log2_page, num_pages, page_hnd);
     kv.start(ring);
     const int lo = kv.lo, hi = kv.hi, ntiles = kv.ntiles;
 
@@ -553,12 +526,18 @@ __global__ void __launch_bounds__(NT, (resident_min_blocks<MINB, STAGES * 2 * BN
 template <typename T, int D, int MT, int WARPS, int BN, int STAGES, int PITCH, int MINB, bool SERVING = false,
           bool STAGED = false>
 __global__ void __launch_bounds__(WARPS * 32, (resident_min_blocks<MINB, STAGES * 2 * BN * PITCH>())) decode_mma_kernel(
-    const DecodeParams p,
+    const T* __restrict__ q,            // [B, Hq, 1, D], element (b,h,d) at b*q_sb + h*q_sh + d
+    const T* __restrict__ k_cache,      // [B, Hkv, max_seq, D] (one layer), contiguous
+    const T* __restrict__ v_cache,      // [B, Hkv, max_seq, D]
+    const int* __restrict__ lengths,    // [B] live length of each sequence
     T* __restrict__ out,                // [B, Hq, 1, D] contiguous (written by a block that does not split)
     float* __restrict__ o_part,         // [splits, B, Hq, D] (when write_partials == 1)
     float* __restrict__ lse_part,       // [splits, B, Hq]
-    unsigned* __restrict__ counters) {  // [B, gridDim.y], zero, or null: see combine_if_last
-    DECODE_UNPACK_PARAMS(T);
+    unsigned* __restrict__ counters,    // [B, gridDim.y], zero, or null: see combine_if_last
+    long long q_sb, long long q_sh,
+    int B, int Hq, int Hkv, int max_seq, int num_splits, float scale_log2, int write_partials,
+    int split_keys,                     // 0: uniform chunks; > 0: per-sequence split counts (SeqSplit)
+    DECODE_SERVING_PARAMS) {
     constexpr int NT = WARPS * 32, ROWS = 16 * MT, KS = WARPS / MT, KPW = BN / KS;
     constexpr int QP = D + 8;                 // q tile row pitch (elements): conflict-free ldmatrix
     constexpr int SLOT_BYTES = 2 * BN * PITCH;
@@ -589,8 +568,7 @@ __global__ void __launch_bounds__(WARPS * 32, (resident_min_blocks<MINB, STAGES 
     if (SERVING && split >= sp.splits) return;
     const bool partials = sp.partials(write_partials);  // else: this block writes out itself
     KvStream<T, D, BN, PITCH, NT, STAGES, SERVING, STAGED> kv(k_cache, v_cache, sp, split, b, kvh, Hkv, max_seq,
-                                                              p.block_table, p.bt_stride, p.log2_page, p.num_pages,
-                                                              p.page_hnd);
+                                                              block_table, bt_stride, log2_page, num_pages, page_hnd);
     kv.start(ring);
     const int lo = kv.lo, hi = kv.hi, ntiles = kv.ntiles;
 

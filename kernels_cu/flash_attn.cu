@@ -109,6 +109,33 @@ struct FlashParams {
 };
 static_assert(sizeof(FlashParams) == FLASH_PARAMS_BYTES, "FlashParams and flash_launch.FLASH_PARAMS differ");
 
+// Every field read once at the kernel's entry, in one straight run, into a local copy `p` the body
+// uses. Each load then addresses the parameter at a constant offset, which ptxas folds into the
+// instructions that use the value, as it does a scalar parameter. Read where they are used, NVVM
+// shared one computed base address among several fields (ld.param [%rd + off]) and ptxas held the
+// loaded values in registers across the key loop: up to 34 more registers in the SIMT serving
+// kernels (sm_80).
+#define FLASH_PARAMS_AT_ENTRY(P)                                                                   \
+    const auto f_q = P.q; const auto f_k = P.k; const auto f_v = P.v;                              \
+    const auto f_out = P.out; const auto f_lse = P.lse; const auto f_mask = P.mask;                \
+    const auto f_key_lengths = P.key_lengths; const auto f_cu_q = P.cu_q;                          \
+    const auto f_cu_k = P.cu_k; const auto f_block_table = P.block_table;                          \
+    const auto f_q_sb = P.q_sb; const auto f_q_sh = P.q_sh; const auto f_q_ss = P.q_ss;            \
+    const auto f_k_sb = P.k_sb; const auto f_k_sh = P.k_sh; const auto f_k_ss = P.k_ss;            \
+    const auto f_v_sb = P.v_sb; const auto f_v_sh = P.v_sh; const auto f_v_ss = P.v_ss;            \
+    const auto f_m_sb = P.m_sb; const auto f_m_sh = P.m_sh; const auto f_m_sq = P.m_sq;            \
+    const auto f_m_sk = P.m_sk; const auto f_B = P.B; const auto f_Hq = P.Hq;                      \
+    const auto f_Hkv = P.Hkv; const auto f_Sq = P.Sq; const auto f_Sk = P.Sk;                      \
+    const auto f_scale_log2 = P.scale_log2; const auto f_bt_stride = P.bt_stride;                  \
+    const auto f_log2_page = P.log2_page; const auto f_num_pages = P.num_pages;                    \
+    const auto f_win_left = P.win_left; const auto f_win_right = P.win_right;                      \
+    const auto f_softcap_log2 = P.softcap_log2; const auto f_vec = P.vec;                          \
+    const FlashParams p{f_q, f_k, f_v, f_out, f_lse, f_mask, f_key_lengths, f_cu_q, f_cu_k,        \
+                        f_block_table, f_q_sb, f_q_sh, f_q_ss, f_k_sb, f_k_sh, f_k_ss, f_v_sb,     \
+                        f_v_sh, f_v_ss, f_m_sb, f_m_sh, f_m_sq, f_m_sk, f_B, f_Hq, f_Hkv,          \
+                        f_Sq, f_Sk, f_scale_log2, f_bt_stride, f_log2_page, f_num_pages,           \
+                        f_win_left, f_win_right, f_softcap_log2, f_vec}
+
 // The keys query rows [m0, m0 + BLOCK_M) of a sequence may see, [n_lo, k_end) with n_lo a
 // multiple of BLOCK_N (key tiles stay aligned), the one key range of both kernels: the sequence's
 // keys, key_lengths[b] clamped to [0, Sk], causal (bottom-right: the last row's j <= m0 + BLOCK_M
@@ -157,33 +184,39 @@ struct FlashSeq {
     __device__ __forceinline__ long long lse_index(int i, long long bh, int h, int Sq) const {
         return SERVING && q0 >= 0 ? (long long)h * Sq + q0 + i : bh * Sq + i;
     }
-    __device__ __forceinline__ FlashSeq(const FlashParams& p, int b, int h, int hk, int page_rows) {
-        const T* q_ = static_cast<const T*>(p.q);
-        const T* k_ = static_cast<const T*>(p.k);
-        const T* v_ = static_cast<const T*>(p.v);
-        sq = p.Sq; sk = p.Sk; q0 = -1;
-        q = q_ + b * p.q_sb + h * p.q_sh;
-        k = {k_ + b * p.k_sb + hk * p.k_sh, p.k_ss, nullptr, 0, 0};
-        v = {v_ + b * p.v_sb + hk * p.v_sh, p.v_ss, nullptr, 0, 0};
+    // The fields of FlashParams it reads, by value: passing the struct itself (a reference to the
+    // kernel parameter) made its fields indexed constant loads held in registers across the key
+    // loop (ptxas, sm_80: the SIMT serving kernels at D = 64, 96 took 25-29 more registers).
+    __device__ __forceinline__ FlashSeq(const void* qp, const void* kp, const void* vp, int b, int h, int hk, int Sq, int Sk,
+                                        long long q_sb, long long q_sh, long long q_ss, long long k_sb, long long k_sh,
+                                        long long k_ss, long long v_sb, long long v_sh, long long v_ss, const int* cu_q,
+                                        const int* cu_k, const int* table, int bt_stride, int log2_page, int num_pages,
+                                        int page_rows) {
+        const T* q_ = static_cast<const T*>(qp);
+        const T* k_ = static_cast<const T*>(kp);
+        const T* v_ = static_cast<const T*>(vp);
+        sq = Sq; sk = Sk; q0 = -1;
+        q = q_ + b * q_sb + h * q_sh;
+        k = {k_ + b * k_sb + hk * k_sh, k_ss, nullptr, 0, 0};
+        v = {v_ + b * v_sb + hk * v_sh, v_ss, nullptr, 0, 0};
         if (!SERVING) return;
         // Device offsets are the caller's: clamped to the packed rows (Sq = total_q, Sk = total_k),
         // so offsets past the end, negative or decreasing give wrong or empty rows, never a read or
         // write outside q, k, v, out or lse.
-        if (p.cu_q != nullptr) {
-            q0 = min(max(p.cu_q[b], 0), p.Sq);
-            sq = min(max(p.cu_q[b + 1], q0), p.Sq) - q0;
-            q = q_ + q0 * p.q_ss + h * p.q_sh;
+        if (cu_q != nullptr) {
+            q0 = min(max(cu_q[b], 0), Sq);
+            sq = min(max(cu_q[b + 1], q0), Sq) - q0;
+            q = q_ + q0 * q_ss + h * q_sh;
         }
-        if (p.block_table != nullptr) {  // key count clamped to the table's capacity: never past its row
-            sk = min(max(p.cu_k[b], 0), p.bt_stride << p.log2_page);
-            k = {k_ + hk * p.k_sh, p.k_ss, p.block_table + (long long)b * p.bt_stride, p.log2_page, p.num_pages - 1,
-                 page_rows};
-            v = {v_ + hk * p.v_sh, p.v_ss, k.table, p.log2_page, p.num_pages - 1, page_rows};
-        } else if (p.cu_k != nullptr) {
-            const int k0 = min(max(p.cu_k[b], 0), p.Sk);
-            sk = min(max(p.cu_k[b + 1], k0), p.Sk) - k0;
-            k.base = k_ + k0 * p.k_ss + hk * p.k_sh;
-            v.base = v_ + k0 * p.v_ss + hk * p.v_sh;
+        if (table != nullptr) {  // key count clamped to the table's capacity: never past its row
+            sk = min(max(cu_k[b], 0), bt_stride << log2_page);
+            k = {k_ + hk * k_sh, k_ss, table + (long long)b * bt_stride, log2_page, num_pages - 1, page_rows};
+            v = {v_ + hk * v_sh, v_ss, k.table, log2_page, num_pages - 1, page_rows};
+        } else if (cu_k != nullptr) {
+            const int k0 = min(max(cu_k[b], 0), Sk);
+            sk = min(max(cu_k[b + 1], k0), Sk) - k0;
+            k.base = k_ + k0 * k_ss + hk * k_sh;
+            v.base = v_ + k0 * v_ss + hk * v_sh;
         }
     }
 };
@@ -205,10 +238,8 @@ __device__ __forceinline__ int flash_page_rows(int Hkv, int D, long long k_ss, i
 // grid (ceil(Sq / BLOCK_M), min(B*Hq, 65535), ceil(B*Hq / 65535)); block NUM_WARPS * 32.
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, bool CAUSAL, bool SERVING = false>
 __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
-flash_attn_fwd(const FlashParams p) {
-    const T* __restrict__ q = static_cast<const T*>(p.q);
-    T* __restrict__ out = static_cast<T*>(p.out);
-    float* __restrict__ lse = p.lse;
+flash_attn_fwd(const FlashParams params) {
+    FLASH_PARAMS_AT_ENTRY(params);
     const float* __restrict__ mask = p.mask;
     const int B = p.B, Hq = p.Hq, Hkv = p.Hkv, Sq = p.Sq;
     const long long m_sq = p.m_sq, m_sk = p.m_sk;
@@ -234,7 +265,9 @@ flash_attn_fwd(const FlashParams p) {
     const int m0 = blockIdx.x * BLOCK_M;  // first query row of Q_i
     const int row0 = warp * ROWS;         // first row of this warp inside the tile
 
-    const FlashSeq<T, SERVING> seq(p, b, h, hk, flash_page_rows(Hkv, HEAD_DIM, p.k_ss, p.log2_page));
+    const FlashSeq<T, SERVING> seq(p.q, p.k, p.v, b, h, hk, p.Sq, p.Sk, p.q_sb, p.q_sh, p.q_ss, p.k_sb, p.k_sh, p.k_ss,
+                                   p.v_sb, p.v_sh, p.v_ss, p.cu_q, p.cu_k, p.block_table, p.bt_stride, p.log2_page,
+                                   p.num_pages, flash_page_rows(Hkv, HEAD_DIM, p.k_ss, p.log2_page));
     if (SERVING && m0 >= seq.sq) return;  // a short packed sequence: whole CTA leaves together
     if (mask) mask += b * p.m_sb + h * p.m_sh;
 
@@ -347,6 +380,8 @@ flash_attn_fwd(const FlashParams p) {
 
     // O_i = diag(l_i)^-1 O_i, L_i = m_i + log(l_i) (natural log: m is in log2 units); rows with
     // l_i = 0 saw no key and are written as zeros with L_i = -inf.
+    T* __restrict__ out = static_cast<T*>(p.out);   // (read here, not held across the key loop)
+    float* __restrict__ lse = p.lse;
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
         const float lsum = warp_reduce_sum(l[r]);
@@ -430,9 +465,8 @@ __device__ __forceinline__ void stage_rows(T* __restrict__ dst, const KvRows<T, 
 // every key below the causal diagonal of the tile's first row and inside k_end) skip it.
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, bool CAUSAL, bool SERVING = false>
 __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
-flash_attn_mma(const FlashParams p) {
-    T* __restrict__ out = static_cast<T*>(p.out);
-    float* __restrict__ lse = p.lse;
+flash_attn_mma(const FlashParams params) {
+    FLASH_PARAMS_AT_ENTRY(params);
     const float* __restrict__ mask = p.mask;
     const int B = p.B, Hq = p.Hq, Hkv = p.Hkv, Sq = p.Sq, vec = p.vec;
     const long long m_sq = p.m_sq, m_sk = p.m_sk;
@@ -467,7 +501,9 @@ flash_attn_mma(const FlashParams p) {
     const int m0 = m_blk * BLOCK_M;
     const int wrow0 = warp * WROWS;              // first tile row of this warp
 
-    const FlashSeq<T, SERVING> seq(p, b, h, hk, flash_page_rows(Hkv, HEAD_DIM, p.k_ss, p.log2_page));
+    const FlashSeq<T, SERVING> seq(p.q, p.k, p.v, b, h, hk, p.Sq, p.Sk, p.q_sb, p.q_sh, p.q_ss, p.k_sb, p.k_sh, p.k_ss,
+                                   p.v_sb, p.v_sh, p.v_ss, p.cu_q, p.cu_k, p.block_table, p.bt_stride, p.log2_page,
+                                   p.num_pages, flash_page_rows(Hkv, HEAD_DIM, p.k_ss, p.log2_page));
     if (SERVING && m0 >= seq.sq) return;  // a short packed sequence: whole CTA leaves together
     if (mask) mask += b * p.m_sb + h * p.m_sh;
 
@@ -643,6 +679,8 @@ flash_attn_mma(const FlashParams p) {
             }
     }
 
+    T* __restrict__ out = static_cast<T*>(p.out);   // (read here, not held across the key loop)
+    float* __restrict__ lse = p.lse;
     // Epilogue: O_i = diag(l_i)^-1 O_i, L_i = m_i + log(l_i) (natural log; m is in log2 units);
     // rows that saw no key (l_i = 0) give zeros and -inf. Each warp rounds its rows into its own
     // rows of the Q_i tile (no other warp reads them again), then stores them as 16-byte chunks.
