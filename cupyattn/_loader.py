@@ -96,28 +96,6 @@ def ptr_or_null(x):
     return NULL if x is None else x
 
 
-# --- parameter structs: a kernel's arguments as one struct passed by value ----------------------
-# A C++ struct of pointers, then 64-bit, then 32-bit fields (so NumPy's aligned layout equals the
-# compiler's) is built as a NumPy structured scalar, which CuPy passes by value (its user guide,
-# "custom user types"; the CPU emulator takes it the same way). Fields: (name, "ptr" | "i64" |
-# "i32" | "f32").
-_FIELD_TYPES = {"ptr": np.uint64, "i64": np.int64, "i32": np.int32, "f32": np.float32}
-
-
-def params_dtype(fields) -> np.dtype:
-    """The NumPy layout of a parameter struct (the kernel's static_assert checks its itemsize)."""
-    return np.dtype([(name, _FIELD_TYPES[kind]) for name, kind in fields], align=True)
-
-
-def params(dtype: np.dtype, **values) -> np.void:
-    """One struct value of ``dtype``: arrays become their device pointers, None a null pointer,
-    fields not given 0."""
-    v = np.zeros((), dtype=dtype)
-    for name, x in values.items():
-        v[name] = 0 if x is None else (x.data.ptr if isinstance(x, cupy.ndarray) else x)
-    return v[()]
-
-
 class KernelCompileError(RuntimeError):
     """NVRTC rejected a spec; the message names the spec, the instantiations and the log."""
 

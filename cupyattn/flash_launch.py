@@ -14,20 +14,11 @@ import cupy
 import numpy as np
 
 from . import _checks, _loader, options
-from ._loader import KernelSpec, cbool, ctype, defines, get_function, params, params_dtype
+from ._loader import KernelSpec, cbool, ctype, defines, get_function, ptr_or_null
 from .config import (DTYPES, FLASH_MMA_FAMILY_TILES, FLASH_MMA_K_STAGES, FLASH_MMA_PAD, FLASH_MMA_SMALL_SMEM_TILES,
                      FLASH_MMA_TILES, FLASH_SIMT_TILES, GPU_FAMILIES, HEAD_DIMS, MAX_GRID_YZ, MMA_DTYPES,
                      a_family_has_less, flash_mma_main_tile, flash_mma_min_cc,
                      flash_mma_smem_bytes, flash_mma_tile)
-
-
-# --- the kernels' argument: kernels_cu/flash_attn.cu FlashParams, field for field ----------------
-FLASH_PARAMS = params_dtype(
-    [(n, "ptr") for n in ("q", "k", "v", "out", "lse", "mask", "key_lengths", "cu_q", "cu_k", "block_table")]
-    + [(f"{t}_s{a}", "i64") for t in "qkv" for a in "bhs"] + [(n, "i64") for n in ("m_sb", "m_sh", "m_sq", "m_sk")]
-    + [(n, "i32") for n in ("B", "Hq", "Hkv", "Sq", "Sk")] + [("scale_log2", "f32")]
-    + [(n, "i32") for n in ("bt_stride", "log2_page", "num_pages", "win_left", "win_right")]
-    + [("softcap_log2", "f32"), ("vec", "i32")])
 
 
 # --- tiles and instantiations ---------------------------------------------------------------
@@ -90,13 +81,13 @@ SPEC = KernelSpec(
     # the tiles of families where the main one spills (config.FLASH_MMA_FAMILY_TILES)
     + tuple(expr("flash_mma", dt, d, c, sv, t) for dt in MMA_DTYPES for d in HEAD_DIMS
             for t in family_tiles(d).values() for c, sv in _VARIANTS),
-    defines(FLASH_MMA_PAD=FLASH_MMA_PAD, FLASH_MMA_K_STAGES=FLASH_MMA_K_STAGES, FLASH_PARAMS_BYTES=FLASH_PARAMS.itemsize),
+    defines(FLASH_MMA_PAD=FLASH_MMA_PAD, FLASH_MMA_K_STAGES=FLASH_MMA_K_STAGES),
     needs=_MMA_NEEDS, families=_FAMILIES)
 
 
 @dataclasses.dataclass(frozen=True)
 class Serving:
-    """The serving arguments of one fused launch (kernels_cu/flash_attn.cu FlashParams' last fields):
+    """The serving arguments of one fused launch (kernels_cu/flash_attn.cu FLASH_SERVING_PARAMS):
     packed query / key offsets, a block table, window (-1: unbounded; causal folded in as
     right = 0) and softcap (0: off). ``Serving()`` is a plain call."""
     cu_q: object = None
@@ -112,12 +103,12 @@ class Serving:
         return (self.cu_q is not None or self.cu_k is not None or self.block_table is not None
                 or self.window != (-1, -1) or self.softcap > 0)
 
-    def fields(self) -> dict:
-        """Its FLASH_PARAMS fields."""
+    def args(self):
         bt = self.block_table
-        return dict(cu_q=self.cu_q, cu_k=self.cu_k, block_table=bt, bt_stride=bt.shape[1] if bt is not None else 0,
-                    log2_page=self.log2_page, num_pages=self.num_pages, win_left=self.window[0],
-                    win_right=self.window[1], softcap_log2=self.softcap * math.log2(math.e))
+        return (ptr_or_null(self.cu_q), ptr_or_null(self.cu_k), ptr_or_null(bt),
+                np.int32(bt.shape[1] if bt is not None else 0), np.int32(self.log2_page),
+                np.int32(self.num_pages), np.int32(self.window[0]), np.int32(self.window[1]),
+                np.float32(self.softcap * math.log2(math.e)))
 
 
 def check_window_softcap(fn: str, window, softcap, causal: bool):
@@ -190,15 +181,22 @@ def launch(impl, q, k, v, causal, scale, mask, mshape, kl, out, lse, sv=None, sh
         mstr = [0, 0, 0, 0]
     bh = b * hq
     grid = ((sq + bm - 1) // bm, min(bh, MAX_GRID_YZ), (bh + MAX_GRID_YZ - 1) // MAX_GRID_YZ)
+    i64 = np.int64
     qs, ks, vs = strides if strides is not None else (elem_strides(x)[:3] for x in (q, k, v))
-    strided = {f"{t}_s{a}": s for t, st in (("q", qs), ("k", ks), ("v", vs)) for a, s in zip("bhs", st)}
-    p = params(FLASH_PARAMS, q=q, k=k, v=v, out=out, lse=lse, mask=mask, key_lengths=kl,
-               **strided, **dict(zip(("m_sb", "m_sh", "m_sq", "m_sk"), mstr)),
-               B=b, Hq=hq, Hkv=hkv, Sq=sq_arg, Sk=sk, scale_log2=scale * math.log2(math.e),
-               vec=vec_flags(q, k, v, out) if impl == "flash_mma" else 0, **(Serving() if sv is None else sv).fields())
+    args = (q, k, v, out, ptr_or_null(lse), ptr_or_null(mask), ptr_or_null(kl),
+            np.int32(b), np.int32(hq), np.int32(hkv), np.int32(sq_arg), np.int32(sk),
+            *map(i64, qs), *map(i64, ks), *map(i64, vs), *map(i64, mstr),
+            np.float32(scale * math.log2(math.e)))
+    serving = (Serving() if sv is None else sv).args()
     name = expr(impl, q.dtype, d, causal and sv is None, sv is not None, tile)
-    smem = flash_mma_smem_bytes(d, tile) if impl == "flash_mma" else 0   # (SIMT: static shared memory)
-    get_function(SPEC, name, dynamic_smem=smem)(grid, (tile.warps * 32,), (p,), shared_mem=smem)
+    if impl == "flash_mma":
+        smem = flash_mma_smem_bytes(d, tile)
+        kern = get_function(SPEC, name, dynamic_smem=smem)
+        kern(grid, (tile.warps * 32,), args + (np.int32(vec_flags(q, k, v, out)),) + serving, shared_mem=smem)
+    else:
+        get_function(SPEC, name)(grid, (tile.warps * 32,), args + serving)
+
+
 
 
 # --- impl=None ---------------------------------------------------------------------------------

@@ -80,89 +80,6 @@ __device__ __forceinline__ void load_tile(T* __restrict__ dst, const KvRows<T, P
     }
 }
 
-// --- the launch's arguments: one struct, by value (FlashAttention's Flash_fwd_params) ---------
-// Built by cupyattn/flash_launch.py (FLASH_PARAMS: the same fields in the same order, as a NumPy
-// structured scalar; FLASH_PARAMS_BYTES, from there, checks the size). Pointers first, then 64-bit
-// strides, then 32-bit fields: C++ and NumPy (align=True) lay them out alike, with no padding inside.
-#ifndef FLASH_PARAMS_BYTES
-#error "FLASH_PARAMS_BYTES (the size of cupyattn/flash_launch.py's FLASH_PARAMS) comes from the flash_attn spec"
-#endif
-struct FlashParams {
-    const void* q;              // [B, Hq, Sq, D] by q_s* (packed: [total_q, Hq, D]); last dim contiguous
-    const void* k;              // [B, Hkv, Sk, D] by k_s* (packed [total_k, Hkv, D]; paged: FlashSeq)
-    const void* v;              // as k, by v_s*
-    void* out;                  // shaped as q, C-contiguous
-    float* lse;                 // [B, Hq, Sq] (packed: [Hq, total_q]), natural log; or null
-    const float* mask;          // additive, broadcast to [B, Hq, Sq, Sk] by m_s*; or null
-    const int* key_lengths;     // [B] (clamped to [0, Sk]); or null
-    const int* cu_q;            // [B+1] packed query offsets (clamped to [0, Sq]), or null
-    const int* cu_k;            // [B+1] packed key offsets / [B] paged key counts, or null
-    const int* block_table;     // [B, bt_stride] page ids (clamped to the pages), or null
-    long long q_sb, q_sh, q_ss, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss;   // element strides
-    long long m_sb, m_sh, m_sq, m_sk;
-    int B, Hq, Hkv, Sq, Sk;     // packed: Sq = total_q, Sk = total_k; paged: Sk unused
-    float scale_log2;           // softmax scale * log2(e)
-    int bt_stride, log2_page, num_pages;
-    int win_left, win_right;    // window; -1 unbounded (causal folded in as right = 0 by the host)
-    float softcap_log2;         // softcap * log2(e), 0 = off
-    int vec;                    // flash_mma: 1 q, 2 k, 4 v staged by 16-byte cp.async; 8 out 16-byte stores
-};
-static_assert(sizeof(FlashParams) == FLASH_PARAMS_BYTES, "FlashParams and flash_launch.FLASH_PARAMS differ");
-
-// Every field read once at the kernel's entry, in one straight run, into a local copy `p` the body
-// uses. Each load then addresses the parameter at a constant offset, which ptxas folds into the
-// instructions that use the value, as it does a scalar parameter. Read where they are used, NVVM
-// shared one computed base address among several fields (ld.param [%rd + off]) and ptxas held the
-// loaded values in registers across the key loop: up to 34 more registers in the SIMT serving
-// kernels (sm_80).
-#define FLASH_PARAMS_AT_ENTRY(P)                                                                   \
-    const auto f_q = P.q; const auto f_k = P.k; const auto f_v = P.v;                              \
-    const auto f_out = P.out; const auto f_lse = P.lse; const auto f_mask = P.mask;                \
-    const auto f_key_lengths = P.key_lengths; const auto f_cu_q = P.cu_q;                          \
-    const auto f_cu_k = P.cu_k; const auto f_block_table = P.block_table;                          \
-    const auto f_q_sb = P.q_sb; const auto f_q_sh = P.q_sh; const auto f_q_ss = P.q_ss;            \
-    const auto f_k_sb = P.k_sb; const auto f_k_sh = P.k_sh; const auto f_k_ss = P.k_ss;            \
-    const auto f_v_sb = P.v_sb; const auto f_v_sh = P.v_sh; const auto f_v_ss = P.v_ss;            \
-    const auto f_m_sb = P.m_sb; const auto f_m_sh = P.m_sh; const auto f_m_sq = P.m_sq;            \
-    const auto f_m_sk = P.m_sk; const auto f_B = P.B; const auto f_Hq = P.Hq;                      \
-    const auto f_Hkv = P.Hkv; const auto f_Sq = P.Sq; const auto f_Sk = P.Sk;                      \
-    const auto f_scale_log2 = P.scale_log2; const auto f_bt_stride = P.bt_stride;                  \
-    const auto f_log2_page = P.log2_page; const auto f_num_pages = P.num_pages;                    \
-    const auto f_win_left = P.win_left; const auto f_win_right = P.win_right;                      \
-    const auto f_softcap_log2 = P.softcap_log2; const auto f_vec = P.vec;                          \
-    const FlashParams p{f_q, f_k, f_v, f_out, f_lse, f_mask, f_key_lengths, f_cu_q, f_cu_k,        \
-                        f_block_table, f_q_sb, f_q_sh, f_q_ss, f_k_sb, f_k_sh, f_k_ss, f_v_sb,     \
-                        f_v_sh, f_v_ss, f_m_sb, f_m_sh, f_m_sq, f_m_sk, f_B, f_Hq, f_Hkv,          \
-                        f_Sq, f_Sk, f_scale_log2, f_bt_stride, f_log2_page, f_num_pages,           \
-                        f_win_left, f_win_right, f_softcap_log2, f_vec}
-
-// The keys query rows [m0, m0 + BLOCK_M) of a sequence may see, [n_lo, k_end) with n_lo a
-// multiple of BLOCK_N (key tiles stay aligned), the one key range of both kernels: the sequence's
-// keys, key_lengths[b] clamped to [0, Sk], causal (bottom-right: the last row's j <= m0 + BLOCK_M
-// - 1 + diag, so later tiles are skipped, not computed and masked) and a window's right side bound
-// k_end; the window's left side at the first row bounds n_lo. Where that lies at or past k_end the
-// tile sees no key at all: the range is empty (no key tile is loaded), not a tile of masked keys.
-struct KeyRange {
-    int n_lo, k_end;
-    __device__ __forceinline__ int tiles(int block_n) const { return k_end > n_lo ? (k_end - n_lo + block_n - 1) / block_n : 0; }
-};
-template <int BLOCK_M, int BLOCK_N, bool CAUSAL, bool SERVING>
-__device__ __forceinline__ KeyRange key_range(const Window& win, int sk, const int* key_lengths, int b, int m0) {
-    int k_end = sk;
-    if (key_lengths) k_end = min(k_end, max(key_lengths[b], 0));
-    if (CAUSAL) k_end = min(k_end, m0 + BLOCK_M + win.diag);
-    int n_lo = 0;
-    if (SERVING) {
-        if (win.right >= 0) k_end = min(k_end, max(win.hi(m0 + BLOCK_M - 1) + 1, 0));
-        if (win.left >= 0) {
-            const int lo = max(win.lo(m0), 0);
-            if (lo >= k_end) return {0, 0};
-            n_lo = lo / BLOCK_N * BLOCK_N;
-        }
-    }
-    return {n_lo, k_end};
-}
-
 // One CTA's sequence: where its queries, keys, values, output rows and lse entries are. Dense
 // (SERVING = false, or no cu_q / cu_k / table): the [B, H, S, D] strided layout of attention().
 // Packed queries (cu_q): q and out [total_q, Hq, D] (q through q_ss, q_sh), lse [Hq, total_q]
@@ -184,17 +101,12 @@ struct FlashSeq {
     __device__ __forceinline__ long long lse_index(int i, long long bh, int h, int Sq) const {
         return SERVING && q0 >= 0 ? (long long)h * Sq + q0 + i : bh * Sq + i;
     }
-    // The fields of FlashParams it reads, by value: passing the struct itself (a reference to the
-    // kernel parameter) made its fields indexed constant loads held in registers across the key
-    // loop (ptxas, sm_80: the SIMT serving kernels at D = 64, 96 took 25-29 more registers).
-    __device__ __forceinline__ FlashSeq(const void* qp, const void* kp, const void* vp, int b, int h, int hk, int Sq, int Sk,
-                                        long long q_sb, long long q_sh, long long q_ss, long long k_sb, long long k_sh,
-                                        long long k_ss, long long v_sb, long long v_sh, long long v_ss, const int* cu_q,
-                                        const int* cu_k, const int* table, int bt_stride, int log2_page, int num_pages,
+    __device__ __forceinline__ FlashSeq(const T* q_, const T* k_, const T* v_, int b, int h, int hk, int Hq,
+                                        int Sq, int Sk, long long q_sb, long long q_sh, long long q_ss,
+                                        long long k_sb, long long k_sh, long long k_ss, long long v_sb,
+                                        long long v_sh, long long v_ss, const int* cu_q, const int* cu_k,
+                                        const int* table, int bt_stride, int log2_page, int num_pages,
                                         int page_rows) {
-        const T* q_ = static_cast<const T*>(qp);
-        const T* k_ = static_cast<const T*>(kp);
-        const T* v_ = static_cast<const T*>(vp);
         sq = Sq; sk = Sk; q0 = -1;
         q = q_ + b * q_sb + h * q_sh;
         k = {k_ + b * k_sb + hk * k_sh, k_ss, nullptr, 0, 0};
@@ -234,16 +146,62 @@ __device__ __forceinline__ int flash_page_rows(int Hkv, int D, long long k_ss, i
 #endif
 }
 
+// The serving arguments every flash kernel takes after scale_log2 (null / -1 / 0 in plain calls).
+#define FLASH_SERVING_PARAMS                                                                       \
+    const int* __restrict__ cu_q,         /* [B+1] packed query offsets, or null */                \
+    const int* __restrict__ cu_k,         /* [B+1] packed key offsets / [B] paged key counts */    \
+    const int* __restrict__ block_table,  /* [B, bt_stride] page ids, or null */                   \
+    int bt_stride, int log2_page, int num_pages,                                                   \
+    int win_left, int win_right,          /* window; -1 unbounded */                               \
+    float softcap_log2                    /* softcap * log2(e), 0 = off */
+
+// The keys query rows [m0, m0 + BLOCK_M) of a sequence may see, [n_lo, k_end) with n_lo a
+// multiple of BLOCK_N (key tiles stay aligned), the one key range of both kernels: the sequence's
+// keys, key_lengths[b] clamped to [0, Sk], causal (bottom-right: the last row's j <= m0 + BLOCK_M
+// - 1 + diag, so later tiles are skipped, not computed and masked) and a window's right side bound
+// k_end; the window's left side at the first row bounds n_lo. Where that lies at or past k_end the
+// tile sees no key at all: the range is empty (no key tile is loaded), not a tile of masked keys.
+struct KeyRange {
+    int n_lo, k_end;
+    __device__ __forceinline__ int tiles(int block_n) const {
+        return k_end > n_lo ? (k_end - n_lo + block_n - 1) / block_n : 0;
+    }
+};
+template <int BLOCK_M, int BLOCK_N, bool CAUSAL, bool SERVING>
+__device__ __forceinline__ KeyRange key_range(const Window& win, int sk, const int* key_lengths, int b, int m0) {
+    int k_end = sk;
+    if (key_lengths) k_end = min(k_end, max(key_lengths[b], 0));
+    if (CAUSAL) k_end = min(k_end, m0 + BLOCK_M + win.diag);
+    int n_lo = 0;
+    if (SERVING) {
+        if (win.right >= 0) k_end = min(k_end, max(win.hi(m0 + BLOCK_M - 1) + 1, 0));
+        if (win.left >= 0) {
+            const int lo = max(win.lo(m0), 0);
+            if (lo >= k_end) return {0, 0};
+            n_lo = lo / BLOCK_N * BLOCK_N;
+        }
+    }
+    return {n_lo, k_end};
+}
+
 // --- v1: SIMT FlashAttention-2 forward -----------------------------------------------------
 // grid (ceil(Sq / BLOCK_M), min(B*Hq, 65535), ceil(B*Hq / 65535)); block NUM_WARPS * 32.
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, bool CAUSAL, bool SERVING = false>
 __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
-flash_attn_fwd(const FlashParams params) {
-    FLASH_PARAMS_AT_ENTRY(params);
-    const float* __restrict__ mask = p.mask;
-    const int B = p.B, Hq = p.Hq, Hkv = p.Hkv, Sq = p.Sq;
-    const long long m_sq = p.m_sq, m_sk = p.m_sk;
-    const float scale_log2 = p.scale_log2, softcap_log2 = p.softcap_log2;
+flash_attn_fwd(const T* __restrict__ q,          // [B, Hq, Sq, D], strides q_sb/q_sh/q_ss, last dim contiguous
+               const T* __restrict__ k,          // [B, Hkv, Sk, D], strides k_s*
+               const T* __restrict__ v,          // [B, Hkv, Sk, D], strides v_s*
+               T* __restrict__ out,              // [B, Hq, Sq, D] C-contiguous
+               float* __restrict__ lse,          // [B, Hq, Sq] C-contiguous, natural log; or null
+               const float* __restrict__ mask,   // additive, broadcast to [B, Hq, Sq, Sk] by m_s*; or null
+               const int* __restrict__ key_lengths,  // [B]; or null
+               int B, int Hq, int Hkv, int Sq, int Sk,
+               long long q_sb, long long q_sh, long long q_ss,
+               long long k_sb, long long k_sh, long long k_ss,
+               long long v_sb, long long v_sh, long long v_ss,
+               long long m_sb, long long m_sh, long long m_sq, long long m_sk,
+               float scale_log2,                  // softmax scale * log2(e)
+               FLASH_SERVING_PARAMS) {
     constexpr int THREADS = NUM_WARPS * 32;
     constexpr int ROWS = BLOCK_M / NUM_WARPS;      // query rows per warp
     constexpr int KEYS = BLOCK_N / 32;             // keys per lane in S_ij
@@ -265,21 +223,21 @@ flash_attn_fwd(const FlashParams params) {
     const int m0 = blockIdx.x * BLOCK_M;  // first query row of Q_i
     const int row0 = warp * ROWS;         // first row of this warp inside the tile
 
-    const FlashSeq<T, SERVING> seq(p.q, p.k, p.v, b, h, hk, p.Sq, p.Sk, p.q_sb, p.q_sh, p.q_ss, p.k_sb, p.k_sh, p.k_ss,
-                                   p.v_sb, p.v_sh, p.v_ss, p.cu_q, p.cu_k, p.block_table, p.bt_stride, p.log2_page,
-                                   p.num_pages, flash_page_rows(Hkv, HEAD_DIM, p.k_ss, p.log2_page));
+    const FlashSeq<T, SERVING> seq(q, k, v, b, h, hk, Hq, Sq, Sk, q_sb, q_sh, q_ss, k_sb, k_sh, k_ss, v_sb,
+                                   v_sh, v_ss, cu_q, cu_k, block_table, bt_stride, log2_page, num_pages,
+                                   flash_page_rows(Hkv, HEAD_DIM, k_ss, log2_page));
     if (SERVING && m0 >= seq.sq) return;  // a short packed sequence: whole CTA leaves together
-    if (mask) mask += b * p.m_sb + h * p.m_sh;
+    if (mask) mask += b * m_sb + h * m_sh;
 
     // Keys this tile may see: [n_lo, k_end) (key_range). Causal (bottom-right): row i sees
     // j <= i + Sk - Sq; a window bounds both ends.
-    const Window win{SERVING ? p.win_left : -1, SERVING ? p.win_right : -1, seq.sk - seq.sq};
+    const Window win{SERVING ? win_left : -1, SERVING ? win_right : -1, seq.sk - seq.sq};
     const int diag = win.diag;
-    const KeyRange kr = key_range<BLOCK_M, BLOCK_N, CAUSAL, SERVING>(win, seq.sk, p.key_lengths, b, m0);
+    const KeyRange kr = key_range<BLOCK_M, BLOCK_N, CAUSAL, SERVING>(win, seq.sk, key_lengths, b, m0);
     const int n_lo = kr.n_lo, k_end = kr.k_end;
 
     // Load Q_i from HBM to SRAM (rows past Sq as zeros; they are computed but never stored).
-    load_tile<T, HEAD_DIM, HEAD_DIM, BLOCK_M, THREADS>(q_s, KvRows<T, false>{seq.q, p.q_ss}, m0, seq.sq - m0);
+    load_tile<T, HEAD_DIM, HEAD_DIM, BLOCK_M, THREADS>(q_s, KvRows<T, false>{seq.q, q_ss}, m0, seq.sq - m0);
 
     // On chip: O_i = 0, l_i = 0, m_i = -inf. l holds this lane's partial row sum: the rescale
     // factor is the same for every lane, so one warp reduction at the end suffices.
@@ -380,8 +338,6 @@ flash_attn_fwd(const FlashParams params) {
 
     // O_i = diag(l_i)^-1 O_i, L_i = m_i + log(l_i) (natural log: m is in log2 units); rows with
     // l_i = 0 saw no key and are written as zeros with L_i = -inf.
-    T* __restrict__ out = static_cast<T*>(p.out);   // (read here, not held across the key loop)
-    float* __restrict__ lse = p.lse;
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
         const float lsum = warp_reduce_sum(l[r]);
@@ -465,12 +421,19 @@ __device__ __forceinline__ void stage_rows(T* __restrict__ dst, const KvRows<T, 
 // every key below the causal diagonal of the tile's first row and inside k_end) skip it.
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, bool CAUSAL, bool SERVING = false>
 __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
-flash_attn_mma(const FlashParams params) {
-    FLASH_PARAMS_AT_ENTRY(params);
-    const float* __restrict__ mask = p.mask;
-    const int B = p.B, Hq = p.Hq, Hkv = p.Hkv, Sq = p.Sq, vec = p.vec;
-    const long long m_sq = p.m_sq, m_sk = p.m_sk;
-    const float scale_log2 = p.scale_log2, softcap_log2 = p.softcap_log2;
+flash_attn_mma(const T* __restrict__ q,          // [B, Hq, Sq, D], strides q_s*, last dim contiguous
+               const T* __restrict__ k,          // [B, Hkv, Sk, D], strides k_s*
+               const T* __restrict__ v,          // [B, Hkv, Sk, D], strides v_s*
+               T* __restrict__ out,              // [B, Hq, Sq, D] C-contiguous
+               float* __restrict__ lse,          // [B, Hq, Sq] or null
+               const float* __restrict__ mask,   // additive, broadcast by m_s*; or null
+               const int* __restrict__ key_lengths,  // [B] or null
+               int B, int Hq, int Hkv, int Sq, int Sk,
+               long long q_sb, long long q_sh, long long q_ss,
+               long long k_sb, long long k_sh, long long k_ss,
+               long long v_sb, long long v_sh, long long v_ss,
+               long long m_sb, long long m_sh, long long m_sq, long long m_sk,
+               float scale_log2, int vec, FLASH_SERVING_PARAMS) {
     constexpr int THREADS = NUM_WARPS * 32;
     constexpr int WROWS = BLOCK_M / NUM_WARPS;   // query rows per warp
     constexpr int MT = WROWS / 16;               // m16 tiles per warp
@@ -501,17 +464,17 @@ flash_attn_mma(const FlashParams params) {
     const int m0 = m_blk * BLOCK_M;
     const int wrow0 = warp * WROWS;              // first tile row of this warp
 
-    const FlashSeq<T, SERVING> seq(p.q, p.k, p.v, b, h, hk, p.Sq, p.Sk, p.q_sb, p.q_sh, p.q_ss, p.k_sb, p.k_sh, p.k_ss,
-                                   p.v_sb, p.v_sh, p.v_ss, p.cu_q, p.cu_k, p.block_table, p.bt_stride, p.log2_page,
-                                   p.num_pages, flash_page_rows(Hkv, HEAD_DIM, p.k_ss, p.log2_page));
+    const FlashSeq<T, SERVING> seq(q, k, v, b, h, hk, Hq, Sq, Sk, q_sb, q_sh, q_ss, k_sb, k_sh, k_ss, v_sb,
+                                   v_sh, v_ss, cu_q, cu_k, block_table, bt_stride, log2_page, num_pages,
+                                   flash_page_rows(Hkv, HEAD_DIM, k_ss, log2_page));
     if (SERVING && m0 >= seq.sq) return;  // a short packed sequence: whole CTA leaves together
-    if (mask) mask += b * p.m_sb + h * p.m_sh;
+    if (mask) mask += b * m_sb + h * m_sh;
 
     // Keys this tile may see: [n_lo, k_end) (key_range); causal (bottom-right) row i sees
     // j <= i + diag; a window (SERVING) bounds both ends.
-    const Window win{SERVING ? p.win_left : -1, SERVING ? p.win_right : -1, seq.sk - seq.sq};
+    const Window win{SERVING ? win_left : -1, SERVING ? win_right : -1, seq.sk - seq.sq};
     const int diag = win.diag;
-    const KeyRange kr = key_range<BLOCK_M, BLOCK_N, CAUSAL, SERVING>(win, seq.sk, p.key_lengths, b, m0);
+    const KeyRange kr = key_range<BLOCK_M, BLOCK_N, CAUSAL, SERVING>(win, seq.sk, key_lengths, b, m0);
     const int n_lo = kr.n_lo, k_end = kr.k_end;
     const int n_tiles = kr.tiles(BLOCK_N);
     // Every tile needs the masking step when a mask tensor is given or the scale is negative
@@ -521,7 +484,7 @@ flash_attn_mma(const FlashParams params) {
                           (SERVING && (win.left >= 0 || win.right >= 0 || softcap_log2 > 0.0f));
 
     // Prologue: load Q_i and K_0 from HBM to SRAM (one cp.async group each).
-    stage_rows<T, BLOCK_M, HEAD_DIM, LDS, THREADS>(q_s, KvRows<T, false>{seq.q, p.q_ss}, m0, seq.sq - m0, vec & 1);
+    stage_rows<T, BLOCK_M, HEAD_DIM, LDS, THREADS>(q_s, KvRows<T, false>{seq.q, q_ss}, m0, seq.sq - m0, vec & 1);
     cp_async_commit();
     if (n_tiles > 0) stage_rows<T, BLOCK_N, HEAD_DIM, LDS, THREADS>(k_s, seq.k, n_lo, k_end - n_lo, vec & 2);
     cp_async_commit();
@@ -679,8 +642,6 @@ flash_attn_mma(const FlashParams params) {
             }
     }
 
-    T* __restrict__ out = static_cast<T*>(p.out);   // (read here, not held across the key loop)
-    float* __restrict__ lse = p.lse;
     // Epilogue: O_i = diag(l_i)^-1 O_i, L_i = m_i + log(l_i) (natural log; m is in log2 units);
     // rows that saw no key (l_i = 0) give zeros and -inf. Each warp rounds its rows into its own
     // rows of the Q_i tile (no other warp reads them again), then stores them as 16-byte chunks.
