@@ -244,3 +244,30 @@ def torch_matmul(a, b, layout: str, out):
     ta, tb, tout = to_torch(a), to_torch(b), to_torch(out)
     tb = tb.t() if layout == "nt" else tb
     return wrap_torch(lambda: torch.matmul(ta, tb, out=tout))
+
+
+def ref_attention(q, k, v, causal, chunk_bytes=512 * 2**20):
+    """float64 attention on the device, one (batch, kv head) and block of query rows at a time."""
+    import cupy
+
+    from .arrays import to_f64
+
+    B, H, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    g = H // Hkv
+    out = cupy.empty((B, H, Sq, D), dtype=cupy.float64)
+    rows = max(1, min(Sq, chunk_bytes // (8 * g * Sk)))
+    keep = causal_keep(Sq, Sk) if causal else None
+    for b in range(B):
+        for h in range(Hkv):
+            kk, vv = to_f64(k[b, h]), to_f64(v[b, h])  # [Sk, D]
+            for r0 in range(0, Sq, rows):
+                qq = to_f64(q[b, h * g:(h + 1) * g, r0:r0 + rows])  # [g, rows, D]
+                s = cupy.matmul(qq, kk.T) * (D ** -0.5)
+                if keep is not None:
+                    s = cupy.where(keep[r0:r0 + rows], s, -cupy.inf)
+                m = s.max(axis=-1, keepdims=True)
+                p = cupy.exp(s - cupy.where(cupy.isfinite(m), m, 0.0))
+                den = p.sum(axis=-1, keepdims=True)
+                out[b, h * g:(h + 1) * g, r0:r0 + rows] = cupy.matmul(p, vv) / cupy.where(den > 0, den, 1.0)
+    return out

@@ -357,9 +357,10 @@ def shallow_rings(compact: bool = False):
     ``compact``, the 64 KB tiles where the spec has them (an explicit decode impl="mma" at D = 128,
     256 and fp16 flash_mma at D = 96, 128)."""
     from cupyattn import config as cfg
-    from cupyattn import decode, flash_attn, gemm
+    from cupyattn import decode_launch as decode  # (the launch modules hold the tile choices)
+    from cupyattn import flash_launch, gemm
 
-    fit, tile, fa_tile = decode._fit, gemm._mma_tile, flash_attn._tile
+    fit, tile, fa_tile = decode._fit, gemm._mma_tile, flash_launch.tile_for
 
     def small_fit(impl, dtype, d, t, m_tiles, limit, explicit=False, staged=False):
         c = cfg.DECODE_MMA_SMALL_SMEM_TILES.get((d, m_tiles))
@@ -368,16 +369,16 @@ def shallow_rings(compact: bool = False):
         return decode._small(t)
 
     def small_tile(impl, dtype, head_dim, smem_limit=None, cc=None):
-        return flash_attn.mma_tiles(dtype, head_dim)[-1] if impl == "flash_mma" else fa_tile(impl, dtype, head_dim)
+        return flash_launch.mma_tiles(dtype, head_dim)[-1] if impl == "flash_mma" else fa_tile(impl, dtype, head_dim)
 
     decode._fit = small_fit
     gemm._mma_tile = lambda nt: cfg.GEMM_MMA_SMALL_SMEM
     if compact:
-        flash_attn._tile = small_tile
+        flash_launch.tile_for = small_tile
     try:
         yield
     finally:
-        decode._fit, gemm._mma_tile, flash_attn._tile = fit, tile, fa_tile
+        decode._fit, gemm._mma_tile, flash_launch.tile_for = fit, tile, fa_tile
 
 
 def run(families=FAMILIES) -> None:

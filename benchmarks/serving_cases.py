@@ -78,7 +78,7 @@ def reference(case, inp):
     """float64 attention of the real rows, one sequence at a time."""
     import cupy
 
-    from .cases import ref_attention
+    from .peers import ref_attention
 
     causal = case.p["causal"]
     if case.op == "varlen":

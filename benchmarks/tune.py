@@ -109,7 +109,8 @@ FLASH_CANDIDATES = {
 def tune_flash(emit):
     import cupy
 
-    from cupyattn import attention, config, flash_attn
+    from cupyattn import attention, config
+    from cupyattn import flash_launch as flash_attn  # (the launch module reads SPEC at launch)
     from cupyattn._loader import KernelSpec
 
     from .arrays import rand
@@ -137,7 +138,7 @@ def tune_flash(emit):
                            smem=(bm + (config.FLASH_MMA_K_STAGES + 1) * bn) * (d + config.FLASH_MMA_PAD) * 2)
                 call = lambda: attention(q, k, v, causal=causal, impl="flash_mma")  # noqa: E731
                 try:
-                    expr = with_tile(d, tile, None, lambda: flash_attn._expr("flash_mma", q.dtype, d, causal))()
+                    expr = with_tile(d, tile, None, lambda: flash_attn.expr("flash_mma", q.dtype, d, causal))()
                     spec = KernelSpec(f"flash_tune_{d}_{bm}_{bn}_{w}_{int(causal)}", flash_attn.SPEC.source,
                                       (expr,), flash_attn.SPEC.options)
                     got = with_tile(d, tile, spec, call)()

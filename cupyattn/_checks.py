@@ -4,15 +4,21 @@ Every op module calls them from one function of its own, ``_check_args``.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import numbers
 
 import cupy
 import numpy as np
 
+from . import device as _device
+from . import gpus
 from .config import DTYPES as FLOAT_DTYPES
-from .config import INT32_MAX, MAX_GRID_X, MAX_GRID_YZ, SOFTCAP_MAX, SOFTCAP_MIN
+from .config import SOFTCAP_MAX, SOFTCAP_MIN
+# whether there is a GPU at all, and the error of an impl it cannot run: cupyattn/device.py (the
+# names the op modules read here)
+from .device import (WITHOUT_GPU, ComputeCapabilityError, GPUUnavailableError, _no_gpu_here,  # noqa: F401
+                     gpu_unavailable_reason, no_gpu_explained, require_gpu)
+from .gpus import INT32_MAX, MAX_GRID_X, MAX_GRID_YZ
 
 
 def dtype_name(dtype) -> str:
@@ -201,97 +207,32 @@ def check_no_overlap(fn: str, out, inputs: dict, in_place: tuple = (), out_name:
                          f"what it already overwrote: pass a separate {out_name}{allowed}")
 
 
-# --- is there a GPU at all? -----------------------------------------------------------------
-WITHOUT_GPU = ("without one, cupyattn.reference (NumPy versions of every op), tinylm --backend numpy and "
-               "python -m cupyattn check still work")
-
-
-def _no_gpu_here(reason: str) -> str:
-    return f"this machine has no usable CUDA GPU: {reason} (cupyattn.gpu_unavailable_reason()); {WITHOUT_GPU}"
-
-
-def gpu_unavailable_reason() -> str | None:
-    """None when CuPy can use a CUDA device, else one plain sentence saying what is missing."""
-    try:
-        n = cupy.cuda.runtime.getDeviceCount()
-    except cupy.cuda.runtime.CUDARuntimeError as e:
-        import ctypes
-
-        try:
-            ctypes.CDLL("libcuda.so.1")
-        except OSError:
-            return "no NVIDIA GPU driver was found (libcuda.so.1 cannot be loaded)"
-        if getattr(e, "status", None) == 35:  # cudaErrorInsufficientDriver
-            v = cupy.cuda.runtime.runtimeGetVersion()
-            return (f"the NVIDIA driver is older than the CUDA {v // 1000}.{v % 1000 // 10} runtime "
-                    f"this CuPy was built for ({e})")
-        return f"no usable NVIDIA GPU was found ({e})"
-    if n < 1:
-        return "no NVIDIA GPU was found (the driver reports 0 devices)"
-    return None
-
-
-class GPUUnavailableError(RuntimeError):
-    """No usable CUDA device (a RuntimeError, as callers catch it); an outer
-    :func:`no_gpu_explained` renames it after its own function."""
-
-
-def _needs_gpu(fn: str, reason: str) -> RuntimeError:
-    who = fn if " " in fn else f"{fn}()"  # a function name, or words such as "cupyattn kernel launch"
-    return GPUUnavailableError(f"{who} needs a CUDA GPU: {reason} (cupyattn.gpu_unavailable_reason()); {WITHOUT_GPU}")
-
-
-def require_gpu(fn: str) -> None:
-    """RuntimeError naming ``fn`` when no CUDA device can be used, before CuPy fails deeper."""
-    reason = gpu_unavailable_reason()
-    if reason:
-        raise _needs_gpu(fn, reason)
-
-
-@contextlib.contextmanager
-def no_gpu_explained(fn: str):
-    """Around a first device allocation or query: a CUDA runtime error on a machine without a
-    usable GPU becomes :func:`require_gpu`'s RuntimeError naming ``fn`` and what still works, one
-    message with CuPy's own error out of the traceback (``from None``: CuPy's chain says the same
-    in 30 lines)."""
-    try:
-        yield
-    except (cupy.cuda.runtime.CUDARuntimeError, GPUUnavailableError):  # also from an inner guard
-        reason = gpu_unavailable_reason()
-        if reason is None:
-            raise
-    else:
-        return
-    raise _needs_gpu(fn, reason) from None
-
-
-# --- can this device run that kernel? (config.IMPL_MIN_CC, issue 24) ---------------------------
-class ComputeCapabilityError(ValueError):
-    """An explicit ``impl=`` that the current device's compute capability cannot run."""
+# --- can this device run that kernel? (gpus.IMPL_MIN_CC) -------------------------------------
+def _picks(op: str) -> str:
+    """The alternative a refusal of an explicit impl= offers: impl=None, on the ops that take it."""
+    return "; impl=None picks a kernel this device runs" if op in ("attention", "decode", "gemm") else ""
 
 
 def require_impl(fn: str, op: str, impl: str, dtype, head_dim: int | None = None) -> int:
     """The device's compute capability (CUPYATTN_ARCH respected); ComputeCapabilityError naming
     ``impl``, the device and the minimum when ``impl`` of ``op`` cannot run there with ``dtype``
     inputs (at ``head_dim``), before anything is allocated or launched."""
-    from . import _loader, config
-
     with no_gpu_explained(f"{fn}"):
-        cc = _loader.device_compute_capability()
-    if config.impl_runs_on(op, impl, dtype, cc, head_dim):
+        cc = _device.compute_capability()
+    if gpus.impl_runs_on(op, impl, dtype, cc, head_dim):
         return cc
-    device = f"this device ({config.gpu_family(cc).name}) is {cc // 10}.{cc % 10}"
-    need = config.impl_min_cc(op, impl, dtype)
-    if config.impl_runs_on(op, impl, dtype, cc):   # the head dim's own minimum binds
-        need = config.impl_min_cc(op, impl, dtype, head_dim)
-        why = config.IMPL_MIN_CC_BY_HEAD_DIM_REASON.get((op, impl), "")
+    device = f"this device ({gpus.gpu_family(cc).name}) is {cc // 10}.{cc % 10}"
+    need = gpus.impl_min_cc(op, impl, dtype)
+    if gpus.impl_runs_on(op, impl, dtype, cc):   # the head dim's own minimum binds
+        need = gpus.impl_min_cc(op, impl, dtype, head_dim)
+        why = gpus.IMPL_MIN_CC_BY_HEAD_DIM_REASON.get((op, impl), "")
         raise ComputeCapabilityError(
             f"{fn}(): impl={impl!r} at head_dim D={head_dim} needs compute capability {need // 10}.{need % 10}"
-            f"{' (' + why + ')' if why else ''}; {device}")
-    why = config.MMA_MIN_CC_REASON.get(np.dtype(dtype), "") if need in (75, 80) else ""
+            f"{' (' + why + ')' if why else ''}; {device}{_picks(op)}")
+    why = gpus.MMA_MIN_CC_REASON.get(np.dtype(dtype), "") if need in (75, 80) else ""
     if impl.startswith("wgmma"):
         why = "sm_90a code: wgmma and TMA, H100 / H200 only"
     exact = " exactly" if impl.startswith("wgmma") else ""
     raise ComputeCapabilityError(
         f"{fn}(): impl={impl!r} with {np.dtype(dtype)} inputs needs compute capability "
-        f"{need // 10}.{need % 10}{exact}{' (' + why + ')' if why else ''}; {device}")
+        f"{need // 10}.{need % 10}{exact}{' (' + why + ')' if why else ''}; {device}{_picks(op)}")

@@ -27,10 +27,40 @@ import threading
 from pathlib import Path
 
 import cupy
+import ml_dtypes
 import numpy as np
 
-from . import config
-from .config import STATIC_SMEM_BYTES
+from . import device, gpus
+from .gpus import STATIC_SMEM_BYTES
+
+# the device's compute capability and shared memory per block (cupyattn/device.py), under the names
+# the op modules read here
+from .device import compute_capability as device_compute_capability  # noqa: E402,F401
+from .device import smem_optin as device_smem_optin  # noqa: E402,F401
+
+
+# --- code generation: Python values as the kernels' template arguments and -D options ------------
+# dtype -> the kernels' C++ element type in template name expressions (cupyattn.config.DTYPES)
+CTYPES = {np.dtype(np.float32): "float", np.dtype(np.float16): "__half", np.dtype(ml_dtypes.bfloat16): "__nv_bfloat16"}
+# index dtype -> C++ type (embedding ids, rope positions)
+INDEX_CTYPES = {np.dtype(np.int32): "int", np.dtype(np.int64): "long long"}
+# 16-byte vector width in elements per C++ element type
+VEC16 = {c: 16 // d.itemsize for d, c in CTYPES.items()}
+
+
+def ctype(dtype) -> str:
+    """The kernels' C++ element type of a supported dtype, e.g. ``float16 -> "__half"``."""
+    return CTYPES[np.dtype(dtype)]
+
+
+def cbool(flag) -> str:
+    """A Python bool as a C++ template argument."""
+    return "true" if flag else "false"
+
+
+def defines(**constants) -> tuple[str, ...]:
+    """NVRTC ``-D`` options for spec-wide constants: ``defines(X=1) -> ("-DX=1",)``."""
+    return tuple(f"-D{k}={v}" for k, v in constants.items())
 
 
 
@@ -77,10 +107,10 @@ class KernelSpec:
     ``hot`` kernels fail the offline check on any register spill; ``sm90a`` marks specs that
     use Hopper-only instructions and therefore need ``-arch=sm_90a`` (and an sm_90 device).
     ``needs``: (name expression, minimum compute capability, shared memory per block in bytes) of
-    the instantiations that need more than config.MIN_COMPUTE_CAPABILITY or than 48 KB of shared
+    the instantiations that need more than gpus.MIN_COMPUTE_CAPABILITY or than 48 KB of shared
     memory (the tensor-core kernels, the deep rings); the offline check compiles for an arch only
     what a device of that family runs (:meth:`exprs_for`). ``families``: (name expression, the
-    config.GPU_FAMILIES keys whose devices run it) of the instantiations only some families dispatch
+    gpus.GPU_FAMILIES keys whose devices run it) of the instantiations only some families dispatch
     to: a tile that replaces the main one on one family (config.FLASH_MMA_FAMILY_TILES) and the
     tile it replaces.
     """
@@ -111,9 +141,9 @@ class KernelSpec:
         them on 9.0, none elsewhere): instructions, shared memory per block and ``families``."""
         if self.sm90a:
             return self.name_expressions if cc == 90 else ()
-        if cc < config.MIN_COMPUTE_CAPABILITY:
+        if cc < gpus.MIN_COMPUTE_CAPABILITY:
             return ()
-        smem, family = config.gpu_family(cc).smem_optin, config.gpu_family_key(cc)
+        smem, family = gpus.gpu_family(cc).smem_optin, gpus.gpu_family_key(cc)
         need, only = {e: b for e, _, b in self.needs}, dict(self.families)
         return tuple(e for e in self.name_expressions if self.min_cc(e) <= cc and need.get(e, 0) <= smem
                      and family in only.get(e, (family,)))
@@ -122,13 +152,13 @@ class KernelSpec:
         """The compute capability an instantiation's instructions need (sm90a specs: 90)."""
         if self.sm90a:
             return 90
-        return max([c for e, c, _ in self.needs if e == name_expression] + [config.MIN_COMPUTE_CAPABILITY])
+        return max([c for e, c, _ in self.needs if e == name_expression] + [gpus.MIN_COMPUTE_CAPABILITY])
 
     def options_for(self, arch: str) -> tuple[str, ...]:
         """Options for a compute capability string such as '80' or '90'."""
         # the family's shared memory per SM: a __launch_bounds__ minimum never asks for more blocks
         # than can be resident there (decode.cu resident_min_blocks)
-        opts = BASE_OPTIONS + self.options + (f"-DCUPYATTN_SMEM_PER_SM={config.gpu_family(int(arch)).smem_per_sm}",)
+        opts = BASE_OPTIONS + self.options + (f"-DCUPYATTN_SMEM_PER_SM={gpus.gpu_family(int(arch)).smem_per_sm}",)
         target = _arch_override()
         if target is not None and target < int(arch):
             opts += (f"-DCUPYATTN_TARGET_SM={target}0",)  # ptx.cuh takes the older family's branches
@@ -170,52 +200,17 @@ def _code(filename: str) -> str:
     return inline_headers(filename)
 
 
-# --- the device's compute capability -----------------------------------------------------------
-ARCH_ENV = "CUPYATTN_ARCH"
+# --- the device ---------------------------------------------------------------------------------
+ARCH_ENV = device.ARCH_ENV
 
 
 def _arch_override() -> int | None:
-    """CUPYATTN_ARCH=75 (tests, benchmarks): dispatch as a compute capability 7.5 device and build
-    the kernels' ptx.cuh branches for it; it may only lower the device's own (a T4's kernels run on
-    an H100, not the reverse)."""
-    v = os.environ.get(ARCH_ENV, "").strip()
-    if not v:
-        return None
-    if not v.isdigit() or int(v) not in config.GPU_FAMILIES:
-        raise ValueError(f"{ARCH_ENV}={v!r}: expected one of {', '.join(map(str, config.GPU_FAMILIES))}")
-    return int(v)
-
-
-def device_compute_capability() -> int:
-    """The current device's compute capability as an int (75 for a T4, 90 for an H100), or the
-    CUPYATTN_ARCH override when it is lower; what every impl choice reads."""
-    _, arch = _device_arch()
-    cc, target = int(arch), _arch_override()
-    return cc if target is None else min(cc, target)
-
-
-def device_smem_optin() -> int:
-    """Shared memory per block with the opt-in attribute on the current device (the family's limit
-    under a CUPYATTN_ARCH override): what decides whether an auto choice's tile fits."""
-    with _no_gpu("cupyattn kernel launch"):
-        limit = int(cupy.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"])
-    if _arch_override() is not None:
-        limit = min(limit, config.gpu_family(device_compute_capability()).smem_optin)
-    return limit
-
-
-def _no_gpu(fn: str):
-    from ._checks import no_gpu_explained
-
-    return no_gpu_explained(fn)
+    """CUPYATTN_ARCH's compute capability, or None (cupyattn/device.py)."""
+    return device.arch_override()
 
 
 def _device_arch() -> tuple[int, str]:
-    from ._checks import no_gpu_explained
-
-    with no_gpu_explained("cupyattn kernel launch"):
-        dev = cupy.cuda.Device()
-        return dev.id, dev.compute_capability
+    return device.device_arch()
 
 
 def _announce(spec: KernelSpec, name_expression: str, arch: str) -> None:
@@ -235,7 +230,7 @@ def _module_exprs(spec: KernelSpec, name_expression: str, arch: str) -> tuple[st
     ``cupy._cupyattn_emulator_chunk`` consecutive instantiations of those the device runs
     (tests/emu/fakecupy.py)."""
     n = getattr(cupy, "_cupyattn_emulator_chunk", 1)
-    exprs = spec.exprs_for(device_compute_capability()) if n > 1 else ()  # CUPYATTN_ARCH's too
+    exprs = spec.exprs_for(device.compute_capability()) if n > 1 else ()  # CUPYATTN_ARCH's too
     if name_expression not in exprs:
         return (name_expression,)
     i = exprs.index(name_expression) // n * n
@@ -305,11 +300,9 @@ def get_function(spec: KernelSpec, name_expression: str, dynamic_smem: int = 0):
     if fn is None:
         if name_expression not in spec.name_expressions:
             raise KeyError(f"{name_expression!r} is not an instantiation of kernel spec {spec.name!r}")
-        cc = device_compute_capability()
+        cc = device.compute_capability()
         if cc < spec.min_cc(name_expression):  # the op modules' checks say it first
-            from ._checks import ComputeCapabilityError
-
-            raise ComputeCapabilityError(
+            raise device.ComputeCapabilityError(
                 f"{name_expression} (kernel spec {spec.name!r}) needs compute capability "
                 f"{spec.min_cc(name_expression) // 10}.{spec.min_cc(name_expression) % 10}; this device "
                 f"is {cc // 10}.{cc % 10} (docs/gpus.md)")
@@ -321,7 +314,7 @@ def get_function(spec: KernelSpec, name_expression: str, dynamic_smem: int = 0):
     if dynamic_smem > 0 and _SMEM_RAISED.get(key, 0) < dynamic_smem:
         static = int(fn.shared_size_bytes)
         if smem_needs_opt_in(static, dynamic_smem):
-            limit = device_smem_optin()
+            limit = device.smem_optin()
             if static + dynamic_smem > limit:
                 raise ValueError(f"{name_expression} needs {static + dynamic_smem} B of shared memory per "
                                  f"block ({static} B static + {dynamic_smem} B dynamic); this device "

@@ -3,16 +3,18 @@
 The kernels in ``kernels_cu/`` hold no copy of these numbers: per-instantiation shapes (tile
 sizes, warps, head dims, element types) reach them as template arguments in the name
 expressions the op modules build from the tables below, and spec-wide constants as ``-D``
-options (:func:`defines`; a ``.cu`` file that needs one fails to compile without it). Adding a
+options (``_loader.defines``; a ``.cu`` file that needs one fails to compile without it). Adding a
 head dim or a tile entry is an edit here; the op modules, the offline compile check
 (``python -m cupyattn check``), the tests and the benchmarks read the tables from this module.
 
-Each tile table entry carries its reason. Nothing here has been tuned on a GPU yet (see
-docs/gpus.md): the reasons are register, shared-memory and occupancy arithmetic.
+Each tile table entry carries its reason (register, shared-memory and occupancy arithmetic, or
+"measured faster"); what was measured, and where, is in benchmarks/results/<run>/README.md ("What
+cupyattn/config.py cites from this run"), not here. What a GPU family is (limits, shared memory,
+instruction minimums) is cupyattn/gpus.py, re-exported below; the current device is
+cupyattn/device.py; the C code-generation helpers (ctype, cbool, defines) are the loader's.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import ml_dtypes
@@ -25,36 +27,26 @@ BFLOAT16 = np.dtype(ml_dtypes.bfloat16)   # NumPy and CuPy 14 take bfloat16 thro
 DTYPES = (FLOAT32, FLOAT16, BFLOAT16)     # what every op accepts
 MMA_DTYPES = (FLOAT16, BFLOAT16)          # what the tensor-core (mma.sync) kernels accept
 
-# dtype -> the kernels' C++ element type in template name expressions
-CTYPES = {FLOAT32: "float", FLOAT16: "__half", BFLOAT16: "__nv_bfloat16"}
-# index dtype -> C++ type (embedding ids, rope positions)
-INDEX_CTYPES = {np.dtype(np.int32): "int", np.dtype(np.int64): "long long"}
+# the GPU families and hardware limits (cupyattn/gpus.py, data only), under the names the op
+# modules and tests read here
+from .gpus import (GPU_FAMILIES, IMPL_MIN_CC, IMPL_MIN_CC_BY_HEAD_DIM, IMPL_MIN_CC_BY_HEAD_DIM_REASON,  # noqa: F401,E402
+                   INT32_MAX, MAX_BLOCK_THREADS, MAX_GRID_X, MAX_GRID_YZ, MIN_COMPUTE_CAPABILITY, MMA_MIN_CC,
+                   MMA_MIN_CC_REASON, SMEM_PER_BLOCK_RESERVED, SMEM_PER_SM, SMEM_PER_SM_BY_ARCH,
+                   STATIC_SMEM_BYTES, GpuFamily, a_family_has_less, gpu_family, gpu_family_key, impl_min_cc,
+                   impl_runs_on)
+
+# The kernels' C++ names of these types and the other code-generation helpers are the loader's
+# (cupyattn/_loader.py: CTYPES, INDEX_CTYPES, VEC16, ctype, cbool, defines); importers of the
+# old names here get them from there.
+_LOADER_NAMES = ("CTYPES", "INDEX_CTYPES", "VEC16", "ctype", "cbool", "defines")
 
 
-def ctype(dtype) -> str:
-    """The kernels' C++ element type of a supported dtype, e.g. ``float16 -> "__half"``."""
-    return CTYPES[np.dtype(dtype)]
+def __getattr__(name):
+    if name in _LOADER_NAMES:
+        from . import _loader
+        return getattr(_loader, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-
-def cbool(flag) -> str:
-    """A Python bool as a C++ template argument."""
-    return "true" if flag else "false"
-
-
-def defines(**constants) -> tuple[str, ...]:
-    """NVRTC ``-D`` options for spec-wide constants: ``defines(X=1) -> ("-DX=1",)``."""
-    return tuple(f"-D{k}={v}" for k, v in constants.items())
-
-
-# --- hardware and indexing limits -----------------------------------------------------------
-INT32_MAX = 2**31 - 1
-MAX_GRID_X = 2**31 - 1      # gridDim.x
-MAX_GRID_YZ = 65535         # gridDim.y and gridDim.z
-MAX_BLOCK_THREADS = 1024
-STATIC_SMEM_BYTES = 48 * 1024   # static + dynamic shared memory per block without the opt-in attribute
-SMEM_PER_SM_BY_ARCH = {"sm_80": 164 * 1024, "sm_90": 228 * 1024}  # shared memory per SM (A100, H100) ...
-SMEM_PER_SM = SMEM_PER_SM_BY_ARCH["sm_90"]
-SMEM_PER_BLOCK_RESERVED = 1024  # ... of which the driver reserves 1 KB per resident block
 
 # --- fused attention (kernels_cu/flash_attn.cu) and decode (kernels_cu/decode.cu) ------------
 HEAD_DIMS = (32, 64, 80, 96, 128, 256)   # head dims of the fused attention and decode kernels
@@ -97,10 +89,8 @@ FLASH_MMA_K_STAGES = 2   # K_{j+1} loads while S_ij and P_ij V_j run (V_j: one b
 FLASH_MMA_TILES = {
     32: FlashTile(128, 64, 4, "4 warps x 32 rows: Q 16 + O 32 + S 64 regs (~200 used); each K/V "
                   "ldmatrix feeds 2 m16 tiles (half the smem reads per mma); 25 KB smem"),
-    64: FlashTile(128, 64, 4, "4 warps x 32 rows: measured on the H100 (fp16 B4 H32 S4096, "
-                  "benchmarks/tune.py) 280/257 TFLOP/s (non-causal/causal) vs 222/206 for 8 warps x 16 "
-                  "rows; 256 x 64 x 8 gave 290/251, 128 x 32 x 8 245/153; 244-250 regs, no spills; "
-                  "45 KB smem"),
+    64: FlashTile(128, 64, 4, "4 warps x 32 rows: the fastest of benchmarks/tune.py's candidates on an H100 "
+                  "(benchmarks/results/2026-11-23-h100/README.md); 244-250 regs, no spills; 45 KB smem"),
     80: FlashTile(128, 64, 8, "8 warps x 16 rows: Q 20 + O 40 + S 32 regs; D = 5 k-steps, 10 n8 "
                   "tiles (each x4 load covers 16 columns); 55 KB smem"),
     96: FlashTile(128, 64, 8, "8 warps x 16 rows: Q 24 + O 48 + S 32 regs (~185 used); 65 KB smem"),
@@ -126,8 +116,8 @@ FLASH_MMA_SMALL_SMEM_TILES = {
 FLASH_MMA_FAMILY_TILES = {
     100: {64: FlashTile(128, 64, 8, "ptxas for sm_100 (NVRTC 12.9) gives the 4-warp tile 255 registers "
                         "and spills 4 B (28 B in its serving variant); 8 warps x 16 rows: 168 registers, no "
-                        "spills. On the H100 this shape ran at 222/206 TFLOP/s against the 4-warp tile's "
-                        "280/257; not run on a Blackwell GPU; 45 KB smem")},
+                        "spills; slower than the 4-warp tile on an H100 (benchmarks/results/2026-11-23-h100/"
+                        "README.md); not run on a Blackwell GPU; 45 KB smem")},
 }
 
 
@@ -257,15 +247,9 @@ DECODE_MIN_KEYS_PER_SPLIT = 256   # an automatic split never gets fewer keys tha
 DECODE_SPLIT_OVERHEAD_KEYS = 64   # fixed cost of one split (prologue, epilogue, its share of the
                                   # combine) in keys: stops the rule from trading a whole wave
                                   # for a few percent less wave quantisation
-# Blocks per SM the split rule counts as one wave: 1, not the tile's occupancy. Evidence: a
-# regression pin of four measured points, no more (H100, 2026-11-23, fp16, 32 q heads, D=128,
-# benchmarks/results/2026-11-23-h100/tune.json; tests/test_decode.py pins them). Counting 2 per
-# SM picked 2 splits at B=16, L=4096, 4 at B=8, L=32k and 264 for MQA at B=1, L=128k; counting 1
-# picks counts within 5% of each case's fastest measured one. That tuning run timed each case's
-# automatic choice first, and two of those first timings are slower than the same launch timed
-# later in its case (2 splits at B=16, L=4096: 0.122 ms first, 0.106 ms later; 4 at B=8, L=32k:
-# 0.388 / 0.387 ms), so the margins are not established; benchmarks.tune now interleaves the
-# candidates, and re-measuring is left to the next GPU run.
+# Blocks per SM the split rule counts as one wave: 1, not the tile's occupancy. Evidence: a regression
+# pin of four measured points (tests/test_decode.py; the run and its caveats:
+# benchmarks/results/2026-11-23-h100/README.md).
 DECODE_SPLIT_BLOCKS_PER_SM = 1
 
 # --- decode schedule and paged addressing (issue 39) ---- begin ---------------------------------
@@ -298,6 +282,11 @@ DECODE_PAGE_STAGING = False
 PAGED_LAYOUTS = ("NHD", "HND")
 PAGED_DEFAULT_LAYOUT = "NHD"
 # --- decode schedule and paged addressing (issue 39) ---- end -----------------------------------
+
+# --- RoPE (kernels_cu/rope.cuh: layers.rope, the cache appends, the fused step, the megakernel) ---
+# Rotation pairs: "adjacent" (x[2i], x[2i+1]), GGUF / llama.cpp's "normal" style; "neox" (x[i],
+# x[i + D/2]), the NEOX template flag of the kernels.
+ROPE_STYLES = ("adjacent", "neox")
 
 # --- KV-cache append (kernels_cu/kvcache.cu) ------------------------------------------------
 KV_APPEND_THREADS = 128
@@ -396,13 +385,9 @@ GEMM_WGMMA_TILES = {
 }
 GEMM_WGMMA_GROUP_M = 8        # tile rows per raster group (the B tiles of a group stay in L2)
 GEMM_WGMMA_REGS = (40, 232)   # setmaxnreg: producer warpgroup, consumer warpgroups (128 x 40 + 256 x 232 <= 64K)
-# impl="auto" on sm_90 takes wgmma (for TMA-readable operands) for these dtypes where M, N and K
-# are all at least the size given: what a GPU run has shown correct (GPU tier, sanitizers) and
-# faster than mma in the same run. H100, 2026-11-26: fp16 4096^3 (nt) 0.206 ms vs mma 0.504 ms
-# (cuBLAS 0.181 ms); the recorded run of commit eabe0f1 (benchmarks/results/2026-11-26-nvidia-
-# h100-80gb-hbm3.json) bf16 4096^3 nt 0.2025 vs 0.5042 ms, nn 0.2028 vs 0.6196, 8192^3 nt 1.512 vs
-# 3.768, nn 1.501 vs 4.657. Smaller shapes passed the GPU tier but were not timed against mma
-# (the gemm-smollm2 and gemm-llama2-7b sweeps, next GPU run).
+# impl=None on sm_90 takes wgmma (for TMA-readable operands) for these dtypes where M, N and K are
+# all at least the size given: what a GPU run has shown correct (GPU tier, sanitizers) and faster
+# than mma in the same run (benchmarks/results/2026-11-26-h100/README.md). Smaller shapes keep mma.
 GEMM_AUTO_WGMMA = {FLOAT16: 4096, BFLOAT16: 4096}
 
 
@@ -417,20 +402,15 @@ def gemm_wgmma_tile(m: int, n: int, nbatch: int, sms: int) -> WgmmaTile:
 # same way, and a block's 2 x 8-row groups are what the RoPE epilogue needs (8 rotation pairs of
 # one head: adjacent pairs in 16 consecutive rows, NeoX pairs in two 8-row groups D/2 apart).
 FUSED_SKINNY = GEMM_SKINNY
-# tinylm's default decode step: the fused step (5 kernels per layer: norm+QKV+RoPE+append,
-# attention with its split combine, O proj+residual, norm+gate|up+SwiGLU, down+residual, against
-# 9 unfused). H100, 2026-11-26: its GPU tests passed (greedy tokens equal the unfused step's and
-# NumPy's) and `python -m benchmarks model` (SmolLM2-135M's shapes, fp16, batch 1, graphs) gave
-# 968 tokens/s against 837 unfused in the same run (HF transformers eager 58).
-TINYLM_FUSED_DECODE = True
+# (tinylm's choice of this step over the unfused one is tinylm's switch: tinylm/config.py)
 # Launch the fused decode kernels with programmatic dependent launch (cuLaunchKernelEx through
 # cuda-bindings, griddepcontrol in the kernels; sm_90+). False: not measured on a GPU yet, and it
 # needs the cuda-bindings package.
 FUSED_DECODE_PDL = False
 
 # --- the megakernel: one persistent kernel per decode step (kernels_cu/megakernel.cu) -------------
-# tinylm takes it only when asked (TINYLM_MEGAKERNEL, below). Every value here is arithmetic, to be
-# replaced by measurements (`bash benchmarks/gpu_run.sh mega`) when a GPU run has them.
+# tinylm takes it only when asked (tinylm/config.py TINYLM_MEGAKERNEL). Every value here is
+# arithmetic, to be replaced by measurements (`bash benchmarks/gpu_run.sh mega`) when a GPU run has them.
 MEGAKERNEL_THREADS = 256      # 8 warps: one weight row pair per warp of a 16-row GEMV tile, one
                               # batch row per warp when the input rows are loaded (batch <= 8)
 MEGAKERNEL_STAGES = 6         # weight ring: 6 x 8 KB chunks, 5 in flight per SM (about 5 MB over
@@ -462,10 +442,6 @@ MEGAKERNEL_FOLD_MERGE = False  # merge split attention partials in the O project
 MEGAKERNEL_SPIN_NS = 1024     # a waiter's longest sleep between polls (it backs off from 32 ns); 0: no sleep
 MEGAKERNEL_SAMPLE = "block"   # "block": one block draws a sequence's token; "two_level": chunks of the
                               # vocabulary on many blocks (argmax, top-k candidates), then one merge
-# tinylm's decode step through the megakernel instead of the fused step: off until a GPU run shows
-# it faster (H100, 2026-11-27: correct, slower than the fused step, 484 against 872 tokens/s).
-# TINYLM_MEGAKERNEL=1 in the environment turns it on.
-TINYLM_MEGAKERNEL = os.environ.get("TINYLM_MEGAKERNEL", "") == "1"
 
 # --- row softmax (kernels_cu/row_softmax.cu) --------------------------------------------------
 SOFTMAX_VPTS = (1, 2, 4, 8, 16, 32)     # values per lane of the warp-per-row kernel
@@ -475,11 +451,9 @@ SOFTMAX_BLOCK = 512                    # block-per-row: a 1M-element row is ~2K 
                                        # thread per pass; 16 warps keep loads in flight
 # block-per-row with the row in registers (v3, SOFTMAX_BLOCK threads, VPT values each) for
 # SOFTMAX_WARP_MAX < n <= SOFTMAX_BLOCK * 32: VPT -> min blocks per SM (__launch_bounds__). Why:
-# v2 reads each row twice and loops with one load in flight per thread; on the H100 (2026-11-23)
-# it ran 8192 x 2048 fp16 at 0.096 ms where 8192 x 1024 (v1, in registers) took 0.022 ms.
+# v2 reads each row twice and loops with one load in flight per thread: v3 keeps the row in
+# registers (measured faster on an H100: benchmarks/results/2026-11-23-h100/README.md).
 # 2 blocks per SM (64 registers) while the values fit; VPT 32 takes 80-95 registers (1 block).
-# Measured there (benchmarks/tune.py, 8192 rows, v3 vs v2): fp32 8192 cols 0.206 vs 0.273 ms
-# (86.9% of copy), fp16 4096 cols 0.076 vs 0.147 ms, fp16 16384 cols (VPT 32) 0.382 vs 0.449 ms.
 SOFTMAX_REG_TILES = {4: 2, 8: 2, 16: 2, 32: 1}  # ascending VPT: the host takes the first that fits
 SOFTMAX_REG_MAX = SOFTMAX_BLOCK * max(SOFTMAX_REG_TILES)
 
@@ -495,10 +469,6 @@ LAYERS_MAX_BLOCKS = 1024    # 1024 blocks of 256 threads fill an H100 (132 SMs x
 RMSNORM_WARPS = 4           # rows per block of the warp-per-row rmsnorm
 RMSNORM_WARP_MAX_D = 1024   # wider rows go to the block-per-row rmsnorm
 RMSNORM_IMPLS = ("auto", "warp", "block")
-# 16-byte vector width in elements per C++ type
-VEC16 = {CTYPES[d]: 16 // d.itemsize for d in DTYPES}
-# rmsnorm weight types: the activation's own, or float32 next to fp16/bf16 activations
-RMSNORM_WEIGHT_CTYPES = {CTYPES[d]: tuple(dict.fromkeys((CTYPES[d], CTYPES[FLOAT32]))) for d in DTYPES}
 
 # --- begin: Hopper attention (impl="wgmma", "wgmma_persistent": kernels_cu/flash_attn_sm90.cu) ----
 # One block per 128-query tile: a producer warpgroup (one warp issues TMA) and two consumer
@@ -535,30 +505,13 @@ ATTN_WGMMA_TILES = {
 ATTN_WGMMA_REGS = (40, 232)   # setmaxnreg: producer warpgroup, consumer warpgroups (as the GEMM's)
 ATTN_WGMMA_STAGE_CHOICES = (2, 3, 4)   # what benchmarks.tune may try (shared memory permitting)
 # attention(impl=None) on sm_90 takes wgmma for these (dtype, head dim) pairs: those a GPU run has
-# shown correct (GPU tier, sanitizers) and faster than flash_mma in the same run. H100, 2026-11-26
-# (benchmarks/results/2026-11-26-h100): fp16 B=4 H=32 S=4096 D=128, 1.78 ms vs flash_mma 4.06 ms
-# (causal 1.54 vs 2.21 ms; torch SDPA 1.64 / 0.93 ms). The recorded run of commit eabe0f1
-# (benchmarks/results/2026-11-26-nvidia-h100-80gb-hbm3.json, B=4 H=32 S=4096, medians of 10):
-# fp16 D=64 1.269 vs 1.965 ms (causal 0.922 vs 1.068), fp16 D=256 3.696 vs 9.815 (causal 3.137
-# vs 5.108), bf16 D=128 causal 1.569 vs 2.207, fp16 D=128 GQA (8 KV heads) causal 1.061 vs 2.204.
-# bf16 at D=64 and 256 passed the GPU tier but were not timed: they keep flash_mma.
+# shown correct (GPU tier, sanitizers) and faster than flash_mma in the same run
+# (benchmarks/results/2026-11-26-h100-run3/README.md); the other pairs keep flash_mma until timed.
 ATTN_AUTO_WGMMA = ((FLOAT16, 64), (FLOAT16, 128), (FLOAT16, 256), (BFLOAT16, 128))
 # impl=None of each entry point takes wgmma_persistent on sm_90 for these (dtype, head dim) pairs:
-# shown correct by the GPU tier and faster than the previous default in the same run. H100,
-# 2026-11-27 (benchmarks/results/2026-11-27-h100, commit 0b5fe26, medians of 10, fp16 unless said):
-#   attention_varlen, ragged B=16 H=32 lengths 64..4096: D=128 causal 3.223 ms vs flash_mma 6.196
-#     (torch SDPA 3.457), non-causal 5.548 vs 6.310; D=64 causal 2.621 vs 5.469. Equal lengths
-#     packed (B=4 H=32 S=4096): D=128 2.132 vs 4.299 (causal 1.946 vs 4.075; GQA 8 KV heads causal
-#     1.634 vs 4.095), D=64 1.413 vs 1.960 (causal 1.588 vs 3.617), D=256 4.880 vs 11.17 (causal
-#     2.155 vs 7.608), bf16 D=128 causal 1.918 vs 4.064;
-#   attention_paged, B=4 H=32/8 Sq=1024 over 4096 cached keys, D=128 causal: pages of 16 tokens
-#     0.788 vs 1.864, 64: 0.682 vs 1.893, 256: 0.683 vs 1.888 (SDPA on the keys contiguous 0.74);
-#   attention, causal only: D=256 2.224 vs wgmma (v3) 3.149 (non-causal v3 stays: 3.598 vs 4.197;
-#     at D=64 and 128 v3 was faster, causal too: 0.922 vs 1.634, 1.575 vs 1.967).
-# Not timed (they keep the previous default): bf16 except varlen D=128, paged at D=64 and 256.
-# The run's racecheck reported hazards between the scheduler's work-slot stores and the loader
-# lanes' reads (a lane-0 release after __syncwarp, which the PTX memory model orders and racecheck
-# does not follow); the kernel is kept as that run measured it (docs/hopper.md).
+# shown correct by the GPU tier and faster than the previous default in the same run
+# (benchmarks/results/2026-11-27-h100/README.md); the pairs not timed keep the previous default. The
+# run's racecheck reports and why the kernel is kept as measured: docs/hopper.md.
 ATTN_AUTO_PERSISTENT = {
     "attention": ((FLOAT16, 256),),   # causal calls only
     "attention_varlen": ((FLOAT16, 64), (FLOAT16, 128), (FLOAT16, 256), (BFLOAT16, 128)),
@@ -627,105 +580,7 @@ ATTN_SM90_WIDE_TILE = AttnWgmmaTile(176, 2, "S 88 + O 64 registers at the softma
 ATTN_SM90_OVERLAP = None
 # --- end: Hopper attention ---------------------------------------------------------------------
 
-# === GPU families: which kernel each compute capability gets (issue 24) =================
-
-# The one place that says what runs where. An op's impl="auto" / default takes the fastest impl
-# whose instructions the device has (IMPL_MIN_CC) and whose shared memory fits its per-block
-# limit; an explicit impl= the device cannot run raises ComputeCapabilityError (naming the impl,
-# the device's compute capability and the minimum) before anything is launched. Instruction
-# minimums follow the PTX ISA's target notes (kernels_cu/ptx.cuh's table): ldmatrix and
-# mma.m16n8k8.f16 from sm_75, cp.async, mma.m16n8k16 and every bf16 mma from sm_80, wgmma sm_90a.
-
-
-@dataclass(frozen=True)
-class GpuFamily:
-    name: str
-    smem_optin: int   # shared memory per block with the opt-in attribute (CUDA C Programming Guide,
-                      # "Technical Specifications per Compute Capability")
-    kernels: str      # what the defaults dispatch to there (docs/gpus.md)
-    smem_per_sm: int  # shared memory per SM (same table): how many blocks of a tile can be resident,
-                      # so what a __launch_bounds__ minimum may ask for there (-DCUPYATTN_SMEM_PER_SM)
-
-
-MIN_COMPUTE_CAPABILITY = 70   # Volta: the SIMT kernels (cp.async helpers become plain copies)
-GPU_FAMILIES = {
-    70: GpuFamily("Volta (V100)", 96 * 1024, "SIMT kernels only: no ldmatrix / mma.m16n8k8 before sm_75",
-                  96 * 1024),
-    75: GpuFamily("Turing (T4, RTX 20)", 64 * 1024,
-                  "fp16 tensor cores as two mma.m16n8k8 per m16n8k16, cp.async as plain copies; bf16 and "
-                  "fp32 SIMT; tiles over 64 KB of shared memory fall back (GEMM takes a 2-stage tile)",
-                  64 * 1024),
-    80: GpuFamily("Ampere (A100)", 163 * 1024, "every mma.sync kernel, fp16 and bf16, cp.async pipelines",
-                  164 * 1024),
-    86: GpuFamily("Ampere (RTX 30, A10, A40)", 99 * 1024, "as sm_80; tiles over 99 KB fall back", 100 * 1024),
-    89: GpuFamily("Ada (RTX 40, L4, L40)", 99 * 1024, "as sm_86", 100 * 1024),
-    90: GpuFamily("Hopper (H100, H200)", 227 * 1024, "as sm_80, and the wgmma kernels (sm_90a) where an H100 run "
-                  "measured them faster: attention fp16 D 64/128/256 and bf16 D 128, GEMM fp16/bf16 M, N, K >= 4096; "
-                  "opt-in: PDL", 228 * 1024),
-    100: GpuFamily("Blackwell (B200)", 227 * 1024, "as sm_90 without the sm_90a kernels", 228 * 1024),
-    120: GpuFamily("Blackwell (RTX 50)", 99 * 1024, "as sm_86", 100 * 1024),
-}
-
-
-def a_family_has_less(smem_bytes: int, min_cc: int) -> bool:
-    """Whether some family that runs code of compute capability ``min_cc`` allows fewer than
-    ``smem_bytes`` of shared memory per block: where a smaller-smem tile variant is instantiated."""
-    return any(f.smem_optin < smem_bytes for c, f in GPU_FAMILIES.items() if c >= min_cc)
-
-
-def gpu_family_key(cc: int) -> int:
-    """The GPU_FAMILIES key of compute capability ``cc`` (e.g. 87 -> 86: the newest at or below)."""
-    known = [c for c in GPU_FAMILIES if c <= cc]
-    if not known:
-        raise ValueError(f"compute capability {cc // 10}.{cc % 10} is below the minimum "
-                         f"{MIN_COMPUTE_CAPABILITY // 10}.{MIN_COMPUTE_CAPABILITY % 10} (sm_{MIN_COMPUTE_CAPABILITY})")
-    return max(known)
-
-
-def gpu_family(cc: int) -> GpuFamily:
-    """The family of compute capability ``cc`` (e.g. 87 -> the sm_86 row: the newest at or below)."""
-    return GPU_FAMILIES[gpu_family_key(cc)]
-
-
-# tensor-core (mma.sync) kernels by input type: the minimum and why
-MMA_MIN_CC = {FLOAT16: 75, BFLOAT16: 80}
-MMA_MIN_CC_REASON = {FLOAT16: "ldmatrix and mma.sync.m16n8k8.f16 exist from sm_75",
-                     BFLOAT16: "mma.sync with bf16 inputs exists from sm_80"}
-# (op, impl) -> {dtype: minimum compute capability}; an impl not listed runs from MIN_COMPUTE_CAPABILITY
-IMPL_MIN_CC = {
-    ("attention", "flash_mma"): MMA_MIN_CC,
-    ("decode", "mma"): MMA_MIN_CC,
-    ("gemm", "mma"): MMA_MIN_CC,
-    ("gemm", "skinny"): MMA_MIN_CC,                 # fp32 skinny is FMA-only
-    ("gemm", "wgmma"): {FLOAT16: 90, BFLOAT16: 90},  # sm_90a: H100 / H200 only
-    ("attention", "wgmma"): {FLOAT16: 90, BFLOAT16: 90},  # sm_90a (kernels_cu/flash_attn_sm90.cu)
-    ("attention", "wgmma_persistent"): {FLOAT16: 90, BFLOAT16: 90},  # sm_90a (flash_attn_sm90.cu, persistent)
-    ("fused", "skinny"): MMA_MIN_CC,                # the fused decode step's projections
-    # the megakernel: its weight ring is cp.async (below sm_80 plain copies would serialise it)
-    ("megakernel", "persistent"): {FLOAT32: 80, FLOAT16: 80, BFLOAT16: 80},
-}
-
-
-# head dims at which an impl needs more than IMPL_MIN_CC says, and why. flash_mma: below sm_80 each
-# m16n8k16 is two m16n8k8, and the D=256 tile (Q 64 + O 128 registers per lane) then spills 48 B on
-# sm_75 (ptxas, NVRTC 12.9): sm_75 takes the SIMT flash kernel there.
-IMPL_MIN_CC_BY_HEAD_DIM = {("attention", "flash_mma"): {256: 80}}
-IMPL_MIN_CC_BY_HEAD_DIM_REASON = {("attention", "flash_mma"): "its registers do not fit two m16n8k8 per k-step"}
-
-
-def impl_min_cc(op: str, impl: str, dtype, head_dim: int | None = None) -> int:
-    """Minimum compute capability of ``impl`` of ``op`` for ``dtype`` inputs (at ``head_dim``)."""
-    need = IMPL_MIN_CC.get((op, impl), {}).get(np.dtype(dtype), MIN_COMPUTE_CAPABILITY)
-    return max(need, IMPL_MIN_CC_BY_HEAD_DIM.get((op, impl), {}).get(head_dim, 0))
-
-
-def impl_runs_on(op: str, impl: str, dtype, cc: int, head_dim: int | None = None) -> bool:
-    """Whether a device of compute capability ``cc`` has the instructions (and registers) ``impl``
-    needs for ``dtype`` inputs at ``head_dim`` (None: any head dim the impl takes somewhere)."""
-    need = impl_min_cc(op, impl, dtype, head_dim)
-    return cc >= need and not (need == 90 and impl.startswith("wgmma") and cc != 90)  # sm_90a code: 9.0 only
-
-
+# === GPU families (cupyattn/gpus.py) and the tiles of the families with less shared memory ======
 def flash_mma_min_cc(dtype, head_dim: int) -> int:
     """Minimum compute capability of the flash_mma kernel for ``dtype`` and ``head_dim``."""
     return impl_min_cc("attention", "flash_mma", dtype, head_dim)
@@ -752,7 +607,7 @@ DECODE_MMA_SMALL_SMEM_TILES = {
     (256, 1): _mma_tile(256, 1, 1, 16, 3, 1, "one warp of 16 keys (O 128 registers); ring + q tile 58 KB"),
     (256, 2): _mma_tile(256, 2, 2, 16, 2, 1, "one warp per head tile; 2 stages: ring + 17 KB q tile 50 KB"),
 }
-# === end GPU families (issue 24) ================================================================
+# === end GPU families ===========================================================================
 
 # --- serving attention (issue 25: cupyattn/varlen.py, cupyattn/paged.py) ---- begin ----------
 # The serving variants reuse the tile tables above (FLASH_*_TILES, DECODE_*_TILES): a packed or

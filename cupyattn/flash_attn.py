@@ -9,22 +9,21 @@ are aligned bottom-right. See ``kernels_cu/flash_attn.cu`` for the kernel and it
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import cupy
 import numpy as np
 
-from . import _checks, options
+from . import _checks, _loader, options
 from . import flash_attn_sm90 as _sm90
 from . import flash_attn_sm90_persistent as _sm90p
 from ._checks import check_array, check_choice, check_last_contiguous, check_out, check_same_dtype
-from . import _loader
-from ._loader import KernelSpec, get_function, ptr_or_null
-from .config import (DTYPES, FLASH_MMA_K_STAGES, FLASH_MMA_PAD, FLASH_MMA_SMALL_SMEM_TILES, FLASH_MMA_TILES,
-                     FLASH_SIMT_TILES, HEAD_DIMS, MAX_GRID_YZ, MMA_DTYPES, a_family_has_less, cbool, ctype,
-                     FLASH_MMA_FAMILY_TILES, GPU_FAMILIES, defines, flash_mma_main_tile, flash_mma_min_cc,
-                     flash_mma_smem_bytes, flash_mma_tile, impl_runs_on)
+from .config import DTYPES, HEAD_DIMS, MAX_GRID_YZ, MMA_DTYPES
+from .flash_launch import Serving, check_flash_mma_device, check_window_softcap, choose, launch
+# the launch module's names that tests and benchmarks read here
+from .flash_launch import SPEC, family_tiles, mma_tiles  # noqa: F401
+from .flash_launch import expr as _expr  # noqa: F401
+from .flash_launch import tile_for as _tile  # noqa: F401
 from .gemm import gemm_nn, gemm_nt
 from .row_softmax import softmax
 
@@ -33,150 +32,24 @@ IMPLS = ("flash", "flash_mma", "naive")
 # its persistent variant (explicit impl only; flash_attn_sm90_persistent.py)
 HOPPER_IMPLS = ("wgmma", "wgmma_persistent")
 # What impl=None runs for each dtype on a GPU that has every instruction and enough shared memory
-# (sm_80 and newer): the fastest correct kernel (tensor cores where they apply). default_impl()
-# says what it runs on the current device.
-DEFAULT_IMPL = {d: "flash_mma" if d in MMA_DTYPES else "flash" for d in DTYPES}
+# (options.DEFAULTS on no device in particular; Hopper rows need the call's operands): tensor cores
+# where they apply. default_impl() says what it runs on the current device.
+DEFAULT_IMPL = {d: options.choose(options.Call("attention", d, 64)) for d in DTYPES}
 _FN = "attention"
 
 
 def default_impl(dtype, head_dim: int) -> str:
-    """What ``impl=None`` runs on the current device: DEFAULT_IMPL, except "flash" (SIMT) where the
-    device lacks the tensor-core instructions for ``dtype`` (bf16 below sm_80, config.IMPL_MIN_CC)
-    or registers for ``head_dim`` (config.IMPL_MIN_CC_BY_HEAD_DIM: D = 256 below sm_80), or where the
-    flash_mma tile does not fit its shared memory per block (Turing's 64 KB at D = 96, 128: the
-    32-key tiles of FLASH_MMA_SMALL_SMEM_TILES serve an explicit impl="flash_mma" there, and stay
-    off the default until they have run on a GPU)."""
-    impl = DEFAULT_IMPL[np.dtype(dtype)]
-    if impl != "flash_mma":
-        return impl
-    cc = _loader.device_compute_capability()
-    if not impl_runs_on("attention", impl, dtype, cc, head_dim):
-        return "flash"
-    if (head_dim in FLASH_MMA_TILES
-            and flash_mma_smem_bytes(head_dim, flash_mma_main_tile(head_dim, cc)) > _loader.device_smem_optin()):
-        return "flash"
-    return impl
-
-
-def _tile(impl: str, dtype, head_dim: int, smem_limit: int | None = None, cc: int | None = None):
-    """The config tile of a fused impl ("flash" or "flash_mma") for a dtype and head dim; for
-    flash_mma the one a device of compute capability ``cc`` runs within ``smem_limit`` bytes per
-    block (None, None: FLASH_MMA_TILES' entry)."""
-    if impl == "flash_mma":
-        return flash_mma_tile(head_dim, smem_limit, cc) or flash_mma_main_tile(head_dim, cc)
-    return FLASH_SIMT_TILES[(head_dim, np.dtype(dtype).itemsize)]
-
-
-def _expr(impl: str, dtype, head_dim: int, causal: bool, serving: bool = False, tile=None) -> str:
-    """Template name expression of the fused kernel that ``impl`` launches (with ``tile``, default
-    the main one). ``serving``: the instantiation with packed / paged sequences, windows and
-    softcap (causal then rides in the window, so it is only instantiated with ``causal=False``)."""
-    t = tile or _tile(impl, dtype, head_dim)
-    name = "flash_attn_mma" if impl == "flash_mma" else "flash_attn_fwd"
-    tail = ", true" if serving else ""
-    return f"{name}<{ctype(dtype)}, {head_dim}, {t.block_m}, {t.block_n}, {t.warps}, {cbool(causal)}{tail}>"
-
-
-def mma_tiles(dtype, head_dim: int) -> tuple:
-    """Every flash_mma tile the spec instantiates for (dtype, D): the main one, and the 32-key tile
-    where a family that runs this dtype at this D allows less shared memory per block (fp16 on
-    Turing at D = 96, 128)."""
-    small = FLASH_MMA_SMALL_SMEM_TILES.get(head_dim)
-    need = a_family_has_less(flash_mma_smem_bytes(head_dim), flash_mma_min_cc(dtype, head_dim))
-    return (FLASH_MMA_TILES[head_dim],) + ((small,) if small and need else ())
-
-
-def family_tiles(head_dim: int) -> dict:
-    """{GPU_FAMILIES key: tile} of the families that run their own flash_mma tile at ``head_dim``
-    in place of FLASH_MMA_TILES' (config.FLASH_MMA_FAMILY_TILES)."""
-    return {f: tiles[head_dim] for f, tiles in FLASH_MMA_FAMILY_TILES.items() if head_dim in tiles}
-
-
-_VARIANTS = ((False, False), (True, False), (False, True))   # (causal, serving) of each tile
-_MMA_NEEDS = tuple((_expr("flash_mma", dt, d, c, sv, t), max(flash_mma_min_cc(dt, d), f), flash_mma_smem_bytes(d, t))
-                   for dt in MMA_DTYPES for d in HEAD_DIMS
-                   for f, t in [(0, t) for t in mma_tiles(dt, d)] + list(family_tiles(d).items())
-                   for c, sv in _VARIANTS)
-# a family tile runs on its family only, the main tile it replaces everywhere else
-_FAMILIES = tuple(
-    (_expr("flash_mma", dt, d, c, sv, t), fams)
-    for dt in MMA_DTYPES for d in HEAD_DIMS if family_tiles(d)
-    for t, fams in [(FLASH_MMA_TILES[d], tuple(f for f in GPU_FAMILIES if f not in family_tiles(d)))]
-    + [(t, (f,)) for f, t in family_tiles(d).items()]
-    for c, sv in _VARIANTS)
-SPEC = KernelSpec(
-    "flash_attn", "flash_attn.cu",
-    tuple(_expr("flash", dt, d, c) for dt in DTYPES for d in HEAD_DIMS for c in (False, True))
-    + tuple(_expr("flash_mma", dt, d, c) for dt in MMA_DTYPES for d in HEAD_DIMS for c in (False, True))
-    # serving variants (varlen, paged, window, softcap: causal folded into the window)
-    + tuple(_expr("flash", dt, d, False, True) for dt in DTYPES for d in HEAD_DIMS)
-    + tuple(_expr("flash_mma", dt, d, False, True) for dt in MMA_DTYPES for d in HEAD_DIMS)
-    # the 32-key flash_mma tiles of 64 KB devices
-    + tuple(_expr("flash_mma", dt, d, c, sv, t) for dt in MMA_DTYPES for d in HEAD_DIMS
-            for t in mma_tiles(dt, d)[1:] for c, sv in _VARIANTS)
-    # the tiles of families where the main one spills (config.FLASH_MMA_FAMILY_TILES)
-    + tuple(_expr("flash_mma", dt, d, c, sv, t) for dt in MMA_DTYPES for d in HEAD_DIMS
-            for t in family_tiles(d).values() for c, sv in _VARIANTS),
-    defines(FLASH_MMA_PAD=FLASH_MMA_PAD, FLASH_MMA_K_STAGES=FLASH_MMA_K_STAGES),
-    needs=_MMA_NEEDS, families=_FAMILIES)
-
-
-@dataclasses.dataclass(frozen=True)
-class Serving:
-    """The serving arguments of one fused launch (kernels_cu/flash_attn.cu FLASH_SERVING_PARAMS):
-    packed query / key offsets, a block table, window (-1: unbounded; causal folded in as
-    right = 0) and softcap (0: off). ``Serving()`` is a plain call."""
-    cu_q: object = None
-    cu_k: object = None
-    block_table: object = None
-    log2_page: int = 0
-    num_pages: int = 0
-    window: tuple = (-1, -1)
-    softcap: float = 0.0
-
-    @property
-    def active(self) -> bool:
-        return (self.cu_q is not None or self.cu_k is not None or self.block_table is not None
-                or self.window != (-1, -1) or self.softcap > 0)
-
-    def args(self):
-        bt = self.block_table
-        return (ptr_or_null(self.cu_q), ptr_or_null(self.cu_k), ptr_or_null(bt),
-                np.int32(bt.shape[1] if bt is not None else 0), np.int32(self.log2_page),
-                np.int32(self.num_pages), np.int32(self.window[0]), np.int32(self.window[1]),
-                np.float32(self.softcap * math.log2(math.e)))
-
-
-def check_window_softcap(fn: str, window, softcap, causal: bool):
-    """``window`` (None or (left, right), ints >= -1) and ``softcap`` (None, 0 or a real in
-    config's [SOFTCAP_MIN, SOFTCAP_MAX]: _checks.check_softcap) -> (left, right) with causal
-    folded in as right = 0 (``right`` = min(right, 0)), and the softcap as a float (0 = off).
-    Bounds above 2**30 mean unbounded (-1)."""
-    if window is None:
-        left, right = -1, -1
-    else:
-        if not isinstance(window, (tuple, list)) or len(window) != 2:
-            raise TypeError(f"{fn}(): window must be None or a pair (left, right) of ints >= -1, got {window!r}")
-        left, right = (_checks.check_int(fn, f"window[{i}]", w, -1) for i, w in enumerate(window))
-    if causal:
-        right = 0 if right < 0 else min(right, 0)
-    left, right = (-1 if w > 2**30 else w for w in (left, right))
-    return (left, right), _checks.check_softcap(fn, softcap)
+    """What ``impl=None`` runs on the current device where no Hopper kernel applies: flash_mma for
+    fp16/bf16 where the device has its instructions (bf16 from sm_80, config.IMPL_MIN_CC) and
+    registers at ``head_dim`` (config.IMPL_MIN_CC_BY_HEAD_DIM: D = 256 from sm_80) and its tile fits
+    the shared memory per block (not Turing's 64 KB at D = 96, 128: the 32-key tiles of
+    FLASH_MMA_SMALL_SMEM_TILES serve an explicit impl="flash_mma" there, and stay off the default
+    until they have run on a GPU), else flash (options.DEFAULTS["attention"]'s last rows)."""
+    return options.choose(options.Call("attention", dtype, head_dim, _loader.device_compute_capability(),
+                                       _loader.device_smem_optin()))
 
 
 # --- argument checks ------------------------------------------------------------------------
-def check_flash_mma_device(fn: str, dtype, head_dim: int) -> None:
-    """ComputeCapabilityError before any launch when the current device cannot run flash_mma for
-    ``dtype`` at ``head_dim``: instructions or registers (config.impl_min_cc), or no tile within
-    its shared memory per block (config.flash_mma_tile)."""
-    _checks.require_impl(fn, "attention", "flash_mma", dtype, head_dim)
-    limit = _loader.device_smem_optin()
-    if flash_mma_tile(head_dim, limit, _loader.device_compute_capability()) is None:
-        raise _checks.ComputeCapabilityError(
-            f"{fn}(): impl='flash_mma' at head_dim D={head_dim} needs {flash_mma_smem_bytes(head_dim)} B of "
-            f"shared memory per block; this device allows {limit} B (use impl='flash')")
-
-
 def _check_mask(mask, target):
     """Additive float mask broadcastable to ``target`` = (B, Hq, Sq, Sk) -> 4-D shape it has."""
     check_array(_FN, "mask", mask, min_ndim=0)
@@ -214,7 +87,7 @@ def _check_key_lengths(key_lengths, b: int, sk: int):
 
 def _check_args(q, k, v, causal, scale, mask, key_lengths, impl, return_lse, out, window=None, softcap=None):
     """Every check of attention(), before anything is allocated or launched -> (impl, scale,
-    mask shape, key lengths, Serving or None)."""
+    mask shape, key lengths, Serving or None). impl=None is options.DEFAULTS["attention"]'s choice."""
     _checks.check_bool(_FN, "causal", causal)
     _checks.check_bool(_FN, "return_lse", return_lse)
     win, cap = check_window_softcap(_FN, window, softcap, causal)
@@ -226,10 +99,7 @@ def _check_args(q, k, v, causal, scale, mask, key_lengths, impl, return_lse, out
     check_array(_FN, "v", v, ndim=4)
     check_same_dtype(_FN, "k", k, "q", q)
     check_same_dtype(_FN, "v", v, "q", q)
-    auto = impl is None
     b, hq, sq, d = q.shape
-    if impl is None:
-        impl = default_impl(q.dtype, d)
     if k.shape[0] != b or k.shape[3] != d:
         raise ValueError(f"{_FN}(): k has shape {tuple(k.shape)}, expected [B={b}, Hkv, Sk, D={d}] "
                          f"to match q {tuple(q.shape)}")
@@ -243,6 +113,16 @@ def _check_args(q, k, v, causal, scale, mask, key_lengths, impl, return_lse, out
     if -(-b * hq // MAX_GRID_YZ) > MAX_GRID_YZ:
         raise ValueError(f"{_FN}(): B*Hq = {b * hq} (batch x query heads) is more than one launch's grid "
                          f"holds ({MAX_GRID_YZ}^2)")
+    # the call options an impl may lack (cupyattn/options.py: the table the docs are made from)
+    window_used = window is not None and win != ((-1, 0) if causal else (-1, -1))
+    used = [o for o, on in (("causal", causal), ("window", window_used), ("softcap", cap > 0),
+                            ("mask", mask is not None), ("key_lengths", key_lengths is not None),
+                            ("scale", scale is not None), ("return_lse", return_lse), ("out", out is not None)) if on]
+    if impl is None:  # TMA must read q, k, v for a Hopper kernel (asked only where its row applies)
+        problems = {"wgmma": lambda: _sm90.launch_problem(q, k, v),
+                    _sm90p.IMPL: lambda: _sm90p.launch_problem(_FN, _sm90p.IMPL, _sm90p.dense_ops(q, k, v), q, b)}
+        impl = choose(_FN, q, d, used=used, causal=causal, launches=bool(q.size and sk),
+                      problem=lambda i: problems[i]())
     if impl != "naive" and d not in HEAD_DIMS:
         raise ValueError(f"{_FN}(): head_dim D={d} is not supported by impl={impl!r}; supported: "
                          f"{', '.join(map(str, HEAD_DIMS))} (impl='naive' takes any D)")
@@ -256,19 +136,7 @@ def _check_args(q, k, v, causal, scale, mask, key_lengths, impl, return_lse, out
     scale = (1.0 / math.sqrt(d) if d else 1.0) if scale is None else _checks.check_real(_FN, "scale", scale)
     mshape = _check_mask(mask, (b, hq, sq, sk)) if mask is not None else None
     kl = _check_key_lengths(key_lengths, b, sk) if key_lengths is not None else None
-    # the call options an impl may lack (cupyattn/options.py: the table the docs are made from)
-    window_used = window is not None and win != ((-1, 0) if causal else (-1, -1))
-    used = [o for o, on in (("causal", causal), ("window", window_used), ("softcap", cap > 0),
-                            ("mask", mask is not None), ("key_lengths", key_lengths is not None),
-                            ("scale", scale is not None), ("return_lse", return_lse), ("out", out is not None)) if on]
-    # impl=None takes a Hopper kernel where measured faster (config.ATTN_AUTO_PERSISTENT: causal
-    # calls; ATTN_AUTO_WGMMA), for the options it has and operands TMA can read
-    if (auto and causal and q.size and sk and options.supports(_FN, "wgmma_persistent", used)
-            and _sm90p.auto_takes(_FN, q, lambda: _sm90p.dense_ops(q, k, v), b)):
-        impl = "wgmma_persistent"
-    elif auto and options.supports(_FN, "wgmma", used) and _sm90.auto_takes(q, k, v):
-        impl = "wgmma"
-    options.check(_FN, _FN, impl, used, "impl=None picks a path that implements it")
+    options.check(_FN, _FN, impl, used)
     if impl == "wgmma":
         _sm90.check(q, k, v)
     elif impl == "wgmma_persistent":
@@ -391,65 +259,8 @@ def attention(q, k, v, causal=False, scale=None, mask=None, key_lengths=None, im
         win, cap = (sv.window, sv.softcap) if sv is not None else ((-1, -1), 0.0)
         _sm90p.run_dense(q, k, v, causal, scale, kl, out, lse, mask, mshape, win, cap)
     else:
-        _flash(impl, q, k, v, causal, scale, mask, mshape, kl, out, lse, sv)
+        launch(impl, q, k, v, causal, scale, mask, mshape, kl, out, lse, sv)
     return (out, lse) if return_lse else out
-
-
-# --- impl="flash" / "flash_mma": one kernel launch -----------------------------------------
-def _elem_strides(x):
-    return [s // x.itemsize for s in x.strides]
-
-
-def _vec_flags(q, k, v, out) -> int:
-    """flash_mma's ``vec`` bits: 1 q, 2 k, 4 v can be staged by 16-byte cp.async (base 16-byte
-    aligned, every stride a multiple of 8 elements, so every row starts 16-byte aligned); 8 out
-    takes 16-byte stores. A clear bit makes the kernel take its element-by-element path (views
-    such as ``x[..., 3:67]`` of a wider array)."""
-    flags = 0
-    for bit, x in ((1, q), (2, k), (4, v)):
-        if x.data.ptr % 16 == 0 and all(s % 8 == 0 for s in _elem_strides(x)[:-1]):
-            flags |= bit
-    return flags | (8 if out.data.ptr % 16 == 0 else 0)
-
-
-def _flash(impl, q, k, v, causal, scale, mask, mshape, kl, out, lse, sv=None, shape=None, strides=None):
-    """The one launch of the fused kernel (v1 SIMT or v2 tensor cores). ``sv``: Serving
-    arguments (then the serving instantiation runs, causal given as the window); ``shape``
-    (B, Hq, Sq rows per grid column, Hkv, Sq argument, Sk argument) and ``strides`` ((sb, sh, ss)
-    in elements for q, k, v) for packed or paged calls, whose arrays are not [B, H, S, D]."""
-    sv = sv if sv is not None and sv.active else None
-    if shape is None:
-        b, hq, sq, d = q.shape
-        hkv, sk = k.shape[1], k.shape[2]
-        sq_arg = sq
-    else:
-        b, hq, sq, hkv, sq_arg, sk = shape
-        d = q.shape[-1]
-    tile = _tile(impl, q.dtype, d, _loader.device_smem_optin(), _loader.device_compute_capability())
-    bm = tile.block_m
-    if mask is not None:
-        mask = mask.reshape(mshape)  # leading 1s: a view
-        if impl == "flash_mma" and mshape[3] != 1 and mask.strides[3] not in (0, mask.itemsize):
-            mask = cupy.ascontiguousarray(mask)  # v2 reads a mask row as one run of keys (or one)
-        mstr = [0 if n == 1 else s for n, s in zip(mshape, _elem_strides(mask))]
-    else:
-        mstr = [0, 0, 0, 0]
-    bh = b * hq
-    grid = ((sq + bm - 1) // bm, min(bh, MAX_GRID_YZ), (bh + MAX_GRID_YZ - 1) // MAX_GRID_YZ)
-    i64 = np.int64
-    qs, ks, vs = strides if strides is not None else (_elem_strides(x)[:3] for x in (q, k, v))
-    args = (q, k, v, out, ptr_or_null(lse), ptr_or_null(mask), ptr_or_null(kl),
-            np.int32(b), np.int32(hq), np.int32(hkv), np.int32(sq_arg), np.int32(sk),
-            *map(i64, qs), *map(i64, ks), *map(i64, vs), *map(i64, mstr),
-            np.float32(scale * math.log2(math.e)))
-    serving = (Serving() if sv is None else sv).args()
-    expr = _expr(impl, q.dtype, d, causal and sv is None, sv is not None, tile)
-    if impl == "flash_mma":
-        smem = flash_mma_smem_bytes(d, tile)
-        kern = get_function(SPEC, expr, dynamic_smem=smem)
-        kern(grid, (tile.warps * 32,), args + (np.int32(_vec_flags(q, k, v, out)),) + serving, shared_mem=smem)
-    else:
-        get_function(SPEC, expr)(grid, (tile.warps * 32,), args + serving)
 
 
 # --- impl="naive": gemm_nt -> softmax -> gemm_nn, S in memory -------------------------------

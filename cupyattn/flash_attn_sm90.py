@@ -290,6 +290,9 @@ def _launch_problem(q, k, v) -> str | None:
     return None
 
 
+launch_problem = _launch_problem  # what impl=None's TMA condition asks (cupyattn/options.py DEFAULTS)
+
+
 def check(q, k, v) -> None:
     """impl="wgmma"'s own checks, after attention()'s generic ones and before anything is
     allocated: dtype, head dim, an sm_90 device, that TMA can read q, k and v, the grid size."""

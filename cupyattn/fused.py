@@ -26,7 +26,7 @@ a block reads the rows its epilogue needs (the matching gate and up rows, both r
 pair) wherever they are.
 
 Passed the GPU tier and the sanitizers on an H100 (2026-11-26) and is tinylm's default decode
-step there (``config.TINYLM_FUSED_DECODE``: 968 against 837 tokens/s unfused, same run). With
+step there (``tinylm.config.TINYLM_FUSED_DECODE``; benchmarks/results/2026-11-26-h100/README.md). With
 ``config.FUSED_DECODE_PDL`` the kernels are launched with programmatic dependent launch (needs
 cuda-bindings; not timed on a GPU yet, so off).
 
@@ -44,8 +44,8 @@ import numpy as np
 
 from . import _checks as C
 from . import _loader, config
-from ._loader import KernelSpec, get_function, launch, ptr_or_null
-from .config import DTYPES, FUSED_SKINNY, INT32_MAX, MMA_DTYPES, VEC16, cbool, ctype
+from ._loader import VEC16, KernelSpec, cbool, ctype, get_function, launch, ptr_or_null
+from .config import DTYPES, FUSED_SKINNY, INT32_MAX, MMA_DTYPES
 from .kvcache import ROPE_STYLES, KVCache
 
 _S = FUSED_SKINNY

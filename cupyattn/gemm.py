@@ -15,7 +15,7 @@ wgmma    v4 (kernels_cu/gemm_sm90.cu, H100/H200 only): TMA loads into a         
          consumer warpgroups on wgmma.m64nNk16), persistent; 128x256 or 128x128
 =======  =====================================================================  ================
 
-``impl="auto"`` (default) picks ``skinny`` for ``gemm_nt`` when M (after folding, below) is at
+``impl=None`` (the default; ``"auto"`` is the same; cupyattn/options.py DEFAULTS) picks ``skinny`` for ``gemm_nt`` when M (after folding, below) is at
 most ``GEMM_SKINNY_MAX_M`` = 16: a decode projection reads a whole weight for a few rows of x,
 so it is bound by reading the weight, which skinny does once at full width while a 128-row tile
 leaves most of its work idle and too few blocks to keep memory busy. Otherwise ``mma`` for
@@ -41,11 +41,11 @@ from __future__ import annotations
 import cupy
 import numpy as np
 
-from . import _checks, _loader, tma
-from ._loader import KernelSpec, get_function
+from . import _checks, _loader, device, options, tma
+from ._loader import KernelSpec, cbool, ctype, get_function
 from . import config as C
-from .config import (DTYPES, GEMM_GROUP_M, GEMM_IMPLS, GEMM_MMA_PAD, GEMM_SKINNY, GEMM_SKINNY_MAX_M,
-                     GEMM_TILES, INT32_MAX, MAX_GRID_YZ, MMA_DTYPES, cbool, ctype, gemm_mma_smem_bytes)
+from .config import (DTYPES, GEMM_GROUP_M, GEMM_IMPLS, GEMM_MMA_PAD, GEMM_SKINNY,
+                     GEMM_TILES, INT32_MAX, MAX_GRID_YZ, MMA_DTYPES, gemm_mma_smem_bytes)
 
 
 def _expr(impl: str, dtype, nt: bool, bn: int = 256, tile: C.GemmTile | None = None) -> str:
@@ -118,7 +118,7 @@ def _n_tiles(impl: str, m: int, n: int) -> int:
     return -(-m // rows_m) * -(-n // rows_n)
 
 
-def _fold_batch(m: int, lda: int, dims, n: int = 1, impl: str = "auto", dtype=None):
+def _fold_batch(m: int, lda: int, dims, n: int = 1, impl=None, dtype=None):
     """Fold the batch into M when b is shared by every batch entry: ``(m, lda, dims)`` after.
 
     ``dims`` are the collapsed batch dims [(size, a_stride, b_stride)]. With one dim whose b
@@ -135,19 +135,13 @@ def _fold_batch(m: int, lda: int, dims, n: int = 1, impl: str = "auto", dtype=No
     return m, lda, dims
 
 
-def _pick_impl(impl: str, dtype, nt: bool, m: int, cc: int | None = None) -> str:
-    """The kernel ``impl="auto"`` means for this call (M after folding) on a device of compute
-    capability ``cc`` (None: one with every instruction): tensor-core kernels only where the device
-    has them for ``dtype`` (config.IMPL_MIN_CC), else simt."""
-    if impl != "auto":
+def _pick_impl(impl, dtype, nt: bool, m: int, cc: int | None = None, problem=None, n: int = 0, k: int = 0) -> str:
+    """The kernel impl=None ("auto") means for this call (M after folding) on a device of compute
+    capability ``cc`` (None: one with every instruction): options.DEFAULTS["gemm_nt" / "gemm_nn"].
+    ``problem(impl)``: why TMA cannot read the operands (None: the wgmma row does not apply)."""
+    if not options.is_default(impl):
         return impl
-
-    def runs(name):
-        return cc is None or C.impl_runs_on("gemm", name, dtype, cc)
-
-    if nt and m <= GEMM_SKINNY_MAX_M and runs("skinny"):
-        return "skinny"
-    return "mma" if np.dtype(dtype) in MMA_DTYPES and runs("mma") else "simt"
+    return options.choose(options.Call("gemm_nt" if nt else "gemm_nn", dtype, cc=cc, m=m, n=n, k=k, problem=problem))
 
 
 def _mma_tile(nt: bool) -> C.GemmTile:
@@ -164,7 +158,7 @@ def _check_args(fn, a, b, out, impl, nt):
     _checks.check_same_dtype(fn, "b", b, "a", a)
     _checks.check_last_contiguous(fn, "a", a)
     _checks.check_last_contiguous(fn, "b", b)
-    _checks.check_choice(fn, "impl", impl, GEMM_IMPLS)
+    _checks.check_choice(fn, "impl", impl, (None,) + GEMM_IMPLS)
     m, k = a.shape[-2:]
     n, kb = b.shape[-2:] if nt else b.shape[-2:][::-1]
     if kb != k:
@@ -178,15 +172,15 @@ def _check_args(fn, a, b, out, impl, nt):
                          f"do not broadcast") from None
     if impl == "mma" and np.dtype(a.dtype) not in MMA_DTYPES:
         raise TypeError(f"{fn}(): impl='mma' needs float16 or bfloat16 inputs, got float32 "
-                        f"(use impl='simt' or 'auto')")
+                        f"(use impl='simt' or impl=None)")
     if impl == "wgmma":
         if np.dtype(a.dtype) not in MMA_DTYPES:
             raise TypeError(f"{fn}(): impl='wgmma' needs float16 or bfloat16 inputs, got float32 "
-                            f"(use impl='simt' or 'auto')")
+                            f"(use impl='simt' or impl=None)")
         _checks.require_impl(fn, "gemm", "wgmma", a.dtype)
     if impl == "skinny" and not nt:
         raise ValueError(f"{fn}(): impl='skinny' is a gemm_nt kernel (b rows are the weight rows it "
-                         f"streams); use impl='mma', 'simt' or 'auto'")
+                         f"streams); use impl='mma', impl='simt' or impl=None")
     if impl in ("mma", "skinny"):
         _checks.require_impl(fn, "gemm", impl, a.dtype)
     for name, v in (("M", m), ("N", n), ("K", k)):
@@ -220,9 +214,12 @@ def _gemm(fn, a, b, out, impl, nt):
     ldb = b.strides[-2] // isz if b_rows > 1 else 0
     m, lda, dims = _fold_batch(m, lda, dims, n, impl, a.dtype)
     dims = [(1, 0, 0)] * (2 - len(dims)) + dims
-    if impl == "wgmma" or (impl == "auto" and _auto_takes_wgmma(a, b, m, n, k, lda, ldb, dims, nt)):
+    # impl=None: options.DEFAULTS (wgmma on sm_90 for the large shapes an H100 run measured faster,
+    # for operands TMA can read)
+    impl = _pick_impl(impl, a.dtype, nt, m, _loader.device_compute_capability(), n=n, k=k,
+                      problem=lambda i: _tma_problem(a, b, m, n, k, lda, ldb, dims, nt))
+    if impl == "wgmma":
         return _launch_wgmma(fn, a, b, out, m, n, k, lda, ldb, dims, nt)
-    impl = _pick_impl(impl, a.dtype, nt, m, _loader.device_compute_capability())
     (n_out, a_so, b_so), (n_in, a_si, b_si) = dims
     nbatch = n_out * n_in
 
@@ -296,26 +293,15 @@ def _tma_problem(a, b, m, n, k, lda, ldb, dims, nt):
     return None
 
 
-def _auto_takes_wgmma(a, b, m, n, k, lda, ldb, dims, nt) -> bool:
-    """impl="auto" on sm_90 where config.GEMM_AUTO_WGMMA says (dtype, M, N and K at least its size:
-    the shapes measured faster on a GPU), for TMA-readable operands."""
-    least = C.GEMM_AUTO_WGMMA.get(np.dtype(a.dtype))
-    if least is None or min(m, n, k) < least or (nt and m <= GEMM_SKINNY_MAX_M):
-        return False
-    if not C.impl_runs_on("gemm", "wgmma", a.dtype, _loader.device_compute_capability()):
-        return False
-    return _tma_problem(a, b, m, n, k, lda, ldb, dims, nt) is None
-
-
 def _sm_count() -> int:
     """Streaming multiprocessors of the current device: the persistent grid's size."""
-    return int(cupy.cuda.Device().attributes["MultiProcessorCount"])
+    return device.sm_count()
 
 
 def _launch_wgmma(fn, a, b, out, m, n, k, lda, ldb, dims, nt):
     why = _tma_problem(a, b, m, n, k, lda, ldb, dims, nt)
     if why is not None:
-        raise ValueError(f"{fn}(): impl='wgmma' needs operands TMA can read: {why} (use impl='mma' or 'auto')")
+        raise ValueError(f"{fn}(): impl='wgmma' needs operands TMA can read: {why} (use impl='mma' or impl=None)")
     nbatch = dims[0][0] * dims[1][0]
     sms = _sm_count()
     tile = C.gemm_wgmma_tile(m, n, nbatch, sms)
@@ -332,7 +318,7 @@ def _launch_wgmma(fn, a, b, out, m, n, k, lda, ldb, dims, nt):
     return out
 
 
-def gemm_nt(a, b, out=None, *, impl="auto"):
+def gemm_nt(a, b, out=None, *, impl=None):
     """``a @ b^T`` over the last two dims, batched over the leading dims.
 
     Parameters
@@ -345,8 +331,8 @@ def gemm_nt(a, b, out=None, *, impl="auto"):
     out : cupy.ndarray, shape [..., M, N], optional
         C-contiguous, same dtype as ``a``; written in place and returned. It must not overlap
         ``a`` or ``b`` in memory (ValueError).
-    impl : {"auto", "simt", "mma", "skinny"}
-        Which kernel (module docstring); "auto" is skinny for M <= 16 (after folding a batch
+    impl : {None, "simt", "mma", "skinny", "wgmma"} ("auto": None)
+        Which kernel (module docstring); None is skinny for M <= 16 (after folding a batch
         that shares ``b`` into M), else tensor cores for 16-bit inputs, SIMT for float32.
 
     Returns
@@ -364,7 +350,7 @@ def gemm_nt(a, b, out=None, *, impl="auto"):
     return _gemm("gemm_nt", a, b, out, impl, True)
 
 
-def gemm_nn(a, b, out=None, *, impl="auto"):
+def gemm_nn(a, b, out=None, *, impl=None):
     """``a @ b`` over the last two dims, batched over the leading dims.
 
     Parameters
@@ -376,8 +362,8 @@ def gemm_nn(a, b, out=None, *, impl="auto"):
     out : cupy.ndarray, shape [..., M, N], optional
         C-contiguous, same dtype as ``a``; written in place and returned. It must not overlap
         ``a`` or ``b`` in memory (ValueError).
-    impl : {"auto", "simt", "mma"}
-        As for :func:`gemm_nt`; "auto" is tensor cores for 16-bit inputs, SIMT for float32
+    impl : {None, "simt", "mma", "wgmma"} ("auto": None)
+        As for :func:`gemm_nt`; None is tensor cores for 16-bit inputs, SIMT for float32
         (skinny is a gemm_nt kernel).
 
     Returns

@@ -35,12 +35,22 @@ import numpy as np
 
 from . import _checks
 from ._checks import check_array, check_last_contiguous, check_same_dtype
-from ._loader import NULL, KernelSpec, get_function, ptr_or_null
-from .config import (DTYPES, KV_ADVANCE_THREADS, KV_APPEND_ELEMS_PER_BLOCK, KV_APPEND_THREADS,
-                     KV_ROPE_APPEND_ITEMS_PER_BLOCK, KV_ROPE_APPEND_THREADS, cbool,
-                     ctype, defines)
+from ._loader import NULL, KernelSpec, cbool, ctype, defines, get_function, ptr_or_null
+from .decode_launch import KvView
+from .decode_launch import decode as _decode
+from .config import (ROPE_STYLES, DTYPES, KV_ADVANCE_THREADS, KV_APPEND_ELEMS_PER_BLOCK, KV_APPEND_THREADS,
+                     KV_ROPE_APPEND_ITEMS_PER_BLOCK, KV_ROPE_APPEND_THREADS)
 
-ROPE_STYLES = ("adjacent", "neox")
+
+
+def _as_4d(fn, q, out):
+    """A cache's ``decode`` takes q [B, Hq, D] or [B, Hq, 1, D]: (q, out) as the 4-D views the
+    decode kernels read (a 3-D out must be shaped like the 3-D q)."""
+    if _checks.is_device_array(q) and q.ndim == 3:
+        if out is not None:
+            _checks.check_out(fn, out, q.shape, q.dtype)
+        return q[:, :, None], None if out is None else out[:, :, None]
+    return q, out
 
 SPEC = KernelSpec(
     "kvcache", "kvcache.cu",
@@ -126,6 +136,24 @@ class KVCache:
     def _layout_args(self):
         """The append kernels' KV_PAGED_PARAMS: no block table."""
         return (NULL, np.int32(0), np.int32(0), np.int32(0), np.int32(0))
+
+    def view(self, layer: int):
+        """Layer ``layer`` (an int in range) as the decode kernels read it (decode_launch.KvView)."""
+        return KvView(self.k[layer], self.v[layer], self.lengths[layer], self.num_kv_heads, self.head_dim,
+                      self.batch, self.max_seq, self.dtype, self.device_arrays())
+
+    def decode(self, q, layer, scale=None, num_splits=None, out=None, workspace=None, impl=None, fused_combine=None,
+               window=None, softcap=None, split_rule=None):
+        """:func:`cupyattn.decode_attention` of ``q`` over ``layer``: one query token per sequence,
+        q [batch, Hq, 1, D] or [batch, Hq, D], the result (and ``out``) shaped like q. The same
+        method on a :class:`~cupyattn.PagedKVCache` reads its pages, so a caller decodes either
+        cache with ``cache.decode(q, layer, ...)``."""
+        fn = "KVCache.decode"
+        layer = self.check_layer(fn, layer)
+        q4, out4 = _as_4d(fn, q, out)
+        o = _decode(fn, q4, self.view(layer), self.host_lengths[layer], scale, num_splits, out4, workspace, impl,
+                    fused_combine, window, softcap, split_rule)
+        return o if q4 is q else (out if out is not None else o[:, :, 0])
 
     def __repr__(self):
         return (f"KVCache(num_layers={self.num_layers}, batch={self.batch}, num_kv_heads="

@@ -24,10 +24,13 @@ import cupy
 import numpy as np
 
 from . import _checks as C
-from ._loader import KernelSpec, get_function, ptr_or_null
-from .config import (DTYPES, INDEX_CTYPES, INT32_MAX, LAYERS_MAX_BLOCKS, LAYERS_THREADS, MAX_GRID_X,
-                     RMSNORM_IMPLS, RMSNORM_WARP_MAX_D, RMSNORM_WARPS, RMSNORM_WEIGHT_CTYPES, VEC16,
-                     cbool, ctype, defines)
+from . import options
+from ._loader import CTYPES, INDEX_CTYPES, VEC16, KernelSpec, cbool, ctype, defines, get_function, ptr_or_null
+
+# rmsnorm weight types: the activation's own, or float32 next to fp16/bf16 activations
+RMSNORM_WEIGHT_CTYPES = {c: tuple(dict.fromkeys((c, CTYPES[np.dtype(np.float32)]))) for c in CTYPES.values()}
+from .config import (ROPE_STYLES, DTYPES, INT32_MAX, LAYERS_MAX_BLOCKS, LAYERS_THREADS, MAX_GRID_X,
+                     RMSNORM_IMPLS, RMSNORM_WARPS)
 
 
 # --- kernel spec: every instantiation the dispatch below can ask for -----------------------------
@@ -88,7 +91,7 @@ def _new_or_out(fn, out, shape, dtype, inputs=None, in_place=()):
 
 
 # --- rmsnorm ---------------------------------------------------------------------------------------
-def rmsnorm(x, weight, eps=1e-5, out=None, impl="auto"):
+def rmsnorm(x, weight, eps=1e-5, out=None, impl=None):
     """Root-mean-square norm over the last dimension, ``x / sqrt(mean(x**2) + eps) * weight``.
 
     Parameters
@@ -103,9 +106,9 @@ def rmsnorm(x, weight, eps=1e-5, out=None, impl="auto"):
     out : cupy.ndarray [..., D], optional
         C-contiguous, dtype of ``x``; may be ``x`` itself (in place), must not otherwise
         overlap ``x`` or ``weight`` (ValueError).
-    impl : {"auto", "warp", "block"}
-        Which kernel: one warp per row, or one block per row; "auto" takes the warp kernel for
-        D <= 1024.
+    impl : {None, "warp", "block"} ("auto": None)
+        Which kernel: one warp per row, or one block per row; None takes the warp kernel for
+        D <= 1024 (options.DEFAULTS["rmsnorm"]).
 
     Returns
     -------
@@ -119,7 +122,7 @@ def rmsnorm(x, weight, eps=1e-5, out=None, impl="auto"):
     return out
 
 
-def add_rmsnorm(x, r, weight, eps=1e-5, out=None, impl="auto"):
+def add_rmsnorm(x, r, weight, eps=1e-5, out=None, impl=None):
     """Residual add then RMSNorm in one kernel: ``x += r; out = rmsnorm(x, weight, eps)``.
 
     The pre-norm block boundary of a Llama-style decoder (``x = x + branch; h = norm(x)``): one
@@ -172,7 +175,7 @@ def _check_norm(fn, x, weight, impl):
         also = "" if np.dtype(x.dtype) == np.float32 else " or float32"
         raise TypeError(f"{fn}(): weight has dtype {C.dtype_name(weight.dtype)}; expected "
                         f"{C.dtype_name(x.dtype)} (as x){also}")
-    C.check_choice(fn, "impl", impl, RMSNORM_IMPLS)
+    C.check_choice(fn, "impl", impl, (None,) + RMSNORM_IMPLS)
     C.check_int32(fn, "D (x.shape[-1])", d)
     rows = x.size // d if d else 0
     if rows > MAX_GRID_X:  # the block kernel takes one block per row
@@ -192,8 +195,8 @@ def _launch_norm(x, r, weight, out, eps, impl):
     vec_arrays = (x, out) if r is None else (x, r, out)
     if not (d % v == 0 and _aligned(16, *vec_arrays) and _aligned(weight.itemsize * v, weight)):
         v = 1
-    if impl == "auto":
-        impl = "warp" if d <= RMSNORM_WARP_MAX_D else "block"
+    if options.is_default(impl):  # options.DEFAULTS["rmsnorm"]
+        impl = options.choose(options.Call("rmsnorm", x.dtype, d))
     add = cbool(r is not None)
     args = (x, ptr_or_null(r), weight, out, np.int64(rows), np.int32(d), np.float32(eps))
     if impl == "warp":
@@ -206,7 +209,6 @@ def _launch_norm(x, r, weight, out, eps, impl):
 
 
 # --- rope ------------------------------------------------------------------------------------------
-ROPE_STYLES = ("adjacent", "neox")
 
 
 def rope(x, positions, base=10000.0, style="adjacent", out=None):

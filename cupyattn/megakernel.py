@@ -1,7 +1,7 @@
 """One persistent kernel per decode step of a Llama-style model (kernels_cu/megakernel.cu).
 
 Correct on an H100 (2026-11-27), slower than the fused step there: tinylm takes it only when
-asked (``config.TINYLM_MEGAKERNEL`` / ``TINYLM_MEGAKERNEL=1``, ``tinylm.load(..., megakernel=True)``,
+asked (``tinylm.config.TINYLM_MEGAKERNEL`` / ``TINYLM_MEGAKERNEL=1``, ``tinylm.load(..., megakernel=True)``,
 ``python -m tinylm --megakernel``).
 
 The kernel interprets per-block queues of instructions planned on the host

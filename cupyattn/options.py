@@ -1,4 +1,5 @@
-"""Which options each attention and decode path implements: one table, read by three parties.
+"""Which options each attention and decode path implements, and which kernel ``impl=None`` runs
+for every entry point: two tables, each read by the dispatch, the docs and the tests.
 
 - The dispatch: ``impl=None`` (attention) never picks a path that lacks an option the call uses
   (:func:`supports`), and an explicit ``impl=`` that lacks it raises a ValueError naming the
@@ -9,6 +10,12 @@
   pairs) on the emulated families and either compares with the float64 reference or expects the
   refusal this table states, so a path that silently ignores an option fails there.
 
+``DEFAULTS`` is the other table: per entry point an ordered list of (impl, conditions); impl=None
+(``"auto"`` too, where an entry point takes it) runs the first impl whose conditions all hold for
+the call (:func:`choose`). Each condition carries its prose, so the docs' "how impl=None chooses"
+lines are generated from the rows the dispatch reads (:func:`defaults_text`), and
+tests/test_dispatch.py compares them with what each entry point launches on every emulated family.
+
 Options are of two kinds: call arguments (``causal``, ``window``, ...; the dispatch sees them)
 and input layouts (``gqa``, ``broadcast``, ``strided``, ``negative_stride``; the paths' own
 checks see them, e.g. TMA's rules for ``wgmma``). An option an entry point does not take at all
@@ -17,6 +24,13 @@ in ``REFUSED`` once the kernel implements it: the matrix test then compares inst
 the refusal.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from . import config as C
 
 # option -> what it means (the docs' legend)
 OPTIONS = {
@@ -43,6 +57,23 @@ OPTIONS = {
                  "opt-in (where it has run: docs/ran-where.md)",
 }
 
+# option -> how the caller writes it (what a refusal names); "<option>=" where not listed
+ARGUMENTS = {
+    "hnd_pages": "layout='HND'",
+    "packed_q": "cu_seqlens_q=",
+    "device_lengths": "device offsets / lengths",
+    "gqa": "k/v with fewer heads than q",
+    "broadcast": "a broadcast view",
+    "strided": "a strided view",
+    "negative_stride": "a reversed view",
+}
+
+
+def argument(option: str) -> str:
+    """How the caller writes ``option`` (``window=``, ``layout='HND'``): what a refusal names."""
+    return ARGUMENTS.get(option, f"{option}=")
+
+
 # entry point -> (the impls an explicit impl= names, the options it takes)
 _ATTN = ("causal", "window", "softcap", "scale", "gqa", "broadcast", "strided", "negative_stride")
 _DECODE = ("window", "softcap", "scale", "gqa", "broadcast", "strided", "negative_stride", "out", "num_splits",
@@ -61,23 +92,6 @@ ENTRY_OPTIONS = {
     "decode_attention": _DECODE + ("fused_combine", "split_rule"),
     "decode_attention_paged": _DECODE + ("device_lengths", "fused_combine", "split_rule", "hnd_pages"),
 }
-# How impl=None / "auto" chooses, per entry point (the docs' note; the code is each module's).
-DEFAULTS = {
-    "attention": "impl=None: on sm_90, `wgmma_persistent` for causal calls of "
-                 "config.ATTN_AUTO_PERSISTENT['attention']'s (dtype, D) pairs (fp16, D=256), else `wgmma` for "
-                 "config.ATTN_AUTO_WGMMA's, each when it implements every option of the call and TMA can read "
-                 "q, k, v; else `flash_mma` (fp16/bf16 where the device has it), else `flash`",
-    "attention_varlen": "impl=None: on sm_90 `wgmma_persistent` for config.ATTN_AUTO_PERSISTENT's (dtype, D) "
-                        "pairs (fp16 at D=64, 128, 256; bf16 at D=128) when TMA can read q, k, v; else "
-                        "`flash_mma` for fp16/bf16 where the device has it, else `flash`",
-    "attention_paged": "impl=None: as attention_varlen, `wgmma_persistent` for fp16 at D=128 with NHD pages "
-                       "of 8 tokens or more",
-    "decode_attention": "impl='auto': `mma` for fp16/bf16 with a GQA group of 4 or more where the device "
-                        "has it, else `simt`",
-    "decode_attention_paged": "impl='auto': as decode_attention; PagedKVCache.decode(q, layer, **kw) "
-                              "forwards to it",
-}
-
 # (entry point, impl) -> {option: why it is refused}. Every other option of ENTRY_OPTIONS[entry]
 # is implemented by that impl. Call options here raise ValueError from :func:`check`; layouts
 # are refused by the path's own checks (their messages name the operand and the stride).
@@ -133,14 +147,20 @@ def supports(entry: str, impl: str, used) -> bool:
     return not any(refused(entry, impl, o) for o in used)
 
 
-def check(fn: str, entry: str, impl: str, used, alternative: str | None = None) -> None:
-    """ValueError naming ``fn``, ``impl`` and the first option of ``used`` it does not implement
-    (before anything is allocated or launched); ``alternative``: what to call instead."""
+def implementing(entry: str, option: str) -> tuple[str, ...]:
+    """The impls of ``entry`` that implement ``option`` (in ENTRY_IMPLS' order)."""
+    return tuple(i for i in ENTRY_IMPLS[entry] if not refused(entry, i, option))
+
+
+def check(fn: str, entry: str, impl: str, used) -> None:
+    """ValueError naming ``fn``, ``impl``, the argument of the first option of ``used`` it does not
+    implement and the impls of ``entry`` that do (before anything is allocated or launched)."""
     for option in used:
         why = refused(entry, impl, option)
         if why:
-            alt = f"; {alternative}" if alternative else ""
-            raise ValueError(f"{fn}(): impl={impl!r} does not implement {option}= ({why}){alt}")
+            others = ", ".join(f"impl={i!r}" for i in implementing(entry, option))
+            raise ValueError(f"{fn}(): impl={impl!r} does not implement {argument(option)} ({why}); "
+                             f"{others} or impl=None (which picks one that does) implement it")
 
 
 def cell(entry: str, impl: str, option: str) -> str:
@@ -171,7 +191,147 @@ def markdown() -> str:
         notes += [f"- `{impl}`, {o}: {why}" for (e, impl, o), why in CONDITIONS.items() if e == entry]
         notes += [f"- `{impl}`: {why}" for (e, impl), why in PATH_NOTES.items() if e == entry]
         notes += [f"- broadcast, strided, negative_stride: {LAYOUT_INPUTS[entry]}"] if entry in LAYOUT_INPUTS else []
-        lines += [""] + notes + ([""] if notes else []) + [DEFAULTS[entry] + ".", ""]
+        lines += [""] + notes + ([""] if notes else []) + [defaults_text(entry), ""]
+    lines += ["## impl=None of the other entry points", ""]
+    lines += [f"- `{e}`: {defaults_text(e)}" for e in DEFAULTS if e not in ENTRY_IMPLS] + [""]
     lines += ["## Options", ""] + [f"- **{o}**: {what}" for o, what in OPTIONS.items()] + [""]
     return "\n".join(lines)
 
+
+
+# --- impl=None: which kernel each entry point runs ---------------------------------------------
+@dataclass
+class Call:
+    """What a default rule may ask of one call. ``cc`` / ``smem`` None: a device with every
+    instruction and no shared-memory limit. ``problem(impl)``: why TMA cannot read this call's
+    operands for ``impl`` (None: it can); absent, no rule that needs the operands applies.
+    ``fits(impl)``: whether ``impl`` has a tile within the device's shared memory per block (decode
+    plans it); absent: yes."""
+    entry: str
+    dtype: object
+    head_dim: int = 0               # D (rmsnorm: the row length)
+    cc: int | None = None           # compute capability (CUPYATTN_ARCH applied)
+    smem: int | None = None         # opt-in shared memory per block
+    used: tuple = ()                # the call options (OPTIONS keys) it uses
+    causal: bool = False
+    launches: bool = True           # False: nothing is launched (an empty input)
+    page_size: int = 0
+    group: int = 1                  # query heads per kv head
+    m: int = 0                      # GEMM sizes (M after folding a shared-weight batch)
+    n: int = 0
+    k: int = 0
+    problem: Callable[[str], str | None] | None = None
+    fits: Callable[[str], bool] | None = None
+
+
+@dataclass(frozen=True)
+class If:
+    """One condition of a default rule: how the docs say it (a string, or a function of nothing that
+    writes it from config's current values), and whether it holds for (call, impl)."""
+    said: object
+    holds: Callable[[Call, str], bool]
+
+    @property
+    def text(self) -> str:
+        return self.said() if callable(self.said) else self.said
+
+
+def _pairs(pairs) -> str:
+    """(dtype, D) pairs as prose: 'float16 at D = 64, 128; bfloat16 at D = 128'."""
+    by = {}
+    for dt, d in pairs:
+        by.setdefault(str(np.dtype(dt)), []).append(str(d))
+    return "; ".join(f"{dt} at D = {', '.join(ds)}" for dt, ds in by.items())
+
+
+def _auto_pairs(name: str, pairs: Callable, tiles: Callable) -> If:
+    """(dtype, D) in the config table ``name`` (``pairs()``: its value now, so a change to config is
+    what the dispatch and the docs read) and D in its kernel's tile table (``tiles()``)."""
+    return If(lambda: f"(dtype, D) is in config.{name} ({_pairs(pairs())})",
+              lambda c, i: (np.dtype(c.dtype), c.head_dim) in pairs() and c.head_dim in tiles())
+
+
+def _runs(op: str, at_d: bool = False) -> If:
+    return If("the device runs it" + (" at D" if at_d else "") + " (config.IMPL_MIN_CC)",
+              lambda c, i: c.cc is None or C.impl_runs_on(op, i, c.dtype, c.cc, c.head_dim if at_d else None))
+
+
+def _persistent(entry: str) -> If:
+    return _auto_pairs(f"ATTN_AUTO_PERSISTENT[{entry!r}]", lambda: C.ATTN_AUTO_PERSISTENT.get(entry, ()),
+                       lambda: C.ATTN_WGMMA_PERSISTENT_TILES)
+
+
+CAUSAL = If("the call is causal", lambda c, i: c.causal)
+LAUNCHES = If("there is something to compute", lambda c, i: c.launches)
+IMPLEMENTS = If("it implements every option of the call",
+                lambda c, i: supports(c.entry, i, c.used))
+TMA = If("TMA can read the operands", lambda c, i: c.problem is not None and c.problem(i) is None)
+MMA_DTYPE = If("the inputs are float16 or bfloat16", lambda c, i: np.dtype(c.dtype) in C.MMA_DTYPES)
+FITS = If("one of its tiles fits the device's shared memory per block", lambda c, i: c.fits is None or c.fits(i))
+MMA_TILE_FITS = If("its tile for D (config.flash_mma_main_tile) fits the device's shared memory per block",
+                   lambda c, i: c.smem is None or c.head_dim not in C.FLASH_MMA_TILES
+                   or C.flash_mma_smem_bytes(c.head_dim, C.flash_mma_main_tile(c.head_dim, c.cc)) <= c.smem)
+PAGES = If(f"pages hold at least config.ATTN_WGMMA_MIN_PAGE ({C.ATTN_WGMMA_MIN_PAGE}) tokens",
+           lambda c, i: c.page_size >= C.ATTN_WGMMA_MIN_PAGE)
+GROUP = If(f"a kv head serves at least config.DECODE_MMA_MIN_GROUP ({C.DECODE_MMA_MIN_GROUP}) query heads",
+           lambda c, i: c.group >= C.DECODE_MMA_MIN_GROUP)
+GEMM_LARGE = If(lambda: "M, N and K are at least config.GEMM_AUTO_WGMMA's size for the dtype "
+                f"({', '.join(f'{np.dtype(d)} {n}' for d, n in C.GEMM_AUTO_WGMMA.items())})",
+                lambda c, i: min(c.m, c.n, c.k) >= C.GEMM_AUTO_WGMMA.get(np.dtype(c.dtype), float("inf")))
+SKINNY_M = If(f"M (a shared-weight batch folded in) is at most config.GEMM_SKINNY_MAX_M ({C.GEMM_SKINNY_MAX_M})",
+              lambda c, i: c.m <= C.GEMM_SKINNY_MAX_M)
+NOT_SKINNY_M = If(f"M is over config.GEMM_SKINNY_MAX_M ({C.GEMM_SKINNY_MAX_M})",
+                  lambda c, i: c.m > C.GEMM_SKINNY_MAX_M)
+WARP_ROWS = If(f"rows hold at most config.RMSNORM_WARP_MAX_D ({C.RMSNORM_WARP_MAX_D}) elements",
+               lambda c, i: c.head_dim <= C.RMSNORM_WARP_MAX_D)
+
+_FLASH = (("flash_mma", (MMA_DTYPE, _runs("attention", at_d=True), MMA_TILE_FITS)), ("flash", ()))
+_DECODE_RULES = (("mma", (MMA_DTYPE, GROUP, _runs("decode"), FITS)), ("simt", ()))
+# entry point -> ((impl, (conditions...)), ...): impl=None runs the first whose conditions hold.
+# The Hopper rows are what an H100 run measured faster (config.ATTN_AUTO_*, GEMM_AUTO_WGMMA).
+DEFAULTS = {
+    "attention": (("wgmma_persistent", (CAUSAL, LAUNCHES, _persistent("attention"), _runs("attention"), IMPLEMENTS,
+                                        TMA)),
+                  ("wgmma", (_auto_pairs("ATTN_AUTO_WGMMA", lambda: C.ATTN_AUTO_WGMMA, lambda: C.ATTN_WGMMA_TILES),
+                             _runs("attention"), IMPLEMENTS, TMA)))
+    + _FLASH,
+    "attention_varlen": (("wgmma_persistent", (LAUNCHES, _persistent("attention_varlen"), _runs("attention"),
+                                               IMPLEMENTS, TMA)),) + _FLASH,
+    "attention_paged": (("wgmma_persistent", (IMPLEMENTS, PAGES, LAUNCHES, _persistent("attention_paged"),
+                                              _runs("attention"), TMA)),) + _FLASH,
+    "decode_attention": _DECODE_RULES,
+    "decode_attention_paged": _DECODE_RULES,
+    "gemm_nt": (("wgmma", (GEMM_LARGE, NOT_SKINNY_M, _runs("gemm"), TMA)), ("skinny", (SKINNY_M, _runs("gemm"))),
+                ("mma", (MMA_DTYPE, _runs("gemm"))), ("simt", ())),
+    "gemm_nn": (("wgmma", (GEMM_LARGE, _runs("gemm"), TMA)), ("mma", (MMA_DTYPE, _runs("gemm"))), ("simt", ())),
+    "rmsnorm": (("warp", (WARP_ROWS,)), ("block", ())),
+}
+# entry points that are another's for impl=None (their methods and variants)
+DEFAULT_OF = {"KVCache.decode": "decode_attention", "PagedKVCache.decode": "decode_attention_paged",
+              "add_rmsnorm": "rmsnorm"}
+# entry points whose impl= also takes "auto", the same as None
+AUTO_ALIAS = ("decode_attention", "decode_attention_paged", "gemm_nt", "gemm_nn", "rmsnorm")
+
+
+def is_default(impl) -> bool:
+    """Whether ``impl`` asks for the default: None, or its alias "auto"."""
+    return impl is None or impl == "auto"
+
+
+def choose(call: Call) -> str:
+    """The impl ``impl=None`` runs for ``call``: the first of DEFAULTS[call.entry] whose conditions
+    all hold (evaluated in order, so a costly one, TMA, is asked last and only where it matters)."""
+    rules = DEFAULTS[DEFAULT_OF.get(call.entry, call.entry)]
+    for impl, conditions in rules:
+        if all(cond.holds(call, impl) for cond in conditions):
+            return impl
+    raise AssertionError(f"DEFAULTS[{call.entry!r}] has no unconditional last row")  # pragma: no cover
+
+
+def defaults_text(entry: str) -> str:
+    """How impl=None chooses on ``entry``, in words generated from DEFAULTS (the docs' line)."""
+    rules = DEFAULTS[entry]
+    alias = " (or 'auto')" if entry in AUTO_ALIAS else ""
+    parts = [f"`{impl}` when " + " and ".join(c.text for c in conds) for impl, conds in rules[:-1]]
+    return (f"impl=None{alias} runs the first that applies: " + "; ".join(parts)
+            + f"; else `{rules[-1][0]}`.")

@@ -23,6 +23,7 @@ compiled and emulated and passed the GPU tier of 2026-11-27, but have not been t
 from __future__ import annotations
 
 import math
+import weakref
 
 import cupy
 import numpy as np
@@ -30,11 +31,13 @@ import numpy as np
 from . import _checks, config, options
 from . import flash_attn_sm90_persistent as _sm90p
 from ._checks import check_array, check_choice, check_out
+from . import decode_launch as DL
 from .config import PAGED_LAYOUTS, PAGED_MAX_PAGE_SIZE
-from .decode import _check_args, _check_workspace, _launch, check_split_rule, schedule, serving_plan
-from .flash_attn import Serving, _flash, check_window_softcap
+from .splits import check_split_rule, schedule
+from .flash_launch import Serving, check_window_softcap, choose, elem_strides, launch
 from .kvcache import KVCache
-from .varlen import check_grid, check_max_seqlen, check_offsets, check_packed, elem_strides, offsets_batch
+from .varlen import (IMPLS, call_options, check_grid, check_impl, check_max_seqlen, check_offsets, check_packed,
+                     offsets_batch)
 
 MAX_PAGE_SIZE = PAGED_MAX_PAGE_SIZE
 
@@ -45,24 +48,74 @@ def check_layout(fn: str, layout) -> str:
     return layout
 
 
+# Every live PagedKVCache, so that a call handed raw pages can tell whose they are and read them in
+# their cache's layout (HND pages [N, Hkv, P, D] of 2 heads and pages of 4 would pass the NHD
+# shape checks and be read wrong).
+_CACHES = weakref.WeakSet()
+
+
+def _owner(pages):
+    """The live PagedKVCache whose k or v holds ``pages`` (a view into it), or None."""
+    span = _checks.byte_span(pages) if _checks.is_device_array(pages) else None
+    if span is None:
+        return None
+    for cache in list(_CACHES):
+        for whole in (cache.k, cache.v):
+            s = _checks.byte_span(whole)
+            if s is not None and s[0] <= span[0] and span[1] <= s[1]:
+                return cache
+    return None
+
+
+def _pages_of(fn, k_pages, v_pages, block_table, seq_lens, layout):
+    """The paged entry points' key/value arguments -> (k_pages, v_pages, block_table, seq_lens,
+    layout, host lengths or None). ``k_pages`` a PagedKVCache: its pages of layer ``v_pages``, its
+    table, lengths (host mirror too) and layout. Raw pages: ``layout`` None takes the layout of the
+    PagedKVCache they belong to (NHD for pages of no cache); a layout that contradicts it is
+    refused, naming ``layout``."""
+    if isinstance(k_pages, PagedKVCache):
+        cache = k_pages
+        layer = cache.check_layer(fn, v_pages)
+        if block_table is not None or seq_lens is not None:
+            raise TypeError(f"{fn}(): block_table and seq_lens come from the PagedKVCache passed as k_pages "
+                            f"(called as {fn}(q, cache, layer)); pass neither")
+        if layout is not None and check_layout(fn, layout) != cache.layout:
+            raise ValueError(f"{fn}(): layout={layout!r} but the PagedKVCache passed holds {cache.layout} pages; "
+                             f"leave layout out (the cache says it)")
+        return (cache.k[layer], cache.v[layer], cache.block_table, cache.lengths[layer], cache.layout,
+                cache.host_lengths[layer])
+    for name, x in (("v_pages", v_pages), ("block_table", block_table), ("seq_lens", seq_lens)):
+        if x is None:
+            raise TypeError(f"{fn}(): {name} is required with raw pages (or pass the PagedKVCache itself: "
+                            f"{fn}(q, cache, layer))")
+    owners = {id(o): o for o in (_owner(k_pages), _owner(v_pages)) if o is not None}
+    for owner in owners.values():
+        if layout is None:
+            layout = owner.layout
+        elif check_layout(fn, layout) != owner.layout:
+            raise ValueError(f"{fn}(): k_pages / v_pages belong to a PagedKVCache(layout={owner.layout!r}) but "
+                             f"layout={layout!r}: pass layout={owner.layout!r} (or leave it out, or pass the "
+                             f"cache itself: {fn}(q, cache, layer))")
+    return k_pages, v_pages, block_table, seq_lens, check_layout(fn, "NHD" if layout is None else layout), None
+
+
 def _nhd(x):
     """HND pages [N, Hkv, P, D] seen as [N, P, Hkv, D] (a view), for the checks that read shapes."""
     return x.transpose(0, 2, 1, 3)
 
 
-def _check_pages(fn, q, k_pages, v_pages, block_table, seq_lens, impl, b, layout="NHD"):
+def _check_pages(fn, q, k_pages, v_pages, block_table, seq_lens, b, layout="NHD", host_lens=None):
     """q [*, Hq, D]; pages [N, P, Hkv, D] (NHD) or [N, Hkv, P, D] (HND), C-contiguous; table
-    int32 [B, max_pages] on the device, seq_lens [B] -> (impl, Hq, Hkv, D, page_size, host
-    seq_lens or None, device seq_lens). ``impl`` None, a flash impl or "wgmma_persistent": checked as attention_varlen's;
-    "auto"/"simt"/"mma": decode's (checked by decode's own checks later)."""
+    int32 [B, max_pages] on the device, seq_lens [B] -> (Hq, Hkv, D, page_size, host seq_lens
+    or None, device seq_lens). ``host_lens``: the host's copy of device ``seq_lens`` (a
+    PagedKVCache's mirror)."""
     shape = "[num_pages, page_size, Hkv, D]" if layout == "NHD" else "[num_pages, Hkv, page_size, D]"
     kn, vn = k_pages, v_pages
     if layout == "HND":  # the shape checks below read [N, P, Hkv, D]
         for name, x in (("k_pages", k_pages), ("v_pages", v_pages)):
             check_array(fn, name, x, ndim=4)
         kn, vn = _nhd(k_pages), _nhd(v_pages)
-    impl, hq, hkv, d = check_packed(fn, q, kn, vn, None if impl in ("auto", "simt", "mma") else impl,
-                                    "k_pages", "v_pages")
+    hq, hkv, d = check_packed(fn, q, kn, vn, "k_pages", "v_pages")
     for name, x in (("k_pages", k_pages), ("v_pages", v_pages)):
         check_array(fn, name, x, ndim=4)
         if not x.flags.c_contiguous:
@@ -82,38 +135,43 @@ def _check_pages(fn, q, k_pages, v_pages, block_table, seq_lens, impl, b, layout
     if block_table.strides[1] != 4:
         raise ValueError(f"{fn}(): block_table rows must be contiguous (int32 stride 1)")
     lens, host = check_offsets(fn, "seq_lens", seq_lens, b, None)
+    host = host_lens if host is None else host
     cap = block_table.shape[1] * ps
     if host is not None and len(host) and host.max() > cap:
         raise ValueError(f"{fn}(): seq_lens max {int(host.max())} exceeds the block table's capacity "
                          f"{block_table.shape[1]} pages x {ps} = {cap}")
     _checks.check_int32(fn, "max_pages x page_size", cap)
-    return impl, hq, hkv, d, ps, host, lens
+    return hq, hkv, d, ps, host, lens
 
 
-def decode_attention_paged(q, k_pages, v_pages, block_table, seq_lens, scale=None, window=None, softcap=None,
-                           num_splits=None, out=None, impl="auto", max_seq_len=None, workspace=None, layout="NHD",
-                           split_rule=None, fused_combine=None):
+def decode_attention_paged(q, k_pages, v_pages=None, block_table=None, seq_lens=None, scale=None, window=None,
+                           softcap=None, num_splits=None, out=None, impl=None, max_seq_len=None, workspace=None,
+                           layout=None, split_rule=None, fused_combine=None):
     """One query token per sequence over a paged KV cache (``flash_attn_with_kvcache`` layout).
 
     Parameters
     ----------
     q : cupy.ndarray [B, Hq, D]
         float32 / float16 / bfloat16, last dim contiguous; ``Hq % Hkv == 0`` (GQA/MQA).
-    k_pages, v_pages : cupy.ndarray, C-contiguous, q's dtype
+    k_pages, v_pages : cupy.ndarray, C-contiguous, q's dtype; or a PagedKVCache and a layer
         ``[num_pages, page_size, Hkv, D]`` (layout "NHD") or ``[num_pages, Hkv, page_size, D]``
-        ("HND"); ``page_size`` a power of two in [1, 256].
+        ("HND"); ``page_size`` a power of two in [1, 256]. ``decode_attention_paged(q, cache,
+        layer)`` reads a :class:`PagedKVCache`'s pages of ``layer`` with its block table, lengths
+        (and their host mirror, for the split rule) and layout; block_table and seq_lens are then
+        left out.
     block_table : cupy.ndarray int32 [B, max_pages]
         Page ids (< num_pages; an out-of-range id is clamped, never read past the pages).
     seq_lens : int32 [B]
         Keys per sequence (the new token's included if it should see itself). A CuPy array is
-        read only by the kernel (graph-safe); host values are checked against the table.
+        read only by the kernel (graph-safe; values are clamped to [0, the table's capacity]);
+        host values are checked against the table.
     scale, window, softcap :
         As :func:`cupyattn.decode_attention` (window left bound only matters in decode).
     num_splits : int, optional
         Split-KV count (1 to 512); None: the split rule's choice on the host ``seq_lens``, or on
         ``max_seq_len`` when given, else on the table's capacity. Fix it for CUDA graphs.
     out : cupy.ndarray [B, Hq, D], optional
-    impl : {"auto", "simt", "mma"}
+    impl : {None, "simt", "mma"} ("auto": None)
         As decode_attention.
     max_seq_len : int or B host ints, optional
         Upper bound of seq_lens for the split rule when they are on the device (one for all, or
@@ -123,8 +181,10 @@ def decode_attention_paged(q, k_pages, v_pages, block_table, seq_lens, scale=Non
         takes them (float32 ``[S, B, Hq, D]`` and ``[S, B, Hq]``, ``S >= num_splits``; uint32
         ``[B, Hq]`` zeros): with ``out`` and a fixed ``num_splits`` the call allocates nothing
         and can be captured in a CUDA graph.
-    layout : {"NHD", "HND"}
-        Which of the two page layouts k_pages and v_pages hold.
+    layout : {"NHD", "HND"}, optional
+        Which of the two page layouts k_pages and v_pages hold. None: the layout of the
+        PagedKVCache the pages belong to (views of its ``k`` / ``v``), else "NHD"; a layout that
+        contradicts their cache's is a ValueError.
     split_rule, fused_combine : as :func:`cupyattn.decode_attention` ("waves" and the fused
         combine by default under it).
 
@@ -135,6 +195,7 @@ def decode_attention_paged(q, k_pages, v_pages, block_table, seq_lens, scale=Non
 
     Examples
     --------
+    >>> o = decode_attention_paged(q, cache, layer)      # a PagedKVCache: its pages, table and lengths
     >>> o = decode_attention_paged(q, cache.k[layer], cache.v[layer], cache.block_table, cache.lengths[layer])
     """
     return _decode_paged("decode_attention_paged", q, k_pages, v_pages, block_table, seq_lens, scale, window,
@@ -145,34 +206,36 @@ def _decode_paged(fn, q, k_pages, v_pages, block_table, seq_lens, scale, window,
                   max_seq_len, workspace, layout, split_rule, fused_combine, host_lens=None):
     """decode_attention_paged; ``host_lens``: the host's copy of device ``seq_lens`` (a
     PagedKVCache's mirror), for the split rule only."""
+    check_choice(fn, "impl", impl, DL.IMPLS)  # decode's impls, before the attention checks
+    k_pages, v_pages, block_table, seq_lens, layout, mirror = _pages_of(fn, k_pages, v_pages, block_table, seq_lens,
+                                                                        layout)
+    host_lens = mirror if host_lens is None else host_lens
     check_array(fn, "q", q, ndim=3)
     b = q.shape[0]
-    layout = check_layout(fn, layout)
-    _, hq, hkv, d, ps, host, lens = _check_pages(fn, q, k_pages, v_pages, block_table, seq_lens, impl, b, layout)
-    stand_in = KVCache.__new__(KVCache)  # the decode checks and launch read these attributes
-    stand_in.k, stand_in.v, stand_in.lengths = k_pages[None], v_pages[None], lens[None]
-    stand_in.num_layers, stand_in.num_kv_heads, stand_in.head_dim, stand_in.batch = 1, hkv, d, b
-    stand_in.max_seq, stand_in.dtype = block_table.shape[1] * ps, np.dtype(k_pages.dtype)
-    _, _, _, _, scale, num_splits, plan = _check_args(fn, q[:, :, None], stand_in, 0, scale, num_splits, None, impl)
+    hq, hkv, d, ps, host, lens = _check_pages(fn, q, k_pages, v_pages, block_table, seq_lens, b, layout)
+    kv = DL.KvView(k_pages, v_pages, lens, hkv, d, b, block_table.shape[1] * ps, np.dtype(k_pages.dtype),
+                   {"k_pages": k_pages, "v_pages": v_pages, "block_table": block_table, "seq_lens": seq_lens})
+    _, _, _, scale, num_splits, plan = DL.check(fn, q[:, :, None], kv, scale, num_splits, None, impl)
     rule = check_split_rule(fn, split_rule)
     fused_combine = rule == "waves" if fused_combine is None else _checks.check_bool(fn, "fused_combine", fused_combine)
-    inputs = {"q": q, "k_pages": k_pages, "v_pages": v_pages, "block_table": block_table, "seq_lens": seq_lens}
+    inputs = {"q": q, **kv.arrays}
     if out is not None:
         check_out(fn, out, (b, hq, d), q.dtype)
         _checks.check_no_overlap(fn, out, inputs)
     # the split rule's lengths: host seq_lens, else the caller's bounds, else the capacity
     if host is None:
-        host = host_lens if host_lens is not None else _bounds(fn, max_seq_len, b, stand_in.max_seq)
-    sv, plan = serving_plan(fn, window, softcap, impl, q.dtype, d, hq // hkv, plan, block_table=block_table,
-                            log2_page=ps.bit_length() - 1, num_pages=k_pages.shape[0], layout=layout)
+        host = host_lens if host_lens is not None else _bounds(fn, max_seq_len, b, kv.max_seq)
+    sv, plan = DL.serving_plan(fn, window, softcap, impl, q.dtype, d, hq // hkv, plan, block_table=block_table,
+                               log2_page=ps.bit_length() - 1, num_pages=k_pages.shape[0], layout=layout)
     num_splits, split_keys = schedule(rule, plan, b, hkv, host, num_splits, sv.win_left)
     if workspace is not None:
-        _check_workspace(fn, workspace, num_splits, b, hq, d, {**inputs, "out": out}, fused_combine)
+        DL.check_workspace(fn, workspace, num_splits, b, hq, d, {**inputs, "out": out}, fused_combine)
     out = cupy.empty((b, hq, d), dtype=q.dtype) if out is None else out
     if b == 0 or hq == 0:
         return out
-    return _launch(q, stand_in, 0, scale, num_splits, out, plan, workspace, fused_combine=fused_combine, sv=sv,
-                   split_keys=split_keys)
+    DL.launch(q, kv, scale, num_splits, out, plan, workspace, fused_combine=fused_combine, sv=sv,
+              split_keys=split_keys)
+    return out
 
 
 def _bounds(fn, max_seq_len, b, capacity):
@@ -186,8 +249,9 @@ def _bounds(fn, max_seq_len, b, capacity):
     return [_checks.check_int(fn, "max_seq_len", max_seq_len, 0)] * b
 
 
-def attention_paged(q, k_pages, v_pages, block_table, seq_lens, cu_seqlens_q=None, max_seqlen_q=None, causal=False,
-                    scale=None, window=None, softcap=None, return_lse=False, out=None, impl=None, layout="NHD"):
+def attention_paged(q, k_pages, v_pages=None, block_table=None, seq_lens=None, cu_seqlens_q=None, max_seqlen_q=None,
+                    causal=False, scale=None, window=None, softcap=None, return_lse=False, out=None, impl=None,
+                    layout=None):
     """Attention of new queries over paged keys/values that already hold them (chunked prefill).
 
     Sequence b has ``seq_lens[b]`` keys in its pages, its new tokens last (append them first,
@@ -198,7 +262,8 @@ def attention_paged(q, k_pages, v_pages, block_table, seq_lens, cu_seqlens_q=Non
     ----------
     q : cupy.ndarray [B, Hq, Sq, D] (every sequence adds Sq tokens) or [total_q, Hq, D] packed
         by ``cu_seqlens_q`` (int32 [B + 1], as attention_varlen) with ``max_seqlen_q``.
-    k_pages, v_pages, block_table, seq_lens, layout : as :func:`decode_attention_paged`.
+    k_pages, v_pages, block_table, seq_lens, layout : as :func:`decode_attention_paged`
+        (``attention_paged(q, cache, layer, ...)`` reads a PagedKVCache).
     causal, scale, window, softcap, return_lse, impl : as :func:`cupyattn.attention_varlen`
         (lse is [B, Hq, Sq] for 4-D q, [Hq, total_q] for packed q). impl="wgmma_persistent"
         (the persistent Hopper kernel) reads each key tile's pages by TMA, one copy per page of
@@ -210,6 +275,8 @@ def attention_paged(q, k_pages, v_pages, block_table, seq_lens, cu_seqlens_q=Non
     out : cupy.ndarray shaped like q, optional
     """
     fn = "attention_paged"
+    k_pages, v_pages, block_table, seq_lens, layout, mirror = _pages_of(fn, k_pages, v_pages, block_table, seq_lens,
+                                                                        layout)
     _checks.check_bool(fn, "causal", causal)
     _checks.check_bool(fn, "return_lse", return_lse)
     if cu_seqlens_q is None:
@@ -222,13 +289,18 @@ def attention_paged(q, k_pages, v_pages, block_table, seq_lens, cu_seqlens_q=Non
         (tq, hq, d), q3 = q.shape, q
     if q3.ndim == 4:  # the checks take [*, Hq, D]
         q3 = q[:, :, 0] if sq else cupy.empty((b, hq, d), dtype=q.dtype)
-    layout = check_layout(fn, layout)
     auto = impl is None
-    impl, hq, hkv, d, ps, host, lens = _check_pages(fn, q3, k_pages, v_pages, block_table, seq_lens, impl, b, layout)
+    if impl is not None:
+        check_choice(fn, "impl", impl, IMPLS)
+    hq, hkv, d, ps, host, lens = _check_pages(fn, q3, k_pages, v_pages, block_table, seq_lens, b, layout, mirror)
+    if not auto:
+        check_impl(fn, impl, q3, d)
     check_grid(fn, b, hq)
-    if (auto and layout == "NHD" and ps >= config.ATTN_WGMMA_MIN_PAGE and q.size
-            and _sm90p.auto_takes(fn, q, lambda: _sm90p.paged_ops(q, k_pages, v_pages), b)):
-        impl = _sm90p.IMPL  # NHD pages of 8 tokens or more: every other option it implements
+    used = call_options(causal, window, softcap, scale, return_lse, out) + (["hnd_pages"] if layout == "HND" else [])
+    if auto:  # options.DEFAULTS["attention_paged"]
+        impl = choose(fn, q, d, used=used, causal=causal, launches=bool(q.size), page_size=ps,
+                      problem=lambda i: _sm90p.launch_problem(fn, i, _sm90p.paged_ops(q, k_pages, v_pages), q, b))
+        check_impl(fn, impl, q3, d)
     elif impl == _sm90p.IMPL:
         options.check(fn, fn, impl, ["hnd_pages"] if layout == "HND" else [])
         _sm90p.check_pages(fn, impl, ps)
@@ -266,7 +338,7 @@ def attention_paged(q, k_pages, v_pages, block_table, seq_lens, cu_seqlens_q=Non
     ks = [0, es[2], es[1]] if layout == "NHD" else [0, es[1], es[2]]  # head, token (row) strides in a page
     sv = Serving(cu_q=cu_q, cu_k=lens, block_table=block_table, log2_page=ps.bit_length() - 1,
                  num_pages=k_pages.shape[0], window=win, softcap=cap)
-    _flash(impl, q, k_pages, v_pages, False, scale, None, None, None, out, lse, sv, shape=shape[:4] + (sq_arg, 0),
+    launch(impl, q, k_pages, v_pages, False, scale, None, None, None, out, lse, sv, shape=shape[:4] + (sq_arg, 0),
            strides=(qs, ks, ks))
     return (out, lse) if return_lse else out
 
@@ -288,8 +360,9 @@ class PagedKVCache(KVCache):
         ``max_pages_per_seq * page_size`` tokens (``max_seq``).
     layout : {"NHD", "HND"}, optional
         Page layout (module docstring); None: config.PAGED_DEFAULT_LAYOUT ("NHD"); "HND" is opt-in
-        (its GPU runs: docs/ran-where.md). ``decode``, ``append`` and ``append_qkv`` follow it; pass
-        ``layout=cache.layout`` to :func:`attention_paged` / :func:`decode_attention_paged`.
+        (its GPU runs: docs/ran-where.md). ``decode``, ``append`` and ``append_qkv`` follow it, and so
+        do :func:`attention_paged` / :func:`decode_attention_paged` given the cache itself
+        (``f(q, cache, layer)``) or its pages (views of ``k`` / ``v``: their layout is looked up).
 
     Attributes
     ----------
@@ -359,6 +432,7 @@ class PagedKVCache(KVCache):
         self.host_table = np.zeros((self.batch, mpp), dtype=np.int32)
         self._pages: list[list[int]] = [[] for _ in range(self.batch)]
         self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out page 0 first
+        _CACHES.add(self)  # its pages' layout is found from the pages (_owner)
 
     def __repr__(self):
         return (f"PagedKVCache(num_layers={self.num_layers}, max_batch={self.batch}, num_kv_heads="
@@ -449,12 +523,22 @@ class PagedKVCache(KVCache):
         for slot in range(self.batch):
             self.free(slot)
 
-    def decode(self, q, layer, scale=None, window=None, softcap=None, num_splits=None, out=None, impl="auto",
-               workspace=None, split_rule=None, fused_combine=None):
-        """:func:`decode_attention_paged` of ``q [max_batch, Hq, D]`` over ``layer``, in this
-        cache's layout (split count from the host lengths unless ``num_splits`` is given)."""
+    def decode(self, q, layer, scale=None, num_splits=None, out=None, workspace=None, impl=None, fused_combine=None,
+               window=None, softcap=None, split_rule=None):
+        """:func:`decode_attention_paged` of ``q`` over ``layer``, in this cache's layout (split
+        count from the host lengths unless ``num_splits`` is given): q [max_batch, Hq, D] or
+        [max_batch, Hq, 1, D], the result (and ``out``) shaped like q, as :meth:`KVCache.decode`."""
         fn = "PagedKVCache.decode"
         layer = self.check_layer(fn, layer)
-        return _decode_paged(fn, q, self.k[layer], self.v[layer], self.block_table, self.lengths[layer], scale,
-                             window, softcap, num_splits, out, impl, None, workspace, self.layout, split_rule,
-                             fused_combine, host_lens=self.host_lengths[layer])
+        four = _checks.is_device_array(q) and q.ndim == 4
+        if four:  # [B, Hq, 1, D] (KVCache.decode's shape) as the [B, Hq, D] the paged kernels read
+            check_array(fn, "q", q, ndim=4)
+            if q.shape[2] != 1:
+                raise ValueError(f"{fn}(): q has shape {tuple(q.shape)}, expected [batch, Hq, 1, D] or [batch, Hq, D]")
+            if out is not None:
+                check_out(fn, out, q.shape, q.dtype)
+        o = _decode_paged(fn, q[:, :, 0] if four else q, self.k[layer], self.v[layer], self.block_table,
+                          self.lengths[layer], scale, window, softcap, num_splits,
+                          out[:, :, 0] if four and out is not None else out, impl, None, workspace, self.layout,
+                          split_rule, fused_combine, host_lens=self.host_lengths[layer])
+        return (out if out is not None else o[:, :, None]) if four else o

@@ -11,9 +11,9 @@ import cupy
 import numpy as np
 
 from . import _checks
-from ._loader import KernelSpec, get_function
+from ._loader import KernelSpec, ctype, get_function
 from .config import (DTYPES, MAX_GRID_X, SOFTMAX_BLOCK, SOFTMAX_REG_MAX, SOFTMAX_REG_TILES,
-                     SOFTMAX_ROWS_PER_BLOCK, SOFTMAX_VPTS, SOFTMAX_WARP_MAX, ctype)
+                     SOFTMAX_ROWS_PER_BLOCK, SOFTMAX_VPTS, SOFTMAX_WARP_MAX)
 
 
 def _warp_expr(dtype, vpt: int) -> str:

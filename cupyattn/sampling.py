@@ -53,9 +53,8 @@ import cupy
 import numpy as np
 
 from . import _checks as C
-from ._loader import KernelSpec, get_function
-from .config import (DTYPES, MAX_GRID_X, SAMPLING_MASS_BITS, SAMPLING_MAX_VOCAB, SAMPLING_THREADS,
-                     ctype, defines)
+from ._loader import KernelSpec, ctype, defines, get_function
+from .config import DTYPES, MAX_GRID_X, SAMPLING_MASS_BITS, SAMPLING_MAX_VOCAB, SAMPLING_THREADS
 from .layers import _rows
 
 SPEC = KernelSpec(

@@ -18,11 +18,11 @@ from . import _checks
 from . import flash_attn_sm90_persistent as _sm90p
 from ._checks import check_array, check_choice, check_last_contiguous, check_out, check_same_dtype
 from .config import HEAD_DIMS, MAX_GRID_YZ, MMA_DTYPES
-from .flash_attn import Serving, _flash, check_flash_mma_device, check_window_softcap, default_impl
+from .flash_launch import Serving, check_flash_mma_device, check_window_softcap, choose, elem_strides, launch
 
 FUSED_IMPLS = ("flash", "flash_mma")
 # Hopper: the persistent wgmma kernel (packed and paged addressing; v3, attention()'s "wgmma", has
-# neither). impl=None takes it where config.ATTN_AUTO_PERSISTENT says (_sm90p.auto_takes).
+# neither). impl=None takes it where cupyattn/options.py DEFAULTS says.
 IMPLS = FUSED_IMPLS + (_sm90p.IMPL,)
 
 
@@ -80,18 +80,15 @@ def offsets_batch(fn: str, name: str, x) -> int:
     return shape[0] - 1
 
 
-def check_packed(fn, q, k, v, impl, kn="k", vn="v"):
+def check_packed(fn, q, k, v, kn="k", vn="v"):
     """q [total_q, Hq, D], k/v [*, Hkv, D] (3-D, or pages [N, P, Hkv, D], named ``kn``, ``vn``
-    in errors): -> impl, Hq, Hkv, D."""
-    if impl is not None:
-        check_choice(fn, "impl", impl, IMPLS)
+    in errors): -> Hq, Hkv, D."""
     check_array(fn, "q", q, ndim=3)
     check_array(fn, kn, k, min_ndim=3)
     check_array(fn, vn, v, min_ndim=3)
     check_same_dtype(fn, kn, k, "q", q)
     check_same_dtype(fn, vn, v, "q", q)
     hq, d = q.shape[1], q.shape[2]
-    impl = default_impl(q.dtype, d) if impl is None else impl
     hkv = k.shape[-2]
     if tuple(v.shape) != tuple(k.shape):
         raise ValueError(f"{fn}(): {vn} has shape {tuple(v.shape)} but {kn} has {tuple(k.shape)}")
@@ -101,17 +98,29 @@ def check_packed(fn, q, k, v, impl, kn="k", vn="v"):
         raise ValueError(f"{fn}(): q heads Hq={hq} must be a multiple of {kn}/{vn} heads Hkv={hkv}")
     if d not in HEAD_DIMS:
         raise ValueError(f"{fn}(): head_dim D={d} is not supported; supported: {', '.join(map(str, HEAD_DIMS))}")
+    for name, x in (("q", q), (kn, k), (vn, v)):
+        check_last_contiguous(fn, name, x)
+        for n in x.shape:
+            _checks.check_int32(fn, f"{name} size", n)
+    return hq, hkv, d
+
+
+def check_impl(fn, impl, q, d):
+    """``impl`` of the packed entry points (attention_varlen, attention_paged) for q's dtype and
+    head dim ``d`` on this device: dtype, instructions, shared memory."""
+    check_choice(fn, "impl", impl, IMPLS)
     if impl == "flash_mma" and np.dtype(q.dtype) not in MMA_DTYPES:
         raise TypeError(f"{fn}(): impl='flash_mma' needs float16 or bfloat16 inputs, got float32 (use impl='flash')")
     if impl == "flash_mma":
         check_flash_mma_device(fn, q.dtype, d)
     if impl == _sm90p.IMPL:
         _sm90p.check(fn, impl, q, d)
-    for name, x in (("q", q), (kn, k), (vn, v)):
-        check_last_contiguous(fn, name, x)
-        for n in x.shape:
-            _checks.check_int32(fn, f"{name} size", n)
-    return impl, hq, hkv, d
+
+
+def call_options(causal, window, softcap, scale, return_lse, out) -> list:
+    """The call options (cupyattn/options.py) a packed call uses, for impl=None's IMPLEMENTS."""
+    return [o for o, on in (("causal", causal), ("window", window is not None), ("softcap", bool(softcap)),
+                            ("scale", scale is not None), ("return_lse", return_lse), ("out", out is not None)) if on]
 
 
 def check_grid(fn, b, hq):
@@ -125,10 +134,6 @@ def check_max_seqlen(fn, name, value, host_cu):
         raise ValueError(f"{fn}(): {name}={value} is less than the longest sequence "
                          f"({int(np.diff(host_cu).max())})")
     return value
-
-
-def elem_strides(x):
-    return [s // x.itemsize for s in x.strides]
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False, scale=None,
@@ -184,7 +189,11 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     _checks.check_bool(fn, "causal", causal)
     _checks.check_bool(fn, "return_lse", return_lse)
     auto = impl is None
-    impl, hq, hkv, d = check_packed(fn, q, k, v, impl)
+    if impl is not None:
+        check_choice(fn, "impl", impl, IMPLS)
+    hq, hkv, d = check_packed(fn, q, k, v)
+    if impl is not None:
+        check_impl(fn, impl, q, d)
     if k.ndim != 3:
         raise ValueError(f"{fn}(): k must be [total_k, Hkv, D], got shape {tuple(k.shape)}")
     tq, tk = q.shape[0], k.shape[0]
@@ -194,8 +203,11 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     max_q = check_max_seqlen(fn, "max_seqlen_q", max_seqlen_q, hcq)
     max_k = check_max_seqlen(fn, "max_seqlen_k", max_seqlen_k, hck)
     check_grid(fn, b, hq)
-    if auto and q.size and k.size and _sm90p.auto_takes(fn, q, lambda: _sm90p.varlen_ops(q, k, v), b):
-        impl = _sm90p.IMPL  # (it implements every option of this entry point: cupyattn/options.py)
+    if auto:  # options.DEFAULTS["attention_varlen"]
+        impl = choose(fn, q, d, used=call_options(causal, window, softcap, scale, return_lse, out),
+                      causal=causal, launches=bool(q.size and k.size),
+                      problem=lambda i: _sm90p.launch_problem(fn, i, _sm90p.varlen_ops(q, k, v), q, b))
+        check_impl(fn, impl, q, d)
     elif impl == _sm90p.IMPL and q.size and k.size:  # (nothing is launched otherwise)
         _sm90p.check_launch(fn, impl, _sm90p.varlen_ops(q, k, v), q, b)
     win, cap = check_window_softcap(fn, window, softcap, causal)
@@ -218,7 +230,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         return (out, lse) if return_lse else out
     qs, ks, vs = ([0, st[1], st[0]] for st in map(elem_strides, (q, k, v)))
     sv = Serving(cu_q=cu_q, cu_k=cu_k, window=win, softcap=cap)
-    _flash(impl, q, k, v, False, scale, None, None, None, out, lse, sv, shape=(b, hq, max_q, hkv, tq, tk),
+    launch(impl, q, k, v, False, scale, None, None, None, out, lse, sv, shape=(b, hq, max_q, hkv, tq, tk),
            strides=(qs, ks, vs))
     return (out, lse) if return_lse else out
 

@@ -112,9 +112,12 @@ struct FlashSeq {
         k = {k_ + b * k_sb + hk * k_sh, k_ss, nullptr, 0, 0};
         v = {v_ + b * v_sb + hk * v_sh, v_ss, nullptr, 0, 0};
         if (!SERVING) return;
+        // Device offsets are the caller's: clamped to the packed rows (Sq = total_q, Sk = total_k),
+        // so offsets past the end, negative or decreasing give wrong or empty rows, never a read or
+        // write outside q, k, v, out or lse.
         if (cu_q != nullptr) {
-            q0 = cu_q[b];
-            sq = cu_q[b + 1] - q0;
+            q0 = min(max(cu_q[b], 0), Sq);
+            sq = min(max(cu_q[b + 1], q0), Sq) - q0;
             q = q_ + q0 * q_ss + h * q_sh;
         }
         if (table != nullptr) {  // key count clamped to the table's capacity: never past its row
@@ -122,8 +125,8 @@ struct FlashSeq {
             k = {k_ + hk * k_sh, k_ss, table + (long long)b * bt_stride, log2_page, num_pages - 1, page_rows};
             v = {v_ + hk * v_sh, v_ss, k.table, log2_page, num_pages - 1, page_rows};
         } else if (cu_k != nullptr) {
-            const int k0 = cu_k[b];
-            sk = cu_k[b + 1] - k0;
+            const int k0 = min(max(cu_k[b], 0), Sk);
+            sk = min(max(cu_k[b + 1], k0), Sk) - k0;
             k.base = k_ + k0 * k_ss + hk * k_sh;
             v.base = v_ + k0 * v_ss + hk * v_sh;
         }
@@ -151,6 +154,35 @@ __device__ __forceinline__ int flash_page_rows(int Hkv, int D, long long k_ss, i
     int bt_stride, int log2_page, int num_pages,                                                   \
     int win_left, int win_right,          /* window; -1 unbounded */                               \
     float softcap_log2                    /* softcap * log2(e), 0 = off */
+
+// The keys query rows [m0, m0 + BLOCK_M) of a sequence may see, [n_lo, k_end) with n_lo a
+// multiple of BLOCK_N (key tiles stay aligned), the one key range of both kernels: the sequence's
+// keys, key_lengths[b] clamped to [0, Sk], causal (bottom-right: the last row's j <= m0 + BLOCK_M
+// - 1 + diag, so later tiles are skipped, not computed and masked) and a window's right side bound
+// k_end; the window's left side at the first row bounds n_lo. Where that lies at or past k_end the
+// tile sees no key at all: the range is empty (no key tile is loaded), not a tile of masked keys.
+struct KeyRange {
+    int n_lo, k_end;
+    __device__ __forceinline__ int tiles(int block_n) const {
+        return k_end > n_lo ? (k_end - n_lo + block_n - 1) / block_n : 0;
+    }
+};
+template <int BLOCK_M, int BLOCK_N, bool CAUSAL, bool SERVING>
+__device__ __forceinline__ KeyRange key_range(const Window& win, int sk, const int* key_lengths, int b, int m0) {
+    int k_end = sk;
+    if (key_lengths) k_end = min(k_end, max(key_lengths[b], 0));
+    if (CAUSAL) k_end = min(k_end, m0 + BLOCK_M + win.diag);
+    int n_lo = 0;
+    if (SERVING) {
+        if (win.right >= 0) k_end = min(k_end, max(win.hi(m0 + BLOCK_M - 1) + 1, 0));
+        if (win.left >= 0) {
+            const int lo = max(win.lo(m0), 0);
+            if (lo >= k_end) return {0, 0};
+            n_lo = lo / BLOCK_N * BLOCK_N;
+        }
+    }
+    return {n_lo, k_end};
+}
 
 // --- v1: SIMT FlashAttention-2 forward -----------------------------------------------------
 // grid (ceil(Sq / BLOCK_M), min(B*Hq, 65535), ceil(B*Hq / 65535)); block NUM_WARPS * 32.
@@ -197,19 +229,12 @@ flash_attn_fwd(const T* __restrict__ q,          // [B, Hq, Sq, D], strides q_sb
     if (SERVING && m0 >= seq.sq) return;  // a short packed sequence: whole CTA leaves together
     if (mask) mask += b * m_sb + h * m_sh;
 
-    // Keys this tile may see: [n_lo, k_end). Causal (bottom-right): row i sees j <= i + Sk - Sq, so
-    // key tiles from the last row's limit on are skipped entirely, not computed and masked; a
-    // window also skips the tiles before the first row's lower limit.
+    // Keys this tile may see: [n_lo, k_end) (key_range). Causal (bottom-right): row i sees
+    // j <= i + Sk - Sq; a window bounds both ends.
     const Window win{SERVING ? win_left : -1, SERVING ? win_right : -1, seq.sk - seq.sq};
     const int diag = win.diag;
-    int k_end = seq.sk;
-    if (key_lengths) k_end = min(k_end, max(key_lengths[b], 0));
-    if (CAUSAL) k_end = min(k_end, m0 + BLOCK_M + diag);  // last row's j <= m0 + BLOCK_M - 1 + diag
-    int n_lo = 0;
-    if (SERVING) {
-        if (win.right >= 0) k_end = min(k_end, max(win.hi(m0 + BLOCK_M - 1) + 1, 0));
-        if (win.left >= 0) n_lo = max(win.lo(m0), 0) / BLOCK_N * BLOCK_N;
-    }
+    const KeyRange kr = key_range<BLOCK_M, BLOCK_N, CAUSAL, SERVING>(win, seq.sk, key_lengths, b, m0);
+    const int n_lo = kr.n_lo, k_end = kr.k_end;
 
     // Load Q_i from HBM to SRAM (rows past Sq as zeros; they are computed but never stored).
     load_tile<T, HEAD_DIM, HEAD_DIM, BLOCK_M, THREADS>(q_s, KvRows<T, false>{seq.q, q_ss}, m0, seq.sq - m0);
@@ -445,19 +470,13 @@ flash_attn_mma(const T* __restrict__ q,          // [B, Hq, Sq, D], strides q_s*
     if (SERVING && m0 >= seq.sq) return;  // a short packed sequence: whole CTA leaves together
     if (mask) mask += b * m_sb + h * m_sh;
 
-    // Keys this tile may see: [n_lo, k_end); causal (bottom-right) row i sees j <= i + diag; a
-    // window (SERVING) bounds both ends.
+    // Keys this tile may see: [n_lo, k_end) (key_range); causal (bottom-right) row i sees
+    // j <= i + diag; a window (SERVING) bounds both ends.
     const Window win{SERVING ? win_left : -1, SERVING ? win_right : -1, seq.sk - seq.sq};
     const int diag = win.diag;
-    int k_end = seq.sk;
-    if (key_lengths) k_end = min(k_end, max(key_lengths[b], 0));
-    if (CAUSAL) k_end = min(k_end, m0 + BLOCK_M + diag);
-    int n_lo = 0;
-    if (SERVING) {
-        if (win.right >= 0) k_end = min(k_end, max(win.hi(m0 + BLOCK_M - 1) + 1, 0));
-        if (win.left >= 0) n_lo = min(max(win.lo(m0), 0), max(k_end, 0)) / BLOCK_N * BLOCK_N;
-    }
-    const int n_tiles = k_end > n_lo ? (k_end - n_lo + BLOCK_N - 1) / BLOCK_N : 0;
+    const KeyRange kr = key_range<BLOCK_M, BLOCK_N, CAUSAL, SERVING>(win, seq.sk, key_lengths, b, m0);
+    const int n_lo = kr.n_lo, k_end = kr.k_end;
+    const int n_tiles = kr.tiles(BLOCK_N);
     // Every tile needs the masking step when a mask tensor is given or the scale is negative
     // (the fast path takes the row max of unscaled S, which only a scale >= 0 preserves), and
     // with a window or softcap.

@@ -59,7 +59,8 @@ __device__ __forceinline__ void norm_tile(const T* x, int M, long long ldx, int 
 // turn by p into k_cache row p, its v heads are copied to v_cache row p. Every block reads
 // lengths[b] before it takes a ticket; the block that takes the last ticket (all others have read
 // them) advances lengths[b] by one and resets the ticket to 0 for the next launch or graph replay.
-// The host has checked lengths[b] + 1 <= max_seq. tiles_n = (Hq + 2 Hkv) * D / 16.
+// The host has checked lengths[b] + 1 <= max_seq on its mirror; a device length outside [0, max_seq)
+// (the caller's array, corrupted) writes no cache row. tiles_n = (Hq + 2 Hkv) * D / 16.
 template <typename T, bool NEOX, int S_WARPS, int S_NT, int S_CH>
 __global__ void __launch_bounds__(S_WARPS * 32, 1) norm_qkv_rope_append_kernel(
     const T* __restrict__ x, const T* __restrict__ norm_w, const T* __restrict__ w,
@@ -99,6 +100,7 @@ __global__ void __launch_bounds__(S_WARPS * 32, 1) norm_qkv_rope_append_kernel(
         if (h < Hq) {
             dst = q_out + ((long long)b * Hq + h) * D;
         } else {
+            if ((unsigned)pos >= (unsigned)max_seq) continue;  // corrupt lengths: no cache row to write
             const int hk = h < Hq + Hkv ? h - Hq : h - Hq - Hkv;
             dst = (h < Hq + Hkv ? k_cache : v_cache) + (((size_t)b * Hkv + hk) * (size_t)max_seq + pos) * D;
         }

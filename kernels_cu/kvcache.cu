@@ -43,6 +43,12 @@ __device__ __forceinline__ size_t cache_row(int b, int hk, int p, int Hkv, int m
     return ((((size_t)pg << log2_page) | in_page) * Hkv + hk) * D;
 }
 
+// Whether position p is a row of the cache (max_seq rows per sequence: the contiguous cache's, or
+// the block table's capacity, bt_stride pages). The host keeps lengths + counts <= max_seq on its
+// mirror; the device lengths are the caller's too (KVCache.lengths), so a write checks its row and
+// a corrupt length drops rows instead of writing past the cache (or its table row).
+__device__ __forceinline__ bool in_cache(int p, int max_seq) { return (unsigned)p < (unsigned)max_seq; }
+
 // --- append --------------------------------------------------------------------------------
 // Grid (ceil(T / tok_per_block), Hkv, B), any block size. Token t of sequence b, kv head h goes
 // to cache row lengths[b] + t for t < n_b (n_b = num_new[b] if use_counts else uniform_n).
@@ -70,6 +76,7 @@ __global__ void kv_append_kernel(
     const T* vs = v_new + b * v_sb + h * v_sh + (long long)t0 * v_st;
     for (int i = threadIdx.x; i < ntok * D; i += blockDim.x) {
         const int t = i / D, d = i - t * D;
+        if (!in_cache(base + t0 + t, max_seq)) continue;  // corrupt lengths: drop the row, never write past
         // destination row of position base + t0 + t (consecutive rows unless paged)
         const size_t row = cache_row<PAGED>(b, h, base + t0 + t, Hkv, max_seq, D, block_table, bt_stride,
                                             log2_page, num_pages, page_hnd);
@@ -131,6 +138,7 @@ __global__ void __launch_bounds__(KV_ROPE_APPEND_THREADS) qkv_rope_append_kernel
             dst = q_out + (((long long)b * Hq + h) * T_ + t) * D;
         } else {
             const int hk = h < Hq + Hkv ? h - Hq : h - Hq - Hkv;
+            if (!in_cache(base + t, max_seq)) continue;  // corrupt lengths: no cache row, never write past
             const size_t row = cache_row<PAGED>(b, hk, base + t, Hkv, max_seq, D, block_table, bt_stride,
                                                 log2_page, num_pages, page_hnd);
             dst = (h < Hq + Hkv ? k_cache : v_cache) + row;

@@ -13,6 +13,7 @@ import pytest
 
 from conftest import assert_close, nan_like, rand_with_outliers, skip_unless_device_runs, to_device, to_host
 from cupyattn import _loader, config
+from cupyattn import device as _device
 from cupyattn._checks import ComputeCapabilityError
 from cupyattn import flash_attn as FA
 from cupyattn import flash_attn_sm90 as W
@@ -213,7 +214,7 @@ def test_wgmma_argument_checks(rng, monkeypatch):
     with pytest.raises(ValueError, match=r"attention\(\): head_dim D=32 is not supported by impl='wgmma'; supported: 64, 128, 256"):
         FA.attention(q32, k32, k32, impl="wgmma")
     with monkeypatch.context() as m:   # a non-Hopper device (an RTX 30 here): refused before launch
-        m.setattr(_loader, "device_compute_capability", lambda: 86)
+        m.setattr(_device, "compute_capability", lambda: 86)
         with pytest.raises(ComputeCapabilityError, match=r"attention\(\): impl='wgmma' with float16 inputs needs "
                                                          r"compute capability 9\.0 exactly .*is 8\.6"):
             FA.attention(q, k, k, impl="wgmma", out=out)

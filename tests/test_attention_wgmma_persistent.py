@@ -22,6 +22,7 @@ import pytest
 
 from conftest import assert_close, nan_like, rand_with_outliers, skip_unless_device_runs, to_device, to_host
 from cupyattn import config
+from cupyattn import device as _device
 from cupyattn import flash_attn as FA
 from cupyattn import flash_attn_sm90 as W
 from cupyattn import flash_attn_sm90_persistent as P
@@ -412,7 +413,7 @@ def test_argument_checks(rng):
     with pytest.raises(ValueError, match=r"impl='wgmma_persistent' needs q, k, v that TMA can read: v:"):
         FA.attention(q4, q4, bcast, impl=IMPL, out=o4)
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(_loader, "device_compute_capability", lambda: 80)
+        m.setattr(_device, "compute_capability", lambda: 80)
         with pytest.raises(ComputeCapabilityError, match=r"impl='wgmma_persistent' with float16 inputs needs "
                                                          r"compute capability 9\.0 exactly"):
             FA.attention(q4, q4, q4, impl=IMPL, out=o4)

@@ -241,21 +241,22 @@ def test_paged_slots_through_the_opt_in_decode_paths(sharp, monkeypatch):
     staged page ids and the "waves" split rule (per-sequence chunks, the fused combine's counters
     in the captured workspace; 4 keys per split at least, so these short prompts do split).
     Greedy tokens still equal each prompt alone on NumPy."""
-    from cupyattn import config, decode, paged
+    from cupyattn import config, decode_launch, splits
 
     for name, value in (("PAGED_DEFAULT_LAYOUT", "HND"), ("DECODE_PAGE_STAGING", True),
                         ("DECODE_SPLIT_RULE", "waves")):
         monkeypatch.setattr(config, name, value)
-    monkeypatch.setattr(decode, "DECODE_MIN_KEYS_PER_SPLIT", 4)
-    decode._wave_splits.cache_clear()
+    monkeypatch.setattr(splits, "DECODE_MIN_KEYS_PER_SPLIT", 4)
+    splits._wave_splits.cache_clear()
     launches = []
 
     def launch(*a, **kw):
-        launches.append((a[4], kw["split_keys"], a[6].expr))  # num_splits, split_keys, kernel
+        if kw["sv"] is not None and kw["sv"].block_table is not None:  # the paged launches
+            launches.append((a[3], kw["split_keys"], a[5].expr))  # num_splits, split_keys, kernel
         return real(*a, **kw)
 
-    real = paged._launch
-    monkeypatch.setattr(paged, "_launch", launch)
+    real = decode_launch.launch
+    monkeypatch.setattr(decode_launch, "launch", launch)
     try:
         gen = sharp_tiny("cupy", "float32")
         prompts = PROMPTS[:4]
@@ -263,7 +264,7 @@ def test_paged_slots_through_the_opt_in_decode_paths(sharp, monkeypatch):
         assert sched.state.cache.layout == "HND"
         got = dict(sched.run())
     finally:
-        decode._wave_splits.cache_clear()
+        splits._wave_splits.cache_clear()
     assert [got[i].generated_ids for i in range(len(prompts))] == [alone(sharp, p, 5) for p in prompts]
     assert sched.runner.replays > 0 and not sched.state.workspace[2].any()
     assert any(n > 1 and keys > 0 for n, keys, _ in launches)  # captured steps that split per sequence

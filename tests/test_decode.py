@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from conftest import expected_builds, gate_built, TOL, assert_close, np_dtype, rand_with_outliers, skip_unless_device_runs
-from cupyattn import _loader, config, decode, kvcache
+from cupyattn import _loader, config, decode, decode_launch, kvcache, splits
 from cupyattn import reference as ref
 from cupyattn.decode import choose_num_splits, decode_attention
 from cupyattn.kvcache import KVCache
@@ -184,7 +184,7 @@ def test_schedule_of_each_rule(monkeypatch):
     """schedule(): "cost" is choose_num_splits on the longest live length with uniform chunks
     (split_keys 0); "waves" with a given count cuts chunks of ceil(longest / count) keys; a
     window caps every length at left + 1 first."""
-    monkeypatch.setattr(decode, "_sm_count", lambda: 132)
+    monkeypatch.setattr(splits, "sm_count", lambda: 132)
     plan = decode._plan("auto", np.float16, 128, 4)
     lens = [100, 5000, 70000, 0]
     assert decode.schedule("cost", plan, 4, 8, lens) == (choose_num_splits(4, 8, 70000, 132, 1), 0)
@@ -203,8 +203,8 @@ def test_auto_splits_follow_live_length_not_max_seq(monkeypatch):
     import cupy
 
     seen = []
-    monkeypatch.setattr(decode, "_sm_count", lambda: 132)
-    monkeypatch.setattr(decode, "_launch", lambda *a, **k: seen.append((a[4], a[6])))
+    monkeypatch.setattr(splits, "sm_count", lambda: 132)
+    monkeypatch.setattr(decode_launch, "launch", lambda *a, **k: seen.append((a[3], a[5])))
     for max_seq in (4096, 65536):
         cache = KVCache(1, 1, 2, max_seq, 64, np.float16)
         cache.host_lengths[0] = 3000  # the host mirror is all the split rule reads
@@ -220,8 +220,8 @@ def test_auto_num_splits_is_what_decode_attention_picks(monkeypatch):
     import cupy
 
     seen = []
-    monkeypatch.setattr(decode, "_sm_count", lambda: 132)
-    monkeypatch.setattr(decode, "_launch", lambda *a, **k: seen.append(a[4]))
+    monkeypatch.setattr(splits, "sm_count", lambda: 132)
+    monkeypatch.setattr(decode_launch, "launch", lambda *a, **k: seen.append(a[3]))
     for dtype, batch, hkv, hq, d, length in [(np.float16, 8, 3, 9, 64, 2048), (np.float16, 8, 1, 40, 128, 8192),
                                              (np.float32, 1, 2, 40, 64, 30000), (config.BFLOAT16, 3, 2, 8, 256, 700)]:
         cache = KVCache(1, batch, hkv, length, d, dtype)
@@ -238,7 +238,7 @@ def test_auto_impl_and_head_tiles(monkeypatch):
     import cupy
 
     seen = []
-    monkeypatch.setattr(decode, "_launch", lambda *a, **k: seen.append(a[6]))
+    monkeypatch.setattr(decode_launch, "launch", lambda *a, **k: seen.append(a[5]))
     # the compute capability the dispatch sees (CUPYATTN_ARCH / the emulator's included) against
     # the family table's bf16 minimum; every tile here (D=64) fits a T4's 64 KB
     bf16_mma = _loader.device_compute_capability() >= config.MMA_MIN_CC[config.BFLOAT16]
@@ -558,7 +558,7 @@ def test_decode_waves_rule_over_batch_heads_lengths(backend, rng, monkeypatch, s
     float64 reference. Each shape here is one the rule splits (asserted), so partials, per-
     sequence chunk counts and the fused combine all run."""
     if sms is not None:
-        monkeypatch.setattr(decode, "_sm_count", lambda: sms)
+        monkeypatch.setattr(splits, "sm_count", lambda: sms)
     plan = decode._plan("auto", np.float16, 32, group)
     s, keys = decode.schedule("waves", plan, b, hkv, lengths)
     assert s > 1 and keys < max(lengths), (s, keys)  # the longest sequence is split

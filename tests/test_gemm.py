@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from cupyattn import _loader, config
+from cupyattn import device as _device
 from cupyattn._checks import ComputeCapabilityError
 from cupyattn import gemm as G
 from cupyattn import reference as ref
@@ -534,7 +535,7 @@ def test_wgmma_refuses_what_tma_cannot_read(layout, monkeypatch):
     with pytest.raises(TypeError, match=rf"{name}\(\): impl='wgmma' needs float16 or bfloat16"):
         fn(a.astype(cupy.float32), b.astype(cupy.float32), impl="wgmma")
     with monkeypatch.context() as m:   # a non-Hopper device (an RTX 30 here): refused before launch
-        m.setattr(_loader, "device_compute_capability", lambda: 86)
+        m.setattr(_device, "compute_capability", lambda: 86)
         with pytest.raises(ComputeCapabilityError, match=rf"{name}\(\): impl='wgmma' with float16 inputs needs "
                                                          r"compute capability 9\.0 exactly .*is 8\.6"):
             fn(a, b, out=out, impl="wgmma")

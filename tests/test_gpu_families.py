@@ -14,7 +14,7 @@ import pytest
 import cupyattn
 from conftest import assert_close, device_cannot_run, gate_built, nan_like, np_dtype, rand_with_outliers, to_device
 from cupyattn import _compile_check as cc
-from cupyattn import _loader, config, decode, flash_attn, gemm
+from cupyattn import _loader, config, decode, flash_attn, flash_launch, gemm
 from cupyattn import reference as ref
 
 F16, BF16, F32 = config.FLOAT16, config.BFLOAT16, config.FLOAT32
@@ -266,8 +266,8 @@ def test_flash_mma_launches_the_family_tile(monkeypatch, window):
     matches the float64 reference."""
     if why := device_cannot_run("attention", "flash_mma", F16, 64):
         pytest.skip(why)
-    seen, real = [], flash_attn.get_function
-    monkeypatch.setattr(flash_attn, "get_function", lambda spec, expr, **kw: seen.append(expr) or real(spec, expr, **kw))
+    seen, real = [], flash_launch.get_function
+    monkeypatch.setattr(flash_launch, "get_function", lambda spec, expr, **kw: seen.append(expr) or real(spec, expr, **kw))
     rng = np.random.default_rng(100)
     q, qr = to_device(rand_with_outliers(rng, (1, 2, 150, 64)), "float16")
     k, kr = to_device(rand_with_outliers(rng, (1, 1, 150, 64)), "float16")

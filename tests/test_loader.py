@@ -374,8 +374,6 @@ def test_every_dynamic_smem_launch_is_opted_in_as_the_driver_requires(compile_re
     the static part). The first H100 run failed float32 decode launches this way (D=128: a 48 KB
     ring beside 4.7 KB of static arrays), with the opt-in keyed on the ring alone. Here the loader
     meets a stand-in kernel holding ptxas' static size for each instantiation (sm_90, 227 KB)."""
-    import types
-
     launches = list(_dynamic_smem_launches())
     static = {}
     for spec in {s for s, _, _ in launches}:
@@ -392,10 +390,11 @@ def test_every_dynamic_smem_launch_is_opted_in_as_the_driver_requires(compile_re
             self.shared_size_bytes = static_bytes
             self.max_dynamic_shared_size_bytes = 48 * 1024 - static_bytes
 
-    device = types.SimpleNamespace(attributes={"MaxSharedMemoryPerBlockOptin": 227 * 1024})
-    fake_cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(Device=lambda: device))
-    monkeypatch.setattr(_loader, "cupy", fake_cupy)
-    monkeypatch.setattr(_loader, "_device_arch", lambda: (0, "90"))
+    from cupyattn import device as D   # an H100 as the loader sees it: sm_90, 227 KB per block
+
+    monkeypatch.setattr(D, "device_arch", lambda: (0, "90"))
+    monkeypatch.setattr(D, "compute_capability", lambda: 90)
+    monkeypatch.setattr(D, "smem_optin", lambda: 227 * 1024)
     monkeypatch.setattr(_loader, "_compile", lambda spec, expr, arch: StandIn(static[(spec.name, expr)]))
     monkeypatch.setattr(_loader, "_FUNCTIONS", {})
     monkeypatch.setattr(_loader, "_SMEM_RAISED", {})

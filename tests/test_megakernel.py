@@ -34,8 +34,8 @@ def device_runs_the_megakernel(request):
 def test_megakernel_is_opt_in_until_a_gpu_run_shows_it_faster():
     """The megakernel stays opt-in, and so does every new plan knob (their defaults are the plan the
     2026-11-27 H100 run measured: megakernel_llama.MegaKnobs())."""
-    from cupyattn import config
     from cupyattn.megakernel_llama import MegaKnobs
+    from tinylm import config
 
     assert config.TINYLM_MEGAKERNEL is (os.environ.get("TINYLM_MEGAKERNEL", "") == "1")
     assert "slower than the fused step" in open(config.__file__).read().split("TINYLM_MEGAKERNEL =")[0][-400:]

@@ -191,7 +191,9 @@ def test_gpu_below_sm80_the_megakernel_is_refused(monkeypatch):
     from tinylm.config import PRESETS
 
     monkeypatch.setenv("CUPYATTN_ARCH", "75")
-    monkeypatch.setattr(config, "TINYLM_MEGAKERNEL", True)
+    from tinylm import config as tinylm_config
+
+    monkeypatch.setattr(tinylm_config, "TINYLM_MEGAKERNEL", True)
     with pytest.raises(ValueError, match=r"megakernel=True: the megakernel needs compute capability 8.0, this "
                                          r"device is 7.5"):
         Transformer(PRESETS["tiny"], _tiny_weights(), "cupy", "float16", megakernel=True)

@@ -17,6 +17,7 @@ CPU tier runs this file on emulated sm_90 (the GPU tier), sm_80 and sm_75
 from __future__ import annotations
 
 import itertools
+import re
 import zlib
 
 import numpy as np
@@ -350,7 +351,8 @@ def _refusal(entry, impl, opts):
     (impl=None never refuses one)."""
     fn = table_entry(entry)
     bad = [o for o in opts if impl is not None and O.refused(fn, impl, o)]
-    return "|".join(LAYOUT_REFUSAL.get(o, rf"{fn}\(\): impl='{impl}' does not implement {o}=") for o in bad) or None
+    return "|".join(LAYOUT_REFUSAL.get(o, rf"{fn}\(\): impl='{impl}' does not implement {re.escape(O.argument(o))}")
+                    for o in bad) or None
 
 
 def _compare(case, got, want):
@@ -407,6 +409,51 @@ def test_every_option_on_every_path(entry, impl):
     assert not failures, f"{len(failures)} case(s) of {entry} impl={impl!r} failed:\n" + "\n".join(failures)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("entry", ["decode_attention_paged", "attention_paged"])
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_a_paged_cache_layout_travels_with_its_pages(entry, layout):
+    """A PagedKVCache's pages are read in its layout: given the cache itself (``f(q, cache,
+    layer)``), its pages with no layout (looked up from the cache they belong to) or with the
+    right one; a layout that contradicts the cache's is refused naming ``layout``, before anything
+    is written. 2 kv heads and pages of 4 tokens: HND pages read as NHD would pass the shape checks."""
+    import cupy
+
+    import cupyattn
+
+    dtype, d = "float32", 32
+    impl = "simt" if entry.startswith("decode") else "flash"
+    rng = np.random.default_rng(59)
+    lens, hq, hkv = [13, 5], 4, 2
+    cache = cupyattn.PagedKVCache(1, 2, hkv, d, num_pages=8, page_size=4, dtype=np_dtype(dtype), layout=layout)
+    k, kh = place(rng, (2, hkv, 13, d), dtype, seq_axis=2)
+    v, vh = place(rng, (2, hkv, 13, d), dtype, seq_axis=2)
+    cache.append(0, k, v, num_new=lens)
+    kp = [np.concatenate([x[i, :, :n].transpose(1, 0, 2) for i, n in enumerate(lens)]) for x in (kh, vh)]
+    if entry.startswith("decode"):
+        q, qh = place(rng, (2, hq, d), dtype, seq_axis=0)
+        want = ref.attention_varlen(qh, kp[0], kp[1], np.arange(3), np.cumsum([0] + lens), False)
+        call = cupyattn.decode_attention_paged
+    else:  # 2 new tokens per sequence (the last two cached), causal
+        q, qh = place(rng, (2, hq, 2, d), dtype, seq_axis=2)
+        packed = qh.transpose(0, 2, 1, 3).reshape(-1, hq, d)
+        want = ref.attention_varlen(packed, kp[0], kp[1], np.arange(3) * 2, np.cumsum([0] + lens), True)
+        want = want.reshape(2, 2, hq, d).transpose(0, 2, 1, 3)
+        call = lambda *a, **kw: cupyattn.attention_paged(*a, causal=True, **kw)  # noqa: E731
+    raw = (cache.k[0], cache.v[0], cache.block_table, cache.lengths[0])
+    for args, kw in (((cache, 0), {}), (raw, {}), (raw, {"layout": layout}), ((cache, 0), {"layout": layout})):
+        assert_close(call(q, *args, impl=impl, **kw), want, dtype)
+    wrong = "NHD" if layout == "HND" else "HND"
+    out = nan_like(want.shape, dtype)
+    with pytest.raises(ValueError, match=rf"{entry}\(\): .*layout='{wrong}'.*pass layout='{layout}'"):
+        call(q, *raw, impl=impl, layout=wrong, out=out)
+    with pytest.raises(ValueError, match=rf"{entry}\(\): layout='{wrong}' but the PagedKVCache passed holds {layout}"):
+        call(q, cache, 0, impl=impl, layout=wrong, out=out)
+    with pytest.raises(TypeError, match=rf"{entry}\(\): block_table and seq_lens come from the PagedKVCache"):
+        call(q, cache, 0, cache.block_table, impl=impl, out=out)
+    assert bool(cupy.isnan(out).all()), "a refused call wrote out"
+
+
 # --- CPU tier: the generation and the documentation ---------------------------------------------
 def test_covering_meets_every_pair_in_few_blocks():
     opts = list("abcdefghijkl")
@@ -460,8 +507,17 @@ def test_options_table_matches_the_entry_points():
                 assert o in opts and why, (entry, impl, o)
     assert O.ENTRY_IMPLS["attention"] == cupyattn.ATTENTION_IMPLS
     assert O.ENTRY_IMPLS["attention_varlen"] == O.ENTRY_IMPLS["attention_paged"] == varlen.IMPLS
-    with pytest.raises(ValueError, match=r"f\(\): impl='wgmma' does not implement window= \(not in kernels_cu"):
+    with pytest.raises(ValueError, match=r"f\(\): impl='wgmma' does not implement window= \(not in kernels_cu.*\); "
+                                         r"impl='flash', impl='flash_mma', impl='wgmma_persistent' or impl=None"):
         O.check("f", "attention", "wgmma", ["causal", "window"])
+    # a refusal names the caller's argument, not the table's key
+    with pytest.raises(ValueError, match=r"does not implement layout='HND' .*impl='flash', impl='flash_mma' or"):
+        O.check("attention_paged", "attention_paged", "wgmma_persistent", ["hnd_pages"])
+    for entry, opts in O.ENTRY_OPTIONS.items():
+        for o in opts:
+            arg = O.argument(o)
+            assert o in O.LAYOUTS or o == "device_lengths" or arg.rstrip("=").split("=")[0] in params.values() \
+                or arg.rstrip("=") in inspect.signature(getattr(cupyattn, entry)).parameters, (entry, o, arg)
     assert O.supports("attention", "wgmma", ["causal", "mask"]) and not O.supports("attention", "naive", ["softcap"])
     assert "| `wgmma` | yes | no | no |" in O.markdown()
     assert O.supports("attention", "wgmma_persistent", ["causal", "window", "softcap", "mask", "key_lengths"])

@@ -105,8 +105,8 @@ def test_window_folding_and_decode_split_rule_input(monkeypatch):
     """causal folds into the window's right side; the decode split rule sees only the keys a
     window leaves (left + 1); plain calls keep the plain kernel, a block table with
     config.DECODE_PAGE_STAGING takes the staged one."""
-    from cupyattn import config, decode
-    from cupyattn.decode import serving_plan
+    from cupyattn import config, decode, splits
+    from cupyattn.decode_launch import serving_plan
     from cupyattn.flash_attn import check_window_softcap
 
     assert check_window_softcap("f", None, None, False) == ((-1, -1), 0.0)
@@ -122,7 +122,7 @@ def test_window_folding_and_decode_split_rule_input(monkeypatch):
     assert sv is None and plan == "plain-plan"
     sv, plan = serving_plan("f", (99, -1), None, "auto", np.float16, 64, 4, "plain-plan")
     assert sv.win_left == 99 and plan.expr.endswith(", true>") and plan.impl == "mma"
-    monkeypatch.setattr(decode, "_sm_count", lambda: 132)
+    monkeypatch.setattr(splits, "sm_count", lambda: 132)
     assert decode.schedule("cost", plan, 1, 2, [5000], None, sv.win_left) == \
         (decode.choose_num_splits(1, 2, 100, 132, config.DECODE_SPLIT_BLOCKS_PER_SM), 0)
     sv, plan = serving_plan("f", None, 30.0, "simt", np.float32, 64, 1, None)

@@ -62,8 +62,9 @@ def _fmt_s(s: float) -> str:
 # impls the device cannot run skip there (conftest.skip_unless_device_runs) and are covered by
 # test_gpu_families.py's error tests.
 SM75_FILES = ("test_ptx.py", "test_gpu_families.py", "test_attention.py", "test_decode.py", "test_gemm.py",
-              "test_softmax.py", "test_layers.py", "test_tinylm_gpu.py", "test_options_matrix.py")
+              "test_softmax.py", "test_layers.py", "test_tinylm_gpu.py", "test_options_matrix.py", "test_dispatch.py")
 SM75_SELECT = " or ".join((
+    "test_impl_none_is_the_tables_choice",  # impl=None of every entry point: the options table's row
     "test_ldmatrix", "test_mma_m16n8k16", "test_cp_async", "test_gpu_families",
     # every path x option (issue 42): what the dispatch and an explicit impl= run on Turing
     "test_every_option_on_every_path",
@@ -91,10 +92,11 @@ SM75_SELECT = " or ".join((
 # (issue 42) An emulated A100 (compute capability 8.0, 163 KB per block): the paths x options matrix
 # only (every other sm_80 path is sm_90's minus wgmma, which the sm_90 run covers), so the family
 # between Turing's fallbacks and Hopper's wgmma dispatch meets every option too.
-SM80_FILES, SM80_SELECT = ("test_options_matrix.py",), "test_every_option_on_every_path"
-SM100_FILES = ("test_gpu_families.py", "test_attention.py")
+SM80_FILES = ("test_options_matrix.py", "test_dispatch.py")
+SM80_SELECT = "test_every_option_on_every_path or test_impl_none_is_the_tables_choice"
+SM100_FILES = ("test_gpu_families.py", "test_attention.py", "test_dispatch.py")
 SM100_SELECT = ("test_flash_mma_launches_the_family_tile or (test_gpu_flash_mma_every_tile_entry and 64)"
-                " or test_default_attention_is_what_the_table_says")
+                " or test_default_attention_is_what_the_table_says or test_impl_none_is_the_tables_choice")
 GPU_MARK = "gpu" if FULL else "gpu and not emu_slow"
 EMU_ARGS_ENV = "CUPYATTN_EMU_PYTEST_ARGS"  # more arguments for every emulated run (``--durations=30``)
 EMU_LOG_ENV = "CUPYATTN_EMU_LOG"  # a folder: each emulated run's whole output lands in <label>.log there

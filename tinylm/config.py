@@ -7,6 +7,7 @@ need no file.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, replace
 
 ROPE_STYLES = ("adjacent", "neox")
@@ -21,6 +22,14 @@ ACTIVATIONS = ("silu", "gelu_tanh")  # the FFN gate: SwiGLU (Llama, Qwen, Mistra
 # unfused in the same run (SmolLM2-135M's shapes, fp16, batch 1; benchmarks/results/2026-11-26-h100).
 PREFILL_GRAPHS = True
 FUSED_PREFILL = True
+# The default decode step on the cupy backend: the fused step (cupyattn.fused: 5 kernels per layer
+# against 9 unfused), measured faster on an H100 with its GPU tests passing (2026-11-26:
+# benchmarks/results/2026-11-26-h100/README.md).
+TINYLM_FUSED_DECODE = True
+# The decode step through the megakernel (cupyattn.megakernel) instead of the fused step: off until
+# a GPU run shows it faster (H100, 2026-11-27: correct, slower than the fused step, 484 against 872
+# tokens/s). TINYLM_MEGAKERNEL=1 in the environment turns it on.
+TINYLM_MEGAKERNEL = os.environ.get("TINYLM_MEGAKERNEL", "") == "1"
 
 
 @dataclass

@@ -533,13 +533,13 @@ def load(model=None, backend: str = "auto", dtype: str | None = None, max_seq: i
     max_seq : cap the context (and so the largest KV cache) below the model's own.
     graphs : decode steps as CUDA graph replays on the cupy backend (False: eager launches).
     fused : decode steps in 5 fused kernels per layer instead of 9 (cupy backend; None: the
-        default of cupyattn.config.TINYLM_FUSED_DECODE: on, measured faster on an H100).
+        default of tinylm.config.TINYLM_FUSED_DECODE: on, measured faster on an H100).
     prefill_graphs : prefill as a padded CUDA graph replay (cupy backend; None: the default of
         tinylm.config.PREFILL_GRAPHS when ``graphs``).
     fused_prefill : prefill through the fused projections, 7 kernels per layer instead of 10
         (cupy backend; None: tinylm.config.FUSED_PREFILL: on, measured faster on an H100).
     megakernel : decode steps as one persistent kernel launch each, sampling included (cupy
-        backend, batches of at most 8; None: cupyattn.config.TINYLM_MEGAKERNEL, off: slower than
+        backend, batches of at most 8; None: tinylm.config.TINYLM_MEGAKERNEL, off: slower than
         the fused step where it ran, docs/megakernel.md).
     """
     from .config import PRESETS

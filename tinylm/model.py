@@ -258,13 +258,13 @@ class Transformer:
     backend : "auto" | "numpy" | "cupy", or an ops object
     dtype : compute/storage dtype name; None = the backend's default (float32 / float16)
     fused : decode steps through the fused kernels (5 per layer instead of 9); None =
-        ``cupyattn.config.TINYLM_FUSED_DECODE`` where the backend has them (cupy), else False.
+        ``tinylm.config.TINYLM_FUSED_DECODE`` where the backend has them (cupy), else False.
         True on a backend without them is a ValueError.
     fused_prefill : multi-token forwards (prefill) through the same fused projections (7 kernels
         per layer instead of 10); None = ``tinylm.config.FUSED_PREFILL`` (on: measured faster on an
         H100). Same backend and head_dim rules as ``fused``.
     megakernel : decode steps as one persistent kernel launch each (cupyattn.megakernel, sampling
-        inside; batch <= 8). Opt-in (docs/ran-where.md), so None = ``cupyattn.config.TINYLM_MEGAKERNEL``
+        inside; batch <= 8). Opt-in (docs/ran-where.md), so None = ``tinylm.config.TINYLM_MEGAKERNEL``
         (off unless TINYLM_MEGAKERNEL=1) where the backend, model and device take it; True where
         they do not is a ValueError saying why.
     """
@@ -300,10 +300,10 @@ class Transformer:
 
     def _resolve_megakernel(self, flag) -> bool:
         """Whether decode steps run as one megakernel launch (see the class docstring)."""
-        from cupyattn import config
+        from . import config as tinylm_config
 
         if flag is None:
-            return bool(config.TINYLM_MEGAKERNEL) and self.megakernel_problem() is None
+            return bool(tinylm_config.TINYLM_MEGAKERNEL) and self.megakernel_problem() is None
         why = self.megakernel_problem() if flag else None
         if why:
             raise ValueError(f"megakernel=True: {why}")
@@ -350,7 +350,7 @@ class Transformer:
             if prefill:
                 from .config import FUSED_PREFILL as default
             else:
-                from cupyattn.config import TINYLM_FUSED_DECODE as default
+                from .config import TINYLM_FUSED_DECODE as default
             return bool(default and self._device_runs_fused())
         if fused and why:
             raise ValueError(why)

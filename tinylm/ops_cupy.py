@@ -149,13 +149,10 @@ class CupyOps:
 
     def attend_decode(self, q, cache, layer, out=None, workspace=None, num_splits=None, fused_combine=None,
                       **options):
-        """options: scale, window, softcap (a family's), as decode_attention takes them."""
-        if isinstance(cache, cupyattn.PagedKVCache):  # continuous batching (tinylm.serve)
-            o = cache.decode(q[:, :, 0], layer, num_splits=num_splits, out=None if out is None else out[:, :, 0],
-                             workspace=workspace, fused_combine=fused_combine, **options)
-            return o[:, :, None] if out is None else out
-        return cupyattn.decode_attention(q, cache, layer, num_splits=num_splits, out=out, workspace=workspace,
-                                         fused_combine=fused_combine, **options)
+        """q [B, Hq, 1, D] over the cache's layer: KVCache and PagedKVCache (continuous batching,
+        tinylm.serve) decode through the same method. options: scale, window, softcap (a family's)."""
+        return cache.decode(q, layer, num_splits=num_splits, out=out, workspace=workspace, fused_combine=fused_combine,
+                            **options)
 
     # --- a family's extra ops (tinylm.config.ModelArgs) ------------------------------------
     def add_bias(self, x, bias):
