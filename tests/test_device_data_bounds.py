@@ -7,9 +7,9 @@ negative; page ids past the pages or negative) on inputs that hold only finite v
 that hold only finite values (zeros). The emulator's allocation guard (tests/emu: 0xFF bytes
 around every array, checked after each launch) turns a write outside any array into an error, and
 a read past an array's end into NaN, which reaches the outputs: so each call must finish, and its
-outputs hold no NaN. (Offsets far past the end are given to the kernels that clamp; for the Hopper
-kernels, whose clamps another change brings, the cases stay within the guard's 256 bytes so that an
-overrun is reported rather than a crash.) The cases are tiny: milliseconds each on the emulator.
+outputs hold no NaN, Hopper kernels included (their scheduler clamps offsets and lengths to the
+arrays' extents: kernels_cu/flash_attn_sm90_sched.cuh). The cases are tiny: milliseconds each on
+the emulator.
 """
 from __future__ import annotations
 
@@ -22,14 +22,6 @@ from conftest import device_cannot_run, np_dtype
 SETUP = {"flash": ("float32", 32), "flash_mma": ("float16", 32), "naive": ("float16", 32),
          "wgmma": ("float16", 64), "wgmma_persistent": ("float16", 64), "simt": ("float32", 32),
          "mma": ("float16", 32)}
-HOPPER = ("wgmma", "wgmma_persistent")
-# Hopper cases that overrun today (kernels_cu/flash_attn_sm90*: another change clamps them). They
-# must fail (strict): when they pass, delete them here.
-HOPPER_OVERRUNS = {
-    ("attention_varlen", "wgmma_persistent", "q past the end"),
-    ("attention_varlen", "wgmma_persistent", "q negative"),
-    ("attention_paged", "wgmma_persistent", "packed q past the end"),
-}
 
 
 def _arr(rng, shape, dtype):
@@ -61,8 +53,8 @@ def _skip(op, impl):
 
 
 def _run(entry, impl, cases, call):
-    """Each (name, data) of ``cases`` through ``call(data)``; a case of HOPPER_OVERRUNS must fail."""
-    failed, unexpected = [], []
+    """Each (name, data) of ``cases`` through ``call(data)``: none may fail."""
+    failed = []
     for name, data in cases:
         try:
             call(data)
@@ -71,13 +63,9 @@ def _run(entry, impl, cases, call):
             ok, why = False, str(e).splitlines()[0]
         except AssertionError as e:
             ok, why = False, str(e).splitlines()[0]
-        known = (entry, impl, name) in HOPPER_OVERRUNS
-        if not ok and not known:
+        if not ok:
             failed.append(f"{name}: {why}")
-        if ok and known:
-            unexpected.append(name)
     assert not failed, f"{entry} impl={impl}: " + "; ".join(failed)
-    assert not unexpected, f"{entry} impl={impl}: now in bounds, delete from HOPPER_OVERRUNS: {unexpected}"
 
 
 @pytest.mark.gpu
@@ -91,8 +79,8 @@ def test_attention_varlen_device_offsets(impl):
     rng = np.random.default_rng(1)
     tq, tk, hq, hkv = 17, 19, 2, 1
     q, k, v = _arr(rng, (tq, hq, d), dtype), _arr(rng, (tk, hkv, d), dtype), _arr(rng, (tk, hkv, d), dtype)
-    far = [] if impl in HOPPER else [("q far past the end", ([0, 3, 2**30], [0, 9, tk])),
-                                     ("k far past the end", ([0, 3, tq], [0, 9, 2**30])),
+    far = [("q far past the end", ([0, 3, 2**30], [0, 9, tk])),
+           ("k far past the end", ([0, 3, tq], [0, 9, 2**30])),
                                      ("both negative", ([0, -2**30, tq], [0, -2**30, tk]))]
     cases = [("q past the end", ([0, 3, tq + 1], [0, 9, tk])), ("k past the end", ([0, 3, tq], [0, 9, tk + 1])),
              ("q negative", ([0, -4, tq], [0, 9, tk])), ("k negative", ([0, 3, tq], [-3, 9, tk])),
@@ -121,8 +109,8 @@ def test_attention_paged_device_lengths_and_pages(impl):
     table = [[0, 1, 2], [3, 4, 0]]
     q4 = _arr(rng, (2, hq, 3, d), dtype)
     qp = _arr(rng, (5, hq, d), dtype)
-    far = [] if impl in HOPPER else [("seq_lens far past", ([2**30, 5], table, None)),
-                                     ("packed q far past", ([9, 12], table, [0, 2, 2**30]))]
+    far = [("seq_lens far past", ([2**30, 5], table, None)),
+           ("packed q far past", ([9, 12], table, [0, 2, 2**30]))]
     cases = [("seq_lens past the capacity", ([40, 5], table, None)), ("seq_lens negative", ([-7, 5], table, None)),
              ("page ids past the pages", ([20, 12], [[0, 9, 2], [3, 2**30, 0]], None)),
              ("page ids negative", ([20, 12], [[0, -1, 2], [-2**30, 4, 0]], None)),
