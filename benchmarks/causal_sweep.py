@@ -113,6 +113,12 @@ def dense_variants(dt, d, causal, headline):
     return v
 
 
+def config_order() -> str:
+    from cupyattn import config
+
+    return config.ATTN_SM90_ORDER
+
+
 def precompile():
     """Every instantiation of the kernel (and flash_mma's) through NVRTC on threads, into CuPy's disk
     cache, so the timed loop never waits for a build."""
@@ -196,7 +202,8 @@ def run_case(name, kind, dt, p, ceil_gbps, rows, log, reps):
                     dyn = causal or sched == W.GRID
                     sec = W.section(h, hkv, 2 * s * d * q.itemsize, dense=(b, s, s, d, q.itemsize, causal, t.block_n),
                                     policy="greedy" if dyn else "stride", grid=sched == W.GRID)
-                    order = {"order": "v3"} if sec == 0 else {"section": sec}   # 0: the kernel's v3 grid order
+                    v3 = sched == W.GRID and config_order() == "v3"
+                    order = {"order": "v3"} if v3 else {"section": sec}   # v3: the grid order measured on 2026-11-27
                     traffic = kv_traffic.dense_traffic(b, h, hkv, s, s, d, q.itemsize, causal, block_n=t.block_n,
                                                        sms=sms, l2_bytes=l2, policy="greedy" if dyn else "stride",
                                                        **order)["kv_read"]

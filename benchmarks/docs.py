@@ -7,7 +7,7 @@
 - docs/ran-where.md: ran_where.py, what has run on a GPU per path, from the GPU-test logs and
   results JSONs;
 - the dispatch, stated once in docs/api.md (the block between DISPATCH_BEGIN and DISPATCH_END):
-  ``cupyattn.options.DEFAULTS``, the sentences the options table carries for each entry point;
+  ``cupyattn.options.DEFAULTS``, in the words ``options.defaults_text`` generates from it;
   the other pages link to it instead of restating it.
 - docs/options.md is ``python -m cupyattn options`` (tests/test_options_matrix.py checks it).
 """
@@ -29,7 +29,7 @@ def dispatch_block() -> str:
     """What impl=None / "auto" takes, per entry point: options.DEFAULTS, one bullet each."""
     from cupyattn import options
 
-    items = [f"- `{entry}`, {text}." for entry, text in options.DEFAULTS.items()]
+    items = [f"- `{entry}`: {options.defaults_text(entry)}" for entry in options.DEFAULTS]
     return "\n".join([DISPATCH_BEGIN, *items, DISPATCH_END])
 
 

@@ -179,19 +179,22 @@ MODEL_MAX_READS = 300_000   # key-tile reads past which the traffic model is not
 
 
 def section(hq: int, hkv: int, kv_bytes_per_head: int, *, dense=None, policy: str = "greedy", grid: bool = False) -> int:
-    """Query heads per L2 section. Under config.ATTN_SM90_ORDER = "v3" (the default): 0 for a dense
-    launch of the grid scheduler (``grid``; the kernel then takes the grid order it had before the
-    schedulers were split out), else the L2-share rule (config.attn_wgmma_heads_per_section).
+    """Query heads per L2 section. Under config.ATTN_SM90_ORDER = "v3" (the default): for a dense
+    launch of the grid scheduler (``grid``) the order of the kernel before the schedulers were split
+    out (hq when causal, else 1: :func:`run_dense`), else the L2-share rule
+    (config.attn_wgmma_heads_per_section).
     Under "sections": config.ATTN_SM90_SECTION when set (whole GQA groups, at most hq);
     else for a dense launch (``dense`` = (B, Sq, Sk, D, itemsize, causal, block_n)) the traffic
     model's best (kv_traffic.best_section, memoised per shape), and otherwise or for launches too
     large to model cheaply the L2-share rule (config.attn_wgmma_heads_per_section)."""
     group = hq // hkv
     if C.ATTN_SM90_ORDER == "v3":
-        # the order measured on 2026-11-27: v3's grid order for dense grid launches (0, the kernel's
-        # sentinel), the L2-share rule for the persistent scheduler and for packed / paged sequences
-        return 0 if dense is not None and policy == "greedy" and grid else C.attn_wgmma_heads_per_section(
-            device_sms_l2()[1], kv_bytes_per_head, group, hq)
+        # the orders measured on 2026-11-27: a dense grid launch head after head (sections of one),
+        # or with causal ranks across all its heads (one section; run_dense folds the batch into
+        # the heads where it can, as v3's grid did); the L2-share rule otherwise
+        if dense is not None and grid:
+            return hq if dense[5] else 1
+        return C.attn_wgmma_heads_per_section(device_sms_l2()[1], kv_bytes_per_head, group, hq)
     if C.ATTN_SM90_SECTION is not None:
         return max(group, min(hq, int(C.ATTN_SM90_SECTION) // group * group))
     sms, l2 = device_sms_l2()
@@ -266,9 +269,29 @@ def run_dense(fn, impl, q, k, v, causal, scale, kl, out, lse, *, sched, sms, mas
     heads = section(hq, hkv, 2 * sk * d * q.itemsize,
                     dense=(b, sq, sk, d, q.itemsize, window == (-1, 0), t.block_n) if modelled else None,
                     policy="greedy" if sched == GRID or dynamic else "stride", grid=sched == GRID)
+    if sched == GRID and C.ATTN_SM90_ORDER == "v3" and window == (-1, 0) and kl is None and mask is None:
+        folded = _fold_batch(q, k, v, out, lse)
+        if folded is not None:   # v3's causal order: rank r of every (sequence, head) side by side
+            q, k, v, out, lse = folded
+            b, hq, hkv, heads = 1, b * hq, b * hkv, b * hq
     launch(fn, q, dense_ops(q, k, v, t), out, lse, sched=sched, tile=t, b=b, hq=hq, hkv=hkv, sq_arg=sq, sk_arg=sk,
            heads=heads, sms=sms, scale=scale, window=window, softcap=softcap, kv_lens=kl, mask=mask, mstrides=mstr,
            dynamic=dynamic, spec=spec)
+
+
+def _fold_batch(q, k, v, out, lse):
+    """q, k, v, out [B, H, S, D] and lse [B, H, S] (or None) as views of B = 1 and B H heads, where
+    each one's batch stride is H times its head stride (a view, no copy); else None. Head h of
+    sequence b becomes head b H + h, and its K/V head b Hkv + h / group is the same K/V head: the
+    kernel's one section of all heads then takes v3's causal order across the batch."""
+    arrays = [x for x in (q, k, v, out, lse) if x is not None]
+    if any(x.shape[0] > 1 and x.strides[0] != x.shape[1] * x.strides[1] for x in arrays):
+        return None
+    folded = tuple(None if x is None else x.reshape((1, x.shape[0] * x.shape[1]) + x.shape[2:])
+                   for x in (q, k, v, out, lse))
+    if any(f is not None and f.data.ptr != x.data.ptr for f, x in zip(folded, (q, k, v, out, lse))):
+        return None   # a copy, not a view (the strides above rule it out; out must be written in place)
+    return folded
 
 
 # --- attention(impl="wgmma") ------------------------------------------------------------------------

@@ -18,8 +18,6 @@
 // traffic model picks it); within a section, query-tile ranks across its heads, heaviest rank
 // first when a right bound (causal) makes tiles unequal. A section's heads are then read by the
 // blocks in flight together and come from L2, not DRAM, for all but their first tile.
-// heads_per_section = 0 (dense launches only) keeps the grid order the kernel had before this split
-// (config.ATTN_SM90_ORDER = "v3", the default until a GPU run times "sections" against it).
 //
 // Extents: offsets and lengths read from device memory (cu_q, cu_k, kv_lens) are clamped to the
 // arrays the host passed (total_q rows of q / out / lse, total_k rows of k / v, the block table's
@@ -167,19 +165,8 @@ __device__ Fa3Work Fa3Sched<SCHED>::work(const Fa3Args& a, int t) {
         w.b = -1;
         return w;
     }
-    int b, r, h = -1, rank = 0;
-    const int nm0 = a.cu_q ? 0 : fa3_m_tiles(a, 0);
-    if (a.heads_per_section == 0 && a.cu_q == nullptr) {
-        // 0: the grid order of the kernel before the schedulers (config.ATTN_SM90_ORDER = "v3"): causal,
-        // rank r of every (sequence, head) side by side, heaviest first; otherwise head after head
-        const int bh = a.win_right >= 0 ? t % (a.B * a.Hq) : t / nm0;
-        rank = a.win_right >= 0 ? t / (a.B * a.Hq) : t % nm0;
-        b = bh / a.Hq;
-        h = bh % a.Hq;
-        r = 0;
-    } else {
-        find(a, t, b, r);
-    }
+    int b, r;
+    find(a, t, b, r);
     w.b = b;
     // the sequence, clamped to the arrays' extents
     w.q0 = 0;
@@ -202,13 +189,9 @@ __device__ Fa3Work Fa3Sched<SCHED>::work(const Fa3Args& a, int t) {
     w.k_end = a.table == nullptr && a.kv_lens ? fa3_clamp(a.kv_lens[b], 0, w.sk) : w.sk;
     // head and query tile: sections of heads, ranks across a section's heads, heaviest first
     const int nm = fa3_ceil_div(w.sq, FA3_BLOCK_M), sec = a.heads_per_section;
-    if (h < 0) {
-        const int s = r / (sec * nm), h0 = s * sec, len = min(sec, a.Hq - h0);
-        const int in_sec = r - s * sec * nm;
-        rank = in_sec / len;
-        h = h0 + in_sec % len;
-    }
-    w.h = h;
+    const int s = r / (sec * nm), h0 = s * sec, len = min(sec, a.Hq - h0);
+    const int in_sec = r - s * sec * nm, rank = in_sec / len;
+    w.h = h0 + in_sec % len;
     w.m0 = (a.win_right >= 0 ? nm - 1 - rank : rank) * FA3_BLOCK_M;
     // keys: row i sees [i + diag - left, i + diag + right] within [0, k_end)
     const long long diag = (long long)w.sk - w.sq, first = w.m0 + diag, last = min(w.m0 + FA3_BLOCK_M, w.sq) - 1 + diag;

@@ -164,6 +164,25 @@ def test_variant_knobs_match_reference(rng, monkeypatch, impl, knobs, d, causal,
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("layout,folds", [("bhsd", True), ("bshd", False)])
+def test_v3_causal_order_folds_the_batch_into_the_heads(rng, monkeypatch, layout, folds):
+    """config.ATTN_SM90_ORDER = "v3" (the default): a causal grid launch without key lengths or mask
+    runs as one sequence of B Hq heads (query-tile rank r of every sequence and head side by side,
+    v3's order) where the batch stride is Hq head strides (a view); [B, S, H, D] views, whose batch
+    does not fold, keep one section of Hq heads per sequence. Both match the reference (GQA: head
+    b Hq + h reads K/V head b Hkv + h / group)."""
+    _hopper()
+    assert config.ATTN_SM90_ORDER == "v3"
+    seen = []
+    real = W._fold_batch
+    monkeypatch.setattr(W, "_fold_batch", lambda *a: seen.append(real(*a)) or seen[-1])
+    _run(rng, "float16", 3, 4, 2, 200, 200, 64, "wgmma", causal=True, return_lse=True, layout=layout)
+    assert len(seen) == 1 and (seen[0] is not None) == folds
+    if folds:
+        assert seen[0][0].shape == (1, 12, 200, 64) and seen[0][1].shape == (1, 6, 200, 64)
+
+
+@pytest.mark.gpu
 def test_wgmma_nan_semantics_follow_the_reference(rng):
     """test_attention's NaN rules, for wgmma: a NaN key behind a -inf mask entry is hidden; a NaN
     query makes only its own row NaN (out and lse), even when the mask leaves it one key."""

@@ -27,7 +27,8 @@ def test_every_variant_launches_a_built_instantiation(monkeypatch):
                     else W.GRID
                 t = W.tile_for(impl or "wgmma", p["D"], sched, p["causal"])
                 assert W._expr(dt, p["D"], t, sched) in W.SPEC.name_expressions, (name, variant)
-    assert {"default", "wgmma", "wgmma+persist", "wgmma_persistent", "wgmma-wide176", "wgmma-overlap-off",
+    assert {"default", "wgmma", "wgmma-sections", "wgmma_persistent-sections", "wgmma+persist", "wgmma_persistent",
+            "wgmma-wide176", "wgmma-overlap-off",
             "wgmma_persistent-overlap-on", "wgmma-sec4", "flash_mma"} <= seen
     assert config.ATTN_SM90_DENSE_SCHEDULER == "grid" and config.ATTN_SM90_OVERLAP is None   # knobs restored
     kinds = {(k, dt) for _, k, dt, _ in CS.cases(quick=False)}
@@ -40,7 +41,7 @@ def test_gpu_run_causal_stage_is_one_capped_step():
     body = text[text.index("run_causal() {"):]
     body = body[:body.index("\n}\n")]
     assert "-m benchmarks.causal_sweep" in body and 'CAUSAL_TIMEOUT:-300' in body
-    assert "    causal) run_causal ;;" in text
+    assert "stage_causal() { run_causal; }" in text   # a stage of its own (gpu_run.sh causal)
     r = subprocess.run([sys.executable, "-m", "benchmarks.causal_sweep", "--help"], capture_output=True, text=True,
                        cwd=ROOT, timeout=60)
     assert r.returncode == 0 and "--no-ncu" in r.stdout
