@@ -174,25 +174,30 @@ def all_specs() -> list[KernelSpec]:
     return sorted(_REGISTRY.values(), key=lambda s: s.name)
 
 
-def inline_source(text: str, _seen: set | None = None) -> str:
-    """``text`` with each ``#include "x.cuh"`` replaced by kernels_cu/x.cuh (itself inlined),
-    each header once, framed by ``// ---- begin x.cuh`` / ``// ---- end x.cuh`` lines."""
+def inline_source(text: str, _seen: set | None = None, root: Path | None = None) -> str:
+    """``text`` with each ``#include "x.cuh"`` replaced by ``root``/x.cuh (default kernels_cu/;
+    itself inlined), each header once, framed by ``// ---- begin x.cuh`` / ``// ---- end x.cuh``
+    lines."""
     seen = set() if _seen is None else _seen
+    root = KERNELS_DIR if root is None else root
 
     def repl(m):
         name = m.group(1)
         if name in seen:
             return f"// (already inlined: {name})"
         seen.add(name)
-        body = inline_source((KERNELS_DIR / name).read_text(), seen)
+        body = inline_source((root / name).read_text(), seen, root)
         return f"// ---- begin {name}\n{body}\n// ---- end {name}"
 
     return _INCLUDE_RE.sub(repl, text)
 
 
 def inline_headers(filename: str) -> str:
-    """kernels_cu/<filename> with the project's headers inlined (:func:`inline_source`)."""
-    return inline_source((KERNELS_DIR / filename).read_text())
+    """kernels_cu/<filename> with the project's headers inlined (:func:`inline_source`). An
+    absolute ``filename`` (a test's own kernel) takes its headers from its own folder, so nothing
+    global changes while other threads compile the project's kernels."""
+    path = KERNELS_DIR / filename
+    return inline_source(path.read_text(), root=path.parent)
 
 
 @functools.lru_cache(maxsize=None)

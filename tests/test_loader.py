@@ -10,12 +10,11 @@ from cupyattn import _loader, config
 from cupyattn._loader import KERNELS_DIR, KernelSpec
 
 
-def test_headers_are_inlined_once(tmp_path, monkeypatch):
+def test_headers_are_inlined_once(tmp_path):
     (tmp_path / "a.cuh").write_text('#include "b.cuh"\nint a;\n')
     (tmp_path / "b.cuh").write_text("int b;\n")
     (tmp_path / "k.cu").write_text('#include "a.cuh"\n#include "b.cuh"\n#include <cuda_fp16.h>\nint k;\n')
-    monkeypatch.setattr(_loader, "KERNELS_DIR", tmp_path)
-    code = _loader.inline_headers("k.cu")
+    code = _loader.inline_headers(str(tmp_path / "k.cu"))  # absolute: its headers from its folder
     assert code.count("int b;") == 1 and "int a;" in code and "#include <cuda_fp16.h>" in code
     assert '#include "' not in code  # CuPy's cache key now covers every project header
 
@@ -55,7 +54,7 @@ ptxas info    : Used 8 registers, used 0 barriers, 364 bytes cmem[0]
     assert rows == [("k<float>", "sm_80", 40, 4096, 24, 8, 12), ("_Z1kIdEvv", "sm_80", 8, 0, 0, 0, 0)]
 
 
-def test_check_fails_when_ptxas_ignores_setmaxnreg(tmp_path, monkeypatch):
+def test_check_fails_when_ptxas_ignores_setmaxnreg(tmp_path):
     """setmaxnreg without __launch_bounds__(threads, 1): ptxas drops it with warning C7508, and
     the offline check fails naming the kernel; with the 1 it passes."""
     for header in ("ptx_insn.cuh", "ptx.cuh", "ptx_sm90.cuh"):  # ptx_sm90.cuh includes ptx.cuh, which includes ptx_insn.cuh
@@ -65,22 +64,19 @@ def test_check_fails_when_ptxas_ignores_setmaxnreg(tmp_path, monkeypatch):
     (tmp_path / "regs.cu").write_text('#include "ptx_sm90.cuh"\n'
                                       f"template <int X> __global__ void __launch_bounds__(256, 1) bounded{body}"
                                       f"template <int X> __global__ void unbounded{body}")
-    monkeypatch.setattr(_loader, "KERNELS_DIR", tmp_path)
-    _loader._code.cache_clear()
-    spec = KernelSpec("test_regs", "regs.cu", ("bounded<0>", "unbounded<0>"), sm90a=True)
+    # an absolute source (headers from its folder): no global changes under the background compile gate
+    spec = KernelSpec("test_regs", str(tmp_path / "regs.cu"), ("bounded<0>", "unbounded<0>"), sm90a=True)
     try:
         assert [r.arch for r in cc.compile_spec(spec, "90", ["bounded<0>"])] == ["sm_90a"]
         with pytest.raises(RuntimeError, match=r"test_regs.*ptxas ignored an instruction in unbounded<0>: \(C7508\).*setmaxnreg"):
             cc.compile_spec(spec, "90", ["unbounded<0>"])
     finally:
         _loader._REGISTRY.pop("test_regs")
-        _loader._code.cache_clear()
 
 
-def test_compile_error_names_spec_and_shows_log(tmp_path, monkeypatch):
+def test_compile_error_names_spec_and_shows_log(tmp_path):
     (tmp_path / "bad.cu").write_text("template <typename T> __global__ void k(T* x) { x[0] = undefined_name; }\n")
-    monkeypatch.setattr(_loader, "KERNELS_DIR", tmp_path)
-    spec = KernelSpec("test_bad", "bad.cu", ("k<float>",))
+    spec = KernelSpec("test_bad", str(tmp_path / "bad.cu"), ("k<float>",))
     try:
         with pytest.raises(RuntimeError) as e:
             cc.compile_spec(spec, "80")
@@ -89,13 +85,12 @@ def test_compile_error_names_spec_and_shows_log(tmp_path, monkeypatch):
         _loader._REGISTRY.pop("test_bad")
 
 
-def test_spill_is_reported(tmp_path, monkeypatch):
+def test_spill_is_reported(tmp_path):
     # a kernel with a large dynamically indexed local array must use local memory (stack)
     (tmp_path / "stack.cu").write_text(
         "__global__ void k(float* x, int i) { float a[256];"
         " for (int j = 0; j < 256; ++j) a[j] = x[j]; x[0] = a[i]; }\n")
-    monkeypatch.setattr(_loader, "KERNELS_DIR", tmp_path)
-    spec = KernelSpec("test_stack", "stack.cu", ("k",))
+    spec = KernelSpec("test_stack", str(tmp_path / "stack.cu"), ("k",))
     try:
         (r,) = cc.compile_spec(spec, "80")
         assert r.kernel == "k" and r.arch == "sm_80" and r.stack_bytes >= 1024
