@@ -22,7 +22,7 @@ from .report import RESULTS_DIR
 
 SUBCOMMANDS = ("gemm", "softmax", "attention", "decode", "varlen", "paged", "model", "all", "compare")
 
-SERVE_SLOTS = (8, 32, 64)  # model --serve: the slot counts of issue 39
+SERVE_SLOTS = (8, 32, 64)  # model --serve: the slot counts timed
 
 
 def _prog() -> str:

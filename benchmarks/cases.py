@@ -20,7 +20,7 @@ from .report import fill_timing, new_record
 from .specs import case_bytes, case_flops, decode_lengths
 
 # decode "paged-N": decode_attention_paged over the same keys in shuffled pages of N tokens (NHD,
-# page ids read per row, the default split rule); the opt-in paths of issue 39 (not yet the
+# page ids read per row, the default split rule); the opt-in paged / split paths (not yet the
 # defaults, config.py): "-staged" with the page ids staged in shared memory, "-hnd" HND pages with
 # staged ids, "-waves" the "waves" split rule with its fused combine (a preallocated workspace);
 # "split-kv-waves" the contiguous cache under that rule
@@ -33,7 +33,7 @@ OURS = {"softmax": ("ours",),
         "model": ("tinylm", "tinylm-fused", "tinylm-eager", "tinylm-mega", "tinylm-fused-pdl", "tinylm-serve",
                   "tinylm-serve-opt-in", "tinylm-mega-new", "tinylm-mega-ring", "tinylm-mega-fine", "tinylm-mega-spin64",
                   "tinylm-mega-spin0", "tinylm-mega-sample2")}
-# Impls of paths that are not yet the defaults (issue 39, config.py; none has run on a GPU): they
+# Impls of paths that are not yet the defaults (config.py): they
 # run when named with --impl (benchmarks/gpu_run.sh paged), and a run without --impl (`all`
 # included) leaves them out, so its length stays what it was.
 OPT_IN = {"decode": ("split-kv-waves", "paged-staged-16", "paged-staged-1", "paged-staged-256", "paged-hnd-16",

@@ -345,7 +345,7 @@ run_causal() {  # one self-contained timing step (the sweep waits for nothing el
     CAP="${CAUSAL_TIMEOUT:-300}" step "causal sweep" "$OUT/causal-sweep.log" "$PY" -m benchmarks.causal_sweep --out "$OUT"
 }
 
-# ncu's view of one paged decode call (issue 57: why paged / MQA decode fall short of copy bandwidth)
+# ncu's view of one paged decode call (why paged / MQA decode fall short of copy bandwidth)
 NCU_METRICS="dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active,\
 smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio,gpu__time_duration.sum"
 

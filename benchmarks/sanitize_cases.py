@@ -122,7 +122,7 @@ def decode(ca, cfg):
                 for splits in (1, 3):
                     _finite(ca.decode_attention(q, cache, 0, num_splits=splits, impl=impl))
                 _finite(ca.decode_attention(q, cache, 0, num_splits=3, impl=impl, fused_combine=True))
-                # the "waves" rule (issue 39): per-sequence chunks (531 keys: 3 splits, 9 keys: 1, written
+                # the "waves" rule: per-sequence chunks (531 keys: 3 splits, 9 keys: 1, written
                 # straight to out) merged in the kernel and by the combine kernel
                 for fused in (True, False):
                     _finite(ca.decode_attention(q, cache, 0, num_splits=3, impl=impl, split_rule="waves",
@@ -141,7 +141,7 @@ def kvcache(ca, cfg):
 
 
 def serving(ca, cfg):
-    """The SERVING instantiations (issue 25): packed and paged attention with a window and
+    """The SERVING instantiations: packed and paged attention with a window and
     softcap, paged decode (SIMT and both mma tiles, split), paged appends."""
     import cupy
 
@@ -162,7 +162,7 @@ def serving(ca, cfg):
                 cache.append(0, _rand((2, hkv, 531, d), dt, 23), _rand((2, hkv, 531, d), dt, 24), num_new=[531, 9])
                 qd = _rand((2, hq, d), dt, 25)
                 _finite(cache.decode(qd, 0, num_splits=3, impl=impl, window=(100, -1), softcap=20.0))
-                # issue 39: HND pages of 1 token, page ids staged (531 keys in one split: windows refreshed),
+                # the opt-in paths: HND pages of 1 token, page ids staged (531 keys in one split: windows refreshed),
                 # the waves rule with its fused combine and with the combine kernel
                 hnd = ca.PagedKVCache(1, 2, hkv, d, num_pages=600, page_size=1, dtype=dt, layout="HND")
                 hnd.append(0, _rand((2, hkv, 531, d), dt, 23), _rand((2, hkv, 531, d), dt, 24), num_new=[531, 9])

@@ -3,7 +3,7 @@ batched generate, on the same 2 x S prompts.
 
 - ``tinylm-serve``: :func:`tinylm.serve.serve` with ``max_batch=S`` (the cupy backend: a
   PagedKVCache, each decode step a CUDA graph replay, each prompt prefilled alone when it takes a
-  slot), the defaults of config.py; ``tinylm-serve-opt-in``: the same with the paths of issue 39
+  slot), the defaults of config.py; ``tinylm-serve-opt-in``: the same with the opt-in paged / split paths
   that are not yet the defaults (HND pages, staged page ids, the "waves" split rule with its fused
   combine), set for the whole run. **Neither has run on a GPU yet.**
 - ``hf-transformers``: the prompts in batches of S, each through ``hf_generate_timed`` (the

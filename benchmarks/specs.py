@@ -239,7 +239,7 @@ def _attention_sweep(dtype: str) -> list[Case]:
 
 
 def _attention_causal_sweep(dtype: str) -> list[Case]:
-    # Causal prefill from short prompts to long ones (issue 38): 16k tokens per batch, 32 heads of
+    # Causal prefill from short prompts to long ones: 16k tokens per batch, 32 heads of
     # 128 (hidden 4096, a Llama-2-7B layer), the persistent wgmma kernel beside v3, flash_mma and
     # torch SDPA
     return [make_case("attention", dtype, sweep="attention-causal", group="D128 causal", x=S,
@@ -327,7 +327,7 @@ def default_cases(op: str, preset: str = "llama2-7b-4layers") -> list[Case]:
     if op == "attention":
         # The issue's goal shapes (B=4, H=32, S=4096, fp16, D=128 and 64, causal and not; peers:
         # torch SDPA, naive CuPy, our naive path), then bf16 and GQA (8 KV heads), then D=256
-        # (the Hopper kernel's third head dim, a goal shape of issue 22).
+        # (the Hopper kernel's third head dim).
         return [make_case("attention", dt, B=4, H=32, Hkv=Hkv, Sq=4096, Sk=4096, D=D, causal=c)
                 for dt, Hkv, D, c in (("float16", 32, 128, False), ("float16", 32, 128, True),
                                       ("float16", 32, 64, False), ("float16", 32, 64, True),
@@ -336,18 +336,18 @@ def default_cases(op: str, preset: str = "llama2-7b-4layers") -> list[Case]:
     if op == "decode":
         # the bandwidth goals (fp16, 32 query heads on 8 kv heads, D=128): B=8 at 32k and B=1 at
         # 128k, reported as GB/s and % of the measured copy ceiling; a short batch; MQA at B=1;
-        # a continuous-batching step: 64 sequences of 128 to 32k keys (issue 39)
+        # a continuous-batching step: 64 sequences of 128 to 32k keys
         return ([make_case("decode", "float16", B=B, H=32, Hkv=8, L=L, D=128)
                  for B, L in ((8, 32768), (1, 131072), (16, 4096))]
                 + [make_case("decode", "float16", B=1, H=32, Hkv=1, L=131072, D=128),
                    ragged_decode_case()])
     if op == "varlen":
-        # ragged batches (issue 38): 16 sequences of 64 .. 4096 tokens (seed 0), 32 heads of 128,
+        # ragged batches: 16 sequences of 64 .. 4096 tokens (seed 0), 32 heads of 128,
         # causal and not; D=64 causal
         return [make_case("varlen", "float16", B=16, H=32, Hkv=32, D=D, causal=c, lo=64, hi=4096, seed=0)
                 for D, c in ((128, True), (128, False), (64, True))]
     if op == "paged":
-        # chunked prefill (issue 38): 1024 new tokens over 4096 cached, pages of 16, 64, 256
+        # chunked prefill: 1024 new tokens over 4096 cached, pages of 16, 64, 256
         return [make_case("paged", "float16", B=4, H=32, Hkv=8, Sq=1024, L=4096, D=128, causal=True, page=pg)
                 for pg in (16, 64, 256)]
     if op == "model":

@@ -252,7 +252,7 @@ DECODE_SPLIT_OVERHEAD_KEYS = 64   # fixed cost of one split (prologue, epilogue,
 # benchmarks/results/2026-11-23-h100/README.md).
 DECODE_SPLIT_BLOCKS_PER_SM = 1
 
-# --- decode schedule and paged addressing (issue 39) ---- begin ---------------------------------
+# --- decode schedule and paged addressing ---- begin ---------------------------------
 # Split rules of decode_attention / decode_attention_paged (split_rule=None takes the default):
 #   "cost"   choose_num_splits: least waves x (keys per split + DECODE_SPLIT_OVERHEAD_KEYS), the
 #            same chunk count for every sequence, a separate combine launch unless fused_combine
@@ -281,7 +281,7 @@ DECODE_PAGE_STAGING = False
 # default to "NHD" (the caller's arrays say which layout they hold).
 PAGED_LAYOUTS = ("NHD", "HND")
 PAGED_DEFAULT_LAYOUT = "NHD"
-# --- decode schedule and paged addressing (issue 39) ---- end -----------------------------------
+# --- decode schedule and paged addressing ---- end -----------------------------------
 
 # --- RoPE (kernels_cu/rope.cuh: layers.rope, the cache appends, the fused step, the megakernel) ---
 # Rotation pairs: "adjacent" (x[2i], x[2i+1]), GGUF / llama.cpp's "normal" style; "neox" (x[i],
@@ -609,7 +609,7 @@ DECODE_MMA_SMALL_SMEM_TILES = {
 }
 # === end GPU families ===========================================================================
 
-# --- serving attention (issue 25: cupyattn/varlen.py, cupyattn/paged.py) ---- begin ----------
+# --- serving attention (cupyattn/varlen.py, cupyattn/paged.py) ---- begin ----------
 # The serving variants reuse the tile tables above (FLASH_*_TILES, DECODE_*_TILES): a packed or
 # paged sequence is read tile by tile exactly as a contiguous one, only the row addresses differ.
 PAGED_MAX_PAGE_SIZE = 256   # pages of 1 .. 256 tokens (powers of two: a position splits by shift

@@ -255,7 +255,7 @@ def _filled(strides, dims, itemsize):
     positive multiple of 16): the previous dimension's stride times its extent, rounded up to 16
     bytes. The stride of a dimension of more entries is kept as it is, 0 (a broadcast view) and
     negative ones included, for tma.problem to refuse: a packed stride there would read memory
-    that is not the operand's (issue 42)."""
+    that is not the operand's."""
     out, prev = [], itemsize
     for s, extent_before, extent in zip(strides, dims, dims[1:]):
         if extent == 1:

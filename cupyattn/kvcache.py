@@ -125,7 +125,7 @@ class KVCache:
 
     def device_arrays(self) -> dict:
         """Every device array of the cache a kernel reads or writes, by the name errors use: what
-        a caller's ``out=``, ``q_out=``, ``workspace=`` or input may not overlap (issue 42: the
+        a caller's ``out=``, ``q_out=``, ``workspace=`` or input may not overlap (the
         integer lengths, ticket and block table included)."""
         return {"the cache's keys": self.k, "the cache's values": self.v, "the cache's lengths": self.lengths,
                 "the cache's ticket": self.ticket}
@@ -212,7 +212,7 @@ class KVCache:
         self._reserve(counts, sel)
         self.host_lengths[sel] += counts
 
-    # --- taking room: after every check of a call (issue 42) -----------------------------------
+    # --- taking room: after every check of a call -----------------------------------
     def _reserve(self, counts, layers):
         """Make room for ``counts`` more tokens per sequence in ``layers``, once every check of the
         call (launch limits and kernel builds included) has passed; returns what :meth:`_release`

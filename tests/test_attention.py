@@ -62,7 +62,7 @@ def _config_exprs():
              for c in (False, True)]
             + [FA._expr("flash_mma", dt, d, c) for dt in config.MMA_DTYPES for d in config.HEAD_DIMS
                for c in (False, True)]
-            # the serving instantiations (issue 25: varlen, paged, window, softcap), causal=False
+            # the serving instantiations (varlen, paged, window, softcap), causal=False
             + [FA._expr("flash", dt, d, False, True) for dt in config.DTYPES for d in config.HEAD_DIMS]
             + [FA._expr("flash_mma", dt, d, False, True) for dt in config.MMA_DTYPES for d in config.HEAD_DIMS]
             # the 32-key flash_mma tiles of 64 KB devices: fp16 only (bf16 mma needs sm_80, whose

@@ -245,7 +245,7 @@ def test_wgmma_argument_checks(rng, monkeypatch):
     for kk, vv, why in [(wide[..., :64], k, r"k: its stride of 136 bytes"),
                         (k, shifted, r"v: its base address is 2 bytes past"),
                         (k, k[:, :, ::-1], r"v: its stride of -128 bytes along S \(a reversed view\)"),
-                        # a broadcast (stride 0 over 2 heads, issue 42): never rewritten to a packed stride
+                        # a broadcast (stride 0 over 2 heads): never rewritten to a packed stride
                         (cupy.broadcast_to(k[:, :1], k.shape), k, r"k: its stride of 0 bytes along H \(a broadcast "
                                                                   r"view: 2 entries at one address\)")]:
         with pytest.raises(ValueError, match=rf"attention\(\): impl='wgmma' needs q, k, v that TMA can read: {why}"):

@@ -481,7 +481,7 @@ def test_impl_none_table_names_built_pairs():
         assert all(dt in config.MMA_DTYPES and d in config.ATTN_WGMMA_PERSISTENT_TILES for dt, d in pairs)
 
 
-# --- the benchmark rows of issue 38 (the CLI end to end on tiny cases) ---------------------------------
+# --- the persistent kernel's benchmark rows (the CLI end to end on tiny cases) ---------------------------------
 @pytest.mark.gpu
 @pytest.mark.emu_slow  # about 40 s on the emulator
 def test_benchmark_rows_varlen_paged_and_causal(tmp_path, monkeypatch, capsys, grid):

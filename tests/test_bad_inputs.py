@@ -1,4 +1,4 @@
-"""Bad inputs, as a careful user and an attacker would try them (issue 11's suite).
+"""Bad inputs, as a careful user and an attacker would try them.
 
 Every public function and CLI option: each case asserts the exception type, that the message
 names the function (or the CLI option) and the argument and says what was expected, and that
@@ -295,7 +295,7 @@ def _device_cases():
         ValueError, r"decode_attention\(\): 524304 query heads need 65538 blocks in a launch's grid y, "
                     r"more than 65535")
 
-    # softcap outside what the kernels compute (issue 42): C = softcap * log2(e) overflows float32 or
+    # softcap outside what the kernels compute: C = softcap * log2(e) overflows float32 or
     # is subnormal (flushed to 0 = off); ValueError naming softcap and the range, on every entry point
     VL, AP, DP = ca.attention_varlen, ca.attention_paged, ca.decode_attention_paged
     cap_calls = {
@@ -315,7 +315,7 @@ def _device_cases():
         add(f"{fname}-softcap-str", lambda d, call=call: call(d, "30"), TypeError,
             rf"{fname}\(\): softcap must be a real number")
 
-    # out= / workspace= / q_out= over an integer input (block tables, lengths, offsets: issue 42):
+    # out= / workspace= / q_out= over an integer input (block tables, lengths, offsets):
     # the input is a slice of d.ints near its head, the output a float16 view of d.ints from its head
     def ints_view(d, shape):
         return d.ints.view(np.float16)[:int(np.prod(shape))].reshape(shape)
@@ -367,7 +367,7 @@ def _device_cases():
         [d.ints, d.cache.k, d.cache.v]),
         ValueError, r"rmsnorm_qkv_rope_append\(\): q_out overlaps the cache's lengths in memory")
 
-    # unclear messages of issue 42 (item 7): the function, the argument and what was expected
+    # messages that must be clear: the function, the argument and what was expected
     for cid, cu, exc, pat in [("none", None, TypeError, r"cu_seqlens_q must be a 1-D int32 array of B \+ 1 offsets "
                                                        r"\(CuPy, NumPy or a list\), got NoneType"),
                               ("int", 3, TypeError, r"cu_seqlens_q must be a 1-D int32 array .*got int 3"),

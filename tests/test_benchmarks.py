@@ -830,7 +830,7 @@ def cases_opt_in():
 
 
 def test_gpu_run_paged_stage_names_real_impls():
-    """The paged stage (issue 39) measures every paged variant and both split rules beside the
+    """The paged stage measures every paged variant and both split rules beside the
     contiguous kernel and SDPA, and the serve stage the continuous-batching impls beside HF."""
     import re
 

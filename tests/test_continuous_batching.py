@@ -237,7 +237,7 @@ def test_paged_slots_fill_the_context_exactly(sharp):
 
 @pytest.mark.gpu
 def test_paged_slots_through_the_opt_in_decode_paths(sharp, monkeypatch):
-    """The paths of issue 39 that are not yet the defaults (config.py), end to end: HND pages,
+    """The paged / split paths that are not yet the defaults (config.py), end to end: HND pages,
     staged page ids and the "waves" split rule (per-sequence chunks, the fused combine's counters
     in the captured workspace; 4 keys per split at least, so these short prompts do split).
     Greedy tokens still equal each prompt alone on NumPy."""

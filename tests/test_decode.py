@@ -132,7 +132,7 @@ def test_choose_num_splits_properties():
         assert seq[-1] * blocks >= slots - blocks  # long enough: a whole wave
 
 
-# --- CPU tier: the "waves" split rule (issue 39) ---------------------------------------------
+# --- CPU tier: the "waves" split rule ---------------------------------------------
 def _fa3_num_splits(blocks, sms, n_blocks, max_splits=128):
     """FlashAttention-3's num_splits_heuristic (hopper/heuristics.h) without its early return,
     written from its description: the smallest count whose wave efficiency (blocks * s / sms

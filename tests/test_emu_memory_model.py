@@ -1,4 +1,4 @@
-"""CPU tier: the CPU emulator's memory model (tests/emu/README.md, "The memory model"; issue 37).
+"""CPU tier: the CPU emulator's memory model (tests/emu/README.md, "The memory model").
 Blocks that hand data to each other through global memory must release and acquire it as the
 PTX ISA's memory consistency model says; a missing release, a missing acquire, a signal sent
 before the data is written, a non-coherent load (__ldg) of another block's output fail here on

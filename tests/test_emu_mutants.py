@@ -136,7 +136,7 @@ MUTANTS = [
      "__ldcg(src + c0", "__ldg(src + c0", "megakernel_blocks", True),
 ]
 # The megakernel's counters between blocks (megakernel.cu): caught only by an emulator with a memory
-# model and several blocks in flight while others spin (issue 37); the op runs gate|up then down
+# model and several blocks in flight while others spin; the op runs gate|up then down
 # (whose tiles wait for every gate|up tile) on 4 blocks.
 ORDER_MUTANTS = [
     ("counter released without release semantics", "megakernel.cu",
@@ -164,7 +164,7 @@ SECOND_INSTANCES = {
     "__syncwarp deleted between the loader lanes' zeroing and lane 0's arrival (flash_attn_sm90.cuh, v4)",
     "__ldg of another block's output of the same launch (megakernel_gemv.cuh input rows)",
 }
-# (issue 37) a release-early, a missing proxy fence and a missing release / acquire each stay in the
+# a release-early, a missing proxy fence and a missing release / acquire each stay in the
 # default run for the wgmma GEMM, the wgmma attention and the split-KV combine
 assert SECOND_INSTANCES <= {m[0] for m in MUTANTS + ORDER_MUTANTS}
 

@@ -280,7 +280,7 @@ expect(lambda: k["wg_misuse<4>"]((1,), (128,), (y,), shared_mem=8192), "deadlock
        "meets at wgmma.mma_async with 96 of 128 threads")
 expect(lambda: k["wg_misuse<0>"]((1,), (96,), (y,), shared_mem=8192), "not whole warpgroups of 128")
 expect(lambda: k["store_unwaited"]((1,), (32,), (m,), shared_mem=512), "never retired by cp.async.bulk.wait_group")
-# (issue 37) proxies and stage reuse: each misuse fails on every run, whatever the schedule
+# proxies and stage reuse: each misuse fails on every run, whatever the schedule
 for _ in range(4):
     expect(lambda: k["wg_misuse<6>"]((1,), (128,), (y,), shared_mem=8192), "wgmma.mma_async reads shared memory",
            "no fence.proxy.async")
@@ -299,7 +299,7 @@ for mode in (0, 1):
 expect(lambda: k["named_misuse<0>"]((1,), (64,), (y,)), "deadlock", "named barrier 1 waits for 64 threads, 32 arrived")
 expect(lambda: k["named_misuse<0>"]((1,), (32,), (y,)), "thread count 64 is not a positive multiple of 32 within the block")
 expect(lambda: k["named_misuse<1>"]((1,), (128,), (y,)), "bar", "barrier 1 named with", "threads while its phase counts")
-# (issue 37) a TMA store reads its source through the async proxy: unfenced generic stores fail on
+# a TMA store reads its source through the async proxy: unfenced generic stores fail on
 # every run, fenced ones land (the box is the whole 4 x 32 tensor)
 for _ in range(3):
     expect(lambda: k["store_fenced<0>"]((1,), (128,), (m,), shared_mem=512), "cp.async.bulk.tensor (store) reads "

@@ -549,7 +549,7 @@ def test_wgmma_refuses_what_tma_cannot_read(layout, monkeypatch):
                       (shifted, b, r"TMA cannot read a: its base address is 2 bytes past"),
                       (a[::-1], b, r"TMA cannot read a: its stride of -48 bytes along M \(a's rows\) "
                                    r"\(a reversed view\)"),
-                      # broadcast rows (stride 0, issue 42): never rewritten to a packed stride
+                      # broadcast rows (stride 0): never rewritten to a packed stride
                       (cupy.broadcast_to(a[:1], a.shape), b, r"TMA cannot read a: its stride of 0 bytes along "
                                                                r"M \(a's rows\) \(a broadcast view: 20 entries"),
                       (a, cupy.broadcast_to(b[:1], b.shape), r"TMA cannot read b: its stride of 0 bytes along "
@@ -582,7 +582,7 @@ def test_auto_takes_wgmma_only_when_enabled_and_tma_can_read(monkeypatch):
     G.gemm_nt(odd, odd_w, out=out)  # 126-byte rows: TMA cannot read them
     assert log.launches[-1][0].startswith("gemm_mma_kernel")
     assert_close(out, ref.gemm_nt(odd64, odd_w64), "float16")
-    # broadcast rows (stride 0 over 40 rows, issue 42): mma reads them right, wgmma never sees them
+    # broadcast rows (stride 0 over 40 rows): mma reads them right, wgmma never sees them
     G.gemm_nt(cupy.broadcast_to(a[:1], a.shape), w, out=out)
     assert log.launches[-1][0].startswith("gemm_mma_kernel")
     assert_close(out, ref.gemm_nt(np.broadcast_to(a64[:1], a64.shape), w64), "float16")

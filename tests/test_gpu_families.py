@@ -1,4 +1,4 @@
-"""Issue 24, every GPU family from Turing (sm_75) up: the dispatch table (config "GPU families"),
+"""Every GPU family from Turing (sm_75) up: the dispatch table (config "GPU families"),
 what the offline check compiles per arch, the CUPYATTN_ARCH override, and (GPU tier, also on the
 emulator as sm_75 and sm_90) the errors for an explicit impl the device cannot run.
 
@@ -147,7 +147,7 @@ def test_static_smem_bound_holds_for_every_decode_kernel(compile_report):
     bounds = {}  # expr -> (bound, what)
     for dt in config.DTYPES:
         for d in config.HEAD_DIMS:
-            for sv, st in decode.VARIANTS:  # serving (issue 25): the same static arrays; staged: + page window
+            for sv, st in decode.VARIANTS:  # serving: the same static arrays; staged: + page window
                 for tile in decode._tiles_and_small(config.DECODE_SIMT_TILES[(d, dt.itemsize)]):
                     bounds[decode._simt_expr(dt, d, tile, sv, st)] = (
                         decode.static_smem_bytes("simt", d, dt.itemsize, tile, staged=st), (dt, d, tile, sv, st))

@@ -292,7 +292,7 @@ def test_gpu_real_model_greedy_tokens_equal_numpy(tmp_path_factory, monkeypatch,
     assert np.linalg.norm(step - want) / np.linalg.norm(want) <= 2e-2
 
 
-# --- GPU: several blocks at once (the emulator runs them concurrently: issue 37) -----------------------
+# --- GPU: several blocks at once (the emulator runs them concurrently) -----------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("blocks", [2, *(pytest.param(n, marks=pytest.mark.emu_slow) for n in (5, 40))])
 def test_gpu_several_blocks_give_the_one_block_logits(monkeypatch, blocks):

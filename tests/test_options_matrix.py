@@ -1,4 +1,4 @@
-"""Every kernel path x every option (issue 42): compared with the float64 reference, or refused.
+"""Every kernel path x every option: compared with the float64 reference, or refused.
 
 The cases are generated from cupyattn/options.py, the table the dispatch reads: for each entry
 point and each impl the current device can run (plus the dispatch's own choice, impl=None /

@@ -189,3 +189,15 @@ def test_tinylm_docs_list_every_cli_option():
     text = (ROOT / "docs" / "tinylm.md").read_text()
     options = [o for a in build_parser()._actions for o in a.option_strings if o not in ("-h", "--help")]
     assert [o for o in options if not re.search(re.escape(o) + r"\b", text)] == []
+
+
+def test_code_carries_no_issue_numbers():
+    """Issue numbers belong to the tracker and the changelog, not to code: a comment says why, in
+    words a reader without the tracker can follow."""
+    exts = {".py", ".cu", ".cuh", ".h", ".cpp", ".sh", ".toml"}
+    marker = re.compile(r"\bissues? \d+\b", re.I)
+    found = [f"{p.relative_to(ROOT)}:{i}" for p in sorted(ROOT.rglob("*"))
+             if p.suffix in exts and p.is_file() and not {".git", "build", ".carry"} & set(p.relative_to(ROOT).parts)
+             and "egg-info" not in str(p) for i, line in enumerate(p.read_text(errors="replace").splitlines(), 1)
+             if marker.search(line)]
+    assert found == []

@@ -1,4 +1,4 @@
-"""kernels_cu/ptx_insn.cuh's counters between blocks (issue 37): signal_release, wait_acquire,
+"""kernels_cu/ptx_insn.cuh's counters between blocks: signal_release, wait_acquire,
 load_acquire, atomic_add_relaxed, atomic_add_acq_rel, fence_acq_rel_gpu, used as a persistent
 kernel uses them (GPU tier: on a real device this checks the PTX wrappers; on the CPU emulator
 the twins in tests/emu/emu_ptx.h under its memory model, where a missing release or acquire

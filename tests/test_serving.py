@@ -1,4 +1,4 @@
-"""Serving attention (issue 25): packed variable-length batches, sliding windows and softcap,
+"""Serving attention: packed variable-length batches, sliding windows and softcap,
 paged KV caches (decode, append, chunked prefill) and PagedKVCache.
 
 CPU tier: the float64 references against independent formulations (plain loops over one query
@@ -135,7 +135,7 @@ def test_window_folding_and_decode_split_rule_input(monkeypatch):
 
 
 def test_softcap_range_is_what_the_kernels_compute():
-    """softcap (issue 42): the kernels cap with C = softcap * log2(e) in float32 (C tanh(s / C),
+    """softcap: the kernels cap with C = softcap * log2(e) in float32 (C tanh(s / C),
     -ftz): accepted values give a normal, finite C, and at the largest one only scores below
     2^-25 can flush to 0 in s / C; None and 0 mean off; 1e39 (C = inf: NaN everywhere), 1e-50
     (C subnormal: flushed to 0, the cap silently off) and the rest are refused naming the range."""
@@ -577,7 +577,7 @@ def _cache_state(cache):
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("method", ["append", "append_qkv"])
 def test_refusal_at_every_stage_takes_nothing(rng, monkeypatch, paged, method):
-    """Allocation after validation (issue 42, item 5): a refusal injected at each stage of an
+    """Allocation after validation: a refusal injected at each stage of an
     append (arguments, capacity, free pages, launch limits, kernel build, the launch, the length
     advance's launch) leaves the lengths, the page allocator and the block tables byte for byte
     as they were; the same call then succeeds and takes exactly the pages it needs."""
@@ -694,7 +694,7 @@ def test_benchmark_rows_paged_decode_and_varlen(tmp_path, monkeypatch, capsys):
         monkeypatch.setattr(timing, "measure_ceilings", lambda **kw: {"copy_gbps": 1.0, "gemm_tflops": 1.0})
     for argv, impls in ((["decode", "--B", "2", "--H", "8", "--Hkv", "2", "--Sk", "256", "--D", "32"],
                          ("split-kv", "paged-16", "paged-1", "paged-256")),
-                        # a ragged batch (lengths 128 .. 256 from seed 5) through the opt-in paths (issue 39)
+                        # a ragged batch (lengths 128 .. 256 from seed 5) through the opt-in paths
                         (["decode", "--B", "3", "--H", "8", "--Hkv", "2", "--Sk", "256", "--D", "32", "--ragged", "5"],
                          ("split-kv-waves", "naive", "paged-staged-16", "paged-hnd-1", "paged-hnd-waves-16")),
                         (["attention", "--B", "2", "--H", "4", "--Hkv", "2", "--Sq", "33", "--D", "32", "--causal"],

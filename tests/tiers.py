@@ -55,7 +55,7 @@ def _fmt_s(s: float) -> str:
 
 
 # --- the emulated runs ---------------------------------------------------------------------------
-# (issue 24) The default paths on an emulated Turing GPU: compute capability 7.5, 64 KB of shared
+# The default paths on an emulated Turing GPU: compute capability 7.5, 64 KB of shared
 # memory per block, kernels built with __CUDA_ARCH__ 750, so ptx.cuh's Turing branches (plain
 # copies for cp.async, two m16n8k8 per m16n8k16) and the dispatch's fallbacks (SIMT for bf16,
 # 2-stage rings and tiles for 64 KB) run. A chosen subset of shapes keeps it small; explicit
@@ -66,7 +66,7 @@ SM75_FILES = ("test_ptx.py", "test_gpu_families.py", "test_attention.py", "test_
 SM75_SELECT = " or ".join((
     "test_impl_none_is_the_tables_choice",  # impl=None of every entry point: the options table's row
     "test_ldmatrix", "test_mma_m16n8k16", "test_cp_async", "test_gpu_families",
-    # every path x option (issue 42): what the dispatch and an explicit impl= run on Turing
+    # every path x option: what the dispatch and an explicit impl= run on Turing
     "test_every_option_on_every_path",
     # fp16 flash_mma on two m16n8k8 per k-step, every tile sm_75 takes (config: the 32-key tiles at
     # D = 96, 128; D = 256 skips, naming its minimum); the SIMT kernel
@@ -86,10 +86,10 @@ SM75_SELECT = " or ".join((
     "(test_cupy_float32_greedy_tokens_equal_numpy and True)",
     "(test_half_precision_logits_within_tolerance and False)",
 ))
-# (issue 24) An emulated B200 (compute capability 10.0, kernels built with __CUDA_ARCH__ 1000): the
+# An emulated B200 (compute capability 10.0, kernels built with __CUDA_ARCH__ 1000): the
 # flash_mma tile its family runs in place of the main one (config.FLASH_MMA_FAMILY_TILES, D = 64),
 # plain, causal and serving, and the attention default there.
-# (issue 42) An emulated A100 (compute capability 8.0, 163 KB per block): the paths x options matrix
+# An emulated A100 (compute capability 8.0, 163 KB per block): the paths x options matrix
 # only (every other sm_80 path is sm_90's minus wgmma, which the sm_90 run covers), so the family
 # between Turing's fallbacks and Hopper's wgmma dispatch meets every option too.
 SM80_FILES = ("test_options_matrix.py", "test_dispatch.py")

@@ -1,4 +1,4 @@
-// emu_memory.cpp: the memory model of emu_memory.h (issue 37), in the emulator's runtime library
+// emu_memory.cpp: the memory model of emu_memory.h, in the emulator's runtime library
 // (emu_runtime.cpp says why).
 #include <signal.h>
 #include <sys/mman.h>

@@ -1,4 +1,4 @@
-// emu_memory.h: global memory as blocks see it (issue 37), part of emu_runtime.h. The model, what
+// emu_memory.h: global memory as blocks see it, part of emu_runtime.h. The model, what
 // it catches and what it cannot: tests/emu/README.md, "The memory model". In short, for launches
 // fakecupy arms (modules that use atomics, fences, __nanosleep or the counter helpers of
 // ptx_insn.cuh), and for the allocations the launch reaches through its non-const pointer

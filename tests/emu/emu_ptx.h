@@ -187,7 +187,7 @@ inline void griddepcontrol_launch_dependents() {
     static_assert(ptx_sm_at_least<900, char[DUMMY + 1]>(), "griddepcontrol requires sm_90 or higher");
 }
 
-// --- counters between blocks (issue 37; the model: emu_memory.h) -------------------------------
+// --- counters between blocks (the model: emu_memory.h) -------------------------------
 // The same six functions as ptx_insn.cuh, with the semantics the PTX ISA gives them: a release
 // publishes the block's stores, an acquire makes visible the releases its strong reads observed;
 // wait_acquire parks the thread until the counter's latest value reaches the target, so other

@@ -130,7 +130,7 @@ inline EmuSm90 emu_sm90_slots[EMU_MAX_SLOTS];  // one per block in flight
 #define emu_sm90 (emu_sm90_slots[emu_slot])
 [[noreturn]] inline void emu_sm90_fail(const std::string& m) { throw std::runtime_error(m); }
 
-// --- the async proxy's view of shared memory (issue 37; PTX ISA, Memory Consistency Model,
+// --- the async proxy's view of shared memory (PTX ISA, Memory Consistency Model,
 // "Proxies") -------------------------------------------------------------------------------------
 // TMA and wgmma read and write shared memory through the async proxy; st.shared, stmatrix and
 // cp.async through the generic proxy. A generic-proxy store is seen by the async proxy only after

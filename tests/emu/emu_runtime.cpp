@@ -312,7 +312,7 @@ static bool emu_pass(EmuSched& S, std::vector<int>& order) {
 }
 
 static std::string emu_waits(const EmuSched& S) {
-    std::string why;  // (issue 21) what EMU_WAIT_COND fibers wait for, each kind once
+    std::string why;  // what EMU_WAIT_COND fibers wait for, each kind once
     for (const EmuFiber& g : S.f)
         if (g.state == EMU_WAIT_COND && why.find(g.waiting_on->what()) == std::string::npos)
             why += "; " + g.waiting_on->what();

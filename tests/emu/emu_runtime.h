@@ -91,7 +91,7 @@ inline void emu_ctx_init(EmuCtx& c, char* stack, size_t size, void (*entry)()) {
 // arrived. A thread that returns stops counting, as an exited thread does on the GPU. A block in
 // which no fiber can move is a deadlock.
 enum EmuState { EMU_RUN, EMU_WAIT_BLOCK, EMU_WAIT_WARP, EMU_WAIT_COND, EMU_DONE };
-// ---- hook for tests/emu/emu_ptx_sm90.h (Hopper, issue 21): a fiber in EMU_WAIT_COND waits until
+// ---- hook for tests/emu/emu_ptx_sm90.h (Hopper): a fiber in EMU_WAIT_COND waits until
 // `ready()` holds (an mbarrier phase, a warpgroup rendezvous); the scheduler polls it from its own
 // stack, and a deadlock report says what() each such fiber waits for.
 struct EmuWaitable {
@@ -175,7 +175,7 @@ inline unsigned long long emu_async_due() {
 constexpr int EMU_START_SLOTS = 4, EMU_MAX_SLOTS = 160;
 extern size_t emu_dyn_smem_bytes;  // the launch's dynamic shared memory (shared_mem=)
 extern int emu_slot;               // the slot of the block now running
-// ---- hooks for tests/emu/emu_ptx_sm90.h (issue 21): per-block state of the Hopper emulation is
+// ---- hooks for tests/emu/emu_ptx_sm90.h: per-block state of the Hopper emulation is
 // reset when a block starts; at its end, a non-empty string is the block's error (async work
 // issued and never waited for, a barrier left mid-phase). `tick` runs after every fiber
 // step: asynchronous work whose due tick has come lands there.
@@ -237,7 +237,7 @@ inline void emu_warp_arrive_check(EmuWarp& w) {
         w.arrived = 0; w.arrived_mask = 0; ++w.gen;
     }
 }
-// ---- hook (issue 21): block the current fiber until w.ready() (checked first, then by the scheduler).
+// ---- hook: block the current fiber until w.ready() (checked first, then by the scheduler).
 inline void emu_wait_until(EmuWaitable& w) {
     if (w.ready()) return;
     EmuFiber& me = emu_s->f[emu_s->cur];
@@ -331,7 +331,7 @@ inline int __syncthreads_and(int pred) { return emu_sync_count(!pred) == 0; }
 inline void __syncwarp(unsigned mask = 0xffffffffu, int line = __builtin_LINE()) {
     emu_warp_barrier(mask, line, "__syncwarp");
 }
-#include "emu_memory.h"  // global memory across blocks: views, fences, atomics (issue 37)
+#include "emu_memory.h"  // global memory across blocks: views, fences, atomics
 
 template <typename T> T emu_shfl(unsigned mask, T v, int kind, int arg, int width, int line) {
     static_assert(sizeof(T) <= 8, "shuffle of a type larger than 8 bytes");

@@ -157,7 +157,7 @@ def _guarded(x) -> "ndarray":
 
     _refuse("allocating a device array")
     x = np.asarray(x)
-    # (issue 37) on pages of its own: the memory model write-protects a launch's outputs to find
+    # on pages of its own: the memory model write-protects a launch's outputs to find
     # what each block stores (emu_memory.h), which must not catch anything else's stores
     buf = np.frombuffer(mmap.mmap(-1, x.nbytes + 2 * _GUARD), dtype=np.uint8)
     buf[...] = 0xFF
@@ -289,7 +289,7 @@ def get_default_memory_pool():
 cuda = types.ModuleType("cupy.cuda")
 
 
-# (issue 24) the emulated device: CUPYATTN_EMU_ARCH=75 makes it a T4 (compute capability 7.5, 64 KB
+# the emulated device: CUPYATTN_EMU_ARCH=75 makes it a T4 (compute capability 7.5, 64 KB
 # of shared memory per block, kernels built with __CUDA_ARCH__ 750), 100 a B200 (10.0: its own
 # flash_mma tile at D = 64, config.FLASH_MMA_FAMILY_TILES); default an H100 (9.0)
 EMU_ARCH = os.environ.get("CUPYATTN_EMU_ARCH", "90")
@@ -494,15 +494,15 @@ cuda.Graph = Graph
 
 # --- RawModule: g++ build of the spec source + launch wrappers ---------------------------------
 _ASM_RE = re.compile(r"\basm\s*(volatile\s*)?\(")
-# (issue 24) the instruction wrappers only: ptx.cuh around them (the arch-aware helpers) is kept
+# the instruction wrappers only: ptx.cuh around them (the arch-aware helpers) is kept
 _PTX_BLOCK = re.compile(r"// ---- begin ptx_insn\.cuh\n.*?\n// ---- end ptx_insn\.cuh", re.S)
-# (issue 21) the Hopper header, swapped first: it may hold the inlined ptx.cuh, which its
+# the Hopper header, swapped first: it may hold the inlined ptx.cuh, which its
 # emulation includes in turn
 _PTX_SM90_BLOCK = re.compile(r"// ---- begin ptx_sm90\.cuh\n.*?\n// ---- end ptx_sm90\.cuh", re.S)
 _RUNTIME_HEADERS = ("emu_runtime.h", "emu_hb.h", "emu_memory.h", "emu_ptx.h", "emu_ptx_sm90.h", "emu_sm90_barriers.h")
 _PCH_HEADERS = ("emu_runtime.h", "emu_hb.h", "emu_memory.h")  # the precompiled part
 _LIB_SOURCES = ("emu_runtime.cpp", "emu_memory.cpp")  # the runtime library (_runtime_lib)
-# (issue 37) A module that synchronises blocks through global memory gets the memory model
+# A module that synchronises blocks through global memory gets the memory model
 # (emu_memory.h) on its launches; others see every store at once, at no cost.
 # __ldg too: its non-coherent loads of what another block wrote in the launch read poison (emu_memory.h).
 _SYNC_RE = re.compile(r"\b(atomic\w*|__threadfence\w*|__nanosleep|volatile|signal_release|wait_acquire|"
@@ -739,7 +739,7 @@ class _Kernel:
         kinds, sizes, consts = ctypes.create_string_buffer(64), (ctypes.c_int * 64)(), ctypes.create_string_buffer(64)
         n = getattr(mod.lib, f"emu_params_{i}")(kinds, sizes, consts)
         self.params = [(kinds.raw[j:j + 1].decode(), sizes[j]) for j in range(n)]
-        # (issue 37) the pointer parameters the kernel may write through: the memory model's regions
+        # the pointer parameters the kernel may write through: the memory model's regions
         self._writes = [j for j in range(n) if self.params[j][0] == "p" and consts.raw[j] == 0] if mod.memmodel else []
         # static __shared__ bytes: unknown here (the emulator maps them to C++ statics), so 0;
         # the driver's default attribute is 48 KB minus them, as on a GPU
@@ -908,7 +908,7 @@ class _Schedule:
 
 schedule = _Schedule()
 
-# (issue 21) tensor maps: cupyattn/tma.py encodes through this where the driver's
+# tensor maps: cupyattn/tma.py encodes through this where the driver's
 # cuTensorMapEncodeTiled would be (tests/emu/emu_tma.py; emu_ptx_sm90.h reads the result)
 sys.path.insert(0, str(_HERE))
 from emu_tma import encode_tiled as _cupyattn_emulator_encode_tiled  # noqa: E402
