@@ -9,7 +9,7 @@
 - the dispatch, stated once in docs/api.md (the block between DISPATCH_BEGIN and DISPATCH_END):
   ``cupyattn.options.DEFAULTS``, in the words ``options.defaults_text`` generates from it;
   the other pages link to it instead of restating it.
-- docs/options.md is ``python -m cupyattn options`` (tests/test_options_matrix.py checks it).
+- docs/options.md is ``python -m cupyattn options`` (tests/cupyattn/test_options_matrix.py checks it).
 """
 from __future__ import annotations
 

@@ -212,15 +212,15 @@ write_summary() {  # compare's flags first, then the logs' own summary lines and
 # --- the steps ------------------------------------------------------------------------------------
 run_tests() {  # PYTEST_FILES: only these files (default: every file but the megakernel's)
     local files=(${PYTEST_FILES:-})
-    [ ${#files[@]} -eq 0 ] && files=(--ignore tests/test_megakernel.py --ignore tests/test_megakernel_tinylm.py)
+    [ ${#files[@]} -eq 0 ] && files=(--ignore tests/cupyattn/test_megakernel.py --ignore tests/tinylm/test_megakernel_tinylm.py)
     CUPYATTN_BENCH_ALLOW_SHARED=1 step "gpu tests" "$OUT/pytest-gpu.log" \
         "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider ${PYTEST_ARGS:-} "${files[@]}" --junitxml "$OUT/pytest-gpu.xml"
 }
 
 run_mega_tests() {  # a persistent kernel that waits forever must not take the whole stage
     CAP="${MEGA_TIMEOUT:-${STEP_TIMEOUT:-300}}" CUPYATTN_BENCH_ALLOW_SHARED=1 step "megakernel gpu tests" \
-        "$OUT/pytest-mega.log" "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_megakernel.py \
-        tests/test_megakernel_tinylm.py --junitxml "$OUT/pytest-mega.xml"
+        "$OUT/pytest-mega.log" "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider tests/cupyattn/test_megakernel.py \
+        tests/tinylm/test_megakernel_tinylm.py --junitxml "$OUT/pytest-mega.xml"
 }
 
 sanitize_tool() {  # sanitize_tool TOOL [--only FAMILIES]; SANITIZE_KERNEL=substring: only those kernels checked
@@ -331,7 +331,7 @@ run_lease() {  # run_lease NEXT: tests beside sanitize, then NEXT alone, then on
 }
 
 run_recheck() {  # what 2026-11-27 left: the fixed files' tests, racecheck of the persistent kernel, decode B1 L128k
-    PYTEST_FILES="tests/test_attention_wgmma_persistent.py tests/test_megakernel_tinylm.py tests/test_fused_decode.py" \
+    PYTEST_FILES="tests/cupyattn/test_attention_wgmma_persistent.py tests/tinylm/test_megakernel_tinylm.py tests/cupyattn/test_fused_decode.py" \
         PYTEST_ARGS="-n 8" run_tests
     SANITIZE_KERNEL=flash_attn_sm90 sanitize_tool racecheck --only attention,serving
     bench_step "recheck decode B1 L128k" "$OUT/recheck-decode.txt" "$OUT/recheck-decode.json" "$PY" -m benchmarks \
@@ -417,7 +417,7 @@ stage_mega() {  # the megakernel's plan knobs A/B and its tokens/s against the f
 }
 stage_prefill() {  # the persistent kernel's tests, then its benchmarks beside v3 and SDPA
     local h=("${HEADLINE[@]}")
-    PYTEST_FILES=tests/test_attention_wgmma_persistent.py run_tests
+    PYTEST_FILES=tests/cupyattn/test_attention_wgmma_persistent.py run_tests
     bench_step "prefill causal sweep" "$OUT/prefill-causal.txt" "$OUT/prefill-causal.json" "$PY" -m benchmarks \
         attention --sweep attention-causal --impl flash_mma,wgmma,wgmma_persistent,varlen,varlen-wgmma,torch-sdpa \
         "${h[@]}" --plot "$OUT/prefill-causal.png" --json "$OUT/prefill-causal.json"

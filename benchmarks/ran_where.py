@@ -37,61 +37,99 @@ NEVER = "not run on a GPU"
 # options-table row (entry point, impl) -> GPU test files (file, pattern the file held at the run's
 # commit: the path's tests existed) and benchmark impls (op, impl) that run it by name
 ENTRY_EVIDENCE = {
-    ("attention", "flash"): ((("tests/test_attention.py", r'"flash"'),), (("attention", "flash"),)),
-    ("attention", "flash_mma"): ((("tests/test_attention.py", r'"flash_mma"'),), (("attention", "flash_mma"),)),
-    ("attention", "naive"): ((("tests/test_attention.py", r'"naive"'),), (("attention", "naive"),)),
-    ("attention", "wgmma"): ((("tests/test_attention_wgmma.py", r"wgmma"),), (("attention", "wgmma"),)),
-    ("attention", "wgmma_persistent"): ((("tests/test_attention_wgmma_persistent.py", r"attention\("),),
+    ("attention", "flash"): ((("tests/cupyattn/test_attention.py", r'"flash"'),), (("attention", "flash"),)),
+    ("attention", "flash_mma"): ((("tests/cupyattn/test_attention.py", r'"flash_mma"'),), (("attention", "flash_mma"),)),
+    ("attention", "naive"): ((("tests/cupyattn/test_attention.py", r'"naive"'),), (("attention", "naive"),)),
+    ("attention", "wgmma"): ((("tests/cupyattn/test_attention_wgmma.py", r"wgmma"),), (("attention", "wgmma"),)),
+    ("attention", "wgmma_persistent"): ((("tests/cupyattn/test_attention_wgmma_persistent.py", r"attention\("),),
                                         (("attention", "wgmma_persistent"), ("paged", "contiguous-wgmma"))),
-    ("attention_varlen", "flash"): ((("tests/test_serving.py", r"attention_varlen"),), ()),
-    ("attention_varlen", "flash_mma"): ((("tests/test_serving.py", r"attention_varlen"),), ()),
-    ("attention_varlen", "wgmma_persistent"): ((("tests/test_attention_wgmma_persistent.py", r"attention_varlen"),),
-                                               (("attention", "varlen-wgmma"), ("varlen", "varlen-wgmma"))),
-    ("attention_paged", "flash"): ((("tests/test_serving.py", r"attention_paged"),), ()),
-    ("attention_paged", "flash_mma"): ((("tests/test_serving.py", r"attention_paged"),), ()),
-    ("attention_paged", "wgmma_persistent"): ((("tests/test_attention_wgmma_persistent.py", r"attention_paged"),),
-                                              (("paged", "paged-wgmma"),)),
-    ("decode_attention", "simt"): ((("tests/test_decode.py", r'"simt"'),), ()),
-    ("decode_attention", "mma"): ((("tests/test_decode.py", r'"mma"'),), ()),
-    ("decode_attention_paged", "simt"): ((("tests/test_serving.py", r"decode_attention_paged"),), ()),
-    ("decode_attention_paged", "mma"): ((("tests/test_serving.py", r"decode_attention_paged"),), ()),
+    ("attention_varlen", "flash"): ((("tests/cupyattn/test_varlen_paged.py", r"attention_varlen"),), ()),
+    ("attention_varlen", "flash_mma"): ((("tests/cupyattn/test_varlen_paged.py", r"attention_varlen"),), ()),
+    ("attention_varlen", "wgmma_persistent"): (
+        (("tests/cupyattn/test_attention_wgmma_persistent.py", r"attention_varlen"),),
+        (("attention", "varlen-wgmma"), ("varlen", "varlen-wgmma"))),
+    ("attention_paged", "flash"): ((("tests/cupyattn/test_varlen_paged.py", r"attention_paged"),), ()),
+    ("attention_paged", "flash_mma"): ((("tests/cupyattn/test_varlen_paged.py", r"attention_paged"),), ()),
+    ("attention_paged", "wgmma_persistent"): (
+        (("tests/cupyattn/test_attention_wgmma_persistent.py", r"attention_paged"),),
+        (("paged", "paged-wgmma"),)),
+    ("decode_attention", "simt"): ((("tests/cupyattn/test_decode.py", r'"simt"'),), ()),
+    ("decode_attention", "mma"): ((("tests/cupyattn/test_decode.py", r'"mma"'),), ()),
+    ("decode_attention_paged", "simt"): ((("tests/cupyattn/test_varlen_paged.py", r"decode_attention_paged"),), ()),
+    ("decode_attention_paged", "mma"): ((("tests/cupyattn/test_varlen_paged.py", r"decode_attention_paged"),), ()),
 }
 _PAGED = ("paged-16", "paged-1", "paged-256")
 # further paths: (label, GPU test files with patterns, benchmark impls)
 EXTRA = (
-    ("decode_attention, impl='auto', the automatic split count", (("tests/test_decode.py", r"decode_attention"),),
+    ("decode_attention, impl='auto', the automatic split count",
+     (("tests/cupyattn/test_decode.py", r"decode_attention"),),
      (("decode", "split-kv"), ("decode", "unsplit"))),
-    ('decode_attention split_rule="waves"', (("tests/test_decode.py", r"waves"),), (("decode", "split-kv-waves"),)),
-    ("decode_attention fused_combine=True", (("tests/test_fused_decode.py", r"fused_combine"),), ()),
-    ("decode_attention_paged, NHD pages (the default)", (("tests/test_serving.py", r"decode_attention_paged"),),
+    ('decode_attention split_rule="waves"', (("tests/cupyattn/test_decode.py", r"waves"),),
+     (("decode", "split-kv-waves"),)),
+    ("decode_attention fused_combine=True", (("tests/cupyattn/test_fused_decode.py", r"fused_combine"),), ()),
+    ("decode_attention_paged, NHD pages (the default)",
+     (("tests/cupyattn/test_varlen_paged.py", r"decode_attention_paged"),),
      tuple(("decode", i) for i in _PAGED)),
-    ("decode_attention_paged, staged page ids (config.DECODE_PAGE_STAGING)", (("tests/test_serving.py", r"stag"),),
+    ("decode_attention_paged, staged page ids (config.DECODE_PAGE_STAGING)",
+     (("tests/cupyattn/test_varlen_paged.py", r"stag"),),
      tuple(("decode", i.replace("paged", "paged-staged")) for i in _PAGED)),
-    ('decode_attention_paged layout="HND"', (("tests/test_serving.py", r"HND"),),
+    ('decode_attention_paged layout="HND"', (("tests/cupyattn/test_varlen_paged.py", r"HND"),),
      tuple(("decode", i.replace("paged", "paged-hnd")) for i in _PAGED)),
-    ('decode_attention_paged layout="HND", split_rule="waves"', (("tests/test_serving.py", r"waves"),),
+    ('decode_attention_paged layout="HND", split_rule="waves"', (("tests/cupyattn/test_varlen_paged.py", r"waves"),),
      (("decode", "paged-hnd-waves-16"),)),
-    ('gemm impl="auto"', (("tests/test_gemm.py", r"gemm_nt"),), (("gemm", "ours"),)),
-    *((f'gemm impl="{i}"', (("tests/test_gemm.py", rf'"{i}"'),), (("gemm", f"ours-{i}"),))
+    ('gemm impl="auto"', (("tests/cupyattn/test_gemm.py", r"gemm_nt"),), (("gemm", "ours"),)),
+    *((f'gemm impl="{i}"', (("tests/cupyattn/test_gemm.py", rf'"{i}"'),), (("gemm", f"ours-{i}"),))
       for i in ("simt", "mma", "skinny", "wgmma")),
-    ("softmax", (("tests/test_softmax.py", r"softmax"),), (("softmax", "ours"),)),
-    ("layers (rmsnorm, add_rmsnorm, rope, swiglu, add, embedding)", (("tests/test_layers.py", r"rmsnorm"),), ()),
-    ("sample (device sampling)", (("tests/test_fused_ops.py", r"sample"),), ()),
-    ("tinylm cupy backend, CUDA graphs", (("tests/test_tinylm_gpu.py", r"def test_"),), (("model", "tinylm"),)),
-    ("tinylm cupy backend, eager", (("tests/test_tinylm_gpu.py", r"graphs=False|no-graph"),),
+    ("softmax", (("tests/cupyattn/test_softmax.py", r"softmax"),), (("softmax", "ours"),)),
+    ("layers (rmsnorm, add_rmsnorm, rope, swiglu, add, embedding)", (("tests/cupyattn/test_layers.py", r"rmsnorm"),), ()),
+    ("sample (device sampling)", (("tests/cupyattn/test_fused_ops.py", r"sample"),), ()),
+    ("tinylm cupy backend, CUDA graphs", (("tests/tinylm/test_cupy_backend.py", r"def test_"),), (("model", "tinylm"),)),
+    ("tinylm cupy backend, eager", (("tests/tinylm/test_cupy_backend.py", r"graphs=False|no-graph"),),
      (("model", "tinylm-eager"),)),
-    ("tinylm fused decode step and prefill", (("tests/test_fused_decode.py", r"fused_greedy"),),
+    ("tinylm fused decode step and prefill", (("tests/cupyattn/test_fused_decode.py", r"fused_greedy"),),
      (("model", "tinylm-fused"),)),
-    ("tinylm fused step with PDL (config.FUSED_DECODE_PDL)", (("tests/test_fused_decode.py", r"pdl"),
-                                                              ("tests/test_megakernel_tinylm.py", r"fused-pdl")),
+    ("tinylm fused step with PDL (config.FUSED_DECODE_PDL)", (("tests/cupyattn/test_fused_decode.py", r"pdl"),
+                                                              ("tests/tinylm/test_megakernel_tinylm.py", r"fused-pdl")),
      (("model", "tinylm-fused-pdl"),)),
-    ("tinylm megakernel (--megakernel)", (("tests/test_megakernel.py", r"def test_gpu"),
-                                          ("tests/test_megakernel_tinylm.py", r"def test_gpu")),
+    ("tinylm megakernel (--megakernel)", (("tests/cupyattn/test_megakernel.py", r"def test_gpu"),
+                                          ("tests/tinylm/test_megakernel_tinylm.py", r"def test_gpu")),
      (("model", "tinylm-mega"),)),
-    ("tinylm continuous batching (--max-batch)", (("tests/test_continuous_batching.py", r"mark\.gpu"),),
+    ("tinylm continuous batching (--max-batch)", (("tests/tinylm/test_continuous_batching.py", r"mark\.gpu"),),
      (("model", "tinylm-serve"),)),
     ("tinylm continuous batching, opt-in decode paths", (), (("model", "tinylm-serve-opt-in"),)),
 )
+
+
+# tests/ was one flat folder until it took a folder per package (tests/cupyattn, tests/tinylm,
+# tests/emu, tests/benchmarks); these files were renamed then (old name -> new). A session recorded
+# before names the flat paths in its commands and failures, and its commit holds the files there:
+# :func:`current_test_path` reads such a path as today's, :func:`_test_file_at` reads today's at an
+# older commit by its flat path.
+RENAMED_TESTS = {
+    "test_serving.py": "test_varlen_paged.py", "test_properties.py": "test_ops_on_random_shapes.py",
+    "test_emu_long_launches.py": "test_persistent_long_launches.py", "test_tinylm.py": "test_numpy_backend.py",
+    "test_tinylm_gpu.py": "test_cupy_backend.py", "test_benchmarks.py": "test_bench_cli.py",
+    "test_closeness.py": "test_assert_close.py", "test_emulator.py": "test_emu_checks.py",
+    "test_emulator_sm90.py": "test_emu_checks_sm90.py",
+}
+
+
+def current_test_path(path: str) -> str:
+    """``tests/test_<x>.py`` of a flat-layout session as the test file is now (test file names are
+    unique across tests/'s folders); any other path as it is."""
+    if not re.fullmatch(r"tests/test_\w+\.py", path) or (ROOT / path).is_file():
+        return path
+    name = RENAMED_TESTS.get(Path(path).name, Path(path).name)
+    found = [p for p in (ROOT / "tests" / name, *(ROOT / "tests").glob(f"*/{name}")) if p.is_file()]
+    return found[0].relative_to(ROOT).as_posix() if len(found) == 1 else path
+
+
+def _test_file_at(commit: str, path: str) -> str | None:
+    """Test file ``path``'s text at ``commit``: at its flat path for a commit before the folders."""
+    text = at_commit(commit, path)
+    name = Path(path).name
+    flat = "tests/" + next((old for old, new in RENAMED_TESTS.items() if new == name), name)
+    return at_commit(commit, flat) if text is None and path.startswith("tests/") and flat != path else text
 
 
 def rows() -> list[tuple[str, tuple, tuple]]:
@@ -163,8 +201,10 @@ def sessions(results_dir=RESULTS_DIR) -> list[dict]:
                 log = d / Path(m.group(3)).name
                 ltext = log.read_text(errors="replace")
                 finished = re.search(r"^=*\s*\d+ (passed|failed)", ltext.splitlines()[-1] if ltext.strip() else "")
-                steps.append({"step": m.group(1), "argv": cmds[m.group(1)], "log": log, "exit": int(m.group(2)),
-                              "finished": bool(finished), "failures": failures(ltext)})
+                argv = [current_test_path(a) if a.startswith("tests/") else a for a in cmds[m.group(1)]]
+                steps.append({"step": m.group(1), "argv": argv, "log": log, "exit": int(m.group(2)),
+                              "finished": bool(finished),
+                              "failures": {current_test_path(f): n for f, n in failures(ltext).items()}})
                 continue
             m = re.match(r"=== (.+?): (\S+ -m pytest .*)$", line)
             if m:
@@ -203,7 +243,7 @@ def test_evidence(files, sess: list[dict]) -> str:
         for st in s["steps"]:
             chosen = _selected(st["argv"], sorted({f for f, _ in files} | set(st["failures"])))
             ran = [f for f, pat in files if st["finished"] and chosen and f in chosen
-                   and re.search(pat, at_commit(s["commit"], f) or "(?!)") is not None]
+                   and re.search(pat, _test_file_at(s["commit"], f) or "(?!)") is not None]
             if ran:
                 hits.update(ran)
                 failed += [n for f in ran for n in st["failures"].get(f, [])]

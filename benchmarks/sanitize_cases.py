@@ -12,7 +12,7 @@ the kernels it launched with every name expression this device can run (``Kernel
 and exits 1 naming any it missed, so the sanitizer stage of ``benchmarks/gpu_run.sh`` provably
 covers every instantiation. Correctness against the float64
 references is the test tier's job; this only launches, synchronises and checks that outputs
-are finite. It also runs on the CPU emulator (tests/test_sanitize_cases.py).
+are finite. It also runs on the CPU emulator (tests/benchmarks/test_sanitize_cases.py).
 """
 from __future__ import annotations
 

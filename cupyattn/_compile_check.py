@@ -38,7 +38,7 @@ ALL_ARCHES = ("70",) + ARCHES   # sm_70 (Volta: SIMT kernels only) on request: N
 # ptx.cuh and 64 KB tiles among them (the default run still builds and runs Turing's default paths
 # on the emulator as sm_75). sm_80 takes the same source as sm_90 (every ptx.cuh branch is >= 800)
 # with a looser launch-bounds cap; sm_100 is tested for what it runs in place of what spilled there
-# (tests/test_gpu_families.py).
+# (tests/cupyattn/test_gpu_families.py).
 GATE_ARCHES = ("90",)
 # Of those, the test command's gate builds an all-pairs subset (:func:`gate_exprs`): per kernel
 # template, every value of each template argument and every pair of values of two arguments

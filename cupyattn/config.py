@@ -248,7 +248,7 @@ DECODE_SPLIT_OVERHEAD_KEYS = 64   # fixed cost of one split (prologue, epilogue,
                                   # combine) in keys: stops the rule from trading a whole wave
                                   # for a few percent less wave quantisation
 # Blocks per SM the split rule counts as one wave: 1, not the tile's occupancy. Evidence: a regression
-# pin of four measured points (tests/test_decode.py; the run and its caveats:
+# pin of four measured points (tests/cupyattn/test_decode.py; the run and its caveats:
 # benchmarks/results/2026-11-23-h100/README.md).
 DECODE_SPLIT_BLOCKS_PER_SM = 1
 

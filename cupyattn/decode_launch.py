@@ -69,7 +69,7 @@ def page_window_bytes(t: DecodeTile) -> int:
 def static_smem_bytes(impl: str, d: int, itemsize: int, t: DecodeTile, m_tiles: int = 1, staged: bool = False) -> int:
     """An upper bound of the decode kernel's static ``__shared__`` bytes (decode.cu: simt q_s,
     p_s, alpha_s, m_fin, l_fin and a flag; mma q_s and the per-slice m_s, l_s; STAGED: the page
-    window), checked against ptxas' numbers in tests/test_gpu_families.py."""
+    window), checked against ptxas' numbers in tests/cupyattn/test_gpu_families.py."""
     extra = page_window_bytes(t) if staged else 0
     if impl == "mma":
         rows = DECODE_MMA_ROWS * m_tiles

@@ -308,7 +308,7 @@ def device_cannot_run(op: str, impl: str, dtype, head_dim: int | None = None) ->
     ``head_dim``, or None when it can: the compute capability the dispatch sees (a real device,
     lowered by CUPYATTN_ARCH, or the emulator's CUPYATTN_EMU_ARCH) is below what config.IMPL_MIN_CC
     (and IMPL_MIN_CC_BY_HEAD_DIM) ask. That such a call raises ComputeCapabilityError before any
-    launch is tests/test_gpu_families.py's to check."""
+    launch is tests/cupyattn/test_gpu_families.py's to check."""
     from cupyattn import _loader
 
     dt = np_dtype(dtype) if isinstance(dtype, str) else np.dtype(dtype)

@@ -61,15 +61,35 @@ def test_ran_where_lists_every_options_row_and_reads_failures_by_file():
     for entry, impls in options.ENTRY_IMPLS.items():
         for impl in impls:
             assert f"{entry} impl={impl!r}" in labels
-    log = ("....F\n= FAILURES =\n___ test_a[x] ___\n\n    def test_a():\n>       assert 0\ntests/test_k.py:9: AssertionError\n"
-           "___ test_b ___\ntests/helpers.py:3: in f\ntests/test_k.py:20: AssertionError\n"
+    log = ("....F\n= FAILURES =\n___ test_a[x] ___\n\n    def test_a():\n>       assert 0\n"
+           "tests/pkg/test_k.py:9: AssertionError\n"
+           "___ test_b ___\ntests/helpers.py:3: in f\ntests/pkg/test_k.py:20: AssertionError\n"
            "= short test summary info =\n1 failed, 4 passed\n")
-    assert ran_where.failures(log) == {"tests/test_k.py": ["test_a[x]"], "tests/helpers.py": ["test_b"]}
-    argv = ["python3", "-m", "pytest", "-m", "gpu", "-q", "--ignore", "tests/test_m.py", "--junitxml", "x.xml"]
-    assert ran_where._selected(argv, ["tests/test_k.py", "tests/test_m.py"]) == ["tests/test_k.py"]
-    assert ran_where._selected(argv[:5] + ["tests/test_m.py"], ["tests/test_k.py", "tests/test_m.py"]) == ["tests/test_m.py"]
-    assert ran_where._selected(argv[:5] + ["-k", "x"], ["tests/test_k.py"]) is None
-    assert ran_where._selected(["python3", "-m", "pytest", "tests/test_k.py"], ["tests/test_k.py"]) is None
+    assert ran_where.failures(log) == {"tests/pkg/test_k.py": ["test_a[x]"], "tests/helpers.py": ["test_b"]}
+    k, m = "tests/pkg/test_k.py", "tests/pkg/test_m.py"
+    argv = ["python3", "-m", "pytest", "-m", "gpu", "-q", "--ignore", m, "--junitxml", "x.xml"]
+    assert ran_where._selected(argv, [k, m]) == [k]
+    assert ran_where._selected(argv[:5] + [m], [k, m]) == [m]
+    assert ran_where._selected(argv[:5] + ["-k", "x"], [k]) is None
+    assert ran_where._selected(["python3", "-m", "pytest", k], [k]) is None
+
+
+def test_ran_where_reads_sessions_of_the_flat_test_layout():
+    """A session recorded before tests/ took folders names flat paths (``tests/test_serving.py``)
+    and its commit holds the files there: both are read as today's files."""
+    from benchmarks import ran_where
+
+    assert ran_where.current_test_path("tests/test_serving.py") == "tests/cupyattn/test_varlen_paged.py"
+    assert ran_where.current_test_path("tests/test_gguf.py") == "tests/tinylm/test_gguf.py"
+    assert ran_where.current_test_path("tests/test_docs.py") == "tests/test_docs.py"  # project-wide: stayed
+    assert ran_where.current_test_path("tests/test_gone.py") == "tests/test_gone.py"
+    for old in ran_where.RENAMED_TESTS:
+        assert (ROOT / ran_where.current_test_path(f"tests/{old}")).is_file(), old
+    before = min(ran_where.sessions(), key=lambda s: s["date"])["commit"]  # recorded in the flat layout
+    if _git_show(before, "tests/test_serving.py") is None:
+        pytest.skip("no git history")
+    text = ran_where._test_file_at(before, "tests/cupyattn/test_varlen_paged.py")
+    assert text is not None and text == _git_show(before, "tests/test_serving.py")
 
 
 def test_ran_where_names_the_kernels_changed_since_a_tests_run(tmp_path, monkeypatch):
@@ -89,8 +109,8 @@ def test_ran_where_names_the_kernels_changed_since_a_tests_run(tmp_path, monkeyp
     (kernels / "gemm.cu").write_text("// edited\n" + (kernels / "gemm.cu").read_text())
     monkeypatch.setattr(ran_where, "ROOT", tmp_path)
     monkeypatch.setattr(ran_where, "at_commit", lambda c, path: _git_show(head, path))
-    assert ran_where.kernels_changed(head, ["tests/test_gemm.py"]) == ["gemm.cu"]
-    assert ran_where.kernels_changed(head, ["tests/test_decode.py"]) == []
+    assert ran_where.kernels_changed(head, ["tests/cupyattn/test_gemm.py"]) == ["gemm.cu"]
+    assert ran_where.kernels_changed(head, ["tests/cupyattn/test_decode.py"]) == []
     assert "gemm.cu" in settle.COVER and ran_where.shared_changed(head) == []
 
 

@@ -201,3 +201,34 @@ def test_code_carries_no_issue_numbers():
              and "egg-info" not in str(p) for i, line in enumerate(p.read_text(errors="replace").splitlines(), 1)
              if marker.search(line)]
     assert found == []
+
+
+# tests/: a folder per package, and at the top only what concerns the whole project
+TEST_FOLDERS = {"cupyattn", "tinylm", "emu", "benchmarks"}
+TOP_LEVEL = {"conftest.py", "tiers.py",  # the session's helpers and its background work
+             "test_project.py", "test_docs.py", "test_bad_inputs.py",  # every package's wiring, docs, inputs
+             "test_emulated_gpu_tier.py", "test_assert_close.py"}  # the tiers' checks, conftest's closeness
+
+
+def test_tests_sit_in_a_folder_per_package():
+    """Op and kernel tests in tests/cupyattn, the model's in tests/tinylm, the CPU emulator's own
+    beside its sources in tests/emu, the benchmark tools' in tests/benchmarks; nothing loose at the
+    top but the project-wide files. No folder is a package and no two test files share a name:
+    pytest's default import mode imports each by its name from its folder, and pyproject's
+    pythonpath lists every folder so that a test imports another folder's helpers by name. Every
+    file the emulated runs name (tests/tiers.py) exists."""
+    import tiers
+
+    tests = ROOT / "tests"
+    loose = sorted(p.name for p in tests.glob("*.py") if p.name not in TOP_LEVEL)
+    assert not loose, f"put these in the folder of the package they test ({sorted(TEST_FOLDERS)}): {loose}"
+    assert {p.name for p in tests.iterdir() if p.is_dir() and p.name != "__pycache__"} == TEST_FOLDERS
+    files = sorted(tests.rglob("test_*.py"))
+    names = [p.name for p in files]
+    assert len(files) > 50 and len(set(names)) == len(names), sorted({n for n in names if names.count(n) > 1})
+    assert not list(tests.rglob("__init__.py"))
+    pythonpath = re.search(r"^pythonpath = \[(.*)\]$", (ROOT / "pyproject.toml").read_text(), re.M).group(1)
+    assert set(re.findall(r'"([^"]+)"', pythonpath)) >= {"tests", *(f"tests/{d}" for d in TEST_FOLDERS)}
+    for path in tiers.SM75_FILES + tiers.SM80_FILES + tiers.SM100_FILES:
+        assert (tests / path).is_file(), path
+    assert set(tiers.EMU_LONG_FILES) <= set(names)

@@ -60,9 +60,10 @@ def _fmt_s(s: float) -> str:
 # copies for cp.async, two m16n8k8 per m16n8k16) and the dispatch's fallbacks (SIMT for bf16,
 # 2-stage rings and tiles for 64 KB) run. A chosen subset of shapes keeps it small; explicit
 # impls the device cannot run skip there (conftest.skip_unless_device_runs) and are covered by
-# test_gpu_families.py's error tests.
-SM75_FILES = ("test_ptx.py", "test_gpu_families.py", "test_attention.py", "test_decode.py", "test_gemm.py",
-              "test_softmax.py", "test_layers.py", "test_tinylm_gpu.py", "test_options_matrix.py", "test_dispatch.py")
+# test_gpu_families.py's error tests. The *_FILES below are paths under tests/.
+SM75_FILES = ("cupyattn/test_ptx.py", "cupyattn/test_gpu_families.py", "cupyattn/test_attention.py",
+              "cupyattn/test_decode.py", "cupyattn/test_gemm.py", "cupyattn/test_softmax.py", "cupyattn/test_layers.py",
+              "tinylm/test_cupy_backend.py", "cupyattn/test_options_matrix.py", "cupyattn/test_dispatch.py")
 SM75_SELECT = " or ".join((
     "test_impl_none_is_the_tables_choice",  # impl=None of every entry point: the options table's row
     "test_ldmatrix", "test_mma_m16n8k16", "test_cp_async", "test_gpu_families",
@@ -92,9 +93,9 @@ SM75_SELECT = " or ".join((
 # An emulated A100 (compute capability 8.0, 163 KB per block): the paths x options matrix
 # only (every other sm_80 path is sm_90's minus wgmma, which the sm_90 run covers), so the family
 # between Turing's fallbacks and Hopper's wgmma dispatch meets every option too.
-SM80_FILES = ("test_options_matrix.py", "test_dispatch.py")
+SM80_FILES = ("cupyattn/test_options_matrix.py", "cupyattn/test_dispatch.py")
 SM80_SELECT = "test_every_option_on_every_path or test_impl_none_is_the_tables_choice"
-SM100_FILES = ("test_gpu_families.py", "test_attention.py", "test_dispatch.py")
+SM100_FILES = ("cupyattn/test_gpu_families.py", "cupyattn/test_attention.py", "cupyattn/test_dispatch.py")
 SM100_SELECT = ("test_flash_mma_launches_the_family_tile or (test_gpu_flash_mma_every_tile_entry and 64)"
                 " or test_default_attention_is_what_the_table_says or test_impl_none_is_the_tables_choice")
 GPU_MARK = "gpu" if FULL else "gpu and not emu_slow"
@@ -270,7 +271,8 @@ PAIRWISE_ENV = "CUPYATTN_EMU_PAIRWISE"  # set on the sm_90 emulated run unless C
 # An emulated run starts with these files' tests (5 to 30 CPU-s each there: whole tinylm decode
 # loops, the 1024-thread sampler over many rows): a run ends when its last test does, and one of
 # them last would keep a core idle meanwhile. In file order otherwise (module fixtures stay shared).
-EMU_LONG_FILES = ("test_tinylm_gpu.py", "test_megakernel_tinylm.py", "test_fused_ops.py",
+# By file name: names are unique across tests/'s folders (pytest's import mode needs them so).
+EMU_LONG_FILES = ("test_cupy_backend.py", "test_megakernel_tinylm.py", "test_fused_ops.py",
                   "test_continuous_batching.py")
 
 

@@ -16,7 +16,7 @@ ACTIVATIONS = ("silu", "gelu_tanh")  # the FFN gate: SwiGLU (Llama, Qwen, Mistra
 # Prefill (tinylm.prefill). PREFILL_GRAPHS: a prompt of up to PREFILL_CHUNK tokens is padded to
 # a length bucket and its forward pass replayed as a CUDA graph captured per (batch, bucket),
 # on the cupy backend wherever decode steps are graph replays: the same kernels as the eager
-# prefill, launched without ~300 Python launch paths (tests/test_prefill.py: same tokens on the
+# prefill, launched without ~300 Python launch paths (tests/tinylm/test_prefill.py: same tokens on the
 # emulator). FUSED_PREFILL: the fused projections of cupyattn.fused in the prefill too (7
 # kernels per layer instead of 10); H100, 2026-11-26: time to first token 2.6 ms against 3.4 ms
 # unfused in the same run (SmolLM2-135M's shapes, fp16, batch 1; benchmarks/results/2026-11-26-h100).

@@ -260,7 +260,7 @@ def sequence_bytes(args, ops, prompt_len: int, positions: int) -> tuple:
     its K and V rows at the RunState's capacity, and the prefill's per-token temporaries
     (residual, norms, QKV, attention output, gate|up, SwiGLU) plus the backend's attention
     scratch (NumPy's score matrices; none for the fused kernels), logits in float32. An upper
-    bound of what tracemalloc measures on the NumPy backend (tests/test_tinylm.py). On a backend
+    bound of what tracemalloc measures on the NumPy backend (tests/tinylm/test_numpy_backend.py). On a backend
     whose prefill is a padded graph (tinylm.prefill) the activations are those of the padded
     length."""
     a, item = args, np.dtype(ops.dtype).itemsize

@@ -28,7 +28,7 @@ them and captures anew), so its prefill memory is one padded prompt's activation
 eagerly (it compiles and loads every kernel, which a capture must not do) and then captures it;
 later prefills of the bucket replay.
 Eager and replayed padded prefills run the same launches on the same buffers, so they give the
-same logits bit for bit (tests/test_prefill.py); against the unpadded eager prefill the logits
+same logits bit for bit (tests/tinylm/test_prefill.py); against the unpadded eager prefill the logits
 differ only where a GEMM of another row count sums in another order (tokens equal on the tests'
 models). Prompts longer than PREFILL_CHUNK keep the chunked eager prefill (tinylm.generate).
 """

@@ -25,7 +25,7 @@ batch-1 scratch state the prompts are prefilled in holds one more with the prefi
 of ``Generator.batches``: more slots than fit are not made (``serve`` runs the ones that fit),
 and if not even one fits, ``serve`` raises one RuntimeError line saying what one slot needs.
 
-Greedy tokens of every prompt equal its run alone (tests/test_continuous_batching.py).
+Greedy tokens of every prompt equal its run alone (tests/tinylm/test_continuous_batching.py).
 """
 from __future__ import annotations
 
