@@ -808,7 +808,9 @@ def test_gpu_run_every_benchmark_command_parses(tmp_path, capsys):
 def test_gpu_run_settle_fits_one_call_and_times_what_issue_57_asks(tmp_path):
     """settle: one stage under 10 minutes (its budget, every step's cap cut to it); decode B1
     Hq32 Hkv8 L131072 at split counts auto/16/32/33/64 beside unsplit with --reps 50; GEMM M=1;
-    the opt-in decode variants on the paged and MQA cases; then the GPU tests of what changed."""
+    the opt-in decode variants on the paged and MQA cases; then the GPU tests and sanitizers of what
+    changed, or, when a header every kernel includes changed, a line that sends them to calls of
+    their own (they do not fit beside the timings)."""
     text = (ROOT / "benchmarks" / "gpu_run.sh").read_text()
     budget = int(re.search(r"SETTLE_BUDGET:-(\d+)", text).group(1))
     assert budget <= 570
@@ -820,7 +822,15 @@ def test_gpu_run_settle_fits_one_call_and_times_what_issue_57_asks(tmp_path):
     assert gemm[gemm.index("--M") + 1] == "1" and {"ours", "ours-skinny", "cublas"} <= set(gemm[gemm.index("--impl") + 1].split(","))
     paged = steps["settle-decode-paged"]
     assert set(cases_opt_in()) <= set(paged[paged.index("--impl") + 1].split(","))
-    assert steps["gpu tests"][:5] == [sys.executable, "-m", "pytest", "-m", "gpu"]
+    from benchmarks import settle
+
+    tests, _ = settle.cover(settle.changed(json.loads(settle.MANIFEST.read_text())))
+    if tests is None:  # a shared header changed: the whole tier and every sanitizer take calls of their own
+        assert "gpu tests" not in steps and not any(n.startswith("sanitize") for n in steps)
+        assert "run 'gpu_run.sh tests'" in (tmp_path / "settle" / "steps.log").read_text()
+    else:
+        assert steps["gpu tests"][:5] == [sys.executable, "-m", "pytest", "-m", "gpu"]
+        assert set(tests) <= set(steps["gpu tests"])
 
 
 def cases_opt_in():
