@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .hf_peer import neox_row_order
+from .hf_peer import neox_row_order, put_param
 from .peers import get_torch, get_transformers
 
 
@@ -77,14 +77,8 @@ def build_hf_family(args, weights, dtype: str = "float16", device: str = "cuda")
     perm_k = neox_row_order(args.n_kv_heads, args.head_dim) if adjacent else None
 
     def put(param, arr, perm=None, norm=False):
-        a = np.asarray(arr, dtype=np.float32)
-        if perm is not None:
-            a = a[perm]
-        if norm and gemma:  # tinylm (and the GGUF file) store 1 + w; HF multiplies by 1 + w itself
-            a = a - 1.0
-        if tuple(param.shape) != a.shape:
-            raise ValueError(f"HF parameter shape {tuple(param.shape)} != tinylm weight {a.shape}")
-        param.copy_(torch.from_numpy(np.ascontiguousarray(a)).to(device=param.device, dtype=param.dtype))
+        # Gemma's norms: tinylm (and the GGUF file) store 1 + w; HF multiplies by 1 + w itself
+        put_param(param, arr, perm, shift=-1.0 if norm and gemma else 0.0)
 
     with torch.no_grad():
         m = model.model

@@ -33,6 +33,20 @@ def hf_config(args, torch_dtype=None):
         hidden_act="silu")
 
 
+def put_param(param, arr, perm=None, shift: float = 0.0) -> None:
+    """Copy tinylm weight ``arr`` (rows reordered by ``perm``, ``shift`` added) into HF ``param``,
+    in place, after checking the shapes agree."""
+    torch = get_torch()
+    a = np.asarray(arr, dtype=np.float32)
+    if perm is not None:
+        a = a[perm]
+    if shift:
+        a = a + shift
+    if tuple(param.shape) != a.shape:
+        raise ValueError(f"HF parameter shape {tuple(param.shape)} != tinylm weight {a.shape}")
+    param.copy_(torch.from_numpy(np.ascontiguousarray(a)).to(device=param.device, dtype=param.dtype))
+
+
 def build_hf_llama(args, weights, dtype: str = "float16", device: str = "cuda"):
     """LlamaForCausalLM on ``device`` holding tinylm ``weights`` (``dtype`` a torch dtype name);
     another family (``args.quirks()``), its own HF class (hf_family_peer)."""
@@ -54,14 +68,7 @@ def build_hf_llama(args, weights, dtype: str = "float16", device: str = "cuda"):
     else:
         raise ValueError(f"unknown rope_style {args.rope_style!r}")
 
-    def put(param, arr, perm=None):
-        a = np.asarray(arr, dtype=np.float32)
-        if perm is not None:
-            a = a[perm]
-        if tuple(param.shape) != a.shape:
-            raise ValueError(f"HF parameter shape {tuple(param.shape)} != tinylm weight {a.shape}")
-        param.copy_(torch.from_numpy(np.ascontiguousarray(a)).to(device=param.device, dtype=param.dtype))
-
+    put = put_param
     with torch.no_grad():
         m = model.model
         put(m.embed_tokens.weight, weights.tok_embd)

@@ -194,12 +194,21 @@ __global__ void __launch_bounds__(LAYERS_THREADS) rope_kernel(
 }
 
 // --- elementwise: swiglu, add ---------------------------------------------------------------------
-// swiglu: gate, up, y are [rows, nvc * V] with row strides ldg, ldu, ldy (elements, multiples of
-// V), last dim contiguous; a C-contiguous array is one row. y may be gate or up (same strides).
-template <typename T, int V>
-__global__ void __launch_bounds__(LAYERS_THREADS) swiglu_kernel(
-    const T* gate, const T* up, T* y, long long rows, long long nvc,
-    long long ldg, long long ldu, long long ldy) {
+// swiglu / geglu: gate, up, y are [rows, nvc * V] with row strides ldg, ldu, ldy (elements,
+// multiples of V), last dim contiguous; a C-contiguous array is one row. y may be gate or up (same
+// strides). y = act(gate) * up, act one of the two functors below.
+struct Silu {  // silu(g) = g / (1 + e^-g); for g -> -inf the quotient goes to -0, never NaN
+    __device__ __forceinline__ float operator()(float g) const { return g / (1.0f + expf(-g)); }
+};
+struct GeluTanh {  // Gemma's gate: 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))); tanhf saturates
+    __device__ __forceinline__ float operator()(float g) const {
+        return 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
+    }
+};
+
+template <typename T, int V, typename Act>
+__device__ __forceinline__ void gated_rows(const T* gate, const T* up, T* y, long long rows, long long nvc,
+                                           long long ldg, long long ldu, long long ldy) {
     const long long step = (long long)gridDim.x * blockDim.x;
     const long long nv = rows * nvc;
     for (long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x; j < nv; j += step) {
@@ -208,36 +217,23 @@ __global__ void __launch_bounds__(LAYERS_THREADS) swiglu_kernel(
         const Vec<T, V> u = load_vec<T, V>(up + r * ldu + c);
         Vec<T, V> o;
 #pragma unroll
-        for (int k = 0; k < V; ++k) {
-            const float gf = to_float(g.v[k]);
-            // silu(g) = g / (1 + e^-g); for g -> -inf the quotient goes to -0, never NaN
-            o.v[k] = from_float<T>(gf / (1.0f + expf(-gf)) * to_float(u.v[k]));
-        }
+        for (int k = 0; k < V; ++k) o.v[k] = from_float<T>(Act()(to_float(g.v[k])) * to_float(u.v[k]));
         store_vec<T, V>(y + r * ldy + c, o);
     }
 }
 
-// geglu: swiglu's layout with GELU (tanh form) for silu, Gemma's gate:
-// gelu(g) = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))); tanhf saturates, so no overflow.
+template <typename T, int V>
+__global__ void __launch_bounds__(LAYERS_THREADS) swiglu_kernel(
+    const T* gate, const T* up, T* y, long long rows, long long nvc,
+    long long ldg, long long ldu, long long ldy) {
+    gated_rows<T, V, Silu>(gate, up, y, rows, nvc, ldg, ldu, ldy);
+}
+
 template <typename T, int V>
 __global__ void __launch_bounds__(LAYERS_THREADS) geglu_kernel(
     const T* gate, const T* up, T* y, long long rows, long long nvc,
     long long ldg, long long ldu, long long ldy) {
-    const long long step = (long long)gridDim.x * blockDim.x;
-    const long long nv = rows * nvc;
-    for (long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x; j < nv; j += step) {
-        const long long r = j / nvc, c = (j - r * nvc) * V;
-        const Vec<T, V> g = load_vec<T, V>(gate + r * ldg + c);
-        const Vec<T, V> u = load_vec<T, V>(up + r * ldu + c);
-        Vec<T, V> o;
-#pragma unroll
-        for (int k = 0; k < V; ++k) {
-            const float gf = to_float(g.v[k]);
-            const float inner = 0.7978845608028654f * (gf + 0.044715f * gf * gf * gf);
-            o.v[k] = from_float<T>(0.5f * gf * (1.0f + tanhf(inner)) * to_float(u.v[k]));
-        }
-        store_vec<T, V>(y + r * ldy + c, o);
-    }
+    gated_rows<T, V, GeluTanh>(gate, up, y, rows, nvc, ldg, ldu, ldy);
 }
 
 // bias_add: x [rows, n] with row stride ld (elements), last dim contiguous, in place: x += bias [n].

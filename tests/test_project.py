@@ -151,37 +151,6 @@ def test_docs_pages_exist_and_their_links_and_results_files_resolve():
     assert "](options.md)" in (ROOT / "docs" / "api.md").read_text()
 
 
-# a measured figure in the docs: "0.725 ms", "968 tokens/s", or a list "0.232 / 0.217 / 0.348 ms"
-FIGURE = re.compile(r"((?:\d+(?:\.\d+)? / )*\d+(?:\.\d+)?) (ms|tokens/s)\b")
-MEASURED = {"ms": ("median_ms", "ttft_ms"), "tokens/s": ("decode_tok_s",)}
-
-
-def test_docs_figures_come_from_the_results_file_they_cite():
-    """Every timing in docs/ ("<n> ms", "<n> tokens/s") stands in a paragraph that names a results
-    JSON under benchmarks/results/, and equals, at the precision shown, a measured field of one of
-    its records (median_ms or ttft_ms; decode_tok_s): a figure typed by hand, or one left behind
-    when its file changed, fails here. (The README's table is test_readme_results_table_...'s.)"""
-    import json
-
-    bad = []
-    for page in sorted((ROOT / "docs").glob("*.md")):
-        for para in re.split(r"\n\s*\n", page.read_text()):
-            figures = [(f, unit) for fs, unit in FIGURE.findall(para) for f in fs.split(" / ")]
-            if not figures:
-                continue
-            files = [f for f in re.findall(r"benchmarks/results/[\w./-]+\.json", para)]
-            if not files:
-                bad.append(f"{page.name}: {figures} in a paragraph that names no results JSON")
-                continue
-            records = [r for f in files for r in json.loads((ROOT / f).read_text())["records"]]
-            for f, unit in figures:
-                digits = len(f.split(".")[1]) if "." in f else 0
-                values = [r[k] for r in records for k in MEASURED[unit] if isinstance(r.get(k), (int, float))]
-                if not any(round(v, digits) == float(f) for v in values):
-                    bad.append(f"{page.name}: {f} {unit} is in none of {files}")
-    assert bad == []
-
-
 def test_tinylm_docs_list_every_cli_option():
     """docs/tinylm.md's option summary names every option `tinylm --help` lists."""
     from tinylm.__main__ import build_parser
