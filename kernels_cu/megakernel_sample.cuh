@@ -63,16 +63,9 @@ __device__ void mk_sample_part(const MkModel& m, const MkState& st, const MkIns&
     float* vals = st.sp_val + ((size_t)b * m.parts + p) * (1 + MK_SAMPLE_CAND);
     int* ids = st.sp_idx + ((size_t)b * m.parts + p) * (2 + MK_SAMPLE_CAND);
     // the chunk's max and its smallest index
-    float best = -CUDART_INF_F;
-    int best_i = 0x7fffffff;
-    for (int i = threadIdx.x; i < n; i += MK_THREADS) {
-        const float l = src(i);
-        const float v = l != l ? -CUDART_INF_F : l;  // NaN never wins
-        if (arg_better(v, i, best, best_i)) {
-            best = v;
-            best_i = i;
-        }
-    }
+    float best;
+    int best_i;
+    thread_argmax<MK_THREADS>(src, n, best, best_i);
     block_argmax<MK_THREADS>(best, best_i, sm.s.sv, sm.s.si);
     const float beta = m.fparams[2 * b];
     const int top_k = m.iparams[4 * b];

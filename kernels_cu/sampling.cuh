@@ -92,6 +92,22 @@ __device__ __forceinline__ bool arg_better(float v, int i, float bv, int bi) {
     return v > bv || (v == bv && i < bi);
 }
 
+// This thread's (max, smallest index holding it) over row(i) for i = threadIdx.x, + NT, ... < n;
+// a NaN never wins. block_argmax then combines the threads'.
+template <int NT, typename Row>
+__device__ __forceinline__ void thread_argmax(const Row& row, int n, float& best, int& best_i) {
+    best = -CUDART_INF_F;
+    best_i = 0x7fffffff;
+    for (int i = threadIdx.x; i < n; i += NT) {
+        const float l = row(i);
+        const float v = l != l ? -CUDART_INF_F : l;
+        if (arg_better(v, i, best, best_i)) {
+            best = v;
+            best_i = i;
+        }
+    }
+}
+
 // (max, smallest index holding it) over the block; every thread gets the result.
 template <int NT>
 __device__ void block_argmax(float& v, int& i, float* sv, int* si) {
@@ -232,16 +248,9 @@ __device__ int sample_draw(const Src& row, int V, float beta, float top_p, int t
     int& chosen = sm.chosen;
 
     // step 1: max logit and its smallest index (the greedy answer; l_max for the masses)
-    float best = -CUDART_INF_F;
-    int best_i = 0x7fffffff;
-    for (int i = threadIdx.x; i < V; i += NT) {
-        const float l = row(i);
-        const float v = l != l ? -CUDART_INF_F : l;  // NaN never wins
-        if (arg_better(v, i, best, best_i)) {
-            best = v;
-            best_i = i;
-        }
-    }
+    float best;
+    int best_i;
+    thread_argmax<NT>(row, V, best, best_i);
     block_argmax<NT>(best, best_i, sv, si);
     // no candidate (every logit NaN or -inf): -1, documented; the host side reports it
     int token = best > -CUDART_INF_F ? best_i : -1;
