@@ -1,6 +1,6 @@
 """The model peer for every tinylm family: HF transformers' own model class of the family, built
 from tinylm's ModelArgs and Weights (hf_peer.build_hf_llama hands families other than plain Llama
-here).
+here), and the weight carry-over both builders share (neox_row_order, put_param).
 
     arch (tinylm)          HF class                  what is carried over
     llama (+ window)       Llama (Mistral)           Q/K rows to NeoX order; RoPE divisors into inv_freq
@@ -18,8 +18,27 @@ from __future__ import annotations
 
 import numpy as np
 
-from .hf_peer import neox_row_order, put_param
 from .peers import get_torch, get_transformers
+
+
+def neox_row_order(n_heads: int, head_dim: int) -> np.ndarray:
+    """Row permutation of a [n_heads*head_dim, dim] Q/K weight: adjacent-pair -> NeoX layout."""
+    per_head = np.concatenate([np.arange(0, head_dim, 2), np.arange(1, head_dim, 2)])
+    return (np.arange(n_heads)[:, None] * head_dim + per_head[None, :]).reshape(-1)
+
+
+def put_param(param, arr, perm=None, shift: float = 0.0) -> None:
+    """Copy tinylm weight ``arr`` (rows reordered by ``perm``, ``shift`` added) into HF ``param``,
+    in place, after checking the shapes agree."""
+    torch = get_torch()
+    a = np.asarray(arr, dtype=np.float32)
+    if perm is not None:
+        a = a[perm]
+    if shift:
+        a = a + shift
+    if tuple(param.shape) != a.shape:
+        raise ValueError(f"HF parameter shape {tuple(param.shape)} != tinylm weight {a.shape}")
+    param.copy_(torch.from_numpy(np.ascontiguousarray(a)).to(device=param.device, dtype=param.dtype))
 
 
 def _layer_types(args):

@@ -12,13 +12,8 @@ import time
 
 import numpy as np
 
+from .hf_family_peer import build_hf_family, neox_row_order, put_param
 from .peers import get_torch, get_transformers
-
-
-def neox_row_order(n_heads: int, head_dim: int) -> np.ndarray:
-    """Row permutation of a [n_heads*head_dim, dim] Q/K weight: adjacent-pair -> NeoX layout."""
-    per_head = np.concatenate([np.arange(0, head_dim, 2), np.arange(1, head_dim, 2)])
-    return (np.arange(n_heads)[:, None] * head_dim + per_head[None, :]).reshape(-1)
 
 
 def hf_config(args, torch_dtype=None):
@@ -33,26 +28,10 @@ def hf_config(args, torch_dtype=None):
         hidden_act="silu")
 
 
-def put_param(param, arr, perm=None, shift: float = 0.0) -> None:
-    """Copy tinylm weight ``arr`` (rows reordered by ``perm``, ``shift`` added) into HF ``param``,
-    in place, after checking the shapes agree."""
-    torch = get_torch()
-    a = np.asarray(arr, dtype=np.float32)
-    if perm is not None:
-        a = a[perm]
-    if shift:
-        a = a + shift
-    if tuple(param.shape) != a.shape:
-        raise ValueError(f"HF parameter shape {tuple(param.shape)} != tinylm weight {a.shape}")
-    param.copy_(torch.from_numpy(np.ascontiguousarray(a)).to(device=param.device, dtype=param.dtype))
-
-
 def build_hf_llama(args, weights, dtype: str = "float16", device: str = "cuda"):
     """LlamaForCausalLM on ``device`` holding tinylm ``weights`` (``dtype`` a torch dtype name);
     another family (``args.quirks()``), its own HF class (hf_family_peer)."""
     if getattr(args, "arch", "llama") != "llama" or args.quirks():
-        from .hf_family_peer import build_hf_family
-
         return build_hf_family(args, weights, dtype, device)
     torch = get_torch()
     tf = get_transformers()

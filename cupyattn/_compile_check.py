@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 from struct import error as struct_error
 
+from . import _sass
 from ._loader import KernelSpec, all_specs
 
 ARCHES = ("75", "80", "86", "89", "90", "100", "120")   # the families of config.GPU_FAMILIES, sm_70 aside
@@ -132,12 +133,10 @@ def compile_spec(spec: KernelSpec, arch: str, name_expressions=None) -> list[Ker
     mangled = {v: k for k, v in mapping.items()}
     sizes, loops = {}, {}
     try:
-        from ._sass import loop_summary, pad_elf, text_sizes
-
-        elf = pad_elf(bytes(cubin))
-        sizes = {mangled.get(m, m): n for m, n in text_sizes(elf).items()}
+        elf = _sass.pad_elf(bytes(cubin))
+        sizes = {mangled.get(m, m): n for m, n in _sass.text_sizes(elf).items()}
         if spec.sm90a:   # the Hopper kernels' loops, for the machine-code invariants the tests hold
-            loops = loop_summary(elf, mangled)
+            loops = _sass.loop_summary(elf, mangled)
     except (ValueError, IndexError, struct_error, RuntimeError):  # sizes / loops unknown; the check goes on
         pass
     # a non-template kernel is compiled by every program of its file: keep only what was asked
@@ -365,10 +364,58 @@ def main(argv=None) -> int:
     return 1 if errors or spills else 0
 
 
+# --- the machine-code report (check --sass): compiled here, read by cupyattn._sass -----------------
+def compile_cubin(spec, expr: str, arch: str = "90"):
+    """(cubin bytes, mangled name, ptxas log) of one instantiation, compiled as the check does."""
+    from cupy.cuda import compiler
+
+    prog = compiler._NVRTCProgram(spec.code(), f"{spec.name}.cu", name_expressions=[expr], method="cubin")
+    log = io.StringIO()
+    cubin, mapping = prog.compile(rawmodule_options(spec, arch), log_stream=log)
+    return bytes(cubin), mapping[expr], log.getvalue()
+
+
+def sass_report(spec, expr: str, nvdisasm: str | None = None) -> _sass.SassReport:
+    """The machine-code report of one sm_90a instantiation of ``spec``."""
+    cubin, mangled, log = compile_cubin(spec, expr)
+    cubin = _sass.pad_elf(cubin)
+    regs = spill = 0
+    for name, _arch, r, _smem, _stack, st, ld in parse_ptxas_log(log, {mangled: expr}):
+        if name == expr:
+            regs, spill = r, st + ld
+    funcs = _sass.parse_sass(_sass.disassemble(cubin, nvdisasm))
+    insns, labels = funcs.get(mangled, ([], {}))
+    ser = re.search(r"^ptxas.*wgmma.*serializ.*$", log, re.M | re.I)
+    return _sass.SassReport(expr, spec.name, _sass.text_sizes(cubin).get(mangled, 16 * len(insns)), regs, spill, len(insns),
+                      _sass.loops(insns, labels), ser.group(0).strip()[:200] if ser else "")
+
+
+def hopper_exprs(only: str | None = None):
+    """(spec, name expression) of every sm_90a instantiation (of the spec named ``only``)."""
+    import cupyattn  # noqa: F401  (registers every spec)
+
+    return [(s, e) for s in all_specs() if s.sm90a and (only is None or s.name == only) for e in s.name_expressions]
+
+
+def run_sass(only: str | None = None, workers: int | None = None, on_report=None) -> list[_sass.SassReport]:
+    """Reports of every sm_90a instantiation (threads: NVRTC releases the GIL)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    jobs = hopper_exprs(only)
+    exe = _sass.nvdisasm_path()
+    with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:
+        futs = [pool.submit(sass_report, s, e, exe) for s, e in jobs]
+        out = []
+        for f in futs:
+            r = f.result()
+            out.append(r)
+            if on_report is not None:
+                on_report(r)
+    return out
+
+
 def _sass_main(args, json) -> int:
     """``check --sass``: cupyattn._sass's report of every sm_90a instantiation (of ``--only``)."""
-    from . import _sass
-
     if _sass.nvdisasm_path() is None:
         print("python -m cupyattn check --sass: no nvdisasm found (pip install nvidia-cuda-nvdisasm, or set "
               f"{_sass.NVDISASM_ENV})", file=sys.stderr)
@@ -376,7 +423,7 @@ def _sass_main(args, json) -> int:
     t0 = time.perf_counter()
     on = None if args.json else (lambda r: print(_sass.format_report(r), flush=True))
     try:
-        reports = _sass.run(args.only, on_report=on)
+        reports = run_sass(args.only, on_report=on)
     except RuntimeError as e:
         print("ERROR:", e)
         return 1

@@ -20,7 +20,6 @@ terminating NUL it does not copy); :func:`pad_elf` pads it to the end its header
 """
 from __future__ import annotations
 
-import io
 import os
 import re
 import shutil
@@ -309,61 +308,6 @@ def loop_summary(cubin: bytes, mangled: dict[str, str]) -> dict[str, list[dict]]
     for name, (insns, labels) in parse_sass(disassemble(cubin, exe)).items():
         if name in mangled:
             out[mangled[name]] = [dict(asdict(lp), kind=lp.kind) for lp in loops(insns, labels)]
-    return out
-
-
-def compile_cubin(spec, expr: str, arch: str = "90"):
-    """(cubin bytes, mangled name, ptxas log) of one instantiation, compiled as the check does."""
-    from cupy.cuda import compiler
-
-    from ._compile_check import rawmodule_options
-
-    prog = compiler._NVRTCProgram(spec.code(), f"{spec.name}.cu", name_expressions=[expr], method="cubin")
-    log = io.StringIO()
-    cubin, mapping = prog.compile(rawmodule_options(spec, arch), log_stream=log)
-    return bytes(cubin), mapping[expr], log.getvalue()
-
-
-def report(spec, expr: str, nvdisasm: str | None = None) -> SassReport:
-    """The machine-code report of one sm_90a instantiation of ``spec``."""
-    from ._compile_check import parse_ptxas_log
-
-    cubin, mangled, log = compile_cubin(spec, expr)
-    cubin = pad_elf(cubin)
-    regs = spill = 0
-    for name, _arch, r, _smem, _stack, st, ld in parse_ptxas_log(log, {mangled: expr}):
-        if name == expr:
-            regs, spill = r, st + ld
-    funcs = parse_sass(disassemble(cubin, nvdisasm))
-    insns, labels = funcs.get(mangled, ([], {}))
-    ser = re.search(r"^ptxas.*wgmma.*serializ.*$", log, re.M | re.I)
-    return SassReport(expr, spec.name, text_sizes(cubin).get(mangled, 16 * len(insns)), regs, spill, len(insns),
-                      loops(insns, labels), ser.group(0).strip()[:200] if ser else "")
-
-
-def hopper_exprs(only: str | None = None):
-    """(spec, name expression) of every sm_90a instantiation (of the spec named ``only``)."""
-    import cupyattn  # noqa: F401  (registers every spec)
-
-    from ._loader import all_specs
-
-    return [(s, e) for s in all_specs() if s.sm90a and (only is None or s.name == only) for e in s.name_expressions]
-
-
-def run(only: str | None = None, workers: int | None = None, on_report=None) -> list[SassReport]:
-    """Reports of every sm_90a instantiation (threads: NVRTC releases the GIL)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    jobs = hopper_exprs(only)
-    exe = nvdisasm_path()
-    with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:
-        futs = [pool.submit(report, s, e, exe) for s, e in jobs]
-        out = []
-        for f in futs:
-            r = f.result()
-            out.append(r)
-            if on_report is not None:
-                on_report(r)
     return out
 
 
