@@ -4,6 +4,20 @@ the serving arguments and the one launch every attention entry point shares.
 :mod:`cupyattn.flash_attn` (dense), :mod:`cupyattn.varlen` (packed) and :mod:`cupyattn.paged`
 (paged) check their own arguments, pick the impl (:func:`cupyattn.options.choose`) and call
 :func:`launch` here with their sequences' addressing (:class:`Serving`, shapes and strides).
+
+Why the kernels (these and decode.cu's) take scalar parameters, not a params struct as
+FlashAttention's ``Flash_fwd_params``: under NVRTC 12.9 every struct layout tried grew the
+registers of some instantiations, with no spills but past the rule that no kernel's count may
+grow (offline compile check, all seven arches, 645 flash and 1658 decode pairs; 2026-11-28):
+everything in a ``const __grid_constant__`` struct, up to +35 (pointers in a struct lose
+``__restrict__``: NVVM honours it only on kernel parameters, so ``ld.global.nc`` went from 117 to
+1 in the worst kernel); pointers as parameters and the rest in the struct, up to +34 (fields read
+after the kernel's first branch go through a register copy of the struct's address, which ptxas
+keeps live across the key loop instead of using constant-bank operands); that plus the hot
+scalars (Hq, Sq, masks' extents, scales, vec) as parameters, +1..+7 on 86 of 645 pairs; decode
+in the same hybrid, up to +48 and two new 4-byte spills on sm_100. CuPy passes a structured NumPy
+scalar (``np.dtype(..., align=True)``) by value and the emulator defines ``__grid_constant__``
+away, so a later NVRTC can be tried with the host side unchanged.
 """
 from __future__ import annotations
 
