@@ -385,9 +385,9 @@ def sass_report(spec, expr: str, nvdisasm: str | None = None) -> _sass.SassRepor
             regs, spill = r, st + ld
     funcs = _sass.parse_sass(_sass.disassemble(cubin, nvdisasm))
     insns, labels = funcs.get(mangled, ([], {}))
-    ser = re.search(r"^ptxas.*wgmma.*serializ.*$", log, re.M | re.I)
-    return _sass.SassReport(expr, spec.name, _sass.text_sizes(cubin).get(mangled, 16 * len(insns)), regs, spill, len(insns),
-                      _sass.loops(insns, labels), ser.group(0).strip()[:200] if ser else "")
+    ser = _SERIALISED_RE.search(log)
+    return _sass.SassReport(expr, spec.name, _sass.text_sizes(cubin).get(mangled, 16 * len(insns)), regs, spill,
+                            len(insns), _sass.loops(insns, labels), ser.group(0).strip()[:200] if ser else "")
 
 
 def hopper_exprs(only: str | None = None):
@@ -399,8 +399,6 @@ def hopper_exprs(only: str | None = None):
 
 def run_sass(only: str | None = None, workers: int | None = None, on_report=None) -> list[_sass.SassReport]:
     """Reports of every sm_90a instantiation (threads: NVRTC releases the GIL)."""
-    from concurrent.futures import ThreadPoolExecutor
-
     jobs = hopper_exprs(only)
     exe = _sass.nvdisasm_path()
     with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:

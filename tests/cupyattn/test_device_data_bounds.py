@@ -81,7 +81,7 @@ def test_attention_varlen_device_offsets(impl):
     q, k, v = _arr(rng, (tq, hq, d), dtype), _arr(rng, (tk, hkv, d), dtype), _arr(rng, (tk, hkv, d), dtype)
     far = [("q far past the end", ([0, 3, 2**30], [0, 9, tk])),
            ("k far past the end", ([0, 3, tq], [0, 9, 2**30])),
-                                     ("both negative", ([0, -2**30, tq], [0, -2**30, tk]))]
+           ("both negative", ([0, -2**30, tq], [0, -2**30, tk]))]
     cases = [("q past the end", ([0, 3, tq + 1], [0, 9, tk])), ("k past the end", ([0, 3, tq], [0, 9, tk + 1])),
              ("q negative", ([0, -4, tq], [0, 9, tk])), ("k negative", ([0, 3, tq], [-3, 9, tk])),
              ("q decreasing", ([0, 12, 5], [0, 9, tk])), ("k decreasing", ([0, 3, tq], [0, 15, 4]))] + far
