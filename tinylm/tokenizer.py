@@ -99,16 +99,19 @@ class Tokenizer:
         self.sentencepiece = merges is None  # SentencePiece-style: merges from scores, byte fallback
         if self.sentencepiece:
             hf = _sentencepiece_bpe(tokens, token_types, scores, add_space_prefix, unk_id)
-            self._hf_plain_inner = _sentencepiece_bpe(tokens, token_types, scores, False, unk_id)
         else:
-            hf = self._hf_plain_inner = _byte_level_bpe(vocab, merges, pre)
+            hf = _byte_level_bpe(vocab, merges, pre)
         special = [i for i, ty in enumerate(token_types) if ty == CONTROL]
         user = [i for i, ty in enumerate(token_types) if ty == USER_DEFINED]
         if user:
             hf.add_tokens([AddedToken(tokens[i], special=False, normalized=False) for i in user])
-        # Two encoders: plain text (control-token text is just text) and, for the explicit
-        # opt-in, one that also matches control tokens.
-        self._hf_plain = hf
+        # Encoders: plain text (control-token text is just text); the same for a run that follows
+        # a control token (SentencePiece: no space prefix there, as in HF); for the explicit
+        # opt-in, one that also matches control tokens. Clones of one built BPE, added tokens kept.
+        self._hf_plain = self._hf_plain_inner = hf
+        if self.sentencepiece and add_space_prefix:
+            self._hf_plain_inner = _HFTokenizer.from_str(hf.to_str())
+            self._hf_plain_inner.pre_tokenizer = _metaspace(prefix=False)
         self._hf = _HFTokenizer.from_str(hf.to_str())
         self._hf.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in special])
 
@@ -396,6 +399,14 @@ def _byte_level_bpe(vocab: dict, merges: list, pre: str):
     return hf
 
 
+def _metaspace(prefix: bool):
+    """SentencePiece's pre-tokenizer: spaces as U+2581, kept whole; one U+2581 before the text
+    unless it starts with a space when ``prefix``, none otherwise."""
+    from tokenizers import pre_tokenizers
+
+    return pre_tokenizers.Metaspace(replacement="\u2581", split=False, prepend_scheme="first" if prefix else "never")
+
+
 def _sentencepiece_bpe(tokens, token_types, scores, add_space_prefix: bool, unk_id):
     """HF ``tokenizers`` BPE that encodes as SentencePiece's BPE does over a GGUF "llama"
     vocabulary: spaces become U+2581 (one prepended with ``add_space_prefix``), adjacent pieces
@@ -403,7 +414,7 @@ def _sentencepiece_bpe(tokens, token_types, scores, add_space_prefix: bool, unk_
     pieces of the vocabulary, ranked by the piece's score, as HF builds them), and characters
     without a piece fall back to their UTF-8 bytes' ``<0xXX>`` tokens."""
     from tokenizers import Tokenizer as _HFTokenizer
-    from tokenizers import decoders, models, pre_tokenizers
+    from tokenizers import decoders, models
 
     vocab = {t: i for i, t in enumerate(tokens)}
     normal = {t for t, ty in zip(tokens, token_types) if ty in (NORMAL, USER_DEFINED)}
@@ -419,8 +430,7 @@ def _sentencepiece_bpe(tokens, token_types, scores, add_space_prefix: bool, unk_
                                  byte_fallback=True))
     # as HF's tokenizer of the file: one U+2581 before the text unless it starts with a space (a
     # text that follows a control token gets none), spaces kept whole (no split on them)
-    hf.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", split=False,
-                                                prepend_scheme="first" if add_space_prefix else "never")
+    hf.pre_tokenizer = _metaspace(add_space_prefix)
     hf.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
     return hf
 

@@ -282,3 +282,20 @@ def test_non_str_text_is_a_type_error_naming_the_argument(small, value):
     if value is not None:  # system=None is the template's default line
         with pytest.raises(TypeError, match=rf"Tokenizer.encode_chat\(\): system must be a str, got {kind}"):
             small.encode_chat("hi", system=value)
+
+
+def test_sentencepiece_user_defined_tokens_hold_after_a_control_token():
+    """A SentencePiece vocabulary's user-defined tokens (Gemma's whitespace runs, tags) are matched
+    whole in a chat template's user text, which follows a control token and so is encoded without
+    the space prefix: the same ids as the text encoded alone, minus that prefix."""
+    from tinylm.tokenizer import BYTE, CONTROL, NORMAL, USER_DEFINED, Tokenizer
+
+    pieces = ["a", "b", "c", "\u2581", "ab", "\u2581a"]
+    tokens = ["<unk>", "<s>", "<turn>", "<end>", "<tag>"] + pieces + [f"<0x{i:02X}>" for i in range(256)]
+    types = [2, CONTROL, CONTROL, CONTROL, USER_DEFINED] + [NORMAL] * len(pieces) + [BYTE] * 256
+    scores = [0.0] * 5 + [-float(i) for i in range(len(pieces))] + [0.0] * 256
+    template = "<turn>{{ messages[0]['content'] }}<end>"
+    tok = Tokenizer(tokens, None, types, eos_id=3, bos_id=1, chat_template=template, scores=scores, unk_id=0)
+    tag, ab, a = tokens.index("<tag>"), tokens.index("ab"), tokens.index("a")
+    assert tok.encode("ab<tag>a") == [tokens.index("\u2581"), ab, tag, a]
+    assert tok.encode_chat("ab<tag>a") == [tokens.index("<turn>"), ab, tag, a, tokens.index("<end>")]
