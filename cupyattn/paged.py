@@ -203,13 +203,12 @@ def decode_attention_paged(q, k_pages, v_pages=None, block_table=None, seq_lens=
 
 
 def _decode_paged(fn, q, k_pages, v_pages, block_table, seq_lens, scale, window, softcap, num_splits, out, impl,
-                  max_seq_len, workspace, layout, split_rule, fused_combine, host_lens=None):
-    """decode_attention_paged; ``host_lens``: the host's copy of device ``seq_lens`` (a
-    PagedKVCache's mirror), for the split rule only."""
+                  max_seq_len, workspace, layout, split_rule, fused_combine):
+    """decode_attention_paged (a PagedKVCache's host mirror of its lengths, from _pages_of, feeds
+    the split rule)."""
     check_choice(fn, "impl", impl, DL.IMPLS)  # decode's impls, before the attention checks
     k_pages, v_pages, block_table, seq_lens, layout, mirror = _pages_of(fn, k_pages, v_pages, block_table, seq_lens,
                                                                         layout)
-    host_lens = mirror if host_lens is None else host_lens
     check_array(fn, "q", q, ndim=3)
     b = q.shape[0]
     hq, hkv, d, ps, host, lens = _check_pages(fn, q, k_pages, v_pages, block_table, seq_lens, b, layout)
@@ -224,7 +223,7 @@ def _decode_paged(fn, q, k_pages, v_pages, block_table, seq_lens, scale, window,
         _checks.check_no_overlap(fn, out, inputs)
     # the split rule's lengths: host seq_lens, else the caller's bounds, else the capacity
     if host is None:
-        host = host_lens if host_lens is not None else _bounds(fn, max_seq_len, b, kv.max_seq)
+        host = mirror if mirror is not None else _bounds(fn, max_seq_len, b, kv.max_seq)
     sv, plan = DL.serving_plan(fn, window, softcap, impl, q.dtype, d, hq // hkv, plan, block_table=block_table,
                                log2_page=ps.bit_length() - 1, num_pages=k_pages.shape[0], layout=layout)
     num_splits, split_keys = schedule(rule, plan, b, hkv, host, num_splits, sv.win_left)
@@ -529,7 +528,6 @@ class PagedKVCache(KVCache):
         count from the host lengths unless ``num_splits`` is given): q [max_batch, Hq, D] or
         [max_batch, Hq, 1, D], the result (and ``out``) shaped like q, as :meth:`KVCache.decode`."""
         fn = "PagedKVCache.decode"
-        layer = self.check_layer(fn, layer)
         four = _checks.is_device_array(q) and q.ndim == 4
         if four:  # [B, Hq, 1, D] (KVCache.decode's shape) as the [B, Hq, D] the paged kernels read
             check_array(fn, "q", q, ndim=4)
@@ -537,8 +535,9 @@ class PagedKVCache(KVCache):
                 raise ValueError(f"{fn}(): q has shape {tuple(q.shape)}, expected [batch, Hq, 1, D] or [batch, Hq, D]")
             if out is not None:
                 check_out(fn, out, q.shape, q.dtype)
-        o = _decode_paged(fn, q[:, :, 0] if four else q, self.k[layer], self.v[layer], self.block_table,
-                          self.lengths[layer], scale, window, softcap, num_splits,
-                          out[:, :, 0] if four and out is not None else out, impl, None, workspace, self.layout,
-                          split_rule, fused_combine, host_lens=self.host_lengths[layer])
+        # the cache itself, as decode_attention_paged(q, cache, layer) takes it: its pages, table,
+        # lengths, their host mirror and its layout, with no search for the pages' owner
+        o = _decode_paged(fn, q[:, :, 0] if four else q, self, layer, None, None, scale, window, softcap, num_splits,
+                          out[:, :, 0] if four and out is not None else out, impl, None, workspace, None,
+                          split_rule, fused_combine)
         return (out if out is not None else o[:, :, None]) if four else o

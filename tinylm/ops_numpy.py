@@ -241,14 +241,15 @@ class NumpyOps:
             np.tanh(scores, out=scores)
             scores *= np.float32(softcap)
         # query row r is token r % T at position start + r % T; it sees keys j <= that (and,
-        # in a window, j >= that - left)
-        qpos = start + np.tile(np.arange(t), g)
-        keys = np.arange(s)[None, :]
-        hidden = keys > qpos[:, None]
-        if window is not None:
-            hidden |= keys < qpos[:, None] - window[0]
-        if hidden.any():
-            scores[..., hidden] = -np.inf
+        # in a window, j >= that - left). One token without a window sees every key: no mask.
+        if t > 1 or window is not None:
+            qpos = start + np.tile(np.arange(t), g)
+            keys = np.arange(s)[None, :]
+            hidden = keys > qpos[:, None]
+            if window is not None:
+                hidden |= keys < qpos[:, None] - window[0]
+            if hidden.any():
+                scores[..., hidden] = -np.inf
         scores -= scores.max(axis=-1, keepdims=True)
         np.exp(scores, out=scores)
         scores /= scores.sum(axis=-1, keepdims=True)
