@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
 import subprocess
 import sys
@@ -155,8 +154,8 @@ def run_case(name, kind, dt, p, ceil_gbps, rows, log, reps):
     import numpy as np
 
     import cupyattn
+    from cupyattn import device, kv_traffic
     from cupyattn import flash_attn_sm90 as W
-    from cupyattn import kv_traffic
 
     from . import peers, specs, timing
     from .arrays import rand
@@ -190,12 +189,12 @@ def run_case(name, kind, dt, p, ceil_gbps, rows, log, reps):
         flops = 4 * b * h * s * s * d * (0.5 if causal else 1.0)
         ref = peer(log, lambda: peers.torch_sdpa(q, k, v, causal), lambda: cupyattn.attention(
             q, k, v, causal=causal, impl="flash_mma"), "torch-sdpa", add, flops)
-        sms, l2 = W.device_sms_l2()
+        sms, l2 = device.sm_count(), device.l2_bytes()
         headline = (dt, d, causal) == HEADLINE and hkv == h
         for variant, impl, kw in dense_variants(dt, d, causal, headline):
             with knobs(**kw):
                 traffic = None
-                which = _default_impl(q, d, causal) if impl is None else impl
+                which = _default_impl(q, k, v, causal) if impl is None else impl
                 if which in ("wgmma", "wgmma_persistent"):
                     sched = W.PERSIST if which == "wgmma_persistent" or kw.get("ATTN_SM90_DENSE_SCHEDULER") else W.GRID
                     t = W.tile_for(which, d, sched, causal)
@@ -248,16 +247,12 @@ def run_case(name, kind, dt, p, ceil_gbps, rows, log, reps):
     cupy.get_default_memory_pool().free_all_blocks()
 
 
-def _default_impl(q, d, causal) -> str:
-    """What impl=None of attention() runs for a dense fp16 / bf16 case on sm_90 (config.ATTN_AUTO_*)."""
-    import numpy as np
+def _default_impl(q, k, v, causal) -> str:
+    """What impl=None of attention() runs for this call: the dispatch's own choice (options table,
+    device, the launch checks), not a guess from the config tables."""
+    from cupyattn import flash_attn
 
-    from cupyattn import config
-
-    pair = (np.dtype(q.dtype), d)
-    if causal and pair in config.ATTN_AUTO_PERSISTENT.get("attention", ()):
-        return "wgmma_persistent"
-    return "wgmma" if pair in config.ATTN_AUTO_WGMMA else "flash_mma"
+    return flash_attn._check_args(q, k, v, causal, None, None, None, None, False, None)[0]
 
 
 def peer(log, make_sdpa, fallback, name, add, flops):
@@ -278,15 +273,13 @@ def peer(log, make_sdpa, fallback, name, add, flops):
 def _variant_call(variant: str):
     """A child of ncu: one headline-case call of ``variant`` (then a second, the one profiled)."""
     import cupyattn
-    from cupyattn import config  # noqa: F401
 
     from .arrays import rand
 
     dt, d, causal = HEADLINE
     b, h, s = 4, 32, 4096
     q, k, v = (rand((b, h, s, d), dt) for _ in range(3))
-    kw = {name: kv for name, impl, kv in dense_variants(dt, d, causal, True)}[variant]
-    impl = {name: impl for name, impl, kv in dense_variants(dt, d, causal, True)}[variant]
+    impl, kw = {name: (i, kv) for name, i, kv in dense_variants(dt, d, causal, True)}[variant]
     with knobs(**kw):
         for _ in range(2):
             cupyattn.attention(q, k, v, causal=causal, impl=impl)

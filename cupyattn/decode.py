@@ -47,7 +47,6 @@ from .splits import check_split_rule, choose_num_splits, schedule, wave_splits
 from .decode_launch import (SPEC, VARIANTS, _fit, _mma_expr, _simt_expr, _small, _tiles_and_small,  # noqa: F401
                             mma_tiles, static_smem_bytes)
 from .decode_launch import make_plan as _plan  # noqa: F401
-from .splits import _wave_splits  # noqa: F401
 
 
 def _view(fn, cache, layer):

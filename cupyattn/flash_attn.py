@@ -21,7 +21,7 @@ from ._checks import check_array, check_choice, check_last_contiguous, check_out
 from .config import DTYPES, HEAD_DIMS, MAX_GRID_YZ, MMA_DTYPES
 from .flash_launch import Serving, check_flash_mma_device, check_window_softcap, choose, launch
 # the launch module's names that tests and benchmarks read here
-from .flash_launch import SPEC, family_tiles, mma_tiles  # noqa: F401
+from .flash_launch import SPEC  # noqa: F401
 from .flash_launch import expr as _expr  # noqa: F401
 from .flash_launch import tile_for as _tile  # noqa: F401
 from .gemm import gemm_nn, gemm_nt

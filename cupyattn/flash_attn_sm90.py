@@ -17,7 +17,7 @@ batch / head / row strides that are positive multiples of 16 bytes (a contiguous
 qualifies: D is 64, 128 or 256; a broadcast or reversed view never does).
 
 ``impl=None`` takes it on sm_90 for the (dtype, head dim) pairs measured faster than ``flash_mma``
-(``config.ATTN_AUTO_WGMMA``) wherever it can launch (:func:`auto_takes`), tinylm's prefill included.
+(``config.ATTN_AUTO_WGMMA``) wherever it can launch (:func:`launch_problem`; cupyattn/options.py DEFAULTS), tinylm's prefill included.
 Variants (``config.ATTN_SM90_*``, opt-in until a GPU run decides): the persistent scheduler for
 ``impl="wgmma"``, 128 x 176 tiles at D = 128 without causal, the overlap switched, a fixed section.
 :mod:`cupyattn.flash_attn` calls :func:`check` from its argument checks and :func:`run` to launch.
@@ -31,7 +31,7 @@ import threading
 import cupy
 import numpy as np
 
-from . import _checks, _loader
+from . import _checks, _loader, device
 from . import config as C
 from . import kv_traffic, tma
 from ._loader import KernelSpec, get_function, ptr_or_null
@@ -147,17 +147,7 @@ def max_tiles(q, b: int) -> int:
     return q.shape[1] * (-(-q.shape[0] // bm) + b)
 
 
-# --- the device, the counter, the L2 section ---------------------------------------------------------
-_DEVICE: dict = {}   # device id -> (SMs, L2 bytes): read once (Device.attributes reads them all)
-
-
-def device_sms_l2() -> tuple[int, int]:
-    dev = cupy.cuda.Device()
-    got = _DEVICE.get(dev.id)
-    if got is None:
-        a = dev.attributes
-        got = _DEVICE[dev.id] = (int(a["MultiProcessorCount"]), int(a["L2CacheSize"]))
-    return got
+# --- the counter, the L2 section ---------------------------------------------------------
 
 
 _COUNTERS: dict = {}
@@ -194,10 +184,10 @@ def section(hq: int, hkv: int, kv_bytes_per_head: int, *, dense=None, policy: st
         # the heads where it can, as v3's grid did); the L2-share rule otherwise
         if dense is not None and grid:
             return hq if dense[5] else 1
-        return C.attn_wgmma_heads_per_section(device_sms_l2()[1], kv_bytes_per_head, group, hq)
+        return C.attn_wgmma_heads_per_section(device.l2_bytes(), kv_bytes_per_head, group, hq)
     if C.ATTN_SM90_SECTION is not None:
         return max(group, min(hq, int(C.ATTN_SM90_SECTION) // group * group))
-    sms, l2 = device_sms_l2()
+    sms, l2 = device.sm_count(), device.l2_bytes()
     if dense is not None:
         b, sq, sk, d, itemsize, causal, block_n = dense
         reads = b * hq * -(-sq // 128) * -(-sk // block_n)
@@ -246,9 +236,6 @@ def mask_arg(mask, mshape):
     if mshape[3] != 1 and mask.strides[3] != mask.itemsize:
         mask = cupy.ascontiguousarray(mask)
     return mask, [0 if n == 1 else st // mask.itemsize for n, st in zip(mshape, mask.strides)]
-
-
-_mask_arg = mask_arg   # the name benchmarks and older callers use
 
 
 def run_dense(fn, impl, q, k, v, causal, scale, kl, out, lse, *, sched, sms, mask=None, mshape=None,
@@ -300,8 +287,9 @@ def _sched() -> int:
     return PERSIST if C.ATTN_SM90_DENSE_SCHEDULER == "persistent" else GRID
 
 
-def _launch_problem(q, k, v) -> str | None:
-    """Why the kernel cannot take these (TMA-readable q, k, v; the grid size), or None."""
+def launch_problem(q, k, v) -> str | None:
+    """Why the kernel cannot take these (TMA-readable q, k, v; the grid size), or None: what
+    impl=None's TMA condition asks (cupyattn/options.py DEFAULTS) and :func:`check` refuses."""
     b, hq, sq, d = q.shape
     if q.size == 0 or k.shape[2] == 0:
         return None  # nothing is launched
@@ -311,9 +299,6 @@ def _launch_problem(q, k, v) -> str | None:
     if max_tiles(q, b) > INT32_MAX:
         return "launches one block per 128 queries of each head: B*Hq*ceil(Sq/128) is over 2^31-1"
     return None
-
-
-launch_problem = _launch_problem  # what impl=None's TMA condition asks (cupyattn/options.py DEFAULTS)
 
 
 def check(q, k, v) -> None:
@@ -327,18 +312,9 @@ def check(q, k, v) -> None:
         raise ValueError(f"{_FN}(): head_dim D={d} is not supported by impl='wgmma'; supported: "
                          f"{', '.join(map(str, C.ATTN_WGMMA_TILES))} (impl='flash_mma' takes the others)")
     _checks.require_impl(_FN, "attention", "wgmma", q.dtype)
-    why = _launch_problem(q, k, v)
+    why = launch_problem(q, k, v)
     if why is not None:
         raise ValueError(f"{_FN}(): impl='wgmma' {why}")
-
-
-def auto_takes(q, k, v) -> bool:
-    """Whether impl=None runs this kernel: on sm_90, for the (dtype, head dim) pairs of
-    config.ATTN_AUTO_WGMMA (measured faster on a GPU), inputs it can launch on."""
-    if (np.dtype(q.dtype), q.shape[3]) not in C.ATTN_AUTO_WGMMA or q.shape[3] not in C.ATTN_WGMMA_TILES:
-        return False
-    return (C.impl_runs_on("attention", "wgmma", q.dtype, _loader.device_compute_capability())
-            and _launch_problem(q, k, v) is None)
 
 
 def run(q, k, v, causal: bool, scale: float, kl, out, lse, mask=None, mshape=None,
@@ -347,7 +323,7 @@ def run(q, k, v, causal: bool, scale: float, kl, out, lse, mask=None, mshape=Non
     None; ``mask``: float32, broadcastable to ``mshape`` = (B or 1, Hq or 1, Sq or 1, Sk or 1)).
     ``tile`` overrides the config entry (benchmarks.tune); its instantiation must be built."""
     sched = _sched()
-    run_dense(_FN, "wgmma", q, k, v, causal, scale, kl, out, lse, sched=sched, sms=device_sms_l2()[0], mask=mask,
+    run_dense(_FN, "wgmma", q, k, v, causal, scale, kl, out, lse, sched=sched, sms=device.sm_count(), mask=mask,
               mshape=mshape, tile=tile, spec=None if tile is None else tuning_spec())
 
 

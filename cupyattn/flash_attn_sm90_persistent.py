@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _checks, _loader
+from . import _checks, device
 from . import config as C
 from . import flash_attn_sm90 as W
 from .config import INT32_MAX, MMA_DTYPES
@@ -42,7 +42,7 @@ SPEC = W.SPEC
 def _sm_count() -> int:
     """Streaming multiprocessors of the current device: the persistent grid's size (tests and the
     sanitizer script shrink it to give each block several tiles)."""
-    return W.device_sms_l2()[0]
+    return device.sm_count()
 
 
 def _tile(head_dim: int, causal_or_window: bool = True) -> C.AttnWgmmaTile:
@@ -79,19 +79,6 @@ def check_launch(fn: str, impl: str, ops, q, b: int) -> None:
     why = launch_problem(fn, impl, ops, q, b)
     if why is not None:
         raise ValueError(why)
-
-
-def auto_takes(fn: str, q, ops, b: int) -> bool:
-    """Whether impl=None of entry point ``fn`` runs this kernel: on sm_90, for the (dtype, head
-    dim) pairs of config.ATTN_AUTO_PERSISTENT[fn] (measured faster on a GPU), when
-    :func:`launch_problem` finds none (``ops()``: dense_ops, varlen_ops or paged_ops of the call,
-    built only for such a pair); else the previous default runs, refusing nothing."""
-    d = q.shape[-1]
-    if (np.dtype(q.dtype), d) not in C.ATTN_AUTO_PERSISTENT.get(fn, ()) or d not in C.ATTN_WGMMA_PERSISTENT_TILES:
-        return False
-    if not C.impl_runs_on("attention", IMPL, q.dtype, _loader.device_compute_capability()):
-        return False
-    return launch_problem(fn, IMPL, ops(), q, b) is None
 
 
 def check_pages(fn: str, impl: str, page_size: int) -> None:
@@ -162,8 +149,3 @@ def run_paged(q, k_pages, v_pages, block_table, seq_lens, cu_q, b, longest, scal
              heads=W.section(hq, hkv, 2 * longest * d * q.itemsize), sms=_sm_count(), scale=scale, window=window,
              softcap=softcap, kv_lens=seq_lens, cu_q=cu_q, block_table=block_table, log2_page=ps.bit_length() - 1,
              num_pages=n)
-
-
-def tuning_spec():
-    """Every tuning candidate (flash_attn_sm90.tuning_tiles) under both schedulers."""
-    return W.tuning_spec()
