@@ -96,23 +96,26 @@ gpu_apps() {  # the GPU's compute processes, one per line (nothing without nvidi
     nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader 2>/dev/null | grep -v '^\s*$' || true
 }
 
-wait_gpu_free() {  # wait_gpu_free WHY: until no compute process holds the GPU (REAP_WAIT s at most)
-    local t=0 apps
+wait_gpu_free() {  # wait_gpu_free WHY: until no compute process holds the GPU (REAP_WAIT s at most,
+    # cut to the stage's deadline)
+    local t=0 apps lim="${REAP_WAIT:-60}"
+    if [ -n "$DEADLINE" ] && [ $((DEADLINE - SECONDS - 5)) -lt "$lim" ]; then lim=$((DEADLINE - SECONDS - 5)); fi
     apps="$(gpu_apps)"
-    while [ -n "$apps" ] && [ "$t" -lt "${REAP_WAIT:-60}" ]; do
+    while [ -n "$apps" ] && [ "$t" -lt "$lim" ]; do
         sleep 1
         t=$((t + 1))
         apps="$(gpu_apps)"
     done
     if [ -n "$apps" ]; then
-        log_step "$1: GPU still held after ${REAP_WAIT:-60} s by: $(echo "$apps" | tr '\n' ';')"
+        log_step "$1: GPU still held after $t s by: $(echo "$apps" | tr '\n' ';')"
     fi
 }
 
 cap_now() {  # the cap of the next step: CAP / STEP_TIMEOUT / DEFAULT_CAP, cut to the stage's deadline
-    local cap="${CAP:-${STEP_TIMEOUT:-$DEFAULT_CAP}}"
-    if [ -n "$DEADLINE" ] && [ $((DEADLINE - SECONDS - 10)) -lt "$cap" ]; then
-        cap=$((DEADLINE - SECONDS - 10))
+    # less the kill grace a step at its cap may still take, and a margin for its reap
+    local cap="${CAP:-${STEP_TIMEOUT:-$DEFAULT_CAP}}" room=$((${KILL_GRACE:-10} + 10))
+    if [ -n "$DEADLINE" ] && [ $((DEADLINE - SECONDS - room)) -lt "$cap" ]; then
+        cap=$((DEADLINE - SECONDS - room))
     fi
     echo "$cap"
 }
@@ -363,7 +366,8 @@ run_ncu_decode() {  # run_ncu_decode IMPL B SK HKV: the decode kernels of one ca
 run_settle() {  # at most SETTLE_BUDGET s: the 2026-11-27 outliers, the decode variants, the changed kernels
     DEADLINE=$((SECONDS + ${SETTLE_BUDGET:-540}))
     local t=(--warmup 3 --budget-ms 2000 --debug --no-progress) plan
-    plan="$("$PY" -m benchmarks.settle plan)" || { log_step "settle plan: failed"; status=1; }
+    # a failed plan runs as if a shared header changed: the tests and sanitizers go to calls of their own
+    plan="$("$PY" -m benchmarks.settle plan)" || { log_step "settle plan: failed"; status=1; plan="SETTLE_CHANGED=unknown"; }
     eval "$plan"
     log_step "settle: kernels since ${SETTLE_SINCE:-?} -> now ${SETTLE_NOW:-?}; changed: ${SETTLE_CHANGED:-none}"
     CAP=100 bench_step "settle decode B1 L128k" "$OUT/settle-decode.txt" "$OUT/settle-decode.json" "$PY" -m benchmarks \

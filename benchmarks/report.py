@@ -205,12 +205,15 @@ def read_csv(path) -> list[dict]:
 
 
 # --- run metadata and --record ------------------------------------------------------------------
+def combine_hashes(hashes: dict[str, str]) -> str:
+    """sha256 of ``name + "\\n" + file sha256 + "\\n"`` over {name: file sha256} sorted by name:
+    DESIGN.md's recipe for kernels_sha256."""
+    return hashlib.sha256("".join(f"{n}\n{h}\n" for n, h in sorted(hashes.items())).encode()).hexdigest()
+
+
 def _files_sha256(files) -> str:
-    """sha256 of ``name + "\\n" + sha256(bytes).hexdigest() + "\\n"`` over (name, path) pairs sorted
-    by name: DESIGN.md's recipe for kernels_sha256."""
-    text = "".join(f"{name}\n{hashlib.sha256(Path(path).read_bytes()).hexdigest()}\n"
-                   for name, path in sorted(files))
-    return hashlib.sha256(text.encode()).hexdigest()
+    """:func:`combine_hashes` over (name, path) pairs."""
+    return combine_hashes({name: hashlib.sha256(Path(path).read_bytes()).hexdigest() for name, path in files})
 
 
 def _kernel_files(kernels_dir, prefix=""):
@@ -227,7 +230,12 @@ def kernels_sha256(kernels_dir) -> str:
     Python bytecode caches (``__pycache__/``) are not sources and are left out, so the hash does
     not change with the interpreter that imported ``kernels_cu``.
     """
-    return _files_sha256(_kernel_files(kernels_dir))
+    return combine_hashes(kernel_file_hashes(kernels_dir))
+
+
+def kernel_file_hashes(kernels_dir) -> dict[str, str]:
+    """{relative POSIX path: sha256} of every kernel source file (kernels_sha256's parts)."""
+    return {name: hashlib.sha256(p.read_bytes()).hexdigest() for name, p in _kernel_files(kernels_dir)}
 
 
 def dispatch_files(kernels_dir, package_dir):

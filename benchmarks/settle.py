@@ -19,7 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .report import RESULTS_DIR, kernels_sha256
+from .report import RESULTS_DIR, combine_hashes, kernel_file_hashes
 
 ROOT = Path(__file__).resolve().parent.parent
 KERNELS = ROOT / "kernels_cu"
@@ -68,25 +68,19 @@ ALWAYS = ("tests/tinylm/test_megakernel_tinylm.py",)
 
 def file_hashes(kernels_dir=KERNELS) -> dict[str, str]:
     """{relative POSIX path: sha256} of every file under kernels_dir but __pycache__/."""
-    root = Path(kernels_dir)
-    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file() and "__pycache__" not in p.relative_to(root).parts}
-
-
-def combined(hashes: dict[str, str]) -> str:
-    """DESIGN.md's kernels_sha256 from per-file hashes."""
-    return hashlib.sha256("".join(f"{n}\n{h}\n" for n, h in sorted(hashes.items())).encode()).hexdigest()
+    return kernel_file_hashes(kernels_dir)
 
 
 def check_manifest(manifest: dict) -> None:
     """ValueError unless the manifest's files combine into the kernels_sha256 it names."""
-    if combined(manifest["files"]) != manifest["kernels_sha256"]:
+    if combine_hashes(manifest["files"]) != manifest["kernels_sha256"]:
         raise ValueError("the manifest's files do not combine into its kernels_sha256")
 
 
-def changed(manifest: dict, kernels_dir=KERNELS) -> list[str]:
-    """Kernel files added, removed or edited since the manifest's run."""
-    now, then = file_hashes(kernels_dir), manifest["files"]
+def changed(manifest: dict, kernels_dir=KERNELS, now: dict | None = None) -> list[str]:
+    """Kernel files added, removed or edited since the manifest's run (``now``: file_hashes of
+    kernels_dir, when the caller has them)."""
+    now, then = file_hashes(kernels_dir) if now is None else now, manifest["files"]
     return sorted(n for n in set(now) | set(then) if now.get(n) != then.get(n))
 
 
@@ -112,7 +106,7 @@ def make_manifest(commit: str) -> dict:
     files = {n[len("kernels_cu/"):]: hashlib.sha256(subprocess.run(["git", "show", f"{commit}:{n}"], cwd=ROOT,
                                                                    capture_output=True, check=True).stdout).hexdigest()
              for n in names if "__pycache__" not in n}
-    return {"commit": commit, "kernels_sha256": combined(files), "files": files}
+    return {"commit": commit, "kernels_sha256": combine_hashes(files), "files": files}
 
 
 def main(argv=None) -> int:
@@ -131,13 +125,14 @@ def main(argv=None) -> int:
         return 0
     m = json.loads(a.manifest.read_text())
     check_manifest(m)
-    files = changed(m)
+    now = file_hashes()
+    files = changed(m, now=now)
     tests, fams = cover(files)
     print(f"SETTLE_CHANGED={shlex.quote(' '.join(files))}")
     print(f"SETTLE_TESTS={shlex.quote(' '.join(tests) if tests is not None else '')}")
     print(f"SETTLE_FAMILIES={shlex.quote(','.join(fams))}")
     print(f"SETTLE_SINCE={shlex.quote(m['commit'][:7] + ' ' + m['kernels_sha256'][:12])}")
-    print(f"SETTLE_NOW={shlex.quote(kernels_sha256(KERNELS)[:12])}")
+    print(f"SETTLE_NOW={shlex.quote(combine_hashes(now)[:12])}")
     return 0
 
 
