@@ -156,9 +156,9 @@ def _cannot_run(name, model):
     if name == "tinylm-fused-pdl":
         import importlib.util
 
-        from cupyattn import _loader
+        from cupyattn import device
 
-        if _loader.device_compute_capability() < 90:
+        if device.compute_capability() < 90:
             return "programmatic dependent launch needs sm_90 or newer"
         if importlib.util.find_spec("cuda") is None or importlib.util.find_spec("cuda.bindings") is None:
             return "programmatic dependent launch needs the cuda-bindings package"

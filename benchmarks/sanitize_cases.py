@@ -321,9 +321,9 @@ def _grid(n):
 
 
 def _hopper() -> bool:
-    from cupyattn import _loader
+    from cupyattn import device
 
-    return _loader.device_compute_capability() >= 90
+    return device.compute_capability() >= 90
 
 
 def launched() -> set[str]:
@@ -336,9 +336,9 @@ def launched() -> set[str]:
 def missing() -> list[str]:
     """Every name expression this device can run (KernelSpec.exprs_for: its compute capability,
     or CUPYATTN_ARCH's, and shared memory) that this process has not launched."""
-    from cupyattn import _loader
+    from cupyattn import _loader, device
 
-    done, cc = launched(), _loader.device_compute_capability()
+    done, cc = launched(), device.compute_capability()
     return [e for s in _loader.all_specs() for e in s.exprs_for(cc) if e not in done]
 
 

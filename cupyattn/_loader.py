@@ -33,11 +33,6 @@ import numpy as np
 from . import device, gpus
 from .gpus import STATIC_SMEM_BYTES
 
-# the device's compute capability and shared memory per block (cupyattn/device.py), under the names
-# the op modules read here
-from .device import compute_capability as device_compute_capability  # noqa: E402,F401
-from .device import smem_optin as device_smem_optin  # noqa: E402,F401
-
 
 # --- code generation: Python values as the kernels' template arguments and -D options ------------
 # dtype -> the kernels' C++ element type in template name expressions (cupyattn.config.DTYPES)
@@ -159,7 +154,7 @@ class KernelSpec:
         # the family's shared memory per SM: a __launch_bounds__ minimum never asks for more blocks
         # than can be resident there (decode.cu resident_min_blocks)
         opts = BASE_OPTIONS + self.options + (f"-DCUPYATTN_SMEM_PER_SM={gpus.gpu_family(int(arch)).smem_per_sm}",)
-        target = _arch_override()
+        target = device.arch_override()
         if target is not None and target < int(arch):
             opts += (f"-DCUPYATTN_TARGET_SM={target}0",)  # ptx.cuh takes the older family's branches
         if self.sm90a:
@@ -203,19 +198,6 @@ def inline_headers(filename: str) -> str:
 @functools.lru_cache(maxsize=None)
 def _code(filename: str) -> str:
     return inline_headers(filename)
-
-
-# --- the device ---------------------------------------------------------------------------------
-ARCH_ENV = device.ARCH_ENV
-
-
-def _arch_override() -> int | None:
-    """CUPYATTN_ARCH's compute capability, or None (cupyattn/device.py)."""
-    return device.arch_override()
-
-
-def _device_arch() -> tuple[int, str]:
-    return device.device_arch()
 
 
 def _announce(spec: KernelSpec, name_expression: str, arch: str) -> None:
@@ -299,7 +281,7 @@ def get_function(spec: KernelSpec, name_expression: str, dynamic_smem: int = 0):
     (once per kernel and size), and a total beyond the device's opt-in limit is a clear error
     instead of a failed launch.
     """
-    dev_id, arch = _device_arch()
+    dev_id, arch = device.device_arch()
     key = (spec.name, name_expression, dev_id)
     fn = _FUNCTIONS.get(key)
     if fn is None:

@@ -15,7 +15,7 @@ import math
 import cupy
 import numpy as np
 
-from . import _checks, _loader, options
+from . import _checks, device, options
 from ._checks import check_array, check_choice, check_last_contiguous, check_out, check_same_dtype
 from ._loader import NULL, KernelSpec, ctype, get_function
 from . import config
@@ -193,8 +193,8 @@ def device_plan(fn: str, impl, dtype, d: int, group: int, serving: bool = False,
     if impl == "mma":
         cc = _checks.require_impl(fn, "decode", impl, dtype)
     else:
-        cc = _loader.device_compute_capability()
-    return make_plan(impl, dtype, d, group, cc, _loader.device_smem_optin(), serving, staged)
+        cc = device.compute_capability()
+    return make_plan(impl, dtype, d, group, cc, device.smem_optin(), serving, staged)
 
 
 def serving_plan(fn, window, softcap, impl, dtype, d, group, plan, per_sequence=False, **paged):

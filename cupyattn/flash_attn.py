@@ -14,7 +14,7 @@ import math
 import cupy
 import numpy as np
 
-from . import _checks, _loader, options
+from . import _checks, device, options
 from . import flash_attn_sm90 as _sm90
 from . import flash_attn_sm90_persistent as _sm90p
 from ._checks import check_array, check_choice, check_last_contiguous, check_out, check_same_dtype
@@ -45,8 +45,8 @@ def default_impl(dtype, head_dim: int) -> str:
     the shared memory per block (not Turing's 64 KB at D = 96, 128: the 32-key tiles of
     FLASH_MMA_SMALL_SMEM_TILES serve an explicit impl="flash_mma" there, and stay off the default
     until they have run on a GPU), else flash (options.DEFAULTS["attention"]'s last rows)."""
-    return options.choose(options.Call("attention", dtype, head_dim, _loader.device_compute_capability(),
-                                       _loader.device_smem_optin()))
+    return options.choose(options.Call("attention", dtype, head_dim, device.compute_capability(),
+                                       device.smem_optin()))
 
 
 # --- argument checks ------------------------------------------------------------------------

@@ -27,7 +27,7 @@ import math
 import cupy
 import numpy as np
 
-from . import _checks, _loader, options
+from . import _checks, device, options
 from ._loader import KernelSpec, cbool, ctype, defines, get_function, ptr_or_null
 from .config import (DTYPES, FLASH_MMA_FAMILY_TILES, FLASH_MMA_K_STAGES, FLASH_MMA_PAD, FLASH_MMA_SMALL_SMEM_TILES,
                      FLASH_MMA_TILES, FLASH_SIMT_TILES, GPU_FAMILIES, HEAD_DIMS, MAX_GRID_YZ, MMA_DTYPES,
@@ -147,8 +147,8 @@ def check_flash_mma_device(fn: str, dtype, head_dim: int) -> None:
     ``dtype`` at ``head_dim``: instructions or registers (config.impl_min_cc), or no tile within
     its shared memory per block (config.flash_mma_tile)."""
     _checks.require_impl(fn, "attention", "flash_mma", dtype, head_dim)
-    limit = _loader.device_smem_optin()
-    if flash_mma_tile(head_dim, limit, _loader.device_compute_capability()) is None:
+    limit = device.smem_optin()
+    if flash_mma_tile(head_dim, limit, device.compute_capability()) is None:
         raise _checks.ComputeCapabilityError(
             f"{fn}(): impl='flash_mma' at head_dim D={head_dim} needs {flash_mma_smem_bytes(head_dim)} B of "
             f"shared memory per block; this device allows {limit} B (use impl='flash')")
@@ -184,7 +184,7 @@ def launch(impl, q, k, v, causal, scale, mask, mshape, kl, out, lse, sv=None, sh
     else:
         b, hq, sq, hkv, sq_arg, sk = shape
         d = q.shape[-1]
-    tile = tile_for(impl, q.dtype, d, _loader.device_smem_optin(), _loader.device_compute_capability())
+    tile = tile_for(impl, q.dtype, d, device.smem_optin(), device.compute_capability())
     bm = tile.block_m
     if mask is not None:
         mask = mask.reshape(mshape)  # leading 1s: a view
@@ -219,6 +219,6 @@ def choose(entry: str, q, head_dim: int, *, used=(), causal: bool = False, launc
     """What ``impl=None`` of attention entry point ``entry`` runs for this call on the current device:
     options.DEFAULTS[entry]'s first row whose conditions hold. ``problem(impl)``: why TMA cannot read
     the call's operands for a Hopper ``impl`` (None: no Hopper row applies)."""
-    return options.choose(options.Call(entry, q.dtype, head_dim, _loader.device_compute_capability(),
-                                       _loader.device_smem_optin(), tuple(used), causal, launches, page_size,
+    return options.choose(options.Call(entry, q.dtype, head_dim, device.compute_capability(),
+                                       device.smem_optin(), tuple(used), causal, launches, page_size,
                                        problem=problem))

@@ -43,7 +43,7 @@ import cupy
 import numpy as np
 
 from . import _checks as C
-from . import _loader, config
+from . import device, config
 from ._loader import VEC16, KernelSpec, cbool, ctype, get_function, launch, ptr_or_null
 from .config import DTYPES, FUSED_SKINNY, INT32_MAX, MMA_DTYPES
 from .kvcache import ROPE_STYLES, KVCache, check_freq_div
@@ -72,7 +72,7 @@ SPEC = KernelSpec(
 def _pdl() -> bool:
     """PDL launches: config.FUSED_DECODE_PDL, on sm_90 and newer (griddepcontrol; below, the
     kernels' pdl_wait / pdl_launch_dependents compile to nothing and the attribute is not set)."""
-    return bool(config.FUSED_DECODE_PDL) and _loader.device_compute_capability() >= 90
+    return bool(config.FUSED_DECODE_PDL) and device.compute_capability() >= 90
 
 
 # --- checks --------------------------------------------------------------------------------------

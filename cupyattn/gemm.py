@@ -41,7 +41,7 @@ from __future__ import annotations
 import cupy
 import numpy as np
 
-from . import _checks, _loader, device, options, tma
+from . import _checks, device, options, tma
 from ._loader import KernelSpec, cbool, ctype, get_function
 from . import config as C
 from .config import (DTYPES, GEMM_GROUP_M, GEMM_IMPLS, GEMM_MMA_PAD, GEMM_SKINNY,
@@ -148,7 +148,7 @@ def _mma_tile(nt: bool) -> C.GemmTile:
     """GEMM_TILES["mma"], or the 2-stage tile where the device's per-block shared memory is
     smaller than the main tile's ring (Turing)."""
     main = GEMM_TILES["mma"]
-    return main if gemm_mma_smem_bytes(main, nt) <= _loader.device_smem_optin() else C.GEMM_MMA_SMALL_SMEM
+    return main if gemm_mma_smem_bytes(main, nt) <= device.smem_optin() else C.GEMM_MMA_SMALL_SMEM
 
 
 def _check_args(fn, a, b, out, impl, nt):
@@ -216,7 +216,7 @@ def _gemm(fn, a, b, out, impl, nt):
     dims = [(1, 0, 0)] * (2 - len(dims)) + dims
     # impl=None: options.DEFAULTS (wgmma on sm_90 for the large shapes an H100 run measured faster,
     # for operands TMA can read)
-    impl = _pick_impl(impl, a.dtype, nt, m, _loader.device_compute_capability(), n=n, k=k,
+    impl = _pick_impl(impl, a.dtype, nt, m, device.compute_capability(), n=n, k=k,
                       problem=lambda i: _tma_problem(a, b, m, n, k, lda, ldb, dims, nt))
     if impl == "wgmma":
         return _launch_wgmma(fn, a, b, out, m, n, k, lda, ldb, dims, nt)

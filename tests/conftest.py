@@ -309,10 +309,10 @@ def device_cannot_run(op: str, impl: str, dtype, head_dim: int | None = None) ->
     lowered by CUPYATTN_ARCH, or the emulator's CUPYATTN_EMU_ARCH) is below what config.IMPL_MIN_CC
     (and IMPL_MIN_CC_BY_HEAD_DIM) ask. That such a call raises ComputeCapabilityError before any
     launch is tests/cupyattn/test_gpu_families.py's to check."""
-    from cupyattn import _loader
+    from cupyattn import device
 
     dt = np_dtype(dtype) if isinstance(dtype, str) else np.dtype(dtype)
-    cc = _loader.device_compute_capability()
+    cc = device.compute_capability()
     if config.impl_runs_on(op, impl, dt, cc, head_dim):
         return None
     need = config.impl_min_cc(op, impl, dt, head_dim)

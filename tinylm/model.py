@@ -318,10 +318,10 @@ class Transformer:
         if a.quirks():  # its op list (cupyattn.megakernel_llama) is Llama's decode step and nothing else
             return (f"the megakernel's op list is Llama's; this {a.arch} model needs {', '.join(a.quirks())} "
                     f"(use the fused or unfused decode step)")
-        from cupyattn import _loader
+        from cupyattn import device
         from cupyattn.megakernel_llama import llama_problem
 
-        return llama_problem(self.args, self.ops.dtype, cc=_loader.device_compute_capability())
+        return llama_problem(self.args, self.ops.dtype, cc=device.compute_capability())
 
     def fused_problem(self, prefill: bool = False) -> str | None:
         """Why the fused decode step (``prefill``: the fused prefill) cannot run this model on this
@@ -355,10 +355,10 @@ class Transformer:
         if fused and why:
             raise ValueError(why)
         if fused and not self._device_runs_fused():  # refused here, not by the first prompt's launch
-            from cupyattn import _loader
+            from cupyattn import device
             from cupyattn.config import impl_min_cc
 
-            need, cc = impl_min_cc("fused", "skinny", self.ops.dtype), _loader.device_compute_capability()
+            need, cc = impl_min_cc("fused", "skinny", self.ops.dtype), device.compute_capability()
             raise ValueError(f"{'fused prefill' if prefill else 'fused decode'} needs compute capability "
                              f"{need // 10}.{need % 10} for {self.dtype}, this device is {cc // 10}.{cc % 10}")
         return bool(fused)
@@ -376,10 +376,10 @@ class Transformer:
     def _device_runs_fused(self) -> bool:
         """Whether this device has the fused step's instructions for the model's dtype (bf16 needs
         sm_80: below it the default is the unfused step; an explicit fused=True raises there)."""
-        from cupyattn import _loader
+        from cupyattn import device
         from cupyattn.config import impl_runs_on
 
-        return impl_runs_on("fused", "skinny", self.ops.dtype, _loader.device_compute_capability())
+        return impl_runs_on("fused", "skinny", self.ops.dtype, device.compute_capability())
 
     def new_state(self, batch: int = 1, max_seq: int | None = None) -> RunState:
         if max_seq is not None and max_seq > self.args.max_seq:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from conftest import expected_builds, gate_built, TOL, assert_close, np_dtype, rand_with_outliers, skip_unless_device_runs
-from cupyattn import _loader, config, decode, decode_launch, kvcache, splits
+from cupyattn import device, config, decode, decode_launch, kvcache, splits
 from cupyattn import reference as ref
 from cupyattn.decode import choose_num_splits, decode_attention
 from cupyattn.kvcache import KVCache
@@ -241,7 +241,7 @@ def test_auto_impl_and_head_tiles(monkeypatch):
     monkeypatch.setattr(decode_launch, "launch", lambda *a, **k: seen.append(a[5]))
     # the compute capability the dispatch sees (CUPYATTN_ARCH / the emulator's included) against
     # the family table's bf16 minimum; every tile here (D=64) fits a T4's 64 KB
-    bf16_mma = _loader.device_compute_capability() >= config.MMA_MIN_CC[config.BFLOAT16]
+    bf16_mma = device.compute_capability() >= config.MMA_MIN_CC[config.BFLOAT16]
     for dtype, hkv, hq, impl, want, tiles in [
             (np.float16, 2, 6, "auto", "simt", 1), (np.float16, 2, 8, "auto", "mma", 1),
             (config.BFLOAT16, 1, 32, "auto", *(("mma", 1) if bf16_mma else ("simt", 4))), (np.float16, 1, 40, "auto", "mma", 2),

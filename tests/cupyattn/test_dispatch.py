@@ -121,13 +121,13 @@ def cases():
 
 def table_choice(entry, facts) -> str:
     """options.choose for a case's stated facts on the current device."""
-    from cupyattn import _loader, config, decode_launch, options
+    from cupyattn import device, config, decode_launch, options
 
     f = dict(facts)
     dt = np.dtype(config.BFLOAT16) if f["dtype"] == "bfloat16" else np.dtype(f.pop("dtype"))
     f.pop("dtype", None)
     tma = f.pop("tma", True)   # contiguous operands (16-byte rows): TMA reads them
-    cc, smem = _loader.device_compute_capability(), _loader.device_smem_optin()
+    cc, smem = device.compute_capability(), device.smem_optin()
     fits = None
     if entry.startswith("decode"):  # a tile of the kernel within the device's shared memory per block
         d, m = f["head_dim"], min(-(-f["group"] // config.DECODE_MMA_ROWS), config.DECODE_MMA_MAX_MTILES)
@@ -140,7 +140,7 @@ def table_choice(entry, facts) -> str:
 def test_impl_none_is_the_tables_choice():
     """What each entry point's impl=None launches on this (emulated) family equals the first row
     of options.DEFAULTS[entry] whose conditions hold for the call's facts."""
-    from cupyattn import _loader
+    from cupyattn import device
 
     bad, seen = [], {}
     for entry, cid, call, facts in cases():
@@ -148,7 +148,7 @@ def test_impl_none_is_the_tables_choice():
         seen.setdefault(entry, set()).add(got)
         if got != want:
             bad.append(f"{entry} {cid}: launched {got}, the table says {want}")
-    assert not bad, f"sm_{_loader.device_compute_capability()}:\n" + "\n".join(bad)
+    assert not bad, f"sm_{device.compute_capability()}:\n" + "\n".join(bad)
     # the grid reaches more than one row of each table where the family has them
     assert all(len(impls) >= 2 for e, impls in seen.items() if e != "attention_varlen"), seen
 

@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from cupyattn import _loader, config
+from cupyattn import device, config
 from cupyattn import device as _device
 from cupyattn._checks import ComputeCapabilityError
 from cupyattn import gemm as G
@@ -232,7 +232,7 @@ def test_shared_weight_batch_is_one_gemm(dtype, monkeypatch):
     w, w64 = to_device(rand_with_outliers(rng, (40, 72)), dtype)
     # what auto takes where (docs/gpus.md): tensor cores from the dtype's minimum (fp16 7.5, bf16
     # 8.0), else SIMT; fp32 skinny is FMA-only and runs everywhere
-    tc = dtype != "float32" and _loader.device_compute_capability() >= config.MMA_MIN_CC[np_dtype(dtype)]
+    tc = dtype != "float32" and device.compute_capability() >= config.MMA_MIN_CC[np_dtype(dtype)]
     small, large = ("skinny" if tc or dtype == "float32" else "simt"), ("mma" if tc else "simt")
     for lead, t, kernel in [((5,), 1, small), ((2, 3), 2, small), ((3,), 9, large)]:
         x, x64 = to_device(rand_with_outliers(rng, lead + (t, 72)), dtype)

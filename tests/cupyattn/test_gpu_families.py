@@ -14,7 +14,7 @@ import pytest
 import cupyattn
 from conftest import assert_close, device_cannot_run, gate_built, nan_like, np_dtype, rand_with_outliers, to_device
 from cupyattn import _compile_check as cc
-from cupyattn import _loader, config, decode, flash_attn, flash_launch, gemm
+from cupyattn import _loader, config, decode, device, flash_attn, flash_launch, gemm
 from cupyattn import reference as ref
 
 F16, BF16, F32 = config.FLOAT16, config.BFLOAT16, config.FLOAT32
@@ -170,9 +170,9 @@ def test_nvrtc_refuses_bf16_tensor_cores_for_sm75():
 def test_arch_override_is_checked(monkeypatch):
     monkeypatch.setenv("CUPYATTN_ARCH", "74")
     with pytest.raises(ValueError, match=r"CUPYATTN_ARCH='74': expected one of 70, 75, 80"):
-        _loader._arch_override()
+        device.arch_override()
     monkeypatch.setenv("CUPYATTN_ARCH", "75")
-    assert _loader._arch_override() == 75
+    assert device.arch_override() == 75
     assert "-DCUPYATTN_TARGET_SM=750" in decode.SPEC.options_for("90")
     monkeypatch.setenv("CUPYATTN_ARCH", "")
     assert not any("TARGET_SM" in o for o in decode.SPEC.options_for("90"))
@@ -180,7 +180,7 @@ def test_arch_override_is_checked(monkeypatch):
 
 # --- GPU tier (also emulated, as sm_90 and as sm_75) ---------------------------------------------
 def _cc() -> int:
-    return _loader.device_compute_capability()
+    return device.compute_capability()
 
 
 @pytest.mark.gpu
@@ -249,10 +249,10 @@ def test_default_attention_is_what_the_table_says(dtype):
     # tensor cores from the dtype's minimum (fp16 7.5, bf16 8.0) where the main D = 128 tile fits;
     # a T4's 64 KB keeps the SIMT default (its 32-key tile serves explicit calls until run on a GPU)
     tc = np_dtype(dtype) in config.MMA_DTYPES and _cc() >= config.MMA_MIN_CC[np_dtype(dtype)]
-    fits = config.flash_mma_smem_bytes(128) <= _loader.device_smem_optin()
+    fits = config.flash_mma_smem_bytes(128) <= device.smem_optin()
     assert flash_attn.default_impl(np_dtype(dtype), 128) == ("flash_mma" if tc and fits else "flash")
     if tc:
-        smem = _loader.device_smem_optin()
+        smem = device.smem_optin()
         tile = flash_attn._tile("flash_mma", np_dtype(dtype), 128, smem)
         assert config.flash_mma_smem_bytes(128, tile) <= smem
         assert (tile == config.FLASH_MMA_TILES[128]) == (smem >= 85 * 1024)
@@ -303,7 +303,7 @@ def test_arch_override_runs_the_turing_branches(monkeypatch):
     monkeypatch.setenv("CUPYATTN_ARCH", "75")
     monkeypatch.setattr(_loader, "_FUNCTIONS", {})
     monkeypatch.setattr(_loader, "_SMEM_RAISED", {})
-    assert _loader.device_compute_capability() == 75 and _loader.device_smem_optin() <= 64 * 1024
+    assert device.compute_capability() == 75 and device.smem_optin() <= 64 * 1024
     assert flash_attn.default_impl(BF16, 64) == "flash" and flash_attn.default_impl(F16, 64) == "flash_mma"
     rng = np.random.default_rng(75)
     q, qr = to_device(rand_with_outliers(rng, (1, 2, 33, 64)), "float16")

@@ -6,7 +6,7 @@ from conftest import expected_builds
 
 import cupyattn
 from cupyattn import _compile_check as cc
-from cupyattn import _loader, config
+from cupyattn import _loader, config, device
 from cupyattn._loader import KERNELS_DIR, KernelSpec
 
 
@@ -162,8 +162,8 @@ def test_emulator_builds_a_chunk_once_and_a_failed_chunk_falls_back_to_one(monke
 
     if not hasattr(cupy, "_cupyattn_emulator_chunk"):
         pytest.skip("NVRTC builds one instantiation at a time: the emulator's chunks only")
-    _, arch = _loader._device_arch()
-    exprs = kvcache.SPEC.exprs_for(_loader.device_compute_capability())
+    _, arch = device.device_arch()
+    exprs = kvcache.SPEC.exprs_for(device.compute_capability())
     monkeypatch.setattr(cupy, "_cupyattn_emulator_chunk", 4)
     assert _loader._module_exprs(kvcache.SPEC, exprs[5], arch) == exprs[4:8]
     assert _loader._module_exprs(kvcache.SPEC, exprs[-1], arch) == exprs[(len(exprs) - 1) // 4 * 4:]

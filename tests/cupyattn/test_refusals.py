@@ -85,9 +85,9 @@ def check_message(entry: str, impl: str, msg: str) -> str | None:
 @pytest.mark.parametrize("arch", ARCHS)
 def test_every_refusal_names_impl_and_an_alternative_of_its_entry_point(monkeypatch, arch):
     import cupyattn
-    from cupyattn import _loader
+    from cupyattn import _loader, device
 
-    if _loader.device_compute_capability() < arch:
+    if device.compute_capability() < arch:
         pytest.skip(f"the device is below sm_{arch}")
     calls = {dtype: _calls(dtype) for dtype in DTYPES}  # (the caches' appends run here)
     monkeypatch.setenv("CUPYATTN_ARCH", str(arch))

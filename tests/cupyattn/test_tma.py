@@ -9,7 +9,7 @@ import types
 import numpy as np
 import pytest
 
-from cupyattn import _loader, tma
+from cupyattn import device, tma
 
 F16 = np.dtype(np.float16)
 
@@ -74,7 +74,7 @@ def test_driver_encoder_marshals_cuda_h_arguments(monkeypatch):
 def test_tensor_map_validates_then_caches():
     import cupy
 
-    if _loader.device_compute_capability() < 90:
+    if device.compute_capability() < 90:
         pytest.skip("tensor maps need an sm_90 device")
     x = cupy.zeros((32, 64), dtype=np.float16)
     m1 = tma.tensor_map(x.data.ptr, x.dtype, (64, 32), (128,), (64, 16))
