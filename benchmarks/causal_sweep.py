@@ -23,7 +23,6 @@ and a table ($OUT/causal-sweep.txt). About 3 minutes on an H100 (NVRTC builds in
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import subprocess
@@ -76,19 +75,11 @@ def cases(quick: bool):
     return out
 
 
-@contextlib.contextmanager
 def knobs(**kw):
     """config.ATTN_SM90_* set for the duration (the variants)."""
     from cupyattn import config
 
-    old = {k: getattr(config, k) for k in kw}
-    for k, v in kw.items():
-        setattr(config, k, v)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            setattr(config, k, v)
+    return config.override(**kw)
 
 
 def dense_variants(dt, d, causal, headline):

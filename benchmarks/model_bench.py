@@ -32,7 +32,6 @@ greedy tokens agree with HF's.
 """
 from __future__ import annotations
 
-import contextlib
 import statistics
 import traceback
 
@@ -165,7 +164,6 @@ def _cannot_run(name, model):
     return None
 
 
-@contextlib.contextmanager
 def mega_knobs(name: str):
     """config's MEGAKERNEL_* knobs set to impl ``name``'s (MEGA_VARIANTS) for the block, then
     restored; nothing for any other impl."""
@@ -174,27 +172,14 @@ def mega_knobs(name: str):
 
     change = MEGA_VARIANTS.get(name, {})
     knobs = NEW_PLAN if change == "NEW_PLAN" else MegaKnobs.from_config().with_(**change)
-    saved = MegaKnobs.from_config().as_config()
-    try:
-        for k, v in knobs.as_config().items():
-            setattr(config, k, v)
-        yield knobs
-    finally:
-        for k, v in saved.items():
-            setattr(config, k, v)
+    return config.override(**knobs.as_config())
 
 
-@contextlib.contextmanager
 def _pdl(on: bool):
     """config.FUSED_DECODE_PDL on for the block when ``on`` (else as it was), then restored."""
     from cupyattn import config
 
-    saved = config.FUSED_DECODE_PDL
-    config.FUSED_DECODE_PDL = on or saved
-    try:
-        yield
-    finally:
-        config.FUSED_DECODE_PDL = saved
+    return config.override(FUSED_DECODE_PDL=on or config.FUSED_DECODE_PDL)
 
 
 def _first_step_logits(gen, prompt, name):

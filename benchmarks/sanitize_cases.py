@@ -85,7 +85,7 @@ def attention(ca, cfg):
                 # the Hopper kernel's opt-in variants (config.ATTN_SM90_*): each instantiation a
                 # knob can ask for, causal with lse (the 176-key tile takes no causal)
                 for knob, value, impl, causal in _SM90_VARIANTS:
-                    with _config(cfg, knob, value):
+                    with cfg.override(**{knob: value}):
                         _finite(*ca.attention(q, k, v, causal=causal, impl=impl, return_lse=True))
         _finite(ca.attention(q[:, :, :33], k, v, causal=True, impl="naive"))
 
@@ -95,16 +95,6 @@ def attention(ca, cfg):
 _SM90_VARIANTS = (("ATTN_SM90_DENSE_SCHEDULER", "persistent", "wgmma", True),
                   ("ATTN_SM90_OVERLAP", False, "wgmma", True), ("ATTN_SM90_OVERLAP", False, "wgmma_persistent", True),
                   ("ATTN_SM90_OVERLAP", True, "wgmma_persistent", True), ("ATTN_SM90_WIDE_N", True, "wgmma", False))
-
-
-@contextlib.contextmanager
-def _config(cfg, name, value):
-    old = getattr(cfg, name)
-    setattr(cfg, name, value)
-    try:
-        yield
-    finally:
-        setattr(cfg, name, old)
 
 
 def decode(ca, cfg):
@@ -166,7 +156,7 @@ def serving(ca, cfg):
                 # the waves rule with its fused combine and with the combine kernel
                 hnd = ca.PagedKVCache(1, 2, hkv, d, num_pages=600, page_size=1, dtype=dt, layout="HND")
                 hnd.append(0, _rand((2, hkv, 531, d), dt, 23), _rand((2, hkv, 531, d), dt, 24), num_new=[531, 9])
-                with staged_pages():
+                with cfg.override(DECODE_PAGE_STAGING=True):
                     _finite(hnd.decode(qd, 0, num_splits=1, impl=impl), hnd.decode(qd, 0, num_splits=3, impl=impl))
                     for fused in (True, False):
                         _finite(hnd.decode(qd, 0, num_splits=3, impl=impl, split_rule="waves", fused_combine=fused,
@@ -187,18 +177,6 @@ def serving(ca, cfg):
             _finite(ca.attention_paged(_rand((5, 4, 32), dt, 30), cache.k[0], cache.v[0], cache.block_table,
                                        cache.lengths[0], cu_seqlens_q=cupy.asarray([0, 2, 3, 5], dtype=cupy.int32),
                                        max_seqlen_q=2, causal=True, layout=layout))
-
-
-@contextlib.contextmanager
-def staged_pages():
-    """config.DECODE_PAGE_STAGING on (the staged page-id decode kernels; not yet the default)."""
-    from cupyattn import config
-
-    before, config.DECODE_PAGE_STAGING = config.DECODE_PAGE_STAGING, True
-    try:
-        yield
-    finally:
-        config.DECODE_PAGE_STAGING = before
 
 
 def gemm(ca, cfg):
@@ -234,10 +212,19 @@ def layers(ca, cfg):
                 w = _rand((d,), wdt, 19)
                 for impl in ("warp", "block"):
                     _finite(ca.rmsnorm(x, w, impl=impl), ca.add_rmsnorm(x.copy(), r, w, impl=impl))
-            _finite(ca.swiglu(x, r), ca.add(x, r))
+            _finite(ca.swiglu(x, r), ca.add(x, r), ca.layers.geglu(x, r))
+            # the families' in-place ops (Qwen2's biases, Gemma's softcap, Qwen3's and Gemma 3's
+            # per-head norms), in place
+            y = x.copy()
+            ca.layers.bias_add(y, _rand((d,), dt, 31))
+            ca.layers.softcap(y, 30.0)
+            _finite(y)
             table = _rand((11, d), dt, 20)
             for idt in (np.int32, np.int64):
                 _finite(ca.embedding(cupy.asarray([3, 0, 10], idt), table))
+        heads = _rand((3, 4, 64), dt, 32)
+        ca.layers.head_rmsnorm(heads[:, 1:], _rand((64,), dt, 33))
+        _finite(heads)
         for style in ("adjacent", "neox"):
             for idt in (np.int32, np.int64):
                 pos = cupy.asarray([[5, 2**31 + 3, 0]] if idt == np.int64 else [[0, 1, 2]], idt)  # [B, T]

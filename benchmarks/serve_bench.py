@@ -62,11 +62,7 @@ def _run_tinylm(rec, name, args, weights, tok, source, prompts, n, slots, opts, 
     import tinylm
     from cupyattn import config
 
-    saved = {k: getattr(config, k) for k in OPT_IN}
-    if name == "tinylm-serve-opt-in":
-        for k, v in OPT_IN.items():
-            setattr(config, k, v)
-    try:
+    with config.override(**(OPT_IN if name == "tinylm-serve-opt-in" else {})):
         model = tinylm.Transformer(args, weights, getattr(opts, "model_backend", "cupy"), opts.model_dtype)
         gen = tinylm.Generator(model, tok, source)
         rec["dtype"] = gen.dtype
@@ -81,9 +77,6 @@ def _run_tinylm(rec, name, args, weights, tok, source, prompts, n, slots, opts, 
                        f"{runs[0]['steps']} decode steps/run" + ("; HND pages, staged page ids, waves split rule"
                                                                  if name == "tinylm-serve-opt-in" else ""))
         return ids
-    finally:
-        for k, v in saved.items():
-            setattr(config, k, v)
 
 
 def _run_hf(rec, args, weights, prompts, n, slots, ours_ids, opts, ceilings):

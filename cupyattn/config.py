@@ -15,6 +15,7 @@ cupyattn/device.py; the C code-generation helpers (ctype, cbool, defines) are th
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import ml_dtypes
@@ -35,17 +36,29 @@ from .gpus import (GPU_FAMILIES, IMPL_MIN_CC, IMPL_MIN_CC_BY_HEAD_DIM, IMPL_MIN_
                    STATIC_SMEM_BYTES, GpuFamily, a_family_has_less, gpu_family, gpu_family_key, impl_min_cc,
                    impl_runs_on)
 
-# The kernels' C++ names of these types and the other code-generation helpers are the loader's
-# (cupyattn/_loader.py: CTYPES, INDEX_CTYPES, VEC16, ctype, cbool, defines); importers of the
-# old names here get them from there.
-_LOADER_NAMES = ("CTYPES", "INDEX_CTYPES", "VEC16", "ctype", "cbool", "defines")
+# The kernels' C++ names of the dtypes and the other code-generation helpers are the loader's
+# (cupyattn/_loader.py: CTYPES, INDEX_CTYPES, VEC16, ctype, cbool, defines).
 
 
-def __getattr__(name):
-    if name in _LOADER_NAMES:
-        from . import _loader
-        return getattr(_loader, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+@contextlib.contextmanager
+def override(**settings):
+    """These settings of this module for the ``with`` block, then restored (also on an error):
+    ``with config.override(ATTN_SM90_ORDER="sections"): ...``. A name this module does not define
+    is a ValueError, raised before anything is set (a typo would otherwise time the default)."""
+    import sys
+
+    mod = sys.modules[__name__]
+    unknown = [k for k in settings if not hasattr(mod, k)]
+    if unknown:
+        raise ValueError(f"config.override(): no such setting {', '.join(unknown)}")
+    saved = {k: getattr(mod, k) for k in settings}
+    try:
+        for k, v in settings.items():
+            setattr(mod, k, v)
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(mod, k, v)
 
 
 # --- fused attention (kernels_cu/flash_attn.cu) and decode (kernels_cu/decode.cu) ------------

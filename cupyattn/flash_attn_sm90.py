@@ -34,8 +34,8 @@ import numpy as np
 from . import _checks, _loader, device
 from . import config as C
 from . import kv_traffic, tma
-from ._loader import KernelSpec, get_function, ptr_or_null
-from .config import INT32_MAX, MMA_DTYPES, cbool, ctype
+from ._loader import KernelSpec, cbool, ctype, get_function, ptr_or_null
+from .config import INT32_MAX, MMA_DTYPES
 from .gemm import _filled
 
 _FN = "attention"

@@ -39,8 +39,8 @@ import numpy as np
 
 from . import _checks as C
 from . import config, persistent
-from ._loader import KernelSpec, get_function
-from .config import DTYPES, SAMPLING_MASS_BITS, ctype, defines
+from ._loader import KernelSpec, ctype, defines, get_function
+from .config import DTYPES, SAMPLING_MASS_BITS
 from .kvcache import ROPE_STYLES, KVCache
 
 # The instruction set (kernels_cu/megakernel.cu's table); the kernel gets these as -D options.

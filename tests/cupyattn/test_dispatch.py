@@ -161,3 +161,22 @@ def test_defaults_text_is_generated_from_the_rows():
         assert all(f"`{impl}`" in text for impl, _ in rules)
         assert all(c.text in text for _, conds in rules for c in conds)
     assert options.DEFAULTS["attention"][-1] == ("flash", ())
+
+
+def test_config_override_sets_and_restores_and_refuses_unknown_names():
+    """config.override: the settings hold inside the block and are back after it, also after an
+    error; an unknown name is refused before anything is set."""
+    from cupyattn import config
+
+    before = (config.ATTN_SM90_ORDER, config.DECODE_PAGE_STAGING)
+    with config.override(ATTN_SM90_ORDER="sections", DECODE_PAGE_STAGING=not before[1]):
+        assert (config.ATTN_SM90_ORDER, config.DECODE_PAGE_STAGING) == ("sections", not before[1])
+    assert (config.ATTN_SM90_ORDER, config.DECODE_PAGE_STAGING) == before
+    with pytest.raises(RuntimeError, match="inside"):
+        with config.override(ATTN_SM90_ORDER="sections"):
+            raise RuntimeError("inside")
+    assert config.ATTN_SM90_ORDER == before[0]
+    with pytest.raises(ValueError, match="ATTN_SM90_ORDR"):
+        with config.override(DECODE_PAGE_STAGING=not before[1], ATTN_SM90_ORDR="sections"):
+            pass
+    assert config.DECODE_PAGE_STAGING == before[1]
