@@ -30,7 +30,12 @@ def _rand(shape, dtype, seed=0):
     import cupy
 
     rng = np.random.default_rng(seed)
-    return cupy.asarray(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
+    x = cupy.asarray(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
+    # in a fresh allocation (256-byte aligned: CuPy's pool, the emulator's guarded pages), so
+    # every vector path whose alignment the dispatch checks is taken, whatever astype returned
+    out = cupy.empty(shape, dtype)
+    out[...] = x
+    return out
 
 
 def _misaligned(x):
