@@ -29,7 +29,8 @@
 #   mega      the megakernel's speed run (config.TINYLM_MEGAKERNEL and its MEGAKERNEL_* plan knobs), at
 #             most 5 minutes in four steps under their own caps: its GPU tests (100 s, the compile
 #             included); the A/B of the plan knobs on SmolLM2-135M's shapes, fp16, batch 1 (tinylm-mega =
-#             today's plan, -new = every knob, -ring, -fine, -spin64, -spin0, -sample2 = one each; each
+#             today's plan, -new = every knob, -ring, -fine, -spin64, -spin0, -sample2 = one each, -fine-fit
+#             = -fine with the down projection's chunks fitting one round; each
 #             record's note and "profile": a profiled step per op beside the cost model) beside the fused
 #             step (70 s); batch 1 and 8 of the fused step (+ PDL), today's plan, the new one and HF eager
 #             (70 s); HF compiled beside the new plan (60 s)
@@ -417,8 +418,8 @@ stage_mega() {  # the megakernel's plan knobs A/B and its tokens/s against the f
     local m=(--model smollm2-135m-shape --debug --no-progress)
     MEGA_TIMEOUT="${MEGA_TIMEOUT:-100}" run_mega_tests  # compiles the kernel (cached for the steps after)
     CAP=70 bench_step "mega knobs A/B" "$OUT/mega-ab.txt" "$OUT/mega-ab.json" "$PY" -m benchmarks model "${m[@]}" \
-        --batch 1 --new-tokens 64 --model-reps 2 --json "$OUT/mega-ab.json" --impl \
-        tinylm-fused,tinylm-mega,tinylm-mega-new,tinylm-mega-ring,tinylm-mega-fine,tinylm-mega-spin64,tinylm-mega-spin0,tinylm-mega-sample2
+        --batch 1 --new-tokens 56 --model-reps 2 --json "$OUT/mega-ab.json" --impl \
+        tinylm-fused,tinylm-mega,tinylm-mega-new,tinylm-mega-ring,tinylm-mega-fine,tinylm-mega-fine-fit,tinylm-mega-spin64,tinylm-mega-spin0,tinylm-mega-sample2
     CAP=70 bench_step "mega vs fused and HF" "$OUT/mega.txt" "$OUT/mega.json" "$PY" -m benchmarks model "${m[@]}" \
         --batch 1,8 --impl tinylm-fused,tinylm-fused-pdl,tinylm-mega,tinylm-mega-new,hf-transformers --json "$OUT/mega.json"
     CAP=60 bench_step "mega vs HF compiled" "$OUT/mega-hf-compiled.txt" "$OUT/mega-hf-compiled.json" "$PY" -m benchmarks \

@@ -46,7 +46,8 @@ from .specs import roofline_pct
 # today's measured plan): "new" is every knob on (NEW_PLAN), the others one change each.
 MEGA_VARIANTS = {"tinylm-mega": {}, "tinylm-mega-new": "NEW_PLAN",
                  "tinylm-mega-ring": {"attn": "ring", "attn_share": 0.5},
-                 "tinylm-mega-fine": {"deps": "fine"}, "tinylm-mega-spin64": {"spin_ns": 64},
+                 "tinylm-mega-fine": {"deps": "fine"}, "tinylm-mega-fine-fit": {"deps": "fine", "down": "fit"},
+                 "tinylm-mega-spin64": {"spin_ns": 64},
                  "tinylm-mega-spin0": {"spin_ns": 0}, "tinylm-mega-sample2": {"sample": "two_level"}}
 
 SMOLLM2_PROMPT = ("The history of computing is a story of machines that became faster, smaller "

@@ -451,6 +451,8 @@ MEGAKERNEL_ATTN_STAGE_BYTES = 12 * 1024  # one staged K+V chunk of the ring atte
 MEGAKERNEL_DEPS = "layer"     # "layer": a projection waits for every tile of the op before it; "fine":
                               # split-K O and down projections into fp32 partial slots, each waiting only
                               # for the tiles whose rows it reads (two device-wide waits per layer)
+MEGAKERNEL_DOWN = "narrow"    # with DEPS "fine": "narrow" (the narrowest column chunks of the down
+                              # projection) or "fit" (the most chunks whose tiles fit one round on the blocks)
 MEGAKERNEL_FOLD_MERGE = False  # merge split attention partials in the O projection's load (no reduce op)
 MEGAKERNEL_SPIN_NS = 1024     # a waiter's longest sleep between polls (it backs off from 32 ns); 0: no sleep
 MEGAKERNEL_SAMPLE = "block"   # "block": one block draws a sequence's token; "two_level": chunks of the

@@ -62,21 +62,28 @@ GEOMETRY = {
     "MK_SAMPLE_MAX_CANDS": (2048, "candidates the merge gathers at most (16 KB of shared memory)"),
     "MK_SAMPLE_MAX_PARTS": (256, "vocabulary chunks of one sequence at most (the merge's offsets): 512k ids"),
     "MK_MAX_DOWN_CHUNKS": (16, "column chunks of a split down projection at most (its partial slots)"),
+    "MK_LOAD_BATCH": (8, "float4 loads in flight per item of the block-wide row loads (partial slots, split "
+                         "partials): one L2 round trip per batch"),
 }
 TILE_ROWS = GEOMETRY["MK_TILE_ROWS"][0]
 STAGE_BYTES = TILE_ROWS * GEOMETRY["MK_CHUNK_BYTES"][0]  # one weight-ring chunk: 16 rows x 512 bytes
 LAYER_FIELDS = ("attn_norm", "wqkv", "wo", "ffn_norm", "w_gate_up", "w_down")  # MkLayer's weights, in order
 
 
-def down_chunks(ffn_dim: int, itemsize: int) -> int:
-    """Column chunks of a split down projection: whole gate|up tiles and whole ring chunks each
-    (columns a multiple of 8 and of 512 bytes' worth), as few as keep it within MK_MAX_DOWN_CHUNKS;
-    1 (no split) when ffn_dim has no such divisor."""
+def down_chunk_counts(ffn_dim: int, itemsize: int) -> tuple:
+    """The column-chunk counts a split down projection may have, fewest first: whole gate|up tiles
+    and whole ring chunks each (columns a multiple of 8 and of 512 bytes' worth), at most
+    MK_MAX_DOWN_CHUNKS of them; (1,) when ffn_dim has no such divisor."""
     unit = math.lcm(GEOMETRY["MK_GATE_UP_ROWS"][0], GEOMETRY["MK_CHUNK_BYTES"][0] // itemsize)
-    for cols in range(unit, ffn_dim + 1, unit):
-        if ffn_dim % cols == 0 and ffn_dim // cols <= GEOMETRY["MK_MAX_DOWN_CHUNKS"][0]:
-            return ffn_dim // cols
-    return 1
+    counts = tuple(ffn_dim // cols for cols in range(ffn_dim, unit - 1, -unit)
+                   if ffn_dim % cols == 0 and cols % unit == 0 and ffn_dim // cols <= GEOMETRY["MK_MAX_DOWN_CHUNKS"][0])
+    return counts or (1,)
+
+
+def down_chunks(ffn_dim: int, itemsize: int) -> int:
+    """The most column chunks a split down projection may have (the narrowest chunks): the partial
+    slots a step allocates."""
+    return down_chunk_counts(ffn_dim, itemsize)[-1]
 
 
 def sample_parts_of(vocab: int) -> int:
@@ -458,4 +465,4 @@ def profile_summary(p: persistent.Plan, t: np.ndarray, machine: persistent.Machi
 
 
 __all__ = ["OPCODES", "GEOMETRY", "LlamaStep", "DevicePlan", "SPEC", "profile_summary", "down_chunks",
-           "sample_parts_of", "handoff_us", "max_tiles"]
+           "down_chunk_counts", "sample_parts_of", "handoff_us", "max_tiles"]

@@ -23,6 +23,9 @@ MEGAKERNEL_* block, today's measured plan):
   chunk; the next RMSNorm's load sums the slots in a fixed order (deterministic: no atomics),
   and the first QKV tile of the next layer writes the summed residual back. Two device-wide waits
   per layer remain: the two RMSNorms need the whole residual.
+- ``down`` (with ``deps="fine"``): "narrow", the narrowest column chunks the kernel allows (SmolLM2:
+  6 chunks of 256, 216 tiles, two rounds on 132 blocks), or "fit", the most chunks whose tiles
+  still fit one round on the blocks (SmolLM2: 3 chunks of 512, 108 tiles).
 - ``attn``: "v1" (a lane per key) or "ring" (K/V chunks staged one ahead by cp.async);
   ``attn_share``: split the keys, then the query heads of a kv head, until the attention tiles
   fill that share of the blocks; ``fold_merge``: the split partials merged in the O projection's
@@ -42,7 +45,7 @@ from dataclasses import dataclass, fields, replace
 import numpy as np
 
 from . import config
-from .megakernel import GEOMETRY, OPCODES, LlamaStep, down_chunks, handoff_us, sample_parts_of
+from .megakernel import GEOMETRY, OPCODES, LlamaStep, down_chunk_counts, handoff_us, sample_parts_of
 from .persistent import Cost, Dep, Op
 
 TILE_ROWS = GEOMETRY["MK_TILE_ROWS"][0]
@@ -71,11 +74,13 @@ class LlamaShape:
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
 
 
-_CHOICES = {"attn": ("v1", "ring"), "deps": ("layer", "fine"), "sample": ("block", "two_level")}
+_CHOICES = {"attn": ("v1", "ring"), "deps": ("layer", "fine"), "down": ("narrow", "fit"),
+            "sample": ("block", "two_level")}
 # each knob's setting in cupyattn.config
 CONFIG_NAMES = {"attn": "MEGAKERNEL_ATTN", "attn_share": "MEGAKERNEL_ATTN_SHARE",
                 "min_keys_per_split": "MEGAKERNEL_MIN_KEYS_PER_SPLIT", "attn_min_keys": "MEGAKERNEL_ATTN_MIN_KEYS",
-                "deps": "MEGAKERNEL_DEPS", "fold_merge": "MEGAKERNEL_FOLD_MERGE", "spin_ns": "MEGAKERNEL_SPIN_NS",
+                "deps": "MEGAKERNEL_DEPS", "down": "MEGAKERNEL_DOWN", "fold_merge": "MEGAKERNEL_FOLD_MERGE",
+                "spin_ns": "MEGAKERNEL_SPIN_NS",
                 "sample": "MEGAKERNEL_SAMPLE"}
 
 
@@ -89,6 +94,7 @@ class MegaKnobs:
     min_keys_per_split: int = 256
     attn_min_keys: int = 8
     deps: str = "layer"
+    down: str = "narrow"
     fold_merge: bool = False
     spin_ns: int = 1024
     sample: str = "block"
@@ -128,7 +134,8 @@ class MegaKnobs:
 
 
 # The plan the cost model calls "new" (docs/megakernel.md): every knob on.
-NEW_PLAN = MegaKnobs(attn="ring", attn_share=0.5, deps="fine", fold_merge=True, spin_ns=64, sample="two_level")
+NEW_PLAN = MegaKnobs(attn="ring", attn_share=0.5, deps="fine", down="fit", fold_merge=True, spin_ns=64,
+                     sample="two_level")
 
 
 # --- eligibility -----------------------------------------------------------------------------------
@@ -185,6 +192,21 @@ def head_splits(shape, batch: int, splits: int, blocks: int, knobs: MegaKnobs | 
     return -(-G // -(-G // hs))  # no tile left without a head (7 heads in 5 splits: 4 of 2 heads)
 
 
+def split_down(shape, itemsize: int, blocks: int, knobs: MegaKnobs | None = None) -> int:
+    """Column chunks of the down projection: 1 unless ``deps="fine"``; then with ``down="narrow"``
+    the most the kernel allows (megakernel.down_chunk_counts), with "fit" the most whose
+    row tiles x chunks stay within ``blocks`` (one round), at least 1."""
+    k = knobs or MegaKnobs.from_config()
+    if not k.fine:
+        return 1
+    s = LlamaShape.of(shape)
+    counts = down_chunk_counts(s.ffn_dim, itemsize)
+    if k.down == "narrow":
+        return counts[-1]
+    rows = -(-s.dim // TILE_ROWS)
+    return max([c for c in counts if rows * c <= blocks] or [1])
+
+
 # --- the op list ---------------------------------------------------------------------------------------
 def _slots(ko: int, kd: int, high: int = 0) -> int:
     """ARG1 of the ops that read or write the partial slots: O chunks | down chunks << 8 | high << 16."""
@@ -210,7 +232,7 @@ def llama_ops(shape, batch: int, splits: int = 1, sample: bool = True, *, knobs:
     # the kv group of each QKV tile's head: q head h -> h // G, k and v heads of kv head j -> j
     qkv_group = tuple((h // G if h < hq else (h - hq) % hkv) for h in range(qkv_heads) for _ in range(per_head))
     ko = hkv if k.fine else 1
-    kd = down_chunks(s.ffn_dim, itemsize) if k.fine else 1
+    kd = split_down(s, itemsize, blocks, k)
     fold = k.folds and splits > 1
     n_attn = B * hkv * hs * splits
     # attention tile t = ((b * Hkv + kvh) * hs + head split) * splits + key split
@@ -225,10 +247,20 @@ def llama_ops(shape, batch: int, splits: int = 1, sample: bool = True, *, knobs:
     # Costs per tile (persistent.Cost): bytes streamed, dependent L2 trips. The trips of today's ops are
     # fitted to the H100 profile of 2026-11-27 (a SmolLM2 step's median work per instruction: qkv 4.3 us,
     # oproj 2.8, gate|up 3.6, down 5.1, LM head 2.3, one-block greedy sample 16.4, attention 35.4 at
-    # 256 keys against 40 predicted); the new ops' from the same reasoning (a load of the slots is
-    # one round trip like the row's, a split tile's partial write none, the ring one per chunk).
+    # 256 keys against 40 predicted), each split into its input load's trips (3 for rows normalised on
+    # load then: rows, norm weights, the sum of squares; 1 for plain rows), which a tile skips when its
+    # block holds the rows already (the LM head's median tile: 2.3 us, its block's first one 3 trips
+    # more), and the rest (QKV's 3: the product's sums, the cache position, RoPE and the cache write).
+    # Since then, from the kernel's structure: the norm weights load with the rows and the cache
+    # position before them (one trip less each: `norm` below), a split tile's partial write costs no
+    # trip, the ring one per chunk, and the block-wide loads of the partial slots and of the split
+    # partials (megakernel_gemv.cuh) one per batch of MK_LOAD_BATCH loads per item in place of the
+    # plain row load's one (the merge one more: its log-sum-exps first).
     x_bytes = B * s.dim * itemsize
-    gemv = lambda k_cols, trips: Cost(TILE_ROWS * k_cols * itemsize + B * k_cols * itemsize, trips)  # noqa: E731
+    gemv = lambda k_cols, load, rest: Cost(TILE_ROWS * k_cols * itemsize + B * k_cols * itemsize,  # noqa: E731
+                                           load + rest, load)
+    batch, norm = GEOMETRY["MK_LOAD_BATCH"][0], 2  # a normalised row load's trips
+    wide = lambda k_cols, loads: (-(-B * k_cols // 4 // config.MEGAKERNEL_THREADS) * -(-loads // batch) - 1)  # noqa: E731
     per_split = -(-keys // splits)
     kv_bytes = 2 * per_split * d * itemsize
     if k.attn == "ring":
@@ -244,7 +276,8 @@ def llama_ops(shape, batch: int, splits: int = 1, sample: bool = True, *, knobs:
     for i in range(s.n_layers):
         mode = 2 if (k.fine and i > 0) else 0
         ops.append(Op(f"qkv.{i}", OPCODES["qkv"], qkv_heads * per_head, i, args=(mode, _slots(ko, kd, max(i - 1, 0))),
-                      group_of=qkv_group, deps=(Dep(prev),), cost=gemv(s.dim, 6)))
+                      group_of=qkv_group, deps=(Dep(prev),),
+                      cost=gemv(s.dim, norm + (wide(s.dim, ko + kd) if mode else 0), 2)))
         ops.append(Op(f"attn.{i}", OPCODES["attn"], n_attn, i, args=(hs, int(k.attn == "ring")),
                       group_of=attn_group, deps=(Dep(f"qkv.{i}", tuple((g,) for g in att_kvh)),),
                       cost=Cost(kv_bytes + G * d * itemsize, attn_trips)))
@@ -257,16 +290,18 @@ def llama_ops(shape, batch: int, splits: int = 1, sample: bool = True, *, knobs:
         o_rows, o_cols = rows(s.dim), hq * d // ko
         o_dep = Dep(att, tuple((t % ko,) for t in range(o_rows * ko))) if k.fine else Dep(att)
         ops.append(Op(f"oproj.{i}", OPCODES["oproj"], o_rows * ko, i, args=(ko, _slots(ko, kd, int(fold) | 2 * k.fine)),
-                      deps=(o_dep,), cost=gemv(o_cols, 3)))
+                      deps=(o_dep,), cost=gemv(o_cols, 1 + (1 + wide(o_cols, splits) if fold else 0), 2),
+                      input_of=tuple(t % ko for t in range(o_rows * ko))))
         n_gu = -(-s.ffn_dim // GATE_UP_ROWS)
         per_chunk = s.ffn_dim // kd // GATE_UP_ROWS  # gate|up tiles whose ffn columns one down chunk reads
         ops.append(Op(f"gate_up.{i}", OPCODES["gate_up"], n_gu, i, args=(int(k.fine), _slots(ko, kd, i)),
                       group_of=tuple(t // per_chunk for t in range(n_gu)) if k.fine else None,
-                      deps=(Dep(f"oproj.{i}"),), cost=gemv(s.dim, 5)))
+                      deps=(Dep(f"oproj.{i}"),), cost=gemv(s.dim, norm + (wide(s.dim, ko) if k.fine else 0), 2)))
         d_rows = rows(s.dim)
         d_dep = Dep(f"gate_up.{i}", tuple((t % kd,) for t in range(d_rows * kd))) if k.fine else Dep(f"gate_up.{i}")
         ops.append(Op(f"down.{i}", OPCODES["down"], d_rows * kd, i, args=(kd, _slots(ko, kd, 2 * k.fine)),
-                      deps=(d_dep,), cost=gemv(s.ffn_dim // kd, 4 if k.fine else 5)))
+                      deps=(d_dep,), cost=gemv(s.ffn_dim // kd, 1, 3 if k.fine else 4),
+                      input_of=tuple(t % kd for t in range(d_rows * kd))))
         prev = f"down.{i}"
     n_lm = rows(s.vocab_size)
     parts = per_part = 0
@@ -275,7 +310,7 @@ def llama_ops(shape, batch: int, splits: int = 1, sample: bool = True, *, knobs:
         parts = -(-n_lm // per_part)
     ops.append(Op("lm_head", OPCODES["lm_head"], n_lm, args=(2 if k.fine else 0, _slots(ko, kd, s.n_layers - 1)),
                   group_of=tuple(t // per_part for t in range(n_lm)) if parts else None,
-                  deps=(Dep(prev),), cost=gemv(s.dim, 2)))
+                  deps=(Dep(prev),), cost=gemv(s.dim, norm + (wide(s.dim, ko + kd) if k.fine else 0), 2)))
     if sample and parts:
         n = B * parts  # part tile b * parts + p waits for the LM-head tiles of its vocabulary chunk
         ops.append(Op("sample_part", OPCODES["sample_part"], n, args=(parts, TILE_ROWS * per_part),
@@ -340,8 +375,10 @@ class LlamaDecoder:
     def _counters(self) -> int:
         """Counters of the largest plan this decoder may run: split attention (its merges, or its
         per-kv-head groups) with sampling; as persistent.plan counts them (a group per waited-for
-        op's group), without laying the plan out. The head splits change no group."""
-        ops = llama_ops(self.shape, self.batch, 2, True, knobs=self.knobs, heads=1, itemsize=self.itemsize)
+        op's group), without laying the plan out. The head splits change no group; the narrowest
+        down chunks give the most (one gate|up group per chunk), whatever the blocks."""
+        ops = llama_ops(self.shape, self.batch, 2, True, knobs=self.knobs.with_(down="narrow"), heads=1,
+                        itemsize=self.itemsize)
         waited = {d.op for op in ops for d in op.deps}
         return sum(op.groups for op in ops if op.name in waited)
 
@@ -370,4 +407,4 @@ class LlamaDecoder:
 
 
 __all__ = ["LlamaShape", "MegaKnobs", "NEW_PLAN", "CONFIG_NAMES", "llama_problem", "step_splits", "head_splits",
-           "llama_ops", "instruction_counts", "handoff_us", "LlamaDecoder"]
+           "split_down", "llama_ops", "instruction_counts", "handoff_us", "LlamaDecoder"]

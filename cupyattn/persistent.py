@@ -28,8 +28,9 @@ The cost model (:func:`estimate`, printed by :meth:`Plan.table`): each op may ca
 :class:`Cost` per tile (bytes it streams, dependent L2 round trips it cannot hide). A pass over
 the global order gives each instruction a start (its block free, and each counter it waits for
 reached plus one hand-off) and an end (start + per-instruction overhead + trips x trip latency +
-bytes at one block's share of the memory bandwidth); the critical path is walked back from the
-last end. Its constants (:class:`Machine`) are estimates to be checked against
+bytes at one block's share of the memory bandwidth; a tile whose block still holds its input rows
+skips its load's trips); the critical path is walked back from the last end. Its constants
+(:class:`Machine`) are estimates to be checked against
 ``LlamaStep.profile`` on a GPU, never a measurement.
 
 Instruction words (int32, INSTR_WORDS per instruction; the kernel reads the same layout):
@@ -73,17 +74,21 @@ class Cost:
     """What one tile of an op costs (the cost model's input, declared by whoever builds the op
     list from the kernel's structure): ``bytes`` streamed from memory (weights, K/V, activations),
     ``trips`` dependent L2 round trips it cannot overlap (a load whose result the next load's
-    address or the next step needs)."""
+    address or the next step needs), ``load_trips`` of those its input load's, which a tile skips
+    when the tile before it on its block read the same input (``Op.input_of``: the kernel keeps
+    the rows in shared memory)."""
 
     bytes: float = 0.0
     trips: float = 0.0
+    load_trips: float = 0.0
 
 
 @dataclass(frozen=True)
 class Op:
     """``tiles`` instructions of ``opcode``. ``group_of``: the counter group each tile signals
     (None: all one group); ``deps``: what each tile waits for; ``args``: ARG0, ARG1; ``cost``:
-    one tile's :class:`Cost` (None: free, for the cost model)."""
+    one tile's :class:`Cost` (None: free, for the cost model); ``input_of``: which input each tile
+    reads (None: one for all), for the cost model's reuse of a block's loaded rows."""
 
     name: str
     opcode: int
@@ -93,6 +98,7 @@ class Op:
     group_of: tuple | None = None
     deps: tuple = ()
     cost: Cost | None = field(default=None, compare=False)
+    input_of: tuple | None = field(default=None, compare=False)
 
     @property
     def groups(self) -> int:
@@ -135,8 +141,8 @@ class Plan:
         m = c.machine
         lines = [f"plan: {len(self.instructions)} instructions on {self.blocks} blocks, {self.n_counters} counters, "
                  f"{self.n_waits} waits",
-                 f"cost model ({m.name}: {m.handoff_us} us per hand-off, {m.trip_us} us per dependent L2 trip, "
-                 f"{m.instr_us} us per instruction, {m.hbm_gbps:.0f} GB/s over {m.sms} SMs): step "
+                 f"cost model ({m.name}: {m.handoff_us:g} us per hand-off, {m.trip_us:g} us per dependent L2 trip, "
+                 f"{m.instr_us:g} us per instruction, {m.hbm_gbps:.0f} GB/s over {m.sms} SMs): step "
                  f"{c.step_us:.1f} us; critical path {len(c.path)} instructions, {c.path_handoffs} hand-offs; "
                  f"{c.device_wide_waits} device-wide waits ({c.max_device_wide_per_layer} at most per layer); "
                  f"busiest block {c.busiest_block_us:.1f} us of work, {c.max_block_bytes / 1e6:.2f} MB",
@@ -373,6 +379,7 @@ def estimate(plan: Plan, machine: Machine | None = None) -> PlanCost:
     pred = np.full(n, -1, np.int64)          # what decided each row's start (-1: the launch)
     via_wait = np.zeros(n, bool)
     free, last = np.zeros(p.blocks), np.full(p.blocks, -1, np.int64)
+    held = [None] * p.blocks                 # (op, input) whose rows each block holds
     reached = np.zeros(max(p.n_counters, 1))   # when each counter reached its step's target
     setter = np.full(max(p.n_counters, 1), -1, np.int64)
     for k in range(n):
@@ -385,7 +392,11 @@ def estimate(plan: Plan, machine: Machine | None = None) -> PlanCost:
                 t0, pr, w = tw, setter[c], True
         cost = op.cost or Cost()
         start[row], pred[row], via_wait[row] = t0, pr, w
-        end[row] = t0 + m.instr_us + cost.trips * m.trip_us + cost.bytes * us_per_byte
+        tile = int(p.instructions[row, TILE])
+        key = (op_of_glob[k], 0 if op.input_of is None else op.input_of[tile])
+        trips = cost.trips - (cost.load_trips if held[b] == key else 0.0)
+        held[b] = key
+        end[row] = t0 + m.instr_us + trips * m.trip_us + cost.bytes * us_per_byte
         free[b], last[b] = end[row], row
         sig = int(p.instructions[row, SIGNAL])
         if sig >= 0 and end[row] >= reached[sig]:

@@ -15,7 +15,7 @@
 // O or down projection of kc column chunks has tiles t = r * kc + c, each the product of rows
 // 16r.. with the columns of chunk c only, written in float32 to partial slot c (O: the kv head c's
 // heads) or KO + c (down) of part[layer & 1] instead of added to x. The loaders that read the
-// residual after them sum the slots in a fixed order (gemv_fetch: no atomics, the same sum on any
+// residual after them sum the slots in a fixed order (gemv_compose_rows: no atomics, the same sum on any
 // number of blocks): mode 1 (gate|up of layer s) x' = T(x_s + T(sum of the O slots)); mode 2 (QKV
 // of layer s + 1, the LM head) T(x' + T(sum of the down slots)), which the QKV tile 0 of layer s + 1
 // also stores as x_{s+1} (buffer (s + 1) & 1 of x, xalt). The rounding is the fused step's, the
@@ -243,52 +243,145 @@ __device__ __forceinline__ float fmaf_chunk(const uint4& v, float ss) {
     return ss;
 }
 
-// 16-byte vector c of input row b composed from its buffer and the partial slots (mode 1 or 2, see
-// the file's header).
+// Four consecutive elements of T as one load or store (8 bytes for 16-bit types, 16 for float).
+template <int BYTES>
+struct MkQuadBits;
+template <>
+struct MkQuadBits<8> { typedef uint2 type; };
+template <>
+struct MkQuadBits<16> { typedef uint4 type; };
+
+// The two loads below take the whole block: item (b, quad) is elements 4 quad .. 4 quad + 3 of
+// row b, and an item's loads are issued MK_LOAD_BATCH slots or splits at a time (predicated, not
+// branched: one round trip per batch) before any of them is summed. A row read a warp per row, each vector's slots consumed as they arrived, cost one
+// L2 round trip per two slots per vector (machine code of the previous version: the slot loop
+// unrolled by 2; about 15 trips for SmolLM2's QKV tile at batch 1, 30 for a merged O tile).
+
+// Composed rows (mode 1/2) into xs, and into xdst when set: per element the slots summed in order
+// from 0, each sum rounded to T as the fused step rounds (the file's header).
 template <typename T>
-__device__ __forceinline__ uint4 gemv_fetch(const MkModel& m, const MkState& st, const GemvTile<T>& g, int b, int c) {
-    constexpr int VEC = 16 / sizeof(T);
-    uint4 out;
-    T* o = reinterpret_cast<T*>(&out);
-    const uint4 xv = __ldcg(reinterpret_cast<const uint4*>(g.x + (size_t)b * g.ld) + c);
-    const T* xe = reinterpret_cast<const T*>(&xv);
+__device__ __forceinline__ void gemv_compose_rows(const MkModel& m, const MkState& st, const GemvTile<T>& g, T* xs) {
+    typedef typename MkQuadBits<4 * sizeof(T)>::type Q;
+    const int B = (int)m.B, nq = g.K / 4, ns = g.ko + (g.mode == 2 ? g.kd : 0);
     const size_t slot = (size_t)m.B * m.dim;  // one slot: [B, dim] floats
-    const float* p = st.part + (size_t)g.par * (g.ko + g.kd) * slot + (size_t)b * m.dim + (size_t)c * VEC;
-    float so[VEC], sd[VEC];
+    const float* part = st.part + (size_t)g.par * (g.ko + g.kd) * slot;
+    for (int it = threadIdx.x; it < B * nq; it += MK_THREADS) {
+        const int b = it / nq, q = it % nq;
+        const Q xq = __ldcg(reinterpret_cast<const Q*>(g.x + (size_t)b * g.ld) + q);
+        const float* p = part + (size_t)b * m.dim + 4 * q;
+        float so[4] = {0.f, 0.f, 0.f, 0.f}, sd[4] = {0.f, 0.f, 0.f, 0.f};
+        for (int s0 = 0; s0 < ns; s0 += MK_LOAD_BATCH) {  // slots in order: a fixed sum
+            float4 f[MK_LOAD_BATCH];
 #pragma unroll
-    for (int e = 0; e < VEC; ++e) so[e] = sd[e] = 0.f;
-    for (int s = 0; s < g.ko + (g.mode == 2 ? g.kd : 0); ++s) {  // slots in order: a fixed sum
-        float v[VEC];
+            for (int u = 0; u < MK_LOAD_BATCH; ++u)
+                if (s0 + u < ns) f[u] = __ldcg(reinterpret_cast<const float4*>(p + (s0 + u) * slot));
 #pragma unroll
-        for (int e = 0; e < VEC; e += 4) {
-            const float4 f = __ldcg(reinterpret_cast<const float4*>(p + s * slot + e));
-            v[e] = f.x; v[e + 1] = f.y; v[e + 2] = f.z; v[e + 3] = f.w;
+            for (int u = 0; u < MK_LOAD_BATCH; ++u) {
+                if (s0 + u >= ns) break;
+                // selects, not branches; adding the other sum's +0 changes no bit (neither is -0)
+                const bool o = s0 + u < g.ko;
+                const float v[4] = {f[u].x, f[u].y, f[u].z, f[u].w};
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    so[e] += o ? v[e] : 0.f;
+                    sd[e] += o ? 0.f : v[e];
+                }
+            }
         }
+        const T* xe = reinterpret_cast<const T*>(&xq);
+        Q out;
+        T* o = reinterpret_cast<T*>(&out);
 #pragma unroll
-        for (int e = 0; e < VEC; ++e) {
-            if (s < g.ko) so[e] += v[e];
-            else sd[e] += v[e];
+        for (int e = 0; e < 4; ++e) {
+            float r = to_float(from_float<T>(to_float(xe[e]) + to_float(from_float<T>(so[e]))));  // + O projection
+            if (g.mode == 2) r = to_float(from_float<T>(r + to_float(from_float<T>(sd[e]))));        // + down projection
+            o[e] = from_float<T>(r);
         }
+        reinterpret_cast<Q*>(xs + (size_t)b * g.K)[q] = out;
+        if (g.xdst != nullptr) reinterpret_cast<Q*>(g.xdst + (size_t)b * g.ld)[q] = out;
     }
-#pragma unroll
-    for (int e = 0; e < VEC; ++e) {
-        float r = to_float(from_float<T>(to_float(xe[e]) + to_float(from_float<T>(so[e]))));  // + O projection
-        if (g.mode == 2) r = to_float(from_float<T>(r + to_float(from_float<T>(sd[e]))));        // + down projection
-        o[e] = from_float<T>(r);
-    }
-    return out;
+    __syncthreads();  // warp b reads all of row b next
 }
 
-// xs [B][K] <- the tile's input rows (gemv_fetch), each normalised as rmsnorm writes it when norm
-// is given: warp b owns row b (B <= MK_WARPS), so the sum of squares needs no block barrier, and
-// each lane rescales exactly the chunks it stored. The rows were written by other blocks during
-// this kernel: read through L2 (__ldcg). A composed residual also goes to xdst when set (the QKV
-// tile 0 of a layer). The caller's next barrier makes xs visible to the block.
+// Attention rows merged from the split partials into xs (the O projection's load with the merge
+// flag): mk_merge's arithmetic per element. Per pass over as many of the tile's heads as `lse`
+// holds (cap floats: every (b, head, split) log-sum-exp, one load each), then the quads.
 template <typename T>
-__device__ __forceinline__ void gemv_load_rows(const MkModel& m, const MkState& st, const GemvTile<T>& g, T* xs) {
+__device__ __forceinline__ void gemv_merge_rows(const MkModel& m, const MkState& st, const GemvTile<T>& g, T* xs,
+                                                float* lse, int cap) {
+    typedef typename MkQuadBits<4 * sizeof(T)>::type Q;
+    const int B = (int)m.B, Hq = (int)m.Hq, D = (int)m.D, S = (int)m.splits;
+    const int h0 = g.col0 / D, nh = g.K / D, per = max(1, cap / (B * S));
+    for (int ha = 0; ha < nh; ha += per) {
+        const int hn = min(per, nh - ha), nq = hn * D / 4;
+        for (int i = threadIdx.x; i < B * hn * S; i += MK_THREADS) {  // lse[(b hn + head) S + split]
+            const int c = i % S, hl = (i / S) % hn, b = i / (S * hn);
+            lse[i] = __ldcg(st.lse_part + ((size_t)c * B + b) * Hq + h0 + ha + hl);
+        }
+        __syncthreads();
+        for (int it = threadIdx.x; it < B * nq; it += MK_THREADS) {
+            const int b = it / nq, k = 4 * (it % nq), hl = k / D, h = h0 + ha + hl;
+            const float* l = lse + (b * hn + hl) * S;
+            const float* o = st.o_part + ((size_t)b * Hq + h) * D + k % D;
+            float M = -CUDART_INF_F;
+            for (int c = 0; c < S; ++c) M = fmaxf(M, l[c]);
+            float W = 0.f, O[4] = {0.f, 0.f, 0.f, 0.f};
+            for (int c0 = 0; c0 < S && M > -CUDART_INF_F; c0 += MK_LOAD_BATCH) {
+                float4 v[MK_LOAD_BATCH];
+#pragma unroll
+                for (int u = 0; u < MK_LOAD_BATCH; ++u)
+                    if (c0 + u < S) v[u] = __ldcg(reinterpret_cast<const float4*>(o + (size_t)(c0 + u) * B * Hq * D));
+#pragma unroll
+                for (int u = 0; u < MK_LOAD_BATCH; ++u) {
+                    if (c0 + u >= S) break;
+                    const float w = expf(l[c0 + u] - M);
+                    W += w;
+                    O[0] = fmaf(w, v[u].x, O[0]); O[1] = fmaf(w, v[u].y, O[1]);
+                    O[2] = fmaf(w, v[u].z, O[2]); O[3] = fmaf(w, v[u].w, O[3]);
+                }
+            }
+            Q out;
+            T* e = reinterpret_cast<T*>(&out);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) e[j] = from_float<T>(W > 0.f ? O[j] / W : 0.f);
+            reinterpret_cast<Q*>(xs + (size_t)b * g.K + (size_t)ha * D)[it % nq] = out;
+        }
+        __syncthreads();  // lse is refilled by the next pass; the rows are read by other warps
+    }
+}
+
+// One 16-byte vector of a row normalised in place as rmsnorm writes it: T(x * inv_rms * w).
+#define MK_NORM_PRE 3  // norm weight vectors a lane loads with the rows (SmolLM2's fp16 rows: all)
+template <typename T>
+__device__ __forceinline__ void gemv_norm_vec(uint4* v, const uint4& w, float inv_rms) {
+    uint4 x = *v;
+    T* e = reinterpret_cast<T*>(&x);
+    const T* we = reinterpret_cast<const T*>(&w);
+#pragma unroll
+    for (int i = 0; i < 16 / (int)sizeof(T); ++i) e[i] = from_float<T>(to_float(e[i]) * inv_rms * to_float(we[i]));
+    *v = x;
+}
+
+// xs [B][K] <- the tile's input rows, each normalised as rmsnorm writes it when norm is given:
+// composed and merged rows by the whole block (above), plain rows and the norm by warp b for row b
+// (B <= MK_WARPS), so the sum of squares needs no block barrier and each lane rescales exactly
+// the chunks it sums. The rows were written by other blocks during this kernel: read through L2
+// (__ldcg). `tmp` (cap floats) is scratch for the merge. The caller's next barrier makes xs
+// visible to the block.
+template <typename T>
+__device__ __forceinline__ void gemv_load_rows(const MkModel& m, const MkState& st, const GemvTile<T>& g, T* xs,
+                                               float* tmp, int cap) {
     constexpr int VEC = 16 / sizeof(T), BATCH = 4;
     const int B = (int)m.B;
     const int lane = threadIdx.x & 31, b = threadIdx.x >> 5, nc = g.K / VEC;
+    // the norm weights of this lane's first MK_NORM_PRE vectors, loaded with the rows (their round
+    // trip overlaps the rows' instead of following the sum of squares)
+    uint4 wpre[MK_NORM_PRE];
+#pragma unroll
+    for (int j = 0; j < MK_NORM_PRE; ++j)
+        if (g.norm != nullptr && b < B && lane + 32 * j < nc) wpre[j] = *(reinterpret_cast<const uint4*>(g.norm) + lane + 32 * j);
+    if (g.src == MK_SRC_COMPOSE) gemv_compose_rows<T>(m, st, g, xs);  // every thread: barriers inside
+    else if (g.src == MK_SRC_MERGE) gemv_merge_rows<T>(m, st, g, xs, tmp, cap);
     if (b >= B) return;  // whole warps leave together
     uint4* dst = reinterpret_cast<uint4*>(xs + (size_t)b * g.K);
     float ss = 0.f;
@@ -306,33 +399,16 @@ __device__ __forceinline__ void gemv_load_rows(const MkModel& m, const MkState& 
                     ss = fmaf_chunk<T>(v[u], ss);
                 }
         }
-    } else if (g.src == MK_SRC_MERGE) {  // element by element (the merge's loops are not unrolled per vector)
-        const int D = (int)m.D;
-        T* row = xs + (size_t)b * g.K;
-        for (int k = lane; k < g.K; k += 32) {
-            const T v = from_float<T>(mk_merge(m, st, b, (g.col0 + k) / D, (g.col0 + k) % D));
-            row[k] = v;
-            ss = fmaf(to_float(v), to_float(v), ss);
-        }
-    } else {  // composed: each vector's slot loads are independent of each other
-        for (int c = lane; c < nc; c += 32) {
-            const uint4 v = gemv_fetch<T>(m, st, g, b, c);
-            dst[c] = v;
-            if (g.xdst != nullptr) *(reinterpret_cast<uint4*>(g.xdst + (size_t)b * g.ld) + c) = v;
-            ss = fmaf_chunk<T>(v, ss);
-        }
+    } else if (g.norm != nullptr) {  // in xs already: the squares in the order the plain rows sum them
+        for (int c = lane; c < nc; c += 32) ss = fmaf_chunk<T>(dst[c], ss);
     }
     if (g.norm == nullptr) return;
     const float inv_rms = 1.0f / sqrtf(warp_reduce_sum(ss) / (float)g.K + (float)m.eps);
-    for (int c = lane; c < nc; c += 32) {
-        uint4 v = dst[c];
-        const uint4 w = *(reinterpret_cast<const uint4*>(g.norm) + c);
-        T* e = reinterpret_cast<T*>(&v);
-        const T* we = reinterpret_cast<const T*>(&w);
 #pragma unroll
-        for (int i = 0; i < VEC; ++i) e[i] = from_float<T>(to_float(e[i]) * inv_rms * to_float(we[i]));
-        dst[c] = v;
-    }
+    for (int j = 0; j < MK_NORM_PRE; ++j)
+        if (lane + 32 * j < nc) gemv_norm_vec<T>(dst + lane + 32 * j, wpre[j], inv_rms);
+    for (int c = lane + 32 * MK_NORM_PRE; c < nc; c += 32)
+        gemv_norm_vec<T>(dst + c, *(reinterpret_cast<const uint4*>(g.norm) + c), inv_rms);
 }
 
 // The scratch of a GEMV instruction: the lanes' partial sums, then the finished tile C.
@@ -385,20 +461,21 @@ __device__ __forceinline__ void gemv_product(WeightStream<T>& ws, const GemvTile
 }
 
 // --- epilogues ----------------------------------------------------------------------------------
-// QKV: item (b, p), rotation pair p of the tile's 8 (fused_decode.cu's norm_qkv_rope_append_kernel).
+// QKV: item (b, p), rotation pair p of the tile's 8 (fused_decode.cu's norm_qkv_rope_append_kernel),
+// on thread 8 b + p; pos: lengths[layer][b], loaded by mk_gemv before the rows.
+static_assert(8 * MK_MAX_BATCH <= MK_THREADS, "a QKV tile's items are one per thread");
 template <typename T>
 __device__ __forceinline__ void gemv_epilogue_qkv(const MkModel& m, const MkState& st, const MkIns& ins,
-                                                  const GemvSmem& sm) {
+                                                  const GemvSmem& sm, int pos) {
     const int D = (int)m.D, Hq = (int)m.Hq, Hkv = (int)m.Hkv, half = D / 2, B = (int)m.B;
-    const int h = ins.tile / (D / 16), j = ins.tile % (D / 16);
-    for (int it = threadIdx.x; it < 8 * B; it += MK_THREADS) {
+    const int h = ins.tile / (D / 16), j = ins.tile % (D / 16), it = threadIdx.x;
+    if (it < 8 * B) {
         const int b = it / 8, p = it % 8, i = 8 * j + p;
         const int c0 = m.neox ? p : 2 * p, c1 = m.neox ? p + 8 : 2 * p + 1;
         const float x0 = to_float(from_float<T>(sm.c[b][c0])), x1 = to_float(from_float<T>(sm.c[b][c1]));
         int ia, ib;
         if (m.neox) rope_pair<true>(i, half, &ia, &ib);
         else rope_pair<false>(i, half, &ia, &ib);
-        const int pos = __ldcg(st.lengths + (size_t)ins.layer * B + b);
         T* dst;
         if (h < Hq) {
             dst = (T*)st.q + ((size_t)b * Hq + h) * D;
@@ -456,8 +533,13 @@ template <typename T>
 __device__ void mk_gemv(const MkModel& m, const MkState& st, const MkIns& ins, WeightStream<T>& ws, T* xs,
                         bool load, GemvSmem& sm) {
     const GemvTile<T> g = gemv_tile<T>(m, st, ins);
-    if (load) gemv_load_rows<T>(m, st, g, xs);  // ws.next()'s barrier publishes xs
+    // The QKV epilogue's cache position, loaded before the rows so its round trip overlaps them: the
+    // lengths change only at the end of the step (mk_end_of_step), after every block's last read.
+    const int pos = ins.op == MK_OP_QKV && (int)threadIdx.x < 8 * (int)m.B
+                        ? __ldcg(st.lengths + (size_t)ins.layer * m.B + threadIdx.x / 8) : 0;
+    if (load)  // ws.next()'s barrier publishes xs; the partial sums' buffer is free until the product
+        gemv_load_rows<T>(m, st, g, xs, &sm.red[0][0][0], (int)(sizeof(sm.red) / sizeof(float)));
     gemv_product<T>(ws, g, (int)m.B, xs, sm);
-    if (ins.op == MK_OP_QKV) gemv_epilogue_qkv<T>(m, st, ins, sm);
+    if (ins.op == MK_OP_QKV) gemv_epilogue_qkv<T>(m, st, ins, sm, pos);
     else gemv_epilogue<T>(m, st, ins, g, sm);
 }

@@ -180,3 +180,19 @@ def test_cost_model_in_closed_form():
     # one block: everything in a row, each wait still a hand-off (the block polls its own release)
     one = plan(ops, 1).cost(m)
     assert len(one.path) == 5 and one.step_us == pytest.approx(3 + 3 + 5 + 3 + 2.5)
+
+
+def test_cost_model_skips_the_load_of_rows_a_block_holds():
+    """A tile whose block ran a tile of the same op and input just before skips its load's trips
+    (the kernel keeps the input rows in shared memory): on one block, 4 tiles of 3 trips (2 of them
+    the load) cost 3 + 1 + 1 + 1 trips with one input, 3 each when every tile reads another, and
+    3 + 1 + 3 + 1 with inputs (0, 0, 1, 1); another op in between drops what the block held."""
+    from cupyattn.persistent import Cost, Machine
+
+    m = Machine(sms=1, hbm_gbps=1.0, handoff_us=0.0, trip_us=1.0, instr_us=0.0)
+    cost = Cost(0, 3, 2)
+    for input_of, want in ((None, 6), ((0, 1, 2, 3), 12), ((0, 0, 1, 1), 8)):
+        assert plan([Op("a", 1, 4, cost=cost, input_of=input_of)], 1).cost(m).step_us == pytest.approx(want)
+    ops = [Op("a", 1, 1, cost=cost), Op("b", 2, 1, cost=Cost(0, 1)), Op("c", 3, 1, cost=cost)]
+    assert plan(ops, 1).cost(m).step_us == pytest.approx(3 + 1 + 3)
+    assert plan(ops[:1] + [Op("a2", 1, 1, cost=cost)], 1).cost(m).step_us == pytest.approx(6)  # another op: no reuse
