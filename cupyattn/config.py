@@ -456,7 +456,7 @@ MEGAKERNEL_DOWN = "narrow"    # with DEPS "fine": "narrow" (the narrowest column
 MEGAKERNEL_FOLD_MERGE = False  # merge split attention partials in the O projection's load (no reduce op)
 MEGAKERNEL_SPIN_NS = 1024     # a waiter's longest sleep between polls (it backs off from 32 ns); 0: no sleep
 MEGAKERNEL_SAMPLE = "block"   # "block": one block draws a sequence's token; "two_level": chunks of the
-                              # vocabulary on many blocks (argmax, top-k candidates), then one merge
+                              # vocabulary on many blocks (argmax, top-k/top-p candidates, mass), then one merge
 
 # --- row softmax (kernels_cu/row_softmax.cu) --------------------------------------------------
 SOFTMAX_VPTS = (1, 2, 4, 8, 16, 32)     # values per lane of the warp-per-row kernel

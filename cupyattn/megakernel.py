@@ -58,7 +58,8 @@ GEOMETRY = {
                              "one score per thread"),
     "MK_SAMPLE_CHUNK": (2048, "logits per vocabulary chunk of the two-level sampler (a multiple of the "
                               "GEMV tile): 24 chunks of SmolLM2's 49152"),
-    "MK_SAMPLE_CAND": (64, "top-k candidates one chunk keeps at most (top_k above it: one block draws)"),
+    "MK_SAMPLE_CAND": (64, "top-k (or top-p) candidates one chunk keeps at most (top_k above it: one block draws)"),
+    "MK_SAMPLE_HEAD": (5, "words of a chunk's answer before its candidates' ids (megakernel_sample.cuh)"),
     "MK_SAMPLE_MAX_CANDS": (2048, "candidates the merge gathers at most (16 KB of shared memory)"),
     "MK_SAMPLE_MAX_PARTS": (256, "vocabulary chunks of one sequence at most (the merge's offsets): 512k ids"),
     "MK_MAX_DOWN_CHUNKS": (16, "column chunks of a split down projection at most (its partial slots)"),
@@ -248,8 +249,8 @@ class LlamaStep:
         self.shape = dict(B=B, dim=dim, Hq=Hq, Hkv=Hkv, D=D, F=F, V=V, L=L)
         # The kernel's own scratch, written and read only inside a step: the second residual buffer
         # and the float32 partial slots of split O / down projections ([2 layer parities, slots, B,
-        # dim]), the two-level sampler's per-chunk answers (values: max, then candidates; ids:
-        # argmax, candidate count, then candidates)
+        # dim]), the two-level sampler's per-chunk answers (values: max, then candidates; ids: a
+        # head of MK_SAMPLE_HEAD words, then candidates) and each LM-head tile's largest logit
         self.slots = Hkv + down_chunks(F, dt.itemsize)
         self.parts = C.check_int(fn, "sample_parts", sample_parts_of(V) if sample_parts is None else sample_parts,
                                  minimum=1, maximum=GEOMETRY["MK_SAMPLE_MAX_PARTS"][0])
@@ -259,7 +260,8 @@ class LlamaStep:
             self.xalt = cupy.zeros((B, dim), dtype=dt)
             self.part = cupy.zeros((2, self.slots, B, dim), dtype=np.float32)
             self.sp_val = cupy.zeros((B, self.parts, 1 + cand), dtype=np.float32)
-            self.sp_idx = cupy.zeros((B, self.parts, 2 + cand), dtype=np.int32)
+            self.sp_idx = cupy.zeros((B, self.parts, GEOMETRY["MK_SAMPLE_HEAD"][0] + cand), dtype=np.int32)
+            self.sp_tmax = cupy.zeros((B, -(-V // TILE_ROWS)), dtype=np.float32)
         # the ring attention's K/V chunk: as many keys as fit config.MEGAKERNEL_ATTN_STAGE_BYTES (rows
         # padded by 16 bytes: conflict-free score reads), at most MK_ATTN_MAX_KEYS
         row = D * dt.itemsize + 16
@@ -270,7 +272,7 @@ class LlamaStep:
         self._keep = (tok_embd, output_norm, output, layers, sampling)
         # the kernel's MkState arguments, in order: every buffer one block writes and another reads
         self._state = (x, q, att, o_part, lse_part, ffn, logits, tokens, cache.k, cache.v, cache.lengths, self.xalt,
-                       self.part, self.sp_val, self.sp_idx)
+                       self.part, self.sp_val, self.sp_idx, self.sp_tmax)
         self._fields = dict(layers=_ptr(self._layers), tok_embd=_ptr(tok_embd), out_norm=_ptr(output_norm),
                             out_w=_ptr(output), fparams=_ptr(None if sampling is None else sampling.fparams),
                             iparams=_ptr(None if sampling is None else sampling.iparams), timings=0,
@@ -379,14 +381,14 @@ class LlamaStep:
         elif kind in ("qkv", "gate_up", "lm_head"):
             if a0 not in (0, 1, 2) or (a0 and not (slots_ok and high < s["L"])):
                 return f"args ({a0}, {a1}) must be (mode 0, 1 or 2; slots within the step's {self.slots})"
-        elif kind == "sample_part":
+        elif kind in ("sample_part", "sample"):
             covers = a1 >= 1 and a1 % TILE_ROWS == 0 and a0 * a1 >= s["V"] > (a0 - 1) * a1
-            if not 1 <= a0 <= min(self.parts, GEOMETRY["MK_SAMPLE_MAX_PARTS"][0]) or not covers:
+            chunks = 1 <= a0 <= min(self.parts, GEOMETRY["MK_SAMPLE_MAX_PARTS"][0]) and covers
+            if kind == "sample_part" and not chunks:
                 return (f"args ({a0}, {a1}) must be (chunks <= {self.parts}, logits per chunk: whole LM-head tiles, "
                         "the chunks covering the vocabulary, none empty)")
-        elif kind == "sample":
-            if not 0 <= a0 <= self.parts:
-                return f"args[0]={a0} must be 0 (one block) or the chunks of its sample_part op"
+            if kind == "sample" and not (chunks or (a0, a1) == (0, 0)):
+                return f"args ({a0}, {a1}) must be (0, 0) (one block) or the (chunks, logits per chunk) of its sample_part op"
         return None
 
     def descriptor(self, splits: int, timings=None) -> np.void:

@@ -31,7 +31,7 @@ MEGAKERNEL_* block, today's measured plan):
   fill that share of the blocks; ``fold_merge``: the split partials merged in the O projection's
   load instead of by a reduce op (always so with ``deps="fine"``).
 - ``sample``: "block" (one block per sequence) or "two_level" (vocabulary chunks on many blocks:
-  argmax and top-k candidates, then one merge per sequence).
+  argmax, top-k or top-p candidates and the chunk's mass, then one merge per sequence).
 - ``spin_ns``: the longest sleep of a waiting block between polls.
 
 Any Llama-family model with 16-byte rows and head_dim a multiple of 16 (at most 128) runs
@@ -309,15 +309,15 @@ def llama_ops(shape, batch: int, splits: int = 1, sample: bool = True, *, knobs:
         per_part = -(-n_lm // sample_parts_of(s.vocab_size))
         parts = -(-n_lm // per_part)
     ops.append(Op("lm_head", OPCODES["lm_head"], n_lm, args=(2 if k.fine else 0, _slots(ko, kd, s.n_layers - 1)),
-                  group_of=tuple(t // per_part for t in range(n_lm)) if parts else None,
                   deps=(Dep(prev),), cost=gemv(s.dim, norm + (wide(s.dim, ko + kd) if k.fine else 0), 2)))
     if sample and parts:
-        n = B * parts  # part tile b * parts + p waits for the LM-head tiles of its vocabulary chunk
-        ops.append(Op("sample_part", OPCODES["sample_part"], n, args=(parts, TILE_ROWS * per_part),
-                      group_of=tuple(t // parts for t in range(n)),
-                      deps=(Dep("lm_head", tuple((t % parts,) for t in range(n))),),
+        # every part waits for the whole LM head: without a top-k it needs the row's largest logit
+        # (the tiles' maxima); the last chunk's tiles end with the op anyway (round-robin)
+        n, chunk = B * parts, TILE_ROWS * per_part
+        ops.append(Op("sample_part", OPCODES["sample_part"], n, args=(parts, chunk),
+                      group_of=tuple(t // parts for t in range(n)), deps=(Dep("lm_head"),),
                       cost=Cost(TILE_ROWS * per_part * itemsize, 6)))
-        ops.append(Op("sample", OPCODES["sample"], B, args=(parts, 0),
+        ops.append(Op("sample", OPCODES["sample"], B, args=(parts, chunk),
                       deps=(Dep("sample_part", tuple((b,) for b in range(B))),), cost=Cost(parts * 8, 3)))
     elif sample:  # one block reads the whole row: 24 trips fit the profile's 16.4 us (greedy)
         ops.append(Op("sample", OPCODES["sample"], B, deps=(Dep("lm_head"),),

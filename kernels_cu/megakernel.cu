@@ -19,10 +19,11 @@
 //   MK_OP_GATE_UP     megakernel_gemv.cuh        RMSNorm + 8 gate and 8 up rows + SwiGLU
 //   MK_OP_DOWN        megakernel_gemv.cuh        16 outputs of ffn Wdown^T (one column chunk of kc)
 //                                                added to x, or into a partial slot
-//   MK_OP_LM_HEAD     megakernel_gemv.cuh        final RMSNorm + 16 logits
+//   MK_OP_LM_HEAD     megakernel_gemv.cuh        final RMSNorm + 16 logits (and their largest)
 //   MK_OP_SAMPLE      here / megakernel_sample   one sequence's next token: from its whole row
 //                                                (arg0 = 0) or from its chunks' answers
-//   MK_OP_SAMPLE_PART megakernel_sample.cuh      one vocabulary chunk's max and top-k candidates
+//   MK_OP_SAMPLE_PART megakernel_sample.cuh      one vocabulary chunk's max, top-k or top-p
+//                                                candidates and mass
 //
 // Instruction arguments (the op list, cupyattn/megakernel_llama.py, writes them; LlamaStep.plan
 // checks them against the step's buffers):
@@ -32,7 +33,7 @@
 //                               float32 partial to slot c (O) / KO + c (down) of part[layer & 1]
 //   MK_OP_QKV, _GATE_UP, _LM_HEAD  arg0 input mode: 0 x as it is; 1 x_s + the O slots of layer s;
 //                               2 that + the down slots of layer s (s = arg1 >> 16; KO, KD as above)
-//   MK_OP_SAMPLE_PART           arg0 chunks P, arg1 logits per chunk C;  MK_OP_SAMPLE: arg0 P or 0
+//   MK_OP_SAMPLE_PART           arg0 chunks P, arg1 logits per chunk C;  MK_OP_SAMPLE: arg0 P, arg1 C, or 0, 0
 //
 // Dependencies are counters in global memory, never grid barriers: an instruction waits until
 // each counter of its waits[] rows reaches its target (wait_acquire: ld.acquire.gpu poll, one
@@ -78,7 +79,8 @@
 #if !defined(MK_THREADS) || !defined(MK_STAGES) || !defined(MK_MAX_BATCH) || !defined(MK_MAX_HEAD_DIM) || \
     !defined(MK_HEAD_TILE) || !defined(MK_INSTR_WORDS) || !defined(MK_OP_SAMPLE_PART) || !defined(MK_TILE_ROWS) || \
     !defined(MK_GATE_UP_ROWS) || !defined(MK_CHUNK_BYTES) || !defined(MK_ATTN_MAX_KEYS) || !defined(MK_SAMPLE_CAND) || \
-    !defined(MK_SAMPLE_MAX_CANDS) || !defined(MK_SAMPLE_MAX_PARTS) || !defined(MK_SAMPLE_CHUNK) || !defined(MK_LOAD_BATCH)
+    !defined(MK_SAMPLE_MAX_CANDS) || !defined(MK_SAMPLE_MAX_PARTS) || !defined(MK_SAMPLE_CHUNK) || !defined(MK_LOAD_BATCH) || \
+    !defined(MK_SAMPLE_HEAD)
 #error "compile with the -D options of cupyattn/megakernel.py (the megakernel KernelSpec passes them)"
 #endif
 #define MK_WARPS (MK_THREADS / 32)
@@ -126,7 +128,8 @@ struct MkState {
     void* xalt;       // [B, dim] the residual of odd layers (split projections; x holds even ones)
     float* part;      // [2, KO + KD, B, dim] the split projections' partial slots, by layer parity
     float* sp_val;    // [B, parts, 1 + MK_SAMPLE_CAND] the two-level sampler's chunk answers
-    int* sp_idx;      // [B, parts, 2 + MK_SAMPLE_CAND] (megakernel_sample.cuh)
+    int* sp_idx;      // [B, parts, MK_SAMPLE_HEAD + MK_SAMPLE_CAND] (megakernel_sample.cuh)
+    float* sp_tmax;   // [B, ceil(V / MK_TILE_ROWS)] each LM-head tile's largest logit, as stored
 };
 
 // Layer l of a cache (MkState.k_cache or v_cache): [B, Hkv, max_seq, D].
@@ -193,6 +196,7 @@ __global__ void __launch_bounds__(MK_THREADS, 1) megakernel(
     const __grid_constant__ MkModel m,
     void* x, void* q, void* att, float* o_part, float* lse_part, void* ffn, void* logits,  // MkState
     int* tokens, void* k_cache, void* v_cache, int* lengths, void* xalt, float* part, float* sp_val, int* sp_idx,
+    float* sp_tmax,
     const int* __restrict__ instr,   // [n, MK_INSTR_WORDS] the queues back to back
     const int* __restrict__ queue,   // [gridDim.x + 1] block k's rows: queue[k] .. queue[k+1]
     const int* __restrict__ waits,   // [n_waits, 2] (counter, target)
@@ -203,7 +207,7 @@ __global__ void __launch_bounds__(MK_THREADS, 1) megakernel(
     extern __shared__ uint4 mk_smem_u4[];
     __shared__ MkScratch scratch;
     const MkState st{x, q, att, o_part, lse_part, ffn, logits, tokens, k_cache, v_cache, lengths, xalt, part, sp_val,
-                     sp_idx};
+                     sp_idx, sp_tmax};
     unsigned char* smem = reinterpret_cast<unsigned char*>(mk_smem_u4);
     T* xs = reinterpret_cast<T*>(smem + xs_off);
     // Counter sets: this step counts in set (epoch & 1). The other set, the previous step's and the

@@ -525,6 +525,14 @@ __device__ __forceinline__ void gemv_epilogue(const MkModel& m, const MkState& s
             *xe = from_float<T>(to_float(__ldcg(xe)) + to_float(from_float<T>(c)));
         }
     }
+    if (ins.op == MK_OP_LM_HEAD && (int)threadIdx.x < B) {
+        // the tile's largest logit of sequence b as stored (NaN never wins): the two-level sampler's
+        // chunks take the row's largest from these (megakernel_sample.cuh)
+        const int b = threadIdx.x;
+        float mx = -CUDART_INF_F;
+        for (int r = 0; r < MK_TILE_ROWS && n0 + r < N; ++r) mx = fmaxf(mx, to_float(from_float<T>(sm.c[b][r])));
+        st.sp_tmax[(size_t)b * ((N + MK_TILE_ROWS - 1) / MK_TILE_ROWS) + ins.tile] = mx;
+    }
 }
 
 // One GEMV instruction: the input rows into xs (unless xs holds them already: `load`), the

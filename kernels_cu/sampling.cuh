@@ -7,7 +7,8 @@
 //   block_argmax, block_exclusive_scan   block reductions (NT threads)
 //   radix_threshold             the top-k / top-p cut by 8-bit radix selection
 //   sample_draw                 the whole draw over a source of n logits (RowSrc: a row in global
-//                               memory; the megakernel's merge: its top-k candidates in shared memory)
+//                               memory; the megakernel's merge: its top-k or top-p candidates in
+//                               shared memory)
 //   sample_row                  sample_draw over one row of logits, its RNG step advanced
 //
 // SAMPLING_MASS_BITS comes from cupyattn/config.py as a -D option (the specs that include this
@@ -236,9 +237,14 @@ struct SampleSmem {
 // the constant NT (with blockDim.x strides, sample_kernel spilled at its 64-register bound on
 // sm_120). The logits are an order: the argmax takes the smallest index of the largest, the
 // inverse CDF runs in index order (so a source in token-id order draws what the whole row would).
+// row_mass > 0: the source is a row's top-p candidates (no top-k cut: top_k 0), row_mass the
+// whole row's mass and outside_key the largest key of a token not in the source; the draw is the
+// whole row's when the top-p set lies inside the source (its cut key above outside_key), else -2
+// (the caller draws over the whole row).
 template <int NT, typename Src>
 __device__ int sample_draw(const Src& row, int V, float beta, float top_p, int top_k, unsigned seed_lo,
-                           unsigned seed_hi, int step, SampleSmem<NT>& sm) {
+                           unsigned seed_hi, int step, SampleSmem<NT>& sm, u64 row_mass = 0ull,
+                           unsigned outside_key = 0u) {
     u64* hist = sm.hist;
     u64* sw = sm.sw;
     float* sv = sm.sv;
@@ -268,9 +274,12 @@ __device__ int sample_draw(const Src& row, int V, float beta, float top_p, int t
                 if (order_key(l) >= thr) own += mass_of(l, best, beta);
             }
             block_exclusive_scan<NT>(own, &kept, sw);
+            const u64 inside = kept;
+            if (row_mass > 0ull) kept = row_mass;
             double want = ceil((double)top_p * (double)kept);
             const u64 need = want < 1.0 ? 1ull : (want >= (double)kept ? kept : (u64)want);
             const unsigned thr_p = radix_threshold<true>(row, V, thr, need, best, beta, hist, &sel_digit, &sel_need);
+            if (row_mass > 0ull && (need > inside || thr_p <= outside_key)) return -2;  // uniform: shared totals
             thr = thr_p > thr ? thr_p : thr;
         }
         // step 4: inverse CDF in index order; thread t owns the indices [t*C, (t+1)*C)

@@ -299,35 +299,88 @@ def test_gpu_op_oproj_merges_split_attention_on_load(rng, dtype):
     assert np.isnan(to_host(m.att)).all()
 
 
+def _two_level(m):
+    """The two-level sampler's ops over m's 150 logits: 2 chunks of 80 per sequence, one merge each."""
+    from cupyattn.megakernel import OPCODES
+
+    return [Op("sample_part", OPCODES["sample_part"], 3 * 2, args=(2, 80), group_of=(0, 0, 1, 1, 2, 2)),
+            Op("sample", OPCODES["sample"], 3, args=(2, 80), deps=(Dep("sample_part", ((0,), (1,), (2,))),))]
+
+
+def _set_logits(m, logits, host):
+    """m's logits, and the LM-head tiles' maxima the chunks read (what the LM head writes with them)."""
+    import cupy
+
+    m.logits[...] = logits
+    v = host.shape[1]
+    pad = np.full((host.shape[0], -(-v // 16) * 16), -np.inf)
+    pad[:, :v] = np.where(np.isnan(host), -np.inf, host)
+    m.step.sp_tmax[...] = cupy.asarray(pad.reshape(host.shape[0], -1, 16).max(axis=2).astype(np.float32))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gpu_op_sample_two_level(rng, dtype):
     """The two-level sampler: 150 logits in 2 chunks of 80 (sample_part), then one merge per
     sequence (sample), on 2 blocks: greedy, top-k with top-p (chunk candidates), top-k above the
-    chunks' capacity and no top-k (the merge draws over the whole row), logits with ties (a
-    chunk of 80 equal logits keeps too many candidates: the whole row again): each id equal to
+    chunks' capacity (the merge draws over the whole row), no cut (the chunk holding the draw),
+    top-p alone (candidates and the row's mass), a near-uniform top-p (wider than the candidates:
+    the whole row), logits with ties (a chunk of 80 equal logits keeps too many candidates: the
+    whole row again), a top-p whose cut falls below ids a chunk left out though the candidates
+    hold the mass it needs (chunk 0 in [5, 6), chunk 1 in [4, 5): the whole row): each id equal to
     reference.sample_token's on the same logits, seeds and steps; the RNG step advances once."""
+    import cupy
+
+    m = _Model(rng, dtype, v=150, sample_parts=2, max_seq=64)  # each launch appends to the cache
+    m.step.blocks = 2
+    z, zh = _w(rng, m.logits.shape, dtype, 3.0)
+    ties = np.round(zh * 2) / 2
+    ties[1, :80] = 1.5  # chunk 0 of sequence 1: 80 equal logits
+    tz, tzh = to_device(ties, dtype)
+    dz, dzh = to_device(np.concatenate([5 + rng.random((3, 80)), 4 + rng.random((3, 70))], axis=1), dtype)
+    for logits, host in ((z, zh), (tz, tzh), (dz, dzh)):
+        _set_logits(m, logits, host)
+        settings = [(0.0, 0, 1.0), (0.9, 5, 0.8), (1.2, 70, 1.0), (0.7, 0, 0.9), (1.0, 3, 1.0), (1.0, 0, 1.0),
+                    (0.8, 0, 0.5), (1.3, 150, 0.7), (60.0, 0, 0.97)]
+        for step, (temp, k, p) in enumerate(settings):
+            m.sampling.set(temp, k, p, seed=11, step=step)
+            m.run(_two_level(m))
+            want = [ref.sample_token(host[b], temp, k, p, seed=11 + b, step=step) for b in range(3)]
+            assert cupy.asnumpy(m.tokens).tolist() == want, (temp, k, p)
+            assert cupy.asnumpy(m.sampling.iparams[:, 3]).tolist() == [step + 1] * 3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_op_sample_two_level_reads_what_it_says(rng, dtype):
+    """Which logits the merge reads, seen by poisoning the row between the chunks' launch and the
+    merge's: top-p alone over peaked logits draws from the chunks' candidates and mass (every logit
+    NaN by then), no cut reads only the chunk holding the draw (the other chunk NaN), and a top-p
+    wider than the candidates draws over the whole row (all NaN: no candidate, -1)."""
     import cupy
 
     from cupyattn.megakernel import OPCODES
 
     m = _Model(rng, dtype, v=150, sample_parts=2)
     m.step.blocks = 2
-    z, zh = _w(rng, m.logits.shape, dtype, 3.0)
-    ties = np.round(zh * 2) / 2
-    ties[1, :80] = 1.5  # chunk 0 of sequence 1: 80 equal logits
-    tz, tzh = to_device(ties, dtype)
-    ops = [Op("sample_part", OPCODES["sample_part"], 3 * 2, args=(2, 80), group_of=(0, 0, 1, 1, 2, 2)),
-           Op("sample", OPCODES["sample"], 3, args=(2, 0), deps=(Dep("sample_part", ((0,), (1,), (2,))),))]
-    for logits, host in ((z, zh), (tz, tzh)):
-        m.logits[...] = logits
-        settings = [(0.0, 0, 1.0), (0.9, 5, 0.8), (1.2, 70, 1.0), (0.7, 0, 0.9), (1.0, 3, 1.0)]
-        for step, (temp, k, p) in enumerate(settings):
-            m.sampling.set(temp, k, p, seed=11, step=step)
-            m.run(ops)
-            want = [ref.sample_token(host[b], temp, k, p, seed=11 + b, step=step) for b in range(3)]
-            assert cupy.asnumpy(m.tokens).tolist() == want, (temp, k, p)
-            assert cupy.asnumpy(m.sampling.iparams[:, 3]).tolist() == [step + 1] * 3
+    z, zh = to_device(rng.standard_normal(m.logits.shape) * 4.0, dtype)  # peaked: the nucleus is a few ids
+    parts, merge = _two_level(m)
+    merge = Op("sample", OPCODES["sample"], 3, args=(2, 80))
+    for step, (temp, k, p, poison) in enumerate([(0.8, 0, 0.9, "all"), (1.0, 0, 1.0, "other chunk"),
+                                                 (40.0, 0, 0.99, "all")]):
+        _set_logits(m, z, zh)
+        m.sampling.set(temp, k, p, seed=3, step=step)
+        m.run([parts])
+        want = [ref.sample_token(zh[b], temp, k, p, seed=3 + b, step=step) for b in range(3)]
+        bad = np.full(zh.shape, np.nan)
+        if poison == "other chunk":
+            for b, t in enumerate(want):
+                keep = slice(0, 80) if t < 80 else slice(80, 150)
+                bad[b, keep] = zh[b, keep]
+        m.logits[...] = to_device(bad, dtype)[0]
+        m.run([merge])
+        got = cupy.asnumpy(m.tokens).tolist()
+        assert got == (want if temp < 40 else [-1] * 3), (temp, k, p, got, want)
 
 
 @pytest.mark.gpu
@@ -343,10 +396,17 @@ def test_gpu_op_gate_up_swiglu(rng, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gpu_op_lm_head(rng, dtype):
-    """Final RMSNorm + logits over the tied embedding."""
+    """Final RMSNorm + logits over the tied embedding, and each 16-row tile's largest logit as
+    stored (the two-level sampler's row maximum; vocab 37: the last tile holds 5)."""
+    import cupy
+
     m = _Model(rng, dtype)
+    m.step.sp_tmax[...] = np.nan
     m.run([_op("lm_head", m, layer=0)])
     assert_close(m.logits, ref.gemm_nt(ref.rmsnorm(m.h.x, m.h.out_norm, 1e-5), m.h.tok), dtype)
+    got = to_host(m.logits)
+    want = [[got[b, 16 * t:16 * t + 16].max() for t in range(3)] for b in range(3)]
+    assert cupy.asnumpy(m.step.sp_tmax).tolist() == want
 
 
 @pytest.mark.gpu

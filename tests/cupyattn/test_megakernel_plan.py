@@ -15,7 +15,7 @@ import pytest
 
 from cupyattn.megakernel_llama import (NEW_PLAN, MegaKnobs, handoff_us, head_splits, instruction_counts, llama_ops,
                                        llama_problem, step_splits)
-from cupyattn.persistent import WAIT_COUNT, Machine, plan, simulate
+from cupyattn.persistent import WAIT_COUNT, Dep, Machine, plan, simulate
 from tinylm.config import PRESETS
 
 SMOL = PRESETS["smollm2-135m-shape"]
@@ -136,13 +136,15 @@ def test_fine_plan_never_deadlocks(blocks):
         assert sorted(r for _, r in simulate(p, np.random.default_rng(seed))) == list(range(len(p.instructions)))
 
 
-def test_two_level_sampling_chunks_wait_for_their_lm_head_tiles():
+def test_two_level_sampling_chunks_wait_for_the_lm_head():
+    """24 chunks of 2048 logits per sequence; each chunk waits for the whole LM head (without a
+    top-k it needs the row's largest logit), the merge of sequence b for b's chunks only."""
     ops = llama_ops(SMOL, 2, 1, True, knobs=MegaKnobs(sample="two_level"))
     by = {op.name: op for op in ops}
     part, merge, lm = by["sample_part"], by["sample"], by["lm_head"]
-    assert part.tiles == 2 * 24 and part.args == (24, 2048) and merge.args == (24, 0)
-    assert lm.group_of[:128] == (0,) * 128 and lm.group_of[-1] == 23  # 128 LM-head tiles per chunk
-    assert part.deps[0].groups[:3] == ((0,), (1,), (2,)) and merge.deps[0].groups == ((0,), (1,))
+    assert part.tiles == 2 * 24 and part.args == (24, 2048) and merge.args == (24, 2048)
+    assert lm.group_of is None and part.deps == (Dep("lm_head"),) and merge.deps[0].groups == ((0,), (1,))
+    assert part.group_of == (0,) * 24 + (1,) * 24
 
 
 def test_smollm2_plans_within_the_limits():
