@@ -27,13 +27,14 @@
 #   model     SmolLM2-135M's shapes, fp16, batch 1 and 8: tinylm (fused, unfused, eager), HF eager and
 #             compiled                                  -> model.{txt,json}
 #   mega      the megakernel's speed run (config.TINYLM_MEGAKERNEL and its MEGAKERNEL_* plan knobs), at
-#             most 5 minutes in four steps under their own caps: its GPU tests (100 s, the compile
+#             most 5 minutes in four steps under their own caps: its GPU tests (90 s, the compile
 #             included); the A/B of the plan knobs on SmolLM2-135M's shapes, fp16, batch 1 (tinylm-mega =
 #             today's plan, -new = every knob, -ring, -fine, -spin64, -spin0, -sample2 = one each, -fine-fit
-#             = -fine with the down projection's chunks fitting one round; each
+#             = -fine with the down projection's chunks fitting one round, -topp twins of the fused step,
+#             today's plan and -new sampling with temperature 0.8 and top-p 0.9; each
 #             record's note and "profile": a profiled step per op beside the cost model) beside the fused
-#             step (70 s); batch 1 and 8 of the fused step (+ PDL), today's plan, the new one and HF eager
-#             (70 s); HF compiled beside the new plan (60 s)
+#             step (85 s); batch 1 and 8 of the fused step (+ PDL), today's plan, the new one and HF eager
+#             (70 s); HF compiled beside the new plan (55 s)
 #                                   -> pytest-mega.log, mega-ab.{txt,json}, mega.{txt,json}, mega-hf-compiled.{txt,json}
 #   prefill   the persistent wgmma attention: its GPU tests, the causal prefill sweep, ragged varlen,
 #             paged prefill at pages of 16..256, the goal shapes -> pytest-prefill.log, prefill-*.{txt,json,png}
@@ -416,13 +417,13 @@ stage_model() {  # does config.TINYLM_FUSED_DECODE hold? tinylm-fused vs tinylm,
 }
 stage_mega() {  # the megakernel's plan knobs A/B and its tokens/s against the fused step and HF, same run
     local m=(--model smollm2-135m-shape --debug --no-progress)
-    MEGA_TIMEOUT="${MEGA_TIMEOUT:-100}" run_mega_tests  # compiles the kernel (cached for the steps after)
-    CAP=70 bench_step "mega knobs A/B" "$OUT/mega-ab.txt" "$OUT/mega-ab.json" "$PY" -m benchmarks model "${m[@]}" \
-        --batch 1 --new-tokens 56 --model-reps 2 --json "$OUT/mega-ab.json" --impl \
-        tinylm-fused,tinylm-mega,tinylm-mega-new,tinylm-mega-ring,tinylm-mega-fine,tinylm-mega-fine-fit,tinylm-mega-spin64,tinylm-mega-spin0,tinylm-mega-sample2
+    MEGA_TIMEOUT="${MEGA_TIMEOUT:-90}" run_mega_tests  # compiles the kernel (cached for the steps after)
+    CAP=85 bench_step "mega knobs A/B" "$OUT/mega-ab.txt" "$OUT/mega-ab.json" "$PY" -m benchmarks model "${m[@]}" \
+        --batch 1 --new-tokens 48 --model-reps 2 --json "$OUT/mega-ab.json" --impl \
+        tinylm-fused,tinylm-mega,tinylm-mega-new,tinylm-mega-ring,tinylm-mega-fine,tinylm-mega-fine-fit,tinylm-mega-spin64,tinylm-mega-spin0,tinylm-mega-sample2,tinylm-fused-topp,tinylm-mega-topp,tinylm-mega-new-topp
     CAP=70 bench_step "mega vs fused and HF" "$OUT/mega.txt" "$OUT/mega.json" "$PY" -m benchmarks model "${m[@]}" \
         --batch 1,8 --impl tinylm-fused,tinylm-fused-pdl,tinylm-mega,tinylm-mega-new,hf-transformers --json "$OUT/mega.json"
-    CAP=60 bench_step "mega vs HF compiled" "$OUT/mega-hf-compiled.txt" "$OUT/mega-hf-compiled.json" "$PY" -m benchmarks \
+    CAP=55 bench_step "mega vs HF compiled" "$OUT/mega-hf-compiled.txt" "$OUT/mega-hf-compiled.json" "$PY" -m benchmarks \
         model "${m[@]}" --batch 1,8 --impl tinylm-mega-new,hf-compiled --json "$OUT/mega-hf-compiled.json"
 }
 stage_prefill() {  # the persistent kernel's tests, then its benchmarks beside v3 and SDPA

@@ -50,6 +50,18 @@ MEGA_VARIANTS = {"tinylm-mega": {}, "tinylm-mega-new": "NEW_PLAN",
                  "tinylm-mega-spin64": {"spin_ns": 64},
                  "tinylm-mega-spin0": {"spin_ns": 0}, "tinylm-mega-sample2": {"sample": "two_level"}}
 
+# Sampled twins ("<impl>-topp"): the impl generating with temperature 0.8 and top-p 0.9 (no top-k)
+# instead of greedily, for the samplers' cost (the megakernel's two-level draw against one block's).
+SAMPLED_SUFFIX, SAMPLED = "-topp", dict(temperature=0.8, top_p=0.9, seed=0)
+
+
+def split_sampled(name: str):
+    """(the impl ``name`` runs, its generation's sampling settings: {} for greedy)."""
+    if name.endswith(SAMPLED_SUFFIX):
+        return name[:-len(SAMPLED_SUFFIX)], dict(SAMPLED)
+    return name, {}
+
+
 SMOLLM2_PROMPT = ("The history of computing is a story of machines that became faster, smaller "
                   "and cheaper every decade, from vacuum tubes to transistors to chips. ")
 
@@ -117,14 +129,16 @@ def _errors(logits, ref):
     return float(np.abs(d).max()), float(np.linalg.norm(d) / max(np.linalg.norm(ref), 1e-300))
 
 
-def _run_tinylm(rec, gen, prompts, n, opts, ceilings):
-    """Warm-up, timed generations and the record of one tinylm impl; returns seq 0's ids."""
+def _run_tinylm(rec, gen, prompts, n, opts, ceilings, sampling=None):
+    """Warm-up, timed generations (greedy, or with ``sampling``: generate_batch's settings) and the
+    record of one tinylm impl; returns seq 0's ids."""
     from .timing import PeakPool
 
-    gen.generate_batch(prompts, max_new_tokens=n, ignore_eos=True)  # compile, capture every bucket
+    kw = dict(max_new_tokens=n, ignore_eos=True, **(sampling or {}))
+    gen.generate_batch(prompts, **kw)  # compile, capture every bucket
     with PeakPool() as pk:
-        runs = [gen.generate_batch(prompts, max_new_tokens=n, ignore_eos=True)]
-    runs += [gen.generate_batch(prompts, max_new_tokens=n, ignore_eos=True) for _ in range(opts.model_reps - 1)]
+        runs = [gen.generate_batch(prompts, **kw)]
+    runs += [gen.generate_batch(prompts, **kw) for _ in range(opts.model_reps - 1)]
     rec["peak_mb"] = pk.peak / 2**20
     _fill(rec, [r[0].ttft_ms for r in runs], [r[0].extra["batch_decode_tokens_per_s"] for r in runs],
           [r[0].prefill_tokens_per_s for r in runs], gen.weight_bytes, ceilings, len(prompts))
@@ -143,12 +157,14 @@ def _run_tinylm(rec, gen, prompts, n, opts, ceilings):
                         if n_pf else "prefill graph")
     rec["note"] = (f"backend {gen.backend}, weights {gen.weight_bytes / 2**20:.0f} MiB, batch {len(prompts)}, "
                    + (f"{runs[0][0].extra['graph_replays']} graph replays/run" if gen.graphs and graphs
-                      else "eager launches") + f", {prefill_note}")
+                      else "eager launches") + f", {prefill_note}"
+                   + (", sampled ({})".format(", ".join(f"{k} {v}" for k, v in sampling.items())) if sampling else ""))
     return [list(r.generated_ids) for r in runs[0]]
 
 
 def _cannot_run(name, model):
     """Why impl ``name`` cannot run on ``model``'s backend and device (None: it can)."""
+    name = split_sampled(name)[0]
     if name not in ("tinylm", "tinylm-eager") and not getattr(model.ops, "fused_decode", False):
         return f"the {model.backend} backend has no fused decode step"
     if name in MEGA_VARIANTS:
@@ -260,12 +276,13 @@ def run_model_case(case, impls, opts, ceilings, log) -> list[dict]:
             for name in ours:
                 recs[name]["status"] = "oom" if "OutOfMemory" in type(e).__name__ else f"error: {_one_line(e)}"
             log(f"{case.name} / tinylm: {_one_line(e)}")
-    for name in ours if model is not None else ():
-        rec = recs[name]
-        why = _cannot_run(name, model)
+    for impl in ours if model is not None else ():
+        rec = recs[impl]
+        why = _cannot_run(impl, model)
         if why:
             rec["status"] = f"skipped: {why}"
             continue
+        name, sampling = split_sampled(impl)
         mega = name in MEGA_VARIANTS
         fused = name in ("tinylm-fused", "tinylm-fused-pdl") or mega
         try:
@@ -275,17 +292,17 @@ def run_model_case(case, impls, opts, ceilings, log) -> list[dict]:
             gen = tinylm.Generator(model, tok, source, graphs=name != "tinylm-eager")
             rec["dtype"] = gen.dtype
             with _pdl(name == "tinylm-fused-pdl"), mega_knobs(name):
-                ids = _run_tinylm(rec, gen, prompts, n, opts, ceilings)
+                ids = _run_tinylm(rec, gen, prompts, n, opts, ceilings, sampling)
                 if mega:
                     _mega_note(rec, gen)
                 if ref_logits is not None:
                     rec["max_abs_err"], rec["rel_err"] = _errors(_first_step_logits(gen, prompts[0], name), ref_logits)
                     rec["err_ref"] = "tinylm numpy float32 first-step logits"
-            ours_ids = ours_ids or ids
+            ours_ids = ours_ids or (None if sampling else ids)  # HF's greedy tokens are compared with greedy ones
             del gen
         except Exception as e:
             rec["status"] = "oom" if "OutOfMemory" in type(e).__name__ else f"error: {_one_line(e)}"
-            log(f"{case.name} / {name}: {rec['status']}")
+            log(f"{case.name} / {impl}: {rec['status']}")
             if opts.debug:
                 log(traceback.format_exc())
     del model

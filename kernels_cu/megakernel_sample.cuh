@@ -8,27 +8,30 @@
 //   opcode            tile           what
 //   MK_OP_SAMPLE_PART b * P + p      logits [pC, min(V, (p+1)C)) of sequence b (arg0 = P, arg1 = C):
 //                                    the chunk's max and its smallest id; when sampling (not
-//                                    greedy) with a top-k of at most MK_SAMPLE_CAND, or with no
-//                                    top-k and a top-p below 1, its candidates: every id whose key
-//                                    reaches the chunk's k-th largest (k: top_k, or MK_SAMPLE_CAND
-//                                    for top-p; ties kept), in id order, or "too many" (-2); with no
-//                                    top-k, the chunk's mass against the row's largest logit (the
-//                                    largest of the LM-head tiles' maxima, sp_tmax) and the largest
-//                                    key of a token it did not keep
+//                                    greedy) with a top-k, or with no top-k and a top-p below 1, its
+//                                    candidates: every id whose key reaches the chunk's k-th largest
+//                                    (k: top_k up to MK_SAMPLE_CAND, else MK_SAMPLE_CAND; ties kept),
+//                                    in id order, or "too many" (-2), and (k not top_k) the largest
+//                                    key it left out; with no top-k, the chunk's mass against the
+//                                    row's largest logit (the largest of the LM-head tiles' maxima,
+//                                    sp_tmax)
 //   MK_OP_SAMPLE      b (arg0 = P,   the largest of the chunks' maxima (the greedy token); else with
 //                     arg1 = C)      a top-k: sampling.cuh's draw over the candidates' union in id
-//                                    order; with no cut at all (top-k none, top-p 1): the chunk that
-//                                    holds the RNG's draw of the row's mass (the chunks' sums in id
-//                                    order), then that chunk's logits in id order; with top-p only:
-//                                    the draw over the union with the row's mass, when its top-p
-//                                    set lies inside the union; else the draw over the whole row
-//                                    (one block, as arg0 = 0). The RNG step advances by one.
+//                                    order (a top-k above MK_SAMPLE_CAND: when its cut lies inside
+//                                    the union); with no cut at all (top-k none, top-p 1): the chunk
+//                                    that holds the RNG's draw of the row's mass (the chunks' sums in
+//                                    id order), then that chunk's logits in id order; with top-p
+//                                    only: the draw over the union with the row's mass, when its
+//                                    top-p set lies inside the union; else the draw over the whole
+//                                    row (one block, as arg0 = 0). The RNG step advances by one.
 //
 // Why each draws what the whole row would (the tests compare the tokens with
 // reference.sample_token's): top-k: a token that survives the global top-k cut has fewer than k
 // tokens with a larger key anywhere, so fewer than k in its own chunk: it is a candidate. The union
 // holds every survivor, the global argmax and, with at least k tokens, the global k-th largest key;
-// the cuts, masses and inverse CDF over it (in id order) are those over the whole row. No cut: the
+// the cuts, masses and inverse CDF over it (in id order) are those over the whole row. A top-k
+// above the chunks' k: the union's k-th largest key, if above every key left out, is the whole
+// row's (every token at or above it is a candidate), and the rest follows as before. No cut: the
 // masses are the whole row's (every chunk against the same largest logit), an integer sum in any
 // order, and the inverse CDF in id order passes the chunks in order. Top-p: with the row's mass the
 // need ceil(top_p * mass) is the whole row's; the cut found among the candidates, if its key is
@@ -37,7 +40,7 @@
 //
 // Layouts: sp_val float [B][P][1 + MK_SAMPLE_CAND] (the chunk's max, then the candidates' logits),
 // sp_idx int [B][P][MK_SAMPLE_HEAD + MK_SAMPLE_CAND]: the max's id or -1, the candidate count or -1
-// (none kept) / -2 (too many), the largest key left out (top-p), the chunk's mass (two words, low
+// (none kept) / -2 (too many), the largest key left out (a wide cut), the chunk's mass (two words, low
 // first; no top-k), then the candidates' ids. Written by one instruction, read by the merge after
 // its counter wait (through L2). sp_tmax float [B][ceil(V / MK_TILE_ROWS)], written by the LM head.
 #pragma once
@@ -97,10 +100,13 @@ __device__ void mk_sample_part(const MkModel& m, const MkState& st, const MkIns&
     block_argmax<MK_THREADS>(best, best_i, sm.s.sv, sm.s.si);
     const MkDrawSettings d = mk_draw_settings(m, b);
     const bool draw = best > -CUDART_INF_F && d.beta < CUDART_INF_F;
-    const bool by_k = draw && !d.no_cut && d.top_k <= MK_SAMPLE_CAND, by_p = draw && d.no_cut;
+    // by_k: a top-k the candidates always hold; wide: a top-k above MK_SAMPLE_CAND, or top-p with no
+    // top-k, whose cut the merge checks against the largest key left out
+    const bool by_k = draw && !d.no_cut && d.top_k <= MK_SAMPLE_CAND;
+    const bool wide = draw && (d.no_cut ? d.top_p < 1.0f : d.top_k > MK_SAMPLE_CAND);
     int count = -1;
     unsigned thr = 0u;
-    if (by_k || (by_p && d.top_p < 1.0f)) {
+    if (by_k || wide) {
         // the chunk's k-th largest key (all of a chunk of at most k keys), then its ids at or
         // above it compacted in id order: thread t owns [t ch, (t + 1) ch)
         const int k = by_k ? d.top_k : MK_SAMPLE_CAND;
@@ -126,26 +132,28 @@ __device__ void mk_sample_part(const MkModel& m, const MkState& st, const MkIns&
     }
     unsigned outside = 0u;
     u64 mass = 0ull;
-    if (by_p) {
-        // the row's largest logit: the largest of its LM-head tiles' maxima (written before this
-        // instruction's wait); the chunk's mass against it, and the largest logit left out
-        const int nt = (V + MK_TILE_ROWS - 1) / MK_TILE_ROWS;
-        const float* tmax = st.sp_tmax + (size_t)b * nt;
-        float lmax = -CUDART_INF_F, left = -CUDART_INF_F;
-        int unused = 0;
-        for (int j = threadIdx.x; j < nt; j += MK_THREADS) lmax = fmaxf(lmax, __ldcg(tmax + j));
-        block_argmax<MK_THREADS>(lmax, unused, sm.s.sv, sm.s.si);
+    int unused = 0;
+    if (wide) {  // the largest logit left out (NaN never wins; none: -inf, below every weighed key)
+        float left = -CUDART_INF_F;
         for (int i = threadIdx.x; i < n; i += MK_THREADS) {
             const float l = src(i);
-            mass += mass_of(l, lmax, d.beta);
             if (order_key(l) < thr) left = fmaxf(left, l);
         }
+        block_argmax<MK_THREADS>(left, unused, sm.s.sv, sm.s.si);
+        outside = order_key(left);
+    }
+    if (draw && d.no_cut) {
+        // the row's largest logit: the largest of its LM-head tiles' maxima (written before this
+        // instruction's wait), and the chunk's mass against it
+        const int nt = (V + MK_TILE_ROWS - 1) / MK_TILE_ROWS;
+        const float* tmax = st.sp_tmax + (size_t)b * nt;
+        float lmax = -CUDART_INF_F;
+        for (int j = threadIdx.x; j < nt; j += MK_THREADS) lmax = fmaxf(lmax, __ldcg(tmax + j));
+        block_argmax<MK_THREADS>(lmax, unused, sm.s.sv, sm.s.si);
+        for (int i = threadIdx.x; i < n; i += MK_THREADS) mass += mass_of(src(i), lmax, d.beta);
         u64 total = 0ull;
         block_exclusive_scan<MK_THREADS>(mass, &total, sm.s.sw);
         mass = total;
-        unused = 0;
-        block_argmax<MK_THREADS>(left, unused, sm.s.sv, sm.s.si);
-        outside = order_key(left);
     }
     if (threadIdx.x == 0) {
         vals[0] = best;
@@ -249,7 +257,7 @@ __device__ void mk_sample(const MkModel& m, const MkState& st, const MkIns& ins,
                 mass += (u64)(unsigned)__ldcg(h + 3) | (u64)(unsigned)__ldcg(h + 4) << 32;
             }
             sm.n = total;
-            sm.row_mass = d.no_cut ? mass : 0ull;  // top-p candidates: the row's mass and what was left out
+            sm.row_mass = d.no_cut ? mass : 0ull;  // top-p with no top-k: the row's mass
             sm.outside_key = outside;
         }
         __syncthreads();
@@ -268,9 +276,9 @@ __device__ void mk_sample(const MkModel& m, const MkState& st, const MkIns& ins,
             src.cand = sm.cv;
         }
         int i = -2;
-        if (n > 0)  // top-k over the union, or top-p inside it (-2: it is not)
+        if (n > 0)  // over the union; a wide cut only where it lies inside (-2: it does not)
             i = sample_draw<MK_THREADS>(src, n, d.beta, d.top_p, d.no_cut ? 0 : d.top_k, seed_lo, seed_hi, step, sm.s,
-                                        sm.row_mass, sm.outside_key);
+                                        d.no_cut || d.top_k > MK_SAMPLE_CAND, sm.row_mass, sm.outside_key);
         if (i >= 0) {
             i = sm.ci[i];
         } else if (i == -2) {  // the whole row on this block

@@ -237,14 +237,14 @@ struct SampleSmem {
 // the constant NT (with blockDim.x strides, sample_kernel spilled at its 64-register bound on
 // sm_120). The logits are an order: the argmax takes the smallest index of the largest, the
 // inverse CDF runs in index order (so a source in token-id order draws what the whole row would).
-// row_mass > 0: the source is a row's top-p candidates (no top-k cut: top_k 0), row_mass the
-// whole row's mass and outside_key the largest key of a token not in the source; the draw is the
-// whole row's when the top-p set lies inside the source (its cut key above outside_key), else -2
-// (the caller draws over the whole row).
+// partial: the source is candidates of a longer row (the megakernel's merge), every token left out
+// with a key at most outside_key, row_mass (when there is no top-k) the whole row's mass; the draw is
+// the whole row's when each cut (the top-k's, or with no top-k the top-p's) lies above outside_key,
+// else -2 (the caller draws over the whole row).
 template <int NT, typename Src>
 __device__ int sample_draw(const Src& row, int V, float beta, float top_p, int top_k, unsigned seed_lo,
-                           unsigned seed_hi, int step, SampleSmem<NT>& sm, u64 row_mass = 0ull,
-                           unsigned outside_key = 0u) {
+                           unsigned seed_hi, int step, SampleSmem<NT>& sm, bool partial = false,
+                           u64 row_mass = 0ull, unsigned outside_key = 0u) {
     u64* hist = sm.hist;
     u64* sw = sm.sw;
     float* sv = sm.sv;
@@ -264,8 +264,11 @@ __device__ int sample_draw(const Src& row, int V, float beta, float top_p, int t
     if (token >= 0 && beta < CUDART_INF_F) {
         // step 2: top-k cut, the k-th largest key (ties kept)
         unsigned thr = 0u;
-        if (top_k > 0 && top_k < V)
+        if (partial && top_k >= V) return -2;  // the k-th largest lies outside the candidates
+        if (top_k > 0 && top_k < V) {
             thr = radix_threshold<false>(row, V, 0u, (u64)top_k, best, beta, hist, &sel_digit, &sel_need);
+            if (partial && thr <= outside_key) return -2;  // uniform: thr is the block's
+        }
         // step 3: top-p cut among the top-k survivors
         if (top_p < 1.0f) {
             u64 own = 0ull, kept = 0ull;
@@ -275,11 +278,11 @@ __device__ int sample_draw(const Src& row, int V, float beta, float top_p, int t
             }
             block_exclusive_scan<NT>(own, &kept, sw);
             const u64 inside = kept;
-            if (row_mass > 0ull) kept = row_mass;
+            if (partial && top_k <= 0) kept = row_mass;
             double want = ceil((double)top_p * (double)kept);
             const u64 need = want < 1.0 ? 1ull : (want >= (double)kept ? kept : (u64)want);
             const unsigned thr_p = radix_threshold<true>(row, V, thr, need, best, beta, hist, &sel_digit, &sel_need);
-            if (row_mass > 0ull && (need > inside || thr_p <= outside_key)) return -2;  // uniform: shared totals
+            if (partial && top_k <= 0 && (need > inside || thr_p <= outside_key)) return -2;  // uniform
             thr = thr_p > thr ? thr_p : thr;
         }
         // step 4: inverse CDF in index order; thread t owns the indices [t*C, (t+1)*C)

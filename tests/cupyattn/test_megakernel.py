@@ -323,11 +323,13 @@ def _set_logits(m, logits, host):
 def test_gpu_op_sample_two_level(rng, dtype):
     """The two-level sampler: 150 logits in 2 chunks of 80 (sample_part), then one merge per
     sequence (sample), on 2 blocks: greedy, top-k with top-p (chunk candidates), top-k above the
-    chunks' capacity (the merge draws over the whole row), no cut (the chunk holding the draw),
+    chunks' 64 (the candidates when the union holds its cut, else the whole row: 140 of 150 ids
+    always), no cut (the chunk holding the draw),
     top-p alone (candidates and the row's mass), a near-uniform top-p (wider than the candidates:
     the whole row), logits with ties (a chunk of 80 equal logits keeps too many candidates: the
-    whole row again), a top-p whose cut falls below ids a chunk left out though the candidates
-    hold the mass it needs (chunk 0 in [5, 6), chunk 1 in [4, 5): the whole row): each id equal to
+    whole row again), a top-p or a top-k whose cut falls below ids a chunk left out though the
+    candidates hold the mass or the count it needs (chunk 0 in [5, 6), chunk 1 in [4, 5): the whole
+    row): each id equal to
     reference.sample_token's on the same logits, seeds and steps; the RNG step advances once."""
     import cupy
 
@@ -341,7 +343,7 @@ def test_gpu_op_sample_two_level(rng, dtype):
     for logits, host in ((z, zh), (tz, tzh), (dz, dzh)):
         _set_logits(m, logits, host)
         settings = [(0.0, 0, 1.0), (0.9, 5, 0.8), (1.2, 70, 1.0), (0.7, 0, 0.9), (1.0, 3, 1.0), (1.0, 0, 1.0),
-                    (0.8, 0, 0.5), (1.3, 150, 0.7), (60.0, 0, 0.97)]
+                    (0.8, 0, 0.5), (1.3, 150, 0.7), (60.0, 0, 0.97), (1.0, 100, 0.9), (1.0, 140, 1.0)]
         for step, (temp, k, p) in enumerate(settings):
             m.sampling.set(temp, k, p, seed=11, step=step)
             m.run(_two_level(m))
@@ -355,8 +357,9 @@ def test_gpu_op_sample_two_level(rng, dtype):
 def test_gpu_op_sample_two_level_reads_what_it_says(rng, dtype):
     """Which logits the merge reads, seen by poisoning the row between the chunks' launch and the
     merge's: top-p alone over peaked logits draws from the chunks' candidates and mass (every logit
-    NaN by then), no cut reads only the chunk holding the draw (the other chunk NaN), and a top-p
-    wider than the candidates draws over the whole row (all NaN: no candidate, -1)."""
+    NaN by then), as does a top-k of 70 (the two chunks' 128 candidates hold it), no cut reads only
+    the chunk holding the draw (the other chunk NaN), and a top-p wider than the candidates or a
+    top-k of 140 draws over the whole row (all NaN: no candidate, -1)."""
     import cupy
 
     from cupyattn.megakernel import OPCODES
@@ -367,7 +370,8 @@ def test_gpu_op_sample_two_level_reads_what_it_says(rng, dtype):
     parts, merge = _two_level(m)
     merge = Op("sample", OPCODES["sample"], 3, args=(2, 80))
     for step, (temp, k, p, poison) in enumerate([(0.8, 0, 0.9, "all"), (1.0, 0, 1.0, "other chunk"),
-                                                 (40.0, 0, 0.99, "all")]):
+                                                 (0.9, 70, 0.95, "all"), (40.0, 0, 0.99, "all"),
+                                                 (0.9, 140, 1.0, "all")]):
         _set_logits(m, z, zh)
         m.sampling.set(temp, k, p, seed=3, step=step)
         m.run([parts])
@@ -380,7 +384,7 @@ def test_gpu_op_sample_two_level_reads_what_it_says(rng, dtype):
         m.logits[...] = to_device(bad, dtype)[0]
         m.run([merge])
         got = cupy.asnumpy(m.tokens).tolist()
-        assert got == (want if temp < 40 else [-1] * 3), (temp, k, p, got, want)
+        assert got == (want if temp < 40 and k < 128 else [-1] * 3), (temp, k, p, got, want)
 
 
 @pytest.mark.gpu
@@ -467,6 +471,9 @@ def test_gpu_bad_arguments_raise_before_anything_runs(rng):
     nosample = LlamaStep(**{**base, "sampling": None})
     with pytest.raises(ValueError, match="samples, but the step was made with sampling=None"):
         nosample.plan([Op("sample", OPCODES["sample"], 3)])
+    for args in ((1, 0), (1, 30), (2, 16)):  # the merge's chunks must be its parts' (V = 37 here)
+        with pytest.raises(ValueError, match=r"args \(\d+, \d+\) must be \(0, 0\) \(one block\) or the \(chunks"):
+            step.plan([Op("sample", OPCODES["sample"], 3, args=args)])
     dplan = step.plan([_op("lm_head", m, layer=0)])
     with pytest.raises(ValueError, match=r"LlamaStep.launch\(\): splits must be"):
         step.launch(dplan, 5)

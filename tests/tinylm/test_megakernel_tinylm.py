@@ -155,14 +155,15 @@ def test_gpu_tinylm_refusals():
 def test_gpu_benchmark_model_case_runs_the_megakernel(tmp_path, monkeypatch, capsys):
     """`python -m benchmarks model --impl tinylm-mega,tinylm-mega-new` (tiny preset, float32): the
     record says one kernel per decode step, its instructions and blocks, and logits close to
-    NumPy's; the new plan's record its knobs and a profiled step beside the cost model; the PDL
-    impl runs where the device and cuda-bindings allow, else says why it was skipped."""
+    NumPy's; the new plan's record its knobs and a profiled step beside the cost model, its sampled
+    twin (-topp) the same plan drawing with temperature and top-p; the PDL impl runs where the
+    device and cuda-bindings allow, else says why it was skipped."""
     from benchmarks import report, timing
     from benchmarks.__main__ import main
 
     if EMULATE:
         monkeypatch.setattr(timing, "measure_ceilings", lambda **kw: {"copy_gbps": 1.0, "gemm_tflops": 1.0})
-    impls = "tinylm-mega,tinylm-mega-new" + ("" if EMULATE else ",tinylm-fused-pdl")  # no cuLaunchKernelEx emulated
+    impls = "tinylm-mega,tinylm-mega-new,tinylm-mega-new-topp" + ("" if EMULATE else ",tinylm-fused-pdl")  # no cuLaunchKernelEx emulated
     rc = main(["model", "--model", "tiny", "--new-tokens", "3", "--prompt-len", "5", "--model-dtype", "float32",
                "--impl", impls, "--model-reps", "1", "--no-progress", "--json", str(tmp_path / "m.json")])
     assert rc == 0, capsys.readouterr().err[-3000:]
@@ -172,6 +173,9 @@ def test_gpu_benchmark_model_case_runs_the_megakernel(tmp_path, monkeypatch, cap
     assert re.search(r"megakernel: \d+ instructions on \d+ blocks", mega["note"]) and mega["decode_tok_s"] > 0
     new = by["tinylm-mega-new"]  # the A/B's all-knobs impl: its knobs (its profile needs room in the cache)
     assert new["status"] == "ok" and new["rel_err"] < 1e-4 and "attn='ring'" in new["note"], new
+    topp = by["tinylm-mega-new-topp"]
+    assert topp["status"] == "ok" and topp["rel_err"] < 1e-4 and "attn='ring'" in topp["note"], topp
+    assert "sampled (temperature 0.8, top_p 0.9, seed 0)" in topp["note"] and "sampled" not in new["note"]
     from cupyattn import config
 
     assert config.MEGAKERNEL_ATTN == "v1"  # the knobs restored after the impl
