@@ -162,6 +162,7 @@ class LlamaStep:
     x : [B, dim] (or [B, 1, dim]); q : [B, Hq, D] (or [B, Hq, 1, D]); att : [B, Hq D] (any shape of
         that size); ffn : [B, F]; logits : [B, V]: the step's buffers
     o_part, lse_part : float32 [S, B, Hq, D] and [S, B, Hq], S >= the largest split count used
+        (at most config.MEGAKERNEL_MAX_SPLITS)
     sampling : cupyattn.SamplingParams for B sequences, or None (plans without a sampling op)
     counter_capacity : counters per set: at least the n_counters of any plan this step will run
     blocks : int, or None: config.MEGAKERNEL_BLOCKS, else the device's SM count (a persistent
@@ -223,6 +224,9 @@ class LlamaStep:
                                  f"{', ' + str(D) if nd == 4 else ''}], got {tuple(a.shape)}")
         if o_part.shape[0] != lse_part.shape[0]:
             raise ValueError(f"{fn}(): o_part and lse_part hold {o_part.shape[0]} and {lse_part.shape[0]} splits")
+        if not 1 <= o_part.shape[0] <= config.MEGAKERNEL_MAX_SPLITS:  # the merge's scratch holds B x that many
+            raise ValueError(f"{fn}(): o_part and lse_part hold {o_part.shape[0]} splits, expected 1 to "
+                             f"config.MEGAKERNEL_MAX_SPLITS ({config.MEGAKERNEL_MAX_SPLITS})")
         if sampling is not None:
             from .sampling import SamplingParams
 
@@ -388,7 +392,8 @@ class LlamaStep:
                 return (f"args ({a0}, {a1}) must be (chunks <= {self.parts}, logits per chunk: whole LM-head tiles, "
                         "the chunks covering the vocabulary, none empty)")
             if kind == "sample" and not (chunks or (a0, a1) == (0, 0)):
-                return f"args ({a0}, {a1}) must be (0, 0) (one block) or the (chunks, logits per chunk) of its sample_part op"
+                return (f"args ({a0}, {a1}) must be (0, 0) (one block) or the (chunks, logits per chunk) of its "
+                        "sample_part op")
         return None
 
     def descriptor(self, splits: int, timings=None) -> np.void:

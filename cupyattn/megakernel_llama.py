@@ -260,7 +260,8 @@ def llama_ops(shape, batch: int, splits: int = 1, sample: bool = True, *, knobs:
     gemv = lambda k_cols, load, rest: Cost(TILE_ROWS * k_cols * itemsize + B * k_cols * itemsize,  # noqa: E731
                                            load + rest, load)
     batch, norm = GEOMETRY["MK_LOAD_BATCH"][0], 2  # a normalised row load's trips
-    wide = lambda k_cols, loads: (-(-B * k_cols // 4 // config.MEGAKERNEL_THREADS) * -(-loads // batch) - 1)  # noqa: E731
+    items = lambda k_cols: -(-B * k_cols // 4 // config.MEGAKERNEL_THREADS)  # noqa: E731  (a thread's, in turn)
+    wide = lambda k_cols, loads: items(k_cols) * -(-loads // batch) - 1  # noqa: E731
     per_split = -(-keys // splits)
     kv_bytes = 2 * per_split * d * itemsize
     if k.attn == "ring":

@@ -79,8 +79,8 @@
 #if !defined(MK_THREADS) || !defined(MK_STAGES) || !defined(MK_MAX_BATCH) || !defined(MK_MAX_HEAD_DIM) || \
     !defined(MK_HEAD_TILE) || !defined(MK_INSTR_WORDS) || !defined(MK_OP_SAMPLE_PART) || !defined(MK_TILE_ROWS) || \
     !defined(MK_GATE_UP_ROWS) || !defined(MK_CHUNK_BYTES) || !defined(MK_ATTN_MAX_KEYS) || !defined(MK_SAMPLE_CAND) || \
-    !defined(MK_SAMPLE_MAX_CANDS) || !defined(MK_SAMPLE_MAX_PARTS) || !defined(MK_SAMPLE_CHUNK) || !defined(MK_LOAD_BATCH) || \
-    !defined(MK_SAMPLE_HEAD)
+    !defined(MK_SAMPLE_MAX_CANDS) || !defined(MK_SAMPLE_MAX_PARTS) || !defined(MK_SAMPLE_CHUNK) || \
+    !defined(MK_LOAD_BATCH) || !defined(MK_SAMPLE_HEAD)
 #error "compile with the -D options of cupyattn/megakernel.py (the megakernel KernelSpec passes them)"
 #endif
 #define MK_WARPS (MK_THREADS / 32)

@@ -15,8 +15,8 @@
 // O or down projection of kc column chunks has tiles t = r * kc + c, each the product of rows
 // 16r.. with the columns of chunk c only, written in float32 to partial slot c (O: the kv head c's
 // heads) or KO + c (down) of part[layer & 1] instead of added to x. The loaders that read the
-// residual after them sum the slots in a fixed order (gemv_compose_rows: no atomics, the same sum on any
-// number of blocks): mode 1 (gate|up of layer s) x' = T(x_s + T(sum of the O slots)); mode 2 (QKV
+// residual after them sum the slots in a fixed order (gemv_compose_rows: no atomics, the same sum
+// on any number of blocks): mode 1 (gate|up of layer s) x' = T(x_s + T(sum of the O slots)); mode 2 (QKV
 // of layer s + 1, the LM head) T(x' + T(sum of the down slots)), which the QKV tile 0 of layer s + 1
 // also stores as x_{s+1} (buffer (s + 1) & 1 of x, xalt). The rounding is the fused step's, the
 // float32 sums in another order. With the merge flag the O projection's input is the split
@@ -253,9 +253,10 @@ struct MkQuadBits<16> { typedef uint4 type; };
 
 // The two loads below take the whole block: item (b, quad) is elements 4 quad .. 4 quad + 3 of
 // row b, and an item's loads are issued MK_LOAD_BATCH slots or splits at a time (predicated, not
-// branched: one round trip per batch) before any of them is summed. A row read a warp per row, each vector's slots consumed as they arrived, cost one
-// L2 round trip per two slots per vector (machine code of the previous version: the slot loop
-// unrolled by 2; about 15 trips for SmolLM2's QKV tile at batch 1, 30 for a merged O tile).
+// branched: one round trip per batch) before any of them is summed. Read a warp per row, each
+// vector's slots consumed as they arrived, a row cost one L2 round trip per two slots per vector
+// (machine code of that version: the slot loop unrolled by 2; about 15 trips for SmolLM2's QKV
+// tile at batch 1, 30 for a merged O tile).
 
 // Composed rows (mode 1/2) into xs, and into xdst when set: per element the slots summed in order
 // from 0, each sum rounded to T as the fused step rounds (the file's header).
@@ -293,8 +294,8 @@ __device__ __forceinline__ void gemv_compose_rows(const MkModel& m, const MkStat
         T* o = reinterpret_cast<T*>(&out);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            float r = to_float(from_float<T>(to_float(xe[e]) + to_float(from_float<T>(so[e]))));  // + O projection
-            if (g.mode == 2) r = to_float(from_float<T>(r + to_float(from_float<T>(sd[e]))));        // + down projection
+            float r = to_float(from_float<T>(to_float(xe[e]) + to_float(from_float<T>(so[e]))));  // + O proj.
+            if (g.mode == 2) r = to_float(from_float<T>(r + to_float(from_float<T>(sd[e]))));        // + down proj.
             o[e] = from_float<T>(r);
         }
         reinterpret_cast<Q*>(xs + (size_t)b * g.K)[q] = out;
@@ -305,7 +306,8 @@ __device__ __forceinline__ void gemv_compose_rows(const MkModel& m, const MkStat
 
 // Attention rows merged from the split partials into xs (the O projection's load with the merge
 // flag): mk_merge's arithmetic per element. Per pass over as many of the tile's heads as `lse`
-// holds (cap floats: every (b, head, split) log-sum-exp, one load each), then the quads.
+// holds (cap floats: every (b, head, split) log-sum-exp, one load each), then the quads. One head
+// always fits: LlamaStep keeps B x splits within 8 x config.MEGAKERNEL_MAX_SPLITS (32), cap 4224.
 template <typename T>
 __device__ __forceinline__ void gemv_merge_rows(const MkModel& m, const MkState& st, const GemvTile<T>& g, T* xs,
                                                 float* lse, int cap) {
@@ -379,7 +381,8 @@ __device__ __forceinline__ void gemv_load_rows(const MkModel& m, const MkState& 
     uint4 wpre[MK_NORM_PRE];
 #pragma unroll
     for (int j = 0; j < MK_NORM_PRE; ++j)
-        if (g.norm != nullptr && b < B && lane + 32 * j < nc) wpre[j] = *(reinterpret_cast<const uint4*>(g.norm) + lane + 32 * j);
+        if (g.norm != nullptr && b < B && lane + 32 * j < nc)
+            wpre[j] = *(reinterpret_cast<const uint4*>(g.norm) + lane + 32 * j);
     if (g.src == MK_SRC_COMPOSE) gemv_compose_rows<T>(m, st, g, xs);  // every thread: barriers inside
     else if (g.src == MK_SRC_MERGE) gemv_merge_rows<T>(m, st, g, xs, tmp, cap);
     if (b >= B) return;  // whole warps leave together

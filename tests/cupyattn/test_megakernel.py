@@ -455,6 +455,8 @@ def test_gpu_bad_arguments_raise_before_anything_runs(rng):
         (dict(x=m.x[:2]), ValueError, "x must be a C-contiguous, 16-byte aligned float16 buffer of 216 elements"),
         (dict(tokens=m.tokens.astype(np.int64)), ValueError, "tokens must be"),
         (dict(o_part=m.o_part[:, :2]), ValueError, r"o_part must be C-contiguous float32 \[splits, 3, 3, 32\]"),
+        (dict(o_part=cupy.zeros((33, 3, 3, 32), np.float32), lse_part=cupy.zeros((33, 3, 3), np.float32)), ValueError,
+         r"o_part and lse_part hold 33 splits, expected 1 to config.MEGAKERNEL_MAX_SPLITS \(32\)"),
         (dict(rope_style="gptj"), ValueError, "rope_style"),
         (dict(blocks=10 ** 6), ValueError, "exceeds the device's"),
         (dict(output=m.tok[:, :64]), ValueError, "output must be C-contiguous, 16-byte aligned, of shape"),

@@ -163,7 +163,8 @@ def test_gpu_benchmark_model_case_runs_the_megakernel(tmp_path, monkeypatch, cap
 
     if EMULATE:
         monkeypatch.setattr(timing, "measure_ceilings", lambda **kw: {"copy_gbps": 1.0, "gemm_tflops": 1.0})
-    impls = "tinylm-mega,tinylm-mega-new,tinylm-mega-new-topp" + ("" if EMULATE else ",tinylm-fused-pdl")  # no cuLaunchKernelEx emulated
+    impls = "tinylm-mega,tinylm-mega-new,tinylm-mega-new-topp"
+    impls += "" if EMULATE else ",tinylm-fused-pdl"  # no cuLaunchKernelEx emulated
     rc = main(["model", "--model", "tiny", "--new-tokens", "3", "--prompt-len", "5", "--model-dtype", "float32",
                "--impl", impls, "--model-reps", "1", "--no-progress", "--json", str(tmp_path / "m.json")])
     assert rc == 0, capsys.readouterr().err[-3000:]
