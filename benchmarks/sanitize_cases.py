@@ -257,8 +257,9 @@ def fused(ca, cfg):
 
 def megakernel(ca, cfg):
     """Two decode steps of the megakernel per dtype on a small Llama (odd vocabulary and FFN, GQA,
-    batch 3), unsplit and with split attention + merge, sampling inside, today's plan and the new
-    one (cupyattn.megakernel_llama.NEW_PLAN). One block: it runs its
+    batch 3), unsplit and with split attention + merge, sampling inside (top-k, no cut, top-p: each
+    way the two-level merge draws), today's plan and the new one (cupyattn.megakernel_llama.NEW_PLAN).
+    One block: it runs its
     queue in order and never waits, so no sanitizer's serialisation of blocks can hang it (the
     several-block runs are the GPU tests')."""
     import cupy
@@ -278,7 +279,8 @@ def megakernel(ca, cfg):
                     o_part=cupy.empty((2, 3, 4, 32), np.float32), lse_part=cupy.empty((2, 3, 4), np.float32))
         step = ca.megakernel.LlamaStep(tok_embd=tok, output_norm=_rand((72,), dt, 38), output=tok, layers=layers,
                                        cache=cache, num_heads=4, eps=1e-5, rope_base=1e4, rope_style="adjacent",
-                                       sampling=ca.SamplingParams(3, temperature=0.7, top_k=5, seed=1),
+                                       sampling=ca.SamplingParams(3, temperature=[0.7, 1.0, 0.8], top_k=[5, 0, 0],
+                                                                  top_p=[1.0, 1.0, 0.9], seed=1),
                                        counter_capacity=64, blocks=1, **bufs)
         # today's plan, then every knob of the new one (ring attention over split keys and heads, split
         # projections into partial slots, the merge on load, two-level sampling)
