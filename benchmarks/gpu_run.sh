@@ -30,7 +30,8 @@
 #             most 5 minutes in four steps under their own caps: its GPU tests (90 s, the compile
 #             included); the A/B of the plan knobs on SmolLM2-135M's shapes, fp16, batch 1 (tinylm-mega =
 #             today's plan, -new = every knob, -ring, -fine, -spin64, -spin0, -sample2 = one each, -fine-fit
-#             = -fine with the down projection's chunks fitting one round, -topp twins of the fused step,
+#             = -fine with the down projection's chunks fitting one round, -gu16 = 16-row gate|up
+#             instructions, -topp twins of the fused step,
 #             today's plan and -new sampling with temperature 0.8 and top-p 0.9; each
 #             record's note and "profile": a profiled step per op beside the cost model) beside the fused
 #             step (85 s); batch 1 and 8 of the fused step (+ PDL), today's plan, the new one and HF eager
@@ -420,7 +421,7 @@ stage_mega() {  # the megakernel's plan knobs A/B and its tokens/s against the f
     MEGA_TIMEOUT="${MEGA_TIMEOUT:-90}" run_mega_tests  # compiles the kernel (cached for the steps after)
     CAP=85 bench_step "mega knobs A/B" "$OUT/mega-ab.txt" "$OUT/mega-ab.json" "$PY" -m benchmarks model "${m[@]}" \
         --batch 1 --new-tokens 48 --model-reps 2 --json "$OUT/mega-ab.json" --impl \
-        tinylm-fused,tinylm-mega,tinylm-mega-new,tinylm-mega-ring,tinylm-mega-fine,tinylm-mega-fine-fit,tinylm-mega-spin64,tinylm-mega-spin0,tinylm-mega-sample2,tinylm-fused-topp,tinylm-mega-topp,tinylm-mega-new-topp
+        tinylm-fused,tinylm-mega,tinylm-mega-new,tinylm-mega-ring,tinylm-mega-fine,tinylm-mega-fine-fit,tinylm-mega-gu16,tinylm-mega-spin64,tinylm-mega-spin0,tinylm-mega-sample2,tinylm-fused-topp,tinylm-mega-topp,tinylm-mega-new-topp
     CAP=70 bench_step "mega vs fused and HF" "$OUT/mega.txt" "$OUT/mega.json" "$PY" -m benchmarks model "${m[@]}" \
         --batch 1,8 --impl tinylm-fused,tinylm-fused-pdl,tinylm-mega,tinylm-mega-new,hf-transformers --json "$OUT/mega.json"
     CAP=55 bench_step "mega vs HF compiled" "$OUT/mega-hf-compiled.txt" "$OUT/mega-hf-compiled.json" "$PY" -m benchmarks \

@@ -47,6 +47,7 @@ from .specs import roofline_pct
 MEGA_VARIANTS = {"tinylm-mega": {}, "tinylm-mega-new": "NEW_PLAN",
                  "tinylm-mega-ring": {"attn": "ring", "attn_share": 0.5},
                  "tinylm-mega-fine": {"deps": "fine"}, "tinylm-mega-fine-fit": {"deps": "fine", "down": "fit"},
+                 "tinylm-mega-gu16": {"gate_up_rows": 16},
                  "tinylm-mega-spin64": {"spin_ns": 64},
                  "tinylm-mega-spin0": {"spin_ns": 0}, "tinylm-mega-sample2": {"sample": "two_level"}}
 

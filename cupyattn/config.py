@@ -453,6 +453,8 @@ MEGAKERNEL_DEPS = "layer"     # "layer": a projection waits for every tile of th
                               # for the tiles whose rows it reads (two device-wide waits per layer)
 MEGAKERNEL_DOWN = "narrow"    # with DEPS "fine": "narrow" (the narrowest column chunks of the down
                               # projection) or "fit" (the most chunks whose tiles fit one round on the blocks)
+MEGAKERNEL_GATE_UP_ROWS = 8   # ffn rows per gate|up instruction: 8 (one GEMV tile) or 16 (two in turn on the
+                              # rows loaded once: SmolLM2's gate|up in one round on 132 SMs)
 MEGAKERNEL_FOLD_MERGE = False  # merge split attention partials in the O projection's load (no reduce op)
 MEGAKERNEL_SPIN_NS = 1024     # a waiter's longest sleep between polls (it backs off from 32 ns); 0: no sleep
 MEGAKERNEL_SAMPLE = "block"   # "block": one block draws a sequence's token; "two_level": chunks of the

@@ -71,11 +71,12 @@ STAGE_BYTES = TILE_ROWS * GEOMETRY["MK_CHUNK_BYTES"][0]  # one weight-ring chunk
 LAYER_FIELDS = ("attn_norm", "wqkv", "wo", "ffn_norm", "w_gate_up", "w_down")  # MkLayer's weights, in order
 
 
-def down_chunk_counts(ffn_dim: int, itemsize: int) -> tuple:
+def down_chunk_counts(ffn_dim: int, itemsize: int, gate_up_rows: int | None = None) -> tuple:
     """The column-chunk counts a split down projection may have, fewest first: whole gate|up tiles
-    and whole ring chunks each (columns a multiple of 8 and of 512 bytes' worth), at most
-    MK_MAX_DOWN_CHUNKS of them; (1,) when ffn_dim has no such divisor."""
-    unit = math.lcm(GEOMETRY["MK_GATE_UP_ROWS"][0], GEOMETRY["MK_CHUNK_BYTES"][0] // itemsize)
+    (of ``gate_up_rows`` ffn rows, None: MK_GATE_UP_ROWS) and whole ring chunks each (columns a
+    multiple of 8 and of 512 bytes' worth), at most MK_MAX_DOWN_CHUNKS of them; (1,) when ffn_dim
+    has no such divisor."""
+    unit = math.lcm(gate_up_rows or GEOMETRY["MK_GATE_UP_ROWS"][0], GEOMETRY["MK_CHUNK_BYTES"][0] // itemsize)
     counts = tuple(ffn_dim // cols for cols in range(ffn_dim, unit - 1, -unit)
                    if ffn_dim % cols == 0 and cols % unit == 0 and ffn_dim // cols <= GEOMETRY["MK_MAX_DOWN_CHUNKS"][0])
     return counts or (1,)
@@ -102,7 +103,8 @@ def max_tiles(kind: str, s: dict, args=(0, 0)) -> int:
     a0 = max(1, int(args[0]) if args else 1)
     return {"embed": 1, "qkv": (s["Hq"] + 2 * s["Hkv"]) * s["D"] // TILE_ROWS,
             "attn": s["B"] * s["Hkv"] * max(1, s["Hq"] // s["Hkv"]), "reduce": s["B"] * s["Hkv"],
-            "oproj": rows(s["dim"]) * a0, "gate_up": -(-s["F"] // GEOMETRY["MK_GATE_UP_ROWS"][0]),
+            "oproj": rows(s["dim"]) * a0,
+            "gate_up": -(-s["F"] // (GEOMETRY["MK_GATE_UP_ROWS"][0] * max(1, a0 >> 4))),  # arg0 >> 4: sub-tiles
             "down": rows(s["dim"]) * a0, "lm_head": rows(s["V"]), "sample": s["B"],
             "sample_part": s["B"] * s.get("parts", sample_parts_of(s["V"]))}[kind]
 
@@ -383,8 +385,10 @@ class LlamaStep:
             if not high & 2 and a0 != 1:
                 return f"split into {a0} chunks, it must write partial slots (args[1] bit 17)"
         elif kind in ("qkv", "gate_up", "lm_head"):
-            if a0 not in (0, 1, 2) or (a0 and not (slots_ok and high < s["L"])):
-                return f"args ({a0}, {a1}) must be (mode 0, 1 or 2; slots within the step's {self.slots})"
+            mode, sub = (a0 & 15, a0 >> 4) if kind == "gate_up" else (a0, 0)
+            if mode not in (0, 1, 2) or sub not in (0, 1, 2) or (mode and not (slots_ok and high < s["L"])):
+                return (f"args ({a0}, {a1}) must be (mode 0, 1 or 2 (gate|up: + 16 x 1 or 2 sub-tiles); slots "
+                        f"within the step's {self.slots})")
         elif kind in ("sample_part", "sample"):
             covers = a1 >= 1 and a1 % TILE_ROWS == 0 and a0 * a1 >= s["V"] > (a0 - 1) * a1
             chunks = 1 <= a0 <= min(self.parts, GEOMETRY["MK_SAMPLE_MAX_PARTS"][0]) and covers

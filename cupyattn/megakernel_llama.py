@@ -26,6 +26,8 @@ MEGAKERNEL_* block, today's measured plan):
 - ``down`` (with ``deps="fine"``): "narrow", the narrowest column chunks the kernel allows (SmolLM2:
   6 chunks of 256, 216 tiles, two rounds on 132 blocks), or "fit", the most chunks whose tiles
   still fit one round on the blocks (SmolLM2: 3 chunks of 512, 108 tiles).
+- ``gate_up_rows``: ffn rows per gate|up instruction, 8 (one GEMV tile: SmolLM2's 192 in two rounds
+  on 132 blocks) or 16 (two tiles in turn on the rows loaded once: 96 instructions, one round).
 - ``attn``: "v1" (a lane per key) or "ring" (K/V chunks staged one ahead by cp.async);
   ``attn_share``: split the keys, then the query heads of a kv head, until the attention tiles
   fill that share of the blocks; ``fold_merge``: the split partials merged in the O projection's
@@ -79,9 +81,8 @@ _CHOICES = {"attn": ("v1", "ring"), "deps": ("layer", "fine"), "down": ("narrow"
 # each knob's setting in cupyattn.config
 CONFIG_NAMES = {"attn": "MEGAKERNEL_ATTN", "attn_share": "MEGAKERNEL_ATTN_SHARE",
                 "min_keys_per_split": "MEGAKERNEL_MIN_KEYS_PER_SPLIT", "attn_min_keys": "MEGAKERNEL_ATTN_MIN_KEYS",
-                "deps": "MEGAKERNEL_DEPS", "down": "MEGAKERNEL_DOWN", "fold_merge": "MEGAKERNEL_FOLD_MERGE",
-                "spin_ns": "MEGAKERNEL_SPIN_NS",
-                "sample": "MEGAKERNEL_SAMPLE"}
+                "deps": "MEGAKERNEL_DEPS", "down": "MEGAKERNEL_DOWN", "gate_up_rows": "MEGAKERNEL_GATE_UP_ROWS",
+                "fold_merge": "MEGAKERNEL_FOLD_MERGE", "spin_ns": "MEGAKERNEL_SPIN_NS", "sample": "MEGAKERNEL_SAMPLE"}
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,7 @@ class MegaKnobs:
     attn_min_keys: int = 8
     deps: str = "layer"
     down: str = "narrow"
+    gate_up_rows: int = 8
     fold_merge: bool = False
     spin_ns: int = 1024
     sample: str = "block"
@@ -110,6 +112,9 @@ class MegaKnobs:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not lo <= v <= hi:
                 raise ValueError(f"MegaKnobs(): {name} must be an int in [{lo}, {hi}], got {v!r}")
+        if isinstance(self.gate_up_rows, bool) or self.gate_up_rows not in (GATE_UP_ROWS, 2 * GATE_UP_ROWS):
+            raise ValueError(f"MegaKnobs(): gate_up_rows must be {GATE_UP_ROWS} or {2 * GATE_UP_ROWS}, got "
+                             f"{self.gate_up_rows!r}")
         if not isinstance(self.fold_merge, bool):
             raise ValueError(f"MegaKnobs(): fold_merge must be a bool, got {self.fold_merge!r}")
 
@@ -134,8 +139,8 @@ class MegaKnobs:
 
 
 # The plan the cost model calls "new" (docs/megakernel.md): every knob on.
-NEW_PLAN = MegaKnobs(attn="ring", attn_share=0.5, deps="fine", down="fit", fold_merge=True, spin_ns=64,
-                     sample="two_level")
+NEW_PLAN = MegaKnobs(attn="ring", attn_share=0.5, deps="fine", down="fit", gate_up_rows=16, fold_merge=True,
+                     spin_ns=64, sample="two_level")
 
 
 # --- eligibility -----------------------------------------------------------------------------------
@@ -200,7 +205,7 @@ def split_down(shape, itemsize: int, blocks: int, knobs: MegaKnobs | None = None
     if not k.fine:
         return 1
     s = LlamaShape.of(shape)
-    counts = down_chunk_counts(s.ffn_dim, itemsize)
+    counts = down_chunk_counts(s.ffn_dim, itemsize, k.gate_up_rows)
     if k.down == "narrow":
         return counts[-1]
     rows = -(-s.dim // TILE_ROWS)
@@ -272,6 +277,14 @@ def llama_ops(shape, batch: int, splits: int = 1, sample: bool = True, *, knobs:
         # (72 for SmolLM2 in fp16; 64 fit the profile: the compiler overlaps a few)
         vec = 16 // itemsize
         attn_trips = 2 + 0.9 * (d // vec + 32 * (-(-d // 32))) * -(-per_split // (32 * config.MEGAKERNEL_THREADS // 32))
+    # gate|up: instructions of k.gate_up_rows ffn rows (sub-tiles of GATE_UP_ROWS in turn, arg0 >> 4 when
+    # more than one), each sub-tile after the first one trip more (its product's sums and epilogue)
+    gu_sub = k.gate_up_rows // GATE_UP_ROWS
+    n_gu = -(-s.ffn_dim // k.gate_up_rows)
+    per_chunk = n_gu if kd == 1 else s.ffn_dim // kd // k.gate_up_rows  # gate|up tiles one down chunk reads
+    one = gemv(s.dim, norm + (wide(s.dim, ko) if k.fine else 0), 2)
+    gu_cost = Cost(one.bytes + (gu_sub - 1) * TILE_ROWS * s.dim * itemsize, one.trips + gu_sub - 1, one.load_trips)
+    gu_mode = int(k.fine) | (gu_sub << 4 if gu_sub > 1 else 0)
     ops = [Op("embed", OPCODES["embed"], 1, cost=Cost(x_bytes, 1))]
     prev = "embed"
     for i in range(s.n_layers):
@@ -293,11 +306,9 @@ def llama_ops(shape, batch: int, splits: int = 1, sample: bool = True, *, knobs:
         ops.append(Op(f"oproj.{i}", OPCODES["oproj"], o_rows * ko, i, args=(ko, _slots(ko, kd, int(fold) | 2 * k.fine)),
                       deps=(o_dep,), cost=gemv(o_cols, 1 + (1 + wide(o_cols, splits) if fold else 0), 2),
                       input_of=tuple(t % ko for t in range(o_rows * ko))))
-        n_gu = -(-s.ffn_dim // GATE_UP_ROWS)
-        per_chunk = s.ffn_dim // kd // GATE_UP_ROWS  # gate|up tiles whose ffn columns one down chunk reads
-        ops.append(Op(f"gate_up.{i}", OPCODES["gate_up"], n_gu, i, args=(int(k.fine), _slots(ko, kd, i)),
+        ops.append(Op(f"gate_up.{i}", OPCODES["gate_up"], n_gu, i, args=(gu_mode, _slots(ko, kd, i)),
                       group_of=tuple(t // per_chunk for t in range(n_gu)) if k.fine else None,
-                      deps=(Dep(f"oproj.{i}"),), cost=gemv(s.dim, norm + (wide(s.dim, ko) if k.fine else 0), 2)))
+                      deps=(Dep(f"oproj.{i}"),), cost=gu_cost))
         d_rows = rows(s.dim)
         d_dep = Dep(f"gate_up.{i}", tuple((t % kd,) for t in range(d_rows * kd))) if k.fine else Dep(f"gate_up.{i}")
         ops.append(Op(f"down.{i}", OPCODES["down"], d_rows * kd, i, args=(kd, _slots(ko, kd, 2 * k.fine)),

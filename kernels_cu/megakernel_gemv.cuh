@@ -7,6 +7,7 @@
 //                  and hD+D/2+8j..+7), t = h * D/16 + j                            lengths[b]
 //   MK_OP_OPROJ    Wo rows 16r..16r+15, columns of chunk c   att (heads merged)    x += C, or C -> slot c
 //   MK_OP_GATE_UP  gate rows 8t..+7, up rows F+8t..+7        rmsnorm(x, ffn_norm)  ffn = silu(g) * u
+//                  (n sub-tiles, arg0 >> 4 = n > 1: the 8n rows from 8nt, as n tiles in turn)
 //   MK_OP_DOWN     Wdown rows 16r..16r+15, columns of chunk c ffn                  x += C, or C -> slot KO + c
 //   MK_OP_LM_HEAD  output rows 16t..16t+15 (the tied         rmsnorm(x, out_norm)  logits = C
 //                  embedding when tied)
@@ -70,8 +71,22 @@ struct GemvTile {
     const T* x;
     const T* norm;
     T* xdst;
-    int K, wld, ld, row[2], end[2], nchunks, src, mode, par, ko, kd, col0, slot;
+    int K, wld, ld, row[2], end[2], nchunks, src, mode, par, ko, kd, col0, slot, nsub;
 };
+
+// A gate|up instruction of n sub-tiles (arg0 >> 4 = n) runs as n tiles in turn: sub-tile s is the
+// tile n t + s with the input mode alone in arg0 (every other instruction: itself).
+__device__ __forceinline__ int mk_subtiles(const MkIns& ins) {
+    return ins.op == MK_OP_GATE_UP ? max(1, ins.arg0 >> 4) : 1;
+}
+__device__ __forceinline__ MkIns mk_subtile(const MkIns& ins, int s) {
+    MkIns r = ins;
+    if (ins.op == MK_OP_GATE_UP) {
+        r.tile = ins.tile * mk_subtiles(ins) + s;
+        r.arg0 = ins.arg0 & 15;
+    }
+    return r;
+}
 
 template <typename T>
 __device__ __forceinline__ GemvTile<T> gemv_tile(const MkModel& m, const MkState& st, const MkIns& ins) {
@@ -87,6 +102,8 @@ __device__ __forceinline__ GemvTile<T> gemv_tile(const MkModel& m, const MkState
     g.slot = -1;
     g.ko = ins.arg1 & 255;
     g.kd = (ins.arg1 >> 8) & 255;
+    g.nsub = mk_subtiles(ins);
+    const int a0 = ins.op == MK_OP_GATE_UP ? ins.arg0 & 15 : ins.arg0;  // the input mode
     const int high = ins.arg1 >> 16;
     g.row[0] = MK_TILE_ROWS * t;
     g.row[1] = MK_TILE_ROWS * t + 8;
@@ -113,7 +130,7 @@ __device__ __forceinline__ GemvTile<T> gemv_tile(const MkModel& m, const MkState
         g.par = ins.layer & 1;
     } else if (ins.op == MK_OP_GATE_UP) {
         g.w = (const T*)L->w_gate_up; g.x = (const T*)st.x; g.norm = (const T*)L->ffn_norm; g.K = dim; g.ld = dim;
-        g.row[0] = 8 * t; g.row[1] = F + 8 * t;
+        g.row[0] = 8 * g.nsub * t; g.row[1] = F + 8 * g.nsub * t;  // sub-tile 0's (the stream: all)
         g.end[0] = F; g.end[1] = 2 * F;
     } else {  // MK_OP_LM_HEAD
         g.w = (const T*)m.out_w; g.x = (const T*)st.x; g.norm = (const T*)m.out_norm; g.K = dim; g.ld = dim;
@@ -121,12 +138,12 @@ __device__ __forceinline__ GemvTile<T> gemv_tile(const MkModel& m, const MkState
     }
     if (ins.op != MK_OP_OPROJ && ins.op != MK_OP_DOWN) {
         g.wld = g.K;
-        if (ins.arg0 > 0) {  // the residual composed from a buffer and the partial slots of layer `high`
+        if (a0 > 0) {  // the residual composed from a buffer and the partial slots of layer `high`
             g.src = MK_SRC_COMPOSE;
-            g.mode = ins.arg0;
+            g.mode = a0;
             g.par = high & 1;
             g.x = (const T*)(g.par ? st.xalt : st.x);
-            if (ins.op == MK_OP_QKV && ins.arg0 == 2 && t == 0) g.xdst = (T*)(g.par ? st.x : st.xalt);
+            if (ins.op == MK_OP_QKV && a0 == 2 && t == 0) g.xdst = (T*)(g.par ? st.x : st.xalt);
         }
     }
     g.nchunks = (g.K + CH - 1) / CH;
@@ -137,7 +154,7 @@ __device__ __forceinline__ GemvTile<T> gemv_tile(const MkModel& m, const MkState
 template <typename T>
 struct WeightRows {
     const T* w;
-    int wld, K, row[2], end[2], nchunks;
+    int wld, K, row[2], end[2], nchunks, per;  // per: chunks of one sub-tile (the next sub-tile's rows: + 8)
 };
 
 // Every thread of the block holds the same copy (uniform control flow). `row` is the next queue
@@ -168,7 +185,8 @@ struct WeightStream {
             const MkIns ins = mk_ins(instr, row++);
             if (mk_is_gemv(ins.op)) {
                 const GemvTile<T> g = gemv_tile<T>(m, st, ins);
-                tile = WeightRows<T>{g.w, g.wld, g.K, {g.row[0], g.row[1]}, {g.end[0], g.end[1]}, g.nchunks};
+                tile = WeightRows<T>{g.w, g.wld, g.K, {g.row[0], g.row[1]}, {g.end[0], g.end[1]}, g.nchunks * g.nsub,
+                                     g.nchunks};
                 sub = 0;
             }
         }
@@ -178,7 +196,8 @@ struct WeightStream {
             for (int u = 0; u < MK_STAGE_BYTES / 16 / MK_THREADS; ++u) {
                 const int q = threadIdx.x + u * MK_THREADS, r = q / 32, cl = q % 32;
                 const bool hi = r >= 8;  // group 1 (selects, not a dynamic index: no local memory)
-                const int wrow = (hi ? tile.row[1] : tile.row[0]) + r % 8, col = sub * CH + cl * VEC;
+                const int s = sub / tile.per, c = sub - s * tile.per;  // sub-tile, its chunk
+                const int wrow = (hi ? tile.row[1] : tile.row[0]) + 8 * s + r % 8, col = c * CH + cl * VEC;
                 const bool ok = wrow < (hi ? tile.end[1] : tile.end[0]) && col < tile.K;  // whole chunks
                 cp_async_zfill<16>(slot + r * MK_CHUNK_BYTES + cl * 16,
                                    ok ? (const void*)(tile.w + (size_t)wrow * tile.wld + col) : (const void*)tile.w,
@@ -543,14 +562,17 @@ __device__ __forceinline__ void gemv_epilogue(const MkModel& m, const MkState& s
 template <typename T>
 __device__ void mk_gemv(const MkModel& m, const MkState& st, const MkIns& ins, WeightStream<T>& ws, T* xs,
                         bool load, GemvSmem& sm) {
-    const GemvTile<T> g = gemv_tile<T>(m, st, ins);
     // The QKV epilogue's cache position, loaded before the rows so its round trip overlaps them: the
     // lengths change only at the end of the step (mk_end_of_step), after every block's last read.
     const int pos = ins.op == MK_OP_QKV && (int)threadIdx.x < 8 * (int)m.B
                         ? __ldcg(st.lengths + (size_t)ins.layer * m.B + threadIdx.x / 8) : 0;
-    if (load)  // ws.next()'s barrier publishes xs; the partial sums' buffer is free until the product
-        gemv_load_rows<T>(m, st, g, xs, &sm.red[0][0][0], (int)(sizeof(sm.red) / sizeof(float)));
-    gemv_product<T>(ws, g, (int)m.B, xs, sm);
-    if (ins.op == MK_OP_QKV) gemv_epilogue_qkv<T>(m, st, ins, sm, pos);
-    else gemv_epilogue<T>(m, st, ins, g, sm);
+    for (int s = 0; s < mk_subtiles(ins); ++s) {  // the input rows serve every sub-tile
+        const MkIns is = mk_subtile(ins, s);
+        const GemvTile<T> g = gemv_tile<T>(m, st, is);
+        if (load && s == 0)  // ws.next()'s barrier publishes xs; the partial sums' buffer is free until the product
+            gemv_load_rows<T>(m, st, g, xs, &sm.red[0][0][0], (int)(sizeof(sm.red) / sizeof(float)));
+        gemv_product<T>(ws, g, (int)m.B, xs, sm);  // its first ws.next() waits out the last epilogue's reads
+        if (is.op == MK_OP_QKV) gemv_epilogue_qkv<T>(m, st, is, sm, pos);
+        else gemv_epilogue<T>(m, st, is, g, sm);
+    }
 }

@@ -389,9 +389,12 @@ def test_gpu_op_sample_two_level_reads_what_it_says(rng, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_gpu_op_gate_up_swiglu(rng, dtype):
+@pytest.mark.parametrize("sub", [1, 2])
+def test_gpu_op_gate_up_swiglu(rng, dtype, sub):
+    """gate|up + SwiGLU in 8-row tiles, and in instructions of two 8-row sub-tiles (arg0 = 2 << 4:
+    ffn 40 in 3 instructions, the last one's second sub-tile past the end)."""
     m = _Model(rng, dtype)
-    m.run([_op("gate_up", m)])
+    m.run([_op("gate_up", m, args=(0 if sub == 1 else 2 << 4, 0), tiles=-(-m.s["f"] // (8 * sub)))])
     f = m.s["f"]
     gu = ref.gemm_nt(ref.rmsnorm(m.h.x, m.h.layers[1].ffn_norm, 1e-5), m.h.layers[1].w_gate_up)
     assert_close(m.ffn, ref.swiglu(gu[:, :f], gu[:, f:]), dtype)
