@@ -263,7 +263,8 @@ __global__ void __launch_bounds__(MK_THREADS, 1) megakernel(
                 if (ins.arg1 == 1) mk_attention_ring<T>(m, st, ins, scratch.ring, reinterpret_cast<unsigned char*>(xs));
                 else mk_attention<T>(m, st, ins, scratch.attn);
             } else if (ins.op == MK_OP_REDUCE) {
-                mk_attention_reduce<T>(m, st, ins);
+                mk_attention_reduce<T>(m, st, ins, &scratch.gemv.red[0][0][0],
+                                       (int)(sizeof(scratch.gemv.red) / sizeof(float)));
             } else if (ins.op == MK_OP_EMBED) {
                 mk_embed<T>(m, st);
             } else if (ins.op == MK_OP_SAMPLE_PART) {

@@ -13,7 +13,7 @@
 //                                                       else normalised partials O_c and lse_c.
 //                                                       arg1: 0 the v1 loop below, 1 the ring
 //   MK_OP_REDUCE    b * Hkv + kvh                       att = sum_c exp(lse_c - lse) O_c over the
-//                                                       splits (reference.merge_partials; mk_merge)
+//                                                       splits (reference.merge_partials; mk_merge_rows)
 //
 // v1 (FlashAttention-2's online softmax, per warp): warp w takes key tiles w, w + MK_WARPS,
 // ... of 32 keys, lane = key: s = q . k for up to MK_HEAD_TILE heads at once (q pre-scaled by
@@ -167,15 +167,13 @@ __device__ void mk_attention(const MkModel& m, const MkState& st, const MkIns& i
     }
 }
 
-// att rows of the G heads of (b, kvh) from the splits' partials (mk_merge).
+// att rows of the G heads of (b, kvh) from the splits' partials (mk_merge_rows; lse: cap floats of
+// scratch).
 template <typename T>
-__device__ void mk_attention_reduce(const MkModel& m, const MkState& st, const MkIns& ins) {
+__device__ void mk_attention_reduce(const MkModel& m, const MkState& st, const MkIns& ins, float* lse, int cap) {
     const int D = (int)m.D, Hq = (int)m.Hq, Hkv = (int)m.Hkv, G = Hq / Hkv;
     const int b = ins.tile / Hkv, kvh = ins.tile % Hkv;
-    for (int it = threadIdx.x; it < G * D; it += MK_THREADS) {
-        const int h = kvh * G + it / D, d = it % D;
-        ((T*)st.att)[((size_t)b * Hq + h) * D + d] = from_float<T>(mk_merge(m, st, b, h, d));
-    }
+    mk_merge_rows<T>(m, st, b, 1, kvh * G, G, (T*)st.att + ((size_t)b * Hq + kvh * G) * D, (size_t)Hq * D, lse, cap);
 }
 
 // --- the ring variant (arg1 = 1) -------------------------------------------------------------------

@@ -21,7 +21,7 @@
 // of layer s + 1, the LM head) T(x' + T(sum of the down slots)), which the QKV tile 0 of layer s + 1
 // also stores as x_{s+1} (buffer (s + 1) & 1 of x, xalt). The rounding is the fused step's, the
 // float32 sums in another order. With the merge flag the O projection's input is the split
-// attention's partials merged as they load (mk_merge: the reduce op's arithmetic), no att rows.
+// attention's partials merged as they load (mk_merge_rows, as the reduce op merges), no att rows.
 //
 // Every rounding of the fused step (fused_decode.cu) is kept: the normalised rows are
 // T(x * inv_rms * w) as rmsnorm writes them, C is rounded to T before RoPE / the residual add /
@@ -233,26 +233,6 @@ __device__ __forceinline__ float chunk_dot(const uint4& a, const uint4& b) {
     return s;
 }
 
-// One attention output element of sequence b, head h, dim d merged from the split partials:
-// lse = max_c lse_c, w_c = exp(lse_c - lse), out = sum_c w_c O_c / sum_c w_c (zeros when every
-// split was empty). The reduce op and the merge-on-load of the O projection share it, so both
-// round the same.
-__device__ __forceinline__ float mk_merge(const MkModel& m, const MkState& st, int b, int h, int d) {
-    const int splits = (int)m.splits, B = (int)m.B, Hq = (int)m.Hq, D = (int)m.D;
-    float M = -CUDART_INF_F;
-    for (int c = 0; c < splits; ++c) M = fmaxf(M, __ldcg(st.lse_part + ((size_t)c * B + b) * Hq + h));
-    float W = 0.f, O = 0.f;
-    if (M > -CUDART_INF_F) {
-        for (int c = 0; c < splits; ++c) {
-            const size_t r = ((size_t)c * B + b) * Hq + h;
-            const float w = expf(__ldcg(st.lse_part + r) - M);
-            W += w;
-            O = fmaf(w, __ldcg(st.o_part + r * D + d), O);
-        }
-    }
-    return W > 0.f ? O / W : 0.f;
-}
-
 // ss + the sum of squares of a 16-byte vector's elements.
 template <typename T>
 __device__ __forceinline__ float fmaf_chunk(const uint4& v, float ss) {
@@ -323,27 +303,29 @@ __device__ __forceinline__ void gemv_compose_rows(const MkModel& m, const MkStat
     __syncthreads();  // warp b reads all of row b next
 }
 
-// Attention rows merged from the split partials into xs (the O projection's load with the merge
-// flag): mk_merge's arithmetic per element. Per pass over as many of the tile's heads as `lse`
-// holds (cap floats: every (b, head, split) log-sum-exp, one load each), then the quads. One head
-// always fits: LlamaStep keeps B x splits within 8 x config.MEGAKERNEL_MAX_SPLITS (32), cap 4224.
+// Attention rows merged from the split partials: sequences b0 .. b0 + nb - 1, heads h0 .. h0 + nh - 1,
+// row b - b0 to out + (b - b0) ld, head h at (h - h0) D. Per element lse = max_c lse_c, w_c =
+// exp(lse_c - lse), out = sum_c w_c O_c / sum_c w_c (zeros when every split was empty). The reduce op
+// and the O projection's merge on load both call it, so both round alike. Per pass over as many
+// heads as `lse` holds (cap floats: every (b, head, split) log-sum-exp, one load each), then item
+// (b, quad of 4 dims) with its splits' O loads MK_LOAD_BATCH at a time. One head always fits:
+// LlamaStep keeps B x splits within 8 x config.MEGAKERNEL_MAX_SPLITS (32), cap 4224.
 template <typename T>
-__device__ __forceinline__ void gemv_merge_rows(const MkModel& m, const MkState& st, const GemvTile<T>& g, T* xs,
-                                                float* lse, int cap) {
+__device__ __forceinline__ void mk_merge_rows(const MkModel& m, const MkState& st, int b0, int nb, int h0, int nh,
+                                              T* out, size_t ld, float* lse, int cap) {
     typedef typename MkQuadBits<4 * sizeof(T)>::type Q;
-    const int B = (int)m.B, Hq = (int)m.Hq, D = (int)m.D, S = (int)m.splits;
-    const int h0 = g.col0 / D, nh = g.K / D, per = max(1, cap / (B * S));
+    const int B = (int)m.B, Hq = (int)m.Hq, D = (int)m.D, S = (int)m.splits, per = max(1, cap / (nb * S));
     for (int ha = 0; ha < nh; ha += per) {
         const int hn = min(per, nh - ha), nq = hn * D / 4;
-        for (int i = threadIdx.x; i < B * hn * S; i += MK_THREADS) {  // lse[(b hn + head) S + split]
-            const int c = i % S, hl = (i / S) % hn, b = i / (S * hn);
+        for (int i = threadIdx.x; i < nb * hn * S; i += MK_THREADS) {  // lse[(b hn + head) S + split]
+            const int c = i % S, hl = (i / S) % hn, b = b0 + i / (S * hn);
             lse[i] = __ldcg(st.lse_part + ((size_t)c * B + b) * Hq + h0 + ha + hl);
         }
         __syncthreads();
-        for (int it = threadIdx.x; it < B * nq; it += MK_THREADS) {
-            const int b = it / nq, k = 4 * (it % nq), hl = k / D, h = h0 + ha + hl;
-            const float* l = lse + (b * hn + hl) * S;
-            const float* o = st.o_part + ((size_t)b * Hq + h) * D + k % D;
+        for (int it = threadIdx.x; it < nb * nq; it += MK_THREADS) {
+            const int bl = it / nq, k = 4 * (it % nq), hl = k / D, h = h0 + ha + hl;
+            const float* l = lse + (bl * hn + hl) * S;
+            const float* o = st.o_part + ((size_t)(b0 + bl) * Hq + h) * D + k % D;
             float M = -CUDART_INF_F;
             for (int c = 0; c < S; ++c) M = fmaxf(M, l[c]);
             float W = 0.f, O[4] = {0.f, 0.f, 0.f, 0.f};
@@ -361,13 +343,13 @@ __device__ __forceinline__ void gemv_merge_rows(const MkModel& m, const MkState&
                     O[2] = fmaf(w, v[u].z, O[2]); O[3] = fmaf(w, v[u].w, O[3]);
                 }
             }
-            Q out;
-            T* e = reinterpret_cast<T*>(&out);
+            Q q;
+            T* e = reinterpret_cast<T*>(&q);
 #pragma unroll
             for (int j = 0; j < 4; ++j) e[j] = from_float<T>(W > 0.f ? O[j] / W : 0.f);
-            reinterpret_cast<Q*>(xs + (size_t)b * g.K + (size_t)ha * D)[it % nq] = out;
+            reinterpret_cast<Q*>(out + bl * ld + (size_t)ha * D)[it % nq] = q;
         }
-        __syncthreads();  // lse is refilled by the next pass; the rows are read by other warps
+        __syncthreads();  // lse is refilled by the next pass; the rows are read by other threads
     }
 }
 
@@ -403,7 +385,7 @@ __device__ __forceinline__ void gemv_load_rows(const MkModel& m, const MkState& 
         if (g.norm != nullptr && b < B && lane + 32 * j < nc)
             wpre[j] = *(reinterpret_cast<const uint4*>(g.norm) + lane + 32 * j);
     if (g.src == MK_SRC_COMPOSE) gemv_compose_rows<T>(m, st, g, xs);  // every thread: barriers inside
-    else if (g.src == MK_SRC_MERGE) gemv_merge_rows<T>(m, st, g, xs, tmp, cap);
+    else if (g.src == MK_SRC_MERGE) mk_merge_rows<T>(m, st, 0, B, g.col0 / (int)m.D, g.K / (int)m.D, xs, g.K, tmp, cap);
     if (b >= B) return;  // whole warps leave together
     uint4* dst = reinterpret_cast<uint4*>(xs + (size_t)b * g.K);
     float ss = 0.f;
