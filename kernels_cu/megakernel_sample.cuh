@@ -275,15 +275,15 @@ __device__ void mk_sample(const MkModel& m, const MkState& st, const MkIns& ins,
             __syncthreads();
             src.cand = sm.cv;
         }
+        // over the union (a wide cut only where it lies inside: -2 when it does not), else over the
+        // whole row on this block; one call site, so the kernel holds one copy of the draw
+        const bool wide = d.no_cut || d.top_k > MK_SAMPLE_CAND;
         int i = -2;
-        if (n > 0)  // over the union; a wide cut only where it lies inside (-2: it does not)
-            i = sample_draw<MK_THREADS>(src, n, d.beta, d.top_p, d.no_cut ? 0 : d.top_k, seed_lo, seed_hi, step, sm.s,
-                                        d.no_cut || d.top_k > MK_SAMPLE_CAND, sm.row_mass, sm.outside_key);
-        if (i >= 0) {
-            i = sm.ci[i];
-        } else if (i == -2) {  // the whole row on this block
-            src.cand = nullptr;
-            i = sample_draw<MK_THREADS>(src, V, d.beta, d.top_p, d.top_k, seed_lo, seed_hi, step, sm.s);
+        for (bool union_ = n > 0; i == -2; union_ = false) {
+            if (!union_) src.cand = nullptr;
+            i = sample_draw<MK_THREADS>(src, union_ ? n : V, d.beta, d.top_p, union_ && d.no_cut ? 0 : d.top_k, seed_lo,
+                                        seed_hi, step, sm.s, union_ && wide, sm.row_mass, sm.outside_key);
+            if (union_ && i >= 0) i = sm.ci[i];
         }
         token = i;
     }
