@@ -65,6 +65,11 @@
 #             (decode-paged); one ncu profile of paged-16 (DRAM %, occupancy, long-scoreboard stalls);
 #             the GPU tests and sanitizers of the kernels changed since that run (benchmarks/settle.py)
 #                                                       -> settle-*.{txt,json}, compare-*.txt, ncu-*.txt
+#   decide    what one call of a 15-minute device session (start-up included) decides first, at most
+#             DECIDE_BUDGET (540) s, in this order: mega without HF compiled (the plan knobs' A/B, 245 s), the
+#             2026-11-27 outliers re-timed (settle's first two steps, 145 s), the opt-in decode variants
+#             (150 s); the rest (tests, sanitize, causal, settle's ncu) goes to later sessions
+#                                   -> pytest-mega.log, mega-ab.*, mega.*, settle-*, decide-decode-paged.*
 #   verify    tests, sanitize, bench and the two short sweeps (softmax-cols, decode-batch)
 #   all       tests, sanitize, bench, sweeps, paged (the default)
 #   summary   (needs no GPU; every stage ends with it) results/summary.txt: compare's flags first,
@@ -327,6 +332,20 @@ run_record() {  # every op's default cases recorded (the results JSON) at the he
     run_headline_model
 }
 
+run_mega() {  # run_mega [full]: the megakernel's GPU tests, the plan knobs' A/B, batch 1 and 8 beside the
+    # fused step and HF eager; with "full" HF compiled too (torch.compile's own minute)
+    local m=(--model smollm2-135m-shape --debug --no-progress)
+    MEGA_TIMEOUT="${MEGA_TIMEOUT:-90}" run_mega_tests  # compiles the kernel (cached for the steps after)
+    CAP=85 bench_step "mega knobs A/B" "$OUT/mega-ab.txt" "$OUT/mega-ab.json" "$PY" -m benchmarks model "${m[@]}" \
+        --batch 1 --new-tokens 48 --model-reps 2 --json "$OUT/mega-ab.json" --impl \
+        tinylm-fused,tinylm-mega,tinylm-mega-new,tinylm-mega-ring,tinylm-mega-fine,tinylm-mega-fine-fit,tinylm-mega-gu16,tinylm-mega-spin64,tinylm-mega-spin0,tinylm-mega-sample2,tinylm-fused-topp,tinylm-mega-topp,tinylm-mega-new-topp
+    CAP=70 bench_step "mega vs fused and HF" "$OUT/mega.txt" "$OUT/mega.json" "$PY" -m benchmarks model "${m[@]}" \
+        --batch 1,8 --impl tinylm-fused,tinylm-fused-pdl,tinylm-mega,tinylm-mega-new,hf-transformers --json "$OUT/mega.json"
+    [ "${1:-}" = full ] || return 0
+    CAP=55 bench_step "mega vs HF compiled" "$OUT/mega-hf-compiled.txt" "$OUT/mega-hf-compiled.json" "$PY" -m benchmarks \
+        model "${m[@]}" --batch 1,8 --impl tinylm-mega-new,hf-compiled --json "$OUT/mega-hf-compiled.json"
+}
+
 run_correctness() { run_tests; run_mega_tests; }
 
 run_lease() {  # run_lease NEXT: tests beside sanitize, then NEXT alone, then one archive of $OUT
@@ -366,19 +385,24 @@ run_ncu_decode() {  # run_ncu_decode IMPL B SK HKV: the decode kernels of one ca
         --no-flush --allow-shared --no-progress
 }
 
-run_settle() {  # at most SETTLE_BUDGET s: the 2026-11-27 outliers, the decode variants, the changed kernels
-    DEADLINE=$((SECONDS + ${SETTLE_BUDGET:-540}))
-    local t=(--warmup 3 --budget-ms 2000 --debug --no-progress) plan
-    # a failed plan runs as if a shared header changed: the tests and sanitizers go to calls of their own
-    plan="$("$PY" -m benchmarks.settle plan)" || { log_step "settle plan: failed"; status=1; plan="SETTLE_CHANGED=unknown"; }
-    eval "$plan"
-    log_step "settle: kernels since ${SETTLE_SINCE:-?} -> now ${SETTLE_NOW:-?}; changed: ${SETTLE_CHANGED:-none}"
+run_outliers() {  # the 2026-11-27 outliers re-timed on an idle GPU: decode B1 L128k at fixed split counts, GEMM M=1
+    local t=(--warmup 3 --budget-ms 2000 --debug --no-progress)
     CAP=100 bench_step "settle decode B1 L128k" "$OUT/settle-decode.txt" "$OUT/settle-decode.json" "$PY" -m benchmarks \
         decode --B 1 --H 32 --Hkv 8 --Sk 131072 --D 128 --dtype float16 --splits auto,16,32,33,64 \
         --impl split-kv,unsplit,paged-16,torch-sdpa --reps 50 "${t[@]}" --json "$OUT/settle-decode.json"
     CAP=45 bench_step "settle gemm M1" "$OUT/settle-gemm-M1.txt" "$OUT/settle-gemm-M1.json" "$PY" -m benchmarks \
         gemm --M 1 --N 4096 --K 4096 --dtype float16 --impl ours,ours-skinny,ours-mma,ours-wgmma,cublas,torch-matmul \
         --reps 50 "${t[@]}" --json "$OUT/settle-gemm-M1.json"
+}
+
+run_settle() {  # at most SETTLE_BUDGET s: the 2026-11-27 outliers, the decode variants, the changed kernels
+    DEADLINE=$((SECONDS + ${SETTLE_BUDGET:-540}))
+    local plan
+    # a failed plan runs as if a shared header changed: the tests and sanitizers go to calls of their own
+    plan="$("$PY" -m benchmarks.settle plan)" || { log_step "settle plan: failed"; status=1; plan="SETTLE_CHANGED=unknown"; }
+    eval "$plan"
+    log_step "settle: kernels since ${SETTLE_SINCE:-?} -> now ${SETTLE_NOW:-?}; changed: ${SETTLE_CHANGED:-none}"
+    run_outliers
     CAP=170 run_decode_paged settle-decode-paged
     CAP=30 run_ncu_decode paged-16 8 32768 8
     CAP=30 run_ncu_decode split-kv 1 131072 1
@@ -416,16 +440,13 @@ stage_model() {  # does config.TINYLM_FUSED_DECODE hold? tinylm-fused vs tinylm,
     bench_step "model decode" "$OUT/model.txt" "$OUT/model.json" "$PY" -m benchmarks model --model smollm2-135m-shape \
         --batch 1,8 --debug --no-progress --json "$OUT/model.json"
 }
-stage_mega() {  # the megakernel's plan knobs A/B and its tokens/s against the fused step and HF, same run
-    local m=(--model smollm2-135m-shape --debug --no-progress)
-    MEGA_TIMEOUT="${MEGA_TIMEOUT:-90}" run_mega_tests  # compiles the kernel (cached for the steps after)
-    CAP=85 bench_step "mega knobs A/B" "$OUT/mega-ab.txt" "$OUT/mega-ab.json" "$PY" -m benchmarks model "${m[@]}" \
-        --batch 1 --new-tokens 48 --model-reps 2 --json "$OUT/mega-ab.json" --impl \
-        tinylm-fused,tinylm-mega,tinylm-mega-new,tinylm-mega-ring,tinylm-mega-fine,tinylm-mega-fine-fit,tinylm-mega-gu16,tinylm-mega-spin64,tinylm-mega-spin0,tinylm-mega-sample2,tinylm-fused-topp,tinylm-mega-topp,tinylm-mega-new-topp
-    CAP=70 bench_step "mega vs fused and HF" "$OUT/mega.txt" "$OUT/mega.json" "$PY" -m benchmarks model "${m[@]}" \
-        --batch 1,8 --impl tinylm-fused,tinylm-fused-pdl,tinylm-mega,tinylm-mega-new,hf-transformers --json "$OUT/mega.json"
-    CAP=55 bench_step "mega vs HF compiled" "$OUT/mega-hf-compiled.txt" "$OUT/mega-hf-compiled.json" "$PY" -m benchmarks \
-        model "${m[@]}" --batch 1,8 --impl tinylm-mega-new,hf-compiled --json "$OUT/mega-hf-compiled.json"
+stage_mega() { run_mega full; }
+stage_decide() {  # one call of a 15-minute device session, at most DECIDE_BUDGET s, the open decisions first
+    DEADLINE=$((SECONDS + ${DECIDE_BUDGET:-540}))
+    run_mega
+    run_outliers
+    CAP=150 run_decode_paged decide-decode-paged
+    DEADLINE=""
 }
 stage_prefill() {  # the persistent kernel's tests, then its benchmarks beside v3 and SDPA
     local h=("${HEADLINE[@]}")

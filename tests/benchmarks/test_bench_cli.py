@@ -833,6 +833,33 @@ def test_gpu_run_settle_fits_one_call_and_times_what_issue_57_asks(tmp_path):
         assert set(tests) <= set(steps["gpu tests"])
 
 
+def test_gpu_run_decide_fits_one_call_of_a_device_session_in_priority_order(tmp_path):
+    """decide: one call of a 15-minute device session (its budget, the caps of its steps cut to
+    it), the megakernel's GPU tests before its timings, its A/B and batch 1/8 run, then settle's
+    re-timed outliers, then the opt-in decode variants; no step that does not fit (HF compiled,
+    sanitizers, the whole GPU tier)."""
+    text = (ROOT / "benchmarks" / "gpu_run.sh").read_text()
+    budget = int(re.search(r"DECIDE_BUDGET:-(\d+)", text).group(1))
+    assert budget <= 570
+    names = [name for name, _ in _gpu_run_dry(tmp_path, "decide")]
+    assert names == ["megakernel gpu tests", "mega knobs A/B", "mega vs fused and HF", "settle decode B1 L128k",
+                     "settle gemm M1", "decide-decode-paged"]
+    # the same commands as the stages they come from ($OUT aside)
+    def steps(stage):
+        return {n: [a.replace(str(tmp_path / stage), "$OUT") for a in argv] for n, argv in _gpu_run_dry(tmp_path, stage)}
+
+    mega, settle, decide = steps("mega"), steps("settle"), steps("decide")
+    for name, argv in decide.items():
+        if name in mega:
+            assert argv == mega[name], name
+        elif name.startswith("settle "):
+            assert argv == settle[name], name
+    paged = decide["decide-decode-paged"]
+    assert set(cases_opt_in()) <= set(paged[paged.index("--impl") + 1].split(","))
+    body = re.search(r"stage_decide\(\) \{.*?\n\}", text, re.S).group(0)
+    assert "run_mega\n" in body and "run_mega full" not in body
+
+
 def cases_opt_in():
     from benchmarks import cases
 
