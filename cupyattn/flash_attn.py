@@ -44,7 +44,9 @@ def default_impl(dtype, head_dim: int) -> str:
     registers at ``head_dim`` (config.IMPL_MIN_CC_BY_HEAD_DIM: D = 256 from sm_80) and its tile fits
     the shared memory per block (not Turing's 64 KB at D = 96, 128: the 32-key tiles of
     FLASH_MMA_SMALL_SMEM_TILES serve an explicit impl="flash_mma" there, and stay off the default
-    until they have run on a GPU), else flash (options.DEFAULTS["attention"]'s last rows)."""
+    until they have run on a GPU), else flash (options.DEFAULTS["attention"]'s last rows). At a
+    head dim no fused kernel has (not config.HEAD_DIMS): naive, the split pipeline, where it
+    implements the call (no window, no softcap)."""
     return options.choose(options.Call("attention", dtype, head_dim, device.compute_capability(),
                                        device.smem_optin()))
 
@@ -118,14 +120,18 @@ def _check_args(q, k, v, causal, scale, mask, key_lengths, impl, return_lse, out
     used = [o for o, on in (("causal", causal), ("window", window_used), ("softcap", cap > 0),
                             ("mask", mask is not None), ("key_lengths", key_lengths is not None),
                             ("scale", scale is not None), ("return_lse", return_lse), ("out", out is not None)) if on]
+    asked = impl
     if impl is None:  # TMA must read q, k, v for a Hopper kernel (asked only where its row applies)
         problems = {"wgmma": lambda: _sm90.launch_problem(q, k, v),
                     _sm90p.IMPL: lambda: _sm90p.launch_problem(_FN, _sm90p.IMPL, _sm90p.dense_ops(q, k, v), q, b)}
         impl = choose(_FN, q, d, used=used, causal=causal, launches=bool(q.size and sk),
                       problem=lambda i: problems[i]())
     if impl != "naive" and d not in HEAD_DIMS:
-        raise ValueError(f"{_FN}(): head_dim D={d} is not supported by impl={impl!r}; supported: "
-                         f"{', '.join(map(str, HEAD_DIMS))} (impl='naive' takes any D)")
+        lacks = [o for o in options.REFUSED[(_FN, "naive")] if o in used]
+        naive = f"impl='naive' takes any D but has no {' or '.join(lacks)}" if lacks else "impl='naive' takes any D"
+        who = f"impl={impl!r}" if asked is not None else "the fused kernels"
+        raise ValueError(f"{_FN}(): head_dim D={d} is not supported by {who}; supported: "
+                         f"{', '.join(map(str, HEAD_DIMS))} ({naive})")
     if impl == "flash_mma" and np.dtype(q.dtype) not in MMA_DTYPES:
         raise TypeError(f"{_FN}(): impl='flash_mma' needs float16 or bfloat16 inputs, got float32 "
                         f"(use impl='flash')")
@@ -175,7 +181,9 @@ def attention(q, k, v, causal=False, scale=None, mask=None, key_lengths=None, im
         [0, Sk]; a CuPy array is used as is (not read back: the flash kernel clamps it to [0, Sk]).
     impl : {None, "flash", "flash_mma", "naive", "wgmma", "wgmma_persistent"}
         None (default): the fastest correct kernel for the dtype on this GPU,
-        ``default_impl(q.dtype, D)`` (``DEFAULT_IMPL[q.dtype]`` from sm_80 on; see docs/gpus.md).
+        ``default_impl(q.dtype, D)`` (``DEFAULT_IMPL[q.dtype]`` from sm_80 on; see docs/gpus.md);
+        at a D no fused kernel has (not ``config.HEAD_DIMS``), ``"naive"``, which takes any D but
+        has no window or softcap (a ValueError names D and the option).
         ``"flash"``: one fused FlashAttention-2 kernel launch (SIMT, fp32 FMA); S is
         never written to memory and only ``out`` (and ``lse``, and a B-element int32 copy of
         host key_lengths) are allocated. D must be one of

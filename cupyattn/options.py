@@ -285,7 +285,13 @@ NOT_SKINNY_M = If(f"M is over config.GEMM_SKINNY_MAX_M ({C.GEMM_SKINNY_MAX_M})",
 WARP_ROWS = If(f"rows hold at most config.RMSNORM_WARP_MAX_D ({C.RMSNORM_WARP_MAX_D}) elements",
                lambda c, i: c.head_dim <= C.RMSNORM_WARP_MAX_D)
 
+FUSED_D = If(lambda: f"D is one of the fused kernels' head dims (config.HEAD_DIMS: {', '.join(map(str, C.HEAD_DIMS))})",
+             lambda c, i: c.head_dim in C.HEAD_DIMS)
+OTHER_D = If("D is none of them (the split pipeline takes any D, with S in memory)", lambda c, i: c.head_dim not in C.HEAD_DIMS)
+
 _FLASH = (("flash_mma", (MMA_DTYPE, _runs("attention", at_d=True), MMA_TILE_FITS)), ("flash", ()))
+# dense attention has a path for any head dim: the split pipeline, where it implements the call
+_FLASH_ANY_D = (("flash_mma", (FUSED_D,) + _FLASH[0][1]), ("naive", (OTHER_D, IMPLEMENTS)), ("flash", ()))
 _DECODE_RULES = (("mma", (MMA_DTYPE, GROUP, _runs("decode"), FITS)), ("simt", ()))
 # entry point -> ((impl, (conditions...)), ...): impl=None runs the first whose conditions hold.
 # The Hopper rows are what an H100 run measured faster (config.ATTN_AUTO_*, GEMM_AUTO_WGMMA).
@@ -294,7 +300,7 @@ DEFAULTS = {
                                         TMA)),
                   ("wgmma", (_auto_pairs("ATTN_AUTO_WGMMA", lambda: C.ATTN_AUTO_WGMMA, lambda: C.ATTN_WGMMA_TILES),
                              _runs("attention"), IMPLEMENTS, TMA)))
-    + _FLASH,
+    + _FLASH_ANY_D,
     "attention_varlen": (("wgmma_persistent", (LAUNCHES, _persistent("attention_varlen"), _runs("attention"),
                                                IMPLEMENTS, TMA)),) + _FLASH,
     "attention_paged": (("wgmma_persistent", (IMPLEMENTS, PAGES, LAUNCHES, _persistent("attention_paged"),

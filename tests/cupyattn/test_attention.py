@@ -173,8 +173,12 @@ class _Dev:
     (dict(k=_Dev((1, 2, 5, 32))), ValueError, r"k has shape"),
     (dict(v=_Dev((1, 2, 6, 64))), ValueError, r"v has shape \(1, 2, 6, 64\) but k"),
     (dict(k=_Dev((1, 3, 5, 64)), v=_Dev((1, 3, 5, 64))), ValueError, r"Hq=2 .* Hkv=3"),
-    (dict(q=_Dev((1, 2, 4, 48)), k=_Dev((1, 2, 5, 48)), v=_Dev((1, 2, 5, 48))), ValueError,
-     r"head_dim D=48 .* 32, 64, 80, 96, 128, 256"),
+    (dict(q=_Dev((1, 2, 4, 48)), k=_Dev((1, 2, 5, 48)), v=_Dev((1, 2, 5, 48)), impl="flash"), ValueError,
+     r"head_dim D=48 is not supported by impl='flash'; .* 32, 64, 80, 96, 128, 256 \(impl='naive' takes any D\)"),
+    (dict(q=_Dev((1, 2, 4, 48)), k=_Dev((1, 2, 5, 48)), v=_Dev((1, 2, 5, 48)), window=(2, 2)), ValueError,
+     r"head_dim D=48 is not supported by the fused kernels; .* 256 \(impl='naive' takes any D but has no window\)"),
+    (dict(q=_Dev((1, 2, 4, 48)), k=_Dev((1, 2, 5, 48)), v=_Dev((1, 2, 5, 48)), softcap=30.0), ValueError,
+     r"D=48 .* has no softcap"),
     (dict(q=_Dev((1, 2, 4, 128), view=lambda x: x[..., ::2])), ValueError, r"q must be contiguous in its last"),
     (dict(scale=float("nan")), ValueError, r"scale must be finite"),
     (dict(scale="x"), TypeError, r"scale must be a real number"),
@@ -250,6 +254,17 @@ def _run(rng, dtype, b, hq, hkv, sq, sk, d, impl, causal=False, mask=None, key_l
         assert res[1].dtype == np.float32 and res[1].shape == (b, hq, sq)
         _assert_lse(to_host(res[1]), want[1], {"float32": 1e-4, "float16": 2e-3, "bfloat16": 2e-2}[dtype])
     return got
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [1, 40, 59, 300])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_default_at_a_head_dim_no_fused_kernel_has(rng, dtype, d, causal):
+    """impl=None at a D outside config.HEAD_DIMS runs the split pipeline (any D) rather than
+    refusing: odd sizes, GQA, Sq != Sk, lse."""
+    assert FA.default_impl(dtype if dtype != "bfloat16" else config.BFLOAT16, d) == "naive"
+    _run(rng, dtype, 2, 4, 2, 17, 33, d, None, causal=causal, return_lse=True)
 
 
 @pytest.mark.gpu
