@@ -168,6 +168,10 @@ def attention(q, k, v, causal=False, scale=None, mask=None, key_lengths=None, im
         kv head ``h // (Hq // Hkv)``; K/V are never copied or repeated).
     causal : bool
         Query ``i`` sees keys ``j <= i + Sk - Sq`` (bottom-right aligned, as FlashAttention-2).
+        The diagonal counts from ``Sk`` whatever ``key_lengths`` says: with both, row ``i`` of
+        sequence ``b`` sees ``j <= i + Sk - Sq`` and ``j < key_lengths[b]``. For each sequence's
+        own bottom-right diagonal (prompts of other lengths padded into one batch), use
+        :func:`cupyattn.attention_varlen`.
         Flags must be bools: ``causal="False"`` is a TypeError, not a true value.
     scale : float, optional
         Multiplies ``q k^T``; default ``1 / sqrt(D)``.
@@ -183,7 +187,8 @@ def attention(q, k, v, causal=False, scale=None, mask=None, key_lengths=None, im
         None (default): the fastest correct kernel for the dtype on this GPU,
         ``default_impl(q.dtype, D)`` (``DEFAULT_IMPL[q.dtype]`` from sm_80 on; see docs/gpus.md);
         at a D no fused kernel has (not ``config.HEAD_DIMS``), ``"naive"``, which takes any D but
-        has no window or softcap (a ValueError names D and the option).
+        has no window or softcap (a ValueError names D and the option), holds S in memory and
+        rounds it to the input dtype (float16/bfloat16: about twice the fused kernels' error).
         ``"flash"``: one fused FlashAttention-2 kernel launch (SIMT, fp32 FMA); S is
         never written to memory and only ``out`` (and ``lse``, and a B-element int32 copy of
         host key_lengths) are allocated. D must be one of

@@ -159,7 +159,7 @@ class KVCache:
         q [batch, Hq, 1, D] or [batch, Hq, D], the result (and ``out``) shaped like q. The same
         method on a :class:`~cupyattn.PagedKVCache` reads its pages, so a caller decodes either
         cache with ``cache.decode(q, layer, ...)``."""
-        fn = "KVCache.decode"
+        fn = f"{type(self).__name__}.decode"
         layer = self.check_layer(fn, layer)
         q4, out4 = _as_4d(fn, q, out)
         o = _decode(fn, q4, self.view(layer), self.host_lengths[layer], scale, num_splits, out4, workspace, impl,
@@ -172,8 +172,11 @@ class KVCache:
                 f"dtype={self.dtype}, max live length={int(self.host_lengths.max())})")
 
     # --- lengths ----------------------------------------------------------------------------
-    def check_layer(self, fn: str, layer) -> int:
-        """``layer`` as an int in [0, num_layers), else IndexError/TypeError naming ``fn``."""
+    def check_layer(self, fn: str, layer, device: bool = True) -> int:
+        """``layer`` as an int in [0, num_layers), else IndexError/TypeError naming ``fn``; with
+        ``device`` (a call that launches), the cache on the current device, else ValueError."""
+        if device:
+            _checks.check_device(fn, "the cache", self.k)
         if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
             raise TypeError(f"{fn}(): layer must be an int, got {type(layer).__name__}")
         if not 0 <= layer < self.num_layers:
@@ -182,7 +185,7 @@ class KVCache:
 
     def seq_lengths(self, layer) -> np.ndarray:
         """Host copy (int64 [batch]) of the cached lengths of ``layer``; no device sync."""
-        return self.host_lengths[self.check_layer("KVCache.seq_lengths", layer)].copy()
+        return self.host_lengths[self.check_layer(f"{type(self).__name__}.seq_lengths", layer, device=False)].copy()
 
     def reset(self) -> None:
         """Forget every cached token (lengths -> 0). K/V contents are left as they are: rows at
@@ -216,9 +219,9 @@ class KVCache:
         replayed CUDA graph of :meth:`append_qkv` calls did on the device. Launches nothing.
         Raises ValueError, changing nothing, if that would pass ``max_seq``: check with
         :meth:`check_room` before the replay, since the device has already moved by then."""
-        fn = "KVCache.record_advance"
+        fn = f"{type(self).__name__}.record_advance"
         counts = self._counts(fn, num_new, None)
-        sel = slice(None) if layers is None else [self.check_layer(fn, i) for i in layers]
+        sel = slice(None) if layers is None else [self.check_layer(fn, i, device=False) for i in layers]
         self._check_capacity(fn, counts, sel)
         self._reserve(counts, sel)
         self.host_lengths[sel] += counts
@@ -285,7 +288,7 @@ class KVCache:
         ValueError
             If a sequence would pass ``max_seq``; nothing is written and lengths stay as they were.
         """
-        fn = "KVCache.append"
+        fn = f"{type(self).__name__}.append"
         layer = self.check_layer(fn, layer)
         check_array(fn, "k_new", k_new, ndim=4)
         check_array(fn, "v_new", v_new, ndim=4)
@@ -382,7 +385,7 @@ class KVCache:
         ValueError
             If a sequence would pass ``max_seq``: nothing is launched or written.
         """
-        fn = "KVCache.append_qkv"
+        fn = f"{type(self).__name__}.append_qkv"
         layer = self.check_layer(fn, layer)
         check_array(fn, "qkv", qkv, ndim=3)
         check_same_dtype(fn, "qkv", qkv, "the cache", self.k)

@@ -271,6 +271,48 @@ def test_kvcache_constructor_checks():
 
 
 @pytest.mark.gpu
+def test_a_cache_on_another_device_is_refused_before_anything_runs(monkeypatch):
+    """Every cache entry point that launches checks that the cache lives on the current device
+    (its own arrays, not only the call's), naming it, with nothing written; host-only methods
+    do not ask."""
+    import cupy
+
+    import cupyattn
+    from cupyattn import _checks
+
+    c = KVCache(1, 2, 2, 8, 32, np.float16)
+    pc = cupyattn.PagedKVCache(1, 2, 2, 32, num_pages=8, page_size=4, dtype=np.float16)
+    before = [(cupy.asnumpy(x.k), cupy.asnumpy(x.lengths), x.host_lengths.copy()) for x in (c, pc)]
+    calls = {
+        "KVCache.append": lambda q, k, qkv: c.append(0, k, k),
+        "KVCache.append_qkv": lambda q, k, qkv: c.append_qkv(0, qkv, 2),
+        "KVCache.decode": lambda q, k, qkv: c.decode(q, 0),
+        "decode_attention": lambda q, k, qkv: decode_attention(q, c, 0),
+        "PagedKVCache.append": lambda q, k, qkv: pc.append(0, k, k),
+        "PagedKVCache.decode": lambda q, k, qkv: pc.decode(q, 0),
+        "decode_attention_paged": lambda q, k, qkv: cupyattn.decode_attention_paged(q[:, :, 0], pc, 0),
+        "attention_paged": lambda q, k, qkv: cupyattn.attention_paged(q, pc, 0),
+    }
+    # the call's own arrays are made "on device 1" too: only the cache is on device 0
+    q, k = cupy.zeros((2, 2, 1, 32), cupy.float16), cupy.zeros((2, 2, 1, 32), cupy.float16)
+    qkv = cupy.zeros((2, 1, 6 * 32), cupy.float16)
+
+    def check_device(fn, name, x):
+        if name == "the cache" or (x is not q and x is not k and x is not qkv):
+            raise ValueError(f"{fn}(): {name} is on device 0 but the current device is 1")
+    monkeypatch.setattr(_checks, "check_device", check_device)
+    for fn, call in calls.items():
+        with pytest.raises(ValueError, match=r"the cache is on device 0 but the current device is 1") as e:
+            call(q, k, qkv)
+        assert str(e.value).startswith(fn + "()"), (fn, str(e.value))
+    monkeypatch.undo()
+    after = [(cupy.asnumpy(x.k), cupy.asnumpy(x.lengths), x.host_lengths.copy()) for x in (c, pc)]
+    for b, a in zip(before, after):
+        assert all(np.array_equal(x, y) for x, y in zip(b, a))
+    assert c.seq_lengths(0).tolist() == [0, 0]  # host-only: no device asked
+
+
+@pytest.mark.gpu
 def test_append_checks_write_nothing():
     import cupy
 
