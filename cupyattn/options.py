@@ -289,9 +289,10 @@ FUSED_D = If(lambda: f"D is one of the fused kernels' head dims (config.HEAD_DIM
              lambda c, i: c.head_dim in C.HEAD_DIMS)
 OTHER_D = If("D is none of them (the split pipeline takes any D, with S in memory)", lambda c, i: c.head_dim not in C.HEAD_DIMS)
 
-_FLASH = (("flash_mma", (MMA_DTYPE, _runs("attention", at_d=True), MMA_TILE_FITS)), ("flash", ()))
+_MMA = (MMA_DTYPE, _runs("attention", at_d=True), MMA_TILE_FITS)
+_FLASH = (("flash_mma", _MMA), ("flash", ()))
 # dense attention has a path for any head dim: the split pipeline, where it implements the call
-_FLASH_ANY_D = (("flash_mma", (FUSED_D,) + _FLASH[0][1]), ("naive", (OTHER_D, IMPLEMENTS)), ("flash", ()))
+_FLASH_ANY_D = (("flash_mma", (FUSED_D,) + _MMA), ("naive", (OTHER_D, IMPLEMENTS)), ("flash", ()))
 _DECODE_RULES = (("mma", (MMA_DTYPE, GROUP, _runs("decode"), FITS)), ("simt", ()))
 # entry point -> ((impl, (conditions...)), ...): impl=None runs the first whose conditions hold.
 # The Hopper rows are what an H100 run measured faster (config.ATTN_AUTO_*, GEMM_AUTO_WGMMA).

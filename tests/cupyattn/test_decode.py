@@ -305,11 +305,14 @@ def test_a_cache_on_another_device_is_refused_before_anything_runs(monkeypatch):
         with pytest.raises(ValueError, match=r"the cache is on device 0 but the current device is 1") as e:
             call(q, k, qkv)
         assert str(e.value).startswith(fn + "()"), (fn, str(e.value))
+    assert c.seq_lengths(0).tolist() == [0, 0]  # host-only: no device asked
+    c.record_advance(1, layers=[0])  # host-only too
+    assert c.host_lengths[0].tolist() == [1, 1]
+    c.host_lengths[...] = 0
     monkeypatch.undo()
     after = [(cupy.asnumpy(x.k), cupy.asnumpy(x.lengths), x.host_lengths.copy()) for x in (c, pc)]
     for b, a in zip(before, after):
         assert all(np.array_equal(x, y) for x, y in zip(b, a))
-    assert c.seq_lengths(0).tolist() == [0, 0]  # host-only: no device asked
 
 
 @pytest.mark.gpu
