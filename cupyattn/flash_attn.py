@@ -15,11 +15,13 @@ import cupy
 import numpy as np
 
 from . import _checks, device, options
+from . import config as C
 from . import flash_attn_sm90 as _sm90
 from . import flash_attn_sm90_persistent as _sm90p
 from ._checks import check_array, check_choice, check_last_contiguous, check_out, check_same_dtype
 from .config import DTYPES, HEAD_DIMS, MAX_GRID_YZ, MMA_DTYPES
-from .flash_launch import Serving, check_flash_mma_device, check_window_softcap, choose, launch
+from .flash_launch import (Serving, check_flash_mma_device, check_window_softcap, choose, fused_dims, launch,
+                           padded_copy)
 # the launch module's names that tests and benchmarks read here
 from .flash_launch import SPEC  # noqa: F401
 from .flash_launch import expr as _expr  # noqa: F401
@@ -45,8 +47,9 @@ def default_impl(dtype, head_dim: int) -> str:
     the shared memory per block (not Turing's 64 KB at D = 96, 128: the 32-key tiles of
     FLASH_MMA_SMALL_SMEM_TILES serve an explicit impl="flash_mma" there, and stay off the default
     until they have run on a GPU), else flash (options.DEFAULTS["attention"]'s last rows). At a
-    head dim no fused kernel has (not config.HEAD_DIMS): naive, the split pipeline, where it
-    implements the call (no window, no softcap)."""
+    head dim no fused kernel has (not config.HEAD_DIMS): up to 256, what runs at the next of them
+    (q, k, v zero-padded to it); past 256, naive, the split pipeline, where it implements the call
+    (no window, no softcap)."""
     return options.choose(options.Call("attention", dtype, head_dim, device.compute_capability(),
                                        device.smem_optin()))
 
@@ -88,8 +91,11 @@ def _check_key_lengths(key_lengths, b: int, sk: int):
 
 
 def _check_args(q, k, v, causal, scale, mask, key_lengths, impl, return_lse, out, window=None, softcap=None):
-    """Every check of attention(), before anything is allocated or launched -> (impl, scale,
-    mask shape, key lengths, Serving or None). impl=None is options.DEFAULTS["attention"]'s choice."""
+    """Every check of attention() -> (impl, scale, mask shape, key lengths, Serving or None, the
+    (q, k, v) the kernel reads). impl=None is options.DEFAULTS["attention"]'s choice. At a D the
+    fused kernels lack (up to 256), the kernel reads zero-padded copies made here, after every
+    check that the caller's arguments can fail (those left, on the fresh copies, are TMA's, which
+    a C-contiguous copy passes, and the Hopper kernels' int32 tile count)."""
     _checks.check_bool(_FN, "causal", causal)
     _checks.check_bool(_FN, "return_lse", return_lse)
     win, cap = check_window_softcap(_FN, window, softcap, causal)
@@ -120,38 +126,44 @@ def _check_args(q, k, v, causal, scale, mask, key_lengths, impl, return_lse, out
     used = [o for o, on in (("causal", causal), ("window", window_used), ("softcap", cap > 0),
                             ("mask", mask is not None), ("key_lengths", key_lengths is not None),
                             ("scale", scale is not None), ("return_lse", return_lse), ("out", out is not None)) if on]
-    asked = impl
-    if impl is None:  # TMA must read q, k, v for a Hopper kernel (asked only where its row applies)
-        problems = {"wgmma": lambda: _sm90.launch_problem(q, k, v),
-                    _sm90p.IMPL: lambda: _sm90p.launch_problem(_FN, _sm90p.IMPL, _sm90p.dense_ops(q, k, v), q, b)}
-        impl = choose(_FN, q, d, used=used, causal=causal, launches=bool(q.size and sk),
-                      problem=lambda i: problems[i]())
-    if impl != "naive" and d not in HEAD_DIMS:
+    if impl is not None:
+        options.check(_FN, _FN, impl, used)
+    no_fused = C.padded_head_dim(d) is None   # D past the largest fused head dim: only naive
+    if no_fused and impl != "naive" and (impl is not None or not options.supports(_FN, "naive", used)):
         lacks = [o for o in options.REFUSED[(_FN, "naive")] if o in used]
         naive = f"impl='naive' takes any D but has no {' or '.join(lacks)}" if lacks else "impl='naive' takes any D"
-        who = f"impl={impl!r}" if asked is not None else "the fused kernels"
-        raise ValueError(f"{_FN}(): head_dim D={d} is not supported by {who}; supported: "
-                         f"{', '.join(map(str, HEAD_DIMS))} ({naive})")
-    if impl == "flash_mma" and np.dtype(q.dtype) not in MMA_DTYPES:
-        raise TypeError(f"{_FN}(): impl='flash_mma' needs float16 or bfloat16 inputs, got float32 "
+        who = f"impl={impl!r}: the fused kernels take" if impl is not None else "the fused kernels: they take"
+        raise ValueError(f"{_FN}(): head_dim D={d} is not supported by {who} D up to "
+                         f"{max(HEAD_DIMS)} (a D not in {', '.join(map(str, HEAD_DIMS))} zero-padded to the "
+                         f"next) ({naive})")
+    if impl not in (None, "flash", "naive") and np.dtype(q.dtype) not in MMA_DTYPES:
+        raise TypeError(f"{_FN}(): impl={impl!r} needs float16 or bfloat16 inputs, got {np.dtype(q.dtype)} "
                         f"(use impl='flash')")
+    dk = d if no_fused or impl == "naive" else C.padded_head_dim(d, fused_dims(impl))
     if impl == "flash_mma":
-        check_flash_mma_device(_FN, q.dtype, d)
+        check_flash_mma_device(_FN, q.dtype, dk)
+    elif impl in HOPPER_IMPLS:
+        _checks.require_impl(_FN, "attention", impl, q.dtype)
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_last_contiguous(_FN, name, x)
     scale = (1.0 / math.sqrt(d) if d else 1.0) if scale is None else _checks.check_real(_FN, "scale", scale)
     mshape = _check_mask(mask, (b, hq, sq, sk)) if mask is not None else None
     kl = _check_key_lengths(key_lengths, b, sk) if key_lengths is not None else None
-    options.check(_FN, _FN, impl, used)
-    if impl == "wgmma":
-        _sm90.check(q, k, v)
-    elif impl == "wgmma_persistent":
-        _sm90p.check_dense(_FN, impl, q, k, v)
     if out is not None:
         check_out(_FN, out, (b, hq, sq, d), q.dtype)
         _checks.check_no_overlap(_FN, out, {"q": q, "k": k, "v": v, "mask": mask,
                                             "key_lengths": key_lengths})
-    return impl, scale, mshape, kl, sv
+    launches = bool(q.size and sk)
+    ops = (q, k, v) if dk == d else tuple(padded_copy(x, dk, launches) for x in (q, k, v))
+    if impl is None:  # TMA must read q, k, v for a Hopper kernel (asked only where its row applies)
+        problems = {"wgmma": lambda: _sm90.launch_problem(*ops),
+                    _sm90p.IMPL: lambda: _sm90p.launch_problem(_FN, _sm90p.IMPL, _sm90p.dense_ops(*ops), ops[0], b)}
+        impl = choose(_FN, q, d, used=used, causal=causal, launches=launches, problem=lambda i: problems[i]())
+    if impl == "wgmma":
+        _sm90.check(*ops)
+    elif impl == "wgmma_persistent":
+        _sm90p.check_dense(_FN, impl, *ops)
+    return impl, scale, mshape, kl, sv, ops
 
 
 # --- public op ------------------------------------------------------------------------------
@@ -186,13 +198,17 @@ def attention(q, k, v, causal=False, scale=None, mask=None, key_lengths=None, im
     impl : {None, "flash", "flash_mma", "naive", "wgmma", "wgmma_persistent"}
         None (default): the fastest correct kernel for the dtype on this GPU,
         ``default_impl(q.dtype, D)`` (``DEFAULT_IMPL[q.dtype]`` from sm_80 on; see docs/gpus.md);
-        at a D no fused kernel has (not ``config.HEAD_DIMS``), ``"naive"``, which takes any D but
-        has no window or softcap (a ValueError names D and the option), holds S in memory and
-        rounds it to the input dtype (float16/bfloat16: about twice the fused kernels' error).
+        at a D over 256, ``"naive"``, which takes any D but has no window or softcap (a
+        ValueError names D and the option), holds S in memory and rounds it to the input dtype
+        (float16/bfloat16: about twice the fused kernels' error).
+        Head dims: the fused impls have kernels at ``cupyattn.config.HEAD_DIMS`` = (32, 64, 80,
+        96, 128, 256) (the Hopper ones at 64, 128, 256); a call at another D up to 256 runs on
+        copies of q, k, v zero-padded to the impl's next head dim, and ``out`` gets the first D
+        columns (as FlashAttention-2 pads; every option works, the scores are unchanged and
+        ``scale`` defaults to 1/sqrt(D) of the caller's D).
         ``"flash"``: one fused FlashAttention-2 kernel launch (SIMT, fp32 FMA); S is
         never written to memory and only ``out`` (and ``lse``, and a B-element int32 copy of
-        host key_lengths) are allocated. D must be one of
-        ``cupyattn.config.HEAD_DIMS`` = (32, 64, 80, 96, 128, 256).
+        host key_lengths; at a padded D, the copies) are allocated.
         ``"flash_mma"``: FlashAttention-2 on tensor cores (mma.sync m16n8k16, fp32
         accumulation, P rounded to the input dtype before P V; K/V staged by cp.async);
         float16/bfloat16 only (float16 from compute capability 7.5, bfloat16 from 8.0:
@@ -205,9 +221,10 @@ def attention(q, k, v, causal=False, scale=None, mask=None, key_lengths=None, im
         to float32 for the softmax.
         ``"wgmma"``: Hopper only (sm_90, H100/H200; impl=None takes it for the (dtype, D)
         pairs of config.ATTN_AUTO_WGMMA, measured faster on an H100): TMA + wgmma,
-        warp-specialised (cupyattn/flash_attn_sm90.py); float16/bfloat16, D of 64, 128 or 256,
-        q/k/v that TMA can read (16-byte-aligned base and strides, no broadcast or reversed
-        view, else a ValueError naming the tensor and the stride); masks as ``flash_mma`` takes
+        warp-specialised (cupyattn/flash_attn_sm90.py); float16/bfloat16, D up to 256 (kernels
+        at 64, 128, 256), q/k/v that TMA can read (16-byte-aligned base and strides, no
+        broadcast or reversed view, else a ValueError naming the tensor and the stride; at a
+        padded D the copies are what TMA reads); masks as ``flash_mma`` takes
         them; no window or softcap (ValueError; impl=None takes flash_mma for them).
         ``"wgmma_persistent"``: its persistent variant (cupyattn/flash_attn_sm90_persistent.py:
         one block per SM, tiles longest first in L2-sized head sections), the same inputs and
@@ -245,8 +262,8 @@ def attention(q, k, v, causal=False, scale=None, mask=None, key_lengths=None, im
     >>> o = attention(q, kv, kv, causal=True)                        # [2, 8, 1000, 64] float16
     >>> o, lse = attention(q, kv, kv, key_lengths=[1000, 17], return_lse=True)
     """
-    impl, scale, mshape, kl, sv = _check_args(q, k, v, causal, scale, mask, key_lengths, impl, return_lse, out,
-                                              window, softcap)
+    impl, scale, mshape, kl, sv, (qk, kk, vk) = _check_args(q, k, v, causal, scale, mask, key_lengths, impl,
+                                                            return_lse, out, window, softcap)
     b, hq, sq, d = q.shape
     sk = k.shape[2]
     if out is None:
@@ -264,15 +281,19 @@ def attention(q, k, v, causal=False, scale=None, mask=None, key_lengths=None, im
             cupy.ascontiguousarray(arr, dtype=cupy.int32)
     if mask is not None and mask.dtype != cupy.float32:
         mask = mask.astype(cupy.float32)
+    dk = qk.shape[3]   # D, or the head dim q, k, v were zero-padded to: the kernel writes dk columns
+    o = out if dk == d else cupy.empty((b, hq, sq, dk), dtype=q.dtype)
     if impl == "naive":
-        _naive(q, k, v, causal, scale, mask, mshape, kl, out, lse)
+        _naive(qk, kk, vk, causal, scale, mask, mshape, kl, o, lse)
     elif impl == "wgmma":
-        _sm90.run(q, k, v, causal, scale, kl, out, lse, mask, mshape)
+        _sm90.run(qk, kk, vk, causal, scale, kl, o, lse, mask, mshape)
     elif impl == "wgmma_persistent":
         win, cap = (sv.window, sv.softcap) if sv is not None else ((-1, -1), 0.0)
-        _sm90p.run_dense(q, k, v, causal, scale, kl, out, lse, mask, mshape, win, cap)
+        _sm90p.run_dense(qk, kk, vk, causal, scale, kl, o, lse, mask, mshape, win, cap)
     else:
-        launch(impl, q, k, v, causal, scale, mask, mshape, kl, out, lse, sv)
+        launch(impl, qk, kk, vk, causal, scale, mask, mshape, kl, o, lse, sv)
+    if o is not out:
+        out[...] = o[..., :d]
     return (out, lse) if return_lse else out
 
 

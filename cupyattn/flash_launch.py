@@ -27,7 +27,7 @@ import math
 import cupy
 import numpy as np
 
-from . import _checks, device, options
+from . import _checks, config, device, options
 from ._loader import KernelSpec, cbool, ctype, defines, get_function, ptr_or_null
 from .config import (DTYPES, FLASH_MMA_FAMILY_TILES, FLASH_MMA_K_STAGES, FLASH_MMA_PAD, FLASH_MMA_SMALL_SMEM_TILES,
                      FLASH_MMA_TILES, FLASH_SIMT_TILES, GPU_FAMILIES, HEAD_DIMS, MAX_GRID_YZ, MMA_DTYPES,
@@ -152,6 +152,29 @@ def check_flash_mma_device(fn: str, dtype, head_dim: int) -> None:
         raise _checks.ComputeCapabilityError(
             f"{fn}(): impl='flash_mma' at head_dim D={head_dim} needs {flash_mma_smem_bytes(head_dim)} B of "
             f"shared memory per block; this device allows {limit} B (use impl='flash')")
+
+
+# --- head dims the kernels lack: zero-padded copies --------------------------------------------
+def fused_dims(impl: str | None) -> tuple:
+    """The head dims ``impl`` (None: the fused kernels impl=None picks from) has kernels for; a dense
+    or packed call of another D up to the largest runs on copies zero-padded to the next one
+    (config.padded_head_dim), as FlashAttention-2 pads to its kernels' head dims."""
+    if impl == "wgmma":
+        return tuple(config.ATTN_WGMMA_TILES)
+    if impl == "wgmma_persistent":
+        return tuple(config.ATTN_WGMMA_PERSISTENT_TILES)
+    return HEAD_DIMS
+
+
+def padded_copy(x, dk: int, launches: bool = True):
+    """A C-contiguous copy of ``x`` [..., D] zero-padded to [..., dk]: q.k is unchanged and the first
+    D columns of P V are (zeros add nothing). Where nothing is launched, a view of one zero of that
+    shape (no memory: only its shape is read)."""
+    if not launches:
+        return cupy.broadcast_to(cupy.zeros((), dtype=x.dtype), x.shape[:-1] + (dk,))
+    y = cupy.zeros(x.shape[:-1] + (dk,), dtype=x.dtype)
+    y[..., :x.shape[-1]] = x
+    return y
 
 
 # --- the launch -------------------------------------------------------------------------------

@@ -209,7 +209,7 @@ class Call:
     plans it); absent: yes."""
     entry: str
     dtype: object
-    head_dim: int = 0               # D (rmsnorm: the row length)
+    head_dim: int = 0               # D as the caller has it (rmsnorm: the row length); kernel_dim pads it
     cc: int | None = None           # compute capability (CUPYATTN_ARCH applied)
     smem: int | None = None         # opt-in shared memory per block
     used: tuple = ()                # the call options (OPTIONS keys) it uses
@@ -244,16 +244,23 @@ def _pairs(pairs) -> str:
     return "; ".join(f"{dt} at D = {', '.join(ds)}" for dt, ds in by.items())
 
 
+def kernel_dim(c: Call) -> int:
+    """The head dim the fused kernels run ``c`` at: D, or for a dense attention() call the next of
+    config.HEAD_DIMS (config.padded_head_dim; q, k, v zero-padded); D itself past the largest."""
+    return C.padded_head_dim(c.head_dim) or c.head_dim
+
+
 def _auto_pairs(name: str, pairs: Callable, tiles: Callable) -> If:
     """(dtype, D) in the config table ``name`` (``pairs()``: its value now, so a change to config is
-    what the dispatch and the docs read) and D in its kernel's tile table (``tiles()``)."""
+    what the dispatch and the docs read) and D in its kernel's tile table (``tiles()``); D padded as
+    the kernels run it (:func:`kernel_dim`)."""
     return If(lambda: f"(dtype, D) is in config.{name} ({_pairs(pairs())})",
-              lambda c, i: (np.dtype(c.dtype), c.head_dim) in pairs() and c.head_dim in tiles())
+              lambda c, i: (np.dtype(c.dtype), kernel_dim(c)) in pairs() and kernel_dim(c) in tiles())
 
 
 def _runs(op: str, at_d: bool = False) -> If:
     return If("the device runs it" + (" at D" if at_d else "") + " (config.IMPL_MIN_CC)",
-              lambda c, i: c.cc is None or C.impl_runs_on(op, i, c.dtype, c.cc, c.head_dim if at_d else None))
+              lambda c, i: c.cc is None or C.impl_runs_on(op, i, c.dtype, c.cc, kernel_dim(c) if at_d else None))
 
 
 def _persistent(entry: str) -> If:
@@ -269,8 +276,8 @@ TMA = If("TMA can read the operands", lambda c, i: c.problem is not None and c.p
 MMA_DTYPE = If("the inputs are float16 or bfloat16", lambda c, i: np.dtype(c.dtype) in C.MMA_DTYPES)
 FITS = If("one of its tiles fits the device's shared memory per block", lambda c, i: c.fits is None or c.fits(i))
 MMA_TILE_FITS = If("its tile for D (config.flash_mma_main_tile) fits the device's shared memory per block",
-                   lambda c, i: c.smem is None or c.head_dim not in C.FLASH_MMA_TILES
-                   or C.flash_mma_smem_bytes(c.head_dim, C.flash_mma_main_tile(c.head_dim, c.cc)) <= c.smem)
+                   lambda c, i: c.smem is None or kernel_dim(c) not in C.FLASH_MMA_TILES
+                   or C.flash_mma_smem_bytes(kernel_dim(c), C.flash_mma_main_tile(kernel_dim(c), c.cc)) <= c.smem)
 PAGES = If(f"pages hold at least config.ATTN_WGMMA_MIN_PAGE ({C.ATTN_WGMMA_MIN_PAGE}) tokens",
            lambda c, i: c.page_size >= C.ATTN_WGMMA_MIN_PAGE)
 GROUP = If(f"a kv head serves at least config.DECODE_MMA_MIN_GROUP ({C.DECODE_MMA_MIN_GROUP}) query heads",
@@ -285,13 +292,15 @@ NOT_SKINNY_M = If(f"M is over config.GEMM_SKINNY_MAX_M ({C.GEMM_SKINNY_MAX_M})",
 WARP_ROWS = If(f"rows hold at most config.RMSNORM_WARP_MAX_D ({C.RMSNORM_WARP_MAX_D}) elements",
                lambda c, i: c.head_dim <= C.RMSNORM_WARP_MAX_D)
 
-FUSED_D = If(lambda: f"D is one of the fused kernels' head dims (config.HEAD_DIMS: {', '.join(map(str, C.HEAD_DIMS))})",
-             lambda c, i: c.head_dim in C.HEAD_DIMS)
-OTHER_D = If("D is none of them (the split pipeline takes any D, with S in memory)", lambda c, i: c.head_dim not in C.HEAD_DIMS)
+FUSED_D = If(lambda: f"D is at most {max(C.HEAD_DIMS)} (a D not in config.HEAD_DIMS, "
+                     f"{', '.join(map(str, C.HEAD_DIMS))}, runs zero-padded to the next one)",
+             lambda c, i: C.padded_head_dim(c.head_dim) is not None)
+OTHER_D = If(lambda: f"D is over {max(C.HEAD_DIMS)} (the split pipeline takes any D, with S in memory)",
+             lambda c, i: C.padded_head_dim(c.head_dim) is None)
 
 _MMA = (MMA_DTYPE, _runs("attention", at_d=True), MMA_TILE_FITS)
 _FLASH = (("flash_mma", _MMA), ("flash", ()))
-# dense attention has a path for any head dim: the split pipeline, where it implements the call
+# dense attention has a path for any head dim: the fused kernels up to 256 (padded), then the split pipeline
 _FLASH_ANY_D = (("flash_mma", (FUSED_D,) + _MMA), ("naive", (OTHER_D, IMPLEMENTS)), ("flash", ()))
 _DECODE_RULES = (("mma", (MMA_DTYPE, GROUP, _runs("decode"), FITS)), ("simt", ()))
 # entry point -> ((impl, (conditions...)), ...): impl=None runs the first whose conditions hold.

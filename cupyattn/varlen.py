@@ -5,7 +5,8 @@ D]`` and keys/values ``[total_k, Hkv, D]`` hold the sequences one after another,
 offsets ``cu_seqlens`` of length B+1 say where each starts (``cu_seqlens[0] = 0``,
 ``cu_seqlens[B] = total``). The serving instantiation of the fused kernels
 (``kernels_cu/flash_attn.cu``, ``SERVING = true``) reads each sequence in place: no padding,
-no copies. Causal masks and windows are aligned bottom-right per sequence.
+no copies (except at a head dim the kernels lack: flash_launch.padded_copy). Causal masks and
+windows are aligned bottom-right per sequence.
 """
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ import numpy as np
 from . import _checks
 from . import flash_attn_sm90_persistent as _sm90p
 from ._checks import check_array, check_choice, check_last_contiguous, check_out, check_same_dtype
-from .config import HEAD_DIMS, MAX_GRID_YZ, MMA_DTYPES
-from .flash_launch import Serving, check_flash_mma_device, check_window_softcap, choose, elem_strides, launch
+from .config import HEAD_DIMS, MAX_GRID_YZ, MMA_DTYPES, padded_head_dim
+from .flash_launch import (Serving, check_flash_mma_device, check_window_softcap, choose, elem_strides, fused_dims,
+                           launch, padded_copy)
 
 FUSED_IMPLS = ("flash", "flash_mma")
 # Hopper: the persistent wgmma kernel (packed and paged addressing; v3, attention()'s "wgmma", has
@@ -80,9 +82,10 @@ def offsets_batch(fn: str, name: str, x) -> int:
     return shape[0] - 1
 
 
-def check_packed(fn, q, k, v, kn="k", vn="v"):
+def check_packed(fn, q, k, v, kn="k", vn="v", padded=False):
     """q [total_q, Hq, D], k/v [*, Hkv, D] (3-D, or pages [N, P, Hkv, D], named ``kn``, ``vn``
-    in errors): -> Hq, Hkv, D."""
+    in errors): -> Hq, Hkv, D. D is one of HEAD_DIMS, or with ``padded`` (the caller runs
+    zero-padded copies) any D up to the largest."""
     check_array(fn, "q", q, ndim=3)
     check_array(fn, kn, k, min_ndim=3)
     check_array(fn, vn, v, min_ndim=3)
@@ -96,7 +99,10 @@ def check_packed(fn, q, k, v, kn="k", vn="v"):
         raise ValueError(f"{fn}(): {kn} has head dim {k.shape[-1]} but q has {d}")
     if hkv == 0 or hq % hkv:
         raise ValueError(f"{fn}(): q heads Hq={hq} must be a multiple of {kn}/{vn} heads Hkv={hkv}")
-    if d not in HEAD_DIMS:
+    if padded and padded_head_dim(d) is None:
+        raise ValueError(f"{fn}(): head_dim D={d} is not supported: the fused kernels take D up to {max(HEAD_DIMS)} "
+                         f"(a D not in {', '.join(map(str, HEAD_DIMS))} zero-padded to the next)")
+    if not padded and d not in HEAD_DIMS:
         raise ValueError(f"{fn}(): head_dim D={d} is not supported; supported: {', '.join(map(str, HEAD_DIMS))}")
     for name, x in (("q", q), (kn, k), (vn, v)):
         check_last_contiguous(fn, name, x)
@@ -144,7 +150,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     ----------
     q : cupy.ndarray [total_q, Hq, D]
         Queries of all sequences, one after another; float32 / float16 / bfloat16, last dim
-        contiguous (any other strides).
+        contiguous (any other strides). D up to 256: a D outside ``config.HEAD_DIMS`` (the
+        persistent kernel's 64, 128, 256 for it) runs on copies of q, k, v zero-padded to the next
+        one, and ``out`` gets the first D columns (as attention()).
     k, v : cupy.ndarray [total_k, Hkv, D]
         Keys and values, same dtype; ``Hq % Hkv == 0`` (GQA/MQA).
     cu_seqlens_q, cu_seqlens_k : int32 [B + 1]
@@ -172,7 +180,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         (config.ATTN_AUTO_PERSISTENT, measured faster on an H100) when TMA can read q, k, v; else
         tensor cores for fp16/bf16 (flash_mma), SIMT for float32.
         "wgmma_persistent": the persistent Hopper kernel (cupyattn/flash_attn_sm90_persistent.py;
-        sm_90, fp16/bf16, D of 64, 128 or 256, q, k, v that TMA can read: no broadcast or
+        sm_90, fp16/bf16, D up to 256 (kernels at 64, 128, 256), q, k, v that TMA can read: no broadcast or
         reversed view), per-sequence tile bounds, causal and window tiles skipped per sequence.
 
     Rows that see no key (an empty key sequence, a window that hides every key) are zeros with
@@ -188,12 +196,12 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     fn = "attention_varlen"
     _checks.check_bool(fn, "causal", causal)
     _checks.check_bool(fn, "return_lse", return_lse)
-    auto = impl is None
     if impl is not None:
         check_choice(fn, "impl", impl, IMPLS)
-    hq, hkv, d = check_packed(fn, q, k, v)
+    hq, hkv, d = check_packed(fn, q, k, v, padded=True)
+    dk = padded_head_dim(d, fused_dims(impl))   # D, or the head dim q, k, v are zero-padded to
     if impl is not None:
-        check_impl(fn, impl, q, d)
+        check_impl(fn, impl, q, dk)
     if k.ndim != 3:
         raise ValueError(f"{fn}(): k must be [total_k, Hkv, D], got shape {tuple(k.shape)}")
     tq, tk = q.shape[0], k.shape[0]
@@ -203,19 +211,23 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     max_q = check_max_seqlen(fn, "max_seqlen_q", max_seqlen_q, hcq)
     max_k = check_max_seqlen(fn, "max_seqlen_k", max_seqlen_k, hck)
     check_grid(fn, b, hq)
-    if auto:  # options.DEFAULTS["attention_varlen"]
-        impl = choose(fn, q, d, used=call_options(causal, window, softcap, scale, return_lse, out),
-                      causal=causal, launches=bool(q.size and k.size),
-                      problem=lambda i: _sm90p.launch_problem(fn, i, _sm90p.varlen_ops(q, k, v), q, b))
-        check_impl(fn, impl, q, d)
-    elif impl == _sm90p.IMPL and q.size and k.size:  # (nothing is launched otherwise)
-        _sm90p.check_launch(fn, impl, _sm90p.varlen_ops(q, k, v), q, b)
     win, cap = check_window_softcap(fn, window, softcap, causal)
     scale = 1.0 / math.sqrt(d) if scale is None else _checks.check_real(fn, "scale", scale)
     if out is not None:
         check_out(fn, out, (tq, hq, d), q.dtype)
         _checks.check_no_overlap(fn, out, {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q,
                                            "cu_seqlens_k": cu_seqlens_k})
+    launches = bool(q.size and k.size)
+    # at a D the kernels lack, they read copies zero-padded to dk (after every check the caller's
+    # arguments can fail; TMA reads a C-contiguous copy)
+    qk, kk, vk = (q, k, v) if dk == d else (padded_copy(x, dk, launches) for x in (q, k, v))
+    if impl is None:  # options.DEFAULTS["attention_varlen"]
+        impl = choose(fn, q, d, used=call_options(causal, window, softcap, scale, return_lse, out),
+                      causal=causal, launches=launches,
+                      problem=lambda i: _sm90p.launch_problem(fn, i, _sm90p.varlen_ops(qk, kk, vk), qk, b))
+        check_impl(fn, impl, q, dk)
+    elif impl == _sm90p.IMPL and launches:  # (nothing is launched otherwise)
+        _sm90p.check_launch(fn, impl, _sm90p.varlen_ops(qk, kk, vk), qk, b)
     out = cupy.empty((tq, hq, d), dtype=q.dtype) if out is None else out
     lse = cupy.empty((hq, tq), dtype=cupy.float32) if return_lse else None
     if tq == 0 or b == 0 or max_q == 0 or hq == 0:
@@ -225,13 +237,16 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         if lse is not None:
             lse.fill(-np.inf)
         return (out, lse) if return_lse else out
+    o = out if dk == d else cupy.empty((tq, hq, dk), dtype=q.dtype)   # the kernel writes dk columns
     if impl == _sm90p.IMPL:
-        _sm90p.run_varlen(q, k, v, cu_q, cu_k, b, max_k, scale, win, cap, out, lse)
-        return (out, lse) if return_lse else out
-    qs, ks, vs = ([0, st[1], st[0]] for st in map(elem_strides, (q, k, v)))
-    sv = Serving(cu_q=cu_q, cu_k=cu_k, window=win, softcap=cap)
-    launch(impl, q, k, v, False, scale, None, None, None, out, lse, sv, shape=(b, hq, max_q, hkv, tq, tk),
-           strides=(qs, ks, vs))
+        _sm90p.run_varlen(qk, kk, vk, cu_q, cu_k, b, max_k, scale, win, cap, o, lse)
+    else:
+        qs, ks, vs = ([0, st[1], st[0]] for st in map(elem_strides, (qk, kk, vk)))
+        sv = Serving(cu_q=cu_q, cu_k=cu_k, window=win, softcap=cap)
+        launch(impl, qk, kk, vk, False, scale, None, None, None, o, lse, sv, shape=(b, hq, max_q, hkv, tq, tk),
+               strides=(qs, ks, vs))
+    if o is not out:
+        out[...] = o[..., :d]
     return (out, lse) if return_lse else out
 
 

@@ -109,8 +109,10 @@ def _device_cases():
         ValueError, r"attention\(\): q heads Hq=4 must be a multiple of k/v heads Hkv=0")
     add("attn-v-shape", lambda d: (lambda: A(d.q, d.k, d.v[:, :, :5], out=d.out), [d.out]),
         ValueError, r"attention\(\): v has shape \(1, 2, 5, 64\) but k has")
-    add("attn-head-dim", lambda d: (lambda: A(d.q[..., :48], d.k[..., :48], d.v[..., :48], window=(4, 4)), []),
-        ValueError, r"attention\(\): head_dim D=48 is not supported by the fused kernels; .* has no window")
+    add("attn-head-dim", lambda d: (lambda: A(*(d.cp.zeros((1, 4, 9, 300), d.q.dtype) for _ in "qkv"),
+                                              window=(4, 4)), []),
+        ValueError, r"attention\(\): head_dim D=300 is not supported by the fused kernels: they take D up to 256 "
+        r".* has no window")
     add("attn-mma-fp32", lambda d: (lambda: A(*(x.astype(np.float32) for x in (d.q, d.k, d.v)),
                                               impl="flash_mma"), []),
         TypeError, r"attention\(\): impl='flash_mma' needs float16 or bfloat16")

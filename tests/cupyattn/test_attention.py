@@ -164,8 +164,9 @@ class _Dev:
     (dict(impl="fast"), ValueError, r"impl='fast'"),
     (dict(q=_Dev((1, 2, 4, 64), np.float32), k=_Dev((1, 2, 5, 64), np.float32), v=_Dev((1, 2, 5, 64), np.float32),
           impl="flash_mma"), TypeError, r"impl='flash_mma' needs float16 or bfloat16"),
-    (dict(q=_Dev((1, 2, 4, 40)), k=_Dev((1, 2, 5, 40)), v=_Dev((1, 2, 5, 40)), impl="flash_mma"), ValueError,
-     r"D=40 is not supported by impl='flash_mma'"),
+    (dict(q=_Dev((1, 2, 4, 300)), k=_Dev((1, 2, 5, 300)), v=_Dev((1, 2, 5, 300)), impl="flash_mma"), ValueError,
+     r"D=300 is not supported by impl='flash_mma': the fused kernels take D up to 256 \(a D not in 32, 64, 80, 96, 128, 256 "
+     r"zero-padded to the next\) \(impl='naive' takes any D\)"),
     (dict(q=_Dev((2, 4, 64))), ValueError, r"q must have 4 dimensions"),
     (dict(k=_Dev((1, 2, 5, 64), np.float32)), TypeError, r"k has dtype float32 but q has float16"),
     (dict(q=_Dev((1, 2, 4, 64), np.int32)), TypeError, r"q has dtype int32"),
@@ -173,12 +174,14 @@ class _Dev:
     (dict(k=_Dev((1, 2, 5, 32))), ValueError, r"k has shape"),
     (dict(v=_Dev((1, 2, 6, 64))), ValueError, r"v has shape \(1, 2, 6, 64\) but k"),
     (dict(k=_Dev((1, 3, 5, 64)), v=_Dev((1, 3, 5, 64))), ValueError, r"Hq=2 .* Hkv=3"),
-    (dict(q=_Dev((1, 2, 4, 48)), k=_Dev((1, 2, 5, 48)), v=_Dev((1, 2, 5, 48)), impl="flash"), ValueError,
-     r"head_dim D=48 is not supported by impl='flash'; .* 32, 64, 80, 96, 128, 256 \(impl='naive' takes any D\)"),
-    (dict(q=_Dev((1, 2, 4, 48)), k=_Dev((1, 2, 5, 48)), v=_Dev((1, 2, 5, 48)), window=(2, 2)), ValueError,
-     r"head_dim D=48 is not supported by the fused kernels; .* 256 \(impl='naive' takes any D but has no window\)"),
-    (dict(q=_Dev((1, 2, 4, 48)), k=_Dev((1, 2, 5, 48)), v=_Dev((1, 2, 5, 48)), softcap=30.0), ValueError,
-     r"D=48 .* has no softcap"),
+    (dict(q=_Dev((1, 2, 4, 257)), k=_Dev((1, 2, 5, 257)), v=_Dev((1, 2, 5, 257)), impl="flash"), ValueError,
+     r"head_dim D=257 is not supported by impl='flash': the fused kernels take D up to 256 .* \(impl='naive' takes any D\)"),
+    (dict(q=_Dev((1, 2, 4, 257)), k=_Dev((1, 2, 5, 257)), v=_Dev((1, 2, 5, 257)), window=(2, 2)), ValueError,
+     r"head_dim D=257 is not supported by the fused kernels: .* \(impl='naive' takes any D but has no window\)"),
+    (dict(q=_Dev((1, 2, 4, 300)), k=_Dev((1, 2, 5, 300)), v=_Dev((1, 2, 5, 300)), softcap=30.0), ValueError,
+     r"D=300 .* has no softcap"),
+    (dict(q=_Dev((1, 2, 4, 40), np.float32), k=_Dev((1, 2, 5, 40), np.float32), v=_Dev((1, 2, 5, 40), np.float32),
+          impl="flash_mma"), TypeError, r"impl='flash_mma' needs float16 or bfloat16 inputs, got float32"),
     (dict(q=_Dev((1, 2, 4, 128), view=lambda x: x[..., ::2])), ValueError, r"q must be contiguous in its last"),
     (dict(scale=float("nan")), ValueError, r"scale must be finite"),
     (dict(scale="x"), TypeError, r"scale must be a real number"),
@@ -207,8 +210,8 @@ def test_naive_accepts_any_head_dim_in_checks():
     import cupy
 
     q = cupy.zeros((1, 2, 4, 48), dtype=cupy.float16)
-    impl, scale, mshape, kl, sv = FA._check_args(q, q, q, False, None, None, None, "naive", False, None)
-    assert impl == "naive"
+    impl, scale, mshape, kl, sv, ops = FA._check_args(q, q, q, False, None, None, None, "naive", False, None)
+    assert impl == "naive" and all(x is q for x in ops)   # the split pipeline reads D = 48 as it is
     assert scale == pytest.approx(1 / math.sqrt(48)) and mshape is None and kl is None and sv is None
 
 
@@ -256,15 +259,48 @@ def _run(rng, dtype, b, hq, hkv, sq, sk, d, impl, causal=False, mask=None, key_l
     return got
 
 
+# --- a D the fused kernels lack: q, k, v zero-padded to the next of HEAD_DIMS (as FlashAttention-2) ---
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("d", [1, 40, 59, 300])
+@pytest.mark.parametrize("d", [1, 40, 59, 111, 200, 300])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gpu_default_at_a_head_dim_no_fused_kernel_has(rng, dtype, d, causal):
-    """impl=None at a D outside config.HEAD_DIMS runs the split pipeline (any D) rather than
-    refusing: odd sizes, GQA, Sq != Sk, lse."""
-    assert FA.default_impl(dtype if dtype != "bfloat16" else config.BFLOAT16, d) == "naive"
+    """impl=None at a D outside config.HEAD_DIMS runs a fused kernel on q, k, v zero-padded to the
+    next head dim up to 256, the split pipeline (any D) past it, rather than refusing: odd sizes,
+    GQA, Sq != Sk, lse, out poisoned."""
+    got = FA.default_impl(np_dtype(dtype), d)
+    assert (got == "naive") == (d > 256), got
     _run(rng, dtype, 2, 4, 2, 17, 33, d, None, causal=causal, return_lse=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [1, 40, 111])
+@pytest.mark.parametrize("impl,dtype", [("flash", "float32"), ("flash", "bfloat16"), ("flash_mma", "float16"),
+                                        ("flash_mma", "bfloat16"), (None, "float16")])
+def test_gpu_a_padded_head_dim_takes_every_option(rng, impl, dtype, d, causal):
+    """At a padded D the fused kernels keep every option: window, softcap, mask, key_lengths,
+    scale, lse, the caller's out (poisoned: exactly its D columns are written) and GQA; q, k, v are
+    read, never written (the kernel runs on copies)."""
+    import cupy
+
+    skip_unless_device_runs("attention", impl or "flash", dtype, config.padded_head_dim(d))
+    b, hq, hkv, sq, sk = 2, 4, 2, 17, 45
+    (q, qr), (k, kr), (v, vr) = (to_device(x, dtype) for x in _qkv(rng, b, hq, hkv, sq, sk, d))
+    before = [to_host(x).copy() for x in (q, k, v)]
+    mask_h = rand_with_outliers(rng, (1, hq, sq, sk), 0.5).astype(np.float32)
+    mask_h[0, 1, 3, :] = -np.inf   # a row that sees no key
+    kl, window, scale, cap = [45, 20], (9, 0 if causal else 3), 0.3, 5.0
+    out = nan_like((b, hq, sq, d), dtype)
+    got, lse = FA.attention(q, k, v, causal=causal, scale=scale, mask=cupy.asarray(mask_h), key_lengths=kl,
+                            impl=impl, return_lse=True, out=out, window=window, softcap=cap)
+    want, wl = ref.attention(qr, kr, vr, causal=causal, scale=scale, mask=mask_h, key_lengths=np.array(kl),
+                             return_lse=True, window=window, softcap=cap)
+    assert got is out
+    assert_close(got, want, dtype)
+    _assert_lse(to_host(lse), wl, {"float32": 1e-4, "float16": 2e-3, "bfloat16": 2e-2}[dtype])
+    for x, x0 in zip((q, k, v), before):
+        np.testing.assert_array_equal(to_host(x), x0)
 
 
 @pytest.mark.gpu

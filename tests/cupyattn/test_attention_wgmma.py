@@ -19,6 +19,7 @@ from cupyattn import flash_attn as FA
 from cupyattn import flash_attn_sm90 as W
 from cupyattn import reference as ref
 from test_attention import _assert_lse, _qkv, _run
+from test_dispatch import launched
 from test_attention import test_gpu_nan_semantics_follow_the_reference as _nan_semantics
 
 EMULATE = os.environ.get("CUPYATTN_EMULATE") == "1"
@@ -63,6 +64,24 @@ def test_wgmma_head_dim_256(rng, dtype, causal, shape):
     O fragment; MQA (one kv head for three query heads)."""
     _hopper()
     _run(rng, dtype, 1, 3, 1, *shape, 256, "wgmma", causal=causal, return_lse=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl,dtype,d,causal", [
+    ("wgmma", "float16", 40, True), ("wgmma", "bfloat16", 72, False), ("wgmma_persistent", "float16", 100, True),
+    (None, "float16", 111, False)])
+def test_hopper_kernels_at_a_head_dim_they_lack(rng, impl, dtype, d, causal):
+    """A D between the Hopper kernels' head dims runs on q, k, v zero-padded to the next of theirs
+    (40 -> 64, 72 and 100 -> 128): GQA, lse, out poisoned. impl=None at D = 111 takes wgmma at 128
+    (config.ATTN_AUTO_WGMMA) on copies that TMA reads whatever the caller's strides were."""
+    _hopper()
+    if impl is None:  # config.ATTN_AUTO_WGMMA's row for (float16, 128), read at the padded D
+        import cupy
+
+        assert (np.dtype(np.float16), 128) in config.ATTN_AUTO_WGMMA
+        q, k = cupy.zeros((1, 4, 17, d), np.float16), cupy.zeros((1, 2, 17, d), np.float16)
+        assert launched(lambda: FA.attention(q, k, k), attention=True) == "wgmma"
+    _run(rng, dtype, 2, 4, 2, 17, 97, d, impl, causal=causal, return_lse=True, layout="bshd")
 
 
 @pytest.mark.gpu
@@ -229,9 +248,10 @@ def test_wgmma_argument_checks(rng, monkeypatch):
     out = nan_like(q.shape, "float16")
     with pytest.raises(TypeError, match=r"attention\(\): impl='wgmma' needs float16 or bfloat16 inputs, got float32"):
         FA.attention(q.astype(cupy.float32), k.astype(cupy.float32), k.astype(cupy.float32), impl="wgmma")
-    q32, k32 = dev((1, 2, 20, 32)), dev((1, 2, 30, 32))
-    with pytest.raises(ValueError, match=r"attention\(\): head_dim D=32 is not supported by impl='wgmma'; supported: 64, 128, 256"):
-        FA.attention(q32, k32, k32, impl="wgmma")
+    q300, k300 = dev((1, 2, 20, 300)), dev((1, 2, 30, 300))
+    with pytest.raises(ValueError, match=r"attention\(\): head_dim D=300 is not supported by impl='wgmma': the fused "
+                                         r"kernels take D up to 256 .*\(impl='naive' takes any D\)"):
+        FA.attention(q300, k300, k300, impl="wgmma")
     with monkeypatch.context() as m:   # a non-Hopper device (an RTX 30 here): refused before launch
         m.setattr(_device, "compute_capability", lambda: 86)
         with pytest.raises(ComputeCapabilityError, match=r"attention\(\): impl='wgmma' with float16 inputs needs "

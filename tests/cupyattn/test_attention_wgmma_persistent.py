@@ -205,6 +205,7 @@ def test_l2_sections_of_heads(rng, grid, monkeypatch, causal):
 @pytest.mark.parametrize("dtype,d,hq,hkv,causal,window,softcap", [
     ("float16", 64, 4, 2, True, None, None),
     ("bfloat16", 128, 2, 1, False, None, None),
+    ("float16", 40, 2, 1, True, (20, -1), 15.0),   # D = 40: copies zero-padded to 64
     pytest.param("float16", 64, 3, 1, True, (20, -1), 15.0, marks=pytest.mark.emu_slow),  # matrix: pairs
     pytest.param("bfloat16", 64, 2, 2, False, (9, 3), None, marks=pytest.mark.emu_slow),
 ])
@@ -395,9 +396,11 @@ def test_argument_checks(rng):
     with pytest.raises(ValueError, match=r"attention_paged\(\): impl='wgmma_persistent' needs page_size >= 8 .*got 4"):
         cupyattn.attention_paged(q, kd, vd, table, [9], cu_seqlens_q=[0, 9], max_seqlen_q=9, impl=IMPL, out=out)
     (qv, kv, vv), _, cq, ck = _packed(rng, [5], [5], 2, 1, 32, "float16")
-    with pytest.raises(ValueError, match=r"attention_varlen\(\): head_dim D=32 is not supported by "
-                                         r"impl='wgmma_persistent'"):
-        cupyattn.attention_varlen(qv, kv, vv, cq, ck, 5, 5, impl=IMPL)
+    with pytest.raises(ValueError, match=r"attention_paged\(\): head_dim D=32 is not supported by "
+                                         r"impl='wgmma_persistent'"):   # pages are not padded
+        pages = cupy.zeros((1, 8, 1, 32), cupy.float16)
+        cupyattn.attention_paged(qv, pages, pages, cupy.zeros((1, 1), np.int32), [5], cu_seqlens_q=[0, 5],
+                                 max_seqlen_q=5, impl=IMPL)
     with pytest.raises(ValueError, match=r"attention_varlen\(\): impl='wgmma' is not supported; expected one of"):
         cupyattn.attention_varlen(qv, kv, vv, cq, ck, 5, 5, impl="wgmma")   # v3: dense inputs only
     q4, _ = to_device(rand_with_outliers(rng, (1, 2, 20, 64)), "float32")

@@ -79,10 +79,13 @@ def cases():
                     out.append(("attention", f"{dt}-D{d}-causal{causal}-broadcast",
                                 lambda q=qb, k=kb, c=causal: cupyattn.attention(q, k, k, causal=c),
                                 dict(base, tma=False)))
-            if d == 96:  # and a head dim no fused kernel has: the split pipeline
-                q, k = arr((1, 4, 17, 40), dt), arr((1, 2, 17, 40), dt)
-                out.append(("attention", f"{dt}-D40", lambda q=q, k=k: cupyattn.attention(q, k, k, causal=True),
-                            dict(dtype=dt, head_dim=40, causal=True, used=("causal",))))
+            if d == 96:  # and head dims no fused kernel has: padded to the next (up to 256), else the split pipeline
+                for dd, window in ((40, None), (40, (8, 0)), (111, None), (300, None)):
+                    q, k = arr((1, 4, 17, dd), dt), arr((1, 2, 17, dd), dt)
+                    out.append(("attention", f"{dt}-D{dd}-window{window}",
+                                lambda q=q, k=k, w=window: cupyattn.attention(q, k, k, causal=True, window=w),
+                                dict(dtype=dt, head_dim=dd, causal=True,
+                                     used=("causal",) + (("window",) if window else ()))))
                 continue
             cu = np.array([0, 7, 17], dtype=np.int32)
             qv, kv = arr((17, 4, d), dt), arr((17, 2, d), dt)

@@ -250,6 +250,37 @@ def test_attention_varlen(rng, dtype, hq, hkv, causal, window, softcap):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("d", [1, 40, 111])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_varlen_at_a_head_dim_the_kernels_lack(rng, dtype, d):
+    """A D outside HEAD_DIMS runs on copies of q, k, v zero-padded to the next head dim: every fused
+    impl, causal with a window and softcap, GQA, lse, out poisoned (exactly its D columns written),
+    host and device offsets; q, k, v are read, never written."""
+    import cupy
+
+    import cupyattn
+    from cupyattn import config
+
+    lens_q, lens_k = [17, 1, 0, 9], [17, 30, 4, 9]
+    (q, k, v), (qh, kh, vh), cq, ck = _packed(rng, lens_q, lens_k, 4, 2, d, dtype)
+    before = [to_host(x).copy() for x in (q, k, v)]
+    want, wlse = ref.attention_varlen(qh, kh, vh, cq, ck, True, window=(7, -1), softcap=20.0, return_lse=True)
+    mma = dtype != "float32" and not device_cannot_run("attention", "flash_mma", dtype, config.padded_head_dim(d))
+    for impl, cu in [(None, (cq, ck)), ("flash", (cupy.asarray(cq), cupy.asarray(ck)))] + \
+            ([("flash_mma", (cq, ck))] if mma else []):
+        out = nan_like(q.shape, dtype)
+        got, lse = cupyattn.attention_varlen(q, k, v, *cu, max(lens_q), max(lens_k), causal=True, window=(7, -1),
+                                             softcap=20.0, return_lse=True, out=out, impl=impl)
+        assert got is out
+        assert_close(got, want, dtype)
+        lse = to_host(lse)
+        assert np.array_equal(np.isfinite(lse), np.isfinite(wlse))
+        np.testing.assert_allclose(lse[np.isfinite(wlse)], wlse[np.isfinite(wlse)], rtol=1e-4, atol=1e-4)
+    for x, x0 in zip((q, k, v), before):
+        np.testing.assert_array_equal(to_host(x), x0)
+
+
+@pytest.mark.gpu
 def test_attention_varlen_bad_inputs_raise_before_writing(rng):
     import cupy
 
@@ -273,6 +304,8 @@ def test_attention_varlen_bad_inputs_raise_before_writing(rng):
                                                         v.astype(cupy.float32), cq, ck, 4, 4, impl="flash_mma")),
         (ValueError, "impl", lambda: f(q, k, v, cq, ck, 4, 4, impl="naive", out=out)),
         (ValueError, "out", lambda: f(q, k, v, cq, ck, 4, 4, out=q)),
+        (ValueError, r"head_dim D=300 is not supported: the fused kernels take D up to 256",
+         lambda: f(*(cupy.zeros((7, 2, 300), q.dtype) for _ in "qkv"), cq, ck, 4, 4)),
     ]
     for exc, msg, call in cases:
         with pytest.raises(exc, match=msg):
