@@ -327,12 +327,14 @@ def default_cases(op: str, preset: str = "llama2-7b-4layers") -> list[Case]:
     if op == "attention":
         # The issue's goal shapes (B=4, H=32, S=4096, fp16, D=128 and 64, causal and not; peers:
         # torch SDPA, naive CuPy, our naive path), then bf16 and GQA (8 KV heads), then D=256
-        # (the Hopper kernel's third head dim).
-        return [make_case("attention", dt, B=4, H=32, Hkv=Hkv, Sq=4096, Sk=4096, D=D, causal=c)
-                for dt, Hkv, D, c in (("float16", 32, 128, False), ("float16", 32, 128, True),
-                                      ("float16", 32, 64, False), ("float16", 32, 64, True),
-                                      ("bfloat16", 32, 128, True), ("float16", 8, 128, True),
-                                      ("float16", 32, 256, False), ("float16", 32, 256, True))]
+        # (the Hopper kernel's third head dim). Then a head dim no kernel has, run zero-padded to 64:
+        # Stable Diffusion 1.5's widest self-attention (64 x 64 latents: 4096 tokens, 8 heads of 40).
+        return ([make_case("attention", dt, B=4, H=32, Hkv=Hkv, Sq=4096, Sk=4096, D=D, causal=c)
+                 for dt, Hkv, D, c in (("float16", 32, 128, False), ("float16", 32, 128, True),
+                                       ("float16", 32, 64, False), ("float16", 32, 64, True),
+                                       ("bfloat16", 32, 128, True), ("float16", 8, 128, True),
+                                       ("float16", 32, 256, False), ("float16", 32, 256, True))]
+                + [make_case("attention", "float16", B=2, H=8, Hkv=8, Sq=4096, Sk=4096, D=40, causal=False)])
     if op == "decode":
         # the bandwidth goals (fp16, 32 query heads on 8 kv heads, D=128): B=8 at 32k and B=1 at
         # 128k, reported as GB/s and % of the measured copy ceiling; a short batch; MQA at B=1;
