@@ -96,10 +96,13 @@ ENTRY_OPTIONS = {
 # is implemented by that impl. Call options here raise ValueError from :func:`check`; layouts
 # are refused by the path's own checks (their messages name the operand and the stride).
 V3_LACKS = "not in kernels_cu/flash_attn_sm90.cu (v3); impl='wgmma_persistent' implements it"
-TMA_REFUSES = {  # the Hopper kernels read q, k, v through TMA tensor maps
+TMA_REFUSES_PAGED = {  # the Hopper kernels read q, k, v through TMA tensor maps
     "broadcast": "TMA cannot describe a stride of 0 (a ValueError names the operand and the stride)",
     "negative_stride": "TMA cannot describe a negative stride (a ValueError names the operand and the stride)",
 }
+# dense and packed inputs at a head dim the kernel lacks are read through zero-padded copies
+PADDED = "; at a head dim it lacks (not 64, 128, 256) it reads zero-padded contiguous copies, and runs"
+TMA_REFUSES = {o: why + PADDED for o, why in TMA_REFUSES_PAGED.items()}
 REFUSED = {
     ("attention", "naive"): {
         "window": "the split pipeline (gemm_nt, softmax, gemm_nn) has no window",
@@ -109,7 +112,7 @@ REFUSED = {
     ("attention", "wgmma_persistent"): TMA_REFUSES,
     ("attention_varlen", "wgmma_persistent"): TMA_REFUSES,
     ("attention_paged", "wgmma_persistent"): {
-        **TMA_REFUSES,
+        **TMA_REFUSES_PAGED,
         "hnd_pages": "its TMA maps read NHD pages [num_pages, page_size, Hkv, D]; impl=None serves HND",
     },
 }

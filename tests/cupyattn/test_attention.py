@@ -282,15 +282,26 @@ def test_gpu_a_padded_head_dim_takes_every_option(rng, impl, dtype, d, causal):
     """At a padded D the fused kernels keep every option: window, softcap, mask, key_lengths,
     scale, lse, the caller's out (poisoned: exactly its D columns are written) and GQA; q, k, v are
     read, never written (the kernel runs on copies)."""
+    skip_unless_device_runs("attention", impl or "flash", dtype, config.padded_head_dim(d))
+    padded_every_option(rng, impl, dtype, d, causal)
+
+
+def padded_every_option(rng, impl, dtype, d, causal, serving=True, kv_view=None):
+    """attention() at head dim ``d`` with mask, key_lengths, scale, lse and a poisoned out, and with
+    ``serving`` a window and softcap too, against the reference; q, k, v unchanged afterwards.
+    ``kv_view``: k and v passed as this view of themselves (a layout only the copies make
+    readable)."""
     import cupy
 
-    skip_unless_device_runs("attention", impl or "flash", dtype, config.padded_head_dim(d))
     b, hq, hkv, sq, sk = 2, 4, 2, 17, 45
     (q, qr), (k, kr), (v, vr) = (to_device(x, dtype) for x in _qkv(rng, b, hq, hkv, sq, sk, d))
+    if kv_view is not None:
+        (k, kr), (v, vr) = ((kv_view(x), kv_view(cupy.asarray(xr)).get()) for x, xr in ((k, kr), (v, vr)))
     before = [to_host(x).copy() for x in (q, k, v)]
     mask_h = rand_with_outliers(rng, (1, hq, sq, sk), 0.5).astype(np.float32)
     mask_h[0, 1, 3, :] = -np.inf   # a row that sees no key
-    kl, window, scale, cap = [45, 20], (9, 0 if causal else 3), 0.3, 5.0
+    kl, scale = [45, 20], 0.3
+    window, cap = ((9, 0 if causal else 3), 5.0) if serving else (None, None)
     out = nan_like((b, hq, sq, d), dtype)
     got, lse = FA.attention(q, k, v, causal=causal, scale=scale, mask=cupy.asarray(mask_h), key_lengths=kl,
                             impl=impl, return_lse=True, out=out, window=window, softcap=cap)

@@ -18,7 +18,7 @@ from cupyattn._checks import ComputeCapabilityError
 from cupyattn import flash_attn as FA
 from cupyattn import flash_attn_sm90 as W
 from cupyattn import reference as ref
-from test_attention import _assert_lse, _qkv, _run
+from test_attention import _assert_lse, _qkv, _run, padded_every_option
 from test_dispatch import launched
 from test_attention import test_gpu_nan_semantics_follow_the_reference as _nan_semantics
 
@@ -82,6 +82,19 @@ def test_hopper_kernels_at_a_head_dim_they_lack(rng, impl, dtype, d, causal):
         q, k = cupy.zeros((1, 4, 17, d), np.float16), cupy.zeros((1, 2, 17, d), np.float16)
         assert launched(lambda: FA.attention(q, k, k), attention=True) == "wgmma"
     _run(rng, dtype, 2, 4, 2, 17, 97, d, impl, causal=causal, return_lse=True, layout="bshd")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["wgmma", "wgmma_persistent"])
+def test_hopper_kernels_at_a_padded_head_dim_take_every_option(rng, impl):
+    """D = 72 (-> 128): mask, key_lengths, scale, lse, a poisoned out, window and softcap (the
+    persistent kernel), and k, v as broadcast views over the batch, which TMA cannot read but the
+    padded copies it reads instead are contiguous."""
+    _hopper()
+    import cupy
+
+    bcast = lambda x: cupy.broadcast_to(x[:1], x.shape)  # noqa: E731
+    padded_every_option(rng, impl, "float16", 72, True, serving=impl == "wgmma_persistent", kv_view=bcast)
 
 
 @pytest.mark.gpu
