@@ -114,7 +114,9 @@ def _check_args(q, k, v, causal, scale, mask, key_lengths, impl, return_lse, out
     if tuple(v.shape) != tuple(k.shape):
         raise ValueError(f"{_FN}(): v has shape {tuple(v.shape)} but k has {tuple(k.shape)}")
     hkv, sk = k.shape[1], k.shape[2]
-    if hkv == 0 or hq % hkv:
+    if hkv == 0:
+        raise ValueError(f"{_FN}(): k and v have no heads (Hkv=0, shape {tuple(k.shape)}); they need at least one")
+    if hq % hkv:
         raise ValueError(f"{_FN}(): q heads Hq={hq} must be a multiple of k/v heads Hkv={hkv}")
     for what, n in (("B", b), ("Hq", hq), ("Hkv", hkv), ("Sq", sq), ("Sk", sk), ("D", d)):
         _checks.check_int32(_FN, what, n)

@@ -97,7 +97,9 @@ def check_packed(fn, q, k, v, kn="k", vn="v", padded=False):
         raise ValueError(f"{fn}(): {vn} has shape {tuple(v.shape)} but {kn} has {tuple(k.shape)}")
     if k.shape[-1] != d:
         raise ValueError(f"{fn}(): {kn} has head dim {k.shape[-1]} but q has {d}")
-    if hkv == 0 or hq % hkv:
+    if hkv == 0:
+        raise ValueError(f"{fn}(): {kn} and {vn} have no heads (Hkv=0, shape {tuple(k.shape)}); they need at least one")
+    if hq % hkv:
         raise ValueError(f"{fn}(): q heads Hq={hq} must be a multiple of {kn}/{vn} heads Hkv={hkv}")
     if padded and padded_head_dim(d) is None:
         raise ValueError(f"{fn}(): head_dim D={d} is not supported: the fused kernels take D up to {max(HEAD_DIMS)} "

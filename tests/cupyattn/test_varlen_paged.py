@@ -300,6 +300,7 @@ def test_attention_varlen_bad_inputs_raise_before_writing(rng):
         (ValueError, "q heads Hq=2 must be a multiple", lambda: f(q, k[:, :1].repeat(3, axis=1), v[:, :1].repeat(3, axis=1),
                                                                   cq, ck, 4, 4, out=out)),
         (ValueError, "k must be", lambda: f(q, k[None], v[None], cq, ck, 4, 4, out=out)),
+        (ValueError, r"k and v have no heads \(Hkv=0", lambda: f(q, k[:, :0], v[:, :0], cq, ck, 4, 4, out=out)),
         (TypeError, "impl='flash_mma' needs", lambda: f(q.astype(cupy.float32), k.astype(cupy.float32),
                                                         v.astype(cupy.float32), cq, ck, 4, 4, impl="flash_mma")),
         (ValueError, "impl", lambda: f(q, k, v, cq, ck, 4, 4, impl="naive", out=out)),
