@@ -56,8 +56,9 @@ def default_impl(dtype, head_dim: int) -> str:
 
 # --- argument checks ------------------------------------------------------------------------
 def _check_mask(mask, target):
-    """Additive float mask broadcastable to ``target`` = (B, Hq, Sq, Sk) -> 4-D shape it has."""
-    check_array(_FN, "mask", mask, min_ndim=0)
+    """Additive float mask (or bool: True keeps the key) broadcastable to ``target`` = (B, Hq, Sq,
+    Sk) -> 4-D shape it has."""
+    check_array(_FN, "mask", mask, dtypes=_checks.FLOAT_DTYPES + (np.dtype(np.bool_),), min_ndim=0)
     if mask.ndim > 4:
         raise ValueError(f"{_FN}(): mask must have at most 4 dimensions, got shape {tuple(mask.shape)}")
     shape = (1,) * (4 - mask.ndim) + tuple(mask.shape)
@@ -190,10 +191,12 @@ def attention(q, k, v, causal=False, scale=None, mask=None, key_lengths=None, im
     scale : float, optional
         Multiplies ``q k^T``; default ``1 / sqrt(D)``.
     mask : cupy.ndarray, optional
-        Additive float mask broadcastable to [B, Hq, Sq, Sk] (``-inf`` hides a key). The flash
-        kernels read float32 through strides (0 on broadcast dims); a float16/bfloat16 mask is
-        first converted to float32, and for ``flash_mma`` a mask whose key dim is strided is
-        made contiguous (each a copy of the mask's own, un-broadcast size).
+        Additive float mask broadcastable to [B, Hq, Sq, Sk] (``-inf`` hides a key), or a bool
+        mask (torch SDPA's: ``True`` lets the key take part, ``False`` hides it; a row with no
+        True gives zeros here, where SDPA gives NaN). The flash kernels read float32 through
+        strides (0 on broadcast dims); a float16/bfloat16 mask is first converted to float32 (a
+        bool mask to 0 / -inf), and for ``flash_mma`` a mask whose key dim is strided is made
+        contiguous (each a copy of the mask's own, un-broadcast size).
     key_lengths : int array [B], optional
         Keys ``j >= key_lengths[b]`` are hidden. Host values (list / NumPy) are checked to lie in
         [0, Sk]; a CuPy array is used as is (not read back: the flash kernel clamps it to [0, Sk]).
@@ -281,7 +284,9 @@ def attention(q, k, v, causal=False, scale=None, mask=None, key_lengths=None, im
         # int32 and contiguous, as the kernel reads key_lengths[b] (a no-op for the usual input)
         kl = cupy.asarray(arr, dtype=cupy.int32) if where == "host" else \
             cupy.ascontiguousarray(arr, dtype=cupy.int32)
-    if mask is not None and mask.dtype != cupy.float32:
+    if mask is not None and mask.dtype == np.bool_:  # torch SDPA's bool mask: True takes part
+        mask = cupy.where(mask, np.float32(0), np.float32(-np.inf))
+    elif mask is not None and mask.dtype != cupy.float32:
         mask = mask.astype(cupy.float32)
     dk = qk.shape[3]   # D, or the head dim q, k, v were zero-padded to: the kernel writes dk columns
     o = out if dk == d else cupy.empty((b, hq, sq, dk), dtype=q.dtype)

@@ -37,7 +37,7 @@ OPTIONS = {
     "causal": "`causal=True` (bottom-right aligned when Sq != Sk)",
     "window": "`window=(left, right)`, a sliding window",
     "softcap": "`softcap=c`: scores `c * tanh(s / c)` (Gemma 2)",
-    "mask": "`mask=`, an additive float mask broadcast to [B, Hq, Sq, Sk]",
+    "mask": "`mask=`, an additive float mask (or a bool one, True: the key takes part) broadcast to [B, Hq, Sq, Sk]",
     "key_lengths": "`key_lengths=`, keys per batch entry",
     "scale": "`scale=` other than 1/sqrt(D)",
     "gqa": "GQA / MQA: fewer K/V heads than query heads",

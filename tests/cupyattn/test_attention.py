@@ -497,6 +497,28 @@ def test_gpu_mask(rng, mask_shape, mask_dtype, impl):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("impl", IMPLS + (None, "wgmma_persistent"))
+@pytest.mark.parametrize("mask_shape", [(97, 120), (2, 1, 97, 120), (4, 1, 120)])
+def test_gpu_bool_mask_as_torch_sdpa(rng, mask_shape, impl):
+    """A bool mask is torch SDPA's: True lets the key take part, False hides it (the reference gets
+    the additive 0 / -inf twin); a row, head or batch entry with no True gives zeros, lse -inf.
+    impl=None at fp16 D = 64 is wgmma on sm_90."""
+    import cupy
+
+    skip_unless_device_runs("attention", impl or "flash", "float16", 64)
+    keep = rng.random(mask_shape) < 0.7
+    keep.reshape(-1, mask_shape[-1])[0] = False
+    b, hq, hkv, sq, sk, d = 2, 4, 2, 97, 120, 64
+    (q, qr), (k, kr), (v, vr) = (to_device(x, "float16") for x in _qkv(rng, b, hq, hkv, sq, sk, d))
+    out = nan_like((b, hq, sq, d), "float16")
+    got, lse = FA.attention(q, k, v, causal=True, mask=cupy.asarray(keep), impl=impl, return_lse=True, out=out)
+    want, wl = ref.attention(qr, kr, vr, causal=True, mask=np.where(keep, 0.0, -np.inf), return_lse=True)
+    assert got is out
+    assert_close(got, want, "float16")
+    _assert_lse(to_host(lse), wl, 2e-3)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("on_device", [False, True])
 def test_gpu_key_lengths_with_zero_length(rng, on_device, impl):
