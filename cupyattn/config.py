@@ -66,10 +66,10 @@ HEAD_DIMS = (32, 64, 80, 96, 128, 256)   # head dims of the fused attention and 
 
 
 def padded_head_dim(d: int, dims=HEAD_DIMS) -> int | None:
-    """The head dim a fused kernel with head dims ``dims`` runs a dense attention() call of head dim
-    ``d`` at: ``d`` itself, else the next larger one (q, k, v are copied zero-padded to it, as
-    FlashAttention-2 pads to its kernels' head dims; q.k and the kept columns of P V are unchanged);
-    None past the largest."""
+    """The head dim a fused kernel with head dims ``dims`` runs an attention() or attention_varlen()
+    call of head dim ``d`` at: ``d`` itself, else the next larger one (q, k, v are copied
+    zero-padded to it, as FlashAttention-2 pads to its kernels' head dims; q.k and the kept columns
+    of P V are unchanged); None past the largest."""
     return next((x for x in sorted(dims) if x >= d), None)
 
 

@@ -165,8 +165,8 @@ class _Dev:
     (dict(q=_Dev((1, 2, 4, 64), np.float32), k=_Dev((1, 2, 5, 64), np.float32), v=_Dev((1, 2, 5, 64), np.float32),
           impl="flash_mma"), TypeError, r"impl='flash_mma' needs float16 or bfloat16"),
     (dict(q=_Dev((1, 2, 4, 300)), k=_Dev((1, 2, 5, 300)), v=_Dev((1, 2, 5, 300)), impl="flash_mma"), ValueError,
-     r"D=300 is not supported by impl='flash_mma': the fused kernels take D up to 256 \(a D not in 32, 64, 80, 96, 128, 256 "
-     r"zero-padded to the next\) \(impl='naive' takes any D\)"),
+     r"D=300 is not supported by impl='flash_mma': the fused kernels take D up to 256 "
+     r"\(a D not in 32, 64, 80, 96, 128, 256 zero-padded to the next\) \(impl='naive' takes any D\)"),
     (dict(q=_Dev((2, 4, 64))), ValueError, r"q must have 4 dimensions"),
     (dict(k=_Dev((1, 2, 5, 64), np.float32)), TypeError, r"k has dtype float32 but q has float16"),
     (dict(q=_Dev((1, 2, 4, 64), np.int32)), TypeError, r"q has dtype int32"),
@@ -175,7 +175,8 @@ class _Dev:
     (dict(v=_Dev((1, 2, 6, 64))), ValueError, r"v has shape \(1, 2, 6, 64\) but k"),
     (dict(k=_Dev((1, 3, 5, 64)), v=_Dev((1, 3, 5, 64))), ValueError, r"Hq=2 .* Hkv=3"),
     (dict(q=_Dev((1, 2, 4, 257)), k=_Dev((1, 2, 5, 257)), v=_Dev((1, 2, 5, 257)), impl="flash"), ValueError,
-     r"head_dim D=257 is not supported by impl='flash': the fused kernels take D up to 256 .* \(impl='naive' takes any D\)"),
+     r"head_dim D=257 is not supported by impl='flash': the fused kernels take D up to 256 .* "
+     r"\(impl='naive' takes any D\)"),
     (dict(q=_Dev((1, 2, 4, 257)), k=_Dev((1, 2, 5, 257)), v=_Dev((1, 2, 5, 257)), window=(2, 2)), ValueError,
      r"head_dim D=257 is not supported by the fused kernels: .* \(impl='naive' takes any D but has no window\)"),
     (dict(q=_Dev((1, 2, 4, 300)), k=_Dev((1, 2, 5, 300)), v=_Dev((1, 2, 5, 300)), softcap=30.0), ValueError,
