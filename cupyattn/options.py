@@ -101,7 +101,7 @@ TMA_REFUSES_PAGED = {  # the Hopper kernels read q, k, v through TMA tensor maps
     "negative_stride": "TMA cannot describe a negative stride (a ValueError names the operand and the stride)",
 }
 # dense and packed inputs at a head dim the kernel lacks are read through zero-padded copies
-PADDED = "; at a head dim it lacks (not 64, 128, 256) it reads zero-padded contiguous copies, and runs"
+PADDED = "; at a head dim it has no kernel for, it reads zero-padded contiguous copies, and runs"
 TMA_REFUSES = {o: why + PADDED for o, why in TMA_REFUSES_PAGED.items()}
 REFUSED = {
     ("attention", "naive"): {
@@ -248,8 +248,9 @@ def _pairs(pairs) -> str:
 
 
 def kernel_dim(c: Call) -> int:
-    """The head dim the fused kernels run ``c`` at: D, or for a dense attention() call the next of
-    config.HEAD_DIMS (config.padded_head_dim; q, k, v zero-padded); D itself past the largest."""
+    """The head dim the fused kernels run ``c`` at: D, or for an attention() / attention_varlen() call
+    at another D the next of config.HEAD_DIMS (config.padded_head_dim; q, k, v zero-padded); D
+    itself past the largest (the other entry points take HEAD_DIMS only, so D)."""
     return C.padded_head_dim(c.head_dim) or c.head_dim
 
 
