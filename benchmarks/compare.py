@@ -12,7 +12,11 @@ and the new run's spread (max / min over its reps). A record is flagged when
   ``meta.gpu_guard``).
 
 OLD defaults to the newest earlier run on the same GPU model (``meta.gpu``) among the recorded
-runs (``benchmarks/results/*.json``), leaving out runs that shared their GPU. The README's table
+runs (``benchmarks/results/*.json``), leaving out runs that shared their GPU. Where that model has
+no such run (the first run on an H200 after H100 runs), OLD is the newest earlier run on a model
+the new one should never be slower than (:func:`kin`: the same compute capability, SM count and L2,
+and the new run's own measured ceilings, copy GB/s and GEMM TFLOP/s, at least
+:data:`CEILING_FLOOR` of the old run's), so that "slower" still means a finding. The README's table
 (readme_table.py) leaves out the cases this flags; ``gpu_run.sh`` prints the flags of each
 recorded run before anything else.
 """
@@ -23,6 +27,7 @@ from pathlib import Path
 
 SLOWER = 1.10   # new / old median above this: flagged
 SPREAD = 1.5    # max / min of a record's timed reps above this: flagged (also the twin rule's bound)
+CEILING_FLOOR = 0.95  # kin(): the new run's ceilings at least this fraction of the old run's (their noise: ~2%)
 
 
 def load(path) -> dict:
@@ -41,12 +46,28 @@ def shared(run: dict) -> bool:
     return guard is not None and guard.get("shared") is not False
 
 
+def kin(new: dict, old: dict) -> bool:
+    """Whether ``old`` ran on another GPU model that ``new``'s should never be slower than: the
+    same compute capability, SM count and L2 size (the same die and cut, as an H200 and an H100
+    SXM), and ``new``'s measured ceilings (copy GB/s, GEMM TFLOP/s) each at least CEILING_FLOOR of
+    ``old``'s, so its memory and clocks are no slower. False where either lacks one of these."""
+    nm, om = new["meta"], old["meta"]
+    if nm.get("gpu") == om.get("gpu"):
+        return False
+    same = ("compute_capability", "sm_count", "l2_bytes")
+    if any(nm.get(k) is None or nm.get(k) != om.get(k) for k in same):
+        return False
+    nc, oc = new.get("ceilings") or {}, old.get("ceilings") or {}
+    return all(nc.get(k) and oc.get(k) and nc[k] >= CEILING_FLOOR * oc[k] for k in ("copy_gbps", "gemm_tflops"))
+
+
 def baseline(new_path, results_dir) -> Path | None:
-    """The newest run in ``results_dir`` (top level) on the same GPU model that started before
-    ``new_path``'s run and did not share its GPU; None when there is none."""
+    """The newest run in ``results_dir`` (top level) that started before ``new_path``'s run, did
+    not share its GPU and ran on the same GPU model; where there is none, the newest such run on a
+    :func:`kin` model; None when there is neither."""
     new = load(new_path)
     gpu, date = new["meta"].get("gpu"), new["meta"].get("date_utc", "")
-    best = None
+    best = {True: None, False: None}  # same model -> (date, path)
     for p in sorted(Path(results_dir).glob("*.json")):
         if p.resolve() == Path(new_path).resolve():
             continue
@@ -54,10 +75,13 @@ def baseline(new_path, results_dir) -> Path | None:
             run = load(p)
         except (ValueError, json.JSONDecodeError):
             continue
-        d = run["meta"].get("date_utc", "")
-        if run["meta"].get("gpu") == gpu and d < date and not shared(run) and (best is None or d > best[0]):
-            best = (d, p)
-    return best[1] if best else None
+        d, same = run["meta"].get("date_utc", ""), run["meta"].get("gpu") == gpu
+        if d >= date or shared(run) or not (same or kin(new, run)):
+            continue
+        if best[same] is None or d > best[same][0]:
+            best[same] = (d, p)
+    found = best[True] or best[False]
+    return found[1] if found else None
 
 
 def _timed(r) -> bool:
@@ -154,12 +178,18 @@ def report(new_path, old_path, rows: list[dict], new: dict, old: dict | None) ->
     nm = new["meta"]
     head = [f"new: {new_path} ({nm.get('gpu')}, {nm.get('date_utc')}, commit {(nm.get('commit') or '?')[:7]})"]
     if old is None:
-        head.append("old: none (no earlier run on this GPU model): spread and twin flags only")
+        head.append("old: none (no earlier run on this GPU model or a kin one): spread and twin flags only")
     else:
         om = old["meta"]
         same = "same" if om.get("kernels_sha256") == nm.get("kernels_sha256") else "different"
         head.append(f"old: {old_path} ({om.get('date_utc')}, commit {(om.get('commit') or '?')[:7]}); "
                     f"kernel sources: {same} (kernels_sha256)")
+        if om.get("gpu") != nm.get("gpu"):
+            nc, oc = new.get("ceilings") or {}, old.get("ceilings") or {}
+            ratios = ", ".join(f"{k} {nc[k] / oc[k]:.2f}x" for k in ("copy_gbps", "gemm_tflops") if nc.get(k) and oc.get(k))
+            head.append(f"     another GPU model ({om.get('gpu')}) with the same compute capability, SMs and L2 and "
+                        f"ceilings this run matches ({ratios} here): 'slower' is a finding; memory-bound cases should "
+                        f"gain up to the copy ratio")
     flagged = [r for r in rows if r["flags"]]
     lines = head + [f"flags: {len(flagged)} of {len(rows)} timed records"]
     lines += [f"  FLAG {r['case']} / {r['impl']}: {'; '.join(r['flags'])}" for r in flagged]

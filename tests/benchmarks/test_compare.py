@@ -73,6 +73,47 @@ def test_compare_cli_prints_the_flags_first(tmp_path):
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
 
 
+def test_first_run_of_a_gpu_model_is_compared_with_a_kin_model(tmp_path):
+    """An H200's first run (no H200 run recorded) is compared with the newest H100 run, since the
+    same die, SMs and L2 with ceilings at least as high make any 10% loss a finding; a run of the
+    same model, once there, is preferred; another SM count, lower ceilings or a shared run are not
+    kin (no baseline: spread and twin flags only)."""
+    for p in (NOV26, NOV27):
+        (tmp_path / p.name).write_text(p.read_text())
+    h100 = compare.load(NOV27)
+    run = json.loads(json.dumps(h100))
+    run["meta"].update(gpu="NVIDIA H200", date_utc="2026-11-29T00:00:00Z")
+    run["ceilings"]["copy_gbps"] *= 1.4
+    case = "decode B8 H32/8 L32768 D128 float16"
+    rec = next(r for r in run["records"] if r["case"] == case and r["impl"] == "split-kv")
+    rec["median_ms"] *= 1.3
+    new = tmp_path / "2026-11-29-nvidia-h200.json"
+
+    def write(**meta):
+        r = json.loads(json.dumps(run))
+        r["meta"].update(meta)
+        new.write_text(json.dumps(r))
+        return compare.baseline(new, tmp_path)
+
+    assert write() == tmp_path / NOV27.name
+    rows = compare.compare(compare.load(new), h100)
+    assert any(x.startswith("slower: 1.30x") for x in _flags(rows)[(case, "split-kv")])
+    text = compare.report(new, tmp_path / NOV27.name, rows, compare.load(new), h100)
+    assert "another GPU model (NVIDIA H100 80GB HBM3)" in text and "copy_gbps 1.40x" in text
+    assert write(sm_count=114) is None
+    run["ceilings"]["copy_gbps"] = 0.9 * h100["ceilings"]["copy_gbps"]
+    assert write() is None
+    run["ceilings"]["copy_gbps"] = 1.4 * h100["ceilings"]["copy_gbps"]
+    kin = json.loads((tmp_path / NOV27.name).read_text())
+    kin["meta"]["gpu_guard"] = {"shared": True}
+    (tmp_path / NOV27.name).write_text(json.dumps(kin))
+    assert write() == tmp_path / NOV26.name  # the newest unshared kin run
+    same = json.loads(json.dumps(run))
+    same["meta"]["date_utc"] = "2026-11-28T00:00:00Z"
+    (tmp_path / "2026-11-28-nvidia-h200.json").write_text(json.dumps(same))
+    assert write() == tmp_path / "2026-11-28-nvidia-h200.json"
+
+
 # --- the README table from clean rows only --------------------------------------------------------
 def test_readme_table_leaves_out_flagged_rows_and_shared_runs(tmp_path):
     block = readme_table.table(NOV27)
