@@ -187,9 +187,14 @@ def report(new_path, old_path, rows: list[dict], new: dict, old: dict | None) ->
         if om.get("gpu") != nm.get("gpu"):
             nc, oc = new.get("ceilings") or {}, old.get("ceilings") or {}
             ratios = ", ".join(f"{k} {nc[k] / oc[k]:.2f}x" for k in ("copy_gbps", "gemm_tflops") if nc.get(k) and oc.get(k))
-            head.append(f"     another GPU model ({om.get('gpu')}) with the same compute capability, SMs and L2 and "
-                        f"ceilings this run matches ({ratios} here): 'slower' is a finding; memory-bound cases should "
-                        f"gain up to the copy ratio")
+            if kin(new, old):
+                head.append(f"     another GPU model ({om.get('gpu')}) with the same compute capability, SMs and L2 and "
+                            f"ceilings this run matches ({ratios} here): 'slower' is a finding; memory-bound cases "
+                            f"should gain up to the copy ratio")
+            else:
+                head.append(f"     another GPU model ({om.get('gpu')}), not one this should match (ceilings {ratios} "
+                            f"here, or another compute capability, SM count or L2): read the ratios as a comparison "
+                            f"of two GPUs, not as findings")
     flagged = [r for r in rows if r["flags"]]
     lines = head + [f"flags: {len(flagged)} of {len(rows)} timed records"]
     lines += [f"  FLAG {r['case']} / {r['impl']}: {'; '.join(r['flags'])}" for r in flagged]

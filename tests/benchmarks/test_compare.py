@@ -101,6 +101,8 @@ def test_first_run_of_a_gpu_model_is_compared_with_a_kin_model(tmp_path):
     text = compare.report(new, tmp_path / NOV27.name, rows, compare.load(new), h100)
     assert "another GPU model (NVIDIA H100 80GB HBM3)" in text and "copy_gbps 1.40x" in text
     assert write(sm_count=114) is None
+    # with such a model given as OLD by hand, the header says its ratios are no findings
+    assert "not one this should match" in compare.report(new, NOV27, [], compare.load(new), h100)
     run["ceilings"]["copy_gbps"] = 0.9 * h100["ceilings"]["copy_gbps"]
     assert write() is None
     run["ceilings"]["copy_gbps"] = 1.4 * h100["ceilings"]["copy_gbps"]
