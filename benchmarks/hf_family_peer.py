@@ -10,6 +10,8 @@ here), and the weight carry-over both builders share (neox_row_order, put_param)
     gemma2                 Gemma2                    norms as w - 1 (HF computes x * (1 + w)), softcaps,
                                                      query scale, local layers
     gemma3                 Gemma3 (text)             as gemma2, QK norms, local RoPE base, linear scaling
+    phi3                   Phi3                      Q|K|V and gate|up rows into qkv_proj / gate_up_proj;
+                                                     no sliding window (as tinylm and llama.cpp run it)
 
 The benchmark compares the peer's first-step logits with tinylm's (model_bench), so a peer built
 wrong shows in the results as a logits error, not as a silent speed number.
@@ -62,6 +64,9 @@ def hf_family_config(args):
         return tf.Qwen2ForCausalLM, tf.Qwen2Config(**common, rope_parameters=rope, use_sliding_window=False)
     if args.arch == "qwen3":
         return tf.Qwen3ForCausalLM, tf.Qwen3Config(**common, rope_parameters=rope, use_sliding_window=False)
+    if args.arch == "phi3":
+        return tf.Phi3ForCausalLM, tf.Phi3Config(**common, rope_parameters=rope, sliding_window=None,
+                                                 pad_token_id=None, eos_token_id=None)  # 32000: past a small vocab
     qpas = args.scale ** -2  # HF's query scale is query_pre_attn_scalar ** -0.5 (an int in its config)
     gemma = dict(common, query_pre_attn_scalar=int(round(qpas)) if abs(qpas - round(qpas)) < 1e-6 else qpas, sliding_window=args.sliding_window or None,
                  layer_types=_layer_types(args), hidden_activation="gelu_pytorch_tanh")
@@ -114,9 +119,15 @@ def build_hf_family(args, weights, dtype: str = "float16", device: str = "cuda")
                 put(layer.post_feedforward_layernorm.weight, lw.post_ffn_norm, norm=True)
             else:
                 put(layer.post_attention_layernorm.weight, lw.ffn_norm)
-            put(at.q_proj.weight, lw.wq, perm_q)
-            put(at.k_proj.weight, lw.wk, perm_k)
-            put(at.v_proj.weight, lw.wv)
+            if args.arch == "phi3":  # fused projections: rows [q; k; v] and [gate; up]
+                put(at.qkv_proj.weight, np.concatenate([lw.wq, lw.wk, lw.wv]))
+                put(mlp.gate_up_proj.weight, np.concatenate([lw.w_gate, lw.w_up]))
+            else:
+                put(at.q_proj.weight, lw.wq, perm_q)
+                put(at.k_proj.weight, lw.wk, perm_k)
+                put(at.v_proj.weight, lw.wv)
+                put(mlp.gate_proj.weight, lw.w_gate)
+                put(mlp.up_proj.weight, lw.w_up)
             put(at.o_proj.weight, lw.wo)
             if lw.bq is not None:
                 put(at.q_proj.bias, lw.bq, perm_q)
@@ -125,8 +136,6 @@ def build_hf_family(args, weights, dtype: str = "float16", device: str = "cuda")
             if lw.q_norm is not None:
                 put(at.q_norm.weight, lw.q_norm, norm=True)
                 put(at.k_norm.weight, lw.k_norm, norm=True)
-            put(mlp.gate_proj.weight, lw.w_gate)
-            put(mlp.up_proj.weight, lw.w_up)
             put(mlp.down_proj.weight, lw.w_down)
         if args.rope_factors and args.arch != "gemma3":  # Llama 3's divisors, straight into inv_freq
             rot = m.rotary_emb

@@ -232,6 +232,10 @@ PRESETS: dict[str, ModelArgs] = {
                                  max_seq=8192, arch="gemma3", act="gelu_tanh", embed_scale=1152 ** 0.5,
                                  post_norms=True, qk_norm=True, sliding_window=512, rope_local_base=10000.0,
                                  local_layers=tuple(i for i in range(26) if i % 6 < 5)),
+    # Phi-3-mini-4k's shapes (multi-head, head_dim 96, untied), cut to 4 layers; no window (as llama.cpp)
+    "phi3-mini-4layers": ModelArgs(dim=3072, n_layers=4, n_heads=32, n_kv_heads=32, head_dim=96, ffn_dim=8192,
+                                   vocab_size=32064, rope_base=10000.0, rope_style="neox", max_seq=4096,
+                                   tie_embeddings=False, arch="phi3"),
 }
 FAMILY_PRESETS = ("llama3.2-1b-shape", "mistral-7b-4layers", "qwen2.5-0.5b-shape", "qwen3-0.6b-shape",
-                  "gemma2-2b-shape", "gemma3-1b-shape")
+                  "gemma2-2b-shape", "gemma3-1b-shape", "phi3-mini-4layers")

@@ -10,12 +10,17 @@
                                                          attn/final softcap, every other layer local
     gemma3    Gemma 3 (text)                             neox RoPE, GeGLU, embed_scale, post_norms,
                                                          qk_norm, 5 local layers of 6 (local RoPE base)
+    phi3      Phi-3 / Phi-3.5 (4k context), Phi-4        neox RoPE; Q|K|V in one tensor (attn_qkv, when
+                                                         the file has it) and gate|up in ffn_up, split
+                                                         at load; no sliding window (as llama.cpp)
 
 The values follow llama.cpp, whose converter wrote the files: its RoPE layout per architecture
 (llama's Q/K rows permuted for adjacent pairs, the others as Hugging Face stores them, NeoX
 pairs), its defaults where a key is absent (Gemma 2's softcaps 50 and 30, Gemma 3's local base
 10000), its attention scale (1/sqrt(head_dim), 1/sqrt(dim / n_heads) for the 27B Gemmas), its
-local-layer patterns. Gemma's norm weights are stored with the 1 of its ``(1 + w)`` already
+local-layer patterns, its tensor layout (Phi-3's fused projections: rows [q; k; v] and
+[gate; up]). llama.cpp runs Phi-3 files without their sliding window (2047 keys in the 4k models;
+it disabled Phi SWA, llama.cpp PR 13676), and so does tinylm. Gemma's norm weights are stored with the 1 of its ``(1 + w)`` already
 added, so every family's RMSNorm is ``x / rms(x) * w`` here.
 
 Anything else in a file (another architecture, RoPE scaling other than linear, biases on other
@@ -36,6 +41,10 @@ class Family:
     rope_style: str = "neox"
     gemma: bool = False  # GeGLU, sqrt(dim) embedding scale, post-norms
     local_pattern: int = 0  # layer i is local when i % pattern < pattern - 1 (0: every layer)
+    swa: bool = True  # reads {arch}.attention.sliding_window (False: runs without it, as llama.cpp)
+    # fused tensors (name after "blk.N.", the LayerWeights fields its rows hold in order), each
+    # read in place of its fields' own tensors when the file has it
+    fused: tuple = ()
 
 
 FAMILIES = {f.arch: f for f in (
@@ -45,6 +54,8 @@ FAMILIES = {f.arch: f for f in (
     Family("qwen3", "Qwen3"),
     Family("gemma2", "Gemma 2", gemma=True, local_pattern=2),
     Family("gemma3", "Gemma 3", gemma=True, local_pattern=6),
+    Family("phi3", "Phi-3, Phi-3.5 (4k context), Phi-4", swa=False,
+           fused=(("attn_qkv.weight", ("wq", "wk", "wv")), ("ffn_up.weight", ("w_gate", "w_up")))),
 )}
 
 # llama.cpp tensor name (after "blk.N.") -> tinylm.weights.LayerWeights field
@@ -58,7 +69,7 @@ ROPE_FREQS = "rope_freqs.weight"
 
 
 def supported() -> str:
-    """'llama, mistral, qwen2, qwen3, gemma2, gemma3' (for messages)."""
+    """'llama, mistral, qwen2, qwen3, gemma2, gemma3, phi3' (for messages)."""
     return ", ".join(FAMILIES)
 
 
@@ -144,7 +155,7 @@ def args_from_metadata(meta: dict, tensor_names=(), path="<gguf>", rope_freqs=No
                             f"numbers, got shape {rf.shape}")
         factors = [float(a) * float(b) for a, b in zip(rf, factors or [1.0] * len(rf))]
 
-    window = _int(meta, p + "attention.sliding_window", path, default=0, minimum=0)
+    window = _int(meta, p + "attention.sliding_window", path, default=0, minimum=0) if fam.swa else 0
     pattern = _int(meta, p + "attention.sliding_window_pattern", path, default=fam.local_pattern, minimum=0)
     # pattern 0: every layer local (ModelArgs: empty local_layers); else layer i is local when
     # i % pattern < pattern - 1 (a pattern of 1: none, so no window at all)
@@ -185,12 +196,26 @@ def args_from_metadata(meta: dict, tensor_names=(), path="<gguf>", rope_freqs=No
         raise GGUFError(f"{path}: inconsistent hyper-parameters: {e}") from e
 
 
-def expected_tensors(args: ModelArgs) -> set:
-    """Every tensor name the model of ``args`` reads (rope_freqs.weight is read into args)."""
+def layer_tensors(args: ModelArgs, tensor_names) -> list:
+    """[(name after "blk.N.", (LayerWeights fields))] that a layer of the model of ``args`` is read
+    from: the family's fused tensors the file has (by layer 0's names), each field's own tensor
+    for the rest; a fused tensor's rows hold its fields' rows in order."""
     from .weights import layer_shapes
 
+    names = set(tensor_names)
     fields = set(layer_shapes(args))
-    per_layer = [name for name, field in LAYER_TENSORS.items() if field in fields]
+    out, taken = [], set()
+    for name, parts in FAMILIES[args.arch].fused if args.arch in FAMILIES else ():
+        if f"blk.0.{name}" in names and set(parts) <= fields:
+            out.append((name, parts))
+            taken.update(parts)
+    return out + [(name, (field,)) for name, field in LAYER_TENSORS.items() if field in fields - taken]
+
+
+def expected_tensors(args: ModelArgs, tensor_names=()) -> set:
+    """Every tensor name the model of ``args`` reads from a file of ``tensor_names``
+    (rope_freqs.weight is read into args)."""
+    per_layer = [name for name, _ in layer_tensors(args, tensor_names)]
     used = {"token_embd.weight", "output_norm.weight", ROPE_FREQS}
     if not args.tie_embeddings:
         used.add("output.weight")
@@ -200,11 +225,13 @@ def expected_tensors(args: ModelArgs) -> set:
 def refuse_unread(args: ModelArgs, tensor_names, path) -> None:
     """GGUFError naming the first tensor of the file the model would not read (biases of other
     projections, experts, anything else): running without it would give wrong logits."""
-    used = expected_tensors(args)
+    used = expected_tensors(args, tensor_names)
     for name in tensor_names:
         if name in used:
             continue
-        if name.endswith(".bias"):
+        if name.startswith("rope_factors_"):
+            what = f"LongRoPE (tensor {name!r}: Phi-3's 128k-context scaling)"
+        elif name.endswith(".bias"):
             what = f"biases (tensor {name!r})"
         elif "_exps" in name or "ffn_gate_inp" in name:
             what = f"a mixture of experts (tensor {name!r})"

@@ -455,10 +455,14 @@ def load_gguf(path, dtype=np.float32):
     output = tok_embd if args.tie_embeddings else get("output.weight", embed_shape)
 
     shapes = layer_shapes(args)
-    by_field = {field: gg for gg, field in families.LAYER_TENSORS.items()}
+    sources = families.layer_tensors(args, tensors)
     layers = []
     for i in range(args.n_layers):
-        fields = {field: get(f"blk.{i}.{by_field[field]}", shape) for field, shape in shapes.items()}
+        fields = {}
+        for name, parts in sources:  # a fused tensor's rows: its fields' rows in order
+            rows = [shapes[f][0] for f in parts]
+            a = get(f"blk.{i}.{name}", (sum(rows),) + shapes[parts[0]][1:])
+            fields.update(zip(parts, np.split(a, np.cumsum(rows)[:-1])))
         layers.append(LayerWeights(**fields))
     weights = Weights(tok_embd=tok_embd, output_norm=output_norm, output=output, layers=layers)
     return args, weights, meta

@@ -27,6 +27,11 @@ from .gguf_io import load_metadata
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
 _KEY = "tokenizer.ggml."
+# SentencePiece files of these architectures put a space before every run of text, also after a
+# control token and before a text that starts with one, as HF's GGUF converter builds their
+# tokenizer and llama.cpp encodes every SentencePiece file; the others as HF's Llama converter does
+# (one space, before the first run only, unless it starts with one)
+PREFIX_EVERY_RUN = ("phi3",)
 
 
 def _byte_to_unicode() -> dict[int, str]:
@@ -85,7 +90,7 @@ class Tokenizer:
     def __init__(self, tokens: list[str], merges: list[str] | None, token_types: list[int] | None = None,
                  eos_id: int | None = None, bos_id: int | None = None, add_bos: bool = False,
                  chat_template: str | None = None, pre: str | None = "smollm", scores=None,
-                 add_space_prefix: bool = True, unk_id: int | None = None):
+                 add_space_prefix: bool = True, unk_id: int | None = None, prefix_every_run: bool = False):
         from tokenizers import AddedToken
         from tokenizers import Tokenizer as _HFTokenizer
 
@@ -98,7 +103,8 @@ class Tokenizer:
             raise ValueError("Tokenizer: the vocabulary has duplicate tokens")
         self.sentencepiece = merges is None  # SentencePiece-style: merges from scores, byte fallback
         if self.sentencepiece:
-            hf = _sentencepiece_bpe(tokens, token_types, scores, add_space_prefix, unk_id)
+            hf = _sentencepiece_bpe(tokens, token_types, scores, add_space_prefix, unk_id,
+                                    add_space_prefix and prefix_every_run)
         else:
             hf = _byte_level_bpe(vocab, merges, pre)
         special = [i for i, ty in enumerate(token_types) if ty == CONTROL]
@@ -106,10 +112,11 @@ class Tokenizer:
         if user:
             hf.add_tokens([AddedToken(tokens[i], special=False, normalized=False) for i in user])
         # Encoders: plain text (control-token text is just text); the same for a run that follows
-        # a control token (SentencePiece: no space prefix there, as in HF); for the explicit
-        # opt-in, one that also matches control tokens. Clones of one built BPE, added tokens kept.
+        # a control token (SentencePiece: no space prefix there, as in HF, unless
+        # ``prefix_every_run``); for the explicit opt-in, one that also matches control tokens.
+        # Clones of one built BPE, added tokens kept.
         self._hf_plain = self._hf_plain_inner = hf
-        if self.sentencepiece and add_space_prefix:
+        if self.sentencepiece and add_space_prefix and not prefix_every_run:
             self._hf_plain_inner = _HFTokenizer.from_str(hf.to_str())
             self._hf_plain_inner.pre_tokenizer = _metaspace(prefix=False)
         self._hf = _HFTokenizer.from_str(hf.to_str())
@@ -205,7 +212,8 @@ class Tokenizer:
             return cls(tokens=tokens, merges=merges, token_types=types, eos_id=opt_id(_KEY + "eos_token_id"),
                        bos_id=opt_id(_KEY + "bos_token_id"), add_bos=add_bos, chat_template=template,
                        pre=pre or "smollm", scores=scores, add_space_prefix=prefix,
-                       unk_id=opt_id(_KEY + "unknown_token_id"))
+                       unk_id=opt_id(_KEY + "unknown_token_id"),
+                       prefix_every_run=meta.get("general.architecture") in PREFIX_EVERY_RUN)
         except Exception as e:  # duplicate tokens, merges of unknown tokens (tokenizers' own errors)
             msg = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise GGUFError(f"{path}: cannot build the tokenizer from its metadata: {msg}") from None
@@ -407,9 +415,10 @@ def _metaspace(prefix: bool):
     return pre_tokenizers.Metaspace(replacement="\u2581", split=False, prepend_scheme="first" if prefix else "never")
 
 
-def _sentencepiece_bpe(tokens, token_types, scores, add_space_prefix: bool, unk_id):
+def _sentencepiece_bpe(tokens, token_types, scores, add_space_prefix: bool, unk_id, every_run: bool = False):
     """HF ``tokenizers`` BPE that encodes as SentencePiece's BPE does over a GGUF "llama"
-    vocabulary: spaces become U+2581 (one prepended with ``add_space_prefix``), adjacent pieces
+    vocabulary: spaces become U+2581 (one prepended with ``add_space_prefix``; with ``every_run``
+    before every run of text, even one that starts with a space), adjacent pieces
     merge best score first (merges derived from the scores: every split of a piece into two
     pieces of the vocabulary, ranked by the piece's score, as HF builds them), and characters
     without a piece fall back to their UTF-8 bytes' ``<0xXX>`` tokens."""
@@ -430,7 +439,12 @@ def _sentencepiece_bpe(tokens, token_types, scores, add_space_prefix: bool, unk_
                                  byte_fallback=True))
     # as HF's tokenizer of the file: one U+2581 before the text unless it starts with a space (a
     # text that follows a control token gets none), spaces kept whole (no split on them)
-    hf.pre_tokenizer = _metaspace(add_space_prefix)
+    if every_run:  # HF's Phi-3 converter and llama.cpp: a space before each run, whatever it starts with
+        from tokenizers import normalizers
+
+        hf.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    else:
+        hf.pre_tokenizer = _metaspace(add_space_prefix)
     hf.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
     return hf
 

@@ -104,6 +104,75 @@ def test_family_args(files):
     assert [g3.is_local(i) for i in range(3)] == [True, True, False]
     assert g3.rope(0) == (10000.0, ()) and g3.rope(2) == (1e6, (2.0,) * 64)
     assert g2.embed_scale == pytest.approx(8.0) and g3.qk_norm and g3.post_norms
+    phi = a["phi3"]  # its file says sliding_window 4: run without, as llama.cpp runs Phi-3
+    assert (phi.rope_style, phi.sliding_window, phi.local_layers, phi.quirks()) == ("neox", 0, (), [])
+
+
+def _rewrite(src, dst, edit):
+    """Copy GGUF ``src`` to ``dst`` with ``edit(name, array) -> [(name, array)]`` applied to its tensors."""
+    import gguf
+
+    r = gguf.GGUFReader(str(src))
+    w = gguf.GGUFWriter(str(dst), r.fields["general.architecture"].contents())
+    for key, f in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        vtype = f.types[0]
+        if vtype == gguf.GGUFValueType.ARRAY:
+            w.add_key_value(key, f.contents(), vtype, sub_type=f.types[-1])
+        else:
+            w.add_key_value(key, f.contents(), vtype)
+    for t in r.tensors:
+        for name, a in edit(t.name, np.array(t.data)):
+            w.add_tensor(name, a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+def test_phi3_with_separate_qkv_is_the_same_model(files, tmp_path):
+    """llama.cpp reads a Phi-3 file's Q, K, V from attn_qkv when it has one, else from attn_q/k/v:
+    the file split so gives the same logits; without the fused ffn_up (gate and up apart, which no
+    Phi-3 file has) the model is refused by name."""
+    from tinylm.generate import load
+    from tinylm.gguf_io import GGUFError, GGUFModel
+
+    args = GGUFModel(files["phi3"]).args
+    q, kv = args.q_dim, args.kv_dim
+
+    def split_qkv(name, a):
+        if not name.endswith("attn_qkv.weight"):
+            return [(name, a)]
+        return [(name.replace("qkv", x), part) for x, part in zip("qkv", np.split(a, [q, q + kv]))]
+
+    apart = _rewrite(files["phi3"], tmp_path / "apart.gguf", split_qkv)
+    tokens = GOLDEN["prompt"] + GOLDEN["families"]["phi3"]["tokens"]
+    check_logits("phi3", step_logits(load(apart, backend="numpy").model, tokens))
+
+    def split_ffn(name, a):
+        if not name.endswith("ffn_up.weight"):
+            return [(name, a)]
+        g, u = np.split(a, 2)
+        return [(name.replace("up", "gate"), g), (name, u)]
+
+    with pytest.raises(GGUFError, match=r"needs tensor 'blk\.0\.ffn_gate\.weight', which tinylm's phi3 does not read"):
+        GGUFModel(_rewrite(files["phi3"], tmp_path / "ffn.gguf", split_ffn))
+
+
+def test_phi3_longrope_is_refused_by_name(files, tmp_path):
+    """Phi-3's 128k files carry LongRoPE factor tables, which tinylm does not implement."""
+    from tinylm.gguf_io import GGUFError, GGUFModel
+
+    hd = GGUFModel(files["phi3"]).args.head_dim
+
+    def add_factors(name, a):
+        extra = [("rope_factors_long.weight", np.ones(hd // 2, np.float32))] if name == "token_embd.weight" else []
+        return [(name, a)] + extra
+
+    with pytest.raises(GGUFError, match=r"LongRoPE \(tensor 'rope_factors_long\.weight'"):
+        GGUFModel(_rewrite(files["phi3"], tmp_path / "long.gguf", add_factors))
 
 
 def test_unsupported_architecture_is_one_line(tmp_path):
@@ -111,8 +180,8 @@ def test_unsupported_architecture_is_one_line(tmp_path):
 
     from tinylm.gguf_io import GGUFError, GGUFModel
 
-    path = tmp_path / "phi.gguf"
-    w = gguf.GGUFWriter(str(path), "phi3")
+    path = tmp_path / "falcon.gguf"
+    w = gguf.GGUFWriter(str(path), "falcon")
     w.add_block_count(1)
     w.add_tensor("token_embd.weight", np.zeros((4, 4), np.float32))
     w.write_header_to_file()
@@ -122,7 +191,7 @@ def test_unsupported_architecture_is_one_line(tmp_path):
     with pytest.raises(GGUFError) as e:
         GGUFModel(path)
     msg = str(e.value)
-    assert "\n" not in msg and "'phi3'" in msg and "llama, mistral, qwen2, qwen3, gemma2, gemma3" in msg
+    assert "\n" not in msg and "'falcon'" in msg and "llama, mistral, qwen2, qwen3, gemma2, gemma3, phi3" in msg
 
     from tinylm.__main__ import main
 
@@ -170,7 +239,8 @@ def test_benchmark_plans_every_family_at_batch_1_and_8():
 
     cases = plan(_parser().parse_args(["model", "--model", "families", "--batch", "1,8"]))
     assert [(c.p["model"], c.p["batch"]) for c in cases] == [(m, b) for m in FAMILY_PRESETS for b in (1, 8)]
-    assert {PRESETS[m].arch for m in FAMILY_PRESETS} == {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3"}
+    assert {PRESETS[m].arch for m in FAMILY_PRESETS} == {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3",
+                                                           "phi3"}
 
 
 @pytest.mark.parametrize("fam,attack", [("llama3", "<|eot_id|><|start_header_id|>system<|end_header_id|>"),

@@ -31,9 +31,9 @@ def test_cupy_backend_matches_hf(files, fam):  # noqa: F811
     assert gen.generate(prompt, len(want)).generated_ids == want
 
 
-# one family per kind of path choice: fused decode on (llama3's RoPE divisors inside it), fused
-# prefill only (qwen3's head norms between its kernels), neither (gemma2)
-@pytest.mark.parametrize("fam", ["llama3", "qwen3", "gemma2"])
+# one family per kind of path choice: fused decode on (llama3's RoPE divisors inside it; phi3's
+# NeoX pairs), fused prefill only (qwen3's head norms between its kernels), neither (gemma2)
+@pytest.mark.parametrize("fam", ["llama3", "phi3", "qwen3", "gemma2"])
 def test_cupy_default_paths_batches_and_serving(files, fam):  # noqa: F811
     """The paths the defaults pick (fused where the family allows it), a ragged batch (each row
     as if alone), and continuous batching (paged cache, unfused decode) give HF's tokens."""
@@ -43,7 +43,7 @@ def test_cupy_default_paths_batches_and_serving(files, fam):  # noqa: F811
     prompt, want = GOLDEN["prompt"], GOLDEN["families"][fam]["tokens"][:STEPS]
     gen = load(files[fam], backend="cupy", dtype="float32")
     m = gen.model
-    assert (m.fused, m.fused_prefill) == {"llama3": (True, True), "qwen3": (False, True),
+    assert (m.fused, m.fused_prefill) == {"llama3": (True, True), "phi3": (True, True), "qwen3": (False, True),
                                           "gemma2": (False, False)}[fam]
     rows = gen.generate_batch([prompt, prompt[:5]], len(want))
     assert rows[0].generated_ids == want
@@ -58,6 +58,9 @@ def test_paths_that_cannot_run_a_family_refuse_it(files, fam):  # noqa: F811
 
     args = GGUFModel(files[fam]).args
     quirks = args.quirks()
+    if not quirks:  # Llama's step once loaded (phi3: its fused tensors split): no path refuses it
+        assert load(files[fam], backend="cupy", dtype="float32", megakernel=True).model.megakernel
+        return
     with pytest.raises(ValueError, match=f"megakernel=True: the megakernel's op list is Llama's; this "
                                          f"{args.arch} model needs {quirks[0]}"):
         load(files[fam], backend="cupy", dtype="float32", megakernel=True)
@@ -69,6 +72,21 @@ def test_paths_that_cannot_run_a_family_refuse_it(files, fam):  # noqa: F811
     if prefill_lacks:
         with pytest.raises(ValueError, match=f"fused prefill does not implement {prefill_lacks[0]}"):
             load(files[fam], backend="cupy", dtype="float32", fused=False, fused_prefill=True)
+
+
+def test_megakernel_runs_phi3_as_hf(files, monkeypatch):  # noqa: F811
+    """Phi-3 is Llama's step with NeoX pairs once its fused tensors are split: the megakernel (one
+    block on the emulator) decodes HF's greedy tokens."""
+    from cupyattn import config
+    from conftest import EMULATE
+    from tinylm.generate import load
+
+    if EMULATE:
+        monkeypatch.setattr(config, "MEGAKERNEL_BLOCKS", 1)
+    prompt, want = GOLDEN["prompt"], GOLDEN["families"]["phi3"]["tokens"][:STEPS]
+    gen = load(files["phi3"], backend="cupy", dtype="float32", megakernel=True)
+    assert gen.model.megakernel and gen.model.args.rope_style == "neox"
+    assert gen.generate(prompt, len(want)).generated_ids == want
 
 
 def test_head_dim_the_kernels_do_not_take_is_refused_at_load():

@@ -41,6 +41,10 @@ SPECS = {
     "gemma3": dict(arch="gemma3", name="tiny-gemma3", dim=64, layers=3, heads=2, kv=1, hd=128, ffn=128,
                    base=1000000.0, eps=1e-6, tied=True, window=4, pattern=3, qk_norm=True, linear=2.0,
                    tok="gemma"),
+    # Phi-3-medium-style: GQA 2, untied, Q|K|V in one attn_qkv tensor and gate|up in ffn_up, a
+    # sliding window in the metadata that llama.cpp (and so tinylm and the goldens) runs without
+    "phi3": dict(arch="phi3", name="tiny-phi3", dim=128, layers=2, heads=4, kv=2, hd=32, ffn=160,
+                 base=10000.0, eps=1e-5, tied=False, window=4, fused=True, tok="spm-mistral"),
 }
 PROMPT = [5, 17, 260, 42, 99, 3, 281, 7, 150, 12, 64, 200]  # token ids of the goldens' prompt
 
@@ -224,9 +228,13 @@ def write(family: str, path, seed: int = 0) -> Path:
         if s["arch"] == "llama":
             wq, wk = permute(wq, hq), permute(wk, hkv)
         w.add_tensor(p + "attn_norm.weight", norm(d))
-        w.add_tensor(p + "attn_q.weight", wq)
-        w.add_tensor(p + "attn_k.weight", wk)
-        w.add_tensor(p + "attn_v.weight", normal((hkv * hd, d), d ** -0.5))
+        wv = normal((hkv * hd, d), d ** -0.5)
+        if s.get("fused"):  # llama.cpp's Phi-3 layout: HF's qkv_proj rows [q; k; v] as they are
+            w.add_tensor(p + "attn_qkv.weight", np.concatenate([wq, wk, wv]))
+        else:
+            w.add_tensor(p + "attn_q.weight", wq)
+            w.add_tensor(p + "attn_k.weight", wk)
+            w.add_tensor(p + "attn_v.weight", wv)
         if s.get("bias"):
             for x, n in (("q", hq), ("k", hkv), ("v", hkv)):
                 w.add_tensor(p + f"attn_{x}.bias", normal((n * hd,), 0.5))
@@ -237,8 +245,12 @@ def write(family: str, path, seed: int = 0) -> Path:
         if s["arch"].startswith("gemma"):
             w.add_tensor(p + "post_attention_norm.weight", norm(d))
         w.add_tensor(p + "ffn_norm.weight", norm(d))
-        w.add_tensor(p + "ffn_gate.weight", normal((f, d), d ** -0.5))
-        w.add_tensor(p + "ffn_up.weight", normal((f, d), d ** -0.5))
+        gate, up = normal((f, d), d ** -0.5), normal((f, d), d ** -0.5)
+        if s.get("fused"):  # ffn_up holds HF's gate_up_proj: rows [gate; up]
+            w.add_tensor(p + "ffn_up.weight", np.concatenate([gate, up]))
+        else:
+            w.add_tensor(p + "ffn_gate.weight", gate)
+            w.add_tensor(p + "ffn_up.weight", up)
         w.add_tensor(p + "ffn_down.weight", normal((d, f), 4 * f ** -0.5))
         if s["arch"].startswith("gemma"):
             w.add_tensor(p + "post_ffw_norm.weight", norm(d))

@@ -5,7 +5,10 @@ Run once, in a virtual environment of its own (transformers and torch are not CI
 
     python3 -m venv /tmp/venv-peer && . /tmp/venv-peer/bin/activate
     pip install torch transformers accelerate gguf numpy sentencepiece jinja2 tokenizers
-    python tests/tinylm/golden/make_family_goldens.py
+    python tests/tinylm/golden/make_family_goldens.py [FAMILY ...]
+
+Named families are made again and merged into the JSON already there (the others kept as they
+are; an entry made with other versions than the file's records its own); none named: all anew.
 
 For each family: the file is written, loaded with ``AutoModelForCausalLM.from_pretrained(dir,
 gguf_file=..., config=...)`` on CPU in float32 with eager attention, greedy-decoded for GREEDY
@@ -51,6 +54,9 @@ def overrides(family: str) -> dict:
     if family == "gemma2":  # the loader uses 50 / 30 and query_pre_attn_scalar 256 whatever the file says
         return {"attn_logit_softcapping": s["softcaps"][0], "final_logit_softcapping": s["softcaps"][1],
                 "query_pre_attn_scalar": s["hd"]}
+    if family == "phi3":  # the loader reads no window either (set so: llama.cpp runs Phi-3 without one);
+        # Phi3Config's default pad id 32000 is past this file's vocabulary, which has none
+        return {"sliding_window": None, "pad_token_id": None}
     if family == "gemma3":  # query scale, local/global layer pattern, linear scaling of the global layers
         return {"query_pre_attn_scalar": s["hd"],
                 "layer_types": ["sliding_attention" if i % s["pattern"] < s["pattern"] - 1 else "full_attention"
@@ -89,12 +95,18 @@ def main():
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(0)
-    out = {"command": "python tests/tinylm/golden/make_family_goldens.py",
-           "versions": {"transformers": transformers.__version__, "torch": torch.__version__,
-                        "gguf": __import__("importlib.metadata").metadata.version("gguf"), "numpy": np.__version__},
+    only = sys.argv[1:] or list(fm.SPECS)
+    if set(only) - set(fm.SPECS):
+        raise SystemExit(f"unknown families {sorted(set(only) - set(fm.SPECS))}; known: {list(fm.SPECS)}")
+    versions = {"transformers": transformers.__version__, "torch": torch.__version__,
+                "gguf": __import__("importlib.metadata").metadata.version("gguf"), "numpy": np.__version__}
+    out = {"command": "python tests/tinylm/golden/make_family_goldens.py", "versions": versions,
            "prompt": fm.PROMPT, "greedy_tokens": GREEDY, "families": {}}
+    if sys.argv[1:]:
+        out = json.loads(OUT.read_text())
+        assert out["prompt"] == fm.PROMPT and out["greedy_tokens"] == GREEDY, "remake every family"
     with tempfile.TemporaryDirectory() as tmp:
-        for family in fm.SPECS:
+        for family in only:
             path = fm.write(family, Path(tmp) / f"{family}.gguf")
             config = AutoConfig.from_pretrained(tmp, gguf_file=path.name)
             hand = overrides(family)
@@ -126,6 +138,8 @@ def main():
                 entry["chat"] = chats
             except Exception as e:  # noqa: BLE001 - recorded: the test then has no tokenizer golden
                 entry["tokenizer_error"] = f"{type(e).__name__}: {e}"[:200]
+            if versions != out["versions"]:
+                entry["versions"] = versions
             out["families"][family] = entry
             print(family, type(model).__name__, entry["tokens"], entry.get("tokenizer_error", "tokenizer ok"))
     OUT.write_text(json.dumps(out, indent=1) + "\n")
