@@ -10,7 +10,7 @@
                                                          attn/final softcap, every other layer local
     gemma3    Gemma 3 (text)                             neox RoPE, GeGLU, embed_scale, post_norms,
                                                          qk_norm, 5 local layers of 6 (local RoPE base)
-    phi3      Phi-3 / Phi-3.5 (4k context), Phi-4        neox RoPE; Q|K|V in one tensor (attn_qkv, when
+    phi3      Phi-3 (4k context), Phi-4                  neox RoPE; Q|K|V in one tensor (attn_qkv, when
                                                          the file has it) and gate|up in ffn_up, split
                                                          at load; no sliding window (as llama.cpp)
 
@@ -54,7 +54,7 @@ FAMILIES = {f.arch: f for f in (
     Family("qwen3", "Qwen3"),
     Family("gemma2", "Gemma 2", gemma=True, local_pattern=2),
     Family("gemma3", "Gemma 3", gemma=True, local_pattern=6),
-    Family("phi3", "Phi-3, Phi-3.5 (4k context), Phi-4", swa=False,
+    Family("phi3", "Phi-3 (4k context), Phi-4", swa=False,
            fused=(("attn_qkv.weight", ("wq", "wk", "wv")), ("ffn_up.weight", ("w_gate", "w_up")))),
 )}
 
