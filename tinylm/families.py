@@ -10,7 +10,7 @@
                                                          attn/final softcap, every other layer local
     gemma3    Gemma 3 (text)                             neox RoPE, GeGLU, embed_scale, post_norms,
                                                          qk_norm, 5 local layers of 6 (local RoPE base)
-    phi3      Phi-3 (4k context), Phi-4                  neox RoPE; Q|K|V in one tensor (attn_qkv, when
+    phi3      Phi-3 (mini, medium; 4k context)           neox RoPE; Q|K|V in one tensor (attn_qkv, when
                                                          the file has it) and gate|up in ffn_up, split
                                                          at load; no sliding window (as llama.cpp)
 
@@ -20,8 +20,8 @@ pairs), its defaults where a key is absent (Gemma 2's softcaps 50 and 30, Gemma 
 10000), its attention scale (1/sqrt(head_dim), 1/sqrt(dim / n_heads) for the 27B Gemmas), its
 local-layer patterns, its tensor layout (Phi-3's fused projections: rows [q; k; v] and
 [gate; up]). llama.cpp runs Phi-3 files without their sliding window (2047 keys in the 4k models;
-it disabled Phi SWA, llama.cpp PR 13676), and so does tinylm. Gemma's norm weights are stored with the 1 of its ``(1 + w)`` already
-added, so every family's RMSNorm is ``x / rms(x) * w`` here.
+it disabled Phi SWA, llama.cpp PR 13676), and so does tinylm. Gemma's norm weights are stored
+with the 1 of its ``(1 + w)`` already added, so every family's RMSNorm is ``x / rms(x) * w`` here.
 
 Anything else in a file (another architecture, RoPE scaling other than linear, biases on other
 projections, experts, a tensor no family reads) is refused with one line naming it.
@@ -54,7 +54,7 @@ FAMILIES = {f.arch: f for f in (
     Family("qwen3", "Qwen3"),
     Family("gemma2", "Gemma 2", gemma=True, local_pattern=2),
     Family("gemma3", "Gemma 3", gemma=True, local_pattern=6),
-    Family("phi3", "Phi-3 (4k context), Phi-4", swa=False,
+    Family("phi3", "Phi-3 (4k context)", swa=False,
            fused=(("attn_qkv.weight", ("wq", "wk", "wv")), ("ffn_up.weight", ("w_gate", "w_up")))),
 )}
 

@@ -9,6 +9,10 @@ Pre-tokenization reproduces llama.cpp's ``smollm`` pre-tokenizer: every digit is
 byte-to-unicode mapping (ByteLevel, no prefix space). No BOS is added unless the file's
 ``tokenizer.ggml.add_bos_token`` asks for it.
 
+Ids follow llama.cpp's on the same file (tests/tinylm/golden/llamacpp_golden.json): a
+SentencePiece file's space prefix before every run of text, Llama 3's whole-word rule, Phi-3's
+control tokens that drop the whitespace after them.
+
 Control tokens (``<|im_start|>``, ``<|im_end|>``, ...) come only from the chat template
 (``encode_chat``): text is encoded as plain text, so a user who types ``<|im_start|>system`` gets
 those characters, not a forged turn. ``encode(text, allow_special=True)`` is the explicit opt-in
@@ -27,11 +31,9 @@ from .gguf_io import load_metadata
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
 _KEY = "tokenizer.ggml."
-# SentencePiece files of these architectures put a space before every run of text, also after a
-# control token and before a text that starts with one, as HF's GGUF converter builds their
-# tokenizer and llama.cpp encodes every SentencePiece file; the others as HF's Llama converter does
-# (one space, before the first run only, unless it starts with one)
-PREFIX_EVERY_RUN = ("phi3",)
+# Phi-3's vocabularies: whitespace right after a control token is dropped (its tokenizer.json marks
+# them rstrip; llama.cpp does the same for models named phi-3 / phi3), except after these
+PHI3_KEEPS_SPACE_AFTER = ("<unk>", "<s>", "<|endoftext|>")
 
 
 def _byte_to_unicode() -> dict[int, str]:
@@ -90,7 +92,7 @@ class Tokenizer:
     def __init__(self, tokens: list[str], merges: list[str] | None, token_types: list[int] | None = None,
                  eos_id: int | None = None, bos_id: int | None = None, add_bos: bool = False,
                  chat_template: str | None = None, pre: str | None = "smollm", scores=None,
-                 add_space_prefix: bool = True, unk_id: int | None = None, prefix_every_run: bool = False):
+                 add_space_prefix: bool = True, unk_id: int | None = None, rstrip: Iterable[str] = ()):
         from tokenizers import AddedToken
         from tokenizers import Tokenizer as _HFTokenizer
 
@@ -103,24 +105,24 @@ class Tokenizer:
             raise ValueError("Tokenizer: the vocabulary has duplicate tokens")
         self.sentencepiece = merges is None  # SentencePiece-style: merges from scores, byte fallback
         if self.sentencepiece:
-            hf = _sentencepiece_bpe(tokens, token_types, scores, add_space_prefix, unk_id,
-                                    add_space_prefix and prefix_every_run)
+            hf = _sentencepiece_bpe(tokens, token_types, scores, add_space_prefix, unk_id)
         else:
             hf = _byte_level_bpe(vocab, merges, pre)
         special = [i for i, ty in enumerate(token_types) if ty == CONTROL]
         user = [i for i, ty in enumerate(token_types) if ty == USER_DEFINED]
+        # ``rstrip``: the texts of the control / user-defined tokens that drop the whitespace after them
+        self._rstrip = frozenset(rstrip)
         if user:
-            hf.add_tokens([AddedToken(tokens[i], special=False, normalized=False) for i in user])
-        # Encoders: plain text (control-token text is just text); the same for a run that follows
-        # a control token (SentencePiece: no space prefix there, as in HF, unless
-        # ``prefix_every_run``); for the explicit opt-in, one that also matches control tokens.
-        # Clones of one built BPE, added tokens kept.
-        self._hf_plain = self._hf_plain_inner = hf
-        if self.sentencepiece and add_space_prefix and not prefix_every_run:
-            self._hf_plain_inner = _HFTokenizer.from_str(hf.to_str())
-            self._hf_plain_inner.pre_tokenizer = _metaspace(prefix=False)
+            hf.add_tokens([AddedToken(tokens[i], special=False, normalized=False, rstrip=tokens[i] in self._rstrip)
+                           for i in user])
+        # Encoders: plain text (control-token text is just text: each run between the control
+        # tokens of a chat template is encoded alone, with its own SentencePiece space prefix, as
+        # llama.cpp encodes the fragments between special tokens); for the explicit opt-in, a
+        # clone that also matches control tokens (added tokens kept).
+        self._hf_plain = hf
         self._hf = _HFTokenizer.from_str(hf.to_str())
-        self._hf.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in special])
+        self._hf.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False,
+                                                rstrip=tokens[i] in self._rstrip) for i in special])
 
         # Bytes of every token: byte-level tokens undo the byte->unicode map; control and
         # user-defined tokens are their own UTF-8 text.
@@ -213,7 +215,9 @@ class Tokenizer:
                        bos_id=opt_id(_KEY + "bos_token_id"), add_bos=add_bos, chat_template=template,
                        pre=pre or "smollm", scores=scores, add_space_prefix=prefix,
                        unk_id=opt_id(_KEY + "unknown_token_id"),
-                       prefix_every_run=meta.get("general.architecture") in PREFIX_EVERY_RUN)
+                       rstrip=[t for t, ty in zip(tokens, types or [NORMAL] * n)
+                               if ty in (UNKNOWN, CONTROL, USER_DEFINED) and t not in PHI3_KEEPS_SPACE_AFTER]
+                       if meta.get("general.architecture") == "phi3" else ())
         except Exception as e:  # duplicate tokens, merges of unknown tokens (tokenizers' own errors)
             msg = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise GGUFError(f"{path}: cannot build the tokenizer from its metadata: {msg}") from None
@@ -324,13 +328,16 @@ class Tokenizer:
                 run, pos = "", hit.end()
             run += part[pos:]
         pieces.append(run)
-        ids = []
+        ids, prev = [], None
         for piece in pieces:
             if isinstance(piece, int):
                 ids.append(piece)
-            elif piece:  # a run after a control token takes no SentencePiece space prefix (as in HF)
-                hf = self._hf_plain if not ids else self._hf_plain_inner
-                ids += hf.encode(piece, add_special_tokens=False).ids
+            else:
+                if prev is not None and self.tokens[prev] in self._rstrip:  # Phi-3: no whitespace after it
+                    piece = piece.lstrip(" \t\n\v\f\r")
+                if piece:
+                    ids += self._hf_plain.encode(piece, add_special_tokens=False).ids
+            prev = piece if isinstance(piece, int) else None
         if self.add_bos and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
             ids.insert(0, self.bos_id)
         return ids
@@ -384,6 +391,9 @@ _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1
                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 PRE_TOKENIZERS = {"smollm": None, "llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT,
                   "qwen2": _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")}
+# pre-tokenizers whose words found whole in the vocabulary are taken whole, before any merge (Llama
+# 3's tokenizer.json: "ignore_merges"; llama.cpp likewise)
+IGNORE_MERGES = ("llama-bpe", "llama3")
 
 
 def _byte_level_bpe(vocab: dict, merges: list, pre: str):
@@ -393,7 +403,8 @@ def _byte_level_bpe(vocab: dict, merges: list, pre: str):
     from tokenizers import decoders, models, pre_tokenizers
 
     pairs = [tuple(m.split(" ", 1)) for m in merges]
-    hf = _HFTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
+    hf = _HFTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False,
+                                 ignore_merges=pre in IGNORE_MERGES))
     split = PRE_TOKENIZERS[pre]
     if split is None:
         hf.pre_tokenizer = pre_tokenizers.Sequence([
@@ -407,23 +418,15 @@ def _byte_level_bpe(vocab: dict, merges: list, pre: str):
     return hf
 
 
-def _metaspace(prefix: bool):
-    """SentencePiece's pre-tokenizer: spaces as U+2581, kept whole; one U+2581 before the text
-    unless it starts with a space when ``prefix``, none otherwise."""
-    from tokenizers import pre_tokenizers
-
-    return pre_tokenizers.Metaspace(replacement="\u2581", split=False, prepend_scheme="first" if prefix else "never")
-
-
-def _sentencepiece_bpe(tokens, token_types, scores, add_space_prefix: bool, unk_id, every_run: bool = False):
+def _sentencepiece_bpe(tokens, token_types, scores, add_space_prefix: bool, unk_id):
     """HF ``tokenizers`` BPE that encodes as SentencePiece's BPE does over a GGUF "llama"
-    vocabulary: spaces become U+2581 (one prepended with ``add_space_prefix``; with ``every_run``
-    before every run of text, even one that starts with a space), adjacent pieces
+    vocabulary: spaces become U+2581 (with ``add_space_prefix``, one more before each run of
+    text, whatever it starts with, as llama.cpp and the models' own SentencePiece do), adjacent pieces
     merge best score first (merges derived from the scores: every split of a piece into two
     pieces of the vocabulary, ranked by the piece's score, as HF builds them), and characters
     without a piece fall back to their UTF-8 bytes' ``<0xXX>`` tokens."""
     from tokenizers import Tokenizer as _HFTokenizer
-    from tokenizers import decoders, models
+    from tokenizers import decoders, models, normalizers
 
     vocab = {t: i for i, t in enumerate(tokens)}
     normal = {t for t, ty in zip(tokens, token_types) if ty in (NORMAL, USER_DEFINED)}
@@ -437,14 +440,11 @@ def _sentencepiece_bpe(tokens, token_types, scores, add_space_prefix: bool, unk_
     unk = tokens[unk_id] if unk_id is not None else None
     hf = _HFTokenizer(models.BPE(vocab=vocab, merges=[r[3] for r in ranked], unk_token=unk, fuse_unk=True,
                                  byte_fallback=True))
-    # as HF's tokenizer of the file: one U+2581 before the text unless it starts with a space (a
-    # text that follows a control token gets none), spaces kept whole (no split on them)
-    if every_run:  # HF's Phi-3 converter and llama.cpp: a space before each run, whatever it starts with
-        from tokenizers import normalizers
-
-        hf.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
-    else:
-        hf.pre_tokenizer = _metaspace(add_space_prefix)
+    # spaces kept whole (no split on them); the prefix on each run between added tokens, as
+    # llama.cpp prefixes each fragment (HF's GGUF converter for Llama files prefixes only the
+    # first, and not one that starts with a space: a departure from SentencePiece)
+    space = normalizers.Replace(" ", "\u2581")
+    hf.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), space]) if add_space_prefix else space
     hf.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
     return hf
 

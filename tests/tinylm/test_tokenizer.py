@@ -286,8 +286,10 @@ def test_non_str_text_is_a_type_error_naming_the_argument(small, value):
 
 def test_sentencepiece_user_defined_tokens_hold_after_a_control_token():
     """A SentencePiece vocabulary's user-defined tokens (Gemma's whitespace runs, tags) are matched
-    whole in a chat template's user text, which follows a control token and so is encoded without
-    the space prefix: the same ids as the text encoded alone, minus that prefix."""
+    whole, in plain text and in a chat template's user text after a control token; each run of
+    text around them takes its own space prefix. The expected ids are llama.cpp's on this
+    vocabulary (llama-cpp-python 0.3.36: ``tokenize(b"ab<tag>a")`` and, with control tokens
+    parsed, ``tokenize(b"<turn>ab<tag>a<end>", special=True)``)."""
     from tinylm.tokenizer import BYTE, CONTROL, NORMAL, USER_DEFINED, Tokenizer
 
     pieces = ["a", "b", "c", "\u2581", "ab", "\u2581a"]
@@ -296,6 +298,7 @@ def test_sentencepiece_user_defined_tokens_hold_after_a_control_token():
     scores = [0.0] * 5 + [-float(i) for i in range(len(pieces))] + [0.0] * 256
     template = "<turn>{{ messages[0]['content'] }}<end>"
     tok = Tokenizer(tokens, None, types, eos_id=3, bos_id=1, chat_template=template, scores=scores, unk_id=0)
-    tag, ab, a = tokens.index("<tag>"), tokens.index("ab"), tokens.index("a")
-    assert tok.encode("ab<tag>a") == [tokens.index("\u2581"), ab, tag, a]
-    assert tok.encode_chat("ab<tag>a") == [tokens.index("<turn>"), ab, tag, a, tokens.index("<end>")]
+    tag, ab = tokens.index("<tag>"), tokens.index("ab")
+    space, space_a = tokens.index("\u2581"), tokens.index("\u2581a")
+    assert tok.encode("ab<tag>a") == [space, ab, tag, space_a] == [8, 9, 4, 10]
+    assert tok.encode_chat("ab<tag>a") == [tokens.index("<turn>"), space, ab, tag, space_a, tokens.index("<end>")]

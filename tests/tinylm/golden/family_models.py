@@ -44,7 +44,7 @@ SPECS = {
     # Phi-3-medium-style: GQA 2, untied, Q|K|V in one attn_qkv tensor and gate|up in ffn_up, a
     # sliding window in the metadata that llama.cpp (and so tinylm and the goldens) runs without
     "phi3": dict(arch="phi3", name="tiny-phi3", dim=128, layers=2, heads=4, kv=2, hd=32, ffn=160,
-                 base=10000.0, eps=1e-5, tied=False, window=4, fused=True, tok="spm-mistral"),
+                 base=10000.0, eps=1e-5, tied=False, window=4, fused=True, tok="spm-phi3"),
 }
 PROMPT = [5, 17, 260, 42, 99, 3, 281, 7, 150, 12, 64, 200]  # token ids of the goldens' prompt
 
@@ -103,11 +103,11 @@ def vocabulary(kind: str):
                          "tokenizer.ggml.add_bos_token": False})
         return toks, types, merges, meta
     # SentencePiece-style ("llama" model): specials, byte fallback pieces, then scored pieces
-    specials = (["<unk>", "<s>", "</s>"] if kind == "spm-mistral"
+    specials = (["<unk>", "<s>", "</s>"] if kind in ("spm-mistral", "spm-phi3")
                 else ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"])
     toks = list(specials) + [f"<0x{b:02X}>" for b in range(256)]
     types = [3] * len(specials) + [6] * 256
-    if kind == "spm-mistral":
+    if kind in ("spm-mistral", "spm-phi3"):
         types[0] = 2
     else:
         types[3] = 2
@@ -121,13 +121,19 @@ def vocabulary(kind: str):
     scores = [0.0] * len(toks) + [-float(i) for i in range(len(pieces))]
     types += [1] * len(pieces)
     toks += pieces
-    if kind == "spm-mistral":
+    if kind == "spm-phi3":  # Phi-3's added tokens after the pieces, as its file has them (control)
+        added = ["<|endoftext|>", "<|assistant|>", "<|system|>", "<|end|>", "<|user|>"]
+        toks, types, scores = toks + added, types + [3] * len(added), scores + [0.0] * len(added)
+        meta = {"tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": toks.index("<|endoftext|>"),
+                "tokenizer.ggml.unknown_token_id": 0, "tokenizer.ggml.add_bos_token": False}
+    elif kind == "spm-mistral":
         meta = {"tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
                 "tokenizer.ggml.unknown_token_id": 0, "tokenizer.ggml.add_bos_token": True}
     else:
         meta = {"tokenizer.ggml.bos_token_id": 2, "tokenizer.ggml.eos_token_id": 1,
                 "tokenizer.ggml.unknown_token_id": 3, "tokenizer.ggml.padding_token_id": 0,
-                "tokenizer.ggml.add_bos_token": True}
+                "tokenizer.ggml.add_bos_token": True,
+                "tokenizer.ggml.add_space_prefix": False}  # llama.cpp's converter writes it for Gemma
     meta["tokenizer.ggml.model"] = "llama"
     return toks, types, scores, meta
 
@@ -145,6 +151,11 @@ CHAT_TEMPLATES = {  # the shapes of the real files' templates, shortened
               "{% for message in messages %}{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
               "{{ '<start_of_turn>' + role + '\n' + (first if loop.first else '') + message['content'] | trim + "
               "'<end_of_turn>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"),
+    "spm-phi3": ("{% for message in messages %}{% if message['role'] == 'system' %}"
+                 "{{ '<|system|>\n' + message['content'] + '<|end|>\n' }}{% elif message['role'] == 'user' %}"
+                 "{{ '<|user|>\n' + message['content'] + '<|end|>\n' }}{% elif message['role'] == 'assistant' %}"
+                 "{{ '<|assistant|>\n' + message['content'] + '<|end|>\n' }}{% endif %}{% endfor %}"
+                 "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}"),
     "spm-mistral": ("{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}"
                     "{{ '[INST] ' + message['content'] + ' [/INST]' }}{% else %}{{ message['content'] + eos_token }}"
                     "{% endif %}{% endfor %}"),
