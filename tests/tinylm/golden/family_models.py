@@ -28,8 +28,9 @@ SPECS = {
     # untied, a sliding window of 5 keys
     "mistral": dict(arch="llama", name="tiny-mistral", dim=64, layers=2, heads=4, kv=1, hd=32, ffn=128,
                     base=1000000.0, eps=1e-5, tied=False, window=5, tok="spm-mistral"),
-    # Qwen2.5-0.5B-style: 7 query heads over 1 kv head, Q/K/V biases, tied
-    "qwen2": dict(arch="qwen2", name="tiny-qwen2.5", dim=96, layers=2, heads=7, kv=1, hd=32, ffn=160,
+    # Qwen2.5-0.5B-style: 7 query heads over 1 kv head (dim = heads x head_dim, as llama.cpp's qwen2
+    # requires), Q/K/V biases, tied
+    "qwen2": dict(arch="qwen2", name="tiny-qwen2.5", dim=224, layers=2, heads=7, kv=1, hd=32, ffn=160,
                   base=1000000.0, eps=1e-6, tied=True, bias=True, tok="qwen"),
     # Qwen3: per-head QK norm, head_dim 64 with dim / heads = 24, untied
     "qwen3": dict(arch="qwen3", name="tiny-qwen3", dim=96, layers=2, heads=4, kv=2, hd=64, ffn=128,
