@@ -94,7 +94,6 @@ class Tokenizer:
                  chat_template: str | None = None, pre: str | None = "smollm", scores=None,
                  add_space_prefix: bool = True, unk_id: int | None = None, rstrip: Iterable[str] = ()):
         from tokenizers import AddedToken
-        from tokenizers import Tokenizer as _HFTokenizer
 
         n = len(tokens)
         token_types = list(token_types) if token_types is not None else [NORMAL] * n
@@ -115,14 +114,10 @@ class Tokenizer:
         if user:
             hf.add_tokens([AddedToken(tokens[i], special=False, normalized=False, rstrip=tokens[i] in self._rstrip)
                            for i in user])
-        # Encoders: plain text (control-token text is just text: each run between the control
-        # tokens of a chat template is encoded alone, with its own SentencePiece space prefix, as
-        # llama.cpp encodes the fragments between special tokens); for the explicit opt-in, a
-        # clone that also matches control tokens (added tokens kept).
+        # The encoder of plain text (control-token text is just text); a chat template's text and
+        # the explicit opt-in are split at control tokens first (_split_control), each run between
+        # them encoded alone (_encode_pieces).
         self._hf_plain = hf
-        self._hf = _HFTokenizer.from_str(hf.to_str())
-        self._hf.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False,
-                                                rstrip=tokens[i] in self._rstrip) for i in special])
 
         # Bytes of every token: byte-level tokens undo the byte->unicode map; control and
         # user-defined tokens are their own UTF-8 text.
@@ -158,6 +153,8 @@ class Tokenizer:
         self.chat_template = chat_template
         # Control tokens by text, e.g. {"<|im_start|>": 1, "<|im_end|>": 2, ...}
         self.special_ids = {tokens[i]: i for i in special}
+        control = sorted(self.special_ids, key=len, reverse=True)  # the longest match first
+        self._control_re = re.compile("|".join(map(re.escape, control))) if control else None
         self.default_system = default_system_message(chat_template)
 
     # --- construction ---------------------------------------------------------------------
@@ -248,8 +245,7 @@ class Tokenizer:
         check_text("Tokenizer.encode", "text", text)
         if not isinstance(allow_special, bool):
             raise TypeError(f"Tokenizer.encode(): allow_special must be a bool, got {allow_special!r}")
-        hf = self._hf if allow_special else self._hf_plain
-        ids = hf.encode(text, add_special_tokens=False).ids
+        ids = self._encode_pieces(self._split_control(text)) if allow_special else self._plain(text)
         if self.add_bos and self.bos_id is not None:
             ids = [self.bos_id, *ids]
         return ids
@@ -313,33 +309,44 @@ class Tokenizer:
                              "tinylm cannot follow")
         # split the template's own text at control tokens; plain runs (template text and
         # contents together, as one string would be encoded) are encoded as plain text
-        control = sorted(self.special_ids, key=len, reverse=True)
-        pattern = re.compile("|".join(re.escape(t) for t in control)) if control else None
-        pieces, run = [], ""
+        pieces = [""]
         for part in re.split("(\ue000\\d+\ue001)", marked):
             m = re.fullmatch("\ue000(\\d+)\ue001", part)
-            if m:
-                run += contents[int(m.group(1))]
-                continue
-            pos = 0
-            for hit in (pattern.finditer(part) if pattern else ()):
-                run += part[pos:hit.start()]
-                pieces += [run, self.special_ids[hit.group()]]
-                run, pos = "", hit.end()
-            run += part[pos:]
-        pieces.append(run)
+            split = [contents[int(m.group(1))]] if m else self._split_control(part)
+            pieces[-1] += split[0]  # a run continues across a content
+            pieces += split[1:]
+        ids = self._encode_pieces(pieces)
+        if self.add_bos and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
+            ids.insert(0, self.bos_id)
+        return ids
+
+    def _plain(self, text: str) -> list[int]:
+        return self._hf_plain.encode(text, add_special_tokens=False).ids
+
+    def _split_control(self, text: str) -> list:
+        """``text`` split at the control tokens' text (the longest first where several start at
+        one place): [run, id, run, id, ..., run], runs possibly empty."""
+        pieces, pos = [], 0
+        for hit in self._control_re.finditer(text) if self._control_re else ():
+            pieces += [text[pos:hit.start()], self.special_ids[hit.group()]]
+            pos = hit.end()
+        return pieces + [text[pos:]]
+
+    def _encode_pieces(self, pieces) -> list[int]:
+        """Ids of runs of plain text and control-token ids, each run encoded alone (its own
+        SentencePiece space prefix, as llama.cpp encodes the fragments between special tokens);
+        after a token of ``rstrip`` the run's leading ASCII whitespace is dropped (C isspace, as
+        llama.cpp: a no-break space stays)."""
         ids, prev = [], None
         for piece in pieces:
             if isinstance(piece, int):
                 ids.append(piece)
             else:
-                if prev is not None and self.tokens[prev] in self._rstrip:  # Phi-3: no whitespace after it
+                if prev is not None and self.tokens[prev] in self._rstrip:
                     piece = piece.lstrip(" \t\n\v\f\r")
                 if piece:
-                    ids += self._hf_plain.encode(piece, add_special_tokens=False).ids
+                    ids += self._plain(piece)
             prev = piece if isinstance(piece, int) else None
-        if self.add_bos and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
-            ids.insert(0, self.bos_id)
         return ids
 
     def token_bytes(self, token_id: int) -> bytes:

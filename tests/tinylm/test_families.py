@@ -214,7 +214,8 @@ def test_cli_chats_with_a_family_file(files, fam, capsys):
 
 
 # llama.cpp's tokens, greedy tokens and logit error against HF's goldens (make_llamacpp_goldens.py)
-LLAMACPP = json.loads((GOLDEN_DIR / "llamacpp_golden.json").read_text())["families"]
+LLAMACPP_FILE = json.loads((GOLDEN_DIR / "llamacpp_golden.json").read_text(encoding="utf-8"))
+LLAMACPP = LLAMACPP_FILE["families"]
 # where HF's GGUF tokenizer departs from llama.cpp (and from the models' own tokenizers), on these files
 HF_DEPARTS = {"llama3": "no ignore_merges (a word found whole in the vocabulary is still merged)",
               "mistral": "no SentencePiece space before a run that follows a control token or starts with one",
@@ -262,6 +263,45 @@ def test_tokenizer_and_chat_template_match_llamacpp(files, fam):
     g = GOLDEN["families"][fam]
     agree = g["tokenizer"] == texts and [c["ids"] for c in g["chat"]] == [c["ids"] for c in chats]
     assert agree == (fam not in HF_DEPARTS), f"{fam}: HF's GGUF tokenizer now {'agrees' if agree else 'departs'}"
+
+
+def _fuzz_check(tok, fuzz, who):
+    """``tok`` against llama.cpp's ids of the golden's fuzz texts: plain, and with control tokens."""
+    texts = LLAMACPP_FILE["fuzz_texts"]
+    bos = [tok.bos_id] if tok.add_bos else []
+    for kind, allow in (("plain", False), ("special", True)):
+        assert len(fuzz[kind]) == len(texts[kind])
+        bad = [(t, tok.encode(t, allow_special=allow)[len(bos):], ids) for t, ids in zip(texts[kind], fuzz[kind])
+               if tok.encode(t, allow_special=allow)[len(bos):] != ids]
+        assert not bad, f"{who}: {len(bad)} of {len(texts[kind])} {kind} texts differ from llama.cpp's, e.g. {bad[0]}"
+
+
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_tokenizer_matches_llamacpp_on_fuzz_texts(files, fam):
+    """Random texts (many scripts, digits, whitespace runs, code, emoji, byte fallback) encode as
+    llama.cpp encodes them, as plain text and with control-token text parsed (Phi-3's whitespace
+    after a control token: ASCII only, a no-break space stays)."""
+    from tinylm.gguf_io import GGUFModel
+    from tinylm.tokenizer import Tokenizer
+
+    _tokens_reference(fam)  # the goldens are of this file
+    _fuzz_check(Tokenizer.of(GGUFModel(files[fam])), LLAMACPP[fam]["fuzz"], fam)
+
+
+def test_real_tokenizer_matches_llamacpp_on_fuzz_texts():
+    """The same texts through SmolLM2-135M-Instruct's own vocabulary (the main job's)."""
+    import hashlib
+
+    from tinylm.gguf_io import default_model_path
+    from tinylm.tokenizer import Tokenizer
+
+    try:
+        path = default_model_path()
+    except FileNotFoundError as e:
+        pytest.skip(f"real model not available ({e})")
+    ref = LLAMACPP_FILE["smollm2"]
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == ref["sha256"], "golden made from another file"
+    _fuzz_check(Tokenizer.from_gguf(path), ref["fuzz"], "SmolLM2")
 
 
 def test_benchmark_plans_every_family_at_batch_1_and_8():

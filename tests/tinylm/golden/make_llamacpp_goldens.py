@@ -8,9 +8,12 @@ about 5 minutes on 2 cores):
 
     python3 -m venv /tmp/venv-llama && . /tmp/venv-llama/bin/activate
     pip install llama-cpp-python numpy jinja2 gguf
-    python tests/tinylm/golden/make_llamacpp_goldens.py
+    python tests/tinylm/golden/make_llamacpp_goldens.py [SmolLM2-135M-Instruct.Q4_1.gguf]
 
-For each family: the texts encoded as plain text (``tokenize(special=False)``, no BOS), and each
+For each family, and for the real SmolLM2 file when its path is given (its tokenizer only): FUZZ
+random texts (pieces of many scripts, digits, whitespace runs, code, emoji, control-token text)
+encoded as plain text, and FUZZ_SPECIAL with control tokens between them encoded with control
+tokens parsed (``tokenize(special=True)``), the texts stored beside the ids. For each family: the texts encoded as plain text (``tokenize(special=False)``, no BOS), and each
 chat rendered by the file's own template (Jinja, as HF renders it) and encoded with control tokens
 parsed (``tokenize(special=True)``; BOS comes from the template); then, as a check of the two
 peers against each other, llama.cpp's greedy tokens after the goldens' prompt and its largest
@@ -33,6 +36,34 @@ import family_models as fm  # noqa: E402
 from make_family_goldens import CHATS, TEXTS  # noqa: E402
 
 OUT = HERE / "llamacpp_golden.json"
+FUZZ, FUZZ_SPECIAL = 150, 60
+_POOL = [" ", "  ", "\n", "\n\n", "\t", "a", "The", " the", "hello", "world", "123", "4567", "3.14", "-", "'s", "'re",
+         "don't", "é", "ü", "日本語", "中文", "😀", "👍🏽", "ß", "Ω", "ﬁ", "\u00a0", "\u200b", "\r\n", "x=1;", "def f(x):",
+         "    return", "<|im_start|>", "<|im_end|>", "<|endoftext|>", "http://a.b/c?d=e", "UPPER", "MiXeD", "!!!", "...",
+         "$100", "#tag", "@user", "ÀÉÎ", "ॐ", "한국어", "Привет", "مرحبا", "\\", '"quoted"', "(paren)", "[br]", "{cb}",
+         "1,000,000", "2026-11-28"]
+_CONTROL = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<s>", "</s>", "<|user|>", "<|end|>", "<|assistant|>",
+            "<start_of_turn>", "<end_of_turn>", "<|eot_id|>", "<|start_header_id|>", "<bos>", "<eos>"]
+
+
+def fuzz_texts(seed: int = 1):
+    """(plain texts, texts with control-token text between them), deterministic in ``seed``."""
+    import random
+
+    rng = random.Random(seed)
+    plain = ["", " ", "  ", "\n", " hello", "hello ", "a  b", "   leading", "trailing   "]
+    plain += ["".join(rng.choice(_POOL) for _ in range(rng.randint(1, 12))) for _ in range(FUZZ - len(plain))]
+    special = []
+    for t in plain[:FUZZ_SPECIAL]:
+        mid = len(t) // 2
+        special.append(t[:mid] + rng.choice(_CONTROL) + rng.choice(["", "\n", " ", "  x", "\n\nhi", "\u00a0y"])
+                       + t[mid:] + rng.choice(_CONTROL))
+    return plain, special
+
+
+def fuzz(llm, plain, special) -> dict:
+    return {"plain": [llm.tokenize(t.encode(), add_bos=False, special=False) for t in plain],
+            "special": [llm.tokenize(t.encode(), add_bos=False, special=True) for t in special]}
 
 
 def render(template: str, system, user, bos: str, eos: str) -> str:
@@ -49,9 +80,17 @@ def main():
     from llama_cpp import Llama
 
     hf = json.loads((HERE / "families_golden.json").read_text())
-    out = {"command": "python tests/tinylm/golden/make_llamacpp_goldens.py",
+    plain, special = fuzz_texts()
+    out = {"command": "python tests/tinylm/golden/make_llamacpp_goldens.py [SmolLM2 path]",
            "versions": {"llama_cpp_python": md.version("llama-cpp-python"), "gguf": md.version("gguf")},
-           "families": {}}
+           "fuzz_texts": {"plain": plain, "special": special}, "families": {}}
+    if len(sys.argv) > 1:  # the real model's tokenizer (vocab only)
+        import hashlib
+
+        real = Path(sys.argv[1])
+        llm = Llama(str(real), vocab_only=True, verbose=False)
+        out["smollm2"] = {"file": real.name, "sha256": hashlib.sha256(real.read_bytes()).hexdigest(),
+                          "fuzz": fuzz(llm, plain, special)}
     with tempfile.TemporaryDirectory() as tmp:
         for family in fm.SPECS:
             path = fm.write(family, Path(tmp) / f"{family}.gguf")
@@ -64,11 +103,12 @@ def main():
                 print(family, entry["error"])
                 continue
             entry["tokenizer"] = {t: llm.tokenize(t.encode(), add_bos=False, special=False) for t in TEXTS}
-            special = lambda i: llm.detokenize([i], special=True).decode() if i >= 0 else ""  # noqa: E731
+            entry["fuzz"] = fuzz(llm, plain, special)
+            text_of = lambda i: llm.detokenize([i], special=True).decode() if i >= 0 else ""  # noqa: E731
             template = llm.metadata["tokenizer.chat_template"]
             entry["chat"] = [{"system": s, "user": u,
-                              "ids": llm.tokenize(render(template, s, u, special(llm.token_bos()),
-                                                         special(llm.token_eos())).encode(), add_bos=False,
+                              "ids": llm.tokenize(render(template, s, u, text_of(llm.token_bos()),
+                                                         text_of(llm.token_eos())).encode(), add_bos=False,
                                                   special=True)} for s, u in CHATS]
             g = hf["families"][family]
             ids = list(hf["prompt"])
@@ -84,7 +124,7 @@ def main():
             out["families"][family] = entry
             print(family, "greedy as HF" if entry["greedy"] == g["tokens"] else "greedy differs from HF",
                   f"logits {err.max():.1e} from HF's")
-    OUT.write_text(json.dumps(out, indent=1) + "\n")
+    OUT.write_text(json.dumps(out, ensure_ascii=False, separators=(",", ":")) + "\n")  # compact: ids, mostly
     print("wrote", OUT, OUT.stat().st_size, "bytes")
 
 
