@@ -288,6 +288,27 @@ def test_tokenizer_matches_llamacpp_on_fuzz_texts(files, fam):
     _fuzz_check(Tokenizer.of(GGUFModel(files[fam])), LLAMACPP[fam]["fuzz"], fam)
 
 
+def test_every_pre_tokenizer_matches_llamacpp():
+    """Each byte-level pre-tokenizer name tinylm takes splits as llama.cpp splits for that name:
+    random texts through a vocabulary whose merges cross every split (so a wrong split changes the
+    ids) and through the tiny Llama 3 vocabulary (so taking whole words before merging, or not,
+    changes them); a name added without llama.cpp's ids fails here."""
+    from tinylm.tokenizer import PRE_TOKENIZERS, Tokenizer
+
+    ref = LLAMACPP_FILE["pre_tokenizers"]
+    assert set(ref["ids"]) == set(PRE_TOKENIZERS)
+    tiny_tokens, tiny_types, tiny_merges, _ = _maker().vocabulary("llama3")
+    vocabs = {"trained": (ref["vocab"]["tokens"], ref["vocab"]["merges"], None),
+              "tiny": (tiny_tokens, tiny_merges, tiny_types)}
+    for pre, by_vocab in ref["ids"].items():
+        for which, want in by_vocab.items():
+            tokens, merges, types = vocabs[which]
+            tok = Tokenizer(tokens, merges, types, pre=pre)
+            texts = LLAMACPP_FILE["fuzz_texts"]["plain"][:len(want)]
+            bad = [t for t, ids in zip(texts, want) if tok.encode(t) != ids]
+            assert not bad, f"pre-tokenizer {pre!r}, {which} vocabulary: {len(bad)} texts differ, e.g. {bad[0]!r}"
+
+
 def test_real_tokenizer_matches_llamacpp_on_fuzz_texts():
     """The same texts through SmolLM2-135M-Instruct's own vocabulary (the main job's)."""
     import hashlib

@@ -13,7 +13,11 @@ about 5 minutes on 2 cores):
 For each family, and for the real SmolLM2 file when its path is given (its tokenizer only): FUZZ
 random texts (pieces of many scripts, digits, whitespace runs, code, emoji, control-token text)
 encoded as plain text, and FUZZ_SPECIAL with control tokens between them encoded with control
-tokens parsed (``tokenize(special=True)``), the texts stored beside the ids. For each family: the texts encoded as plain text (``tokenize(special=False)``, no BOS), and each
+tokens parsed (``tokenize(special=True)``), the texts stored beside the ids. For every byte-level
+pre-tokenizer name tinylm implements: the first PRE_TEXTS plain fuzz texts through a 3,000-token byte-level BPE
+vocabulary trained here on them (its merges cross every split, so each pre-tokenizer's splits show
+in the ids; stored in the JSON) and through the tiny Llama 3 vocabulary (whose whole words show
+whether the name ignores merges). For each family: the texts encoded as plain text (``tokenize(special=False)``, no BOS), and each
 chat rendered by the file's own template (Jinja, as HF renders it) and encoded with control tokens
 parsed (``tokenize(special=True)``; BOS comes from the template); then, as a check of the two
 peers against each other, llama.cpp's greedy tokens after the goldens' prompt and its largest
@@ -37,6 +41,7 @@ from make_family_goldens import CHATS, TEXTS  # noqa: E402
 
 OUT = HERE / "llamacpp_golden.json"
 FUZZ, FUZZ_SPECIAL = 150, 60
+PRE_TEXTS = 100  # of the plain fuzz texts, through each pre-tokenizer
 _POOL = [" ", "  ", "\n", "\n\n", "\t", "a", "The", " the", "hello", "world", "123", "4567", "3.14", "-", "'s", "'re",
          "don't", "é", "ü", "日本語", "中文", "😀", "👍🏽", "ß", "Ω", "ﬁ", "\u00a0", "\u200b", "\r\n", "x=1;", "def f(x):",
          "    return", "<|im_start|>", "<|im_end|>", "<|endoftext|>", "http://a.b/c?d=e", "UPPER", "MiXeD", "!!!", "...",
@@ -74,6 +79,59 @@ def render(template: str, system, user, bos: str, eos: str) -> str:
     return env.from_string(template).render(messages=msgs, add_generation_prompt=True, bos_token=bos, eos_token=eos)
 
 
+def trained_vocabulary(texts):
+    """(tokens, merges) of a byte-level BPE trained on ``texts`` with no split at all."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    extra = ["The quick brown fox's tail isn't 1234567 meters long.\nIt's 3.14159!",
+             "def foo(x):\n    return x ** 2  # square", "Ça coûte 12,50 € — très cher.",
+             "日本語のテキストと中文字符 123", "HTTP/1.1 200 OK\r\nContent-Length: 42"] * 50
+    tok.train_from_iterator(texts + extra, trainers.BpeTrainer(
+        vocab_size=3000, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[]))
+    d = json.loads(tok.to_str())
+    tokens = sorted(d["model"]["vocab"], key=d["model"]["vocab"].get)
+    return tokens, [m if isinstance(m, str) else " ".join(m) for m in d["model"]["merges"]]
+
+
+def pre_tokenizer_ids(tmp, plain):
+    """{"vocab": trained tokens and merges, "ids": {pre: {"trained": ids, "tiny": ids}}}."""
+    import gguf
+    from llama_cpp import Llama
+
+    sys.path.insert(0, str(HERE.parents[2]))
+    from tinylm.tokenizer import PRE_TOKENIZERS
+
+    tiny_tokens, _, tiny_merges, _ = fm.vocabulary("llama3")
+    tokens, merges = trained_vocabulary(plain)
+    out = {"vocab": {"tokens": tokens, "merges": merges}, "ids": {}}
+    for pre in PRE_TOKENIZERS:
+        out["ids"][pre] = {}
+        for which, (toks, mrg) in (("trained", (tokens, merges)), ("tiny", (tiny_tokens, tiny_merges))):
+            path = Path(tmp) / f"pre-{pre}-{which}.gguf"
+            w = gguf.GGUFWriter(str(path), "llama")
+            w.add_block_count(1)
+            w.add_context_length(64)
+            w.add_embedding_length(32)
+            w.add_feed_forward_length(32)
+            w.add_head_count(1)
+            w.add_layer_norm_rms_eps(1e-5)
+            w.add_string("tokenizer.ggml.model", "gpt2")
+            w.add_string("tokenizer.ggml.pre", pre)
+            w.add_token_list(toks)
+            w.add_token_types([1] * len(toks))
+            w.add_token_merges(mrg)
+            w.add_bool("tokenizer.ggml.add_bos_token", False)
+            w.write_header_to_file()
+            w.write_kv_data_to_file()
+            w.write_tensors_to_file()
+            w.close()
+            llm = Llama(str(path), vocab_only=True, verbose=False)
+            out["ids"][pre][which] = [llm.tokenize(t.encode(), add_bos=False, special=False) for t in plain]
+    return out
+
+
 def main():
     import importlib.metadata as md
 
@@ -92,6 +150,7 @@ def main():
         out["smollm2"] = {"file": real.name, "sha256": hashlib.sha256(real.read_bytes()).hexdigest(),
                           "fuzz": fuzz(llm, plain, special)}
     with tempfile.TemporaryDirectory() as tmp:
+        out["pre_tokenizers"] = pre_tokenizer_ids(tmp, plain[:PRE_TEXTS])
         for family in fm.SPECS:
             path = fm.write(family, Path(tmp) / f"{family}.gguf")
             entry = {"hash": fm.content_hash(path)}
