@@ -10,6 +10,7 @@ here), and the weight carry-over both builders share (neox_row_order, put_param)
     gemma2                 Gemma2                    norms as w - 1 (HF computes x * (1 + w)), softcaps,
                                                      query scale, local layers
     gemma3                 Gemma3 (text)             as gemma2, QK norms, local RoPE base, linear scaling
+    smollm3                SmolLM3                   Q/K rows to NeoX order; no RoPE in every 4th layer
     phi3                   Phi3                      Q|K|V and gate|up rows into qkv_proj / gate_up_proj;
                                                      no sliding window (as tinylm and llama.cpp run it)
 
@@ -64,6 +65,11 @@ def hf_family_config(args):
         return tf.Qwen2ForCausalLM, tf.Qwen2Config(**common, rope_parameters=rope, use_sliding_window=False)
     if args.arch == "qwen3":
         return tf.Qwen3ForCausalLM, tf.Qwen3Config(**common, rope_parameters=rope, use_sliding_window=False)
+    if args.arch == "smollm3":
+        nope = [int(i not in args.nope_layers) for i in range(args.n_layers)]
+        return tf.SmolLM3ForCausalLM, tf.SmolLM3Config(**common, rope_parameters=rope, no_rope_layers=nope,
+                                                       use_sliding_window=False, pad_token_id=None, bos_token_id=None,
+                                                       eos_token_id=None)  # 128000/1: past a small vocab
     if args.arch == "phi3":
         return tf.Phi3ForCausalLM, tf.Phi3Config(**common, rope_parameters=rope, sliding_window=None,
                                                  pad_token_id=None, eos_token_id=None)  # 32000: past a small vocab

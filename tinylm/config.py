@@ -11,6 +11,10 @@ import os
 from dataclasses import dataclass, replace
 
 ROPE_STYLES = ("adjacent", "neox")
+# The per-pair frequency divisor of a layer without RoPE (ModelArgs.nope_layers): float32's
+# largest finite value, so every path's RoPE (tables, kernels, the fused steps) turns by an angle
+# of at most pos * 3e-39, below float32's resolution of cos and sin at 1 and 0: no turn.
+NOPE_FACTORS = (3.4028234663852886e38,)
 ACTIVATIONS = ("silu", "gelu_tanh")  # the FFN gate: SwiGLU (Llama, Qwen, Mistral), GeGLU (Gemma)
 
 # Prefill (tinylm.prefill). PREFILL_GRAPHS: a prompt of up to PREFILL_CHUNK tokens is padded to
@@ -84,6 +88,7 @@ class ModelArgs:
     local_layers: tuple = ()
     rope_local_base: float = 0.0
     rope_factors: tuple = ()
+    nope_layers: tuple = ()  # layers whose queries and keys are not rotated (SmolLM3's every 4th)
 
     def __post_init__(self):
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim",
@@ -115,8 +120,10 @@ class ModelArgs:
                 or self.sliding_window < 0:
             raise ValueError(f"ModelArgs: sliding_window must be an int >= 0, got {self.sliding_window!r}")
         self.local_layers = tuple(int(i) for i in self.local_layers)
-        if any(not 0 <= i < self.n_layers for i in self.local_layers):
-            raise ValueError(f"ModelArgs: local_layers must be layer indices in [0, {self.n_layers})")
+        self.nope_layers = tuple(int(i) for i in self.nope_layers)
+        for name in ("local_layers", "nope_layers"):
+            if any(not 0 <= i < self.n_layers for i in getattr(self, name)):
+                raise ValueError(f"ModelArgs: {name} must be layer indices in [0, {self.n_layers})")
         self.rope_factors = tuple(float(f) for f in self.rope_factors)
         if self.rope_factors and (len(self.rope_factors) != self.head_dim // 2
                                   or not all(0 < f < float("inf") for f in self.rope_factors)):
@@ -140,7 +147,10 @@ class ModelArgs:
 
     def rope(self, layer: int):
         """``(base, factors)`` of ``layer``'s RoPE: a local layer of a model with a local base
-        (Gemma 3) turns by that base, unscaled; every other layer by rope_base and rope_factors."""
+        (Gemma 3) turns by that base, unscaled; a layer of ``nope_layers`` by NOPE_FACTORS (no
+        turn at all); every other layer by rope_base and rope_factors."""
+        if layer in self.nope_layers:
+            return self.rope_base, NOPE_FACTORS * (self.head_dim // 2)
         if self.rope_local_base and self.is_local(layer):
             return self.rope_local_base, ()
         return self.rope_base, self.rope_factors
@@ -152,7 +162,8 @@ class ModelArgs:
             ("act=gelu_tanh", self.act == "gelu_tanh"), ("embed_scale", self.embed_scale != 1.0),
             ("attn_scale", self.attn_scale is not None), ("attn_softcap", self.attn_softcap > 0),
             ("final_softcap", self.final_softcap > 0), ("sliding_window", self.sliding_window > 0),
-            ("rope_local_base", self.rope_local_base > 0), ("rope_factors", bool(self.rope_factors)))
+            ("rope_local_base", self.rope_local_base > 0), ("rope_factors", bool(self.rope_factors)),
+            ("nope_layers", bool(self.nope_layers)))
             if flag]
         return on
 
@@ -236,6 +247,10 @@ PRESETS: dict[str, ModelArgs] = {
     "phi3-mini-4layers": ModelArgs(dim=3072, n_layers=4, n_heads=32, n_kv_heads=32, head_dim=96, ffn_dim=8192,
                                    vocab_size=32064, rope_base=10000.0, rope_style="neox", max_seq=4096,
                                    tie_embeddings=False, arch="phi3"),
+    # SmolLM3-3B's shapes (GQA 4, tied), cut to 8 layers; layers 3 and 7 without RoPE
+    "smollm3-3b-8layers": ModelArgs(dim=2048, n_layers=8, n_heads=16, n_kv_heads=4, head_dim=128, ffn_dim=11008,
+                                    vocab_size=128256, norm_eps=1e-6, rope_base=5000000.0, max_seq=8192,
+                                    arch="smollm3", nope_layers=(3, 7)),
 }
 FAMILY_PRESETS = ("llama3.2-1b-shape", "mistral-7b-4layers", "qwen2.5-0.5b-shape", "qwen3-0.6b-shape",
-                  "gemma2-2b-shape", "gemma3-1b-shape", "phi3-mini-4layers")
+                  "gemma2-2b-shape", "gemma3-1b-shape", "phi3-mini-4layers", "smollm3-3b-8layers")

@@ -10,6 +10,7 @@
                                                          attn/final softcap, every other layer local
     gemma3    Gemma 3 (text)                             neox RoPE, GeGLU, embed_scale, post_norms,
                                                          qk_norm, 5 local layers of 6 (local RoPE base)
+    smollm3   SmolLM3                                    every 4th layer without RoPE (nope_layers)
     phi3      Phi-3 (mini, medium; 4k context)           neox RoPE; Q|K|V in one tensor (attn_qkv, when
                                                          the file has it) and gate|up in ffn_up, split
                                                          at load; no sliding window (as llama.cpp)
@@ -45,6 +46,7 @@ class Family:
     # fused tensors (name after "blk.N.", the LayerWeights fields its rows hold in order), each
     # read in place of its fields' own tensors when the file has it
     fused: tuple = ()
+    nope_step: int = 0  # layer i turns no RoPE when (i + 1) % nope_step == 0 (llama.cpp's fixed step)
 
 
 FAMILIES = {f.arch: f for f in (
@@ -54,6 +56,7 @@ FAMILIES = {f.arch: f for f in (
     Family("qwen3", "Qwen3"),
     Family("gemma2", "Gemma 2", gemma=True, local_pattern=2),
     Family("gemma3", "Gemma 3", gemma=True, local_pattern=6),
+    Family("smollm3", "SmolLM3", rope_style="adjacent", nope_step=4),
     Family("phi3", "Phi-3 (4k context)", swa=False,
            fused=(("attn_qkv.weight", ("wq", "wk", "wv")), ("ffn_up.weight", ("w_gate", "w_up")))),
 )}
@@ -69,7 +72,7 @@ ROPE_FREQS = "rope_freqs.weight"
 
 
 def supported() -> str:
-    """'llama, mistral, qwen2, qwen3, gemma2, gemma3, phi3' (for messages)."""
+    """'llama, mistral, qwen2, qwen3, gemma2, gemma3, smollm3, phi3' (for messages)."""
     return ", ".join(FAMILIES)
 
 
@@ -191,6 +194,7 @@ def args_from_metadata(meta: dict, tensor_names=(), path="<gguf>", rope_freqs=No
             max_seq=_int(meta, p + "context_length", path, default=2048),
             tie_embeddings="output.weight" not in names, arch=fam.arch,
             qkv_bias=all(bias), qk_norm=all(norms), sliding_window=window, local_layers=local,
+            nope_layers=tuple(i for i in range(n_layers) if fam.nope_step and (i + 1) % fam.nope_step == 0),
             rope_factors=tuple(factors or ()), **extras)
     except ValueError as e:
         raise GGUFError(f"{path}: inconsistent hyper-parameters: {e}") from e

@@ -145,6 +145,7 @@ class Params:
     output: object  # [vocab, dim]; the same array as tok_embd when the embeddings are tied
     layers: list
     rope_factors: object = None  # float32 [head_dim / 2] per-pair frequency divisors, or None
+    nope_factors: object = None  # float32 [head_dim / 2] divisors of a layer without RoPE, or None
 
     @classmethod
     def upload(cls, weights, ops, args=None) -> "Params":
@@ -176,10 +177,12 @@ class Params:
                 norm = np.asarray(norm, dtype=np.float32) / np.float32(scale)
         tok = ops.upload(table)
         out = tok if tied else ops.upload(weights.output)
-        factors = None
+        factors = nope = None
         if args is not None and args.rope_factors:
             factors = ops.upload_f32(np.asarray(args.rope_factors, dtype=np.float32))
-        return cls(tok, ops.upload(norm), out, layers, factors)
+        if args is not None and args.nope_layers:
+            nope = ops.upload_f32(np.asarray(args.rope(args.nope_layers[0])[1], dtype=np.float32))
+        return cls(tok, ops.upload(norm), out, layers, factors, nope)
 
     def nbytes(self) -> int:
         """Bytes of distinct weight arrays: what one decode step streams from memory."""
@@ -495,9 +498,16 @@ class Transformer:
             ops.add_bias(qkv, lp.bqkv)
         if lp.q_norm is not None:
             ops.head_rmsnorm(qkv, lp.q_norm, lp.k_norm, a.n_heads, a.n_kv_heads, a.norm_eps)
-        base, factors = a.rope(layer)
+        base, factors = self._rope(layer)
         return ops.qkv_rope_append(qkv, cache, layer, a.n_heads, base, a.rope_style, num_new=counts, out=out,
-                                   factors=self.params.rope_factors if factors else None)
+                                   factors=factors)
+
+    def _rope(self, layer):
+        """(base, the backend's divisor table or None) of ``layer``'s RoPE (ModelArgs.rope)."""
+        base, factors = self.args.rope(layer)
+        if layer in self.args.nope_layers:
+            return base, self.params.nope_factors
+        return base, self.params.rope_factors if factors else None
 
     def _attn_options(self, layer) -> dict:
         """The attention options of ``layer`` that differ from the defaults (scale, window,
@@ -544,9 +554,9 @@ class Transformer:
         b = ids.shape[0]
         x = ops.embedding(ids, p.tok_embd, out=state.x)  # the residual stream, updated in place
         for i, lp in enumerate(p.layers):
-            base, factors = a.rope(i)
+            base, factors = self._rope(i)
             q = ops.norm_qkv_rope_append(x, lp.attn_norm, lp.wqkv, cache, i, a.n_heads, a.norm_eps, base,
-                                         a.rope_style, out=state.q_rot, factors=p.rope_factors if factors else None)
+                                         a.rope_style, out=state.q_rot, factors=factors)
             o = ops.attend_decode(q, cache, i, out=state.att, workspace=state.workspace, num_splits=splits,
                                   fused_combine=True, **self._attn_options(i))
             ops.matmul_residual(x, o.reshape(b, 1, a.n_heads * a.head_dim), lp.wo)

@@ -46,6 +46,10 @@ SPECS = {
     # sliding window in the metadata that llama.cpp (and so tinylm and the goldens) runs without
     "phi3": dict(arch="phi3", name="tiny-phi3", dim=128, layers=2, heads=4, kv=2, hd=32, ffn=160,
                  base=10000.0, eps=1e-5, tied=False, window=4, fused=True, tok="spm-phi3"),
+    # SmolLM3: llama's layout (Q/K rows permuted for adjacent pairs), every 4th layer without RoPE
+    # (llama.cpp's fixed step: layer 3 of 4 here), tied
+    "smollm3": dict(arch="smollm3", name="tiny-smollm3", dim=128, layers=4, heads=4, kv=2, hd=32, ffn=160,
+                    base=5000000.0, eps=1e-6, tied=True, tok="llama3"),
 }
 PROMPT = [5, 17, 260, 42, 99, 3, 281, 7, 150, 12, 64, 200]  # token ids of the goldens' prompt
 
@@ -237,7 +241,7 @@ def write(family: str, path, seed: int = 0) -> Path:
     for i in range(n_layers):
         p = f"blk.{i}."
         wq, wk = normal((hq * hd, d), d ** -0.5), normal((hkv * hd, d), d ** -0.5)
-        if s["arch"] == "llama":
+        if s["arch"] in ("llama", "smollm3"):
             wq, wk = permute(wq, hq), permute(wk, hkv)
         w.add_tensor(p + "attn_norm.weight", norm(d))
         wv = normal((hkv * hd, d), d ** -0.5)

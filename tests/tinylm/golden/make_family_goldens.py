@@ -85,6 +85,51 @@ def as_mistral(llama, window: int):
     return model.float()
 
 
+def as_smollm3(path):
+    """HF's SmolLM3 holding the weights of the tiny smollm3 file, built by hand: HF's GGUF loader
+    has no smollm3 architecture. The file's Q/K rows are llama.cpp's adjacent-pair layout, turned
+    back into HF's half split; every 4th layer without RoPE is SmolLM3Config's own default."""
+    import gguf
+    import torch
+    from transformers import SmolLM3Config, SmolLM3ForCausalLM
+
+    s = fm.SPECS["smollm3"]
+    hd = s["hd"]
+    r = gguf.GGUFReader(str(path))
+    t = {x.name: np.array(x.data).reshape([int(n) for n in reversed(x.shape)]) for x in r.tensors}
+    vocab = t["token_embd.weight"].shape[0]
+    cfg = SmolLM3Config(vocab_size=vocab, hidden_size=s["dim"], intermediate_size=s["ffn"],
+                        num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
+                        num_key_value_heads=s["kv"], rms_norm_eps=s["eps"], tie_word_embeddings=s["tied"],
+                        max_position_embeddings=256, no_rope_layer_interval=4, use_sliding_window=False,
+                        rope_parameters={"rope_type": "default", "rope_theta": s["base"]},
+                        pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    cfg._attn_implementation = "eager"
+    model = SmolLM3ForCausalLM(cfg).float().eval()
+
+    def unpermute(w, heads):
+        return w.reshape(heads, hd // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
+
+    sd = {"model.embed_tokens.weight": t["token_embd.weight"], "model.norm.weight": t["output_norm.weight"]}
+    for i in range(s["layers"]):
+        b, m = f"blk.{i}.", f"model.layers.{i}."
+        sd.update({m + "input_layernorm.weight": t[b + "attn_norm.weight"],
+                   m + "self_attn.q_proj.weight": unpermute(t[b + "attn_q.weight"], s["heads"]),
+                   m + "self_attn.k_proj.weight": unpermute(t[b + "attn_k.weight"], s["kv"]),
+                   m + "self_attn.v_proj.weight": t[b + "attn_v.weight"],
+                   m + "self_attn.o_proj.weight": t[b + "attn_output.weight"],
+                   m + "post_attention_layernorm.weight": t[b + "ffn_norm.weight"],
+                   m + "mlp.gate_proj.weight": t[b + "ffn_gate.weight"],
+                   m + "mlp.up_proj.weight": t[b + "ffn_up.weight"],
+                   m + "mlp.down_proj.weight": t[b + "ffn_down.weight"]})
+    missing, unexpected = model.load_state_dict({k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32))
+                                                 for k, v in sd.items()}, strict=False)
+    assert not unexpected and all(k == "lm_head.weight" or "rotary" in k for k in missing), (missing, unexpected)
+    model.tie_weights()
+    assert model.config.no_rope_layers == [int((i + 1) % 4 != 0) for i in range(s["layers"])]
+    return model
+
+
 def b64(a: np.ndarray) -> str:
     return base64.b64encode(np.ascontiguousarray(a, dtype="<f4").tobytes()).decode()
 
@@ -108,12 +153,15 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         for family in only:
             path = fm.write(family, Path(tmp) / f"{family}.gguf")
-            config = AutoConfig.from_pretrained(tmp, gguf_file=path.name)
             hand = overrides(family)
-            for key, value in hand.items():
-                setattr(config, key, value)
-            model = AutoModelForCausalLM.from_pretrained(tmp, gguf_file=path.name, config=config,
-                                                         dtype=torch.float32, attn_implementation="eager")
+            if family == "smollm3":
+                model = as_smollm3(path)
+            else:
+                config = AutoConfig.from_pretrained(tmp, gguf_file=path.name)
+                for key, value in hand.items():
+                    setattr(config, key, value)
+                model = AutoModelForCausalLM.from_pretrained(tmp, gguf_file=path.name, config=config,
+                                                             dtype=torch.float32, attn_implementation="eager")
             if family == "mistral":
                 model = as_mistral(model, hand["sliding_window"])
             model.eval()
