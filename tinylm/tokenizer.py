@@ -251,16 +251,18 @@ class Tokenizer:
         return ids
 
     def encode_chat(self, prompt: str, system: str | None = None) -> list[int]:
-        """Ids of one user turn in ChatML followed by the assistant header (what
-        ``encode(render_chat(prompt, system), allow_special=True)`` gives for text without
-        control tokens), with ``prompt`` and ``system`` encoded as plain text: the control
-        tokens come from the template only. ``system=None`` uses the template's default line."""
+        """Ids of one user turn followed by the assistant header, through the file's own chat
+        template (ChatML, Llama 3 headers, Gemma turns, [INST], ... with whatever default system
+        block the template writes), or in plain ChatML (what ``encode(render_chat(prompt,
+        system), allow_special=True)`` gives for text without control tokens) for a vocabulary
+        with ChatML tokens and no template. ``prompt`` and ``system`` are encoded as plain text:
+        the control tokens come from the template only. ``system=None``: the template's default."""
         check_text("Tokenizer.encode_chat", "prompt", prompt)
         if system is not None:
             check_text("Tokenizer.encode_chat", "system", system)
+        if self.chat_template:
+            return self._encode_template(prompt, system)
         start, end = self.special_ids.get("<|im_start|>"), self.special_ids.get("<|im_end|>")
-        if self.chat_template and "<|im_start|>" not in self.chat_template:
-            return self._encode_template(prompt, system)  # Llama 3 headers, Gemma turns, [INST], ...
         if start is None or end is None:
             raise ValueError("Tokenizer.encode_chat(): this vocabulary has no ChatML control tokens "
                              "<|im_start|> / <|im_end|>")

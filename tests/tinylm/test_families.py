@@ -293,6 +293,31 @@ def test_tokenizer_matches_llamacpp_on_fuzz_texts(files, fam):
     _fuzz_check(Tokenizer.of(GGUFModel(files[fam])), LLAMACPP[fam]["fuzz"], fam)
 
 
+def test_a_chatml_template_is_rendered_not_rebuilt(files):
+    """A ChatML file's own template is what encode_chat renders (SmolLM3's and Qwen3's write more
+    than one system line: metadata, reasoning mode, or none at all), not a rebuilt ChatML turn: the
+    ids are those of the rendered text with its control tokens, as llama.cpp encodes it."""
+    import jinja2.sandbox
+
+    from tinylm.gguf_io import GGUFModel
+    from tinylm.tokenizer import Tokenizer
+
+    template = ("{%- if messages[0].role == 'system' %}{%- set sys = messages[0].content %}{%- set rest = messages[1:] %}"
+                "{%- else %}{%- set sys = none %}{%- set rest = messages %}{%- endif %}"
+                "{{- '<|im_start|>system\\n## Metadata\\n\\nReasoning Mode: /think\\n\\n' }}"
+                "{%- if sys %}{{- '## Custom Instructions\\n\\n' + sys + '\\n\\n' }}{%- endif %}{{- '<|im_end|>\\n' }}"
+                "{%- for m in rest %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endfor %}"
+                "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+    meta = dict(GGUFModel(files["qwen3"]).meta)
+    meta["tokenizer.chat_template"] = template
+    tok = Tokenizer.from_gguf_metadata(meta)
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    for system, user in ((None, "hello world"), ("be brief", "is it on?")):
+        msgs = ([] if system is None else [{"role": "system", "content": system}]) + [{"role": "user", "content": user}]
+        text = env.from_string(template).render(messages=msgs, add_generation_prompt=True)
+        assert "Reasoning Mode" in text and tok.encode_chat(user, system=system) == tok.encode(text, allow_special=True)
+
+
 def test_every_pre_tokenizer_matches_llamacpp():
     """Each byte-level pre-tokenizer name tinylm takes splits as llama.cpp splits for that name:
     random texts through a vocabulary whose merges cross every split (so a wrong split changes the
