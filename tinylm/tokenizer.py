@@ -54,8 +54,9 @@ def _byte_to_unicode() -> dict[int, str]:
 
 
 _UNICODE_TO_BYTE = {c: b for b, c in _byte_to_unicode().items()}
-# control tokens that end a turn or a text: ChatML, Llama 3 (<|eot_id|>, <|eom_id|>), Gemma
-END_OF_TURN = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<end_of_turn>")
+# control tokens that end a turn or a text: ChatML, Llama 3 (<|eot_id|>, <|eom_id|>), Gemma, Phi-3 (<|end|>)
+END_OF_TURN = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<end_of_turn>",
+               "<|end|>")
 _SYSTEM_RE = re.compile(r"<\|im_start\|>system\n(.*?)<\|im_end\|>", re.DOTALL)
 
 

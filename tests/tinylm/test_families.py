@@ -106,6 +106,10 @@ def test_family_args(files):
     assert g2.embed_scale == pytest.approx(8.0) and g3.qk_norm and g3.post_norms
     s3 = a["smollm3"]  # llama.cpp's fixed step: every 4th layer turns no RoPE
     assert (s3.nope_layers, s3.rope_style, s3.quirks(), s3.rope(3)[1][0]) == ((3,), "adjacent", ["nope_layers"], 3.4028234663852886e38)
+    from tinylm.tokenizer import Tokenizer
+
+    tok = Tokenizer.of(GGUFModel(files["phi3"]))  # a turn ends at <|end|>, the text at <|endoftext|>
+    assert tok.stop_ids == {tok.special_ids["<|end|>"], tok.special_ids["<|endoftext|>"]} and tok.eos_id in tok.stop_ids
     phi = a["phi3"]  # its file says sliding_window 4: run without, as llama.cpp runs Phi-3
     assert (phi.rope_style, phi.sliding_window, phi.local_layers, phi.quirks()) == ("neox", 0, (), [])
 
