@@ -279,18 +279,24 @@ class Tokenizer:
         (Jinja, as Hugging Face renders it), with add_generation_prompt. Control tokens come from
         the template's text only: the message contents are marked while rendering, and control
         token text found inside them stays plain text."""
-        import jinja2.sandbox
+        import datetime
+
+        import jinja2
 
         messages = ([] if system is None else [{"role": "system", "content": system}]) + \
             [{"role": "user", "content": prompt}]
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env = _chat_environment()
 
         def raise_exception(msg):
             raise ValueError(f"Tokenizer.encode_chat(): the chat template refuses: {msg}")
 
+        now = datetime.datetime.now()  # one clock for both renders below (Llama 3.1+, SmolLM3 print the date)
         env.globals["raise_exception"] = raise_exception
-        env.globals["strftime_now"] = lambda fmt: __import__("datetime").datetime.now().strftime(fmt)  # Llama 3.1+
-        tmpl = env.from_string(self.chat_template)
+        env.globals["strftime_now"] = now.strftime
+        try:
+            tmpl = env.from_string(self.chat_template)
+        except jinja2.TemplateError as e:
+            raise ValueError(f"Tokenizer.encode_chat(): the file's chat template cannot be read: {e}") from None
         names = {"bos_token": "" if self.bos_id is None else self.tokens[self.bos_id],
                  "eos_token": "" if self.eos_id is None else self.tokens[self.eos_id]}
         marks = [f"\ue000{i}\ue001" for i in range(len(messages))]
@@ -298,26 +304,31 @@ class Tokenizer:
                              add_generation_prompt=True, **names)
         real = tmpl.render(messages=messages, add_generation_prompt=True, **names)
         # the contents as the template wrote them: as given, or trimmed (Llama 3's `| trim`)
-        if any(marked.count(k) != 1 for k in marks):
-            raise ValueError("Tokenizer.encode_chat(): the chat template does not write each message once")
+        contents = None
         for fix in (lambda c: c, str.strip):
             filled = marked
             for k, m in zip(marks, messages):
                 filled = filled.replace(k, fix(m["content"]))
-            if filled == real:
+            if filled == real and all(marked.count(k) == 1 for k in marks):
                 contents = [fix(m["content"]) for m in messages]
                 break
+        if contents is not None:
+            # split the template's own text at control tokens; plain runs (template text and
+            # contents together, as one string would be encoded) are encoded as plain text
+            pieces = [""]
+            for part in re.split("(\ue000\\d+\ue001)", marked):
+                m = re.fullmatch("\ue000(\\d+)\ue001", part)
+                split = [contents[int(m.group(1))]] if m else self._split_control(part)
+                pieces[-1] += split[0]  # a run continues across a content
+                pieces += split[1:]
+        elif not any(t in m["content"] for m in messages for t in self.special_ids):
+            # the template edits or branches on the text (SmolLM3 reads "/no_think" out of the
+            # system message): the rendered text split at control tokens, none of which can come
+            # from the messages, since they hold no control-token text
+            pieces = self._split_control(real)
         else:
             raise ValueError("Tokenizer.encode_chat(): the chat template changes the message text in a way "
-                             "tinylm cannot follow")
-        # split the template's own text at control tokens; plain runs (template text and
-        # contents together, as one string would be encoded) are encoded as plain text
-        pieces = [""]
-        for part in re.split("(\ue000\\d+\ue001)", marked):
-            m = re.fullmatch("\ue000(\\d+)\ue001", part)
-            split = [contents[int(m.group(1))]] if m else self._split_control(part)
-            pieces[-1] += split[0]  # a run continues across a content
-            pieces += split[1:]
+                             "tinylm cannot follow, and a message holds control-token text")
         ids = self._encode_pieces(pieces)
         if self.add_bos and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
             ids.insert(0, self.bos_id)
@@ -474,6 +485,24 @@ def _sentencepiece_bpe(tokens, token_types, scores, add_space_prefix: bool, unk_
     hf.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), space]) if add_space_prefix else space
     hf.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
     return hf
+
+
+def _chat_environment():
+    """Jinja as Hugging Face renders chat templates: sandboxed, trim_blocks and lstrip_blocks, loop
+    controls, and its ``{% generation %}`` tag (SmolLM3's template marks the assistant's text with
+    it; here, as in HF's output, the tag renders its body)."""
+    import jinja2.sandbox
+    from jinja2.ext import Extension
+
+    class Generation(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+    return jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                        extensions=[Generation, "jinja2.ext.loopcontrols"])
 
 
 def default_system_message(chat_template: str | None) -> str | None:

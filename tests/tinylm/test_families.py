@@ -105,7 +105,8 @@ def test_family_args(files):
     assert g3.rope(0) == (10000.0, ()) and g3.rope(2) == (1e6, (2.0,) * 64)
     assert g2.embed_scale == pytest.approx(8.0) and g3.qk_norm and g3.post_norms
     s3 = a["smollm3"]  # llama.cpp's fixed step: every 4th layer turns no RoPE
-    assert (s3.nope_layers, s3.rope_style, s3.quirks(), s3.rope(3)[1][0]) == ((3,), "adjacent", ["nope_layers"], 3.4028234663852886e38)
+    assert (s3.nope_layers, s3.rope_style, s3.quirks()) == ((3,), "adjacent", ["nope_layers"])
+    assert s3.rope(3)[1] == (3.4028234663852886e38,) * (s3.head_dim // 2) and s3.rope(2)[1] == ()
     from tinylm.tokenizer import Tokenizer
 
     tok = Tokenizer.of(GGUFModel(files["phi3"]))  # a turn ends at <|end|>, the text at <|endoftext|>
@@ -197,7 +198,8 @@ def test_unsupported_architecture_is_one_line(tmp_path):
     with pytest.raises(GGUFError) as e:
         GGUFModel(path)
     msg = str(e.value)
-    assert "\n" not in msg and "'falcon'" in msg and "llama, mistral, qwen2, qwen3, gemma2, gemma3, smollm3, phi3" in msg
+    assert "\n" not in msg and "'falcon'" in msg
+    assert "llama, mistral, qwen2, qwen3, gemma2, gemma3, smollm3, phi3" in msg
 
     from tinylm.__main__ import main
 
@@ -306,7 +308,8 @@ def test_a_chatml_template_is_rendered_not_rebuilt(files):
     from tinylm.gguf_io import GGUFModel
     from tinylm.tokenizer import Tokenizer
 
-    template = ("{%- if messages[0].role == 'system' %}{%- set sys = messages[0].content %}{%- set rest = messages[1:] %}"
+    template = ("{%- if messages[0].role == 'system' %}{%- set sys = messages[0].content %}"
+                "{%- set rest = messages[1:] %}"
                 "{%- else %}{%- set sys = none %}{%- set rest = messages %}{%- endif %}"
                 "{{- '<|im_start|>system\\n## Metadata\\n\\nReasoning Mode: /think\\n\\n' }}"
                 "{%- if sys %}{{- '## Custom Instructions\\n\\n' + sys + '\\n\\n' }}{%- endif %}{{- '<|im_end|>\\n' }}"
@@ -320,6 +323,43 @@ def test_a_chatml_template_is_rendered_not_rebuilt(files):
         msgs = ([] if system is None else [{"role": "system", "content": system}]) + [{"role": "user", "content": user}]
         text = env.from_string(template).render(messages=msgs, add_generation_prompt=True)
         assert "Reasoning Mode" in text and tok.encode_chat(user, system=system) == tok.encode(text, allow_special=True)
+
+
+# SmolLM3-3B's chat template (HuggingFaceTB/SmolLM3-3B), shortened: its tool sections left out, its
+# default persona cut to a line
+SMOLLM3_TEMPLATE = (GOLDEN_DIR / "smollm3_chat_template.jinja").read_text(encoding="utf-8")
+
+
+def test_smollm3_template_with_its_generation_tag_and_edited_system(files):
+    """SmolLM3's template: HF's ``{% generation %}`` tag renders its body; with no system message it
+    writes its metadata block (the date from strftime_now); a system message with "/no_think" is
+    edited by the template (the flag read out of it), so its ids are those of the rendered text split
+    at control tokens, which the messages cannot forge: one holding control-token text is refused
+    there, and an unreadable template is a ValueError naming it."""
+    import datetime
+
+    import jinja2.sandbox
+
+    from tinylm.gguf_io import GGUFModel
+    from tinylm.tokenizer import Tokenizer
+
+    meta = dict(GGUFModel(files["qwen3"]).meta)
+    meta["tokenizer.chat_template"] = SMOLLM3_TEMPLATE
+    tok = Tokenizer.from_gguf_metadata(meta)
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["strftime_now"] = datetime.datetime.now().strftime
+    template = SMOLLM3_TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    for system, mode in ((None, "/think"), ("be brief /no_think", "/no_think")):
+        msgs = ([] if system is None else [{"role": "system", "content": system}]) + [{"role": "user", "content": "hi"}]
+        text = env.from_string(template).render(messages=msgs, add_generation_prompt=True)
+        assert f"Reasoning Mode: {mode}" in text and "Today Date: " in text
+        assert tok.encode_chat("hi", system=system) == tok.encode(text, allow_special=True)
+    with pytest.raises(ValueError, match="a message holds control-token text"):
+        tok.encode_chat("hi <|im_end|>", system="be brief /no_think")
+    assert tok.encode_chat("hi <|im_end|>")[-3:] == tok.encode_chat("hi")[-3:]  # tracked: the text stays text
+    meta["tokenizer.chat_template"] = "{% if x %}"
+    with pytest.raises(ValueError, match="the file's chat template cannot be read"):
+        Tokenizer.from_gguf_metadata(meta).encode_chat("hi")
 
 
 def test_every_pre_tokenizer_matches_llamacpp():

@@ -14,11 +14,11 @@ For each family, and for the real SmolLM2 file when its path is given (its token
 random texts (pieces of many scripts, digits, whitespace runs, code, emoji, control-token text)
 encoded as plain text, and FUZZ_SPECIAL with control tokens between them encoded with control
 tokens parsed (``tokenize(special=True)``), the texts stored beside the ids. For every byte-level
-pre-tokenizer name tinylm implements: the first PRE_TEXTS plain fuzz texts through a 3,000-token byte-level BPE
-vocabulary trained here on them (its merges cross every split, so each pre-tokenizer's splits show
-in the ids; stored in the JSON) and through the tiny Llama 3 vocabulary (whose whole words show
-whether the name ignores merges). For each family: the texts encoded as plain text (``tokenize(special=False)``, no BOS), and each
-chat rendered by the file's own template (Jinja, as HF renders it) and encoded with control tokens
+pre-tokenizer name tinylm implements: the first PRE_TEXTS plain fuzz texts through a 3,000-token
+byte-level BPE vocabulary trained here on them (its merges cross every split, so each
+pre-tokenizer's splits show in the ids; stored in the JSON) and through the tiny Llama 3
+vocabulary (whose whole words show whether the name ignores merges). For each family: the texts
+encoded as plain text (``tokenize(special=False)``, no BOS), and each chat rendered by the file's own template (Jinja, as HF renders it) and encoded with control tokens
 parsed (``tokenize(special=True)``; BOS comes from the template); then, as a check of the two
 peers against each other, llama.cpp's greedy tokens after the goldens' prompt and its largest
 logit error against HF's goldens (relative to each row's largest logit). A file llama.cpp cannot
