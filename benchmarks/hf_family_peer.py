@@ -71,6 +71,8 @@ def hf_family_config(args):
                                                        use_sliding_window=False, pad_token_id=None, bos_token_id=None,
                                                        eos_token_id=None)  # 128000/1: past a small vocab
     if args.arch == "phi3":
+        if args.rope_factors_long:
+            raise ValueError("no HF peer for Phi-3's LongRoPE here (HF switches its tables by sequence length)")
         return tf.Phi3ForCausalLM, tf.Phi3Config(**common, rope_parameters=rope, sliding_window=None,
                                                  pad_token_id=None, eos_token_id=None)  # 32000: past a small vocab
     qpas = args.scale ** -2  # HF's query scale is query_pre_attn_scalar ** -0.5 (an int in its config)

@@ -89,6 +89,12 @@ class ModelArgs:
     rope_local_base: float = 0.0
     rope_factors: tuple = ()
     nope_layers: tuple = ()  # layers whose queries and keys are not rotated (SmolLM3's every 4th)
+    # LongRoPE (Phi-3 128k, Phi-3.5): rope_factors holds the short table; the long one replaces it
+    # when the model's context (max_seq) exceeds rope_orig_ctx, as llama.cpp picks by its context
+    # size; rope_mscale scales cos and sin (so the scores by its square) on every layer
+    rope_factors_long: tuple = ()
+    rope_orig_ctx: int = 0
+    rope_mscale: float = 1.0
 
     def __post_init__(self):
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim",
@@ -124,17 +130,32 @@ class ModelArgs:
         for name in ("local_layers", "nope_layers"):
             if any(not 0 <= i < self.n_layers for i in getattr(self, name)):
                 raise ValueError(f"ModelArgs: {name} must be layer indices in [0, {self.n_layers})")
-        self.rope_factors = tuple(float(f) for f in self.rope_factors)
-        if self.rope_factors and (len(self.rope_factors) != self.head_dim // 2
-                                  or not all(0 < f < float("inf") for f in self.rope_factors)):
-            raise ValueError(f"ModelArgs: rope_factors must be head_dim / 2 = {self.head_dim // 2} "
-                             f"positive numbers, got {len(self.rope_factors)}")
+        for name in ("rope_factors", "rope_factors_long"):
+            table = tuple(float(f) for f in getattr(self, name))
+            setattr(self, name, table)
+            if table and (len(table) != self.head_dim // 2 or not all(0 < f < float("inf") for f in table)):
+                raise ValueError(f"ModelArgs: {name} must be head_dim / 2 = {self.head_dim // 2} "
+                                 f"positive numbers, got {len(table)}")
+        if self.rope_factors_long and not (self.rope_factors and self.rope_orig_ctx >= 1):
+            raise ValueError("ModelArgs: rope_factors_long needs the short table (rope_factors) and rope_orig_ctx >= 1")
+        if isinstance(self.rope_mscale, bool) or not 0 < self.rope_mscale < float("inf"):
+            raise ValueError(f"ModelArgs: rope_mscale must be positive, got {self.rope_mscale!r}")
 
     # --- per-layer attention ------------------------------------------------------------------
     @property
     def scale(self) -> float:
-        """The softmax scale (attn_scale, or 1/sqrt(head_dim))."""
-        return self.attn_scale if self.attn_scale is not None else self.head_dim ** -0.5
+        """The softmax scale (attn_scale, or 1/sqrt(head_dim)), times rope_mscale squared: LongRoPE
+        scales the rotated queries and keys by rope_mscale, so their products by its square."""
+        base = self.attn_scale if self.attn_scale is not None else self.head_dim ** -0.5
+        return base * self.rope_mscale ** 2
+
+    @property
+    def active_rope_factors(self) -> tuple:
+        """The per-pair divisors every RoPE layer turns by: LongRoPE's long table when the context
+        exceeds the original one, else rope_factors."""
+        if self.rope_factors_long and self.max_seq > self.rope_orig_ctx:
+            return self.rope_factors_long
+        return self.rope_factors
 
     def is_local(self, layer: int) -> bool:
         """Whether ``layer`` attends through the sliding window."""
@@ -153,7 +174,7 @@ class ModelArgs:
             return self.rope_base, NOPE_FACTORS * (self.head_dim // 2)
         if self.rope_local_base and self.is_local(layer):
             return self.rope_local_base, ()
-        return self.rope_base, self.rope_factors
+        return self.rope_base, self.active_rope_factors
 
     def quirks(self) -> list:
         """Names of what differs from Llama, for messages and docs (empty for a plain Llama)."""
@@ -163,7 +184,8 @@ class ModelArgs:
             ("attn_scale", self.attn_scale is not None), ("attn_softcap", self.attn_softcap > 0),
             ("final_softcap", self.final_softcap > 0), ("sliding_window", self.sliding_window > 0),
             ("rope_local_base", self.rope_local_base > 0), ("rope_factors", bool(self.rope_factors)),
-            ("nope_layers", bool(self.nope_layers)))
+            ("nope_layers", bool(self.nope_layers)), ("longrope", bool(self.rope_factors_long)),
+            ("rope_mscale", self.rope_mscale != 1.0))
             if flag]
         return on
 

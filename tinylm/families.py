@@ -11,9 +11,12 @@
     gemma3    Gemma 3 (text)                             neox RoPE, GeGLU, embed_scale, post_norms,
                                                          qk_norm, 5 local layers of 6 (local RoPE base)
     smollm3   SmolLM3                                    every 4th layer without RoPE (nope_layers)
-    phi3      Phi-3 (mini, medium; 4k context)           neox RoPE; Q|K|V in one tensor (attn_qkv, when
+    phi3      Phi-3 (mini, medium; 4k and 128k), 3.5     neox RoPE; Q|K|V in one tensor (attn_qkv, when
                                                          the file has it) and gate|up in ffn_up, split
-                                                         at load; no sliding window (as llama.cpp)
+                                                         at load; no sliding window (as llama.cpp);
+                                                         LongRoPE (rope_factors_short / _long: the long
+                                                         table for a context past the original one,
+                                                         as llama.cpp; cos and sin times attn_factor)
 
 The values follow llama.cpp, whose converter wrote the files: its RoPE layout per architecture
 (llama's Q/K rows permuted for adjacent pairs, the others as Hugging Face stores them, NeoX
@@ -57,7 +60,7 @@ FAMILIES = {f.arch: f for f in (
     Family("gemma2", "Gemma 2", gemma=True, local_pattern=2),
     Family("gemma3", "Gemma 3", gemma=True, local_pattern=6),
     Family("smollm3", "SmolLM3", rope_style="adjacent", nope_step=4),
-    Family("phi3", "Phi-3 (4k context)", swa=False,
+    Family("phi3", "Phi-3, Phi-3.5", swa=False,
            fused=(("attn_qkv.weight", ("wq", "wk", "wv")), ("ffn_up.weight", ("w_gate", "w_up")))),
 )}
 
@@ -69,6 +72,7 @@ LAYER_TENSORS = {"attn_norm.weight": "attn_norm", "attn_q.weight": "wq", "attn_k
                  "attn_q_norm.weight": "q_norm", "attn_k_norm.weight": "k_norm",
                  "post_attention_norm.weight": "post_attn_norm", "post_ffw_norm.weight": "post_ffn_norm"}
 ROPE_FREQS = "rope_freqs.weight"
+LONGROPE = ("rope_factors_short.weight", "rope_factors_long.weight")  # Phi-3's LongRoPE tables
 
 
 def supported() -> str:
@@ -110,11 +114,12 @@ def _int(meta, key, path, default=None, limit=2**31 - 1, minimum=1):
     return value
 
 
-def args_from_metadata(meta: dict, tensor_names=(), path="<gguf>", rope_freqs=None) -> ModelArgs:
+def args_from_metadata(meta: dict, tensor_names=(), path="<gguf>", rope_freqs=None, longrope=None) -> ModelArgs:
     """ModelArgs of a GGUF file from its metadata and tensor names.
 
     ``rope_freqs``: the values of a ``rope_freqs.weight`` tensor (Llama 3.1+: each rotation pair's
-    frequency is divided by its entry), None when the file has none. ``output.weight`` absent
+    frequency is divided by its entry), None when the file has none. ``longrope``: the values of
+    Phi-3's (short, long) LongRoPE tables (LONGROPE), None when the file has neither. ``output.weight`` absent
     means tied embeddings. Raises GGUFError naming the key for a missing or bad value, and for
     what tinylm does not implement (another architecture, partial RoPE, RoPE scaling other than
     linear, value heads of another size, experts).
@@ -158,6 +163,23 @@ def args_from_metadata(meta: dict, tensor_names=(), path="<gguf>", rope_freqs=No
                             f"numbers, got shape {rf.shape}")
         factors = [float(a) * float(b) for a, b in zip(rf, factors or [1.0] * len(rf))]
 
+    long = {}
+    if longrope is not None:  # llama.cpp's Phi-3: both tables, the original context, the attention factor
+        import numpy as np
+
+        tables = []
+        for name, values in zip(LONGROPE, longrope):
+            t = np.asarray(values, dtype=np.float64).reshape(-1)
+            if t.shape != (head_dim // 2,) or not (np.isfinite(t).all() and (t > 0).all()):
+                raise GGUFError(f"{path}: tensor {name!r} must hold head_dim / 2 = {head_dim // 2} positive "
+                                f"numbers, got shape {t.shape}")
+            tables.append(tuple(float(x) for x in t))
+        if factors:
+            raise GGUFError(f"{path}: LongRoPE tables together with other RoPE scaling are not implemented by tinylm")
+        factors = tables[0]
+        long = dict(rope_factors_long=tables[1], rope_mscale=_num(meta, p + "rope.scaling.attn_factor", path, 1.0),
+                    rope_orig_ctx=_int(meta, p + "rope.scaling.original_context_length", path))
+
     window = _int(meta, p + "attention.sliding_window", path, default=0, minimum=0) if fam.swa else 0
     pattern = _int(meta, p + "attention.sliding_window_pattern", path, default=fam.local_pattern, minimum=0)
     # pattern 0: every layer local (ModelArgs: empty local_layers); else layer i is local when
@@ -195,7 +217,7 @@ def args_from_metadata(meta: dict, tensor_names=(), path="<gguf>", rope_freqs=No
             tie_embeddings="output.weight" not in names, arch=fam.arch,
             qkv_bias=all(bias), qk_norm=all(norms), sliding_window=window, local_layers=local,
             nope_layers=tuple(i for i in range(n_layers) if fam.nope_step and (i + 1) % fam.nope_step == 0),
-            rope_factors=tuple(factors or ()), **extras)
+            rope_factors=tuple(factors or ()), **long, **extras)
     except ValueError as e:
         raise GGUFError(f"{path}: inconsistent hyper-parameters: {e}") from e
 
@@ -221,6 +243,8 @@ def expected_tensors(args: ModelArgs, tensor_names=()) -> set:
     (rope_freqs.weight is read into args)."""
     per_layer = [name for name, _ in layer_tensors(args, tensor_names)]
     used = {"token_embd.weight", "output_norm.weight", ROPE_FREQS}
+    if args.rope_factors_long:
+        used.update(LONGROPE)
     if not args.tie_embeddings:
         used.add("output.weight")
     return used | {f"blk.{i}.{n}" for i in range(args.n_layers) for n in per_layer}
@@ -233,8 +257,8 @@ def refuse_unread(args: ModelArgs, tensor_names, path) -> None:
     for name in tensor_names:
         if name in used:
             continue
-        if name.startswith("rope_factors_"):
-            what = f"LongRoPE (tensor {name!r}: Phi-3's 128k-context scaling)"
+        if name in LONGROPE:
+            what = f"both LongRoPE tables ({', '.join(LONGROPE)}) and its original context; it has {name!r} only"
         elif name.endswith(".bias"):
             what = f"biases (tensor {name!r})"
         elif "_exps" in name or "ffn_gate_inp" in name:

@@ -385,9 +385,9 @@ def read_metadata(reader, path="<gguf>") -> dict:
     return meta
 
 
-def args_from_metadata(meta: dict, path="<gguf>", tensor_names=(), rope_freqs=None):
+def args_from_metadata(meta: dict, path="<gguf>", tensor_names=(), rope_freqs=None, longrope=None):
     """ModelArgs from a GGUF's metadata (and its tensor names): ``tinylm.families``."""
-    return families.args_from_metadata(meta, tensor_names, path, rope_freqs)
+    return families.args_from_metadata(meta, tensor_names, path, rope_freqs, longrope)
 
 
 class GGUFModel:
@@ -404,11 +404,15 @@ class GGUFModel:
         self.meta = read_metadata(self.reader, self.path)
         self.tensors = {t.name: t for t in self.reader.tensors}
         families.family_of(self.meta, self.path)  # the architecture first: one line naming it
-        freqs = self.tensors.get(families.ROPE_FREQS)
-        rope_freqs = None
-        if freqs is not None:
-            rope_freqs = _read_tensor(self.path, freqs, tuple(int(n) for n in reversed(freqs.shape)), np.float32)
-        self.args = args_from_metadata(self.meta, self.path, self.tensors, rope_freqs)
+        def small(name):  # a RoPE table read into the args (its shape is checked there)
+            t = self.tensors.get(name)
+            return None if t is None else _read_tensor(self.path, t, tuple(int(n) for n in reversed(t.shape)),
+                                                       np.float32)
+
+        rope_freqs = small(families.ROPE_FREQS)
+        long = [small(name) for name in families.LONGROPE]
+        longrope = tuple(long) if all(t is not None for t in long) else None
+        self.args = args_from_metadata(self.meta, self.path, self.tensors, rope_freqs, longrope)
         families.refuse_unread(self.args, self.tensors, self.path)
 
 

@@ -178,8 +178,8 @@ class Params:
         tok = ops.upload(table)
         out = tok if tied else ops.upload(weights.output)
         factors = nope = None
-        if args is not None and args.rope_factors:
-            factors = ops.upload_f32(np.asarray(args.rope_factors, dtype=np.float32))
+        if args is not None and args.active_rope_factors:
+            factors = ops.upload_f32(np.asarray(args.active_rope_factors, dtype=np.float32))
         if args is not None and args.nope_layers:
             nope = ops.upload_f32(np.asarray(args.rope(args.nope_layers[0])[1], dtype=np.float32))
         return cls(tok, ops.upload(norm), out, layers, factors, nope)
@@ -513,8 +513,8 @@ class Transformer:
         """The attention options of ``layer`` that differ from the defaults (scale, window,
         softcap), as keyword arguments of attend_prefill / attend_decode."""
         a, kw = self.args, {}
-        if a.attn_scale is not None:
-            kw["scale"] = a.attn_scale
+        if a.attn_scale is not None or a.rope_mscale != 1.0:
+            kw["scale"] = a.scale
         if a.window(layer) is not None:
             kw["window"] = a.window(layer)
         if a.attn_softcap:

@@ -168,18 +168,33 @@ def test_phi3_with_separate_qkv_is_the_same_model(files, tmp_path):
         GGUFModel(_rewrite(files["phi3"], tmp_path / "ffn.gguf", split_ffn))
 
 
-def test_phi3_longrope_is_refused_by_name(files, tmp_path):
-    """Phi-3's 128k files carry LongRoPE factor tables, which tinylm does not implement."""
+def test_phi3_longrope_tables_by_context(files, tmp_path):
+    """LongRoPE (the phi3-long file: short and long tables, original context 256 in 512) takes the
+    long table at the file's context, as the goldens' peers (HF's and llama.cpp's logits there),
+    and the short one when the context is capped at the original one: llama.cpp's logits at a
+    context of 256. A file with one table only is refused by name."""
+    import base64
+
+    from tinylm.generate import load
     from tinylm.gguf_io import GGUFError, GGUFModel
 
-    hd = GGUFModel(files["phi3"]).args.head_dim
+    a = GGUFModel(files["phi3-long"]).args
+    assert (a.max_seq, a.rope_orig_ctx, a.active_rope_factors) == (512, 256, a.rope_factors_long)
+    assert a.rope_mscale == pytest.approx((1 + np.log(2) / np.log(256)) ** 0.5, rel=1e-6)
+    lc = LLAMACPP["phi3-long"]
+    tokens = GOLDEN["prompt"] + GOLDEN["families"]["phi3-long"]["tokens"]
+    want = np.frombuffer(base64.b64decode(lc["short_logits_f32_b64"]), dtype="<f4").reshape(len(tokens), -1)
+    short = load(files["phi3-long"], backend="numpy", max_seq=lc["short_context"]).model
+    assert short.args.active_rope_factors == a.rope_factors
+    got = step_logits(short, tokens)
+    err = np.abs(got - want).max(axis=-1) / np.abs(want).max(axis=-1)
+    assert err.max() < 2e-3, f"short table: worst row off by {err.max():.2e}"
 
-    def add_factors(name, a):
-        extra = [("rope_factors_long.weight", np.ones(hd // 2, np.float32))] if name == "token_embd.weight" else []
-        return [(name, a)] + extra
+    def drop_long(name, x):
+        return [] if name == "rope_factors_long.weight" else [(name, x)]
 
-    with pytest.raises(GGUFError, match=r"LongRoPE \(tensor 'rope_factors_long\.weight'"):
-        GGUFModel(_rewrite(files["phi3"], tmp_path / "long.gguf", add_factors))
+    with pytest.raises(GGUFError, match=r"both LongRoPE tables .* it has 'rope_factors_short\.weight' only"):
+        GGUFModel(_rewrite(files["phi3-long"], tmp_path / "half.gguf", drop_long))
 
 
 def test_unsupported_architecture_is_one_line(tmp_path):
@@ -227,7 +242,8 @@ LLAMACPP = LLAMACPP_FILE["families"]
 # where HF's GGUF tokenizer departs from llama.cpp (and from the models' own tokenizers), on these files
 HF_DEPARTS = {"llama3": "no ignore_merges (a word found whole in the vocabulary is still merged)",
               "mistral": "no SentencePiece space before a run that follows a control token or starts with one",
-              "phi3": "keeps the whitespace after <|user|>, <|end|>, ... (rstrip in Phi-3's own tokenizer)"}
+              "phi3": "keeps the whitespace after <|user|>, <|end|>, ... (rstrip in Phi-3's own tokenizer)",
+              "phi3-long": "as phi3"}
 
 
 def _tokens_reference(fam):

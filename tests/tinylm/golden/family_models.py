@@ -50,6 +50,11 @@ SPECS = {
     # (llama.cpp's fixed step: layer 3 of 4 here), tied
     "smollm3": dict(arch="smollm3", name="tiny-smollm3", dim=128, layers=4, heads=4, kv=2, hd=32, ffn=160,
                     base=5000000.0, eps=1e-6, tied=True, tok="llama3"),
+    # Phi-3.5-mini-style LongRoPE: short and long per-pair divisors, an original context of 256 in a
+    # context of 512 (llama.cpp and tinylm take the long table at a context above 256, the short one
+    # at 256), its attention factor sqrt(1 + ln(512 / 256) / ln(256)) as llama.cpp's converter writes it
+    "phi3-long": dict(arch="phi3", name="tiny-phi3.5", dim=128, layers=2, heads=4, kv=4, hd=32, ffn=160,
+                      base=10000.0, eps=1e-5, tied=False, fused=True, tok="spm-phi3", ctx=512, longrope=256),
 }
 PROMPT = [5, 17, 260, 42, 99, 3, 281, 7, 150, 12, 64, 200]  # token ids of the goldens' prompt
 
@@ -180,7 +185,7 @@ def write(family: str, path, seed: int = 0) -> Path:
     arch = s["arch"]
     w.add_name(s["name"])
     w.add_block_count(n_layers)
-    w.add_context_length(256)
+    w.add_context_length(s.get("ctx", 256))
     w.add_embedding_length(d)
     w.add_feed_forward_length(f)
     w.add_head_count(hq)
@@ -235,6 +240,13 @@ def write(family: str, path, seed: int = 0) -> Path:
     w.add_tensor("output_norm.weight", norm(d))
     if not s["tied"]:
         w.add_tensor("output.weight", normal((vocab, d), 1.0))
+    if "longrope" in s:  # llama.cpp's Phi-3 converter: the original context, attn_factor, both tables
+        orig = s["longrope"]
+        w.add_uint32(f"{arch}.rope.scaling.original_context_length", orig)
+        w.add_float32(f"{arch}.rope.scaling.attn_factor", float(np.sqrt(1 + np.log(s["ctx"] / orig) / np.log(orig))))
+        half = hd // 2
+        w.add_tensor("rope_factors_short.weight", (1.0 + 0.5 * rng.random(half)).astype(np.float32))
+        w.add_tensor("rope_factors_long.weight", (1.0 + 40.0 * rng.random(half) ** 2).astype(np.float32))
     if "rope_freqs" in s:
         w.add_tensor("rope_freqs.weight", llama3_rope_freqs(hd, s["base"], *s["rope_freqs"][:3],
                                                             orig=s["rope_freqs"][3]))

@@ -18,11 +18,13 @@ pre-tokenizer name tinylm implements: the first PRE_TEXTS plain fuzz texts throu
 byte-level BPE vocabulary trained here on them (its merges cross every split, so each
 pre-tokenizer's splits show in the ids; stored in the JSON) and through the tiny Llama 3
 vocabulary (whose whole words show whether the name ignores merges). For each family: the texts
-encoded as plain text (``tokenize(special=False)``, no BOS), and each chat rendered by the file's own template (Jinja, as HF renders it) and encoded with control tokens
-parsed (``tokenize(special=True)``; BOS comes from the template); then, as a check of the two
+encoded as plain text (``tokenize(special=False)``, no BOS), and each chat rendered by the file's
+own template (Jinja, as HF renders it) and encoded with control tokens parsed
+(``tokenize(special=True)``; BOS comes from the template); then, as a check of the two
 peers against each other, llama.cpp's greedy tokens after the goldens' prompt and its largest
 logit error against HF's goldens (relative to each row's largest logit). A file llama.cpp cannot
-load is recorded with the reason.
+load is recorded with the reason. Every file runs at its own context (n_ctx 0); the LongRoPE one
+also at its original context, whose logits (the short table) are recorded too.
 """
 from __future__ import annotations
 
@@ -155,7 +157,8 @@ def main():
             path = fm.write(family, Path(tmp) / f"{family}.gguf")
             entry = {"hash": fm.content_hash(path)}
             try:
-                llm = Llama(str(path), n_ctx=64, logits_all=True, verbose=False, n_threads=2)
+                # the file's own context (n_ctx 0), as tinylm runs a file by default
+                llm = Llama(str(path), n_ctx=0, logits_all=True, verbose=False, n_threads=2)
             except ValueError as e:
                 entry["error"] = str(e).replace(str(path), f"{family}.gguf")
                 out["families"][family] = entry
@@ -180,6 +183,13 @@ def main():
             rows = min(len(logits), len(want))
             err = np.abs(logits[:rows] - want[:rows]).max(-1) / np.abs(want[:rows]).max(-1)
             entry.update(greedy=ids[len(hf["prompt"]):], logits_err_vs_hf=float(err.max()))
+            if "longrope" in fm.SPECS[family]:  # at a context of the original one: the short table
+                short = Llama(str(path), n_ctx=fm.SPECS[family]["longrope"], logits_all=True, verbose=False,
+                              n_threads=2)
+                short.eval(ids)
+                entry["short_context"] = fm.SPECS[family]["longrope"]
+                entry["short_logits_f32_b64"] = base64.b64encode(
+                    np.array(short.scores[:len(ids)], dtype="<f4").tobytes()).decode()
             out["families"][family] = entry
             print(family, "greedy as HF" if entry["greedy"] == g["tokens"] else "greedy differs from HF",
                   f"logits {err.max():.1e} from HF's")
