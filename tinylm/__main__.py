@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the file's chat template")
     p.add_argument("--system", default=None, metavar="S", help="system message for --chat")
     p.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="tokens to generate (64)")
+    p.add_argument("--ctx", type=int, default=None, metavar="N",
+                   help="cap the context at N tokens (default: the model's own), as llama.cpp's -c; a Phi-3 "
+                        "LongRoPE file turns by its short table when N is at most its original context")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0, metavar="K", help="sample from the K most likely (0 = all)")
     p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (1.0 = off)")
@@ -196,6 +199,8 @@ def _check_options(args) -> None:
 
     if args.max_new_tokens < 0:
         raise _OptionError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if args.ctx is not None and args.ctx < 1:
+        raise _OptionError(f"--ctx must be >= 1, got {args.ctx}")
     try:  # the sampling options: Sampler's own checks, its messages under the option names
         Sampler(args.temperature, args.top_k, args.top_p, args.seed)
     except (TypeError, ValueError) as e:
@@ -250,6 +255,12 @@ class _Model:
             self.context, self.vocab_size = context_length(self.path), None
             self.where = f"llama.context_length of {self.path.name}"
         self.opened = None
+        self.ctx = args.ctx
+        if args.ctx is not None:
+            if args.ctx > self.context:
+                raise _OptionError(f"--ctx {args.ctx} is more than the model's context of {self.context} tokens "
+                                   f"({self.where})")
+            self.context, self.where = args.ctx, "--ctx"
 
     def open(self):
         """Parse the file's metadata and build its tokenizer (seconds for SmolLM2's vocabulary),
@@ -287,7 +298,7 @@ class _Model:
         from . import load
 
         return load(self.preset or self.opened or self.path, backend=args.backend, dtype=args.dtype,
-                    graphs=not args.no_graph, fused=args.fused,
+                    max_seq=self.ctx, graphs=not args.no_graph, fused=args.fused,
                     prefill_graphs=False if args.no_prefill_graph else None, fused_prefill=args.fused_prefill,
                     megakernel=args.megakernel)
 

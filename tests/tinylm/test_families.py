@@ -197,6 +197,27 @@ def test_phi3_longrope_tables_by_context(files, tmp_path):
         GGUFModel(_rewrite(files["phi3-long"], tmp_path / "half.gguf", drop_long))
 
 
+def test_cli_ctx_caps_the_context_as_llamacpp_c(files, capsys):
+    """``--ctx N`` caps the context (llama.cpp's -c): the tokens are those of load(max_seq=N), which
+    for a LongRoPE file at its original context means the short table; bad values are refused by
+    name before anything loads."""
+    from tinylm.__main__ import main
+    from tinylm.generate import load
+
+    f = str(files["phi3-long"])
+    for ctx in (256, None):
+        argv = ["hello world", "--model", f, "--backend", "numpy", "--max-new-tokens", "4", "--ignore-eos", "--json"]
+        assert main(argv + (["--ctx", str(ctx)] if ctx else [])) == 0
+        out = json.loads(capsys.readouterr().out)
+        gen = load(f, backend="numpy", max_seq=ctx)
+        assert gen.model.args.max_seq == (ctx or 512)
+        assert out["generated_ids"] == gen.generate(out["prompt_ids"], 4).generated_ids
+    for ctx, msg in (("0", "--ctx must be >= 1, got 0"), ("1000", "--ctx 1000 is more than the model's context of 512"),
+                     ("4", "more than the model's context of 4 tokens (--ctx)")):
+        assert main(["hello world", "--model", f, "--backend", "numpy", "--ctx", ctx]) == 2
+        assert msg in capsys.readouterr().err
+
+
 def test_unsupported_architecture_is_one_line(tmp_path):
     import gguf
 
