@@ -51,7 +51,7 @@ the backend's dtype); everything that changes while generating lives in `RunStat
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
@@ -144,8 +144,9 @@ class Params:
     output_norm: object  # [dim]
     output: object  # [vocab, dim]; the same array as tok_embd when the embeddings are tied
     layers: list
-    rope_factors: object = None  # float32 [head_dim / 2] per-pair frequency divisors, or None
-    nope_factors: object = None  # float32 [head_dim / 2] divisors of a layer without RoPE, or None
+    # the per-pair frequency divisor tables the layers turn by (ModelArgs.rope: Llama 3's, LongRoPE's,
+    # NOPE_FACTORS), each float32 [head_dim / 2] on the backend, keyed by the table's values
+    rope_tables: dict = field(default_factory=dict)
 
     @classmethod
     def upload(cls, weights, ops, args=None) -> "Params":
@@ -177,12 +178,9 @@ class Params:
                 norm = np.asarray(norm, dtype=np.float32) / np.float32(scale)
         tok = ops.upload(table)
         out = tok if tied else ops.upload(weights.output)
-        factors = nope = None
-        if args is not None and args.active_rope_factors:
-            factors = ops.upload_f32(np.asarray(args.active_rope_factors, dtype=np.float32))
-        if args is not None and args.nope_layers:
-            nope = ops.upload_f32(np.asarray(args.rope(args.nope_layers[0])[1], dtype=np.float32))
-        return cls(tok, ops.upload(norm), out, layers, factors, nope)
+        tables = {args.rope(i)[1] for i in range(args.n_layers)} - {()} if args is not None else set()
+        return cls(tok, ops.upload(norm), out, layers,
+                   {t: ops.upload_f32(np.asarray(t, dtype=np.float32)) for t in tables})
 
     def nbytes(self) -> int:
         """Bytes of distinct weight arrays: what one decode step streams from memory."""
@@ -505,9 +503,7 @@ class Transformer:
     def _rope(self, layer):
         """(base, the backend's divisor table or None) of ``layer``'s RoPE (ModelArgs.rope)."""
         base, factors = self.args.rope(layer)
-        if layer in self.args.nope_layers:
-            return base, self.params.nope_factors
-        return base, self.params.rope_factors if factors else None
+        return base, self.params.rope_tables[factors] if factors else None
 
     def _attn_options(self, layer) -> dict:
         """The attention options of ``layer`` that differ from the defaults (scale, window,

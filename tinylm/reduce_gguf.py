@@ -6,6 +6,9 @@ The GPU machine takes at most 64 MiB of working tree per call, and SmolLM2's GGU
 real embedding and real layers through both backends.
 
     python -m tinylm.reduce_gguf OUT.gguf --layers 4 [--model PATH]
+
+``rewrite_gguf`` is the copy underneath: every field, each tensor as a callback returns it (the
+tests split and drop tensors with it).
 """
 from __future__ import annotations
 
@@ -14,6 +17,33 @@ import sys
 from pathlib import Path
 
 _SKIP_FIELDS = ("GGUF.", "general.architecture")  # header fields the writer makes itself
+
+
+def rewrite_gguf(src: str | Path, dst: str | Path, tensors=None, values=None) -> Path:
+    """Copy GGUF ``src`` to ``dst``: every metadata field (``values``: name -> a value replacing the
+    file's), and in place of each tensor the list of (name, array) ``tensors(name, data)`` returns
+    (default: the tensor itself). A tensor passed on as it was read (its ``data`` object) keeps its
+    type, quantized ones byte for byte. Returns ``dst``."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(src))
+    values = values or {}
+    writer = gguf.GGUFWriter(str(dst), reader.fields["general.architecture"].contents())
+    for name, field in reader.fields.items():
+        if name.startswith(_SKIP_FIELDS):
+            continue
+        vtype = field.types[0]
+        sub = field.types[1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, values.get(name, field.contents()), vtype, sub_type=sub)
+    for t in reader.tensors:
+        quantized = t.tensor_type not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16)
+        for name, data in [(t.name, t.data)] if tensors is None else tensors(t.name, t.data):
+            writer.add_tensor(name, data, raw_dtype=t.tensor_type if quantized and data is t.data else None)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(dst)
 
 
 def reduce_gguf(src: str | Path, dst: str | Path, n_layers: int) -> Path:
@@ -25,24 +55,11 @@ def reduce_gguf(src: str | Path, dst: str | Path, n_layers: int) -> Path:
     total = int(reader.fields[f"{arch}.block_count"].contents())
     if not 1 <= n_layers <= total:
         raise ValueError(f"reduce_gguf(): n_layers must be in 1..{total} for {src}, got {n_layers}")
-    writer = gguf.GGUFWriter(str(dst), arch)
-    for name, field in reader.fields.items():
-        if name.startswith(_SKIP_FIELDS):
-            continue
-        vtype = field.types[0]
-        value = n_layers if name == f"{arch}.block_count" else field.contents()
-        sub = field.types[1] if vtype == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(name, value, vtype, sub_type=sub)
-    for t in reader.tensors:
-        if t.name.startswith("blk.") and int(t.name.split(".")[1]) >= n_layers:
-            continue
-        quantized = t.tensor_type not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16)
-        writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type if quantized else None)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return Path(dst)
+
+    def kept(name, data):
+        return [] if name.startswith("blk.") and int(name.split(".")[1]) >= n_layers else [(name, data)]
+
+    return rewrite_gguf(src, dst, kept, {f"{arch}.block_count": n_layers})
 
 
 def main(argv=None) -> int:

@@ -267,8 +267,7 @@ class Tokenizer:
         if start is None or end is None:
             raise ValueError("Tokenizer.encode_chat(): this vocabulary has no ChatML control tokens "
                              "<|im_start|> / <|im_end|>")
-        plain = lambda text: self._hf_plain.encode(text, add_special_tokens=False).ids  # noqa: E731
-        system = self.default_system if system is None else system
+        plain = self._plain  # no template, so no default system line either
         ids = [self.bos_id] if self.add_bos and self.bos_id is not None else []
         if system is not None:
             ids += [start, *plain("system\n" + system), end, *plain("\n")]

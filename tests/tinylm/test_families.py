@@ -115,36 +115,13 @@ def test_family_args(files):
     assert (phi.rope_style, phi.sliding_window, phi.local_layers, phi.quirks()) == ("neox", 0, (), [])
 
 
-def _rewrite(src, dst, edit):
-    """Copy GGUF ``src`` to ``dst`` with ``edit(name, array) -> [(name, array)]`` applied to its tensors."""
-    import gguf
-
-    r = gguf.GGUFReader(str(src))
-    w = gguf.GGUFWriter(str(dst), r.fields["general.architecture"].contents())
-    for key, f in r.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        vtype = f.types[0]
-        if vtype == gguf.GGUFValueType.ARRAY:
-            w.add_key_value(key, f.contents(), vtype, sub_type=f.types[-1])
-        else:
-            w.add_key_value(key, f.contents(), vtype)
-    for t in r.tensors:
-        for name, a in edit(t.name, np.array(t.data)):
-            w.add_tensor(name, a)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return dst
-
-
 def test_phi3_with_separate_qkv_is_the_same_model(files, tmp_path):
     """llama.cpp reads a Phi-3 file's Q, K, V from attn_qkv when it has one, else from attn_q/k/v:
     the file split so gives the same logits; without the fused ffn_up (gate and up apart, which no
     Phi-3 file has) the model is refused by name."""
     from tinylm.generate import load
     from tinylm.gguf_io import GGUFError, GGUFModel
+    from tinylm.reduce_gguf import rewrite_gguf
 
     args = GGUFModel(files["phi3"]).args
     q, kv = args.q_dim, args.kv_dim
@@ -154,7 +131,7 @@ def test_phi3_with_separate_qkv_is_the_same_model(files, tmp_path):
             return [(name, a)]
         return [(name.replace("qkv", x), part) for x, part in zip("qkv", np.split(a, [q, q + kv]))]
 
-    apart = _rewrite(files["phi3"], tmp_path / "apart.gguf", split_qkv)
+    apart = rewrite_gguf(files["phi3"], tmp_path / "apart.gguf", split_qkv)
     tokens = GOLDEN["prompt"] + GOLDEN["families"]["phi3"]["tokens"]
     check_logits("phi3", step_logits(load(apart, backend="numpy").model, tokens))
 
@@ -165,7 +142,7 @@ def test_phi3_with_separate_qkv_is_the_same_model(files, tmp_path):
         return [(name.replace("up", "gate"), g), (name, u)]
 
     with pytest.raises(GGUFError, match=r"needs tensor 'blk\.0\.ffn_gate\.weight', which tinylm's phi3 does not read"):
-        GGUFModel(_rewrite(files["phi3"], tmp_path / "ffn.gguf", split_ffn))
+        GGUFModel(rewrite_gguf(files["phi3"], tmp_path / "ffn.gguf", split_ffn))
 
 
 def test_phi3_longrope_tables_by_context(files, tmp_path):
@@ -177,6 +154,7 @@ def test_phi3_longrope_tables_by_context(files, tmp_path):
 
     from tinylm.generate import load
     from tinylm.gguf_io import GGUFError, GGUFModel
+    from tinylm.reduce_gguf import rewrite_gguf
 
     a = GGUFModel(files["phi3-long"]).args
     assert (a.max_seq, a.rope_orig_ctx, a.active_rope_factors) == (512, 256, a.rope_factors_long)
@@ -194,7 +172,7 @@ def test_phi3_longrope_tables_by_context(files, tmp_path):
         return [] if name == "rope_factors_long.weight" else [(name, x)]
 
     with pytest.raises(GGUFError, match=r"both LongRoPE tables .* it has 'rope_factors_short\.weight' only"):
-        GGUFModel(_rewrite(files["phi3-long"], tmp_path / "half.gguf", drop_long))
+        GGUFModel(rewrite_gguf(files["phi3-long"], tmp_path / "half.gguf", drop_long))
 
 
 def test_cli_ctx_caps_the_context_as_llamacpp_c(files, capsys):
@@ -268,11 +246,11 @@ HF_DEPARTS = {"llama3": "no ignore_merges (a word found whole in the vocabulary 
 
 
 def _tokens_reference(fam):
-    """(texts, chats, who): llama.cpp's ids tinylm's tokenizer is held to for ``fam``."""
+    """(texts, chats): llama.cpp's ids tinylm's tokenizer is held to for ``fam``."""
     lc = LLAMACPP[fam]
     assert "error" not in lc and lc["hash"] == GOLDEN["families"][fam]["hash"], \
         f"{fam}: no llama.cpp goldens of this file ({lc.get('error', 'another hash')})"
-    return lc["tokenizer"], lc["chat"], "llama.cpp"
+    return lc["tokenizer"], lc["chat"]
 
 
 def test_the_two_peers_agree_but_where_named():
@@ -297,14 +275,14 @@ def test_tokenizer_and_chat_template_match_llamacpp(files, fam):
     from tinylm.gguf_io import GGUFModel
     from tinylm.tokenizer import Tokenizer
 
-    texts, chats, who = _tokens_reference(fam)
+    texts, chats = _tokens_reference(fam)
     tok = Tokenizer.of(GGUFModel(files[fam]))
     bos = [tok.bos_id] if tok.add_bos else []
     for text, ids in texts.items():
-        assert tok.encode(text) == bos + ids, (who, text)
+        assert tok.encode(text) == bos + ids, text
         assert tok.decode(ids) == text or tok.sentencepiece  # SentencePiece decodes its space marks
     for chat in chats:
-        assert tok.encode_chat(chat["user"], system=chat["system"]) == chat["ids"], (who, chat)
+        assert tok.encode_chat(chat["user"], system=chat["system"]) == chat["ids"], chat
     g = GOLDEN["families"][fam]
     if "tokenizer" not in g:  # HF's GGUF loader has no tokenizer for this architecture (smollm3)
         assert "tokenizer_error" in g and fam not in HF_DEPARTS
