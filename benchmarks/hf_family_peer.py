@@ -12,7 +12,9 @@ here), and the weight carry-over both builders share (neox_row_order, put_param)
     gemma3                 Gemma3 (text)             as gemma2, QK norms, local RoPE base, linear scaling
     smollm3                SmolLM3                   Q/K rows to NeoX order; no RoPE in every 4th layer
     phi3                   Phi3                      Q|K|V and gate|up rows into qkv_proj / gate_up_proj;
-                                                     no sliding window (as tinylm and llama.cpp run it)
+                                                     no sliding window (as tinylm and llama.cpp run it);
+                                                     RoPE over part of each head (Phi-4-mini): the Q/K
+                                                     rows back from tinylm's rope_order
 
 The benchmark compares the peer's first-step logits with tinylm's (model_bench), so a peer built
 wrong shows in the results as a logits error, not as a silent speed number.
@@ -28,6 +30,17 @@ def neox_row_order(n_heads: int, head_dim: int) -> np.ndarray:
     """Row permutation of a [n_heads*head_dim, dim] Q/K weight: adjacent-pair -> NeoX layout."""
     per_head = np.concatenate([np.arange(0, head_dim, 2), np.arange(1, head_dim, 2)])
     return (np.arange(n_heads)[:, None] * head_dim + per_head[None, :]).reshape(-1)
+
+
+def model_row_order(args, n_heads: int):
+    """Row permutation of a [n_heads*head_dim, dim] Q/K weight: tinylm's rope_order (RoPE over
+    part of a NeoX head) -> the model's own order; None when they are the same."""
+    from tinylm.weights import rope_order
+
+    order = rope_order(args)
+    if order is None:
+        return None
+    return (np.arange(n_heads)[:, None] * args.head_dim + np.argsort(order)[None, :]).reshape(-1)
 
 
 def put_param(param, arr, perm=None, shift: float = 0.0) -> None:
@@ -56,6 +69,11 @@ def hf_family_config(args):
                   num_key_value_heads=args.n_kv_heads, head_dim=args.head_dim, rms_norm_eps=args.norm_eps,
                   max_position_embeddings=args.max_seq, tie_word_embeddings=bool(args.tie_embeddings))
     rope = {"rope_type": "default", "rope_theta": float(args.rope_base)}
+    if args.rotary_dims < args.head_dim:
+        if args.arch != "phi3" or args.rope_mscale != 1.0:
+            raise ValueError(f"no HF peer here for RoPE over part of the head in {args.arch} "
+                             f"(or with an attention factor)")
+        rope["partial_rotary_factor"] = args.rotary_dims / args.head_dim
     if args.arch in ("llama", "mistral"):
         if args.sliding_window:
             return tf.MistralForCausalLM, tf.MistralConfig(**common, rope_parameters=rope,
@@ -105,8 +123,8 @@ def build_hf_family(args, weights, dtype: str = "float16", device: str = "cuda")
     model = model.to(dtype=getattr(torch, dtype)).eval()
     gemma = args.arch.startswith("gemma")
     adjacent = args.rope_style == "adjacent"
-    perm_q = neox_row_order(args.n_heads, args.head_dim) if adjacent else None
-    perm_k = neox_row_order(args.n_kv_heads, args.head_dim) if adjacent else None
+    perm_q = neox_row_order(args.n_heads, args.head_dim) if adjacent else model_row_order(args, args.n_heads)
+    perm_k = neox_row_order(args.n_kv_heads, args.head_dim) if adjacent else model_row_order(args, args.n_kv_heads)
 
     def put(param, arr, perm=None, norm=False):
         # Gemma's norms: tinylm (and the GGUF file) store 1 + w; HF multiplies by 1 + w itself
@@ -128,7 +146,8 @@ def build_hf_family(args, weights, dtype: str = "float16", device: str = "cuda")
             else:
                 put(layer.post_attention_layernorm.weight, lw.ffn_norm)
             if args.arch == "phi3":  # fused projections: rows [q; k; v] and [gate; up]
-                put(at.qkv_proj.weight, np.concatenate([lw.wq, lw.wk, lw.wv]))
+                put(at.qkv_proj.weight, np.concatenate([lw.wq if perm_q is None else lw.wq[perm_q],
+                                                        lw.wk if perm_k is None else lw.wk[perm_k], lw.wv]))
                 put(mlp.gate_up_proj.weight, np.concatenate([lw.w_gate, lw.w_up]))
             else:
                 put(at.q_proj.weight, lw.wq, perm_q)
@@ -147,7 +166,8 @@ def build_hf_family(args, weights, dtype: str = "float16", device: str = "cuda")
             put(mlp.down_proj.weight, lw.w_down)
         if args.rope_factors and args.arch != "gemma3":  # Llama 3's divisors, straight into inv_freq
             rot = m.rotary_emb
-            inv = args.rope_base ** (-np.arange(0, args.head_dim, 2, dtype=np.float64) / args.head_dim)
+            r = args.rotary_dims
+            inv = args.rope_base ** (-np.arange(0, r, 2, dtype=np.float64) / r)
             inv = torch.from_numpy(inv / np.asarray(args.rope_factors)).to(device=rot.inv_freq.device,
                                                                           dtype=rot.inv_freq.dtype)
             rot.inv_freq.copy_(inv)

@@ -61,6 +61,10 @@ class ModelArgs:
     - ``rope_local_base``: RoPE base of the local layers (Gemma 3), 0 = ``rope_base``.
     - ``rope_factors``: per rotation pair, the global layers' frequency is divided by it (Llama
       3.1+'s ``rope_freqs`` tensor; linear RoPE scaling is all pairs equal); () = none.
+    - ``rope_dims``: RoPE turns only the first this many dims of each head, by frequencies of
+      ``rope_base ** (-2i / rope_dims)`` (Phi-4-mini: 96 of 128; the rest pass unturned); 0 = all.
+      The RoPE tables (and ``rope_factors``) then have rope_dims / 2 pairs; ``rope()`` maps them
+      onto the head's pairs (see ``rope()``).
     """
 
     dim: int  # residual width
@@ -91,10 +95,12 @@ class ModelArgs:
     nope_layers: tuple = ()  # layers whose queries and keys are not rotated (SmolLM3's every 4th)
     # LongRoPE (Phi-3 128k, Phi-3.5): rope_factors holds the short table; the long one replaces it
     # when the model's context (max_seq) exceeds rope_orig_ctx, as llama.cpp picks by its context
-    # size; rope_mscale scales cos and sin (so the scores by its square) on every layer
+    # size; rope_mscale scales cos and sin on every layer, so the turned dims of queries and keys:
+    # the loader puts it in their weights (tinylm.weights.in_tinylm_layout), the model never applies it
     rope_factors_long: tuple = ()
     rope_orig_ctx: int = 0
     rope_mscale: float = 1.0
+    rope_dims: int = 0  # head dims RoPE turns (the first ones), 0 = head_dim
 
     def __post_init__(self):
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim",
@@ -130,11 +136,16 @@ class ModelArgs:
         for name in ("local_layers", "nope_layers"):
             if any(not 0 <= i < self.n_layers for i in getattr(self, name)):
                 raise ValueError(f"ModelArgs: {name} must be layer indices in [0, {self.n_layers})")
+        if isinstance(self.rope_dims, bool) or not isinstance(self.rope_dims, int) or self.rope_dims % 2 \
+                or not 0 <= self.rope_dims <= self.head_dim:
+            raise ValueError(f"ModelArgs: rope_dims must be an even int in [0, head_dim = {self.head_dim}] "
+                             f"(0: all), got {self.rope_dims!r}")
+        pairs = self.rotary_dims // 2
         for name in ("rope_factors", "rope_factors_long"):
             table = tuple(float(f) for f in getattr(self, name))
             setattr(self, name, table)
-            if table and (len(table) != self.head_dim // 2 or not all(0 < f < float("inf") for f in table)):
-                raise ValueError(f"ModelArgs: {name} must be head_dim / 2 = {self.head_dim // 2} "
+            if table and (len(table) != pairs or not all(0 < f < float("inf") for f in table)):
+                raise ValueError(f"ModelArgs: {name} must be rope_dims / 2 = {pairs} "
                                  f"positive numbers, got {len(table)}")
         if self.rope_factors_long and not (self.rope_factors and self.rope_orig_ctx >= 1):
             raise ValueError("ModelArgs: rope_factors_long needs the short table (rope_factors) and rope_orig_ctx >= 1")
@@ -144,10 +155,8 @@ class ModelArgs:
     # --- per-layer attention ------------------------------------------------------------------
     @property
     def scale(self) -> float:
-        """The softmax scale (attn_scale, or 1/sqrt(head_dim)), times rope_mscale squared: LongRoPE
-        scales the rotated queries and keys by rope_mscale, so their products by its square."""
-        base = self.attn_scale if self.attn_scale is not None else self.head_dim ** -0.5
-        return base * self.rope_mscale ** 2
+        """The softmax scale: attn_scale, or 1/sqrt(head_dim)."""
+        return self.attn_scale if self.attn_scale is not None else self.head_dim ** -0.5
 
     @property
     def active_rope_factors(self) -> tuple:
@@ -166,15 +175,33 @@ class ModelArgs:
         None for a global layer."""
         return (self.sliding_window - 1, 0) if self.is_local(layer) else None
 
+    @property
+    def rotary_dims(self) -> int:
+        """The head dims RoPE turns (rope_dims, or all of head_dim)."""
+        return self.rope_dims or self.head_dim
+
     def rope(self, layer: int):
         """``(base, factors)`` of ``layer``'s RoPE: a local layer of a model with a local base
         (Gemma 3) turns by that base, unscaled; a layer of ``nope_layers`` by NOPE_FACTORS (no
-        turn at all); every other layer by rope_base and rope_factors."""
+        turn at all); every other layer by rope_base and rope_factors.
+
+        ``factors`` holds head_dim / 2 divisors of the frequencies ``base ** (-2i / head_dim)`` of
+        every path's RoPE, or () for none. With ``rope_dims`` < head_dim the model's pair i < rope_dims / 2
+        turns at ``base ** (-2i / rope_dims) / rope_factors[i]``: its divisor is that ratio; the
+        other pairs get NOPE_FACTORS (no turn). Adjacent pairs are then the model's own; NeoX
+        pairs are once the Q/K rows are in ``tinylm.weights.rope_order``."""
         if layer in self.nope_layers:
             return self.rope_base, NOPE_FACTORS * (self.head_dim // 2)
         if self.rope_local_base and self.is_local(layer):
-            return self.rope_local_base, ()
-        return self.rope_base, self.active_rope_factors
+            base, factors = self.rope_local_base, ()
+        else:
+            base, factors = self.rope_base, self.active_rope_factors
+        r, d = self.rotary_dims, self.head_dim
+        if r == d:
+            return base, factors
+        turned = tuple(float(f) * float(base) ** (2 * i / r - 2 * i / d)
+                       for i, f in enumerate(factors or (1.0,) * (r // 2)))
+        return base, turned + NOPE_FACTORS * ((d - r) // 2)
 
     def quirks(self) -> list:
         """Names of what differs from Llama, for messages and docs (empty for a plain Llama)."""
@@ -185,7 +212,7 @@ class ModelArgs:
             ("final_softcap", self.final_softcap > 0), ("sliding_window", self.sliding_window > 0),
             ("rope_local_base", self.rope_local_base > 0), ("rope_factors", bool(self.rope_factors)),
             ("nope_layers", bool(self.nope_layers)), ("longrope", bool(self.rope_factors_long)),
-            ("rope_mscale", self.rope_mscale != 1.0))
+            ("rope_mscale", self.rope_mscale != 1.0), ("rope_dims", self.rotary_dims < self.head_dim))
             if flag]
         return on
 
@@ -269,10 +296,16 @@ PRESETS: dict[str, ModelArgs] = {
     "phi3-mini-4layers": ModelArgs(dim=3072, n_layers=4, n_heads=32, n_kv_heads=32, head_dim=96, ffn_dim=8192,
                                    vocab_size=32064, rope_base=10000.0, rope_style="neox", max_seq=4096,
                                    tie_embeddings=False, arch="phi3"),
+    # Phi-4-mini's layer shapes: RoPE over 96 of 128 head dims, tied (its LongRoPE tables left out:
+    # their values do not change the time, and HF switches them by sequence length)
+    "phi4-mini-4layers": ModelArgs(dim=3072, n_layers=4, n_heads=24, n_kv_heads=8, head_dim=128, ffn_dim=8192,
+                                   vocab_size=200064, rope_base=10000.0, rope_style="neox", max_seq=4096,
+                                   tie_embeddings=True, arch="phi3", rope_dims=96),
     # SmolLM3-3B's shapes (GQA 4, tied), cut to 8 layers; layers 3 and 7 without RoPE
     "smollm3-3b-8layers": ModelArgs(dim=2048, n_layers=8, n_heads=16, n_kv_heads=4, head_dim=128, ffn_dim=11008,
                                     vocab_size=128256, norm_eps=1e-6, rope_base=5000000.0, max_seq=8192,
                                     arch="smollm3", nope_layers=(3, 7)),
 }
 FAMILY_PRESETS = ("llama3.2-1b-shape", "mistral-7b-4layers", "qwen2.5-0.5b-shape", "qwen3-0.6b-shape",
-                  "gemma2-2b-shape", "gemma3-1b-shape", "phi3-mini-4layers", "smollm3-3b-8layers")
+                  "gemma2-2b-shape", "gemma3-1b-shape", "phi3-mini-4layers", "phi4-mini-4layers",
+                  "smollm3-3b-8layers")

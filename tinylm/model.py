@@ -509,7 +509,7 @@ class Transformer:
         """The attention options of ``layer`` that differ from the defaults (scale, window,
         softcap), as keyword arguments of attend_prefill / attend_decode."""
         a, kw = self.args, {}
-        if a.attn_scale is not None or a.rope_mscale != 1.0:
+        if a.attn_scale is not None:
             kw["scale"] = a.scale
         if a.window(layer) is not None:
             kw["window"] = a.window(layer)

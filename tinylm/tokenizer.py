@@ -31,8 +31,10 @@ from .gguf_io import load_metadata
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
 _KEY = "tokenizer.ggml."
-# Phi-3's vocabularies: whitespace right after a control token is dropped (its tokenizer.json marks
-# them rstrip; llama.cpp does the same for models named phi-3 / phi3), except after these
+# Phi-3's vocabularies (SentencePiece ones in phi3 files): whitespace right after a control token
+# is dropped (its tokenizer.json marks them rstrip; llama.cpp does the same for models named phi-3 /
+# phi3), except after these. Phi-4-mini's byte-level BPE vocabulary (a phi3 file too, named
+# "Phi 4 Mini") keeps it, as llama.cpp does.
 PHI3_KEEPS_SPACE_AFTER = ("<unk>", "<s>", "<|endoftext|>")
 
 
@@ -215,7 +217,7 @@ class Tokenizer:
                        unk_id=opt_id(_KEY + "unknown_token_id"),
                        rstrip=[t for t, ty in zip(tokens, types or [NORMAL] * n)
                                if ty in (UNKNOWN, CONTROL, USER_DEFINED) and t not in PHI3_KEEPS_SPACE_AFTER]
-                       if meta.get("general.architecture") == "phi3" else ())
+                       if meta.get("general.architecture") == "phi3" and model == "llama" else ())
         except Exception as e:  # duplicate tokens, merges of unknown tokens (tokenizers' own errors)
             msg = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise GGUFError(f"{path}: cannot build the tokenizer from its metadata: {msg}") from None

@@ -5,7 +5,7 @@ so a layer computes ``y = x @ W.T``. Loading from GGUF lives in ``tinylm.gguf_io
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 
@@ -53,6 +53,53 @@ def layer_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     if args.post_norms:
         shapes.update(post_attn_norm=(d,), post_ffn_norm=(d,))
     return shapes
+
+
+def rope_order(args: ModelArgs):
+    """The order tinylm keeps a query/key head's dims in, as indices of the model's own order,
+    or None when it is the model's own.
+
+    RoPE over only the first ``r = args.rotary_dims`` of ``d = head_dim`` dims with NeoX pairs
+    (i, i + r/2) (Phi-4-mini: 96 of 128) is not a pairing the RoPE kernels know; their NeoX pairs
+    are (i, i + d/2). Reordered as [turned first halves, unturned, turned second halves,
+    unturned] the model's pairs become the kernels' pairs i < r/2, and the unturned dims the pairs
+    that ``ModelArgs.rope`` gives no turn. Scores are sums over a head's dims, so the same order of
+    queries and keys leaves them as they were (the values are not reordered). Adjacent pairs need
+    no reorder: the first r/2 are the turned ones already."""
+    r, d = args.rotary_dims, args.head_dim
+    if r == d or args.rope_style != "neox":
+        return None
+    h, p = r // 2, (d - r) // 2
+    return np.concatenate([np.arange(h), r + np.arange(p), h + np.arange(h), r + p + np.arange(p)])
+
+
+def in_tinylm_layout(args: ModelArgs, layer: LayerWeights) -> LayerWeights:
+    """``layer`` as a GGUF file holds it (each head's dims in the model's own order) made into
+    what tinylm runs: the query and key rows (projections, biases, QK norms) in ``rope_order``,
+    and the dims RoPE turns scaled by ``args.rope_mscale`` (LongRoPE's attention factor, by
+    which the model scales cos and sin: the turned queries and keys, not the others), in the
+    QK norm weights when the model has them, else in the projection rows and biases. Itself when
+    neither applies."""
+    order, m = rope_order(args), args.rope_mscale
+    if order is None and m == 1.0:
+        return layer
+    hd = args.head_dim
+    scale = np.where(np.arange(hd) < args.rotary_dims, m, 1.0)
+
+    def rows(a, heads, scaled):
+        if a is None:
+            return None
+        h = a.reshape((heads, hd) + a.shape[1:])
+        if scaled and m != 1.0:
+            h = (h * scale.reshape((hd,) + (1,) * (a.ndim - 1))).astype(a.dtype)
+        if order is not None:
+            h = h[:, order]
+        return np.ascontiguousarray(h.reshape(a.shape))
+
+    proj = layer.q_norm is None  # where the factor goes: the projections, or the norms after them
+    return replace(layer, wq=rows(layer.wq, args.n_heads, proj), wk=rows(layer.wk, args.n_kv_heads, proj),
+                   bq=rows(layer.bq, args.n_heads, proj), bk=rows(layer.bk, args.n_kv_heads, proj),
+                   q_norm=rows(layer.q_norm, 1, not proj), k_norm=rows(layer.k_norm, 1, not proj))
 
 
 @dataclass

@@ -113,6 +113,55 @@ def test_family_args(files):
     assert tok.stop_ids == {tok.special_ids["<|end|>"], tok.special_ids["<|endoftext|>"]} and tok.eos_id in tok.stop_ids
     phi = a["phi3"]  # its file says sliding_window 4: run without, as llama.cpp runs Phi-3
     assert (phi.rope_style, phi.sliding_window, phi.local_layers, phi.quirks()) == ("neox", 0, (), [])
+    p4 = a["phi4-mini"]  # RoPE over 24 of 32 head dims, LongRoPE tables of 12 pairs, tied
+    assert (p4.rope_dims, p4.head_dim, len(p4.rope_factors), p4.tie_embeddings) == (24, 32, 12, True)
+    assert p4.quirks() == ["rope_factors", "longrope", "rope_mscale", "rope_dims"]
+    assert p4.rope(0)[1][12:] == (3.4028234663852886e38,) * 4  # the unturned dims' pairs
+    t4 = Tokenizer.of(GGUFModel(files["phi4-mini"]))  # byte-level BPE: no Phi-3 rstrip
+    assert t4.encode("<|user|> hi", allow_special=True)[1:] == t4.encode(" hi")
+
+
+@pytest.mark.parametrize("style", ["neox", "adjacent"])
+def test_partial_rope_gives_the_models_scores(style):
+    """RoPE over the first rope_dims of each head (Phi-4-mini), as tinylm runs it: the query and
+    key rows in ``in_tinylm_layout`` (NeoX: reordered; LongRoPE's attention factor in the turned
+    rows), turned by every path's full-width RoPE with ``ModelArgs.rope``'s divisors. The scores
+    must be the model's own (float64, written out here as HF and llama.cpp define it: the first
+    rope_dims turned by ``base ** (-2i / rope_dims) / factor_i``, cos and sin times the attention
+    factor, the other dims as they are), at positions up to 4,000."""
+    from tinylm.config import ModelArgs
+    from tinylm.ops_numpy import NumpyOps
+    from tinylm.weights import LayerWeights, in_tinylm_layout
+
+    rng = np.random.default_rng(3)
+    d, r, heads, dim, t, base, m = 16, 10, 2, 24, 9, 10000.0, 1.3
+    f = tuple(1.0 + 4.0 * rng.random(r // 2))
+    args = ModelArgs(dim=dim, n_layers=1, n_heads=heads, n_kv_heads=heads, head_dim=d, ffn_dim=8, vocab_size=8,
+                     rope_style=style, rope_dims=r, rope_factors=f, rope_factors_long=f, rope_orig_ctx=4096,
+                     rope_mscale=m, max_seq=4096)
+    wq, wk = rng.standard_normal((2, heads * d, dim)).astype(np.float32)
+    x = rng.standard_normal((t, dim)).astype(np.float32)
+    pos = np.sort(rng.choice(4000, t, replace=False))
+
+    def turned(w):  # [heads, t, d], the model's definition
+        v = (x.astype(np.float64) @ w.T.astype(np.float64)).reshape(t, heads, d).transpose(1, 0, 2)
+        ang = pos[:, None] * (base ** (-np.arange(0, r, 2) / r) / np.asarray(f))[None, :]
+        c, s = m * np.cos(ang), m * np.sin(ang)
+        i0 = np.arange(r // 2) if style == "neox" else np.arange(0, r, 2)
+        i1 = i0 + r // 2 if style == "neox" else i0 + 1
+        out = v.copy()
+        out[..., i0], out[..., i1] = v[..., i0] * c - v[..., i1] * s, v[..., i1] * c + v[..., i0] * s
+        return out
+
+    want = np.einsum("htd,hsd->hts", turned(wq), turned(wk))
+    z = np.zeros(1, np.float32)
+    layer = in_tinylm_layout(args, LayerWeights(attn_norm=z, wq=wq, wk=wk, wv=z, wo=z, ffn_norm=z, w_gate=z,
+                                                w_up=z, w_down=z))
+    ops, (b, factors) = NumpyOps(), args.rope(0)
+    q, k = ((x @ w.T).reshape(1, t, heads, d).transpose(0, 2, 1, 3) for w in (layer.wq, layer.wk))
+    q, k = (ops.rope(np.ascontiguousarray(a), pos[None], b, style, factors=factors)[0] for a in (q, k))
+    got = np.einsum("htd,hsd->hts", q, k)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
 def test_phi3_with_separate_qkv_is_the_same_model(files, tmp_path):
@@ -466,3 +515,24 @@ def test_llama_cpp_defaults_where_a_file_says_nothing():
     assert none.sliding_window == 0 and not none.is_local(0)
     every = args_from_metadata(_meta("mistral", attention__sliding_window=8))
     assert all(every.is_local(i) for i in range(12)) and every.window(3) == (7, 0)
+
+
+def test_rope_over_part_of_the_head_from_metadata():
+    """``rope.dimension_count`` below the head dim is ModelArgs.rope_dims (any family), its tables
+    of rope_dims / 2 pairs; an odd count, one past the head dim, or a table of head_dim / 2 pairs
+    is refused naming the key or tensor. Equal to the head dim: plain RoPE, no quirk."""
+    from tinylm.errors import GGUFError
+    from tinylm.families import args_from_metadata
+
+    a = args_from_metadata(_meta("qwen2", rope__dimension_count=24, rope__scaling__factor=2.0))
+    assert (a.rope_dims, a.rotary_dims, a.rope_factors, a.quirks()) == (24, 24, (2.0,) * 12,
+                                                                       ["rope_factors", "rope_dims"])
+    full = args_from_metadata(_meta("phi3", rope__dimension_count=32))
+    assert (full.rope_dims, full.quirks()) == (0, [])
+    for count in (25, 34):
+        with pytest.raises(GGUFError, match=rf"phi3\.rope\.dimension_count must be an even number of at most the "
+                                            rf"head dim \(32\), got {count}"):
+            args_from_metadata(_meta("phi3", rope__dimension_count=count))
+    with pytest.raises(GGUFError, match=r"'rope_freqs\.weight' must hold rope dims / 2 = 12 positive numbers, "
+                                        r"got shape \(16,\)"):
+        args_from_metadata(_meta("llama", rope__dimension_count=24), rope_freqs=[1.0] * 16)

@@ -55,6 +55,11 @@ SPECS = {
     # at 256), its attention factor sqrt(1 + ln(512 / 256) / ln(256)) as llama.cpp's converter writes it
     "phi3-long": dict(arch="phi3", name="tiny-phi3.5", dim=128, layers=2, heads=4, kv=4, hd=32, ffn=160,
                       base=10000.0, eps=1e-5, tied=False, fused=True, tok="spm-phi3", ctx=512, longrope=256),
+    # Phi-4-mini-style: RoPE over the first 3/4 of each head (NeoX pairs (i, i + 12) of 24 dims in
+    # 32, rope.dimension_count as llama.cpp's converter writes it), LongRoPE tables of 12 pairs,
+    # tied, a byte-level BPE vocabulary with the gpt-4o pre-tokenizer and Phi-4's chat tokens
+    "phi4-mini": dict(arch="phi3", name="tiny-phi4-mini", dim=128, layers=2, heads=4, kv=2, hd=32, rope_dims=24,
+                      ffn=160, base=10000.0, eps=1e-5, tied=True, fused=True, tok="phi4", ctx=512, longrope=256),
 }
 PROMPT = [5, 17, 260, 42, 99, 3, 281, 7, 150, 12, 64, 200]  # token ids of the goldens' prompt
 
@@ -88,7 +93,7 @@ def _gpt2_bytes() -> list:
 def vocabulary(kind: str):
     """(tokens, token types, merges or scores, metadata) of a small vocabulary of ``kind``."""
     words = ["the", "and", "ing", "hello", "world", "is", "of", "to", "in", "it", "at", "on", "an", "er"]
-    if kind in ("llama3", "qwen"):
+    if kind in ("llama3", "qwen", "phi4"):
         byte_toks = _gpt2_bytes()
         merges, toks = [], list(byte_toks)
         for w in words:  # merge each word left to right, and its space-prefixed form
@@ -99,12 +104,19 @@ def vocabulary(kind: str):
                         merges.append(f"{cur} {c}")
                         toks.append(cur + c)
                     cur += c
-        specials = (["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
-                     "<|eot_id|>"] if kind == "llama3" else ["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+        specials = {"llama3": ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+                               "<|eot_id|>"],
+                    "qwen": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                    "phi4": ["<|endoftext|>", "<|assistant|>", "<|end|>", "<|user|>", "<|system|>"]}[kind]
         types = [1] * len(toks) + [3] * len(specials)
         toks += specials
-        meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "llama-bpe" if kind == "llama3" else "qwen2"}
-        if kind == "llama3":
+        meta = {"tokenizer.ggml.model": "gpt2",
+                "tokenizer.ggml.pre": {"llama3": "llama-bpe", "qwen": "qwen2", "phi4": "gpt-4o"}[kind]}
+        if kind == "phi4":  # Phi-4-mini: <|endoftext|> begins (not added) and ends a text
+            end = toks.index("<|endoftext|>")
+            meta.update({"tokenizer.ggml.bos_token_id": end, "tokenizer.ggml.eos_token_id": end,
+                         "tokenizer.ggml.padding_token_id": end, "tokenizer.ggml.add_bos_token": False})
+        elif kind == "llama3":
             meta.update({"tokenizer.ggml.bos_token_id": toks.index("<|begin_of_text|>"),
                          "tokenizer.ggml.eos_token_id": toks.index("<|eot_id|>"), "tokenizer.ggml.add_bos_token": True})
         else:
@@ -166,6 +178,8 @@ CHAT_TEMPLATES = {  # the shapes of the real files' templates, shortened
                  "{{ '<|user|>\n' + message['content'] + '<|end|>\n' }}{% elif message['role'] == 'assistant' %}"
                  "{{ '<|assistant|>\n' + message['content'] + '<|end|>\n' }}{% endif %}{% endfor %}"
                  "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}"),
+    "phi4": ("{% for message in messages %}{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}"
+             "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% else %}{{ eos_token }}{% endif %}"),
     "spm-mistral": ("{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}"
                     "{{ '[INST] ' + message['content'] + ' [/INST]' }}{% else %}{{ message['content'] + eos_token }}"
                     "{% endif %}{% endfor %}"),
@@ -192,7 +206,7 @@ def write(family: str, path, seed: int = 0) -> Path:
     w.add_head_count_kv(hkv)
     w.add_key_length(hd)
     w.add_value_length(hd)
-    w.add_rope_dimension_count(hd)
+    w.add_rope_dimension_count(s.get("rope_dims", hd))
     w.add_rope_freq_base(s["base"])
     w.add_layer_norm_rms_eps(s["eps"])
     w.add_vocab_size(vocab)
@@ -211,7 +225,7 @@ def write(family: str, path, seed: int = 0) -> Path:
         w.add_string("tokenizer.ggml.pre", tmeta.pop("tokenizer.ggml.pre"))
     w.add_token_list(toks)
     w.add_token_types(types)
-    if s["tok"] in ("llama3", "qwen"):
+    if s["tok"] in ("llama3", "qwen", "phi4"):
         w.add_token_merges(merges_or_scores)
     else:
         w.add_token_scores(merges_or_scores)
@@ -244,7 +258,7 @@ def write(family: str, path, seed: int = 0) -> Path:
         orig = s["longrope"]
         w.add_uint32(f"{arch}.rope.scaling.original_context_length", orig)
         w.add_float32(f"{arch}.rope.scaling.attn_factor", float(np.sqrt(1 + np.log(s["ctx"] / orig) / np.log(orig))))
-        half = hd // 2
+        half = s.get("rope_dims", hd) // 2
         w.add_tensor("rope_factors_short.weight", (1.0 + 0.5 * rng.random(half)).astype(np.float32))
         w.add_tensor("rope_factors_long.weight", (1.0 + 40.0 * rng.random(half) ** 2).astype(np.float32))
     if "rope_freqs" in s:

@@ -42,20 +42,22 @@ CHATS = [(None, "hello world"), ("the end", "is it on?")]  # (system, user) turn
 def overrides(family: str, path=None) -> dict:
     """Config values HF's GGUF loader would get wrong for this file, set from the file's own values."""
     s = fm.SPECS[family]
-    if family == "phi3-long":  # the loader reads no LongRoPE: the file's tables and attention factor;
+    if "longrope" in s:  # the loader reads no LongRoPE: the file's tables and attention factor;
         # HF takes the long table for sequences past original_max_position_embeddings, llama.cpp and
         # tinylm for a context past it (512 > 256 here): 8 makes HF take it for every sequence of the
-        # goldens (all past 8 tokens), as the other two do at their context of 512
+        # goldens (all past 8 tokens), as the other two do at their context of 512. Nor does it read
+        # rope.dimension_count (Phi-4-mini: partial_rotary_factor) or a missing output.weight (tied)
         import gguf
 
         t = {x.name: [float(v) for v in np.array(x.data).reshape(-1)] for x in gguf.GGUFReader(str(path)).tensors
              if x.name.startswith("rope_factors_")}
         factor = float(np.float32(np.sqrt(1 + np.log(s["ctx"] / s["longrope"]) / np.log(s["longrope"]))))
         return {"sliding_window": None, "pad_token_id": None, "max_position_embeddings": s["ctx"],
-                "original_max_position_embeddings": 8,
+                "original_max_position_embeddings": 8, "tie_word_embeddings": s["tied"],
                 "rope_parameters": {"rope_type": "longrope", "rope_theta": s["base"],
                                     "short_factor": t["rope_factors_short.weight"],
                                     "long_factor": t["rope_factors_long.weight"],
+                                    "partial_rotary_factor": s.get("rope_dims", s["hd"]) / s["hd"],
                                     "original_max_position_embeddings": 8, "attention_factor": factor}}
     if family == "llama3":  # the loader ignores rope_freqs.weight: the Llama 3 scaling it encodes
         factor, low, high, orig = s["rope_freqs"]

@@ -8,7 +8,10 @@ about 5 minutes on 2 cores):
 
     python3 -m venv /tmp/venv-llama && . /tmp/venv-llama/bin/activate
     pip install llama-cpp-python numpy jinja2 gguf
-    python tests/tinylm/golden/make_llamacpp_goldens.py [SmolLM2-135M-Instruct.Q4_1.gguf]
+    python tests/tinylm/golden/make_llamacpp_goldens.py [SmolLM2-135M-Instruct.Q4_1.gguf] [FAMILY ...]
+
+Named families are made again and merged into the JSON already there (the rest of it kept as it
+is); none named: all anew.
 
 For each family, and for the real SmolLM2 file when its path is given (its tokenizer only): FUZZ
 random texts (pieces of many scripts, digits, whitespace runs, code, emoji, control-token text)
@@ -141,19 +144,26 @@ def main():
 
     hf = json.loads((HERE / "families_golden.json").read_text())
     plain, special = fuzz_texts()
-    out = {"command": "python tests/tinylm/golden/make_llamacpp_goldens.py [SmolLM2 path]",
-           "versions": {"llama_cpp_python": md.version("llama-cpp-python"), "gguf": md.version("gguf")},
-           "fuzz_texts": {"plain": plain, "special": special}, "families": {}}
-    if len(sys.argv) > 1:  # the real model's tokenizer (vocab only)
+    only = [a for a in sys.argv[1:] if a in fm.SPECS]
+    paths = [a for a in sys.argv[1:] if a not in fm.SPECS]
+    versions = {"llama_cpp_python": md.version("llama-cpp-python"), "gguf": md.version("gguf")}
+    out = {"command": "python tests/tinylm/golden/make_llamacpp_goldens.py [SmolLM2 path] [FAMILY ...]",
+           "versions": versions, "fuzz_texts": {"plain": plain, "special": special}, "families": {}}
+    if only:
+        out = json.loads(OUT.read_text())
+        assert out["fuzz_texts"] == {"plain": plain, "special": special}, "the fuzz texts changed: remake all"
+        assert out["versions"] == versions, f"made with {out['versions']}: remake all with one version"
+    if paths:  # the real model's tokenizer (vocab only)
         import hashlib
 
-        real = Path(sys.argv[1])
+        real = Path(paths[0])
         llm = Llama(str(real), vocab_only=True, verbose=False)
         out["smollm2"] = {"file": real.name, "sha256": hashlib.sha256(real.read_bytes()).hexdigest(),
                           "fuzz": fuzz(llm, plain, special)}
     with tempfile.TemporaryDirectory() as tmp:
-        out["pre_tokenizers"] = pre_tokenizer_ids(tmp, plain[:PRE_TEXTS])
-        for family in fm.SPECS:
+        if not only:
+            out["pre_tokenizers"] = pre_tokenizer_ids(tmp, plain[:PRE_TEXTS])
+        for family in only or fm.SPECS:
             path = fm.write(family, Path(tmp) / f"{family}.gguf")
             entry = {"hash": fm.content_hash(path)}
             try:
