@@ -120,9 +120,9 @@ SPEC = KernelSpec("megakernel", "megakernel.cu", _EXPRS, options=_OPTIONS,
                   needs=tuple((e, config.impl_min_cc("megakernel", "persistent", t), 0)
                               for e, t in zip(_EXPRS, DTYPES)))
 
-# MkModel (megakernel.cu), what a step only reads: 7 pointers, 14 integers, 3 doubles, 8 bytes each.
+# MkModel (megakernel.cu), what a step only reads: 8 pointers, 14 integers, 3 doubles, 8 bytes each.
 # What it writes (MkState) goes as the kernel's pointer arguments instead (LlamaStep.launch).
-_POINTERS = ("layers", "tok_embd", "out_norm", "out_w", "fparams", "iparams", "timings")
+_POINTERS = ("layers", "tok_embd", "out_norm", "out_w", "fparams", "iparams", "timings", "rope_div")
 _INTS = ("B", "dim", "Hq", "Hkv", "D", "F", "V", "L", "max_seq", "splits", "neox", "spin_ns", "attn_keys",
          "parts")
 _DOUBLES = ("eps", "freq_scale", "scale_log2")
@@ -160,6 +160,9 @@ class LlamaStep:
         config.MEGAKERNEL_MAX_HEAD_DIM
     num_heads : int, Hq (a multiple of cache.num_kv_heads)
     eps, rope_base, rope_style : RMSNorm epsilon, RoPE base and pair style ("adjacent" / "neox")
+    rope_divisors : float32 [L, D/2], or None: per layer, each rotation pair's frequency is
+        divided by its entry (Llama 3's rope_freqs, LongRoPE's tables, float32's largest value for
+        a layer without RoPE), as the fused decode step's ``freq_div``
     tokens : int32 [B] or [B, 1]: the step's input ids (the sampling op writes the next ones here)
     x : [B, dim] (or [B, 1, dim]); q : [B, Hq, D] (or [B, Hq, 1, D]); att : [B, Hq D] (any shape of
         that size); ffn : [B, F]; logits : [B, V]: the step's buffers
@@ -177,7 +180,7 @@ class LlamaStep:
 
     def __init__(self, *, tok_embd, output_norm, output, layers, cache, num_heads, eps, rope_base, rope_style,
                  tokens, x, q, att, ffn, logits, o_part, lse_part, sampling=None, counter_capacity=1,
-                 blocks=None, spin_ns=None, sample_parts=None):
+                 blocks=None, spin_ns=None, sample_parts=None, rope_divisors=None):
         fn = "LlamaStep"
         if not isinstance(cache, KVCache) or hasattr(cache, "block_table"):
             raise TypeError(f"{fn}(): cache must be a cupyattn.KVCache (contiguous), got {type(cache).__name__}")
@@ -209,6 +212,14 @@ class LlamaStep:
                 arrays[f"layers[{i}].{f}"], want[f"layers[{i}].{f}"] = getattr(lp, f, None), lshape[f]
         for name, a in arrays.items():
             self._check_tensor(fn, name, a, want[name], dt)
+        if rope_divisors is not None:  # read, like the weights: checked for overlap with what is written
+            C.check_array(fn, "rope_divisors", rope_divisors, dtypes=(np.dtype(np.float32),), ndim=2)
+            if tuple(rope_divisors.shape) != (L, D // 2) or not rope_divisors.flags.c_contiguous:
+                raise ValueError(f"{fn}(): rope_divisors must be C-contiguous float32 [{L}, {D // 2}] (layers x "
+                                 f"head_dim / 2), got {tuple(rope_divisors.shape)}")
+            if not bool(((rope_divisors > 0) & (rope_divisors < np.inf)).all()):  # once, at construction
+                raise ValueError(f"{fn}(): rope_divisors must be positive finite numbers")
+            arrays["rope_divisors"] = rope_divisors
         vec = 16 // dt.itemsize
         for what, n in (("dim", dim), ("num_heads * head_dim", Hq * D), ("ffn_dim", F)):
             if n < 1 or n % vec:
@@ -275,13 +286,14 @@ class LlamaStep:
         # the descriptor's fields, less the split count (set per launch)
         self._layers = cupy.asarray(np.array([[_ptr(getattr(lp, f)) for f in LAYER_FIELDS] for lp in layers],
                                              dtype=np.uint64).reshape(L, len(LAYER_FIELDS)))
-        self._keep = (tok_embd, output_norm, output, layers, sampling)
+        self._keep = (tok_embd, output_norm, output, layers, sampling, rope_divisors)
         # the kernel's MkState arguments, in order: every buffer one block writes and another reads
         self._state = (x, q, att, o_part, lse_part, ffn, logits, tokens, cache.k, cache.v, cache.lengths, self.xalt,
                        self.part, self.sp_val, self.sp_idx, self.sp_tmax)
         self._fields = dict(layers=_ptr(self._layers), tok_embd=_ptr(tok_embd), out_norm=_ptr(output_norm),
                             out_w=_ptr(output), fparams=_ptr(None if sampling is None else sampling.fparams),
                             iparams=_ptr(None if sampling is None else sampling.iparams), timings=0,
+                            rope_div=_ptr(rope_divisors),
                             B=B, dim=dim, Hq=Hq, Hkv=Hkv, D=D, F=F, V=V, L=L, max_seq=cache.max_seq,
                             neox=int(rope_style == "neox"), spin_ns=spin, attn_keys=self.attn_keys,
                             parts=self.parts, eps=float(np.float32(eps)),

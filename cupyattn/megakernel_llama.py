@@ -69,11 +69,18 @@ class LlamaShape:
     norm_eps: float = 1e-5
     rope_base: float = 10000.0
     rope_style: str = "adjacent"
+    # per layer, the head_dim / 2 divisors of each rotation pair's frequency (LlamaStep's
+    # rope_divisors), or () for none: Llama 3's rope_freqs, LongRoPE, layers without RoPE
+    rope_divisors: tuple = ()
 
     @classmethod
     def of(cls, args) -> "LlamaShape":
-        """The shape of any object with these attribute names (a ModelArgs, a LlamaShape)."""
-        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+        """The shape of any object with these attribute names (a ModelArgs, a LlamaShape; one
+        without ``rope_divisors`` has none)."""
+        if isinstance(args, cls):
+            return args
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if f.name != "rope_divisors"},
+                   rope_divisors=tuple(tuple(float(x) for x in row) for row in getattr(args, "rope_divisors", ())))
 
 
 _CHOICES = {"attn": ("v1", "ring"), "deps": ("layer", "fine"), "down": ("narrow", "fit"),
@@ -153,6 +160,8 @@ def llama_problem(shape, dtype, batch: int | None = None, cc: int | None = None)
                 f"{config.MEGAKERNEL_MAX_HEAD_DIM}, got {s.head_dim}")
     if s.n_heads % s.n_kv_heads:
         return f"the megakernel needs n_heads a multiple of n_kv_heads, got {s.n_heads} and {s.n_kv_heads}"
+    if s.rope_divisors and [len(r) for r in s.rope_divisors] != [s.head_dim // 2] * s.n_layers:
+        return f"the megakernel needs rope_divisors of n_layers rows of head_dim / 2 = {s.head_dim // 2}"
     vec = 16 // np.dtype(dtype).itemsize
     for what, n in (("dim", s.dim), ("n_heads * head_dim", s.n_heads * s.head_dim), ("ffn_dim", s.ffn_dim)):
         if n % vec:
@@ -374,6 +383,7 @@ class LlamaDecoder:
         self.batch, self.itemsize = B, dt.itemsize
         most = config.MEGAKERNEL_MAX_SPLITS
         e = lambda *shp, t=dt: cupy.empty(shp, dtype=t)  # noqa: E731
+        div = cupy.asarray(np.array(s.rope_divisors, dtype=np.float32)) if s.rope_divisors else None
         self.step = LlamaStep(tok_embd=weights.tok_embd, output_norm=weights.output_norm, output=weights.output,
                               layers=weights.layers, cache=cache, num_heads=s.n_heads, eps=s.norm_eps,
                               rope_base=s.rope_base, rope_style=s.rope_style, tokens=state.tokens,
@@ -381,7 +391,8 @@ class LlamaDecoder:
                               ffn=e(B, s.ffn_dim), logits=state.logits,
                               o_part=e(most, B, s.n_heads, s.head_dim, t=np.float32),
                               lse_part=e(most, B, s.n_heads, t=np.float32), sampling=state.sampling,
-                              counter_capacity=self._counters(), blocks=blocks, spin_ns=self.knobs.spin_ns)
+                              counter_capacity=self._counters(), blocks=blocks, spin_ns=self.knobs.spin_ns,
+                              rope_divisors=div)
         self.plans = {}
 
     def _counters(self) -> int:

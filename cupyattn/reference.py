@@ -385,29 +385,32 @@ def add_rmsnorm(x, r, weight, eps=1e-5):
     return s, rmsnorm(s, weight, eps)
 
 
-def _rope_qkv(qkv, num_heads, hkv, lengths, num_new, base, style):
-    """Split qkv [B, T, (Hq + 2 Hkv) D] into heads and rotate q and k at positions lengths[b] + t:
-    -> (q [B, Hq, T, D], k [B, Hkv, T, D], v, lengths int64, counts int64 (num_new or T))."""
+def _rope_qkv(qkv, num_heads, hkv, lengths, num_new, base, style, freq_div=None):
+    """Split qkv [B, T, (Hq + 2 Hkv) D] into heads and rotate q and k at positions lengths[b] + t
+    (``freq_div`` as :func:`rope`'s): -> (q [B, Hq, T, D], k [B, Hkv, T, D], v, lengths int64,
+    counts int64 (num_new or T))."""
     qkv = _f64(qkv)
     b, t, width = qkv.shape
     heads = qkv.reshape(b, t, num_heads + 2 * hkv, width // (num_heads + 2 * hkv)).transpose(0, 2, 1, 3)
     lengths = np.asarray(lengths, dtype=np.int64)
     counts = np.full(b, t) if num_new is None else np.asarray(num_new, dtype=np.int64)
     pos = lengths[:, None] + np.arange(t)[None, :]
-    q = rope(heads[:, :num_heads], pos, base, style)
-    k = rope(heads[:, num_heads:num_heads + hkv], pos, base, style)
+    q = rope(heads[:, :num_heads], pos, base, style, freq_div)
+    k = rope(heads[:, num_heads:num_heads + hkv], pos, base, style, freq_div)
     return q, k, heads[:, num_heads + hkv:], lengths, counts
 
 
 def qkv_rope_append(qkv, k_cache, v_cache, lengths, num_heads, base=10000.0, style="adjacent",
-                    num_new=None):
+                    num_new=None, freq_div=None):
     """The fused RoPE + KV-cache append of one layer (``KVCache.append_qkv``).
 
     qkv [B, T, (Hq + 2 Hkv) D] packs q | k | v heads; caches [B, Hkv, S, D]; lengths [B]. Token t
     of sequence b sits at position lengths[b] + t; tokens t < num_new[b] (default all T) are
-    appended. Returns (q [B, Hq, T, D] rotated, k_cache, v_cache, lengths) as new float64 arrays.
+    appended; ``freq_div``: per-pair frequency divisors as :func:`rope`'s. Returns (q [B, Hq, T,
+    D] rotated, k_cache, v_cache, lengths) as new float64 arrays.
     """
-    q, k, v, lengths, counts = _rope_qkv(qkv, num_heads, k_cache.shape[1], lengths, num_new, base, style)
+    q, k, v, lengths, counts = _rope_qkv(qkv, num_heads, k_cache.shape[1], lengths, num_new, base, style,
+                                         freq_div)
     kc, vc = _f64(k_cache).copy(), _f64(v_cache).copy()
     for i in range(len(lengths)):
         n, p0 = int(counts[i]), int(lengths[i])

@@ -105,6 +105,7 @@ struct MkModel {
                             // by sequence b's sampling instruction only
     unsigned long long* timings;  // [n, 4] per queue row: start, ready, done (globaltimer ns), block;
                                   // or null. Written by thread 0 of the row's block, read by nobody.
+    const float* rope_div;  // [L, D/2] per layer, each pair's frequency divisor (as rope_freqs), or null
     long long B, dim, Hq, Hkv, D, F, V, L, max_seq, splits, neox;
     long long spin_ns;    // a waiter's longest sleep between polls (0: none)
     long long attn_keys;  // keys per staged chunk of the ring attention

@@ -203,6 +203,16 @@ class ModelArgs:
                        for i, f in enumerate(factors or (1.0,) * (r // 2)))
         return base, turned + NOPE_FACTORS * ((d - r) // 2)
 
+    @property
+    def rope_divisors(self) -> tuple:
+        """Per layer, the divisors of ``rope(layer)`` (all 1 for a layer without), or () when no
+        layer has any: the megakernel's one table for every layer (cupyattn.megakernel_llama's
+        LlamaShape), which turns every layer by rope_base."""
+        rows = [self.rope(i)[1] for i in range(self.n_layers)]
+        if not any(rows):
+            return ()
+        return tuple(r or (1.0,) * (self.head_dim // 2) for r in rows)
+
     def quirks(self) -> list:
         """Names of what differs from Llama, for messages and docs (empty for a plain Llama)."""
         on = [name for name, flag in (

@@ -98,6 +98,9 @@ def resolve_backend(backend: str = "auto") -> str:
 
 
 DEFAULT_DTYPE = {"numpy": "float32", "cupy": "float16"}
+# What the megakernel takes of a family's quirks (ModelArgs.quirks): everything its per-layer RoPE
+# divisor table (ModelArgs.rope_divisors) expresses once the weights are in tinylm's layout
+MEGAKERNEL_QUIRKS = ("rope_factors", "nope_layers", "longrope", "rope_mscale", "rope_dims")
 
 
 def make_ops(backend: str = "auto", dtype: str | None = None):
@@ -316,8 +319,9 @@ class Transformer:
         if not getattr(self.ops, "fused_decode", False):
             return f"the megakernel needs the cupy backend, not {self.backend!r}"
         a = self.args
-        if a.quirks():  # its op list (cupyattn.megakernel_llama) is Llama's decode step and nothing else
-            return (f"the megakernel's op list is Llama's; this {a.arch} model needs {', '.join(a.quirks())} "
+        lacks = [q for q in a.quirks() if q not in MEGAKERNEL_QUIRKS]
+        if lacks:  # its op list (cupyattn.megakernel_llama) is Llama's decode step and nothing else
+            return (f"the megakernel's op list is Llama's; this {a.arch} model needs {', '.join(lacks)} "
                     f"(use the fused or unfused decode step)")
         from cupyattn import device
         from cupyattn.megakernel_llama import llama_problem

@@ -64,7 +64,8 @@ class _Model:
     """Random weights, a KV cache holding random rows and ``lengths`` tokens per sequence, NaN-
     poisoned buffers, and a one-block LlamaStep over them; ``h`` holds float64 copies."""
 
-    def __init__(self, rng, dtype, style="adjacent", lengths=(5, 1, 17), max_splits=4, sample_parts=None, **shape):
+    def __init__(self, rng, dtype, style="adjacent", lengths=(5, 1, 17), max_splits=4, sample_parts=None,
+                 rope_divisors=None, **shape):
         import cupy
 
         from cupyattn.kvcache import KVCache
@@ -108,7 +109,8 @@ class _Model:
                               cache=self.cache, num_heads=hq, eps=1e-5, rope_base=1e4, rope_style=style,
                               tokens=self.tokens, x=self.x, q=self.q, att=self.att, ffn=self.ffn, logits=self.logits,
                               o_part=self.o_part, lse_part=self.lse_part, sampling=self.sampling,
-                              counter_capacity=16, blocks=1, sample_parts=sample_parts)
+                              counter_capacity=16, blocks=1, sample_parts=sample_parts,
+                              rope_divisors=None if rope_divisors is None else cupy.asarray(rope_divisors))
 
     def run(self, ops, splits=1):
         import cupy
@@ -147,18 +149,26 @@ def test_gpu_op_embed(rng, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("style", ["adjacent", "neox"])
-def test_gpu_op_qkv(rng, dtype, style):
+@pytest.mark.parametrize("style,divided", [("adjacent", False), ("neox", False), ("adjacent", True),
+                                          ("neox", True)])
+def test_gpu_op_qkv(rng, dtype, style, divided):
     """RMSNorm + QKV projection + RoPE at each sequence's position + append, layer 1 only; at the
-    end of the step every layer's lengths advance by one (the last block's duty)."""
+    end of the step every layer's lengths advance by one (the last block's duty). ``divided``:
+    each pair's frequency divided by layer 1's row of rope_divisors (layer 0's is another; one
+    pair of float32's largest value: no turn, as a layer without RoPE)."""
     import cupy
 
-    m = _Model(rng, dtype, style)
+    div = None
+    if divided:
+        div = (0.5 + 40.0 * rng.random((SHAPE["layers"], SHAPE["d"] // 2)) ** 2).astype(np.float32)
+        div[1, 3] = np.finfo(np.float32).max
+    m = _Model(rng, dtype, style, rope_divisors=div)
     k0, v0 = to_host(m.cache.k), to_host(m.cache.v)
     m.run([_op("qkv", m)])
     L1 = m.h.layers[1]
     qkv = ref.gemm_nt(ref.rmsnorm(m.h.x[:, None], L1.attn_norm, 1e-5), L1.wqkv)
-    q, kc, vc, new_len = ref.qkv_rope_append(qkv, k0[1], v0[1], m.lengths, m.s["hq"], 1e4, style)
+    q, kc, vc, new_len = ref.qkv_rope_append(qkv, k0[1], v0[1], m.lengths, m.s["hq"], 1e4, style,
+                                             freq_div=None if div is None else div[1].astype(np.float64))
     assert_close(m.q, q[:, :, 0], dtype)
     rows = (np.arange(m.s["B"]), slice(None), m.lengths)
     assert_close(to_host(m.cache.k)[1][rows], kc[rows], dtype)
@@ -467,6 +477,10 @@ def test_gpu_bad_arguments_raise_before_anything_runs(rng):
         (dict(tokens=m.cache.lengths[0]), ValueError, r"LlamaStep\(\): tokens overlaps the cache's lengths"),
         (dict(x=m.layers[0].wqkv.reshape(-1)[:216]), ValueError, r"LlamaStep\(\): x overlaps layers\[0\].wqkv"),
         (dict(tokens=m.sampling.iparams.reshape(-1)[:3]), ValueError, "tokens overlaps sampling.iparams"),
+        (dict(rope_divisors=cupy.ones((2, 15), np.float32)), ValueError,
+         r"rope_divisors must be C-contiguous float32 \[2, 16\] \(layers x head_dim / 2\), got \(2, 15\)"),
+        (dict(rope_divisors=cupy.zeros((2, 16), np.float32)), ValueError, "rope_divisors must be positive finite"),
+        (dict(rope_divisors=cupy.ones((2, 16), np.float64)), TypeError, "rope_divisors"),
     ]:
         with pytest.raises(exc, match=pattern):
             LlamaStep(**{**base, **change})

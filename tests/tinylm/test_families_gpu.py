@@ -62,13 +62,16 @@ def test_paths_that_cannot_run_a_family_refuse_it(files, fam):  # noqa: F811
     from tinylm.generate import load
     from tinylm.gguf_io import GGUFModel
 
+    from tinylm.model import MEGAKERNEL_QUIRKS
+
     args = GGUFModel(files[fam]).args
     quirks = args.quirks()
-    if not quirks:  # Llama's step once loaded (phi3: its fused tensors split): no path refuses it
+    lacks = [q for q in quirks if q not in MEGAKERNEL_QUIRKS]
+    if not lacks:  # Llama's step once loaded (phi3: its fused tensors split; RoPE divisors): no path refuses it
         assert load(files[fam], backend="cupy", dtype="float32", megakernel=True).model.megakernel
         return
     with pytest.raises(ValueError, match=f"megakernel=True: the megakernel's op list is Llama's; this "
-                                         f"{args.arch} model needs {quirks[0]}"):
+                                         f"{args.arch} model needs {lacks[0]}"):
         load(files[fam], backend="cupy", dtype="float32", megakernel=True)
     decode_lacks = [q for q in ("post_norms", "act=gelu_tanh", "qkv_bias", "qk_norm") if q in quirks]
     if decode_lacks:
@@ -80,18 +83,22 @@ def test_paths_that_cannot_run_a_family_refuse_it(files, fam):  # noqa: F811
             load(files[fam], backend="cupy", dtype="float32", fused=False, fused_prefill=True)
 
 
-def test_megakernel_runs_phi3_as_hf(files, monkeypatch):  # noqa: F811
-    """Phi-3 is Llama's step with NeoX pairs once its fused tensors are split: the megakernel (one
-    block on the emulator) decodes HF's greedy tokens."""
+@pytest.mark.parametrize("fam", ["phi3", "llama3", "phi3-long", "phi4-mini", "smollm3"])
+def test_megakernel_runs_the_family_as_hf(files, fam, monkeypatch):  # noqa: F811
+    """Each is Llama's step once loaded: Phi-3 with NeoX pairs (its fused tensors split), and with
+    the megakernel's per-layer RoPE divisors (ModelArgs.rope_divisors) Llama 3's rope_freqs,
+    LongRoPE (its attention factor in the weights), Phi-4-mini's RoPE over part of each head and
+    SmolLM3's layers without RoPE: the megakernel (one block on the emulator) decodes HF's
+    greedy tokens."""
     from cupyattn import config
     from conftest import EMULATE
     from tinylm.generate import load
 
     if EMULATE:
         monkeypatch.setattr(config, "MEGAKERNEL_BLOCKS", 1)
-    prompt, want = GOLDEN["prompt"], GOLDEN["families"]["phi3"]["tokens"][:STEPS]
-    gen = load(files["phi3"], backend="cupy", dtype="float32", megakernel=True)
-    assert gen.model.megakernel and gen.model.args.rope_style == "neox"
+    prompt, want = GOLDEN["prompt"], GOLDEN["families"][fam]["tokens"][:STEPS]
+    gen = load(files[fam], backend="cupy", dtype="float32", megakernel=True)
+    assert gen.model.megakernel and bool(gen.model.args.rope_divisors) == (fam != "phi3")
     assert gen.generate(prompt, len(want)).generated_ids == want
 
 
