@@ -63,6 +63,18 @@ def check_same_dtype(fn: str, name: str, x, ref_name: str, ref) -> None:
         raise TypeError(f"{fn}(): {name} has dtype {dtype_name(x.dtype)} but {ref_name} has {dtype_name(ref.dtype)}")
 
 
+def check_freq_div(fn: str, value, d: int, name: str = "rope_freq_div", what: str = "head_dim") -> None:
+    """``value`` (RoPE frequency divisors, as Llama 3's rope_freqs, one per rotation pair of ``d``
+    turned dims): None, or float32 [d // 2] C-contiguous on the device; else an error naming
+    ``name`` (and ``what`` d is)."""
+    if value is None:
+        return
+    check_array(fn, name, value, dtypes=(np.dtype(np.float32),), ndim=1)
+    if value.shape[0] != d // 2 or not value.flags.c_contiguous:
+        raise ValueError(f"{fn}(): {name} must be C-contiguous of shape ({d // 2},) ({what} / 2), "
+                         f"got {tuple(value.shape)}")
+
+
 def check_last_contiguous(fn: str, name: str, x) -> None:
     """The kernels read rows as contiguous vectors: last dimension must have unit stride."""
     if x.size and x.shape[-1] > 1 and x.strides[-1] != x.itemsize:  # empty arrays have any strides

@@ -46,7 +46,7 @@ from . import _checks as C
 from . import device, config
 from ._loader import VEC16, KernelSpec, cbool, ctype, get_function, launch, ptr_or_null
 from .config import DTYPES, FUSED_SKINNY, INT32_MAX, MMA_DTYPES
-from .kvcache import ROPE_STYLES, KVCache, check_freq_div
+from .kvcache import ROPE_STYLES, KVCache
 
 _S = FUSED_SKINNY
 _TILE = f"{_S.warps}, {_S.n_tiles}, {_S.chunks}"
@@ -200,7 +200,7 @@ def rmsnorm_qkv_rope_append(x, norm_weight, wqkv, cache, layer, num_heads, eps=1
     C.check_no_overlap(fn, x, cached, out_name="x")
     q_out = _out(fn, q_out, (b, hq, 1, d), x.dtype, {"x": x, "norm_weight": norm_weight, "wqkv": wqkv, **cached},
                  name="q_out")
-    check_freq_div(fn, rope_freq_div, d)
+    C.check_freq_div(fn, rope_freq_div, d)
     cache._check_capacity(fn, np.ones(b, dtype=np.int64), [layer])
     kern = get_function(SPEC, _expr("norm_qkv_rope_append_kernel", x.dtype, rope_style == "neox"))
     i32 = np.int32

@@ -62,17 +62,6 @@ SPEC = KernelSpec(
     options=defines(KV_ROPE_APPEND_THREADS=KV_ROPE_APPEND_THREADS))
 
 
-def check_freq_div(fn: str, rope_freq_div, d: int) -> None:
-    """``rope_freq_div`` (RoPE frequency divisors, Llama 3's): None, or float32 [d // 2] C-contiguous
-    on the device; else an error naming it."""
-    if rope_freq_div is None:
-        return
-    check_array(fn, "rope_freq_div", rope_freq_div, dtypes=(np.dtype(np.float32),), ndim=1)
-    if rope_freq_div.shape[0] != d // 2 or not rope_freq_div.flags.c_contiguous:
-        raise ValueError(f"{fn}(): rope_freq_div must be C-contiguous of shape ({d // 2},) (head_dim / 2), "
-                         f"got {tuple(rope_freq_div.shape)}")
-
-
 class KVCache:
     """K/V cache of ``num_layers`` layers for ``batch`` sequences of up to ``max_seq`` tokens.
 
@@ -407,7 +396,7 @@ class KVCache:
         if q_out is not None:
             _checks.check_out(fn, q_out, (b, hq, t, d), self.dtype, name="q_out")
             _checks.check_no_overlap(fn, q_out, {"qkv": qkv, **cache}, out_name="q_out")
-        check_freq_div(fn, rope_freq_div, d)
+        _checks.check_freq_div(fn, rope_freq_div, d)
         counts = self._counts(fn, num_new, t)
         self._check_capacity(fn, counts, [layer])
         half = d // 2

@@ -211,11 +211,14 @@ def _launch_norm(x, r, weight, out, eps, impl):
 # --- rope ------------------------------------------------------------------------------------------
 
 
-def rope(x, positions, base=10000.0, style="adjacent", out=None):
+def rope(x, positions, base=10000.0, style="adjacent", out=None, freq_div=None, rotary_dim=None):
     """Rotary position embedding of ``x`` [B, H, T, D] at integer ``positions`` [B, T].
 
-    Pair i of each row turns by ``positions[b, t] * base**(-2i/D)``. ``style="adjacent"``
-    pairs (x[2i], x[2i+1]) (GGUF / llama.cpp "normal" rope); ``"neox"`` pairs (x[i], x[i+D/2]).
+    Pair i of each row turns by ``positions[b, t] * base**(-2i/R) / freq_div[i]``, R = rotary_dim
+    (D by default). ``style="adjacent"`` pairs (x[2i], x[2i+1]) (GGUF / llama.cpp "normal" rope);
+    ``"neox"`` pairs (x[i], x[i+R/2]). With R < D only the first R dims of each row turn (GPT-NeoX,
+    Phi-4-mini: RoPE over part of the head, as flash-attn's ``apply_rotary_emb`` with cos/sin of
+    R/2 columns and HF's ``partial_rotary_factor``); the others are copied as they are.
 
     Parameters
     ----------
@@ -230,7 +233,12 @@ def rope(x, positions, base=10000.0, style="adjacent", out=None):
         > 0 (10000 for Llama 2, 100000 for SmolLM2).
     out : cupy.ndarray [B, H, T, D], optional
         ``x`` itself (in place, x's strides kept) or a C-contiguous array of x's dtype that does
-        not overlap ``x`` or ``positions`` (ValueError).
+        not overlap ``x``, ``positions`` or ``freq_div`` (ValueError).
+    freq_div : cupy.ndarray [R/2] float32, optional
+        Per-pair frequency divisors (Llama 3.1+'s ``rope_freqs``, linear scaling, LongRoPE's
+        tables; float32's largest value turns a pair not at all), read as they are (positive).
+    rotary_dim : int, optional
+        R, even, 2 <= R <= D (None: D).
 
     The angle is formed and reduced modulo 2*pi in double precision, then rotated in float32,
     so positions in the tens of thousands lose no accuracy (see rope_kernel in layers.cu).
@@ -246,20 +254,27 @@ def rope(x, positions, base=10000.0, style="adjacent", out=None):
                          f"expected ({b}, {t}) = [B, T] of x")
     base = C.check_real(fn, "base", base, minimum=0.0, strict=True)
     C.check_choice(fn, "style", style, ROPE_STYLES)
+    rot = d if rotary_dim is None else C.check_int(fn, "rotary_dim", rotary_dim, minimum=2, maximum=d)
+    if rot % 2:
+        raise ValueError(f"{fn}(): rotary_dim must be even (pairs of dims turn), got {rot}")
+    C.check_freq_div(fn, freq_div, rot, name="freq_div", what="rotary_dim")
     if b * h * t > INT32_MAX:
         raise ValueError(f"{fn}(): B*H*T = {b * h * t} rows is more than this kernel indexes (2^31 - 1)")
+    read = {"positions": positions} | ({} if freq_div is None else {"freq_div": freq_div})
     if out is x:
         C.check_last_contiguous(fn, "x (rotated in place)", x)
         if any(s == 0 and n > 1 for s, n in zip(x.strides, x.shape)):
             raise ValueError(f"{fn}(): x has a broadcast (stride 0) dimension and cannot be rotated in place")
+        if freq_div is not None:
+            C.check_no_overlap(fn, x, {"freq_div": freq_div}, out_name="x")
     else:
-        out = _new_or_out(fn, out, x.shape, x.dtype, {"x": x, "positions": positions})
+        out = _new_or_out(fn, out, x.shape, x.dtype, {"x": x, **read})
     if x.size == 0:
         return out
     if x.strides[-1] != x.itemsize:
         x = cupy.ascontiguousarray(x)
     pos = cupy.ascontiguousarray(positions)
-    half = d // 2
+    half = rot // 2
     ct = ctype(x.dtype)
     xs = [s // x.itemsize for s in x.strides[:3]]
     ys = [s // out.itemsize for s in out.strides[:3]]
@@ -272,7 +287,10 @@ def rope(x, positions, base=10000.0, style="adjacent", out=None):
     rows = b * h * t
     bx, by = _row_block(half)
     grid = min(-(-rows // by), LAYERS_MAX_BLOCKS)
-    kern((grid,), (bx, by), (x, out, pos, np.int32(rows), np.int32(h), np.int32(t), np.int32(half),
+    if rot < d and out is not x:  # the dims past R are copied as they are
+        out[..., rot:] = x[..., rot:]
+    kern((grid,), (bx, by), (x, out, pos, ptr_or_null(freq_div), np.int32(rows), np.int32(h), np.int32(t),
+                             np.int32(half),
                              *(np.int64(s) for s in xs), *(np.int64(s) for s in ys),
                              np.float64(-math.log2(base) / half)))
     return out

@@ -327,14 +327,18 @@ def rmsnorm(x, weight, eps=1e-5):
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * _f64(weight)
 
 
-def rope(x, positions, base=10000.0, style="adjacent", freq_div=None):
+def rope(x, positions, base=10000.0, style="adjacent", freq_div=None, rotary_dim=None):
     """Rotary embedding of x [B, H, T, D] at integer positions [B, T].
 
     ``adjacent`` rotates pairs (x[2i], x[2i+1]) (GGUF / llama.cpp "normal"); ``neox`` rotates
     (x[i], x[i + D/2]). Pair i turns by angle ``pos * base**(-2i/D) / freq_div[i]`` (freq_div
-    None: 1).
+    None: 1). ``rotary_dim`` (None: D): only the first rotary_dim dims turn, as if they were
+    the row (D = rotary_dim above); the others are copied.
     """
     x = _f64(x)
+    if rotary_dim is not None and rotary_dim != x.shape[-1]:
+        head = rope(x[..., :rotary_dim], positions, base, style, freq_div)
+        return np.concatenate([head, x[..., rotary_dim:]], axis=-1)
     d = x.shape[-1]
     inv = base ** (-np.arange(0, d, 2, dtype=np.float64) / d)  # [D/2]
     if freq_div is not None:

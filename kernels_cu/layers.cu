@@ -144,20 +144,23 @@ __global__ void __launch_bounds__(1024) rmsnorm_block_kernel(
 }
 
 // --- rope -----------------------------------------------------------------------------------------
-// Pair i (0 <= i < half = D/2) of row (b, h, t) turns by angle pos[b, t] * base^(-i/half).
-// x: [B, H, seq, D] with element strides (xsb, xsh, xst, 1); y: same shape, strides (ysb, ysh,
-// yst, 1), may be x; pos: [B, seq] int32 C-contiguous. Block (bx, by): bx threads over pairs, by
-// rows; rows = B*H*seq < 2^31 (host-checked). freq_scale = -log2(base) / half; the angle and its
-// precision: rope.cuh.
+// Pair i (0 <= i < half) of row (b, h, t) turns by angle pos[b, t] * base^(-i/half) / freq_div[i]
+// (freq_div null: 1). half = rotary_dim / 2: the pairs are those of the first rotary_dim dims
+// (NeoX: (i, i + half)); the dims past them are the host's to copy. x: [B, H, seq, D] with element
+// strides (xsb, xsh, xst, 1); y: same shape, strides (ysb, ysh, yst, 1), may be x; pos: [B, seq]
+// int32 C-contiguous. Block (bx, by): bx threads over pairs, by rows; rows = B*H*seq < 2^31
+// (host-checked). freq_scale = -log2(base) / half; the angle and its precision: rope.cuh.
 template <typename T, bool NEOX, bool PV, typename I>
 __global__ void __launch_bounds__(LAYERS_THREADS) rope_kernel(
     const T* x, T* y, const I* __restrict__ pos,  // pos: int or long long, used as 64-bit
+    const float* __restrict__ freq_div,          // [half] per-pair frequency divisors, or null
     int rows, int H, int seq, int half,
     long long xsb, long long xsh, long long xst,
     long long ysb, long long ysh, long long yst, double freq_scale) {
     const long long row_step = (long long)gridDim.x * blockDim.y;
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
-        const double inv_freq = rope_inv_freq(i, freq_scale);  // base^(-2i/D)
+        double inv_freq = rope_inv_freq(i, freq_scale);  // base^(-2i/rotary_dim)
+        if (freq_div) inv_freq /= (double)freq_div[i];
         int ia, ib;                                             // the pair's two elements
         rope_pair<NEOX>(i, half, &ia, &ib);
         for (long long r = (long long)blockIdx.x * blockDim.y + threadIdx.y; r < rows; r += row_step) {

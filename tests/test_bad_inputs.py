@@ -428,6 +428,20 @@ def _device_cases():
         ValueError, r"rope\(\): the last dim of x \(D=63\) must be even")
     add("rope-out-overlap", lambda d: (lambda: ca.rope(d.q[:, :2], d.pos, out=d.q[:, 1:3]), [d.q]),
         ValueError, r"rope\(\): out overlaps x in memory")
+    add("rope-rotary-odd", lambda d: (lambda: ca.rope(d.q, d.pos, out=d.q, rotary_dim=7), [d.q]),
+        ValueError, r"rope\(\): rotary_dim must be even \(pairs of dims turn\), got 7")
+    add("rope-rotary-past-d", lambda d: (lambda: ca.rope(d.q, d.pos, out=d.q, rotary_dim=66), [d.q]),
+        ValueError, r"rope\(\): rotary_dim must be an integer >= 2 and <= 64, got 66")
+    add("rope-rotary-float", lambda d: (lambda: ca.rope(d.q, d.pos, out=d.q, rotary_dim=32.0), [d.q]),
+        TypeError, r"rope\(\): rotary_dim must be an integer")
+    add("rope-freq-div-shape", lambda d: (lambda: ca.rope(d.q, d.pos, out=d.q, rotary_dim=48,
+                                                          freq_div=d.cp.ones(32, np.float32)), [d.q]),
+        ValueError, r"rope\(\): freq_div must be C-contiguous of shape \(24,\) \(rotary_dim / 2\), got \(32,\)")
+    add("rope-freq-div-dtype", lambda d: (lambda: ca.rope(d.q, d.pos, out=d.q, freq_div=d.cp.ones(32)), [d.q]),
+        TypeError, r"rope\(\): freq_div has dtype float64")
+    add("rope-freq-div-is-out", lambda d: (lambda: ca.rope(d.q, d.pos, out=d.q,
+                                                           freq_div=d.q.reshape(-1)[:64].view(np.float32)), [d.q]),
+        ValueError, r"rope\(\): x overlaps freq_div in memory")
     add("swiglu-shape", lambda d: (lambda: ca.swiglu(d.x, d.x[:2]), []),
         ValueError, r"swiglu\(\): up has shape \(2, 64\) but gate has \(3, 64\)")
     add("swiglu-out-overlap", lambda d: (lambda: ca.swiglu(d.x[:2], d.x[:2].copy(), out=d.x[1:]), [d.x]),

@@ -38,6 +38,19 @@ def test_reference_rope_adjacent_is_permuted_neox(rng, d):
     np.testing.assert_allclose(ref.rope(x, np.zeros((2, 5), np.int64), style="neox"), x)
 
 
+def test_reference_rope_over_part_of_the_head_is_hf_partial_rotary(rng):
+    """The reference's rotary_dim is HF's partial rotary (Phi-4-mini, GPT-NeoX): the first R dims
+    turn by base**(-2i/R) with NeoX pairs (i, i + R/2), the rest pass; written out here."""
+    d, r = 16, 10
+    x = rng.standard_normal((1, 2, 5, d))
+    pos = _positions(rng, 1, 5)
+    ang = pos[:, None, :, None] * 1e4 ** (-np.arange(0, r, 2) / r)
+    c, s = np.cos(ang), np.sin(ang)
+    x0, x1 = x[..., : r // 2], x[..., r // 2:r]
+    want = np.concatenate([x0 * c - x1 * s, x1 * c + x0 * s, x[..., r:]], axis=-1)
+    np.testing.assert_allclose(ref.rope(x, pos, 1e4, "neox", rotary_dim=r), want, rtol=1e-12, atol=1e-12)
+
+
 def test_rope_angle_scheme_is_accurate_at_large_positions():
     """NumPy model of rope_kernel's angle: double pos*inv_freq, reduced mod 2pi in double, then
     a/pi rounded to float. A float32 angle (powf inv_freq, float product) would miss fp32 tolerance."""
@@ -220,6 +233,36 @@ def test_gpu_rope_in_place_on_fused_qkv_views(rng, dtype, style):
     x, xr = buf[1:].reshape(2, 3, 5, 32), bufr[1:].reshape(2, 3, 5, 32)
     pos = _positions(rng, 2, 5)
     assert_close(L.rope(x, cupy.asarray(pos), style=style), ref.rope(xr, pos, style=style), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("style", ["adjacent", "neox"])
+@pytest.mark.parametrize("d,r", [(64, 48), (128, 96), (96, 2), (32, 32)])
+def test_gpu_rope_part_of_the_head_with_divisors(rng, dtype, style, d, r):
+    """RoPE over the first rotary_dim dims (pairs (i, i + R/2) for NeoX) with per-pair frequency
+    divisors, one of them float32's largest (that pair does not turn), at positions up to 40,000:
+    out of place (the dims past R copied bit for bit) and in place on a strided view (left as
+    they were), against the float64 reference."""
+    import cupy
+
+    t = 17
+    x, xr = to_device(rand_with_outliers(rng, (2, 3, t, d)), dtype)
+    pos = rng.integers(0, 40000, (2, t))
+    div = (0.5 + 40.0 * rng.random(r // 2) ** 2).astype(np.float32)
+    div[-1] = np.finfo(np.float32).max
+    want = ref.rope(xr, pos, 1e4, style, freq_div=div.astype(np.float64), rotary_dim=r)
+    dpos, ddiv = cupy.asarray(pos), cupy.asarray(div)
+    out = nan_like(x.shape, dtype)
+    assert L.rope(x, dpos, 1e4, style, out=out, freq_div=ddiv, rotary_dim=r) is out
+    assert_close(out, want, dtype)
+    assert cupy.array_equal(out[..., r:], x[..., r:])
+    buf = cupy.zeros((2, t, 2, 3, d), dtype=x.dtype)  # q of a fused [B, T, 2, H, D] buffer, as [B, H, T, D]
+    view = buf[:, :, 0].transpose(0, 2, 1, 3)
+    view[...] = x
+    assert L.rope(view, dpos, 1e4, style, out=view, freq_div=ddiv, rotary_dim=r) is view
+    assert_close(view, want, dtype)
+    assert cupy.array_equal(view[..., r:], x[..., r:]) and not buf[:, :, 1].any()
 
 
 @pytest.mark.gpu
