@@ -95,8 +95,9 @@ class ModelArgs:
     nope_layers: tuple = ()  # layers whose queries and keys are not rotated (SmolLM3's every 4th)
     # LongRoPE (Phi-3 128k, Phi-3.5): rope_factors holds the short table; the long one replaces it
     # when the model's context (max_seq) exceeds rope_orig_ctx, as llama.cpp picks by its context
-    # size; rope_mscale scales cos and sin on every layer, so the turned dims of queries and keys:
-    # the loader puts it in their weights (tinylm.weights.in_tinylm_layout), the model never applies it
+    # size; rope_mscale (LongRoPE's and YaRN's attention factor) scales cos and sin on every layer, so
+    # the turned dims of queries and keys: the loader puts it in their weights
+    # (tinylm.weights.in_tinylm_layout), the model never applies it
     rope_factors_long: tuple = ()
     rope_orig_ctx: int = 0
     rope_mscale: float = 1.0

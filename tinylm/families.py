@@ -32,7 +32,12 @@ local-layer patterns, its tensor layout (Phi-3's fused projections: rows [q; k; 
 it disabled Phi SWA, llama.cpp PR 13676), and so does tinylm. Gemma's norm weights are stored
 with the 1 of its ``(1 + w)`` already added, so every family's RMSNorm is ``x / rms(x) * w`` here.
 
-Anything else in a file (another architecture, RoPE scaling other than linear, biases on other
+RoPE scaling: linear (``rope.scaling.factor``), YaRN (``rope.scaling.type yarn``: per-pair divisors
+and a cos/sin scale as llama.cpp's rope_yarn computes them, ``yarn_factors``; the 128K Qwen3
+files), Llama 3's ``rope_freqs`` tensor and Phi-3's LongRoPE, each as ModelArgs.rope_factors (and
+rope_mscale).
+
+Anything else in a file (another architecture, other RoPE scaling, biases on other
 projections, experts, a tensor no family reads) is refused with one line naming it.
 """
 from __future__ import annotations
@@ -126,7 +131,7 @@ def args_from_metadata(meta: dict, tensor_names=(), path="<gguf>", rope_freqs=No
     frequency is divided by its entry), None when the file has none. ``longrope``: the values of
     Phi-3's (short, long) LongRoPE tables (LONGROPE), None when the file has neither. ``output.weight`` absent
     means tied embeddings. Raises GGUFError naming the key for a missing or bad value, and for
-    what tinylm does not implement (another architecture, RoPE scaling other than linear, value
+    what tinylm does not implement (another architecture, RoPE scaling other than linear and YaRN, value
     heads of another size, experts). RoPE over part of the head (``rope.dimension_count``, Phi-4-mini)
     is ModelArgs.rope_dims.
     """
@@ -153,14 +158,20 @@ def args_from_metadata(meta: dict, tensor_names=(), path="<gguf>", rope_freqs=No
     n_layers = _int(meta, p + "block_count", path, limit=4096)
 
     # RoPE scaling: linear (every pair's frequency / factor) and Llama 3.1's per-pair table
-    factors = None
+    factors, yarn = None, {}
     kind = meta.get(p + "rope.scaling.type")
-    if kind not in (None, "none", "linear"):
+    if kind == "longrope" and longrope is None:
+        raise GGUFError(f"{path}: RoPE scaling ({p}rope.scaling.type 'longrope') without both LongRoPE tables "
+                        f"({', '.join(LONGROPE)}) is not implemented by tinylm")
+    if kind not in (None, "none", "linear", "yarn", "longrope"):
         raise GGUFError(f"{path}: RoPE scaling ({p}rope.scaling.type {kind!r}) is not implemented by tinylm "
-                        f"(linear scaling and Llama 3's rope_freqs tensor are)")
+                        f"(linear, YaRN, Llama 3's rope_freqs tensor and Phi-3's LongRoPE are)")
     key = next((p + k for k in ("rope.scaling.factor", "rope.scale_linear") if p + k in meta), None)
     factor = _num(meta, key, path, 1.0) if key else 1.0  # a factor without a type is linear (llama.cpp)
-    if factor != 1.0:
+    if kind == "yarn":
+        factors, mscale = yarn_factors(meta, p, path, factor, rope_dims)
+        yarn = dict(rope_mscale=mscale)
+    elif factor != 1.0:
         factors = [factor] * pairs
     if rope_freqs is not None:
         import numpy as np
@@ -182,7 +193,7 @@ def args_from_metadata(meta: dict, tensor_names=(), path="<gguf>", rope_freqs=No
                 raise GGUFError(f"{path}: tensor {name!r} must hold rope dims / 2 = {pairs} positive "
                                 f"numbers, got shape {t.shape}")
             tables.append(tuple(float(x) for x in t))
-        if factors:
+        if factors or yarn:
             raise GGUFError(f"{path}: LongRoPE tables together with other RoPE scaling are not implemented by tinylm")
         factors = tables[0]
         long = dict(rope_factors_long=tables[1], rope_mscale=_num(meta, p + "rope.scaling.attn_factor", path, 1.0),
@@ -226,9 +237,42 @@ def args_from_metadata(meta: dict, tensor_names=(), path="<gguf>", rope_freqs=No
             qkv_bias=all(bias), qk_norm=all(norms), sliding_window=window, local_layers=local,
             nope_layers=tuple(i for i in range(n_layers) if fam.nope_step and (i + 1) % fam.nope_step == 0),
             rope_factors=tuple(factors or ()), rope_dims=0 if rope_dims == head_dim else rope_dims,
-            **long, **extras)
+            **long, **yarn, **extras)
     except ValueError as e:
         raise GGUFError(f"{path}: inconsistent hyper-parameters: {e}") from e
+
+
+def yarn_factors(meta: dict, p: str, path, factor: float, dims: int):
+    """(per-pair frequency divisors, cos/sin scale) of YaRN scaling by ``factor`` over ``dims``
+    turned dims, as llama.cpp's rope_yarn computes them (and HF's "yarn" rope type): each pair's
+    angle mixes the interpolated one (divided by ``factor``) and the original one by a ramp that
+    is 1 (original) below the correction dim of ``yarn_beta_fast`` rotations over the original
+    context and 0 (interpolated) past the one of ``yarn_beta_slow``; cos and sin are scaled by
+    ``yarn_attn_factor * (1 + 0.1 ln factor)`` when ``yarn_ext_factor`` (default 1) is not 0."""
+    import math
+
+    orig = _int(meta, p + "rope.scaling.original_context_length", path,
+                default=_int(meta, p + "context_length", path, default=2048))
+    ext = meta.get(p + "rope.scaling.yarn_ext_factor", -1.0)
+    ext = 1.0 if isinstance(ext, (int, float)) and not isinstance(ext, bool) and ext < 0 else \
+        _num(meta, p + "rope.scaling.yarn_ext_factor", path, 1.0, positive=False)
+    attn = _num(meta, p + "rope.scaling.yarn_attn_factor", path, 1.0)
+    fast = _num(meta, p + "rope.scaling.yarn_beta_fast", path, 32.0)
+    slow = _num(meta, p + "rope.scaling.yarn_beta_slow", path, 1.0)
+    if meta.get(p + "rope.scaling.yarn_log_multiplier", 0.0):
+        raise GGUFError(f"{path}: YaRN with {p}rope.scaling.yarn_log_multiplier (DeepSeek's) is not implemented "
+                        f"by tinylm")
+    base = _num(meta, p + "rope.freq_base", path, 10000.0)
+
+    def corr(rotations):
+        return dims * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = max(0.0, math.floor(corr(fast))), min(dims - 1.0, math.ceil(corr(slow)))
+    out = []
+    for i in range(dims // 2):
+        mix = (1.0 - min(1.0, max(0.0, (i - low) / max(0.001, high - low)))) * ext
+        out.append(1.0 / (mix + (1.0 - mix) / factor))
+    return out, attn * (1.0 + 0.1 * math.log(factor)) if ext else attn
 
 
 def layer_tensors(args: ModelArgs, tensor_names) -> list:

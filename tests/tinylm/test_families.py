@@ -117,6 +117,10 @@ def test_family_args(files):
     assert (p4.rope_dims, p4.head_dim, len(p4.rope_factors), p4.tie_embeddings) == (24, 32, 12, True)
     assert p4.quirks() == ["rope_factors", "longrope", "rope_mscale", "rope_dims"]
     assert p4.rope(0)[1][12:] == (3.4028234663852886e38,) * 4  # the unturned dims' pairs
+    qy = a["qwen3-yarn"]  # YaRN 4x over 64: pairs 0-6 ramp from the original angle to a quarter of it
+    assert qy.rope_mscale == pytest.approx(1 + 0.1 * np.log(4)) and qy.quirks() == ["qk_norm", "rope_factors",
+                                                                                  "rope_mscale"]
+    assert qy.rope_factors[0] == 1.0 and qy.rope_factors[6:] == (4.0,) * 26 and 1 < qy.rope_factors[3] < 4
     t4 = Tokenizer.of(GGUFModel(files["phi4-mini"]))  # byte-level BPE: no Phi-3 rstrip
     assert t4.encode("<|user|> hi", allow_special=True)[1:] == t4.encode(" hi")
 
@@ -536,3 +540,28 @@ def test_rope_over_part_of_the_head_from_metadata():
     with pytest.raises(GGUFError, match=r"'rope_freqs\.weight' must hold rope dims / 2 = 12 positive numbers, "
                                         r"got shape \(16,\)"):
         args_from_metadata(_meta("llama", rope__dimension_count=24), rope_freqs=[1.0] * 16)
+
+
+def test_yarn_from_metadata():
+    """YaRN's keys as llama.cpp reads them: the original context (default: the model's), the
+    ext factor (negative: 1; 0: interpolation only, no cos/sin scale), the attention factor and
+    the two betas; DeepSeek's log multiplier is refused by name."""
+    from tinylm.errors import GGUFError
+    from tinylm.families import args_from_metadata
+
+    yarn = dict(rope__scaling__type="yarn", rope__scaling__factor=8.0, context_length=4096)
+    a = args_from_metadata(_meta("llama", **yarn))  # original context 4096, head_dim 32
+    assert a.rope_mscale == pytest.approx(1 + 0.1 * np.log(8)) and a.rope_factors[0] == 1.0
+    flat = args_from_metadata(_meta("llama", **yarn, rope__scaling__yarn_ext_factor=0.0,
+                                    rope__scaling__yarn_attn_factor=0.5))
+    assert flat.rope_factors == (8.0,) * 16 and flat.rope_mscale == 0.5
+    neg = args_from_metadata(_meta("llama", **yarn, rope__scaling__yarn_ext_factor=-1.0))
+    assert neg.rope_factors == a.rope_factors
+    slow = args_from_metadata(_meta("llama", **yarn, rope__scaling__yarn_beta_slow=0.25,
+                                    rope__scaling__original_context_length=64))
+    assert slow.rope_factors != args_from_metadata(_meta("llama", **yarn,
+                                                         rope__scaling__original_context_length=64)).rope_factors
+    with pytest.raises(GGUFError, match=r"YaRN with llama\.rope\.scaling\.yarn_log_multiplier \(DeepSeek's\)"):
+        args_from_metadata(_meta("llama", **yarn, rope__scaling__yarn_log_multiplier=0.1))
+    with pytest.raises(GGUFError, match=r"RoPE scaling \(llama\.rope\.scaling\.type 'su'\) is not implemented"):
+        args_from_metadata(_meta("llama", rope__scaling__type="su"))

@@ -203,13 +203,15 @@ def _kv(key, value):
 
 
 @pytest.mark.parametrize("extra,edit,message", [
-    (None, _kv("llama.rope.scaling.type", "yarn"), r"RoPE scaling \(llama.rope.scaling.type 'yarn'\)"),
+    (None, _kv("llama.rope.scaling.type", "dynamic"), r"RoPE scaling \(llama.rope.scaling.type 'dynamic'\)"),
+    (None, _kv("llama.rope.scaling.type", "longrope"), r"RoPE scaling \(llama.rope.scaling.type 'longrope'\) "
+                                                          r"without both LongRoPE tables"),
     (None, _kv("llama.expert_count", 8), r"a mixture of experts \(llama.expert_count = 8\)"),
     ({"blk.0.attn_q.bias": np.zeros(TINY.dim)}, None, r"a bias on only some of the Q, K, V projections"),
     ({"blk.0.attn_output.bias": np.zeros(TINY.dim)}, None, r"biases \(tensor 'blk.0.attn_output.bias'\)"),
     ({"blk.1.ffn_gate_inp.weight": np.zeros((4, TINY.dim))}, None, r"a mixture of experts \(tensor 'blk.1.ffn_gate_inp"),
     ({"blk.0.attn_rot_embd": np.zeros(8)}, None, r"tensor 'blk.0.attn_rot_embd', which tinylm's llama does not read"),
-], ids=["rope-yarn", "experts", "bias-q-only", "bias-output", "moe-tensor", "unknown"])
+], ids=["rope-dynamic", "rope-longrope-no-tables", "experts", "bias-q-only", "bias-output", "moe-tensor", "unknown"])
 def test_unimplemented_features_are_refused(tmp_path, extra, edit, message):
     path = tmp_path / "m.gguf"
     write_llama_gguf(path, extra=extra, edit=edit)
@@ -241,11 +243,11 @@ def test_rope_scaling_none_still_loads(tmp_path):
 def test_cli_refuses_an_unimplemented_model_in_one_line(tmp_path, capsys):
     from tinylm.__main__ import main
 
-    path = tmp_path / "yarn.gguf"
-    write_llama_gguf(path, edit=_kv("llama.rope.scaling.type", "yarn"))
+    path = tmp_path / "dynamic.gguf"
+    write_llama_gguf(path, edit=_kv("llama.rope.scaling.type", "dynamic"))
     assert main(["hi", "--model", str(path), "--backend", "numpy"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "'yarn'" in err and "is not implemented by tinylm" in err
+    assert err.count("\n") == 1 and "'dynamic'" in err and "is not implemented by tinylm" in err
 
 
 def test_other_pre_tokenizers_are_refused():

@@ -60,6 +60,10 @@ SPECS = {
     # tied, a byte-level BPE vocabulary with the gpt-4o pre-tokenizer and Phi-4's chat tokens
     "phi4-mini": dict(arch="phi3", name="tiny-phi4-mini", dim=128, layers=2, heads=4, kv=2, hd=32, rope_dims=24,
                       ffn=160, base=10000.0, eps=1e-5, tied=True, fused=True, tok="phi4", ctx=512, longrope=256),
+    # Qwen3 with YaRN (as the 128K Qwen3 files carry it): factor 4 over an original context of 64 in a
+    # context of 256, the ramp over pairs 0-6 of 32; its cos/sin scale 1 + 0.1 ln 4 in the QK norms
+    "qwen3-yarn": dict(arch="qwen3", name="tiny-qwen3-yarn", dim=96, layers=2, heads=4, kv=2, hd=64, ffn=128,
+                       base=1000000.0, eps=1e-6, tied=False, qk_norm=True, tok="qwen", yarn=(4.0, 64)),
 }
 PROMPT = [5, 17, 260, 42, 99, 3, 281, 7, 150, 12, 64, 200]  # token ids of the goldens' prompt
 
@@ -217,6 +221,10 @@ def write(family: str, path, seed: int = 0) -> Path:
     if "softcaps" in s:
         w.add_float32(f"{arch}.attn_logit_softcapping", s["softcaps"][0])
         w.add_float32(f"{arch}.final_logit_softcapping", s["softcaps"][1])
+    if "yarn" in s:  # llama.cpp's converter: the type, the factor, the original context
+        w.add_string(f"{arch}.rope.scaling.type", "yarn")
+        w.add_float32(f"{arch}.rope.scaling.factor", s["yarn"][0])
+        w.add_uint32(f"{arch}.rope.scaling.original_context_length", s["yarn"][1])
     if "linear" in s:
         w.add_string(f"{arch}.rope.scaling.type", "linear")
         w.add_float32(f"{arch}.rope.scaling.factor", s["linear"])

@@ -66,6 +66,10 @@ def overrides(family: str, path=None) -> dict:
                                     "original_max_position_embeddings": orig}}
     if family == "mistral":  # llama arch: the loader reads no sliding window (see as_mistral)
         return {"sliding_window": s["window"]}
+    if family == "qwen3-yarn":  # as qwen3, and the loader reads no YaRN
+        return {"head_dim": s["hd"], "max_position_embeddings": s.get("ctx", 256),
+                "rope_parameters": {"rope_type": "yarn", "rope_theta": s["base"], "factor": s["yarn"][0],
+                                    "original_max_position_embeddings": s["yarn"][1]}}
     if family in ("qwen2", "qwen3"):  # the loader takes dim / heads (qwen2) or 128 (qwen3) as head_dim
         return {"head_dim": s["hd"]}
     if family == "gemma2":  # the loader uses 50 / 30 and query_pre_attn_scalar 256 whatever the file says
