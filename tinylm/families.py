@@ -11,6 +11,9 @@
     gemma3    Gemma 3 (text)                             neox RoPE, GeGLU, embed_scale, post_norms,
                                                          qk_norm, 5 local layers of 6 (local RoPE base)
     smollm3   SmolLM3                                    every 4th layer without RoPE (nope_layers)
+    granite   Granite 3.x (dense)                        llama's layout; embed_scale, attn_scale,
+                                                         residual_scale, logit_scale from its
+                                                         *_scale keys (llama.cpp's: absent or 0 = none)
     phi3      Phi-3 (mini, medium; 4k and 128k), 3.5,   neox RoPE; Q|K|V in one tensor (attn_qkv, when
               Phi-4-mini                                 the file has it) and gate|up in ffn_up, split
                                                          at load; no sliding window (as llama.cpp);
@@ -72,6 +75,7 @@ FAMILIES = {f.arch: f for f in (
     Family("smollm3", "SmolLM3", rope_style="adjacent", nope_step=4),
     Family("phi3", "Phi-3, Phi-3.5, Phi-4-mini", swa=False,
            fused=(("attn_qkv.weight", ("wq", "wk", "wv")), ("ffn_up.weight", ("w_gate", "w_up")))),
+    Family("granite", "Granite 3.x", rope_style="adjacent"),
 )}
 
 # llama.cpp tensor name (after "blk.N.") -> tinylm.weights.LayerWeights field
@@ -217,6 +221,13 @@ def args_from_metadata(meta: dict, tensor_names=(), path="<gguf>", rope_freqs=No
                       final_softcap=_num(meta, p + "final_logit_softcapping", path, 30.0))
     if fam.arch == "gemma3":
         extras.update(rope_local_base=_num(meta, p + "rope.freq_base_swa", path, 10000.0))
+    if fam.arch == "granite":  # llama.cpp: logit_scale required, the others optional, 0 = none
+        if p + "logit_scale" not in meta:
+            raise GGUFError(f"{path}: metadata {p + 'logit_scale'!r} is missing (Granite's logits are divided by it)")
+        scales = {name: _num(meta, p + key, path, 0.0, positive=False) or None for name, key in (
+            ("embed_scale", "embedding_scale"), ("attn_scale", "attention.scale"),
+            ("residual_scale", "residual_scale"), ("logit_scale", "logit_scale"))}
+        extras.update({k: v for k, v in scales.items() if v is not None})
     bias = [f"blk.0.attn_{x}.bias" in names for x in "qkv"]
     if any(bias) and not all(bias):
         raise GGUFError(f"{path}: a bias on only some of the Q, K, V projections is not implemented by tinylm")

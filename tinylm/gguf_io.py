@@ -438,8 +438,8 @@ def load_gguf(path, dtype=np.float32):
     """Load a GGUF model of a family tinylm runs (a path, or a :class:`GGUFModel` already opened).
 
     Returns ``(args, weights, meta)``: ModelArgs from the metadata, Weights with every tensor
-    dequantized to ``dtype`` (float32 by default) in nn.Linear orientation (query and key rows as
-    ``tinylm.weights.in_tinylm_layout`` makes them), and the metadata
+    dequantized to ``dtype`` (float32 by default) in nn.Linear orientation (each layer as
+    ``tinylm.weights.in_tinylm_layout`` makes it, output_norm divided by ``logit_scale``), and the metadata
     as a dict of plain Python values (the tokenizer is built from it). Raises GGUFError naming
     the file for a missing, truncated or non-GGUF file, another architecture, something tinylm
     does not implement (tinylm.families), a missing tensor, a tensor of an unexpected shape, or
@@ -458,6 +458,8 @@ def load_gguf(path, dtype=np.float32):
     embed_shape = (args.vocab_size, args.dim)
     tok_embd = get("token_embd.weight", embed_shape)
     output_norm = get("output_norm.weight", (args.dim,))
+    if args.logit_scale != 1.0:  # Granite's logits / logit_scale, in the last norm's weight
+        output_norm = (output_norm / args.logit_scale).astype(output_norm.dtype)
     output = tok_embd if args.tie_embeddings else get("output.weight", embed_shape)
 
     shapes = layer_shapes(args)

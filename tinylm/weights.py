@@ -76,10 +76,14 @@ def rope_order(args: ModelArgs):
 def in_tinylm_layout(args: ModelArgs, layer: LayerWeights) -> LayerWeights:
     """``layer`` as a GGUF file holds it (each head's dims in the model's own order) made into
     what tinylm runs: the query and key rows (projections, biases, QK norms) in ``rope_order``,
-    and the dims RoPE turns scaled by ``args.rope_mscale`` (LongRoPE's attention factor, by
-    which the model scales cos and sin: the turned queries and keys, not the others), in the
-    QK norm weights when the model has them, else in the projection rows and biases. Itself when
-    neither applies."""
+    the dims RoPE turns scaled by ``args.rope_mscale`` (LongRoPE's and YaRN's attention factor,
+    by which the model scales cos and sin: the turned queries and keys, not the others), in the
+    QK norm weights when the model has them, else in the projection rows and biases; wo and
+    w_down times ``args.residual_scale`` (Granite). Itself when none applies."""
+    if args.residual_scale != 1.0:
+        r = args.residual_scale
+        layer = replace(layer, wo=(layer.wo * r).astype(layer.wo.dtype),
+                        w_down=(layer.w_down * r).astype(layer.w_down.dtype))
     order, m = rope_order(args), args.rope_mscale
     if order is None and m == 1.0:
         return layer

@@ -121,6 +121,10 @@ def test_family_args(files):
     assert qy.rope_mscale == pytest.approx(1 + 0.1 * np.log(4)) and qy.quirks() == ["qk_norm", "rope_factors",
                                                                                   "rope_mscale"]
     assert qy.rope_factors[0] == 1.0 and qy.rope_factors[6:] == (4.0,) * 26 and 1 < qy.rope_factors[3] < 4
+    gr = a["granite"]  # its four scales; residual and logit scales go into the weights at load
+    assert (gr.embed_scale, gr.attn_scale, gr.residual_scale, gr.logit_scale, gr.rope_style) == \
+        (12.0, 0.03125, 0.22, 2.0, "adjacent")
+    assert gr.quirks() == ["embed_scale", "attn_scale", "residual_scale", "logit_scale"]
     t4 = Tokenizer.of(GGUFModel(files["phi4-mini"]))  # byte-level BPE: no Phi-3 rstrip
     assert t4.encode("<|user|> hi", allow_special=True)[1:] == t4.encode(" hi")
 
@@ -266,7 +270,7 @@ def test_unsupported_architecture_is_one_line(tmp_path):
         GGUFModel(path)
     msg = str(e.value)
     assert "\n" not in msg and "'falcon'" in msg
-    assert "llama, mistral, qwen2, qwen3, gemma2, gemma3, smollm3, phi3" in msg
+    assert "llama, mistral, qwen2, qwen3, gemma2, gemma3, smollm3, phi3, granite" in msg
 
     from tinylm.__main__ import main
 
@@ -565,3 +569,18 @@ def test_yarn_from_metadata():
         args_from_metadata(_meta("llama", **yarn, rope__scaling__yarn_log_multiplier=0.1))
     with pytest.raises(GGUFError, match=r"RoPE scaling \(llama\.rope\.scaling\.type 'su'\) is not implemented"):
         args_from_metadata(_meta("llama", rope__scaling__type="su"))
+
+
+def test_granite_scales_from_metadata():
+    """Granite's keys as llama.cpp reads them: logit_scale required, the others optional, 0 the
+    same as absent (no scaling)."""
+    from tinylm.errors import GGUFError
+    from tinylm.families import args_from_metadata
+
+    a = args_from_metadata(_meta("granite", logit_scale=8.0, residual_scale=0.0, embedding_scale=0.0))
+    assert (a.logit_scale, a.residual_scale, a.embed_scale, a.attn_scale, a.quirks()) == \
+        (8.0, 1.0, 1.0, None, ["logit_scale"])
+    with pytest.raises(GGUFError, match=r"metadata 'granite\.logit_scale' is missing"):
+        args_from_metadata(_meta("granite"))
+    with pytest.raises(GGUFError, match=r"'granite\.residual_scale' must be a non-negative finite number"):
+        args_from_metadata(_meta("granite", logit_scale=8.0, residual_scale=-1.0))

@@ -33,9 +33,9 @@ def test_cupy_backend_matches_hf(files, fam):  # noqa: F811
 
 # one family per kind of path choice: fused decode on (llama3's RoPE divisors inside it; phi3's
 # NeoX pairs; phi3-long's LongRoPE table and attention factor; phi4-mini's RoPE over part of each
-# head; smollm3's layers without RoPE), fused prefill only (qwen3's head norms between its
-# kernels), neither (gemma2)
-@pytest.mark.parametrize("fam", ["llama3", "phi3", "phi3-long", "phi4-mini", "smollm3", "qwen3", "gemma2"])
+# head; smollm3's layers without RoPE; granite's attention scale, its other scales in the weights),
+# fused prefill only (qwen3's head norms between its kernels), neither (gemma2)
+@pytest.mark.parametrize("fam", ["llama3", "phi3", "phi3-long", "phi4-mini", "smollm3", "granite", "qwen3", "gemma2"])
 def test_cupy_default_paths_batches_and_serving(files, fam):  # noqa: F811
     """The paths the defaults pick (fused where the family allows it) give HF's logits at every
     position; a ragged batch (each row as if alone) and continuous batching (paged cache, unfused
@@ -47,7 +47,7 @@ def test_cupy_default_paths_batches_and_serving(files, fam):  # noqa: F811
     gen = load(files[fam], backend="cupy", dtype="float32")
     m = gen.model
     assert (m.fused, m.fused_prefill) == {"llama3": (True, True), "phi3": (True, True), "phi3-long": (True, True),
-                                          "phi4-mini": (True, True), "smollm3": (True, True),
+                                          "phi4-mini": (True, True), "smollm3": (True, True), "granite": (True, True),
                                           "qwen3": (False, True),
                                           "gemma2": (False, False)}[fam]
     check_logits(fam, step_logits(m, prompt + want))

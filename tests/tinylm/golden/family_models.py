@@ -64,6 +64,11 @@ SPECS = {
     # context of 256, the ramp over pairs 0-6 of 32; its cos/sin scale 1 + 0.1 ln 4 in the QK norms
     "qwen3-yarn": dict(arch="qwen3", name="tiny-qwen3-yarn", dim=96, layers=2, heads=4, kv=2, hd=64, ffn=128,
                        base=1000000.0, eps=1e-6, tied=False, qk_norm=True, tok="qwen", yarn=(4.0, 64)),
+    # Granite 3.x: llama's layout, its four scales (embedding 12, attention 1/32 for head_dim 32,
+    # residual 0.22, logits divided by 2); untied here (the real files are tied: at this size a tied
+    # table then decides every greedy token by itself)
+    "granite": dict(arch="granite", name="tiny-granite", dim=128, layers=2, heads=4, kv=2, hd=32, ffn=160,
+                    base=10000.0, eps=1e-5, tied=False, tok="llama3", granite=(12.0, 0.03125, 0.22, 2.0)),
 }
 PROMPT = [5, 17, 260, 42, 99, 3, 281, 7, 150, 12, 64, 200]  # token ids of the goldens' prompt
 
@@ -221,6 +226,9 @@ def write(family: str, path, seed: int = 0) -> Path:
     if "softcaps" in s:
         w.add_float32(f"{arch}.attn_logit_softcapping", s["softcaps"][0])
         w.add_float32(f"{arch}.final_logit_softcapping", s["softcaps"][1])
+    if "granite" in s:  # llama.cpp's Granite keys
+        for key, value in zip(("embedding_scale", "attention.scale", "residual_scale", "logit_scale"), s["granite"]):
+            w.add_float32(f"{arch}.{key}", value)
     if "yarn" in s:  # llama.cpp's converter: the type, the factor, the original context
         w.add_string(f"{arch}.rope.scaling.type", "yarn")
         w.add_float32(f"{arch}.rope.scaling.factor", s["yarn"][0])
@@ -275,7 +283,7 @@ def write(family: str, path, seed: int = 0) -> Path:
     for i in range(n_layers):
         p = f"blk.{i}."
         wq, wk = normal((hq * hd, d), d ** -0.5), normal((hkv * hd, d), d ** -0.5)
-        if s["arch"] in ("llama", "smollm3"):
+        if s["arch"] in ("llama", "smollm3", "granite"):
             wq, wk = permute(wq, hq), permute(wk, hkv)
         w.add_tensor(p + "attn_norm.weight", norm(d))
         wv = normal((hkv * hd, d), d ** -0.5)

@@ -106,32 +106,42 @@ def as_mistral(llama, window: int):
     return model.float()
 
 
-def as_smollm3(path):
-    """HF's SmolLM3 holding the weights of the tiny smollm3 file, built by hand: HF's GGUF loader
-    has no smollm3 architecture. The file's Q/K rows are llama.cpp's adjacent-pair layout, turned
-    back into HF's half split; every 4th layer without RoPE is SmolLM3Config's own default."""
+def by_hand(path, family):
+    """HF's model of ``family`` holding the weights of its tiny file, built by hand where HF's GGUF
+    loader has no such architecture: SmolLM3 (every 4th layer without RoPE is SmolLM3Config's own
+    default) and Granite (its four multipliers from the file's scales). The file's Q/K rows are
+    llama.cpp's adjacent-pair layout, turned back into HF's half split."""
     import gguf
     import torch
-    from transformers import SmolLM3Config, SmolLM3ForCausalLM
+    import transformers
 
-    s = fm.SPECS["smollm3"]
+    s = fm.SPECS[family]
     hd = s["hd"]
     r = gguf.GGUFReader(str(path))
     t = {x.name: np.array(x.data).reshape([int(n) for n in reversed(x.shape)]) for x in r.tensors}
     vocab = t["token_embd.weight"].shape[0]
-    cfg = SmolLM3Config(vocab_size=vocab, hidden_size=s["dim"], intermediate_size=s["ffn"],
-                        num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
-                        num_key_value_heads=s["kv"], rms_norm_eps=s["eps"], tie_word_embeddings=s["tied"],
-                        max_position_embeddings=256, no_rope_layer_interval=4, use_sliding_window=False,
-                        rope_parameters={"rope_type": "default", "rope_theta": s["base"]},
-                        pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    common = dict(vocab_size=vocab, hidden_size=s["dim"], intermediate_size=s["ffn"], num_hidden_layers=s["layers"],
+                  num_attention_heads=s["heads"], num_key_value_heads=s["kv"], rms_norm_eps=s["eps"],
+                  tie_word_embeddings=s["tied"], max_position_embeddings=256,
+                  rope_parameters={"rope_type": "default", "rope_theta": s["base"]},
+                  pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    if family == "smollm3":
+        cfg = transformers.SmolLM3Config(**common, no_rope_layer_interval=4, use_sliding_window=False)
+        cls = transformers.SmolLM3ForCausalLM
+    else:
+        emb, att, res, logit = s["granite"]
+        cfg = transformers.GraniteConfig(**common, embedding_multiplier=emb, attention_multiplier=att,
+                                         residual_multiplier=res, logits_scaling=logit)
+        cls = transformers.GraniteForCausalLM
     cfg._attn_implementation = "eager"
-    model = SmolLM3ForCausalLM(cfg).float().eval()
+    model = cls(cfg).float().eval()
 
     def unpermute(w, heads):
         return w.reshape(heads, hd // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
 
     sd = {"model.embed_tokens.weight": t["token_embd.weight"], "model.norm.weight": t["output_norm.weight"]}
+    if not s["tied"]:
+        sd["lm_head.weight"] = t["output.weight"]
     for i in range(s["layers"]):
         b, m = f"blk.{i}.", f"model.layers.{i}."
         sd.update({m + "input_layernorm.weight": t[b + "attn_norm.weight"],
@@ -145,9 +155,11 @@ def as_smollm3(path):
                    m + "mlp.down_proj.weight": t[b + "ffn_down.weight"]})
     missing, unexpected = model.load_state_dict({k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32))
                                                  for k, v in sd.items()}, strict=False)
-    assert not unexpected and all(k == "lm_head.weight" or "rotary" in k for k in missing), (missing, unexpected)
+    assert not unexpected and all((k == "lm_head.weight" and s["tied"]) or "rotary" in k for k in missing), \
+        (missing, unexpected)
     model.tie_weights()
-    assert model.config.no_rope_layers == [int((i + 1) % 4 != 0) for i in range(s["layers"])]
+    if family == "smollm3":
+        assert model.config.no_rope_layers == [int((i + 1) % 4 != 0) for i in range(s["layers"])]
     return model
 
 
@@ -175,8 +187,8 @@ def main():
         for family in only:
             path = fm.write(family, Path(tmp) / f"{family}.gguf")
             hand = overrides(family, path)
-            if family == "smollm3":
-                model = as_smollm3(path)
+            if family in ("smollm3", "granite"):
+                model = by_hand(path, family)
             else:
                 config = AutoConfig.from_pretrained(tmp, gguf_file=path.name)
                 for key, value in hand.items():
