@@ -160,6 +160,7 @@ class LlamaStep:
         config.MEGAKERNEL_MAX_HEAD_DIM
     num_heads : int, Hq (a multiple of cache.num_kv_heads)
     eps, rope_base, rope_style : RMSNorm epsilon, RoPE base and pair style ("adjacent" / "neox")
+    scale : the softmax scale (None: 1 / sqrt(D))
     rope_divisors : float32 [L, D/2], or None: per layer, each rotation pair's frequency is
         divided by its entry (Llama 3's rope_freqs, LongRoPE's tables, float32's largest value for
         a layer without RoPE), as the fused decode step's ``freq_div``
@@ -180,7 +181,7 @@ class LlamaStep:
 
     def __init__(self, *, tok_embd, output_norm, output, layers, cache, num_heads, eps, rope_base, rope_style,
                  tokens, x, q, att, ffn, logits, o_part, lse_part, sampling=None, counter_capacity=1,
-                 blocks=None, spin_ns=None, sample_parts=None, rope_divisors=None):
+                 blocks=None, spin_ns=None, sample_parts=None, rope_divisors=None, scale=None):
         fn = "LlamaStep"
         if not isinstance(cache, KVCache) or hasattr(cache, "block_table"):
             raise TypeError(f"{fn}(): cache must be a cupyattn.KVCache (contiguous), got {type(cache).__name__}")
@@ -258,6 +259,7 @@ class LlamaStep:
         C.check_choice(fn, "rope_style", rope_style, ROPE_STYLES)
         eps = C.check_real(fn, "eps", eps, minimum=0.0)
         base = C.check_real(fn, "rope_base", rope_base, minimum=0.0, strict=True)
+        scale = D ** -0.5 if scale is None else C.check_real(fn, "scale", scale, minimum=0.0, strict=True)
         self.blocks = self._blocks(fn, blocks)
         self.capacity = C.check_positive_int(fn, "counter_capacity", counter_capacity)
         spin = C.check_int(fn, "spin_ns", config.MEGAKERNEL_SPIN_NS if spin_ns is None else spin_ns, minimum=0,
@@ -297,7 +299,7 @@ class LlamaStep:
                             B=B, dim=dim, Hq=Hq, Hkv=Hkv, D=D, F=F, V=V, L=L, max_seq=cache.max_seq,
                             neox=int(rope_style == "neox"), spin_ns=spin, attn_keys=self.attn_keys,
                             parts=self.parts, eps=float(np.float32(eps)),
-                            freq_scale=-math.log2(base) / (D // 2), scale_log2=D ** -0.5 * math.log2(math.e))
+                            freq_scale=-math.log2(base) / (D // 2), scale_log2=scale * math.log2(math.e))
         # counters [2, capacity] (both sets zero at first); step state (epoch, ticket)
         with C.no_gpu_explained(fn):
             self.counters = cupy.zeros((2, self.capacity), dtype=np.uint32)

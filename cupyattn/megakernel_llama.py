@@ -72,14 +72,16 @@ class LlamaShape:
     # per layer, the head_dim / 2 divisors of each rotation pair's frequency (LlamaStep's
     # rope_divisors), or () for none: Llama 3's rope_freqs, LongRoPE, layers without RoPE
     rope_divisors: tuple = ()
+    attn_scale: float | None = None  # the softmax scale, None = 1 / sqrt(head_dim)
 
     @classmethod
     def of(cls, args) -> "LlamaShape":
         """The shape of any object with these attribute names (a ModelArgs, a LlamaShape; one
-        without ``rope_divisors`` has none)."""
+        without ``rope_divisors`` or ``attn_scale`` has none)."""
         if isinstance(args, cls):
             return args
-        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if f.name != "rope_divisors"},
+        rest = {f.name: getattr(args, f.name) for f in fields(cls) if f.name not in ("rope_divisors", "attn_scale")}
+        return cls(**rest, attn_scale=getattr(args, "attn_scale", None),
                    rope_divisors=tuple(tuple(float(x) for x in row) for row in getattr(args, "rope_divisors", ())))
 
 
@@ -392,7 +394,7 @@ class LlamaDecoder:
                               o_part=e(most, B, s.n_heads, s.head_dim, t=np.float32),
                               lse_part=e(most, B, s.n_heads, t=np.float32), sampling=state.sampling,
                               counter_capacity=self._counters(), blocks=blocks, spin_ns=self.knobs.spin_ns,
-                              rope_divisors=div)
+                              rope_divisors=div, scale=s.attn_scale)
         self.plans = {}
 
     def _counters(self) -> int:

@@ -110,7 +110,7 @@ struct MkModel {
     long long spin_ns;    // a waiter's longest sleep between polls (0: none)
     long long attn_keys;  // keys per staged chunk of the ring attention
     long long parts;      // vocabulary chunks the sampler's buffers hold per sequence
-    double eps, freq_scale, scale_log2;  // RMSNorm eps; RoPE -log2(base) / (D/2); D^-1/2 log2(e)
+    double eps, freq_scale, scale_log2;  // RMSNorm eps; RoPE -log2(base) / (D/2); softmax scale * log2(e)
 };
 
 // The step's buffers (the kernel's pointer arguments, element type T unless said).

@@ -99,10 +99,10 @@ def resolve_backend(backend: str = "auto") -> str:
 
 DEFAULT_DTYPE = {"numpy": "float32", "cupy": "float16"}
 # What the megakernel takes of a family's quirks (ModelArgs.quirks): everything its per-layer RoPE
-# divisor table (ModelArgs.rope_divisors) expresses once the weights are in tinylm's layout, and the
-# scales the loader folds into the weights
+# divisor table (ModelArgs.rope_divisors) expresses once the weights are in tinylm's layout, the
+# softmax scale, and the scales folded into the weights (by the loader; embed_scale by Params)
 MEGAKERNEL_QUIRKS = ("rope_factors", "nope_layers", "longrope", "rope_mscale", "rope_dims", "residual_scale",
-                     "logit_scale")
+                     "logit_scale", "attn_scale", "embed_scale")
 
 
 def make_ops(backend: str = "auto", dtype: str | None = None):

@@ -481,6 +481,7 @@ def test_gpu_bad_arguments_raise_before_anything_runs(rng):
          r"rope_divisors must be C-contiguous float32 \[2, 16\] \(layers x head_dim / 2\), got \(2, 15\)"),
         (dict(rope_divisors=cupy.zeros((2, 16), np.float32)), ValueError, "rope_divisors must be positive finite"),
         (dict(rope_divisors=cupy.ones((2, 16), np.float64)), TypeError, "rope_divisors"),
+        (dict(scale=0.0), ValueError, r"LlamaStep\(\): scale must be"),
     ]:
         with pytest.raises(exc, match=pattern):
             LlamaStep(**{**base, **change})

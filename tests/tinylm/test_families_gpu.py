@@ -83,13 +83,14 @@ def test_paths_that_cannot_run_a_family_refuse_it(files, fam):  # noqa: F811
             load(files[fam], backend="cupy", dtype="float32", fused=False, fused_prefill=True)
 
 
-@pytest.mark.parametrize("fam", ["phi3", "llama3", "phi3-long", "phi4-mini", "smollm3"])
+@pytest.mark.parametrize("fam", ["phi3", "llama3", "phi3-long", "phi4-mini", "smollm3", "granite"])
 def test_megakernel_runs_the_family_as_hf(files, fam, monkeypatch):  # noqa: F811
     """Each is Llama's step once loaded: Phi-3 with NeoX pairs (its fused tensors split), and with
     the megakernel's per-layer RoPE divisors (ModelArgs.rope_divisors) Llama 3's rope_freqs,
     LongRoPE (its attention factor in the weights), Phi-4-mini's RoPE over part of each head and
-    SmolLM3's layers without RoPE: the megakernel (one block on the emulator) decodes HF's
-    greedy tokens."""
+    SmolLM3's layers without RoPE; Granite with its softmax scale (its other scales in the
+    weights): the megakernel (one block on the emulator) gives HF's logits at each decode step
+    and decodes HF's greedy tokens."""
     from cupyattn import config
     from conftest import EMULATE
     from tinylm.generate import load
@@ -98,7 +99,8 @@ def test_megakernel_runs_the_family_as_hf(files, fam, monkeypatch):  # noqa: F81
         monkeypatch.setattr(config, "MEGAKERNEL_BLOCKS", 1)
     prompt, want = GOLDEN["prompt"], GOLDEN["families"][fam]["tokens"][:STEPS]
     gen = load(files[fam], backend="cupy", dtype="float32", megakernel=True)
-    assert gen.model.megakernel and bool(gen.model.args.rope_divisors) == (fam != "phi3")
+    assert gen.model.megakernel and bool(gen.model.args.rope_divisors) == (fam not in ("phi3", "granite"))
+    check_logits(fam, step_logits(gen.model, prompt + want))  # the decode steps: megakernel launches
     assert gen.generate(prompt, len(want)).generated_ids == want
 
 
