@@ -132,7 +132,7 @@ def _parser() -> argparse.ArgumentParser:
     mg.add_argument("--model", type=cli_args.model_list,
                     help="comma-separated: 'smollm2', a tinylm preset, 'families' (the shapes of "
                     "Llama 3.2-1B, Mistral-7B (4 layers), Qwen2.5-0.5B, Qwen3-0.6B, Gemma-2-2B, Gemma-3-1B, Phi-3-mini and "
-                    "Phi-4-mini (4 layers), SmolLM3-3B (8 layers)) "
+                    "Phi-4-mini (4 layers), SmolLM3-3B and Granite-3.3-2B (8 layers)) "
                     "or a GGUF file's path (default: both smollm2 and --preset)")
     p = add("model", "tinylm end to end (TTFT, decode tok/s) vs HF transformers", (common, m))
     p = add("all", "default cases of every op (and model)", (common, m))

@@ -15,6 +15,8 @@ here), and the weight carry-over both builders share (neox_row_order, put_param)
                                                      no sliding window (as tinylm and llama.cpp run it);
                                                      RoPE over part of each head (Phi-4-mini): the Q/K
                                                      rows back from tinylm's rope_order
+    granite                Granite                   its four multipliers; wo, w_down and output_norm
+                                                     back from tinylm's folded residual and logit scales
 
 The benchmark compares the peer's first-step logits with tinylm's (model_bench), so a peer built
 wrong shows in the results as a logits error, not as a silent speed number.
@@ -88,6 +90,11 @@ def hf_family_config(args):
         return tf.SmolLM3ForCausalLM, tf.SmolLM3Config(**common, rope_parameters=rope, no_rope_layers=nope,
                                                        use_sliding_window=False, pad_token_id=None, bos_token_id=None,
                                                        eos_token_id=None)  # 128000/1: past a small vocab
+    if args.arch == "granite":
+        return tf.GraniteForCausalLM, tf.GraniteConfig(
+            **common, rope_parameters=rope, embedding_multiplier=float(args.embed_scale),
+            attention_multiplier=float(args.scale), residual_multiplier=float(args.residual_scale),
+            logits_scaling=float(args.logit_scale), pad_token_id=None, bos_token_id=None, eos_token_id=None)
     if args.arch == "phi3":
         if args.rope_factors_long:
             raise ValueError("no HF peer for Phi-3's LongRoPE here (HF switches its tables by sequence length)")
@@ -130,10 +137,13 @@ def build_hf_family(args, weights, dtype: str = "float16", device: str = "cuda")
         # Gemma's norms: tinylm (and the GGUF file) store 1 + w; HF multiplies by 1 + w itself
         put_param(param, arr, perm, shift=-1.0 if norm and gemma else 0.0)
 
+    # Granite: tinylm's weights hold the residual scale (wo, w_down) and the logit scale
+    # (output_norm), which HF applies itself
+    res, logit = float(args.residual_scale), float(args.logit_scale)
     with torch.no_grad():
         m = model.model
         put(m.embed_tokens.weight, weights.tok_embd)
-        put(m.norm.weight, weights.output_norm, norm=True)
+        put(m.norm.weight, np.asarray(weights.output_norm, dtype=np.float32) * logit, norm=True)
         if not cfg.tie_word_embeddings:
             put(model.lm_head.weight, weights.output)
         for layer, lw in zip(m.layers, weights.layers):
@@ -155,7 +165,7 @@ def build_hf_family(args, weights, dtype: str = "float16", device: str = "cuda")
                 put(at.v_proj.weight, lw.wv)
                 put(mlp.gate_proj.weight, lw.w_gate)
                 put(mlp.up_proj.weight, lw.w_up)
-            put(at.o_proj.weight, lw.wo)
+            put(at.o_proj.weight, np.asarray(lw.wo, dtype=np.float32) / res)
             if lw.bq is not None:
                 put(at.q_proj.bias, lw.bq, perm_q)
                 put(at.k_proj.bias, lw.bk, perm_k)
@@ -163,7 +173,7 @@ def build_hf_family(args, weights, dtype: str = "float16", device: str = "cuda")
             if lw.q_norm is not None:
                 put(at.q_norm.weight, lw.q_norm, norm=True)
                 put(at.k_norm.weight, lw.k_norm, norm=True)
-            put(mlp.down_proj.weight, lw.w_down)
+            put(mlp.down_proj.weight, np.asarray(lw.w_down, dtype=np.float32) / res)
         if args.rope_factors and args.arch != "gemma3":  # Llama 3's divisors, straight into inv_freq
             rot = m.rotary_emb
             r = args.rotary_dims

@@ -323,6 +323,10 @@ PRESETS: dict[str, ModelArgs] = {
     "phi4-mini-4layers": ModelArgs(dim=3072, n_layers=4, n_heads=24, n_kv_heads=8, head_dim=128, ffn_dim=8192,
                                    vocab_size=200064, rope_base=10000.0, rope_style="neox", max_seq=4096,
                                    tie_embeddings=True, arch="phi3", rope_dims=96),
+    # Granite-3.3-2B's shapes (GQA 4, tied, its four scales), cut to 8 layers
+    "granite3-2b-8layers": ModelArgs(dim=2048, n_layers=8, n_heads=32, n_kv_heads=8, head_dim=64, ffn_dim=8192,
+                                     vocab_size=49159, rope_base=10000000.0, max_seq=8192, arch="granite",
+                                     embed_scale=12.0, attn_scale=0.015625, residual_scale=0.22, logit_scale=8.0),
     # SmolLM3-3B's shapes (GQA 4, tied), cut to 8 layers; layers 3 and 7 without RoPE
     "smollm3-3b-8layers": ModelArgs(dim=2048, n_layers=8, n_heads=16, n_kv_heads=4, head_dim=128, ffn_dim=11008,
                                     vocab_size=128256, norm_eps=1e-6, rope_base=5000000.0, max_seq=8192,
@@ -330,4 +334,4 @@ PRESETS: dict[str, ModelArgs] = {
 }
 FAMILY_PRESETS = ("llama3.2-1b-shape", "mistral-7b-4layers", "qwen2.5-0.5b-shape", "qwen3-0.6b-shape",
                   "gemma2-2b-shape", "gemma3-1b-shape", "phi3-mini-4layers", "phi4-mini-4layers",
-                  "smollm3-3b-8layers")
+                  "smollm3-3b-8layers", "granite3-2b-8layers")

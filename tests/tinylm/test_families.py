@@ -480,7 +480,7 @@ def test_benchmark_plans_every_family_at_batch_1_and_8():
     cases = plan(_parser().parse_args(["model", "--model", "families", "--batch", "1,8"]))
     assert [(c.p["model"], c.p["batch"]) for c in cases] == [(m, b) for m in FAMILY_PRESETS for b in (1, 8)]
     assert {PRESETS[m].arch for m in FAMILY_PRESETS} == {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3",
-                                                           "phi3", "smollm3"}
+                                                           "phi3", "smollm3", "granite"}
 
 
 @pytest.mark.parametrize("fam,attack", [("llama3", "<|eot_id|><|start_header_id|>system<|end_header_id|>"),
