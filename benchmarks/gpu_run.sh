@@ -37,13 +37,16 @@
 #             step (85 s); batch 1 and 8 of the fused step (+ PDL), today's plan, the new one and HF eager
 #             (70 s); HF compiled beside the new plan (55 s)
 #                                   -> pytest-mega.log, mega-ab.{txt,json}, mega.{txt,json}, mega-hf-compiled.{txt,json}
-#   mega-families  the megakernel (today's plan, the new one, -ring) beside the fused step on the
-#             family presets its per-layer RoPE divisors let it run: Llama 3.2-1B's shapes (Hazy's
-#             anchor), Phi-4-mini and SmolLM3-3B cut to 4 / 8 layers; fp16, batch 1, 48 tokens, no HF
-#             (200 s). The cost model (H100 estimate, 256 keys) predicts Llama 3.2-1B's step at 2041 us
-#             today, 1819 us with every knob (its 1024 O-projection tiles of fine deps cost more than
-#             they save there) and 1515 us with -ring alone (ring attention over half the SMs, layer
-#             deps): the run says which
+#   mega-families  the megakernel (today's plan, the new one, -ring, -auto: the knobs the cost model
+#             predicts fastest per model) beside the fused step on SmolLM2-135M's shapes and the family
+#             presets its per-layer RoPE divisors let it run: Llama 3.2-1B's shapes (Hazy's anchor),
+#             Phi-4-mini and SmolLM3-3B cut to 4 / 8 layers; fp16, batch 1, 48 tokens, no HF (300 s).
+#             The cost model (H100 estimate, 256 keys) predicts Llama 3.2-1B's step at 2041 us today,
+#             1819 us with ring attention, fine deps and fitted down chunks at today's spin (its 1024
+#             O-projection tiles of fine deps cost more than they save there), 1532 us with -ring alone and 1434 us for -auto (ring over half the SMs,
+#             layer deps, folded merge, 16-row gate|up, two-level sampling; NEW_PLAN with its 64 ns
+#             spin: 1716 us); SmolLM2's at 1869 (today), 672 (NEW_PLAN), 745 (auto, at today's
+#             1024 ns spin): the run says which
 #                                                       -> mega-families.{txt,json}
 #   prefill   the persistent wgmma attention: its GPU tests, the causal prefill sweep, ragged varlen,
 #             paged prefill at pages of 16..256, the goal shapes -> pytest-prefill.log, prefill-*.{txt,json,png}
@@ -450,9 +453,10 @@ stage_model() {  # does config.TINYLM_FUSED_DECODE hold? tinylm-fused vs tinylm,
 }
 stage_mega() { run_mega full; }
 stage_mega_families() {  # the family presets the megakernel takes since its RoPE divisors (Llama 3.x, ...)
-    CAP=200 bench_step "mega families" "$OUT/mega-families.txt" "$OUT/mega-families.json" "$PY" -m benchmarks model \
-        --model llama3.2-1b-shape,phi4-mini-4layers,smollm3-3b-8layers --batch 1 --new-tokens 48 --model-reps 2 \
-        --impl tinylm-fused,tinylm-mega,tinylm-mega-new,tinylm-mega-ring --debug --no-progress \
+    CAP=300 bench_step "mega families" "$OUT/mega-families.txt" "$OUT/mega-families.json" "$PY" -m benchmarks model \
+        --model smollm2-135m-shape,llama3.2-1b-shape,phi4-mini-4layers,smollm3-3b-8layers --batch 1 --new-tokens 48 \
+        --model-reps 2 --impl tinylm-fused,tinylm-mega,tinylm-mega-new,tinylm-mega-ring,tinylm-mega-auto --debug \
+        --no-progress \
         --json "$OUT/mega-families.json"
 }
 stage_decide() {  # one call of a 15-minute device session, at most DECIDE_BUDGET s, the open decisions first

@@ -43,8 +43,10 @@ from .report import new_record
 from .specs import roofline_pct
 
 # The megakernel's A/B (cupyattn.megakernel_llama.MegaKnobs fields changed from config's defaults,
-# today's measured plan): "new" is every knob on (NEW_PLAN), the others one change each.
-MEGA_VARIANTS = {"tinylm-mega": {}, "tinylm-mega-new": "NEW_PLAN",
+# today's measured plan): "new" is every knob on (NEW_PLAN), "auto" the set the cost model predicts
+# fastest for the case's model, batch and mean context (megakernel_llama.cheapest_knobs), the
+# others one change each.
+MEGA_VARIANTS = {"tinylm-mega": {}, "tinylm-mega-new": "NEW_PLAN", "tinylm-mega-auto": "AUTO",
                  "tinylm-mega-ring": {"attn": "ring", "attn_share": 0.5},
                  "tinylm-mega-fine": {"deps": "fine"}, "tinylm-mega-fine-fit": {"deps": "fine", "down": "fit"},
                  "tinylm-mega-gu16": {"gate_up_rows": 16},
@@ -182,14 +184,18 @@ def _cannot_run(name, model):
     return None
 
 
-def mega_knobs(name: str):
+def mega_knobs(name: str, args=None, batch: int = 1, keys: int = 256):
     """config's MEGAKERNEL_* knobs set to impl ``name``'s (MEGA_VARIANTS) for the block, then
-    restored; nothing for any other impl."""
-    from cupyattn import config
-    from cupyattn.megakernel_llama import NEW_PLAN, MegaKnobs
+    restored; nothing for any other impl. "auto" chooses for ``args`` (the model's ModelArgs),
+    ``batch`` and ``keys`` on this device's blocks."""
+    from cupyattn import config, device
+    from cupyattn.megakernel_llama import NEW_PLAN, MegaKnobs, cheapest_knobs
 
     change = MEGA_VARIANTS.get(name, {})
-    knobs = NEW_PLAN if change == "NEW_PLAN" else MegaKnobs.from_config().with_(**change)
+    if change == "AUTO":
+        knobs = cheapest_knobs(args, batch, keys, config.MEGAKERNEL_BLOCKS or device.sm_count())[0]
+    else:
+        knobs = NEW_PLAN if change == "NEW_PLAN" else MegaKnobs.from_config().with_(**change)
     return config.override(**knobs.as_config())
 
 
@@ -292,7 +298,7 @@ def run_model_case(case, impls, opts, ceilings, log) -> list[dict]:
             model.set_megakernel(mega)
             gen = tinylm.Generator(model, tok, source, graphs=name != "tinylm-eager")
             rec["dtype"] = gen.dtype
-            with _pdl(name == "tinylm-fused-pdl"), mega_knobs(name):
+            with _pdl(name == "tinylm-fused-pdl"), mega_knobs(name, args, batch, p["prompt_len"] + n // 2):
                 ids = _run_tinylm(rec, gen, prompts, n, opts, ceilings, sampling)
                 if mega:
                     _mega_note(rec, gen)

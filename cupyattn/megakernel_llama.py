@@ -357,6 +357,36 @@ def instruction_counts(ops) -> dict:
     return out
 
 
+def cheapest_knobs(shape, batch: int, keys: int, blocks: int, itemsize: int = 2, base: MegaKnobs | None = None,
+                   most: int | None = None) -> tuple:
+    """(knobs, predicted step in us): of ``base``'s knobs (None: config's) with the plan's varied
+    (attn, attn_share 0 or 0.5, deps, down, gate_up_rows, fold_merge, sample; the spin stays
+    ``base``'s: the model's hand-off cost of a spin is one linear guess), the set whose plan the cost model
+    (persistent.estimate, its H100 estimate at ``base``'s spin) predicts fastest for a step of
+    ``batch`` sequences at ``keys`` keys on ``blocks`` blocks (``most``: the splits the partials
+    hold, config.MEGAKERNEL_MAX_SPLITS by default). A model fitted to one profiled step chooses
+    here: ``benchmarks model --impl tinylm-mega-auto`` times its choice beside the fixed plans."""
+    import itertools
+
+    from . import persistent
+
+    base = base or MegaKnobs.from_config()
+    most = most or config.MEGAKERNEL_MAX_SPLITS
+    machine = persistent.Machine().with_(handoff_us=handoff_us(base.spin_ns))
+    best = None
+    for attn, share, deps, down, rows, fold, sample in itertools.product(
+            _CHOICES["attn"], (0.0, 0.5), _CHOICES["deps"], _CHOICES["down"], (GATE_UP_ROWS, 2 * GATE_UP_ROWS),
+            (False, True), _CHOICES["sample"]):
+        k = base.with_(attn=attn, attn_share=share, deps=deps, down=down, gate_up_rows=rows, fold_merge=fold,
+                       sample=sample)
+        splits = step_splits(shape, batch, keys, blocks, most, k)
+        ops = llama_ops(shape, batch, splits, True, knobs=k, itemsize=itemsize, keys=keys, blocks=blocks)
+        us = persistent.plan(ops, blocks=blocks).cost(machine).step_us
+        if best is None or us < best[1]:
+            best = (k, us)
+    return best
+
+
 # --- binding a model and a decode state ------------------------------------------------------------------
 class LlamaDecoder:
     """The megakernel bound to a Llama model and one decode state, and the plans it uploaded.

@@ -11,9 +11,6 @@
     gemma3    Gemma 3 (text)                             neox RoPE, GeGLU, embed_scale, post_norms,
                                                          qk_norm, 5 local layers of 6 (local RoPE base)
     smollm3   SmolLM3                                    every 4th layer without RoPE (nope_layers)
-    granite   Granite 3.x (dense)                        llama's layout; embed_scale, attn_scale,
-                                                         residual_scale, logit_scale from its
-                                                         *_scale keys (llama.cpp's: absent or 0 = none)
     phi3      Phi-3 (mini, medium; 4k and 128k), 3.5,   neox RoPE; Q|K|V in one tensor (attn_qkv, when
               Phi-4-mini                                 the file has it) and gate|up in ffn_up, split
                                                          at load; no sliding window (as llama.cpp);
@@ -22,6 +19,9 @@
                                                          as llama.cpp; cos and sin times attn_factor);
                                                          Phi-4-mini: RoPE over 96 of 128 head dims
                                                          (rope_dims), tied embeddings
+    granite   Granite 3.x (dense)                        llama's layout; embed_scale, attn_scale,
+                                                         residual_scale, logit_scale from its
+                                                         *_scale keys (llama.cpp's: absent or 0 = none)
 
 Any family's file may turn RoPE over part of each head (``rope.dimension_count`` below the head
 dim): ModelArgs.rope_dims, whose tables have rope_dims / 2 pairs.

@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cupyattn.megakernel_llama import (NEW_PLAN, MegaKnobs, handoff_us, head_splits, instruction_counts, llama_ops,
-                                       llama_problem, step_splits)
+from cupyattn.megakernel_llama import (NEW_PLAN, MegaKnobs, cheapest_knobs, handoff_us, head_splits,
+                                       instruction_counts, llama_ops, llama_problem, step_splits)
 from cupyattn.persistent import WAIT_COUNT, Dep, Machine, plan, simulate
 from tinylm.config import PRESETS
 
@@ -176,6 +176,26 @@ def test_smollm2_plans_within_the_limits():
             assert new.max_device_wide_per_layer <= 2 and new.path_handoffs <= 5 * SMOL.n_layers + 4
             _, old = _cost(MegaKnobs(), batch, keys)
             assert new.step_us <= 0.5 * old.step_us, (batch, keys, new.step_us, old.step_us)
+
+
+def test_cheapest_knobs_beat_every_fixed_plan_under_the_model():
+    """The "auto" plan (benchmarks' tinylm-mega-auto): the cost model's cheapest knob set for the
+    tiny preset's shapes on 16 blocks at batch 2 and 200 keys is predicted no slower than today's
+    plan, -ring and NEW_PLAN's choices at today's spin, faster than today's, its prediction is
+    its own plan's, and the search is deterministic; the spin is never varied."""
+    tiny, blocks, keys = PRESETS["tiny"], 16, 200
+
+    def cost(knobs):
+        splits = step_splits(tiny, 2, keys, blocks, 32, knobs)
+        p = plan(llama_ops(tiny, 2, splits, True, knobs=knobs, keys=keys, blocks=blocks), blocks)
+        return p.cost(Machine().with_(handoff_us=handoff_us(knobs.spin_ns))).step_us
+
+    knobs, us = cheapest_knobs(tiny, 2, keys, blocks)
+    assert cost(knobs) == pytest.approx(us) and knobs.spin_ns == MegaKnobs().spin_ns
+    for fixed in (MegaKnobs(), MegaKnobs().with_(attn="ring", attn_share=0.5),
+                  NEW_PLAN.with_(spin_ns=MegaKnobs().spin_ns)):
+        assert us <= cost(fixed) + 1e-9, fixed
+    assert us < cost(MegaKnobs()) and cheapest_knobs(tiny, 2, keys, blocks) == (knobs, us)
 
 
 def test_the_model_code_lives_in_cupyattn():
