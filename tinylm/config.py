@@ -6,6 +6,7 @@ need no file.
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass, replace
@@ -34,6 +35,14 @@ TINYLM_FUSED_DECODE = True
 # a GPU run shows it faster (H100, 2026-11-27: correct, slower than the fused step, 484 against 872
 # tokens/s). TINYLM_MEGAKERNEL=1 in the environment turns it on.
 TINYLM_MEGAKERNEL = os.environ.get("TINYLM_MEGAKERNEL", "") == "1"
+
+
+@functools.lru_cache(maxsize=64)
+def _partial_divisors(base: float, factors: tuple, r: int, d: int) -> tuple:
+    """ModelArgs.rope's head_dim / 2 divisors for RoPE over the first ``r`` of ``d`` dims (its
+    docstring), made once per (base, factors, r, d): every layer of every step asks for them."""
+    turned = tuple(float(f) * base ** (2 * i / r - 2 * i / d) for i, f in enumerate(factors or (1.0,) * (r // 2)))
+    return turned + NOPE_FACTORS * ((d - r) // 2)
 
 
 @dataclass
@@ -208,11 +217,7 @@ class ModelArgs:
         else:
             base, factors = self.rope_base, self.active_rope_factors
         r, d = self.rotary_dims, self.head_dim
-        if r == d:
-            return base, factors
-        turned = tuple(float(f) * float(base) ** (2 * i / r - 2 * i / d)
-                       for i, f in enumerate(factors or (1.0,) * (r // 2)))
-        return base, turned + NOPE_FACTORS * ((d - r) // 2)
+        return base, factors if r == d else _partial_divisors(float(base), factors, r, d)
 
     @property
     def rope_divisors(self) -> tuple:
