@@ -40,10 +40,10 @@ OURS = {"softmax": ("ours",),
 OPT_IN = {"decode": ("split-kv-waves", "paged-staged-16", "paged-staged-1", "paged-staged-256", "paged-hnd-16",
                      "paged-hnd-1", "paged-hnd-256", "paged-hnd-waves-16"),
           # the megakernel's plan knobs one at a time, all together and as the cost model chooses
-          # (model_bench.MEGA_VARIANTS), and
-          # sampled twins of the fused step, today's plan and the new one (model_bench.SAMPLED)
-          "model": ("tinylm-mega-new", "tinylm-mega-auto", "tinylm-mega-ring", "tinylm-mega-fine", "tinylm-mega-fine-fit",
-                    "tinylm-mega-gu16", "tinylm-mega-spin64", "tinylm-mega-spin0", "tinylm-mega-sample2",
+          # (model_bench.MEGA_VARIANTS), and sampled twins of the fused step, today's plan and the
+          # new one (model_bench.SAMPLED)
+          "model": ("tinylm-mega-new", "tinylm-mega-auto", "tinylm-mega-ring", "tinylm-mega-fine",
+                    "tinylm-mega-fine-fit", "tinylm-mega-gu16", "tinylm-mega-spin64", "tinylm-mega-spin0", "tinylm-mega-sample2",
                     "tinylm-fused-topp", "tinylm-mega-topp", "tinylm-mega-new-topp")}
 
 

@@ -143,7 +143,7 @@ def build_hf_family(args, weights, dtype: str = "float16", device: str = "cuda")
     with torch.no_grad():
         m = model.model
         put(m.embed_tokens.weight, weights.tok_embd)
-        put(m.norm.weight, np.asarray(weights.output_norm, dtype=np.float32) * logit, norm=True)
+        put(m.norm.weight, weights.output_norm if logit == 1.0 else weights.output_norm * np.float32(logit), norm=True)
         if not cfg.tie_word_embeddings:
             put(model.lm_head.weight, weights.output)
         for layer, lw in zip(m.layers, weights.layers):
@@ -165,7 +165,7 @@ def build_hf_family(args, weights, dtype: str = "float16", device: str = "cuda")
                 put(at.v_proj.weight, lw.wv)
                 put(mlp.gate_proj.weight, lw.w_gate)
                 put(mlp.up_proj.weight, lw.w_up)
-            put(at.o_proj.weight, np.asarray(lw.wo, dtype=np.float32) / res)
+            put(at.o_proj.weight, lw.wo if res == 1.0 else lw.wo / np.float32(res))
             if lw.bq is not None:
                 put(at.q_proj.bias, lw.bq, perm_q)
                 put(at.k_proj.bias, lw.bk, perm_k)
@@ -173,7 +173,7 @@ def build_hf_family(args, weights, dtype: str = "float16", device: str = "cuda")
             if lw.q_norm is not None:
                 put(at.q_norm.weight, lw.q_norm, norm=True)
                 put(at.k_norm.weight, lw.k_norm, norm=True)
-            put(mlp.down_proj.weight, np.asarray(lw.w_down, dtype=np.float32) / res)
+            put(mlp.down_proj.weight, lw.w_down if res == 1.0 else lw.w_down / np.float32(res))
         if args.rope_factors and args.arch != "gemma3":  # Llama 3's divisors, straight into inv_freq
             rot = m.rotary_emb
             r = args.rotary_dims

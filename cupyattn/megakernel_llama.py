@@ -357,6 +357,20 @@ def instruction_counts(ops) -> dict:
     return out
 
 
+def plan_cost(shape, batch: int, keys: int, blocks: int, knobs: MegaKnobs, itemsize: int = 2,
+              most: int | None = None):
+    """(persistent.Plan, its PlanCost) of a step of ``batch`` sequences at ``keys`` keys on
+    ``blocks`` blocks with ``knobs`` (its splits as :func:`step_splits` chooses them, at most
+    ``most``: config.MEGAKERNEL_MAX_SPLITS by default), costed on the H100 estimate at the
+    knobs' spin."""
+    from . import persistent
+
+    splits = step_splits(shape, batch, keys, blocks, most or config.MEGAKERNEL_MAX_SPLITS, knobs)
+    p = persistent.plan(llama_ops(shape, batch, splits, True, knobs=knobs, itemsize=itemsize, keys=keys,
+                                  blocks=blocks), blocks=blocks)
+    return p, p.cost(persistent.Machine().with_(handoff_us=handoff_us(knobs.spin_ns)))
+
+
 def cheapest_knobs(shape, batch: int, keys: int, blocks: int, itemsize: int = 2, base: MegaKnobs | None = None,
                    most: int | None = None) -> tuple:
     """(knobs, predicted step in us): of ``base``'s knobs (None: config's) with the plan's varied
@@ -368,20 +382,14 @@ def cheapest_knobs(shape, batch: int, keys: int, blocks: int, itemsize: int = 2,
     here: ``benchmarks model --impl tinylm-mega-auto`` times its choice beside the fixed plans."""
     import itertools
 
-    from . import persistent
-
     base = base or MegaKnobs.from_config()
-    most = most or config.MEGAKERNEL_MAX_SPLITS
-    machine = persistent.Machine().with_(handoff_us=handoff_us(base.spin_ns))
     best = None
     for attn, share, deps, down, rows, fold, sample in itertools.product(
             _CHOICES["attn"], (0.0, 0.5), _CHOICES["deps"], _CHOICES["down"], (GATE_UP_ROWS, 2 * GATE_UP_ROWS),
             (False, True), _CHOICES["sample"]):
         k = base.with_(attn=attn, attn_share=share, deps=deps, down=down, gate_up_rows=rows, fold_merge=fold,
                        sample=sample)
-        splits = step_splits(shape, batch, keys, blocks, most, k)
-        ops = llama_ops(shape, batch, splits, True, knobs=k, itemsize=itemsize, keys=keys, blocks=blocks)
-        us = persistent.plan(ops, blocks=blocks).cost(machine).step_us
+        us = plan_cost(shape, batch, keys, blocks, k, itemsize, most)[1].step_us
         if best is None or us < best[1]:
             best = (k, us)
     return best

@@ -13,18 +13,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cupyattn.megakernel_llama import (NEW_PLAN, MegaKnobs, cheapest_knobs, handoff_us, head_splits,
-                                       instruction_counts, llama_ops, llama_problem, step_splits)
-from cupyattn.persistent import WAIT_COUNT, Dep, Machine, plan, simulate
+from cupyattn.megakernel_llama import (NEW_PLAN, MegaKnobs, cheapest_knobs, head_splits, instruction_counts,
+                                       llama_ops, llama_problem, plan_cost, step_splits)
+from cupyattn.persistent import WAIT_COUNT, Dep, plan, simulate
 from tinylm.config import PRESETS
 
 SMOL = PRESETS["smollm2-135m-shape"]
 
 
 def _cost(knobs, batch, keys, blocks=132):
-    splits = step_splits(SMOL, batch, keys, blocks, 32, knobs)
-    p = plan(llama_ops(SMOL, batch, splits, True, knobs=knobs, keys=keys, blocks=blocks), blocks)
-    return p, p.cost(Machine().with_(handoff_us=handoff_us(knobs.spin_ns)))
+    return plan_cost(SMOL, batch, keys, blocks, knobs, most=32)
 
 
 def test_knobs_are_checked_by_name():
@@ -186,9 +184,7 @@ def test_cheapest_knobs_beat_every_fixed_plan_under_the_model():
     tiny, blocks, keys = PRESETS["tiny"], 16, 200
 
     def cost(knobs):
-        splits = step_splits(tiny, 2, keys, blocks, 32, knobs)
-        p = plan(llama_ops(tiny, 2, splits, True, knobs=knobs, keys=keys, blocks=blocks), blocks)
-        return p.cost(Machine().with_(handoff_us=handoff_us(knobs.spin_ns))).step_us
+        return plan_cost(tiny, 2, keys, blocks, knobs, most=32)[1].step_us
 
     knobs, us = cheapest_knobs(tiny, 2, keys, blocks)
     assert cost(knobs) == pytest.approx(us) and knobs.spin_ns == MegaKnobs().spin_ns
