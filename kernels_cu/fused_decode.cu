@@ -107,8 +107,7 @@ __global__ void __launch_bounds__(S_WARPS * 32, 1) norm_qkv_rope_append_kernel(
         float y0 = x0, y1 = x1;
         if (h < Hq + Hkv) {  // q and k turn by the position; v is copied
             float s, c;
-            const double inv_freq = rope_inv_freq(i, freq_scale);
-            rope_sincos(pos, freq_div ? inv_freq / (double)freq_div[i] : inv_freq, &s, &c);
+            rope_sincos(pos, rope_inv_freq(i, freq_scale, freq_div), &s, &c);
             rope_rotate(x0, x1, s, c, &y0, &y1);
         }
         dst[ia] = from_float<T>(y0);

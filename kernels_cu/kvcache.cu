@@ -150,8 +150,7 @@ __global__ void __launch_bounds__(KV_ROPE_APPEND_THREADS) qkv_rope_append_kernel
         }
         // q and k: rotated by position base + t
         float s, c, y0, y1;
-        const double inv_freq = rope_inv_freq(i, freq_scale);
-        rope_sincos(base + t, freq_div ? inv_freq / (double)freq_div[i] : inv_freq, &s, &c);
+        rope_sincos(base + t, rope_inv_freq(i, freq_scale, freq_div), &s, &c);
         rope_rotate(to_float(src[ia]), to_float(src[ib]), s, c, &y0, &y1);
         dst[ia] = from_float<T>(y0);
         dst[ib] = from_float<T>(y1);

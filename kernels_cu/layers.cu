@@ -159,8 +159,7 @@ __global__ void __launch_bounds__(LAYERS_THREADS) rope_kernel(
     long long ysb, long long ysh, long long yst, double freq_scale) {
     const long long row_step = (long long)gridDim.x * blockDim.y;
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
-        double inv_freq = rope_inv_freq(i, freq_scale);  // base^(-2i/rotary_dim)
-        if (freq_div) inv_freq /= (double)freq_div[i];
+        const double inv_freq = rope_inv_freq(i, freq_scale, freq_div);  // base^(-2i/rotary_dim) / freq_div[i]
         int ia, ib;                                             // the pair's two elements
         rope_pair<NEOX>(i, half, &ia, &ib);
         for (long long r = (long long)blockIdx.x * blockDim.y + threadIdx.y; r < rows; r += row_step) {

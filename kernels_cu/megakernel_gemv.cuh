@@ -491,9 +491,7 @@ __device__ __forceinline__ void gemv_epilogue_qkv(const MkModel& m, const MkStat
         float y0 = x0, y1 = x1;
         if (h < Hq + Hkv) {  // q and k turn by the position; v is copied
             float s, c;
-            const double inv_freq = rope_inv_freq(i, m.freq_scale);  // / the layer's divisor (fused_decode.cu)
-            rope_sincos(pos, m.rope_div ? inv_freq / (double)m.rope_div[(size_t)ins.layer * half + i] : inv_freq, &s,
-                        &c);
+            rope_sincos(pos, rope_inv_freq(i, m.freq_scale, m.rope_div, (size_t)ins.layer * half), &s, &c);
             rope_rotate(x0, x1, s, c, &y0, &y1);
         }
         dst[ia] = from_float<T>(y0);

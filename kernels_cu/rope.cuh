@@ -1,8 +1,10 @@
-// rope.cuh: the rotary-embedding angle, pairs and rotation, shared by rope_kernel (layers.cu) and the fused
-// qkv_rope_append_kernel (kvcache.cu), so both rotate by exactly the same sin/cos.
+// rope.cuh: the rotary-embedding angle, pairs and rotation, shared by rope_kernel (layers.cu), the fused
+// qkv_rope_append_kernel (kvcache.cu), the fused decode step (fused_decode.cu) and the megakernel's QKV
+// epilogue (megakernel_gemv.cuh), so all of them rotate by exactly the same sin/cos.
 //
-// Pair i (0 <= i < half = D/2) at position pos turns by pos * base^(-i/half). freq_scale is
-// -log2(base) / half (from the host), so inv_freq = exp2(i * freq_scale).
+// Pair i (0 <= i < half = D/2) at position pos turns by pos * base^(-i/half) / div[i] (div: per-pair
+// frequency divisors, as Llama 3's rope_freqs, or null for none). freq_scale is -log2(base) / half
+// (from the host), so inv_freq = exp2(i * freq_scale).
 //
 // Precision: an all-float32 angle (powf inv_freq ~1 ulp off, product rounded to a float near
 // 32767 whose ulp is 2^-9) is off by up to ~2e-3 rad at pos 32767, i.e. ~2e-4 relative output
@@ -20,6 +22,13 @@
 // base^(-i/half) for pair i, in double (formed once per pair and reused over rows where possible).
 __device__ __forceinline__ double rope_inv_freq(int i, double freq_scale) {
     return exp2((double)i * freq_scale);
+}
+
+// The same divided by div[row + i], the pair's frequency divisor, where a table is given (div null: none;
+// row: where the table's row starts, as the megakernel's one row per layer).
+__device__ __forceinline__ double rope_inv_freq(int i, double freq_scale, const float* div, size_t row = 0) {
+    const double inv_freq = rope_inv_freq(i, freq_scale);
+    return div ? inv_freq / (double)div[row + i] : inv_freq;
 }
 
 // sin and cos of pos * inv_freq: angle in double, reduced mod 2pi (a - k*2pi, k = rint(a / 2pi)),

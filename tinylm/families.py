@@ -90,7 +90,7 @@ LONGROPE = ("rope_factors_short.weight", "rope_factors_long.weight")  # Phi-3's 
 
 
 def supported() -> str:
-    """'llama, mistral, qwen2, qwen3, gemma2, gemma3, smollm3, phi3' (for messages)."""
+    """'llama, mistral, qwen2, qwen3, gemma2, gemma3, smollm3, phi3, granite' (for messages)."""
     return ", ".join(FAMILIES)
 
 

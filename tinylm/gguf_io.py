@@ -19,12 +19,12 @@ ffn_gate is the NumPy/PyTorch ``[1536, 576]`` matrix: reversing the dims already
 stored: llama.cpp's converter laid them out for RoPE on adjacent pairs, so
 ``ModelArgs.rope_style = "adjacent"``.
 
-The families (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, SmolLM3, Phi-3) and what each reads
-from the metadata are in ``tinylm.families``; a family's fused tensors (Phi-3's Q|K|V and gate|up)
-are split into their fields' rows at load. A file that needs something tinylm does not implement
-is refused with one line naming it, never run wrong: another architecture, RoPE scaling other
-than linear, Llama 3's ``rope_freqs`` or Phi-3's LongRoPE tables, mixture-of-experts, biases other
-than Q/K/V, or any tensor the forward pass would not read.
+The families (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, SmolLM3, Phi-3, Granite) and what
+each reads from the metadata are in ``tinylm.families``; a family's fused tensors (Phi-3's Q|K|V
+and gate|up) are split into their fields' rows at load. A file that needs something tinylm does
+not implement is refused with one line naming it, never run wrong: another architecture, RoPE
+scaling other than linear, YaRN, Llama 3's ``rope_freqs`` or Phi-3's LongRoPE tables,
+mixture-of-experts, biases other than Q/K/V, or any tensor the forward pass would not read.
 """
 from __future__ import annotations
 
